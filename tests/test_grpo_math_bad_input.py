@@ -48,13 +48,6 @@ def test_missing_model_path_relative(make_args, no_model, tmp_path, monkeypatch)
     assert "make assets" in message
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=(OSError, ValueError, AssertionError),
-    reason="BUG: a missing relative folder without a leading './' or 'assets/' (e.g. 'models/smol') is taken for a "
-    "hub id; AutoTokenizer.from_pretrained then raises a multi-line OSError instead of a one-line error naming "
-    "--model_name_or_path",
-)
 def test_missing_model_path_that_looks_like_a_hub_id(make_args, no_model, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert_one_line_error(make_args(model_name_or_path="models/smol"), "--model_name_or_path")
@@ -173,13 +166,6 @@ def test_resume_of_a_folder_that_is_not_a_run(make_args, no_model, tmp_path):
     assert_one_line_error(make_args(resume=str(tmp_path / "missing")), "--resume")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="BUG: a run folder with config.json but no finished checkpoint (killed before its first save) passes "
-    "check_args; '--resume ... has no finished checkpoint' is raised only in step 7, after the policy, the "
-    "reference and the vLLM engine are loaded",
-)
 def test_resume_of_a_run_without_checkpoint(make_args, no_model, tmp_path):
     run_dir = tmp_path / "killed_early"
     run_dir.mkdir()

@@ -418,21 +418,15 @@ def test_compute_rewards_with_and_without_format_reward():
     assert torch.equal(rewards0, correct0)
 
 
-EXTRACT_BUG = (
-    "BUG in grpo_math.extract_answer: after 'Answer:' it keeps the first number matched by -?\\d[\\d,]*(\\.\\d+)?, "
-    "so '1/2' and '\\frac{1}{2}' become '1' and '.5' becomes '5' (scored right against a gold 5)"
-)
-
-
 @pytest.mark.parametrize(
     "completion,gold,expected",
     [
         ("Answer: 12", "12", 1.0),
         ("Answer: 0.5", "1/2", 1.0),
-        pytest.param("Answer: 1/2", "1/2", 1.0, marks=pytest.mark.xfail(strict=True, reason=EXTRACT_BUG)),
-        pytest.param("Answer: \\frac{1}{2}", "1/2", 1.0, marks=pytest.mark.xfail(strict=True, reason=EXTRACT_BUG)),
-        pytest.param("Answer: .5", "0.5", 1.0, marks=pytest.mark.xfail(strict=True, reason=EXTRACT_BUG)),
-        pytest.param("Answer: .5", "5", 0.0, marks=pytest.mark.xfail(strict=True, reason=EXTRACT_BUG)),
+        ("Answer: 1/2", "1/2", 1.0),
+        ("Answer: \\frac{1}{2}", "1/2", 1.0),
+        ("Answer: .5", "0.5", 1.0),
+        ("Answer: .5", "5", 0.0),
     ],
 )
 def test_compute_rewards_non_integer_answers(completion, gold, expected):

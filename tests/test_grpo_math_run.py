@@ -168,11 +168,6 @@ def test_resume_after_interrupt_gives_the_uninterrupted_run(make_args, monkeypat
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: --resume truncates metrics.jsonl to the checkpoint's step but appends to samples.jsonl as it is, "
-    "so the evaluation samples of steps run after the last checkpoint (lost by the interrupt) appear twice",
-)
 def test_resume_does_not_duplicate_samples(make_args, monkeypatch, tmp_path):
     overrides = dict(total_steps=4, save_every=2, eval_every=1, learning_rate=3e-3, temperature=0.5)
     training_calls = []
@@ -224,12 +219,6 @@ def test_non_finite_reward_stops_the_run_keeping_what_was_written(make_args, mon
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a NaN reward is reported as 'non-finite loss/policy': the loss check inside the update fires "
-    "before the reward check (objective/scores), which runs only after the update; the spec asks for the "
-    "offending metric. Fix: check torch.isfinite(rewards) right after compute_rewards",
-)
 def test_non_finite_reward_is_named_as_the_reward(make_args, monkeypatch):
     assert "objective/scores" in run_with_nan_reward_at_step_2(make_args, monkeypatch)
 
@@ -337,12 +326,6 @@ def test_policy_state_dict_merges_lora(tiny_model_dir):
     assert grpo_math.policy_state_dict(plain).keys() == names
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG in grpo_math.policy_state_dict: merge_adapter() + unmerge_adapter() computes W + BA - BA in place, "
-    "so every call (every step with vLLM + LoRA) rounds the frozen base weights; in bfloat16 the drift grows to "
-    "~2% rms after 100 calls, and the LoRA reference (adapters disabled) drifts with it",
-)
 def test_policy_state_dict_leaves_lora_base_weights_untouched(tiny_model_dir):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -387,12 +370,6 @@ def test_hf_generate_stops_at_eos(eos_model):
     assert mask.sum(1).tolist() == [1.0] * 4
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG in grpo_math.hf_generate: with stop_at_eos=False it passes eos_token_id=None, which generate() fills "
-    "from the model's generation_config (eos 2), so HF generate still stops at EOS and --no-stop_at_eos has no "
-    "effect there (vLLM gets ignore_eos=True). Fix: eos_token_id=eos_token_id if stop_at_eos else []",
-)
 def test_hf_generate_no_stop_at_eos_generates_the_full_length(eos_model):
     responses, lengths = grpo_math.hf_generate(eos_model, EOS_PROMPTS, 2, 6, 0.0, 1.0, False, 2, 2)
     assert lengths.tolist() == [6, 6, 6, 6]
@@ -456,7 +433,9 @@ def test_vllm_run(tiny_model_dir, task_dir, tmp_path):
     lines = train_lines(read_metrics(run_dir))
     assert [line["global_step"] for line in lines] == [1, 2]
     for line in lines:
-        assert math.isfinite(line["objective/logprob_gap"]) and 0 <= line["objective/logprob_gap"] < 0.5
+        # The engine runs in the trainer's dtype (fp32 here) and gets the new weights after every update, so its
+        # log-probs match the trainer's on step 2 as on step 1 (a bf16 engine drifted to a mean gap of 0.3-0.5).
+        assert math.isfinite(line["objective/logprob_gap"]) and 0 <= line["objective/logprob_gap"] < 1e-3
         assert math.isfinite(line["objective/tis_weight"]) and 0.5 < line["objective/tis_weight"] <= 2.0
         assert 1 / 3 < line["objective/logprob_ratio_max"] < 3
         assert "time/weight_sync" in line
