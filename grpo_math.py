@@ -70,7 +70,7 @@ class Args:
     """save a checkpoint every N steps (0: only at the end)"""
     keep_checkpoints: int = 2
     """how many of the latest checkpoints to keep"""
-    eval_every: int = 0
+    eval_every: int = 20
     """evaluate on the held-out sets every N steps (0: only before and after training)"""
     num_samples_logged: int = 8
     """how many evaluation completions go to the sample table"""
@@ -151,7 +151,7 @@ class Args:
     """once, at the first step, also generate the same batch with HF generate and log both backends' tokens/s"""
 
     # GRPO
-    total_steps: int = 40
+    total_steps: int = 80
     """number of rollout + update steps"""
     prompts_per_rank: int = 2
     """prompts sampled per step by each process"""
@@ -163,7 +163,7 @@ class Args:
     """optimizer steps per pass over a batch"""
     num_iterations: int = 1
     """passes over each batch (mu in the paper); with 1 pass and 1 minibatch the ratio is exactly 1"""
-    learning_rate: float = 2e-5
+    learning_rate: float = 1e-5
     """AdamW learning rate"""
     lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
     """learning-rate schedule after warmup"""
@@ -205,19 +205,9 @@ class Args:
 
 # Arguments that may change between an interrupted run and its --resume: they do not change what is computed.
 RESUMABLE_ARGS = (
-    "resume",
-    "total_steps",
-    "track",
-    "wandb_project_name",
-    "wandb_entity",
-    "wandb_tags",
-    "save_every",
-    "keep_checkpoints",
-    "eval_every",
-    "num_samples_logged",
-    "benchmark_generation",
-    "run_name",
-)
+    "resume total_steps track wandb_project_name wandb_entity wandb_tags save_every keep_checkpoints eval_every "
+    "num_samples_logged benchmark_generation run_name"
+).split()
 
 
 def masked_mean(values, mask, dim=None):
@@ -1017,7 +1007,7 @@ def main(args: Args):
         # 6. Policy update: num_iterations passes, each split into minibatches (one optimizer step each), each
         # into micro-batches (gradient accumulation). The first pass keeps the rollout order.
         model.train()
-        stats = collections.defaultdict(list)  # per micro-batch (or minibatch) values, averaged for the log
+        stats = collections.defaultdict(list)  # metric name -> per micro-batch (or minibatch) values, averaged
         order_rng = torch.Generator().manual_seed(args.seed * 7919 + step)
         for iteration in range(args.num_iterations):
             order = (
@@ -1049,11 +1039,11 @@ def main(args: Args):
                             # Truncated importance sampling: the batch came from vLLM's pi, not the trainer's.
                             tis = torch.clamp(torch.exp(old - sampler_logprobs[idx]), max=args.tis_cap)
                             token_loss = token_loss * tis
-                            stats["tis"].append(masked_mean(tis, m).item())
+                            stats["objective/tis_weight"].append(masked_mean(tis, m).item())
                         if args.beta > 0:
                             kl = kl_estimate(logprobs, ref_logprobs[idx], args.kl_estimator)
                             token_loss = token_loss + args.beta * kl
-                            stats["kl"].append(masked_mean(kl.detach(), m).item())
+                            stats["objective/kl"].append(masked_mean(kl.detach(), m).item())
                         loss = aggregate_loss(
                             token_loss, m, args.loss_type, mb_tokens, len(minibatch), args.response_length
                         )
@@ -1065,45 +1055,36 @@ def main(args: Args):
                         accelerator.backward(loss)
                     with torch.no_grad():
                         adv = advantages[idx].unsqueeze(1)
-                        stats["ratio"].append(masked_mean(ratio, m).item())
-                        stats["clip_low"].append(
+                        stats["policy/ratio"].append(masked_mean(ratio, m).item())
+                        stats["policy/clipfrac_low"].append(
                             masked_mean(((ratio < 1 - args.clip_eps_low) & (adv < 0)).float(), m).item()
                         )
-                        stats["clip_high"].append(
+                        stats["policy/clipfrac_high"].append(
                             masked_mean(((ratio > 1 + args.clip_eps_high) & (adv > 0)).float(), m).item()
                         )
-                        stats["approxkl"].append(masked_mean(0.5 * (logprobs - old) ** 2, m).item())
+                        stats["policy/approxkl"].append(masked_mean(0.5 * (logprobs - old) ** 2, m).item())
                         minibatch_loss += loss.item()
                         if iteration == 0 and start == 0:
-                            stats["entropy"].append(masked_mean(entropy_from_logits(logits), m).item())
+                            stats["objective/entropy"].append(masked_mean(entropy_from_logits(logits), m).item())
                         if iteration == 0 and sampler_logprobs is not None:
                             log_gap = old - sampler_logprobs[idx]  # log(pi_train / pi_sampler) per token
-                            stats["gap"].append(masked_mean(log_gap.abs(), m).item())
+                            stats["objective/logprob_gap"].append(masked_mean(log_gap.abs(), m).item())
                             stats["gap_max"].append(torch.exp(log_gap)[m > 0].max().item())
                     del logits
-                stats["loss"].append(minibatch_loss)
-                stats["grad_norm"].append(accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm).item())
+                stats["loss/policy"].append(minibatch_loss)
+                stats["policy/grad_norm"].append(
+                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
+                )
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
                 if iteration == 0 and start == 0:
-                    metrics["policy/ratio_first_minibatch"] = float(np.mean(stats["ratio"]))
-                    metrics["policy/approxkl_first_minibatch"] = float(np.mean(stats["approxkl"]))
+                    metrics["policy/ratio_first_minibatch"] = float(np.mean(stats["policy/ratio"]))
+                    metrics["policy/approxkl_first_minibatch"] = float(np.mean(stats["policy/approxkl"]))
         metrics["time/training"] = time.time() - t0
-        metrics["policy/ratio"] = float(np.mean(stats["ratio"]))
-        metrics["policy/clipfrac_low"] = float(np.mean(stats["clip_low"]))
-        metrics["policy/clipfrac_high"] = float(np.mean(stats["clip_high"]))
-        metrics["policy/approxkl"] = float(np.mean(stats["approxkl"]))
-        metrics["policy/grad_norm"] = float(np.mean(stats["grad_norm"]))
-        metrics["loss/policy"] = float(np.mean(stats["loss"]))
-        metrics["objective/entropy"] = float(np.mean(stats["entropy"]))
+        gap_max = max(stats.pop("gap_max", [0.0]))
+        metrics.update({name: float(np.mean(values)) for name, values in stats.items()})
         metrics["lr"] = scheduler.get_last_lr()[0]
-        if stats["kl"]:
-            metrics["objective/kl"] = float(np.mean(stats["kl"]))
-        if stats["gap"]:
-            metrics["objective/logprob_gap"] = float(np.mean(stats["gap"]))
-        if stats["tis"]:
-            metrics["objective/tis_weight"] = float(np.mean(stats["tis"]))
         train_tokens = int(attention_mask.sum()) * args.num_iterations
         metrics["perf/train_tokens_per_second"] = train_tokens / metrics["time/training"]
 
@@ -1115,9 +1096,8 @@ def main(args: Args):
         metrics["time/weight_sync"] = time.time() - t0
 
         # 8. Logging (averaged over processes), evaluation and checkpoint.
-        gap_max = stats["gap_max"] and max(stats["gap_max"])
         metrics = reduce_metrics(accelerator, metrics)
-        if gap_max:
+        if sampler_logprobs is not None:
             metrics["objective/logprob_ratio_max"] = reduce_metrics(accelerator, {"m": gap_max}, "max")["m"]
         episode += args.batch_size * world_size
         metrics["perf/episodes_per_second"] = args.batch_size * world_size / (time.time() - t_step)

@@ -54,6 +54,22 @@ TASKS = {
             },
         ),
     ],
+    "arith_1d_nat": [
+        ("chain_sum", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}),
+        (
+            "basic_arithmetic",
+            {
+                "min_terms": 2,
+                "max_terms": 2,
+                "min_digits": 1,
+                "max_digits": 1,
+                "operators": ("+", "-"),
+                "allow_parentheses": False,
+                "allow_negation": False,
+                "format_style": "natural",
+            },
+        ),
+    ],
     "chain_sum": [("chain_sum", {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1})],
     "chain_sum_2t1d": [("chain_sum", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1})],
     "chain_sum_2t2d": [("chain_sum", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2})],
