@@ -28,11 +28,17 @@ def module_functions(path):
     }
 
 
+# Every script has its own entry point and its own argument check: same name by convention, different by design.
+SCRIPT_OWN = ("main", "check_args")
+
+
 def helper_drift(paths):
     """Messages naming every helper whose copies differ, and the scripts that hold the differing copies."""
     copies = {}  # name -> {script: source}
     for path in paths:
         for name, source in module_functions(path).items():
+            if name in SCRIPT_OWN:
+                continue
             copies.setdefault(name, {})[os.path.basename(path)] = source
     problems = []
     for name, by_script in sorted(copies.items()):
@@ -140,3 +146,11 @@ def test_cross_import_checker(tmp_path):
     assert any(p.startswith("beta.py imports alpha") for p in problems)
     assert any(p.startswith("gamma.py imports beta") for p in problems)
     assert cross_imports([a]) == []
+
+
+def test_checker_skips_each_script_own_main_and_check_args(tmp_path):
+    a = write(tmp_path / "a.py", HELPER + "\ndef main(args):\n    return 1\n\ndef check_args(args):\n    pass\n")
+    b = write(tmp_path / "b.py", HELPER + "\ndef main(args):\n    return 2\n\ndef check_args(args):\n    return 0\n")
+    assert helper_drift([a, b]) == []
+    c = write(tmp_path / "c.py", HELPER.replace("mask.sum()", "mask.sum(0)") + "\ndef main(args):\n    return 3\n")
+    assert len(helper_drift([a, c])) == 1
