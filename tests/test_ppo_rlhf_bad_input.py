@@ -1,0 +1,102 @@
+"""Bad input stops ppo_rlhf.main with one clear line naming the argument, before any model is loaded."""
+
+import json
+import os
+
+import pytest
+from conftest import write_task
+
+import ppo_rlhf
+
+
+class NoModelLoads:
+    """Stands in for the Auto* model classes: a check that comes after a model load fails the test."""
+
+    @staticmethod
+    def from_pretrained(*args, **kwargs):
+        raise AssertionError("model loaded")
+
+
+@pytest.fixture
+def args_for(tiny_model_dir, task_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(ppo_rlhf, "AutoModelForCausalLM", NoModelLoads)
+    monkeypatch.setattr(ppo_rlhf, "AutoModelForSequenceClassification", NoModelLoads)
+    reward_dir = tmp_path / "rm"
+    reward_dir.mkdir()
+    (reward_dir / "config.json").write_text(
+        json.dumps({"model_type": "llama", "architectures": ["LlamaForSequenceClassification"], "num_labels": 1})
+    )
+
+    def _make(**overrides):
+        values = dict(
+            model_name_or_path=tiny_model_dir,
+            reward_model_path=str(reward_dir),
+            dataset_path=task_dir,
+            output_dir=str(tmp_path / "runs"),
+            vllm=False,
+        )
+        return ppo_rlhf.Args(**{**values, **overrides})
+
+    return _make
+
+
+def assert_one_line_error(args, *names):
+    with pytest.raises(SystemExit) as exc:
+        ppo_rlhf.main(args)
+    message = exc.value.code
+    assert isinstance(message, str), f"exit code {message!r} instead of a message"
+    assert "\n" not in message.strip() and message.startswith("error: "), message
+    for name in names:
+        assert name in message, f"{name!r} not in {message!r}"
+    return message
+
+
+def test_missing_reward_model_says_how_to_make_it(args_for, tmp_path):
+    message = assert_one_line_error(args_for(reward_model_path=str(tmp_path / "nope")), "--reward_model_path")
+    assert "reward_modeling.py" in message
+
+
+def test_reward_model_with_two_labels(args_for, tmp_path):
+    folder = tmp_path / "two_labels"
+    folder.mkdir()
+    config = {"model_type": "llama", "architectures": ["LlamaForSequenceClassification"], "num_labels": 2}
+    (folder / "config.json").write_text(json.dumps(config))
+    assert_one_line_error(args_for(reward_model_path=str(folder)), "--reward_model_path", "2 labels")
+
+
+def test_causal_lm_given_as_reward_model(args_for, tiny_model_dir):
+    assert_one_line_error(args_for(reward_model_path=tiny_model_dir), "--reward_model_path", "LlamaForCausalLM")
+
+
+def test_value_model_is_checked_too(args_for, tiny_model_dir):
+    assert_one_line_error(args_for(value_model_path=tiny_model_dir), "--value_model_path")
+
+
+def test_dataset_without_the_prompt_column(args_for, tmp_path):
+    folder = write_task(tmp_path / "task")
+    assert_one_line_error(args_for(dataset_path=folder, question_column="prompt"), "--question_column", "question")
+
+
+@pytest.mark.parametrize(
+    "overrides, name",
+    [
+        (dict(prompts_per_rank=6, num_minibatches=4), "--num_minibatches"),
+        (dict(prompts_per_rank=8, num_minibatches=2, micro_batch_size=3), "--micro_batch_size"),
+        (dict(temperature=0.0), "--temperature"),
+        (dict(lam=1.5), "--lam"),
+        (dict(kl_coef=-0.1), "--kl_coef"),
+        (dict(tis_cap=0.0), "--tis_cap"),
+        (dict(prompt_template="no placeholder"), "--prompt_template"),
+        (dict(model_name_or_path="assets/no-such-model"), "--model_name_or_path"),
+    ],
+)
+def test_bad_numbers_and_paths(args_for, overrides, name):
+    assert_one_line_error(args_for(**overrides), name)
+
+
+def test_resume_of_a_folder_without_checkpoint(args_for, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text("{}")
+    assert_one_line_error(args_for(resume=str(run)), "--resume")
+    assert os.path.isdir(run)
