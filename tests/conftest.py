@@ -188,3 +188,22 @@ def subprocess_env():
     env["PYTHONUNBUFFERED"] = "1"
     env["PYTHONFAULTHANDLER"] = "1"  # a stack dump on SIGABRT, which the tests send to a hung subprocess
     return env
+
+
+@pytest.fixture(scope="session")
+def tiny_reward_model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny Llama as a one-label sequence classifier (a reward model as reward_modeling.py saves it): pad token
+    set, a seeded random score head, config.bias = 0.0, saved with the tokenizer."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model.score.weight.normal_(0, 1 / (model.config.hidden_size + 1) ** 0.5)
+    model.config.bias = 0.0
+    path = str(tmp_path_factory.mktemp("tiny-reward-model"))
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The published figures of grpo_math.py: 3 seeds of the default run (`python grpo_math.py`), then the learning
+# curves (mean ± std over seeds, by step and by wall-clock time) and the table of final metrics.
+#   bash benchmark/grpo_math.sh                     # one seed at a time (a 2-core CPU machine)
+#   bash benchmark/grpo_math.sh --workers 3 --track # extra arguments go to benchmark.run
+# Every command that runs a script is on its own line: tests/test_benchmark.py checks its flags against --help.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+python -m benchmark.run --script grpo_math.py --seeds 1 2 3 "$@"
+
+python -m benchmark.registry plot --experiments "grpo=runs/arith_1d__grpo__[123]__*" \
+    --metric eval/accuracy objective/accuracy objective/entropy objective/response_length --smooth 8 \
+    --out benchmark/results/grpo_math_step.png
+python -m benchmark.registry plot --experiments "grpo=runs/arith_1d__grpo__[123]__*" \
+    --metric eval/accuracy objective/accuracy --smooth 8 --x time --out benchmark/results/grpo_math_time.png
+python -m benchmark.registry table --experiments "grpo=runs/arith_1d__grpo__[123]__*" \
+    --metrics eval/accuracy eval_gsm8k/accuracy objective/scores --out benchmark/results/grpo_math.md

@@ -1,0 +1,432 @@
+"""Run registry: list runs, plot learning curves over seeds, tabulate final metrics (no wandb needed).
+
+Reads only runs/{run_name}/config.json ({"args": {...}, "git_sha": ..., ...}) and runs/{run_name}/metrics.jsonl
+(one JSON object per logged step, with global_step, episode, wall-clock `time` and namespaced metrics).
+
+    python -m benchmark.registry list [--runs_dir runs] [--filter arith_1d__grpo] [--metrics eval/accuracy]
+    python -m benchmark.registry plot --experiments "grpo=runs/arith_1d__grpo__*" "lr2e-5=runs/arith_1d__lr2e-5__*" \
+        --metric eval/accuracy objective/accuracy --x step --smooth 8 --out benchmark/results/grpo_math.png
+    python -m benchmark.registry table --experiments "grpo=runs/arith_1d__grpo__*" \
+        --metrics eval/accuracy objective/scores --out benchmark/results/grpo_math.md
+
+An experiment is LABEL=GLOB: the run folders the glob matches are its seeds. By default only the newest run of each
+seed is kept (the run name ends in its unix start time), so an interrupted or older run of the same seed does not
+count twice; --all_runs keeps every match. Curves are the mean over seeds with a shaded band of +- one standard
+deviation; by step, the seeds are read at the steps where they logged the metric; by wall-clock time, each seed is
+interpolated onto a common grid over the time span all seeds cover. Standard deviations are sample standard
+deviations (ddof=1) everywhere; a single seed has none.
+
+`time` in metrics.jsonl counts from the start of the process that logged the line, so a resumed run starts again
+near 0; wall_clock() adds the earlier segments back, making it monotonic.
+"""
+
+import argparse
+import fnmatch
+import glob
+import json
+import math
+import os
+import sys
+
+import numpy as np
+
+DDOF = 1  # sample standard deviation over seeds, in the plots and the tables
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reading runs
+
+
+def read_jsonl(path):
+    """The JSON objects of a JSONL file; blank lines and a last line cut short by a kill are skipped."""
+    lines = []
+    with open(path) as f:
+        for text in f:
+            if not text.strip():
+                continue
+            try:
+                lines.append(json.loads(text))
+            except json.JSONDecodeError:
+                continue
+    return lines
+
+
+def load_run(path):
+    """A run folder as a dict: path, name, args (from config.json), git_sha, seed, exp_name, stamp, lines."""
+    path = os.path.normpath(path)
+    name = os.path.basename(path)
+    config = {}
+    if os.path.isfile(os.path.join(path, "config.json")):
+        with open(os.path.join(path, "config.json")) as f:
+            config = json.load(f)
+    args = config.get("args", {})
+    metrics_path = os.path.join(path, "metrics.jsonl")
+    lines = read_jsonl(metrics_path) if os.path.isfile(metrics_path) else []
+    parts = name.split("__")  # {task}__{exp_name}__{seed}__{unix_time}
+    seed = args.get("seed")
+    if seed is None and len(parts) >= 4 and parts[-2].lstrip("-").isdigit():
+        seed = int(parts[-2])
+    stamp = int(parts[-1]) if len(parts) >= 2 and parts[-1].isdigit() else None
+    if stamp is None:
+        stamp = os.path.getmtime(metrics_path if os.path.isfile(metrics_path) else path)
+    return {
+        "path": path,
+        "name": name,
+        "args": args,
+        "git_sha": config.get("git_sha") or "",
+        "seed": seed,
+        "exp_name": args.get("exp_name", parts[1] if len(parts) >= 4 else ""),
+        "stamp": stamp,
+        "lines": lines,
+    }
+
+
+def is_run_dir(path):
+    """A folder with a metrics.jsonl, or a config.json written by a script (not, e.g., a saved model's config)."""
+    if os.path.isfile(os.path.join(path, "metrics.jsonl")):
+        return True
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            return "args" in json.load(f)
+    except (OSError, ValueError):
+        return False
+
+
+def find_runs(pattern, all_runs=False):
+    """The runs whose folders match a glob, sorted by seed then start time; without all_runs, the newest per seed."""
+    runs = [load_run(p) for p in sorted(glob.glob(pattern)) if is_run_dir(p)]
+    if not all_runs:
+        newest = {}
+        for run in runs:
+            key = run["seed"] if run["seed"] is not None else run["name"]
+            if key not in newest or run["stamp"] > newest[key]["stamp"]:
+                newest[key] = run
+        runs = list(newest.values())
+    return sorted(runs, key=lambda r: (r["seed"] is None, r["seed"] if r["seed"] is not None else 0, r["stamp"]))
+
+
+def parse_experiment(spec):
+    """'LABEL=GLOB' -> (label, glob); a bare glob is its own label."""
+    label, sep, pattern = spec.partition("=")
+    return (label, pattern) if sep and label else (spec, spec)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Values of one run
+
+
+def wall_clock(lines):
+    """The `time` of every line, made monotonic across resumes (a resumed process counts from 0 again); None where a
+    line has no time."""
+    out, offset, previous = [], 0.0, None
+    for line in lines:
+        t = line.get("time")
+        if t is None:
+            out.append(None)
+            continue
+        if previous is not None and t < previous:
+            offset += previous
+        previous = t
+        out.append(offset + t)
+    return out
+
+
+def metric_series(lines, metric, x="step", smooth=1):
+    """(xs, ys) of the lines that have the metric (non-null), x = global_step ("step") or wall-clock seconds
+    ("time"). smooth > 1: each value becomes the mean of the values logged in the last `smooth` steps (a trailing
+    window in steps, so a metric logged every 20 steps is left as it is by a window of 8)."""
+    if x not in ("step", "time"):
+        raise ValueError(f"x must be 'step' or 'time', not {x!r}")
+    times = wall_clock(lines)
+    steps, xs, ys = [], [], []
+    for line, t in zip(lines, times):
+        value, step = line.get(metric), line.get("global_step")
+        xv = step if x == "step" else t
+        if value is None or step is None or xv is None:
+            continue
+        steps.append(float(step))
+        xs.append(float(xv))
+        ys.append(float(value))
+    if smooth > 1:
+        ys = moving_average(ys, smooth, steps)
+    return xs, ys
+
+
+def final_value(lines, metric):
+    """The metric on the last line that has it, or None."""
+    for line in reversed(lines):
+        if line.get(metric) is not None:
+            return float(line[metric])
+    return None
+
+
+def initial_value(lines, metric):
+    """The metric on the step-0 line (the evaluation before training), or None when that line lacks it."""
+    for line in lines:
+        if line.get("global_step") == 0 and line.get(metric) is not None:
+            return float(line[metric])
+    return None
+
+
+def final_step(lines):
+    steps = [line["global_step"] for line in lines if "global_step" in line]
+    return max(steps) if steps else None
+
+
+def final_time(lines):
+    times = [t for t in wall_clock(lines) if t is not None]
+    return times[-1] if times else None
+
+
+def moving_average(values, window, steps=None):
+    """Trailing moving average: value i becomes the mean of the values whose step is in (steps[i] - window,
+    steps[i]]; steps default to 0, 1, 2, ... (a window of `window` points, fewer at the start)."""
+    if window <= 1:
+        return list(values)
+    steps = np.arange(len(values), dtype=np.float64) if steps is None else np.asarray(steps, dtype=np.float64)
+    cumsum = np.concatenate([[0.0], np.cumsum(np.asarray(values, dtype=np.float64))])
+    hi = np.arange(1, len(values) + 1)
+    lo = np.searchsorted(steps, steps - window, side="right")  # steps are in logging order, non-decreasing
+    return ((cumsum[hi] - cumsum[lo]) / (hi - lo)).tolist()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Over seeds
+
+
+def mean_std(values):
+    """(mean, sample std with ddof=DDOF or None for fewer than 2 values, n) of the values that are not None."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return None, None, 0
+    array = np.asarray(values, dtype=np.float64)
+    std = float(array.std(ddof=DDOF)) if len(values) > DDOF else None
+    return float(array.mean()), std, len(values)
+
+
+def aggregate(runs, metric, x="step", smooth=1, num_points=200):
+    """Mean and std over seeds of a metric against step or wall-clock time.
+
+    Returns (grid, mean, std, n_seeds) as numpy arrays (std is zeros for one seed), or None when no run has the
+    metric. Each run's series is smoothed first (trailing moving average over `smooth` steps). The grid spans what
+    every seed covers: by step, the steps any seed logged in that span; by time, num_points evenly spaced seconds.
+    Each seed is linearly interpolated onto the grid (exact where a seed logged at a grid step)."""
+    series = []
+    for run in runs:
+        xs, ys = metric_series(run["lines"], metric, x, smooth)
+        if xs:
+            order = np.argsort(xs, kind="stable")
+            series.append((np.asarray(xs)[order], np.asarray(ys)[order]))
+    if not series:
+        return None
+    lo, hi = max(s[0][0] for s in series), min(s[0][-1] for s in series)
+    if hi < lo:  # the seeds do not overlap: fall back to the span of the first
+        lo, hi = series[0][0][0], series[0][0][-1]
+        series = series[:1]
+    if x == "step":
+        grid = np.unique(np.concatenate([s[0] for s in series]))
+        grid = grid[(grid >= lo) & (grid <= hi)]
+    else:
+        grid = np.linspace(lo, hi, num_points) if hi > lo else np.asarray([lo])
+    values = np.stack([np.interp(grid, xs, ys) for xs, ys in series])
+    std = values.std(axis=0, ddof=DDOF) if len(series) > DDOF else np.zeros(len(grid))
+    return grid, values.mean(axis=0), std, len(series)
+
+
+def summarize(runs, metrics):
+    """{metric: {"final": (mean, std, n), "initial": (mean, std, n)}, "wall_clock": (mean, std, n), "seeds": n}."""
+    summary = {"seeds": len(runs), "wall_clock": mean_std([final_time(run["lines"]) for run in runs])}
+    for metric in metrics:
+        summary[metric] = {
+            "final": mean_std([final_value(run["lines"], metric) for run in runs]),
+            "initial": mean_std([initial_value(run["lines"], metric) for run in runs]),
+        }
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tables
+
+
+def format_mean_std(stats, digits=3):
+    """'0.712 ± 0.031' (or '0.712' for one seed, '–' for none)."""
+    mean, std, n = stats
+    if n == 0:
+        return "–"
+    return f"{mean:.{digits}f}" if std is None else f"{mean:.{digits}f} ± {std:.{digits}f}"
+
+
+def format_seconds(seconds):
+    return "–" if seconds is None else f"{seconds:.0f} s"
+
+
+def markdown_table(experiments, metrics, digits=3):
+    """A markdown table, one row per experiment ((label, runs) pairs): seeds, for each metric its step-0 value (when
+    any run has one) and its final value as mean ± std over seeds, and the mean wall-clock."""
+    summaries = [(label, summarize(runs, metrics)) for label, runs in experiments]
+    header = [f"experiment (mean ± std over seeds, ddof={DDOF})", "seeds"]
+    columns = []  # (metric, "initial" | "final")
+    for metric in metrics:
+        if any(s[metric]["initial"][2] for _, s in summaries):
+            columns.append((metric, "initial"))
+            header.append(f"{metric} step 0")
+        columns.append((metric, "final"))
+        header.append(f"{metric} final")
+    header.append("wall-clock (mean)")
+    rows = [header, ["---"] * len(header)]
+    for label, s in summaries:
+        row = [label, str(s["seeds"])]
+        row += [format_mean_std(s[metric][which], digits) for metric, which in columns]
+        row.append(format_seconds(s["wall_clock"][0]))
+        rows.append(row)
+    return "\n".join("| " + " | ".join(row) + " |" for row in rows) + "\n"
+
+
+def runs_table(runs, metrics, digits=3):
+    """The `list` table: one row per run with its name, exp_name, seed, short git sha, steps, wall-clock, and the
+    final value of each metric."""
+    header = ["run", "exp_name", "seed", "git sha", "steps", "wall-clock", *metrics]
+    rows = [header, ["---"] * len(header)]
+    for run in runs:
+        finals = [final_value(run["lines"], m) for m in metrics]
+        step = final_step(run["lines"])
+        rows.append(
+            [
+                run["name"],
+                str(run["exp_name"]),
+                "–" if run["seed"] is None else str(run["seed"]),
+                run["git_sha"][:7] or "–",
+                "–" if step is None else str(step),
+                format_seconds(final_time(run["lines"])),
+                *("–" if v is None else f"{v:.{digits}f}" for v in finals),
+            ]
+        )
+    return "\n".join("| " + " | ".join(row) + " |" for row in rows) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Plots
+
+
+def plot(experiments, metrics, x="step", out="benchmark/results/curve.png", smooth=1, title=None):
+    """One panel per metric, one line per experiment ((label, runs) pairs): the mean over seeds, shaded ± one std.
+    Writes a PNG and returns its path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ncols = min(len(metrics), 2)
+    nrows = math.ceil(len(metrics) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(6.5 * ncols, 4 * nrows), squeeze=False)
+    for ax, metric in zip(axes.flat, metrics):
+        for i, (label, runs) in enumerate(experiments):
+            result = aggregate(runs, metric, x=x, smooth=smooth)
+            if result is None:
+                if runs:
+                    print(f"warning: no run of {label!r} logged {metric}", file=sys.stderr)
+                continue
+            grid, mean, std, n = result
+            color = f"C{i % 10}"
+            marker = "o" if len(grid) <= 30 else None
+            ax.plot(grid, mean, color=color, marker=marker, markersize=3, label=f"{label} ({n} seed{'s' * (n > 1)})")
+            if n > 1:
+                ax.fill_between(grid, mean - std, mean + std, color=color, alpha=0.2, linewidth=0)
+        ax.set_title(metric + (f" (moving average over {smooth} steps)" if smooth > 1 else ""), fontsize=10)
+        ax.set_xlabel("step" if x == "step" else "wall-clock time (s)")
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    for ax in list(axes.flat)[len(metrics) :]:
+        ax.set_visible(False)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Command line
+
+
+def load_experiments(specs, all_runs=False):
+    experiments = []
+    for spec in specs:
+        label, pattern = parse_experiment(spec)
+        runs = find_runs(pattern, all_runs=all_runs)
+        if not runs:
+            print(f"warning: experiment {label!r}: no run folder matches {pattern}", file=sys.stderr)
+        else:
+            print(f"{label}: {len(runs)} run(s): {', '.join(run['name'] for run in runs)}", file=sys.stderr)
+        experiments.append((label, runs))
+    if not any(runs for _, runs in experiments):
+        sys.exit("error: no run folder matches any --experiments glob")
+    return experiments
+
+
+def write_text(text, out):
+    print(text, end="")
+    if out:
+        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+        with open(out, "w") as f:
+            f.write(text)
+        print(f"wrote {out}", file=sys.stderr)
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(prog="python -m benchmark.registry", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    p = commands.add_parser("list", help="a table of runs with their final metrics")
+    p.add_argument("--runs_dir", default="runs", help="the folder holding the run folders")
+    p.add_argument("--filter", default=None, help="only runs whose name contains this (or matches it as a glob)")
+    p.add_argument("--metrics", nargs="*", default=[], help="metrics whose final value is shown")
+    p.add_argument("--digits", type=int, default=3, help="decimals of the metric values")
+
+    def experiments_args(p):
+        p.add_argument(
+            "--experiments",
+            nargs="+",
+            required=True,
+            help='LABEL=GLOB of run folders (its seeds), e.g. "grpo=runs/x__*"',
+        )
+        p.add_argument("--all_runs", action="store_true", help="keep every matching run, not the newest per seed")
+
+    p = commands.add_parser("plot", help="learning curves: mean ± std over seeds, by step or wall-clock time")
+    experiments_args(p)
+    p.add_argument("--metric", "--metrics", dest="metrics", nargs="+", required=True, help="one panel per metric")
+    p.add_argument("--x", choices=["step", "time"], default="step", help="global_step or wall-clock seconds")
+    p.add_argument("--out", default="benchmark/results/curve.png", help="where the PNG goes")
+    p.add_argument("--smooth", type=int, default=1, help="trailing moving-average window, in steps, per seed")
+    p.add_argument("--title", default=None, help="a title over the figure")
+
+    p = commands.add_parser("table", help="a markdown table of initial and final metrics, mean ± std over seeds")
+    experiments_args(p)
+    p.add_argument("--metrics", nargs="+", required=True, help="the metrics in the table")
+    p.add_argument("--out", default=None, help="also write the table to this .md file")
+    p.add_argument("--digits", type=int, default=3, help="decimals of the metric values")
+    return parser
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    if args.command == "list":
+        names = sorted(os.listdir(args.runs_dir)) if os.path.isdir(args.runs_dir) else []
+        if args.filter:
+            names = [n for n in names if args.filter in n or fnmatch.fnmatch(n, args.filter)]
+        runs = [load_run(os.path.join(args.runs_dir, n)) for n in names if is_run_dir(os.path.join(args.runs_dir, n))]
+        print(runs_table(runs, args.metrics, args.digits), end="")
+    elif args.command == "plot":
+        experiments = load_experiments(args.experiments, args.all_runs)
+        out = plot(experiments, args.metrics, x=args.x, out=args.out, smooth=args.smooth, title=args.title)
+        print(f"wrote {out}")
+    elif args.command == "table":
+        experiments = load_experiments(args.experiments, args.all_runs)
+        write_text(markdown_table(experiments, args.metrics, args.digits), args.out)
+
+
+if __name__ == "__main__":
+    main()

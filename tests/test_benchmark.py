@@ -1,0 +1,405 @@
+"""benchmark/: the launcher on a fake script, the registry's numbers against statistics computed here from the same
+inputs, its plots, and every flag that benchmark/*.sh passes to a script against that script's --help."""
+
+import functools
+import glob
+import json
+import os
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from conftest import REPO_ROOT, subprocess_env
+
+from benchmark import registry
+from benchmark import run as launcher
+
+# A stand-in for a real script: same run folder layout (runs/{task}__{exp_name}__{seed}__{unix_time}/config.json and
+# metrics.jsonl), the same --seed/--output_dir/--exp_name/--track/--wandb_tags flags; --fail_seed makes one seed fail.
+FAKE_SCRIPT = textwrap.dedent(
+    """
+    import argparse, json, os, sys, time
+    start = time.time()
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--output_dir", default="runs")
+    parser.add_argument("--exp_name", default="fake")
+    parser.add_argument("--track", action="store_true")
+    parser.add_argument("--wandb_tags", nargs="*", default=[])
+    parser.add_argument("--fail_seed", type=int, default=None)
+    parser.add_argument("--sleep", type=float, default=0.0)
+    args = parser.parse_args()
+    print(f"seed {args.seed} starting")
+    if args.seed == args.fail_seed:
+        print("simulated failure", file=sys.stderr)
+        sys.exit(3)
+    run_dir = os.path.join(args.output_dir, f"task__{args.exp_name}__{args.seed}__{int(time.time())}")
+    os.makedirs(run_dir)
+    time.sleep(args.sleep)
+    with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
+        for step in range(4):
+            line = {"global_step": step, "episode": 8 * step, "time": 0.5 * step, "eval/accuracy": args.seed + step}
+            f.write(json.dumps(line) + "\\n")
+    with open(os.path.join(run_dir, "config.json"), "w") as f:
+        json.dump({"args": {**vars(args), "start": start, "end": time.time()}, "git_sha": "f" * 40}, f)
+    print(f"done: {run_dir}")
+    """
+)
+
+
+def launch(cwd, *argv):
+    return subprocess.run(
+        [sys.executable, "-m", "benchmark.run", *argv],
+        cwd=cwd,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.fixture
+def fake_script(tmp_path):
+    (tmp_path / "fake.py").write_text(FAKE_SCRIPT)
+    return tmp_path
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Launcher
+
+
+def test_launcher_runs_seeds_in_parallel_and_tags_them(fake_script):
+    result = launch(
+        fake_script, "--script", "fake.py", "--seeds", "1", "2", "--workers", "2", "--track", "--", "--sleep", "1"
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    for seed in (1, 2):
+        assert re.search(rf"\[seed {seed}\] \S+ fake.py --seed {seed} --sleep 1 --track --wandb_tags ", out), out
+    assert "all 2 seed(s) succeeded" in out
+
+    runs = registry.find_runs(str(fake_script / "runs" / "task__fake__*"))
+    assert [run["seed"] for run in runs] == [1, 2]
+    sha = launcher.git_sha()
+    for run in runs:
+        assert run["args"]["track"] is True and run["args"]["wandb_tags"] == [sha or "no-git"]
+        assert os.path.join("runs", run["name"]) in out  # the summary names the run folder
+        assert registry.final_value(run["lines"], "eval/accuracy") == run["seed"] + 3
+    # Two workers: both seeds ran at the same time.
+    assert max(r["args"]["start"] for r in runs) < min(r["args"]["end"] for r in runs)
+    # One log per seed under runs/_logs, and nothing written anywhere else.
+    logs = sorted(os.listdir(fake_script / "runs" / "_logs"))
+    assert [name.split("__")[:2] for name in logs] == [["fake", "1"], ["fake", "2"]]
+    for name, seed in zip(logs, (1, 2)):
+        assert f"seed {seed} starting" in (fake_script / "runs" / "_logs" / name).read_text()
+    assert sorted(os.listdir(fake_script)) == ["fake.py", "runs"]
+
+
+def test_launcher_failing_seed_does_not_stop_the_others(fake_script):
+    result = launch(
+        fake_script, "--script", "fake.py", "--seeds", "1", "2", "--workers", "2", "--", "--fail_seed", "1"
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "FAILED: seed(s) 1 of 2" in result.stdout
+    rows = {line.split()[0]: line.split() for line in result.stdout.splitlines() if re.match(r"[12] ", line)}
+    assert rows["1"][1:4] == ["3", "not", "found"]
+    assert rows["2"][1] == "0" and rows["2"][2].startswith(os.path.join("runs", "task__fake__2__"))
+    assert [run["seed"] for run in registry.find_runs(str(fake_script / "runs" / "task__*"))] == [2]
+    (log,) = glob.glob(str(fake_script / "runs" / "_logs" / "fake__1__*.log"))
+    assert "simulated failure" in open(log).read()
+
+
+def test_launcher_dry_run_only_prints(fake_script):
+    result = launch(
+        fake_script,
+        *("--script", "fake.py", "--seeds", "3", "4", "--workers", "2", "--dry_run"),
+        *("--accelerate_config", "cfg.yaml", "--num_processes", "2", "--", "--exp_name", "x"),
+    )
+    assert result.returncode == 0, result.stderr
+    commands = [shlex.split(line) for line in result.stdout.splitlines()]
+    assert commands == [
+        [
+            sys.executable,
+            *("-m", "accelerate.commands.launch", "--config_file", "cfg.yaml", "--num_processes", "2"),
+            *("--main_process_port", str(29500 + i), "fake.py", "--seed", str(seed), "--exp_name", "x"),
+        ]
+        for i, seed in enumerate((3, 4))
+    ]
+    assert sorted(os.listdir(fake_script)) == ["fake.py"]
+
+
+def test_launcher_argument_helpers():
+    assert launcher.split_argv(["--seeds", "1", "--", "--lr", "1"]) == (["--seeds", "1"], ["--lr", "1"])
+    assert launcher.with_tracking(["--wandb_tags", "a", "b", "--lr", "1"], "sha") == [
+        *("--wandb_tags", "a", "b", "sha", "--lr", "1", "--track")
+    ]
+    assert launcher.with_tracking(["--track", "--wandb-tags=a"], "sha") == ["--track", "--wandb-tags", "a", "sha"]
+    assert launcher.flag_value(["--output-dir", "x", "--output_dir=y"], "output_dir") == "y"
+    assert launcher.flag_value(["--lr", "1"], "output_dir", "runs") == "runs"
+    assert launcher.build_command("s.py", 7, ["--a", "1"]) == [sys.executable, "s.py", "--seed", "7", "--a", "1"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Registry
+
+
+def write_run(root, name, seed, lines, sha="0123456789abcdef"):
+    path = os.path.join(root, name)
+    os.makedirs(path)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({"args": {"seed": seed, "exp_name": name.split("__")[1], "run_name": name}, "git_sha": sha}, f)
+    with open(os.path.join(path, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps(line) + "\n" for line in lines)
+    return path
+
+
+# Experiment A: 3 seeds; eval/accuracy at steps 0, 5, 10; objective/scores at steps 1..10; a different pace per seed.
+SEED_FINAL = {1: 0.5, 2: 0.6, 3: 0.85}
+SEED_INITIAL = {1: 0.1, 2: 0.1, 3: 0.25}
+SEED_SECONDS_PER_STEP = {1: 10.0, 2: 12.0, 3: 9.0}
+
+
+def synthetic_lines(seed):
+    rng = np.random.default_rng(seed)
+    lines = []
+    for step in range(11):
+        line = {"global_step": step, "episode": 16 * step, "time": 3.0 + SEED_SECONDS_PER_STEP[seed] * step}
+        if step > 0:
+            line["objective/scores"] = float(rng.uniform())
+        if step in (0, 5, 10):
+            line["eval/accuracy"] = {0: SEED_INITIAL[seed], 5: 0.3, 10: SEED_FINAL[seed]}[step]
+        lines.append(line)
+    lines.append({"global_step": 10, "episode": 160, "time": lines[-1]["time"] + 1.0, "perf/x": 1.0})
+    return lines
+
+
+@pytest.fixture
+def synthetic_runs(tmp_path):
+    root = str(tmp_path / "runs")
+    for seed in (1, 2, 3):
+        write_run(root, f"arith__grpo__{seed}__{1000 + seed}", seed, synthetic_lines(seed))
+    # An older, interrupted run of seed 1: left out unless --all_runs.
+    write_run(root, "arith__grpo__1__900", 1, synthetic_lines(1)[:3])
+    write_run(root, "arith__other__1__2000", 1, [{"global_step": 0, "time": 1.0, "eval/accuracy": 0.2}])
+    os.makedirs(os.path.join(root, "_logs"))
+    return root
+
+
+def test_registry_values_of_one_run():
+    lines = synthetic_lines(2)
+    assert registry.final_value(lines, "eval/accuracy") == SEED_FINAL[2]  # the last line lacks it
+    assert registry.initial_value(lines, "eval/accuracy") == SEED_INITIAL[2]
+    assert registry.initial_value(lines, "objective/scores") is None
+    assert registry.final_value(lines, "missing") is None
+    assert registry.metric_series(lines, "eval/accuracy") == ([0.0, 5.0, 10.0], [0.1, 0.3, 0.6])
+    assert registry.metric_series(lines, "eval/accuracy", x="time") == ([3.0, 63.0, 123.0], [0.1, 0.3, 0.6])
+    # A resumed run's process counts from 0 again: the wall clock adds the earlier segment back.
+    resumed = [{"global_step": 0, "time": 5.0}, {"global_step": 1, "time": 9.0}, {"global_step": 2, "time": 2.0}]
+    assert registry.wall_clock(resumed) == [5.0, 9.0, 11.0]
+    # The smoothing window counts steps: sparse points are left alone, dense ones averaged.
+    assert registry.moving_average([1.0, 2.0, 3.0, 4.0], 2) == [1.0, 1.5, 2.5, 3.5]
+    assert registry.moving_average([1.0, 3.0, 5.0], 4, steps=[0, 5, 10]) == [1.0, 3.0, 5.0]
+    assert registry.moving_average([1.0, 3.0, 5.0], 6, steps=[0, 5, 10]) == [1.0, 2.0, 4.0]
+
+
+def test_registry_table_is_mean_and_std_over_seeds(synthetic_runs):
+    runs = registry.find_runs(os.path.join(synthetic_runs, "arith__grpo__*"))
+    assert [(run["seed"], run["name"]) for run in runs] == [(s, f"arith__grpo__{s}__{1000 + s}") for s in (1, 2, 3)]
+    assert len(registry.find_runs(os.path.join(synthetic_runs, "arith__grpo__*"), all_runs=True)) == 4
+
+    finals = [SEED_FINAL[s] for s in (1, 2, 3)]
+    initials = [SEED_INITIAL[s] for s in (1, 2, 3)]
+    scores = [
+        [line["objective/scores"] for line in synthetic_lines(s) if "objective/scores" in line][-1] for s in (1, 2, 3)
+    ]
+    seconds = [synthetic_lines(s)[-1]["time"] for s in (1, 2, 3)]
+    summary = registry.summarize(runs, ["eval/accuracy", "objective/scores"])
+    assert summary["seeds"] == 3
+    for (mean, std, n), values in (
+        (summary["eval/accuracy"]["final"], finals),
+        (summary["eval/accuracy"]["initial"], initials),
+        (summary["objective/scores"]["final"], scores),
+        (summary["wall_clock"], seconds),
+    ):
+        assert n == 3
+        assert mean == pytest.approx(statistics.mean(values), abs=1e-12)
+        assert std == pytest.approx(statistics.stdev(values), abs=1e-12)  # ddof=1
+    assert summary["objective/scores"]["initial"] == (None, None, 0)
+
+    single = registry.find_runs(os.path.join(synthetic_runs, "arith__other__*"))
+    table = registry.markdown_table([("A", runs), ("B", single)], ["eval/accuracy", "objective/scores"], digits=4)
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in table.strip().splitlines()]
+    assert rows[0] == [
+        "experiment (mean ± std over seeds, ddof=1)",
+        "seeds",
+        "eval/accuracy step 0",
+        "eval/accuracy final",
+        "objective/scores final",
+        "wall-clock (mean)",
+    ]
+    ms = lambda values: f"{statistics.mean(values):.4f} ± {statistics.stdev(values):.4f}"  # noqa: E731
+    assert rows[2] == ["A", "3", ms(initials), ms(finals), ms(scores), f"{statistics.mean(seconds):.0f} s"]
+    assert rows[3] == ["B", "1", "0.2000", "0.2000", "–", "1 s"]  # one seed: no ±
+
+    out = os.path.join(os.path.dirname(synthetic_runs), "results", "table.md")
+    registry.main(
+        ["table", "--experiments", f"A={synthetic_runs}/arith__grpo__*", f"B={synthetic_runs}/arith__other__*"]
+        + ["--metrics", "eval/accuracy", "objective/scores", "--digits", "4", "--out", out]
+    )
+    assert open(out).read() == table
+
+
+def test_registry_list(synthetic_runs, capsys):
+    registry.main(["list", "--runs_dir", synthetic_runs, "--filter", "grpo", "--metrics", "eval/accuracy"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| arith")]
+    assert len(rows) == 4  # the interrupted run too; no _logs
+    cells = [cell.strip() for cell in rows[-1].strip("|").split("|")]
+    assert cells == ["arith__grpo__3__1003", "grpo", "3", "0123456", "10", "94 s", "0.850"]
+
+
+def test_registry_aggregate_by_step_and_time(synthetic_runs):
+    runs = registry.find_runs(os.path.join(synthetic_runs, "arith__grpo__*"))
+    grid, mean, std, n = registry.aggregate(runs, "eval/accuracy", x="step")
+    assert n == 3 and grid.tolist() == [0, 5, 10]
+    per_seed = np.array([[SEED_INITIAL[s], 0.3, SEED_FINAL[s]] for s in (1, 2, 3)])
+    np.testing.assert_allclose(mean, per_seed.mean(0))
+    np.testing.assert_allclose(std, per_seed.std(0, ddof=1))
+
+    grid, mean, std, n = registry.aggregate(runs, "objective/scores", x="time", num_points=50)
+    starts = [3.0 + SEED_SECONDS_PER_STEP[s] for s in (1, 2, 3)]
+    ends = [3.0 + 10 * SEED_SECONDS_PER_STEP[s] for s in (1, 2, 3)]
+    assert len(grid) == 50 and grid[0] == max(starts) and grid[-1] == min(ends)  # the span every seed covers
+    curves = []
+    for run in runs:
+        xs, ys = registry.metric_series(run["lines"], "objective/scores", x="time")
+        curves.append(np.interp(grid, xs, ys))
+    np.testing.assert_allclose(mean, np.mean(curves, 0))
+    np.testing.assert_allclose(std, np.std(curves, 0, ddof=1))
+    assert registry.aggregate(runs, "missing", x="step") is None
+
+
+def test_registry_plots_png_by_step_and_time(synthetic_runs, tmp_path):
+    experiments = [
+        ("A", registry.find_runs(os.path.join(synthetic_runs, "arith__grpo__*"))),
+        ("B", registry.find_runs(os.path.join(synthetic_runs, "arith__other__*"))),
+    ]
+    for x in ("step", "time"):
+        out = registry.plot(experiments, ["eval/accuracy", "objective/scores"], x=x, out=str(tmp_path / f"{x}.png"))
+        with open(out, "rb") as f:
+            data = f.read()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+    out = str(tmp_path / "cli.png")
+    registry.main(
+        ["plot", "--experiments", f"A={synthetic_runs}/arith__grpo__*", "--metric", "objective/scores"]
+        + ["--x", "time", "--smooth", "3", "--out", out]
+    )
+    assert os.path.getsize(out) > 5000
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# benchmark/*.sh: every flag given to a script (or to benchmark.run / benchmark.registry) exists in its --help
+
+
+SHELL_FILES = sorted(glob.glob(os.path.join(REPO_ROOT, "benchmark", "*.sh")))
+
+
+def shell_commands(path):
+    """The commands of a shell file as argument lists: continuation lines joined, comments and blank lines dropped."""
+    commands, pending = [], ""
+    with open(path) as f:
+        for raw in f:
+            line = raw.rstrip("\n")
+            if line.endswith("\\"):
+                pending += line[:-1] + " "
+                continue
+            text, pending = pending + line, ""
+            tokens = shlex.split(text, comments=True)
+            if tokens:
+                commands.append(tokens)
+    return commands
+
+
+def script_invocations(tokens):
+    """[(help command, flags)] for one shell command: the flags each program in it is given, and how to get that
+    program's --help. Commands that run no Python program give []."""
+    if not os.path.basename(tokens[0]).startswith("python"):
+        return []
+    rest = tokens[1:]
+    if rest[:2] == ["-m", "benchmark.run"]:
+        own, script_args = launcher.split_argv(rest[2:])
+        script = launcher.flag_value(own, "script")
+        # The launcher adds --seed (and --track --wandb_tags with --track) to every run.
+        added = ["--seed", "--track", "--wandb_tags"]
+        return [(("-m", "benchmark.run"), own), ((script,), script_args + added)]
+    if rest[:2] == ["-m", "benchmark.registry"]:
+        return [(("-m", "benchmark.registry", rest[2]), rest[3:])]
+    assert rest and rest[0].endswith(".py"), f"unexpected command: {shlex.join(tokens)}"
+    return [((rest[0],), rest[1:])]
+
+
+def normalized_flags(tokens):
+    return {t.split("=", 1)[0].replace("_", "-") for t in tokens if t.startswith("--") and t != "--"}
+
+
+@functools.cache
+def help_flags(program):
+    """The flags a program's --help lists (dashes for underscores: tyro prints --learning-rate)."""
+    result = _HELP_RUNS[program]
+    assert result["returncode"] == 0, f"{shlex.join(program)} --help failed:\n{result['output']}"
+    return normalized_flags(re.findall(r"--[A-Za-z0-9][\w.-]*", result["output"]))
+
+
+_HELP_RUNS = {}
+
+
+@pytest.fixture(scope="module")
+def help_runs():
+    """Every program's --help, run at the same time (each script imports torch: a few seconds apiece)."""
+    programs = {prog for path in SHELL_FILES for cmd in shell_commands(path) for prog, _ in script_invocations(cmd)}
+    env = {**subprocess_env(), "COLUMNS": "300"}  # no wrapped help lines
+    procs = {
+        prog: subprocess.Popen(
+            [sys.executable, *prog, "--help"],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for prog in sorted(programs)
+    }
+    for prog, proc in procs.items():
+        output, _ = proc.communicate(timeout=300)
+        _HELP_RUNS[prog] = {"returncode": proc.returncode, "output": output}
+    return _HELP_RUNS
+
+
+def test_shell_files_exist():
+    names = {os.path.basename(p) for p in SHELL_FILES}
+    assert {"grpo_math.sh", "ppo_rlhf.sh", "reward_modeling.sh"} <= names
+
+
+@pytest.mark.parametrize("path", SHELL_FILES, ids=os.path.basename)
+def test_shell_file_flags_exist(path, help_runs):
+    with open(path) as f:
+        assert "set -euo pipefail" in f.read()
+    invocations = [inv for cmd in shell_commands(path) for inv in script_invocations(cmd)]
+    scripts = [prog[0] for prog, _ in invocations if prog[0].endswith(".py")]
+    assert scripts, f"{path} runs no script"
+    for script in scripts:
+        assert os.path.isfile(os.path.join(REPO_ROOT, script)), f"{path}: {script} is not a top-level script"
+    for program, args in invocations:
+        unknown = normalized_flags(args) - help_flags(program)
+        assert not unknown, f"{os.path.basename(path)}: {shlex.join(program)} has no {sorted(unknown)} in its --help"
+
+
+def test_flag_check_catches_a_renamed_flag(help_runs):
+    script_args = ["--learning_rate", "1e-5", "--no-vllm", "--wandb-tags", "a", "--learning_rat", "1"]
+    assert normalized_flags(script_args) - help_flags(("grpo_math.py",)) == {"--learning-rat"}
+    registry_args = ["--experiments", "a=b", "--metric", "m", "--smooth", "2", "--x", "time", "--smoth", "2"]
+    assert normalized_flags(registry_args) - help_flags(("-m", "benchmark.registry", "plot")) == {"--smoth"}

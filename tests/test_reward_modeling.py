@@ -1,0 +1,663 @@
+"""reward_modeling.py: the Bradley-Terry loss against a float64 reference, reading scores at the last real token,
+building pairs, tokenizing preference formats, end-to-end tiny runs, and bad input."""
+
+import glob
+import json
+import math
+import os
+import random
+import shutil
+import subprocess
+import sys
+from dataclasses import asdict
+
+import pytest
+import torch
+from conftest import REPO_ROOT, read_metrics, subprocess_env, without_timing
+from safetensors.torch import load_file
+
+import reward_modeling as rm
+
+# The Bradley-Terry loss
+
+
+def reference_loss(chosen, rejected):
+    """-log sigmoid(c - r) = log(1 + exp(-(c - r))) in float64, written so that neither branch overflows."""
+    d = float(chosen) - float(rejected)
+    if d >= 0:
+        return math.log1p(math.exp(-d))
+    return -d + math.log1p(math.exp(d))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_bradley_terry_loss_matches_a_float64_reference(seed):
+    g = torch.Generator().manual_seed(seed)
+    chosen, rejected = torch.randn(32, generator=g) * 3, torch.randn(32, generator=g) * 3
+    # Large margins both ways: log(sigmoid(x)) computed naively is log(0) = -inf below x ~ -104 in float32.
+    chosen[:6] = torch.tensor([150.0, -150.0, 1e4, -1e4, 0.0, 30.0])
+    rejected[:6] = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, -30.0])
+    loss = rm.bradley_terry_loss(chosen, rejected)
+    assert loss.shape == (32,)
+    assert torch.isfinite(loss).all()
+    expected = torch.tensor(
+        [reference_loss(c, r) for c, r in zip(chosen.tolist(), rejected.tolist())], dtype=torch.float64
+    )
+    torch.testing.assert_close(loss.double(), expected, rtol=1e-5, atol=1e-6)
+    assert loss[4].item() == pytest.approx(math.log(2), rel=1e-6)  # equal scores: P = 1/2
+    assert loss[3].item() == pytest.approx(1e4, rel=1e-6)  # -log sigmoid(-x) ~ x, not inf
+
+
+def test_bradley_terry_loss_gradient_sign():
+    """Minimising the loss raises the chosen score and lowers the rejected one, by sigmoid(r - c) each."""
+    g = torch.Generator().manual_seed(3)
+    chosen = (torch.randn(16, generator=g) * 2).requires_grad_()
+    rejected = (torch.randn(16, generator=g) * 2).requires_grad_()
+    rm.bradley_terry_loss(chosen, rejected).sum().backward()
+    assert (chosen.grad < 0).all() and (rejected.grad > 0).all()
+    expected = torch.tensor(
+        [1 / (1 + math.exp(c - r)) for c, r in zip(chosen.tolist(), rejected.tolist())], dtype=torch.float32
+    )
+    torch.testing.assert_close(-chosen.grad, expected, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(rejected.grad, expected, rtol=1e-5, atol=1e-7)
+
+
+# Scores at the last real token
+
+
+@pytest.fixture(scope="module")
+def tiny_rm(tiny_reward_model_dir):
+    from transformers import AutoModelForSequenceClassification
+
+    return AutoModelForSequenceClassification.from_pretrained(tiny_reward_model_dir).eval()
+
+
+SEQUENCES = [[1, 9690, 198, 2683, 314, 216, 35, 2], [1, 4093, 198], [1, 5, 9, 200, 300, 17, 4000, 12, 88, 2, 2]]
+
+
+def sequence_scores(model, sequences, pad):
+    input_ids, attention_mask = pad(sequences, 2)
+    with torch.no_grad():
+        per_token = rm.token_scores(model, model.score, input_ids, attention_mask)
+    assert per_token.shape == input_ids.shape and per_token.dtype == torch.float32
+    return per_token[torch.arange(len(sequences)), rm.last_real_index(attention_mask)]
+
+
+def test_scores_alone_left_padded_and_right_padded_agree(tiny_rm):
+    alone = torch.cat([sequence_scores(tiny_rm, [s], rm.right_pad) for s in SEQUENCES])
+    torch.testing.assert_close(sequence_scores(tiny_rm, SEQUENCES, rm.right_pad), alone, atol=1e-5, rtol=0)
+    torch.testing.assert_close(sequence_scores(tiny_rm, SEQUENCES, rm.left_pad), alone, atol=1e-5, rtol=0)
+    assert len(set(alone.tolist())) == len(SEQUENCES)  # not a constant head
+
+
+def test_score_head_on_the_last_hidden_state_is_the_model_logit(tiny_rm):
+    """Without EOS/pad tokens inside, HF's pooled logit (at the last non-pad token) is our score: token_scores reads
+    the final, normed hidden state. With a final EOS (SmolLM2's pad token) HF's pooling would miss it; ours not."""
+    plain = [[1, 9690, 198, 2683, 314, 216, 35], [1, 4093, 198]]
+    input_ids, attention_mask = rm.right_pad(plain, 2)
+    with torch.no_grad():
+        logits = tiny_rm(input_ids=input_ids, attention_mask=attention_mask).logits[:, 0]
+    torch.testing.assert_close(sequence_scores(tiny_rm, plain, rm.right_pad), logits, atol=1e-5, rtol=1e-5)
+    ends_with_eos = [[1, 9690, 198, 2683, 314, 216, 35, 2]]
+    ours = sequence_scores(tiny_rm, ends_with_eos, rm.right_pad)
+    with torch.no_grad():
+        per_token = rm.token_scores(tiny_rm, tiny_rm.score, torch.tensor(ends_with_eos), torch.ones(1, 8).long())
+    assert ours.item() == pytest.approx(per_token[0, -1].item())  # the EOS position
+
+
+def test_last_real_index_on_hand_made_masks():
+    masks = torch.tensor([[1, 1, 1, 0, 0], [0, 0, 1, 1, 1], [0, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1]])
+    assert rm.last_real_index(masks).tolist() == [2, 4, 2, 0, 4]
+
+
+def test_right_pad():
+    input_ids, attention_mask = rm.right_pad([[5, 6, 7], [8]], 0)
+    assert input_ids.tolist() == [[5, 6, 7], [8, 0, 0]]
+    assert attention_mask.tolist() == [[1, 1, 1], [1, 0, 0]]
+
+
+# Pairs from labelled completions
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_preference_pairs_prefer_correct_to_wrong(seed):
+    rng = random.Random(seed)
+    labels = [float(rng.random() < 0.4) for _ in range(rng.randint(2, 10))]
+    max_pairs = rng.randint(1, 6)
+    pairs = rm.preference_pairs(labels, max_pairs, random.Random(f"pairs-{seed}"))
+    num_correct, num_wrong = int(sum(labels)), len(labels) - int(sum(labels))
+    if num_correct == 0 or num_wrong == 0:
+        assert pairs == []
+        return
+    assert len(pairs) == min(max_pairs, max(num_correct, num_wrong))
+    assert all(labels[c] == 1 and labels[r] == 0 for c, r in pairs)
+    assert len(set(pairs)) == len(pairs)  # no pair twice
+    assert pairs == rm.preference_pairs(labels, max_pairs, random.Random(f"pairs-{seed}"))  # same seed, same pairs
+
+
+def test_preference_pairs_none_when_all_correct_or_all_wrong():
+    for labels in ([1.0] * 8, [0.0] * 8, [1.0], [0.0]):
+        assert rm.preference_pairs(labels, 4, random.Random(0)) == []
+
+
+def test_preference_pairs_spread_over_completions_and_depend_on_the_seed():
+    labels = [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    pairs = rm.preference_pairs(labels, 4, random.Random(0))
+    assert sorted(r for _, r in pairs) == sorted(set(r for _, r in pairs))  # 4 different wrong completions
+    assert sorted(c for c, _ in pairs) == [0, 0, 1, 1]  # each correct one used twice
+    draws = {tuple(rm.preference_pairs(labels, 4, random.Random(seed))) for seed in range(10)}
+    assert len(draws) > 1
+
+
+# Tokenizing the preference formats
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def test_encode_string_pairs(tokenizer):
+    row = {"prompt": "What is 2 + 2? ", "chosen": "4", "rejected": "5"}
+    chosen, rejected = rm.encode_preference(tokenizer, row, "prompt", "chosen", "rejected", True)
+    assert chosen == tokenizer("What is 2 + 2? 4<|im_end|>").input_ids
+    assert rejected == tokenizer("What is 2 + 2? 5<|im_end|>").input_ids
+    assert chosen[-1] == tokenizer.eos_token_id
+    chosen, _ = rm.encode_preference(tokenizer, row, "prompt", "chosen", "rejected", False)
+    assert chosen == tokenizer("What is 2 + 2? 4").input_ids
+    # No prompt column (Anthropic/hh-rlhf): chosen and rejected are whole texts; an EOS already there stays alone.
+    whole = {"chosen": "\n\nHuman: hi\n\nAssistant: hello<|im_end|>", "rejected": "\n\nHuman: hi\n\nAssistant: go"}
+    chosen, rejected = rm.encode_preference(tokenizer, whole, "prompt", "chosen", "rejected", True)
+    assert chosen == tokenizer(whole["chosen"]).input_ids
+    assert rejected == tokenizer(whole["rejected"] + "<|im_end|>").input_ids
+
+
+def test_encode_conversations_end_at_the_end_of_turn(tokenizer):
+    prompt = [{"role": "user", "content": "What is 2 + 2?"}]
+    row = {
+        "prompt": prompt,
+        "chosen": [{"role": "assistant", "content": "4"}],
+        "rejected": [{"role": "assistant", "content": "5"}],
+    }
+    chosen, rejected = rm.encode_preference(tokenizer, row, "prompt", "chosen", "rejected", True)
+    prefix = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+    prefix_ids = tokenizer(prefix, add_special_tokens=False).input_ids
+    assert chosen[: len(prefix_ids)] == prefix_ids and rejected[: len(prefix_ids)] == prefix_ids
+    assert chosen[len(prefix_ids) :] == tokenizer("4<|im_end|>", add_special_tokens=False).input_ids
+    # The same conversation without a prompt column (the prompt turns inside chosen/rejected) gives the same ids.
+    whole = {"chosen": prompt + row["chosen"], "rejected": prompt + row["rejected"]}
+    assert rm.encode_preference(tokenizer, whole, "prompt", "chosen", "rejected", True) == (chosen, rejected)
+
+
+# End-to-end runs on the tiny model
+
+WORDS = "apple river stone cloud seven blue quiet table green window".split()
+
+
+def write_preferences(folder, num_train=64, num_test=32, seed=0):
+    """A preference dataset (TRL string format) with an obvious feature: chosen responses end in ' good', rejected
+    ones in ' bad', after a random filler of the same kind."""
+    os.makedirs(folder, exist_ok=True)
+    rng = random.Random(seed)
+    for split, n in (("train", num_train), ("test", num_test)):
+        with open(os.path.join(folder, f"{split}.jsonl"), "w") as f:
+            for _ in range(n):
+                filler = lambda: " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 6)))  # noqa: E731
+                prompt = f"What is {rng.randint(0, 9)} + {rng.randint(0, 9)}? "
+                f.write(json.dumps({"prompt": prompt, "chosen": filler() + " good", "rejected": filler() + " bad"}))
+                f.write("\n")
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def preference_dir(tmp_path_factory):
+    return write_preferences(tmp_path_factory.mktemp("preferences") / "good_bad")
+
+
+FAST_ARGS = dict(
+    vllm=False,
+    num_train_epochs=2.0,
+    pairs_per_rank=8,
+    micro_batch_size=4,
+    learning_rate=1e-3,
+    eval_batch_size=16,
+    response_length=8,
+    num_samples_per_prompt=4,
+    max_pairs_per_prompt=2,
+    generation_batch_prompts=8,
+    max_prompt_length=128,
+)
+
+
+@pytest.fixture
+def make_args(tiny_model_dir, preference_dir, tmp_path):
+    """make_args(**overrides) -> reward_modeling.Args with fast settings on the tiny model and the good/bad pairs;
+    the final model goes to tmp_path/reward_model, never to the repository's runs/."""
+
+    def _make(**overrides):
+        values = {
+            **FAST_ARGS,
+            "model_name_or_path": tiny_model_dir,
+            "dataset_path": preference_dir,
+            "output_dir": str(tmp_path / "runs"),
+            "reward_model_dir": str(tmp_path / "reward_model"),
+            **overrides,
+        }
+        return rm.Args(**values)
+
+    return _make
+
+
+def scores_of(model_dir, pairs):
+    """(chosen, rejected) scores of token-id pairs under a saved reward model, minus its config.bias."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
+    bias = model.config.bias
+    chosen = torch.cat([sequence_scores(model, [c], rm.right_pad) for c, _ in pairs]) - bias
+    rejected = torch.cat([sequence_scores(model, [r], rm.right_pad) for _, r in pairs]) - bias
+    return chosen, rejected
+
+
+TRAIN_KEYS = (
+    "loss/reward_model",
+    "objective/accuracy",
+    "objective/chosen_score",
+    "objective/rejected_score",
+    "objective/margin",
+    "lr",
+    "time/training",
+    "perf/train_tokens_per_second",
+    "perf/pairs_per_second",
+)
+EVAL_KEYS = ("eval/accuracy", "eval/loss", "eval/margin", "eval/num_pairs", "time/eval")
+
+
+@pytest.mark.slow
+def test_preference_run_learns_and_saves_a_centred_model(make_args, tokenizer):
+    args = make_args()
+    run_dir = rm.main(args)
+
+    with open(os.path.join(run_dir, "config.json")) as f:
+        config = json.load(f)
+    assert set(asdict(rm.Args())) <= set(config["args"]) and isinstance(config["git_sha"], str)
+    assert config["args"]["data_kind"] == "preferences" and config["args"]["num_train_pairs"] == 64
+    assert config["args"]["total_steps"] == 16  # 2 epochs * 64 pairs / 8 per step
+    assert config["args"]["run_name"].startswith("good_bad__reward_model__1__")
+
+    lines = read_metrics(run_dir)
+    assert [line["global_step"] for line in lines] == list(range(17))
+    assert [line["episode"] for line in lines] == [8 * step for step in range(17)]
+    for line in lines:
+        assert all(isinstance(v, (int, float)) and math.isfinite(v) for v in line.values())
+    for line in lines[1:]:
+        missing = [k for k in TRAIN_KEYS if k not in line]
+        assert not missing, missing
+    for line in (lines[0], lines[-1]):
+        missing = [k for k in EVAL_KEYS if k not in line]
+        assert not missing, missing
+    assert lines[0]["eval/num_pairs"] == 32
+    # Learned: held-out accuracy well above chance, and above where it started; the loss went down.
+    assert lines[-1]["eval/accuracy"] >= 0.9, [line.get("eval/accuracy") for line in lines]
+    assert lines[-1]["eval/loss"] < lines[0]["eval/loss"] - 0.2
+    assert lines[-1]["eval/margin"] > 0
+    assert glob.glob(os.path.join(run_dir, "tensorboard", "events.out.tfevents.*"))
+
+    # Saved twice, the same weights, with the bias in the config.
+    from transformers import AutoConfig
+
+    bias = lines[-1]["objective/bias"]
+    saved = {}
+    for folder in (os.path.join(run_dir, "model"), args.reward_model_dir):
+        with open(os.path.join(folder, "config.json")) as f:
+            model_config = json.load(f)
+        assert model_config["bias"] == pytest.approx(bias)
+        assert AutoConfig.from_pretrained(folder).num_labels == 1
+        assert model_config["architectures"] == ["LlamaForSequenceClassification"]
+        assert model_config["pad_token_id"] == tokenizer.pad_token_id
+        saved[folder] = load_file(os.path.join(folder, "model.safetensors"))
+    first, second = saved.values()
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+    assert not os.path.exists(args.reward_model_dir + ".tmp") and not os.path.exists(args.reward_model_dir + ".old")
+
+    # Scores minus the bias average 0 over the training responses; the held-out accuracy is the logged one.
+    train_rows = rm.load_split(args.dataset_path, None, "train")
+    train_pairs = [rm.encode_preference(tokenizer, r, "prompt", "chosen", "rejected", True) for r in train_rows]
+    chosen, rejected = scores_of(args.reward_model_dir, train_pairs)
+    assert abs(torch.cat([chosen, rejected]).mean().item()) < 1e-3
+    assert bias != 0.0
+    eval_rows = rm.load_split(args.dataset_path, None, "test")
+    eval_pairs = [rm.encode_preference(tokenizer, r, "prompt", "chosen", "rejected", True) for r in eval_rows]
+    chosen, rejected = scores_of(args.reward_model_dir, eval_pairs)
+    assert (chosen > rejected).float().mean().item() == pytest.approx(lines[-1]["eval/accuracy"])
+
+
+@pytest.mark.slow
+def test_a_second_run_replaces_the_reward_model_dir(make_args, tmp_path):
+    target = tmp_path / "reward_model"
+    target.mkdir()
+    (target / "stale_file").write_text("from an older run")
+    rm.main(make_args(num_train_epochs=0.125, seed=2))  # one step
+    assert not (target / "stale_file").exists()
+    assert (target / "model.safetensors").exists() and (target / "tokenizer.json").exists()
+
+
+def toy_extract_answer(text):
+    """Stands in for the task's answer extraction: the tiny random model never gets arithmetic right, so a
+    completion 'answers' 1 when its text has an even number of characters (about half of them), else 0."""
+    return "1" if len(text) % 2 == 0 else "0"
+
+
+def write_ones_task(folder, num_train=24, num_test=12):
+    """A task whose every gold answer is 1 (see toy_extract_answer)."""
+    os.makedirs(folder, exist_ok=True)
+    for split, n in (("train", num_train), ("test", num_test)):
+        with open(os.path.join(folder, f"{split}.jsonl"), "w") as f:
+            for i in range(n):
+                f.write(json.dumps({"question": f"What is {i} + 1 - {i}?", "answer": "1"}) + "\n")
+    return str(folder)
+
+
+@pytest.mark.slow
+def test_task_pairs_are_built_from_verified_completions(make_args, tokenizer, monkeypatch, tmp_path):
+    monkeypatch.setattr(rm, "extract_answer", toy_extract_answer)
+    task = write_ones_task(tmp_path / "ones")
+    args = make_args(dataset_path=task, num_train_epochs=0.25, pairs_per_rank=4, micro_batch_size=2)
+    run_dir = rm.main(args)
+
+    with open(os.path.join(run_dir, "config.json")) as f:
+        assert json.load(f)["args"]["data_kind"] == "task"
+    first = read_metrics(run_dir)[0]
+    assert first["pairs/train_prompts"] == 24 and first["pairs/eval_prompts"] == 12
+    assert first["pairs/train_mixed_prompts"] > 0 and first["pairs/eval_mixed_prompts"] > 0
+    assert first["time/pair_generation"] > 0 and first["perf/generation_tokens_per_second"] > 0
+    for split, name in (("train", "train"), ("test", "eval")):
+        rows = rm.load_split(os.path.join(run_dir, "preferences"), None, split)
+        assert len(rows) == first[f"pairs/{name}_pairs"] > 0
+        per_prompt = {}
+        for row in rows:
+            assert {"prompt", "chosen", "rejected"} <= set(row)
+            # The verifier's view (no special tokens): every chosen is right, every rejected wrong.
+            chosen_text = tokenizer.decode(row["chosen_ids"], skip_special_tokens=True)
+            rejected_text = tokenizer.decode(row["rejected_ids"], skip_special_tokens=True)
+            assert rm.verify_answer(toy_extract_answer(chosen_text), row["gold"]) == 1.0
+            assert rm.verify_answer(toy_extract_answer(rejected_text), row["gold"]) == 0.0
+            # Chat-template prompt with the instruction; completions keep an EOS they produced, and stop there.
+            assert row["prompt"].endswith("<|im_start|>assistant\n") and "Answer:" in row["prompt"]
+            assert row["prompt"] == tokenizer.decode(row["prompt_ids"])
+            for key in ("chosen", "rejected"):
+                ids = row[f"{key}_ids"]
+                assert row[key] == tokenizer.decode(ids) and 1 <= len(ids) <= args.response_length
+                assert tokenizer.eos_token_id not in ids[:-1]
+            per_prompt[row["prompt"]] = per_prompt.get(row["prompt"], 0) + 1
+        assert max(per_prompt.values()) <= args.max_pairs_per_prompt
+        assert len(per_prompt) == first[f"pairs/{name}_mixed_prompts"]
+
+    # Same seed, same pairs (a second run, sampling again).
+    again = rm.main(make_args(dataset_path=task, num_train_epochs=0.25, pairs_per_rank=4, micro_batch_size=2))
+    for split in ("train", "test"):
+        with (
+            open(os.path.join(run_dir, "preferences", f"{split}.jsonl")) as f,
+            open(os.path.join(again, "preferences", f"{split}.jsonl")) as g,
+        ):
+            assert f.read() == g.read()
+
+
+@pytest.mark.slow
+def test_resume_after_interrupt_gives_the_uninterrupted_run(make_args, tmp_path, monkeypatch):
+    overrides = dict(num_train_epochs=0.5, save_every=2)  # 4 steps
+    run_a = rm.main(make_args(output_dir=str(tmp_path / "a"), **overrides))
+
+    # Run B is interrupted inside step 3: at the third call of the loss from the training loop (main) itself.
+    loss, calls = rm.bradley_terry_loss, []
+
+    def interrupting_loss(chosen, rejected):
+        if sys._getframe(1).f_code.co_name == "main" and chosen.requires_grad:
+            calls.append(1)
+            if len(calls) == 3 * 2:  # 2 micro-batches per step
+                raise KeyboardInterrupt
+        return loss(chosen, rejected)
+
+    monkeypatch.setattr(rm, "bradley_terry_loss", interrupting_loss)
+    with pytest.raises(KeyboardInterrupt):
+        rm.main(make_args(output_dir=str(tmp_path / "b"), **overrides))
+    (run_b,) = glob.glob(str(tmp_path / "b" / "*"))
+    assert [line["global_step"] for line in read_metrics(run_b)] == [0, 1, 2]
+    monkeypatch.setattr(rm, "bradley_terry_loss", loss)
+    assert rm.main(make_args(output_dir=str(tmp_path / "b"), resume=run_b, **overrides)) == run_b
+    lines_a, lines_b = read_metrics(run_a), read_metrics(run_b)
+    assert [line["global_step"] for line in lines_b] == [0, 1, 2, 3, 4]
+    assert without_timing(lines_b) == without_timing(lines_a)
+    weights_a = load_file(os.path.join(run_a, "model", "model.safetensors"))
+    weights_b = load_file(os.path.join(run_b, "model", "model.safetensors"))
+    assert all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
+
+
+@pytest.mark.slow
+def test_lora_saves_a_merged_sequence_classifier(make_args):
+    args = make_args(lora_r=4, num_train_epochs=0.25)
+    run_dir = rm.main(args)
+    weights = load_file(os.path.join(args.reward_model_dir, "model.safetensors"))
+    assert "score.weight" in weights and not any("lora_" in name for name in weights)
+    with open(os.path.join(run_dir, "model", "config.json")) as f:
+        assert "bias" in json.load(f)
+
+
+def free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_processes_with_accelerate_launch(tiny_model_dir, preference_dir, tmp_path):
+    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
+    if not os.path.exists(accelerate):
+        accelerate = shutil.which("accelerate")
+    assert accelerate, "the accelerate command is not installed next to the python running the tests"
+    out, target = str(tmp_path / "runs"), str(tmp_path / "reward_model")
+    flags = {
+        **FAST_ARGS,
+        "num_train_epochs": 0.5,
+        "pairs_per_rank": 4,
+        "micro_batch_size": 2,
+        # 17 held-out pairs in batches of 4: shards of 9 and 8 pairs, so the second process runs one stand-in
+        # forward to keep the number of forwards equal.
+        "num_eval_pairs": 17,
+        "eval_batch_size": 4,
+        "model_name_or_path": tiny_model_dir,
+        "dataset_path": preference_dir,
+        "output_dir": out,
+        "reward_model_dir": target,
+    }
+    cmd = [accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1"]
+    cmd += ["--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port())]
+    cmd += ["reward_modeling.py"]
+    for key, value in flags.items():
+        if isinstance(value, bool):
+            cmd.append(f"--{key}" if value else f"--no-{key}")
+        else:
+            cmd += [f"--{key}", str(value)]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    (run_dir,) = glob.glob(os.path.join(out, "*"))  # one run folder: the processes agreed on the name
+    with open(os.path.join(run_dir, "config.json")) as f:
+        config = json.load(f)
+    assert config["args"]["world_size"] == 2  # two connected processes, not two rank-0 copies
+    assert config["args"]["total_steps"] == 4  # 0.5 epoch * 64 pairs / (2 processes * 4 pairs)
+    lines = read_metrics(run_dir)
+    assert [line["global_step"] for line in lines] == [0, 1, 2, 3, 4]
+    assert [line["episode"] for line in lines] == [0, 8, 16, 24, 32]
+    assert lines[0]["eval/num_pairs"] == 17  # the eval set is sharded, and the counts summed
+    with open(os.path.join(target, "config.json")) as f:
+        assert json.load(f)["bias"] == pytest.approx(lines[-1]["objective/bias"])
+
+
+# Bad input: one line, before a model is loaded
+
+
+class NoModelLoads:
+    """Stands in for the model classes: a check that comes after a model load fails the test."""
+
+    @staticmethod
+    def from_pretrained(*args, **kwargs):
+        raise AssertionError("model loaded")
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    monkeypatch.setattr(rm, "AutoModelForSequenceClassification", NoModelLoads)
+    monkeypatch.setattr(rm, "AutoModelForCausalLM", NoModelLoads)
+
+
+def assert_one_line_error(args, *names):
+    with pytest.raises(SystemExit) as exc:
+        rm.main(args)
+    message = exc.value.code
+    assert isinstance(message, str), f"exit code {message!r} instead of a message"
+    assert "\n" not in message.strip(), f"not one line: {message!r}"
+    assert message.startswith("error: ")
+    for name in names:
+        assert name in message, f"{name!r} not in {message!r}"
+    return message
+
+
+def test_missing_model_path(make_args, no_model, tmp_path):
+    assert_one_line_error(make_args(model_name_or_path=str(tmp_path / "no_such_model")), "--model_name_or_path")
+
+
+def test_missing_policy_path(make_args, no_model, tmp_path):
+    assert_one_line_error(make_args(policy_name_or_path=str(tmp_path / "no_such_policy")), "--policy_name_or_path")
+
+
+def test_missing_dataset_path(make_args, no_model, tmp_path):
+    assert_one_line_error(make_args(dataset_path=str(tmp_path / "no_such_data")), "--dataset_path")
+
+
+def test_missing_eval_split(make_args, no_model, tmp_path, preference_dir):
+    folder = tmp_path / "train_only"
+    folder.mkdir()
+    shutil.copy(os.path.join(preference_dir, "train.jsonl"), folder / "train.jsonl")
+    assert_one_line_error(make_args(dataset_path=str(folder)), "--eval_split", "test.jsonl")
+
+
+def test_dataset_with_neither_preference_nor_task_columns(make_args, no_model, tmp_path):
+    folder = tmp_path / "other_columns"
+    folder.mkdir()
+    for split in ("train", "test"):
+        with open(folder / f"{split}.jsonl", "w") as f:
+            for i in range(8):
+                f.write(json.dumps({"good": f"{i} + 1 = {i + 1}", "bad": f"{i} + 1 = {i}"}) + "\n")
+    message = assert_one_line_error(make_args(dataset_path=str(folder)), "--chosen_column", "--question_column")
+    assert "good, bad" in message  # the columns the file does have
+    # Naming the columns makes the same data usable (it now fails only at the model load).
+    with pytest.raises(AssertionError, match="model loaded"):
+        rm.main(make_args(dataset_path=str(folder), chosen_column="good", rejected_column="bad"))
+
+
+def test_empty_dataset(make_args, no_model, tmp_path):
+    folder = tmp_path / "empty"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text("")
+    (folder / "test.jsonl").write_text("")
+    assert_one_line_error(make_args(dataset_path=str(folder)), "--dataset_path", "empty")
+
+
+@pytest.fixture
+def two_label_classifier(tiny_model_dir, tmp_path):
+    """The tiny model's folder with a config that says: sequence classifier with 2 labels."""
+    folder = tmp_path / "two_labels"
+    shutil.copytree(tiny_model_dir, folder)
+    with open(folder / "config.json") as f:
+        config = json.load(f)
+    config.update(architectures=["LlamaForSequenceClassification"], id2label={"0": "bad", "1": "good"})
+    config["label2id"] = {"bad": 0, "good": 1}
+    with open(folder / "config.json", "w") as f:
+        json.dump(config, f)
+    return str(folder)
+
+
+def test_sequence_classifier_with_two_labels(make_args, no_model, two_label_classifier):
+    message = assert_one_line_error(make_args(model_name_or_path=two_label_classifier), "--model_name_or_path")
+    assert "2 labels" in message
+
+
+@pytest.mark.parametrize(
+    "overrides,name",
+    [
+        (dict(pairs_per_rank=8, micro_batch_size=3), "--micro_batch_size"),
+        (dict(pairs_per_rank=0), "--pairs_per_rank"),
+        (dict(micro_batch_size=0), "--micro_batch_size"),
+        (dict(max_pairs_per_prompt=0), "--max_pairs_per_prompt"),
+        (dict(num_samples_per_prompt=1), "--num_samples_per_prompt"),
+        (dict(num_train_epochs=0.0), "--num_train_epochs"),
+        (dict(learning_rate=0.0), "--learning_rate"),
+        (dict(temperature=0.0), "--temperature"),
+        (dict(top_p=1.5), "--top_p"),
+        (dict(max_length=0), "--max_length"),
+        (dict(num_eval_pairs=-1), "--num_eval_pairs"),
+        (dict(keep_checkpoints=0), "--keep_checkpoints"),
+        (dict(prompt_template="no placeholder"), "--prompt_template"),
+    ],
+)
+def test_out_of_range_values(make_args, no_model, overrides, name):
+    assert_one_line_error(make_args(**overrides), name)
+
+
+def test_too_few_pairs_for_one_step(make_args, no_model):
+    assert_one_line_error(make_args(pairs_per_rank=128, micro_batch_size=4), "--pairs_per_rank")
+
+
+def test_resume_of_a_folder_that_is_not_a_run(make_args, no_model, tmp_path):
+    (tmp_path / "not_a_run").mkdir()
+    assert_one_line_error(make_args(resume=str(tmp_path / "not_a_run")), "--resume")
+
+
+@pytest.fixture
+def model_without_chat_template(tiny_model_dir, tmp_path):
+    folder = tmp_path / "no_template_model"
+    shutil.copytree(tiny_model_dir, folder)
+    if (folder / "chat_template.jinja").exists():
+        (folder / "chat_template.jinja").unlink()
+    with open(folder / "tokenizer_config.json") as f:
+        config = json.load(f)
+    config.pop("chat_template", None)
+    with open(folder / "tokenizer_config.json", "w") as f:
+        json.dump(config, f)
+    return str(folder)
+
+
+def test_task_without_chat_template_needs_prompt_template(make_args, no_model, model_without_chat_template, task_dir):
+    args = make_args(model_name_or_path=model_without_chat_template, dataset_path=task_dir)
+    assert_one_line_error(args, "--prompt_template")
+
+
+def test_conversations_need_a_chat_template(make_args, no_model, model_without_chat_template, tmp_path):
+    folder = tmp_path / "conversations"
+    folder.mkdir()
+    row = {
+        "chosen": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}],
+        "rejected": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "go away"}],
+    }
+    for split in ("train", "test"):
+        (folder / f"{split}.jsonl").write_text(json.dumps(row) + "\n")
+    assert_one_line_error(make_args(model_name_or_path=model_without_chat_template, dataset_path=str(folder)), "chat")
+
+
+def test_cli_help():
+    proc = subprocess.run(
+        [sys.executable, "reward_modeling.py", "--help"],
+        cwd=REPO_ROOT,
+        env={**subprocess_env(), "COLUMNS": "250"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    help_text = proc.stdout.replace("-", "_")
+    for flag in ("__max_pairs_per_prompt", "__reward_model_dir", "__chosen_column", "__resume", "__lora_r"):
+        assert flag in help_text, flag
+    assert "pairs per optimizer step" in proc.stdout  # the field docstrings are the help
