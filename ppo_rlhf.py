@@ -518,7 +518,8 @@ def load_split(path, config_name, split):
 
 
 def is_local_path(path):
-    return os.path.exists(path) or path.startswith((".", "/", "~")) or path.startswith("assets/")
+    # Hub ids look like "org/name": the folders this project writes (assets/, runs/) are local even before they exist.
+    return os.path.exists(path) or path.startswith((".", "/", "~", "assets/", "runs/"))
 
 
 def fail(message):

@@ -56,6 +56,14 @@ def test_missing_reward_model_says_how_to_make_it(args_for, tmp_path):
     assert "reward_modeling.py" in message
 
 
+def test_default_reward_model_not_trained_yet(args_for, tmp_path, monkeypatch):
+    # The default, runs/reward_model, is relative and looks like a hub id ("org/name"): before
+    # `python reward_modeling.py` has made it, the run must say so, not try the hub.
+    monkeypatch.chdir(tmp_path)
+    message = assert_one_line_error(args_for(reward_model_path=ppo_rlhf.Args.reward_model_path), "--reward_model_path")
+    assert "python reward_modeling.py" in message
+
+
 def test_reward_model_with_two_labels(args_for, tmp_path):
     folder = tmp_path / "two_labels"
     folder.mkdir()

