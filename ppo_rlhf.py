@@ -165,11 +165,11 @@ class Args:
     """once, at the first step, also generate the same batch with HF generate and log both backends' tokens/s"""
 
     # PPO
-    total_steps: int = 60
+    total_steps: int = 40
     """number of rollout + update steps"""
-    prompts_per_rank: int = 16
+    prompts_per_rank: int = 8
     """prompts (one response each) per step and process"""
-    micro_batch_size: int = 8
+    micro_batch_size: int = 4
     """responses per forward/backward pass"""
     num_ppo_epochs: int = 2
     """passes over each batch"""
