@@ -126,7 +126,7 @@ def summary(timings):
         "tokens_per_second_median": statistics.median(rates),
         "tokens_per_second_min": min(rates),
         "tokens_per_second_max": max(rates),
-        "seconds": [round(s, 3) for s, _ in timings],
+        "seconds": [s for s, _ in timings],
         "tokens": [t for _, t in timings],
     }
 

@@ -403,3 +403,36 @@ def test_flag_check_catches_a_renamed_flag(help_runs):
     assert normalized_flags(script_args) - help_flags(("grpo_math.py",)) == {"--learning-rat"}
     registry_args = ["--experiments", "a=b", "--metric", "m", "--smooth", "2", "--x", "time", "--smoth", "2"]
     assert normalized_flags(registry_args) - help_flags(("-m", "benchmark.registry", "plot")) == {"--smoth"}
+
+
+# benchmark.perf_generation
+
+
+def test_generated_tokens_counts_up_to_the_first_eos():
+    from benchmark.perf_generation import generated_tokens
+
+    assert generated_tokens([5, 6, 2, 2, 2], 2, stop_at_eos=True) == 3  # the EOS counts, the padding after it not
+    assert generated_tokens([5, 6, 7], 2, stop_at_eos=True) == 3  # no EOS: cut at the length limit
+    assert generated_tokens([5, 2, 7, 2], 2, stop_at_eos=False) == 4  # fixed length: every token was computed
+
+
+def test_perf_generation_hf_run_writes_its_tables(tiny_model_dir, task_dir, tmp_path):
+    from benchmark import perf_generation
+
+    out = str(tmp_path / "gen")
+    args = perf_generation.parse_args(
+        ["--model", tiny_model_dir, "--dataset", os.path.join(task_dir, "test.jsonl"), "--num_prompts", "3", "--n",
+         "2", "--response_length", "5", "--repeats", "2", "--backends", "hf", "--out", out]
+    )  # fmt: skip
+    record = perf_generation.main(args)
+    with open(out + ".json") as f:
+        assert json.load(f)["results"] == record["results"]
+    fixed, eos = record["results"]["hf/fixed"], record["results"]["hf/eos"]
+    assert fixed["tokens"] == [3 * 2 * 5] * 2  # EOS ignored: exactly num_prompts x n x response_length tokens
+    assert all(0 < t <= 3 * 2 * 5 for t in eos["tokens"])
+    rates = [t / s for s, t in zip(fixed["seconds"], fixed["tokens"])]
+    assert fixed["tokens_per_second_min"] <= fixed["tokens_per_second_median"] <= fixed["tokens_per_second_max"]
+    assert min(rates) == pytest.approx(fixed["tokens_per_second_min"], rel=1e-9)
+    with open(out + ".md") as f:
+        table = f.read()
+    assert "| fixed length (EOS ignored) |" in table and "| stop at EOS |" in table
