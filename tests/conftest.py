@@ -207,3 +207,40 @@ def tiny_reward_model_dir(tiny_model_dir, tmp_path_factory):
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path
+
+
+class NoModelLoads:
+    """Stands in for the Auto* model classes in bad-input tests: a check that comes after a model load fails."""
+
+    @staticmethod
+    def from_pretrained(*args, **kwargs):
+        raise AssertionError("model loaded")
+
+
+def one_line_error(main, args, *names):
+    """main(args) must stop with SystemExit("error: ...") on one line that names every one of `names`."""
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    message = exc.value.code
+    assert isinstance(message, str), f"exit code {message!r} instead of a message"
+    assert "\n" not in message.strip(), f"not one line: {message!r}"
+    assert message.startswith("error: "), message
+    for name in names:
+        assert name in message, f"{name!r} not in {message!r}"
+    return message
+
+
+def cli_flags(values):
+    """Args values as command-line flags, for subprocess runs."""
+    flags = []
+    for key, value in values.items():
+        if isinstance(value, bool):
+            flags.append(f"--{key}" if value else f"--no-{key}")
+        else:
+            flags += [f"--{key}", str(value)]
+    return flags
+
+
+def train_lines(lines):
+    """The metrics.jsonl lines of training steps (step 0 is the evaluation before training)."""
+    return [line for line in lines if line["global_step"] > 0]

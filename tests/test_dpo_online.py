@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from conftest import SMOLLM2_DIR, read_metrics, subprocess_env, without_timing
+from conftest import SMOLLM2_DIR, cli_flags, read_metrics, subprocess_env, train_lines, without_timing
 from safetensors.torch import load_file
 from test_grpo_math_run import free_port, only_run_dir, require_vllm, run_checked, vllm_env
 
@@ -163,21 +163,6 @@ def make_dpo_args(tiny_model_dir, tiny_reward_model_dir, task_dir, tmp_path):
         return dpo_online.Args(**values)
 
     return _make
-
-
-def cli_flags(values):
-    """Args values as command-line flags, for subprocess runs."""
-    flags = []
-    for key, value in values.items():
-        if isinstance(value, bool):
-            flags.append(f"--{key}" if value else f"--no-{key}")
-        else:
-            flags += [f"--{key}", str(value)]
-    return flags
-
-
-def train_lines(lines):
-    return [line for line in lines if line["global_step"] > 0]
 
 
 LOG2 = torch.tensor(math.log(2)).item()  # log 2 in float32, what -log sigmoid(0) gives

@@ -4,17 +4,9 @@ import json
 import os
 
 import pytest
-from conftest import write_task
+from conftest import NoModelLoads, one_line_error, write_task
 
 import dpo_online
-
-
-class NoModelLoads:
-    """Stands in for the Auto* model classes: a check that comes after a model load fails the test."""
-
-    @staticmethod
-    def from_pretrained(*args, **kwargs):
-        raise AssertionError("model loaded")
 
 
 def write_reward_config(folder, num_labels=1, architecture="LlamaForSequenceClassification"):
@@ -44,14 +36,7 @@ def args_for(tiny_model_dir, task_dir, tmp_path, monkeypatch):
 
 
 def assert_one_line_error(args, *names):
-    with pytest.raises(SystemExit) as exc:
-        dpo_online.main(args)
-    message = exc.value.code
-    assert isinstance(message, str), f"exit code {message!r} instead of a message"
-    assert "\n" not in message.strip() and message.startswith("error: "), message
-    for name in names:
-        assert name in message, f"{name!r} not in {message!r}"
-    return message
+    return one_line_error(dpo_online.main, args, *names)
 
 
 def test_missing_reward_model_says_how_to_make_it(args_for, tmp_path):

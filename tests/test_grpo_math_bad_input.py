@@ -8,17 +8,9 @@ import sys
 from dataclasses import asdict
 
 import pytest
-from conftest import REPO_ROOT, subprocess_env, write_task
+from conftest import REPO_ROOT, NoModelLoads, one_line_error, subprocess_env, write_task
 
 import grpo_math
-
-
-class NoModelLoads:
-    """Stands in for AutoModelForCausalLM: a check that comes after the model load fails the test."""
-
-    @staticmethod
-    def from_pretrained(*args, **kwargs):
-        raise AssertionError("model loaded")
 
 
 @pytest.fixture
@@ -27,15 +19,7 @@ def no_model(monkeypatch):
 
 
 def assert_one_line_error(args, *names):
-    with pytest.raises(SystemExit) as exc:
-        grpo_math.main(args)
-    message = exc.value.code
-    assert isinstance(message, str), f"exit code {message!r} instead of a message"
-    assert "\n" not in message.strip(), f"not one line: {message!r}"
-    assert message.startswith("error: ")
-    for name in names:
-        assert name in message, f"{name!r} not in {message!r}"
-    return message
+    return one_line_error(grpo_math.main, args, *names)
 
 
 def test_missing_model_path(make_args, no_model, tmp_path):

@@ -4,17 +4,9 @@ import json
 import os
 
 import pytest
-from conftest import write_task
+from conftest import NoModelLoads, one_line_error, write_task
 
 import ppo_rlhf
-
-
-class NoModelLoads:
-    """Stands in for the Auto* model classes: a check that comes after a model load fails the test."""
-
-    @staticmethod
-    def from_pretrained(*args, **kwargs):
-        raise AssertionError("model loaded")
 
 
 @pytest.fixture
@@ -41,14 +33,7 @@ def args_for(tiny_model_dir, task_dir, tmp_path, monkeypatch):
 
 
 def assert_one_line_error(args, *names):
-    with pytest.raises(SystemExit) as exc:
-        ppo_rlhf.main(args)
-    message = exc.value.code
-    assert isinstance(message, str), f"exit code {message!r} instead of a message"
-    assert "\n" not in message.strip() and message.startswith("error: "), message
-    for name in names:
-        assert name in message, f"{name!r} not in {message!r}"
-    return message
+    return one_line_error(ppo_rlhf.main, args, *names)
 
 
 def test_missing_reward_model_says_how_to_make_it(args_for, tmp_path):

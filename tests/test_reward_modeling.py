@@ -13,7 +13,7 @@ from dataclasses import asdict
 
 import pytest
 import torch
-from conftest import REPO_ROOT, read_metrics, subprocess_env, without_timing
+from conftest import REPO_ROOT, NoModelLoads, one_line_error, read_metrics, subprocess_env, without_timing
 from safetensors.torch import load_file
 from test_grpo_math_run import require_vllm, run_checked, vllm_env
 
@@ -531,14 +531,6 @@ def test_two_processes_with_accelerate_launch(tiny_model_dir, preference_dir, tm
 # Bad input: one line, before a model is loaded
 
 
-class NoModelLoads:
-    """Stands in for the model classes: a check that comes after a model load fails the test."""
-
-    @staticmethod
-    def from_pretrained(*args, **kwargs):
-        raise AssertionError("model loaded")
-
-
 @pytest.fixture
 def no_model(monkeypatch):
     monkeypatch.setattr(rm, "AutoModelForSequenceClassification", NoModelLoads)
@@ -546,15 +538,7 @@ def no_model(monkeypatch):
 
 
 def assert_one_line_error(args, *names):
-    with pytest.raises(SystemExit) as exc:
-        rm.main(args)
-    message = exc.value.code
-    assert isinstance(message, str), f"exit code {message!r} instead of a message"
-    assert "\n" not in message.strip(), f"not one line: {message!r}"
-    assert message.startswith("error: ")
-    for name in names:
-        assert name in message, f"{name!r} not in {message!r}"
-    return message
+    return one_line_error(rm.main, args, *names)
 
 
 def test_missing_model_path(make_args, no_model, tmp_path):
