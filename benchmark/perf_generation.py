@@ -22,6 +22,7 @@ import statistics
 import time
 
 import torch
+import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -67,9 +68,8 @@ def generated_tokens(token_ids, eos_token_id, stop_at_eos):
     return len(token_ids)
 
 
-def time_hf(args, tokenizer, prompts, stop_at_eos):
+def time_hf(args, model, tokenizer, prompts, stop_at_eos):
     """[(seconds, tokens)] of --repeats calls of HF generate on the whole batch (one untimed warm-up first)."""
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).eval()
     width = max(map(len, prompts))
     batch = [p for p in prompts for _ in range(args.n)]
     input_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in batch])
@@ -95,7 +95,6 @@ def time_hf(args, tokenizer, prompts, stop_at_eos):
         tokens = sum(generated_tokens(row.tolist(), tokenizer.eos_token_id, stop_at_eos) for row in out[:, width:])
         if call > 0:
             timings.append((seconds, tokens))
-    del model
     return timings
 
 
@@ -137,9 +136,11 @@ def main(args):
     prompts = load_prompts(tokenizer, args.dataset, args.question_column, args.instruction, args.num_prompts)
     results = {}
     if "hf" in args.backends:
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).eval()
         for setting in args.settings:
-            results[f"hf/{setting}"] = summary(time_hf(args, tokenizer, prompts, setting == "eos"))
+            results[f"hf/{setting}"] = summary(time_hf(args, model, tokenizer, prompts, setting == "eos"))
             print(f"hf generate, {setting}: {results[f'hf/{setting}']['tokens_per_second_median']:.1f} tokens/s")
+        del model  # its memory goes back before the vLLM engine takes its share
     if "vllm" in args.backends:
         if not torch.cuda.is_available():  # the CPU build: an in-process engine on all of this machine's cores
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, sorted(os.sched_getaffinity(0)))))
@@ -165,8 +166,6 @@ def main(args):
             )
             print(f"vllm, {setting}: {results[f'vllm/{setting}']['tokens_per_second_median']:.1f} tokens/s")
         llm.llm_engine.engine_core.shutdown()
-
-    import transformers
 
     versions = {"torch": torch.__version__, "transformers": transformers.__version__}
     try:
