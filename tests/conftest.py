@@ -244,3 +244,18 @@ def cli_flags(values):
 def train_lines(lines):
     """The metrics.jsonl lines of training steps (step 0 is the evaluation before training)."""
     return [line for line in lines if line["global_step"] > 0]
+
+
+@pytest.fixture
+def model_without_chat_template(tiny_model_dir, tmp_path):
+    """The tiny model's folder with the chat template removed from its tokenizer (bad-input tests)."""
+    folder = tmp_path / "no_template_model"
+    shutil.copytree(tiny_model_dir, folder)
+    if (folder / "chat_template.jinja").exists():
+        (folder / "chat_template.jinja").unlink()
+    with open(folder / "tokenizer_config.json") as f:
+        config = json.load(f)
+    config.pop("chat_template", None)
+    with open(folder / "tokenizer_config.json", "w") as f:
+        json.dump(config, f)
+    return str(folder)

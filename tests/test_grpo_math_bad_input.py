@@ -2,7 +2,6 @@
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from dataclasses import asdict
@@ -113,20 +112,6 @@ def test_out_of_range_values(make_args, no_model, name, value):
 
 def test_prompts_longer_than_max_prompt_length(make_args, no_model):
     assert_one_line_error(make_args(max_prompt_length=4), "--max_prompt_length")
-
-
-@pytest.fixture
-def model_without_chat_template(tiny_model_dir, tmp_path):
-    folder = tmp_path / "no_template_model"
-    shutil.copytree(tiny_model_dir, folder)
-    if (folder / "chat_template.jinja").exists():
-        (folder / "chat_template.jinja").unlink()
-    with open(folder / "tokenizer_config.json") as f:
-        config = json.load(f)
-    config.pop("chat_template", None)
-    with open(folder / "tokenizer_config.json", "w") as f:
-        json.dump(config, f)
-    return str(folder)
 
 
 def test_tokenizer_without_chat_template_needs_prompt_template(make_args, no_model, model_without_chat_template):

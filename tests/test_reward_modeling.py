@@ -632,20 +632,6 @@ def test_resume_of_a_folder_that_is_not_a_run(make_args, no_model, tmp_path):
     assert_one_line_error(make_args(resume=str(tmp_path / "not_a_run")), "--resume")
 
 
-@pytest.fixture
-def model_without_chat_template(tiny_model_dir, tmp_path):
-    folder = tmp_path / "no_template_model"
-    shutil.copytree(tiny_model_dir, folder)
-    if (folder / "chat_template.jinja").exists():
-        (folder / "chat_template.jinja").unlink()
-    with open(folder / "tokenizer_config.json") as f:
-        config = json.load(f)
-    config.pop("chat_template", None)
-    with open(folder / "tokenizer_config.json", "w") as f:
-        json.dump(config, f)
-    return str(folder)
-
-
 def test_task_without_chat_template_needs_prompt_template(make_args, no_model, model_without_chat_template, task_dir):
     args = make_args(model_name_or_path=model_without_chat_template, dataset_path=task_dir)
     assert_one_line_error(args, "--prompt_template")
