@@ -2,8 +2,8 @@
 
 Group Relative Policy Optimization (Shao et al., "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in
 Open Language Models", arXiv 2402.03300), with the options of DAPO (Yu et al., arXiv 2503.14476: clip-higher,
-token-mean loss) and Dr. GRPO (Liu et al., "Understanding R1-Zero-Like Training: A Critical Perspective",
-arXiv 2503.20783: no std scaling, constant normalizer).
+token-mean loss, dynamic sampling) and Dr. GRPO (Liu et al., "Understanding R1-Zero-Like Training: A Critical
+Perspective", arXiv 2503.20783: no std scaling, constant normalizer).
 
 For every prompt the policy samples a group of G completions. A verifier gives each one a reward (1 if its final
 answer is right, else 0). The advantage of a completion is its reward relative to its group, A_i = r_i - mean(r),
@@ -157,6 +157,10 @@ class Args:
     """prompts sampled per step by each process"""
     num_generations: int = 8
     """G, completions per prompt (the group)"""
+    oversample: int = 1
+    """DAPO dynamic sampling: sample oversample * prompts_per_rank prompts per step and train on prompts_per_rank
+    of them, groups whose completions got different rewards first (a group with one reward has zero advantages
+    and only dilutes the token mean); 1: off"""
     micro_batch_size: int = 8
     """completions per forward/backward pass"""
     num_minibatches: int = 1
@@ -244,6 +248,17 @@ def group_advantages(rewards, group_size, scale_rewards, eps=1e-4):
     if scale_rewards == "none":
         return centred
     raise ValueError(f"unknown scale_rewards {scale_rewards!r}; expected group, batch or none")
+
+
+def select_groups(rewards, group_size, num_groups):
+    """DAPO dynamic sampling. rewards: [M * group_size], consecutive blocks are groups. Keeps num_groups groups:
+    those whose rewards are not all equal, in order, then equal-reward ones to fill the batch. Returns the sorted
+    indices of the kept completions [num_groups * group_size]."""
+    grouped = rewards.view(-1, group_size)
+    informative = (grouped != grouped[:, :1]).any(dim=1)  # [M]
+    order = torch.cat([torch.nonzero(informative).flatten(), torch.nonzero(~informative).flatten()])
+    kept = order[:num_groups].sort().values
+    return (kept.unsqueeze(1) * group_size + torch.arange(group_size)).flatten()
 
 
 def clipped_surrogate(logprobs, old_logprobs, advantages, clip_eps_low, clip_eps_high):
@@ -505,6 +520,7 @@ def check_args(args):
         fail(f"--num_generations must be >= 2 (GRPO compares completions within a group); got {args.num_generations}")
     for name in (
         "prompts_per_rank",
+        "oversample",
         "micro_batch_size",
         "num_minibatches",
         "num_iterations",
@@ -922,13 +938,15 @@ def main(args: Args):
     for step in progress:
         t_step = time.time()
         metrics = {}
-        # 1. Prompts of this step: every process takes its slice of a global, seeded order.
-        global_indices = step_prompt_indices(step, args.prompts_per_rank * world_size, len(train_prompts), args.seed)
-        indices = global_indices[rank * args.prompts_per_rank : (rank + 1) * args.prompts_per_rank]
+        # 1. Prompts of this step: every process takes its slice of a global, seeded order (oversample times as
+        # many with dynamic sampling).
+        num_sampled = args.prompts_per_rank * args.oversample
+        global_indices = step_prompt_indices(step, num_sampled * world_size, len(train_prompts), args.seed)
+        indices = global_indices[rank * num_sampled : (rank + 1) * num_sampled]
         prompts = [train_prompts[i] for i in indices]
         golds = [train_golds[i] for i in indices for _ in range(args.num_generations)]
 
-        # 2. Rollout: G completions per prompt, consecutive. responses, mask [B, R], B = prompts_per_rank * G.
+        # 2. Rollout: G completions per prompt, consecutive. responses [num_sampled * G, R].
         t0 = time.time()
         responses, mask, sampler_logprobs, texts = generate(prompts, args.num_generations, args.temperature, llm)
         metrics["time/generation"] = time.time() - t0
@@ -942,7 +960,35 @@ def main(args: Args):
                 metrics["perf/generation_tokens_per_second"] / metrics["perf/hf_generate_tokens_per_second"]
             )
 
+        # 3. Reward from the verifier. The objective/ metrics describe everything sampled.
+        t0 = time.time()
+        rewards, correct, formatted = compute_rewards(texts, golds, args.format_reward)
+        if not torch.isfinite(rewards).all():
+            raise RuntimeError(
+                f"step {step + 1}: non-finite objective/scores ({rewards.tolist()}); last good checkpoint: "
+                f"{last_checkpoint or 'none'}"
+            )
+        metrics["time/reward"] = time.time() - t0
+        metrics["objective/scores"] = rewards.mean().item()
+        metrics["objective/accuracy"] = correct.mean().item()
+        metrics["objective/format"] = formatted.mean().item()
+        metrics["objective/zero_std_groups"] = (
+            (rewards.view(-1, args.num_generations).std(1) == 0).float().mean().item()
+        )
+        metrics["objective/response_length"] = mask.sum(1).float().mean().item()
+        metrics["val/num_eos_tokens"] = ((responses == eos_id) & (mask > 0)).sum().item()
+        if args.oversample > 1:
+            # Dynamic sampling: train on prompts_per_rank groups, those with a reward signal first. [B]
+            keep = select_groups(rewards, args.num_generations, args.prompts_per_rank)
+            responses, mask, rewards = responses[keep], mask[keep], rewards[keep]
+            sampler_logprobs = sampler_logprobs[keep] if sampler_logprobs is not None else None
+            prompts = [prompts[i // args.num_generations] for i in keep[:: args.num_generations].tolist()]
+            metrics["objective/zero_std_groups_trained"] = (
+                (rewards.view(-1, args.num_generations).std(1) == 0).float().mean().item()
+            )
+
         # Trim the response columns that no completion uses: nothing after the longest one is computed.
+        # responses, mask [B, R], B = prompts_per_rank * G.
         width = max(1, int(mask.sum(1).max()))
         responses, mask = responses[:, :width], mask[:, :width].to(accelerator.device)
         if sampler_logprobs is not None:
@@ -952,25 +998,8 @@ def main(args: Args):
         query_responses = torch.cat([prompt_ids, responses], 1).to(accelerator.device)  # [B, P + R]
         attention_mask = torch.cat([prompt_mask.to(accelerator.device), mask.long()], 1)
 
-        # 3. Reward from the verifier.
-        t0 = time.time()
-        rewards, correct, formatted = compute_rewards(texts, golds, args.format_reward)
-        if not torch.isfinite(rewards).all():
-            raise RuntimeError(
-                f"step {step + 1}: non-finite objective/scores ({rewards.tolist()}); last good checkpoint: "
-                f"{last_checkpoint or 'none'}"
-            )
-        metrics["time/reward"] = time.time() - t0
-
         # 4. Advantages: each completion against its own group. [B]
         advantages = group_advantages(rewards, args.num_generations, args.scale_rewards).to(accelerator.device)
-        group_std = rewards.view(-1, args.num_generations).std(1)
-        metrics["objective/scores"] = rewards.mean().item()
-        metrics["objective/accuracy"] = correct.mean().item()
-        metrics["objective/format"] = formatted.mean().item()
-        metrics["objective/zero_std_groups"] = (group_std == 0).float().mean().item()
-        metrics["objective/response_length"] = mask.sum(1).float().mean().item()
-        metrics["val/num_eos_tokens"] = ((responses.to(mask.device) == eos_id) & (mask > 0)).sum().item()
 
         # 5. Log-probs that stay fixed during the update: the old policy's (needed only when the batch is reused,
         # otherwise the first pass is exactly on-policy) and the reference's (for the KL term). [B, R]

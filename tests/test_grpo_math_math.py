@@ -21,6 +21,7 @@ from grpo_math import (
     masked_mean,
     response_logprobs,
     response_mask,
+    select_groups,
     step_prompt_indices,
     verify_answer,
 )
@@ -477,3 +478,35 @@ def test_response_logprobs_left_padded_batch_matches_each_alone(tiny_model_dir, 
 def test_module_exposes_main_and_args():
     assert callable(grpo_math.main)
     assert grpo_math.Args().num_generations >= 2
+
+
+# select_groups (DAPO dynamic sampling)
+
+
+def select_groups_reference(rewards, group_size, num_groups):
+    groups = [rewards[i : i + group_size] for i in range(0, len(rewards), group_size)]
+    informative = [g for g, values in enumerate(groups) if any(v != values[0] for v in values)]
+    uniform = [g for g, values in enumerate(groups) if all(v == values[0] for v in values)]
+    kept = sorted((informative + uniform)[:num_groups])
+    return [g * group_size + j for g in kept for j in range(group_size)]
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("num_sampled,group_size,num_groups", [(6, 4, 2), (5, 2, 5), (8, 8, 1), (3, 3, 3)])
+def test_select_groups_matches_loop(seed, num_sampled, group_size, num_groups):
+    rng = random.Random(seed)
+    # Binary rewards with many all-equal groups, and some non-binary values (a format bonus).
+    rewards = [
+        rng.choice([0.0, 0.0, 1.0, 1.1]) if rng.random() < 0.5 else 0.0 for _ in range(num_sampled * group_size)
+    ]
+    got = select_groups(torch.tensor(rewards), group_size, num_groups).tolist()
+    assert got == select_groups_reference(rewards, group_size, num_groups)
+    assert len(got) == num_groups * group_size
+
+
+def test_select_groups_prefers_groups_with_a_signal_by_hand():
+    # Groups: [1, 1], [0, 1], [0, 0], [1, 0]; two are kept: the 2nd and the 4th, in their original order.
+    rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0])
+    assert select_groups(rewards, 2, 2).tolist() == [2, 3, 6, 7]
+    # Three kept: the two with a signal, then the first all-equal group.
+    assert select_groups(rewards, 2, 3).tolist() == [0, 1, 2, 3, 6, 7]

@@ -274,6 +274,29 @@ def test_policy_learns_a_toy_reward(make_args, monkeypatch, sign):
 
 
 @pytest.mark.slow
+def test_dynamic_sampling_trains_on_the_groups_with_a_signal(make_args, monkeypatch):
+    """With --oversample 2, four groups are sampled per step and two trained on. The toy reward gives every
+    completion of groups 0 and 2 the same reward, and alternating rewards in groups 1 and 3: half the sampled groups
+    carry no signal, and none of the trained ones do (without dynamic sampling, one of the two would)."""
+    calls = []
+
+    def reward(completions, golds, format_reward):
+        calls.append(list(completions))
+        group = torch.arange(len(completions)) // 4
+        rewards = torch.where(group % 2 == 1, (torch.arange(len(completions)) % 2).float(), torch.zeros(()))
+        return rewards, rewards, torch.zeros(len(completions))
+
+    monkeypatch.setattr(grpo_math, "compute_rewards", reward)
+    args = make_args(total_steps=2, prompts_per_rank=2, num_generations=4, micro_batch_size=4, oversample=2)
+    lines = train_lines(read_metrics(grpo_math.main(args)))
+    assert [len(c) for c in calls if len(c) == 16] == [16, 16], "each step samples 2 x 2 prompts x 4 completions"
+    for line in lines:
+        assert line["objective/zero_std_groups"] == 0.5
+        assert line["objective/zero_std_groups_trained"] == 0.0
+        assert line["objective/scores"] == 0.25
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("lora_r", [0, 4])
 def test_kl_to_reference_starts_at_zero(make_args, monkeypatch, lora_r):
     """beta > 0: with LoRA the reference is the model with its adapters off (LoRA B starts at zero), without it a
