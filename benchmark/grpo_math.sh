@@ -16,3 +16,6 @@ python -m benchmark.registry plot --experiments "grpo=runs/arith_1d__grpo__[123]
     --metric eval/accuracy objective/accuracy --smooth 8 --x time --out benchmark/results/grpo_math_time.png
 python -m benchmark.registry table --experiments "grpo=runs/arith_1d__grpo__[123]__*" \
     --metrics eval/accuracy eval_gsm8k/accuracy objective/scores --out benchmark/results/grpo_math.md
+
+# The peer comparison: TRL's GRPOTrainer against grpo_math.py (HF generate and vLLM), 20 steps of the default batch.
+python -m benchmark.peer_trl --steps 20 --seeds 1

@@ -14,6 +14,7 @@ import textwrap
 
 import numpy as np
 import pytest
+import torch
 from conftest import REPO_ROOT, subprocess_env
 
 from benchmark import registry
@@ -338,6 +339,8 @@ def script_invocations(tokens):
         return [(("-m", "benchmark.run"), own), ((script,), script_args + added)]
     if rest[:2] == ["-m", "benchmark.registry"]:
         return [(("-m", "benchmark.registry", rest[2]), rest[3:])]
+    if rest[0] == "-m":
+        return [(("-m", rest[1]), rest[2:])]
     assert rest and rest[0].endswith(".py"), f"unexpected command: {shlex.join(tokens)}"
     return [((rest[0],), rest[1:])]
 
@@ -436,3 +439,70 @@ def test_perf_generation_hf_run_writes_its_tables(tiny_model_dir, task_dir, tmp_
     with open(out + ".md") as f:
         table = f.read()
     assert "| fixed length (EOS ignored) |" in table and "| stop at EOS |" in table
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# benchmark/peer_trl.py: the TRL comparison
+
+
+def test_peer_step_seconds_leave_out_evaluated_steps():
+    from benchmark import peer_trl
+
+    assert peer_trl.step_seconds(10.0, [11.0, 13.5, 14.0, 20.0]) == [1.0, 2.5, 0.5, 6.0]
+    assert peer_trl.step_seconds(10.0, [11.0, 13.5, 14.0, 20.0], skip={2, 4}) == [1.0, 0.5]
+
+
+def test_peer_evaluate_is_greedy_pass_at_1_with_grpo_maths_verifier(tiny_model_dir, task_dir, monkeypatch):
+    """hf_generate replaced by one that answers the even-numbered held-out problems right and the others wrong:
+    the accuracy must be exactly the fraction of even-numbered problems, over every held-out problem."""
+    from transformers import AutoTokenizer
+
+    import grpo_math
+    from benchmark import peer_trl
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    rows = peer_trl.read_jsonl(os.path.join(task_dir, "test.jsonl"))
+    prompts, golds = peer_trl.grpo_prompts(tokenizer, rows)
+    calls = []
+
+    def fake_generate(model, batch, n, response_length, temperature, *rest):
+        # evaluate() walks the held-out problems in order: the i-th prompt seen is problem i.
+        first = sum(c[0] for c in calls)
+        calls.append((len(batch), n, temperature))
+        assert batch == prompts[first : first + len(batch)]
+        texts = [f"Answer: {golds[i]}" if i % 2 == 0 else "Answer: 12345" for i in range(first, first + len(batch))]
+        ids = [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
+        width = max(map(len, ids))
+        responses = torch.tensor([row + [tokenizer.pad_token_id] * (width - len(row)) for row in ids])
+        return responses, torch.tensor([len(row) for row in ids])
+
+    monkeypatch.setattr(grpo_math, "hf_generate", fake_generate)
+    args = peer_trl.parse_args(["--model", tiny_model_dir, "--dataset", task_dir, "--eval_batch_size", "5"])
+    accuracy, num_problems = peer_trl.evaluate(tiny_model_dir, args)
+    assert num_problems == len(rows) == 16
+    assert accuracy == sum(1 for i in range(16) if i % 2 == 0) / 16
+    assert [c[0] for c in calls] == [5, 5, 5, 1] and all(c[1:] == (1, 0.0) for c in calls)
+
+
+@pytest.mark.slow
+def test_peer_trl_runs_both_sides_and_writes_the_table(tiny_model_dir, task_dir, tmp_path):
+    pytest.importorskip("trl")
+    out = tmp_path / "results" / "peer"
+    command = [sys.executable, "-m", "benchmark.peer_trl", "--model", tiny_model_dir, "--dataset", task_dir]
+    command += ["--steps", "2", "--sides", "trl", "ours_hf", "--output_dir", str(tmp_path / "runs")]
+    command += ["--out", str(out), "--num_eval_prompts", "4", "--response_length", "8"]
+    result = subprocess.run(command, cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    with open(str(out) + ".json") as f:
+        results = json.load(f)
+    runs = {r["side"]: r for r in results["runs"]}
+    assert set(runs) == {"trl", "ours_hf"}
+    assert runs["trl"]["steps"] == 2  # both optimizer steps timed
+    assert runs["ours_hf"]["steps"] == 1  # the last step ran the final evaluation: left out
+    assert all(r["num_eval_problems"] == 4 and 0.0 <= r["final_accuracy"] <= 1.0 for r in runs.values())
+    assert results["summary"]["trl"]["step_time_over_trl"] == 1.0
+    ratio = results["summary"]["ours_hf"]["step_time_over_trl"]
+    assert ratio == pytest.approx(runs["ours_hf"]["median_step_seconds"] / runs["trl"]["median_step_seconds"])
+    with open(str(out) + ".md") as f:
+        table = f.read()
+    assert "| trl | 1 |" in table and "| ours_hf | 1 |" in table and "trl 1.16.0" in table
