@@ -8,6 +8,8 @@ Reads only runs/{run_name}/config.json ({"args": {...}, "git_sha": ..., ...}) an
         --metric eval/accuracy objective/accuracy --x step --smooth 8 --out benchmark/results/grpo_math.png
     python -m benchmark.registry table --experiments "grpo=runs/arith_1d__grpo__*" \
         --metrics eval/accuracy objective/scores --out benchmark/results/grpo_math.md
+    python -m benchmark.registry perf --experiments "grpo_math=runs/arith_1d__grpo__1__*" \
+        "ppo_rlhf=runs/arith_1d__ppo__1__*" --out benchmark/results/training_throughput
 
 An experiment is LABEL=GLOB: the run folders the glob matches are its seeds. By default only the newest run of each
 seed is kept (the run name ends in its unix start time), so an interrupted or older run of the same seed does not
@@ -245,6 +247,72 @@ def summarize(runs, metrics):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Performance: where a training step's time goes
+
+PERF_METRICS = (
+    "time/generation",
+    "time/reward",
+    "time/training",
+    "time/weight_sync",
+    "perf/generation_tokens_per_second",
+    "perf/train_tokens_per_second",
+)
+
+
+def step_seconds(lines):
+    """Wall-clock of every training step: the time between consecutive logged steps, leaving out the steps that
+    ran an evaluation (a line with an eval metric) and the first step after a resume (time restarts near 0)."""
+    steps = [line for line in lines if "time" in line]
+    return [
+        b["time"] - a["time"]
+        for a, b in zip(steps, steps[1:])
+        if b["global_step"] == a["global_step"] + 1
+        and b["time"] >= a["time"]
+        and not any(k.startswith("eval") for k in b)
+    ]
+
+
+def perf_summary(run):
+    """Medians over the training steps of one run: step wall-clock and each PERF_METRICS present."""
+    training = [line for line in run["lines"] if line.get("global_step", 0) > 0]
+    summary = {"steps": len(training)}
+    seconds = step_seconds(run["lines"])
+    if seconds:
+        summary["step_seconds"] = float(np.median(seconds))
+    for metric in PERF_METRICS:
+        values = [line[metric] for line in training if isinstance(line.get(metric), (int, float))]
+        if values:
+            summary[metric] = float(np.median(values))
+    return summary
+
+
+def perf_table(experiments):
+    """(markdown, records): one row per run, medians over its training steps; the time split as seconds and as
+    a share of the step."""
+    header = ["experiment", "run", "steps", "s/step", "generation", "reward", "training", "weight sync"]
+    header += ["generation tok/s", "training tok/s"]
+    rows, records = [header, ["---"] * len(header)], []
+    for label, runs in experiments:
+        for run in runs:
+            s = perf_summary(run)
+            records.append({"experiment": label, "run": run["name"], **s})
+            step = s.get("step_seconds")
+
+            def cell(metric, s=s, step=step):
+                if metric not in s:
+                    return "–"
+                share = f" ({100 * s[metric] / step:.0f}%)" if step else ""
+                return f"{s[metric]:.2f} s{share}"
+
+            rows.append(
+                [label, run["name"], str(s["steps"]), "–" if step is None else f"{step:.2f}"]
+                + [cell(m) for m in PERF_METRICS[:4]]
+                + [f"{s[m]:.0f}" if m in s else "–" for m in PERF_METRICS[4:]]
+            )
+    return "\n".join("| " + " | ".join(row) + " |" for row in rows) + "\n", records
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Tables
 
 
@@ -408,6 +476,10 @@ def build_parser():
     p.add_argument("--metrics", nargs="+", required=True, help="the metrics in the table")
     p.add_argument("--out", default=None, help="also write the table to this .md file")
     p.add_argument("--digits", type=int, default=3, help="decimals of the metric values")
+
+    p = commands.add_parser("perf", help="per-step time split and throughput (medians over steps), JSON + markdown")
+    experiments_args(p)
+    p.add_argument("--out", default=None, help="also write {out}.md and {out}.json")
     return parser
 
 
@@ -426,6 +498,13 @@ def main(argv=None):
     elif args.command == "table":
         experiments = load_experiments(args.experiments, args.all_runs)
         write_text(markdown_table(experiments, args.metrics, args.digits), args.out)
+    elif args.command == "perf":
+        experiments = load_experiments(args.experiments, args.all_runs)
+        table, records = perf_table(experiments)
+        write_text(table, args.out and args.out + ".md")
+        if args.out:
+            with open(args.out + ".json", "w") as f:
+                json.dump(records, f, indent=2)
 
 
 if __name__ == "__main__":

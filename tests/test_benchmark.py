@@ -302,6 +302,39 @@ def test_registry_plots_png_by_step_and_time(synthetic_runs, tmp_path):
     assert os.path.getsize(out) > 5000
 
 
+def test_registry_perf_medians_and_step_seconds(tmp_path):
+    """Steps of 2, 3, 4, ... seconds, an evaluation at step 4 (its step is left out of the step times), a resume at
+    step 7 (time restarts near 0: that step is left out too). Every median is that of the values written."""
+    rng = np.random.default_rng(0)
+    lines, t = [{"global_step": 0, "time": 5.0, "eval/accuracy": 0.1}], 5.0
+    written = {m: [] for m in registry.PERF_METRICS}
+    for step in range(1, 11):
+        t = 1.0 if step == 7 else t + step + 1
+        line = {"global_step": step, "time": t}
+        for metric in registry.PERF_METRICS:
+            line[metric] = float(rng.uniform(0, 100))
+            written[metric].append(line[metric])
+        if step == 4:
+            line["eval/accuracy"] = 0.2
+        lines.append(line)
+    path = write_run(str(tmp_path / "runs"), "arith__grpo__1__1000", 1, lines)
+    expected_steps = [step + 1.0 for step in range(1, 11) if step not in (4, 7)]
+    assert registry.step_seconds(lines) == pytest.approx(expected_steps)
+    summary = registry.perf_summary(registry.load_run(path))
+    assert summary["steps"] == 10
+    assert summary["step_seconds"] == pytest.approx(statistics.median(expected_steps))
+    for metric in registry.PERF_METRICS:
+        assert summary[metric] == pytest.approx(statistics.median(written[metric]))
+    out = tmp_path / "results" / "perf"
+    registry.main(["perf", "--experiments", f"g={path}", "--out", str(out)])
+    with open(str(out) + ".json") as f:
+        assert json.load(f) == [{"experiment": "g", "run": "arith__grpo__1__1000", **summary}]
+    with open(str(out) + ".md") as f:
+        table = f.read()
+    generation = summary["time/generation"]
+    assert f"| {generation:.2f} s ({100 * generation / summary['step_seconds']:.0f}%) |" in table
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # benchmark/*.sh: every flag given to a script (or to benchmark.run / benchmark.registry) exists in its --help
 
