@@ -1435,6 +1435,9 @@ def main(args: Args):
             t_last = time.time()
             samples = []
             if (args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == args.total_steps:
+                if step + 1 == args.total_steps:  # every batch is made: the last evaluation gets all the threads
+                    generator.join()
+                    set_num_threads(total_threads)
                 eval_metrics, samples = evaluate(step + 1)
                 metrics.update(eval_metrics)
             log(step + 1, metrics, samples)
