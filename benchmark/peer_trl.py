@@ -31,6 +31,9 @@ import subprocess
 import sys
 import time
 
+from benchmark import registry
+from benchmark.registry import read_jsonl
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIDES = ("trl", "ours_hf", "ours_vllm")
 
@@ -62,11 +65,6 @@ def grpo_prompts(tokenizer, rows):
     import grpo_math
 
     return grpo_math.build_prompts(tokenizer, rows, grpo_math.Args())
-
-
-def read_jsonl(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def verifier_reward(completions, gold, **kwargs):
@@ -141,10 +139,7 @@ def step_seconds(start, step_ends, skip=()):
 
 def our_step_seconds(run_dir):
     """Per-step wall-clock of a grpo_math.py run from its metrics.jsonl, steps that evaluated left out."""
-    lines = [line for line in read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if line["global_step"] > 0]
-    start = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))[0]["time"]  # the step-0 evaluation line
-    evaluated = {line["global_step"] for line in lines if "eval/accuracy" in line}
-    return step_seconds(start, [line["time"] for line in lines], skip=evaluated)
+    return registry.step_seconds(read_jsonl(os.path.join(run_dir, "metrics.jsonl")))
 
 
 def evaluate(model_dir, args):
