@@ -841,16 +841,16 @@ def main(args: Args):
                 target_modules=list(args.lora_target_modules),
             ),
         )
-    else:  # with LoRA, the reference is the policy with its adapters switched off
-        ref_policy = load(args.model_name_or_path, AutoModelForCausalLM).requires_grad_(False).eval()
-        ref_policy = ref_policy.to(device)
     # The generator's device: with more GPUs than processes, a spare GPU of its own (the paper's layout); else the
-    # learner's. It holds its policy copy (which receives the
-    # learner's weights after every step) and the reward model.
+    # learner's. It holds its policy copy (which receives the learner's weights after every step), the reference
+    # policy and the reward model: what depends on the batch only is computed while the learner trains.
     gen_device = device
     spare_gpus = torch.cuda.device_count() - world_size if torch.cuda.is_available() else 0
     if spare_gpus > 0 and not use_vllm:
         gen_device = torch.device("cuda", world_size + rank % spare_gpus)
+    if args.lora_r == 0:  # with LoRA, the reference is the learner's policy with its adapters switched off
+        ref_policy = load(args.model_name_or_path, AutoModelForCausalLM).requires_grad_(False).eval()
+        ref_policy = ref_policy.to(gen_device)
     reward_model, reward_bias = None, 0.0
     if args.judge == "reward_model":
         reward_model = load(args.reward_model_path, AutoModelForSequenceClassification).requires_grad_(False).eval()
@@ -986,6 +986,22 @@ def main(args: Args):
             engine["version"] = version
         return version
 
+    def score_rows(scorer, query_responses, attention_mask, context_length):
+        """Generator: the log-probs [nP, R] (on the CPU) of `scorer` for a batch, micro_batch_size prompts (all their
+        completions) per forward pass. The learner's micro-batches hold the same rows, in another order for DPO (the
+        chosen then the rejected), which leaves each row's result unchanged: with --sync the first update starts
+        exactly at the reference and at ratio 1."""
+        k = args.micro_batch_size * n
+        with torch.no_grad():
+            return torch.cat(
+                [
+                    response_logprobs(
+                        scorer, query_responses[i : i + k], attention_mask[i : i + k], context_length, args.temperature
+                    )[0].cpu()
+                    for i in range(0, len(query_responses), k)
+                ]
+            )
+
     def make_batch(t):
         """Generator: batch t, the prompts of step t, from the newest published weights. Rows i * n .. i * n + n - 1
         answer prompt i. The tensors stay on the generator's side; the learner moves them."""
@@ -1015,20 +1031,18 @@ def main(args: Args):
                 # RLOO with HF generate: the generator's copy scores its samples, in the learner's micro-batches, so
                 # that with --sync the ratio pi / pi_generator starts at 1. old_logprobs [nP, R].
                 t0 = time.time()
-                old_logprobs = torch.zeros(mask.shape)
-                rows_per_pass = args.micro_batch_size * n
-                with torch.no_grad():
-                    for start in range(0, len(mask), rows_per_pass):
-                        rows = slice(start, start + rows_per_pass)
-                        old_logprobs[rows] = response_logprobs(
-                            gen_model, query_responses[rows], attention_mask[rows], context_length, args.temperature
-                        )[0].cpu()
+                old_logprobs = score_rows(gen_model, query_responses, attention_mask, context_length)
                 timings["time/generator_logprobs"] = time.time() - t0
             scores = None  # [nP]; the verifier judges in the learner's main thread
             if reward_model is not None:  # the reward model depends on the batch only: it overlaps the update
                 t0 = time.time()
                 scores = judge(query_responses, attention_mask, texts, golds)
                 timings["time/reward"] = time.time() - t0
+        ref_logprobs = None  # with LoRA the learner computes them, with its own model (adapters off)
+        if ref_policy is not None:  # the reference depends on the batch only: ~1/4 of the learner's compute moves here
+            t0 = time.time()
+            ref_logprobs = score_rows(ref_policy, query_responses, attention_mask, context_length)
+            timings["time/reference_logprobs"] = time.time() - t0
         return dict(
             step=t,
             version=version,
@@ -1041,6 +1055,7 @@ def main(args: Args):
             context_length=context_length,
             sampler_logprobs=sampler_logprobs,
             old_logprobs=old_logprobs,
+            ref_logprobs=ref_logprobs,
             scores=scores,
             timings=timings,
         )
@@ -1284,18 +1299,20 @@ def main(args: Args):
             else:
                 micro_rows = [torch.arange(i * n, (i + mb) * n, device=device) for i in starts]
 
-            # 4. The reference's log-probs of every completion, in the very micro-batches the update will use, so
-            # that before the first update the policy's equal them bit for bit. ref_logprobs [nP, R].
+            # 4. The reference's log-probs of every completion [nP, R]: from the generator (a separate reference
+            # model), or with LoRA from the learner's model with its adapters off, in the very micro-batches the
+            # update will use. Either way, before the first update the policy's log-probs equal them bit for bit.
             t_train = time.time()
-            ref_logprobs = torch.zeros(mask.shape, device=device)
-            ref_context = unwrapped.disable_adapter() if args.lora_r > 0 else contextlib.nullcontext()
-            model.eval()
-            reference = ref_policy or model
-            with torch.no_grad(), ref_context:
-                for rows in micro_rows:
-                    ref_logprobs[rows] = response_logprobs(
-                        reference, query_responses[rows], attention_mask[rows], context_length, args.temperature
-                    )[0]
+            ref_logprobs = batch["ref_logprobs"]
+            if ref_logprobs is None:
+                ref_logprobs = torch.zeros(mask.shape, device=device)
+                model.eval()
+                with torch.no_grad(), unwrapped.disable_adapter():
+                    for rows in micro_rows:
+                        ref_logprobs[rows] = response_logprobs(
+                            model, query_responses[rows], attention_mask[rows], context_length, args.temperature
+                        )[0]
+            ref_logprobs = ref_logprobs.to(device)
             ref_sequence_logps = (ref_logprobs * mask).sum(1)  # [nP]
             if not is_dpo:
                 # RLOO's reward: the score minus the KL penalty to the reference, summed over each completion, with
