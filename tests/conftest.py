@@ -5,9 +5,14 @@ here at import time, before any test module imports transformers or the scripts.
 """
 
 import atexit
+import contextlib
+import glob
 import json
 import os
 import shutil
+import signal
+import socket
+import subprocess
 import sys
 import tempfile
 
@@ -259,3 +264,55 @@ def model_without_chat_template(tiny_model_dir, tmp_path):
     with open(folder / "tokenizer_config.json", "w") as f:
         json.dump(config, f)
     return str(folder)
+
+
+# Helpers of the end-to-end tests of every script
+
+
+def only_run_dir(output_dir):
+    runs = [d for d in glob.glob(os.path.join(output_dir, "*")) if os.path.isdir(d)]
+    assert len(runs) == 1, runs
+    return runs[0]
+
+
+def vllm_env():
+    env = subprocess_env()
+    env.pop("OMP_NUM_THREADS", None)  # vLLM binds its own OpenMP threads (VLLM_CPU_OMP_THREADS_BIND)
+    env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    return env
+
+
+def require_vllm():
+    try:
+        import vllm  # noqa: F401
+    except Exception as e:  # ImportError, or a broken install (e.g. CUDA-linked torchvision)
+        pytest.skip(f"vllm is not importable: {e}")
+
+
+def run_checked(cmd, env, timeout, cwd=REPO_ROOT):
+    """Run a command in its own process group (killed as a whole on timeout: no orphaned workers, and the stacks
+    of where they hung in the output); output goes to a file so that a timeout still shows what was printed."""
+    with tempfile.TemporaryFile(mode="w+") as log:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            returncode = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGABRT)  # with PYTHONFAULTHANDLER=1 every Python process prints its stack
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            returncode = f"timeout after {timeout}s"
+        log.seek(0)
+        output = log.read()
+    assert returncode == 0, f"{' '.join(cmd)} failed ({returncode}):\n{output[-8000:]}"
+    return output
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

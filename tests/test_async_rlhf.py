@@ -13,9 +13,21 @@ import time
 
 import pytest
 import torch
-from conftest import NoModelLoads, cli_flags, one_line_error, read_metrics, subprocess_env, train_lines, without_timing
+from conftest import (
+    NoModelLoads,
+    cli_flags,
+    free_port,
+    one_line_error,
+    only_run_dir,
+    read_metrics,
+    require_vllm,
+    run_checked,
+    subprocess_env,
+    train_lines,
+    vllm_env,
+    without_timing,
+)
 from safetensors.torch import load_file
-from test_grpo_math_run import free_port, only_run_dir, require_vllm, run_checked, vllm_env
 
 import async_rlhf
 

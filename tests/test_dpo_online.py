@@ -8,9 +8,20 @@ import sys
 
 import pytest
 import torch
-from conftest import SMOLLM2_DIR, cli_flags, read_metrics, subprocess_env, train_lines, without_timing
+from conftest import (
+    SMOLLM2_DIR,
+    cli_flags,
+    free_port,
+    only_run_dir,
+    read_metrics,
+    require_vllm,
+    run_checked,
+    subprocess_env,
+    train_lines,
+    vllm_env,
+    without_timing,
+)
 from safetensors.torch import load_file
-from test_grpo_math_run import free_port, only_run_dir, require_vllm, run_checked, vllm_env
 
 import dpo_online
 

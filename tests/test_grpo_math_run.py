@@ -1,23 +1,29 @@
 """End-to-end runs of grpo_math.py on the tiny model: what a run must show, not only that it ran."""
 
-import contextlib
 import glob
 import json
 import math
 import os
 import shutil
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import textwrap
 from dataclasses import asdict
 
 import numpy as np
 import pytest
 import torch
-from conftest import REPO_ROOT, fast_cli_flags, read_metrics, space_reward, subprocess_env, without_timing
+from conftest import (
+    fast_cli_flags,
+    free_port,
+    only_run_dir,
+    read_metrics,
+    require_vllm,
+    run_checked,
+    space_reward,
+    subprocess_env,
+    vllm_env,
+    without_timing,
+)
 from safetensors.torch import load_file
 
 import grpo_math
@@ -37,12 +43,6 @@ REQUIRED_KEYS = (
 
 def train_lines(lines):
     return [line for line in lines if line["global_step"] > 0]
-
-
-def only_run_dir(output_dir):
-    runs = [d for d in glob.glob(os.path.join(output_dir, "*")) if os.path.isdir(d)]
-    assert len(runs) == 1, runs
-    return runs[0]
 
 
 def model_tensors(run_dir):
@@ -404,43 +404,6 @@ def test_hf_generate_no_stop_at_eos_generates_the_full_length(eos_model):
 # Subprocess launches
 
 
-def vllm_env():
-    env = subprocess_env()
-    env.pop("OMP_NUM_THREADS", None)  # vLLM binds its own OpenMP threads (VLLM_CPU_OMP_THREADS_BIND)
-    env["VLLM_CPU_KVCACHE_SPACE"] = "1"
-    return env
-
-
-def require_vllm():
-    try:
-        import vllm  # noqa: F401
-    except Exception as e:  # ImportError, or a broken install (e.g. CUDA-linked torchvision)
-        pytest.skip(f"vllm is not importable: {e}")
-
-
-def run_checked(cmd, env, timeout, cwd=REPO_ROOT):
-    """Run a command in its own process group (killed as a whole on timeout: no orphaned workers, and the stacks
-    of where they hung in the output); output goes to a file so that a timeout still shows what was printed."""
-    with tempfile.TemporaryFile(mode="w+") as log:
-        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            returncode = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGABRT)  # with PYTHONFAULTHANDLER=1 every Python process prints its stack
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            returncode = f"timeout after {timeout}s"
-        log.seek(0)
-        output = log.read()
-    assert returncode == 0, f"{' '.join(cmd)} failed ({returncode}):\n{output[-8000:]}"
-    return output
-
-
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_vllm_run(tiny_model_dir, task_dir, tmp_path):
@@ -511,12 +474,6 @@ def test_vllm_weight_sync_changes_and_restores_greedy_output(tiny_model_dir, tmp
     result = json.loads(next(line for line in output.splitlines() if line.startswith("RESULT "))[7:])
     assert result["perturbed"] != result["original"], "the engine did not take the new weights"
     assert result["restored"] == result["original"], "restoring the weights did not restore the output"
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow

@@ -360,8 +360,7 @@ def test_run_of_every_reward_mode(make_args, monkeypatch, mode):
 
 @pytest.mark.slow
 def test_same_seed_same_metrics_and_resume(make_args, monkeypatch, tmp_path):
-    from conftest import without_timing
-    from test_grpo_math_run import only_run_dir
+    from conftest import only_run_dir, without_timing
 
     overrides = dict(total_steps=3, save_every=2, reward_mode="raw")
     run_a = prm.main(make_args(output_dir=str(tmp_path / "a"), **overrides))
@@ -497,8 +496,7 @@ def test_lora_policy_starts_at_the_reference(make_args):
 def test_vllm_run(tiny_model_dir, task_dir, tmp_path):
     import sys
 
-    from conftest import cli_flags
-    from test_grpo_math_run import only_run_dir, require_vllm, run_checked, vllm_env
+    from conftest import cli_flags, only_run_dir, require_vllm, run_checked, vllm_env
 
     require_vllm()
     out = str(tmp_path / "runs")

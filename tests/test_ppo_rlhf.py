@@ -7,8 +7,19 @@ import sys
 
 import pytest
 import torch
-from conftest import SMOLLM2_DIR, cli_flags, read_metrics, subprocess_env, train_lines, without_timing
-from test_grpo_math_run import free_port, only_run_dir, require_vllm, run_checked, vllm_env
+from conftest import (
+    SMOLLM2_DIR,
+    cli_flags,
+    free_port,
+    only_run_dir,
+    read_metrics,
+    require_vllm,
+    run_checked,
+    subprocess_env,
+    train_lines,
+    vllm_env,
+    without_timing,
+)
 
 import ppo_rlhf
 

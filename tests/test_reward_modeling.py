@@ -13,9 +13,18 @@ from dataclasses import asdict
 
 import pytest
 import torch
-from conftest import REPO_ROOT, NoModelLoads, one_line_error, read_metrics, subprocess_env, without_timing
+from conftest import (
+    REPO_ROOT,
+    NoModelLoads,
+    one_line_error,
+    read_metrics,
+    require_vllm,
+    run_checked,
+    subprocess_env,
+    vllm_env,
+    without_timing,
+)
 from safetensors.torch import load_file
-from test_grpo_math_run import require_vllm, run_checked, vllm_env
 
 import reward_modeling as rm
 
