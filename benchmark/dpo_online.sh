@@ -20,3 +20,7 @@ python -m benchmark.registry plot --experiments "ppo_rlhf=runs/arith_1d__ppo__[1
 python -m benchmark.registry table --experiments "ppo_rlhf=runs/arith_1d__ppo__[12]__*" \
     "dpo_online=runs/arith_1d__dpo_online__[12]__*" --metrics eval/score eval/accuracy objective/kl \
     --out benchmark/results/ppo_vs_dpo.md
+
+# The peer comparison: TRL's online DPO trainer against dpo_online.py (HF generate and vLLM), 20 steps of the
+# default batch, judged by the same reward model (runs/reward_model).
+python -m benchmark.peer_trl_dpo --steps 20 --seeds 1

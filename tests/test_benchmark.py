@@ -539,3 +539,227 @@ def test_peer_trl_runs_both_sides_and_writes_the_table(tiny_model_dir, task_dir,
     with open(str(out) + ".md") as f:
         table = f.read()
     assert "| trl | 1 |" in table and "| ours_hf | 1 |" in table and "trl 1.16.0" in table
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# benchmark/peer_trl_dpo.py: the TRL online DPO comparison
+
+
+@pytest.fixture
+def biased_reward_model_dir(tiny_reward_model_dir, tmp_path):
+    """The tiny reward model with config.bias = 0.25, so that the bias subtraction shows in the scores."""
+    import shutil
+
+    folder = tmp_path / "biased_reward_model"
+    shutil.copytree(tiny_reward_model_dir, folder)
+    with open(folder / "config.json") as f:
+        config = json.load(f)
+    config["bias"] = 0.25
+    with open(folder / "config.json", "w") as f:
+        json.dump(config, f)
+    return str(folder)
+
+
+def unpadded_score(reward_model, ids):
+    """The reward model's head at the last token of one unpadded sequence, computed without dpo_online's code."""
+    with torch.no_grad():
+        hidden = reward_model.model(input_ids=torch.tensor([ids])).last_hidden_state
+        return reward_model.score(hidden)[0, -1, 0].item()
+
+
+def test_peer_dpo_trl_judge_scores_as_dpo_online(tiny_model_dir, biased_reward_model_dir, task_dir):
+    """TRL's call: text prompts repeated twice, completion ids padded after their EOS. Each score must be the reward
+    model's at the completion's EOS (unpadded, alone) minus config.bias, or -1.0 for a completion without EOS; pair i
+    is completions i and B + i, and the tied pairs are counted."""
+    from transformers import AutoTokenizer
+
+    from benchmark import peer_trl_dpo
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    prompt_ids, _ = peer_trl_dpo.dpo_prompts(tokenizer, peer_trl_dpo.read_jsonl(os.path.join(task_dir, "test.jsonl")))
+    prompt_ids = prompt_ids[:3]
+    texts = [tokenizer.decode(p) for p in prompt_ids]
+    words = lambda text: tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
+    # Pair 0: two different completions with EOS. Pair 1: both without EOS (a tie at the penalty). Pair 2: the same
+    # completion twice (a tie at its score). As from generate, a completion without EOS has the full width (with
+    # pad == EOS, as SmolLM2's, padding after it would read as an EOS) and the others are padded after their EOS.
+    width = 16
+    completions = [
+        words("Answer: 7") + [eos],
+        (words(" no end") * width)[:width],
+        words("Answer: 3") + [eos],
+        words("I think it is 12, so") + [eos],
+        (words(" still going") * width)[:width],
+        words("Answer: 3") + [eos],
+    ]
+    assert all(len(c) < width for c in completions if c[-1] == eos)
+    padded = [c + [pad] * (width - len(c)) for c in completions]
+    reward_model, bias = peer_trl_dpo.load_reward_model(biased_reward_model_dir, pad)
+    assert bias == 0.25
+    judge = peer_trl_dpo.RewardModelJudge(reward_model, bias, tokenizer, -1.0)
+    scores = judge(prompts=texts * 2, completions=["unused"] * 6, completion_ids=padded, gold=["1"] * 6)
+    prompts = prompt_ids * 2
+    expected = [
+        unpadded_score(reward_model, prompts[i] + completions[i]) - 0.25 if completions[i][-1] == eos else -1.0
+        for i in range(6)
+    ]
+    assert scores == pytest.approx(expected, abs=1e-4)
+    assert scores[1] == scores[4] == -1.0 and scores[2] == scores[5] and scores[0] != scores[3]
+    assert judge.tie_fractions == [pytest.approx(2 / 3)]
+
+
+def test_peer_dpo_evaluate_scores_and_accuracy(tiny_model_dir, biased_reward_model_dir, task_dir, monkeypatch):
+    """hf_generate replaced by one that answers the even-numbered held-out problems right (with EOS) and the others
+    wrong, without EOS: the accuracy is the fraction of even-numbered problems, and the score the mean of the reward
+    model's unpadded scores (minus config.bias) of the even ones and -1.0 (no EOS) for the odd ones."""
+    from transformers import AutoTokenizer
+
+    import dpo_online
+    from benchmark import peer_trl_dpo
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    rows = peer_trl_dpo.read_jsonl(os.path.join(task_dir, "test.jsonl"))
+    prompts, golds = peer_trl_dpo.dpo_prompts(tokenizer, rows)
+    answers = [
+        tokenizer(f"Answer: {golds[i]}", add_special_tokens=False).input_ids + [eos]
+        if i % 2 == 0
+        else tokenizer("Answer: 12345", add_special_tokens=False).input_ids
+        for i in range(len(prompts))
+    ]
+    calls = []
+
+    def fake_generate(model, batch, n, response_length, temperature, *rest):
+        # evaluate() walks the held-out problems in order: the i-th prompt seen is problem i.
+        first = sum(c[0] for c in calls)
+        calls.append((len(batch), n, temperature))
+        assert batch == prompts[first : first + len(batch)]
+        ids = answers[first : first + len(batch)]
+        width = max(map(len, ids))
+        responses = torch.tensor([row + [pad] * (width - len(row)) for row in ids])
+        return responses, torch.tensor([len(row) for row in ids])
+
+    monkeypatch.setattr(dpo_online, "hf_generate", fake_generate)
+    args = peer_trl_dpo.parse_args(
+        ["--model", tiny_model_dir, "--dataset", task_dir, "--reward_model", biased_reward_model_dir]
+        + ["--eval_batch_size", "5"]
+    )
+    result = peer_trl_dpo.evaluate(tiny_model_dir, args)
+    assert result["num_problems"] == len(rows) == 16
+    assert result["accuracy"] == 8 / 16
+    reward_model, _ = peer_trl_dpo.load_reward_model(biased_reward_model_dir, pad)
+    expected = [
+        unpadded_score(reward_model, prompts[i] + answers[i]) - 0.25 if i % 2 == 0 else -1.0 for i in range(16)
+    ]
+    assert result["score"] == pytest.approx(statistics.mean(expected), abs=1e-5)
+    assert [c[0] for c in calls] == [5, 5, 5, 1] and all(c[1:] == (1, 0.0) for c in calls)
+
+
+def test_peer_dpo_our_command_sets_the_matched_settings():
+    """The flags given to dpo_online.py parse into the settings TRL gets: constant lr, no warmup, sigmoid loss..."""
+    import tyro
+
+    import dpo_online
+    from benchmark import peer_trl, peer_trl_dpo
+
+    assert peer_trl_dpo.step_seconds is peer_trl.step_seconds  # one definition of the timing
+    args = peer_trl_dpo.parse_args(["--steps", "7", "--learning_rate", "3e-6", "--beta", "0.2"])
+    expected = dict(total_steps=7, learning_rate=3e-6, beta=0.2, prompts_per_rank=8,
+                    micro_batch_size=4, num_minibatches=1, response_length=64, temperature=1.0, top_p=1.0,
+                    lr_scheduler="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, judge="reward_model",
+                    reward_model_path="runs/reward_model", loss_type="sigmoid", missing_eos_penalty=-1.0,
+                    eval_every=0, benchmark_generation=False)  # fmt: skip
+    for side, vllm in (("ours_hf", False), ("ours_vllm", True)):
+        command = peer_trl_dpo.our_command(args, 5, side, "runs/x")
+        assert command[1] == "dpo_online.py"
+        ours = tyro.cli(dpo_online.Args, args=command[2:])
+        wanted = {**expected, "seed": 5, "vllm": vllm}
+        assert {key: getattr(ours, key) for key in wanted} == wanted
+    trl_args = peer_trl_dpo.parse_args(peer_trl_dpo.trl_command(args, 5, "runs/y")[3:])
+    assert trl_args.side == "trl" and trl_args.seed == 5 and trl_args.run_dir == "runs/y"
+    for key in ("steps", "model", "dataset", "reward_model", "prompts_per_step", "response_length", "learning_rate",
+                "temperature", "beta", "missing_eos_penalty"):  # fmt: skip
+        assert getattr(trl_args, key) == getattr(args, key), key
+
+
+def test_peer_dpo_summary_and_table(tmp_path):
+    """Synthetic records of two seeds: the summary is the mean over seeds of each side's numbers, the ratio is to
+    TRL's mean median step time, and the markdown rows show those values."""
+    from benchmark import peer_trl_dpo
+
+    def record(side, seed, seconds, score, accuracy, ties):
+        return {"side": side, "seed": seed, "median_step_seconds": seconds, "final_score": score,
+                "final_accuracy": accuracy, "tie_fraction": ties}  # fmt: skip
+
+    records = [
+        record("ours_hf", 1, 9.0, 0.5, 0.6, 0.125),
+        record("trl", 1, 12.0, 0.25, 0.5, 0.0),
+        record("trl", 2, 14.0, 0.75, 0.7, 0.25),
+        record("ours_hf", 2, 11.0, 1.5, 0.8, 0.375),
+        record("ours_vllm", 1, 6.5, -0.5, 0.4, None),
+    ]
+    summary = peer_trl_dpo.summarize(records)
+    assert list(summary) == ["trl", "ours_hf", "ours_vllm"]  # table order, whatever the record order
+    assert summary["trl"] == {"seeds": [1, 2], "median_step_seconds": 13.0, "final_score": 0.5,
+                              "final_accuracy": pytest.approx(0.6), "tie_fraction": 0.125,
+                              "step_time_over_trl": 1.0}  # fmt: skip
+    assert summary["ours_hf"]["median_step_seconds"] == 10.0 and summary["ours_hf"]["final_score"] == 1.0
+    assert summary["ours_hf"]["final_accuracy"] == pytest.approx(0.7) and summary["ours_hf"]["tie_fraction"] == 0.25
+    assert summary["ours_hf"]["step_time_over_trl"] == pytest.approx(10.0 / 13.0)
+    assert (
+        summary["ours_vllm"]["step_time_over_trl"] == pytest.approx(0.5)
+        and summary["ours_vllm"]["tie_fraction"] is None
+    )
+    assert "step_time_over_trl" not in peer_trl_dpo.summarize(records[:1])["ours_hf"]  # no TRL run, no ratio
+
+    out = str(tmp_path / "results" / "dpo")
+    args = peer_trl_dpo.parse_args(["--steps", "3", "--seeds", "1", "2", "--out", out])
+    peer_trl_dpo.write_results(args, records, summary, out)
+    with open(out + ".json") as f:
+        saved = json.load(f)
+    assert saved["runs"] == records and saved["summary"]["ours_hf"]["final_score"] == 1.0
+    with open(out + ".md") as f:
+        text = f.read()
+    assert "python -m benchmark.peer_trl_dpo --steps 3 --seeds 1 2" in text
+    rows = [
+        [c.strip() for c in line.strip("|").split("|")]
+        for line in text.splitlines()
+        if line.startswith("| ") and "---" not in line
+    ]
+    assert rows[0][0] == "side" and len(rows) == 4
+    assert rows[1] == ["trl", "1 2", "13.0", "1.00", "0.500", "0.600", "0.125"]
+    assert rows[2] == ["ours_hf", "1 2", "10.0", "0.77", "1.000", "0.700", "0.250"]
+    assert rows[3] == ["ours_vllm", "1", "6.5", "0.50", "-0.500", "0.400", "-"]
+
+
+@pytest.mark.slow
+def test_peer_trl_dpo_runs_both_sides_and_writes_the_table(tiny_model_dir, tiny_reward_model_dir, task_dir, tmp_path):
+    pytest.importorskip("trl")
+    out = tmp_path / "results" / "peer_dpo"
+    command = [sys.executable, "-m", "benchmark.peer_trl_dpo", "--model", tiny_model_dir, "--dataset", task_dir]
+    command += ["--reward_model", tiny_reward_model_dir, "--steps", "2", "--sides", "trl", "ours_hf"]
+    command += ["--prompts_per_step", "2", "--micro_batch_size", "1", "--output_dir", str(tmp_path / "runs")]
+    command += ["--out", str(out), "--num_eval_prompts", "4", "--response_length", "8"]
+    result = subprocess.run(command, cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    with open(str(out) + ".json") as f:
+        results = json.load(f)
+    runs = {r["side"]: r for r in results["runs"]}
+    assert set(runs) == {"trl", "ours_hf"}
+    assert runs["trl"]["steps"] == 2  # both optimizer steps timed
+    assert runs["ours_hf"]["steps"] == 1  # the last step ran the final evaluation: left out
+    with open(tmp_path / "runs" / "trl__1" / "step_times.json") as f:
+        assert len(json.load(f)["tie_fractions"]) == 2  # the judge ran once per TRL step
+    for r in runs.values():
+        assert r["num_eval_problems"] == 4 and 0.0 <= r["final_accuracy"] <= 1.0 and np.isfinite(r["final_score"])
+        assert 0.0 <= r["tie_fraction"] <= 1.0
+    # dpo_online's own final evaluation (same greedy HF generate, same scoring) agrees with this file's evaluator.
+    assert runs["ours_hf"]["own_eval"]["score"] == pytest.approx(runs["ours_hf"]["final_score"], abs=1e-4)
+    assert runs["ours_hf"]["own_eval"]["accuracy"] == runs["ours_hf"]["final_accuracy"]
+    assert results["summary"]["trl"]["step_time_over_trl"] == 1.0
+    ratio = results["summary"]["ours_hf"]["step_time_over_trl"]
+    assert ratio == pytest.approx(runs["ours_hf"]["median_step_seconds"] / runs["trl"]["median_step_seconds"])
+    with open(str(out) + ".md") as f:
+        table = f.read()
+    assert "| trl | 1 |" in table and "| ours_hf | 1 |" in table and "trl 1.16.0" in table
