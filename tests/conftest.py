@@ -127,6 +127,7 @@ FAST_ARGS = dict(
     save_every=0,
     benchmark_generation=False,
     max_prompt_length=128,
+    beta=0.0,  # no reference model: the beta > 0 paths have tests of their own
 )
 
 
