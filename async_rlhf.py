@@ -22,9 +22,10 @@ t takes batch t and raises if t - version > N, which the wait makes impossible: 
 (seed, process, t), so a batch depends only on the weights that made it: --sync runs are deterministic on CPU and
 resume exactly. Async runs depend on timing through the lag.
 
-Judging. The reward model scores each batch in the generator thread, on the generator's device: its scores depend
-on the batch only, so they overlap the learner's update (measured on CPU: 4-13 s a step, which the learner would
-otherwise add to its own). The verifier judges in the learner's main thread: math-verify times out through
+Judging. The reward model scores each batch in the generator thread, on the generator's device, and the reference
+policy scores its log-probs there too (a separate reference model; with LoRA the reference is the learner's model
+with its adapters off, so the learner computes them): both depend on the batch only, so they overlap the learner's
+update (the reward model took 4-13 s a step on CPU, which the learner would otherwise add to its own). The verifier judges in the learner's main thread: math-verify times out through
 signal.alarm, which only works in the main thread, and it costs milliseconds. Either way the learner checks that the
 scores are finite. Evaluation (greedy, on held-out prompts) goes through the generation engine, after loading the
 learner's latest weights.
