@@ -25,10 +25,10 @@ resume exactly. Async runs depend on timing through the lag.
 Judging. The reward model scores each batch in the generator thread, on the generator's device, and the reference
 policy scores its log-probs there too (a separate reference model; with LoRA the reference is the learner's model
 with its adapters off, so the learner computes them): both depend on the batch only, so they overlap the learner's
-update (the reward model took 4-13 s a step on CPU, which the learner would otherwise add to its own). The verifier judges in the learner's main thread: math-verify times out through
-signal.alarm, which only works in the main thread, and it costs milliseconds. Either way the learner checks that the
-scores are finite. Evaluation (greedy, on held-out prompts) goes through the generation engine, after loading the
-learner's latest weights.
+update (the reward model took 4-13 s a step on CPU, which the learner would otherwise add to its own). The verifier
+judges in the learner's main thread: math-verify times out through signal.alarm, which only works in the main
+thread, and it costs milliseconds. Either way the learner checks that the scores are finite. Evaluation (greedy, on
+held-out prompts) goes through the generation engine, after loading the learner's latest weights.
 
 CPU threads: torch's intra-op thread count belongs to each OS thread (torch.set_num_threads sets the OpenMP team of
 the calling thread, and the default for threads that start torch work later; measured: after a second thread sets
