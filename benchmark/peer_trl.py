@@ -261,15 +261,19 @@ def summarize(records):
             "median_step_seconds": statistics.mean(r["median_step_seconds"] for r in mine),
             "final_accuracy": statistics.mean(r["final_accuracy"] for r in mine),
         }
+    return add_step_time_ratios(summary)
+
+
+def add_step_time_ratios(summary):
+    """Each side's median step time over TRL's (`step_time_over_trl`), when TRL ran; returns the summary."""
     if "trl" in summary:
-        for side in sides:
-            summary[side]["step_time_over_trl"] = (
-                summary[side]["median_step_seconds"] / summary["trl"]["median_step_seconds"]
-            )
+        for row in summary.values():
+            row["step_time_over_trl"] = row["median_step_seconds"] / summary["trl"]["median_step_seconds"]
     return summary
 
 
-def write_results(args, records, summary, out):
+def environment():
+    """(machine, library versions): what every results file records about where it was measured."""
     import torch
     import transformers
 
@@ -280,11 +284,21 @@ def write_results(args, records, summary, out):
         versions["trl"] = trl.__version__
     except ImportError:
         pass
-    machine = f"{platform.platform()}, {os.cpu_count()} CPU cores, {platform.processor() or 'cpu'}"
+    return f"{platform.platform()}, {os.cpu_count()} CPU cores, {platform.processor() or 'cpu'}", versions
+
+
+def write_report(out, args, records, summary, machine, versions, lines):
+    """{out}.json (arguments, machine, versions, summary and every run) and {out}.md (the given lines)."""
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out + ".json", "w") as f:
         json.dump({"args": vars(args), "machine": machine, "versions": versions, "summary": summary,
                    "runs": records}, f, indent=2)  # fmt: skip
+    with open(out + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def write_results(args, records, summary, out):
+    machine, versions = environment()
     lines = [
         f"GRPO, {args.steps} steps of {args.prompts_per_step} prompts x {args.num_generations} completions, "
         f"{args.response_length} tokens, lr {args.learning_rate}, fp32, on {machine}; "
@@ -300,8 +314,7 @@ def write_results(args, records, summary, out):
         lines.append(
             f"| {side} | {seeds} | {row['median_step_seconds']:.1f} | {ratio} | {row['final_accuracy']:.3f} |"
         )
-    with open(out + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_report(out, args, records, summary, machine, versions, lines)
 
 
 def main(argv=None):

@@ -51,13 +51,12 @@ eval/accuracy are kept next to it in the JSON, as a check of this evaluator.
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 
-from benchmark.peer_trl import our_step_seconds, step_seconds
+from benchmark.peer_trl import add_step_time_ratios, environment, our_step_seconds, step_seconds, write_report
 from benchmark.registry import final_value, read_jsonl
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -399,30 +398,11 @@ def summarize(records):
             "final_accuracy": statistics.mean(r["final_accuracy"] for r in mine),
             "tie_fraction": statistics.mean(ties) if ties else None,
         }
-    if "trl" in summary:
-        for side in sides:
-            summary[side]["step_time_over_trl"] = (
-                summary[side]["median_step_seconds"] / summary["trl"]["median_step_seconds"]
-            )
-    return summary
+    return add_step_time_ratios(summary)
 
 
 def write_results(args, records, summary, out):
-    import torch
-    import transformers
-
-    versions = {"torch": torch.__version__, "transformers": transformers.__version__}
-    try:
-        import trl
-
-        versions["trl"] = trl.__version__
-    except ImportError:
-        pass
-    machine = f"{platform.platform()}, {os.cpu_count()} CPU cores, {platform.processor() or 'cpu'}"
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    with open(out + ".json", "w") as f:
-        json.dump({"args": vars(args), "machine": machine, "versions": versions, "summary": summary,
-                   "runs": records}, f, indent=2)  # fmt: skip
+    machine, versions = environment()
     lines = [
         f"Online DPO, {args.steps} steps of {args.prompts_per_step} prompts x 2 completions, "
         f"{args.response_length} tokens, temperature {args.temperature}, lr {args.learning_rate}, beta {args.beta}, "
@@ -442,8 +422,7 @@ def write_results(args, records, summary, out):
             f"| {side} | {seeds} | {row['median_step_seconds']:.1f} | {ratio} | {row['final_score']:.3f} | "
             f"{row['final_accuracy']:.3f} | {ties} |"
         )
-    with open(out + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_report(out, args, records, summary, machine, versions, lines)
 
 
 def main(argv=None):
