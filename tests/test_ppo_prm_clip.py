@@ -515,6 +515,29 @@ def test_vllm_run(tiny_model_dir, task_dir, tmp_path):
     assert lines[0]["perf/vllm_over_hf_generate"] > 0
 
 
+@pytest.mark.slow
+def test_two_processes_with_accelerate_launch(tiny_model_dir, task_dir, tmp_path):
+    import sys
+
+    from conftest import cli_flags, free_port, only_run_dir, run_checked, subprocess_env
+
+    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
+    out = str(tmp_path / "runs")
+    flags = cli_flags({**FAST_ARGS, "model_name_or_path": tiny_model_dir, "dataset_path": task_dir, "output_dir": out})
+    cmd = [accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1"]
+    cmd += ["--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port())]
+    run_checked([*cmd, "ppo_prm_clip.py", *flags, "--reward_mode", "clip_delta"], subprocess_env(), timeout=300)
+    run_dir = only_run_dir(out)
+    with open(os.path.join(run_dir, "config.json")) as f:
+        assert json.load(f)["args"]["world_size"] == 2  # two connected processes, not two rank-0 copies
+    lines = read_metrics(run_dir)
+    assert [line["episode"] for line in lines] == [0, 8, 16]  # 2 processes * 4 prompts a step
+    assert lines[0]["eval/num_prompts"] == 4  # sharded over the processes, counts summed
+    for line in train_lines(lines):
+        assert line["policy/ratio_first_minibatch"] == 1.0
+        assert line["objective/num_steps"] > 1 and -0.5 <= line["objective/process_reward"] <= 0.5
+
+
 def test_cli_help():
     import subprocess
     import sys
