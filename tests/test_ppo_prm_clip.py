@@ -6,10 +6,26 @@ import math
 import os
 import random
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
-from conftest import NoModelLoads, one_line_error, read_metrics, train_lines
+from conftest import (
+    REPO_ROOT,
+    NoModelLoads,
+    cli_flags,
+    free_port,
+    one_line_error,
+    only_run_dir,
+    read_metrics,
+    require_vllm,
+    run_checked,
+    subprocess_env,
+    train_lines,
+    vllm_env,
+    without_timing,
+)
 
 import ppo_prm_clip as prm
 
@@ -360,7 +376,6 @@ def test_run_of_every_reward_mode(make_args, monkeypatch, mode):
 
 @pytest.mark.slow
 def test_same_seed_same_metrics_and_resume(make_args, monkeypatch, tmp_path):
-    from conftest import only_run_dir, without_timing
 
     overrides = dict(total_steps=3, save_every=2, reward_mode="raw")
     run_a = prm.main(make_args(output_dir=str(tmp_path / "a"), **overrides))
@@ -494,10 +509,6 @@ def test_lora_policy_starts_at_the_reference(make_args):
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_vllm_run(tiny_model_dir, task_dir, tmp_path):
-    import sys
-
-    from conftest import cli_flags, only_run_dir, require_vllm, run_checked, vllm_env
-
     require_vllm()
     out = str(tmp_path / "runs")
     values = {**FAST_ARGS, "model_name_or_path": tiny_model_dir, "dataset_path": task_dir, "output_dir": out}
@@ -517,10 +528,6 @@ def test_vllm_run(tiny_model_dir, task_dir, tmp_path):
 
 @pytest.mark.slow
 def test_two_processes_with_accelerate_launch(tiny_model_dir, task_dir, tmp_path):
-    import sys
-
-    from conftest import cli_flags, free_port, only_run_dir, run_checked, subprocess_env
-
     accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
     out = str(tmp_path / "runs")
     flags = cli_flags({**FAST_ARGS, "model_name_or_path": tiny_model_dir, "dataset_path": task_dir, "output_dir": out})
@@ -539,11 +546,6 @@ def test_two_processes_with_accelerate_launch(tiny_model_dir, task_dir, tmp_path
 
 
 def test_cli_help():
-    import subprocess
-    import sys
-
-    from conftest import REPO_ROOT, subprocess_env
-
     proc = subprocess.run(
         [sys.executable, "ppo_prm_clip.py", "--help"],
         cwd=REPO_ROOT,
