@@ -128,6 +128,7 @@ FAST_ARGS = dict(
     benchmark_generation=False,
     max_prompt_length=128,
     beta=0.0,  # no reference model: the beta > 0 paths have tests of their own
+    oversample=1,  # one group sampled per trained group: dynamic sampling has a test of its own
 )
 
 
