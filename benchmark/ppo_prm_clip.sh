@@ -30,4 +30,5 @@ python -m benchmark.registry plot --experiments "${EXPERIMENTS[@]}" \
     --metric eval/accuracy objective/num_steps objective/response_length --smooth 3 \
     --out benchmark/results/ppo_prm_clip_step.png
 python -m benchmark.registry table --experiments "${EXPERIMENTS[@]}" \
-    --metrics eval/accuracy eval/num_steps objective/num_steps --out benchmark/results/ppo_prm_clip.md
+    --metrics eval/accuracy eval/num_steps eval/eos_fraction objective/num_steps objective/response_length \
+    --out benchmark/results/ppo_prm_clip.md
