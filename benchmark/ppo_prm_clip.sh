@@ -2,7 +2,7 @@
 # The published figures of ppo_prm_clip.py (issue 5): the five reward arms (success only, raw process rewards, Clip,
 # Delta, Clip-Delta) with the verifier PRM, same seeds, steps and prompts; then the accuracy and length curves and
 # the table of final accuracy and steps per response.
-#   bash benchmark/ppo_prm_clip.sh                  # one run at a time (a 2-core CPU machine: 11-14 min a run, ~2 h in all)
+#   bash benchmark/ppo_prm_clip.sh                  # one run at a time (2 cores: 11-14 min a run, ~2 h in all)
 #   bash benchmark/ppo_prm_clip.sh --workers 2      # extra arguments go to benchmark.run
 # Every command that runs a script is on its own line: tests/test_benchmark.py checks its flags against --help.
 set -euo pipefail
