@@ -12,16 +12,10 @@ cd "$(dirname "$0")/.."
 # converges to one-step answers and raw's hacking does not show (README, "PPO with process rewards"). Seed-major
 # order, so that a cut-short session still has every arm of seed 1.
 for seed in 1 2; do
-    python -m benchmark.run --script ppo_prm_clip.py --seeds "$seed" "$@" -- --reward_mode none \
-        --prm_coef 1.5 --temperature 1.0 --total_steps 20 --eval_every 5 --save_every 0 --exp_name prm_none
-    python -m benchmark.run --script ppo_prm_clip.py --seeds "$seed" "$@" -- --reward_mode raw \
-        --prm_coef 1.5 --temperature 1.0 --total_steps 20 --eval_every 5 --save_every 0 --exp_name prm_raw
-    python -m benchmark.run --script ppo_prm_clip.py --seeds "$seed" "$@" -- --reward_mode clip \
-        --prm_coef 1.5 --temperature 1.0 --total_steps 20 --eval_every 5 --save_every 0 --exp_name prm_clip
-    python -m benchmark.run --script ppo_prm_clip.py --seeds "$seed" "$@" -- --reward_mode delta \
-        --prm_coef 1.5 --temperature 1.0 --total_steps 20 --eval_every 5 --save_every 0 --exp_name prm_delta
-    python -m benchmark.run --script ppo_prm_clip.py --seeds "$seed" "$@" -- --reward_mode clip_delta \
-        --prm_coef 1.5 --temperature 1.0 --total_steps 20 --eval_every 5 --save_every 0 --exp_name prm_clip_delta
+    for mode in none raw clip delta clip_delta; do
+        python -m benchmark.run --script ppo_prm_clip.py --seeds "$seed" "$@" -- --reward_mode "$mode" \
+            --prm_coef 1.5 --temperature 1.0 --total_steps 20 --eval_every 5 --save_every 0 --exp_name "prm_$mode"
+    done
 done
 
 EXPERIMENTS=()
