@@ -16,6 +16,9 @@ python -m benchmark.registry plot --experiments "grpo=runs/add_2t2d__grpo__[123]
     --metric eval/accuracy objective/accuracy --smooth 8 --x time --out benchmark/results/grpo_math_time.png
 python -m benchmark.registry table --experiments "grpo=runs/add_2t2d__grpo__[123]__*" \
     --metrics eval/accuracy eval_gsm8k/accuracy objective/scores --out benchmark/results/grpo_math.md
+# What the final models still get wrong, by kind of sum (greedy, HF generate), against the starting model.
+python -m benchmark.grpo_errors --models assets/SmolLM2-135M-Instruct runs/add_2t2d__grpo__[123]__*/model \
+    --out benchmark/results/grpo_math_errors.md
 
 # Dynamic sampling (DAPO) against the default, same 3 seeds: 6 prompts sampled a step, the 2 groups with a reward
 # signal trained (17 min a run on 2 cores against 13-14; not the default: +29.6 mean gain against +28.6).

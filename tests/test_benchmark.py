@@ -763,3 +763,66 @@ def test_peer_trl_dpo_runs_both_sides_and_writes_the_table(tiny_model_dir, tiny_
     with open(str(out) + ".md") as f:
         table = f.read()
     assert "| trl | 1 |" in table and "| ours_hf | 1 |" in table and "trl 1.16.0" in table
+
+
+def test_grpo_errors_sum_kind_against_arithmetic():
+    """sum_kind on random sums against the kind worked out here from the numbers; anything else is "other"."""
+    from benchmark import grpo_errors
+
+    rng = np.random.default_rng(0)
+    for a, b in rng.integers(0, 120, size=(300, 2)).tolist():
+        if a >= 100 or b >= 100:
+            expected = "other"
+        elif a >= 10 and b >= 10:
+            expected = "two 2-digit terms, carry" if a % 10 + b % 10 >= 10 else "two 2-digit terms, no carry"
+        elif a >= 10 or b >= 10:
+            expected = "a 1-digit and a 2-digit term"
+        else:
+            expected = "two 1-digit terms"
+        assert grpo_errors.sum_kind(f"Calculate {a} + {b}.") == expected, (a, b)
+    for question in ["Calculate -5 + 3.", "Calculate 5 + 3 - 2.", "Calculate 5 * 3.", "What is 7 + 8 + 9?"]:
+        assert grpo_errors.sum_kind(question) == "other", question
+
+
+def test_grpo_errors_table_counts_each_kind(tiny_model_dir, tmp_path, monkeypatch):
+    """hf_generate replaced by one that answers the even-numbered problems right: every kind's accuracy in the
+    written table is the fraction of its problems that are even-numbered, worked out here."""
+    from transformers import AutoTokenizer
+
+    import grpo_math
+    from benchmark import grpo_errors
+
+    sums = [(23, 41), (56, 74), (2, 31), (8, 57), (3, 4), (12, 13), (99, 1), (100, 5), (45, 45), (7, 70)]
+    data = tmp_path / "sums"
+    data.mkdir()
+    with open(data / "test.jsonl", "w") as f:
+        for a, b in sums:
+            f.write(json.dumps({"question": f"Calculate {a} + {b}.", "answer": str(a + b)}) + "\n")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    seen = []
+
+    def fake_generate(model, batch, n, response_length, temperature, *rest):
+        first = len(seen)
+        seen.extend(batch)
+        texts = [f"Answer: {sum(sums[i]) if i % 2 == 0 else -1}" for i in range(first, first + len(batch))]
+        ids = [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
+        width = max(map(len, ids))
+        responses = torch.tensor([row + [tokenizer.pad_token_id] * (width - len(row)) for row in ids])
+        return responses, torch.tensor([len(row) for row in ids])
+
+    monkeypatch.setattr(grpo_math, "hf_generate", fake_generate)
+    out = tmp_path / "errors.md"
+    grpo_errors.main(
+        ["--models", tiny_model_dir, "--tokenizer", tiny_model_dir, "--dataset", str(data), "--batch_size", "3"]
+        + ["--out", str(out)]
+    )
+    assert len(seen) == len(sums)
+    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[1:] for line in out.read_text().splitlines()[2:]}
+    expected = {}
+    for i, (a, b) in enumerate(sums):
+        expected.setdefault(grpo_errors.sum_kind(f"Calculate {a} + {b}."), []).append(i % 2 == 0)
+    for kind, right in expected.items():
+        count, accuracy = rows[kind][0], float(rows[kind][1].rstrip(" |"))
+        assert int(count) == len(right) and accuracy == pytest.approx(sum(right) / len(right), abs=0.005), kind
+    assert float(rows["all"][1].rstrip(" |")) == 0.5
+    assert set(expected) == set(rows) - {"all", "held-out sums", "---"}
