@@ -3,20 +3,19 @@
     python -m benchmark.grpo_errors --models assets/SmolLM2-135M-Instruct runs/add_2t2d__grpo__[123]__*/model \
         --out benchmark/results/grpo_math_errors.md
 
-Every model is evaluated here by the same code as benchmark.peer_trl's (HF generate, greedy, grpo_math's prompt
-builder, answer extraction and verifier), so on the same problems its overall accuracy is the run's own
-`eval/accuracy`. A problem "Calculate a + b." falls in one kind by the digit counts of its two terms and, for two
-2-digit terms, by whether the ones digits carry.
+Every model is evaluated by benchmark.peer_trl's code (HF generate, greedy, grpo_math's prompt builder, answer
+extraction and verifier), so on the same problems its overall accuracy is the run's own `eval/accuracy`. A problem
+"Calculate a + b." falls in one kind by the digit counts of its two terms and, for two 2-digit terms, by whether
+the ones digits carry.
 """
 
 import argparse
 import os
 import re
-import sys
 
+from benchmark.peer_trl import greedy_correct, grpo_prompts
 from benchmark.registry import read_jsonl
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KINDS = (
     "two 2-digit terms, no carry",
     "two 2-digit terms, carry",
@@ -41,33 +40,6 @@ def sum_kind(question):
     if digits == [1, 1]:
         return "two 1-digit terms"
     return "other"
-
-
-def greedy_correct(model_dir, prompts, golds, tokenizer, response_length, batch_size):
-    """Whether each greedy completion of the model (fp32, HF generate) has the right final answer."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    import grpo_math
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    correct = []
-    for i in range(0, len(prompts), batch_size):
-        responses, lengths = grpo_math.hf_generate(
-            model,
-            prompts[i : i + batch_size],
-            1,
-            response_length,
-            0.0,
-            1.0,
-            True,
-            tokenizer.pad_token_id,
-            tokenizer.eos_token_id,
-        )
-        for response, length, gold in zip(responses, lengths, golds[i : i + batch_size]):
-            text = tokenizer.decode(response[: int(length)], skip_special_tokens=True)
-            correct.append(bool(grpo_math.verify_answer(grpo_math.extract_answer(text), gold)))
-    return correct
 
 
 def error_table(kinds, correct_by_model):
@@ -102,14 +74,11 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    sys.path.insert(0, REPO_ROOT)
     from transformers import AutoTokenizer
-
-    import grpo_math
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     rows = read_jsonl(os.path.join(args.dataset, "test.jsonl"))[: args.num_eval_prompts]
-    prompts, golds = grpo_math.build_prompts(tokenizer, rows, grpo_math.Args())
+    prompts, golds = grpo_prompts(tokenizer, rows)
     if len(prompts) != len(rows):
         raise SystemExit(f"{len(rows) - len(prompts)} prompts are longer than grpo_math's max_prompt_length")
     kinds = [sum_kind(row["question"]) for row in rows]

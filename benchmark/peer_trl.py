@@ -142,34 +142,43 @@ def our_step_seconds(run_dir):
     return registry.step_seconds(read_jsonl(os.path.join(run_dir, "metrics.jsonl")))
 
 
-def evaluate(model_dir, args):
-    """Greedy pass@1 on the held-out split: HF generate, grpo_math's prompts, answer extraction and verifier."""
+def greedy_correct(model_dir, prompts, golds, tokenizer, response_length, batch_size):
+    """Whether each greedy completion of the model (fp32, HF generate) has the right final answer, by grpo_math's
+    answer extraction and verifier."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     import grpo_math
 
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    rows = read_jsonl(os.path.join(args.dataset, "test.jsonl"))[: args.num_eval_prompts]
-    prompts, golds = grpo_prompts(tokenizer, rows)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    correct = 0
-    for i in range(0, len(prompts), args.eval_batch_size):
+    correct = []
+    for i in range(0, len(prompts), batch_size):
         responses, lengths = grpo_math.hf_generate(
             model,
-            prompts[i : i + args.eval_batch_size],
+            prompts[i : i + batch_size],
             1,
-            args.response_length,
+            response_length,
             0.0,
             1.0,
             True,
             tokenizer.pad_token_id,
             tokenizer.eos_token_id,
         )
-        for response, length, gold in zip(responses, lengths, golds[i : i + args.eval_batch_size]):
+        for response, length, gold in zip(responses, lengths, golds[i : i + batch_size]):
             text = tokenizer.decode(response[: int(length)], skip_special_tokens=True)
-            correct += grpo_math.verify_answer(grpo_math.extract_answer(text), gold)
-    return correct / len(prompts), len(prompts)
+            correct.append(bool(grpo_math.verify_answer(grpo_math.extract_answer(text), gold)))
+    return correct
+
+
+def evaluate(model_dir, args):
+    """Greedy pass@1 on the held-out split: HF generate, grpo_math's prompts, answer extraction and verifier."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    rows = read_jsonl(os.path.join(args.dataset, "test.jsonl"))[: args.num_eval_prompts]
+    prompts, golds = grpo_prompts(tokenizer, rows)
+    correct = greedy_correct(model_dir, prompts, golds, tokenizer, args.response_length, args.eval_batch_size)
+    return sum(correct) / len(prompts), len(prompts)
 
 
 def our_command(args, seed, side, output_dir):
