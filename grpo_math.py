@@ -24,7 +24,6 @@ Two processes on CPU (gloo): accelerate launch --multi_gpu --num_processes 2 grp
 import collections
 import contextlib
 import json
-import math
 import os
 import random
 import re
@@ -44,7 +43,7 @@ from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 from torch.utils.tensorboard import SummaryWriter
 from tqdm.auto import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, get_scheduler
 
 
 @dataclass
@@ -277,7 +276,9 @@ def clipped_surrogate(logprobs, old_logprobs, advantages, clip_eps_low, clip_eps
 def aggregate_loss(token_loss, mask, loss_type, minibatch_tokens, minibatch_seqs, max_response_length):
     """This micro-batch's share of the minibatch loss; summed over the micro-batches it gives the minibatch loss.
     token_mean: sum / tokens in the minibatch; seq_mean_token_mean: mean over sequences of each one's token mean;
-    constant: sum / (sequences * max_response_length) (Dr. GRPO, no length bias)."""
+    constant: sum / (sequences * max_response_length) (Dr. GRPO, no length bias). With several processes, pass the
+    minibatch's token count averaged over processes and each process's own sequence count: DDP's mean of the
+    processes' gradients is then the gradient of the whole minibatch's loss."""
     masked = token_loss * mask
     if loss_type == "token_mean":
         return masked.sum() / minibatch_tokens
@@ -328,13 +329,13 @@ def response_logprobs(model, input_ids, attention_mask, context_length, temperat
     return logprobs_from_logits(logits, input_ids[:, context_length:]), logits
 
 
-def response_mask(responses, lengths, eos_token_id, truncate_at_eos):
-    """1 on the real response tokens: positions < length, and (with truncate_at_eos) up to the first EOS included.
-    responses [B, R], lengths [B]. Returns a float mask [B, R]."""
+def response_mask(responses, lengths, stop_token_ids, truncate_at_eos):
+    """1 on the real response tokens: positions < length, and (with truncate_at_eos) up to the first stop token
+    (any EOS id) included. responses [B, R], lengths [B]. Returns a float mask [B, R]."""
     positions = torch.arange(responses.shape[1]).unsqueeze(0)
     mask = positions < lengths.unsqueeze(1)
     if truncate_at_eos:
-        is_eos = (responses == eos_token_id) & mask
+        is_eos = torch.isin(responses, torch.tensor(stop_token_ids)) & mask
         after_first_eos = (is_eos.cumsum(1) - is_eos.long()) > 0
         mask = mask & ~after_first_eos
     return mask.float()
@@ -401,7 +402,7 @@ def step_prompt_indices(step, prompts_per_step, num_prompts, seed):
     return order[start - first_epoch * num_prompts : end - first_epoch * num_prompts].tolist()
 
 
-def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_eos, pad_token_id, eos_token_id):
+def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_eos, pad_token_id, stop_token_ids):
     """Sample n completions per prompt with Hugging Face generate.
     Returns (responses [len(prompts) * n, response_length], lengths [len(prompts) * n]); completions of one prompt
     are consecutive. temperature 0 is greedy decoding."""
@@ -413,7 +414,7 @@ def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_
         temperature=temperature if temperature > 0 else None,
         top_p=top_p if temperature > 0 else None,
         top_k=0 if temperature > 0 else None,
-        eos_token_id=eos_token_id if stop_at_eos else [],  # None would be filled in from the model's config
+        eos_token_id=list(stop_token_ids) if stop_at_eos else [],  # None would be filled in from the model's config
         pad_token_id=pad_token_id,
         use_cache=True,
     )
@@ -425,15 +426,16 @@ def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_
     responses = out[:, input_ids.shape[1] :].cpu()
     lengths = torch.full((responses.shape[0],), responses.shape[1], dtype=torch.long)
     if stop_at_eos:  # a finished sequence is padded after its EOS: its length ends at the first EOS
-        is_eos = responses == eos_token_id
+        is_eos = torch.isin(responses, torch.tensor(stop_token_ids))
         lengths = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, lengths)
     responses = F.pad(responses, (0, response_length - responses.shape[1]), value=pad_token_id)
     return responses, lengths
 
 
-def vllm_generate(llm, prompts, n, response_length, temperature, top_p, stop_at_eos, pad_token_id):
+def vllm_generate(llm, prompts, n, response_length, temperature, top_p, stop_at_eos, pad_token_id, stop_token_ids):
     """Sample n completions per prompt with vLLM. Returns (responses [N, response_length], lengths [N],
-    logprobs [N, response_length]) where logprobs are the sampler's (after temperature) for the sampled tokens."""
+    logprobs [N, response_length]) where logprobs are the sampler's (after temperature) for the sampled tokens.
+    stop_token_ids are passed explicitly so that vLLM and HF generate stop on the same ids."""
     from vllm import SamplingParams
 
     params = SamplingParams(
@@ -442,6 +444,7 @@ def vllm_generate(llm, prompts, n, response_length, temperature, top_p, stop_at_
         top_p=top_p,
         max_tokens=response_length,
         ignore_eos=not stop_at_eos,
+        stop_token_ids=list(stop_token_ids) if stop_at_eos else None,
         logprobs=0 if temperature > 0 else None,
         detokenize=False,
     )
@@ -460,6 +463,26 @@ def vllm_generate(llm, prompts, n, response_length, temperature, top_p, stop_at_
                 logprobs[row, : len(ids)] = torch.tensor([lp[t].logprob for lp, t in zip(completion.logprobs, ids)])
             row += 1
     return responses, lengths, logprobs
+
+
+def stop_token_ids(tokenizer, model_name_or_path):
+    """Every id that ends a completion: the tokenizer's EOS and each id in the model's generation_config.json
+    eos_token_id (Qwen2.5 has two, Llama-3.1 three), where vLLM stops too. Sorted list."""
+    try:
+        eos = GenerationConfig.from_pretrained(model_name_or_path).eos_token_id
+    except OSError:  # no generation_config.json: the tokenizer's EOS alone
+        eos = None
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    return sorted({tokenizer.eos_token_id, *eos} - {None})
+
+
+def disable_dropout(model):
+    """Dropout off in every nn.Dropout (the config's dropout attributes are zeroed before loading too): the old and
+    new log-probs of the first minibatch, and the policy and its reference, must be computed identically."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model
 
 
 def policy_state_dict(model):
@@ -649,7 +672,8 @@ def latest_checkpoint(run_dir):
 
 def main(args: Args):
     # 0. Processes. On CPU, accelerate needs cpu=True to connect the processes (gloo) of `--multi_gpu` launches.
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    # The scheduler is stepped by hand once per optimizer step: accelerate's default would step it once per process.
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), step_scheduler_with_optimizer=False)
     rank, world_size = accelerator.process_index, accelerator.num_processes
     check_args(args)
     args.world_size = world_size
@@ -683,7 +707,7 @@ def main(args: Args):
         )
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    pad_id, stop_ids = tokenizer.pad_token_id, stop_token_ids(tokenizer, args.model_name_or_path)
     train_prompts, train_golds = build_prompts(tokenizer, train_rows, args)
     eval_prompts = {name: build_prompts(tokenizer, rows, args) for name, rows in eval_sets.items()}
     if len(train_prompts) < args.prompts_per_rank * world_size:
@@ -736,7 +760,7 @@ def main(args: Args):
             use_safetensors=True,
         )
 
-    model, ref_model = load_model(), None
+    model, ref_model = disable_dropout(load_model()), None
     if args.lora_r > 0:
         from peft import LoraConfig, get_peft_model
 
@@ -751,7 +775,7 @@ def main(args: Args):
             ),
         )
     elif args.beta > 0:  # with LoRA, the reference is the same model with its adapters switched off
-        ref_model = load_model().requires_grad_(False).eval().to(accelerator.device)
+        ref_model = disable_dropout(load_model()).requires_grad_(False).eval().to(accelerator.device)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if args.lora_r > 0:
@@ -762,19 +786,12 @@ def main(args: Args):
         weight_decay=args.weight_decay,
         eps=1e-8,
     )
-    num_updates = args.total_steps * args.num_iterations * args.num_minibatches
-
-    def lr_lambda(update):  # a closure over args, not a global: warmup, then the chosen schedule
-        if update < args.warmup_steps:
-            return (update + 1) / args.warmup_steps
-        progress = (update - args.warmup_steps) / max(1, num_updates - args.warmup_steps)
-        if args.lr_scheduler == "linear":
-            return 1.0 - progress
-        if args.lr_scheduler == "cosine":
-            return 0.5 * (1 + math.cos(math.pi * progress))
-        return 1.0
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+    scheduler = get_scheduler(
+        "constant_with_warmup" if args.lr_scheduler == "constant" else args.lr_scheduler,
+        optimizer,
+        num_warmup_steps=args.warmup_steps,
+        num_training_steps=args.total_steps * args.num_iterations * args.num_minibatches,
+    )
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     unwrapped = accelerator.unwrap_model(model)
 
@@ -812,15 +829,23 @@ def main(args: Args):
         their mask [N, R] (1 up to the first EOS), the sampler's log-probs [N, R] (vLLM only) and the texts."""
         if engine is not None:
             responses, lengths, sampler_logprobs = vllm_generate(
-                engine, prompts, n, args.response_length, temperature, args.top_p, args.stop_at_eos, pad_id
+                engine, prompts, n, args.response_length, temperature, args.top_p, args.stop_at_eos, pad_id, stop_ids
             )
         else:
             unwrapped.eval()
             responses, lengths = hf_generate(
-                unwrapped, prompts, n, args.response_length, temperature, args.top_p, args.stop_at_eos, pad_id, eos_id
+                unwrapped,
+                prompts,
+                n,
+                args.response_length,
+                temperature,
+                args.top_p,
+                args.stop_at_eos,
+                pad_id,
+                stop_ids,
             )
             sampler_logprobs = None
-        mask = response_mask(responses, lengths, eos_id, args.truncate_at_eos)
+        mask = response_mask(responses, lengths, stop_ids, args.truncate_at_eos)
         # The verifier reads each completion up to its first EOS.
         texts = tokenizer.batch_decode(responses.masked_fill(mask == 0, pad_id), skip_special_tokens=True)
         return responses, mask, sampler_logprobs, texts
@@ -978,7 +1003,7 @@ def main(args: Args):
             (rewards.view(-1, args.num_generations).std(1) == 0).float().mean().item()
         )
         metrics["objective/response_length"] = mask.sum(1).float().mean().item()
-        metrics["val/num_eos_tokens"] = ((responses == eos_id) & (mask > 0)).sum().item()
+        metrics["val/num_eos_tokens"] = (torch.isin(responses, torch.tensor(stop_ids)) & (mask > 0)).sum().item()
         if args.oversample > 1:
             # Dynamic sampling: train on prompts_per_rank groups, those with a reward signal first. [B]
             keep = select_groups(rewards, args.num_generations, args.prompts_per_rank)
@@ -1000,8 +1025,11 @@ def main(args: Args):
         query_responses = torch.cat([prompt_ids, responses], 1).to(accelerator.device)  # [B, P + R]
         attention_mask = torch.cat([prompt_mask.to(accelerator.device), mask.long()], 1)
 
-        # 4. Advantages: each completion against its own group. [B]
-        advantages = group_advantages(rewards, args.num_generations, args.scale_rewards).to(accelerator.device)
+        # 4. Advantages: each completion against its own group. Computed on every process's rewards together
+        # (gather keeps rank order), so that the batch std of scale_rewards="batch" is the whole batch's. [B]
+        all_rewards = accelerator.gather(rewards.to(accelerator.device))  # [world_size * B]
+        advantages = group_advantages(all_rewards, args.num_generations, args.scale_rewards)
+        advantages = advantages[rank * args.batch_size : (rank + 1) * args.batch_size]
 
         # 5. Log-probs that stay fixed during the update: the old policy's (needed only when the batch is reused,
         # otherwise the first pass is exactly on-policy) and the reference's (for the KL term). [B, R]
@@ -1021,8 +1049,10 @@ def main(args: Args):
                     ]
                 )
             if args.beta > 0:
+                # Under --mixed_precision bf16 accelerate autocasts the prepared policy only; the reference runs
+                # under the same autocast, so that KL is exactly 0 before the first update.
                 ref_context = unwrapped.disable_adapter() if args.lora_r > 0 else contextlib.nullcontext()
-                with ref_context:
+                with ref_context, accelerator.autocast():
                     ref_logprobs = torch.cat(
                         [
                             response_logprobs(
@@ -1049,7 +1079,10 @@ def main(args: Args):
             )
             for start in range(0, args.batch_size, args.minibatch_size):
                 minibatch = order[start : start + args.minibatch_size]
-                mb_tokens, minibatch_loss = mask[minibatch].sum().clamp(min=1), 0.0
+                # token_mean divides by the tokens of the whole minibatch, over all processes (DAPO), not by each
+                # process's own count: each process divides by the mean count, and DDP averages the gradients.
+                mb_tokens = accelerator.reduce(mask[minibatch].sum(), "mean").clamp(min=1)
+                minibatch_loss = 0.0
                 for k, micro_start in enumerate(range(0, args.minibatch_size, args.micro_batch_size)):
                     idx = minibatch[micro_start : micro_start + args.micro_batch_size].to(accelerator.device)
                     last = k == args.gradient_accumulation_steps - 1
@@ -1107,6 +1140,7 @@ def main(args: Args):
                 stats["policy/grad_norm"].append(
                     accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
                 )
+                lr = scheduler.get_last_lr()[0]  # the learning rate of this update
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -1116,7 +1150,7 @@ def main(args: Args):
         metrics["time/training"] = time.time() - t0
         gap_max = max(stats.pop("gap_max", [0.0]))
         metrics.update({name: float(np.mean(values)) for name, values in stats.items()})
-        metrics["lr"] = scheduler.get_last_lr()[0]
+        metrics["lr"] = lr  # of the step's last update
         train_tokens = int(attention_mask.sum()) * args.num_iterations
         metrics["perf/train_tokens_per_second"] = train_tokens / metrics["time/training"]
 

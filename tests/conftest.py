@@ -318,3 +318,71 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# Golden-trajectory invariants: runs launched differently must compute the same numbers (tests named
+# test_invariant_*, `pytest -k invariant` runs them alone).
+
+
+def accelerate_command():
+    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
+    if not os.path.exists(accelerate):
+        accelerate = shutil.which("accelerate")
+    assert accelerate, "the accelerate command is not installed next to the python running the tests"
+    return accelerate
+
+
+def launch_fixed_rollout(script, flags, output_dir, num_processes=2, config_file=None, mixed_precision="no"):
+    """`accelerate launch` of `script` on tests/fixed_rollout.py (the same completions whatever the launch) with
+    num_processes CPU processes; returns the run folder after checking the world size the run got."""
+    cmd = [accelerate_command(), "launch"]
+    cmd += ["--config_file", config_file] if config_file else ["--multi_gpu", "--dynamo_backend", "no"]
+    cmd += ["--num_processes", str(num_processes), "--num_machines", "1", "--mixed_precision", mixed_precision]
+    cmd += ["--main_process_port", str(free_port())]
+    cmd += [os.path.join(REPO_ROOT, "tests", "fixed_rollout.py"), script, *flags]
+    run_checked(cmd, subprocess_env(), timeout=300)
+    run_dir = only_run_dir(output_dir)
+    with open(os.path.join(run_dir, "config.json")) as f:
+        # --multi_gpu without Accelerator(cpu=True) starts unconnected rank-0 processes with no error.
+        assert json.load(f)["args"]["world_size"] == num_processes
+    return run_dir
+
+
+def assert_same_trajectory(reference_dir, other_dir, keys, rel=1e-5, abs_=1e-7):
+    """The logged metrics `keys` of every line agree (relative tolerance rel, absolute abs_), step by step."""
+    reference, other = read_metrics(reference_dir), read_metrics(other_dir)
+    assert [line["global_step"] for line in reference] == [line["global_step"] for line in other]
+    for ref_line, line in zip(reference, other):
+        for key in keys:
+            if key in ref_line or key in line:
+                assert line[key] == pytest.approx(ref_line[key], rel=rel, abs=abs_), (line["global_step"], key)
+
+
+def assert_same_weights(reference_file, other_file, initial_file, rel=1e-4):
+    """The trained weights agree: the difference of the two updates is at most `rel` of the update itself (Adam's
+    first steps are close to lr * sign(g): a gradient entry at rounding-noise level may flip, so an absolute
+    tolerance on single entries says less than the norm of the whole difference)."""
+    from safetensors.torch import load_file
+
+    reference, other, initial = load_file(reference_file), load_file(other_file), load_file(initial_file)
+    assert set(reference) == set(other)
+    moved = diff = 0.0
+    for name, tensor in reference.items():
+        start = initial[name].double()
+        moved += (tensor.double() - start).pow(2).sum().item()
+        diff += (tensor.double() - other[name].double()).pow(2).sum().item()
+    assert moved > 0, "the weights did not move: the comparison would not show anything"
+    assert diff**0.5 <= rel * moved**0.5, f"|w_a - w_b| = {diff**0.5:.3e} against an update of {moved**0.5:.3e}"
+
+
+@pytest.fixture
+def bf16_autocast(monkeypatch):
+    """In-process runs as `accelerate launch --mixed_precision bf16` starts them (accelerate autocasts the prepared
+    model's forward); accelerate's state is a process-wide singleton, so it is reset before and after."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state()
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    yield
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION")
+    AcceleratorState._reset_state()

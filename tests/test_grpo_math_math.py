@@ -295,24 +295,26 @@ EOS = 2
 )
 def test_response_mask_by_hand(tokens, length, truncated, untruncated):
     responses, lengths = torch.tensor([tokens]), torch.tensor([length])
-    assert response_mask(responses, lengths, EOS, True).tolist() == [[float(x) for x in truncated]]
-    assert response_mask(responses, lengths, EOS, False).tolist() == [[float(x) for x in untruncated]]
-    assert response_mask(responses, lengths, EOS, True).dtype == torch.float32
+    assert response_mask(responses, lengths, [EOS], True).tolist() == [[float(x) for x in truncated]]
+    assert response_mask(responses, lengths, [EOS], False).tolist() == [[float(x) for x in untruncated]]
+    assert response_mask(responses, lengths, [EOS], True).dtype == torch.float32
 
 
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("truncate", [True, False])
-def test_response_mask_random_matches_loop(seed, truncate):
+@pytest.mark.parametrize("stop_ids", [[EOS], [EOS, 4]])
+def test_response_mask_random_matches_loop(seed, truncate, stop_ids):
+    """Any of the stop ids ends a response (models with several EOS ids, e.g. Llama-3.1's three)."""
     g = torch.Generator().manual_seed(seed)
     responses = torch.randint(0, 5, (16, 9), generator=g)  # EOS (2) is frequent
     lengths = torch.randint(0, 10, (16,), generator=g)
-    got = response_mask(responses, lengths, EOS, truncate)
+    got = response_mask(responses, lengths, stop_ids, truncate)
     for b in range(16):
         seen_eos = False
         for t in range(9):
             keep = t < lengths[b].item() and not (truncate and seen_eos)
             assert got[b, t].item() == float(keep), (b, t)
-            if t < lengths[b].item() and responses[b, t].item() == EOS:
+            if t < lengths[b].item() and responses[b, t].item() in stop_ids:
                 seen_eos = True
 
 

@@ -9,18 +9,20 @@ import sys
 import textwrap
 from dataclasses import asdict
 
+import fixed_rollout
 import numpy as np
 import pytest
 import torch
 from conftest import (
+    assert_same_trajectory,
+    assert_same_weights,
     fast_cli_flags,
-    free_port,
+    launch_fixed_rollout,
     only_run_dir,
     read_metrics,
     require_vllm,
     run_checked,
     space_reward,
-    subprocess_env,
     vllm_env,
     without_timing,
 )
@@ -385,20 +387,20 @@ EOS_PROMPTS = [[1, 4093, 198, 2683, 314], [1, 9690, 198, 2683]]
 
 
 def test_hf_generate_stops_at_eos(eos_model):
-    responses, lengths = grpo_math.hf_generate(eos_model, EOS_PROMPTS, 2, 6, 0.0, 1.0, True, 2, 2)
+    responses, lengths = grpo_math.hf_generate(eos_model, EOS_PROMPTS, 2, 6, 0.0, 1.0, True, 2, [2])
     assert responses.shape == (4, 6)
     assert lengths.tolist() == [1, 1, 1, 1]
     assert (responses[:, 0] == 2).all()
-    mask = grpo_math.response_mask(responses, lengths, 2, True)
+    mask = grpo_math.response_mask(responses, lengths, [2], True)
     assert mask.sum(1).tolist() == [1.0] * 4
 
 
 def test_hf_generate_no_stop_at_eos_generates_the_full_length(eos_model):
-    responses, lengths = grpo_math.hf_generate(eos_model, EOS_PROMPTS, 2, 6, 0.0, 1.0, False, 2, 2)
+    responses, lengths = grpo_math.hf_generate(eos_model, EOS_PROMPTS, 2, 6, 0.0, 1.0, False, 2, [2])
     assert lengths.tolist() == [6, 6, 6, 6]
     assert (responses == 2).all()  # the greedy token at every step is EOS, and generation went on
-    assert grpo_math.response_mask(responses, lengths, 2, False).sum(1).tolist() == [6.0] * 4
-    assert grpo_math.response_mask(responses, lengths, 2, True).sum(1).tolist() == [1.0] * 4
+    assert grpo_math.response_mask(responses, lengths, [2], False).sum(1).tolist() == [6.0] * 4
+    assert grpo_math.response_mask(responses, lengths, [2], True).sum(1).tolist() == [1.0] * 4
 
 
 # Subprocess launches
@@ -448,7 +450,7 @@ dtype = llm.llm_engine.model_config.dtype
 prompts = [[1, 9690, 198, 5248, 314, 216, 35, 1232, 216, 36, 47], [1, 4093, 198, 2683, 314]]
 
 def greedy():
-    responses, lengths, _ = grpo_math.vllm_generate(llm, prompts, 1, 12, 0.0, 1.0, True, 2)
+    responses, lengths, _ = grpo_math.vllm_generate(llm, prompts, 1, 12, 0.0, 1.0, True, 2, [2])
     return responses.tolist()
 
 original_state = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
@@ -476,37 +478,115 @@ def test_vllm_weight_sync_changes_and_restores_greedy_output(tiny_model_dir, tmp
     assert result["restored"] == result["original"], "restoring the weights did not restore the output"
 
 
+# Golden-trajectory invariants: the same fixed rollout (tests/fixed_rollout.py) launched differently.
+
+INVARIANT_ARGS = dict(
+    total_steps=2,
+    num_iterations=2,  # 4 updates: the old-policy log-probs and the reused batch are in the comparison
+    lr_scheduler="linear",  # a decaying schedule shows a scheduler stepped once per process
+    learning_rate=1e-4,
+    beta=0.04,  # the reference model and the KL term
+    scale_rewards="batch",  # the std over every process's rewards
+    loss_type="token_mean",  # the token count over every process
+    eval_every=0,
+    num_eval_prompts=4,
+    response_length=12,
+)
+INVARIANT_KEYS = ("loss/policy", "policy/grad_norm", "lr", "objective/scores", "policy/ratio_first_minibatch")
+
+
+def fixed_rollout_run(monkeypatch, make_args, **overrides):
+    fixed_rollout.patch(grpo_math, monkeypatch.setattr)
+    return grpo_math.main(make_args(**{**INVARIANT_ARGS, **overrides}))
+
+
 @pytest.mark.slow
-def test_two_processes_with_accelerate_launch(tiny_model_dir, task_dir, tmp_path):
-    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
-    if not os.path.exists(accelerate):
-        accelerate = shutil.which("accelerate")
-    assert accelerate, "the accelerate command is not installed next to the python running the tests"
-    out = str(tmp_path / "runs")
-    cmd = [
-        accelerate,
-        "launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        "--main_process_port",
-        str(free_port()),
-        "grpo_math.py",
-        *fast_cli_flags(tiny_model_dir, task_dir, out, vllm=False, total_steps=2),
-    ]
-    run_checked(cmd, subprocess_env(), timeout=180)
-    run_dir = only_run_dir(out)  # one run folder: the processes agreed on the name (rank 0's time)
-    with open(os.path.join(run_dir, "config.json")) as f:
-        config = json.load(f)
-    # --multi_gpu without Accelerator(cpu=True) starts two unconnected rank-0 processes with no error.
-    assert config["args"]["world_size"] == 2
-    lines = read_metrics(run_dir)
+def test_invariant_two_processes_equal_one_process(tiny_model_dir, task_dir, tmp_path, make_args, monkeypatch):
+    """2 processes with 2 prompts each = 1 process with the 4 prompts: the same loss, grad norm, lr and weights
+    after 4 updates (failed before: the prepared scheduler stepped twice per update, and token_mean and the batch
+    std were per process)."""
+    one = fixed_rollout_run(monkeypatch, make_args, prompts_per_rank=4)
+    out = str(tmp_path / "two")
+    flags = fast_cli_flags(tiny_model_dir, task_dir, out, **{**INVARIANT_ARGS, "prompts_per_rank": 2})
+    two = launch_fixed_rollout("grpo_math.py", flags, out)
+    lines = read_metrics(two)
     assert [line["global_step"] for line in lines] == [0, 1, 2]
     assert [line["episode"] for line in lines] == [0, 16, 32]  # 2 processes * 2 prompts * 4 completions
-    assert lines[0]["eval/num_problems"] == 8  # the eval set is sharded, and the counts summed
+    assert lines[0]["eval/num_problems"] == 4  # the eval set is sharded, and the counts summed
+    assert [line["lr"] for line in train_lines(lines)] == pytest.approx(
+        [7.5e-5, 2.5e-5]
+    )  # lr of each step's last update
+    assert_same_trajectory(one, two, INVARIANT_KEYS)
+    initial = os.path.join(tiny_model_dir, "model.safetensors")
+    assert_same_weights(*(os.path.join(d, "model", "model.safetensors") for d in (one, two)), initial)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss_type", ["token_mean", "seq_mean_token_mean", "constant"])
+def test_invariant_gradient_accumulation_equals_one_micro_batch(make_args, monkeypatch, tmp_path, loss_type):
+    """micro-batches of 2 accumulated = the whole batch of 8 in one micro-batch: same loss, grad norm, weights."""
+    runs = [
+        fixed_rollout_run(
+            monkeypatch, make_args, micro_batch_size=m, loss_type=loss_type, output_dir=str(tmp_path / f"mb{m}")
+        )
+        for m in (2, 8)
+    ]
+    assert_same_trajectory(*runs, INVARIANT_KEYS)
+    initial = os.path.join(make_args().model_name_or_path, "model.safetensors")
+    assert_same_weights(*(os.path.join(d, "model", "model.safetensors") for d in runs), initial)
+
+
+def test_stop_token_ids_reads_every_eos_of_the_generation_config(tiny_model_dir, tmp_path):
+    """Qwen2.5 and Llama-3.1 list several EOS ids in generation_config.json, where vLLM stops: every backend, the
+    mask and the missing-EOS checks use the same set."""
+    from transformers import AutoTokenizer
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    with open(folder / "generation_config.json", "w") as f:
+        json.dump({"eos_token_id": [7, 2, 11]}, f)
+    assert grpo_math.stop_token_ids(tokenizer, str(folder)) == [2, 7, 11]
+    (folder / "generation_config.json").unlink()
+    assert grpo_math.stop_token_ids(tokenizer, str(folder)) == [tokenizer.eos_token_id] == [2]
+
+
+def test_hf_generate_stops_at_any_stop_id(tiny_model_dir):
+    """The tiny model greedily repeats token 22145 after this prompt: listed as a second stop id, it ends the
+    completion there, as vLLM would."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    prompt = EOS_PROMPTS[:1]
+    assert grpo_math.hf_generate(model, prompt, 2, 4, 0.0, 1.0, True, 2, [2])[0].tolist() == [[22145] * 4] * 2
+    responses, lengths = grpo_math.hf_generate(model, prompt, 2, 4, 0.0, 1.0, True, 2, [2, 22145])
+    assert lengths.tolist() == [1, 1]
+    assert grpo_math.response_mask(responses, lengths, [2, 22145], True).sum(1).tolist() == [1.0, 1.0]
+
+
+def test_disable_dropout_zeroes_every_dropout_module():
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 4), torch.nn.Dropout(0.3), torch.nn.Sequential(torch.nn.Dropout(0.1))
+    )
+    grpo_math.disable_dropout(model).train()
+    assert [m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)] == [0.0, 0.0]
+    x = torch.randn(8, 4)
+    assert torch.equal(model(x), model(x))
+
+
+@pytest.mark.slow
+def test_invariant_bf16_autocast_kl_is_zero_before_the_first_update(make_args, monkeypatch, bf16_autocast):
+    """--mixed_precision bf16 autocasts the prepared policy; the reference runs under the same autocast, so the KL
+    of the first step (one update) is exactly 0 (failed before: the reference ran in fp32, KL 5e-7 here)."""
+    run_dir = fixed_rollout_run(monkeypatch, make_args, total_steps=1, num_iterations=1)
+    (line,) = train_lines(read_metrics(run_dir))
+    assert line["objective/kl"] == 0.0
+
+
+@pytest.mark.slow
+def test_invariant_bf16_autocast_ratio_is_one_on_the_first_minibatch(make_args, monkeypatch, bf16_autocast):
+    """A reused batch under bf16 autocast: the old log-probs come from the same autocast forward, ratio exactly 1."""
+    run_dir = fixed_rollout_run(monkeypatch, make_args, total_steps=1, num_iterations=2)
+    (line,) = train_lines(read_metrics(run_dir))
+    assert line["policy/ratio_first_minibatch"] == 1.0
+    assert line["policy/approxkl_first_minibatch"] == 0.0

@@ -1,0 +1,64 @@
+"""A fixed rollout for the invariant tests, and a launcher that runs a script on it.
+
+The completions depend only on the prompt's tokens and the sample's index in its group: never on the process, the
+batch it is in, the model or a random stream. Runs launched differently (1 or N processes, micro-batch sizes,
+DeepSpeed) then train on exactly the same data and must compute the same numbers (loss, grad norm, lr, weights).
+
+As a program it runs a script's main() with its HF sampler (and the rewards named in PATCHES) replaced:
+    accelerate launch --multi_gpu --num_processes 2 tests/fixed_rollout.py grpo_math.py --no-vllm ...
+In-process tests call patch(module, monkeypatch.setattr) and then module.main(args).
+"""
+
+import importlib
+import os
+import sys
+import zlib
+
+import torch
+
+
+def fixed_generate(model, prompts, n, response_length, temperature, top_p, stop_at_eos, pad_token_id, stop_ids):
+    """Stands in for hf_generate (same signature and returns): completion j of a prompt is a seeded function of
+    (prompt tokens, j). Lengths 1..response_length; half of the completions end with the first stop id."""
+    stop_ids = [stop_ids] if isinstance(stop_ids, int) else list(stop_ids)
+    responses = torch.full((len(prompts) * n, response_length), pad_token_id, dtype=torch.long)
+    lengths = torch.full((len(prompts) * n,), response_length, dtype=torch.long)
+    for i, prompt in enumerate(prompts):
+        for j in range(n):
+            g = torch.Generator().manual_seed(zlib.crc32(repr((list(prompt), j)).encode()))
+            length = int(torch.randint(1, response_length + 1, (1,), generator=g))
+            tokens = torch.randint(300, 3000, (length,), generator=g)  # ordinary word pieces of the SmolLM2 vocab
+            ends = bool(torch.rand(1, generator=g) < 0.5)
+            if stop_at_eos:
+                if ends:
+                    tokens[-1] = stop_ids[0]
+                lengths[i * n + j] = length
+            responses[i * n + j, :length] = tokens
+    return responses, lengths
+
+
+def space_reward(completions, golds, format_reward):
+    """grpo_math's compute_rewards on the fixed rollout: the fraction of characters that are spaces (varied within
+    a group, so the advantages are not zero)."""
+    rewards = torch.tensor([c.count(" ") / max(1, len(c)) for c in completions], dtype=torch.float32)
+    return rewards, (rewards > 0.5).float(), torch.zeros(len(completions))
+
+
+# Script module -> {attribute: replacement} on top of hf_generate.
+PATCHES = {"grpo_math": {"compute_rewards": space_reward}}
+
+
+def patch(module, setter=setattr):
+    """Replace the module's HF sampler (and its PATCHES) by the fixed rollout."""
+    setter(module, "hf_generate", fixed_generate)
+    for name, replacement in PATCHES.get(module.__name__, {}).items():
+        setter(module, name, replacement)
+
+
+if __name__ == "__main__":
+    import tyro
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    script = importlib.import_module(os.path.basename(sys.argv.pop(1)).removesuffix(".py"))
+    patch(script)
+    script.main(tyro.cli(script.Args))
