@@ -26,8 +26,8 @@ Two processes on CPU (gloo): accelerate launch --multi_gpu --num_processes 2 ppo
 
 import collections
 import contextlib
+import functools
 import json
-import math
 import os
 import random
 import re
@@ -53,6 +53,7 @@ from transformers import (
     AutoModelForSequenceClassification,
     AutoTokenizer,
     GenerationConfig,
+    get_scheduler,
 )
 
 
@@ -228,12 +229,15 @@ def masked_mean(values, mask, dim=None):
     return (values * mask).sum(dim) / mask.sum(dim).clamp(min=1)
 
 
-def masked_whiten(values, mask, shift_mean=True, eps=1e-8):
+def masked_whiten(values, mask, shift_mean=True, eps=1e-8, sum_processes=lambda t: t):
     """(values - mean) / std over the positions where mask is 1, with the unbiased variance; shift_mean=False adds
-    the mean back, so only the scale changes. Positions outside the mask are transformed too (callers mask them)."""
-    mean = masked_mean(values, mask)
-    count = mask.sum()
-    variance = masked_mean((values - mean) ** 2, mask) * count / (count - 1).clamp(min=1)
+    the mean back, so only the scale changes. Positions outside the mask are transformed too (callers mask them).
+    sum_processes sums a tensor over processes (functools.partial(accelerator.reduce, reduction="sum")): the mean
+    and std are then those of every process's batch together, as one process with the whole batch has them."""
+    mask = mask.to(values.dtype)
+    count = sum_processes(mask.sum())
+    mean = sum_processes((values * mask).sum()) / count.clamp(min=1)
+    variance = sum_processes(((values - mean) ** 2 * mask).sum()) / (count - 1).clamp(min=1)
     whitened = (values - mean) * torch.rsqrt(variance + eps)
     return whitened if shift_mean else whitened + mean
 
@@ -311,17 +315,17 @@ def response_logprobs(model, input_ids, attention_mask, context_length, temperat
 def token_scores(model, score_head, input_ids, attention_mask):
     """The one-label head of a sequence-classification model (reward or value model) at every position: [B, T]
     float32. `model` may be wrapped (DDP, DeepSpeed) so that gradients sync; `score_head` is its unwrapped `.score`
-    layer, applied to the last hidden state. Positions count from each sequence's first real token, so left and
-    right padding give the same scores."""
+    layer. The classifier's forward applies the head at every position and then keeps the last one: a hook takes
+    the head's output before that, so no layer's hidden states are kept (output_hidden_states would keep all).
+    Positions count from each sequence's first real token, so left and right padding give the same scores."""
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    hidden = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        output_hidden_states=True,
-        use_cache=False,
-    ).hidden_states[-1]
-    return score_head(hidden).squeeze(-1).float()
+    scores = []
+    handle = score_head.register_forward_hook(lambda module, inputs, output: scores.append(output))
+    try:
+        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    finally:
+        handle.remove()
+    return scores[0].squeeze(-1).float()
 
 
 def last_real_index(attention_mask):
@@ -337,22 +341,27 @@ class PolicyAndValue(torch.nn.Module):
     def __init__(self, policy, value_model):
         super().__init__()
         self.policy, self.value_model = policy, value_model
+        # The value model's head minus its config.bias (the mean training score reward_modeling.py stores), as the
+        # N+ critic does: a value model started from the reward model then predicts the centred scores
+        # (score - bias) from step 0 instead of starting bias above every return. A plain float, not a buffer:
+        # it stays in the value model's saved config, and checkpoints keep their keys.
+        self.value_bias = float(getattr(value_model.config, "bias", 0.0))
 
     def forward(self, input_ids, attention_mask, context_length, temperature):
         """Response log-probs [B, R], their logits [B, R, V] and the values [B, R] of the states before each
-        response token (the value model's output at the position that predicts it)."""
+        response token (the value model's centred output at the position that predicts it)."""
         logprobs, logits = response_logprobs(self.policy, input_ids, attention_mask, context_length, temperature)
         values = token_scores(self.value_model, self.value_model.score, input_ids, attention_mask)
-        return logprobs, logits, values[:, context_length - 1 : -1]
+        return logprobs, logits, values[:, context_length - 1 : -1] - self.value_bias
 
 
-def response_mask(responses, lengths, eos_token_id, truncate_at_eos):
-    """1 on the real response tokens: positions < length, and (with truncate_at_eos) up to the first EOS included.
-    responses [B, R], lengths [B]. Returns a float mask [B, R]."""
+def response_mask(responses, lengths, stop_token_ids, truncate_at_eos):
+    """1 on the real response tokens: positions < length, and (with truncate_at_eos) up to the first stop token
+    (any EOS id) included. responses [B, R], lengths [B]. Returns a float mask [B, R]."""
     positions = torch.arange(responses.shape[1]).unsqueeze(0)
     mask = positions < lengths.unsqueeze(1)
     if truncate_at_eos:
-        is_eos = (responses == eos_token_id) & mask
+        is_eos = torch.isin(responses, torch.tensor(stop_token_ids)) & mask
         after_first_eos = (is_eos.cumsum(1) - is_eos.long()) > 0
         mask = mask & ~after_first_eos
     return mask.float()
@@ -412,7 +421,7 @@ def step_prompt_indices(step, prompts_per_step, num_prompts, seed):
     return order[start - first_epoch * num_prompts : end - first_epoch * num_prompts].tolist()
 
 
-def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_eos, pad_token_id, eos_token_id):
+def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_eos, pad_token_id, stop_token_ids):
     """Sample n completions per prompt with Hugging Face generate.
     Returns (responses [len(prompts) * n, response_length], lengths [len(prompts) * n]); completions of one prompt
     are consecutive. temperature 0 is greedy decoding."""
@@ -424,7 +433,7 @@ def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_
         temperature=temperature if temperature > 0 else None,
         top_p=top_p if temperature > 0 else None,
         top_k=0 if temperature > 0 else None,
-        eos_token_id=eos_token_id if stop_at_eos else [],  # None would be filled in from the model's config
+        eos_token_id=list(stop_token_ids) if stop_at_eos else [],  # None would be filled in from the model's config
         pad_token_id=pad_token_id,
         use_cache=True,
     )
@@ -436,15 +445,16 @@ def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_
     responses = out[:, input_ids.shape[1] :].cpu()
     lengths = torch.full((responses.shape[0],), responses.shape[1], dtype=torch.long)
     if stop_at_eos:  # a finished sequence is padded after its EOS: its length ends at the first EOS
-        is_eos = responses == eos_token_id
+        is_eos = torch.isin(responses, torch.tensor(stop_token_ids))
         lengths = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, lengths)
     responses = F.pad(responses, (0, response_length - responses.shape[1]), value=pad_token_id)
     return responses, lengths
 
 
-def vllm_generate(llm, prompts, n, response_length, temperature, top_p, stop_at_eos, pad_token_id):
+def vllm_generate(llm, prompts, n, response_length, temperature, top_p, stop_at_eos, pad_token_id, stop_token_ids):
     """Sample n completions per prompt with vLLM. Returns (responses [N, response_length], lengths [N],
-    logprobs [N, response_length]) where logprobs are the sampler's (after temperature) for the sampled tokens."""
+    logprobs [N, response_length]) where logprobs are the sampler's (after temperature) for the sampled tokens.
+    stop_token_ids are passed explicitly so that vLLM and HF generate stop on the same ids."""
     from vllm import SamplingParams
 
     params = SamplingParams(
@@ -453,6 +463,7 @@ def vllm_generate(llm, prompts, n, response_length, temperature, top_p, stop_at_
         top_p=top_p,
         max_tokens=response_length,
         ignore_eos=not stop_at_eos,
+        stop_token_ids=list(stop_token_ids) if stop_at_eos else None,
         logprobs=0 if temperature > 0 else None,
         detokenize=False,
     )
@@ -471,6 +482,26 @@ def vllm_generate(llm, prompts, n, response_length, temperature, top_p, stop_at_
                 logprobs[row, : len(ids)] = torch.tensor([lp[t].logprob for lp, t in zip(completion.logprobs, ids)])
             row += 1
     return responses, lengths, logprobs
+
+
+def stop_token_ids(tokenizer, model_name_or_path):
+    """Every id that ends a completion: the tokenizer's EOS and each id in the model's generation_config.json
+    eos_token_id (Qwen2.5 has two, Llama-3.1 three), where vLLM stops too. Sorted list."""
+    try:
+        eos = GenerationConfig.from_pretrained(model_name_or_path).eos_token_id
+    except OSError:  # no generation_config.json: the tokenizer's EOS alone
+        eos = None
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    return sorted({tokenizer.eos_token_id, *eos} - {None})
+
+
+def disable_dropout(model):
+    """Dropout off in every nn.Dropout (the config's dropout attributes are zeroed before loading too): the old and
+    new log-probs of the first minibatch, and the policy and its reference, must be computed identically."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model
 
 
 def policy_state_dict(model):
@@ -600,6 +631,17 @@ def check_score_model(path, name, trust_remote_code):
         fail(f"--{name} {path} has {config.num_labels} labels; a reward model has exactly one (a scalar score)")
 
 
+def check_same_vocabulary(path, name, policy_tokenizer, trust_remote_code):
+    """A model that reads the policy's tokens (reward or value model) must have the policy's vocabulary: with
+    another tokenizer its scores are silent garbage."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as error:
+        fail(f"--{name} {path} has no loadable tokenizer ({str(error).splitlines()[0]})")
+    if tokenizer.get_vocab() != policy_tokenizer.get_vocab():
+        fail(f"--{name} {path} has another vocabulary than --model_name_or_path; it must read the policy's tokens")
+
+
 def build_prompts(tokenizer, rows, args):
     """Token ids of each row's prompt (chat template or --prompt_template) and its gold answer; prompts longer
     than max_prompt_length are dropped."""
@@ -665,7 +707,8 @@ def latest_checkpoint(run_dir):
 
 def main(args: Args):
     # 0. Processes. On CPU, accelerate needs cpu=True to connect the processes (gloo) of `--multi_gpu` launches.
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    # The scheduler is stepped by hand once per optimizer step: accelerate's default would step it once per process.
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), step_scheduler_with_optimizer=False)
     rank, world_size = accelerator.process_index, accelerator.num_processes
     check_args(args)
     check_score_model(args.reward_model_path, "reward_model_path", args.trust_remote_code)
@@ -705,7 +748,10 @@ def main(args: Args):
         )
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    pad_id, stop_ids = tokenizer.pad_token_id, stop_token_ids(tokenizer, args.model_name_or_path)
+    check_same_vocabulary(args.reward_model_path, "reward_model_path", tokenizer, args.trust_remote_code)
+    if args.value_model_path is not None:
+        check_same_vocabulary(args.value_model_path, "value_model_path", tokenizer, args.trust_remote_code)
     # Rows without a gold answer get an empty one, which only the (unused) gold accuracy would read.
     train_prompts, train_golds = build_prompts(tokenizer, [{args.answer_column: "", **r} for r in train_rows], args)
     eval_prompts, eval_golds = build_prompts(tokenizer, [{args.answer_column: "", **r} for r in eval_rows], args)
@@ -753,9 +799,10 @@ def main(args: Args):
             if hasattr(config, key):
                 setattr(config, key, 0.0)
         config.pad_token_id = pad_id  # needed by sequence-classification models for batches (not used for scores)
-        return auto_class.from_pretrained(
+        model = auto_class.from_pretrained(
             path, config=config, dtype=dtype, trust_remote_code=args.trust_remote_code, use_safetensors=True
         )
+        return disable_dropout(model)
 
     policy, ref_policy = load(args.model_name_or_path, AutoModelForCausalLM), None
     if args.lora_r > 0:
@@ -791,19 +838,12 @@ def main(args: Args):
         weight_decay=args.weight_decay,
         eps=1e-5,  # the N+ details use 1e-5 (TensorFlow's Adam default in the original OpenAI code)
     )
-    num_updates = args.total_steps * args.num_ppo_epochs * args.num_minibatches
-
-    def lr_lambda(update):  # a closure over args, not a global: warmup, then the chosen schedule
-        if update < args.warmup_steps:
-            return (update + 1) / args.warmup_steps
-        progress = (update - args.warmup_steps) / max(1, num_updates - args.warmup_steps)
-        if args.lr_scheduler == "linear":
-            return 1.0 - progress
-        if args.lr_scheduler == "cosine":
-            return 0.5 * (1 + math.cos(math.pi * progress))
-        return 1.0
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+    scheduler = get_scheduler(
+        "constant_with_warmup" if args.lr_scheduler == "constant" else args.lr_scheduler,
+        optimizer,
+        num_warmup_steps=args.warmup_steps,
+        num_training_steps=args.total_steps * args.num_ppo_epochs * args.num_minibatches,
+    )
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     unwrapped = accelerator.unwrap_model(model)
 
@@ -840,7 +880,7 @@ def main(args: Args):
         mask [N, R] (1 up to the first EOS), the sampler's log-probs [N, R] (vLLM only) and the texts."""
         if engine is not None:
             responses, lengths, sampler_logprobs = vllm_generate(
-                engine, prompts, 1, args.response_length, temperature, args.top_p, args.stop_at_eos, pad_id
+                engine, prompts, 1, args.response_length, temperature, args.top_p, args.stop_at_eos, pad_id, stop_ids
             )
         else:
             unwrapped.policy.eval()
@@ -853,10 +893,10 @@ def main(args: Args):
                 args.top_p,
                 args.stop_at_eos,
                 pad_id,
-                eos_id,
+                stop_ids,
             )
             sampler_logprobs = None
-        mask = response_mask(responses, lengths, eos_id, args.truncate_at_eos)
+        mask = response_mask(responses, lengths, stop_ids, args.truncate_at_eos)
         texts = tokenizer.batch_decode(responses.masked_fill(mask == 0, pad_id), skip_special_tokens=True)
         return responses, mask, sampler_logprobs, texts
 
@@ -871,10 +911,14 @@ def main(args: Args):
     def scores_of(query_responses, attention_mask, responses, mask):
         """The reward model's centred score at each sequence's last real token; responses without an EOS get
         missing_eos_penalty instead. Returns (scores [B], has_eos [B])."""
-        with torch.no_grad():
+        # Under --mixed_precision bf16 accelerate autocasts the prepared policy and value model only; the frozen
+        # reward model and reference run under the same autocast, so that the scores are on the values' scale and
+        # KL is exactly 0 before the first update.
+        with torch.no_grad(), accelerator.autocast():
             per_token = token_scores(reward_model, reward_model.score, query_responses, attention_mask)
         scores = per_token[torch.arange(len(per_token)), last_real_index(attention_mask)] - reward_bias
-        has_eos = ((responses.to(mask.device) == eos_id) & (mask > 0)).any(1).to(scores.device)
+        is_stop = torch.isin(responses, torch.tensor(stop_ids, device=responses.device)).to(mask.device)
+        has_eos = (is_stop & (mask > 0)).any(1).to(scores.device)
         if args.missing_eos_penalty is not None:
             scores = torch.where(has_eos, scores, torch.full_like(scores, args.missing_eos_penalty))
         return scores, has_eos
@@ -1037,7 +1081,7 @@ def main(args: Args):
                 old_logprobs.append(logprobs)
                 old_values.append(values)
                 ref_context = unwrapped.policy.disable_adapter() if args.lora_r > 0 else contextlib.nullcontext()
-                with ref_context:
+                with ref_context, accelerator.autocast():  # the policy's autocast (see scores_of)
                     ref_logprobs.append(
                         response_logprobs(
                             ref_policy or unwrapped.policy,
@@ -1066,12 +1110,15 @@ def main(args: Args):
         rewards = non_score_reward.clone()
         last = (mask.sum(1) - 1).long()  # responses are right-padded: the last real token is at length - 1
         rewards[torch.arange(len(rewards)), last] += scores
+        # Whitening statistics over every process's tokens: N processes with 1/N of the batch each whiten as one
+        # process with the whole batch.
+        sum_processes = functools.partial(accelerator.reduce, reduction="sum")
         if args.whiten_rewards:
-            rewards = masked_whiten(rewards, mask, shift_mean=False) * mask
+            rewards = masked_whiten(rewards, mask, shift_mean=False, sum_processes=sum_processes) * mask
 
         # 6. Advantages and returns with GAE, then advantages whitened over the batch. [B, R]
         advantages, returns = gae_advantages(rewards, old_values, mask, args.gamma, args.lam)
-        advantages = masked_whiten(advantages, mask) * mask
+        advantages = masked_whiten(advantages, mask, sum_processes=sum_processes) * mask
 
         metrics["objective/scores"] = scores.mean().item()
         metrics["objective/kl"] = kl.sum(1).mean().item()
@@ -1096,7 +1143,9 @@ def main(args: Args):
             )
             for start in range(0, args.prompts_per_rank, args.minibatch_size):
                 minibatch = order[start : start + args.minibatch_size]
-                mb_tokens = mask[minibatch].sum().clamp(min=1)  # the losses are means over the minibatch's tokens
+                # The losses are means over the minibatch's tokens on every process, not each process's own count:
+                # each process divides by the mean count, and DDP averages the gradients.
+                mb_tokens = accelerator.reduce(mask[minibatch].sum(), "mean").clamp(min=1)
                 for k, micro_start in enumerate(range(0, args.minibatch_size, args.micro_batch_size)):
                     idx = minibatch[micro_start : micro_start + args.micro_batch_size].to(accelerator.device)
                     m = mask[idx]
@@ -1156,6 +1205,7 @@ def main(args: Args):
                 stats["policy/grad_norm"].append(
                     accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
                 )
+                lr = scheduler.get_last_lr()[0]  # the learning rate of this update
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -1170,7 +1220,7 @@ def main(args: Args):
         metrics["loss/value_avg"] = sum(stats.pop("vf_loss")) / num_optimizer_steps
         metrics["val/ratio_var"] = float(np.mean(stats.pop("ratio_sq"))) - float(np.mean(stats["val/ratio"])) ** 2
         metrics.update({name: float(np.mean(values)) for name, values in stats.items()})
-        metrics["lr"] = scheduler.get_last_lr()[0]
+        metrics["lr"] = lr  # of the step's last update
         train_tokens = int(attention_mask.sum()) * (args.num_ppo_epochs + 1)  # + the no-grad pass of step 3
         metrics["perf/train_tokens_per_second"] = train_tokens / metrics["time/training"]
 

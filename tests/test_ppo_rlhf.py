@@ -3,19 +3,22 @@
 import json
 import math
 import os
+import shutil
 import sys
 
+import fixed_rollout
 import pytest
 import torch
 from conftest import (
     SMOLLM2_DIR,
+    assert_same_trajectory,
+    assert_same_weights,
     cli_flags,
-    free_port,
+    launch_fixed_rollout,
     only_run_dir,
     read_metrics,
     require_vllm,
     run_checked,
-    subprocess_env,
     train_lines,
     vllm_env,
     without_timing,
@@ -132,6 +135,71 @@ def test_policy_and_value_gives_each_sequence_its_own_values(tiny_model_dir, tin
             alone_logprobs = ppo_rlhf.response_logprobs(policy, alone, torch.ones_like(alone), len(prompt), 1.0)[0][0]
             torch.testing.assert_close(logprobs[i], alone_logprobs, rtol=1e-4, atol=1e-5)
     assert values.shape == logprobs.shape == responses.shape
+
+
+def test_token_scores_equal_the_head_on_the_last_hidden_states(tiny_reward_model_dir):
+    """The hook on the score head gives what the head applied to output_hidden_states' last layer gave (the
+    computation before the hook), for a left-padded batch, in float64."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_reward_model_dir, dtype=torch.float64).eval()
+    input_ids, attention_mask = ppo_rlhf.left_pad([[1, 9690, 198, 5248, 314, 11], [1, 4093, 12]], 2)
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    with torch.no_grad():
+        got = ppo_rlhf.token_scores(model, model.score, input_ids, attention_mask)
+        hidden = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            output_hidden_states=True,
+            use_cache=False,
+        ).hidden_states[-1]
+        expected = model.score(hidden).squeeze(-1).float()
+    assert got.shape == input_ids.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), expected.double(), rtol=0, atol=1e-6)
+    assert not model.score._forward_hooks  # the hook is removed
+
+
+@pytest.fixture(scope="session")
+def biased_reward_model_dir(tiny_reward_model_dir, tmp_path_factory):
+    """The tiny reward model with config.bias = 0.7, as reward_modeling.py stores a mean training score of 0.7."""
+    path = tmp_path_factory.mktemp("biased-rm") / "rm"
+    shutil.copytree(tiny_reward_model_dir, path)
+    with open(path / "config.json") as f:
+        config = json.load(f)
+    with open(path / "config.json", "w") as f:
+        json.dump({**config, "bias": 0.7}, f)
+    return str(path)
+
+
+@pytest.mark.slow
+def test_initial_values_are_the_centred_reward_model_scores(make_ppo_args, biased_reward_model_dir, monkeypatch):
+    """The value model starts from the reward model, whose scores are centred by config.bias (0.7 here): its first
+    values are the reward model's raw head output minus 0.7 at every position, on the scale of the centred scores
+    and returns (failed before: the values were the raw output, 0.7 above)."""
+    calls, gae_inputs = [], []
+    original_scores, original_gae = ppo_rlhf.token_scores, ppo_rlhf.gae_advantages
+
+    def recording_scores(model, score_head, input_ids, attention_mask):
+        out = original_scores(model, score_head, input_ids, attention_mask)
+        if not any(p.requires_grad for p in model.parameters()):  # the frozen reward model
+            calls.append((input_ids.clone(), out.detach().clone()))
+        return out
+
+    def recording_gae(rewards, values, mask, gamma, lam):
+        gae_inputs.append((values.clone(), mask.clone(), len(calls)))
+        return original_gae(rewards, values, mask, gamma, lam)
+
+    monkeypatch.setattr(ppo_rlhf, "token_scores", recording_scores)
+    monkeypatch.setattr(ppo_rlhf, "gae_advantages", recording_gae)
+    fixed_rollout.patch(ppo_rlhf, monkeypatch.setattr)
+    ppo_rlhf.main(make_ppo_args(reward_model_path=biased_reward_model_dir, total_steps=1, missing_eos_penalty=-1.0))
+    ((values, mask, num_calls),) = gae_inputs
+    input_ids, raw = calls[num_calls - 1]  # the reward model's pass over the step's batch, just before GAE
+    context_length = input_ids.shape[1] - mask.shape[1]
+    expected = raw[:, context_length - 1 : -1] - 0.7
+    torch.testing.assert_close(values, expected, rtol=1e-5, atol=1e-5)
+    assert (raw[mask.sum(1) > 0].abs() > 0).any()
 
 
 # End-to-end runs
@@ -326,23 +394,92 @@ def test_vllm_run(tiny_model_dir, tiny_reward_model_dir, task_dir, tmp_path):
     assert lines[0]["perf/vllm_over_hf_generate"] > 0
 
 
+# Golden-trajectory invariants: the same fixed rollout (tests/fixed_rollout.py) launched differently.
+
+INVARIANT_ARGS = dict(
+    total_steps=2,
+    prompts_per_rank=8,
+    num_minibatches=1,  # each update covers the whole batch: the same tokens whether it is split or not
+    num_ppo_epochs=2,  # 4 updates: the reshuffled second epoch and the clipped losses are in the comparison
+    micro_batch_size=4,
+    lr_scheduler="linear",  # a decaying schedule shows a scheduler stepped once per process
+    learning_rate=1e-3,
+    kl_coef=0.05,
+    whiten_rewards=True,  # the reward whitening over every process too
+    missing_eos_penalty=-1.0,  # half of the fixed completions end with EOS: the stop ids enter the scores
+    eval_every=0,
+    num_eval_prompts=4,
+)
+INVARIANT_KEYS = (
+    "loss/policy_avg",
+    "loss/value_avg",
+    "policy/grad_norm",
+    "lr",
+    "objective/scores",
+    "policy/ratio_first_minibatch",
+)  # not objective/kl: a sum of differences of log-probs near -10, float32 noise of 1e-6 for a KL of 1e-2
+
+
+def fixed_rollout_run(monkeypatch, make_ppo_args, **overrides):
+    fixed_rollout.patch(ppo_rlhf, monkeypatch.setattr)
+    return ppo_rlhf.main(make_ppo_args(**{**INVARIANT_ARGS, **overrides}))
+
+
+def assert_same_models(run_a, run_b, tiny_model_dir, tiny_reward_model_dir):
+    """The trained policy and value model of two runs agree (the value model starts from the reward model)."""
+    for name, start in (("model", tiny_model_dir), ("value_model", tiny_reward_model_dir)):
+        initial = os.path.join(start, "model.safetensors")
+        assert_same_weights(*(os.path.join(d, name, "model.safetensors") for d in (run_a, run_b)), initial)
+
+
 @pytest.mark.slow
-def test_two_processes_with_accelerate_launch(tiny_model_dir, tiny_reward_model_dir, task_dir, tmp_path):
-    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
-    out = str(tmp_path / "runs")
+def test_invariant_two_processes_equal_one_process(
+    tiny_model_dir, tiny_reward_model_dir, task_dir, tmp_path, make_ppo_args, monkeypatch
+):
+    """2 processes with 4 prompts each = 1 process with the 8 prompts: the same losses, grad norm, lr and weights
+    (policy and value model) after 4 updates (failed before: the prepared scheduler stepped twice per update, and
+    the advantage whitening and the losses' token counts were per process)."""
+    one = fixed_rollout_run(monkeypatch, make_ppo_args, output_dir=str(tmp_path / "one"))
+    out = str(tmp_path / "two")
     paths = dict(model_name_or_path=tiny_model_dir, reward_model_path=tiny_reward_model_dir, dataset_path=task_dir)
-    flags = cli_flags({**FAST_PPO_ARGS, **paths, "output_dir": out})
-    cmd = [accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1"]
-    cmd += ["--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port())]
-    run_checked([*cmd, "ppo_rlhf.py", *flags], subprocess_env(), timeout=240)
-    run_dir = only_run_dir(out)
-    with open(os.path.join(run_dir, "config.json")) as f:
-        assert json.load(f)["args"]["world_size"] == 2
-    lines = read_metrics(run_dir)
-    assert [line["episode"] for line in lines] == [0, 16, 32]  # 2 processes * 8 prompts
-    assert lines[0]["eval/num_prompts"] == 8  # sharded over the processes, counts summed
+    flags = cli_flags({**FAST_PPO_ARGS, **INVARIANT_ARGS, **paths, "prompts_per_rank": 4, "output_dir": out})
+    two = launch_fixed_rollout("ppo_rlhf.py", flags, out)
+    lines = read_metrics(two)
+    assert [line["global_step"] for line in lines] == [0, 1, 2]
+    assert [line["episode"] for line in lines] == [0, 8, 16]  # 2 processes * 4 prompts
+    assert lines[0]["eval/num_prompts"] == 4  # sharded over the processes, counts summed
+    # lr of each step's last update: 1e-3 decays linearly over 4 updates.
+    assert [line["lr"] for line in train_lines(lines)] == pytest.approx([7.5e-4, 2.5e-4])
     for line in train_lines(lines):
         assert line["policy/ratio_first_minibatch"] == 1.0
+    assert_same_trajectory(one, two, INVARIANT_KEYS)
+    assert_same_models(one, two, tiny_model_dir, tiny_reward_model_dir)
+
+
+@pytest.mark.slow
+def test_invariant_gradient_accumulation_equals_one_micro_batch(
+    make_ppo_args, monkeypatch, tmp_path, tiny_model_dir, tiny_reward_model_dir
+):
+    """micro-batches of 2 accumulated = the batch of 8 in one micro-batch: same losses, grad norm and weights."""
+    runs = [
+        fixed_rollout_run(monkeypatch, make_ppo_args, micro_batch_size=m, output_dir=str(tmp_path / f"mb{m}"))
+        for m in (2, 8)
+    ]
+    assert_same_trajectory(*runs, INVARIANT_KEYS)
+    assert_same_models(*runs, tiny_model_dir, tiny_reward_model_dir)
+
+
+@pytest.mark.slow
+def test_invariant_bf16_autocast_kl_is_zero_and_ratio_is_one_before_the_first_update(
+    make_ppo_args, monkeypatch, bf16_autocast
+):
+    """--mixed_precision bf16 autocasts the prepared policy and value model; the reference runs under the same
+    autocast, so the KL of the first step is exactly 0, and the first minibatch's ratio exactly 1."""
+    run_dir = fixed_rollout_run(monkeypatch, make_ppo_args, total_steps=1)
+    (line,) = train_lines(read_metrics(run_dir))
+    assert line["objective/kl"] == 0.0
+    assert line["policy/ratio_first_minibatch"] == 1.0
+    assert line["policy/approxkl_first_minibatch"] == 0.0
 
 
 @pytest.fixture(scope="session")

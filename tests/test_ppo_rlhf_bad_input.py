@@ -5,24 +5,41 @@ import os
 
 import pytest
 from conftest import NoModelLoads, one_line_error, write_task
+from transformers import AutoTokenizer
 
 import ppo_rlhf
+
+
+def write_score_model_config(folder, tokenizer=None):
+    """A one-label sequence-classification config (no weights: bad-input runs stop before any load), with
+    `tokenizer` saved next to it when given."""
+    folder.mkdir()
+    (folder / "config.json").write_text(
+        json.dumps({"model_type": "llama", "architectures": ["LlamaForSequenceClassification"], "num_labels": 1})
+    )
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture
+def other_vocabulary_tokenizer(tiny_model_dir):
+    """The policy's tokenizer with one token more: a model reading it would see other ids than the policy's."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert tokenizer.add_tokens(["<only_the_reward_model_knows>"]) == 1
+    return tokenizer
 
 
 @pytest.fixture
 def args_for(tiny_model_dir, task_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(ppo_rlhf, "AutoModelForCausalLM", NoModelLoads)
     monkeypatch.setattr(ppo_rlhf, "AutoModelForSequenceClassification", NoModelLoads)
-    reward_dir = tmp_path / "rm"
-    reward_dir.mkdir()
-    (reward_dir / "config.json").write_text(
-        json.dumps({"model_type": "llama", "architectures": ["LlamaForSequenceClassification"], "num_labels": 1})
-    )
+    reward_dir = write_score_model_config(tmp_path / "rm", AutoTokenizer.from_pretrained(tiny_model_dir))
 
     def _make(**overrides):
         values = dict(
             model_name_or_path=tiny_model_dir,
-            reward_model_path=str(reward_dir),
+            reward_model_path=reward_dir,
             dataset_path=task_dir,
             output_dir=str(tmp_path / "runs"),
             vllm=False,
@@ -63,6 +80,22 @@ def test_causal_lm_given_as_reward_model(args_for, tiny_model_dir):
 
 def test_value_model_is_checked_too(args_for, tiny_model_dir):
     assert_one_line_error(args_for(value_model_path=tiny_model_dir), "--value_model_path")
+
+
+def test_reward_model_with_another_vocabulary(args_for, other_vocabulary_tokenizer, tmp_path):
+    """Its scores would read the policy's token ids as other tokens: garbage without any error."""
+    folder = write_score_model_config(tmp_path / "other_vocab", other_vocabulary_tokenizer)
+    assert_one_line_error(args_for(reward_model_path=folder), "--reward_model_path", "another vocabulary")
+
+
+def test_value_model_with_another_vocabulary(args_for, other_vocabulary_tokenizer, tmp_path):
+    folder = write_score_model_config(tmp_path / "other_vocab", other_vocabulary_tokenizer)
+    assert_one_line_error(args_for(value_model_path=folder), "--value_model_path", "another vocabulary")
+
+
+def test_reward_model_without_a_tokenizer(args_for, tmp_path):
+    folder = write_score_model_config(tmp_path / "no_tokenizer")
+    assert_one_line_error(args_for(reward_model_path=folder), "--reward_model_path", "no loadable tokenizer")
 
 
 def test_dataset_without_the_prompt_column(args_for, tmp_path):
