@@ -41,6 +41,7 @@ import ast
 import bisect
 import collections
 import contextlib
+import functools
 import json
 import math
 import operator
@@ -69,6 +70,7 @@ from transformers import (
     AutoModelForSequenceClassification,
     AutoTokenizer,
     GenerationConfig,
+    get_scheduler,
 )
 
 
@@ -264,12 +266,15 @@ def masked_mean(values, mask, dim=None):
     return (values * mask).sum(dim) / mask.sum(dim).clamp(min=1)
 
 
-def masked_whiten(values, mask, shift_mean=True, eps=1e-8):
+def masked_whiten(values, mask, shift_mean=True, eps=1e-8, sum_processes=lambda t: t):
     """(values - mean) / std over the positions where mask is 1, with the unbiased variance; shift_mean=False adds
-    the mean back, so only the scale changes. Positions outside the mask are transformed too (callers mask them)."""
-    mean = masked_mean(values, mask)
-    count = mask.sum()
-    variance = masked_mean((values - mean) ** 2, mask) * count / (count - 1).clamp(min=1)
+    the mean back, so only the scale changes. Positions outside the mask are transformed too (callers mask them).
+    sum_processes sums a tensor over processes (functools.partial(accelerator.reduce, reduction="sum")): the mean
+    and std are then those of every process's batch together, as one process with the whole batch has them."""
+    mask = mask.to(values.dtype)
+    count = sum_processes(mask.sum())
+    mean = sum_processes((values * mask).sum()) / count.clamp(min=1)
+    variance = sum_processes(((values - mean) ** 2 * mask).sum()) / (count - 1).clamp(min=1)
     whitened = (values - mean) * torch.rsqrt(variance + eps)
     return whitened if shift_mean else whitened + mean
 
@@ -347,17 +352,17 @@ def response_logprobs(model, input_ids, attention_mask, context_length, temperat
 def token_scores(model, score_head, input_ids, attention_mask):
     """The one-label head of a sequence-classification model (reward or value model) at every position: [B, T]
     float32. `model` may be wrapped (DDP, DeepSpeed) so that gradients sync; `score_head` is its unwrapped `.score`
-    layer, applied to the last hidden state. Positions count from each sequence's first real token, so left and
-    right padding give the same scores."""
+    layer. The classifier's forward applies the head at every position and then keeps the last one: a hook takes
+    the head's output before that, so no layer's hidden states are kept (output_hidden_states would keep all).
+    Positions count from each sequence's first real token, so left and right padding give the same scores."""
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    hidden = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        output_hidden_states=True,
-        use_cache=False,
-    ).hidden_states[-1]
-    return score_head(hidden).squeeze(-1).float()
+    scores = []
+    handle = score_head.register_forward_hook(lambda module, inputs, output: scores.append(output))
+    try:
+        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    finally:
+        handle.remove()
+    return scores[0].squeeze(-1).float()
 
 
 def last_real_index(attention_mask):
@@ -382,13 +387,13 @@ class PolicyAndValue(torch.nn.Module):
         return logprobs, logits, values[:, context_length - 1 : -1]
 
 
-def response_mask(responses, lengths, eos_token_id, truncate_at_eos):
-    """1 on the real response tokens: positions < length, and (with truncate_at_eos) up to the first EOS included.
-    responses [B, R], lengths [B]. Returns a float mask [B, R]."""
+def response_mask(responses, lengths, stop_token_ids, truncate_at_eos):
+    """1 on the real response tokens: positions < length, and (with truncate_at_eos) up to the first stop token
+    (any EOS id) included. responses [B, R], lengths [B]. Returns a float mask [B, R]."""
     positions = torch.arange(responses.shape[1]).unsqueeze(0)
     mask = positions < lengths.unsqueeze(1)
     if truncate_at_eos:
-        is_eos = (responses == eos_token_id) & mask
+        is_eos = torch.isin(responses, torch.tensor(stop_token_ids)) & mask
         after_first_eos = (is_eos.cumsum(1) - is_eos.long()) > 0
         mask = mask & ~after_first_eos
     return mask.float()
@@ -448,7 +453,7 @@ def step_prompt_indices(step, prompts_per_step, num_prompts, seed):
     return order[start - first_epoch * num_prompts : end - first_epoch * num_prompts].tolist()
 
 
-def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_eos, pad_token_id, eos_token_id):
+def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_eos, pad_token_id, stop_token_ids):
     """Sample n completions per prompt with Hugging Face generate.
     Returns (responses [len(prompts) * n, response_length], lengths [len(prompts) * n]); completions of one prompt
     are consecutive. temperature 0 is greedy decoding."""
@@ -460,7 +465,7 @@ def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_
         temperature=temperature if temperature > 0 else None,
         top_p=top_p if temperature > 0 else None,
         top_k=0 if temperature > 0 else None,
-        eos_token_id=eos_token_id if stop_at_eos else [],  # None would be filled in from the model's config
+        eos_token_id=list(stop_token_ids) if stop_at_eos else [],  # None would be filled in from the model's config
         pad_token_id=pad_token_id,
         use_cache=True,
     )
@@ -472,15 +477,16 @@ def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_
     responses = out[:, input_ids.shape[1] :].cpu()
     lengths = torch.full((responses.shape[0],), responses.shape[1], dtype=torch.long)
     if stop_at_eos:  # a finished sequence is padded after its EOS: its length ends at the first EOS
-        is_eos = responses == eos_token_id
+        is_eos = torch.isin(responses, torch.tensor(stop_token_ids))
         lengths = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, lengths)
     responses = F.pad(responses, (0, response_length - responses.shape[1]), value=pad_token_id)
     return responses, lengths
 
 
-def vllm_generate(llm, prompts, n, response_length, temperature, top_p, stop_at_eos, pad_token_id):
+def vllm_generate(llm, prompts, n, response_length, temperature, top_p, stop_at_eos, pad_token_id, stop_token_ids):
     """Sample n completions per prompt with vLLM. Returns (responses [N, response_length], lengths [N],
-    logprobs [N, response_length]) where logprobs are the sampler's (after temperature) for the sampled tokens."""
+    logprobs [N, response_length]) where logprobs are the sampler's (after temperature) for the sampled tokens.
+    stop_token_ids are passed explicitly so that vLLM and HF generate stop on the same ids."""
     from vllm import SamplingParams
 
     params = SamplingParams(
@@ -489,6 +495,7 @@ def vllm_generate(llm, prompts, n, response_length, temperature, top_p, stop_at_
         top_p=top_p,
         max_tokens=response_length,
         ignore_eos=not stop_at_eos,
+        stop_token_ids=list(stop_token_ids) if stop_at_eos else None,
         logprobs=0 if temperature > 0 else None,
         detokenize=False,
     )
@@ -507,6 +514,26 @@ def vllm_generate(llm, prompts, n, response_length, temperature, top_p, stop_at_
                 logprobs[row, : len(ids)] = torch.tensor([lp[t].logprob for lp, t in zip(completion.logprobs, ids)])
             row += 1
     return responses, lengths, logprobs
+
+
+def stop_token_ids(tokenizer, model_name_or_path):
+    """Every id that ends a completion: the tokenizer's EOS and each id in the model's generation_config.json
+    eos_token_id (Qwen2.5 has two, Llama-3.1 three), where vLLM stops too. Sorted list."""
+    try:
+        eos = GenerationConfig.from_pretrained(model_name_or_path).eos_token_id
+    except OSError:  # no generation_config.json: the tokenizer's EOS alone
+        eos = None
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    return sorted({tokenizer.eos_token_id, *eos} - {None})
+
+
+def disable_dropout(model):
+    """Dropout off in every nn.Dropout (the config's dropout attributes are zeroed before loading too): the old and
+    new log-probs of the first minibatch, and the policy and its reference, must be computed identically."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model
 
 
 def policy_state_dict(model):
@@ -563,6 +590,17 @@ def fail(message):
     raise SystemExit(f"error: {message}")
 
 
+def check_same_vocabulary(path, name, policy_tokenizer, trust_remote_code):
+    """A model that reads the policy's tokens (reward or value model) must have the policy's vocabulary: with
+    another tokenizer its scores are silent garbage."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as error:
+        fail(f"--{name} {path} has no loadable tokenizer ({str(error).splitlines()[0]})")
+    if tokenizer.get_vocab() != policy_tokenizer.get_vocab():
+        fail(f"--{name} {path} has another vocabulary than --model_name_or_path; it must read the policy's tokens")
+
+
 def split_steps(text, separator):
     """The reasoning steps of a response: the pieces of `text` between occurrences of `separator`, stripped of
     surrounding whitespace; pieces with nothing left (separators at the start or the end, runs of separators) are
@@ -581,11 +619,14 @@ def split_steps(text, separator):
 
 def token_char_ends(tokenizer, token_ids):
     """[len(token_ids)] character offset where each token's text ends in the decoded response: the length of the
-    decoded prefix up to it (decoded as the response text is, without special tokens), made non-decreasing. The
-    sampled tokens themselves are mapped, not a re-tokenization of the text, which could split it differently."""
+    decoded prefix up to it (decoded as the response text is, without special tokens), made non-decreasing. A
+    prefix that ends inside a multi-byte character (byte-level BPE splits some over several tokens) decodes to a
+    trailing U+FFFD, which is not counted: the character ends at the token that completes it. The sampled tokens
+    themselves are mapped, not a re-tokenization of the text, which could split it differently."""
     ends, longest = [], 0
     for t in range(len(token_ids)):
-        longest = max(longest, len(tokenizer.decode(token_ids[: t + 1], skip_special_tokens=True)))
+        text = tokenizer.decode(token_ids[: t + 1], skip_special_tokens=True)
+        longest = max(longest, len(text.rstrip("\ufffd")))
         ends.append(longest)
     return ends
 
@@ -880,7 +921,8 @@ def latest_checkpoint(run_dir):
 
 def main(args: Args):
     # 0. Processes. On CPU, accelerate needs cpu=True to connect the processes (gloo) of `--multi_gpu` launches.
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    # The scheduler is stepped by hand once per optimizer step: accelerate's default would step it once per process.
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), step_scheduler_with_optimizer=False)
     rank, world_size = accelerator.process_index, accelerator.num_processes
     check_args(args)
     args.world_size = world_size
@@ -917,7 +959,7 @@ def main(args: Args):
         )
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    pad_id, stop_ids = tokenizer.pad_token_id, stop_token_ids(tokenizer, args.model_name_or_path)
     train_prompts, train_golds = build_prompts(tokenizer, train_rows, args)
     eval_prompts, eval_golds = build_prompts(tokenizer, eval_rows, args)
     # build_prompts drops prompts longer than max_prompt_length: the kept rows' questions, in the same order.
@@ -926,6 +968,8 @@ def main(args: Args):
     if len(train_prompts) < args.prompts_per_rank * world_size:
         fail(f"only {len(train_prompts)} training prompts fit --max_prompt_length {args.max_prompt_length}")
     args.prm_kind, prm_tokenizer, prm_token_ids = check_prm(args, tokenizer)
+    if args.value_model_path is not None:
+        check_same_vocabulary(args.value_model_path, "value_model_path", tokenizer, args.trust_remote_code)
     value_config = AutoConfig.from_pretrained(
         args.value_model_path or args.model_name_or_path, trust_remote_code=args.trust_remote_code
     )
@@ -976,8 +1020,10 @@ def main(args: Args):
         config.pad_token_id = pad_id  # needed by sequence-classification models for batches (not used for scores)
         if auto_class is AutoModelForSequenceClassification:
             config.num_labels = 1  # a causal LM's config says 2
-        return auto_class.from_pretrained(
-            path, config=config, dtype=dtype, trust_remote_code=args.trust_remote_code, use_safetensors=True
+        return disable_dropout(
+            auto_class.from_pretrained(
+                path, config=config, dtype=dtype, trust_remote_code=args.trust_remote_code, use_safetensors=True
+            )
         )
 
     policy, ref_policy = load(args.model_name_or_path, AutoModelForCausalLM), None
@@ -999,6 +1045,8 @@ def main(args: Args):
         ref_policy = ref_policy.to(accelerator.device)
     value_model = load(args.value_model_path or args.model_name_or_path, AutoModelForSequenceClassification)
     if value_head_is_new:
+        # A new head would start at random values, a random baseline that the first advantages carry; zero, every
+        # first value is 0 and the head learns from the first returns (the policy's weights give it the features).
         torch.nn.init.zeros_(value_model.score.weight)
     prm_model = None
     if args.prm_kind != "verifier":
@@ -1016,19 +1064,12 @@ def main(args: Args):
         weight_decay=args.weight_decay,
         eps=1e-5,  # the N+ details use 1e-5 (TensorFlow's Adam default in the original OpenAI code)
     )
-    num_updates = args.total_steps * args.num_ppo_epochs * args.num_minibatches
-
-    def lr_lambda(update):  # a closure over args, not a global: warmup, then the chosen schedule
-        if update < args.warmup_steps:
-            return (update + 1) / args.warmup_steps
-        progress = (update - args.warmup_steps) / max(1, num_updates - args.warmup_steps)
-        if args.lr_scheduler == "linear":
-            return 1.0 - progress
-        if args.lr_scheduler == "cosine":
-            return 0.5 * (1 + math.cos(math.pi * progress))
-        return 1.0
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+    scheduler = get_scheduler(
+        "constant_with_warmup" if args.lr_scheduler == "constant" else args.lr_scheduler,
+        optimizer,
+        num_warmup_steps=args.warmup_steps,
+        num_training_steps=args.total_steps * args.num_ppo_epochs * args.num_minibatches,
+    )
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     unwrapped = accelerator.unwrap_model(model)
 
@@ -1065,7 +1106,7 @@ def main(args: Args):
         mask [N, R] (1 up to the first EOS), the sampler's log-probs [N, R] (vLLM only) and the texts."""
         if engine is not None:
             responses, lengths, sampler_logprobs = vllm_generate(
-                engine, prompts, 1, args.response_length, temperature, args.top_p, args.stop_at_eos, pad_id
+                engine, prompts, 1, args.response_length, temperature, args.top_p, args.stop_at_eos, pad_id, stop_ids
             )
         else:
             unwrapped.policy.eval()
@@ -1078,10 +1119,10 @@ def main(args: Args):
                 args.top_p,
                 args.stop_at_eos,
                 pad_id,
-                eos_id,
+                stop_ids,
             )
             sampler_logprobs = None
-        mask = response_mask(responses, lengths, eos_id, args.truncate_at_eos)
+        mask = response_mask(responses, lengths, stop_ids, args.truncate_at_eos)
         texts = tokenizer.batch_decode(responses.masked_fill(mask == 0, pad_id), skip_special_tokens=True)
         return responses, mask, sampler_logprobs, texts
 
@@ -1112,7 +1153,7 @@ def main(args: Args):
         elif args.prm_kind == "learned":
             # The PRM reads the policy's own tokens: p_k = sigmoid(head) at the last token of step k, which sees
             # the prompt and steps 1..k only (causal attention). [B, P + R]
-            with torch.no_grad():
+            with torch.no_grad(), accelerator.autocast():
                 logits = torch.cat(
                     [
                         token_scores(
@@ -1134,7 +1175,7 @@ def main(args: Args):
             for start in range(0, len(texts), 16):
                 input_ids, prm_mask = left_pad([prm_tokenizer(t).input_ids for t in texts[start : start + 16]], 0)
                 input_ids, prm_mask = input_ids.to(accelerator.device), prm_mask.to(accelerator.device)
-                with torch.no_grad():
+                with torch.no_grad(), accelerator.autocast():
                     logits = prm_model(
                         input_ids=input_ids,
                         attention_mask=prm_mask,
@@ -1158,7 +1199,7 @@ def main(args: Args):
         step rewards times prm_coef, on each step's last token."""
         query_responses, attention_mask, context_length = batch_tensors(prompts, responses, mask)
         success = correct_of(texts, golds)
-        has_eos = ((responses == eos_id) & (mask.cpu() > 0)).any(1)
+        has_eos = (torch.isin(responses, torch.tensor(stop_ids)) & (mask.cpu() > 0)).any(1)
         if args.missing_eos_penalty is not None:
             success = torch.where(has_eos, success, torch.full_like(success, args.missing_eos_penalty))
         steps, step_tokens = steps_of(responses, mask.cpu(), texts)
@@ -1314,8 +1355,10 @@ def main(args: Args):
                 logprobs, _, values = model(query_responses[mb], attention_mask[mb], context_length, args.temperature)
                 old_logprobs.append(logprobs)
                 old_values.append(values)
+                # Under --mixed_precision bf16 accelerate autocasts the prepared model only; the reference (and the
+                # PRM) run under the same autocast, so that KL is exactly 0 before the first update.
                 ref_context = unwrapped.policy.disable_adapter() if args.lora_r > 0 else contextlib.nullcontext()
-                with ref_context:
+                with ref_context, accelerator.autocast():
                     ref_logprobs.append(
                         response_logprobs(
                             ref_policy or unwrapped.policy,
@@ -1342,12 +1385,14 @@ def main(args: Args):
         rewards = non_score_reward + process
         last = (mask.sum(1) - 1).long()  # responses are right-padded: the last real token is at length - 1
         rewards[torch.arange(len(rewards)), last] += success
+        # The batch statistics of the whitening are those of every process's tokens together.
+        sum_processes = functools.partial(accelerator.reduce, reduction="sum")
         if args.whiten_rewards:
-            rewards = masked_whiten(rewards, mask, shift_mean=False) * mask
+            rewards = masked_whiten(rewards, mask, shift_mean=False, sum_processes=sum_processes) * mask
 
         # 6. Advantages and returns with GAE, then advantages whitened over the batch. [B, R]
         advantages, returns = gae_advantages(rewards, old_values, mask, args.gamma, args.lam)
-        advantages = masked_whiten(advantages, mask) * mask
+        advantages = masked_whiten(advantages, mask, sum_processes=sum_processes) * mask
 
         every_step = torch.cat(scores)  # p_k of every step in the batch
         metrics["objective/success"] = success.mean().item()
@@ -1382,7 +1427,9 @@ def main(args: Args):
             )
             for start in range(0, args.prompts_per_rank, args.minibatch_size):
                 minibatch = order[start : start + args.minibatch_size]
-                mb_tokens = mask[minibatch].sum().clamp(min=1)  # the losses are means over the minibatch's tokens
+                # The losses are means over the tokens of the whole minibatch, over all processes, not over each
+                # process's own: each process divides by the mean count, and DDP averages the gradients.
+                mb_tokens = accelerator.reduce(mask[minibatch].sum(), "mean").clamp(min=1)
                 for k, micro_start in enumerate(range(0, args.minibatch_size, args.micro_batch_size)):
                     idx = minibatch[micro_start : micro_start + args.micro_batch_size].to(accelerator.device)
                     m = mask[idx]
@@ -1442,6 +1489,7 @@ def main(args: Args):
                 stats["policy/grad_norm"].append(
                     accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
                 )
+                lr = scheduler.get_last_lr()[0]  # the learning rate of this update
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -1456,7 +1504,7 @@ def main(args: Args):
         metrics["loss/value_avg"] = sum(stats.pop("vf_loss")) / num_optimizer_steps
         metrics["val/ratio_var"] = float(np.mean(stats.pop("ratio_sq"))) - float(np.mean(stats["val/ratio"])) ** 2
         metrics.update({name: float(np.mean(values)) for name, values in stats.items()})
-        metrics["lr"] = scheduler.get_last_lr()[0]
+        metrics["lr"] = lr  # of the step's last update
         train_tokens = int(attention_mask.sum()) * (args.num_ppo_epochs + 1)  # + the no-grad pass of step 3
         metrics["perf/train_tokens_per_second"] = train_tokens / metrics["time/training"]
 

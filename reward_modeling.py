@@ -69,6 +69,7 @@ from transformers import (
     AutoModelForSequenceClassification,
     AutoTokenizer,
     GenerationConfig,
+    get_scheduler,
 )
 
 
@@ -216,7 +217,7 @@ class Args:
     lr_scheduler: Literal["constant", "linear", "cosine"] = "linear"
     """learning-rate schedule after warmup"""
     warmup_steps: int = 0
-    """optimizer steps of linear warmup"""
+    """optimizer steps of linear warmup from 0 (transformers.get_scheduler: the first update has lr 0)"""
     weight_decay: float = 0.0
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
@@ -253,17 +254,17 @@ def bradley_terry_loss(chosen_scores, rejected_scores):
 def token_scores(model, score_head, input_ids, attention_mask):
     """The one-label head of a sequence-classification model (reward or value model) at every position: [B, T]
     float32. `model` may be wrapped (DDP, DeepSpeed) so that gradients sync; `score_head` is its unwrapped `.score`
-    layer, applied to the last hidden state. Positions count from each sequence's first real token, so left and
-    right padding give the same scores."""
+    layer. The classifier's forward applies the head at every position and then keeps the last one: a hook takes
+    the head's output before that, so no layer's hidden states are kept (output_hidden_states would keep all).
+    Positions count from each sequence's first real token, so left and right padding give the same scores."""
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    hidden = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        output_hidden_states=True,
-        use_cache=False,
-    ).hidden_states[-1]
-    return score_head(hidden).squeeze(-1).float()
+    scores = []
+    handle = score_head.register_forward_hook(lambda module, inputs, output: scores.append(output))
+    try:
+        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    finally:
+        handle.remove()
+    return scores[0].squeeze(-1).float()
 
 
 def last_real_index(attention_mask):
@@ -319,11 +320,14 @@ def split_steps(text, separator):
 
 def token_char_ends(tokenizer, token_ids):
     """[len(token_ids)] character offset where each token's text ends in the decoded response: the length of the
-    decoded prefix up to it (decoded as the response text is, without special tokens), made non-decreasing. The
-    sampled tokens themselves are mapped, not a re-tokenization of the text, which could split it differently."""
+    decoded prefix up to it (decoded as the response text is, without special tokens), made non-decreasing. A
+    prefix that ends inside a multi-byte character (byte-level BPE splits some over several tokens) decodes to a
+    trailing U+FFFD, which is not counted: the character ends at the token that completes it. The sampled tokens
+    themselves are mapped, not a re-tokenization of the text, which could split it differently."""
     ends, longest = [], 0
     for t in range(len(token_ids)):
-        longest = max(longest, len(tokenizer.decode(token_ids[: t + 1], skip_special_tokens=True)))
+        text = tokenizer.decode(token_ids[: t + 1], skip_special_tokens=True)
+        longest = max(longest, len(text.rstrip("\ufffd")))
         ends.append(longest)
     return ends
 
@@ -487,7 +491,7 @@ def step_prompt_indices(step, prompts_per_step, num_prompts, seed):
     return order[start - first_epoch * num_prompts : end - first_epoch * num_prompts].tolist()
 
 
-def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_eos, pad_token_id, eos_token_id):
+def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_eos, pad_token_id, stop_token_ids):
     """Sample n completions per prompt with Hugging Face generate.
     Returns (responses [len(prompts) * n, response_length], lengths [len(prompts) * n]); completions of one prompt
     are consecutive. temperature 0 is greedy decoding."""
@@ -499,7 +503,7 @@ def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_
         temperature=temperature if temperature > 0 else None,
         top_p=top_p if temperature > 0 else None,
         top_k=0 if temperature > 0 else None,
-        eos_token_id=eos_token_id if stop_at_eos else [],  # None would be filled in from the model's config
+        eos_token_id=list(stop_token_ids) if stop_at_eos else [],  # None would be filled in from the model's config
         pad_token_id=pad_token_id,
         use_cache=True,
     )
@@ -511,15 +515,16 @@ def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_
     responses = out[:, input_ids.shape[1] :].cpu()
     lengths = torch.full((responses.shape[0],), responses.shape[1], dtype=torch.long)
     if stop_at_eos:  # a finished sequence is padded after its EOS: its length ends at the first EOS
-        is_eos = responses == eos_token_id
+        is_eos = torch.isin(responses, torch.tensor(stop_token_ids))
         lengths = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, lengths)
     responses = F.pad(responses, (0, response_length - responses.shape[1]), value=pad_token_id)
     return responses, lengths
 
 
-def vllm_generate(llm, prompts, n, response_length, temperature, top_p, stop_at_eos, pad_token_id):
+def vllm_generate(llm, prompts, n, response_length, temperature, top_p, stop_at_eos, pad_token_id, stop_token_ids):
     """Sample n completions per prompt with vLLM. Returns (responses [N, response_length], lengths [N],
-    logprobs [N, response_length]) where logprobs are the sampler's (after temperature) for the sampled tokens."""
+    logprobs [N, response_length]) where logprobs are the sampler's (after temperature) for the sampled tokens.
+    stop_token_ids are passed explicitly so that vLLM and HF generate stop on the same ids."""
     from vllm import SamplingParams
 
     params = SamplingParams(
@@ -528,6 +533,7 @@ def vllm_generate(llm, prompts, n, response_length, temperature, top_p, stop_at_
         top_p=top_p,
         max_tokens=response_length,
         ignore_eos=not stop_at_eos,
+        stop_token_ids=list(stop_token_ids) if stop_at_eos else None,
         logprobs=0 if temperature > 0 else None,
         detokenize=False,
     )
@@ -546,6 +552,26 @@ def vllm_generate(llm, prompts, n, response_length, temperature, top_p, stop_at_
                 logprobs[row, : len(ids)] = torch.tensor([lp[t].logprob for lp, t in zip(completion.logprobs, ids)])
             row += 1
     return responses, lengths, logprobs
+
+
+def stop_token_ids(tokenizer, model_name_or_path):
+    """Every id that ends a completion: the tokenizer's EOS and each id in the model's generation_config.json
+    eos_token_id (Qwen2.5 has two, Llama-3.1 three), where vLLM stops too. Sorted list."""
+    try:
+        eos = GenerationConfig.from_pretrained(model_name_or_path).eos_token_id
+    except OSError:  # no generation_config.json: the tokenizer's EOS alone
+        eos = None
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    return sorted({tokenizer.eos_token_id, *eos} - {None})
+
+
+def disable_dropout(model):
+    """Dropout off in every nn.Dropout (the config's dropout attributes are zeroed before loading too): the old and
+    new log-probs of the first minibatch, and the policy and its reference, must be computed identically."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model
 
 
 def load_split(path, config_name, split):
@@ -746,7 +772,8 @@ def replace_folder(source, target):
 
 def main(args: Args):
     # 0. Processes. On CPU, accelerate needs cpu=True to connect the processes (gloo) of `--multi_gpu` launches.
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    # The scheduler is stepped by hand once per optimizer step: accelerate's default would step it once per process.
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), step_scheduler_with_optimizer=False)
     rank, world_size = accelerator.process_index, accelerator.num_processes
     check_args(args)
     args.world_size = world_size
@@ -800,7 +827,9 @@ def main(args: Args):
         )
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    # The stop ids of the policy that samples the pairs (its generation config is the one vLLM reads).
+    pad_id = tokenizer.pad_token_id
+    stop_ids = stop_token_ids(tokenizer, args.policy_name_or_path or args.model_name_or_path)
     config = check_reward_config(args.model_name_or_path, args.trust_remote_code)
     if args.data_kind == "task":
         train_prompts, train_golds = build_prompts(tokenizer, train_rows, args)
@@ -880,7 +909,7 @@ def main(args: Args):
                 trust_remote_code=args.trust_remote_code,
                 use_safetensors=True,
             )
-            policy = policy.eval().to(accelerator.device)
+            policy = disable_dropout(policy).eval().to(accelerator.device)
 
         def sample_pairs(prompts, golds, split):
             """Preference rows of one split (with --prm: rows of completions with step labels). Each process samples
@@ -896,11 +925,11 @@ def main(args: Args):
                 # responses [len(batch) * n, response_length], lengths [len(batch) * n]: up to the first EOS included.
                 if llm is not None:
                     responses, lengths, _ = vllm_generate(
-                        llm, batch, n, args.response_length, args.temperature, args.top_p, True, pad_id
+                        llm, batch, n, args.response_length, args.temperature, args.top_p, True, pad_id, stop_ids
                     )
                 else:
                     responses, lengths = hf_generate(
-                        policy, batch, n, args.response_length, args.temperature, args.top_p, True, pad_id, eos_id
+                        policy, batch, n, args.response_length, args.temperature, args.top_p, True, pad_id, stop_ids
                     )
                 tokens += int(lengths.sum())
                 for k, i in enumerate(indices):
@@ -1048,12 +1077,14 @@ def main(args: Args):
     # Needed by sequence-classification models for batches; SmolLM2's pad token is its EOS, so HF's own pooling (at
     # the last non-pad token) would miss a final EOS: scores are read at the last real token of the mask instead.
     config.pad_token_id = pad_id
-    model = AutoModelForSequenceClassification.from_pretrained(
-        args.model_name_or_path,
-        config=config,
-        dtype=getattr(torch, args.dtype),
-        trust_remote_code=args.trust_remote_code,
-        use_safetensors=True,
+    model = disable_dropout(
+        AutoModelForSequenceClassification.from_pretrained(
+            args.model_name_or_path,
+            config=config,
+            dtype=getattr(torch, args.dtype),
+            trust_remote_code=args.trust_remote_code,
+            use_safetensors=True,
+        )
     )
     if args.lora_r > 0:
         from peft import LoraConfig, get_peft_model
@@ -1079,21 +1110,15 @@ def main(args: Args):
         weight_decay=args.weight_decay,
         eps=1e-8,
     )
-
-    def lr_lambda(update):  # a closure over args, not a global: warmup, then the chosen schedule
-        if update < args.warmup_steps:
-            return (update + 1) / args.warmup_steps
-        progress = (update - args.warmup_steps) / max(1, args.total_steps - args.warmup_steps)
-        if args.lr_scheduler == "linear":
-            return 1.0 - progress
-        if args.lr_scheduler == "cosine":
-            return 0.5 * (1 + math.cos(math.pi * progress))
-        return 1.0
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+    scheduler = get_scheduler(
+        "constant_with_warmup" if args.lr_scheduler == "constant" else args.lr_scheduler,
+        optimizer,
+        num_warmup_steps=args.warmup_steps,
+        num_training_steps=args.total_steps,
+    )
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     unwrapped = accelerator.unwrap_model(model)
-    # The one-output head, applied by token_scores to the last hidden state (peft wraps it in a trainable copy).
+    # The one-output head, read by token_scores at every position (peft wraps it in a trainable copy).
     score_head = (unwrapped.base_model.model if args.lora_r > 0 else unwrapped).score
 
     def pair_scores(module, pairs):
@@ -1270,19 +1295,25 @@ def main(args: Args):
         # 2. Bradley-Terry loss (with --prm: binary cross-entropy of every step) over micro-batches (gradient
         # accumulation); gradients sync on the last one.
         model.train()
-        chosen_all, rejected_all, tokens = [], [], 0  # with --prm: step logits and step labels
+        chosen_all, rejected_all, tokens, step_loss = [], [], 0, 0.0  # with --prm: step logits and step labels
+        if args.prm:
+            # The loss is the mean over every step of the batch, over all processes: each process divides its sum by
+            # the processes' mean step count, and DDP averages the gradients. (A mean per micro-batch or per process
+            # would weigh a step by how many steps share its micro-batch or process: 2 processes, or another
+            # micro-batch size, would train on another loss.)
+            num_steps = sum(len(train_pairs[i][1]) for i in indices)
+            mean_steps = accelerator.reduce(torch.tensor(float(num_steps), device=accelerator.device), "mean")
         for k in range(args.gradient_accumulation_steps):
             batch = [train_pairs[i] for i in indices[k * args.micro_batch_size : (k + 1) * args.micro_batch_size]]
             last = k == args.gradient_accumulation_steps - 1
             with contextlib.nullcontext() if last else accelerator.no_sync(model):
                 if args.prm:
-                    # Mean over the micro-batch's steps (micro-batches hold the same number of completions, not of
-                    # steps: the step's loss weighs each micro-batch equally).
                     chosen, rejected = step_logits(model, batch)  # logits [S], labels [S]
-                    loss = F.binary_cross_entropy_with_logits(chosen, rejected) / args.gradient_accumulation_steps
+                    loss = F.binary_cross_entropy_with_logits(chosen, rejected, reduction="sum") / mean_steps
                 else:
                     chosen, rejected = pair_scores(model, batch)  # [micro_batch_size] each
-                    # Each micro-batch holds the same number of pairs: the mean of their means is the step's mean.
+                    # Every micro-batch of every process holds the same number of pairs: the mean of their means is
+                    # the mean over the whole batch, and DDP's mean over processes keeps it so.
                     loss = bradley_terry_loss(chosen, rejected).mean() / args.gradient_accumulation_steps
                 if not torch.isfinite(loss):
                     raise RuntimeError(
@@ -1290,28 +1321,32 @@ def main(args: Args):
                         f"{last_checkpoint or 'none'}"
                     )
                 accelerator.backward(loss)
+            step_loss += loss.item()
             chosen_all.append(chosen.detach())
             rejected_all.append(rejected.detach())
             tokens += sum(len(ids) for ids, *_ in batch) if args.prm else sum(len(c) + len(r) for c, r in batch)
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
+        lr = scheduler.get_last_lr()[0]  # the learning rate of this update
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
 
         # 3. Metrics of the step, averaged over processes: loss, accuracy and scores of the batch before the update.
+        # The loss is the one optimised: its mean over processes is the whole batch's (the other metrics are means
+        # over each process's pairs or steps, averaged).
         chosen, rejected = torch.cat(chosen_all), torch.cat(rejected_all)  # [pairs_per_rank]
         elapsed = time.time() - t_step
         if args.prm:  # chosen: the step logits, rejected: the step labels
             p, good = torch.sigmoid(chosen), rejected > 0.5
             metrics = {
-                "loss/reward_model": F.binary_cross_entropy_with_logits(chosen, rejected).item(),
+                "loss/reward_model": step_loss,
                 "objective/accuracy": ((p > 0.5) == good).float().mean().item(),
                 "objective/good_step_score": p[good].mean().item() if good.any() else 0.0,
                 "objective/bad_step_score": p[~good].mean().item() if (~good).any() else 0.0,
             }
         else:
             metrics = {
-                "loss/reward_model": bradley_terry_loss(chosen, rejected).mean().item(),
+                "loss/reward_model": step_loss,
                 "objective/accuracy": (chosen > rejected).float().mean().item(),
                 "objective/chosen_score": chosen.mean().item(),
                 "objective/rejected_score": rejected.mean().item(),
@@ -1319,7 +1354,7 @@ def main(args: Args):
             }
         metrics |= {
             "objective/grad_norm": grad_norm,
-            "lr": scheduler.get_last_lr()[0],
+            "lr": lr,
             "time/training": elapsed,
             "perf/train_tokens_per_second": tokens / elapsed,
         }

@@ -9,13 +9,16 @@ import shutil
 import subprocess
 import sys
 
+import fixed_rollout
 import pytest
 import torch
 from conftest import (
     REPO_ROOT,
     NoModelLoads,
+    assert_same_trajectory,
+    assert_same_weights,
     cli_flags,
-    free_port,
+    launch_fixed_rollout,
     one_line_error,
     only_run_dir,
     read_metrics,
@@ -211,6 +214,20 @@ def test_token_char_ends_follow_a_multi_byte_character(tokenizer):
     steps = prm.split_steps(text, "\n\n")
     tokens = prm.step_token_indices(ends, [span for _, span in steps])
     assert tokenizer.decode(ids[: tokens[0] + 1]).endswith("4")
+
+
+def test_a_step_ending_in_a_multi_byte_character_ends_at_the_token_that_completes_it(tokenizer):
+    """Byte-level BPE splits the emoji over 3 tokens; the prefixes ending in its first two decode to a trailing
+    U+FFFD, which is no character of the text (failed before: the step was mapped to the first of the 3 tokens)."""
+    text = "Done 🎉\n\nAnswer: 4"
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    assert tokenizer.decode(ids[:2]).endswith("\ufffd")  # the split this test is about
+    ends = prm.token_char_ends(tokenizer, ids)
+    assert ends == sorted(ends) and ends[-1] == len(text)
+    steps = prm.split_steps(text, "\n\n")
+    tokens = prm.step_token_indices(ends, [span for _, span in steps])
+    assert tokenizer.decode(ids[: tokens[0] + 1]) == "Done 🎉"
+    assert tokens[0] == 3 and tokens[1] == len(ids) - 1
 
 
 # The verifier PRM
@@ -485,6 +502,18 @@ def test_a_step_tag_that_does_not_mark_each_step_once(bad_args, tiny_model_dir):
     one_line_error(prm.main, bad_args(prm=tiny_model_dir, prm_step_tag="§", prm_good_token="++ +"), "--prm_good_token")
 
 
+def test_a_value_model_with_another_vocabulary(bad_args, tiny_model_dir, tmp_path):
+    """The value model reads the policy's tokens: another vocabulary gives silent garbage values."""
+    from transformers import AutoTokenizer
+
+    other = tmp_path / "other_vocab"
+    shutil.copytree(tiny_model_dir, other)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.add_tokens(["<not_in_the_policy>"])
+    tokenizer.save_pretrained(other)
+    one_line_error(prm.main, bad_args(value_model_path=str(other)), "--value_model_path", "vocabulary")
+
+
 def test_a_whole_response_reward_model_is_not_a_prm(bad_args, tiny_reward_model_dir, tmp_path):
     one_line_error(prm.main, bad_args(prm=tiny_reward_model_dir), "--prm", "reward_modeling.py --prm")
     other = tmp_path / "other"
@@ -525,23 +554,104 @@ def test_vllm_run(tiny_model_dir, task_dir, tmp_path):
     assert lines[0]["perf/vllm_over_hf_generate"] > 0
 
 
+# Golden-trajectory invariants: the same fixed rollout (tests/fixed_rollout.py) launched differently.
+
+INVARIANT_ARGS = dict(
+    total_steps=2,
+    num_ppo_epochs=2,  # 4 updates: the old-policy log-probs, the clipping and the reused batch are compared
+    num_minibatches=1,  # one minibatch per pass: with more, each process's minibatch is its own slice of the batch
+    micro_batch_size=2,
+    lr_scheduler="linear",  # a decaying schedule shows a scheduler stepped once per process
+    learning_rate=1e-4,
+    kl_coef=0.05,  # the reference model and the KL rewards
+    whiten_rewards=True,  # the rewards' std over every process's tokens, as the advantages'
+    reward_mode="clip_delta",
+    eta=0.9,  # the verifier's 0.8 for a step without equations is below eta: non-zero process rewards
+    eval_every=0,
+    num_eval_prompts=4,
+)
+INVARIANT_KEYS = (
+    "loss/policy_avg",
+    "loss/value_avg",
+    "policy/grad_norm",
+    "lr",
+    "objective/scores",
+    "objective/kl",
+    "policy/ratio_first_minibatch",
+)
+
+
+def fixed_rollout_run(monkeypatch, make_args, **overrides):
+    fixed_rollout.patch(prm, monkeypatch.setattr)
+    return prm.main(make_args(**{**INVARIANT_ARGS, **overrides}))
+
+
+def initial_value_model_file(model_dir, folder):
+    """The value model's weights before training: the policy's, with the zero value head."""
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(os.path.join(model_dir, "model.safetensors"))
+    state["score.weight"] = torch.zeros(1, state["model.embed_tokens.weight"].shape[1])
+    path = os.path.join(folder, "initial_value_model.safetensors")
+    save_file(state, path)
+    return path
+
+
+def assert_same_models(one, two, model_dir, tmp_path):
+    """Same policy and same value model after training."""
+    files = [os.path.join(d, "model", "model.safetensors") for d in (one, two)]
+    assert_same_weights(*files, os.path.join(model_dir, "model.safetensors"))
+    files = [os.path.join(d, "value_model", "model.safetensors") for d in (one, two)]
+    assert_same_weights(*files, initial_value_model_file(model_dir, tmp_path))
+
+
 @pytest.mark.slow
-def test_two_processes_with_accelerate_launch(tiny_model_dir, task_dir, tmp_path):
-    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
-    out = str(tmp_path / "runs")
-    flags = cli_flags({**FAST_ARGS, "model_name_or_path": tiny_model_dir, "dataset_path": task_dir, "output_dir": out})
-    cmd = [accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1"]
-    cmd += ["--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port())]
-    run_checked([*cmd, "ppo_prm_clip.py", *flags, "--reward_mode", "clip_delta"], subprocess_env(), timeout=300)
-    run_dir = only_run_dir(out)
-    with open(os.path.join(run_dir, "config.json")) as f:
-        assert json.load(f)["args"]["world_size"] == 2  # two connected processes, not two rank-0 copies
-    lines = read_metrics(run_dir)
+def test_invariant_two_processes_equal_one_process(tiny_model_dir, task_dir, tmp_path, make_args, monkeypatch):
+    """2 processes with 4 prompts each = 1 process with the 8 prompts: the same losses, grad norm, lr and weights
+    (policy and value model) after 4 updates (failed before: the prepared scheduler stepped twice per update, and
+    the whitening and the losses' token counts were per process)."""
+    one = fixed_rollout_run(monkeypatch, make_args, prompts_per_rank=8, output_dir=str(tmp_path / "one"))
+    out = str(tmp_path / "two")
+    values = {**FAST_ARGS, "model_name_or_path": tiny_model_dir, "dataset_path": task_dir, "output_dir": out}
+    two = launch_fixed_rollout("ppo_prm_clip.py", cli_flags({**values, **INVARIANT_ARGS, "prompts_per_rank": 4}), out)
+    lines = read_metrics(two)
+    assert [line["global_step"] for line in lines] == [0, 1, 2]
     assert [line["episode"] for line in lines] == [0, 8, 16]  # 2 processes * 4 prompts a step
     assert lines[0]["eval/num_prompts"] == 4  # sharded over the processes, counts summed
-    for line in train_lines(lines):
+    training = train_lines(lines)
+    assert [line["lr"] for line in training] == pytest.approx([7.5e-5, 2.5e-5])  # of each step's last update
+    for line in training:
         assert line["policy/ratio_first_minibatch"] == 1.0
-        assert line["objective/num_steps"] > 1 and -0.5 <= line["objective/process_reward"] <= 0.5
+        assert line["objective/num_steps"] > 1 and -0.5 <= line["objective/process_reward"] < 0
+    assert_same_trajectory(one, two, INVARIANT_KEYS)
+    assert_same_models(one, two, tiny_model_dir, tmp_path)
+
+
+@pytest.mark.slow
+def test_invariant_gradient_accumulation_equals_one_micro_batch(make_args, monkeypatch, tmp_path, tiny_model_dir):
+    """4 micro-batches of 2 accumulated = the batch of 8 in one micro-batch: same losses, grad norm, weights."""
+    runs = [
+        fixed_rollout_run(
+            monkeypatch, make_args, prompts_per_rank=8, micro_batch_size=m, output_dir=str(tmp_path / f"mb{m}")
+        )
+        for m in (2, 8)
+    ]
+    assert_same_trajectory(*runs, INVARIANT_KEYS)
+    assert_same_models(*runs, tiny_model_dir, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lora_r", [0, 4])
+def test_invariant_bf16_autocast_kl_is_zero_and_ratio_one_before_the_first_update(
+    make_args, monkeypatch, bf16_autocast, lora_r
+):
+    """--mixed_precision bf16 autocasts the prepared policy and value model; the reference (a copy, or the policy
+    with its adapters off) runs under the same autocast, so the first step's KL is exactly 0 and the first
+    minibatch's ratio exactly 1 (failed before: the reference ran in fp32)."""
+    run_dir = fixed_rollout_run(monkeypatch, make_args, total_steps=1, num_ppo_epochs=1, lora_r=lora_r)
+    (line,) = train_lines(read_metrics(run_dir))
+    assert line["objective/kl"] == 0.0
+    assert line["policy/ratio_first_minibatch"] == 1.0 and line["policy/approxkl_first_minibatch"] == 0.0
 
 
 def test_cli_help():

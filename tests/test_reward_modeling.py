@@ -1,6 +1,7 @@
 """reward_modeling.py: the Bradley-Terry loss against a float64 reference, reading scores at the last real token,
 building pairs, tokenizing preference formats, end-to-end tiny runs, and bad input."""
 
+import copy
 import glob
 import json
 import math
@@ -11,16 +12,22 @@ import subprocess
 import sys
 from dataclasses import asdict
 
+import fixed_rollout
 import pytest
 import torch
 from conftest import (
     REPO_ROOT,
     NoModelLoads,
+    assert_same_trajectory,
+    assert_same_weights,
+    cli_flags,
+    launch_fixed_rollout,
     one_line_error,
     read_metrics,
     require_vllm,
     run_checked,
     subprocess_env,
+    train_lines,
     vllm_env,
     without_timing,
 )
@@ -112,6 +119,28 @@ def test_score_head_on_the_last_hidden_state_is_the_model_logit(tiny_rm):
     with torch.no_grad():
         per_token = rm.token_scores(tiny_rm, tiny_rm.score, torch.tensor(ends_with_eos), torch.ones(1, 8).long())
     assert ours.item() == pytest.approx(per_token[0, -1].item())  # the EOS position
+
+
+def test_token_scores_equal_the_head_on_the_last_hidden_state(tiny_rm):
+    """The hook on the score head gives what the head applied to the backbone's last hidden state gives (the old
+    computation, which kept every layer's hidden states), in float64."""
+    model = copy.deepcopy(tiny_rm).double()
+    input_ids, attention_mask = rm.left_pad(SEQUENCES, 2)
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    calls = []
+    handle = model.register_forward_pre_hook(lambda module, args, kwargs: calls.append(kwargs), with_kwargs=True)
+    with torch.no_grad():
+        ours = rm.token_scores(model, model.score, input_ids, attention_mask)
+    handle.remove()
+    assert len(calls) == 1 and not calls[0].get("output_hidden_states")  # no layer's hidden states are kept
+    with torch.no_grad():
+        hidden = model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, output_hidden_states=True
+        ).hidden_states[-1]
+        old = model.score(hidden).squeeze(-1)
+    assert ours.shape == input_ids.shape
+    # token_scores returns float32: the float64 scores rounded once.
+    torch.testing.assert_close(ours.double(), old, rtol=0, atol=1e-6)
 
 
 def test_last_real_index_on_hand_made_masks():
@@ -485,56 +514,115 @@ def test_lora_saves_a_merged_sequence_classifier(make_args):
         assert "bias" in json.load(f)
 
 
-def free_port():
-    import socket
+# Golden-trajectory invariants: the same pairs (a preference file, or with --prm the completions of
+# tests/fixed_rollout.py) trained on by runs launched differently.
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+INVARIANT_ARGS = dict(
+    lr_scheduler="linear",  # a decaying schedule shows a scheduler stepped once per process
+    learning_rate=1e-3,
+    # 17 held-out pairs in batches of 4: shards of 9 and 8 on 2 processes, so the second one runs a stand-in
+    # forward to keep the number of forwards equal.
+    num_eval_pairs=17,
+    eval_batch_size=4,
+)
+PRM_ARGS = dict(
+    prm=True,
+    step_separator=" ",  # the fixed completions are word pieces: several steps each, a varying number
+    num_train_prompts=16,
+    num_eval_prompts=4,
+    num_samples_per_prompt=2,
+    response_length=12,
+    pairs_per_rank=4,  # completions per process and step
+    micro_batch_size=2,
+    num_train_epochs=0.5,
+    num_eval_pairs=0,
+)
+INVARIANT_KEYS = (
+    "loss/reward_model",
+    "objective/grad_norm",
+    "lr",
+    "eval/loss",
+    "eval/accuracy",
+    "objective/bias",
+    "pairs/train_steps",
+)
+
+
+def invariant_args(tiny_model_dir, tiny_reward_model_dir, task_dir, mode, **overrides):
+    """Args of an invariant run. It starts from the tiny one-label classifier, so that the initial weights have the
+    saved model's names; --prm samples the fixed rollout (the tiny causal LM is the nominal policy) and labels it
+    with the real verifier, in-process and in launched processes alike."""
+    values = {**INVARIANT_ARGS, "model_name_or_path": tiny_reward_model_dir}
+    if mode == "prm":
+        values |= {**PRM_ARGS, "dataset_path": task_dir, "policy_name_or_path": tiny_model_dir}
+    return {**values, **overrides}
+
+
+def in_process_run(make_args, monkeypatch, values):
+    fixed_rollout.patch(rm, monkeypatch.setattr)
+    return rm.main(make_args(**values))
 
 
 @pytest.mark.slow
-def test_two_processes_with_accelerate_launch(tiny_model_dir, preference_dir, tmp_path):
-    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
-    if not os.path.exists(accelerate):
-        accelerate = shutil.which("accelerate")
-    assert accelerate, "the accelerate command is not installed next to the python running the tests"
-    out, target = str(tmp_path / "runs"), str(tmp_path / "reward_model")
-    flags = {
-        **FAST_ARGS,
-        "num_train_epochs": 0.5,
-        "pairs_per_rank": 4,
-        "micro_batch_size": 2,
-        # 17 held-out pairs in batches of 4: shards of 9 and 8 pairs, so the second process runs one stand-in
-        # forward to keep the number of forwards equal.
-        "num_eval_pairs": 17,
-        "eval_batch_size": 4,
-        "model_name_or_path": tiny_model_dir,
-        "dataset_path": preference_dir,
-        "output_dir": out,
-        "reward_model_dir": target,
-    }
-    cmd = [accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1"]
-    cmd += ["--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port())]
-    cmd += ["reward_modeling.py"]
-    for key, value in flags.items():
-        if isinstance(value, bool):
-            cmd.append(f"--{key}" if value else f"--no-{key}")
-        else:
-            cmd += [f"--{key}", str(value)]
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    (run_dir,) = glob.glob(os.path.join(out, "*"))  # one run folder: the processes agreed on the name
-    with open(os.path.join(run_dir, "config.json")) as f:
+@pytest.mark.parametrize("mode", ["bt", "prm"])
+def test_invariant_two_processes_equal_one_process(
+    make_args, monkeypatch, tmp_path, tiny_model_dir, tiny_reward_model_dir, task_dir, preference_dir, mode
+):
+    """2 processes with half of each step's pairs (--prm: completions) = 1 process with all of them: the same loss,
+    grad norm, lr, held-out metrics and weights after 4 (--prm: 2) updates (failed before: the prepared scheduler
+    stepped twice per update; --prm divided each micro-batch's loss by its own step count)."""
+    base = invariant_args(tiny_model_dir, tiny_reward_model_dir, task_dir, mode)
+    if mode == "bt":
+        base |= {"num_train_epochs": 0.5, "pairs_per_rank": 4, "micro_batch_size": 2}  # 4 steps of 8 pairs
+    whole = {"pairs_per_rank": 2 * base["pairs_per_rank"], "micro_batch_size": 2 * base["micro_batch_size"]}
+    one = in_process_run(make_args, monkeypatch, {**base, **whole, "output_dir": str(tmp_path / "one")})
+    out, target = str(tmp_path / "two"), str(tmp_path / "target")
+    values = {**FAST_ARGS, "dataset_path": preference_dir, **base, "output_dir": out}
+    two = launch_fixed_rollout(
+        "reward_modeling.py", cli_flags({**values, "reward_model_dir": target, "prm_dir": target}), out
+    )
+    with open(os.path.join(two, "config.json")) as f:
         config = json.load(f)
-    assert config["args"]["world_size"] == 2  # two connected processes, not two rank-0 copies
-    assert config["args"]["total_steps"] == 4  # 0.5 epoch * 64 pairs / (2 processes * 4 pairs)
-    lines = read_metrics(run_dir)
-    assert [line["global_step"] for line in lines] == [0, 1, 2, 3, 4]
-    assert [line["episode"] for line in lines] == [0, 8, 16, 24, 32]
-    assert lines[0]["eval/num_pairs"] == 17  # the eval set is sharded, and the counts summed
-    with open(os.path.join(target, "config.json")) as f:
-        assert json.load(f)["bias"] == pytest.approx(lines[-1]["objective/bias"])
+    lines = read_metrics(two)
+    steps = config["args"]["total_steps"]
+    assert steps == (4 if mode == "bt" else 2)  # bt: 0.5 epoch * 64 pairs / (2 processes * 4 pairs)
+    assert [line["global_step"] for line in lines] == list(range(steps + 1))
+    per_step = 2 * base["pairs_per_rank"]
+    assert [line["episode"] for line in lines] == [per_step * step for step in range(steps + 1)]
+    if mode == "bt":
+        assert lines[0]["eval/num_pairs"] == 17  # the eval set is sharded, and the counts summed
+        with open(os.path.join(target, "config.json")) as f:
+            assert json.load(f)["bias"] == pytest.approx(lines[-1]["objective/bias"])
+    else:
+        assert lines[0]["pairs/eval_prompts"] == 4
+        assert lines[0]["eval/num_completions"] == lines[0]["pairs/eval_completions"]
+    assert [line["lr"] for line in train_lines(lines)] == pytest.approx(
+        [1e-3 * (1 - k / steps) for k in range(steps)]
+    )  # the lr of each step's update: linear decay over the steps, once per update
+    assert_same_trajectory(one, two, INVARIANT_KEYS)
+    initial = os.path.join(tiny_reward_model_dir, "model.safetensors")
+    assert_same_weights(*(os.path.join(d, "model", "model.safetensors") for d in (one, two)), initial)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["bt", "prm"])
+def test_invariant_gradient_accumulation_equals_one_micro_batch(
+    make_args, monkeypatch, tmp_path, tiny_model_dir, tiny_reward_model_dir, task_dir, mode
+):
+    """Micro-batches of 1 or 2 accumulated = the step's 4 or 8 pairs (--prm: completions) in one micro-batch: the
+    same loss, grad norm and weights (--prm failed before: a mean per micro-batch weighs a step by how many steps
+    share its micro-batch)."""
+    base = invariant_args(tiny_model_dir, tiny_reward_model_dir, task_dir, mode)
+    if mode == "bt":
+        base |= {"num_train_epochs": 0.25, "pairs_per_rank": 8}  # 2 steps
+    small = 2 if mode == "bt" else 1
+    runs = [
+        in_process_run(make_args, monkeypatch, {**base, "micro_batch_size": m, "output_dir": str(tmp_path / f"mb{m}")})
+        for m in (small, base["pairs_per_rank"])
+    ]
+    assert_same_trajectory(*runs, INVARIANT_KEYS)
+    initial = os.path.join(tiny_reward_model_dir, "model.safetensors")
+    assert_same_weights(*(os.path.join(d, "model", "model.safetensors") for d in runs), initial)
 
 
 # Bad input: one line, before a model is loaded
