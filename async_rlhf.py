@@ -39,12 +39,12 @@ generate of the 135M model measured 10-16x slower than a 1-thread one. --sync: b
 turns). To give the learner more, raise OMP_NUM_THREADS (with OMP_WAIT_POLICY=PASSIVE against the spinning). vLLM's
 in-process CPU engine computes in the thread that calls it, with that thread's count.
 
-Devices. On GPUs the generator with HF generate owns a GPU of its own when there are more GPUs than processes (the
-last ones, as in the paper); vLLM's engine shares the GPU of the (single) process with its learner, since an
-in-process engine cannot be placed on another GPU. With accelerate, every process runs its own generator thread for
-its own slice of the prompts (data parallel, as in the other scripts) with HF generate: the generator thread never
-calls a collective. vLLM's engines synchronise across processes (a collective from the generator thread would race
-the learner's), so several processes fall back to HF generate with a warning.
+Devices. On GPUs the generator with HF generate owns a GPU of its own when a machine has more GPUs than processes
+(its last ones, as in the paper; see generator_gpu); vLLM's engine shares the GPU of the (single) process with its
+learner, since an in-process engine cannot be placed on another GPU. With accelerate, every process runs its own
+generator thread for its own slice of the prompts (data parallel, as in the other scripts) with HF generate: the
+generator thread never calls a collective. vLLM's engines synchronise across processes (a collective from the
+generator thread would race the learner's), so several processes fall back to HF generate with a warning.
 
 Run on CPU with the embedded defaults (build the reward model first, or use the verifier):
     python reward_modeling.py && python async_rlhf.py
@@ -61,7 +61,6 @@ Two processes on CPU (gloo): accelerate launch --multi_gpu --num_processes 2 asy
 import collections
 import contextlib
 import json
-import math
 import os
 import queue
 import random
@@ -89,6 +88,7 @@ from transformers import (
     AutoModelForSequenceClassification,
     AutoTokenizer,
     GenerationConfig,
+    get_scheduler,
 )
 
 
@@ -126,7 +126,8 @@ class Args:
     """generate and learn in turn (the synchronous baseline: every batch from the current weights, lag 0)"""
     max_staleness: int = 1
     """N: the learner at step t trains on a batch generated with the weights of step t - N or newer (the size of the
-    queue between generator and learner); 1 is the paper's one-step off-policy pipeline"""
+    queue between generator and learner); 1 is the paper's one-step off-policy pipeline; 0 waits for the current
+    weights, lag 0 as with --sync (the same numbers), but with the CPU threads split as in async runs"""
     generator_threads: int = 0
     """CPU only, async only: torch threads of the generator thread (0: half of this process's threads); the learner
     gets the rest. --sync gives both all threads"""
@@ -381,17 +382,17 @@ def response_logprobs(model, input_ids, attention_mask, context_length, temperat
 def token_scores(model, score_head, input_ids, attention_mask):
     """The one-label head of a sequence-classification model (reward or value model) at every position: [B, T]
     float32. `model` may be wrapped (DDP, DeepSpeed) so that gradients sync; `score_head` is its unwrapped `.score`
-    layer, applied to the last hidden state. Positions count from each sequence's first real token, so left and
-    right padding give the same scores."""
+    layer. The classifier's forward applies the head at every position and then keeps the last one: a hook takes
+    the head's output before that, so no layer's hidden states are kept (output_hidden_states would keep all).
+    Positions count from each sequence's first real token, so left and right padding give the same scores."""
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    hidden = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        output_hidden_states=True,
-        use_cache=False,
-    ).hidden_states[-1]
-    return score_head(hidden).squeeze(-1).float()
+    scores = []
+    handle = score_head.register_forward_hook(lambda module, inputs, output: scores.append(output))
+    try:
+        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    finally:
+        handle.remove()
+    return scores[0].squeeze(-1).float()
 
 
 def last_real_index(attention_mask):
@@ -400,13 +401,13 @@ def last_real_index(attention_mask):
     return (positions * attention_mask).argmax(1)
 
 
-def response_mask(responses, lengths, eos_token_id, truncate_at_eos):
-    """1 on the real response tokens: positions < length, and (with truncate_at_eos) up to the first EOS included.
-    responses [B, R], lengths [B]. Returns a float mask [B, R]."""
+def response_mask(responses, lengths, stop_token_ids, truncate_at_eos):
+    """1 on the real response tokens: positions < length, and (with truncate_at_eos) up to the first stop token
+    (any EOS id) included. responses [B, R], lengths [B]. Returns a float mask [B, R]."""
     positions = torch.arange(responses.shape[1]).unsqueeze(0)
     mask = positions < lengths.unsqueeze(1)
     if truncate_at_eos:
-        is_eos = (responses == eos_token_id) & mask
+        is_eos = torch.isin(responses, torch.tensor(stop_token_ids)) & mask
         after_first_eos = (is_eos.cumsum(1) - is_eos.long()) > 0
         mask = mask & ~after_first_eos
     return mask.float()
@@ -466,7 +467,7 @@ def step_prompt_indices(step, prompts_per_step, num_prompts, seed):
     return order[start - first_epoch * num_prompts : end - first_epoch * num_prompts].tolist()
 
 
-def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_eos, pad_token_id, eos_token_id):
+def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_eos, pad_token_id, stop_token_ids):
     """Sample n completions per prompt with Hugging Face generate.
     Returns (responses [len(prompts) * n, response_length], lengths [len(prompts) * n]); completions of one prompt
     are consecutive. temperature 0 is greedy decoding."""
@@ -478,7 +479,7 @@ def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_
         temperature=temperature if temperature > 0 else None,
         top_p=top_p if temperature > 0 else None,
         top_k=0 if temperature > 0 else None,
-        eos_token_id=eos_token_id if stop_at_eos else [],  # None would be filled in from the model's config
+        eos_token_id=list(stop_token_ids) if stop_at_eos else [],  # None would be filled in from the model's config
         pad_token_id=pad_token_id,
         use_cache=True,
     )
@@ -490,15 +491,16 @@ def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_
     responses = out[:, input_ids.shape[1] :].cpu()
     lengths = torch.full((responses.shape[0],), responses.shape[1], dtype=torch.long)
     if stop_at_eos:  # a finished sequence is padded after its EOS: its length ends at the first EOS
-        is_eos = responses == eos_token_id
+        is_eos = torch.isin(responses, torch.tensor(stop_token_ids))
         lengths = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, lengths)
     responses = F.pad(responses, (0, response_length - responses.shape[1]), value=pad_token_id)
     return responses, lengths
 
 
-def vllm_generate(llm, prompts, n, response_length, temperature, top_p, stop_at_eos, pad_token_id):
+def vllm_generate(llm, prompts, n, response_length, temperature, top_p, stop_at_eos, pad_token_id, stop_token_ids):
     """Sample n completions per prompt with vLLM. Returns (responses [N, response_length], lengths [N],
-    logprobs [N, response_length]) where logprobs are the sampler's (after temperature) for the sampled tokens."""
+    logprobs [N, response_length]) where logprobs are the sampler's (after temperature) for the sampled tokens.
+    stop_token_ids are passed explicitly so that vLLM and HF generate stop on the same ids."""
     from vllm import SamplingParams
 
     params = SamplingParams(
@@ -507,6 +509,7 @@ def vllm_generate(llm, prompts, n, response_length, temperature, top_p, stop_at_
         top_p=top_p,
         max_tokens=response_length,
         ignore_eos=not stop_at_eos,
+        stop_token_ids=list(stop_token_ids) if stop_at_eos else None,
         logprobs=0 if temperature > 0 else None,
         detokenize=False,
     )
@@ -525,6 +528,26 @@ def vllm_generate(llm, prompts, n, response_length, temperature, top_p, stop_at_
                 logprobs[row, : len(ids)] = torch.tensor([lp[t].logprob for lp, t in zip(completion.logprobs, ids)])
             row += 1
     return responses, lengths, logprobs
+
+
+def stop_token_ids(tokenizer, model_name_or_path):
+    """Every id that ends a completion: the tokenizer's EOS and each id in the model's generation_config.json
+    eos_token_id (Qwen2.5 has two, Llama-3.1 three), where vLLM stops too. Sorted list."""
+    try:
+        eos = GenerationConfig.from_pretrained(model_name_or_path).eos_token_id
+    except OSError:  # no generation_config.json: the tokenizer's EOS alone
+        eos = None
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    return sorted({tokenizer.eos_token_id, *eos} - {None})
+
+
+def disable_dropout(model):
+    """Dropout off in every nn.Dropout (the config's dropout attributes are zeroed before loading too): the old and
+    new log-probs of the first minibatch, and the policy and its reference, must be computed identically."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model
 
 
 def policy_state_dict(model):
@@ -548,6 +571,17 @@ def gathered_parameters(accelerator, model):
     import deepspeed
 
     return deepspeed.zero.GatheredParameters(list(model.parameters()))
+
+
+def generator_gpu(local_rank, local_processes, num_gpus):
+    """The GPU index of the generator of the process with local index local_rank, or None (the learner's GPU).
+    The processes of one machine train on its first local_processes GPUs (accelerate puts local process i on GPU
+    i); the generators share the machine's spare GPUs, the learners spread over them in turn. All counts are of
+    this machine: global ranks and world sizes would point past its GPUs on a multi-node run."""
+    spare = num_gpus - local_processes
+    if spare <= 0:
+        return None
+    return local_processes + local_rank % spare
 
 
 def vllm_sync_weights(llm, state_dict, dtype):
@@ -586,11 +620,8 @@ def check_args(args):
     for name in ("prompts_per_rank", "micro_batch_size", "num_minibatches", "total_steps", "response_length"):
         if getattr(args, name) < 1:
             fail(f"--{name} must be >= 1; got {getattr(args, name)}")
-    if args.max_staleness < 1:
-        fail(
-            f"--max_staleness must be >= 1 (batches up to N learner steps old; --sync is the lag-0 baseline); "
-            f"got {args.max_staleness}"
-        )
+    if args.max_staleness < 0:
+        fail(f"--max_staleness must be >= 0 (batches up to N learner steps old); got {args.max_staleness}")
     if args.generator_threads < 0:
         fail(f"--generator_threads must be >= 0 (0: half of the process's threads); got {args.generator_threads}")
     if args.prompts_per_rank % args.num_minibatches:
@@ -658,6 +689,17 @@ def check_score_model(path, name, trust_remote_code):
         fail(f"--{name} {path} has {config.num_labels} labels; a reward model has exactly one (a scalar score)")
 
 
+def check_same_vocabulary(path, name, policy_tokenizer, trust_remote_code):
+    """A model that reads the policy's tokens (reward or value model) must have the policy's vocabulary: with
+    another tokenizer its scores are silent garbage."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as error:
+        fail(f"--{name} {path} has no loadable tokenizer ({str(error).splitlines()[0]})")
+    if tokenizer.get_vocab() != policy_tokenizer.get_vocab():
+        fail(f"--{name} {path} has another vocabulary than --model_name_or_path; it must read the policy's tokens")
+
+
 def build_prompts(tokenizer, rows, args):
     """Token ids of each row's prompt (chat template or --prompt_template) and its gold answer; prompts longer
     than max_prompt_length are dropped."""
@@ -723,7 +765,8 @@ def latest_checkpoint(run_dir):
 
 def main(args: Args):
     # 0. Processes. On CPU, accelerate needs cpu=True to connect the processes (gloo) of `--multi_gpu` launches.
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    # The scheduler is stepped by hand once per optimizer step: accelerate's default would step it once per process.
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), step_scheduler_with_optimizer=False)
     rank, world_size, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     # vLLM's CPU worker replaces torch.set_num_threads by a no-op once it starts: keep the real one.
     set_num_threads, total_threads = torch.set_num_threads, torch.get_num_threads()
@@ -772,7 +815,9 @@ def main(args: Args):
         )
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    pad_id, stop_ids = tokenizer.pad_token_id, stop_token_ids(tokenizer, args.model_name_or_path)
+    if args.judge == "reward_model":  # before any model is loaded
+        check_same_vocabulary(args.reward_model_path, "reward_model_path", tokenizer, args.trust_remote_code)
     # Rows without a gold answer get an empty one, which only the gold accuracy would read (never in training).
     train_prompts, train_golds = build_prompts(tokenizer, [{args.answer_column: "", **r} for r in train_rows], args)
     eval_prompts, eval_golds = build_prompts(tokenizer, [{args.answer_column: "", **r} for r in eval_rows], args)
@@ -824,8 +869,10 @@ def main(args: Args):
             if hasattr(config, key):
                 setattr(config, key, 0.0)
         config.pad_token_id = pad_id  # needed by sequence-classification models for batches (not used for scores)
-        return auto_class.from_pretrained(
-            path, config=config, dtype=dtype, trust_remote_code=args.trust_remote_code, use_safetensors=True
+        return disable_dropout(
+            auto_class.from_pretrained(
+                path, config=config, dtype=dtype, trust_remote_code=args.trust_remote_code, use_safetensors=True
+            )
         )
 
     model, ref_policy = load(args.model_name_or_path, AutoModelForCausalLM), None
@@ -846,9 +893,11 @@ def main(args: Args):
     # learner's. It holds its policy copy (which receives the learner's weights after every step), the reference
     # policy and the reward model: what depends on the batch only is computed while the learner trains.
     gen_device = device
-    spare_gpus = torch.cuda.device_count() - world_size if torch.cuda.is_available() else 0
-    if spare_gpus > 0 and not use_vllm:
-        gen_device = torch.device("cuda", world_size + rank % spare_gpus)
+    if torch.cuda.is_available() and not use_vllm:
+        # torchrun (accelerate launch) sets LOCAL_WORLD_SIZE: the learners of this machine on its first GPUs.
+        local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        gpu = generator_gpu(accelerator.local_process_index, local_processes, torch.cuda.device_count())
+        gen_device = device if gpu is None else torch.device("cuda", gpu)
     if args.lora_r == 0:  # with LoRA, the reference is the learner's policy with its adapters switched off
         ref_policy = load(args.model_name_or_path, AutoModelForCausalLM).requires_grad_(False).eval()
         ref_policy = ref_policy.to(gen_device)
@@ -871,19 +920,12 @@ def main(args: Args):
         weight_decay=args.weight_decay,
         eps=1e-8,
     )
-    num_updates = args.total_steps * args.num_minibatches
-
-    def lr_lambda(update):  # a closure over args, not a global: warmup, then the chosen schedule
-        if update < args.warmup_steps:
-            return (update + 1) / args.warmup_steps
-        progress = (update - args.warmup_steps) / max(1, num_updates - args.warmup_steps)
-        if args.lr_scheduler == "linear":
-            return 1.0 - progress
-        if args.lr_scheduler == "cosine":
-            return 0.5 * (1 + math.cos(math.pi * progress))
-        return 1.0
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+    scheduler = get_scheduler(
+        "constant_with_warmup" if args.lr_scheduler == "constant" else args.lr_scheduler,
+        optimizer,
+        num_warmup_steps=args.warmup_steps,
+        num_training_steps=args.total_steps * args.num_minibatches,
+    )
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     unwrapped = accelerator.unwrap_model(model)
 
@@ -918,14 +960,23 @@ def main(args: Args):
         EOS), the sampler's log-probs [N, R] (vLLM only) and the texts."""
         if llm is not None:
             responses, lengths, sampler_logprobs = vllm_generate(
-                llm, prompts, n, args.response_length, temperature, args.top_p, args.stop_at_eos, pad_id
+                llm, prompts, n, args.response_length, temperature, args.top_p, args.stop_at_eos, pad_id, stop_ids
             )
         else:
-            responses, lengths = hf_generate(
-                gen_model, prompts, n, args.response_length, temperature, args.top_p, args.stop_at_eos, pad_id, eos_id
-            )
+            with accelerator.autocast():  # the policy's mixed precision (see score_rows)
+                responses, lengths = hf_generate(
+                    gen_model,
+                    prompts,
+                    n,
+                    args.response_length,
+                    temperature,
+                    args.top_p,
+                    args.stop_at_eos,
+                    pad_id,
+                    stop_ids,
+                )
             sampler_logprobs = None
-        mask = response_mask(responses, lengths, eos_id, args.truncate_at_eos)
+        mask = response_mask(responses, lengths, stop_ids, args.truncate_at_eos)
         texts = tokenizer.batch_decode(responses.masked_fill(mask == 0, pad_id), skip_special_tokens=True)
         return responses, mask, sampler_logprobs, texts
 
@@ -947,7 +998,7 @@ def main(args: Args):
     def reward_model_judge(query_responses, attention_mask, texts, golds):
         """The reward model's centred score at each sequence's last real token."""
         query_responses, attention_mask = query_responses.to(gen_device), attention_mask.to(gen_device)
-        with torch.no_grad():
+        with torch.no_grad(), accelerator.autocast():  # the policy's mixed precision (see score_rows)
             per_token = token_scores(reward_model, reward_model.score, query_responses, attention_mask)
         return (per_token[torch.arange(len(per_token)), last_real_index(attention_mask)] - reward_bias).to(device)
 
@@ -991,9 +1042,12 @@ def main(args: Args):
         """Generator: the log-probs [nP, R] (on the CPU) of `scorer` for a batch, micro_batch_size prompts (all their
         completions) per forward pass. The learner's micro-batches hold the same rows, in another order for DPO (the
         chosen then the rejected), which leaves each row's result unchanged: with --sync the first update starts
-        exactly at the reference and at ratio 1."""
+        exactly at the reference and at ratio 1.
+        Under --mixed_precision bf16 accelerate autocasts the prepared policy's forward only: the generator's models
+        (its policy copy, the reference, the reward model) run under the same autocast, so that at lag 0 the ratio
+        is exactly 1 and the KL and DPO's h exactly 0. Autocast is per thread: each forward enters it itself."""
         k = args.micro_batch_size * n
-        with torch.no_grad():
+        with torch.no_grad(), accelerator.autocast():
             return torch.cat(
                 [
                     response_logprobs(
@@ -1104,7 +1158,7 @@ def main(args: Args):
                 responses, mask = responses[:, :width], mask[:, :width]
                 query_responses, attention_mask, _ = batch_tensors(prompts, responses, mask, device)
                 scores = judge(query_responses, attention_mask, texts, golds)
-            has_eos = ((responses == eos_id) & (mask > 0)).any(1).to(device)
+            has_eos = (torch.isin(responses, torch.tensor(stop_ids)) & (mask > 0)).any(1).to(device)
             scores = penalize_missing_eos(scores, has_eos, args.missing_eos_penalty)
             correct = correct_of(texts, golds)
             totals += torch.tensor(
@@ -1276,7 +1330,8 @@ def main(args: Args):
                     f"step {step + 1}: non-finite objective/scores ({scores.tolist()}); last good checkpoint: "
                     f"{last_checkpoint or 'none'}"
                 )
-            has_eos = ((responses == eos_id) & (mask > 0)).any(1).to(scores.device)
+            is_stop = torch.isin(responses, torch.tensor(stop_ids, device=responses.device))
+            has_eos = (is_stop & (mask > 0)).any(1).to(scores.device)
             judged = penalize_missing_eos(scores, has_eos, args.missing_eos_penalty).to(device)
             metrics["objective/scores"] = judged.mean().item()
             if has_gold:
@@ -1343,7 +1398,10 @@ def main(args: Args):
                     kept = keep[start : start + args.minibatch_size].sum().double()
                     normalizer = accelerator.reduce(kept, "sum").clamp(min=1) / world_size
                 else:
-                    normalizer = sum(mask[rows].sum() for _, rows in minibatch).clamp(min=1)  # its tokens
+                    # The minibatch's tokens over every process (each divides by the mean count per process and DDP
+                    # averages the gradients): 1 process with the whole batch computes the same loss.
+                    tokens = sum(mask[rows].sum() for _, rows in minibatch)
+                    normalizer = accelerator.reduce(tokens, "mean").clamp(min=1)
                 for k, (group, rows) in enumerate(minibatch):  # group [micro_batch_size], rows [micro_batch_size * n]
                     m = mask[rows]
                     sync = k == args.gradient_accumulation_steps - 1  # processes sync gradients on the last one
@@ -1413,6 +1471,7 @@ def main(args: Args):
                 stats["policy/grad_norm"].append(
                     accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
                 )
+                lr = scheduler.get_last_lr()[0]  # the learning rate of this update
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -1423,7 +1482,7 @@ def main(args: Args):
             metrics.update({name: float(np.mean(values)) for name, values in stats.items()})
             if not is_dpo:
                 metrics["loss/policy"] = policy_loss
-            metrics["lr"] = scheduler.get_last_lr()[0]
+            metrics["lr"] = lr  # of the step's last update
             metrics["perf/train_tokens_per_second"] = int(attention_mask.sum()) * 2 / metrics["time/training"]
 
             # 6. Weight sync: publish the new weights (version step + 1); the generator loads them before its next

@@ -35,7 +35,6 @@ Two processes on CPU (gloo): accelerate launch --multi_gpu --num_processes 2 dpo
 import collections
 import contextlib
 import json
-import math
 import os
 import random
 import re
@@ -61,6 +60,7 @@ from transformers import (
     AutoModelForSequenceClassification,
     AutoTokenizer,
     GenerationConfig,
+    get_scheduler,
 )
 
 
@@ -313,17 +313,17 @@ def response_logprobs(model, input_ids, attention_mask, context_length, temperat
 def token_scores(model, score_head, input_ids, attention_mask):
     """The one-label head of a sequence-classification model (reward or value model) at every position: [B, T]
     float32. `model` may be wrapped (DDP, DeepSpeed) so that gradients sync; `score_head` is its unwrapped `.score`
-    layer, applied to the last hidden state. Positions count from each sequence's first real token, so left and
-    right padding give the same scores."""
+    layer. The classifier's forward applies the head at every position and then keeps the last one: a hook takes
+    the head's output before that, so no layer's hidden states are kept (output_hidden_states would keep all).
+    Positions count from each sequence's first real token, so left and right padding give the same scores."""
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    hidden = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        output_hidden_states=True,
-        use_cache=False,
-    ).hidden_states[-1]
-    return score_head(hidden).squeeze(-1).float()
+    scores = []
+    handle = score_head.register_forward_hook(lambda module, inputs, output: scores.append(output))
+    try:
+        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    finally:
+        handle.remove()
+    return scores[0].squeeze(-1).float()
 
 
 def last_real_index(attention_mask):
@@ -332,13 +332,13 @@ def last_real_index(attention_mask):
     return (positions * attention_mask).argmax(1)
 
 
-def response_mask(responses, lengths, eos_token_id, truncate_at_eos):
-    """1 on the real response tokens: positions < length, and (with truncate_at_eos) up to the first EOS included.
-    responses [B, R], lengths [B]. Returns a float mask [B, R]."""
+def response_mask(responses, lengths, stop_token_ids, truncate_at_eos):
+    """1 on the real response tokens: positions < length, and (with truncate_at_eos) up to the first stop token
+    (any EOS id) included. responses [B, R], lengths [B]. Returns a float mask [B, R]."""
     positions = torch.arange(responses.shape[1]).unsqueeze(0)
     mask = positions < lengths.unsqueeze(1)
     if truncate_at_eos:
-        is_eos = (responses == eos_token_id) & mask
+        is_eos = torch.isin(responses, torch.tensor(stop_token_ids)) & mask
         after_first_eos = (is_eos.cumsum(1) - is_eos.long()) > 0
         mask = mask & ~after_first_eos
     return mask.float()
@@ -398,7 +398,7 @@ def step_prompt_indices(step, prompts_per_step, num_prompts, seed):
     return order[start - first_epoch * num_prompts : end - first_epoch * num_prompts].tolist()
 
 
-def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_eos, pad_token_id, eos_token_id):
+def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_eos, pad_token_id, stop_token_ids):
     """Sample n completions per prompt with Hugging Face generate.
     Returns (responses [len(prompts) * n, response_length], lengths [len(prompts) * n]); completions of one prompt
     are consecutive. temperature 0 is greedy decoding."""
@@ -410,7 +410,7 @@ def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_
         temperature=temperature if temperature > 0 else None,
         top_p=top_p if temperature > 0 else None,
         top_k=0 if temperature > 0 else None,
-        eos_token_id=eos_token_id if stop_at_eos else [],  # None would be filled in from the model's config
+        eos_token_id=list(stop_token_ids) if stop_at_eos else [],  # None would be filled in from the model's config
         pad_token_id=pad_token_id,
         use_cache=True,
     )
@@ -422,15 +422,16 @@ def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_
     responses = out[:, input_ids.shape[1] :].cpu()
     lengths = torch.full((responses.shape[0],), responses.shape[1], dtype=torch.long)
     if stop_at_eos:  # a finished sequence is padded after its EOS: its length ends at the first EOS
-        is_eos = responses == eos_token_id
+        is_eos = torch.isin(responses, torch.tensor(stop_token_ids))
         lengths = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, lengths)
     responses = F.pad(responses, (0, response_length - responses.shape[1]), value=pad_token_id)
     return responses, lengths
 
 
-def vllm_generate(llm, prompts, n, response_length, temperature, top_p, stop_at_eos, pad_token_id):
+def vllm_generate(llm, prompts, n, response_length, temperature, top_p, stop_at_eos, pad_token_id, stop_token_ids):
     """Sample n completions per prompt with vLLM. Returns (responses [N, response_length], lengths [N],
-    logprobs [N, response_length]) where logprobs are the sampler's (after temperature) for the sampled tokens."""
+    logprobs [N, response_length]) where logprobs are the sampler's (after temperature) for the sampled tokens.
+    stop_token_ids are passed explicitly so that vLLM and HF generate stop on the same ids."""
     from vllm import SamplingParams
 
     params = SamplingParams(
@@ -439,6 +440,7 @@ def vllm_generate(llm, prompts, n, response_length, temperature, top_p, stop_at_
         top_p=top_p,
         max_tokens=response_length,
         ignore_eos=not stop_at_eos,
+        stop_token_ids=list(stop_token_ids) if stop_at_eos else None,
         logprobs=0 if temperature > 0 else None,
         detokenize=False,
     )
@@ -457,6 +459,26 @@ def vllm_generate(llm, prompts, n, response_length, temperature, top_p, stop_at_
                 logprobs[row, : len(ids)] = torch.tensor([lp[t].logprob for lp, t in zip(completion.logprobs, ids)])
             row += 1
     return responses, lengths, logprobs
+
+
+def stop_token_ids(tokenizer, model_name_or_path):
+    """Every id that ends a completion: the tokenizer's EOS and each id in the model's generation_config.json
+    eos_token_id (Qwen2.5 has two, Llama-3.1 three), where vLLM stops too. Sorted list."""
+    try:
+        eos = GenerationConfig.from_pretrained(model_name_or_path).eos_token_id
+    except OSError:  # no generation_config.json: the tokenizer's EOS alone
+        eos = None
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    return sorted({tokenizer.eos_token_id, *eos} - {None})
+
+
+def disable_dropout(model):
+    """Dropout off in every nn.Dropout (the config's dropout attributes are zeroed before loading too): the old and
+    new log-probs of the first minibatch, and the policy and its reference, must be computed identically."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model
 
 
 def policy_state_dict(model):
@@ -575,6 +597,17 @@ def check_score_model(path, name, trust_remote_code):
         fail(f"--{name} {path} has {config.num_labels} labels; a reward model has exactly one (a scalar score)")
 
 
+def check_same_vocabulary(path, name, policy_tokenizer, trust_remote_code):
+    """A model that reads the policy's tokens (reward or value model) must have the policy's vocabulary: with
+    another tokenizer its scores are silent garbage."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as error:
+        fail(f"--{name} {path} has no loadable tokenizer ({str(error).splitlines()[0]})")
+    if tokenizer.get_vocab() != policy_tokenizer.get_vocab():
+        fail(f"--{name} {path} has another vocabulary than --model_name_or_path; it must read the policy's tokens")
+
+
 def build_prompts(tokenizer, rows, args):
     """Token ids of each row's prompt (chat template or --prompt_template) and its gold answer; prompts longer
     than max_prompt_length are dropped."""
@@ -640,7 +673,8 @@ def latest_checkpoint(run_dir):
 
 def main(args: Args):
     # 0. Processes. On CPU, accelerate needs cpu=True to connect the processes (gloo) of `--multi_gpu` launches.
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    # The scheduler is stepped by hand once per optimizer step: accelerate's default would step it once per process.
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), step_scheduler_with_optimizer=False)
     rank, world_size = accelerator.process_index, accelerator.num_processes
     check_args(args)
     if args.judge == "reward_model":
@@ -684,7 +718,9 @@ def main(args: Args):
         )
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    pad_id, stop_ids = tokenizer.pad_token_id, stop_token_ids(tokenizer, args.model_name_or_path)
+    if args.judge == "reward_model":  # the judge reads the policy's tokens
+        check_same_vocabulary(args.reward_model_path, "reward_model_path", tokenizer, args.trust_remote_code)
     # Rows without a gold answer get an empty one, which only the gold accuracy would read (never in training).
     train_prompts, train_golds = build_prompts(tokenizer, [{args.answer_column: "", **r} for r in train_rows], args)
     eval_prompts, eval_golds = build_prompts(tokenizer, [{args.answer_column: "", **r} for r in eval_rows], args)
@@ -732,8 +768,10 @@ def main(args: Args):
             if hasattr(config, key):
                 setattr(config, key, 0.0)
         config.pad_token_id = pad_id  # needed by sequence-classification models for batches (not used for scores)
-        return auto_class.from_pretrained(
-            path, config=config, dtype=dtype, trust_remote_code=args.trust_remote_code, use_safetensors=True
+        return disable_dropout(
+            auto_class.from_pretrained(
+                path, config=config, dtype=dtype, trust_remote_code=args.trust_remote_code, use_safetensors=True
+            )
         )
 
     model, ref_policy = load(args.model_name_or_path, AutoModelForCausalLM), None
@@ -769,19 +807,12 @@ def main(args: Args):
         weight_decay=args.weight_decay,
         eps=1e-8,
     )
-    num_updates = args.total_steps * args.num_minibatches
-
-    def lr_lambda(update):  # a closure over args, not a global: warmup, then the chosen schedule
-        if update < args.warmup_steps:
-            return (update + 1) / args.warmup_steps
-        progress = (update - args.warmup_steps) / max(1, num_updates - args.warmup_steps)
-        if args.lr_scheduler == "linear":
-            return 1.0 - progress
-        if args.lr_scheduler == "cosine":
-            return 0.5 * (1 + math.cos(math.pi * progress))
-        return 1.0
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+    scheduler = get_scheduler(
+        "constant_with_warmup" if args.lr_scheduler == "constant" else args.lr_scheduler,
+        optimizer,
+        num_warmup_steps=args.warmup_steps,
+        num_training_steps=args.total_steps * args.num_minibatches,
+    )
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     unwrapped = accelerator.unwrap_model(model)
 
@@ -819,15 +850,23 @@ def main(args: Args):
         and the texts."""
         if engine is not None:
             responses, lengths, sampler_logprobs = vllm_generate(
-                engine, prompts, n, args.response_length, temperature, args.top_p, args.stop_at_eos, pad_id
+                engine, prompts, n, args.response_length, temperature, args.top_p, args.stop_at_eos, pad_id, stop_ids
             )
         else:
             unwrapped.eval()
             responses, lengths = hf_generate(
-                unwrapped, prompts, n, args.response_length, temperature, args.top_p, args.stop_at_eos, pad_id, eos_id
+                unwrapped,
+                prompts,
+                n,
+                args.response_length,
+                temperature,
+                args.top_p,
+                args.stop_at_eos,
+                pad_id,
+                stop_ids,
             )
             sampler_logprobs = None
-        mask = response_mask(responses, lengths, eos_id, args.truncate_at_eos)
+        mask = response_mask(responses, lengths, stop_ids, args.truncate_at_eos)
         texts = tokenizer.batch_decode(responses.masked_fill(mask == 0, pad_id), skip_special_tokens=True)
         return responses, mask, sampler_logprobs, texts
 
@@ -847,7 +886,7 @@ def main(args: Args):
     # judge (an LLM asked which of two answers is better, a rule) fits here with the same signature.
     def reward_model_judge(query_responses, attention_mask, texts, golds):
         """The reward model's centred score at each sequence's last real token."""
-        with torch.no_grad():
+        with torch.no_grad(), accelerator.autocast():  # under the policy's bf16 autocast, as the reference
             per_token = token_scores(reward_model, reward_model.score, query_responses, attention_mask)
         return per_token[torch.arange(len(per_token)), last_real_index(attention_mask)] - reward_bias
 
@@ -869,7 +908,7 @@ def main(args: Args):
             width = max(1, int(mask.sum(1).max()))
             responses, mask = responses[:, :width], mask[:, :width]
             query_responses, attention_mask, _ = batch_tensors(prompts, responses, mask)
-            has_eos = ((responses == eos_id) & (mask > 0)).any(1).to(accelerator.device)
+            has_eos = (torch.isin(responses, torch.tensor(stop_ids)) & (mask > 0)).any(1).to(accelerator.device)
             scores = judge(query_responses, attention_mask, texts, golds)
             scores = penalize_missing_eos(scores, has_eos, args.missing_eos_penalty)
             correct = correct_of(texts, golds)
@@ -1014,7 +1053,7 @@ def main(args: Args):
                 f"step {step + 1}: non-finite objective/scores ({scores.tolist()}); last good checkpoint: "
                 f"{last_checkpoint or 'none'}"
             )
-        has_eos = ((responses.to(mask.device) == eos_id) & (mask > 0)).any(1).to(scores.device)
+        has_eos = (torch.isin(responses, torch.tensor(stop_ids)).to(mask.device) & (mask > 0)).any(1).to(scores.device)
         chosen, rejected, tie, judged = assign_preferences(scores, has_eos, args.missing_eos_penalty)
         chosen, rejected = chosen.to(accelerator.device), rejected.to(accelerator.device)
         keep = (~tie).float().to(accelerator.device)  # [P]
@@ -1039,7 +1078,9 @@ def main(args: Args):
         ref_sequence_logps = torch.zeros(len(mask), device=accelerator.device)  # summed over response tokens [2P]
         ref_context = unwrapped.disable_adapter() if args.lora_r > 0 else contextlib.nullcontext()
         model.eval()
-        with torch.no_grad(), ref_context:
+        # Under --mixed_precision bf16 accelerate autocasts the prepared policy only; the reference (and the reward
+        # model) run under the same autocast, so that h and the implicit rewards are exactly 0 before the first update.
+        with torch.no_grad(), ref_context, accelerator.autocast():
             for pairs in micro_batches:
                 rows = torch.cat([chosen[pairs], rejected[pairs]])
                 ref_logprobs[rows] = response_logprobs(
@@ -1115,6 +1156,7 @@ def main(args: Args):
             stats["policy/grad_norm"].append(
                 accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
             )
+            lr = scheduler.get_last_lr()[0]  # the learning rate of this update
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
@@ -1123,7 +1165,7 @@ def main(args: Args):
         metrics["objective/entropy"] = entropy.mean().item()
         gap_max = max(stats.pop("gap_max", [0.0]))
         metrics.update({name: float(np.mean(values)) for name, values in stats.items()})
-        metrics["lr"] = scheduler.get_last_lr()[0]
+        metrics["lr"] = lr  # of the step's last update
         train_tokens = int(attention_mask.sum()) * 2  # the reference's pass and the policy's
         metrics["perf/train_tokens_per_second"] = train_tokens / metrics["time/training"]
 

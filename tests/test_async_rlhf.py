@@ -1,28 +1,32 @@
 """async_rlhf.py: its losses against plain loops, the generator/learner pipeline (bounded lag, weight versions, the
 generator really holding the learner's weights, shutdown on errors in either thread), end-to-end tiny runs async
-and --sync, resume, two processes, vLLM, and bad input."""
+and --sync, resume, vLLM, golden-trajectory invariants (two processes = one, gradient accumulation, staleness 0 =
+--sync, bf16 autocast at lag 0), and bad input."""
 
 import contextlib
 import faulthandler
 import json
 import math
 import os
+import shutil
 import sys
 import threading
 import time
 
+import fixed_rollout
 import pytest
 import torch
 from conftest import (
     NoModelLoads,
+    assert_same_trajectory,
+    assert_same_weights,
     cli_flags,
-    free_port,
+    launch_fixed_rollout,
     one_line_error,
     only_run_dir,
     read_metrics,
     require_vllm,
     run_checked,
-    subprocess_env,
     train_lines,
     vllm_env,
     without_timing,
@@ -317,27 +321,6 @@ def test_sync_resume_after_interrupt_gives_the_uninterrupted_run(make_async_args
 
 
 @pytest.mark.slow
-def test_two_processes_with_accelerate_launch(tiny_model_dir, tiny_reward_model_dir, task_dir, tmp_path):
-    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
-    out = str(tmp_path / "runs")
-    paths = dict(model_name_or_path=tiny_model_dir, reward_model_path=tiny_reward_model_dir, dataset_path=task_dir)
-    flags = cli_flags({**FAST_ARGS, **paths, "output_dir": out, "total_steps": 2})
-    cmd = [accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1"]
-    cmd += ["--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port())]
-    run_checked([*cmd, "async_rlhf.py", *flags], subprocess_env(), timeout=240)
-    run_dir = only_run_dir(out)  # one run folder: the processes agreed on the name (rank 0's time)
-    with open(os.path.join(run_dir, "config.json")) as f:
-        assert json.load(f)["args"]["world_size"] == 2
-    lines = read_metrics(run_dir)
-    assert [line["episode"] for line in lines] == [0, 16, 32]  # 2 processes * 4 prompts * 2 completions
-    assert lines[0]["eval/num_prompts"] == 4  # sharded over the processes, counts summed
-    first, second = train_lines(lines)
-    assert first["loss/dpo"] == pytest.approx(LOG2, abs=1e-7) and first["policy/lag"] == 0
-    assert 0 <= second["policy/lag"] <= 1
-    assert second["objective/kl"] != 0.0  # the update reached the policy
-
-
-@pytest.mark.slow
 @pytest.mark.vllm
 def test_vllm_run(tiny_model_dir, tiny_reward_model_dir, task_dir, tmp_path):
     """The generator thread generates with the vLLM engine and reloads the learner's weights into it."""
@@ -356,6 +339,151 @@ def test_vllm_run(tiny_model_dir, tiny_reward_model_dir, task_dir, tmp_path):
         assert 0 <= line["objective/logprob_gap"] < 1e-3
         assert 0.5 < line["objective/tis_weight"] <= 2.0
     assert lines[0]["loss/dpo"] == pytest.approx(LOG2, abs=1e-7)
+
+
+# Golden-trajectory invariants: the same fixed rollout (tests/fixed_rollout.py) launched differently. --sync, so
+# that every batch has lag 0 whatever the timing; the reward model scores the fixed completions (no patch needed).
+
+INVARIANT_ARGS = dict(
+    sync=True,
+    total_steps=2,
+    lr_scheduler="linear",  # a decaying schedule shows a scheduler stepped once per process
+    learning_rate=1e-3,
+    rloo_k=2,
+    eval_every=0,
+    num_eval_prompts=4,
+)
+INVARIANT_KEYS = (
+    "loss/dpo",
+    "loss/policy",
+    "policy/grad_norm",
+    "lr",
+    "objective/scores",
+    "objective/kl",
+    "rewards/margins",
+    "policy/ratio",
+    "objective/rlhf_reward",
+)
+
+
+def fixed_rollout_run(monkeypatch, make_async_args, **overrides):
+    fixed_rollout.patch(async_rlhf, monkeypatch.setattr)
+    return async_rlhf.main(make_async_args(**{**INVARIANT_ARGS, **overrides}))
+
+
+def final_weights(run_dir):
+    return os.path.join(run_dir, "model", "model.safetensors")
+
+
+@pytest.mark.slow
+def test_invariant_two_processes_equal_one_process(
+    tiny_model_dir, tiny_reward_model_dir, task_dir, tmp_path, make_async_args, monkeypatch
+):
+    """2 processes with 2 prompts each = 1 process with the 4 prompts: the same loss, grad norm, lr and weights
+    after 2 updates (failed before: the prepared scheduler stepped twice per update, so the updates ran at lr 0 and
+    -lr, and RLOO divided its loss by each process's own token count). RLOO only, to keep one launch: DPO's pair
+    count was already summed over processes, and the schedule is the same code."""
+    loss = "rloo"
+    one = fixed_rollout_run(
+        monkeypatch, make_async_args, loss=loss, prompts_per_rank=4, output_dir=str(tmp_path / "1")
+    )
+    out = str(tmp_path / "two")
+    paths = dict(model_name_or_path=tiny_model_dir, reward_model_path=tiny_reward_model_dir, dataset_path=task_dir)
+    values = {**FAST_ARGS, **INVARIANT_ARGS, **paths, "loss": loss, "prompts_per_rank": 2, "output_dir": out}
+    two = launch_fixed_rollout("async_rlhf.py", cli_flags(values), out)  # checks world_size 2 in config.json
+    lines = read_metrics(two)
+    assert [line["global_step"] for line in lines] == [0, 1, 2]
+    assert [line["episode"] for line in lines] == [0, 8, 16]  # 2 processes * 2 prompts * 2 completions
+    assert lines[0]["eval/num_prompts"] == 4  # sharded over the processes, counts summed
+    assert [line["lr"] for line in train_lines(lines)] == pytest.approx([1e-3, 5e-4])  # lr of each step's update
+    assert [line["policy/lag"] for line in train_lines(lines)] == [0, 0]
+    assert_same_trajectory(one, two, INVARIANT_KEYS)
+    initial = os.path.join(tiny_model_dir, "model.safetensors")
+    assert_same_weights(final_weights(one), final_weights(two), initial)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss", ["dpo", "rloo"])
+def test_invariant_gradient_accumulation_equals_one_micro_batch(make_async_args, monkeypatch, tmp_path, loss):
+    """micro-batches of 1 prompt accumulated = the 4 prompts in one micro-batch: same loss, grad norm, weights."""
+    runs = [
+        fixed_rollout_run(
+            monkeypatch, make_async_args, loss=loss, micro_batch_size=m, output_dir=str(tmp_path / f"mb{m}")
+        )
+        for m in (1, 4)
+    ]
+    assert_same_trajectory(*runs, INVARIANT_KEYS)
+    initial = os.path.join(make_async_args().model_name_or_path, "model.safetensors")
+    assert_same_weights(*(final_weights(d) for d in runs), initial)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss", ["dpo", "rloo"])
+def test_invariant_staleness_zero_equals_sync(make_async_args, tmp_path, loss):
+    """The async pipeline with max_staleness 0 (the generator thread waits for the current weights) = --sync: the
+    same metrics step by step, sampled completions included (failed before: max_staleness 0 was refused)."""
+    values = dict(loss=loss, rloo_k=2, total_steps=3, eval_every=2)
+    sync = async_rlhf.main(make_async_args(sync=True, output_dir=str(tmp_path / "sync"), **values))
+    with hang_guard():
+        zero = async_rlhf.main(make_async_args(max_staleness=0, output_dir=str(tmp_path / "zero"), **values))
+    lines = read_metrics(zero)
+    assert [line["policy/lag"] for line in train_lines(lines)] == [0, 0, 0]
+    assert without_timing(lines) == without_timing(read_metrics(sync))
+    assert not generator_threads()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss", ["dpo", "rloo"])
+def test_invariant_bf16_autocast_lag_zero_starts_at_the_reference_and_ratio_one(
+    make_async_args, monkeypatch, bf16_autocast, loss
+):
+    """--mixed_precision bf16 autocasts the prepared policy; the generator thread's policy copy, reference and
+    reward model run under the same autocast (entered in that thread: autocast is per thread), so at the first
+    step DPO's h is exactly 0 (chosen and rejected rewards 0), the RLOO ratio exactly 1 and the KL exactly 0
+    (failed before: they ran in fp32)."""
+    run_dir = fixed_rollout_run(monkeypatch, make_async_args, loss=loss, total_steps=1)
+    (line,) = train_lines(read_metrics(run_dir))
+    assert line["objective/kl"] == 0.0
+    if loss == "dpo":
+        assert line["rewards/chosen"] == 0.0 and line["rewards/rejected"] == 0.0
+    else:
+        assert line["policy/ratio"] == 1.0 and line["policy/approxkl"] == 0.0
+
+
+def test_generator_gpu_counts_the_gpus_of_this_machine():
+    # 7 learners and 1 spare GPU: every generator on it (the paper's layout).
+    assert [async_rlhf.generator_gpu(r, 7, 8) for r in range(7)] == [7] * 7
+    # 4 learners and 4 spare GPUs: one each.
+    assert [async_rlhf.generator_gpu(r, 4, 8) for r in range(4)] == [4, 5, 6, 7]
+    # 2 learners per machine of 4 GPUs (on any machine of a multi-node run): GPUs 2 and 3 of each.
+    assert [async_rlhf.generator_gpu(r, 2, 4) for r in range(2)] == [2, 3]
+    # 3 learners, 2 spare GPUs: shared in turn.
+    assert [async_rlhf.generator_gpu(r, 3, 5) for r in range(3)] == [3, 4, 3]
+    # No spare GPU: the learner's own.
+    assert async_rlhf.generator_gpu(0, 8, 8) is None
+    assert async_rlhf.generator_gpu(1, 2, 1) is None
+
+
+def test_token_scores_equal_the_last_hidden_state_through_the_head(tiny_reward_model_dir):
+    """The hook on the score head gives what the head applied to the last hidden state gives (the old computation,
+    which kept every layer's hidden states), with left padding."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_reward_model_dir, dtype=torch.float64).eval()
+    input_ids, attention_mask = async_rlhf.left_pad([[1, 4093, 198, 2683, 314, 28], [1, 9690, 198]], 2)
+    with torch.no_grad():
+        scores = async_rlhf.token_scores(model, model.score, input_ids, attention_mask)
+        position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+        hidden = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            output_hidden_states=True,
+            use_cache=False,
+        ).hidden_states[-1]
+        expected = model.score(hidden).squeeze(-1).float()
+    assert scores.shape == (2, 6) and scores.dtype == torch.float32
+    torch.testing.assert_close(scores.double(), expected.double(), rtol=0, atol=1e-6)
 
 
 # Bad input: one clear line naming the argument, before any model is loaded
@@ -382,7 +510,7 @@ def args_for(tiny_model_dir, task_dir, tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "overrides, name",
     [
-        (dict(max_staleness=0), "--max_staleness"),
+        (dict(max_staleness=-1), "--max_staleness"),
         (dict(max_staleness=-1, sync=True), "--max_staleness"),
         (dict(generator_threads=-1), "--generator_threads"),
         (dict(loss="rloo", rloo_k=1), "--rloo_k"),
@@ -401,3 +529,46 @@ def test_bad_input_stops_before_any_model_loads(args_for, overrides, name):
 def test_verifier_judge_goes_on_to_load_the_policy(args_for):
     with pytest.raises(AssertionError, match="model loaded"):
         async_rlhf.main(args_for())
+
+
+@pytest.fixture
+def reward_model_with_another_vocabulary(tiny_reward_model_dir, tmp_path):
+    """The tiny reward model with one token added to its tokenizer: a loadable one-label classifier whose
+    tokenizer is not the policy's."""
+    from transformers import AutoTokenizer
+
+    folder = tmp_path / "other_vocab_reward_model"
+    shutil.copytree(tiny_reward_model_dir, folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.add_tokens(["<not_in_the_policy_vocabulary>"])
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture
+def reward_model_without_tokenizer(tiny_reward_model_dir, tmp_path):
+    """The tiny reward model's config and weights alone."""
+    folder = tmp_path / "no_tokenizer_reward_model"
+    folder.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(os.path.join(tiny_reward_model_dir, name), folder / name)
+    return str(folder)
+
+
+@pytest.mark.parametrize(
+    "reward_model, words",
+    [
+        ("reward_model_with_another_vocabulary", ["another vocabulary"]),
+        ("reward_model_without_tokenizer", ["no loadable tokenizer"]),
+    ],
+)
+def test_reward_model_with_another_tokenizer_stops_before_any_model_loads(args_for, request, reward_model, words):
+    path = request.getfixturevalue(reward_model)
+    one_line_error(
+        async_rlhf.main, args_for(judge="reward_model", reward_model_path=path), "--reward_model_path", *words
+    )
+
+
+def test_reward_model_with_the_policys_vocabulary_goes_on_to_load_the_policy(args_for, tiny_reward_model_dir):
+    with pytest.raises(AssertionError, match="model loaded"):
+        async_rlhf.main(args_for(judge="reward_model", reward_model_path=tiny_reward_model_dir))

@@ -5,14 +5,18 @@ import os
 
 import pytest
 from conftest import NoModelLoads, one_line_error, write_task
+from transformers import AutoTokenizer
 
 import dpo_online
 
 
-def write_reward_config(folder, num_labels=1, architecture="LlamaForSequenceClassification"):
+def write_reward_config(folder, num_labels=1, architecture="LlamaForSequenceClassification", tokenizer=None):
+    """A reward model folder without weights: its config.json, and `tokenizer` saved next to it if given."""
     folder.mkdir()
     config = {"model_type": "llama", "architectures": [architecture], "num_labels": num_labels}
     (folder / "config.json").write_text(json.dumps(config))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
     return str(folder)
 
 
@@ -20,7 +24,7 @@ def write_reward_config(folder, num_labels=1, architecture="LlamaForSequenceClas
 def args_for(tiny_model_dir, task_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(dpo_online, "AutoModelForCausalLM", NoModelLoads)
     monkeypatch.setattr(dpo_online, "AutoModelForSequenceClassification", NoModelLoads)
-    reward_dir = write_reward_config(tmp_path / "rm")
+    reward_dir = write_reward_config(tmp_path / "rm", tokenizer=AutoTokenizer.from_pretrained(tiny_model_dir))
 
     def _make(**overrides):
         values = dict(
@@ -63,6 +67,20 @@ def test_verifier_judge_needs_no_reward_model(args_for, tmp_path):
 def test_reward_model_with_two_labels(args_for, tmp_path):
     folder = write_reward_config(tmp_path / "two_labels", num_labels=2)
     assert_one_line_error(args_for(reward_model_path=folder), "--reward_model_path", "2 labels")
+
+
+def test_reward_model_with_another_vocabulary(args_for, tiny_model_dir, tmp_path):
+    """A reward model whose tokenizer has one token more than the policy's: it would read the policy's token ids
+    as other tokens, and its scores would be garbage without any error."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert tokenizer.add_tokens(["<only_the_judge_knows>"]) == 1
+    folder = write_reward_config(tmp_path / "other_vocab", tokenizer=tokenizer)
+    assert_one_line_error(args_for(reward_model_path=folder), "--reward_model_path", "another vocabulary")
+
+
+def test_reward_model_without_a_tokenizer(args_for, tmp_path):
+    folder = write_reward_config(tmp_path / "no_tokenizer")
+    assert_one_line_error(args_for(reward_model_path=folder), "--reward_model_path", "no loadable tokenizer")
 
 
 def test_causal_lm_given_as_reward_model(args_for, tiny_model_dir):
