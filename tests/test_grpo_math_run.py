@@ -14,12 +14,14 @@ import numpy as np
 import pytest
 import torch
 from conftest import (
+    REPO_ROOT,
     assert_same_trajectory,
     assert_same_weights,
     fast_cli_flags,
     launch_fixed_rollout,
     only_run_dir,
     read_metrics,
+    require_deepspeed,
     require_vllm,
     run_checked,
     space_reward,
@@ -519,6 +521,29 @@ def test_invariant_two_processes_equal_one_process(tiny_model_dir, task_dir, tmp
     assert_same_trajectory(one, two, INVARIANT_KEYS)
     initial = os.path.join(tiny_model_dir, "model.safetensors")
     assert_same_weights(*(os.path.join(d, "model", "model.safetensors") for d in (one, two)), initial)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_invariant_deepspeed_equals_one_process(tiny_model_dir, task_dir, tmp_path, make_args, monkeypatch, stage):
+    """DeepSpeed ZeRO-2 / ZeRO-3 with the shipped configs, 2 CPU processes (gloo) with 2 prompts each = 1 process
+    with the 4 prompts: same loss, grad norm, lr and saved weights (micro-batches of 4: DeepSpeed accumulates 2 of
+    them per update, and clips by max_grad_norm itself). Under ZeRO-3 the reference is loaded whole on each
+    process, generation gathers the sharded policy, and the final save gathers it."""
+    require_deepspeed()
+    one = fixed_rollout_run(monkeypatch, make_args, prompts_per_rank=4)
+    out = str(tmp_path / f"zero{stage}")
+    flags = fast_cli_flags(tiny_model_dir, task_dir, out, **{**INVARIANT_ARGS, "prompts_per_rank": 2})
+    config = os.path.join(REPO_ROOT, "benchmark", "accelerate_configs", f"deepspeed_zero{stage}.yaml")
+    zero = launch_fixed_rollout("grpo_math.py", flags, out, config_file=config)
+    assert_same_trajectory(one, zero, INVARIANT_KEYS)
+    from transformers import AutoModelForCausalLM  # the saved folder loads, with the weights that were trained
+
+    loaded = AutoModelForCausalLM.from_pretrained(os.path.join(zero, "model")).state_dict()
+    for name, tensor in model_tensors(zero).items():
+        assert torch.equal(loaded[name], tensor), name
+    initial = os.path.join(tiny_model_dir, "model.safetensors")
+    assert_same_weights(*(os.path.join(d, "model", "model.safetensors") for d in (one, zero)), initial)
 
 
 @pytest.mark.slow
