@@ -162,7 +162,7 @@ def greedy_correct(model_dir, prompts, golds, tokenizer, response_length, batch_
             1.0,
             True,
             tokenizer.pad_token_id,
-            tokenizer.eos_token_id,
+            grpo_math.stop_token_ids(tokenizer, model_dir),
         )
         for response, length, gold in zip(responses, lengths, golds[i : i + batch_size]):
             text = tokenizer.decode(response[: int(length)], skip_special_tokens=True)

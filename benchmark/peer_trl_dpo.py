@@ -112,16 +112,17 @@ def load_reward_model(path, pad_token_id):
     return model.requires_grad_(False).eval(), float(getattr(model.config, "bias", 0.0))
 
 
-def judge_scores(reward_model, bias, prompts, responses, lengths, eos_token_id, pad_token_id, missing_eos_penalty):
+def judge_scores(reward_model, bias, prompts, responses, lengths, stop_ids, pad_token_id, missing_eos_penalty):
     """dpo_online's reward-model judge on a batch, through dpo_online's own functions: prompts (lists of ids), left-
-    padded, followed by responses [N, R] masked after their first EOS (and beyond lengths [N]); the one-label head at
-    each sequence's last real token minus `bias`; a completion without EOS gets missing_eos_penalty instead.
+    padded, followed by responses [N, R] masked after their first stop id (any EOS id; and beyond lengths [N]); the
+    one-label head at each sequence's last real token minus `bias`; a completion without EOS gets
+    missing_eos_penalty instead.
     Returns (scores [N] float32, has_eos [N] bool, response mask [N, R'] with R' the longest completion)."""
     import torch
 
     import dpo_online
 
-    mask = dpo_online.response_mask(responses, lengths, eos_token_id, True)
+    mask = dpo_online.response_mask(responses, lengths, stop_ids, True)
     width = max(1, int(mask.sum(1).max()))  # as dpo_online: nothing after the longest completion is scored
     responses, mask = responses[:, :width], mask[:, :width]
     prompt_ids, prompt_mask = dpo_online.left_pad(prompts, pad_token_id)
@@ -130,7 +131,7 @@ def judge_scores(reward_model, bias, prompts, responses, lengths, eos_token_id, 
     with torch.no_grad():
         per_token = dpo_online.token_scores(reward_model, reward_model.score, query_responses, attention_mask)
     scores = per_token[torch.arange(len(per_token)), dpo_online.last_real_index(attention_mask)] - bias
-    has_eos = ((responses == eos_token_id) & (mask > 0)).any(1)
+    has_eos = (torch.isin(responses, torch.tensor(stop_ids)) & (mask > 0)).any(1)
     return dpo_online.penalize_missing_eos(scores, has_eos, missing_eos_penalty), has_eos, mask
 
 
@@ -139,8 +140,8 @@ class RewardModelJudge:
     TRL calls it once per step with the 2B completions of B prompts: pair i is completions i and B + i. It also
     counts the tied pairs (equal scores), which TRL trains with the first completion as chosen."""
 
-    def __init__(self, reward_model, bias, tokenizer, missing_eos_penalty):
-        self.reward_model, self.bias, self.tokenizer = reward_model, bias, tokenizer
+    def __init__(self, reward_model, bias, tokenizer, stop_ids, missing_eos_penalty):
+        self.reward_model, self.bias, self.tokenizer, self.stop_ids = reward_model, bias, tokenizer, stop_ids
         self.missing_eos_penalty = missing_eos_penalty
         self.tie_fractions = []  # one per call, i.e. per training step
 
@@ -157,7 +158,7 @@ class RewardModelJudge:
             prompt_ids,
             responses,
             lengths,
-            self.tokenizer.eos_token_id,
+            self.stop_ids,
             self.tokenizer.pad_token_id,
             self.missing_eos_penalty,
         )
@@ -172,6 +173,8 @@ def run_trl(args):
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
+
+    import dpo_online
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     if tokenizer.pad_token_id is None:  # as dpo_online.py
@@ -217,7 +220,8 @@ def run_trl(args):
 
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     reward_model, bias = load_reward_model(args.reward_model, tokenizer.pad_token_id)
-    judge = RewardModelJudge(reward_model, bias, tokenizer, args.missing_eos_penalty)
+    stop_ids = dpo_online.stop_token_ids(tokenizer, args.model)
+    judge = RewardModelJudge(reward_model, bias, tokenizer, stop_ids, args.missing_eos_penalty)
     trainer = OnlineDPOTrainer(
         model=model,
         reward_funcs=judge,
@@ -253,7 +257,7 @@ def evaluate(model_dir, args):
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    pad_id, stop_ids = tokenizer.pad_token_id, dpo_online.stop_token_ids(tokenizer, model_dir)
     rows = read_jsonl(os.path.join(args.dataset, "test.jsonl"))[: args.num_eval_prompts]
     prompts, golds = dpo_prompts(tokenizer, rows)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -262,10 +266,10 @@ def evaluate(model_dir, args):
     for i in range(0, len(prompts), args.eval_batch_size):
         batch = prompts[i : i + args.eval_batch_size]
         responses, lengths = dpo_online.hf_generate(
-            model, batch, 1, args.response_length, 0.0, 1.0, True, pad_id, eos_id
+            model, batch, 1, args.response_length, 0.0, 1.0, True, pad_id, stop_ids
         )
         scores, _, mask = judge_scores(
-            reward_model, bias, batch, responses, lengths, eos_id, pad_id, args.missing_eos_penalty
+            reward_model, bias, batch, responses, lengths, stop_ids, pad_id, args.missing_eos_penalty
         )
         responses = responses[:, : mask.shape[1]].masked_fill(mask == 0, pad_id)  # as dpo_online decodes them
         texts = tokenizer.batch_decode(responses, skip_special_tokens=True)

@@ -597,7 +597,7 @@ def test_peer_dpo_trl_judge_scores_as_dpo_online(tiny_model_dir, biased_reward_m
     padded = [c + [pad] * (width - len(c)) for c in completions]
     reward_model, bias = peer_trl_dpo.load_reward_model(biased_reward_model_dir, pad)
     assert bias == 0.25
-    judge = peer_trl_dpo.RewardModelJudge(reward_model, bias, tokenizer, -1.0)
+    judge = peer_trl_dpo.RewardModelJudge(reward_model, bias, tokenizer, [eos], -1.0)
     scores = judge(prompts=texts * 2, completions=["unused"] * 6, completion_ids=padded, gold=["1"] * 6)
     prompts = prompt_ids * 2
     expected = [
