@@ -339,15 +339,16 @@ def accelerate_command():
     return accelerate
 
 
-def launch_fixed_rollout(script, flags, output_dir, num_processes=2, config_file=None, mixed_precision="no"):
-    """`accelerate launch` of `script` on tests/fixed_rollout.py (the same completions whatever the launch) with
-    num_processes CPU processes; returns the run folder after checking the world size the run got."""
+def launch_fixed_rollout(script, flags, output_dir, num_processes=2, config_file=None, mixed_precision="no", env=None):
+    """`accelerate launch` of `script` on tests/fixed_rollout.py (the same completions whatever the launch; with
+    --vllm the engines sample and only the PATCHES apply) with num_processes CPU processes; returns the run folder
+    after checking the world size and the kind of launch the run got."""
     cmd = [accelerate_command(), "launch"]
     cmd += ["--config_file", config_file] if config_file else ["--multi_gpu", "--dynamo_backend", "no"]
     cmd += ["--num_processes", str(num_processes), "--num_machines", "1", "--mixed_precision", mixed_precision]
     cmd += ["--main_process_port", str(free_port())]
     cmd += [os.path.join(REPO_ROOT, "tests", "fixed_rollout.py"), script, *flags]
-    run_checked(cmd, subprocess_env(), timeout=300)
+    run_checked(cmd, env or subprocess_env(), timeout=400)
     run_dir = only_run_dir(output_dir)
     with open(os.path.join(run_dir, "config.json")) as f:
         config = json.load(f)

