@@ -61,7 +61,7 @@ import torch
 import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator
-from accelerate.utils import broadcast_object_list
+from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list
 from torch.utils.tensorboard import SummaryWriter
 from tqdm.auto import tqdm
 from transformers import (
@@ -456,7 +456,10 @@ def step_prompt_indices(step, prompts_per_step, num_prompts, seed):
 def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_eos, pad_token_id, stop_token_ids):
     """Sample n completions per prompt with Hugging Face generate.
     Returns (responses [len(prompts) * n, response_length], lengths [len(prompts) * n]); completions of one prompt
-    are consecutive. temperature 0 is greedy decoding."""
+    are consecutive. temperature 0 is greedy decoding. Each process generates on its own (synced_gpus=False): under
+    DeepSpeed ZeRO-3 the caller gathers the parameters first (gathered_parameters)."""
+    if not prompts:
+        return torch.full((0, response_length), pad_token_id), torch.zeros(0, dtype=torch.long)
     input_ids, attention_mask = left_pad([p for p in prompts for _ in range(n)], pad_token_id)
     config = GenerationConfig(
         max_new_tokens=response_length,
@@ -472,7 +475,10 @@ def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_
     device = next(model.parameters()).device
     with torch.no_grad():
         out = model.generate(
-            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=config
+            input_ids=input_ids.to(device),
+            attention_mask=attention_mask.to(device),
+            generation_config=config,
+            synced_gpus=False,
         )
     responses = out[:, input_ids.shape[1] :].cpu()
     lengths = torch.full((responses.shape[0],), responses.shape[1], dtype=torch.long)
@@ -547,6 +553,47 @@ def policy_state_dict(model):
             key = f"{name}.base_layer.weight"
             state[key] = state[key] + sum(module.get_delta_weight(a) for a in module.active_adapters)
     return {name.removeprefix("base_model.model.").replace(".base_layer", ""): t.detach() for name, t in state.items()}
+
+
+def make_accelerator(micro_batch_size, gradient_accumulation_steps, max_grad_norm):
+    """The Accelerator of this launch: one process, DDP, or DeepSpeed (the config given to `accelerate launch
+    --config_file`), on GPUs or on CPU. The scheduler is stepped by hand once per optimizer step (accelerate's
+    default would step it once per process)."""
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    no_gpu = not torch.cuda.is_available()
+    accelerator = Accelerator(
+        # On CPU, cpu=True connects DDP processes (gloo); under DeepSpeed it would switch DeepSpeed off, which
+        # then needs gloo named instead.
+        cpu=no_gpu and not deepspeed,
+        kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if deepspeed and no_gpu else [],
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        step_scheduler_with_optimizer=False,
+    )
+    if accelerator.state.deepspeed_plugin is not None:
+        # Without a dataloader DeepSpeed cannot infer its "auto" sizes; it clips gradients itself, by this value.
+        config = accelerator.state.deepspeed_plugin.deepspeed_config
+        config["train_micro_batch_size_per_gpu"] = micro_batch_size
+        config["gradient_accumulation_steps"] = gradient_accumulation_steps
+        config["gradient_clipping"] = max_grad_norm
+    return accelerator
+
+
+@contextlib.contextmanager
+def whole_on_every_process(accelerator):
+    """A context for loading a model that is not trained (reference, reward model, PRM, a sampler copy): under
+    DeepSpeed ZeRO-3 a model loaded after the Accelerator is partitioned as it loads and would need collective
+    calls in every forward; loaded here, every process holds it whole, as under DDP."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None or plugin.zero_stage != 3:
+        yield
+        return
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        plugin.set_deepspeed_weakref()
 
 
 def gathered_parameters(accelerator, model):
@@ -920,14 +967,13 @@ def latest_checkpoint(run_dir):
 
 
 def main(args: Args):
-    # 0. Processes. On CPU, accelerate needs cpu=True to connect the processes (gloo) of `--multi_gpu` launches.
-    # The scheduler is stepped by hand once per optimizer step: accelerate's default would step it once per process.
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(), step_scheduler_with_optimizer=False)
-    rank, world_size = accelerator.process_index, accelerator.num_processes
+    # 0. Processes (one, DDP or DeepSpeed, as launched).
     check_args(args)
-    args.world_size = world_size
     args.minibatch_size = args.prompts_per_rank // args.num_minibatches
     args.gradient_accumulation_steps = args.minibatch_size // args.micro_batch_size
+    accelerator = make_accelerator(args.micro_batch_size, args.gradient_accumulation_steps, args.max_grad_norm)
+    rank, world_size = accelerator.process_index, accelerator.num_processes
+    args.world_size = world_size
 
     # 1. Data: read and check the columns before any model is loaded. The gold answer gives the success reward.
     train_rows = load_split(args.dataset_path, args.dataset_config, args.train_split)
@@ -1041,17 +1087,30 @@ def main(args: Args):
             ),
         )
     else:  # with LoRA, the reference is the policy with its adapters switched off
-        ref_policy = load(args.model_name_or_path, AutoModelForCausalLM).requires_grad_(False).eval()
+        with whole_on_every_process(accelerator):
+            ref_policy = load(args.model_name_or_path, AutoModelForCausalLM).requires_grad_(False).eval()
         ref_policy = ref_policy.to(accelerator.device)
     value_model = load(args.value_model_path or args.model_name_or_path, AutoModelForSequenceClassification)
     if value_head_is_new:
         # A new head would start at random values, a random baseline that the first advantages carry; zero, every
         # first value is 0 and the head learns from the first returns (the policy's weights give it the features).
-        torch.nn.init.zeros_(value_model.score.weight)
+        # Under DeepSpeed ZeRO-3 the head was partitioned as it loaded (an empty tensor on each process, where a
+        # write silently does nothing): it is gathered whole, zeroed, and rank 0's copy is partitioned again.
+        head = value_model.score.weight
+        plugin = accelerator.state.deepspeed_plugin
+        if plugin is not None and plugin.zero_stage == 3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters([head], modifier_rank=0):
+                torch.nn.init.zeros_(head)
+        else:
+            torch.nn.init.zeros_(head)
     prm_model = None
     if args.prm_kind != "verifier":
         prm_class = AutoModelForSequenceClassification if args.prm_kind == "learned" else AutoModelForCausalLM
-        prm_model = load(args.prm, prm_class).requires_grad_(False).eval().to(accelerator.device)
+        with whole_on_every_process(accelerator):
+            prm_model = load(args.prm, prm_class).requires_grad_(False).eval()
+        prm_model = prm_model.to(accelerator.device)
     if args.gradient_checkpointing:
         for module in (policy, value_model):
             module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -1110,17 +1169,20 @@ def main(args: Args):
             )
         else:
             unwrapped.policy.eval()
-            responses, lengths = hf_generate(
-                unwrapped.policy,
-                prompts,
-                1,
-                args.response_length,
-                temperature,
-                args.top_p,
-                args.stop_at_eos,
-                pad_id,
-                stop_ids,
-            )
+            # Under ZeRO-3 every process gathers the policy's parameters (a collective; the value model's are not
+            # needed), so every process calls this the same number of times, with no prompts if need be.
+            with gathered_parameters(accelerator, unwrapped.policy):
+                responses, lengths = hf_generate(
+                    unwrapped.policy,
+                    prompts,
+                    1,
+                    args.response_length,
+                    temperature,
+                    args.top_p,
+                    args.stop_at_eos,
+                    pad_id,
+                    stop_ids,
+                )
             sampler_logprobs = None
         mask = response_mask(responses, lengths, stop_ids, args.truncate_at_eos)
         texts = tokenizer.batch_decode(responses.masked_fill(mask == 0, pad_id), skip_special_tokens=True)
@@ -1214,8 +1276,14 @@ def main(args: Args):
         mine = list(range(rank, len(eval_prompts), world_size))
         names = ("accuracy", "num_steps", "prm_score", "score", "response_length", "eos_fraction", "num_prompts")
         totals, samples = torch.zeros(len(names), dtype=torch.float64), []
-        for start in range(0, len(mine), 64):  # chunks bound the memory of HF generate and of the PRM
+        # Chunks bound the memory of HF generate and of the PRM. Every process runs as many chunks as rank 0, which
+        # holds the most prompts: under ZeRO-3 each HF generate is a collective, empty chunks included.
+        for start in range(0, len(range(0, len(eval_prompts), world_size)), 64):
             chunk = mine[start : start + 64]
+            if not chunk:
+                if llm is None:  # this process's part of the collective
+                    generate([], 0.0, None)
+                continue
             prompts, golds = [eval_prompts[i] for i in chunk], [eval_golds[i] for i in chunk]
             responses, mask, _, texts = generate(prompts, 0.0, llm)
             width = max(1, int(mask.sum(1).max()))
@@ -1246,7 +1314,7 @@ def main(args: Args):
             state = json.load(f)
         start_step, episode = state["global_step"], state["episode"]
         if llm is not None:
-            with gathered_parameters(accelerator, model):
+            with gathered_parameters(accelerator, unwrapped.policy):
                 vllm_sync_weights(llm, policy_state_dict(unwrapped.policy), llm_dtype)
         accelerator.print(f"resumed {run_dir} from {checkpoint} at step {start_step}")
 
@@ -1256,7 +1324,8 @@ def main(args: Args):
         os.makedirs(run_dir, exist_ok=True)
         if args.resume is None:
             with open(os.path.join(run_dir, "config.json"), "w") as f:
-                json.dump({"args": asdict(args), "git_sha": git_sha(), "vllm": use_vllm}, f, indent=2)
+                launch = {"distributed_type": accelerator.distributed_type.value, "vllm": use_vllm}
+                json.dump({"args": asdict(args), "git_sha": git_sha(), **launch}, f, indent=2)
         for name in ("metrics.jsonl", "samples.jsonl"):  # drop what was logged after the checkpoint
             truncate_jsonl(os.path.join(run_dir, name), start_step)
         metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
@@ -1408,6 +1477,7 @@ def main(args: Args):
         metrics["objective/non_score_reward"] = non_score_reward.sum(1).mean().item()
         metrics["objective/rlhf_reward"] = metrics["objective/scores"] + metrics["objective/non_score_reward"]
         metrics["objective/response_length"] = mask.sum(1).float().mean().item()
+        metrics["val/mean"] = masked_mean(old_values, mask).item()  # 0 at the first step: the head starts at zero
         metrics["val/num_eos_tokens"] = has_eos.sum().item()
         if not math.isfinite(metrics["objective/rlhf_reward"]):
             raise RuntimeError(
@@ -1430,11 +1500,12 @@ def main(args: Args):
                 # The losses are means over the tokens of the whole minibatch, over all processes, not over each
                 # process's own: each process divides by the mean count, and DDP averages the gradients.
                 mb_tokens = accelerator.reduce(mask[minibatch].sum(), "mean").clamp(min=1)
-                for k, micro_start in enumerate(range(0, args.minibatch_size, args.micro_batch_size)):
+                for micro_start in range(0, args.minibatch_size, args.micro_batch_size):
                     idx = minibatch[micro_start : micro_start + args.micro_batch_size].to(accelerator.device)
                     m = mask[idx]
-                    sync = k == args.gradient_accumulation_steps - 1  # processes sync gradients on the last one
-                    with contextlib.nullcontext() if sync else accelerator.no_sync(model):
+                    # Gradients sync over processes on the last micro-batch of the minibatch (where DeepSpeed also
+                    # takes its optimizer step, clipped by max_grad_norm).
+                    with accelerator.accumulate(model):
                         logprobs, logits, values = model(
                             query_responses[idx], attention_mask[idx], context_length, args.temperature
                         )
@@ -1463,7 +1534,9 @@ def main(args: Args):
                                 f"step {step + 1}: non-finite loss (policy {pg_loss.item()}, value "
                                 f"{vf_loss.item()}); last good checkpoint: {last_checkpoint or 'none'}"
                             )
-                        accelerator.backward(loss)
+                        # accelerate (and DeepSpeed) divide a micro-batch's loss by gradient_accumulation_steps, to
+                        # average micro-batch means; these losses are shares that already sum to the minibatch's.
+                        accelerator.backward(loss * args.gradient_accumulation_steps)
                     with torch.no_grad():
                         stats["policy/approxkl_avg"].append(
                             masked_mean(0.5 * (logprobs - old_logprobs[idx]) ** 2, m).item()
@@ -1487,7 +1560,7 @@ def main(args: Args):
                             stats["gap_max"].append(torch.exp(log_gap)[m > 0].max().item())
                     del logits
                 stats["policy/grad_norm"].append(
-                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
+                    float(accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm))
                 )
                 lr = scheduler.get_last_lr()[0]  # the learning rate of this update
                 optimizer.step()
@@ -1511,7 +1584,7 @@ def main(args: Args):
         # 8. Weight sync: the sampler generates the next batch with the new policy.
         t0 = time.time()
         if llm is not None:
-            with gathered_parameters(accelerator, model):
+            with gathered_parameters(accelerator, unwrapped.policy):
                 vllm_sync_weights(llm, policy_state_dict(unwrapped.policy), llm_dtype)
         metrics["time/weight_sync"] = time.time() - t0
 
@@ -1549,11 +1622,17 @@ def main(args: Args):
             accelerator.wait_for_everyone()
             last_checkpoint = final
 
-    # Final policy (the LoRA adapter alone when --lora_r > 0) and value model as Hugging Face folders.
+    # Final policy (the LoRA adapter alone when --lora_r > 0) and value model as Hugging Face folders, from the
+    # wrapper's state dict split by prefix; under ZeRO-3 every process takes part in gathering the weights.
     accelerator.wait_for_everyone()
+    state_dict = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
-        for name, module in (("model", unwrapped.policy), ("value_model", unwrapped.value_model)):
-            module.save_pretrained(os.path.join(run_dir, name), safe_serialization=True)
+        for name, prefix, module in (
+            ("model", "policy.", unwrapped.policy),
+            ("value_model", "value_model.", unwrapped.value_model),
+        ):
+            state = {key.removeprefix(prefix): t for key, t in state_dict.items() if key.startswith(prefix)}
+            module.save_pretrained(os.path.join(run_dir, name), state_dict=state, safe_serialization=True)
             tokenizer.save_pretrained(os.path.join(run_dir, name))
         metrics_file.close()
         writer.close()

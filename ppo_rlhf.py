@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator
-from accelerate.utils import broadcast_object_list
+from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list
 from torch.utils.tensorboard import SummaryWriter
 from tqdm.auto import tqdm
 from transformers import (
@@ -424,7 +424,10 @@ def step_prompt_indices(step, prompts_per_step, num_prompts, seed):
 def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_eos, pad_token_id, stop_token_ids):
     """Sample n completions per prompt with Hugging Face generate.
     Returns (responses [len(prompts) * n, response_length], lengths [len(prompts) * n]); completions of one prompt
-    are consecutive. temperature 0 is greedy decoding."""
+    are consecutive. temperature 0 is greedy decoding. Each process generates on its own (synced_gpus=False): under
+    DeepSpeed ZeRO-3 the caller gathers the parameters first (gathered_parameters)."""
+    if not prompts:
+        return torch.full((0, response_length), pad_token_id), torch.zeros(0, dtype=torch.long)
     input_ids, attention_mask = left_pad([p for p in prompts for _ in range(n)], pad_token_id)
     config = GenerationConfig(
         max_new_tokens=response_length,
@@ -440,7 +443,10 @@ def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_
     device = next(model.parameters()).device
     with torch.no_grad():
         out = model.generate(
-            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=config
+            input_ids=input_ids.to(device),
+            attention_mask=attention_mask.to(device),
+            generation_config=config,
+            synced_gpus=False,
         )
     responses = out[:, input_ids.shape[1] :].cpu()
     lengths = torch.full((responses.shape[0],), responses.shape[1], dtype=torch.long)
@@ -515,6 +521,47 @@ def policy_state_dict(model):
             key = f"{name}.base_layer.weight"
             state[key] = state[key] + sum(module.get_delta_weight(a) for a in module.active_adapters)
     return {name.removeprefix("base_model.model.").replace(".base_layer", ""): t.detach() for name, t in state.items()}
+
+
+def make_accelerator(micro_batch_size, gradient_accumulation_steps, max_grad_norm):
+    """The Accelerator of this launch: one process, DDP, or DeepSpeed (the config given to `accelerate launch
+    --config_file`), on GPUs or on CPU. The scheduler is stepped by hand once per optimizer step (accelerate's
+    default would step it once per process)."""
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    no_gpu = not torch.cuda.is_available()
+    accelerator = Accelerator(
+        # On CPU, cpu=True connects DDP processes (gloo); under DeepSpeed it would switch DeepSpeed off, which
+        # then needs gloo named instead.
+        cpu=no_gpu and not deepspeed,
+        kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if deepspeed and no_gpu else [],
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        step_scheduler_with_optimizer=False,
+    )
+    if accelerator.state.deepspeed_plugin is not None:
+        # Without a dataloader DeepSpeed cannot infer its "auto" sizes; it clips gradients itself, by this value.
+        config = accelerator.state.deepspeed_plugin.deepspeed_config
+        config["train_micro_batch_size_per_gpu"] = micro_batch_size
+        config["gradient_accumulation_steps"] = gradient_accumulation_steps
+        config["gradient_clipping"] = max_grad_norm
+    return accelerator
+
+
+@contextlib.contextmanager
+def whole_on_every_process(accelerator):
+    """A context for loading a model that is not trained (reference, reward model, PRM, a sampler copy): under
+    DeepSpeed ZeRO-3 a model loaded after the Accelerator is partitioned as it loads and would need collective
+    calls in every forward; loaded here, every process holds it whole, as under DDP."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None or plugin.zero_stage != 3:
+        yield
+        return
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        plugin.set_deepspeed_weakref()
 
 
 def gathered_parameters(accelerator, model):
@@ -706,17 +753,16 @@ def latest_checkpoint(run_dir):
 
 
 def main(args: Args):
-    # 0. Processes. On CPU, accelerate needs cpu=True to connect the processes (gloo) of `--multi_gpu` launches.
-    # The scheduler is stepped by hand once per optimizer step: accelerate's default would step it once per process.
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(), step_scheduler_with_optimizer=False)
-    rank, world_size = accelerator.process_index, accelerator.num_processes
+    # 0. Processes (one, DDP or DeepSpeed, as launched).
     check_args(args)
     check_score_model(args.reward_model_path, "reward_model_path", args.trust_remote_code)
     value_model_path = args.value_model_path or args.reward_model_path
     check_score_model(value_model_path, "value_model_path", args.trust_remote_code)
-    args.world_size = world_size
     args.minibatch_size = args.prompts_per_rank // args.num_minibatches
     args.gradient_accumulation_steps = args.minibatch_size // args.micro_batch_size
+    accelerator = make_accelerator(args.micro_batch_size, args.gradient_accumulation_steps, args.max_grad_norm)
+    rank, world_size = accelerator.process_index, accelerator.num_processes
+    args.world_size = world_size
 
     # 1. Data: read and check the columns before any model is loaded. The gold answer is optional (reported only).
     train_rows = load_split(args.dataset_path, args.dataset_config, args.train_split)
@@ -790,7 +836,8 @@ def main(args: Args):
             use_vllm = False
 
     # 6. Models: policy and reference from one checkpoint, reward and value model from another. Dropout off
-    # everywhere: the rollout's log-probs and values must equal those of the first minibatch.
+    # everywhere: the rollout's log-probs and values must equal those of the first minibatch. The frozen reference
+    # and reward model are whole on every process; the trained policy and value model are sharded under ZeRO-3.
     dtype = getattr(torch, args.dtype)
 
     def load(path, auto_class):
@@ -819,9 +866,11 @@ def main(args: Args):
             ),
         )
     else:  # with LoRA, the reference is the policy with its adapters switched off
-        ref_policy = load(args.model_name_or_path, AutoModelForCausalLM).requires_grad_(False).eval()
+        with whole_on_every_process(accelerator):
+            ref_policy = load(args.model_name_or_path, AutoModelForCausalLM).requires_grad_(False).eval()
         ref_policy = ref_policy.to(accelerator.device)
-    reward_model = load(args.reward_model_path, AutoModelForSequenceClassification).requires_grad_(False).eval()
+    with whole_on_every_process(accelerator):
+        reward_model = load(args.reward_model_path, AutoModelForSequenceClassification).requires_grad_(False).eval()
     reward_model = reward_model.to(accelerator.device)
     # reward_modeling.py stores the mean training score as config.bias, so that scores are centred around 0.
     reward_bias = float(getattr(reward_model.config, "bias", 0.0))
@@ -884,17 +933,19 @@ def main(args: Args):
             )
         else:
             unwrapped.policy.eval()
-            responses, lengths = hf_generate(
-                unwrapped.policy,
-                prompts,
-                1,
-                args.response_length,
-                temperature,
-                args.top_p,
-                args.stop_at_eos,
-                pad_id,
-                stop_ids,
-            )
+            # A collective under ZeRO-3 (the policy's shards are gathered): every process calls it as often.
+            with gathered_parameters(accelerator, unwrapped.policy):
+                responses, lengths = hf_generate(
+                    unwrapped.policy,
+                    prompts,
+                    1,
+                    args.response_length,
+                    temperature,
+                    args.top_p,
+                    args.stop_at_eos,
+                    pad_id,
+                    stop_ids,
+                )
             sampler_logprobs = None
         mask = response_mask(responses, lengths, stop_ids, args.truncate_at_eos)
         texts = tokenizer.batch_decode(responses.masked_fill(mask == 0, pad_id), skip_special_tokens=True)
@@ -932,9 +983,16 @@ def main(args: Args):
         when the dataset has gold answers, the verifier's accuracy."""
         mine = list(range(rank, len(eval_prompts), world_size))
         results, samples, totals = {}, [], torch.zeros(5, dtype=torch.float64)
-        for start in range(0, len(mine), 64):  # chunks bound the memory of HF generate and of the reward model
+        # Chunks bound the memory of HF generate and of the reward model. Every process runs as many chunks as the
+        # one with the most prompts (HF generate is a collective under ZeRO-3); its extra chunks are empty.
+        most = -(-len(eval_prompts) // world_size)
+        for start in range(0, most, 64):
             chunk = mine[start : start + 64]
             prompts = [eval_prompts[i] for i in chunk]
+            if not chunk:
+                if llm is None:
+                    generate(prompts, 0.0, None)
+                continue
             responses, mask, _, texts = generate(prompts, 0.0, llm)
             width = max(1, int(mask.sum(1).max()))
             query_responses, attention_mask, _ = batch_tensors(prompts, responses[:, :width], mask[:, :width])
@@ -967,7 +1025,7 @@ def main(args: Args):
             state = json.load(f)
         start_step, episode = state["global_step"], state["episode"]
         if llm is not None:
-            with gathered_parameters(accelerator, model):
+            with gathered_parameters(accelerator, unwrapped.policy):
                 vllm_sync_weights(llm, policy_state_dict(unwrapped.policy), llm_dtype)
         accelerator.print(f"resumed {run_dir} from {checkpoint} at step {start_step}")
 
@@ -977,7 +1035,8 @@ def main(args: Args):
         os.makedirs(run_dir, exist_ok=True)
         if args.resume is None:
             with open(os.path.join(run_dir, "config.json"), "w") as f:
-                json.dump({"args": asdict(args), "git_sha": git_sha(), "vllm": use_vllm}, f, indent=2)
+                launch = {"distributed_type": accelerator.distributed_type.value, "vllm": use_vllm}
+                json.dump({"args": asdict(args), "git_sha": git_sha(), **launch}, f, indent=2)
         for name in ("metrics.jsonl", "samples.jsonl"):  # drop what was logged after the checkpoint
             truncate_jsonl(os.path.join(run_dir, name), start_step)
         metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
@@ -1146,11 +1205,12 @@ def main(args: Args):
                 # The losses are means over the minibatch's tokens on every process, not each process's own count:
                 # each process divides by the mean count, and DDP averages the gradients.
                 mb_tokens = accelerator.reduce(mask[minibatch].sum(), "mean").clamp(min=1)
-                for k, micro_start in enumerate(range(0, args.minibatch_size, args.micro_batch_size)):
+                for micro_start in range(0, args.minibatch_size, args.micro_batch_size):
                     idx = minibatch[micro_start : micro_start + args.micro_batch_size].to(accelerator.device)
                     m = mask[idx]
-                    sync = k == args.gradient_accumulation_steps - 1  # processes sync gradients on the last one
-                    with contextlib.nullcontext() if sync else accelerator.no_sync(model):
+                    # Gradients sync over processes on the last micro-batch of the minibatch (where DeepSpeed also
+                    # takes its optimizer step, clipped by max_grad_norm).
+                    with accelerator.accumulate(model):
                         logprobs, logits, values = model(
                             query_responses[idx], attention_mask[idx], context_length, args.temperature
                         )
@@ -1179,7 +1239,9 @@ def main(args: Args):
                                 f"step {step + 1}: non-finite loss (policy {pg_loss.item()}, value "
                                 f"{vf_loss.item()}); last good checkpoint: {last_checkpoint or 'none'}"
                             )
-                        accelerator.backward(loss)
+                        # accelerate (and DeepSpeed) divide a micro-batch's loss by gradient_accumulation_steps, to
+                        # average micro-batch means; these losses are shares that already sum to the minibatch's.
+                        accelerator.backward(loss * args.gradient_accumulation_steps)
                     with torch.no_grad():
                         stats["policy/approxkl_avg"].append(
                             masked_mean(0.5 * (logprobs - old_logprobs[idx]) ** 2, m).item()
@@ -1203,7 +1265,7 @@ def main(args: Args):
                             stats["gap_max"].append(torch.exp(log_gap)[m > 0].max().item())
                     del logits
                 stats["policy/grad_norm"].append(
-                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
+                    float(accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm))
                 )
                 lr = scheduler.get_last_lr()[0]  # the learning rate of this update
                 optimizer.step()
@@ -1227,7 +1289,7 @@ def main(args: Args):
         # 8. Weight sync: the sampler generates the next batch with the new policy.
         t0 = time.time()
         if llm is not None:
-            with gathered_parameters(accelerator, model):
+            with gathered_parameters(accelerator, unwrapped.policy):
                 vllm_sync_weights(llm, policy_state_dict(unwrapped.policy), llm_dtype)
         metrics["time/weight_sync"] = time.time() - t0
 
@@ -1263,11 +1325,16 @@ def main(args: Args):
             accelerator.wait_for_everyone()
             last_checkpoint = final
 
-    # Final policy (the LoRA adapter alone when --lora_r > 0) and value model as Hugging Face folders.
+    # Final policy (the LoRA adapter alone when --lora_r > 0) and value model as Hugging Face folders, each with
+    # its share of the wrapper's weights; under ZeRO-3 every process takes part in gathering them.
     accelerator.wait_for_everyone()
+    state_dict = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
-        for name, module in (("model", unwrapped.policy), ("value_model", unwrapped.value_model)):
-            module.save_pretrained(os.path.join(run_dir, name), safe_serialization=True)
+        for name, attribute in (("model", "policy"), ("value_model", "value_model")):
+            prefix = f"{attribute}."
+            own = {key.removeprefix(prefix): t for key, t in state_dict.items() if key.startswith(prefix)}
+            module = getattr(unwrapped, attribute)
+            module.save_pretrained(os.path.join(run_dir, name), state_dict=own, safe_serialization=True)
             tokenizer.save_pretrained(os.path.join(run_dir, name))
         metrics_file.close()
         writer.close()

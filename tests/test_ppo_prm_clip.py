@@ -22,6 +22,7 @@ from conftest import (
     one_line_error,
     only_run_dir,
     read_metrics,
+    require_deepspeed,
     require_vllm,
     run_checked,
     subprocess_env,
@@ -625,6 +626,39 @@ def test_invariant_two_processes_equal_one_process(tiny_model_dir, task_dir, tmp
         assert line["objective/num_steps"] > 1 and -0.5 <= line["objective/process_reward"] < 0
     assert_same_trajectory(one, two, INVARIANT_KEYS)
     assert_same_models(one, two, tiny_model_dir, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [3])  # ZeRO-2 shares the code path (tested on grpo_math and ppo_rlhf)
+def test_invariant_deepspeed_equals_one_process(tiny_model_dir, task_dir, tmp_path, make_args, monkeypatch, stage):
+    """DeepSpeed ZeRO-3 with the shipped config, 2 CPU processes (gloo) with 4 prompts each = 1 process with the 8
+    prompts: same losses, grad norm, lr and saved policy and value model (micro-batches of 2: DeepSpeed accumulates
+    2 per update, and clips by max_grad_norm itself). Under ZeRO-3 the value head, partitioned as it loads, is
+    zeroed whole (failed before: the write into the empty shard did nothing and the head kept its random init); the
+    reference loads whole on each process; HF generate gathers the policy, also on the process with no evaluation
+    prompt (one prompt for two processes); the final save gathers both models."""
+    require_deepspeed()
+    one = fixed_rollout_run(monkeypatch, make_args, prompts_per_rank=8, num_eval_prompts=1)
+    out = str(tmp_path / f"zero{stage}")
+    values = {**FAST_ARGS, "model_name_or_path": tiny_model_dir, "dataset_path": task_dir, "output_dir": out}
+    flags = cli_flags({**values, **INVARIANT_ARGS, "prompts_per_rank": 4, "num_eval_prompts": 1})
+    config = os.path.join(REPO_ROOT, "benchmark", "accelerate_configs", f"deepspeed_zero{stage}.yaml")
+    zero = launch_fixed_rollout("ppo_prm_clip.py", flags, out, config_file=config)
+    lines = read_metrics(zero)
+    assert [line["global_step"] for line in lines] == [0, 1, 2] and lines[0]["eval/num_prompts"] == 1
+    first = train_lines(lines)[0]
+    assert first["val/mean"] == 0.0  # the rollout's values of the zero head
+    assert first["policy/ratio_first_minibatch"] == 1.0 and -0.5 <= first["objective/process_reward"] < 0
+    assert_same_trajectory(one, zero, INVARIANT_KEYS)
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    for name, auto_class in (("model", AutoModelForCausalLM), ("value_model", AutoModelForSequenceClassification)):
+        # The saved folders load, with the weights that were trained.
+        loaded = auto_class.from_pretrained(os.path.join(zero, name)).state_dict()
+        for key, tensor in load_file(os.path.join(zero, name, "model.safetensors")).items():
+            assert torch.equal(loaded[key], tensor), (name, key)
+    assert_same_models(one, zero, tiny_model_dir, tmp_path)
 
 
 @pytest.mark.slow

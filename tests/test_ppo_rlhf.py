@@ -10,6 +10,7 @@ import fixed_rollout
 import pytest
 import torch
 from conftest import (
+    REPO_ROOT,
     SMOLLM2_DIR,
     assert_same_trajectory,
     assert_same_weights,
@@ -17,6 +18,7 @@ from conftest import (
     launch_fixed_rollout,
     only_run_dir,
     read_metrics,
+    require_deepspeed,
     require_vllm,
     run_checked,
     train_lines,
@@ -454,6 +456,47 @@ def test_invariant_two_processes_equal_one_process(
         assert line["policy/ratio_first_minibatch"] == 1.0
     assert_same_trajectory(one, two, INVARIANT_KEYS)
     assert_same_models(one, two, tiny_model_dir, tiny_reward_model_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_invariant_deepspeed_equals_one_process(
+    tiny_model_dir, biased_reward_model_dir, task_dir, tmp_path, make_ppo_args, monkeypatch, stage
+):
+    """DeepSpeed ZeRO-2 / ZeRO-3 with the shipped configs, 2 CPU processes (gloo) with 4 prompts each = 1 process
+    with the 8 prompts: the same losses, grad norm, lr and saved weights of the policy and the value model, trained
+    together as one DeepSpeed module (micro-batches of 2: DeepSpeed accumulates 2 of them per update, and clips by
+    max_grad_norm itself). Under ZeRO-3 the reference and reward model are loaded whole on each process, generation
+    gathers the sharded policy (on the process with no evaluation prompt too) and the final save gathers the
+    wrapper and splits it into the policy and value model folders. The values are centred by the reward model's
+    bias (0.7) in both runs."""
+    require_deepspeed()
+    rm = biased_reward_model_dir
+    one = fixed_rollout_run(monkeypatch, make_ppo_args, reward_model_path=rm, output_dir=str(tmp_path / "one"))
+    out = str(tmp_path / f"zero{stage}")
+    paths = dict(model_name_or_path=tiny_model_dir, reward_model_path=rm, dataset_path=task_dir)
+    per_process = {"prompts_per_rank": 4, "micro_batch_size": 2, "num_eval_prompts": 1, "output_dir": out}
+    flags = cli_flags({**FAST_PPO_ARGS, **INVARIANT_ARGS, **paths, **per_process})
+    config = os.path.join(REPO_ROOT, "benchmark", "accelerate_configs", f"deepspeed_zero{stage}.yaml")
+    zero = launch_fixed_rollout("ppo_rlhf.py", flags, out, config_file=config)
+    with open(os.path.join(zero, "config.json")) as f:
+        assert json.load(f)["args"]["gradient_accumulation_steps"] == 2
+    lines = read_metrics(zero)
+    assert [line["global_step"] for line in lines] == [0, 1, 2]
+    assert lines[0]["eval/num_prompts"] == 1  # the second process evaluates nothing but still gathers the policy
+    for line in train_lines(lines):
+        assert line["policy/ratio_first_minibatch"] == 1.0
+    assert_same_trajectory(one, zero, INVARIANT_KEYS)
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    for name, auto_class in (("model", AutoModelForCausalLM), ("value_model", AutoModelForSequenceClassification)):
+        folder = os.path.join(zero, name)
+        loaded = auto_class.from_pretrained(folder)  # the saved folder loads, with the weights that were trained
+        for key, tensor in load_file(os.path.join(folder, "model.safetensors")).items():
+            assert torch.equal(loaded.state_dict()[key], tensor), (name, key)
+    assert loaded.config.bias == 0.7  # the value model's config keeps the reward model's bias
+    assert_same_models(one, zero, tiny_model_dir, rm)
 
 
 @pytest.mark.slow
