@@ -79,7 +79,7 @@ import torch
 import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator
-from accelerate.utils import broadcast_object_list
+from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list
 from torch.utils.tensorboard import SummaryWriter
 from tqdm.auto import tqdm
 from transformers import (
@@ -470,7 +470,10 @@ def step_prompt_indices(step, prompts_per_step, num_prompts, seed):
 def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_eos, pad_token_id, stop_token_ids):
     """Sample n completions per prompt with Hugging Face generate.
     Returns (responses [len(prompts) * n, response_length], lengths [len(prompts) * n]); completions of one prompt
-    are consecutive. temperature 0 is greedy decoding."""
+    are consecutive. temperature 0 is greedy decoding. Each process generates on its own (synced_gpus=False): under
+    DeepSpeed ZeRO-3 the caller gathers the parameters first (gathered_parameters)."""
+    if not prompts:
+        return torch.full((0, response_length), pad_token_id), torch.zeros(0, dtype=torch.long)
     input_ids, attention_mask = left_pad([p for p in prompts for _ in range(n)], pad_token_id)
     config = GenerationConfig(
         max_new_tokens=response_length,
@@ -486,7 +489,10 @@ def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_
     device = next(model.parameters()).device
     with torch.no_grad():
         out = model.generate(
-            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=config
+            input_ids=input_ids.to(device),
+            attention_mask=attention_mask.to(device),
+            generation_config=config,
+            synced_gpus=False,
         )
     responses = out[:, input_ids.shape[1] :].cpu()
     lengths = torch.full((responses.shape[0],), responses.shape[1], dtype=torch.long)
@@ -561,6 +567,47 @@ def policy_state_dict(model):
             key = f"{name}.base_layer.weight"
             state[key] = state[key] + sum(module.get_delta_weight(a) for a in module.active_adapters)
     return {name.removeprefix("base_model.model.").replace(".base_layer", ""): t.detach() for name, t in state.items()}
+
+
+def make_accelerator(micro_batch_size, gradient_accumulation_steps, max_grad_norm):
+    """The Accelerator of this launch: one process, DDP, or DeepSpeed (the config given to `accelerate launch
+    --config_file`), on GPUs or on CPU. The scheduler is stepped by hand once per optimizer step (accelerate's
+    default would step it once per process)."""
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    no_gpu = not torch.cuda.is_available()
+    accelerator = Accelerator(
+        # On CPU, cpu=True connects DDP processes (gloo); under DeepSpeed it would switch DeepSpeed off, which
+        # then needs gloo named instead.
+        cpu=no_gpu and not deepspeed,
+        kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if deepspeed and no_gpu else [],
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        step_scheduler_with_optimizer=False,
+    )
+    if accelerator.state.deepspeed_plugin is not None:
+        # Without a dataloader DeepSpeed cannot infer its "auto" sizes; it clips gradients itself, by this value.
+        config = accelerator.state.deepspeed_plugin.deepspeed_config
+        config["train_micro_batch_size_per_gpu"] = micro_batch_size
+        config["gradient_accumulation_steps"] = gradient_accumulation_steps
+        config["gradient_clipping"] = max_grad_norm
+    return accelerator
+
+
+@contextlib.contextmanager
+def whole_on_every_process(accelerator):
+    """A context for loading a model that is not trained (reference, reward model, PRM, a sampler copy): under
+    DeepSpeed ZeRO-3 a model loaded after the Accelerator is partitioned as it loads and would need collective
+    calls in every forward; loaded here, every process holds it whole, as under DDP."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None or plugin.zero_stage != 3:
+        yield
+        return
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        plugin.set_deepspeed_weakref()
 
 
 def gathered_parameters(accelerator, model):
@@ -764,20 +811,20 @@ def latest_checkpoint(run_dir):
 
 
 def main(args: Args):
-    # 0. Processes. On CPU, accelerate needs cpu=True to connect the processes (gloo) of `--multi_gpu` launches.
-    # The scheduler is stepped by hand once per optimizer step: accelerate's default would step it once per process.
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(), step_scheduler_with_optimizer=False)
-    rank, world_size, device = accelerator.process_index, accelerator.num_processes, accelerator.device
-    # vLLM's CPU worker replaces torch.set_num_threads by a no-op once it starts: keep the real one.
-    set_num_threads, total_threads = torch.set_num_threads, torch.get_num_threads()
+    # 0. Processes (one, DDP or DeepSpeed, as launched).
     check_args(args)
     if args.judge == "reward_model":
         check_score_model(args.reward_model_path, "reward_model_path", args.trust_remote_code)
-    args.world_size = world_size
     args.num_completions = 2 if args.loss == "dpo" else args.rloo_k
     args.minibatch_size = args.prompts_per_rank // args.num_minibatches
     args.gradient_accumulation_steps = args.minibatch_size // args.micro_batch_size
     n, num_prompts, is_dpo = args.num_completions, args.prompts_per_rank, args.loss == "dpo"
+    # DeepSpeed's micro-batch is counted in rows (completions): micro_batch_size prompts with all their completions.
+    accelerator = make_accelerator(args.micro_batch_size * n, args.gradient_accumulation_steps, args.max_grad_norm)
+    rank, world_size, device = accelerator.process_index, accelerator.num_processes, accelerator.device
+    args.world_size = world_size
+    # vLLM's CPU worker replaces torch.set_num_threads by a no-op once it starts: keep the real one.
+    set_num_threads, total_threads = torch.set_num_threads, torch.get_num_threads()
     staleness = 0 if args.sync else args.max_staleness  # N: batch t comes from the weights of step t - N or newer
 
     # 1. Data: read and check the columns before any model is loaded. The verifier judge needs gold answers.
@@ -898,18 +945,22 @@ def main(args: Args):
         local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         gpu = generator_gpu(accelerator.local_process_index, local_processes, torch.cuda.device_count())
         gen_device = device if gpu is None else torch.device("cuda", gpu)
-    if args.lora_r == 0:  # with LoRA, the reference is the learner's policy with its adapters switched off
-        ref_policy = load(args.model_name_or_path, AutoModelForCausalLM).requires_grad_(False).eval()
-        ref_policy = ref_policy.to(gen_device)
-    reward_model, reward_bias = None, 0.0
-    if args.judge == "reward_model":
-        reward_model = load(args.reward_model_path, AutoModelForSequenceClassification).requires_grad_(False).eval()
-        reward_model = reward_model.to(gen_device)  # it scores in the generator thread
-        # reward_modeling.py stores the mean training score as config.bias, so that scores are centred around 0.
-        reward_bias = float(getattr(reward_model.config, "bias", 0.0))
-    gen_model = None
-    if not use_vllm:
-        gen_model = load(args.model_name_or_path, AutoModelForCausalLM).requires_grad_(False).eval().to(gen_device)
+    # The frozen models load whole on every process (under ZeRO-3 they would be partitioned as they load): the
+    # generator thread runs them, and a thread must never take part in a collective call.
+    with whole_on_every_process(accelerator):
+        if args.lora_r == 0:  # with LoRA, the reference is the learner's policy with its adapters switched off
+            ref_policy = load(args.model_name_or_path, AutoModelForCausalLM).requires_grad_(False).eval()
+            ref_policy = ref_policy.to(gen_device)
+        reward_model, reward_bias = None, 0.0
+        if args.judge == "reward_model":
+            reward_model = load(args.reward_model_path, AutoModelForSequenceClassification)
+            reward_model = reward_model.requires_grad_(False).eval().to(gen_device)  # it scores in the generator
+            # reward_modeling.py stores the mean training score as config.bias, so that scores are centred around 0.
+            reward_bias = float(getattr(reward_model.config, "bias", 0.0))
+        gen_model = None
+        if not use_vllm:  # a whole copy: it receives the policy's gathered weights from the learner (see publish)
+            gen_model = load(args.model_name_or_path, AutoModelForCausalLM).requires_grad_(False).eval()
+            gen_model = gen_model.to(gen_device)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if args.lora_r > 0:
@@ -1018,7 +1069,9 @@ def main(args: Args):
     batches = queue.Queue(maxsize=max(1, staleness))
 
     def publish(version):
-        """Learner: a copy of the policy's weights (LoRA merged, HF names) becomes the generator's newest."""
+        """Learner: a copy of the policy's weights (LoRA merged, HF names) becomes the generator's newest. Called by
+        every process in the main thread, as often on each (under ZeRO-3 the gathering is a collective call); the
+        generator thread only reads the copy."""
         with gathered_parameters(accelerator, model):
             weights = {k: v.detach().to(gen_device, copy=True) for k, v in policy_state_dict(unwrapped).items()}
         with new_weights:
@@ -1196,7 +1249,8 @@ def main(args: Args):
         os.makedirs(run_dir, exist_ok=True)
         if args.resume is None:
             with open(os.path.join(run_dir, "config.json"), "w") as f:
-                json.dump({"args": asdict(args), "git_sha": git_sha(), "vllm": use_vllm}, f, indent=2)
+                launch = {"distributed_type": accelerator.distributed_type.value, "vllm": use_vllm}
+                json.dump({"args": asdict(args), "git_sha": git_sha(), **launch}, f, indent=2)
         for name in ("metrics.jsonl", "samples.jsonl"):  # drop what was logged after the checkpoint
             truncate_jsonl(os.path.join(run_dir, name), start_step)
         metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
@@ -1402,10 +1456,11 @@ def main(args: Args):
                     # averages the gradients): 1 process with the whole batch computes the same loss.
                     tokens = sum(mask[rows].sum() for _, rows in minibatch)
                     normalizer = accelerator.reduce(tokens, "mean").clamp(min=1)
-                for k, (group, rows) in enumerate(minibatch):  # group [micro_batch_size], rows [micro_batch_size * n]
+                for group, rows in minibatch:  # group [micro_batch_size], rows [micro_batch_size * n]
                     m = mask[rows]
-                    sync = k == args.gradient_accumulation_steps - 1  # processes sync gradients on the last one
-                    with contextlib.nullcontext() if sync else accelerator.no_sync(model):
+                    # Gradients sync over processes on the last micro-batch of the minibatch (where DeepSpeed also
+                    # takes its optimizer step, clipped by max_grad_norm). Every process runs every micro-batch.
+                    with accelerator.accumulate(model):
                         logprobs, logits = response_logprobs(
                             model, query_responses[rows], attention_mask[rows], context_length, args.temperature
                         )
@@ -1435,7 +1490,9 @@ def main(args: Args):
                                 f"step {step + 1}: non-finite loss/{args.loss} ({loss.item()}); last good checkpoint: "
                                 f"{last_checkpoint or 'none'}"
                             )
-                        accelerator.backward(loss)
+                        # accelerate (and DeepSpeed) divide a micro-batch's loss by gradient_accumulation_steps, to
+                        # average micro-batch means; these losses are shares that already sum to the minibatch's.
+                        accelerator.backward(loss * args.gradient_accumulation_steps)
                     with torch.no_grad():
                         logprobs = logprobs.detach()
                         if is_dpo:
@@ -1469,7 +1526,7 @@ def main(args: Args):
                             stats["objective/logprob_gap"].append(masked_mean(log_gap.abs(), m).item())
                             stats["gap_max"].append(torch.exp(log_gap)[m > 0].max().item())
                 stats["policy/grad_norm"].append(
-                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
+                    float(accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm))
                 )
                 lr = scheduler.get_last_lr()[0]  # the learning rate of this update
                 optimizer.step()
@@ -1546,10 +1603,12 @@ def main(args: Args):
         if llm is not None:  # before accelerate tears torch.distributed down: the engine's teardown needs it
             llm.llm_engine.engine_core.shutdown()
 
-    # Final policy as a Hugging Face folder (the LoRA adapter alone when --lora_r > 0).
+    # Final policy as a Hugging Face folder (the LoRA adapter alone when --lora_r > 0); under ZeRO-3 every process
+    # takes part in gathering the weights.
     accelerator.wait_for_everyone()
+    state_dict = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
-        unwrapped.save_pretrained(os.path.join(run_dir, "model"), safe_serialization=True)
+        unwrapped.save_pretrained(os.path.join(run_dir, "model"), state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(os.path.join(run_dir, "model"))
         metrics_file.close()
         writer.close()

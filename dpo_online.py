@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator
-from accelerate.utils import broadcast_object_list
+from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list
 from torch.utils.tensorboard import SummaryWriter
 from tqdm.auto import tqdm
 from transformers import (
@@ -401,7 +401,10 @@ def step_prompt_indices(step, prompts_per_step, num_prompts, seed):
 def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_eos, pad_token_id, stop_token_ids):
     """Sample n completions per prompt with Hugging Face generate.
     Returns (responses [len(prompts) * n, response_length], lengths [len(prompts) * n]); completions of one prompt
-    are consecutive. temperature 0 is greedy decoding."""
+    are consecutive. temperature 0 is greedy decoding. Each process generates on its own (synced_gpus=False): under
+    DeepSpeed ZeRO-3 the caller gathers the parameters first (gathered_parameters)."""
+    if not prompts:
+        return torch.full((0, response_length), pad_token_id), torch.zeros(0, dtype=torch.long)
     input_ids, attention_mask = left_pad([p for p in prompts for _ in range(n)], pad_token_id)
     config = GenerationConfig(
         max_new_tokens=response_length,
@@ -417,7 +420,10 @@ def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_
     device = next(model.parameters()).device
     with torch.no_grad():
         out = model.generate(
-            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=config
+            input_ids=input_ids.to(device),
+            attention_mask=attention_mask.to(device),
+            generation_config=config,
+            synced_gpus=False,
         )
     responses = out[:, input_ids.shape[1] :].cpu()
     lengths = torch.full((responses.shape[0],), responses.shape[1], dtype=torch.long)
@@ -492,6 +498,47 @@ def policy_state_dict(model):
             key = f"{name}.base_layer.weight"
             state[key] = state[key] + sum(module.get_delta_weight(a) for a in module.active_adapters)
     return {name.removeprefix("base_model.model.").replace(".base_layer", ""): t.detach() for name, t in state.items()}
+
+
+def make_accelerator(micro_batch_size, gradient_accumulation_steps, max_grad_norm):
+    """The Accelerator of this launch: one process, DDP, or DeepSpeed (the config given to `accelerate launch
+    --config_file`), on GPUs or on CPU. The scheduler is stepped by hand once per optimizer step (accelerate's
+    default would step it once per process)."""
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    no_gpu = not torch.cuda.is_available()
+    accelerator = Accelerator(
+        # On CPU, cpu=True connects DDP processes (gloo); under DeepSpeed it would switch DeepSpeed off, which
+        # then needs gloo named instead.
+        cpu=no_gpu and not deepspeed,
+        kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if deepspeed and no_gpu else [],
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        step_scheduler_with_optimizer=False,
+    )
+    if accelerator.state.deepspeed_plugin is not None:
+        # Without a dataloader DeepSpeed cannot infer its "auto" sizes; it clips gradients itself, by this value.
+        config = accelerator.state.deepspeed_plugin.deepspeed_config
+        config["train_micro_batch_size_per_gpu"] = micro_batch_size
+        config["gradient_accumulation_steps"] = gradient_accumulation_steps
+        config["gradient_clipping"] = max_grad_norm
+    return accelerator
+
+
+@contextlib.contextmanager
+def whole_on_every_process(accelerator):
+    """A context for loading a model that is not trained (reference, reward model, PRM, a sampler copy): under
+    DeepSpeed ZeRO-3 a model loaded after the Accelerator is partitioned as it loads and would need collective
+    calls in every forward; loaded here, every process holds it whole, as under DDP."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None or plugin.zero_stage != 3:
+        yield
+        return
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        plugin.set_deepspeed_weakref()
 
 
 def gathered_parameters(accelerator, model):
@@ -672,16 +719,16 @@ def latest_checkpoint(run_dir):
 
 
 def main(args: Args):
-    # 0. Processes. On CPU, accelerate needs cpu=True to connect the processes (gloo) of `--multi_gpu` launches.
-    # The scheduler is stepped by hand once per optimizer step: accelerate's default would step it once per process.
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(), step_scheduler_with_optimizer=False)
-    rank, world_size = accelerator.process_index, accelerator.num_processes
+    # 0. Processes (one, DDP or DeepSpeed, as launched).
     check_args(args)
     if args.judge == "reward_model":
         check_score_model(args.reward_model_path, "reward_model_path", args.trust_remote_code)
-    args.world_size = world_size
     args.minibatch_size = args.prompts_per_rank // args.num_minibatches
     args.gradient_accumulation_steps = args.minibatch_size // args.micro_batch_size
+    # DeepSpeed's micro-batch counts sequences: a micro-batch of pairs is its chosen and its rejected completions.
+    accelerator = make_accelerator(2 * args.micro_batch_size, args.gradient_accumulation_steps, args.max_grad_norm)
+    rank, world_size = accelerator.process_index, accelerator.num_processes
+    args.world_size = world_size
 
     # 1. Data: read and check the columns before any model is loaded. The verifier judge needs gold answers.
     train_rows = load_split(args.dataset_path, args.dataset_config, args.train_split)
@@ -789,12 +836,14 @@ def main(args: Args):
             ),
         )
     else:  # with LoRA, the reference is the policy with its adapters switched off
-        ref_policy = load(args.model_name_or_path, AutoModelForCausalLM).requires_grad_(False).eval()
+        with whole_on_every_process(accelerator):
+            ref_policy = load(args.model_name_or_path, AutoModelForCausalLM).requires_grad_(False).eval()
         ref_policy = ref_policy.to(accelerator.device)
     reward_model, reward_bias = None, 0.0
     if args.judge == "reward_model":
-        reward_model = load(args.reward_model_path, AutoModelForSequenceClassification).requires_grad_(False).eval()
-        reward_model = reward_model.to(accelerator.device)
+        with whole_on_every_process(accelerator):
+            reward_model = load(args.reward_model_path, AutoModelForSequenceClassification)
+        reward_model = reward_model.requires_grad_(False).eval().to(accelerator.device)
         # reward_modeling.py stores the mean training score as config.bias, so that scores are centred around 0.
         reward_bias = float(getattr(reward_model.config, "bias", 0.0))
     if args.gradient_checkpointing:
@@ -854,17 +903,19 @@ def main(args: Args):
             )
         else:
             unwrapped.eval()
-            responses, lengths = hf_generate(
-                unwrapped,
-                prompts,
-                n,
-                args.response_length,
-                temperature,
-                args.top_p,
-                args.stop_at_eos,
-                pad_id,
-                stop_ids,
-            )
+            # A collective under ZeRO-3: every process calls generate equally often, with or without prompts.
+            with gathered_parameters(accelerator, model):
+                responses, lengths = hf_generate(
+                    unwrapped,
+                    prompts,
+                    n,
+                    args.response_length,
+                    temperature,
+                    args.top_p,
+                    args.stop_at_eos,
+                    pad_id,
+                    stop_ids,
+                )
             sampler_logprobs = None
         mask = response_mask(responses, lengths, stop_ids, args.truncate_at_eos)
         texts = tokenizer.batch_decode(responses.masked_fill(mask == 0, pad_id), skip_special_tokens=True)
@@ -901,9 +952,16 @@ def main(args: Args):
         missing-EOS penalty) and, when the dataset has gold answers, the verifier's accuracy."""
         mine = list(range(rank, len(eval_prompts), world_size))
         results, samples, totals = {}, [], torch.zeros(5, dtype=torch.float64)
-        for start in range(0, len(mine), 64):  # chunks bound the memory of HF generate and of the reward model
+        # Chunks bound the memory of HF generate and of the reward model. Every process runs as many as the first
+        # (which has the most prompts), empty ones included: generation gathers the parameters under ZeRO-3.
+        most = len(range(0, len(eval_prompts), world_size))
+        for start in range(0, most, 64):
             chunk = mine[start : start + 64]
             prompts, golds = [eval_prompts[i] for i in chunk], [eval_golds[i] for i in chunk]
+            if not chunk:  # nothing left here: only HF generate's gathering of the parameters to take part in
+                if llm is None:
+                    generate(prompts, 1, 0.0, None)
+                continue
             responses, mask, _, texts = generate(prompts, 1, 0.0, llm)
             width = max(1, int(mask.sum(1).max()))
             responses, mask = responses[:, :width], mask[:, :width]
@@ -949,7 +1007,8 @@ def main(args: Args):
         os.makedirs(run_dir, exist_ok=True)
         if args.resume is None:
             with open(os.path.join(run_dir, "config.json"), "w") as f:
-                json.dump({"args": asdict(args), "git_sha": git_sha(), "vllm": use_vllm}, f, indent=2)
+                launch = {"distributed_type": accelerator.distributed_type.value, "vllm": use_vllm}
+                json.dump({"args": asdict(args), "git_sha": git_sha(), **launch}, f, indent=2)
         for name in ("metrics.jsonl", "samples.jsonl"):  # drop what was logged after the checkpoint
             truncate_jsonl(os.path.join(run_dir, name), start_step)
         metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
@@ -1101,11 +1160,13 @@ def main(args: Args):
             kept = keep[start : start + args.minibatch_size].sum().double()
             normalizer = accelerator.reduce(kept, "sum").clamp(min=1) / world_size
             first = start // args.micro_batch_size
-            for k, pairs in enumerate(micro_batches[first : first + args.gradient_accumulation_steps]):
+            for pairs in micro_batches[first : first + args.gradient_accumulation_steps]:
                 rows = torch.cat([chosen[pairs], rejected[pairs]])  # [2 * micro_batch_size]
                 m = mask[rows]
-                sync = k == args.gradient_accumulation_steps - 1  # processes sync gradients on the last one
-                with contextlib.nullcontext() if sync else accelerator.no_sync(model):
+                # Gradients sync over processes on the last micro-batch of the minibatch (where DeepSpeed also
+                # takes its optimizer step, clipped by max_grad_norm). Every process runs the same micro-batches:
+                # tied pairs stay in them with weight 0.
+                with accelerator.accumulate(model):
                     logprobs, logits = response_logprobs(
                         model, query_responses[rows], attention_mask[rows], context_length, args.temperature
                     )
@@ -1129,7 +1190,9 @@ def main(args: Args):
                             f"step {step + 1}: non-finite loss/dpo ({loss.item()}); last good checkpoint: "
                             f"{last_checkpoint or 'none'}"
                         )
-                    accelerator.backward(loss)
+                    # accelerate (and DeepSpeed) divide a micro-batch's loss by gradient_accumulation_steps, to
+                    # average micro-batch means; these losses are shares that already sum to the minibatch's.
+                    accelerator.backward(loss * args.gradient_accumulation_steps)
                 with torch.no_grad():
                     logprobs = logprobs.detach()
                     chosen_rewards = args.beta * (chosen_logps.detach() - ref_chosen)
@@ -1154,7 +1217,7 @@ def main(args: Args):
                         stats["objective/logprob_gap"].append(masked_mean(log_gap.abs(), m).item())
                         stats["gap_max"].append(torch.exp(log_gap)[m > 0].max().item())
             stats["policy/grad_norm"].append(
-                accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
+                float(accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm))
             )
             lr = scheduler.get_last_lr()[0]  # the learning rate of this update
             optimizer.step()
@@ -1218,10 +1281,12 @@ def main(args: Args):
             accelerator.wait_for_everyone()
             last_checkpoint = final
 
-    # Final policy as a Hugging Face folder (the LoRA adapter alone when --lora_r > 0).
+    # Final policy as a Hugging Face folder (the LoRA adapter alone when --lora_r > 0); under ZeRO-3 every process
+    # takes part in gathering the weights.
     accelerator.wait_for_everyone()
+    state_dict = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
-        unwrapped.save_pretrained(os.path.join(run_dir, "model"), safe_serialization=True)
+        unwrapped.save_pretrained(os.path.join(run_dir, "model"), state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(os.path.join(run_dir, "model"))
         metrics_file.close()
         writer.close()

@@ -60,7 +60,7 @@ import torch
 import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator
-from accelerate.utils import broadcast_object_list, gather_object
+from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list, gather_object
 from torch.utils.tensorboard import SummaryWriter
 from tqdm.auto import tqdm
 from transformers import (
@@ -494,7 +494,10 @@ def step_prompt_indices(step, prompts_per_step, num_prompts, seed):
 def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_eos, pad_token_id, stop_token_ids):
     """Sample n completions per prompt with Hugging Face generate.
     Returns (responses [len(prompts) * n, response_length], lengths [len(prompts) * n]); completions of one prompt
-    are consecutive. temperature 0 is greedy decoding."""
+    are consecutive. temperature 0 is greedy decoding. Each process generates on its own (synced_gpus=False): under
+    DeepSpeed ZeRO-3 the caller gathers the parameters first (gathered_parameters)."""
+    if not prompts:
+        return torch.full((0, response_length), pad_token_id), torch.zeros(0, dtype=torch.long)
     input_ids, attention_mask = left_pad([p for p in prompts for _ in range(n)], pad_token_id)
     config = GenerationConfig(
         max_new_tokens=response_length,
@@ -510,7 +513,10 @@ def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_
     device = next(model.parameters()).device
     with torch.no_grad():
         out = model.generate(
-            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=config
+            input_ids=input_ids.to(device),
+            attention_mask=attention_mask.to(device),
+            generation_config=config,
+            synced_gpus=False,
         )
     responses = out[:, input_ids.shape[1] :].cpu()
     lengths = torch.full((responses.shape[0],), responses.shape[1], dtype=torch.long)
@@ -757,6 +763,57 @@ def write_jsonl(path, rows):
     os.replace(path + ".tmp", path)
 
 
+def make_accelerator(micro_batch_size, gradient_accumulation_steps, max_grad_norm):
+    """The Accelerator of this launch: one process, DDP, or DeepSpeed (the config given to `accelerate launch
+    --config_file`), on GPUs or on CPU. The scheduler is stepped by hand once per optimizer step (accelerate's
+    default would step it once per process)."""
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    no_gpu = not torch.cuda.is_available()
+    accelerator = Accelerator(
+        # On CPU, cpu=True connects DDP processes (gloo); under DeepSpeed it would switch DeepSpeed off, which
+        # then needs gloo named instead.
+        cpu=no_gpu and not deepspeed,
+        kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if deepspeed and no_gpu else [],
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        step_scheduler_with_optimizer=False,
+    )
+    if accelerator.state.deepspeed_plugin is not None:
+        # Without a dataloader DeepSpeed cannot infer its "auto" sizes; it clips gradients itself, by this value.
+        config = accelerator.state.deepspeed_plugin.deepspeed_config
+        config["train_micro_batch_size_per_gpu"] = micro_batch_size
+        config["gradient_accumulation_steps"] = gradient_accumulation_steps
+        config["gradient_clipping"] = max_grad_norm
+    return accelerator
+
+
+@contextlib.contextmanager
+def whole_on_every_process(accelerator):
+    """A context for loading a model that is not trained (reference, reward model, PRM, a sampler copy): under
+    DeepSpeed ZeRO-3 a model loaded after the Accelerator is partitioned as it loads and would need collective
+    calls in every forward; loaded here, every process holds it whole, as under DDP."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None or plugin.zero_stage != 3:
+        yield
+        return
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        plugin.set_deepspeed_weakref()
+
+
+def gathered_parameters(accelerator, model):
+    """A context in which every process holds all parameters: DeepSpeed ZeRO-3 shards them, the rest do not."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None or plugin.zero_stage != 3:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(model.parameters()))
+
+
 def replace_folder(source, target):
     """Copy the folder `source` to `target`, replacing what was there: the copy is completed under a temporary name
     first, so `target` never holds a half-written model."""
@@ -771,13 +828,12 @@ def replace_folder(source, target):
 
 
 def main(args: Args):
-    # 0. Processes. On CPU, accelerate needs cpu=True to connect the processes (gloo) of `--multi_gpu` launches.
-    # The scheduler is stepped by hand once per optimizer step: accelerate's default would step it once per process.
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(), step_scheduler_with_optimizer=False)
-    rank, world_size = accelerator.process_index, accelerator.num_processes
+    # 0. Processes (one, DDP or DeepSpeed, as launched).
     check_args(args)
-    args.world_size = world_size
     args.gradient_accumulation_steps = args.pairs_per_rank // args.micro_batch_size
+    accelerator = make_accelerator(args.micro_batch_size, args.gradient_accumulation_steps, args.max_grad_norm)
+    rank, world_size = accelerator.process_index, accelerator.num_processes
+    args.world_size = world_size
     if args.instruction is None:  # the prompt of the policy whose responses this model will judge
         args.instruction = (
             "Solve it step by step. Separate the steps with a blank line and end with 'Answer: <number>'."
@@ -902,13 +958,14 @@ def main(args: Args):
                 trust_remote_code=args.trust_remote_code,
                 enable_prefix_caching=True,
             )
-        else:
-            policy = AutoModelForCausalLM.from_pretrained(
-                policy_path,
-                dtype=getattr(torch, args.dtype),
-                trust_remote_code=args.trust_remote_code,
-                use_safetensors=True,
-            )
+        else:  # not trained: whole on every process, so that each samples on its own (no collective calls)
+            with whole_on_every_process(accelerator):
+                policy = AutoModelForCausalLM.from_pretrained(
+                    policy_path,
+                    dtype=getattr(torch, args.dtype),
+                    trust_remote_code=args.trust_remote_code,
+                    use_safetensors=True,
+                )
             policy = disable_dropout(policy).eval().to(accelerator.device)
 
         def sample_pairs(prompts, golds, split):
@@ -1230,7 +1287,8 @@ def main(args: Args):
         os.makedirs(run_dir, exist_ok=True)
         if args.resume is None:
             with open(os.path.join(run_dir, "config.json"), "w") as f:
-                json.dump({"args": asdict(args), "git_sha": git_sha()}, f, indent=2)
+                launch = {"distributed_type": accelerator.distributed_type.value}
+                json.dump({"args": asdict(args), "git_sha": git_sha(), **launch}, f, indent=2)
         truncate_jsonl(os.path.join(run_dir, "metrics.jsonl"), start_step)
         metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
         writer = SummaryWriter(os.path.join(run_dir, "tensorboard"))
@@ -1293,7 +1351,8 @@ def main(args: Args):
         indices = sorted(indices, key=lambda i: max(map(len, train_pairs[i])))
 
         # 2. Bradley-Terry loss (with --prm: binary cross-entropy of every step) over micro-batches (gradient
-        # accumulation); gradients sync on the last one.
+        # accumulation); gradients sync over processes on the last one, where DeepSpeed also takes its optimizer
+        # step (clipped by max_grad_norm). Every process runs gradient_accumulation_steps micro-batches per step.
         model.train()
         chosen_all, rejected_all, tokens, step_loss = [], [], 0, 0.0  # with --prm: step logits and step labels
         if args.prm:
@@ -1305,8 +1364,7 @@ def main(args: Args):
             mean_steps = accelerator.reduce(torch.tensor(float(num_steps), device=accelerator.device), "mean")
         for k in range(args.gradient_accumulation_steps):
             batch = [train_pairs[i] for i in indices[k * args.micro_batch_size : (k + 1) * args.micro_batch_size]]
-            last = k == args.gradient_accumulation_steps - 1
-            with contextlib.nullcontext() if last else accelerator.no_sync(model):
+            with accelerator.accumulate(model):
                 if args.prm:
                     chosen, rejected = step_logits(model, batch)  # logits [S], labels [S]
                     loss = F.binary_cross_entropy_with_logits(chosen, rejected, reduction="sum") / mean_steps
@@ -1320,12 +1378,14 @@ def main(args: Args):
                         f"step {step + 1}: non-finite loss/reward_model ({loss.item()}); last good checkpoint: "
                         f"{last_checkpoint or 'none'}"
                     )
-                accelerator.backward(loss)
+                # accelerate (and DeepSpeed) divide a micro-batch's loss by gradient_accumulation_steps, to
+                # average micro-batch means; these losses are shares that already sum to the step's.
+                accelerator.backward(loss * args.gradient_accumulation_steps)
             step_loss += loss.item()
             chosen_all.append(chosen.detach())
             rejected_all.append(rejected.detach())
             tokens += sum(len(ids) for ids, *_ in batch) if args.prm else sum(len(c) + len(r) for c, r in batch)
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
+        grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm))
         lr = scheduler.get_last_lr()[0]  # the learning rate of this update
         optimizer.step()
         scheduler.step()
@@ -1409,13 +1469,22 @@ def main(args: Args):
         bias = (train_metrics["train/chosen_score"] + train_metrics["train/rejected_score"]) / 2
     target_dir = args.prm_dir if args.prm else args.reward_model_dir
     accelerator.wait_for_everyone()
+    # Under ZeRO-3 every process takes part in gathering the weights.
+    final_model, state_dict = unwrapped, None
+    if args.lora_r > 0:
+        # The merge needs whole weights: under ZeRO-3 they are gathered for it and the merged ones copied out.
+        with gathered_parameters(accelerator, model):
+            if accelerator.is_main_process:
+                final_model = unwrapped.merge_and_unload()
+                state_dict = {name: t.detach().clone() for name, t in final_model.state_dict().items()}
+    else:
+        state_dict = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
-        final_model = unwrapped.merge_and_unload() if args.lora_r > 0 else unwrapped
         if args.prm:  # what ppo_prm_clip.py checks: a PRM, and how its steps were cut and prompted
             final_model.config.prm = {"step_separator": args.step_separator, "instruction": args.instruction}
         else:
             final_model.config.bias = bias
-        final_model.save_pretrained(os.path.join(run_dir, "model"), safe_serialization=True)
+        final_model.save_pretrained(os.path.join(run_dir, "model"), state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(os.path.join(run_dir, "model"))
         if target_dir is not None:
             replace_folder(os.path.join(run_dir, "model"), target_dir)

@@ -1,10 +1,12 @@
 """async_rlhf.py: its losses against plain loops, the generator/learner pipeline (bounded lag, weight versions, the
 generator really holding the learner's weights, shutdown on errors in either thread), end-to-end tiny runs async
-and --sync, resume, vLLM, golden-trajectory invariants (two processes = one, gradient accumulation, staleness 0 =
---sync, bf16 autocast at lag 0), and bad input."""
+and --sync, resume, vLLM, golden-trajectory invariants (two processes = one, DeepSpeed ZeRO-3 = one process,
+gradient accumulation, staleness 0 = --sync, bf16 autocast at lag 0), and bad input."""
 
+import collections
 import contextlib
 import faulthandler
+import inspect
 import json
 import math
 import os
@@ -17,6 +19,7 @@ import fixed_rollout
 import pytest
 import torch
 from conftest import (
+    REPO_ROOT,
     NoModelLoads,
     assert_same_trajectory,
     assert_same_weights,
@@ -25,6 +28,7 @@ from conftest import (
     one_line_error,
     only_run_dir,
     read_metrics,
+    require_deepspeed,
     require_vllm,
     run_checked,
     train_lines,
@@ -400,6 +404,133 @@ def test_invariant_two_processes_equal_one_process(
     assert_same_trajectory(one, two, INVARIANT_KEYS)
     initial = os.path.join(tiny_model_dir, "model.safetensors")
     assert_same_weights(final_weights(one), final_weights(two), initial)
+
+
+PROBE_PROMPT = [1, 4093, 198, 2683]  # a fixed prompt that the generator's copy answers greedily at every batch
+
+
+def instrument(module, setter, real_generate, record):
+    """Record, per thread, how often `module`'s gathered_parameters is entered (under ZeRO-3 a collective call: the
+    weight pushes to the generator's copy), and at every call of its sampler (the fixed rollout by now): the thread,
+    whether the model's parameters are whole, a greedy answer to PROBE_PROMPT by the real HF generate, and the sum of
+    each parameter (float64). `record` is {"gathered": Counter, "calls": list}."""
+    sampler, gathered = module.hf_generate, module.gathered_parameters
+
+    def counting_gathered(accelerator, model):
+        record["gathered"][threading.current_thread().name] += 1
+        return gathered(accelerator, model)
+
+    def recording_generate(model, prompts, n, response_length, temperature, *rest):
+        greedy = real_generate(model, [PROBE_PROMPT], 1, 4, 0.0, *rest)[0][0].tolist()
+        sums = {name: p.detach().double().sum().item() for name, p in model.named_parameters()}
+        whole = all(p.numel() > 0 for p in model.parameters())
+        call = {"thread": threading.current_thread().name, "temperature": temperature, "whole": whole}
+        record["calls"].append({**call, "greedy": greedy, "sums": sums})
+        return sampler(model, prompts, n, response_length, temperature, *rest)
+
+    setter(module, "gathered_parameters", counting_gathered)
+    setter(module, "hf_generate", recording_generate)
+
+
+# The program that tests/fixed_rollout.py launches for the ZeRO-3 test (as a module on PYTHONPATH): async_rlhf's
+# Args and main, with main instrumented once fixed_rollout has put its sampler in place (here), and each process's
+# record written to a file. `instrument` is this file's, by its source (the test module is not imported there).
+ZERO3_PROBE = f"""import collections, json, os, threading
+
+import async_rlhf
+
+PROBE_PROMPT = {PROBE_PROMPT!r}
+Args = async_rlhf.Args
+REAL_GENERATE = hf_generate = async_rlhf.hf_generate  # fixed_rollout.patch replaces hf_generate here
+
+
+def main(args):
+    async_rlhf.hf_generate = hf_generate
+    record = {{"gathered": collections.Counter(), "calls": []}}
+    instrument(async_rlhf, setattr, REAL_GENERATE, record)
+    run_dir = async_rlhf.main(args)
+    with open(os.path.join(os.environ["ZERO3_PROBE_DIR"], f"rank{{os.environ['RANK']}}.json"), "w") as f:
+        json.dump(record, f)
+    return run_dir
+
+
+""" + inspect.getsource(instrument)
+
+
+def parameter_sums(file):
+    return {name: t.double().sum().item() for name, t in load_file(file).items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [3])
+def test_invariant_deepspeed_equals_one_process(
+    tiny_model_dir, tiny_reward_model_dir, task_dir, tmp_path, make_async_args, monkeypatch, stage
+):
+    """DeepSpeed ZeRO-3 with the shipped config, 2 CPU processes (gloo) with 2 prompts each = 1 process with the 4
+    prompts, through the async pipeline (the generator thread, at max_staleness 0 so that every batch has lag 0
+    whatever the timing): the same loss, grad norm, lr, ratio and saved weights (micro-batches of 1 prompt: DeepSpeed
+    accumulates 2 per update). Under ZeRO-3 the policy is sharded: the generator thread must generate from its whole
+    copy (HF generate with synced_gpus off: no collective from the thread), whose weights every process refreshes
+    from the policy's gathered parameters on the main thread, as often on each; the reference and the reward model
+    load whole. RLOO: the generator's copy scores the old log-probs, so a copy without the policy's weights breaks
+    the ratio."""
+    require_deepspeed()
+    values = dict(loss="rloo", sync=False, max_staleness=0)
+    original = async_rlhf.hf_generate
+    fixed_rollout.patch(async_rlhf, monkeypatch.setattr)
+    one_record = {"gathered": collections.Counter(), "calls": []}
+    instrument(async_rlhf, monkeypatch.setattr, original, one_record)
+    with hang_guard():
+        one = async_rlhf.main(
+            make_async_args(**{**INVARIANT_ARGS, **values, "prompts_per_rank": 4, "output_dir": str(tmp_path / "1")})
+        )
+    out, probe_dir = str(tmp_path / f"zero{stage}"), tmp_path / "probe"
+    probe_dir.mkdir()
+    (probe_dir / "zero3_probe.py").write_text(ZERO3_PROBE)
+    monkeypatch.setenv("PYTHONPATH", str(probe_dir))
+    monkeypatch.setenv("ZERO3_PROBE_DIR", str(probe_dir))
+    paths = dict(model_name_or_path=tiny_model_dir, reward_model_path=tiny_reward_model_dir, dataset_path=task_dir)
+    flags = {**FAST_ARGS, **INVARIANT_ARGS, **paths, **values, "prompts_per_rank": 2, "micro_batch_size": 1}
+    config = os.path.join(REPO_ROOT, "benchmark", "accelerate_configs", f"deepspeed_zero{stage}.yaml")
+    zero = launch_fixed_rollout("zero3_probe.py", cli_flags({**flags, "output_dir": out}), out, config_file=config)
+    lines = read_metrics(zero)
+    assert [line["policy/lag"] for line in train_lines(lines)] == [0, 0]
+    assert train_lines(lines)[0]["policy/ratio"] == pytest.approx(1.0, abs=1e-6)  # the copy holds the policy
+    assert_same_trajectory(one, zero, INVARIANT_KEYS)
+
+    records = [json.loads((probe_dir / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    for record in records:
+        # The weight pushes: once before training and once per step, on the main thread of every process.
+        assert record["gathered"] == {"MainThread": 3}
+        assert all(call["whole"] for call in record["calls"])  # the generator's copy is never sharded
+        batches = [call for call in record["calls"] if call["temperature"] > 0]
+        assert [call["thread"] for call in batches] == [GENERATOR_THREAD] * 2  # batches 0 and 1
+        # Evaluations (before and after training) on the main thread, after the last push.
+        assert [call["thread"] for call in record["calls"] if call["temperature"] == 0] == ["MainThread"] * 2
+    # Both processes' copies hold the same weights at every call: the same greedy answers, the same sums.
+    assert [c["greedy"] for c in records[0]["calls"]] == [c["greedy"] for c in records[1]["calls"]]
+    assert [c["sums"] for c in records[0]["calls"]] == [c["sums"] for c in records[1]["calls"]]
+    calls = records[0]["calls"]
+    initial = os.path.join(tiny_model_dir, "model.safetensors")
+    saved = os.path.join(zero, "model", "model.safetensors")
+    # Batch 0 from the initial weights, the last evaluation from the trained ones, exactly.
+    for call, file in ((calls[1], initial), (calls[-1], saved)):
+        sums = parameter_sums(file)
+        assert call["sums"].keys() <= sums.keys()
+        assert all(call["sums"][name] == sums[name] for name in call["sums"])
+    # Batch 1 from the weights after step 1: as in the one-process run.
+    one_batch_1 = [call for call in one_record["calls"] if call["temperature"] > 0][1]
+    assert one_record["gathered"] == {"MainThread": 3}
+    assert calls[2]["temperature"] > 0 and calls[2]["sums"] != calls[1]["sums"]
+    for name, value in one_batch_1["sums"].items():
+        assert calls[2]["sums"][name] == pytest.approx(value, rel=1e-5, abs=1e-4), name
+
+    from transformers import AutoModelForCausalLM  # the saved folder loads, with the weights that were trained
+
+    loaded = AutoModelForCausalLM.from_pretrained(os.path.join(zero, "model")).state_dict()
+    for name, tensor in load_file(saved).items():
+        assert torch.equal(loaded[name], tensor), name
+    assert_same_weights(final_weights(one), saved, initial)
 
 
 @pytest.mark.slow

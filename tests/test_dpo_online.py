@@ -10,6 +10,7 @@ import fixed_rollout
 import pytest
 import torch
 from conftest import (
+    REPO_ROOT,
     SMOLLM2_DIR,
     assert_same_trajectory,
     assert_same_weights,
@@ -17,6 +18,7 @@ from conftest import (
     launch_fixed_rollout,
     only_run_dir,
     read_metrics,
+    require_deepspeed,
     require_vllm,
     run_checked,
     train_lines,
@@ -411,6 +413,42 @@ def test_invariant_two_processes_equal_one_process(
     assert train_lines(lines)[-1]["objective/kl"] != 0.0  # the update reached the policy
     assert_same_dpo_trajectory(one, two)
     assert_same_weights(final_weights(one), final_weights(two), os.path.join(tiny_model_dir, "model.safetensors"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [3])
+def test_invariant_deepspeed_equals_one_process(
+    tiny_model_dir, tiny_reward_model_dir, task_dir, tmp_path, make_dpo_args, monkeypatch, stage
+):
+    """DeepSpeed ZeRO-3 with the shipped config, 2 CPU processes (gloo) with 4 pairs each = 1 process with the 8
+    pairs: same loss, grad norm, lr, implicit rewards and saved weights after 3 updates (micro-batches of 2 pairs:
+    DeepSpeed accumulates 2 of them per update, and clips by max_grad_norm itself). The reference and the reward
+    model are loaded whole on each process, generation gathers the sharded policy, and the final save gathers it.
+    One evaluation prompt: the second process has none and still takes part in the gathering (a collective) of
+    the first one's generation. ZeRO-2 shares this code path (tested on grpo_math)."""
+    require_deepspeed()
+    one = fixed_rollout_run(
+        monkeypatch, make_dpo_args, prompts_per_rank=8, num_eval_prompts=1, output_dir=str(tmp_path / "one")
+    )
+    out = str(tmp_path / f"zero{stage}")
+    paths = dict(model_name_or_path=tiny_model_dir, reward_model_path=tiny_reward_model_dir, dataset_path=task_dir)
+    overrides = {**paths, "output_dir": out, "prompts_per_rank": 4, "num_eval_prompts": 1}
+    flags = cli_flags({**FAST_DPO_ARGS, **INVARIANT_ARGS, **overrides})
+    config = os.path.join(REPO_ROOT, "benchmark", "accelerate_configs", f"deepspeed_zero{stage}.yaml")
+    zero = launch_fixed_rollout("dpo_online.py", flags, out, config_file=config)
+    lines = read_metrics(zero)
+    assert [line["global_step"] for line in lines] == [0, 1, 2, 3]
+    assert lines[0]["eval/num_prompts"] == lines[-1]["eval/num_prompts"] == 1
+    first = train_lines(lines)[0]
+    assert first["loss/dpo"] == pytest.approx(LOG2, abs=1e-7) and first["rewards/margins"] == 0.0
+    assert train_lines(lines)[-1]["objective/kl"] != 0.0  # the update reached the policy
+    assert_same_dpo_trajectory(one, zero)
+    from transformers import AutoModelForCausalLM  # the saved folder loads, with the weights that were trained
+
+    loaded = AutoModelForCausalLM.from_pretrained(os.path.join(zero, "model")).state_dict()
+    for name, tensor in load_file(final_weights(zero)).items():
+        assert torch.equal(loaded[name], tensor), name
+    assert_same_weights(final_weights(one), final_weights(zero), os.path.join(tiny_model_dir, "model.safetensors"))
 
 
 @pytest.mark.slow

@@ -24,6 +24,7 @@ from conftest import (
     launch_fixed_rollout,
     one_line_error,
     read_metrics,
+    require_deepspeed,
     require_vllm,
     run_checked,
     subprocess_env,
@@ -602,6 +603,46 @@ def test_invariant_two_processes_equal_one_process(
     assert_same_trajectory(one, two, INVARIANT_KEYS)
     initial = os.path.join(tiny_reward_model_dir, "model.safetensors")
     assert_same_weights(*(os.path.join(d, "model", "model.safetensors") for d in (one, two)), initial)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [3])
+@pytest.mark.parametrize("mode", ["bt", "prm"])
+def test_invariant_deepspeed_equals_one_process(
+    make_args, monkeypatch, tmp_path, tiny_model_dir, tiny_reward_model_dir, task_dir, preference_dir, mode, stage
+):
+    """DeepSpeed ZeRO-3 with the shipped config, 2 CPU processes (gloo) with half of each step's pairs (--prm:
+    completions) = 1 process with all of them: the same loss, grad norm, lr, held-out metrics, bias and weights
+    after 4 (--prm: 2) updates (micro-batches of half a process's share: DeepSpeed accumulates 2 of them per
+    update, and clips by max_grad_norm itself). The classifier is sharded: the evaluation runs the same number of
+    forwards on every process, and the final save gathers it; --prm loads the frozen policy whole on each process."""
+    require_deepspeed()
+    base = invariant_args(tiny_model_dir, tiny_reward_model_dir, task_dir, mode)
+    if mode == "bt":
+        base |= {"num_train_epochs": 0.5, "pairs_per_rank": 4, "micro_batch_size": 2}  # 4 steps of 8 pairs
+    whole = {"pairs_per_rank": 2 * base["pairs_per_rank"], "micro_batch_size": 2 * base["micro_batch_size"]}
+    one = in_process_run(make_args, monkeypatch, {**base, **whole, "output_dir": str(tmp_path / "one")})
+    out, target = str(tmp_path / f"zero{stage}"), str(tmp_path / "target")
+    values = {**FAST_ARGS, "dataset_path": preference_dir, **base, "output_dir": out}
+    config = os.path.join(REPO_ROOT, "benchmark", "accelerate_configs", f"deepspeed_zero{stage}.yaml")
+    flags = cli_flags({**values, "reward_model_dir": target, "prm_dir": target})
+    zero = launch_fixed_rollout("reward_modeling.py", flags, out, config_file=config)
+    lines = read_metrics(zero)
+    assert [line["global_step"] for line in lines] == list(range((4 if mode == "bt" else 2) + 1))
+    assert_same_trajectory(one, zero, INVARIANT_KEYS)
+    from transformers import AutoModelForSequenceClassification  # the saved folder loads, with the trained weights
+
+    loaded = AutoModelForSequenceClassification.from_pretrained(target)
+    if mode == "bt":
+        assert lines[0]["eval/num_pairs"] == 17  # shards of 9 and 8: a stand-in forward on the second process
+        assert loaded.config.bias == pytest.approx(lines[-1]["objective/bias"])
+    else:
+        assert loaded.config.prm["step_separator"] == " "
+    state = loaded.state_dict()
+    for name, tensor in load_file(os.path.join(zero, "model", "model.safetensors")).items():
+        assert torch.equal(state[name], tensor), name
+    initial = os.path.join(tiny_reward_model_dir, "model.safetensors")
+    assert_same_weights(*(os.path.join(d, "model", "model.safetensors") for d in (one, zero)), initial)
 
 
 @pytest.mark.slow
