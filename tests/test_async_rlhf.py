@@ -595,28 +595,6 @@ def test_generator_gpu_counts_the_gpus_of_this_machine():
     assert async_rlhf.generator_gpu(1, 2, 1) is None
 
 
-def test_token_scores_equal_the_last_hidden_state_through_the_head(tiny_reward_model_dir):
-    """The hook on the score head gives what the head applied to the last hidden state gives (the old computation,
-    which kept every layer's hidden states), with left padding."""
-    from transformers import AutoModelForSequenceClassification
-
-    model = AutoModelForSequenceClassification.from_pretrained(tiny_reward_model_dir, dtype=torch.float64).eval()
-    input_ids, attention_mask = async_rlhf.left_pad([[1, 4093, 198, 2683, 314, 28], [1, 9690, 198]], 2)
-    with torch.no_grad():
-        scores = async_rlhf.token_scores(model, model.score, input_ids, attention_mask)
-        position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-        hidden = model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            output_hidden_states=True,
-            use_cache=False,
-        ).hidden_states[-1]
-        expected = model.score(hidden).squeeze(-1).float()
-    assert scores.shape == (2, 6) and scores.dtype == torch.float32
-    torch.testing.assert_close(scores.double(), expected.double(), rtol=0, atol=1e-6)
-
-
 # Bad input: one clear line naming the argument, before any model is loaded
 
 
