@@ -297,7 +297,7 @@ def test_generator_error_reaches_the_user(make_async_args, monkeypatch):
 
 
 @pytest.mark.slow
-def test_sync_resume_after_interrupt_gives_the_uninterrupted_run(make_async_args, monkeypatch, tmp_path):
+def test_invariant_sync_resume_after_interrupt_gives_the_uninterrupted_run(make_async_args, monkeypatch, tmp_path):
     overrides = dict(sync=True, total_steps=4, save_every=2)
     run_a = async_rlhf.main(make_async_args(output_dir=str(tmp_path / "a"), **overrides))
 

@@ -292,7 +292,7 @@ def test_same_seed_same_metrics(make_dpo_args, tmp_path):
 
 
 @pytest.mark.slow
-def test_resume_after_interrupt_gives_the_uninterrupted_run(make_dpo_args, monkeypatch, tmp_path):
+def test_invariant_resume_after_interrupt_gives_the_uninterrupted_run(make_dpo_args, monkeypatch, tmp_path):
     overrides = dict(total_steps=4, save_every=2, learning_rate=1e-3)
     run_a = dpo_online.main(make_dpo_args(output_dir=str(tmp_path / "a"), **overrides))
 

@@ -131,7 +131,7 @@ def test_same_seed_same_metrics(make_args, monkeypatch, tmp_path):
 
 
 @pytest.mark.slow
-def test_resume_after_interrupt_gives_the_uninterrupted_run(make_args, monkeypatch, tmp_path):
+def test_invariant_resume_after_interrupt_gives_the_uninterrupted_run(make_args, monkeypatch, tmp_path):
     monkeypatch.setattr(grpo_math, "compute_rewards", space_reward)
     overrides = dict(total_steps=4, save_every=2, learning_rate=3e-3, temperature=0.5)
     run_a = grpo_math.main(make_args(output_dir=str(tmp_path / "a"), **overrides))

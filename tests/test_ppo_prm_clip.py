@@ -393,7 +393,7 @@ def test_run_of_every_reward_mode(make_args, monkeypatch, mode):
 
 
 @pytest.mark.slow
-def test_same_seed_same_metrics_and_resume(make_args, monkeypatch, tmp_path):
+def test_invariant_same_seed_same_metrics_and_resume(make_args, monkeypatch, tmp_path):
     overrides = dict(total_steps=3, save_every=2, reward_mode="raw")
     run_a = prm.main(make_args(output_dir=str(tmp_path / "a"), **overrides))
     calls, gae = [], prm.gae_advantages

@@ -338,7 +338,7 @@ def test_same_seed_same_metrics(make_ppo_args, tmp_path):
 
 
 @pytest.mark.slow
-def test_resume_after_interrupt_gives_the_uninterrupted_run(make_ppo_args, monkeypatch, tmp_path):
+def test_invariant_resume_after_interrupt_gives_the_uninterrupted_run(make_ppo_args, monkeypatch, tmp_path):
     overrides = dict(total_steps=4, save_every=2, learning_rate=1e-3)
     run_a = ppo_rlhf.main(make_ppo_args(output_dir=str(tmp_path / "a"), **overrides))
 

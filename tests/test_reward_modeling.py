@@ -453,7 +453,7 @@ def test_vllm_samples_the_task_pairs(make_args, tokenizer, tmp_path):
 
 
 @pytest.mark.slow
-def test_resume_after_interrupt_gives_the_uninterrupted_run(make_args, tmp_path, monkeypatch):
+def test_invariant_resume_after_interrupt_gives_the_uninterrupted_run(make_args, tmp_path, monkeypatch):
     overrides = dict(num_train_epochs=0.5, save_every=2)  # 4 steps
     run_a = rm.main(make_args(output_dir=str(tmp_path / "a"), **overrides))
 
