@@ -665,15 +665,17 @@ def split_steps(text, separator):
 
 
 def token_char_ends(tokenizer, token_ids):
-    """[len(token_ids)] character offset where each token's text ends in the decoded response: the length of the
-    decoded prefix up to it (decoded as the response text is, without special tokens), made non-decreasing. A
-    prefix that ends inside a multi-byte character (byte-level BPE splits some over several tokens) decodes to a
-    trailing U+FFFD, which is not counted: the character ends at the token that completes it. The sampled tokens
+    """[len(token_ids)] character offset where each token's text ends in the decoded response: how much of the
+    response text the decoded prefix up to that token gives (decoded as the response text is, without special
+    tokens), made non-decreasing. A prefix that ends inside a multi-byte character (byte-level BPE splits some over
+    several tokens) decodes to a trailing U+FFFD the response text does not have there: the character ends at the
+    token that completes it (a U+FFFD that stays in the response text counts where it appears). The sampled tokens
     themselves are mapped, not a re-tokenization of the text, which could split it differently."""
+    text = tokenizer.decode(token_ids, skip_special_tokens=True)
     ends, longest = [], 0
     for t in range(len(token_ids)):
-        text = tokenizer.decode(token_ids[: t + 1], skip_special_tokens=True)
-        longest = max(longest, len(text.rstrip("\ufffd")))
+        prefix = tokenizer.decode(token_ids[: t + 1], skip_special_tokens=True)
+        longest = max(longest, len(os.path.commonprefix([prefix, text])))
         ends.append(longest)
     return ends
 
