@@ -885,8 +885,8 @@ def main(args: Args):
         )
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    # The stop ids of the policy that samples the pairs (its generation config is the one vLLM reads).
     pad_id = tokenizer.pad_token_id
+    # The stop ids of the policy that samples the pairs (its generation config is the one vLLM reads).
     stop_ids = stop_token_ids(tokenizer, args.policy_name_or_path or args.model_name_or_path)
     config = check_reward_config(args.model_name_or_path, args.trust_remote_code)
     if args.data_kind == "task":

@@ -363,10 +363,14 @@ def assert_same_trajectory(reference_dir, other_dir, keys, rel=1e-5, abs_=1e-7):
     """The logged metrics `keys` of every line agree (relative tolerance rel, absolute abs_), step by step."""
     reference, other = read_metrics(reference_dir), read_metrics(other_dir)
     assert [line["global_step"] for line in reference] == [line["global_step"] for line in other]
+    compared = set()  # keys may name metrics of several modes (dpo/rloo, bt/prm): each run logs its own
     for ref_line, line in zip(reference, other):
         for key in keys:
             if key in ref_line or key in line:
                 assert line[key] == pytest.approx(ref_line[key], rel=rel, abs=abs_), (line["global_step"], key)
+                compared.add(key)
+    # A renamed metric must not leave the comparison empty: a trajectory compared by its lr also compares a loss.
+    assert compared and ("lr" not in keys or {"lr", "loss/"} <= {key[:5] for key in compared}), sorted(compared)
 
 
 def assert_same_weights(reference_file, other_file, initial_file, rel=1e-4):
