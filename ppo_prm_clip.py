@@ -596,6 +596,15 @@ def whole_on_every_process(accelerator):
         plugin.set_deepspeed_weakref()
 
 
+def process_chunks(items, rank, world_size, chunk_size):
+    """This process's share of `items` (every world_size-th, from rank) in chunks of chunk_size, as many chunks on
+    every process, the last ones possibly empty: under DeepSpeed ZeRO-3 a generation gathers the trained model's
+    parameters, a collective every process must enter as often as the others."""
+    mine = items[rank::world_size]
+    most = -(-len(items) // world_size)  # the share of rank 0, the largest
+    return [mine[start : start + chunk_size] for start in range(0, most, chunk_size)]
+
+
 def gathered_parameters(accelerator, model):
     """A context in which every process holds all parameters: DeepSpeed ZeRO-3 shards them, the rest do not."""
     plugin = accelerator.state.deepspeed_plugin
@@ -1275,13 +1284,10 @@ def main(args: Args):
     def evaluate(step):
         """Greedy responses to the held-out prompts (sharded over processes): accuracy (pass@1), steps per response,
         the PRM's mean step score, and the mean reward (success + process rewards, no KL)."""
-        mine = list(range(rank, len(eval_prompts), world_size))
         names = ("accuracy", "num_steps", "prm_score", "score", "response_length", "eos_fraction", "num_prompts")
         totals, samples = torch.zeros(len(names), dtype=torch.float64), []
-        # Chunks bound the memory of HF generate and of the PRM. Every process runs as many chunks as rank 0, which
-        # holds the most prompts: under ZeRO-3 each HF generate is a collective, empty chunks included.
-        for start in range(0, len(range(0, len(eval_prompts), world_size)), 64):
-            chunk = mine[start : start + 64]
+        # Chunks bound the memory of HF generate and of the PRM.
+        for chunk in process_chunks(range(len(eval_prompts)), rank, world_size, 64):
             if not chunk:
                 if llm is None:  # this process's part of the collective
                     generate([], 0.0, None)

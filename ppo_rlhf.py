@@ -564,6 +564,15 @@ def whole_on_every_process(accelerator):
         plugin.set_deepspeed_weakref()
 
 
+def process_chunks(items, rank, world_size, chunk_size):
+    """This process's share of `items` (every world_size-th, from rank) in chunks of chunk_size, as many chunks on
+    every process, the last ones possibly empty: under DeepSpeed ZeRO-3 a generation gathers the trained model's
+    parameters, a collective every process must enter as often as the others."""
+    mine = items[rank::world_size]
+    most = -(-len(items) // world_size)  # the share of rank 0, the largest
+    return [mine[start : start + chunk_size] for start in range(0, most, chunk_size)]
+
+
 def gathered_parameters(accelerator, model):
     """A context in which every process holds all parameters: DeepSpeed ZeRO-3 shards them, the rest do not."""
     plugin = accelerator.state.deepspeed_plugin
@@ -981,13 +990,9 @@ def main(args: Args):
     def evaluate(step):
         """Greedy responses to the held-out prompts (sharded over processes): the reward model's mean score and,
         when the dataset has gold answers, the verifier's accuracy."""
-        mine = list(range(rank, len(eval_prompts), world_size))
         results, samples, totals = {}, [], torch.zeros(5, dtype=torch.float64)
-        # Chunks bound the memory of HF generate and of the reward model. Every process runs as many chunks as the
-        # one with the most prompts (HF generate is a collective under ZeRO-3); its extra chunks are empty.
-        most = -(-len(eval_prompts) // world_size)
-        for start in range(0, most, 64):
-            chunk = mine[start : start + 64]
+        # Chunks bound the memory of HF generate and of the reward model.
+        for chunk in process_chunks(range(len(eval_prompts)), rank, world_size, 64):
             prompts = [eval_prompts[i] for i in chunk]
             if not chunk:
                 if llm is None:

@@ -536,3 +536,15 @@ def tiny_reward_model_dir(tiny_model_dir, tmp_path_factory):
     model.save_pretrained(path)
     AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(path)
     return path
+
+
+@pytest.mark.parametrize("num_items,world_size,chunk_size", [(0, 2, 4), (1, 2, 64), (7, 3, 2), (16, 4, 4), (5, 1, 2)])
+def test_process_chunks_cover_every_item_once_with_the_same_count_on_every_process(num_items, world_size, chunk_size):
+    """Every item on exactly one process (rank r takes r, r + W, ...); every process gets as many chunks (a collective
+    under ZeRO-3 per chunk), each at most chunk_size long."""
+    shares = [ppo_rlhf.process_chunks(range(num_items), r, world_size, chunk_size) for r in range(world_size)]
+    assert len({len(chunks) for chunks in shares}) == 1
+    assert len(shares[0]) == math.ceil(math.ceil(num_items / world_size) / chunk_size)
+    for rank, chunks in enumerate(shares):
+        assert all(len(chunk) <= chunk_size for chunk in chunks)
+        assert [i for chunk in chunks for i in chunk] == list(range(rank, num_items, world_size))
