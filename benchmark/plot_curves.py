@@ -39,7 +39,7 @@ def main():
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     rows = [
-        "| run | eval/accuracy before | after | eval_gsm8k/accuracy before | after | steps | wall-clock |",
+        "| run | eval/accuracy before | after | eval_extra/accuracy before | after | steps | wall-clock |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for i, run in enumerate(args.runs):
@@ -60,7 +60,10 @@ def main():
             color=color,
             label=f"{name} held-out (greedy)",
         )
-        gsm = [line.get("eval_gsm8k/accuracy", float("nan")) for line in (evals[0], evals[-1])]
+        gsm = [
+            line.get("eval_extra/accuracy", line.get("eval_gsm8k/accuracy", float("nan")))
+            for line in (evals[0], evals[-1])
+        ]
         rows.append(
             f"| {name} | {evals[0]['eval/accuracy']:.3f} | {evals[-1]['eval/accuracy']:.3f} | "
             f"{gsm[0]:.3f} | {gsm[1]:.3f} | {lines[-1]['global_step']} | {lines[-1]['time']:.0f} s |"

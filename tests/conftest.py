@@ -116,7 +116,6 @@ def task_dir(tmp_path_factory):
 
 
 FAST_ARGS = dict(
-    extra_eval_path=None,
     num_eval_prompts=8,
     vllm=False,
     response_length=12,
@@ -125,7 +124,6 @@ FAST_ARGS = dict(
     micro_batch_size=4,
     total_steps=2,
     save_every=0,
-    benchmark_generation=False,
     max_prompt_length=128,
     beta=0.0,  # no reference model: the beta > 0 paths have tests of their own
     oversample=1,  # one group sampled per trained group: dynamic sampling has a test of its own

@@ -1,8 +1,10 @@
-"""Drift test: a helper duplicated across scripts must be identical in every copy, and no script imports another.
+"""Drift test: a definition duplicated across scripts must be identical in every copy, every script has the same
+fence between its algorithm and its plumbing, and no script imports another.
 
 The scripts are the top-level *.py files of the repository (grpo_math.py, ppo_rlhf.py, reward_modeling.py,
-dpo_online.py, ppo_prm_clip.py, async_rlhf.py). Module-level functions with the same name in two or more scripts
-are compared by their source text.
+dpo_online.py, ppo_prm_clip.py, async_rlhf.py). Module-level functions and classes with the same name in two or more
+scripts are compared by their source text (a class with its methods); a script that needs a variant gives it
+another name.
 """
 
 import ast
@@ -17,19 +19,40 @@ def script_paths(root=REPO_ROOT):
 
 
 def module_functions(path):
-    """{name: source} of the module-level functions (and async functions) of a Python file."""
+    """{name: source} of the module-level functions and classes of a Python file (a decorator is part of it)."""
     with open(path) as f:
         source = f.read()
     tree = ast.parse(source, filename=path)
-    return {
-        node.name: ast.get_source_segment(source, node)
-        for node in tree.body
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-    }
+    lines = source.splitlines()
+    definitions = {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            start = node.decorator_list[0].lineno if node.decorator_list else node.lineno
+            definitions[node.name] = "\n".join(lines[start - 1 : node.end_lineno])
+    return definitions
 
 
-# Every script has its own entry point and its own argument check: same name by convention, different by design.
-SCRIPT_OWN = ("main", "check_args")
+# Every script has its own arguments, entry point, argument check and evaluation: same name by convention,
+# different by design.
+SCRIPT_OWN = ("Args", "main", "check_args", "evaluate")
+
+# The line between a script's algorithm (above) and its plumbing (below), the same in every script.
+FENCE = (
+    "# " + "=" * 117,
+    "# PLUMBING: everything below serves main() and is not needed to follow the algorithm; a reader may stop here.",
+    "# A definition with the same name is identical in every script that has it (tests/test_drift.py checks).",
+    "# " + "=" * 117,
+)
+
+
+def fence_line(path):
+    """The line number (1-based) where the fence starts, or None if the script has no fence or a different one."""
+    with open(path) as f:
+        lines = f.read().splitlines()
+    for i in range(len(lines) - len(FENCE) + 1):
+        if tuple(lines[i : i + len(FENCE)]) == FENCE:
+            return i + 1
+    return None
 
 
 def helper_drift(paths):
@@ -85,6 +108,16 @@ def test_duplicated_helpers_are_identical():
     assert not problems, "\n".join(problems)
 
 
+def test_every_script_has_the_fence_after_main():
+    for path in script_paths():
+        line = fence_line(path)
+        assert line is not None, f"{os.path.basename(path)} has no fence (tests/test_drift.py FENCE)"
+        with open(path) as f:
+            tree = ast.parse(f.read())
+        main = next(node for node in tree.body if getattr(node, "name", None) == "main")
+        assert main.end_lineno < line, f"{os.path.basename(path)}: main() must end above the fence"
+
+
 def test_no_script_imports_another():
     problems = cross_imports(script_paths())
     assert not problems, "\n".join(problems)
@@ -110,12 +143,19 @@ def test_checker_passes_identical_copies(tmp_path):
     assert helper_drift([a, b]) == []
 
 
-def test_checker_ignores_methods_and_nested_functions(tmp_path):
+def test_checker_compares_classes_with_their_methods_and_ignores_nested_functions(tmp_path):
     a = write(tmp_path / "a.py", "class C:\n    def f(self):\n        return 1\n")
-    b = write(
-        tmp_path / "b.py", "class C:\n    def f(self):\n        return 2\n\ndef g():\n    def f():\n        return 3\n"
-    )
-    assert helper_drift([a, b]) == []
+    b = write(tmp_path / "b.py", "class C:\n    def f(self):\n        return 2\n")
+    assert len(helper_drift([a, b])) == 1 and "'C'" in helper_drift([a, b])[0]
+    c = write(tmp_path / "c.py", "def g():\n    def f():\n        return 1\n    return f\n")
+    d = write(tmp_path / "d.py", "def f():\n    return 2\n\ndef g():\n    def f():\n        return 1\n    return f\n")
+    assert helper_drift([c, d]) == []
+
+
+def test_fence_checker(tmp_path):
+    fence = "\n".join(FENCE)
+    assert fence_line(write(tmp_path / "a.py", f"def main():\n    pass\n\n\n{fence}\n")) == 5
+    assert fence_line(write(tmp_path / "b.py", fence.replace("PLUMBING", "Plumbing") + "\n")) is None
 
 
 def test_checker_names_both_scripts_on_one_character_difference(tmp_path):

@@ -13,8 +13,10 @@ from grpo_math import (
     compute_rewards,
     entropy_from_logits,
     extract_answer,
+    fixed_logprobs,
     gold_answer,
     group_advantages,
+    grpo_loss,
     kl_estimate,
     left_pad,
     logprobs_from_logits,
@@ -23,6 +25,7 @@ from grpo_math import (
     response_mask,
     select_groups,
     step_prompt_indices,
+    truncated_importance_weights,
     verify_answer,
 )
 
@@ -47,31 +50,31 @@ def tolist2(t):
 # masked_mean
 
 
-@pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("shape", SHAPES)
-def test_masked_mean_all(seed, shape):
-    values, mask = rand(shape, seed), rand_mask(shape, seed)
-    total = count = 0.0
-    for row_v, row_m in zip(tolist2(values), tolist2(mask)):
-        for v, m in zip(row_v, row_m):
-            total += v * m
-            count += m
-    expected = total / count if count else 0.0
-    assert masked_mean(values, mask).item() == pytest.approx(expected, rel=1e-12, abs=1e-12)
+def test_masked_mean_all():
+    for seed in SEEDS:
+        for shape in SHAPES:
+            values, mask = rand(shape, seed), rand_mask(shape, seed)
+            total = count = 0.0
+            for row_v, row_m in zip(tolist2(values), tolist2(mask)):
+                for v, m in zip(row_v, row_m):
+                    total += v * m
+                    count += m
+            expected = total / count if count else 0.0
+            assert masked_mean(values, mask).item() == pytest.approx(expected, rel=1e-12, abs=1e-12)
 
 
-@pytest.mark.parametrize("seed", SEEDS)
-def test_masked_mean_dim1_with_empty_row(seed):
-    values, mask = rand((5, 7), seed), rand_mask((5, 7), seed)
-    mask[2] = 0  # a row with no real token
-    expected = []
-    for row_v, row_m in zip(tolist2(values), tolist2(mask)):
-        count = sum(row_m)
-        expected.append(sum(v * m for v, m in zip(row_v, row_m)) / count if count else 0.0)
-    got = masked_mean(values, mask, dim=1)
-    assert got.shape == (5,)
-    assert got.tolist() == pytest.approx(expected, rel=1e-12, abs=1e-12)
-    assert got[2].item() == 0.0  # an empty row gives 0, not nan
+def test_masked_mean_dim1_with_empty_row():
+    for seed in SEEDS:
+        values, mask = rand((5, 7), seed), rand_mask((5, 7), seed)
+        mask[2] = 0  # a row with no real token
+        expected = []
+        for row_v, row_m in zip(tolist2(values), tolist2(mask)):
+            count = sum(row_m)
+            expected.append(sum(v * m for v, m in zip(row_v, row_m)) / count if count else 0.0)
+        got = masked_mean(values, mask, dim=1)
+        assert got.shape == (5,)
+        assert got.tolist() == pytest.approx(expected, rel=1e-12, abs=1e-12)
+        assert got[2].item() == 0.0  # an empty row gives 0, not nan
 
 
 def test_masked_mean_bool_and_long_masks():
@@ -98,24 +101,25 @@ def kl_reference(lp, ref, kind):
 
 
 @pytest.mark.parametrize("kind", ["k1", "k2", "k3"])
-@pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("shape", SHAPES)
-def test_kl_estimate_matches_loop(kind, seed, shape):
-    lp, ref = -rand(shape, seed).abs() * 3, -rand(shape, seed + 7).abs() * 3
-    got = kl_estimate(lp, ref, kind)
-    expected = [[kl_reference(a, b, kind) for a, b in zip(ra, rb)] for ra, rb in zip(tolist2(lp), tolist2(ref))]
-    assert got.shape == lp.shape
-    assert tolist2(got) == [pytest.approx(row, rel=1e-12, abs=1e-12) for row in expected]
+def test_kl_estimate_matches_loop(kind):
+    for seed in SEEDS:
+        for shape in SHAPES:
+            lp, ref = -rand(shape, seed).abs() * 3, -rand(shape, seed + 7).abs() * 3
+            got = kl_estimate(lp, ref, kind)
+            rows = zip(tolist2(lp), tolist2(ref))
+            expected = [[kl_reference(a, b, kind) for a, b in zip(ra, rb)] for ra, rb in rows]
+            assert got.shape == lp.shape
+            assert tolist2(got) == [pytest.approx(row, rel=1e-12, abs=1e-12) for row in expected]
 
 
-@pytest.mark.parametrize("seed", SEEDS)
-def test_k3_is_nonnegative_and_zero_on_policy(seed):
-    lp, ref = rand((6, 9), seed, scale=4), rand((6, 9), seed + 1, scale=4)
-    assert (kl_estimate(lp, ref, "k3") >= 0).all()
-    assert (kl_estimate(lp.float(), ref.float(), "k3") >= 0).all()
-    for kind in ("k1", "k2", "k3"):
-        assert (kl_estimate(lp, lp.clone(), kind) == 0).all()
-        assert (kl_estimate(lp.float(), lp.float().clone(), kind) == 0).all()
+def test_k3_is_nonnegative_and_zero_on_policy():
+    for seed in SEEDS:
+        lp, ref = rand((6, 9), seed, scale=4), rand((6, 9), seed + 1, scale=4)
+        assert (kl_estimate(lp, ref, "k3") >= 0).all()
+        assert (kl_estimate(lp.float(), ref.float(), "k3") >= 0).all()
+        for kind in ("k1", "k2", "k3"):
+            assert (kl_estimate(lp, lp.clone(), kind) == 0).all()
+            assert (kl_estimate(lp.float(), lp.float().clone(), kind) == 0).all()
 
 
 def test_kl_estimate_unknown_kind_raises():
@@ -150,15 +154,15 @@ def advantages_reference(rewards, group_size, scale, eps=1e-4):
 
 
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])
-@pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("num_groups,group_size", [(1, 2), (3, 4), (5, 8)])
-def test_group_advantages_matches_loop(scale, seed, num_groups, group_size):
-    rng = random.Random(seed)
-    rewards = [rng.choice([0.0, 1.0, 1.5, rng.random()]) for _ in range(num_groups * group_size)]
-    rewards[:group_size] = [1.0] * group_size  # a group where every completion got the same reward
-    got = group_advantages(torch.tensor(rewards, dtype=torch.float64), group_size, scale)
-    assert got.tolist() == pytest.approx(advantages_reference(rewards, group_size, scale), rel=1e-10, abs=1e-12)
-    assert (got[:group_size] == 0).all()  # exactly zero, not eps-small
+def test_group_advantages_matches_loop(scale, num_groups, group_size):
+    for seed in SEEDS:
+        rng = random.Random(seed)
+        rewards = [rng.choice([0.0, 1.0, 1.5, rng.random()]) for _ in range(num_groups * group_size)]
+        rewards[:group_size] = [1.0] * group_size  # a group where every completion got the same reward
+        got = group_advantages(torch.tensor(rewards, dtype=torch.float64), group_size, scale)
+        assert got.tolist() == pytest.approx(advantages_reference(rewards, group_size, scale), rel=1e-10, abs=1e-12)
+        assert (got[:group_size] == 0).all()  # exactly zero, not eps-small
 
 
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])
@@ -178,20 +182,20 @@ def test_group_advantages_unknown_scale_raises():
 # clipped_surrogate
 
 
-@pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("eps_low,eps_high", [(0.2, 0.2), (0.2, 0.28), (0.1, 0.5)])
-def test_clipped_surrogate_matches_loop(seed, eps_low, eps_high):
-    lp = -rand((4, 6), seed).abs()
-    old = lp + rand((4, 6), seed + 1, scale=0.4)  # ratios around 1, some beyond either clip bound
-    adv = rand((4,), seed + 2)
-    loss, ratio = clipped_surrogate(lp, old, adv, eps_low, eps_high)
-    for b in range(4):
-        a = adv[b].item()
-        for t in range(6):
-            r = math.exp(lp[b, t].item() - old[b, t].item())
-            clipped_r = min(max(r, 1 - eps_low), 1 + eps_high)
-            assert ratio[b, t].item() == pytest.approx(r, rel=1e-12)
-            assert loss[b, t].item() == pytest.approx(-min(r * a, clipped_r * a), rel=1e-12, abs=1e-15)
+def test_clipped_surrogate_matches_loop(eps_low, eps_high):
+    for seed in SEEDS:
+        lp = -rand((4, 6), seed).abs()
+        old = lp + rand((4, 6), seed + 1, scale=0.4)  # ratios around 1, some beyond either clip bound
+        adv = rand((4,), seed + 2)
+        loss, ratio = clipped_surrogate(lp, old, adv, eps_low, eps_high)
+        for b in range(4):
+            a = adv[b].item()
+            for t in range(6):
+                r = math.exp(lp[b, t].item() - old[b, t].item())
+                clipped_r = min(max(r, 1 - eps_low), 1 + eps_high)
+                assert ratio[b, t].item() == pytest.approx(r, rel=1e-12)
+                assert loss[b, t].item() == pytest.approx(-min(r * a, clipped_r * a), rel=1e-12, abs=1e-15)
 
 
 def test_clipped_surrogate_both_sides_by_hand():
@@ -211,6 +215,76 @@ def test_clipped_surrogate_both_sides_by_hand():
     assert tolist2(lp.grad) == [pytest.approx(row) for row in expected_grad]
 
 
+# truncated_importance_weights, grpo_loss
+
+
+def test_truncated_importance_weights_matches_loop():
+    for seed in SEEDS:
+        lp, sampler = -rand((3, 5), seed).abs(), -rand((3, 5), seed + 1).abs()
+        for cap in (0.5, 2.0, math.inf):
+            got = truncated_importance_weights(lp, sampler, cap)
+            for b in range(3):
+                for t in range(5):
+                    expected = min(math.exp(lp[b, t].item() - sampler[b, t].item()), cap)
+                    assert got[b, t].item() == pytest.approx(expected, rel=1e-12)
+    same = -rand((2, 4), 9).abs()
+    assert truncated_importance_weights(same, same, 2.0).tolist() == [[1.0] * 4] * 2  # on-policy: weight 1
+
+
+def grpo_loss_reference(lp, old, ref, sampler, adv, mask, eps_low, eps_high, beta, cap, tokens):
+    """The token-mean GRPO loss with k3 KL and truncated IS, token by token in float64."""
+    total = 0.0
+    for b in range(len(lp)):
+        for t in range(len(lp[b])):
+            r = math.exp(lp[b][t] - old[b][t])
+            surrogate = -min(r * adv[b], min(max(r, 1 - eps_low), 1 + eps_high) * adv[b])
+            if sampler is not None:
+                surrogate *= min(math.exp(old[b][t] - sampler[b][t]), cap)
+            kl = math.exp(ref[b][t] - lp[b][t]) + (lp[b][t] - ref[b][t]) - 1 if beta > 0 else 0.0
+            total += (surrogate + beta * kl) * mask[b][t]
+    return total / tokens
+
+
+@pytest.mark.parametrize("with_sampler", [False, True])
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_grpo_loss_matches_loop(with_sampler, beta):
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(
+        clip_eps_low=0.2, clip_eps_high=0.28, tis_cap=2.0, beta=beta, kl_estimator="k3", loss_type="token_mean",
+        response_length=6,
+    )  # fmt: skip
+    for seed in SEEDS:
+        lp = -rand((4, 6), seed).abs()
+        old, ref = lp + rand((4, 6), seed + 1, 0.3), lp + rand((4, 6), seed + 2, 0.3)
+        sampler = old + rand((4, 6), seed + 3, 0.5) if with_sampler else None
+        adv, mask = rand((4,), seed + 4), rand_mask((4, 6), seed)
+        tokens = mask.sum() + 3  # the minibatch holds other micro-batches too
+        loss, stats = grpo_loss(lp, old, ref, sampler, adv, mask, args, tokens, 4)
+        expected = grpo_loss_reference(
+            *map(tolist2, (lp, old, ref)), tolist2(sampler) if with_sampler else None, adv.tolist(), tolist2(mask),
+            0.2, 0.28, beta, 2.0, tokens.item(),
+        )  # fmt: skip
+        assert loss.item() == pytest.approx(expected, rel=1e-10)
+        assert ("objective/kl" in stats) == (beta > 0) and ("objective/tis_weight" in stats) == with_sampler
+        assert stats["policy/ratio"] == pytest.approx(masked_mean(torch.exp(lp - old), mask).item())
+
+
+def test_grpo_loss_on_policy_is_minus_the_advantage():
+    """Ratio 1 (logprobs = old), no KL: every token's loss is -A, so the token mean is -mean(A) over tokens."""
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(
+        clip_eps_low=0.2, clip_eps_high=0.2, tis_cap=None, beta=0.0, kl_estimator="k3", loss_type="token_mean",
+        response_length=5,
+    )  # fmt: skip
+    lp = -rand((3, 5), 0).abs().requires_grad_()
+    adv, mask = rand((3,), 1), rand_mask((3, 5), 2)
+    loss, stats = grpo_loss(lp, lp.detach(), None, None, adv, mask, args, mask.sum(), 3)
+    assert loss.item() == pytest.approx(-(adv.unsqueeze(1) * mask).sum().item() / mask.sum().item(), rel=1e-12)
+    assert stats["policy/ratio"] == 1.0 and stats["policy/clipfrac_low"] == stats["policy/clipfrac_high"] == 0.0
+
+
 # aggregate_loss
 
 
@@ -224,21 +298,21 @@ def aggregate_reference(token_loss, mask, loss_type, max_len):
 
 
 @pytest.mark.parametrize("loss_type", ["token_mean", "seq_mean_token_mean", "constant"])
-@pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("micro", [1, 2, 4, 8])
-def test_aggregate_loss_micro_batches_sum_to_minibatch_loss(loss_type, seed, micro):
-    batch, width, max_len = 8, 6, 10
-    token_loss = rand((batch, width), seed)
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(1, width + 1, (batch,), generator=g)
-    mask = (torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)).double()
-    tokens = mask.sum()
-    total = sum(
-        aggregate_loss(token_loss[i : i + micro], mask[i : i + micro], loss_type, tokens, batch, max_len)
-        for i in range(0, batch, micro)
-    )
-    expected = aggregate_reference(token_loss, mask, loss_type, max_len)
-    assert total.item() == pytest.approx(expected, rel=1e-12)
+def test_aggregate_loss_micro_batches_sum_to_minibatch_loss(loss_type, micro):
+    for seed in SEEDS:
+        batch, width, max_len = 8, 6, 10
+        token_loss = rand((batch, width), seed)
+        g = torch.Generator().manual_seed(seed)
+        lengths = torch.randint(1, width + 1, (batch,), generator=g)
+        mask = (torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)).double()
+        tokens = mask.sum()
+        total = sum(
+            aggregate_loss(token_loss[i : i + micro], mask[i : i + micro], loss_type, tokens, batch, max_len)
+            for i in range(0, batch, micro)
+        )
+        expected = aggregate_reference(token_loss, mask, loss_type, max_len)
+        assert total.item() == pytest.approx(expected, rel=1e-12)
 
 
 def test_aggregate_loss_unknown_type_raises():
@@ -249,23 +323,23 @@ def test_aggregate_loss_unknown_type_raises():
 # logprobs_from_logits, entropy_from_logits
 
 
-@pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("scale", [1.0, 30.0])
-def test_logprobs_and_entropy_match_loop(seed, scale):
-    vocab = 7
-    logits = rand((3, 4, vocab), seed, scale=scale)
-    labels = torch.randint(0, vocab, (3, 4), generator=torch.Generator().manual_seed(seed))
-    lp, ent = logprobs_from_logits(logits, labels), entropy_from_logits(logits)
-    assert lp.shape == ent.shape == (3, 4)
-    for i in range(3):
-        for j in range(4):
-            row = [float(x) for x in logits[i, j]]
-            top = max(row)
-            log_z = top + math.log(sum(math.exp(x - top) for x in row))
-            probs = [math.exp(x - log_z) for x in row]
-            assert lp[i, j].item() == pytest.approx(row[labels[i, j]] - log_z, rel=1e-10, abs=1e-10)
-            entropy = -sum(p * math.log(p) for p in probs if p > 0)
-            assert ent[i, j].item() == pytest.approx(entropy, rel=1e-9, abs=1e-9)
+def test_logprobs_and_entropy_match_loop(scale):
+    for seed in SEEDS:
+        vocab = 7
+        logits = rand((3, 4, vocab), seed, scale=scale)
+        labels = torch.randint(0, vocab, (3, 4), generator=torch.Generator().manual_seed(seed))
+        lp, ent = logprobs_from_logits(logits, labels), entropy_from_logits(logits)
+        assert lp.shape == ent.shape == (3, 4)
+        for i in range(3):
+            for j in range(4):
+                row = [float(x) for x in logits[i, j]]
+                top = max(row)
+                log_z = top + math.log(sum(math.exp(x - top) for x in row))
+                probs = [math.exp(x - log_z) for x in row]
+                assert lp[i, j].item() == pytest.approx(row[labels[i, j]] - log_z, rel=1e-10, abs=1e-10)
+                entropy = -sum(p * math.log(p) for p in probs if p > 0)
+                assert ent[i, j].item() == pytest.approx(entropy, rel=1e-9, abs=1e-9)
 
 
 def test_logprobs_float32_large_logits_are_finite():
@@ -300,22 +374,22 @@ def test_response_mask_by_hand(tokens, length, truncated, untruncated):
     assert response_mask(responses, lengths, [EOS], True).dtype == torch.float32
 
 
-@pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("truncate", [True, False])
 @pytest.mark.parametrize("stop_ids", [[EOS], [EOS, 4]])
-def test_response_mask_random_matches_loop(seed, truncate, stop_ids):
+def test_response_mask_random_matches_loop(truncate, stop_ids):
     """Any of the stop ids ends a response (models with several EOS ids, e.g. Llama-3.1's three)."""
-    g = torch.Generator().manual_seed(seed)
-    responses = torch.randint(0, 5, (16, 9), generator=g)  # EOS (2) is frequent
-    lengths = torch.randint(0, 10, (16,), generator=g)
-    got = response_mask(responses, lengths, stop_ids, truncate)
-    for b in range(16):
-        seen_eos = False
-        for t in range(9):
-            keep = t < lengths[b].item() and not (truncate and seen_eos)
-            assert got[b, t].item() == float(keep), (b, t)
-            if t < lengths[b].item() and responses[b, t].item() in stop_ids:
-                seen_eos = True
+    for seed in SEEDS:
+        g = torch.Generator().manual_seed(seed)
+        responses = torch.randint(0, 5, (16, 9), generator=g)  # EOS (2) is frequent
+        lengths = torch.randint(0, 10, (16,), generator=g)
+        got = response_mask(responses, lengths, stop_ids, truncate)
+        for b in range(16):
+            seen_eos = False
+            for t in range(9):
+                keep = t < lengths[b].item() and not (truncate and seen_eos)
+                assert got[b, t].item() == float(keep), (b, t)
+                if t < lengths[b].item() and responses[b, t].item() in stop_ids:
+                    seen_eos = True
 
 
 # step_prompt_indices
@@ -475,6 +549,17 @@ def test_response_logprobs_left_padded_batch_matches_each_alone(tiny_model_dir, 
             expected = [plain[t, tok].item() for t, tok in enumerate(r)]
             assert alone[0].tolist() == pytest.approx(expected, abs=1e-5)
             torch.testing.assert_close(batched[i, : len(r)], alone[0], atol=1e-5, rtol=0)
+
+
+def test_fixed_logprobs_by_micro_batch_equals_one_batch(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    ids, attention = left_pad([[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]], 0)
+    ids = torch.cat([ids, torch.randint(20, 200, (4, 3), generator=torch.Generator().manual_seed(0))], 1)
+    attention = torch.cat([attention, torch.ones(4, 3, dtype=torch.long)], 1)
+    whole = response_logprobs(model, ids, attention, 4, 0.7)[0]
+    assert torch.allclose(fixed_logprobs(model, ids, attention, 4, 0.7, 3), whole, atol=1e-6)
 
 
 def test_module_exposes_main_and_args():

@@ -413,9 +413,7 @@ def test_hf_generate_no_stop_at_eos_generates_the_full_length(eos_model):
 def test_vllm_run(tiny_model_dir, task_dir, tmp_path):
     require_vllm()
     out = str(tmp_path / "runs")
-    flags = fast_cli_flags(
-        tiny_model_dir, task_dir, out, vllm=True, benchmark_generation=True, total_steps=2, vllm_cpu_kvcache_gib=1
-    )
+    flags = fast_cli_flags(tiny_model_dir, task_dir, out, vllm=True, total_steps=2, vllm_cpu_kvcache_gib=1)
     run_checked([sys.executable, "grpo_math.py", *flags], vllm_env(), timeout=300)
     run_dir = only_run_dir(out)
     with open(os.path.join(run_dir, "config.json")) as f:
@@ -431,8 +429,6 @@ def test_vllm_run(tiny_model_dir, task_dir, tmp_path):
         assert "time/weight_sync" in line
         # With one pass over the batch the update is on-policy for the trainer, whatever the sampler was.
         assert line["policy/ratio"] == 1.0
-    assert lines[0]["perf/vllm_over_hf_generate"] > 0
-    assert "perf/vllm_over_hf_generate" not in lines[1]  # measured once
 
 
 @pytest.mark.slow
