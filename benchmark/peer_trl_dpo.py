@@ -329,7 +329,6 @@ def our_command(args, seed, side, output_dir):
         "0",
         "--num_eval_prompts",
         str(args.num_eval_prompts),
-        "--no-benchmark_generation",
         "--save_every",
         "0",
     ]

@@ -669,7 +669,7 @@ def test_peer_dpo_our_command_sets_the_matched_settings():
                     micro_batch_size=4, num_minibatches=1, response_length=64, temperature=1.0, top_p=1.0,
                     lr_scheduler="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, judge="reward_model",
                     reward_model_path="runs/reward_model", loss_type="sigmoid", missing_eos_penalty=-1.0,
-                    eval_every=0, benchmark_generation=False)  # fmt: skip
+                    eval_every=0)  # fmt: skip
     for side, vllm in (("ours_hf", False), ("ours_vllm", True)):
         command = peer_trl_dpo.our_command(args, 5, side, "runs/x")
         assert command[1] == "dpo_online.py"

@@ -127,6 +127,193 @@ def test_assign_preferences_matches_a_loop(penalty):
     assert sorted(chosen.tolist() + rejected.tolist()) == list(range(200))  # every completion used once
 
 
+def reference_pair_weights(logprobs, sampler_logprobs, mask, cap):
+    """Truncated IS weight of each pair by a loop: exp of the summed token log-ratios of both its completions."""
+    b = len(logprobs) // 2
+    weights = []
+    for i in range(b):
+        log_ratio = 0.0
+        for row in (i, b + i):
+            for lp, slp, m in zip(logprobs[row].tolist(), sampler_logprobs[row].tolist(), mask[row].tolist()):
+                log_ratio += (lp - slp) * m
+        weights.append(min(math.exp(log_ratio), cap))
+    return torch.tensor(weights, dtype=torch.float64)
+
+
+def random_pair_batch(b, width, seed):
+    """Log-probs of the policy, the reference and the sampler [2b, width] (close to each other, as after a few
+    updates) and a right-padded response mask with at least one token per completion."""
+    generator = torch.Generator().manual_seed(seed)
+    logprobs = -3 * torch.rand(2 * b, width, generator=generator, dtype=torch.float64)
+    ref_logprobs = logprobs + 0.1 * torch.randn(2 * b, width, generator=generator, dtype=torch.float64)
+    sampler_logprobs = logprobs + 0.05 * torch.randn(2 * b, width, generator=generator, dtype=torch.float64)
+    lengths = torch.randint(1, width + 1, (2 * b,), generator=generator)
+    mask = (torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)).double()
+    return logprobs, ref_logprobs, sampler_logprobs, mask
+
+
+@pytest.mark.parametrize("cap", [0.5, 1.0, 2.0, 1e9])
+def test_pair_importance_weights_match_a_loop(cap):
+    logprobs, _, sampler_logprobs, mask = random_pair_batch(6, 7, seed=int(cap))
+    weights = dpo_online.pair_importance_weights(logprobs, sampler_logprobs, mask, cap)
+    expected = reference_pair_weights(logprobs, sampler_logprobs, mask, cap)
+    assert weights.shape == (6,)
+    torch.testing.assert_close(weights, expected, rtol=1e-12, atol=0)
+    assert (weights <= cap).all()
+
+
+def test_pair_importance_weights_are_one_on_policy_and_ignore_padding():
+    logprobs, _, sampler_logprobs, mask = random_pair_batch(4, 5, seed=0)
+    assert torch.equal(dpo_online.pair_importance_weights(logprobs, logprobs, mask, 2.0), torch.ones(4).double())
+    garbage = torch.where(mask > 0, sampler_logprobs, torch.full_like(sampler_logprobs, 99.0))  # only on padding
+    assert torch.equal(
+        dpo_online.pair_importance_weights(logprobs, garbage, mask, 2.0),
+        dpo_online.pair_importance_weights(logprobs, sampler_logprobs, mask, 2.0),
+    )
+
+
+def dpo_args(**overrides):
+    values = dict(beta=0.1, loss_type="sigmoid", kl_estimator="k3", tis_cap=None, reward_model_path="unused")
+    return dpo_online.Args(**{**values, **overrides})
+
+
+def reference_online_dpo_loss(logprobs, ref_logprobs, sampler_logprobs, mask, keep, normalizer, args):
+    """online_dpo_loss by a loop over pairs and tokens in Python floats: (loss, per pair stats, per completion)."""
+    b = len(keep)
+
+    def summed(values, row):
+        return sum(v * m for v, m in zip(values[row].tolist(), mask[row].tolist()))
+
+    def kl(lp, ref):
+        log_r = lp - ref
+        return {"k1": log_r, "k2": 0.5 * log_r**2, "k3": math.exp(-log_r) + log_r - 1}[args.kl_estimator]
+
+    weights = keep.tolist()
+    if sampler_logprobs is not None and args.tis_cap is not None:
+        tis = reference_pair_weights(logprobs, sampler_logprobs, mask, args.tis_cap).tolist()
+        weights = [w * t for w, t in zip(weights, tis)]
+    loss, pairs = 0.0, {name: [] for name in ("loss", "chosen", "rejected", "accurate", "logp_c", "logp_r")}
+    for i in range(b):
+        c, r = summed(logprobs, i), summed(logprobs, b + i)
+        rc, rr = summed(ref_logprobs, i), summed(ref_logprobs, b + i)
+        pair_loss = reference_dpo_loss(
+            *(torch.tensor([x], dtype=torch.float64) for x in (c, r, rc, rr)), args.beta, args.loss_type
+        ).item()
+        loss += pair_loss * weights[i]
+        chosen_reward, rejected_reward = args.beta * (c - rc), args.beta * (r - rr)
+        for name, value in zip(
+            pairs, (pair_loss, chosen_reward, rejected_reward, float(chosen_reward > rejected_reward), c, r)
+        ):
+            pairs[name].append(value)
+    completions = {
+        "kl": [
+            sum(
+                kl(lp, ref) * m
+                for lp, ref, m in zip(logprobs[row].tolist(), ref_logprobs[row].tolist(), mask[row].tolist())
+            )
+            for row in range(2 * b)
+        ],
+        "entropy": [-summed(logprobs, row) for row in range(2 * b)],
+    }
+    return loss / normalizer, pairs, completions
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"loss_type": "ipo"}, {"kl_estimator": "k1"}, {"kl_estimator": "k2", "beta": 0.5}, {"tis_cap": 1.05}],
+)
+def test_online_dpo_loss_matches_a_loop(overrides):
+    args = dpo_args(**overrides)
+    logprobs, ref_logprobs, sampler_logprobs, mask = random_pair_batch(5, 6, seed=len(overrides))
+    keep = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0], dtype=torch.float64)  # pairs 1 and 4 are ties
+    sampled = sampler_logprobs if args.tis_cap is not None else None
+    logprobs.requires_grad_(True)
+    loss, stats = dpo_online.online_dpo_loss(logprobs, ref_logprobs, sampled, mask, keep, 2.5, args)
+    expected_loss, pairs, completions = reference_online_dpo_loss(
+        logprobs.detach(), ref_logprobs, sampled, mask, keep, 2.5, args
+    )
+    assert loss.item() == pytest.approx(expected_loss, rel=1e-12)
+    for name, key in (("loss/dpo", "loss"), ("rewards/chosen", "chosen"), ("rewards/rejected", "rejected")):
+        torch.testing.assert_close(stats[name], torch.tensor(pairs[key], dtype=torch.float64), rtol=1e-12, atol=1e-12)
+    assert stats["rewards/accuracies"].tolist() == pairs["accurate"]
+    assert stats["logps/chosen"].tolist() == pytest.approx(pairs["logp_c"], rel=1e-12)
+    assert stats["logps/rejected"].tolist() == pytest.approx(pairs["logp_r"], rel=1e-12)
+    for name in ("kl", "entropy"):
+        expected = torch.tensor(completions[name], dtype=torch.float64)
+        torch.testing.assert_close(stats[f"objective/{name}"], expected, rtol=1e-12, atol=1e-12)
+    assert ("objective/tis_weight" in stats) == (args.tis_cap is not None)
+    # A tie weighs nothing: no gradient reaches its completions, nor any padding token.
+    loss.backward()
+    assert (logprobs.grad[[1, 4, 6, 9]] == 0).all() and (logprobs.grad[mask == 0] == 0).all()
+    assert (logprobs.grad[[0, 2, 3]].sum(1) < 0).all()  # the chosen side rises (IPO: h is below 1 / (2 beta))
+
+
+def test_online_dpo_loss_with_vllm_samples_reports_the_gap_to_the_sampler():
+    logprobs, ref_logprobs, sampler_logprobs, mask = random_pair_batch(3, 4, seed=5)
+    keep = torch.ones(3, dtype=torch.float64)
+    _, stats = dpo_online.online_dpo_loss(logprobs, ref_logprobs, sampler_logprobs, mask, keep, 3.0, dpo_args())
+    gaps = [
+        (lp - slp, m)
+        for row in range(6)
+        for lp, slp, m in zip(logprobs[row].tolist(), sampler_logprobs[row].tolist(), mask[row].tolist())
+    ]
+    assert stats["objective/logprob_gap"] == pytest.approx(sum(abs(g) for g, m in gaps if m) / mask.sum().item())
+    assert stats["objective/logprob_ratio_max"] == pytest.approx(max(math.exp(g) for g, m in gaps if m))
+    assert "objective/tis_weight" not in stats  # tis_cap None: measured, not applied
+
+
+class OneProcess:
+    """What PairUpdateStats.reduce asks of an Accelerator, for a single process."""
+
+    device = torch.device("cpu")
+
+    def gather(self, tensor):
+        return tensor
+
+    def reduce(self, tensor, reduction):
+        return tensor
+
+
+def test_pair_update_stats_average_over_kept_pairs_and_every_completion():
+    keep = torch.tensor([1.0, 0.0, 1.0, 1.0])  # pair 1 is a tie
+    stats = dpo_online.PairUpdateStats(keep)
+    # Two micro-batches of 2 pairs: rows are the chosen completions, then the rejected ones.
+    stats.add(
+        torch.tensor([0, 1]),
+        torch.tensor([1, 2, 0, 3]),
+        {
+            "rewards/chosen": torch.tensor([0.5, 100.0]),
+            "rewards/rejected": torch.tensor([0.25, -100.0]),
+            "objective/kl": torch.tensor([1.0, 2.0, 3.0, 4.0]),
+            "objective/logprob_gap": 0.1,
+            "objective/logprob_ratio_max": 1.5,
+        },
+    )
+    stats.add(
+        torch.tensor([2, 3]),
+        torch.tensor([4, 7, 5, 6]),
+        {
+            "rewards/chosen": torch.tensor([1.0, 1.5]),
+            "rewards/rejected": torch.tensor([2.0, 0.0]),
+            "objective/kl": torch.tensor([5.0, 6.0, 7.0, 8.0]),
+            "objective/logprob_gap": 0.3,
+            "objective/logprob_ratio_max": 1.25,
+        },
+    )
+    metrics = stats.reduce(OneProcess())
+    assert metrics["rewards/chosen"] == pytest.approx((0.5 + 1.0 + 1.5) / 3)  # the tie's 100 is left out
+    assert metrics["rewards/rejected"] == pytest.approx((0.25 + 2.0 + 0.0) / 3)
+    assert metrics["rewards/margins"] == pytest.approx((0.25 - 1.0 + 1.5) / 3)
+    assert metrics["objective/kl"] == pytest.approx(4.5)  # every completion, ties included
+    assert metrics["objective/logprob_gap"] == pytest.approx(0.2)
+    assert metrics["objective/logprob_ratio_max"] == 1.5
+    assert metrics["objective/skipped_ties"] == 1
+    everything_tied = dpo_online.PairUpdateStats(torch.zeros(2))
+    everything_tied.add(torch.tensor([0, 1]), torch.tensor([0, 1, 2, 3]), {"rewards/chosen": torch.ones(2),
+                        "rewards/rejected": torch.ones(2)})  # fmt: skip
+    assert everything_tied.reduce(OneProcess())["rewards/margins"] == 0.0  # no kept pair: 0, not a division by 0
+
+
 # End-to-end runs
 
 
@@ -138,7 +325,6 @@ FAST_DPO_ARGS = dict(
     micro_batch_size=2,
     total_steps=2,
     save_every=0,
-    benchmark_generation=False,
     max_prompt_length=128,
     missing_eos_penalty=None,  # the random tiny policy never says EOS in 8 tokens: read the reward model instead
 )
@@ -285,13 +471,6 @@ def test_non_finite_score_stops_the_run(make_dpo_args, monkeypatch):
 
 
 @pytest.mark.slow
-def test_same_seed_same_metrics(make_dpo_args, tmp_path):
-    run_a = dpo_online.main(make_dpo_args(output_dir=str(tmp_path / "a"), learning_rate=1e-3))
-    run_b = dpo_online.main(make_dpo_args(output_dir=str(tmp_path / "b"), learning_rate=1e-3))
-    assert without_timing(read_metrics(run_a)) == without_timing(read_metrics(run_b))
-
-
-@pytest.mark.slow
 def test_invariant_resume_after_interrupt_gives_the_uninterrupted_run(make_dpo_args, monkeypatch, tmp_path):
     overrides = dict(total_steps=4, save_every=2, learning_rate=1e-3)
     run_a = dpo_online.main(make_dpo_args(output_dir=str(tmp_path / "a"), **overrides))
@@ -330,7 +509,6 @@ def test_vllm_run(tiny_model_dir, tiny_reward_model_dir, task_dir, tmp_path):
             "dataset_path": task_dir,
             "output_dir": out,
             "vllm": True,
-            "benchmark_generation": True,
             "vllm_cpu_kvcache_gib": 1,
             "tis_cap": 2.0,
         }
@@ -346,7 +524,6 @@ def test_vllm_run(tiny_model_dir, tiny_reward_model_dir, task_dir, tmp_path):
         assert 0.5 < line["objective/tis_weight"] <= 2.0
         assert "time/weight_sync" in line
     assert lines[0]["loss/dpo"] == pytest.approx(LOG2, abs=1e-7)
-    assert lines[0]["perf/vllm_over_hf_generate"] > 0
 
 
 # Golden-trajectory invariants: the same fixed rollout (tests/fixed_rollout.py) launched differently. The judge is
