@@ -65,7 +65,6 @@ import contextlib
 import json
 import os
 import queue
-import random
 import re
 import shutil
 import subprocess
@@ -81,7 +80,7 @@ import torch
 import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator
-from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list
+from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list, set_seed
 from torch.utils.tensorboard import SummaryWriter
 from tqdm.auto import tqdm
 from transformers import (
@@ -646,9 +645,7 @@ def main(args: Args):
     if len(train_prompts) < args.prompts_per_rank * world_size:
         fail(f"only {len(train_prompts)} training prompts fit --max_prompt_length {args.max_prompt_length}")
     run = Run(args, accelerator, RESUMABLE_ARGS)
-    random.seed(args.seed + rank)  # the same model init everywhere; sampling is seeded per batch, in the generator
-    np.random.seed(args.seed + rank)
-    torch.manual_seed(args.seed + rank)
+    set_seed(args.seed + rank)  # random, numpy and torch: a different sampling stream per process
     use_vllm = vllm_usable(args, world_size)
     model = load_model(args.model_name_or_path, AutoModelForCausalLM, args, tokenizer.pad_token_id)
     if args.lora_r > 0:  # the reference is then the learner's model with its adapters switched off

@@ -37,7 +37,6 @@ import collections
 import contextlib
 import json
 import os
-import random
 import re
 import shutil
 import subprocess
@@ -52,7 +51,7 @@ import torch
 import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator
-from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list
+from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list, set_seed
 from torch.utils.tensorboard import SummaryWriter
 from tqdm.auto import tqdm
 from transformers import (
@@ -383,9 +382,7 @@ def main(args: Args):
         check_same_vocabulary(args.reward_model_path, "reward_model_path", tokenizer, args.trust_remote_code)
     train_prompts, train_golds, eval_set, has_gold = load_judged_prompts(args, tokenizer, world_size)
     run = Run(args, accelerator, RESUMABLE_ARGS)
-    random.seed(args.seed + rank)  # the same model init everywhere, a different sampling stream per process
-    np.random.seed(args.seed + rank)
-    torch.manual_seed(args.seed + rank)
+    set_seed(args.seed + rank)  # random, numpy and torch: a different sampling stream per process
     model = load_model(args.model_name_or_path, AutoModelForCausalLM, args, tokenizer.pad_token_id)
     ref_model = reward_model = None
     if args.lora_r > 0:  # the reference is then the same model with its adapters switched off

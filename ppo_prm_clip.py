@@ -48,7 +48,6 @@ import json
 import math
 import operator
 import os
-import random
 import re
 import shutil
 import subprocess
@@ -63,7 +62,7 @@ import torch
 import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator
-from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list
+from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list, set_seed
 from torch.utils.tensorboard import SummaryWriter
 from tqdm.auto import tqdm
 from transformers import (
@@ -446,9 +445,7 @@ def main(args: Args):
     if args.value_model_path is not None:
         check_same_vocabulary(args.value_model_path, "value_model_path", tokenizer, args.trust_remote_code)
     run = Run(args, accelerator, RESUMABLE_ARGS)
-    random.seed(args.seed + rank)  # the same model init everywhere, a different sampling stream per process
-    np.random.seed(args.seed + rank)
-    torch.manual_seed(args.seed + rank)
+    set_seed(args.seed + rank)  # random, numpy and torch: a different sampling stream per process
     # The policy and its reference (with LoRA, the policy with its adapters off); the value model from the policy's
     # weights with a zero head; the PRM, frozen. Frozen models are whole on every process, even under ZeRO-3.
     policy, ref_policy = load_model(args.model_name_or_path, AutoModelForCausalLM, args, tokenizer.pad_token_id), None

@@ -31,7 +31,6 @@ import contextlib
 import functools
 import json
 import os
-import random
 import re
 import shutil
 import subprocess
@@ -46,7 +45,7 @@ import torch
 import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator
-from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list
+from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list, set_seed
 from torch.utils.tensorboard import SummaryWriter
 from tqdm.auto import tqdm
 from transformers import (
@@ -435,9 +434,7 @@ def main(args: Args):
     check_reward_and_value_models(args, tokenizer)
     train_prompts, train_golds, eval_set, has_gold = load_rlhf_prompts(args, tokenizer, world_size)
     run = Run(args, accelerator, RESUMABLE_ARGS)
-    random.seed(args.seed + rank)  # the same model init everywhere, a different sampling stream per process
-    np.random.seed(args.seed + rank)
-    torch.manual_seed(args.seed + rank)
+    set_seed(args.seed + rank)  # random, numpy and torch: a different sampling stream per process
     # Dropout off in every model (the rollout's log-probs and values must equal the first minibatch's). The frozen
     # reference and reward model are whole on every process; the trained policy and value model sharded under ZeRO-3.
     pad_id = tokenizer.pad_token_id
