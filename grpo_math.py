@@ -100,7 +100,7 @@ class Args:
     """generate with vLLM when it is importable (else HF generate, with a warning); --no-vllm forces HF generate"""
     vllm_dtype: Optional[Literal["bfloat16", "float16", "float32"]] = None
     """dtype of the vLLM engine (default: --dtype). A bf16 sampler behind an fp32 trainer drifts: Adam updates smaller
-    than a bf16 ulp are rounded away in the engine's copy, and they all push the same way (see README)"""
+    than a bf16 ulp are rounded away in the engine's copy, and they all push the same way (docs/LOG.md)"""
     vllm_gpu_memory_utilization: float = 0.3
     """fraction of GPU memory vLLM may take (colocated with the trainer)"""
     vllm_cpu_kvcache_gib: int = 2

@@ -104,7 +104,7 @@ class Args:
     vllm: bool = True
     """generate with vLLM when it is importable (else HF generate, with a warning); --no-vllm forces HF generate"""
     vllm_dtype: Optional[Literal["bfloat16", "float16", "float32"]] = None
-    """dtype of the vLLM engine (default: --dtype; a bf16 sampler behind an fp32 trainer drifts, see README)"""
+    """dtype of the vLLM engine (default: --dtype; a bf16 sampler behind an fp32 trainer drifts: docs/LOG.md)"""
     vllm_gpu_memory_utilization: float = 0.3
     """fraction of GPU memory vLLM may take (colocated with the trainer)"""
     vllm_cpu_kvcache_gib: int = 2

@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # The arms run with --prm_coef 1.5 --temperature 1.0: at the script's defaults (0.5, 0.7) every arm, raw included,
-# converges to one-step answers and raw's hacking does not show (README, "PPO with process rewards"). Seed-major
+# converges to one-step answers and raw's hacking does not show (docs/ppo_prm_clip.md). Seed-major
 # order, so that a cut-short session still has every arm of seed 1.
 for seed in 1 2; do
     for mode in none raw clip delta clip_delta; do
