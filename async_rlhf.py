@@ -62,15 +62,19 @@ Read down to the line "PLUMBING": the arguments, the math, the reward and main()
 
 import collections
 import contextlib
+import itertools
 import json
 import os
 import queue
 import re
 import shutil
+import socket
 import subprocess
 import threading
 import time
+import urllib.parse
 import warnings
+import zlib
 from dataclasses import asdict, dataclass
 from fractions import Fraction
 from typing import Literal, Optional
@@ -460,13 +464,20 @@ def extract_answer(text):
 
 
 def gold_answer(answer):
-    """The gold final answer as a string; GSM8K style solutions keep what follows '####'."""
-    return str(answer).split("####")[-1].strip().replace(",", "")
+    """The gold final answer as a string; GSM8K style solutions keep what follows '####'. A null answer is the empty
+    string, which nothing matches."""
+    return "" if answer is None else str(answer).split("####")[-1].strip().replace(",", "")
+
+
+def verifiable_gold(gold):
+    """Whether the verifier can check answers against this gold: it holds a number or a LaTeX expression. Null,
+    empty and plain-word golds do not (a completion could only match them as text, e.g. "Answer: None")."""
+    return re.search(r"[0-9\\]", gold) is not None
 
 
 def verify_answer(prediction, gold):
     """1.0 if the prediction equals the gold answer: math-verify first, numeric equality as the fallback."""
-    if prediction is None:
+    if prediction is None or not gold:
         return 0.0
     try:
         from math_verify import parse, verify
@@ -642,8 +653,11 @@ def main(args: Args):
     # Rows without a gold answer get an empty one, which only the gold accuracy would read (never in training).
     train_prompts, train_golds = build_prompts(tokenizer, [{args.answer_column: "", **r} for r in train_rows], args)
     eval_prompts, eval_golds = build_prompts(tokenizer, [{args.answer_column: "", **r} for r in eval_rows], args)
-    if len(train_prompts) < args.prompts_per_rank * world_size:
-        fail(f"only {len(train_prompts)} training prompts fit --max_prompt_length {args.max_prompt_length}")
+    where = f"--dataset_path {args.dataset_path} split"
+    require_prompts(
+        train_prompts, args.prompts_per_rank * world_size, f"{where} {args.train_split}", args.max_prompt_length
+    )
+    require_prompts(eval_prompts, 1, f"{where} {args.eval_split}", args.max_prompt_length)
     run = Run(args, accelerator, RESUMABLE_ARGS)
     set_seed(args.seed + rank)  # random, numpy and torch: a different sampling stream per process
     use_vllm = vllm_usable(args, world_size)
@@ -1133,22 +1147,17 @@ def load_judged_rows(args):
     held-out rows have gold answers)."""
     train_rows = load_split(args.dataset_path, args.dataset_config, args.train_split)
     eval_rows = load_split(args.dataset_path, args.dataset_config, args.eval_split)
-    for split, rows in ((args.train_split, train_rows), (args.eval_split, eval_rows)):
-        if not rows:
-            fail(f"--dataset_path {args.dataset_path} split {split} is empty")
-        if args.question_column not in rows[0]:
-            fail(
-                f"--dataset_path {args.dataset_path} split {split} has no column {args.question_column} "
-                f"(columns: {', '.join(rows[0])}); set --question_column"
-            )
-        if args.judge == "verifier" and args.answer_column not in rows[0]:
-            fail(
-                f"--judge verifier needs gold answers, but --dataset_path {args.dataset_path} split {split} has no "
-                f"column {args.answer_column} (columns: {', '.join(rows[0])}); set --answer_column"
-            )
-    has_gold = args.answer_column in eval_rows[0]
     if args.num_eval_prompts:
         eval_rows = eval_rows[: args.num_eval_prompts]
+    columns = {args.question_column: "--question_column"}
+    if args.judge == "verifier":
+        columns[args.answer_column] = "--answer_column (--judge verifier needs gold answers)"
+    for split, rows in ((args.train_split, train_rows), (args.eval_split, eval_rows)):
+        where = f"--dataset_path {args.dataset_path} split {split}"
+        check_columns(rows, columns, where, text_columns=[args.question_column])
+        if args.judge == "verifier":
+            check_golds(rows, args.answer_column, where)
+    has_gold = all(args.answer_column in row for row in eval_rows)
     return train_rows, eval_rows, has_gold
 
 
@@ -1216,37 +1225,41 @@ def load_generator_models(args, accelerator, use_vllm, pad_token_id):
 
 class Run:
     """The run folder {output_dir}/{run_name}: config.json, metrics.jsonl, samples.jsonl, TensorBoard events, wandb,
-    atomic checkpoints, and --resume from the latest one. Made on every process; only the main process writes logs.
-    The run name ({task}__{exp_name}__{seed}__{unix_time}, the time from rank 0) is set on args.run_name."""
+    checksummed atomic checkpoints, and --resume from a run folder (its latest checkpoint) or a checkpoint folder.
+    Made on every process; only the main process writes. The run name ({task}__{exp_name}__{seed}__{unix_time}, the
+    time from rank 0, with a suffix if that folder exists) is set on args.run_name."""
 
     def __init__(self, args, accelerator, resumable_args):
         self.args, self.accelerator = args, accelerator
         self.episode, self.last_checkpoint = 0, None
         self.metrics_file = self.writer = self.wandb_run = None
         if args.resume is not None:  # the same run: every argument that changes what is computed must match
-            with open(os.path.join(args.resume, "config.json")) as f:
+            self.dir, self.resume_from = resume_checkpoint(args.resume)
+            with open(os.path.join(self.dir, "config.json")) as f:
                 saved = json.load(f)["args"]
             for key, value in asdict(args).items():
                 if key not in resumable_args and key in saved and json.loads(json.dumps(value)) != saved[key]:
                     fail(f"--{key} is {value!r} but the run being resumed used {saved[key]!r}")
-            args.run_name, self.dir = saved["run_name"], args.resume
+            args.run_name = saved["run_name"]
         else:
-            stamp = broadcast_object_list([int(time.time())])[0]
-            task = os.path.basename(os.path.normpath(args.dataset_path)).replace("/", "_")
-            args.run_name = f"{task}__{args.exp_name}__{args.seed}__{stamp}"
+            name = None
+            if accelerator.is_main_process:
+                task = os.path.basename(os.path.normpath(args.dataset_path)).replace("/", "_")
+                name = new_run_folder(args.output_dir, f"{task}__{args.exp_name}__{args.seed}__{int(time.time())}")
+            args.run_name = broadcast_object_list([name])[0]
             self.dir = os.path.join(args.output_dir, args.run_name)
 
     def start(self, launch_info):
-        """With --resume, load the latest checkpoint (weights, optimizer, scheduler, every process's RNG state); then
-        open the logs (cut back to the checkpoint's step). launch_info goes to config.json. Returns the first step."""
+        """With --resume, load its checkpoint (weights, optimizer, scheduler, every process's RNG state) and drop the
+        checkpoints and log lines that came after it; then open the logs. launch_info goes to config.json. Returns
+        the first step."""
         step = 0
         if self.args.resume is not None:
-            self.last_checkpoint = latest_checkpoint(self.dir)
-            self.accelerator.load_state(self.last_checkpoint)
-            with open(os.path.join(self.last_checkpoint, "trainer_state.json")) as f:
+            self.accelerator.load_state(self.resume_from)
+            with open(os.path.join(self.resume_from, "trainer_state.json")) as f:
                 state = json.load(f)
-            step, self.episode = state["global_step"], state["episode"]
-            self.accelerator.print(f"resumed {self.dir} from {self.last_checkpoint} at step {step}")
+            step, self.episode, self.last_checkpoint = state["global_step"], state["episode"], self.resume_from
+            self.accelerator.print(f"resumed {self.dir} from {self.resume_from} at step {step}")
         if self.accelerator.is_main_process:
             os.makedirs(self.dir, exist_ok=True)
             config = asdict(self.args)
@@ -1254,6 +1267,11 @@ class Run:
                 distributed = {"distributed_type": self.accelerator.distributed_type.value}
                 with open(os.path.join(self.dir, "config.json"), "w") as f:
                     json.dump({"args": config, "git_sha": git_sha(), **distributed, **launch_info}, f, indent=2)
+            else:  # the continuation from an earlier checkpoint replaces what came after it
+                done = finished_checkpoints(self.dir)
+                for later in done[done.index(self.resume_from) + 1 :]:
+                    shutil.rmtree(later)
+                    print(f"removed {later}, which came after the checkpoint resumed from")
             for name in ("metrics.jsonl", "samples.jsonl"):  # drop what was logged after the checkpoint
                 truncate_jsonl(os.path.join(self.dir, name), step)
             self.metrics_file = open(os.path.join(self.dir, "metrics.jsonl"), "a")
@@ -1295,7 +1313,8 @@ class Run:
 
     def save_checkpoint(self, step):
         """Everything needed to resume (accelerate's state of every process and trainer_state.json) goes to
-        step_N.tmp, which becomes step_N by one rename once complete; only the newest keep_checkpoints stay."""
+        step_N.tmp with checksums.json written last, which becomes step_N by one rename once complete; only the
+        newest keep_checkpoints stay."""
         final = os.path.join(self.dir, "checkpoints", f"step_{step:06d}")
         tmp = final + ".tmp"
         if self.accelerator.is_main_process:
@@ -1306,11 +1325,13 @@ class Run:
         if self.accelerator.is_main_process:
             with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
                 json.dump({"global_step": step, "episode": self.episode}, f)
+            checksums = file_checksums(tmp)
+            with open(os.path.join(tmp, "checksums.json"), "w") as f:
+                json.dump(checksums, f, indent=0)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
-            done = sorted(d for d in os.listdir(os.path.dirname(final)) if not d.endswith(".tmp"))
-            for old_checkpoint in done[: -self.args.keep_checkpoints]:
-                shutil.rmtree(os.path.join(os.path.dirname(final), old_checkpoint))
+            for old_checkpoint in finished_checkpoints(self.dir)[: -self.args.keep_checkpoints]:
+                shutil.rmtree(old_checkpoint)
         self.accelerator.wait_for_everyone()
         self.last_checkpoint = final
 
@@ -1341,12 +1362,15 @@ def check_finite(values, name, step, last_checkpoint):
 def load_tokenizer(model_name_or_path, trust_remote_code, prompt_template=None):
     """The policy's tokenizer, with EOS as the padding token when it has none. Without --prompt_template the prompts
     come from its chat template, which it must then have."""
+    from huggingface_hub import constants
+
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code)
     except OSError as error:
+        offline = "; offline (the Hub is unreachable or HF_HUB_OFFLINE is set), only cached models load"
         fail(
             f"--model_name_or_path {model_name_or_path} is neither a local folder nor a reachable hub model "
-            f"({str(error).splitlines()[0]})"
+            f"({str(error).splitlines()[0]}){offline if constants.HF_HUB_OFFLINE else ''}"
         )
     if prompt_template is None and not tokenizer.chat_template:
         fail(
@@ -1661,14 +1685,33 @@ def last_real_index(attention_mask):
 
 
 def load_split(path, config_name, split):
-    """A list of row dicts from {path}/{split}.jsonl, or from a hub dataset."""
+    """A list of row dicts from {path}/{split}.jsonl, or from a hub dataset (or a local folder datasets can read).
+    A line that is not a JSON object, or a dataset that does not load, stops the run with one line."""
     local = os.path.join(path, f"{split}.jsonl")
     if os.path.isfile(local):
+        rows = []
         with open(local) as f:
-            return [json.loads(line) for line in f if line.strip()]
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as error:
+                    fail(f"{local} line {number} is not valid JSON ({error.msg}, column {error.colno})")
+                if not isinstance(rows[-1], dict):
+                    fail(f"{local} line {number} is a JSON {type(rows[-1]).__name__}, not an object of columns")
+        return rows
     import datasets
+    from huggingface_hub import constants
 
-    return list(datasets.load_dataset(path, config_name, split=split))
+    try:
+        return list(datasets.load_dataset(path, config_name, split=split))
+    except Exception as error:  # no network, no such dataset, split or config: one line instead of a traceback
+        offline = " (offline: the Hub is unreachable or HF_HUB_OFFLINE is set, and it is not cached)"
+        fail(
+            f"dataset {path} split {split} did not load{offline if constants.HF_HUB_OFFLINE else ''}: "
+            f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+        )
 
 
 def build_prompts(tokenizer, rows, args):
@@ -1724,19 +1767,175 @@ def truncate_jsonl(path, last_step):
     os.replace(path + ".tmp", path)
 
 
-def latest_checkpoint(run_dir):
-    folder = os.path.join(run_dir, "checkpoints")
-    done = (
-        sorted(d for d in os.listdir(folder) if d.startswith("step_") and not d.endswith(".tmp"))
-        if (os.path.isdir(folder))
-        else []
-    )
-    return os.path.join(folder, done[-1]) if done else None
-
-
 def is_local_path(path):
     # Hub ids look like "org/name": the folders this project writes (assets/, runs/) are local even before they exist.
     return os.path.exists(path) or path.startswith((".", "/", "~", "assets/", "runs/"))
+
+
+def check_columns(rows, columns, where, text_columns=()):
+    """Every row must have each of `columns` ({column: the argument that names it}), and the text_columns must hold
+    non-empty text; else one line with the counts and the first bad row (1-based)."""
+    if not rows:
+        fail(f"{where} is empty")
+    missing = {c: [i for i, row in enumerate(rows) if c not in row] for c in columns}
+    missing = {c: rows_without for c, rows_without in missing.items() if rows_without}
+    if missing:
+        first = min(i for rows_without in missing.values() for i in rows_without)
+        counts = ", ".join(f"{c} ({len(rows_without)} of {len(rows)} rows)" for c, rows_without in missing.items())
+        fail(
+            f"{where} lacks column {counts}; row {first + 1} has {', '.join(rows[first]) or 'no columns'}; "
+            f"set {' / '.join(columns[c] for c in missing)}"
+        )
+    for column in text_columns:
+        bad = [i for i, row in enumerate(rows) if not isinstance(row[column], str) or not row[column].strip()]
+        if bad:
+            fail(
+                f"{where}: {len(bad)} of {len(rows)} rows have a {column} that is not text (the first is row "
+                f"{bad[0] + 1}: {json.dumps(rows[bad[0]][column])[:80]})"
+            )
+
+
+def check_golds(rows, column, where, max_share=0.1):
+    """The verifier must be able to check most gold answers: a split where more than max_share of them hold no
+    number or math expression (null, empty or plain words: see verifiable_gold) is refused with the counts, fewer
+    are reported (those prompts can only be matched as text)."""
+    bad = [i for i, row in enumerate(rows) if not verifiable_gold(gold_answer(row[column]))]
+    if not bad:
+        return
+    message = (
+        f"{where}: {len(bad)} of {len(rows)} gold answers in column {column} hold no number or math expression "
+        f"the verifier can check (the first is row {bad[0] + 1}: {json.dumps(rows[bad[0]][column])[:80]})"
+    )
+    if len(bad) > max_share * len(rows):
+        fail(f"{message}; at most {max_share:.0%} may; set --answer_column or fix the data")
+    warnings.warn(message, stacklevel=2)
+
+
+def require_prompts(prompts, needed, where, max_prompt_length):
+    """Stop with one line when fewer than `needed` prompts are left once those longer than --max_prompt_length
+    are dropped."""
+    if len(prompts) < needed:
+        fail(f"{where}: only {len(prompts)} prompts fit --max_prompt_length {max_prompt_length}; {needed} needed")
+
+
+def locate_inputs(args, names):
+    """Where the inputs named by `names` (model and dataset arguments) are read from. An assets/ path missing from
+    the working directory is taken from next to this script: the embedded defaults work from any folder. When a hub
+    id is among them and the Hub does not accept a connection within 3 s, the Hugging Face libraries go offline
+    (their cache only) at once, instead of retrying every file with back-off for ~50 s."""
+    import datasets
+    from huggingface_hub import constants
+
+    hub_ids = []
+    for name in names:
+        path = getattr(args, name)
+        if path is None or os.path.exists(path):
+            continue
+        beside_script = os.path.join(os.path.dirname(os.path.abspath(__file__)), path)
+        if path.startswith("assets/") and os.path.exists(beside_script):
+            setattr(args, name, beside_script)
+        elif not is_local_path(path):
+            hub_ids.append(path)
+    if not hub_ids or constants.HF_HUB_OFFLINE or any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy")):
+        return  # behind a proxy a direct connection says nothing
+    endpoint = urllib.parse.urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=3).close()
+    except OSError:
+        constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
+        os.environ["HF_HUB_OFFLINE"] = "1"  # for subprocesses (vLLM)
+        print(f"{endpoint.hostname} is unreachable: {', '.join(hub_ids)} must be in the Hugging Face cache")
+
+
+def finished_checkpoints(run_dir):
+    """The paths of the run's finished checkpoints (step_N, not step_N.tmp), oldest first."""
+    folder = os.path.join(run_dir, "checkpoints")
+    if not os.path.isdir(folder):
+        return []
+    return [os.path.join(folder, d) for d in sorted(os.listdir(folder)) if d.startswith("step_") and "." not in d]
+
+
+def file_checksums(folder):
+    """{relative path: [size, CRC-32]} of every file under `folder` (CRC-32 reads ~4 GB/s)."""
+    checksums = {}
+    for root, _, files in os.walk(folder):
+        for name in sorted(files):
+            path, crc = os.path.join(root, name), 0
+            with open(path, "rb") as f:
+                while chunk := f.read(1 << 24):
+                    crc = zlib.crc32(chunk, crc)
+            checksums[os.path.relpath(path, folder)] = [os.path.getsize(path), crc]
+    return checksums
+
+
+def checkpoint_problem(checkpoint):
+    """Why a finished checkpoint cannot be resumed from (a file missing, cut short or changed since its checksums
+    were written), or None. Checkpoints written before checksums existed are taken as they are."""
+    manifest = os.path.join(checkpoint, "checksums.json")
+    if not os.path.isfile(os.path.join(checkpoint, "trainer_state.json")):
+        return "no trainer_state.json"
+    if not os.path.isfile(manifest):
+        return None
+    try:
+        with open(manifest) as f:
+            expected = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return "checksums.json is unreadable"
+    found = {name: value for name, value in file_checksums(checkpoint).items() if name in expected}
+    for name, (size, crc) in expected.items():
+        if name not in found:
+            return f"{name} is missing"
+        if found[name][0] != size:
+            return f"{name} has {found[name][0]} bytes instead of {size}"
+        if found[name][1] != crc:
+            return f"{name} does not match its checksum"
+    return None
+
+
+def resume_checkpoint(resume):
+    """(run folder, checkpoint folder) for --resume: a run folder resumes from its latest finished checkpoint, a
+    checkpoint folder (run/checkpoints/step_N) from itself. A corrupted checkpoint stops the run with one line that
+    names the newest intact one before it."""
+    resume = os.path.normpath(resume)
+    if os.path.basename(resume).startswith("step_"):
+        if "." in os.path.basename(resume) or not os.path.isdir(resume):
+            fail(f"--resume {resume} is not a finished checkpoint (run/checkpoints/step_N)")
+        run_dir, checkpoint = os.path.dirname(os.path.dirname(resume)), resume
+    else:
+        run_dir, done = resume, finished_checkpoints(resume)
+        checkpoint = done[-1] if done else None
+    if not os.path.isfile(os.path.join(run_dir, "config.json")):
+        fail(f"--resume {resume} is not a run folder nor a checkpoint of one (no config.json in {run_dir})")
+    if checkpoint is None:
+        fail(f"--resume {resume} has no finished checkpoint to continue from")
+    problem = checkpoint_problem(checkpoint)
+    if problem is not None:
+        done = finished_checkpoints(run_dir)
+        intact = [c for c in done[: done.index(checkpoint)] if checkpoint_problem(c) is None]
+        offer = f"resume from an earlier one with --resume {intact[-1]}" if intact else "no earlier one is intact"
+        fail(f"checkpoint {checkpoint} is corrupted ({problem}); {offer}")
+    return run_dir, checkpoint
+
+
+def new_run_folder(output_dir, name):
+    """Create {output_dir}/{name} and return the name; a name already taken (two runs of the same task, exp_name
+    and seed started in the same second) gets a suffix _2, _3, ...: two runs never share a folder."""
+    os.makedirs(output_dir, exist_ok=True)
+    for k in itertools.count(1):
+        candidate = name if k == 1 else f"{name}_{k}"
+        try:
+            os.mkdir(os.path.join(output_dir, candidate))
+            return candidate
+        except FileExistsError:
+            continue
+
+
+def check_output_args(args):
+    """--output_dir and --keep_checkpoints (--resume is checked when the run folder is opened)."""
+    if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
+        fail(f"--output_dir {args.output_dir} is a file; it must be a folder (each run makes its own folder in it)")
+    if args.keep_checkpoints < 1:
+        fail(f"--keep_checkpoints must be >= 1; got {args.keep_checkpoints}")
 
 
 def fail(message):
@@ -1746,6 +1945,8 @@ def fail(message):
 
 def check_args(args):
     """Reject bad input with one line naming the argument, before any model is loaded."""
+    judge_model = ("reward_model_path",) if args.judge == "reward_model" else ()
+    locate_inputs(args, ("model_name_or_path", "dataset_path", *judge_model))
     for name in ("prompts_per_rank", "micro_batch_size", "num_minibatches", "total_steps", "response_length"):
         if getattr(args, name) < 1:
             fail(f"--{name} must be >= 1; got {getattr(args, name)}")
@@ -1794,12 +1995,7 @@ def check_args(args):
             f"--dataset_path {args.dataset_path} does not exist; build the embedded tasks with `make assets`, or "
             "pass a folder with train.jsonl/test.jsonl or a hub dataset id"
         )
-    if args.resume is not None and not os.path.isfile(os.path.join(args.resume, "config.json")):
-        fail(f"--resume {args.resume} is not a run folder (no config.json in it)")
-    if args.resume is not None and latest_checkpoint(args.resume) is None:
-        fail(f"--resume {args.resume} has no finished checkpoint to continue from")
-    if args.keep_checkpoints < 1:
-        fail(f"--keep_checkpoints must be >= 1; got {args.keep_checkpoints}")
+    check_output_args(args)
 
 
 def check_score_model(path, name, trust_remote_code):

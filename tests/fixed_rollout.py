@@ -7,10 +7,19 @@ DeepSpeed) then train on exactly the same data and must compute the same numbers
 As a program it runs a script's main() with its HF sampler (and the rewards named in PATCHES) replaced:
     accelerate launch --multi_gpu --num_processes 2 tests/fixed_rollout.py grpo_math.py --no-vllm ...
 In-process tests call patch(module, monkeypatch.setattr) and then module.main(args).
+
+For the fault-injection tests the program also kills itself (SIGKILL) at a chosen point, and counts the points:
+    KILL_AT=backward:7        before the 7th backward pass: inside a training step
+    KILL_AT=save_state:2      once the 2nd checkpoint's files are written, before the checkpoint is finished
+    KILL_AT=save_pretrained:1 once the first model folder of the final save is written
+    COUNT_FILE=path           {point: number of calls} written there when the run ends
 """
 
+import collections
 import importlib
+import json
 import os
+import signal
 import sys
 import zlib
 
@@ -55,10 +64,45 @@ def patch(module, setter=setattr):
         setter(module, name, replacement)
 
 
+def counted_call(original, name, kill_before, kill_at, calls):
+    """`original` counting its calls in calls[name], and killing this process at the call kill_at names
+    ("name:n"): before it when kill_before, else after it."""
+
+    def call(*args, **kwargs):
+        calls[name] += 1
+        kill = kill_at == f"{name}:{calls[name]}"
+        if kill and kill_before:
+            os.kill(os.getpid(), signal.SIGKILL)
+        result = original(*args, **kwargs)
+        if kill:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return result
+
+    return call
+
+
+def install_kill_points(kill_at, calls):
+    """Count the calls of each kill point in `calls` and SIGKILL this process at the one kill_at names (or None)."""
+    import accelerate
+    import transformers
+
+    for owner, name, kill_before in (
+        (accelerate.Accelerator, "backward", True),
+        (accelerate.Accelerator, "save_state", False),
+        (transformers.PreTrainedModel, "save_pretrained", False),
+    ):
+        setattr(owner, name, counted_call(getattr(owner, name), name, kill_before, kill_at, calls))
+
+
 if __name__ == "__main__":
     import tyro
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     script = importlib.import_module(os.path.basename(sys.argv.pop(1)).removesuffix(".py"))
     patch(script)
+    calls = collections.Counter()
+    install_kill_points(os.environ.get("KILL_AT"), calls)
     script.main(tyro.cli(script.Args))
+    if os.environ.get("COUNT_FILE"):
+        with open(os.environ["COUNT_FILE"], "w") as f:
+            json.dump(calls, f)

@@ -131,6 +131,7 @@ def test_resume_of_a_folder_without_checkpoint(args_for, tmp_path):
 def test_resume_refuses_changed_args(args_for, tmp_path):
     run = tmp_path / "run"
     (run / "checkpoints" / "step_000002").mkdir(parents=True)
+    (run / "checkpoints" / "step_000002" / "trainer_state.json").write_text('{"global_step": 2, "episode": 16}')
     saved = dict(vars(args_for()), run_name="r", world_size=1, minibatch_size=8, gradient_accumulation_steps=2)
     (run / "config.json").write_text(json.dumps({"args": saved, "git_sha": "", "vllm": False}))
     assert_one_line_error(args_for(resume=str(run), beta=0.5), "--beta", "0.5", "0.1")

@@ -184,3 +184,134 @@ def test_cli_rejects_an_unknown_choice():
     assert proc.returncode == 2
     output = (proc.stdout + proc.stderr).replace("-", "_")
     assert "__loss_type" in output and "token_mean" in output
+
+
+# Faults a new user meets (issue 20): each one stops the run with one line naming the file, line or argument.
+
+
+def write_rows(folder, train_rows, test_rows=None):
+    """train.jsonl / test.jsonl from lists of rows (a str row is written as the raw line)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for split, rows in (("train", train_rows), ("test", train_rows if test_rows is None else test_rows)):
+        with open(folder / f"{split}.jsonl", "w") as f:
+            f.writelines((row if isinstance(row, str) else json.dumps(row)) + "\n" for row in rows)
+    return str(folder)
+
+
+GOOD_ROWS = [{"question": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(16)]
+
+
+def test_malformed_json_line_names_the_file_and_line(make_args, no_model, tmp_path):
+    folder = write_rows(tmp_path / "task", GOOD_ROWS[:2] + ['{"question": "What is 1 + 1?", "answer": '] + GOOD_ROWS)
+    message = assert_one_line_error(make_args(dataset_path=folder), "train.jsonl line 3", "not valid JSON")
+    assert folder in message
+    folder = write_rows(tmp_path / "lists", GOOD_ROWS[:4] + ['["What is 1 + 1?", "2"]'])
+    assert_one_line_error(make_args(dataset_path=folder), "train.jsonl line 5", "not an object")
+
+
+def test_answer_column_missing_from_some_rows(make_args, no_model, tmp_path):
+    rows = GOOD_ROWS[:5] + [{"question": "What is 9 + 9?"}] + GOOD_ROWS[5:] + [{"question": "What is 1 + 9?"}]
+    message = assert_one_line_error(make_args(dataset_path=write_rows(tmp_path / "task", rows)), "--answer_column")
+    assert "answer (2 of 18 rows)" in message and "row 6" in message
+
+
+@pytest.mark.parametrize("bad_gold", [None, "", "n/a"])
+def test_gold_answers_the_verifier_cannot_check_are_refused_with_counts(make_args, no_model, tmp_path, bad_gold):
+    rows = [{**row, "answer": bad_gold} for row in GOOD_ROWS]
+    message = assert_one_line_error(make_args(dataset_path=write_rows(tmp_path / "task", rows)), "--answer_column")
+    assert "16 of 16 gold answers" in message and "row 1" in message and "at most 10%" in message
+
+
+def test_a_few_uncheckable_gold_answers_are_reported_not_refused(make_args, no_model, tmp_path):
+    rows = [{**row, "answer": None} if i == 3 else row for i, row in enumerate(GOOD_ROWS)]  # 1 of 16 < 10%
+    with pytest.warns(UserWarning, match="1 of 16 gold answers"), pytest.raises(AssertionError, match="model loaded"):
+        grpo_math.main(make_args(dataset_path=write_rows(tmp_path / "task", rows, GOOD_ROWS)))
+
+
+def test_a_null_gold_rewards_nothing():
+    """A null gold used to become the string "None", which "Answer: None" matched: a reward the policy could hack."""
+    for completion in ("Answer: None", "Answer: ", "None", ""):
+        assert grpo_math.verify_answer(grpo_math.extract_answer(completion), grpo_math.gold_answer(None)) == 0.0
+    assert grpo_math.verify_answer(grpo_math.extract_answer("Answer: 7"), grpo_math.gold_answer(7)) == 1.0
+
+
+@pytest.mark.parametrize("question", [3, ["What", "is", "1 + 1?"], None, "  "])
+def test_questions_that_are_not_text(make_args, no_model, tmp_path, question):
+    rows = GOOD_ROWS[:7] + [{"question": question, "answer": "2"}] + GOOD_ROWS[7:]
+    message = assert_one_line_error(make_args(dataset_path=write_rows(tmp_path / "task", rows)), "question")
+    assert "1 of 17 rows" in message and "row 8" in message and "not text" in message
+
+
+def test_embedded_defaults_load_from_another_working_directory(make_args, no_model, tmp_path, monkeypatch):
+    """`cd ~ && python <repo>/grpo_math.py`: the assets/ defaults are found next to the script."""
+    defaults = grpo_math.Args()
+    if not os.path.isdir(os.path.join(REPO_ROOT, defaults.model_name_or_path)):
+        pytest.skip("the embedded assets are not built (make assets)")
+    monkeypatch.chdir(tmp_path)
+    args = make_args(model_name_or_path=defaults.model_name_or_path, dataset_path=defaults.dataset_path)
+    with pytest.raises(AssertionError, match="model loaded"):  # every check passed: it got as far as the model
+        grpo_math.main(args)
+    assert args.model_name_or_path == os.path.join(REPO_ROOT, defaults.model_name_or_path)
+
+
+def test_no_eval_question_fits_max_prompt_length(make_args, no_model, tmp_path):
+    long_rows = [{"question": "What is " + " + ".join(["1"] * 200) + "?", "answer": "200"} for _ in range(4)]
+    folder = write_rows(tmp_path / "task", GOOD_ROWS, long_rows)
+    message = assert_one_line_error(make_args(dataset_path=folder), "--max_prompt_length", "split test")
+    assert "only 0 prompts fit" in message
+
+
+def test_output_dir_that_is_a_file(make_args, no_model, tmp_path):
+    (tmp_path / "a_file").write_text("")
+    assert_one_line_error(make_args(output_dir=str(tmp_path / "a_file")), "--output_dir")
+
+
+def test_hub_dataset_offline(make_args, no_model):
+    message = assert_one_line_error(
+        make_args(dataset_path="no-such-org/no-such-dataset"), "no-such-org/no-such-dataset"
+    )
+    assert "offline" in message
+
+
+def test_hub_model_offline(make_args, no_model):
+    message = assert_one_line_error(make_args(model_name_or_path="no-such-org/no-such-model"), "--model_name_or_path")
+    assert "offline" in message and "cached" in message
+
+
+def test_unreachable_hub_goes_offline_at_once(make_args, monkeypatch):
+    """No network: one connection attempt, then the libraries read their cache only (not 5 retries per file)."""
+    import datasets
+    from conftest import free_port
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    for proxy in ("HTTPS_PROXY", "https_proxy"):
+        monkeypatch.delenv(proxy, raising=False)
+    args = make_args(model_name_or_path="no-such-org/no-such-model")
+    grpo_math.locate_inputs(args, ("model_name_or_path", "dataset_path"))
+    assert constants.HF_HUB_OFFLINE and datasets.config.HF_HUB_OFFLINE and os.environ["HF_HUB_OFFLINE"] == "1"
+
+
+def test_run_folders_are_never_shared(tmp_path):
+    names = [grpo_math.new_run_folder(str(tmp_path / "runs"), "task__exp__1__1700000000") for _ in range(3)]
+    assert names == ["task__exp__1__1700000000", "task__exp__1__1700000000_2", "task__exp__1__1700000000_3"]
+    assert sorted(os.listdir(tmp_path / "runs")) == sorted(names)
+
+
+def test_checkpoint_checksums_find_a_truncated_or_changed_file(tmp_path):
+    folder = tmp_path / "step_000002"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(bytes(range(256)) * 64)
+    (folder / "trainer_state.json").write_text('{"global_step": 2, "episode": 16}')
+    (folder / "checksums.json").write_text(json.dumps(grpo_math.file_checksums(str(folder))))
+    assert grpo_math.checkpoint_problem(str(folder)) is None
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[:1000])
+    assert "1000 bytes instead of 16384" in grpo_math.checkpoint_problem(str(folder))
+    (folder / "model.safetensors").write_bytes(data[:-1] + b"x")
+    assert "checksum" in grpo_math.checkpoint_problem(str(folder))
+    (folder / "model.safetensors").unlink()
+    assert "missing" in grpo_math.checkpoint_problem(str(folder))

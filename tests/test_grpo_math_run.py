@@ -14,9 +14,11 @@ import numpy as np
 import pytest
 import torch
 from conftest import (
+    FAST_ARGS,
     REPO_ROOT,
     assert_same_trajectory,
     assert_same_weights,
+    assert_survives_kills,
     fast_cli_flags,
     launch_fixed_rollout,
     only_run_dir,
@@ -131,44 +133,34 @@ def test_same_seed_same_metrics(make_args, monkeypatch, tmp_path):
 
 
 @pytest.mark.slow
-def test_invariant_resume_after_interrupt_gives_the_uninterrupted_run(make_args, monkeypatch, tmp_path):
-    monkeypatch.setattr(grpo_math, "compute_rewards", space_reward)
-    overrides = dict(total_steps=4, save_every=2, learning_rate=3e-3, temperature=0.5)
-    run_a = grpo_math.main(make_args(output_dir=str(tmp_path / "a"), **overrides))
+def test_invariant_killed_at_random_points_and_resumed_gives_the_uninterrupted_run(
+    tiny_model_dir, task_dir, tmp_path, monkeypatch
+):
+    """SIGKILL inside a step, inside a checkpoint write and inside the final save, --resume after each: the same
+    metrics, samples and weights as the uninterrupted run. Then a corrupted latest checkpoint is refused with one line
+    that names the intact one before it, and --resume of that checkpoint folder ends as the uninterrupted run too."""
+    overrides = dict(total_steps=3, save_every=1, temperature=0.5)
+    flags = fast_cli_flags(tiny_model_dir, task_dir, "", **overrides)
+    flags = flags[: flags.index("--output_dir")] + flags[flags.index("--output_dir") + 2 :]
+    output_flags = lambda folder: ["--output_dir", folder]  # noqa: E731
+    run_dir, _ = assert_survives_kills("grpo_math.py", flags, output_flags, str(tmp_path), seed=20)
 
-    # Run B is interrupted inside step 3: at the third call of compute_rewards from the training loop
-    # (evaluation calls it too, from evaluate()).
-    training_calls = []
-
-    def interrupting_reward(completions, golds, format_reward):
-        if sys._getframe(1).f_code.co_name != "evaluate":
-            training_calls.append(len(completions))
-            if len(training_calls) == 3:
-                raise KeyboardInterrupt
-        return space_reward(completions, golds, format_reward)
-
-    monkeypatch.setattr(grpo_math, "compute_rewards", interrupting_reward)
-    with pytest.raises(KeyboardInterrupt):
-        grpo_math.main(make_args(output_dir=str(tmp_path / "b"), **overrides))
-    run_b = only_run_dir(tmp_path / "b")
-    assert [line["global_step"] for line in read_metrics(run_b)] == [0, 1, 2]
-    assert sorted(os.listdir(os.path.join(run_b, "checkpoints"))) == ["step_000002"]
-    # A crash in the middle of a later save leaves a .tmp folder: resume must not take it.
-    os.makedirs(os.path.join(run_b, "checkpoints", "step_000004.tmp"))
-    with open(os.path.join(run_b, "checkpoints", "step_000004.tmp", "garbage"), "w") as f:
-        f.write("half-written")
-
-    monkeypatch.setattr(grpo_math, "compute_rewards", space_reward)
-    resumed = grpo_math.main(make_args(output_dir=str(tmp_path / "b"), resume=run_b, **overrides))
-    assert resumed == run_b and only_run_dir(tmp_path / "b") == run_b
-    lines_a, lines_b = read_metrics(run_a), read_metrics(run_b)
-    steps_b = [line["global_step"] for line in lines_b]
-    assert steps_b == [0, 1, 2, 3, 4], "duplicated or missing global_step after resume"
-    assert without_timing(lines_b) == without_timing(lines_a)
-    weights_a, weights_b = model_tensors(run_a), model_tensors(run_b)
-    assert all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
-    assert not os.path.exists(os.path.join(run_b, "checkpoints", "step_000004.tmp"))
-    assert sorted(os.listdir(os.path.join(run_b, "checkpoints"))) == ["step_000002", "step_000004"]
+    with open(os.path.join(run_dir, "checkpoints", "step_000003", "model.safetensors"), "r+b") as f:
+        f.truncate(1000)
+    fixed_rollout.patch(grpo_math, monkeypatch.setattr)
+    args = dict(
+        model_name_or_path=tiny_model_dir, dataset_path=task_dir, output_dir=str(tmp_path / "faulty"), **overrides
+    )
+    with pytest.raises(SystemExit) as exc:
+        grpo_math.main(grpo_math.Args(**{**FAST_ARGS, **args, "resume": run_dir}))
+    earlier = os.path.join(run_dir, "checkpoints", "step_000002")
+    message = str(exc.value.code)
+    assert message.startswith("error: checkpoint") and "model.safetensors has 1000 bytes" in message, message
+    assert message.endswith(f"resume from an earlier one with --resume {earlier}"), message
+    grpo_math.main(grpo_math.Args(**{**FAST_ARGS, **args, "resume": earlier}))
+    reference_dir = only_run_dir(tmp_path / "reference")
+    assert without_timing(read_metrics(run_dir)) == without_timing(read_metrics(reference_dir))
+    assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == ["step_000002", "step_000003"]
 
 
 @pytest.mark.slow
@@ -230,6 +222,7 @@ def test_non_finite_reward_is_named_as_the_reward(make_args, monkeypatch):
 def test_resume_refuses_changed_args(make_args, monkeypatch, tmp_path):
     run_dir = tmp_path / "fake_run"
     os.makedirs(run_dir / "checkpoints" / "step_000002")
+    (run_dir / "checkpoints" / "step_000002" / "trainer_state.json").write_text('{"global_step": 2, "episode": 16}')
     saved = asdict(make_args(learning_rate=1e-5))
     saved["run_name"] = "fake_run"
     with open(run_dir / "config.json", "w") as f:

@@ -20,6 +20,7 @@ from conftest import (
     NoModelLoads,
     assert_same_trajectory,
     assert_same_weights,
+    assert_survives_kills,
     cli_flags,
     launch_fixed_rollout,
     one_line_error,
@@ -30,7 +31,6 @@ from conftest import (
     subprocess_env,
     train_lines,
     vllm_env,
-    without_timing,
 )
 from safetensors.torch import load_file
 
@@ -512,33 +512,18 @@ def test_vllm_samples_the_task_pairs(make_args, tokenizer, tmp_path):
 
 
 @pytest.mark.slow
-def test_invariant_resume_after_interrupt_gives_the_uninterrupted_run(make_args, tmp_path, monkeypatch):
-    overrides = dict(num_train_epochs=0.5, save_every=2)  # 4 steps
-    run_a = rm.main(make_args(output_dir=str(tmp_path / "a"), **overrides))
+def test_invariant_killed_at_random_points_and_resumed_gives_the_uninterrupted_run(
+    tiny_model_dir, preference_dir, tmp_path
+):
+    """SIGKILL inside a step, inside a checkpoint write and inside the final save, --resume after each: the same
+    metrics and weights (run folder and --reward_model_dir) as the uninterrupted run."""
+    values = {**FAST_ARGS, "num_train_epochs": 0.5, "save_every": 1}  # 4 steps
+    values.update(model_name_or_path=tiny_model_dir, dataset_path=preference_dir)
 
-    # Run B is interrupted inside step 3: at the third call of the loss from the training step itself.
-    loss, calls = rm.bradley_terry_loss, []
+    def output_flags(out):
+        return ["--output_dir", out, "--reward_model_dir", os.path.join(out, "reward_model")]
 
-    def interrupting_loss(chosen, rejected):
-        if sys._getframe(1).f_code.co_name == "bradley_terry_backward" and chosen.requires_grad:
-            calls.append(1)
-            if len(calls) == 3 * 2:  # 2 micro-batches per step
-                raise KeyboardInterrupt
-        return loss(chosen, rejected)
-
-    monkeypatch.setattr(rm, "bradley_terry_loss", interrupting_loss)
-    with pytest.raises(KeyboardInterrupt):
-        rm.main(make_args(output_dir=str(tmp_path / "b"), **overrides))
-    (run_b,) = glob.glob(str(tmp_path / "b" / "*"))
-    assert [line["global_step"] for line in read_metrics(run_b)] == [0, 1, 2]
-    monkeypatch.setattr(rm, "bradley_terry_loss", loss)
-    assert rm.main(make_args(output_dir=str(tmp_path / "b"), resume=run_b, **overrides)) == run_b
-    lines_a, lines_b = read_metrics(run_a), read_metrics(run_b)
-    assert [line["global_step"] for line in lines_b] == [0, 1, 2, 3, 4]
-    assert without_timing(lines_b) == without_timing(lines_a)
-    weights_a = load_file(os.path.join(run_a, "model", "model.safetensors"))
-    weights_b = load_file(os.path.join(run_b, "model", "model.safetensors"))
-    assert all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
+    assert_survives_kills("reward_modeling.py", cli_flags(values), output_flags, str(tmp_path), seed=23)
 
 
 @pytest.mark.slow

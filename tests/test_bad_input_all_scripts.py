@@ -1,0 +1,106 @@
+"""The faults of the shared data loading and run folder, tried on every script: one line naming the file, line or
+argument, before any model is loaded (issue 20). grpo_math.py has the same and more in test_grpo_math_bad_input.py."""
+
+import json
+
+import pytest
+from conftest import NoModelLoads, one_line_error
+
+import async_rlhf
+import dpo_online
+import ppo_prm_clip
+import ppo_rlhf
+import reward_modeling
+
+SCRIPTS = {
+    "dpo_online": dpo_online,
+    "ppo_rlhf": ppo_rlhf,
+    "ppo_prm_clip": ppo_prm_clip,
+    "async_rlhf": async_rlhf,
+    "reward_modeling": reward_modeling,
+}
+GOOD_ROWS = [{"question": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(16)]
+
+
+@pytest.fixture(params=sorted(SCRIPTS))
+def script_args(request, tiny_model_dir, tiny_reward_model_dir, tmp_path, monkeypatch):
+    """(module, make(**overrides) -> its Args on the tiny models, with every model load failing)."""
+    module = SCRIPTS[request.param]
+    for name in ("AutoModelForCausalLM", "AutoModelForSequenceClassification"):
+        if hasattr(module, name):
+            monkeypatch.setattr(module, name, NoModelLoads)
+
+    def make(**overrides):
+        values = dict(model_name_or_path=tiny_model_dir, output_dir=str(tmp_path / "runs"), vllm=False)
+        if hasattr(module.Args, "reward_model_path"):
+            values["reward_model_path"] = tiny_reward_model_dir
+        if module is reward_modeling:
+            values.update(reward_model_dir=str(tmp_path / "reward_model"), max_prompt_length=128)
+        return module.Args(**{**values, **overrides})
+
+    return module, make
+
+
+def write_rows(folder, train_rows, test_rows=None):
+    folder.mkdir(parents=True, exist_ok=True)
+    for split, rows in (("train", train_rows), ("test", train_rows if test_rows is None else test_rows)):
+        with open(folder / f"{split}.jsonl", "w") as f:
+            f.writelines((row if isinstance(row, str) else json.dumps(row)) + "\n" for row in rows)
+    return str(folder)
+
+
+def test_malformed_json_line(script_args, tmp_path):
+    module, make = script_args
+    folder = write_rows(tmp_path / "task", GOOD_ROWS[:3] + ['{"question": "What is'] + GOOD_ROWS)
+    one_line_error(module.main, make(dataset_path=folder), "train.jsonl line 4", "not valid JSON")
+
+
+def test_column_missing_from_some_rows(script_args, tmp_path):
+    module, make = script_args
+    rows = GOOD_ROWS[:9] + [{"answer": "3"}] + GOOD_ROWS[9:]
+    message = one_line_error(module.main, make(dataset_path=write_rows(tmp_path / "task", rows)), "--question_column")
+    assert "1 of 17 rows" in message and "row 10" in message
+
+
+def test_question_that_is_not_text(script_args, tmp_path):
+    module, make = script_args
+    rows = GOOD_ROWS[:5] + [{"question": ["What", "is", "2?"], "answer": "2"}] + GOOD_ROWS[5:]
+    message = one_line_error(module.main, make(dataset_path=write_rows(tmp_path / "task", rows)), "question")
+    assert "not text" in message and "row 6" in message
+
+
+def test_no_eval_question_fits_max_prompt_length(script_args, tmp_path):
+    module, make = script_args
+    long_rows = [{"question": "What is " + " + ".join(["1"] * 200) + "?", "answer": "200"} for _ in range(4)]
+    folder = write_rows(tmp_path / "task", GOOD_ROWS, long_rows)
+    one_line_error(module.main, make(dataset_path=folder, max_prompt_length=128), "--max_prompt_length", "split test")
+
+
+def test_output_dir_that_is_a_file(script_args, task_dir, tmp_path):
+    module, make = script_args
+    (tmp_path / "a_file").write_text("")
+    one_line_error(module.main, make(dataset_path=task_dir, output_dir=str(tmp_path / "a_file")), "--output_dir")
+
+
+def test_hub_dataset_offline(script_args):
+    module, make = script_args
+    message = one_line_error(
+        module.main, make(dataset_path="no-such-org/no-such-dataset"), "no-such-org/no-such-dataset"
+    )
+    assert "offline" in message
+
+
+def test_resume_of_a_corrupted_checkpoint_names_the_intact_one(script_args, task_dir, tmp_path):
+    module, make = script_args
+    run_dir = tmp_path / "run"
+    for step in (1, 2):
+        folder = run_dir / "checkpoints" / f"step_{step:06d}"
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(bytes(range(256)) * 4)
+        (folder / "trainer_state.json").write_text(json.dumps({"global_step": step, "episode": 8 * step}))
+        (folder / "checksums.json").write_text(json.dumps(module.file_checksums(str(folder))))
+    (run_dir / "config.json").write_text(json.dumps({"args": {"run_name": "run"}}))
+    with open(run_dir / "checkpoints" / "step_000002" / "model.safetensors", "r+b") as f:
+        f.truncate(100)
+    message = one_line_error(module.main, make(dataset_path=task_dir, resume=str(run_dir)), "step_000002", "corrupted")
+    assert message.endswith(f"--resume {run_dir / 'checkpoints' / 'step_000001'}")
