@@ -185,6 +185,10 @@ class Args:
     """dtype of the trained weights (and of the generator's copy); bfloat16 weights lose small Adam updates"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass (less memory, ~30% slower)"""
+    shared_prompt: bool = True
+    """compute each prompt once per group in the training forwards (policy, old policy, reference): one sequence of
+    the prompt and its completions with a block attention mask, same log-probs; --no-shared_prompt computes each
+    completion with its own copy of the prompt"""
     lora_r: int = 0
     """LoRA rank of the policy through peft (0: full fine-tuning); the reference is then the adapters switched off,
     and the generator receives the merged weights"""
@@ -446,6 +450,79 @@ def response_logprobs(model, input_ids, attention_mask, context_length, temperat
     return logprobs_from_logits(logits, input_ids[:, context_length:]), logits
 
 
+def prompt_groups(input_ids, attention_mask, context_length):
+    """The group of each row (the rows with the same prompt ids and padding, wherever they are in the batch) and its
+    slot, its rank in the group by content (then by position, between identical rows). The packing of
+    shared_prompt_inputs then depends on the set of rows only, not on their order, and so does each row's result.
+    input_ids, attention_mask [B, P + R] -> (group [B] in 0..K-1, slot [B])"""
+    prompts = torch.cat([input_ids[:, :context_length], attention_mask[:, :context_length]], 1)
+    group = torch.unique(prompts, dim=0, return_inverse=True)[1]
+    content = torch.unique(torch.cat([input_ids, attention_mask], 1), dim=0, return_inverse=True)[1]
+    rank = torch.empty_like(group)
+    rank[torch.sort(group * len(group) + content, stable=True).indices] = torch.arange(len(group), device=group.device)
+    first = torch.full((int(group.max()) + 1,), len(group), device=group.device).scatter_reduce(0, group, rank, "amin")
+    return group, rank - first[group]
+
+
+def shared_prompt_inputs(input_ids, attention_mask, context_length, group, slot):
+    """The packed batch of shared_prompt_logprobs: one sequence per group of rows, its prompt then each row's response
+    in a slot of R tokens. input_ids, attention_mask [B, P + R]; group, slot [B] (prompt_groups). Returns the ids
+    [K, L] (L = P + S * R, S the largest group), the attention mask [K, 1, L, L] (True: the query row may attend to
+    the key column; a response sees the real prompt tokens and itself, causally; every position sees itself, so that
+    no row of the softmax is empty) and the position ids [K, L] (a response continues from its prompt's real
+    length)."""
+    P, R, device = context_length, input_ids.shape[1] - context_length, input_ids.device
+    num_groups, slots = int(group.max()) + 1, int(slot.max()) + 1
+    first_row = torch.zeros(num_groups, dtype=torch.long, device=device).scatter_(
+        0, group[slot == 0], torch.nonzero(slot == 0).squeeze(1)
+    )
+    length = P + slots * R
+    ids = torch.zeros((num_groups, length), dtype=input_ids.dtype, device=device)
+    valid = torch.zeros((num_groups, length), dtype=torch.bool, device=device)
+    ids[:, :P], valid[:, :P] = input_ids[first_row, :P], attention_mask[first_row, :P] > 0
+    columns = P + slot[:, None] * R + torch.arange(R, device=device)  # [B, R]
+    ids[group[:, None], columns] = input_ids[:, P:]
+    valid[group[:, None], columns] = attention_mask[:, P:] > 0
+    prompt_positions = (valid[:, :P].long().cumsum(1) - 1).clamp(min=0)
+    response_positions = valid[:, :P].sum(1, keepdim=True) + torch.arange(R, device=device)
+    positions = torch.cat([prompt_positions, response_positions.repeat(1, slots)], 1)
+    segment = torch.cat([torch.full((P,), -1, device=device), torch.arange(slots, device=device).repeat_interleave(R)])
+    same_block = (segment[None, :] == -1) | (segment[None, :] == segment[:, None])  # [query, key]
+    causal = torch.ones((length, length), dtype=torch.bool, device=device).tril()
+    mask = (causal & same_block)[None] & valid[:, None, :]  # [K, L, L]
+    mask |= torch.eye(length, dtype=torch.bool, device=device)
+    return ids, mask[:, None], positions
+
+
+def shared_prompt_logprobs(model, input_ids, attention_mask, context_length, temperature):
+    """response_logprobs with each prompt computed once per group: the rows with the same prompt (a group's
+    completions) run as one sequence, the prompt then every response (shared_prompt_inputs), in which a response
+    attends to the prompt and to itself only and its positions continue from the prompt's real length. The
+    log-probs are the same, the gradients reach the prompt summed over its group, and the model runs P + G * R
+    tokens instead of G * (P + R) (Prefix Grouper, arXiv 2506.05433). Without any shared prompt, or with an
+    attention backend that ignores a 4D mask (flash-attention), it is response_logprobs.
+    Returns (logprobs [B, R], logits [B, R, V]) with logits divided by the sampling temperature."""
+    group, slot = prompt_groups(input_ids, attention_mask, context_length)
+    attention = getattr(model, "module", model).config._attn_implementation
+    if int(slot.max()) == 0 or attention not in ("sdpa", "eager"):
+        return response_logprobs(model, input_ids, attention_mask, context_length, temperature)
+    R, device = input_ids.shape[1] - context_length, input_ids.device
+    ids, mask, positions = shared_prompt_inputs(input_ids, attention_mask, context_length, group, slot)
+    if attention == "eager":  # eager attention adds the mask to the scores
+        mask = torch.zeros(mask.shape, device=device).masked_fill(~mask, torch.finfo(torch.float32).min)
+    # The logits needed: at the prompt's last position (the first response token of every row), then at the first
+    # R - 1 positions of each slot.
+    slot_starts = context_length + R * torch.arange(int(slot.max()) + 1, device=device)
+    in_slot = torch.arange(R - 1, device=device)
+    keep = torch.cat([slot_starts.new_tensor([context_length - 1]), (slot_starts[:, None] + in_slot).flatten()])
+    packed = model(
+        input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, logits_to_keep=keep
+    ).logits  # [K, 1 + S * (R - 1), V]
+    columns = torch.cat([torch.zeros_like(slot)[:, None], 1 + slot[:, None] * (R - 1) + in_slot], 1)  # [B, R]
+    logits = packed[group[:, None], columns].float() / temperature
+    return logprobs_from_logits(logits, input_ids[:, context_length:]), logits
+
+
 NUMBER = r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?"  # 12, -1,234.5, .5, 3/4
 
 
@@ -525,6 +602,7 @@ def dpo_update(model, optimizer, scheduler, accelerator, args, batch, scores, st
     groups = [torch.arange(i, i + mb) for i in range(0, args.prompts_per_rank, mb)]  # the pairs of each micro-batch
     micro_rows = [torch.cat([chosen[group], rejected[group]]) for group in groups]
     ref_logprobs = reference_logprobs(model, accelerator, args, batch, micro_rows)  # [2P, R]
+    logprobs_fn = shared_prompt_logprobs if args.shared_prompt else response_logprobs  # a pair shares its prompt
     ref_sequence_logps = (ref_logprobs * mask).sum(1)  # [2P]
 
     model.train()
@@ -541,7 +619,7 @@ def dpo_update(model, optimizer, scheduler, accelerator, args, batch, scores, st
             # Gradients sync over processes on the last micro-batch of the minibatch (where DeepSpeed also takes its
             # optimizer step, clipped by max_grad_norm). Every process runs every micro-batch.
             with accelerator.accumulate(model):
-                logprobs = response_logprobs(
+                logprobs = logprobs_fn(
                     model, query_responses[rows], attention_mask[rows], context_length, args.temperature
                 )[0]
                 loss, sums, micro_stats = async_dpo_loss(
@@ -580,6 +658,7 @@ def rloo_update(model, optimizer, scheduler, accelerator, args, batch, judged, s
     # Each forward/backward pass: the k completions of micro_batch_size prompts.
     micro_rows = [torch.arange(i * k, (i + mb) * k, device=device) for i in range(0, args.prompts_per_rank, mb)]
     ref_logprobs = reference_logprobs(model, accelerator, args, batch, micro_rows)  # [kP, R]
+    logprobs_fn = shared_prompt_logprobs if args.shared_prompt else response_logprobs  # k completions per prompt
     old_logprobs = batch["old_logprobs"]  # the generator's: its policy copy's, or vLLM's own
     rlhf_reward, non_score_reward = rloo_rewards(
         judged, old_logprobs, ref_logprobs, mask, args.kl_coef, args.kl_estimator
@@ -605,7 +684,7 @@ def rloo_update(model, optimizer, scheduler, accelerator, args, batch, judged, s
             # Gradients sync over processes on the last micro-batch of the minibatch (where DeepSpeed also takes its
             # optimizer step, clipped by max_grad_norm). Every process runs every micro-batch.
             with accelerator.accumulate(model):
-                logprobs = response_logprobs(
+                logprobs = logprobs_fn(
                     model, query_responses[rows], attention_mask[rows], context_length, args.temperature
                 )[0]
                 loss, micro_stats = rloo_loss(
@@ -965,12 +1044,14 @@ class AsyncGenerator:
         exactly at the reference and at ratio 1.
         Under --mixed_precision bf16 accelerate autocasts the prepared policy's forward only: the generator's models
         (its policy copy, the reference, the reward model) run under the same autocast, so that at lag 0 the ratio
-        is exactly 1 and the KL and DPO's h exactly 0. Autocast is per thread: each forward enters it itself."""
+        is exactly 1 and the KL and DPO's h exactly 0. Autocast is per thread: each forward enters it itself.
+        shared_prompt_logprobs packs a micro-batch the same whatever the order of its rows."""
         k = self.args.micro_batch_size * self.args.num_completions
+        logprobs_fn = shared_prompt_logprobs if self.args.shared_prompt else response_logprobs
         with torch.no_grad(), self.accelerator.autocast():
             return torch.cat(
                 [
-                    response_logprobs(
+                    logprobs_fn(
                         scorer,
                         query_responses[i : i + k],
                         attention_mask[i : i + k],
@@ -1082,10 +1163,11 @@ def reference_logprobs(model, accelerator, args, batch, micro_rows):
     if batch["ref_logprobs"] is not None:
         return batch["ref_logprobs"]
     ref_logprobs = torch.zeros(batch["mask"].shape, device=accelerator.device)
+    logprobs_fn = shared_prompt_logprobs if args.shared_prompt else response_logprobs
     model.eval()
     with torch.no_grad(), accelerator.unwrap_model(model).disable_adapter():
         for rows in micro_rows:
-            ref_logprobs[rows] = response_logprobs(
+            ref_logprobs[rows] = logprobs_fn(
                 model,
                 batch["query_responses"][rows],
                 batch["attention_mask"][rows],

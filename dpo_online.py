@@ -135,6 +135,10 @@ class Args:
     """dtype of the trained weights; bfloat16 weights lose Adam updates smaller than their precision"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass (less memory, ~30% slower)"""
+    shared_prompt: bool = True
+    """compute each prompt once per group in the training forwards (policy, old policy, reference): one sequence of
+    the prompt and its completions with a block attention mask, same log-probs; --no-shared_prompt computes each
+    completion with its own copy of the prompt"""
     lora_r: int = 0
     """LoRA rank of the policy through peft (0: full fine-tuning); the reference is then the adapters switched off"""
     lora_alpha: int = 32
@@ -353,6 +357,79 @@ def response_logprobs(model, input_ids, attention_mask, context_length, temperat
     return logprobs_from_logits(logits, input_ids[:, context_length:]), logits
 
 
+def prompt_groups(input_ids, attention_mask, context_length):
+    """The group of each row (the rows with the same prompt ids and padding, wherever they are in the batch) and its
+    slot, its rank in the group by content (then by position, between identical rows). The packing of
+    shared_prompt_inputs then depends on the set of rows only, not on their order, and so does each row's result.
+    input_ids, attention_mask [B, P + R] -> (group [B] in 0..K-1, slot [B])"""
+    prompts = torch.cat([input_ids[:, :context_length], attention_mask[:, :context_length]], 1)
+    group = torch.unique(prompts, dim=0, return_inverse=True)[1]
+    content = torch.unique(torch.cat([input_ids, attention_mask], 1), dim=0, return_inverse=True)[1]
+    rank = torch.empty_like(group)
+    rank[torch.sort(group * len(group) + content, stable=True).indices] = torch.arange(len(group), device=group.device)
+    first = torch.full((int(group.max()) + 1,), len(group), device=group.device).scatter_reduce(0, group, rank, "amin")
+    return group, rank - first[group]
+
+
+def shared_prompt_inputs(input_ids, attention_mask, context_length, group, slot):
+    """The packed batch of shared_prompt_logprobs: one sequence per group of rows, its prompt then each row's response
+    in a slot of R tokens. input_ids, attention_mask [B, P + R]; group, slot [B] (prompt_groups). Returns the ids
+    [K, L] (L = P + S * R, S the largest group), the attention mask [K, 1, L, L] (True: the query row may attend to
+    the key column; a response sees the real prompt tokens and itself, causally; every position sees itself, so that
+    no row of the softmax is empty) and the position ids [K, L] (a response continues from its prompt's real
+    length)."""
+    P, R, device = context_length, input_ids.shape[1] - context_length, input_ids.device
+    num_groups, slots = int(group.max()) + 1, int(slot.max()) + 1
+    first_row = torch.zeros(num_groups, dtype=torch.long, device=device).scatter_(
+        0, group[slot == 0], torch.nonzero(slot == 0).squeeze(1)
+    )
+    length = P + slots * R
+    ids = torch.zeros((num_groups, length), dtype=input_ids.dtype, device=device)
+    valid = torch.zeros((num_groups, length), dtype=torch.bool, device=device)
+    ids[:, :P], valid[:, :P] = input_ids[first_row, :P], attention_mask[first_row, :P] > 0
+    columns = P + slot[:, None] * R + torch.arange(R, device=device)  # [B, R]
+    ids[group[:, None], columns] = input_ids[:, P:]
+    valid[group[:, None], columns] = attention_mask[:, P:] > 0
+    prompt_positions = (valid[:, :P].long().cumsum(1) - 1).clamp(min=0)
+    response_positions = valid[:, :P].sum(1, keepdim=True) + torch.arange(R, device=device)
+    positions = torch.cat([prompt_positions, response_positions.repeat(1, slots)], 1)
+    segment = torch.cat([torch.full((P,), -1, device=device), torch.arange(slots, device=device).repeat_interleave(R)])
+    same_block = (segment[None, :] == -1) | (segment[None, :] == segment[:, None])  # [query, key]
+    causal = torch.ones((length, length), dtype=torch.bool, device=device).tril()
+    mask = (causal & same_block)[None] & valid[:, None, :]  # [K, L, L]
+    mask |= torch.eye(length, dtype=torch.bool, device=device)
+    return ids, mask[:, None], positions
+
+
+def shared_prompt_logprobs(model, input_ids, attention_mask, context_length, temperature):
+    """response_logprobs with each prompt computed once per group: the rows with the same prompt (a group's
+    completions) run as one sequence, the prompt then every response (shared_prompt_inputs), in which a response
+    attends to the prompt and to itself only and its positions continue from the prompt's real length. The
+    log-probs are the same, the gradients reach the prompt summed over its group, and the model runs P + G * R
+    tokens instead of G * (P + R) (Prefix Grouper, arXiv 2506.05433). Without any shared prompt, or with an
+    attention backend that ignores a 4D mask (flash-attention), it is response_logprobs.
+    Returns (logprobs [B, R], logits [B, R, V]) with logits divided by the sampling temperature."""
+    group, slot = prompt_groups(input_ids, attention_mask, context_length)
+    attention = getattr(model, "module", model).config._attn_implementation
+    if int(slot.max()) == 0 or attention not in ("sdpa", "eager"):
+        return response_logprobs(model, input_ids, attention_mask, context_length, temperature)
+    R, device = input_ids.shape[1] - context_length, input_ids.device
+    ids, mask, positions = shared_prompt_inputs(input_ids, attention_mask, context_length, group, slot)
+    if attention == "eager":  # eager attention adds the mask to the scores
+        mask = torch.zeros(mask.shape, device=device).masked_fill(~mask, torch.finfo(torch.float32).min)
+    # The logits needed: at the prompt's last position (the first response token of every row), then at the first
+    # R - 1 positions of each slot.
+    slot_starts = context_length + R * torch.arange(int(slot.max()) + 1, device=device)
+    in_slot = torch.arange(R - 1, device=device)
+    keep = torch.cat([slot_starts.new_tensor([context_length - 1]), (slot_starts[:, None] + in_slot).flatten()])
+    packed = model(
+        input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, logits_to_keep=keep
+    ).logits  # [K, 1 + S * (R - 1), V]
+    columns = torch.cat([torch.zeros_like(slot)[:, None], 1 + slot[:, None] * (R - 1) + in_slot], 1)  # [B, R]
+    logits = packed[group[:, None], columns].float() / temperature
+    return logprobs_from_logits(logits, input_ids[:, context_length:]), logits
+
+
 def verifier_verdicts(texts, golds):
     """The task's verifier: 1.0 for a completion whose final answer is the gold one, else 0.0. [N]"""
     return torch.tensor([verify_answer(extract_answer(t), g) for t, g in zip(texts, golds)])
@@ -460,10 +537,11 @@ def main(args: Args):
         micro_batches = torch.arange(num_pairs).split(args.micro_batch_size)  # pair indices
         row_batches = [torch.cat([chosen[pairs], rejected[pairs]]) for pairs in micro_batches]
         ref_context = unwrapped.disable_adapter() if args.lora_r > 0 else contextlib.nullcontext()
+        logprobs_fn = shared_prompt_logprobs if args.shared_prompt else response_logprobs  # a pair shares its prompt
         model.eval()
         with ref_context, accelerator.autocast():
             batch = (query_responses, attention_mask, context_length, args.temperature)
-            ref_logprobs = fixed_logprobs_of_rows(ref_model or model, *batch, row_batches)
+            ref_logprobs = fixed_logprobs_of_rows(logprobs_fn, ref_model or model, *batch, row_batches)
 
         # 5. DPO update: one pass over the pairs, in minibatches (one optimizer step each) of micro-batches (gradient
         # accumulation).
@@ -477,7 +555,7 @@ def main(args: Args):
                 pairs, rows = micro_batches[i], row_batches[i]
                 # Gradients sync over processes on the minibatch's last micro-batch (where DeepSpeed also steps).
                 with accelerator.accumulate(model):
-                    logprobs = response_logprobs(
+                    logprobs = logprobs_fn(
                         model, query_responses[rows], attention_mask[rows], context_length, args.temperature
                     )[0]
                     loss, stats = online_dpo_loss(
@@ -513,7 +591,8 @@ def main(args: Args):
         # 7. Log (averaged over processes; the pair statistics over all kept pairs), evaluate, checkpoint.
         metrics = reduce_metrics(accelerator, metrics) | update_stats.reduce(accelerator)
         run.episode += 2 * num_pairs * world_size
-        metrics["perf/episodes_per_second"] = 2 * num_pairs * world_size / (time.time() - t_step)
+        metrics["time/step"] = time.time() - t_step
+        metrics["perf/episodes_per_second"] = 2 * num_pairs * world_size / metrics["time/step"]
         samples = []
         if is_due(step + 1, args.eval_every, args.total_steps):
             eval_metrics, samples = evaluate(sampler, eval_set, has_gold, reward_model, args, accelerator, step + 1)
@@ -819,15 +898,17 @@ def contains_eos(responses, mask, stop_token_ids):
     return (torch.isin(responses, torch.tensor(stop_token_ids)) & (mask > 0)).any(1)
 
 
-def fixed_logprobs_of_rows(model, query_responses, attention_mask, context_length, temperature, row_batches):
-    """response_logprobs without gradients, computed batch by batch on the given rows (the update's micro-batches,
-    so that the policy's log-probs before its first update equal them bit for bit); every row must be in one batch.
-    [B, P + R] -> [B, R]"""
+def fixed_logprobs_of_rows(
+    logprobs_fn, model, query_responses, attention_mask, context_length, temperature, row_batches
+):
+    """logprobs_fn (response_logprobs or shared_prompt_logprobs) without gradients, computed batch by batch on the
+    given rows (the update's micro-batches, so that the policy's log-probs before its first update equal them bit for
+    bit); every row must be in one batch. [B, P + R] -> [B, R]"""
     shape = (query_responses.shape[0], query_responses.shape[1] - context_length)
     logprobs = torch.zeros(shape, device=query_responses.device)
     with torch.no_grad():
         for rows in row_batches:
-            logprobs[rows] = response_logprobs(
+            logprobs[rows] = logprobs_fn(
                 model, query_responses[rows], attention_mask[rows], context_length, temperature
             )[0]
     return logprobs

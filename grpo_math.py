@@ -127,6 +127,10 @@ class Args:
     """dtype of the trained weights; bfloat16 weights lose Adam updates smaller than their precision"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass (less memory, ~30% slower)"""
+    shared_prompt: bool = True
+    """compute each prompt once per group in the training forwards (policy, old policy, reference): one sequence of
+    the prompt and its completions with a block attention mask, same log-probs; --no-shared_prompt computes each
+    completion with its own copy of the prompt"""
     lora_r: int = 0
     """LoRA rank through peft (0: full fine-tuning)"""
     lora_alpha: int = 32
@@ -337,6 +341,50 @@ def entropy_from_logits(logits):
     return torch.logsumexp(logits, dim=-1) - (F.softmax(logits, dim=-1) * logits).sum(-1)
 
 
+def prompt_groups(input_ids, attention_mask, context_length):
+    """The group of each row (the rows with the same prompt ids and padding, wherever they are in the batch) and its
+    slot, its rank in the group by content (then by position, between identical rows). The packing of
+    shared_prompt_inputs then depends on the set of rows only, not on their order, and so does each row's result.
+    input_ids, attention_mask [B, P + R] -> (group [B] in 0..K-1, slot [B])"""
+    prompts = torch.cat([input_ids[:, :context_length], attention_mask[:, :context_length]], 1)
+    group = torch.unique(prompts, dim=0, return_inverse=True)[1]
+    content = torch.unique(torch.cat([input_ids, attention_mask], 1), dim=0, return_inverse=True)[1]
+    rank = torch.empty_like(group)
+    rank[torch.sort(group * len(group) + content, stable=True).indices] = torch.arange(len(group), device=group.device)
+    first = torch.full((int(group.max()) + 1,), len(group), device=group.device).scatter_reduce(0, group, rank, "amin")
+    return group, rank - first[group]
+
+
+def shared_prompt_inputs(input_ids, attention_mask, context_length, group, slot):
+    """The packed batch of shared_prompt_logprobs: one sequence per group of rows, its prompt then each row's response
+    in a slot of R tokens. input_ids, attention_mask [B, P + R]; group, slot [B] (prompt_groups). Returns the ids
+    [K, L] (L = P + S * R, S the largest group), the attention mask [K, 1, L, L] (True: the query row may attend to
+    the key column; a response sees the real prompt tokens and itself, causally; every position sees itself, so that
+    no row of the softmax is empty) and the position ids [K, L] (a response continues from its prompt's real
+    length)."""
+    P, R, device = context_length, input_ids.shape[1] - context_length, input_ids.device
+    num_groups, slots = int(group.max()) + 1, int(slot.max()) + 1
+    first_row = torch.zeros(num_groups, dtype=torch.long, device=device).scatter_(
+        0, group[slot == 0], torch.nonzero(slot == 0).squeeze(1)
+    )
+    length = P + slots * R
+    ids = torch.zeros((num_groups, length), dtype=input_ids.dtype, device=device)
+    valid = torch.zeros((num_groups, length), dtype=torch.bool, device=device)
+    ids[:, :P], valid[:, :P] = input_ids[first_row, :P], attention_mask[first_row, :P] > 0
+    columns = P + slot[:, None] * R + torch.arange(R, device=device)  # [B, R]
+    ids[group[:, None], columns] = input_ids[:, P:]
+    valid[group[:, None], columns] = attention_mask[:, P:] > 0
+    prompt_positions = (valid[:, :P].long().cumsum(1) - 1).clamp(min=0)
+    response_positions = valid[:, :P].sum(1, keepdim=True) + torch.arange(R, device=device)
+    positions = torch.cat([prompt_positions, response_positions.repeat(1, slots)], 1)
+    segment = torch.cat([torch.full((P,), -1, device=device), torch.arange(slots, device=device).repeat_interleave(R)])
+    same_block = (segment[None, :] == -1) | (segment[None, :] == segment[:, None])  # [query, key]
+    causal = torch.ones((length, length), dtype=torch.bool, device=device).tril()
+    mask = (causal & same_block)[None] & valid[:, None, :]  # [K, L, L]
+    mask |= torch.eye(length, dtype=torch.bool, device=device)
+    return ids, mask[:, None], positions
+
+
 def response_logprobs(model, input_ids, attention_mask, context_length, temperature):
     """Log-probs of the response tokens input_ids[:, context_length:] under `model`, and the logits that gave them.
     Prompts are left-padded, so positions are counted from each sequence's first real token.
@@ -356,16 +404,43 @@ def response_logprobs(model, input_ids, attention_mask, context_length, temperat
     return logprobs_from_logits(logits, input_ids[:, context_length:]), logits
 
 
-def fixed_logprobs(model, query_responses, attention_mask, context_length, temperature, micro_batch_size):
-    """response_logprobs without gradients, micro-batch by micro-batch: the old policy's and the reference's log-probs,
-    which stay fixed during the update. [B, P + R] -> [B, R]"""
+def shared_prompt_logprobs(model, input_ids, attention_mask, context_length, temperature):
+    """response_logprobs with each prompt computed once per group: the rows with the same prompt (a group's
+    completions) run as one sequence, the prompt then every response (shared_prompt_inputs), in which a response
+    attends to the prompt and to itself only and its positions continue from the prompt's real length. The
+    log-probs are the same, the gradients reach the prompt summed over its group, and the model runs P + G * R
+    tokens instead of G * (P + R) (Prefix Grouper, arXiv 2506.05433). Without any shared prompt, or with an
+    attention backend that ignores a 4D mask (flash-attention), it is response_logprobs.
+    Returns (logprobs [B, R], logits [B, R, V]) with logits divided by the sampling temperature."""
+    group, slot = prompt_groups(input_ids, attention_mask, context_length)
+    attention = getattr(model, "module", model).config._attn_implementation
+    if int(slot.max()) == 0 or attention not in ("sdpa", "eager"):
+        return response_logprobs(model, input_ids, attention_mask, context_length, temperature)
+    R, device = input_ids.shape[1] - context_length, input_ids.device
+    ids, mask, positions = shared_prompt_inputs(input_ids, attention_mask, context_length, group, slot)
+    if attention == "eager":  # eager attention adds the mask to the scores
+        mask = torch.zeros(mask.shape, device=device).masked_fill(~mask, torch.finfo(torch.float32).min)
+    # The logits needed: at the prompt's last position (the first response token of every row), then at the first
+    # R - 1 positions of each slot.
+    slot_starts = context_length + R * torch.arange(int(slot.max()) + 1, device=device)
+    in_slot = torch.arange(R - 1, device=device)
+    keep = torch.cat([slot_starts.new_tensor([context_length - 1]), (slot_starts[:, None] + in_slot).flatten()])
+    packed = model(
+        input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, logits_to_keep=keep
+    ).logits  # [K, 1 + S * (R - 1), V]
+    columns = torch.cat([torch.zeros_like(slot)[:, None], 1 + slot[:, None] * (R - 1) + in_slot], 1)  # [B, R]
+    logits = packed[group[:, None], columns].float() / temperature
+    return logprobs_from_logits(logits, input_ids[:, context_length:]), logits
+
+
+def fixed_logprobs(logprobs_fn, model, query_responses, attention_mask, context_length, temperature, micro_batch_size):
+    """logprobs_fn (response_logprobs, or shared_prompt_logprobs where a script has it) without gradients, by
+    micro-batch: the old policy's and the reference's log-probs, which stay fixed during the update.
+    [B, P + R] -> [B, R]"""
     parts = [slice(i, i + micro_batch_size) for i in range(0, len(query_responses), micro_batch_size)]
     with torch.no_grad():
         return torch.cat(
-            [
-                response_logprobs(model, query_responses[s], attention_mask[s], context_length, temperature)[0]
-                for s in parts
-            ]
+            [logprobs_fn(model, query_responses[s], attention_mask[s], context_length, temperature)[0] for s in parts]
         )
 
 
@@ -510,15 +585,16 @@ def main(args: Args):
         # the first pass is exactly on-policy) and the reference's, under the policy's autocast so that the KL is
         # exactly 0 before the first update (accelerate autocasts the prepared model only). [B, R]
         t0 = time.time()
+        logprobs_fn = shared_prompt_logprobs if args.shared_prompt else response_logprobs
         batch = (query_responses, attention_mask, context_length, args.temperature, args.micro_batch_size)
         reuse = args.num_iterations > 1 or args.num_minibatches > 1
         model.eval()
-        old_logprobs = fixed_logprobs(model, *batch) if reuse else None
+        old_logprobs = fixed_logprobs(logprobs_fn, model, *batch) if reuse else None
         ref_logprobs = None
         if args.beta > 0:
             ref_context = unwrapped.disable_adapter() if args.lora_r > 0 else contextlib.nullcontext()
             with ref_context, accelerator.autocast():
-                ref_logprobs = fixed_logprobs(ref_model or model, *batch)
+                ref_logprobs = fixed_logprobs(logprobs_fn, ref_model or model, *batch)
 
         # 6. Policy update: num_iterations passes over the batch (the first in rollout order), each split into
         # minibatches (one optimizer step each), each into micro-batches (gradient accumulation).
@@ -541,7 +617,7 @@ def main(args: Args):
                     idx = minibatch[micro_start : micro_start + args.micro_batch_size].to(accelerator.device)
                     # Gradients sync over processes on the minibatch's last micro-batch (where DeepSpeed also steps).
                     with accelerator.accumulate(model):
-                        logprobs, logits = response_logprobs(
+                        logprobs, logits = logprobs_fn(
                             model, query_responses[idx], attention_mask[idx], context_length, args.temperature
                         )
                         old = old_logprobs[idx] if reuse else logprobs.detach()
@@ -601,7 +677,8 @@ def main(args: Args):
         if sampler_logprobs is not None:
             metrics["objective/logprob_ratio_max"] = reduce_metrics(accelerator, {"m": gap_max}, "max")["m"]
         run.episode += args.batch_size * world_size
-        metrics["perf/episodes_per_second"] = args.batch_size * world_size / (time.time() - t_step)
+        metrics["time/step"] = time.time() - t_step
+        metrics["perf/episodes_per_second"] = args.batch_size * world_size / metrics["time/step"]
         samples = []
         if is_due(step + 1, args.eval_every, args.total_steps):
             eval_metrics, samples = evaluate(sampler, eval_sets, args, accelerator, tokenizer, step + 1)

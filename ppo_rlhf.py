@@ -370,16 +370,14 @@ def response_logprobs(model, input_ids, attention_mask, context_length, temperat
     return logprobs_from_logits(logits, input_ids[:, context_length:]), logits
 
 
-def fixed_logprobs(model, query_responses, attention_mask, context_length, temperature, micro_batch_size):
-    """response_logprobs without gradients, micro-batch by micro-batch: the old policy's and the reference's log-probs,
-    which stay fixed during the update. [B, P + R] -> [B, R]"""
+def fixed_logprobs(logprobs_fn, model, query_responses, attention_mask, context_length, temperature, micro_batch_size):
+    """logprobs_fn (response_logprobs, or shared_prompt_logprobs where a script has it) without gradients, by
+    micro-batch: the old policy's and the reference's log-probs, which stay fixed during the update.
+    [B, P + R] -> [B, R]"""
     parts = [slice(i, i + micro_batch_size) for i in range(0, len(query_responses), micro_batch_size)]
     with torch.no_grad():
         return torch.cat(
-            [
-                response_logprobs(model, query_responses[s], attention_mask[s], context_length, temperature)[0]
-                for s in parts
-            ]
+            [logprobs_fn(model, query_responses[s], attention_mask[s], context_length, temperature)[0] for s in parts]
         )
 
 
@@ -497,7 +495,7 @@ def main(args: Args):
         old_logprobs, old_values = fixed_logprobs_and_values(model, *batch)
         ref_context = unwrapped.policy.disable_adapter() if args.lora_r > 0 else contextlib.nullcontext()
         with ref_context, accelerator.autocast():
-            ref_logprobs = fixed_logprobs(ref_policy or unwrapped.policy, *batch)
+            ref_logprobs = fixed_logprobs(response_logprobs, ref_policy or unwrapped.policy, *batch)
 
         # 4. Reward: the reward model's score of each whole response (the verifier's verdict is only reported). [B]
         t0 = time.time()

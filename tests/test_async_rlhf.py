@@ -648,7 +648,8 @@ def test_invariant_gradient_accumulation_equals_one_micro_batch(make_async_args,
         )
         for m in (1, 4)
     ]
-    assert_same_trajectory(*runs, INVARIANT_KEYS)
+    # abs 1e-6: the KL (~0.03) is a mean of differences of log-probs of size ~10, whose float32 rounding is ~1e-6.
+    assert_same_trajectory(*runs, INVARIANT_KEYS, abs_=1e-6)
     initial = os.path.join(make_async_args().model_name_or_path, "model.safetensors")
     assert_same_weights(*(final_weights(d) for d in runs), initial)
 

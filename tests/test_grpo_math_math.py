@@ -559,7 +559,145 @@ def test_fixed_logprobs_by_micro_batch_equals_one_batch(tiny_model_dir):
     ids = torch.cat([ids, torch.randint(20, 200, (4, 3), generator=torch.Generator().manual_seed(0))], 1)
     attention = torch.cat([attention, torch.ones(4, 3, dtype=torch.long)], 1)
     whole = response_logprobs(model, ids, attention, 4, 0.7)[0]
-    assert torch.allclose(fixed_logprobs(model, ids, attention, 4, 0.7, 3), whole, atol=1e-6)
+    assert torch.allclose(fixed_logprobs(response_logprobs, model, ids, attention, 4, 0.7, 3), whole, atol=1e-6)
+
+
+# The shared-prompt forward: the same log-probs and gradients as each completion with its own copy of the prompt.
+
+
+def random_tiny_llama(attention, seed=0):
+    """A 2-layer random Llama (vocabulary 211) in float32 with the given attention backend."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=211,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attn_implementation=attention,
+    )
+    return LlamaForCausalLM(config).float()
+
+
+def grouped_batch(group_sizes, width=6, seed=0):
+    """Left-padded prompts of different lengths, each repeated for its group's completions, and right-padded
+    responses of lengths 1..width: (input_ids [B, P + width], attention_mask, P)."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [
+        torch.randint(3, 211, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist()
+        for _ in group_sizes
+    ]
+    rows = [p for p, n in zip(prompts, group_sizes) for _ in range(n)]
+    prompt_ids, prompt_mask = left_pad(rows, 0)
+    lengths = torch.randint(1, width + 1, (len(rows),), generator=g)
+    lengths[0] = width  # the longest response fills the width, as training_batch cuts it
+    responses = torch.randint(3, 211, (len(rows), width), generator=g)
+    response_mask = (torch.arange(width)[None] < lengths[:, None]).long()
+    input_ids = torch.cat([prompt_ids, responses * response_mask], 1)
+    return input_ids, torch.cat([prompt_mask, response_mask], 1), prompt_ids.shape[1]
+
+
+def logprobs_and_grads(model, input_ids, attention_mask, context_length, shared_prompt):
+    """Log-probs of the responses and the parameter gradients of a random weighting of them."""
+    model.zero_grad()
+    logprobs_fn = grpo_math.shared_prompt_logprobs if shared_prompt else response_logprobs
+    logprobs, _ = logprobs_fn(model, input_ids, attention_mask, context_length, 0.7)
+    mask = attention_mask[:, context_length:].float()
+    weights = torch.randn(logprobs.shape, generator=torch.Generator().manual_seed(1))
+    (logprobs * weights * mask).sum().backward()
+    return logprobs.detach() * mask, {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("group_sizes", [[8, 8], [4, 1, 3], [1, 1, 1], [5]])
+@pytest.mark.parametrize("order", ["grouped", "shuffled"])
+def test_shared_prompt_logprobs_and_gradients_equal_the_unshared(attention, group_sizes, order):
+    """Groups of G and of 1, prompts and responses of different lengths, fp32; "shuffled": a group's rows are not
+    consecutive (online DPO's micro-batches hold the chosen rows, then the rejected ones)."""
+    model = random_tiny_llama(attention)
+    input_ids, attention_mask, context_length = grouped_batch(group_sizes)
+    if order == "shuffled":
+        permutation = torch.randperm(len(input_ids), generator=torch.Generator().manual_seed(2))
+        input_ids, attention_mask = input_ids[permutation], attention_mask[permutation]
+    shared, shared_grads = logprobs_and_grads(model, input_ids, attention_mask, context_length, True)
+    alone, alone_grads = logprobs_and_grads(model, input_ids, attention_mask, context_length, False)
+    torch.testing.assert_close(shared, alone, atol=1e-5, rtol=0)
+    for name, grad in alone_grads.items():
+        scale = grad.abs().max().item() + 1e-12
+        assert (shared_grads[name] - grad).abs().max().item() <= 1e-4 * scale, name
+    # And against each row computed alone, without any padding (an independent reference).
+    for i in range(len(input_ids)):
+        real = attention_mask[i] > 0
+        row = input_ids[i][real].unsqueeze(0)
+        prompt_length = int(attention_mask[i, :context_length].sum())
+        with torch.no_grad():
+            plain = torch.log_softmax(model(row).logits[0, prompt_length - 1 : -1].double() / 0.7, -1)
+        expected = [plain[t, token].item() for t, token in enumerate(row[0, prompt_length:].tolist())]
+        assert shared[i, : len(expected)].tolist() == pytest.approx(expected, abs=1e-5)
+
+
+def test_shared_prompt_gradients_with_gradient_checkpointing():
+    model = random_tiny_llama("sdpa")
+    input_ids, attention_mask, context_length = grouped_batch([4, 3])
+    alone, alone_grads = logprobs_and_grads(model, input_ids, attention_mask, context_length, False)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    shared, shared_grads = logprobs_and_grads(model, input_ids, attention_mask, context_length, True)
+    torch.testing.assert_close(shared, alone, atol=1e-5, rtol=0)
+    for name, grad in alone_grads.items():
+        assert (shared_grads[name] - grad).abs().max().item() <= 1e-4 * (grad.abs().max().item() + 1e-12), name
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_shared_prompt_logprobs_do_not_depend_on_the_order_of_the_rows(attention):
+    """Bit for bit: async_rlhf scores a batch in rollout order and trains on it chosen rows first, and the ratio
+    must be exactly 1 at lag 0."""
+    model = random_tiny_llama(attention).eval()
+    input_ids, attention_mask, context_length = grouped_batch([2, 2, 2, 2])
+    permutation = torch.randperm(len(input_ids), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ordered = grpo_math.shared_prompt_logprobs(model, input_ids, attention_mask, context_length, 1.0)[0]
+        permuted = grpo_math.shared_prompt_logprobs(
+            model, input_ids[permutation], attention_mask[permutation], context_length, 1.0
+        )[0]
+    assert torch.equal(permuted, ordered[permutation])
+
+
+def test_shared_prompt_computes_each_prompt_once():
+    model = random_tiny_llama("sdpa")
+    seen = []
+    model.model.register_forward_hook(
+        lambda module, args, kwargs, out: seen.append(kwargs["input_ids"].shape), with_kwargs=True
+    )
+    input_ids, attention_mask, context_length = grouped_batch([8, 8], width=6)
+    with torch.no_grad():
+        grpo_math.shared_prompt_logprobs(model, input_ids, attention_mask, context_length, 1.0)
+        response_logprobs(model, input_ids, attention_mask, context_length, 1.0)
+    assert seen == [torch.Size([2, context_length + 8 * 6]), torch.Size([16, context_length + 6])]
+
+
+def test_prompt_groups_gather_the_rows_of_each_prompt_whatever_their_order():
+    prompts = [[0, 5, 6], [0, 5, 6], [5, 6, 7], [0, 5, 6], [0, 5, 6], [0, 5, 6]]
+    prompt_mask = [[0, 1, 1], [0, 1, 1], [1, 1, 1], [0, 1, 1], [1, 1, 1], [1, 1, 1]]
+    responses = [[9, 9], [8, 1], [7, 7], [8, 0], [3, 3], [3, 3]]
+    ids, mask = (
+        torch.tensor([p + r for p, r in zip(prompts, responses)]),
+        torch.tensor([m + [1, 1] for m in prompt_mask]),
+    )
+    group, slot = grpo_math.prompt_groups(ids, mask, 3)
+    # rows 0, 1, 3 share a prompt; rows 4, 5 have the same ids with other padding (another prompt); row 2 is alone
+    assert group[0] == group[1] == group[3] and group[4] == group[5] and len(set(group.tolist())) == 3
+    assert slot[[3, 1, 0]].tolist() == [0, 1, 2]  # by content: [8, 0] < [8, 1] < [9, 9]
+    assert slot[2] == 0 and sorted(slot[[4, 5]].tolist()) == [0, 1]
+    for seed in range(5):  # the same rows in any order: the same group members in the same slots
+        permutation = torch.randperm(6, generator=torch.Generator().manual_seed(seed))
+        permuted_group, permuted_slot = grpo_math.prompt_groups(ids[permutation], mask[permutation], 3)
+        assert permuted_group.tolist() == group[permutation].tolist()
+        assert permuted_slot[permutation.argsort()][:4].tolist() == slot[:4].tolist()
 
 
 def test_module_exposes_main_and_args():
