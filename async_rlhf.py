@@ -465,61 +465,64 @@ def prompt_groups(input_ids, attention_mask, context_length):
 
 
 def shared_prompt_inputs(input_ids, attention_mask, context_length, group, slot):
-    """The packed batch of shared_prompt_logprobs: one sequence per group of rows, its prompt then each row's response
-    in a slot of R tokens. input_ids, attention_mask [B, P + R]; group, slot [B] (prompt_groups). Returns the ids
-    [K, L] (L = P + S * R, S the largest group), the attention mask [K, 1, L, L] (True: the query row may attend to
-    the key column; a response sees the real prompt tokens and itself, causally; every position sees itself, so that
-    no row of the softmax is empty) and the position ids [K, L] (a response continues from its prompt's real
-    length)."""
+    """The packed batch of shared_prompt_logprobs: one sequence per group of rows, its prompt then the real tokens of
+    each row's response, back to back in slot order (no padding between them). input_ids, attention_mask [B, P + R]
+    (a response's real tokens are a prefix of its R); group, slot [B] (prompt_groups). Returns the ids [K, L] (L: the
+    longest group), the attention mask [K, 1, L, L] (True: the query row may attend to the key column; a response
+    sees the real prompt tokens and itself, causally; every position sees itself, so no row of the softmax is
+    empty), the position ids [K, L] (a response continues from its prompt's real length) and, for each row's R
+    tokens, the index in positions P - 1 .. L - 2 of the logit that predicts it [B, R] (0 for padding)."""
     P, R, device = context_length, input_ids.shape[1] - context_length, input_ids.device
     num_groups, slots = int(group.max()) + 1, int(slot.max()) + 1
-    first_row = torch.zeros(num_groups, dtype=torch.long, device=device).scatter_(
-        0, group[slot == 0], torch.nonzero(slot == 0).squeeze(1)
+    lengths = attention_mask[:, P:].sum(1)  # [B]
+    by_slot = torch.zeros((num_groups, slots), dtype=torch.long, device=device).index_put_((group, slot), lengths)
+    offsets = P + (by_slot.cumsum(1) - by_slot)[group, slot]  # where each row's response starts [B]
+    length = int((P + by_slot.sum(1)).max())
+    first_row = torch.zeros(num_groups, dtype=torch.long, device=device).index_put_(
+        (group[slot == 0],), torch.nonzero(slot == 0).squeeze(1)
     )
-    length = P + slots * R
+    prompt_valid = attention_mask[first_row, :P] > 0  # [K, P]
     ids = torch.zeros((num_groups, length), dtype=input_ids.dtype, device=device)
-    valid = torch.zeros((num_groups, length), dtype=torch.bool, device=device)
-    ids[:, :P], valid[:, :P] = input_ids[first_row, :P], attention_mask[first_row, :P] > 0
-    columns = P + slot[:, None] * R + torch.arange(R, device=device)  # [B, R]
-    ids[group[:, None], columns] = input_ids[:, P:]
-    valid[group[:, None], columns] = attention_mask[:, P:] > 0
-    prompt_positions = (valid[:, :P].long().cumsum(1) - 1).clamp(min=0)
-    response_positions = valid[:, :P].sum(1, keepdim=True) + torch.arange(R, device=device)
-    positions = torch.cat([prompt_positions, response_positions.repeat(1, slots)], 1)
-    segment = torch.cat([torch.full((P,), -1, device=device), torch.arange(slots, device=device).repeat_interleave(R)])
-    same_block = (segment[None, :] == -1) | (segment[None, :] == segment[:, None])  # [query, key]
+    segment = torch.full((num_groups, length), -2, device=device)  # -1 prompt, s response in slot s, -2 padding
+    positions = torch.zeros((num_groups, length), dtype=torch.long, device=device)
+    ids[:, :P], positions[:, :P] = input_ids[first_row, :P], (prompt_valid.long().cumsum(1) - 1).clamp(min=0)
+    segment[:, :P] = torch.where(prompt_valid, -1, -2)
+    t = torch.arange(R, device=device)
+    real = t[None] < lengths[:, None]  # [B, R]
+    where = (group[:, None].expand(-1, R)[real], (offsets[:, None] + t)[real])
+    ids[where] = input_ids[:, P:][real]
+    segment[where] = slot[:, None].expand(-1, R)[real]
+    positions[where] = (prompt_valid.sum(1)[group][:, None] + t)[real]
+    query, key = segment[:, :, None], segment[:, None, :]
     causal = torch.ones((length, length), dtype=torch.bool, device=device).tril()
-    mask = (causal & same_block)[None] & valid[:, None, :]  # [K, L, L]
+    mask = causal & (key >= -1) & ((key == -1) | (key == query))  # [K, L, L]
     mask |= torch.eye(length, dtype=torch.bool, device=device)
-    return ids, mask[:, None], positions
+    columns = torch.where(real & (t > 0), offsets[:, None] - P + t, 0)  # token t >= 1 is predicted at offset + t - 1
+    return ids, mask[:, None], positions, columns
 
 
 def shared_prompt_logprobs(model, input_ids, attention_mask, context_length, temperature):
     """response_logprobs with each prompt computed once per group: the rows with the same prompt (a group's
-    completions) run as one sequence, the prompt then every response (shared_prompt_inputs), in which a response
-    attends to the prompt and to itself only and its positions continue from the prompt's real length. The
-    log-probs are the same, the gradients reach the prompt summed over its group, and the model runs P + G * R
-    tokens instead of G * (P + R) (Prefix Grouper, arXiv 2506.05433). Without any shared prompt, or with an
-    attention backend that ignores a 4D mask (flash-attention), it is response_logprobs.
+    completions) run as one sequence, the prompt then every response's real tokens (shared_prompt_inputs), in which
+    a response attends to the prompt and to itself only and its positions continue from the prompt's real length.
+    The log-probs are the same, the gradients reach the prompt summed over its group, and the model runs
+    P + (the group's response tokens) instead of G * (P + R) positions, padding included (Prefix Grouper, arXiv
+    2506.05433). Without any shared prompt, or with an attention backend that ignores a 4D mask (flash-attention),
+    it is response_logprobs. Padding positions get the logits of the first token (they are masked everywhere).
     Returns (logprobs [B, R], logits [B, R, V]) with logits divided by the sampling temperature."""
     group, slot = prompt_groups(input_ids, attention_mask, context_length)
     attention = getattr(model, "module", model).config._attn_implementation
     if int(slot.max()) == 0 or attention not in ("sdpa", "eager"):
         return response_logprobs(model, input_ids, attention_mask, context_length, temperature)
-    R, device = input_ids.shape[1] - context_length, input_ids.device
-    ids, mask, positions = shared_prompt_inputs(input_ids, attention_mask, context_length, group, slot)
+    ids, mask, positions, columns = shared_prompt_inputs(input_ids, attention_mask, context_length, group, slot)
     if attention == "eager":  # eager attention adds the mask to the scores
-        mask = torch.zeros(mask.shape, device=device).masked_fill(~mask, torch.finfo(torch.float32).min)
-    # The logits needed: at the prompt's last position (the first response token of every row), then at the first
-    # R - 1 positions of each slot.
-    slot_starts = context_length + R * torch.arange(int(slot.max()) + 1, device=device)
-    in_slot = torch.arange(R - 1, device=device)
-    keep = torch.cat([slot_starts.new_tensor([context_length - 1]), (slot_starts[:, None] + in_slot).flatten()])
+        mask = torch.zeros(mask.shape, device=ids.device).masked_fill(~mask, torch.finfo(torch.float32).min)
+    # The logits at positions P - 1 .. L - 2, the only ones that predict response tokens. [K, L - P, V]
+    logits_to_keep = ids.shape[1] - context_length + 1
     packed = model(
-        input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, logits_to_keep=keep
-    ).logits  # [K, 1 + S * (R - 1), V]
-    columns = torch.cat([torch.zeros_like(slot)[:, None], 1 + slot[:, None] * (R - 1) + in_slot], 1)  # [B, R]
-    logits = packed[group[:, None], columns].float() / temperature
+        input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, logits_to_keep=logits_to_keep
+    ).logits[:, :-1]
+    logits = packed[group[:, None], columns].float() / temperature  # [B, R, V]
     return logprobs_from_logits(logits, input_ids[:, context_length:]), logits
 
 
@@ -1419,8 +1422,10 @@ class Run:
 
     def finish(self):
         """Close the logs once every process is done (the main one may still be writing the final model: a process
-        that tore down its process group and exited meanwhile was seen to abort under DeepSpeed)."""
-        self.accelerator.wait_for_everyone()
+        that tore down its process group and exited meanwhile was seen to abort under DeepSpeed). A vLLM engine's
+        shutdown may have destroyed the process group already."""
+        if torch.distributed.is_initialized():
+            self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
             self.metrics_file.close()
             self.writer.close()

@@ -780,8 +780,10 @@ class Run:
 
     def finish(self):
         """Close the logs once every process is done (the main one may still be writing the final model: a process
-        that tore down its process group and exited meanwhile was seen to abort under DeepSpeed)."""
-        self.accelerator.wait_for_everyone()
+        that tore down its process group and exited meanwhile was seen to abort under DeepSpeed). A vLLM engine's
+        shutdown may have destroyed the process group already."""
+        if torch.distributed.is_initialized():
+            self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
             self.metrics_file.close()
             self.writer.close()

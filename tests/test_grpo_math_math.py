@@ -677,7 +677,10 @@ def test_shared_prompt_computes_each_prompt_once():
     with torch.no_grad():
         grpo_math.shared_prompt_logprobs(model, input_ids, attention_mask, context_length, 1.0)
         response_logprobs(model, input_ids, attention_mask, context_length, 1.0)
-    assert seen == [torch.Size([2, context_length + 8 * 6]), torch.Size([16, context_length + 6])]
+    response_tokens = attention_mask[:, context_length:].sum(1).view(2, 8).sum(1)  # each group's real tokens
+    packed_length = context_length + int(response_tokens.max())  # no padding between a group's responses
+    assert seen == [torch.Size([2, packed_length]), torch.Size([16, context_length + 6])]
+    assert 2 * packed_length < 0.7 * 16 * (context_length + 6)
 
 
 def test_prompt_groups_gather_the_rows_of_each_prompt_whatever_their_order():
