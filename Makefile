@@ -1,6 +1,6 @@
 # Everything a fresh CPU machine needs, from the repo's own files:
 #   make train   set up, build the embedded assets, run grpo_math.py on its defaults
-#   make test    set up, build the embedded assets, run the test suite
+#   make test    set up, build the embedded assets, run the test suite (one pytest worker per core)
 # ARGS="..." passes extra arguments to the script (make train ARGS="--seed 2").
 PYTHON ?= python3
 VENV ?= .venv
@@ -30,7 +30,8 @@ train: assets
 	$(PY) grpo_math.py $(ARGS)
 
 test: assets
-	$(PY) -m pytest tests $(ARGS)
+	@# One worker per core (pytest-xdist), each test file on one worker: the tests run single-threaded.
+	$(PY) -m pytest tests -n auto --dist loadfile $(ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .
