@@ -1913,7 +1913,6 @@ def locate_inputs(args, names):
     the working directory is taken from next to this script: the embedded defaults work from any folder. When a hub
     id is among them and the Hub does not accept a connection within 3 s, the Hugging Face libraries go offline
     (their cache only) at once, instead of retrying every file with back-off for ~50 s."""
-    import datasets
     from huggingface_hub import constants
 
     hub_ids = []
@@ -1932,6 +1931,8 @@ def locate_inputs(args, names):
     try:
         socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=3).close()
     except OSError:
+        import datasets
+
         constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
         os.environ["HF_HUB_OFFLINE"] = "1"  # for subprocesses (vLLM)
         print(f"{endpoint.hostname} is unreachable: {', '.join(hub_ids)} must be in the Hugging Face cache")

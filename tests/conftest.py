@@ -110,6 +110,18 @@ def write_task(folder, num_train=64, num_test=16, seed=0):
     return str(folder)
 
 
+def write_rows(folder, train_rows, test_rows=None):
+    """train.jsonl / test.jsonl from lists of rows (a str row is written as the raw line); test = train if None."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for split, rows in (("train", train_rows), ("test", train_rows if test_rows is None else test_rows)):
+        with open(folder / f"{split}.jsonl", "w") as f:
+            f.writelines((row if isinstance(row, str) else json.dumps(row)) + "\n" for row in rows)
+    return str(folder)
+
+
+GOOD_ROWS = [{"question": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(16)]
+
+
 @pytest.fixture(scope="session")
 def task_dir(tmp_path_factory):
     return write_task(tmp_path_factory.mktemp("task") / "arith")

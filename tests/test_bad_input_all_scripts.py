@@ -4,7 +4,7 @@ argument, before any model is loaded (issue 20). grpo_math.py has the same and m
 import json
 
 import pytest
-from conftest import NoModelLoads, one_line_error
+from conftest import GOOD_ROWS, NoModelLoads, one_line_error, write_rows
 
 import async_rlhf
 import dpo_online
@@ -19,7 +19,6 @@ SCRIPTS = {
     "async_rlhf": async_rlhf,
     "reward_modeling": reward_modeling,
 }
-GOOD_ROWS = [{"question": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(16)]
 
 
 @pytest.fixture(params=sorted(SCRIPTS))
@@ -39,14 +38,6 @@ def script_args(request, tiny_model_dir, tiny_reward_model_dir, tmp_path, monkey
         return module.Args(**{**values, **overrides})
 
     return module, make
-
-
-def write_rows(folder, train_rows, test_rows=None):
-    folder.mkdir(parents=True, exist_ok=True)
-    for split, rows in (("train", train_rows), ("test", train_rows if test_rows is None else test_rows)):
-        with open(folder / f"{split}.jsonl", "w") as f:
-            f.writelines((row if isinstance(row, str) else json.dumps(row)) + "\n" for row in rows)
-    return str(folder)
 
 
 def test_malformed_json_line(script_args, tmp_path):

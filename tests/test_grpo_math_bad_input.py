@@ -7,7 +7,7 @@ import sys
 from dataclasses import asdict
 
 import pytest
-from conftest import REPO_ROOT, NoModelLoads, one_line_error, subprocess_env, write_task
+from conftest import GOOD_ROWS, REPO_ROOT, NoModelLoads, one_line_error, subprocess_env, write_rows, write_task
 
 import grpo_math
 
@@ -187,18 +187,6 @@ def test_cli_rejects_an_unknown_choice():
 
 
 # Faults a new user meets (issue 20): each one stops the run with one line naming the file, line or argument.
-
-
-def write_rows(folder, train_rows, test_rows=None):
-    """train.jsonl / test.jsonl from lists of rows (a str row is written as the raw line)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    for split, rows in (("train", train_rows), ("test", train_rows if test_rows is None else test_rows)):
-        with open(folder / f"{split}.jsonl", "w") as f:
-            f.writelines((row if isinstance(row, str) else json.dumps(row)) + "\n" for row in rows)
-    return str(folder)
-
-
-GOOD_ROWS = [{"question": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(16)]
 
 
 def test_malformed_json_line_names_the_file_and_line(make_args, no_model, tmp_path):
