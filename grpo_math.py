@@ -56,8 +56,10 @@ class Args:
     # GRPO
     total_steps: int = 30
     """number of rollout + update steps"""
-    prompts_per_rank: int = 2
-    """prompts sampled per step by each process"""
+    prompts_per_rank: int = 4
+    """prompts sampled per step by each process. 4, not 2: on 3 seeds of the default task each seed gained +29.7 to
+    +38.0 held-out points with 4 and +16.7 to +28.3 with 2, and with the shared-prompt forward a step of 4 prompts is
+    faster than one of 2 was without it (docs/grpo_math.md)"""
     num_generations: int = 8
     """G, completions per prompt (the group)"""
     oversample: int = 1

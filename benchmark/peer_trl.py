@@ -257,15 +257,20 @@ def run_side(args, seed, side):
 
 
 def summarize(records):
-    """Per side: mean over seeds of the median step time and of the final accuracy, and step-time ratios to TRL."""
+    """Per side: mean over seeds of the median step time, of the wall-clock and of the final accuracy (with its std,
+    ddof=1, and each seed's), and step-time ratios to TRL."""
     sides = [side for side in SIDES if any(r["side"] == side for r in records)]
     summary = {}
     for side in sides:
         mine = [r for r in records if r["side"] == side]
+        accuracies = [r["final_accuracy"] for r in mine]
         summary[side] = {
             "seeds": [r["seed"] for r in mine],
             "median_step_seconds": statistics.mean(r["median_step_seconds"] for r in mine),
-            "final_accuracy": statistics.mean(r["final_accuracy"] for r in mine),
+            "wall_clock_seconds": statistics.mean(r["wall_clock_seconds"] for r in mine),
+            "final_accuracy": statistics.mean(accuracies),
+            "final_accuracy_std": statistics.stdev(accuracies) if len(accuracies) > 1 else 0.0,
+            "final_accuracies": accuracies,
         }
     return add_step_time_ratios(summary)
 
@@ -305,20 +310,24 @@ def write_report(out, args, records, summary, machine, versions, lines):
 
 def write_results(args, records, summary, out):
     machine, versions = environment()
+    command = f"python -m benchmark.peer_trl --dataset {args.dataset} --steps {args.steps} --seeds "
+    command += " ".join(map(str, args.seeds)) + " --sides " + " ".join(args.sides)
     lines = [
-        f"GRPO, {args.steps} steps of {args.prompts_per_step} prompts x {args.num_generations} completions, "
-        f"{args.response_length} tokens, lr {args.learning_rate}, fp32, on {machine}; "
-        f"{', '.join(f'{k} {v}' for k, v in versions.items())}. Command: `python -m benchmark.peer_trl "
-        f"--steps {args.steps} --seeds {' '.join(map(str, args.seeds))}`.",
+        f"GRPO on {os.path.basename(os.path.normpath(args.dataset))}, {args.steps} steps of {args.prompts_per_step} "
+        f"prompts x {args.num_generations} completions, {args.response_length} tokens, lr {args.learning_rate}, fp32, "
+        f"on {machine}; {', '.join(f'{k} {v}' for k, v in versions.items())}. Command: `{command}`.",
         "",
-        "| side | seeds | median s/step | time per step / TRL's | final held-out greedy accuracy |",
-        "| --- | --- | --- | --- | --- |",
+        "| side | seeds | median s/step | time per step / TRL's | wall-clock (mean) | final held-out greedy accuracy "
+        "(mean ± std) | per seed |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for side, row in summary.items():
         ratio = f"{row['step_time_over_trl']:.2f}" if "step_time_over_trl" in row else "-"
         seeds = " ".join(map(str, row["seeds"]))
+        per_seed = " / ".join(f"{a:.3f}" for a in row["final_accuracies"])
         lines.append(
-            f"| {side} | {seeds} | {row['median_step_seconds']:.1f} | {ratio} | {row['final_accuracy']:.3f} |"
+            f"| {side} | {seeds} | {row['median_step_seconds']:.1f} | {ratio} | {row['wall_clock_seconds']:.0f} s | "
+            f"{row['final_accuracy']:.3f} ± {row['final_accuracy_std']:.3f} | {per_seed} |"
         )
     write_report(out, args, records, summary, machine, versions, lines)
 
