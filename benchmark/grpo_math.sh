@@ -41,6 +41,8 @@ python -m benchmark.registry table --experiments "grpo=runs/add_2t2d__grpo_base_
     "oversample 3=runs/add_2t2d__grpo_os3__[123]__*" --metrics eval/accuracy objective/kl \
     --out benchmark/results/grpo_math_oversample.md
 
-# The peer comparison: TRL's GRPOTrainer against grpo_math.py (HF generate and vLLM), 20 steps of the default batch,
-# on arith_1d (the task of the published table; --dataset assets/data/add_2t2d for the new default).
+# The peer comparison: TRL's GRPOTrainer against grpo_math.py (HF generate and vLLM), 20 steps of 2 prompts x 8
+# completions, on arith_1d (the first published table, one seed), then on add_2t2d, 3 seeds, TRL against the vLLM side.
 python -m benchmark.peer_trl --steps 20 --seeds 1
+python -m benchmark.peer_trl --dataset assets/data/add_2t2d --steps 20 --seeds 1 2 3 --sides trl ours_vllm \
+    --output_dir runs/peer_trl_add --out benchmark/results/peer_trl_grpo_add_2t2d
