@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -308,10 +309,10 @@ def write_report(out, args, records, summary, machine, versions, lines):
         f.write("\n".join(lines) + "\n")
 
 
-def write_results(args, records, summary, out):
+def write_results(args, argv, records, summary, out):
+    """The results files; argv (the arguments this run was given) goes into the .md as its command."""
     machine, versions = environment()
-    command = f"python -m benchmark.peer_trl --dataset {args.dataset} --steps {args.steps} --seeds "
-    command += " ".join(map(str, args.seeds)) + " --sides " + " ".join(args.sides)
+    command = shlex.join(["python", "-m", "benchmark.peer_trl", *argv])
     lines = [
         f"GRPO on {os.path.basename(os.path.normpath(args.dataset))}, {args.steps} steps of {args.prompts_per_step} "
         f"prompts x {args.num_generations} completions, {args.response_length} tokens, lr {args.learning_rate}, fp32, "
@@ -333,6 +334,7 @@ def write_results(args, records, summary, out):
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if args.side == "trl":
         run_trl(args)
@@ -356,7 +358,7 @@ def main(argv=None):
                 flush=True,
             )
     summary = summarize(records)
-    write_results(args, records, summary, args.out)
+    write_results(args, argv, records, summary, args.out)
     print(json.dumps(summary, indent=2))
 
 

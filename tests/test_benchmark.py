@@ -485,6 +485,30 @@ def test_peer_step_seconds_leave_out_evaluated_steps():
     assert peer_trl.step_seconds(10.0, [11.0, 13.5, 14.0, 20.0], skip={2, 4}) == [1.0, 0.5]
 
 
+def test_peer_summary_gives_each_seed_the_std_and_the_ratio_to_trl():
+    """Two sides over three seeds: means, the sample std (ddof=1, computed here by hand), each seed's accuracy in
+    seed order, and the step-time ratio to TRL's mean of medians."""
+    from benchmark import peer_trl
+
+    records = []
+    for side, accuracies, step, wall in (
+        ("trl", [0.5, 0.4, 0.6], 20.0, 400.0),
+        ("ours_vllm", [0.55, 0.5, 0.5], 5.0, 180.0),
+    ):
+        for seed, accuracy in zip((1, 2, 3), accuracies):
+            records.append(dict(side=side, seed=seed, final_accuracy=accuracy, median_step_seconds=step + seed,
+                                wall_clock_seconds=wall + seed))  # fmt: skip
+    summary = peer_trl.summarize(records)
+    ours = summary["ours_vllm"]
+    mean = (0.55 + 0.5 + 0.5) / 3
+    std = (sum((a - mean) ** 2 for a in (0.55, 0.5, 0.5)) / 2) ** 0.5
+    assert ours["final_accuracies"] == [0.55, 0.5, 0.5] and ours["seeds"] == [1, 2, 3]
+    assert ours["final_accuracy"] == pytest.approx(mean) and ours["final_accuracy_std"] == pytest.approx(std)
+    assert ours["wall_clock_seconds"] == pytest.approx(182.0)
+    assert ours["step_time_over_trl"] == pytest.approx(7.0 / 22.0)
+    assert summary["trl"]["final_accuracy_std"] == pytest.approx(0.1)
+
+
 def test_peer_evaluate_is_greedy_pass_at_1_with_grpo_maths_verifier(tiny_model_dir, task_dir, monkeypatch):
     """hf_generate replaced by one that answers the even-numbered held-out problems right and the others wrong:
     the accuracy must be exactly the fraction of even-numbered problems, over every held-out problem."""
@@ -539,6 +563,7 @@ def test_peer_trl_runs_both_sides_and_writes_the_table(tiny_model_dir, task_dir,
     with open(str(out) + ".md") as f:
         table = f.read()
     assert "| trl | 1 |" in table and "| ours_hf | 1 |" in table and "trl 1.16.0" in table
+    assert f"Command: `python -m benchmark.peer_trl --model {tiny_model_dir} --dataset {task_dir} --steps 2" in table
 
 
 # ---------------------------------------------------------------------------------------------------------------
