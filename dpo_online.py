@@ -408,21 +408,69 @@ def shared_prompt_inputs(input_ids, attention_mask, context_length, group, slot)
     return ids, mask[:, None], positions, columns
 
 
+def shared_prompt_exact(config, longest):
+    """Whether the packed forward gives this architecture's own log-probs for sequences of up to `longest` tokens.
+    transformers takes a ready 4D mask as it is, so every layer must attend over the whole causal context: a sliding
+    window or attention chunk (Mistral, Phi-3, Gemma-2/3, Qwen2 with use_sliding_window, Llama-4) counts only when it
+    is wider than the longest sequence (then it masks nothing), and other layer types (linear attention, state
+    spaces) or positions taken from the mask (ALiBi: Bloom, MPT, Falcon) are not packed."""
+    config = config.get_text_config()
+    if config.model_type in ("bloom", "mpt") or getattr(config, "alibi", False):
+        return False
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:  # Mistral, Phi-3: one window for every layer
+        layer_types = ["sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"]
+    spans = {"sliding_attention": "sliding_window", "chunked_attention": "attention_chunk_size"}
+    for kind in set(layer_types) - {"full_attention"}:
+        span = getattr(config, spans.get(kind, "-"), None)
+        if span is None or longest >= span:
+            return False
+    return True
+
+
+def shared_prompt_pays(config, group, lengths, context_length, width):
+    """Whether the packed forward costs fewer FLOPs than the unpacked one (it must never cost more than it saves).
+    Packed: K sequences of L = P + (the longest group's response tokens) with a dense L x L mask. Unpacked: B rows of
+    W = P + R, padding included, whose causal attention a kernel may halve. Per layer a token costs 2 x (the layer's
+    weights) and a (query, key) pair 4 x heads x head_dim; a kept logit row costs 2 x hidden x vocab. The pairs win at
+    long responses: for 8 completions of a 48-token prompt on SmolLM2-135M, from R ~ 400 (docs/launch_paths.md).
+    group [B] (prompt_groups), lengths [B] (real response tokens), context_length P, width W."""
+    config = config.get_text_config()
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    mlp = 3 * hidden * (getattr(config, "intermediate_size", None) or 4 * hidden)
+    per_token, per_pair = 2 * (hidden * head_dim * (2 * heads + 2 * kv_heads) + mlp), 4 * heads * head_dim
+    per_logit, layers = 2 * hidden * config.vocab_size, config.num_hidden_layers
+    K, B, W, P = int(group.max()) + 1, len(group), width, context_length
+    L = P + int(torch.bincount(group, weights=lengths.float()).max())
+    packed = layers * K * (L * per_token + L**2 * per_pair) + K * (L - P) * per_logit
+    unpacked = layers * B * (W * per_token + W**2 / 2 * per_pair) + B * (W - P) * per_logit
+    return packed < unpacked
+
+
 def shared_prompt_logprobs(model, input_ids, attention_mask, context_length, temperature):
     """response_logprobs with each prompt computed once per group: the rows with the same prompt (a group's
     completions) run as one sequence, the prompt then every response's real tokens (shared_prompt_inputs), in which
     a response attends to the prompt and to itself only and its positions continue from the prompt's real length.
     The log-probs are the same, the gradients reach the prompt summed over its group, and the model runs
     P + (the group's response tokens) instead of G * (P + R) positions, padding included (Prefix Grouper, arXiv
-    2506.05433). Without any shared prompt, or with an attention backend that ignores a 4D mask (flash-attention),
-    it is response_logprobs. Padding positions get the logits of the first token (they are masked everywhere).
+    2506.05433). It is response_logprobs without a shared prompt or a response token, with an attention backend
+    that ignores a 4D mask (flash-attention), where packing would change the numbers (shared_prompt_exact) or cost
+    more than it saves (shared_prompt_pays). Padding positions get the logits of the first token (masked everywhere).
     Returns (logprobs [B, R], logits [B, R, V]) with logits divided by the sampling temperature."""
     group, slot = prompt_groups(input_ids, attention_mask, context_length)
-    attention = getattr(model, "module", model).config._attn_implementation
-    if int(slot.max()) == 0 or attention not in ("sdpa", "eager"):
+    config, lengths = getattr(model, "module", model).config, attention_mask[:, context_length:].sum(1)
+    if (
+        int(slot.max()) == 0
+        or int(lengths.sum()) == 0
+        or config._attn_implementation not in ("sdpa", "eager")
+        or not shared_prompt_exact(config, int(attention_mask.sum(1).max()))
+        or not shared_prompt_pays(config, group, lengths, context_length, input_ids.shape[1])
+    ):
         return response_logprobs(model, input_ids, attention_mask, context_length, temperature)
     ids, mask, positions, columns = shared_prompt_inputs(input_ids, attention_mask, context_length, group, slot)
-    if attention == "eager":  # eager attention adds the mask to the scores
+    if config._attn_implementation == "eager":  # eager attention adds the mask to the scores
         mask = torch.zeros(mask.shape, device=ids.device).masked_fill(~mask, torch.finfo(torch.float32).min)
     # The logits at positions P - 1 .. L - 2, the only ones that predict response tokens. [K, L - P, V]
     logits_to_keep = ids.shape[1] - context_length + 1
@@ -474,13 +522,13 @@ def main(args: Args):
     else:
         with whole_on_every_process(accelerator):
             ref_model = load_model(args.model_name_or_path, AutoModelForCausalLM, args, tokenizer.pad_token_id)
-        ref_model = ref_model.requires_grad_(False).eval().to(device)
+        ref_model = frozen(ref_model, accelerator, device)
     if args.judge == "reward_model":
         with whole_on_every_process(accelerator):
             reward_model = load_model(
                 args.reward_model_path, AutoModelForSequenceClassification, args, tokenizer.pad_token_id
             )
-        reward_model = reward_model.requires_grad_(False).eval().to(device)
+        reward_model = frozen(reward_model, accelerator, device)
     enable_gradient_checkpointing([model], args)
     optimizer, scheduler = make_optimizer(model, args, args.total_steps * args.num_minibatches, adam_eps=1e-8)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
@@ -524,7 +572,7 @@ def main(args: Args):
         scores = judge_completions(
             args.judge, reward_model, query_responses, attention_mask, texts, golds, accelerator
         )
-        check_finite(scores, "objective/scores", step, run.last_checkpoint)
+        check_finite(accelerator, scores, "objective/scores", step, run.last_checkpoint)
         chosen, rejected, tie, judged = assign_preferences(scores, has_eos.to(scores.device), args.missing_eos_penalty)
         chosen, rejected, keep = chosen.to(device), rejected.to(device), (~tie).float().to(device)
         metrics["time/reward"] = time.time() - t0
@@ -570,12 +618,12 @@ def main(args: Args):
                         normalizer,
                         args,
                     )
-                    check_finite(loss, "loss/dpo", step, run.last_checkpoint)
+                    check_finite(accelerator, loss, "loss/dpo", step, run.last_checkpoint)
                     # accelerate (and DeepSpeed) divide a micro-batch's loss by gradient_accumulation_steps, to
                     # average micro-batch means; these losses are shares that already sum to the minibatch's.
                     accelerator.backward(loss * args.gradient_accumulation_steps)
                 update_stats.add(pairs, rows, stats)
-            grad_norms.append(float(accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)))
+            grad_norms.append(clip_gradients(accelerator, model, args.max_grad_norm, step, run.last_checkpoint))
             lr = scheduler.get_last_lr()[0]  # the learning rate of this update
             optimizer.step()
             scheduler.step()
@@ -875,13 +923,25 @@ def is_due(step, every, total_steps):
     return bool(every and step % every == 0) or step == total_steps
 
 
-def check_finite(values, name, step, last_checkpoint):
-    """Stop the run at the first non-finite reward or loss, saying where the last good checkpoint is."""
-    if not torch.isfinite(values).all():
+def check_finite(accelerator, values, name, step, last_checkpoint):
+    """Stop the run at the first non-finite reward, loss or gradient norm, saying where the last good checkpoint is.
+    A collective (every process calls it as often): when one process sees it, every process stops, none is left
+    waiting for the others in the next all-reduce."""
+    finite = torch.isfinite(torch.as_tensor(values)).all()
+    if not accelerator.gather(finite.float().reshape(1).to(accelerator.device)).all():
+        seen = f"{torch.as_tensor(values).tolist()}" if not finite else "on another process"
         raise RuntimeError(
-            f"step {step + 1}: non-finite {name} ({values.tolist()}); "
-            f"last good checkpoint: {last_checkpoint or 'none'}"
+            f"step {step + 1}: non-finite {name} ({seen}); last good checkpoint: {last_checkpoint or 'none'}"
         )
+
+
+def clip_gradients(accelerator, model, max_grad_norm, step, last_checkpoint):
+    """Clip the gradients to max_grad_norm; returns their global norm, the same on every process. A non-finite norm
+    (a finite loss whose backward overflowed) stops the run before the optimizer step, so that non-finite weights are
+    never checkpointed (DeepSpeed steps inside accelerator.backward: there, before the next checkpoint)."""
+    grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+    check_finite(accelerator, grad_norm, "gradient norm", step, last_checkpoint)
+    return float(grad_norm)
 
 
 def judge_metrics(judged, chosen, rejected, tie, correct, mask, has_eos):
@@ -1097,6 +1157,17 @@ def make_accelerator(micro_batch_size, gradient_accumulation_steps, max_grad_nor
     return accelerator
 
 
+def frozen(model, accelerator, device):
+    """A model that is not trained (reference, reward model, PRM, a sampler's copy of the policy), in eval mode on
+    `device`. Under DeepSpeed with --mixed_precision bf16 (or fp16), in that dtype: DeepSpeed runs the policy with
+    bf16 weights and accelerate's autocast does nothing there, so a model compared with the policy (KL, DPO's h, a
+    ratio) must run in bf16 too for the numbers before the first update to be exactly the policy's."""
+    model = model.requires_grad_(False).eval().to(device)
+    if accelerator.state.deepspeed_plugin is not None and accelerator.mixed_precision in ("bf16", "fp16"):
+        model = model.to(torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float16)
+    return model
+
+
 @contextlib.contextmanager
 def whole_on_every_process(accelerator):
     """A context for loading a model that is not trained (reference, reward model, PRM, a sampler copy): under
@@ -1144,7 +1215,6 @@ def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_
     input_ids, attention_mask = left_pad([p for p in prompts for _ in range(n)], pad_token_id)
     config = GenerationConfig(
         max_new_tokens=response_length,
-        min_new_tokens=0,
         do_sample=temperature > 0,
         temperature=temperature if temperature > 0 else None,
         top_p=top_p if temperature > 0 else None,
@@ -1154,13 +1224,20 @@ def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_
         use_cache=True,
     )
     device = next(model.parameters()).device
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=input_ids.to(device),
-            attention_mask=attention_mask.to(device),
-            generation_config=config,
-            synced_gpus=False,
-        )
+    # generate fills every field left unset here from the model's generation_config.json (Qwen2.5-Instruct ships a
+    # repetition penalty, top-k and top-p): with a neutral one in its place, nothing but these fields applies.
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft generates with its base
+    saved, base.generation_config = base.generation_config, GenerationConfig()
+    try:
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=input_ids.to(device),
+                attention_mask=attention_mask.to(device),
+                generation_config=config,
+                synced_gpus=False,
+            )
+    finally:
+        base.generation_config = saved
     responses = out[:, input_ids.shape[1] :].cpu()
     lengths = torch.full((responses.shape[0],), responses.shape[1], dtype=torch.long)
     if stop_at_eos:  # a finished sequence is padded after its EOS: its length ends at the first EOS
@@ -1303,13 +1380,22 @@ NUMBER = r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?"  # 12, -1,234.5, .5, 3
 
 def extract_answer(text):
     """The final answer of a completion: the first number after the last 'Answer:' (its whole line if it has
-    none), else the last number in the text, else None. LaTeX fractions are read as a/b."""
-    text = re.sub(r"\\d?frac\{(-?\d+)\}\{(\d+)\}", r"\1/\2", text)
+    none), else the last number in the text, else None. When that number starts an equation on its line (numbers
+    and operators, then '=': "9 * 6 = 54", "9 x 6 = 54 = 50 + 4"), the answer is the last side of the equation that
+    is a lone number (54 in both). LaTeX fractions are read as a/b, a Unicode minus as '-'."""
+    text = re.sub(r"\\d?frac\{(-?\d+)\}\{(\d+)\}", r"\1/\2", text).replace("\u2212", "-")
     if "Answer:" in text:
         tail = text.rsplit("Answer:", 1)[1]
         found = re.search(NUMBER, tail)
         if found:
-            return found.group(0).replace(",", "").replace(" ", "")
+            term = r"(?:\([ \t]*)*-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:[ \t]*\))*"  # a number, maybe in parentheses
+            words = r"x|·|\\times|\\cdot|\\div|times|multiplied by|plus|minus|divided by|over|%[ \t]*of|percent of"
+            operation = rf"[ \t]*(?:[-+*/×÷]|(?:{words})(?![a-z]))[ \t]*"
+            side = rf"{term}(?:{operation}{term})*"
+            last = rf"[ \t]*=[ \t]*({NUMBER})(?![.,]?\d|{operation}\(*\.?\d)"  # a lone number
+            equation = re.compile(rf"{term}(?:{operation}{term})+(?:[ \t]*=[ \t]*{side})*{last}", re.I)
+            equation = equation.match(tail, found.start())
+            return (equation.group(1) if equation else found.group(0)).replace(",", "").replace(" ", "")
         return tail.strip().split("\n")[0].strip().rstrip(".") or None
     numbers = re.findall(NUMBER, text)
     return numbers[-1].replace(",", "").replace(" ", "") if numbers else None
@@ -1632,6 +1718,19 @@ def fail(message):
     raise SystemExit(f"error: {message}")
 
 
+def check_top_p(args):
+    """--top_p in (0, 1], and 1 when vLLM samples: vLLM's log-probs are then renormalised over the nucleus and the
+    trainer's are not, so the importance weights and objective/logprob_gap between them would be off from the first
+    token (HF generate returns no log-probs: nothing compares them there)."""
+    if not 0 < args.top_p <= 1:
+        fail(f"--top_p must be in (0, 1]; got {args.top_p}")
+    if args.vllm and args.top_p < 1:
+        fail(
+            f"--top_p {args.top_p} with vLLM: its log-probs would be over the nucleus, the trainer's over the whole "
+            "vocabulary; use --top_p 1, or --no-vllm"
+        )
+
+
 def check_args(args):
     """Reject bad input with one line naming the argument, before any model is loaded."""
     judge_model = ("reward_model_path",) if args.judge == "reward_model" else ()
@@ -1650,8 +1749,7 @@ def check_args(args):
         fail(f"--beta must be > 0 (DPO's log-ratios are scaled by it, IPO's target is 1 / (2 beta)); got {args.beta}")
     if args.temperature <= 0:
         fail(f"--temperature must be > 0 (the two completions of a pair are sampled); got {args.temperature}")
-    if not 0 < args.top_p <= 1:
-        fail(f"--top_p must be in (0, 1]; got {args.top_p}")
+    check_top_p(args)
     if args.tis_cap is not None and args.tis_cap <= 0:
         fail(f"--tis_cap must be > 0 (or None to turn it off); got {args.tis_cap}")
     if args.prompt_template is not None and "{question}" not in args.prompt_template:

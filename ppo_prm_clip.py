@@ -458,7 +458,7 @@ def main(args: Args):
     else:
         with whole_on_every_process(accelerator):
             ref_policy = load_model(args.model_name_or_path, AutoModelForCausalLM, args, tokenizer.pad_token_id)
-        ref_policy = ref_policy.requires_grad_(False).eval().to(accelerator.device)
+        ref_policy = frozen(ref_policy, accelerator, accelerator.device)
     value_model = load_value_model_prm(args, accelerator, tokenizer.pad_token_id)
     prm = ProcessRewardModel(args, accelerator, tokenizer, prm_tokenizer, prm_token_ids)
     enable_gradient_checkpointing([policy, value_model], args)
@@ -529,7 +529,7 @@ def main(args: Args):
         # the success on the last real token; with --whiten_rewards scaled by their std over every process's tokens.
         kl = kl_estimate(old_logprobs, ref_logprobs, "k1") * mask
         rewards, non_score_reward = per_token_rewards(kl, success, mask, args.kl_coef, process)
-        check_finite(rewards.sum(1), "objective/rlhf_reward", step, run.last_checkpoint)
+        check_finite(accelerator, rewards.sum(1), "objective/rlhf_reward", step, run.last_checkpoint)
         sum_processes = functools.partial(accelerator.reduce, reduction="sum")
         if args.whiten_rewards:
             rewards = masked_whiten(rewards, mask, shift_mean=False, sum_processes=sum_processes) * mask
@@ -570,7 +570,7 @@ def main(args: Args):
                             args,
                             minibatch_tokens,
                         )
-                        check_finite(loss, "loss", step, run.last_checkpoint)
+                        check_finite(accelerator, loss, "loss", step, run.last_checkpoint)
                         # accelerate divides a micro-batch's loss by gradient_accumulation_steps (to average
                         # micro-batch means); these losses are shares that already sum to the minibatch's.
                         accelerator.backward(loss * args.gradient_accumulation_steps)
@@ -583,8 +583,9 @@ def main(args: Args):
                             stats["objective/logprob_gap"].append(masked_mean(log_gap.abs(), mask[idx]).item())
                             stats["gap_max"].append(torch.exp(log_gap)[mask[idx] > 0].max().item())
                     del logits
-                grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                stats["policy/grad_norm"].append(float(grad_norm))
+                stats["policy/grad_norm"].append(
+                    clip_gradients(accelerator, model, args.max_grad_norm, step, run.last_checkpoint)
+                )
                 lr = scheduler.get_last_lr()[0]  # the learning rate of this update
                 optimizer.step()
                 scheduler.step()
@@ -861,7 +862,7 @@ class ProcessRewardModel:
             auto_class = OneLabelClassifier if args.prm_kind == "learned" else AutoModelForCausalLM
             with whole_on_every_process(accelerator):
                 self.model = load_model(args.prm, auto_class, args, tokenizer.pad_token_id)
-            self.model = self.model.requires_grad_(False).eval().to(accelerator.device)
+            self.model = frozen(self.model, accelerator, accelerator.device)
 
     def steps(self, responses, mask, texts):
         """Each response's steps (K_i strings) and the index of the token that holds each one's last character
@@ -1018,13 +1019,22 @@ NUMBER = r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?"  # 12, -1,234.5, .5, 3
 
 def extract_answer(text):
     """The final answer of a completion: the first number after the last 'Answer:' (its whole line if it has
-    none), else the last number in the text, else None. LaTeX fractions are read as a/b."""
-    text = re.sub(r"\\d?frac\{(-?\d+)\}\{(\d+)\}", r"\1/\2", text)
+    none), else the last number in the text, else None. When that number starts an equation on its line (numbers
+    and operators, then '=': "9 * 6 = 54", "9 x 6 = 54 = 50 + 4"), the answer is the last side of the equation that
+    is a lone number (54 in both). LaTeX fractions are read as a/b, a Unicode minus as '-'."""
+    text = re.sub(r"\\d?frac\{(-?\d+)\}\{(\d+)\}", r"\1/\2", text).replace("\u2212", "-")
     if "Answer:" in text:
         tail = text.rsplit("Answer:", 1)[1]
         found = re.search(NUMBER, tail)
         if found:
-            return found.group(0).replace(",", "").replace(" ", "")
+            term = r"(?:\([ \t]*)*-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:[ \t]*\))*"  # a number, maybe in parentheses
+            words = r"x|·|\\times|\\cdot|\\div|times|multiplied by|plus|minus|divided by|over|%[ \t]*of|percent of"
+            operation = rf"[ \t]*(?:[-+*/×÷]|(?:{words})(?![a-z]))[ \t]*"
+            side = rf"{term}(?:{operation}{term})*"
+            last = rf"[ \t]*=[ \t]*({NUMBER})(?![.,]?\d|{operation}\(*\.?\d)"  # a lone number
+            equation = re.compile(rf"{term}(?:{operation}{term})+(?:[ \t]*=[ \t]*{side})*{last}", re.I)
+            equation = equation.match(tail, found.start())
+            return (equation.group(1) if equation else found.group(0)).replace(",", "").replace(" ", "")
         return tail.strip().split("\n")[0].strip().rstrip(".") or None
     numbers = re.findall(NUMBER, text)
     return numbers[-1].replace(",", "").replace(" ", "") if numbers else None
@@ -1065,13 +1075,25 @@ def is_due(step, every, total_steps):
     return bool(every and step % every == 0) or step == total_steps
 
 
-def check_finite(values, name, step, last_checkpoint):
-    """Stop the run at the first non-finite reward or loss, saying where the last good checkpoint is."""
-    if not torch.isfinite(values).all():
+def check_finite(accelerator, values, name, step, last_checkpoint):
+    """Stop the run at the first non-finite reward, loss or gradient norm, saying where the last good checkpoint is.
+    A collective (every process calls it as often): when one process sees it, every process stops, none is left
+    waiting for the others in the next all-reduce."""
+    finite = torch.isfinite(torch.as_tensor(values)).all()
+    if not accelerator.gather(finite.float().reshape(1).to(accelerator.device)).all():
+        seen = f"{torch.as_tensor(values).tolist()}" if not finite else "on another process"
         raise RuntimeError(
-            f"step {step + 1}: non-finite {name} ({values.tolist()}); "
-            f"last good checkpoint: {last_checkpoint or 'none'}"
+            f"step {step + 1}: non-finite {name} ({seen}); last good checkpoint: {last_checkpoint or 'none'}"
         )
+
+
+def clip_gradients(accelerator, model, max_grad_norm, step, last_checkpoint):
+    """Clip the gradients to max_grad_norm; returns their global norm, the same on every process. A non-finite norm
+    (a finite loss whose backward overflowed) stops the run before the optimizer step, so that non-finite weights are
+    never checkpointed (DeepSpeed steps inside accelerator.backward: there, before the next checkpoint)."""
+    grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+    check_finite(accelerator, grad_norm, "gradient norm", step, last_checkpoint)
+    return float(grad_norm)
 
 
 def load_tokenizer(model_name_or_path, trust_remote_code, prompt_template=None):
@@ -1226,6 +1248,17 @@ def make_accelerator(micro_batch_size, gradient_accumulation_steps, max_grad_nor
     return accelerator
 
 
+def frozen(model, accelerator, device):
+    """A model that is not trained (reference, reward model, PRM, a sampler's copy of the policy), in eval mode on
+    `device`. Under DeepSpeed with --mixed_precision bf16 (or fp16), in that dtype: DeepSpeed runs the policy with
+    bf16 weights and accelerate's autocast does nothing there, so a model compared with the policy (KL, DPO's h, a
+    ratio) must run in bf16 too for the numbers before the first update to be exactly the policy's."""
+    model = model.requires_grad_(False).eval().to(device)
+    if accelerator.state.deepspeed_plugin is not None and accelerator.mixed_precision in ("bf16", "fp16"):
+        model = model.to(torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float16)
+    return model
+
+
 @contextlib.contextmanager
 def whole_on_every_process(accelerator):
     """A context for loading a model that is not trained (reference, reward model, PRM, a sampler copy): under
@@ -1273,7 +1306,6 @@ def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_
     input_ids, attention_mask = left_pad([p for p in prompts for _ in range(n)], pad_token_id)
     config = GenerationConfig(
         max_new_tokens=response_length,
-        min_new_tokens=0,
         do_sample=temperature > 0,
         temperature=temperature if temperature > 0 else None,
         top_p=top_p if temperature > 0 else None,
@@ -1283,13 +1315,20 @@ def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_
         use_cache=True,
     )
     device = next(model.parameters()).device
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=input_ids.to(device),
-            attention_mask=attention_mask.to(device),
-            generation_config=config,
-            synced_gpus=False,
-        )
+    # generate fills every field left unset here from the model's generation_config.json (Qwen2.5-Instruct ships a
+    # repetition penalty, top-k and top-p): with a neutral one in its place, nothing but these fields applies.
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft generates with its base
+    saved, base.generation_config = base.generation_config, GenerationConfig()
+    try:
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=input_ids.to(device),
+                attention_mask=attention_mask.to(device),
+                generation_config=config,
+                synced_gpus=False,
+            )
+    finally:
+        base.generation_config = saved
     responses = out[:, input_ids.shape[1] :].cpu()
     lengths = torch.full((responses.shape[0],), responses.shape[1], dtype=torch.long)
     if stop_at_eos:  # a finished sequence is padded after its EOS: its length ends at the first EOS
@@ -1661,8 +1700,23 @@ def step_arithmetic(step):
     None when it has none that can be checked. An equation is a run of numbers, operators, parentheses and '='
     ("3 + 4 = 7", "2 * 3 = 6 = 12 / 2"); it holds when all its sides that evaluate are equal, and is checkable when
     at least two do. A side glued to a word ("x + 3", "2x") is part of an expression with a variable: not checked.
-    A period not between digits ends a sentence; a comma between digits groups thousands."""
-    text = re.sub(r"(?<!\d)\.|\.(?!\d)", ";", step.replace("\u2212", "-"))
+    A period not between digits ends a sentence; a comma between digits groups thousands. Between two numbers,
+    "x", "times", "multiplied by", "plus", "minus", "divided by", "over" and "·" are operators, and a percentage
+    of a number ("50% of 10", "50 percent of 10", "10 x 50%") is read as n / 100."""
+    text = step.replace("\u2212", "-")
+    operand = r"[ \t]*(?=\(|-?\.?\d)"  # what follows an operator: "(" or a number
+    percent = r"[ \t]*(?:%|percent(?![a-z]))"
+    times = r"x|·|\\times|\\cdot|times|multiplied[ \t]+by"  # between two numbers, like * and ×
+    rules = [
+        (rf"(?<=\d){percent}[ \t]+of(?![a-z]){operand}", " / 100 * "),  # "50% of 10"
+        (rf"(?<=\d){percent}(?=[ \t]*(?:[*×]|{times}){operand})", " / 100"),  # "50% x 10"
+        (rf"((?<=[\d)])[ \t]*(?:[*×]|{times})[ \t]*\d[\d,]*(?:\.\d+)?){percent}", r"\1 / 100"),  # "10 x 50%"
+    ]
+    for symbol, words in ("*", times), ("+", "plus"), ("-", "minus"), ("/", r"\\div|divided[ \t]+by|over"):
+        rules.append((rf"(?<=[\d)])[ \t]*(?:{words})(?![a-z]){operand}", f" {symbol} "))  # "9 times 6"
+    for pattern, replacement in rules:
+        text = re.sub(pattern, replacement, text, flags=re.I)
+    text = re.sub(r"(?<!\d)\.|\.(?!\d)", ";", text)
     text = re.sub(r"(?<=\d),(?=\d{3})", "", text)
     verdict = None
     for match in re.finditer(r"[0-9 \t.+\-*/×÷()=]+", text):
@@ -1888,6 +1942,19 @@ def check_same_vocabulary(path, name, policy_tokenizer, trust_remote_code):
         fail(f"--{name} {path} has another vocabulary than --model_name_or_path; it must read the policy's tokens")
 
 
+def check_top_p(args):
+    """--top_p in (0, 1], and 1 when vLLM samples: vLLM's log-probs are then renormalised over the nucleus and the
+    trainer's are not, so the importance weights and objective/logprob_gap between them would be off from the first
+    token (HF generate returns no log-probs: nothing compares them there)."""
+    if not 0 < args.top_p <= 1:
+        fail(f"--top_p must be in (0, 1]; got {args.top_p}")
+    if args.vllm and args.top_p < 1:
+        fail(
+            f"--top_p {args.top_p} with vLLM: its log-probs would be over the nucleus, the trainer's over the whole "
+            "vocabulary; use --top_p 1, or --no-vllm"
+        )
+
+
 def check_args(args):
     """Reject bad input with one line naming the argument, before any model is loaded."""
     locate_inputs(args, ("model_name_or_path", "dataset_path", "value_model_path"))
@@ -1918,8 +1985,7 @@ def check_args(args):
         fail("--step_separator must not be empty")
     if args.temperature <= 0:
         fail(f"--temperature must be > 0 (PPO samples its responses); got {args.temperature}")
-    if not 0 < args.top_p <= 1:
-        fail(f"--top_p must be in (0, 1]; got {args.top_p}")
+    check_top_p(args)
     for name in ("cliprange", "cliprange_value", "kl_coef", "vf_coef", "prm_coef"):
         if getattr(args, name) < 0:
             fail(f"--{name} must be >= 0; got {getattr(args, name)}")

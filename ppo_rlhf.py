@@ -19,7 +19,7 @@ Run on CPU with the embedded defaults (build the reward model first):
 Run on GPUs (one vLLM engine per process, colocated with the trainer), e.g. TL;DR with a TL;DR reward model:
     accelerate launch --num_processes 8 ppo_rlhf.py --model_name_or_path <sft model> \
         --reward_model_path <reward model> --dataset_path trl-lib/tldr --question_column prompt --instruction "" \
-        --dtype bfloat16 --response_length 53 --stop_at_eos False
+        --dtype bfloat16 --response_length 53 --no-stop_at_eos
     accelerate launch --config_file benchmark/accelerate_configs/deepspeed_zero2.yaml ppo_rlhf.py ...
 Two processes on CPU (gloo): accelerate launch --multi_gpu --num_processes 2 ppo_rlhf.py --no-vllm
 
@@ -446,10 +446,10 @@ def main(args: Args):
     else:
         with whole_on_every_process(accelerator):
             ref_policy = load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_id)
-        ref_policy = ref_policy.requires_grad_(False).eval().to(accelerator.device)
+        ref_policy = frozen(ref_policy, accelerator, accelerator.device)
     with whole_on_every_process(accelerator):
         reward_model = load_model(args.reward_model_path, AutoModelForSequenceClassification, args, pad_id)
-    reward_model = reward_model.requires_grad_(False).eval().to(accelerator.device)
+    reward_model = frozen(reward_model, accelerator, accelerator.device)
     value_model_path = args.value_model_path or args.reward_model_path  # the N+ details start it from the reward model
     value_model = load_model(value_model_path, AutoModelForSequenceClassification, args, pad_id)
     enable_gradient_checkpointing([policy, value_model], args)
@@ -503,7 +503,7 @@ def main(args: Args):
             reward_model, query_responses, attention_mask, context_length, mask, sampler.stop_ids, args, accelerator
         )
         correct = verifier_correct(texts, [train_golds[i] for i in indices])
-        check_finite(scores, "objective/scores", step, run.last_checkpoint)
+        check_finite(accelerator, scores, "objective/scores", step, run.last_checkpoint)
         metrics["time/reward"] = time.time() - t0
 
         # 5. Per-token rewards: the KL penalty on every token, plus the score on the last real one. [B, R]
@@ -560,15 +560,16 @@ def main(args: Args):
                             minibatch_tokens,
                         )
                         policy_and_value = torch.tensor([micro_stats["pg_loss"], micro_stats["vf_loss"]])
-                        check_finite(policy_and_value, "loss (policy, value)", step, run.last_checkpoint)
+                        check_finite(accelerator, policy_and_value, "loss (policy, value)", step, run.last_checkpoint)
                         # accelerate (and DeepSpeed) divide a micro-batch's loss by gradient_accumulation_steps, to
                         # average micro-batch means; these losses are shares that already sum to the minibatch's.
                         accelerator.backward(loss * args.gradient_accumulation_steps)
                     for name, value in micro_stats.items():
                         stats[name].append(value)
                     del logits
-                grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                stats["policy/grad_norm"].append(float(grad_norm))
+                stats["policy/grad_norm"].append(
+                    clip_gradients(accelerator, model, args.max_grad_norm, step, run.last_checkpoint)
+                )
                 lr = scheduler.get_last_lr()[0]  # the learning rate of this update
                 optimizer.step()
                 scheduler.step()
@@ -829,13 +830,25 @@ def is_due(step, every, total_steps):
     return bool(every and step % every == 0) or step == total_steps
 
 
-def check_finite(values, name, step, last_checkpoint):
-    """Stop the run at the first non-finite reward or loss, saying where the last good checkpoint is."""
-    if not torch.isfinite(values).all():
+def check_finite(accelerator, values, name, step, last_checkpoint):
+    """Stop the run at the first non-finite reward, loss or gradient norm, saying where the last good checkpoint is.
+    A collective (every process calls it as often): when one process sees it, every process stops, none is left
+    waiting for the others in the next all-reduce."""
+    finite = torch.isfinite(torch.as_tensor(values)).all()
+    if not accelerator.gather(finite.float().reshape(1).to(accelerator.device)).all():
+        seen = f"{torch.as_tensor(values).tolist()}" if not finite else "on another process"
         raise RuntimeError(
-            f"step {step + 1}: non-finite {name} ({values.tolist()}); "
-            f"last good checkpoint: {last_checkpoint or 'none'}"
+            f"step {step + 1}: non-finite {name} ({seen}); last good checkpoint: {last_checkpoint or 'none'}"
         )
+
+
+def clip_gradients(accelerator, model, max_grad_norm, step, last_checkpoint):
+    """Clip the gradients to max_grad_norm; returns their global norm, the same on every process. A non-finite norm
+    (a finite loss whose backward overflowed) stops the run before the optimizer step, so that non-finite weights are
+    never checkpointed (DeepSpeed steps inside accelerator.backward: there, before the next checkpoint)."""
+    grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+    check_finite(accelerator, grad_norm, "gradient norm", step, last_checkpoint)
+    return float(grad_norm)
 
 
 def load_tokenizer(model_name_or_path, trust_remote_code, prompt_template=None):
@@ -939,6 +952,17 @@ def make_accelerator(micro_batch_size, gradient_accumulation_steps, max_grad_nor
     return accelerator
 
 
+def frozen(model, accelerator, device):
+    """A model that is not trained (reference, reward model, PRM, a sampler's copy of the policy), in eval mode on
+    `device`. Under DeepSpeed with --mixed_precision bf16 (or fp16), in that dtype: DeepSpeed runs the policy with
+    bf16 weights and accelerate's autocast does nothing there, so a model compared with the policy (KL, DPO's h, a
+    ratio) must run in bf16 too for the numbers before the first update to be exactly the policy's."""
+    model = model.requires_grad_(False).eval().to(device)
+    if accelerator.state.deepspeed_plugin is not None and accelerator.mixed_precision in ("bf16", "fp16"):
+        model = model.to(torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float16)
+    return model
+
+
 @contextlib.contextmanager
 def whole_on_every_process(accelerator):
     """A context for loading a model that is not trained (reference, reward model, PRM, a sampler copy): under
@@ -986,7 +1010,6 @@ def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_
     input_ids, attention_mask = left_pad([p for p in prompts for _ in range(n)], pad_token_id)
     config = GenerationConfig(
         max_new_tokens=response_length,
-        min_new_tokens=0,
         do_sample=temperature > 0,
         temperature=temperature if temperature > 0 else None,
         top_p=top_p if temperature > 0 else None,
@@ -996,13 +1019,20 @@ def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_
         use_cache=True,
     )
     device = next(model.parameters()).device
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=input_ids.to(device),
-            attention_mask=attention_mask.to(device),
-            generation_config=config,
-            synced_gpus=False,
-        )
+    # generate fills every field left unset here from the model's generation_config.json (Qwen2.5-Instruct ships a
+    # repetition penalty, top-k and top-p): with a neutral one in its place, nothing but these fields applies.
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft generates with its base
+    saved, base.generation_config = base.generation_config, GenerationConfig()
+    try:
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=input_ids.to(device),
+                attention_mask=attention_mask.to(device),
+                generation_config=config,
+                synced_gpus=False,
+            )
+    finally:
+        base.generation_config = saved
     responses = out[:, input_ids.shape[1] :].cpu()
     lengths = torch.full((responses.shape[0],), responses.shape[1], dtype=torch.long)
     if stop_at_eos:  # a finished sequence is padded after its EOS: its length ends at the first EOS
@@ -1233,13 +1263,22 @@ NUMBER = r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?"  # 12, -1,234.5, .5, 3
 
 def extract_answer(text):
     """The final answer of a completion: the first number after the last 'Answer:' (its whole line if it has
-    none), else the last number in the text, else None. LaTeX fractions are read as a/b."""
-    text = re.sub(r"\\d?frac\{(-?\d+)\}\{(\d+)\}", r"\1/\2", text)
+    none), else the last number in the text, else None. When that number starts an equation on its line (numbers
+    and operators, then '=': "9 * 6 = 54", "9 x 6 = 54 = 50 + 4"), the answer is the last side of the equation that
+    is a lone number (54 in both). LaTeX fractions are read as a/b, a Unicode minus as '-'."""
+    text = re.sub(r"\\d?frac\{(-?\d+)\}\{(\d+)\}", r"\1/\2", text).replace("\u2212", "-")
     if "Answer:" in text:
         tail = text.rsplit("Answer:", 1)[1]
         found = re.search(NUMBER, tail)
         if found:
-            return found.group(0).replace(",", "").replace(" ", "")
+            term = r"(?:\([ \t]*)*-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:[ \t]*\))*"  # a number, maybe in parentheses
+            words = r"x|·|\\times|\\cdot|\\div|times|multiplied by|plus|minus|divided by|over|%[ \t]*of|percent of"
+            operation = rf"[ \t]*(?:[-+*/×÷]|(?:{words})(?![a-z]))[ \t]*"
+            side = rf"{term}(?:{operation}{term})*"
+            last = rf"[ \t]*=[ \t]*({NUMBER})(?![.,]?\d|{operation}\(*\.?\d)"  # a lone number
+            equation = re.compile(rf"{term}(?:{operation}{term})+(?:[ \t]*=[ \t]*{side})*{last}", re.I)
+            equation = equation.match(tail, found.start())
+            return (equation.group(1) if equation else found.group(0)).replace(",", "").replace(" ", "")
         return tail.strip().split("\n")[0].strip().rstrip(".") or None
     numbers = re.findall(NUMBER, text)
     return numbers[-1].replace(",", "").replace(" ", "") if numbers else None
@@ -1607,6 +1646,19 @@ def fail(message):
     raise SystemExit(f"error: {message}")
 
 
+def check_top_p(args):
+    """--top_p in (0, 1], and 1 when vLLM samples: vLLM's log-probs are then renormalised over the nucleus and the
+    trainer's are not, so the importance weights and objective/logprob_gap between them would be off from the first
+    token (HF generate returns no log-probs: nothing compares them there)."""
+    if not 0 < args.top_p <= 1:
+        fail(f"--top_p must be in (0, 1]; got {args.top_p}")
+    if args.vllm and args.top_p < 1:
+        fail(
+            f"--top_p {args.top_p} with vLLM: its log-probs would be over the nucleus, the trainer's over the whole "
+            "vocabulary; use --top_p 1, or --no-vllm"
+        )
+
+
 def check_args(args):
     """Reject bad input with one line naming the argument, before any model is loaded."""
     locate_inputs(args, ("model_name_or_path", "dataset_path", "reward_model_path", "value_model_path"))
@@ -1629,8 +1681,7 @@ def check_args(args):
         )
     if args.temperature <= 0:
         fail(f"--temperature must be > 0 (PPO samples its responses); got {args.temperature}")
-    if not 0 < args.top_p <= 1:
-        fail(f"--top_p must be in (0, 1]; got {args.top_p}")
+    check_top_p(args)
     for name in ("cliprange", "cliprange_value", "kl_coef", "vf_coef"):
         if getattr(args, name) < 0:
             fail(f"--{name} must be >= 0; got {getattr(args, name)}")

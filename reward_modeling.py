@@ -296,7 +296,7 @@ def bradley_terry_backward(model, score_head, pairs, args, accelerator, pad_toke
             # Every micro-batch of every process holds the same number of pairs: the mean of their means is the mean
             # over the whole batch, and DDP's mean over processes keeps it so.
             loss = bradley_terry_loss(chosen, rejected).mean() / args.gradient_accumulation_steps
-            check_finite(loss, "loss/reward_model", step, last_checkpoint)
+            check_finite(accelerator, loss, "loss/reward_model", step, last_checkpoint)
             # accelerate (and DeepSpeed) divide a micro-batch's loss by gradient_accumulation_steps, to average
             # micro-batch means; these losses are shares that already sum to the step's.
             accelerator.backward(loss * args.gradient_accumulation_steps)
@@ -379,7 +379,7 @@ def prm_backward(model, score_head, completions, args, accelerator, pad_token_id
         with accelerator.accumulate(model):
             logits, labels = prm_step_logits(model, score_head, micro_batch, pad_token_id, accelerator.device)
             loss = prm_loss(logits, labels, mean_steps)
-            check_finite(loss, "loss/reward_model", step, last_checkpoint)
+            check_finite(accelerator, loss, "loss/reward_model", step, last_checkpoint)
             accelerator.backward(loss * args.gradient_accumulation_steps)  # see bradley_terry_backward
         batch_loss += loss.item()
         logits_all.append(logits.detach())
@@ -395,13 +395,22 @@ NUMBER = r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?"  # 12, -1,234.5, .5, 3
 
 def extract_answer(text):
     """The final answer of a completion: the first number after the last 'Answer:' (its whole line if it has
-    none), else the last number in the text, else None. LaTeX fractions are read as a/b."""
-    text = re.sub(r"\\d?frac\{(-?\d+)\}\{(\d+)\}", r"\1/\2", text)
+    none), else the last number in the text, else None. When that number starts an equation on its line (numbers
+    and operators, then '=': "9 * 6 = 54", "9 x 6 = 54 = 50 + 4"), the answer is the last side of the equation that
+    is a lone number (54 in both). LaTeX fractions are read as a/b, a Unicode minus as '-'."""
+    text = re.sub(r"\\d?frac\{(-?\d+)\}\{(\d+)\}", r"\1/\2", text).replace("\u2212", "-")
     if "Answer:" in text:
         tail = text.rsplit("Answer:", 1)[1]
         found = re.search(NUMBER, tail)
         if found:
-            return found.group(0).replace(",", "").replace(" ", "")
+            term = r"(?:\([ \t]*)*-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:[ \t]*\))*"  # a number, maybe in parentheses
+            words = r"x|·|\\times|\\cdot|\\div|times|multiplied by|plus|minus|divided by|over|%[ \t]*of|percent of"
+            operation = rf"[ \t]*(?:[-+*/×÷]|(?:{words})(?![a-z]))[ \t]*"
+            side = rf"{term}(?:{operation}{term})*"
+            last = rf"[ \t]*=[ \t]*({NUMBER})(?![.,]?\d|{operation}\(*\.?\d)"  # a lone number
+            equation = re.compile(rf"{term}(?:{operation}{term})+(?:[ \t]*=[ \t]*{side})*{last}", re.I)
+            equation = equation.match(tail, found.start())
+            return (equation.group(1) if equation else found.group(0)).replace(",", "").replace(" ", "")
         return tail.strip().split("\n")[0].strip().rstrip(".") or None
     numbers = re.findall(NUMBER, text)
     return numbers[-1].replace(",", "").replace(" ", "") if numbers else None
@@ -532,7 +541,9 @@ def main(args: Args):
         metrics = backward(model, score_head, batch, args, accelerator, pad_id, step, run.last_checkpoint)
 
         # 3. Update: gradients clipped to max_grad_norm (by DeepSpeed itself under DeepSpeed), one optimizer step.
-        metrics["objective/grad_norm"] = float(accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm))
+        metrics["objective/grad_norm"] = clip_gradients(
+            accelerator, model, args.max_grad_norm, step, run.last_checkpoint
+        )
         metrics["lr"] = scheduler.get_last_lr()[0]  # the learning rate of this update
         optimizer.step()
         scheduler.step()
@@ -798,13 +809,25 @@ def is_due(step, every, total_steps):
     return bool(every and step % every == 0) or step == total_steps
 
 
-def check_finite(values, name, step, last_checkpoint):
-    """Stop the run at the first non-finite reward or loss, saying where the last good checkpoint is."""
-    if not torch.isfinite(values).all():
+def check_finite(accelerator, values, name, step, last_checkpoint):
+    """Stop the run at the first non-finite reward, loss or gradient norm, saying where the last good checkpoint is.
+    A collective (every process calls it as often): when one process sees it, every process stops, none is left
+    waiting for the others in the next all-reduce."""
+    finite = torch.isfinite(torch.as_tensor(values)).all()
+    if not accelerator.gather(finite.float().reshape(1).to(accelerator.device)).all():
+        seen = f"{torch.as_tensor(values).tolist()}" if not finite else "on another process"
         raise RuntimeError(
-            f"step {step + 1}: non-finite {name} ({values.tolist()}); "
-            f"last good checkpoint: {last_checkpoint or 'none'}"
+            f"step {step + 1}: non-finite {name} ({seen}); last good checkpoint: {last_checkpoint or 'none'}"
         )
+
+
+def clip_gradients(accelerator, model, max_grad_norm, step, last_checkpoint):
+    """Clip the gradients to max_grad_norm; returns their global norm, the same on every process. A non-finite norm
+    (a finite loss whose backward overflowed) stops the run before the optimizer step, so that non-finite weights are
+    never checkpointed (DeepSpeed steps inside accelerator.backward: there, before the next checkpoint)."""
+    grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+    check_finite(accelerator, grad_norm, "gradient norm", step, last_checkpoint)
+    return float(grad_norm)
 
 
 def sample_task_rows(args, accelerator, tokenizer, train_rows, eval_rows):
@@ -1348,7 +1371,6 @@ def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_
     input_ids, attention_mask = left_pad([p for p in prompts for _ in range(n)], pad_token_id)
     config = GenerationConfig(
         max_new_tokens=response_length,
-        min_new_tokens=0,
         do_sample=temperature > 0,
         temperature=temperature if temperature > 0 else None,
         top_p=top_p if temperature > 0 else None,
@@ -1358,13 +1380,20 @@ def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_
         use_cache=True,
     )
     device = next(model.parameters()).device
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=input_ids.to(device),
-            attention_mask=attention_mask.to(device),
-            generation_config=config,
-            synced_gpus=False,
-        )
+    # generate fills every field left unset here from the model's generation_config.json (Qwen2.5-Instruct ships a
+    # repetition penalty, top-k and top-p): with a neutral one in its place, nothing but these fields applies.
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft generates with its base
+    saved, base.generation_config = base.generation_config, GenerationConfig()
+    try:
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=input_ids.to(device),
+                attention_mask=attention_mask.to(device),
+                generation_config=config,
+                synced_gpus=False,
+            )
+    finally:
+        base.generation_config = saved
     responses = out[:, input_ids.shape[1] :].cpu()
     lengths = torch.full((responses.shape[0],), responses.shape[1], dtype=torch.long)
     if stop_at_eos:  # a finished sequence is padded after its EOS: its length ends at the first EOS
@@ -1578,8 +1607,23 @@ def step_arithmetic(step):
     None when it has none that can be checked. An equation is a run of numbers, operators, parentheses and '='
     ("3 + 4 = 7", "2 * 3 = 6 = 12 / 2"); it holds when all its sides that evaluate are equal, and is checkable when
     at least two do. A side glued to a word ("x + 3", "2x") is part of an expression with a variable: not checked.
-    A period not between digits ends a sentence; a comma between digits groups thousands."""
-    text = re.sub(r"(?<!\d)\.|\.(?!\d)", ";", step.replace("\u2212", "-"))
+    A period not between digits ends a sentence; a comma between digits groups thousands. Between two numbers,
+    "x", "times", "multiplied by", "plus", "minus", "divided by", "over" and "·" are operators, and a percentage
+    of a number ("50% of 10", "50 percent of 10", "10 x 50%") is read as n / 100."""
+    text = step.replace("\u2212", "-")
+    operand = r"[ \t]*(?=\(|-?\.?\d)"  # what follows an operator: "(" or a number
+    percent = r"[ \t]*(?:%|percent(?![a-z]))"
+    times = r"x|·|\\times|\\cdot|times|multiplied[ \t]+by"  # between two numbers, like * and ×
+    rules = [
+        (rf"(?<=\d){percent}[ \t]+of(?![a-z]){operand}", " / 100 * "),  # "50% of 10"
+        (rf"(?<=\d){percent}(?=[ \t]*(?:[*×]|{times}){operand})", " / 100"),  # "50% x 10"
+        (rf"((?<=[\d)])[ \t]*(?:[*×]|{times})[ \t]*\d[\d,]*(?:\.\d+)?){percent}", r"\1 / 100"),  # "10 x 50%"
+    ]
+    for symbol, words in ("*", times), ("+", "plus"), ("-", "minus"), ("/", r"\\div|divided[ \t]+by|over"):
+        rules.append((rf"(?<=[\d)])[ \t]*(?:{words})(?![a-z]){operand}", f" {symbol} "))  # "9 times 6"
+    for pattern, replacement in rules:
+        text = re.sub(pattern, replacement, text, flags=re.I)
+    text = re.sub(r"(?<!\d)\.|\.(?!\d)", ";", text)
     text = re.sub(r"(?<=\d),(?=\d{3})", "", text)
     verdict = None
     for match in re.finditer(r"[0-9 \t.+\-*/×÷()=]+", text):

@@ -688,14 +688,17 @@ def test_invariant_bf16_autocast_lag_zero_starts_at_the_reference_and_ratio_one(
 
 
 def test_generator_gpu_counts_the_gpus_of_this_machine():
-    # 7 learners and 1 spare GPU: every generator on it (the paper's layout).
-    assert [async_rlhf.generator_gpu(r, 7, 8) for r in range(7)] == [7] * 7
+    # 7 learners and 1 spare GPU: 7 generators there would hold 7 copies of the policy, reference and reward model
+    # (130 GB for a 1.5B model in fp32); each stays on its learner's GPU.
+    assert [async_rlhf.generator_gpu(r, 7, 8) for r in range(7)] == [None] * 7
     # 4 learners and 4 spare GPUs: one each.
     assert [async_rlhf.generator_gpu(r, 4, 8) for r in range(4)] == [4, 5, 6, 7]
     # 2 learners per machine of 4 GPUs (on any machine of a multi-node run): GPUs 2 and 3 of each.
     assert [async_rlhf.generator_gpu(r, 2, 4) for r in range(2)] == [2, 3]
-    # 3 learners, 2 spare GPUs: shared in turn.
-    assert [async_rlhf.generator_gpu(r, 3, 5) for r in range(3)] == [3, 4, 3]
+    # 3 learners, 2 spare GPUs: not one each, so on the learners' GPUs.
+    assert [async_rlhf.generator_gpu(r, 3, 5) for r in range(3)] == [None] * 3
+    # 1 learner, 7 spare GPUs: one of them.
+    assert async_rlhf.generator_gpu(0, 1, 8) == 1
     # No spare GPU: the learner's own.
     assert async_rlhf.generator_gpu(0, 8, 8) is None
     assert async_rlhf.generator_gpu(1, 2, 1) is None

@@ -303,3 +303,19 @@ def test_checkpoint_checksums_find_a_truncated_or_changed_file(tmp_path):
     assert "checksum" in grpo_math.checkpoint_problem(str(folder))
     (folder / "model.safetensors").unlink()
     assert "missing" in grpo_math.checkpoint_problem(str(folder))
+
+
+def test_top_p_below_one_with_vllm(make_args, no_model):
+    """vLLM's log-probs under --top_p < 1 are over the nucleus, the trainer's over the whole vocabulary (TIS)."""
+    assert_one_line_error(make_args(vllm=True, top_p=0.9), "--top_p 0.9", "--no-vllm")
+    with pytest.raises(AssertionError, match="model loaded"):  # HF generate: nothing compares log-probs
+        grpo_math.main(make_args(vllm=False, top_p=0.9))
+
+
+def test_k1_is_not_offered_for_the_kl_in_the_loss():
+    """k1's gradient has expectation zero under the policy's samples: in the loss it regularises nothing."""
+    import tyro
+
+    with pytest.raises(SystemExit):
+        tyro.cli(grpo_math.Args, args=["--kl_estimator", "k1"])
+    assert tyro.cli(grpo_math.Args, args=["--kl_estimator", "k2"]).kl_estimator == "k2"

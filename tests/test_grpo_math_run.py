@@ -626,3 +626,64 @@ def test_invariant_bf16_autocast_ratio_is_one_on_the_first_minibatch(make_args, 
     (line,) = train_lines(read_metrics(run_dir))
     assert line["policy/ratio_first_minibatch"] == 1.0
     assert line["policy/approxkl_first_minibatch"] == 0.0
+
+
+@pytest.mark.slow
+def test_invariant_deepspeed_bf16_kl_is_zero_and_ratio_one_before_the_first_update(tiny_model_dir, task_dir, tmp_path):
+    """DeepSpeed ZeRO-2 with --mixed_precision bf16 on 2 CPU processes: DeepSpeed runs the policy with bf16 weights
+    and accelerate's autocast is off there, so the reference is cast to bf16 too (frozen): the KL of the first update
+    is exactly 0 and the reused batch's ratio exactly 1 (failed before: the reference ran in fp32)."""
+    require_deepspeed()
+    out = str(tmp_path / "zero2-bf16")
+    flags = fast_cli_flags(
+        tiny_model_dir, task_dir, out, **{**INVARIANT_ARGS, "prompts_per_rank": 2, "total_steps": 1}
+    )
+    config = os.path.join(REPO_ROOT, "benchmark", "accelerate_configs", "deepspeed_zero2.yaml")
+    run_dir = launch_fixed_rollout("grpo_math.py", flags, out, config_file=config, mixed_precision="bf16")
+    (line,) = train_lines(read_metrics(run_dir))
+    assert line["objective/kl"] == 0.0
+    assert line["policy/ratio_first_minibatch"] == 1.0
+
+
+@pytest.mark.slow
+def test_non_finite_gradient_stops_before_the_update_and_is_never_checkpointed(make_args, monkeypatch, tmp_path):
+    """A finite loss whose backward overflows: the gradient norm is non-finite, the run stops at step 1 before the
+    optimizer step and names it; the checkpoint of step 0 does not exist and none holds NaN (failed before: the
+    optimizer stepped, step_1 was checkpointed with NaN weights and the run stopped one step later on the loss)."""
+    load_model = grpo_math.load_model
+
+    def overflowing(*args, **kwargs):
+        model = load_model(*args, **kwargs)
+        model.model.norm.weight.register_hook(lambda grad: grad * float("inf"))
+        return model
+
+    monkeypatch.setattr(grpo_math, "load_model", overflowing)
+    fixed_rollout.patch(grpo_math, monkeypatch.setattr)
+    args = make_args(total_steps=2, save_every=1, beta=0.0, output_dir=str(tmp_path / "runs"))
+    with pytest.raises(RuntimeError, match="step 1: non-finite gradient norm") as error:
+        grpo_math.main(args)
+    assert "last good checkpoint: none" in str(error.value)
+    assert not glob.glob(str(tmp_path / "runs" / "*" / "checkpoints" / "step_*"))
+
+
+class FakeAccelerator:
+    """What check_finite asks of an Accelerator: the device, and gather over processes (here: this process's value
+    and another process's)."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, other_finite):
+        self.other = torch.tensor([1.0 if other_finite else 0.0])
+
+    def gather(self, tensor):
+        return torch.cat([tensor, self.other])
+
+
+def test_check_finite_stops_every_process_when_one_sees_a_non_finite_value():
+    """Collective: the process whose own loss is finite stops too when another's is not (else it would wait in the
+    next all-reduce forever)."""
+    grpo_math.check_finite(FakeAccelerator(True), torch.tensor([1.0, 2.0]), "loss/policy", 3, None)
+    with pytest.raises(RuntimeError, match="step 4: non-finite loss/policy \\(on another process\\)"):
+        grpo_math.check_finite(FakeAccelerator(False), torch.tensor([1.0, 2.0]), "loss/policy", 3, "ckpt")
+    with pytest.raises(RuntimeError, match="nan"):
+        grpo_math.check_finite(FakeAccelerator(True), torch.tensor([float("nan")]), "loss/policy", 3, "ckpt")

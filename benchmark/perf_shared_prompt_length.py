@@ -1,0 +1,128 @@
+"""Where the shared-prompt (packed) forward stops paying: training time and memory, packed vs unpacked, by length.
+
+    python -m benchmark.perf_shared_prompt_length                     # R = 64, 256, 512, 1024
+    python -m benchmark.perf_shared_prompt_length --lengths 64 512 --layers 8
+
+One group of 8 completions of a 48-token prompt, response lengths spread evenly over [R/2, R], SmolLM2-135M's shape
+(random weights: the time does not depend on them), fp32, the policy's log-probs forward + backward, as the training
+step computes them: packed (grpo_math.shared_prompt_logprobs forced to pack) and unpacked (response_logprobs). Each
+measurement runs in its own process, packed and unpacked alternating, best of --repeats; reported per R: seconds,
+the bytes autograd saved for the backward pass, the process's peak RSS, and whether shared_prompt_pays packs.
+Results go to benchmark/results/shared_prompt_length.{json,md}.
+"""
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+
+import torch
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL = os.path.join(REPO_ROOT, "assets", "SmolLM2-135M-Instruct")
+
+
+def batch(r, prompt_length=48, group=8, seed=0):
+    """input_ids, attention_mask [group, prompt_length + r], with the responses' real lengths evenly in [r/2, r]."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.linspace(r // 2, r, group).round().long()
+    ids = torch.randint(3, 40000, (group, prompt_length + r), generator=g)
+    ids[:, :prompt_length] = ids[0, :prompt_length]  # one prompt for the group
+    mask = torch.ones_like(ids)
+    mask[:, prompt_length:] = (torch.arange(r)[None] < lengths[:, None]).long()
+    return ids * mask, mask, prompt_length
+
+
+def measure(r, packed, layers):
+    """One forward + backward in this process; returns seconds, saved bytes and what the rule decides."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import grpo_math
+
+    torch.set_num_threads(int(os.environ.get("THREADS", "2")))
+    config = AutoConfig.from_pretrained(MODEL)
+    config.num_hidden_layers = layers
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).float()
+    ids, mask, p = batch(r)
+    group = torch.zeros(len(ids), dtype=torch.long)
+    pays = grpo_math.shared_prompt_pays(config, group, mask[:, p:].sum(1), p, ids.shape[1])
+    grpo_math.shared_prompt_pays = lambda *a: True  # forced: the packed run measures packing whatever the rule says
+    fn = grpo_math.shared_prompt_logprobs if packed else grpo_math.response_logprobs
+    saved = [0]
+
+    def pack(tensor):
+        saved[0] += tensor.numel() * tensor.element_size()
+        return tensor
+
+    t0 = time.perf_counter()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logprobs = fn(model, ids, mask, p, 1.0)[0]
+    (logprobs * mask[:, p:]).sum().backward()
+    seconds = time.perf_counter() - t0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"seconds": seconds, "saved_bytes": saved[0], "peak_rss_bytes": peak, "rule_packs": bool(pays)}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[64, 256, 512, 1024])
+    parser.add_argument("--layers", type=int, default=30, help="decoder layers (SmolLM2-135M has 30)")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--out", default="benchmark/results/shared_prompt_length")
+    parser.add_argument("--one", nargs=2, help=argparse.SUPPRESS)  # R and packed|unpacked: a single measurement
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(measure(int(args.one[0]), args.one[1] == "packed", args.layers)))
+        return
+    rows = []
+    for r in args.lengths:
+        runs = {"packed": [], "unpacked": []}
+        for k in range(args.repeats):
+            for mode in ("packed", "unpacked") if k % 2 == 0 else ("unpacked", "packed"):
+                cmd = [sys.executable, "-m", "benchmark.perf_shared_prompt_length", "--one", str(r), mode]
+                out = subprocess.run(
+                    cmd + ["--layers", str(args.layers)], cwd=REPO_ROOT, capture_output=True, text=True
+                )
+                runs[mode].append(json.loads(out.stdout.strip().splitlines()[-1]))
+        best = {mode: min(values, key=lambda v: v["seconds"]) for mode, values in runs.items()}
+        rows.append({"R": r, **{f"{m}_{k}": v for m, b in best.items() for k, v in b.items()}})
+        print(json.dumps(rows[-1]), flush=True)
+    info = {
+        "command": " ".join(["python -m benchmark.perf_shared_prompt_length", *sys.argv[1:]]),
+        "layers": args.layers,
+        "repeats": args.repeats,
+        "cpu": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "threads": int(os.environ.get("THREADS", "2")),
+    }
+    with open(args.out + ".json", "w") as f:
+        json.dump({"info": info, "rows": rows}, f, indent=1)
+    lines = [
+        f"`{info['command']}` ({args.layers} layers of SmolLM2-135M's shape, fp32, {info['threads']} threads, "
+        f"best of {args.repeats}; one group of 8 completions of a 48-token prompt, lengths evenly in [R/2, R]; "
+        "forward + backward of the policy's log-probs)",
+        "",
+        "| R | packed s | unpacked s | unpacked / packed | saved for backward, packed / unpacked (MiB) | "
+        "peak RSS packed / unpacked (MiB) | shared_prompt_pays packs |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    mib = 2**20
+    for row in rows:
+        lines.append(
+            f"| {row['R']} | {row['packed_seconds']:.2f} | {row['unpacked_seconds']:.2f} | "
+            f"{row['unpacked_seconds'] / row['packed_seconds']:.2f}x | {row['packed_saved_bytes'] / mib:.0f} / "
+            f"{row['unpacked_saved_bytes'] / mib:.0f} | {row['packed_peak_rss_bytes'] / mib:.0f} / "
+            f"{row['unpacked_peak_rss_bytes'] / mib:.0f} | {'yes' if row['packed_rule_packs'] else 'no'} |"
+        )
+    with open(args.out + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
