@@ -40,11 +40,12 @@ turns). To give the learner more, raise OMP_NUM_THREADS (with OMP_WAIT_POLICY=PA
 in-process CPU engine computes in the thread that calls it, with that thread's count.
 
 Devices. On GPUs the generator with HF generate owns a GPU of its own when a machine has a spare GPU for each
-process (its last ones, as in the paper; see generator_gpu), else it shares its learner's; vLLM's engine shares the GPU of the (single) process with its
-learner, since an in-process engine cannot be placed on another GPU. With accelerate, every process runs its own
-generator thread for its own slice of the prompts (data parallel, as in the other scripts) with HF generate: the
-generator thread never calls a collective. vLLM's engines synchronise across processes (a collective from the
-generator thread would race the learner's), so several processes fall back to HF generate with a warning.
+process (its last ones, as in the paper; see generator_gpu), else it shares its learner's; vLLM's engine shares the
+GPU of the (single) process with its learner, since an in-process engine cannot be placed on another GPU. With
+accelerate, every process runs its own generator thread for its own slice of the prompts (data parallel, as in the
+other scripts) with HF generate: the generator thread never calls a collective. vLLM's engines synchronise across
+processes (a collective from the generator thread would race the learner's), so several processes fall back to HF
+generate with a warning.
 
 Run on CPU with the embedded defaults (build the reward model first, or use the verifier):
     python reward_modeling.py && python async_rlhf.py
