@@ -347,6 +347,104 @@ def test_step_arithmetic(step, verdict):
     assert prm.step_arithmetic(step) is verdict
 
 
+# Issue 8: operators in words or other symbols between numbers are arithmetic. Each row's verdict was written by
+# hand. "failed before" marks the rows the verifier got wrong (its verdict in parentheses): it compared the number
+# after the word with the result ("9 minus 6 = 3": 6 = 3, wrong). The "real" rows are steps (blank-line separated,
+# as --step_separator splits them) of completions of the embedded model (SmolLM2-135M-Instruct, the scripts' default
+# prompts on assets/data arith_1d and gsm8k_100, sampled with HF generate), whole.
+STEP_TABLE = [
+    ("9 x 6 = 54", True),  # failed before (False)
+    ("9 X 6 = 54", True),  # failed before (False)
+    ("9x6=54", True),  # failed before (None)
+    ("9 times 6 = 54", True),  # failed before (False)
+    ("9 Times 6 = 54", True),  # failed before (False)
+    ("9 multiplied by 6 = 54", True),  # failed before (False)
+    ("9 · 6 = 54", True),  # failed before (False)
+    ("$9 \\times 6 = 54$", True),  # failed before (False)
+    ("9 plus 6 = 15", True),  # failed before (False)
+    ("9 minus 6 = 3", True),  # failed before (False)
+    ("54 divided by 6 = 9", True),  # failed before (False)
+    ("3 over 4 = 0.75", True),  # failed before (False)
+    ("50% of 10 = 5", True),  # failed before (False)
+    ("50 percent of 10 = 5", True),  # failed before (False)
+    ("10 + 20% of 50 = 20", True),  # failed before (False)
+    ("50% x 10 = 5", True),  # failed before (False)
+    ("10 x 50% = 5", True),  # failed before (None)
+    ("9 times -3 = -27", True),  # failed before (None)
+    ("1,000 plus 234 = 1,234", True),  # failed before (False)
+    ("x = 2 x 3 = 6", True),  # failed before (False)
+    ("Multiply 9 by 6: 9 * 6 = 54", True),
+    ("9 − 6 = 3", True),
+    ("9 x 6 = 56", False),
+    ("9 minus 6 = 4", False),
+    ("50% of 10 = 6", False),
+    ("x + 3 = 5", None),  # a variable
+    ("2x + 3 = 7", None),
+    ("2 x + 3 = 7", None),
+    ("3x = 12", None),
+    ("50% = 0.5", None),  # a percentage alone is not read
+    ("A 3 x 4 grid has 12 cells", None),
+    ("5 times 2 apples = 10 apples", None),
+    ("1. 9 * 1 = 9 \n2. 9 * 1 = 9 ", True),  # real
+    ("1. 9 x 1 = 9", True),  # real, failed before (False)
+    ("A: 9 + 1 = 10", True),  # real
+    ("2. 9 + 1 = 2", False),  # real
+    ("Multiplication: 3 * 3 = 9", True),  # real
+    ("To find 0 + 4, we need to find the value of the sum of the absolute values of the numbers.", None),  # real
+    ("We are given that 0 + 4 is 4.\nThe steps to solve it are:", None),  # real
+    ("Patch: 10 + 9 = 10", False),  # real
+    ("1 - 4 = -2", False),  # real
+    ("1. 1 - 4 = 5.\n2. 5 * 1 = 5.\n3. 5 * 1 = 5.", False),  # real
+    ("1. 5 + 0 = 5\n2. Add 0 to both sides of the equation: (5 + 0) = 5", True),  # real
+    ("1. 4 * 4 = 16\n2. 16 * 4 = 64", True),  # real
+    ("You can calculate the result by multiplying 4 and 16, which results in 64.", None),  # real
+    ("4 - 5 = 2\n2 * 5 = 10", False),  # real
+    ("2 + 87 = 2 * 7 = 19.", False),  # real
+    ("2 is an integer and 2 + 3*1 = 2 + 3 = 3 with no fractional parts.", False),  # real
+    ("So, we do 6 / 2 = 3. So, we can add 1 to the end of the 3 to get the answer.", True),  # real
+    ("2. Calculate the total teaspoons: 3 + 4 = 7 teaspoons of sugar were used.", True),  # real
+    ("4. Add the number of teaspoons of sugar used: 7 + 7 = 12 teaspoons of sugar were used.", False),  # real
+    ("1. Find the ratio: 7:13\nThe ratio is 7:13, or 3:4 in this context.", None),  # real
+    (
+        "To convert 63 into hundreds, I need to multiply 6! by 6. So, I multiply 6! by itself, which gives 6 * 6 * 6"
+        " * 6 * 6 * 6 * 6 * 6 * 6 = 6 * 6 *",
+        None,
+    ),  # real, cut at the token limit
+    (
+        "To solve this, start by adding 5 to the original 6. The first step is just 5 added to itself six times, which"
+        " equals 11. Then, multiply 11 by 6 to get 66. So, the answer is 66.",
+        None,
+    ),  # real
+    (
+        "To solve this math problem step by step, I will follow the order of operations:\n1. Add the numbers in the "
+        "parentheses: 5 + 9 = 14\n2. Subtract the previous equation from the next equation: 14 - 5 = 6\n3. Add the "
+        "final answer to the previous equation: 6 + 6 = 12",
+        False,
+    ),  # real
+    (
+        "Solving this equation: \nMarvellos = 12 + 17 = 20\nPetunias = 9 + 17 = 26\nBegonias = 17 + 2 = 20",
+        False,
+    ),  # real
+    (
+        "Charlie has three times as many Facebook friends as Dorothy, so 3 * 12 = 32 Facebook friends.\nThere are 12 "
+        "friends on Facebook, so James has 12 * 4 = 48 Facebook friends.",
+        False,
+    ),  # real
+    (
+        "1. John has 10 hectares of pineapple field.\n2. There are 100 pineapples per hectare.\n3. He can harvest his "
+        "pineapples every 3 months.\n4. To find out how many pineapples can be harvested within a year, we need to "
+        "calculate the total number of pineapples.\n5. We already know that John has 100 pineapples, so we multiply "
+        "it by 3.\n6. 100 * 3 = 300",
+        True,
+    ),  # real
+]
+
+
+@pytest.mark.parametrize("step, verdict", STEP_TABLE)
+def test_step_arithmetic_table(step, verdict):
+    assert prm.step_arithmetic(step) is verdict
+
+
 def test_verifier_scores_are_prefix_scores():
     steps = ["To start:", "2 + 3 = 5", "5 * 2 = 10", "10 - 1 = 8", "8 + 1 = 9", "Answer: 9"]
     assert prm.verifier_step_scores(steps) == [0.8, 0.8, 0.8, 0.0, 0.0, 0.0]
