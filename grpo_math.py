@@ -439,7 +439,7 @@ def shared_prompt_pays(config, group, lengths, context_length, width):
     Packed: K sequences of L = P + (the longest group's response tokens) with a dense L x L mask. Unpacked: B rows of
     W = P + R, padding included, whose causal attention a kernel may halve. Per layer a token costs 2 x (the layer's
     weights) and a (query, key) pair 4 x heads x head_dim; a kept logit row costs 2 x hidden x vocab. The pairs win at
-    long responses: for 8 completions of a 48-token prompt on SmolLM2-135M, from R ~ 400 (docs/launch_paths.md).
+    long responses: for 8 completions of a 48-token prompt on SmolLM2-135M, from R ~ 350 (docs/launch_paths.md).
     group [B] (prompt_groups), lengths [B] (real response tokens), context_length P, width W."""
     config = config.get_text_config()
     hidden, heads = config.hidden_size, config.num_attention_heads
