@@ -1252,10 +1252,12 @@ def frozen(model, accelerator, device):
     """A model that is not trained (reference, reward model, PRM, a sampler's copy of the policy), in eval mode on
     `device`. Under DeepSpeed with --mixed_precision bf16 (or fp16), in that dtype: DeepSpeed runs the policy with
     bf16 weights and accelerate's autocast does nothing there, so a model compared with the policy (KL, DPO's h, a
-    ratio) must run in bf16 too for the numbers before the first update to be exactly the policy's."""
+    ratio) must run in bf16 too for the numbers before the first update to be exactly the policy's. Like DeepSpeed,
+    it casts the parameters only: buffers (RoPE's inv_freq) stay fp32."""
     model = model.requires_grad_(False).eval().to(device)
     if accelerator.state.deepspeed_plugin is not None and accelerator.mixed_precision in ("bf16", "fp16"):
-        model = model.to(torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float16)
+        for param in model.parameters():
+            param.data = param.data.to(torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float16)
     return model
 
 

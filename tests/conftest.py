@@ -42,6 +42,7 @@ os.environ["OMP_NUM_THREADS"] = "1"
 
 import random  # noqa: E402
 
+import psutil  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -308,21 +309,26 @@ def require_vllm():
         pytest.skip(f"vllm is not importable: {e}")
 
 
+def signal_processes(processes, sig):
+    for process in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.send_signal(sig)
+
+
 def run_checked(cmd, env, timeout, cwd=REPO_ROOT):
-    """Run a command in its own process group (killed as a whole on timeout: no orphaned workers, and the stacks
-    of where they hung in the output); output goes to a file so that a timeout still shows what was printed."""
+    """Run a command and, on timeout, kill it with every process it started (the stacks of where they hung in the
+    output); output goes to a file so that a timeout still shows what was printed."""
     with tempfile.TemporaryFile(mode="w+") as log:
         proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             returncode = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGABRT)  # with PYTHONFAULTHANDLER=1 every Python process prints its stack
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
+            # torch's elastic agent starts each worker in a session of its own, out of reach of killpg: the workers
+            # of a timed-out launch outlived their test, spinning in a collective beside the next tests.
+            family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+            signal_processes(family, signal.SIGABRT)  # with PYTHONFAULTHANDLER=1 every Python process prints its stack
+            psutil.wait_procs(family, timeout=10)
+            signal_processes(family, signal.SIGKILL)
             proc.wait()
             returncode = f"timeout after {timeout}s"
         log.seek(0)

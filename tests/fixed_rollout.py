@@ -98,6 +98,12 @@ if __name__ == "__main__":
     import tyro
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true":
+        # On the CPU accelerator DeepSpeed's process group JIT-compiles its shared-memory all-reduce (a C++ build
+        # against torch's headers: 5-10 minutes on 2 busy cores, in every test session's fresh cache), which only
+        # DeepSpeed inference's tensor-parallel all-reduce uses: training reduces with torch.distributed.
+        # (`deepspeed.comm.torch` as an attribute is the torch package, which deepspeed.comm imports: go by name.)
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     script = importlib.import_module(os.path.basename(sys.argv.pop(1)).removesuffix(".py"))
     patch(script)
     calls = collections.Counter()
