@@ -325,7 +325,8 @@ def run_checked(cmd, env, timeout, cwd=REPO_ROOT):
         except subprocess.TimeoutExpired:
             # torch's elastic agent starts each worker in a session of its own, out of reach of killpg: the workers
             # of a timed-out launch outlived their test, spinning in a collective beside the next tests.
-            family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+            launcher = psutil.Process(proc.pid)  # a zombie until waited for: still readable
+            family = [launcher, *launcher.children(recursive=True)]
             signal_processes(family, signal.SIGABRT)  # with PYTHONFAULTHANDLER=1 every Python process prints its stack
             psutil.wait_procs(family, timeout=10)
             signal_processes(family, signal.SIGKILL)
