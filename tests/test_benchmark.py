@@ -372,6 +372,9 @@ def script_invocations(tokens):
         return [(("-m", "benchmark.run"), own), ((script,), script_args + added)]
     if rest[:2] == ["-m", "benchmark.registry"]:
         return [(("-m", "benchmark.registry", rest[2]), rest[3:])]
+    if rest[:2] == ["-m", "benchmark.memory_plan"]:  # its own flags, then a script and that script's arguments
+        i = next(i for i, token in enumerate(rest) if token.endswith(".py"))
+        return [(("-m", "benchmark.memory_plan"), rest[2:i]), ((rest[i],), rest[i + 1 :])]
     if rest[0] == "-m":
         return [(("-m", rest[1]), rest[2:])]
     assert rest and rest[0].endswith(".py"), f"unexpected command: {shlex.join(tokens)}"

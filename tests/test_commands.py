@@ -20,6 +20,7 @@ script's arguments, up to `&&`, `||`, `;`, `|` or a `#` comment):
                                                     (the launcher's own flags are parsed by its parser; the script gets
                                                     what benchmark.run would give it for the first seed: --seed S, the
                                                     arguments after `--`, and --track --wandb_tags with --track)
+    python -m benchmark.memory_plan [plan flags] X.py ...  (the plan's own flags taken out by its parser)
 Placeholders:
 - a literal `...` argument (elided arguments) is dropped;
 - `<anything>` (e.g. `<sft model>`) is replaced by the word `placeholder` (an arbitrary path or name);
@@ -45,6 +46,7 @@ import shlex
 import pytest
 from conftest import REPO_ROOT
 
+from benchmark import memory_plan
 from benchmark import run as launcher
 
 SCRIPTS = ("grpo_math.py", "reward_modeling.py", "ppo_rlhf.py", "dpo_online.py", "ppo_prm_clip.py", "async_rlhf.py")
@@ -166,6 +168,9 @@ def read_segment(segment):
         own, _ = launcher.split_argv(rest[2:])
         script = launcher.flag_value(own, "script")
         return (os.path.normpath(script), None, rest[2:]) if script and os.path.normpath(script) in SCRIPTS else None
+    if PYTHON.fullmatch(head) and rest[:2] == ["-m", "benchmark.memory_plan"] and script_index(rest) is not None:
+        own, script_argv = memory_plan.arg_parser().parse_known_args(rest[2:])
+        return os.path.normpath(own.script), script_argv, None
     if PYTHON.fullmatch(head) and rest[:2] == ["-m", "accelerate.commands.launch"]:
         rest = rest[2:]
     elif PYTHON.fullmatch(head) and rest[:1] == ["-m"]:
