@@ -111,6 +111,8 @@ class Args:
     """dtype of the vLLM engine (default: --dtype; a bf16 sampler behind an fp32 trainer drifts: docs/LOG.md)"""
     vllm_gpu_memory_utilization: float = 0.3
     """fraction of GPU memory vLLM may take (colocated with the trainer)"""
+    vllm_sleep: bool = False
+    """the colocated vLLM engine sleeps while the policy trains (its weights to CPU, its KV cache freed; GPU only)"""
     vllm_cpu_kvcache_gib: int = 2
     """KV cache size in GiB for the CPU build of vLLM"""
     response_length: int = 64
@@ -459,7 +461,7 @@ def main(args: Args):
     optimizer, scheduler = make_optimizer(model, args, num_updates, adam_eps=1e-5)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     unwrapped = accelerator.unwrap_model(model)
-    sampler = Sampler(args, accelerator, unwrapped.policy, tokenizer, args.model_name_or_path)
+    sampler = Sampler(args, accelerator, unwrapped.policy, tokenizer, args.model_name_or_path, args.vllm_sleep)
     start_step = run.start({"vllm": sampler.llm is not None})
     if start_step > 0:
         sampler.sync_weights()
@@ -619,12 +621,14 @@ class Sampler:
     """Completions of the policy: from a vLLM engine in this process, colocated with the trainer, when --vllm and
     vLLM is importable; else from Hugging Face generate on the policy itself (with a warning when --vllm asked for
     vLLM). sync_weights() loads the policy's new weights into the engine after an update; close() stops the engine
-    before accelerate tears torch.distributed down (its teardown needs it)."""
+    before accelerate tears torch.distributed down (its teardown needs it). With sleep (a GPU build of vLLM), the
+    engine sleeps between generations (level 1: its weights go to CPU memory, its KV cache is freed), so the update
+    has the GPU; it wakes before it generates or takes new weights."""
 
-    def __init__(self, args, accelerator, policy, tokenizer, model_name_or_path):
+    def __init__(self, args, accelerator, policy, tokenizer, model_name_or_path, sleep=False):
         self.args, self.accelerator, self.policy, self.tokenizer = args, accelerator, policy, tokenizer
         self.stop_ids = stop_token_ids(tokenizer, model_name_or_path)
-        self.llm = None
+        self.llm, self.sleep, self.asleep = None, sleep, False
         if args.vllm:
             try:
                 from vllm import LLM
@@ -656,6 +660,7 @@ class Sampler:
                 logprobs_mode="processed_logprobs",
                 trust_remote_code=args.trust_remote_code,
                 enable_prefix_caching=True,
+                enable_sleep_mode=sleep,
             )
 
     def generate(self, prompts, n, temperature):
@@ -663,9 +668,13 @@ class Sampler:
         the sampler's log-probs [N, R] (vLLM only, else None) and the texts up to the first EOS."""
         a, pad_id = self.args, self.tokenizer.pad_token_id
         if self.llm is not None:
+            self.wake_up()
             responses, lengths, logprobs = vllm_generate(
                 self.llm, prompts, n, a.response_length, temperature, a.top_p, a.stop_at_eos, pad_id, self.stop_ids
             )
+            if self.sleep:
+                self.llm.sleep(level=1)
+                self.asleep = True
         else:
             self.policy.eval()
             # A collective under ZeRO-3 (the policy's shards are gathered): every process calls it as often.
@@ -689,9 +698,15 @@ class Sampler:
     def sync_weights(self):
         """Load the policy's current weights into the vLLM engine (HF generate uses them already)."""
         if self.llm is not None:
+            self.wake_up()
             with gathered_parameters(self.accelerator, self.policy):
                 dtype = self.llm.llm_engine.model_config.dtype
                 vllm_sync_weights(self.llm, policy_state_dict(self.policy), dtype)
+
+    def wake_up(self):
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
 
     def close(self):
         if self.llm is not None:
@@ -1684,6 +1699,8 @@ def check_args(args):
     if args.temperature <= 0:
         fail(f"--temperature must be > 0 (PPO samples its responses); got {args.temperature}")
     check_top_p(args)
+    if args.vllm and args.vllm_sleep and not torch.cuda.is_available():
+        fail("--vllm_sleep needs vLLM on a GPU: its sleep mode is CUDA / ROCm / XPU only")
     for name in ("cliprange", "cliprange_value", "kl_coef", "vf_coef"):
         if getattr(args, name) < 0:
             fail(f"--{name} must be >= 0; got {getattr(args, name)}")

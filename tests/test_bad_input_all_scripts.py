@@ -106,3 +106,14 @@ def test_top_p_below_one_with_vllm(script_args, task_dir):
     one_line_error(module.main, make(dataset_path=task_dir, vllm=True, top_p=0.9), "--top_p 0.9", "--no-vllm")
     with pytest.raises(AssertionError, match="model loaded"):  # HF generate: no log-probs compared, it goes on
         module.main(make(dataset_path=task_dir, vllm=False, top_p=0.9))
+
+
+def test_vllm_sleep_needs_a_gpu(script_args, task_dir):
+    """vLLM's sleep mode is CUDA / ROCm / XPU only (vllm/config/model.py raises once the engine starts to load):
+    refused with one line before any model loads; with HF generate the flag has nothing to do and the run goes on."""
+    module, make = script_args
+    if not hasattr(module.Args, "vllm_sleep"):  # async_rlhf generates while it learns; reward_modeling shuts its down
+        pytest.skip(f"{module.__name__} has no colocated engine to put to sleep")
+    one_line_error(module.main, make(dataset_path=task_dir, vllm=True, vllm_sleep=True), "--vllm_sleep", "GPU")
+    with pytest.raises(AssertionError, match="model loaded"):
+        module.main(make(dataset_path=task_dir, vllm=False, vllm_sleep=True))

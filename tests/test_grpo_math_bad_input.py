@@ -312,6 +312,11 @@ def test_top_p_below_one_with_vllm(make_args, no_model):
         grpo_math.main(make_args(vllm=False, top_p=0.9))
 
 
+def test_vllm_sleep_needs_a_gpu(make_args, no_model):
+    """vLLM's sleep mode is CUDA / ROCm / XPU only: refused on CPU before any model loads."""
+    assert_one_line_error(make_args(vllm=True, vllm_sleep=True), "--vllm_sleep", "GPU")
+
+
 def test_k1_is_not_offered_for_the_kl_in_the_loss():
     """k1's gradient has expectation zero under the policy's samples: in the loss it regularises nothing."""
     import tyro

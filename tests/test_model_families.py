@@ -305,3 +305,60 @@ def test_installed_vllm_reload_weights_takes_the_keywords_the_sync_passes():
 
     parameters = inspect.signature(GPUModelRunner.reload_weights).parameters
     assert {"weights_iterator", "is_checkpoint_format"} <= set(parameters)
+
+
+# vLLM's sleep mode for a colocated engine (--vllm_sleep): the engine never generates or takes weights asleep.
+
+
+class SleepyEngine:
+    """Stands in for vllm.LLM: records what the Sampler calls, and fails on a generation or weight load while asleep
+    (vLLM would run them on freed memory)."""
+
+    def __init__(self):
+        self.calls, self.asleep = [], False
+        self.llm_engine = type("E", (), {"model_config": type("C", (), {"dtype": torch.float32})()})()
+
+    def sleep(self, level):
+        assert not self.asleep and level == 1  # level 1 keeps the weights (in CPU memory): eval needs no new sync
+        self.asleep = True
+        self.calls.append("sleep")
+
+    def wake_up(self, tags=None):
+        assert self.asleep and tags is None
+        self.asleep = False
+        self.calls.append("wake_up")
+
+    def run(self, what):
+        assert not self.asleep, f"{what} while asleep"
+        self.calls.append(what)
+
+
+@pytest.mark.parametrize("sleep", [True, False])
+def test_vllm_sleeps_between_generations_and_wakes_before_it_generates_or_takes_weights(
+    sleep, tiny_model_dir, monkeypatch
+):
+    """The Sampler's order with --vllm_sleep (an evaluation, a rollout, an update's weight sync, a rollout): the
+    engine sleeps after every generation and is awake for every generation and every weight load; without it, it
+    never sleeps. The real sleep mode needs CUDA; this checks the calls the Sampler makes."""
+    from accelerate import Accelerator
+    from transformers import AutoTokenizer
+
+    def fake_generate(llm, prompts, n, *rest):
+        llm.run("generate")
+        rows = len(prompts) * n
+        return torch.full((rows, 4), 5), torch.full((rows,), 4), torch.zeros(rows, 4)
+
+    monkeypatch.setattr(grpo_math, "vllm_generate", fake_generate)
+    monkeypatch.setattr(grpo_math, "vllm_sync_weights", lambda llm, state, dtype: llm.run("sync"))
+    args = grpo_math.Args(model_name_or_path=tiny_model_dir, vllm=False)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    policy = torch.nn.Linear(2, 2)
+    sampler = grpo_math.Sampler(args, Accelerator(cpu=True), policy, tokenizer, tiny_model_dir, sleep=sleep)
+    sampler.llm = engine = SleepyEngine()
+    sampler.generate([[1, 2]], 1, 0.0)  # evaluation at step 0
+    sampler.generate([[1, 2], [3]], 2, 1.0)  # the step's rollout
+    sampler.sync_weights()  # after the update
+    sampler.generate([[1, 2]], 2, 1.0)
+    expected = ["generate", "sleep", "wake_up", "generate", "sleep", "wake_up", "sync", "generate", "sleep"]
+    assert engine.calls == (expected if sleep else ["generate", "generate", "sync", "generate"])
+    assert engine.asleep == sleep
