@@ -46,3 +46,11 @@ python -m benchmark.registry table --experiments "grpo=runs/add_2t2d__grpo_base_
 python -m benchmark.peer_trl --steps 20 --seeds 1
 python -m benchmark.peer_trl --dataset assets/data/add_2t2d --steps 20 --seeds 1 2 3 --sides trl ours_vllm \
     --output_dir runs/peer_trl_add --out benchmark/results/peer_trl_grpo_add_2t2d
+
+# Where the shared-prompt forward stops paying, by response length (docs/launch_paths.md; ~15 min, 22 GB at R = 1024).
+python -m benchmark.perf_shared_prompt_length
+# Memory plans of the 1-GPU hub command (benchmark/results/memory_plan.md), offline from the published config.
+python -m benchmark.memory_plan --model_config benchmark/configs/qwen2.5-1.5b grpo_math.py \
+    --model_name_or_path Qwen/Qwen2.5-Math-1.5B-Instruct --response_length 512 --dtype bfloat16
+python -m benchmark.memory_plan --model_config benchmark/configs/qwen2.5-1.5b grpo_math.py \
+    --model_name_or_path Qwen/Qwen2.5-Math-1.5B-Instruct --response_length 512 --dtype bfloat16 --vllm_sleep
