@@ -65,6 +65,7 @@ import collections
 import contextlib
 import itertools
 import json
+import logging
 import os
 import queue
 import re
@@ -451,130 +452,6 @@ def response_logprobs(model, input_ids, attention_mask, context_length, temperat
     return logprobs_from_logits(logits, input_ids[:, context_length:]), logits
 
 
-def prompt_groups(input_ids, attention_mask, context_length):
-    """The group of each row (the rows with the same prompt ids and padding, wherever they are in the batch) and its
-    slot, its rank in the group by content (then by position, between identical rows). The packing of
-    shared_prompt_inputs then depends on the set of rows only, not on their order, and so does each row's result.
-    input_ids, attention_mask [B, P + R] -> (group [B] in 0..K-1, slot [B])"""
-    prompts = torch.cat([input_ids[:, :context_length], attention_mask[:, :context_length]], 1)
-    group = torch.unique(prompts, dim=0, return_inverse=True)[1]
-    content = torch.unique(torch.cat([input_ids, attention_mask], 1), dim=0, return_inverse=True)[1]
-    rank = torch.empty_like(group)
-    rank[torch.sort(group * len(group) + content, stable=True).indices] = torch.arange(len(group), device=group.device)
-    first = torch.full((int(group.max()) + 1,), len(group), device=group.device).scatter_reduce(0, group, rank, "amin")
-    return group, rank - first[group]
-
-
-def shared_prompt_inputs(input_ids, attention_mask, context_length, group, slot):
-    """The packed batch of shared_prompt_logprobs: one sequence per group of rows, its prompt then the real tokens of
-    each row's response, back to back in slot order (no padding between them). input_ids, attention_mask [B, P + R]
-    (a response's real tokens are a prefix of its R); group, slot [B] (prompt_groups). Returns the ids [K, L] (L: the
-    longest group), the attention mask [K, 1, L, L] (True: the query row may attend to the key column; a response
-    sees the real prompt tokens and itself, causally; every position sees itself, so no row of the softmax is
-    empty), the position ids [K, L] (a response continues from its prompt's real length) and, for each row's R
-    tokens, the index in positions P - 1 .. L - 2 of the logit that predicts it [B, R] (0 for padding)."""
-    P, R, device = context_length, input_ids.shape[1] - context_length, input_ids.device
-    num_groups, slots = int(group.max()) + 1, int(slot.max()) + 1
-    lengths = attention_mask[:, P:].sum(1)  # [B]
-    by_slot = torch.zeros((num_groups, slots), dtype=torch.long, device=device).index_put_((group, slot), lengths)
-    offsets = P + (by_slot.cumsum(1) - by_slot)[group, slot]  # where each row's response starts [B]
-    length = int((P + by_slot.sum(1)).max())
-    first_row = torch.zeros(num_groups, dtype=torch.long, device=device).index_put_(
-        (group[slot == 0],), torch.nonzero(slot == 0).squeeze(1)
-    )
-    prompt_valid = attention_mask[first_row, :P] > 0  # [K, P]
-    ids = torch.zeros((num_groups, length), dtype=input_ids.dtype, device=device)
-    segment = torch.full((num_groups, length), -2, device=device)  # -1 prompt, s response in slot s, -2 padding
-    positions = torch.zeros((num_groups, length), dtype=torch.long, device=device)
-    ids[:, :P], positions[:, :P] = input_ids[first_row, :P], (prompt_valid.long().cumsum(1) - 1).clamp(min=0)
-    segment[:, :P] = torch.where(prompt_valid, -1, -2)
-    t = torch.arange(R, device=device)
-    real = t[None] < lengths[:, None]  # [B, R]
-    where = (group[:, None].expand(-1, R)[real], (offsets[:, None] + t)[real])
-    ids[where] = input_ids[:, P:][real]
-    segment[where] = slot[:, None].expand(-1, R)[real]
-    positions[where] = (prompt_valid.sum(1)[group][:, None] + t)[real]
-    query, key = segment[:, :, None], segment[:, None, :]
-    causal = torch.ones((length, length), dtype=torch.bool, device=device).tril()
-    mask = causal & (key >= -1) & ((key == -1) | (key == query))  # [K, L, L]
-    mask |= torch.eye(length, dtype=torch.bool, device=device)
-    columns = torch.where(real & (t > 0), offsets[:, None] - P + t, 0)  # token t >= 1 is predicted at offset + t - 1
-    return ids, mask[:, None], positions, columns
-
-
-def shared_prompt_exact(config, longest):
-    """Whether the packed forward gives this architecture's own log-probs for sequences of up to `longest` tokens.
-    transformers takes a ready 4D mask as it is, so every layer must attend over the whole causal context: a sliding
-    window or attention chunk (Mistral, Phi-3, Gemma-2/3, Qwen2 with use_sliding_window, Llama-4) counts only when it
-    is wider than the longest sequence (then it masks nothing), and other layer types (linear attention, state
-    spaces) or positions taken from the mask (ALiBi: Bloom, MPT, Falcon) are not packed."""
-    config = config.get_text_config()
-    if config.model_type in ("bloom", "mpt") or getattr(config, "alibi", False):
-        return False
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is None:  # Mistral, Phi-3: one window for every layer
-        layer_types = ["sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"]
-    spans = {"sliding_attention": "sliding_window", "chunked_attention": "attention_chunk_size"}
-    for kind in set(layer_types) - {"full_attention"}:
-        span = getattr(config, spans.get(kind, "-"), None)
-        if span is None or longest >= span:
-            return False
-    return True
-
-
-def shared_prompt_pays(config, group, lengths, context_length, width):
-    """Whether the packed forward costs fewer FLOPs than the unpacked one (it must never cost more than it saves).
-    Packed: K sequences of L = P + (the longest group's response tokens) with a dense L x L mask. Unpacked: B rows of
-    W = P + R, padding included, whose causal attention a kernel may halve. Per layer a token costs 2 x (the layer's
-    weights) and a (query, key) pair 4 x heads x head_dim; a kept logit row costs 2 x hidden x vocab. The pairs win at
-    long responses: for 8 completions of a 48-token prompt on SmolLM2-135M, from R ~ 350 (docs/launch_paths.md).
-    group [B] (prompt_groups), lengths [B] (real response tokens), context_length P, width W."""
-    config = config.get_text_config()
-    hidden, heads = config.hidden_size, config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    mlp = 3 * hidden * (getattr(config, "intermediate_size", None) or 4 * hidden)
-    per_token, per_pair = 2 * (hidden * head_dim * (2 * heads + 2 * kv_heads) + mlp), 4 * heads * head_dim
-    per_logit, layers = 2 * hidden * config.vocab_size, config.num_hidden_layers
-    K, B, W, P = int(group.max()) + 1, len(group), width, context_length
-    L = P + int(torch.bincount(group, weights=lengths.float()).max())
-    packed = layers * K * (L * per_token + L**2 * per_pair) + K * (L - P) * per_logit
-    unpacked = layers * B * (W * per_token + W**2 / 2 * per_pair) + B * (W - P) * per_logit
-    return packed < unpacked
-
-
-def shared_prompt_logprobs(model, input_ids, attention_mask, context_length, temperature):
-    """response_logprobs with each prompt computed once per group: the rows with the same prompt (a group's
-    completions) run as one sequence, the prompt then every response's real tokens (shared_prompt_inputs), in which
-    a response attends to the prompt and to itself only and its positions continue from the prompt's real length.
-    The log-probs are the same, the gradients reach the prompt summed over its group, and the model runs
-    P + (the group's response tokens) instead of G * (P + R) positions, padding included (Prefix Grouper, arXiv
-    2506.05433). It is response_logprobs without a shared prompt or a response token, with an attention backend
-    that ignores a 4D mask (flash-attention), where packing would change the numbers (shared_prompt_exact) or cost
-    more than it saves (shared_prompt_pays). Padding positions get the logits of the first token (masked everywhere).
-    Returns (logprobs [B, R], logits [B, R, V]) with logits divided by the sampling temperature."""
-    group, slot = prompt_groups(input_ids, attention_mask, context_length)
-    config, lengths = getattr(model, "module", model).config, attention_mask[:, context_length:].sum(1)
-    if (
-        int(slot.max()) == 0
-        or int(lengths.sum()) == 0
-        or config._attn_implementation not in ("sdpa", "eager")
-        or not shared_prompt_exact(config, int(attention_mask.sum(1).max()))
-        or not shared_prompt_pays(config, group, lengths, context_length, input_ids.shape[1])
-    ):
-        return response_logprobs(model, input_ids, attention_mask, context_length, temperature)
-    ids, mask, positions, columns = shared_prompt_inputs(input_ids, attention_mask, context_length, group, slot)
-    if config._attn_implementation == "eager":  # eager attention adds the mask to the scores
-        mask = torch.zeros(mask.shape, device=ids.device).masked_fill(~mask, torch.finfo(torch.float32).min)
-    # The logits at positions P - 1 .. L - 2, the only ones that predict response tokens. [K, L - P, V]
-    logits_to_keep = ids.shape[1] - context_length + 1
-    packed = model(
-        input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, logits_to_keep=logits_to_keep
-    ).logits[:, :-1]
-    logits = packed[group[:, None], columns].float() / temperature  # [B, R, V]
-    return logprobs_from_logits(logits, input_ids[:, context_length:]), logits
-
-
 NUMBER = r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?"  # 12, -1,234.5, .5, 3/4
 
 
@@ -901,6 +778,130 @@ def main(args: Args):
 # PLUMBING: everything below serves main() and is not needed to follow the algorithm; a reader may stop here.
 # A definition with the same name is identical in every script that has it (tests/test_drift.py checks).
 # =====================================================================================================================
+
+
+def prompt_groups(input_ids, attention_mask, context_length):
+    """The group of each row (the rows with the same prompt ids and padding, wherever they are in the batch) and its
+    slot, its rank in the group by content (then by position, between identical rows). The packing of
+    shared_prompt_inputs then depends on the set of rows only, not on their order, and so does each row's result.
+    input_ids, attention_mask [B, P + R] -> (group [B] in 0..K-1, slot [B])"""
+    prompts = torch.cat([input_ids[:, :context_length], attention_mask[:, :context_length]], 1)
+    group = torch.unique(prompts, dim=0, return_inverse=True)[1]
+    content = torch.unique(torch.cat([input_ids, attention_mask], 1), dim=0, return_inverse=True)[1]
+    rank = torch.empty_like(group)
+    rank[torch.sort(group * len(group) + content, stable=True).indices] = torch.arange(len(group), device=group.device)
+    first = torch.full((int(group.max()) + 1,), len(group), device=group.device).scatter_reduce(0, group, rank, "amin")
+    return group, rank - first[group]
+
+
+def shared_prompt_inputs(input_ids, attention_mask, context_length, group, slot):
+    """The packed batch of shared_prompt_logprobs: one sequence per group of rows, its prompt then the real tokens of
+    each row's response, back to back in slot order (no padding between them). input_ids, attention_mask [B, P + R]
+    (a response's real tokens are a prefix of its R); group, slot [B] (prompt_groups). Returns the ids [K, L] (L: the
+    longest group), the attention mask [K, 1, L, L] (True: the query row may attend to the key column; a response
+    sees the real prompt tokens and itself, causally; every position sees itself, so no row of the softmax is
+    empty), the position ids [K, L] (a response continues from its prompt's real length) and, for each row's R
+    tokens, the index in positions P - 1 .. L - 2 of the logit that predicts it [B, R] (0 for padding)."""
+    P, R, device = context_length, input_ids.shape[1] - context_length, input_ids.device
+    num_groups, slots = int(group.max()) + 1, int(slot.max()) + 1
+    lengths = attention_mask[:, P:].sum(1)  # [B]
+    by_slot = torch.zeros((num_groups, slots), dtype=torch.long, device=device).index_put_((group, slot), lengths)
+    offsets = P + (by_slot.cumsum(1) - by_slot)[group, slot]  # where each row's response starts [B]
+    length = int((P + by_slot.sum(1)).max())
+    first_row = torch.zeros(num_groups, dtype=torch.long, device=device).index_put_(
+        (group[slot == 0],), torch.nonzero(slot == 0).squeeze(1)
+    )
+    prompt_valid = attention_mask[first_row, :P] > 0  # [K, P]
+    ids = torch.zeros((num_groups, length), dtype=input_ids.dtype, device=device)
+    segment = torch.full((num_groups, length), -2, device=device)  # -1 prompt, s response in slot s, -2 padding
+    positions = torch.zeros((num_groups, length), dtype=torch.long, device=device)
+    ids[:, :P], positions[:, :P] = input_ids[first_row, :P], (prompt_valid.long().cumsum(1) - 1).clamp(min=0)
+    segment[:, :P] = torch.where(prompt_valid, -1, -2)
+    t = torch.arange(R, device=device)
+    real = t[None] < lengths[:, None]  # [B, R]
+    where = (group[:, None].expand(-1, R)[real], (offsets[:, None] + t)[real])
+    ids[where] = input_ids[:, P:][real]
+    segment[where] = slot[:, None].expand(-1, R)[real]
+    positions[where] = (prompt_valid.sum(1)[group][:, None] + t)[real]
+    query, key = segment[:, :, None], segment[:, None, :]
+    causal = torch.ones((length, length), dtype=torch.bool, device=device).tril()
+    mask = causal & (key >= -1) & ((key == -1) | (key == query))  # [K, L, L]
+    mask |= torch.eye(length, dtype=torch.bool, device=device)
+    columns = torch.where(real & (t > 0), offsets[:, None] - P + t, 0)  # token t >= 1 is predicted at offset + t - 1
+    return ids, mask[:, None], positions, columns
+
+
+def shared_prompt_exact(config, longest):
+    """Whether the packed forward gives this architecture's own log-probs for sequences of up to `longest` tokens.
+    transformers takes a ready 4D mask as it is, so every layer must attend over the whole causal context: a sliding
+    window or attention chunk (Mistral, Phi-3, Gemma-2/3, Qwen2 with use_sliding_window, Llama-4) counts only when it
+    is wider than the longest sequence (then it masks nothing), and other layer types (linear attention, state
+    spaces) or positions taken from the mask (ALiBi: Bloom, MPT, Falcon) are not packed."""
+    config = config.get_text_config()
+    if config.model_type in ("bloom", "mpt") or getattr(config, "alibi", False):
+        return False
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:  # Mistral, Phi-3: one window for every layer
+        layer_types = ["sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"]
+    spans = {"sliding_attention": "sliding_window", "chunked_attention": "attention_chunk_size"}
+    for kind in set(layer_types) - {"full_attention"}:
+        span = getattr(config, spans.get(kind, "-"), None)
+        if span is None or longest >= span:
+            return False
+    return True
+
+
+def shared_prompt_pays(config, group, lengths, context_length, width):
+    """Whether the packed forward costs fewer FLOPs than the unpacked one (it must never cost more than it saves).
+    Packed: K sequences of L = P + (the longest group's response tokens) with a dense L x L mask. Unpacked: B rows of
+    W = P + R, padding included, whose causal attention a kernel may halve. Per layer a token costs 2 x (the layer's
+    weights) and a (query, key) pair 4 x heads x head_dim; a kept logit row costs 2 x hidden x vocab. The pairs win at
+    long responses: for 8 completions of a 48-token prompt on SmolLM2-135M, from R ~ 350 (docs/launch_paths.md).
+    group [B] (prompt_groups), lengths [B] (real response tokens), context_length P, width W."""
+    config = config.get_text_config()
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    mlp = 3 * hidden * (getattr(config, "intermediate_size", None) or 4 * hidden)
+    per_token, per_pair = 2 * (hidden * head_dim * (2 * heads + 2 * kv_heads) + mlp), 4 * heads * head_dim
+    per_logit, layers = 2 * hidden * config.vocab_size, config.num_hidden_layers
+    K, B, W, P = int(group.max()) + 1, len(group), width, context_length
+    L = P + int(torch.bincount(group, weights=lengths.float()).max())
+    packed = layers * K * (L * per_token + L**2 * per_pair) + K * (L - P) * per_logit
+    unpacked = layers * B * (W * per_token + W**2 / 2 * per_pair) + B * (W - P) * per_logit
+    return packed < unpacked
+
+
+def shared_prompt_logprobs(model, input_ids, attention_mask, context_length, temperature):
+    """response_logprobs with each prompt computed once per group: the rows with the same prompt (a group's
+    completions) run as one sequence, the prompt then every response's real tokens (shared_prompt_inputs), in which
+    a response attends to the prompt and to itself only and its positions continue from the prompt's real length.
+    The log-probs are the same, the gradients reach the prompt summed over its group, and the model runs
+    P + (the group's response tokens) instead of G * (P + R) positions, padding included (Prefix Grouper, arXiv
+    2506.05433). It is response_logprobs without a shared prompt or a response token, with an attention backend
+    that ignores a 4D mask (flash-attention), where packing would change the numbers (shared_prompt_exact) or cost
+    more than it saves (shared_prompt_pays). Padding positions get the logits of the first token (masked everywhere).
+    Returns (logprobs [B, R], logits [B, R, V]) with logits divided by the sampling temperature."""
+    group, slot = prompt_groups(input_ids, attention_mask, context_length)
+    config, lengths = getattr(model, "module", model).config, attention_mask[:, context_length:].sum(1)
+    if (
+        int(slot.max()) == 0
+        or int(lengths.sum()) == 0
+        or config._attn_implementation not in ("sdpa", "eager")
+        or not shared_prompt_exact(config, int(attention_mask.sum(1).max()))
+        or not shared_prompt_pays(config, group, lengths, context_length, input_ids.shape[1])
+    ):
+        return response_logprobs(model, input_ids, attention_mask, context_length, temperature)
+    ids, mask, positions, columns = shared_prompt_inputs(input_ids, attention_mask, context_length, group, slot)
+    if config._attn_implementation == "eager":  # eager attention adds the mask to the scores
+        mask = torch.zeros(mask.shape, device=ids.device).masked_fill(~mask, torch.finfo(torch.float32).min)
+    # The logits at positions P - 1 .. L - 2, the only ones that predict response tokens. [K, L - P, V]
+    logits_to_keep = ids.shape[1] - context_length + 1
+    packed = model(
+        input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, logits_to_keep=logits_to_keep
+    ).logits[:, :-1]
+    logits = packed[group[:, None], columns].float() / temperature  # [B, R, V]
+    return logprobs_from_logits(logits, input_ids[:, context_length:]), logits
 
 
 class AsyncGenerator:
@@ -2223,5 +2224,20 @@ def check_same_vocabulary(path, name, policy_tokenizer, trust_remote_code):
         fail(f"--{name} {path} has another vocabulary than --model_name_or_path; it must read the policy's tokens")
 
 
+def quiet_harmless_logs():
+    """Keep four harmless, alarming library messages out of the console; every other warning still shows.
+    vLLM's weight reload warns for RoPE, which has no weights to load; its CPU worker warns that torch's thread count
+    is fixed and that libiomp / libtcmalloc are not preloaded (only speed); accelerate warns that the tied lm_head
+    was not saved twice (transformers ties it again when it loads)."""
+    harmless = {
+        "vllm.model_executor.model_loader.reload.layerwise": r"\w*RotaryEmbedding: Failed to load weights$",
+        "vllm.v1.worker.cpu_worker": r"allow to use `torch.set_num_threads`|is not found in LD_PRELOAD",
+        "accelerate.utils.other": r"Removed shared tensor \{'lm_head.weight'\} while saving",
+    }
+    for name, pattern in harmless.items():
+        logging.getLogger(name).addFilter(lambda record, p=re.compile(pattern): not p.search(record.getMessage()))
+
+
 if __name__ == "__main__":
+    quiet_harmless_logs()
     main(tyro.cli(Args))

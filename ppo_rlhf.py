@@ -31,6 +31,7 @@ import contextlib
 import functools
 import itertools
 import json
+import logging
 import os
 import re
 import shutil
@@ -1767,5 +1768,20 @@ def check_same_vocabulary(path, name, policy_tokenizer, trust_remote_code):
         fail(f"--{name} {path} has another vocabulary than --model_name_or_path; it must read the policy's tokens")
 
 
+def quiet_harmless_logs():
+    """Keep four harmless, alarming library messages out of the console; every other warning still shows.
+    vLLM's weight reload warns for RoPE, which has no weights to load; its CPU worker warns that torch's thread count
+    is fixed and that libiomp / libtcmalloc are not preloaded (only speed); accelerate warns that the tied lm_head
+    was not saved twice (transformers ties it again when it loads)."""
+    harmless = {
+        "vllm.model_executor.model_loader.reload.layerwise": r"\w*RotaryEmbedding: Failed to load weights$",
+        "vllm.v1.worker.cpu_worker": r"allow to use `torch.set_num_threads`|is not found in LD_PRELOAD",
+        "accelerate.utils.other": r"Removed shared tensor \{'lm_head.weight'\} while saving",
+    }
+    for name, pattern in harmless.items():
+        logging.getLogger(name).addFilter(lambda record, p=re.compile(pattern): not p.search(record.getMessage()))
+
+
 if __name__ == "__main__":
+    quiet_harmless_logs()
     main(tyro.cli(Args))
