@@ -106,27 +106,10 @@ class Args:
     """truncated importance sampling for vLLM samples: weight tokens by min(pi_train / pi_vllm, cap); None: off"""
 
     # Generation
-    vllm: bool = True
-    """generate with vLLM when it is importable (else HF generate, with a warning); --no-vllm forces HF generate"""
-    vllm_dtype: Optional[Literal["bfloat16", "float16", "float32"]] = None
-    """dtype of the vLLM engine (default: --dtype; a bf16 sampler behind an fp32 trainer drifts: docs/LOG.md)"""
-    vllm_gpu_memory_utilization: float = 0.3
-    """fraction of GPU memory vLLM may take (colocated with the trainer)"""
-    vllm_sleep: bool = False
-    """the colocated vLLM engine sleeps while the policy trains (its weights to CPU, its KV cache freed; GPU only)"""
-    vllm_cpu_kvcache_gib: int = 2
-    """KV cache size in GiB for the CPU build of vLLM"""
     response_length: int = 64
     """maximum number of generated tokens per response"""
     temperature: float = 0.7
     """sampling temperature (the trainer divides its logits by it too, so both score the same distribution)"""
-    top_p: float = 1.0
-    """nucleus sampling"""
-    stop_at_eos: bool = True
-    """stop a response at its first EOS. The N+ details generate a fixed length and truncate after the first EOS
-    (--no-stop_at_eos); with truncate_at_eos both give the same responses, stopping only skips the wasted tokens"""
-    truncate_at_eos: bool = True
-    """tokens after the first EOS are masked out: the reward model does not read them and the losses skip them"""
 
     # Models
     model_name_or_path: str = "assets/SmolLM2-135M-Instruct"
@@ -137,77 +120,12 @@ class Args:
     """where the value model starts from (default: the reward model, as in the N+ details)"""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """dtype of the trained weights; bfloat16 weights lose Adam updates smaller than their precision"""
-    gradient_checkpointing: bool = False
-    """recompute activations in the backward pass (less memory, ~30% slower)"""
     lora_r: int = 0
     """LoRA rank of the policy through peft (0: full fine-tuning); the value model is trained in full"""
-    lora_alpha: int = 32
-    """LoRA scaling numerator"""
-    lora_dropout: float = 0.0
-    """dropout on the LoRA branch (0 keeps the first minibatch exactly on-policy)"""
-    lora_target_modules: tuple[str, ...] = (
-        "q_proj",
-        "k_proj",
-        "v_proj",
-        "o_proj",
-        "gate_proj",
-        "up_proj",
-        "down_proj",
-    )
-    """module names that get LoRA adapters"""
-    trust_remote_code: bool = False
-    """allow model code from the hub (off unless asked)"""
-
-    # Data
-    dataset_path: str = "assets/data/arith_1d"
-    """a folder with {split}.jsonl files, or a hub dataset id"""
-    dataset_config: Optional[str] = None
-    """the hub dataset config"""
-    train_split: str = "train"
-    """split the prompts are sampled from"""
-    eval_split: str = "test"
-    """held-out split for evaluation"""
-    question_column: str = "question"
-    """column with the prompt text"""
-    answer_column: str = "answer"
-    """column with a gold answer; when present, the verifier's accuracy is reported next to the reward model's
-    score (it never enters training). A dataset without it (e.g. TL;DR) reports the score alone"""
-    num_eval_prompts: int = 300
-    """how many held-out prompts to evaluate on (0: all)"""
-    instruction: str = "Give only the final answer after 'Answer:'."
-    """appended to every prompt"""
-    system_prompt: Optional[str] = None
-    """an optional system message"""
-    prompt_template: Optional[str] = None
-    """used instead of the chat template, with {question} in it (needed when the tokenizer has no chat template)"""
-    max_prompt_length: int = 256
-    """prompts longer than this (in tokens) are dropped"""
 
     # Experiment
-    exp_name: str = "ppo"
-    """the name of this experiment; part of the run name {task}__{exp_name}__{seed}__{unix_time}"""
     seed: int = 1
     """seed of the experiment; process r samples with seed + r"""
-    output_dir: str = "runs"
-    """runs/{run_name}/ gets config.json, metrics.jsonl, TensorBoard events, checkpoints and the final model"""
-    track: bool = False
-    """log to Weights & Biases too (works offline with WANDB_MODE=offline)"""
-    wandb_project_name: str = "cleanrlhf"
-    """the wandb project"""
-    wandb_entity: Optional[str] = None
-    """the wandb entity (team or user)"""
-    wandb_tags: tuple[str, ...] = ()
-    """extra wandb tags; the git sha is always added"""
-    resume: Optional[str] = None
-    """a run folder (runs/{run_name}) to continue from its latest checkpoint, same step count and data order"""
-    save_every: int = 10
-    """save a checkpoint every N steps (0: only at the end)"""
-    keep_checkpoints: int = 2
-    """how many of the latest checkpoints to keep"""
-    eval_every: int = 10
-    """evaluate on the held-out set every N steps (0: only before and after training)"""
-    num_samples_logged: int = 8
-    """how many evaluation completions go to samples.jsonl"""
 
     # Computed in main(), recorded in config.json
     world_size: int = 0
@@ -216,15 +134,6 @@ class Args:
     """(computed) responses per process per optimizer step"""
     gradient_accumulation_steps: int = 0
     """(computed) micro-batches per optimizer step"""
-    run_name: str = ""
-    """(computed) {task}__{exp_name}__{seed}__{unix_time}"""
-
-
-# Arguments that may change between an interrupted run and its --resume: they do not change what is computed.
-RESUMABLE_ARGS = (
-    "resume total_steps track wandb_project_name wandb_entity wandb_tags save_every keep_checkpoints eval_every "
-    "num_samples_logged run_name"
-).split()
 
 
 def masked_mean(values, mask, dim=None):
@@ -459,7 +368,9 @@ def main(args: Args):
     model = PolicyAndValue(policy, value_model)
     num_updates = args.total_steps * args.num_ppo_epochs * args.num_minibatches
     # eps 1e-5 as in the N+ details (TensorFlow's Adam default in the original OpenAI code).
-    optimizer, scheduler = make_optimizer(model, args, num_updates, adam_eps=1e-5)
+    trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters
+    optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay, eps=1e-5)
+    scheduler = make_scheduler(optimizer, args, num_updates)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     unwrapped = accelerator.unwrap_model(model)
     sampler = Sampler(args, accelerator, unwrapped.policy, tokenizer, args.model_name_or_path, args.vllm_sleep)
@@ -618,6 +529,106 @@ def main(args: Args):
 # =====================================================================================================================
 
 
+@dataclass
+class RunArgs:
+    """The rest of the command line: the sampler, the data, the run folder, tracking and checkpoints. Config joins
+    it to Args (whose fields --help lists first); every flag has the same name in both."""
+
+    # Generation
+    vllm: bool = True
+    """generate with vLLM when it is importable (else HF generate, with a warning); --no-vllm forces HF generate"""
+    vllm_dtype: Optional[Literal["bfloat16", "float16", "float32"]] = None
+    """dtype of the vLLM engine (default: --dtype; a bf16 sampler behind an fp32 trainer drifts: docs/LOG.md)"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """fraction of GPU memory vLLM may take (colocated with the trainer)"""
+    vllm_sleep: bool = False
+    """the colocated vLLM engine sleeps while the policy trains (its weights to CPU, its KV cache freed; GPU only)"""
+    top_p: float = 1.0
+    """nucleus sampling"""
+    stop_at_eos: bool = True
+    """stop a response at its first EOS. The N+ details generate a fixed length and truncate after the first EOS
+    (--no-stop_at_eos); with truncate_at_eos both give the same responses, stopping only skips the wasted tokens"""
+    truncate_at_eos: bool = True
+    """tokens after the first EOS are masked out: the reward model does not read them and the losses skip them"""
+
+    # Models
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass (less memory, ~30% slower)"""
+    lora_alpha: int = 32
+    """LoRA scaling numerator"""
+    lora_dropout: float = 0.0
+    """dropout on the LoRA branch (0 keeps the first minibatch exactly on-policy)"""
+    lora_target_modules: tuple[str, ...] = ("all-linear",)
+    """module names that get LoRA adapters; all-linear: every linear layer but the output head (peft)"""
+    trust_remote_code: bool = False
+    """allow model code from the hub (off unless asked)"""
+
+    # Data
+    dataset_path: str = "assets/data/arith_1d"
+    """a folder with {split}.jsonl files, or a hub dataset id"""
+    dataset_config: Optional[str] = None
+    """the hub dataset config"""
+    train_split: str = "train"
+    """split the prompts are sampled from"""
+    eval_split: str = "test"
+    """held-out split for evaluation"""
+    question_column: str = "question"
+    """column with the prompt text"""
+    answer_column: str = "answer"
+    """column with a gold answer; when present, the verifier's accuracy is reported next to the reward model's
+    score (it never enters training). A dataset without it (e.g. TL;DR) reports the score alone"""
+    num_eval_prompts: int = 300
+    """how many held-out prompts to evaluate on (0: all)"""
+    instruction: str = "Give only the final answer after 'Answer:'."
+    """appended to every prompt"""
+    system_prompt: Optional[str] = None
+    """an optional system message"""
+    prompt_template: Optional[str] = None
+    """used instead of the chat template, with {question} in it (needed when the tokenizer has no chat template)"""
+    max_prompt_length: int = 256
+    """prompts longer than this (in tokens) are dropped"""
+
+    # Experiment
+    exp_name: str = "ppo"
+    """the name of this experiment; part of the run name {task}__{exp_name}__{seed}__{unix_time}"""
+    output_dir: str = "runs"
+    """runs/{run_name}/ gets config.json, metrics.jsonl, TensorBoard events, checkpoints and the final model"""
+    track: bool = False
+    """log to Weights & Biases too (works offline with WANDB_MODE=offline)"""
+    wandb_project_name: str = "cleanrlhf"
+    """the wandb project"""
+    wandb_entity: Optional[str] = None
+    """the wandb entity (team or user)"""
+    wandb_tags: tuple[str, ...] = ()
+    """extra wandb tags; the git sha is always added"""
+    resume: Optional[str] = None
+    """a run folder (runs/{run_name}) to continue from its latest checkpoint, same step count and data order"""
+    save_every: int = 10
+    """save a checkpoint every N steps (0: only at the end)"""
+    keep_checkpoints: int = 2
+    """how many of the latest checkpoints to keep"""
+    eval_every: int = 10
+    """evaluate on the held-out set every N steps (0: only before and after training)"""
+    num_samples_logged: int = 8
+    """how many evaluation completions go to samples.jsonl"""
+
+    # Computed in main(), recorded in config.json
+    run_name: str = ""
+    """(computed) {task}__{exp_name}__{seed}__{unix_time}"""
+
+
+@dataclass
+class Config(RunArgs, Args):  # a dataclass lists its bases' fields in reverse MRO order: Args' come first
+    """Flags: the algorithm's (Args), then the sampler's, the data's and the run's (RunArgs)."""
+
+
+# Arguments that may change between an interrupted run and its --resume: they do not change what is computed.
+RESUMABLE_ARGS = (
+    "resume total_steps track wandb_project_name wandb_entity wandb_tags save_every keep_checkpoints eval_every "
+    "num_samples_logged run_name"
+).split()
+
+
 class Sampler:
     """Completions of the policy: from a vLLM engine in this process, colocated with the trainer, when --vllm and
     vLLM is importable; else from Hugging Face generate on the policy itself (with a warning when --vllm asked for
@@ -646,7 +657,7 @@ class Sampler:
                 mine = cores[rank * share : (rank + 1) * share] or cores
                 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, mine)))
                 os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-                os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.vllm_cpu_kvcache_gib))
+                os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB of KV cache
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
             os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
             self.llm = LLM(
@@ -917,22 +928,15 @@ def add_lora(model, args, task_type):
         lora_alpha=args.lora_alpha,
         task_type=task_type,
         lora_dropout=args.lora_dropout,
-        target_modules=list(args.lora_target_modules),
+        target_modules="all-linear" if args.lora_target_modules == ("all-linear",) else list(args.lora_target_modules),
     )
     return get_peft_model(model, config)
 
 
-def make_optimizer(model, args, num_updates, adam_eps):
-    """AdamW on the trainable parameters, and transformers' learning-rate schedule over num_updates optimizer steps."""
-    trainable = (p for p in model.parameters() if p.requires_grad)
-    optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay, eps=adam_eps)
-    scheduler = get_scheduler(
-        "constant_with_warmup" if args.lr_scheduler == "constant" else args.lr_scheduler,
-        optimizer,
-        num_warmup_steps=args.warmup_steps,
-        num_training_steps=num_updates,
-    )
-    return optimizer, scheduler
+def make_scheduler(optimizer, args, num_updates):
+    """transformers' learning-rate schedule (--lr_scheduler after --warmup_steps) over num_updates optimizer steps."""
+    name = "constant_with_warmup" if args.lr_scheduler == "constant" else args.lr_scheduler
+    return get_scheduler(name, optimizer, num_warmup_steps=args.warmup_steps, num_training_steps=num_updates)
 
 
 def enable_gradient_checkpointing(models, args):
@@ -1784,4 +1788,4 @@ def quiet_harmless_logs():
 
 if __name__ == "__main__":
     quiet_harmless_logs()
-    main(tyro.cli(Args))
+    main(tyro.cli(Config))

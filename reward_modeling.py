@@ -94,8 +94,6 @@ class Args:
     """preference pairs per optimizer step in each process"""
     micro_batch_size: int = 4
     """pairs per forward/backward pass (chosen and rejected go through together: twice as many sequences)"""
-    eval_batch_size: int = 16
-    """pairs per forward pass in evaluation"""
     learning_rate: float = 3e-5
     """AdamW learning rate"""
     lr_scheduler: Literal["constant", "linear", "cosine"] = "linear"
@@ -107,131 +105,17 @@ class Args:
     max_grad_norm: float = 1.0
     """gradient clipping"""
 
-    # Pairs built from a task: completions sampled from a policy, labelled by the verifier
-    num_samples_per_prompt: int = 4
-    """completions sampled per problem"""
-    max_pairs_per_prompt: int = 2
-    """at most this many (correct, wrong) pairs per problem"""
-    num_train_prompts: int = 0
-    """how many training problems to sample from (0: all)"""
-    num_eval_prompts: int = 0
-    """how many held-out problems to sample from (0: all)"""
-    instruction: Optional[str] = None
-    """appended to every question (default: "Give only the final answer after 'Answer:'."; with --prm, the
-    step-by-step instruction of ppo_prm_clip.py)"""
-
-    # Generation (of the task's completions)
-    policy_name_or_path: Optional[str] = None
-    """the policy that samples the completions (default: --model_name_or_path)"""
-    vllm: bool = True
-    """sample with vLLM when it is importable (else HF generate, with a warning); --no-vllm forces HF generate"""
-    vllm_dtype: Optional[Literal["bfloat16", "float16", "float32"]] = None
-    """dtype of the vLLM engine (default: --dtype)"""
-    vllm_gpu_memory_utilization: float = 0.5
-    """fraction of GPU memory vLLM may take (the engine is shut down before training)"""
-    vllm_cpu_kvcache_gib: int = 2
-    """KV cache size in GiB for the CPU build of vLLM"""
-    response_length: int = 64
-    """maximum number of generated tokens per completion"""
-    temperature: float = 1.0
-    """sampling temperature"""
-    top_p: float = 1.0
-    """nucleus sampling"""
-    generation_batch_prompts: int = 64
-    """problems per generation call (each with num_samples_per_prompt completions)"""
-    # Not arguments: a sampled completion ends at its first EOS, which it keeps (read by the Sampler).
-    stop_at_eos: ClassVar[bool] = True
-    truncate_at_eos: ClassVar[bool] = True
-
     # Model
     model_name_or_path: str = "assets/SmolLM2-135M-Instruct"
     """the model the reward model starts from (a causal LM gets a new one-output head): a local folder or a hub id"""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """dtype of the trained weights; bfloat16 weights lose Adam updates smaller than their precision"""
-    gradient_checkpointing: bool = False
-    """recompute activations in the backward pass (less memory, ~30% slower)"""
     lora_r: int = 0
     """LoRA rank through peft (0: full fine-tuning); the score head is trained in full, the saved model is merged"""
-    lora_alpha: int = 32
-    """LoRA scaling numerator"""
-    lora_dropout: float = 0.0
-    """dropout on the LoRA branch"""
-    lora_target_modules: tuple[str, ...] = (
-        "q_proj",
-        "k_proj",
-        "v_proj",
-        "o_proj",
-        "gate_proj",
-        "up_proj",
-        "down_proj",
-    )
-    """module names that get LoRA adapters"""
-    trust_remote_code: bool = False
-    """allow model code from the hub (off unless asked)"""
-
-    # Data
-    dataset_path: str = "assets/data/arith_1d"
-    """a folder with {split}.jsonl files or a hub dataset id: preference pairs (chosen/rejected columns), or a task
-    (question/answer columns) from which the pairs are built"""
-    dataset_config: Optional[str] = None
-    """the hub dataset config"""
-    train_split: str = "train"
-    """split the training pairs come from"""
-    eval_split: str = "test"
-    """held-out split: the evaluation pairs come from it"""
-    chosen_column: str = "chosen"
-    """column with the preferred response: a string (the whole text when there is no prompt column), or a list of
-    {role, content} messages"""
-    rejected_column: str = "rejected"
-    """column with the other response, in the same format"""
-    prompt_column: str = "prompt"
-    """column with the prompt, a string or a list of messages (optional: without it chosen/rejected are whole)"""
-    append_eos: bool = True
-    """end string responses of a preference dataset with EOS when they lack it: the policy's responses end with
-    it, and the score is read at the last token (conversations end at the template's end-of-turn token)"""
-    max_length: int = 512
-    """pairs with a sequence (prompt + response) longer than this, in tokens, are dropped"""
-    num_eval_pairs: int = 0
-    """how many held-out pairs to evaluate on (0: all)"""
-    question_column: str = "question"
-    """column with the problem text"""
-    answer_column: str = "answer"
-    """column with the gold answer (GSM8K style '... #### 42' is understood)"""
-    system_prompt: Optional[str] = None
-    """an optional system message"""
-    prompt_template: Optional[str] = None
-    """used instead of the chat template, with {question} in it (needed when the tokenizer has no chat template)"""
-    max_prompt_length: int = 256
-    """prompts longer than this (in tokens) are dropped"""
 
     # Experiment
-    exp_name: str = "reward_model"
-    """the name of this experiment; part of the run name {task}__{exp_name}__{seed}__{unix_time}"""
     seed: int = 1
     """seed of the experiment (pairs, data order, score-head init); process r samples completions with seed + r"""
-    output_dir: str = "runs"
-    """runs/{run_name}/ gets config.json, metrics.jsonl, TensorBoard events, the pairs, checkpoints, the final model"""
-    reward_model_dir: Optional[str] = "runs/reward_model"
-    """the final model is also saved here, replacing an older one: ppo_rlhf.py and dpo_online.py read it by default
-    (None: only in the run folder)"""
-    prm_dir: Optional[str] = "runs/prm"
-    """with --prm, the final PRM is saved here instead of reward_model_dir (None: only in the run folder)"""
-    track: bool = False
-    """log to Weights & Biases too (works offline with WANDB_MODE=offline)"""
-    wandb_project_name: str = "cleanrlhf"
-    """the wandb project"""
-    wandb_entity: Optional[str] = None
-    """the wandb entity (team or user)"""
-    wandb_tags: tuple[str, ...] = ()
-    """extra wandb tags; the git sha is always added"""
-    resume: Optional[str] = None
-    """a run folder (runs/{run_name}) to continue from its latest checkpoint, same step count and data order"""
-    save_every: int = 0
-    """save a checkpoint every N optimizer steps (0: only at the end)"""
-    keep_checkpoints: int = 2
-    """how many of the latest checkpoints to keep"""
-    eval_every: int = 0
-    """evaluate on the held-out pairs every N optimizer steps (0: only before and after training)"""
 
     # Computed in main(), recorded in config.json
     world_size: int = 0
@@ -244,15 +128,6 @@ class Args:
     """(computed) optimizer steps: num_train_epochs * num_train_pairs / (pairs_per_rank * world_size)"""
     gradient_accumulation_steps: int = 0
     """(computed) micro-batches per optimizer step"""
-    run_name: str = ""
-    """(computed) {task}__{exp_name}__{seed}__{unix_time}"""
-
-
-# Arguments that may change between an interrupted run and its --resume: they do not change what is computed.
-RESUMABLE_ARGS = (
-    "resume track wandb_project_name wandb_entity wandb_tags save_every keep_checkpoints eval_every reward_model_dir "
-    "prm_dir eval_batch_size world_size data_kind num_train_pairs total_steps gradient_accumulation_steps run_name"
-).split()
 
 
 # The Bradley-Terry reward model
@@ -504,7 +379,9 @@ def main(args: Args):
     if args.lora_r > 0:  # SEQ_CLS: peft trains the new score head in full next to the adapters
         model = add_lora(model, args, "SEQ_CLS")
     enable_gradient_checkpointing([model], args)
-    optimizer, scheduler = make_optimizer(model, args, args.total_steps, adam_eps=1e-8)
+    trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters
+    optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay, eps=1e-8)
+    scheduler = make_scheduler(optimizer, args, args.total_steps)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     unwrapped = accelerator.unwrap_model(model)
     # The one-output head, read by token_scores at every position (peft wraps it in a trainable copy).
@@ -595,6 +472,141 @@ def main(args: Args):
 # =====================================================================================================================
 
 
+@dataclass
+class RunArgs:
+    """The rest of the command line: the sampler, the data, the run folder, tracking and checkpoints. Config joins
+    it to Args (whose fields --help lists first); every flag has the same name in both."""
+
+    # Reward model (Bradley-Terry; --prm: a process reward model)
+    eval_batch_size: int = 16
+    """pairs per forward pass in evaluation"""
+
+    # Pairs built from a task: completions sampled from a policy, labelled by the verifier
+    num_samples_per_prompt: int = 4
+    """completions sampled per problem"""
+    max_pairs_per_prompt: int = 2
+    """at most this many (correct, wrong) pairs per problem"""
+    num_train_prompts: int = 0
+    """how many training problems to sample from (0: all)"""
+    num_eval_prompts: int = 0
+    """how many held-out problems to sample from (0: all)"""
+    instruction: Optional[str] = None
+    """appended to every question (default: "Give only the final answer after 'Answer:'."; with --prm, the
+    step-by-step instruction of ppo_prm_clip.py)"""
+
+    # Generation (of the task's completions)
+    policy_name_or_path: Optional[str] = None
+    """the policy that samples the completions (default: --model_name_or_path)"""
+    vllm: bool = True
+    """sample with vLLM when it is importable (else HF generate, with a warning); --no-vllm forces HF generate"""
+    vllm_dtype: Optional[Literal["bfloat16", "float16", "float32"]] = None
+    """dtype of the vLLM engine (default: --dtype)"""
+    vllm_gpu_memory_utilization: float = 0.5
+    """fraction of GPU memory vLLM may take (the engine is shut down before training)"""
+    response_length: int = 64
+    """maximum number of generated tokens per completion"""
+    temperature: float = 1.0
+    """sampling temperature"""
+    top_p: float = 1.0
+    """nucleus sampling"""
+    generation_batch_prompts: int = 64
+    """problems per generation call (each with num_samples_per_prompt completions)"""
+
+    # Not arguments: a sampled completion ends at its first EOS, which it keeps (read by the Sampler).
+    stop_at_eos: ClassVar[bool] = True
+    truncate_at_eos: ClassVar[bool] = True
+
+    # Model
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass (less memory, ~30% slower)"""
+    lora_alpha: int = 32
+    """LoRA scaling numerator"""
+    lora_dropout: float = 0.0
+    """dropout on the LoRA branch"""
+    lora_target_modules: tuple[str, ...] = ("all-linear",)
+    """module names that get LoRA adapters; all-linear: every linear layer but the output head (peft)"""
+    trust_remote_code: bool = False
+    """allow model code from the hub (off unless asked)"""
+
+    # Data
+    dataset_path: str = "assets/data/arith_1d"
+    """a folder with {split}.jsonl files or a hub dataset id: preference pairs (chosen/rejected columns), or a task
+    (question/answer columns) from which the pairs are built"""
+    dataset_config: Optional[str] = None
+    """the hub dataset config"""
+    train_split: str = "train"
+    """split the training pairs come from"""
+    eval_split: str = "test"
+    """held-out split: the evaluation pairs come from it"""
+    chosen_column: str = "chosen"
+    """column with the preferred response: a string (the whole text when there is no prompt column), or a list of
+    {role, content} messages"""
+    rejected_column: str = "rejected"
+    """column with the other response, in the same format"""
+    prompt_column: str = "prompt"
+    """column with the prompt, a string or a list of messages (optional: without it chosen/rejected are whole)"""
+    append_eos: bool = True
+    """end string responses of a preference dataset with EOS when they lack it: the policy's responses end with
+    it, and the score is read at the last token (conversations end at the template's end-of-turn token)"""
+    max_length: int = 512
+    """pairs with a sequence (prompt + response) longer than this, in tokens, are dropped"""
+    num_eval_pairs: int = 0
+    """how many held-out pairs to evaluate on (0: all)"""
+    question_column: str = "question"
+    """column with the problem text"""
+    answer_column: str = "answer"
+    """column with the gold answer (GSM8K style '... #### 42' is understood)"""
+    system_prompt: Optional[str] = None
+    """an optional system message"""
+    prompt_template: Optional[str] = None
+    """used instead of the chat template, with {question} in it (needed when the tokenizer has no chat template)"""
+    max_prompt_length: int = 256
+    """prompts longer than this (in tokens) are dropped"""
+
+    # Experiment
+    exp_name: str = "reward_model"
+    """the name of this experiment; part of the run name {task}__{exp_name}__{seed}__{unix_time}"""
+    output_dir: str = "runs"
+    """runs/{run_name}/ gets config.json, metrics.jsonl, TensorBoard events, the pairs, checkpoints, the final model"""
+    reward_model_dir: Optional[str] = "runs/reward_model"
+    """the final model is also saved here, replacing an older one: ppo_rlhf.py and dpo_online.py read it by default
+    (None: only in the run folder)"""
+    prm_dir: Optional[str] = "runs/prm"
+    """with --prm, the final PRM is saved here instead of reward_model_dir (None: only in the run folder)"""
+    track: bool = False
+    """log to Weights & Biases too (works offline with WANDB_MODE=offline)"""
+    wandb_project_name: str = "cleanrlhf"
+    """the wandb project"""
+    wandb_entity: Optional[str] = None
+    """the wandb entity (team or user)"""
+    wandb_tags: tuple[str, ...] = ()
+    """extra wandb tags; the git sha is always added"""
+    resume: Optional[str] = None
+    """a run folder (runs/{run_name}) to continue from its latest checkpoint, same step count and data order"""
+    save_every: int = 0
+    """save a checkpoint every N optimizer steps (0: only at the end)"""
+    keep_checkpoints: int = 2
+    """how many of the latest checkpoints to keep"""
+    eval_every: int = 0
+    """evaluate on the held-out pairs every N optimizer steps (0: only before and after training)"""
+
+    # Computed in main(), recorded in config.json
+    run_name: str = ""
+    """(computed) {task}__{exp_name}__{seed}__{unix_time}"""
+
+
+@dataclass
+class Config(RunArgs, Args):  # a dataclass lists its bases' fields in reverse MRO order: Args' come first
+    """Flags: the algorithm's (Args), then the sampler's, the data's and the run's (RunArgs)."""
+
+
+# Arguments that may change between an interrupted run and its --resume: they do not change what is computed.
+RESUMABLE_ARGS = (
+    "resume track wandb_project_name wandb_entity wandb_tags save_every keep_checkpoints eval_every reward_model_dir "
+    "prm_dir eval_batch_size world_size data_kind num_train_pairs total_steps gradient_accumulation_steps run_name"
+).split()
+
+
 class Sampler:
     """Completions of the policy: from a vLLM engine in this process, colocated with the trainer, when --vllm and
     vLLM is importable; else from Hugging Face generate on the policy itself (with a warning when --vllm asked for
@@ -623,7 +635,7 @@ class Sampler:
                 mine = cores[rank * share : (rank + 1) * share] or cores
                 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, mine)))
                 os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-                os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.vllm_cpu_kvcache_gib))
+                os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB of KV cache
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
             os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
             self.llm = LLM(
@@ -1287,22 +1299,15 @@ def add_lora(model, args, task_type):
         lora_alpha=args.lora_alpha,
         task_type=task_type,
         lora_dropout=args.lora_dropout,
-        target_modules=list(args.lora_target_modules),
+        target_modules="all-linear" if args.lora_target_modules == ("all-linear",) else list(args.lora_target_modules),
     )
     return get_peft_model(model, config)
 
 
-def make_optimizer(model, args, num_updates, adam_eps):
-    """AdamW on the trainable parameters, and transformers' learning-rate schedule over num_updates optimizer steps."""
-    trainable = (p for p in model.parameters() if p.requires_grad)
-    optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay, eps=adam_eps)
-    scheduler = get_scheduler(
-        "constant_with_warmup" if args.lr_scheduler == "constant" else args.lr_scheduler,
-        optimizer,
-        num_warmup_steps=args.warmup_steps,
-        num_training_steps=num_updates,
-    )
-    return optimizer, scheduler
+def make_scheduler(optimizer, args, num_updates):
+    """transformers' learning-rate schedule (--lr_scheduler after --warmup_steps) over num_updates optimizer steps."""
+    name = "constant_with_warmup" if args.lr_scheduler == "constant" else args.lr_scheduler
+    return get_scheduler(name, optimizer, num_warmup_steps=args.warmup_steps, num_training_steps=num_updates)
 
 
 def enable_gradient_checkpointing(models, args):
@@ -2023,4 +2028,4 @@ def quiet_harmless_logs():
 
 if __name__ == "__main__":
     quiet_harmless_logs()
-    main(tyro.cli(Args))
+    main(tyro.cli(Config))

@@ -43,7 +43,7 @@ def load_args(script, argv):
         spec = importlib.util.spec_from_file_location(name, script)
         sys.modules[name] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(sys.modules[name])
-    return tyro.cli(sys.modules[name].Args, args=list(argv))
+    return tyro.cli(sys.modules[name].Config, args=list(argv))
 
 
 def read_config(path, override=None):
@@ -78,10 +78,11 @@ def num_params(c, head=CAUSAL):
 
 
 def lora_params(c, r, targets):
-    """Adapter parameters: r * (in + out) for each targeted linear layer of each decoder layer."""
+    """Adapter parameters: r * (in + out) for each targeted linear layer of each decoder layer (all-linear: all 7)."""
     h, layers, q, kv, inter, _ = dims(c)
     shapes = dict(q_proj=(h, q), k_proj=(h, kv), v_proj=(h, kv), o_proj=(q, h), gate_proj=(h, inter))
     shapes |= dict(up_proj=(h, inter), down_proj=(inter, h))
+    targets = shapes if tuple(targets) == ("all-linear",) else targets
     return layers * sum(r * sum(shapes[t]) for t in targets if t in shapes)
 
 
@@ -191,8 +192,9 @@ def plan(script, argv, device_gib=80.0, num_gpus=1, zero=0, cpu=False, prompt_le
     sleep = getattr(a, "vllm_sleep", False)  # async_rlhf has none: its engine generates while the learner trains
     phase = "generate" if name == "reward_modeling" or sleep else "static"
     if use_vllm and cpu:
-        engine = a.vllm_cpu_kvcache_gib + gib(num_params(policy_config), 4 if "32" in (a.vllm_dtype or a.dtype) else 2)
-        rows.append(Row("vLLM-cpu engine", engine, phase, "vllm_cpu_kvcache_gib + its weights"))
+        kv_cache = int(os.environ.get("VLLM_CPU_KVCACHE_SPACE", 2))  # the scripts' default
+        engine = kv_cache + gib(num_params(policy_config), 4 if "32" in (a.vllm_dtype or a.dtype) else 2)
+        rows.append(Row("vLLM-cpu engine", engine, phase, "VLLM_CPU_KVCACHE_SPACE (2 GiB) + its weights"))
     elif use_vllm:
         share = a.vllm_gpu_memory_utilization * device_gib
         note = "gpu_memory_utilization x device" + ", asleep while training (--vllm_sleep)" * sleep

@@ -65,7 +65,7 @@ def grpo_prompts(tokenizer, rows):
     """Prompt token ids and gold answers, built by grpo_math.py itself with its default instruction."""
     import grpo_math
 
-    return grpo_math.build_prompts(tokenizer, rows, grpo_math.Args())
+    return grpo_math.build_prompts(tokenizer, rows, grpo_math.Config())
 
 
 def verifier_reward(completions, gold, **kwargs):

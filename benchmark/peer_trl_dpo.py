@@ -92,7 +92,7 @@ def dpo_prompts(tokenizer, rows):
     """Prompt token ids and gold answers, built by dpo_online.py itself with its default instruction."""
     import dpo_online
 
-    return dpo_online.build_prompts(tokenizer, rows, dpo_online.Args())
+    return dpo_online.build_prompts(tokenizer, rows, dpo_online.Config())
 
 
 def load_reward_model(path, pad_token_id):

@@ -165,7 +165,7 @@ def fast_cli_flags(model_dir, data_dir, output_dir, **overrides):
 
 @pytest.fixture
 def make_args(tiny_model_dir, task_dir, tmp_path):
-    """make_args(**overrides) -> grpo_math.Args with small, fast settings on the tiny model and task."""
+    """make_args(**overrides) -> grpo_math.Config with small, fast settings on the tiny model and task."""
     import grpo_math
 
     def _make(**overrides):
@@ -176,7 +176,7 @@ def make_args(tiny_model_dir, task_dir, tmp_path):
             "output_dir": str(tmp_path / "runs"),
             **overrides,
         }
-        return grpo_math.Args(**values)
+        return grpo_math.Config(**values)
 
     return _make
 

@@ -108,7 +108,7 @@ if __name__ == "__main__":
     patch(script)
     calls = collections.Counter()
     install_kill_points(os.environ.get("KILL_AT"), calls)
-    script.main(tyro.cli(script.Args))
+    script.main(tyro.cli(script.Config))
     if os.environ.get("COUNT_FILE"):
         with open(os.environ["COUNT_FILE"], "w") as f:
             json.dump(calls, f)

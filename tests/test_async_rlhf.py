@@ -98,7 +98,7 @@ def test_async_dpo_loss_matches_a_loop(loss_type, cap):
     sampler_logprobs = logprobs + 0.1 * torch.randn(2 * b, width, generator=generator, dtype=torch.float64)
     keep = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 1.0], dtype=torch.float64)  # pairs 2 and 4 are ties
     normalizer = torch.tensor(3.5, dtype=torch.float64)
-    args = async_rlhf.Args(beta=0.3, loss_type=loss_type, tis_cap=cap)
+    args = async_rlhf.Config(beta=0.3, loss_type=loss_type, tis_cap=cap)
     logprobs.requires_grad_(True)
     loss, sums, stats = async_rlhf.async_dpo_loss(
         logprobs, mask, ref_sequence_logps, sampler_logprobs, keep, normalizer, args
@@ -132,7 +132,7 @@ def test_async_dpo_loss_at_the_reference_and_the_pair_metrics():
     logprobs, mask = random_completions(generator, 8, 5)
     at_reference = (logprobs, mask, (logprobs * mask).sum(1), None)
     keep = torch.tensor([1.0, 0.0, 1.0, 1.0], dtype=torch.float64)
-    args = async_rlhf.Args(beta=0.1)
+    args = async_rlhf.Config(beta=0.1)
     loss, sums, _ = async_rlhf.async_dpo_loss(*at_reference, keep, torch.tensor(1.5, dtype=torch.float64), args)
     assert loss.item() == pytest.approx(3 * math.log(2) / 1.5, rel=1e-12)
     metrics = async_rlhf.dpo_pair_metrics(sums.tolist())
@@ -249,7 +249,7 @@ def make_async_args(tiny_model_dir, tiny_reward_model_dir, task_dir, tmp_path):
             "output_dir": str(tmp_path / "runs"),
             **overrides,
         }
-        return async_rlhf.Args(**values)
+        return async_rlhf.Config(**values)
 
     return _make
 
@@ -435,7 +435,7 @@ def test_vllm_run(tiny_model_dir, tiny_reward_model_dir, task_dir, tmp_path):
     """The generator thread generates with the vLLM engine and reloads the learner's weights into it."""
     require_vllm()
     out = str(tmp_path / "runs")
-    values = {**FAST_ARGS, "vllm": True, "vllm_cpu_kvcache_gib": 1, "tis_cap": 2.0, "sync": True, "total_steps": 2}
+    values = {**FAST_ARGS, "vllm": True, "tis_cap": 2.0, "sync": True, "total_steps": 2}
     paths = dict(model_name_or_path=tiny_model_dir, reward_model_path=tiny_reward_model_dir, dataset_path=task_dir)
     run_checked([sys.executable, "async_rlhf.py", *cli_flags({**values, **paths, "output_dir": out})], vllm_env(), 300)
     run_dir = only_run_dir(out)
@@ -538,14 +538,14 @@ def instrument(module, setter, real_generate, record):
 
 
 # The program that tests/fixed_rollout.py launches for the ZeRO-3 test (as a module on PYTHONPATH): async_rlhf's
-# Args and main, with main instrumented once fixed_rollout has put its sampler in place (here), and each process's
+# Config and main, with main instrumented once fixed_rollout has put its sampler in place (here), and each process's
 # record written to a file. `instrument` is this file's, by its source (the test module is not imported there).
 ZERO3_PROBE = f"""import collections, json, os, threading
 
 import async_rlhf
 
 PROBE_PROMPT = {PROBE_PROMPT!r}
-Args = async_rlhf.Args
+Config = async_rlhf.Config
 REAL_GENERATE = hf_generate = async_rlhf.hf_generate  # fixed_rollout.patch replaces hf_generate here
 
 
@@ -720,7 +720,7 @@ def args_for(tiny_model_dir, task_dir, tmp_path, monkeypatch):
             output_dir=str(tmp_path / "runs"),
             vllm=False,
         )
-        return async_rlhf.Args(**{**values, **overrides})
+        return async_rlhf.Config(**{**values, **overrides})
 
     return _make
 

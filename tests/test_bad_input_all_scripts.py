@@ -31,11 +31,11 @@ def script_args(request, tiny_model_dir, tiny_reward_model_dir, tmp_path, monkey
 
     def make(**overrides):
         values = dict(model_name_or_path=tiny_model_dir, output_dir=str(tmp_path / "runs"), vllm=False)
-        if hasattr(module.Args, "reward_model_path"):
+        if hasattr(module.Config, "reward_model_path"):
             values["reward_model_path"] = tiny_reward_model_dir
         if module is reward_modeling:
             values.update(reward_model_dir=str(tmp_path / "reward_model"), max_prompt_length=128)
-        return module.Args(**{**values, **overrides})
+        return module.Config(**{**values, **overrides})
 
     return module, make
 
@@ -112,7 +112,8 @@ def test_vllm_sleep_needs_a_gpu(script_args, task_dir):
     """vLLM's sleep mode is CUDA / ROCm / XPU only (vllm/config/model.py raises once the engine starts to load):
     refused with one line before any model loads; with HF generate the flag has nothing to do and the run goes on."""
     module, make = script_args
-    if not hasattr(module.Args, "vllm_sleep"):  # async_rlhf generates while it learns; reward_modeling shuts its down
+    # async_rlhf generates while it learns; reward_modeling shuts its engine down
+    if not hasattr(module.Config, "vllm_sleep"):
         pytest.skip(f"{module.__name__} has no colocated engine to put to sleep")
     one_line_error(module.main, make(dataset_path=task_dir, vllm=True, vllm_sleep=True), "--vllm_sleep", "GPU")
     with pytest.raises(AssertionError, match="model loaded"):

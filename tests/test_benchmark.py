@@ -701,7 +701,7 @@ def test_peer_dpo_our_command_sets_the_matched_settings():
     for side, vllm in (("ours_hf", False), ("ours_vllm", True)):
         command = peer_trl_dpo.our_command(args, 5, side, "runs/x")
         assert command[1] == "dpo_online.py"
-        ours = tyro.cli(dpo_online.Args, args=command[2:])
+        ours = tyro.cli(dpo_online.Config, args=command[2:])
         wanted = {**expected, "seed": 5, "vllm": vllm}
         assert {key: getattr(ours, key) for key in wanted} == wanted
     trl_args = peer_trl_dpo.parse_args(peer_trl_dpo.trl_command(args, 5, "runs/y")[3:])

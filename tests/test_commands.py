@@ -437,3 +437,22 @@ def test_parse_catches_a_bad_flag():
     assert parse_error("ppo_rlhf.py", ["--dtype", "bfloat16", "--no-stop_at_eos"]) is None
     assert parse_error("grpo_math.py", ["--learning_rat", "1"]) is not None
     assert parse_error("grpo_math.py", ["--help"]) is None
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_the_command_line_is_args_then_run_args(script, capsys):
+    """Config joins the algorithm's Args (above the fence) and RunArgs (below): no flag in both, every field of
+    either in Config, and --help lists every Args flag before the first RunArgs one."""
+    import tyro
+
+    module = importlib.import_module(script.removesuffix(".py"))
+    algorithm = [f.name for f in dataclasses.fields(module.Args)]
+    run = [f.name for f in dataclasses.fields(module.RunArgs)]
+    assert not set(algorithm) & set(run)
+    assert [f.name for f in dataclasses.fields(module.Config)] == algorithm + run
+    with pytest.raises(SystemExit):
+        tyro.cli(module.Config, args=["--help"])
+    text = capsys.readouterr().out
+    where = {name: re.search(rf"--{name.replace('_', '-')}(?![\w-])", text) for name in algorithm + run}
+    assert all(where.values()), [name for name, found in where.items() if not found]
+    assert max(where[name].start() for name in algorithm) < min(where[name].start() for name in run)

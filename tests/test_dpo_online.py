@@ -174,7 +174,7 @@ def test_pair_importance_weights_are_one_on_policy_and_ignore_padding():
 
 def dpo_args(**overrides):
     values = dict(beta=0.1, loss_type="sigmoid", kl_estimator="k3", tis_cap=None, reward_model_path="unused")
-    return dpo_online.Args(**{**values, **overrides})
+    return dpo_online.Config(**{**values, **overrides})
 
 
 def reference_online_dpo_loss(logprobs, ref_logprobs, sampler_logprobs, mask, keep, normalizer, args):
@@ -361,7 +361,7 @@ def make_dpo_args(tiny_model_dir, tiny_reward_model_dir, task_dir, tmp_path):
             "output_dir": str(tmp_path / "runs"),
             **overrides,
         }
-        return dpo_online.Args(**values)
+        return dpo_online.Config(**values)
 
     return _make
 
@@ -496,7 +496,6 @@ def test_vllm_run(tiny_model_dir, tiny_reward_model_dir, task_dir, tmp_path):
             "dataset_path": task_dir,
             "output_dir": out,
             "vllm": True,
-            "vllm_cpu_kvcache_gib": 1,
             "tis_cap": 2.0,
         }
     )

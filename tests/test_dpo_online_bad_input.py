@@ -34,7 +34,7 @@ def args_for(tiny_model_dir, task_dir, tmp_path, monkeypatch):
             output_dir=str(tmp_path / "runs"),
             vllm=False,
         )
-        return dpo_online.Args(**{**values, **overrides})
+        return dpo_online.Config(**{**values, **overrides})
 
     return _make
 
@@ -52,7 +52,7 @@ def test_default_reward_model_not_built_yet(args_for, tmp_path, monkeypatch):
     """The no-argument run before `python reward_modeling.py`: runs/reward_model does not exist yet."""
     monkeypatch.chdir(tmp_path)
     args = args_for()
-    args.reward_model_path = dpo_online.Args().reward_model_path
+    args.reward_model_path = dpo_online.Config().reward_model_path
     assert args.reward_model_path == "runs/reward_model"
     message = assert_one_line_error(args, "--reward_model_path runs/reward_model")
     assert "run `python reward_modeling.py` first" in message

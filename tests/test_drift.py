@@ -34,7 +34,7 @@ def module_functions(path):
 
 # Every script has its own arguments, entry point, argument check and evaluation: same name by convention,
 # different by design.
-SCRIPT_OWN = ("Args", "main", "check_args", "evaluate")
+SCRIPT_OWN = ("Args", "RunArgs", "main", "check_args", "evaluate")
 
 # The line between a script's algorithm (above) and its plumbing (below), the same in every script.
 FENCE = (

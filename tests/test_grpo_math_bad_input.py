@@ -232,7 +232,7 @@ def test_questions_that_are_not_text(make_args, no_model, tmp_path, question):
 
 def test_embedded_defaults_load_from_another_working_directory(make_args, no_model, tmp_path, monkeypatch):
     """`cd ~ && python <repo>/grpo_math.py`: the assets/ defaults are found next to the script."""
-    defaults = grpo_math.Args()
+    defaults = grpo_math.Config()
     if not os.path.isdir(os.path.join(REPO_ROOT, defaults.model_name_or_path)):
         pytest.skip("the embedded assets are not built (make assets)")
     monkeypatch.chdir(tmp_path)
@@ -322,5 +322,5 @@ def test_k1_is_not_offered_for_the_kl_in_the_loss():
     import tyro
 
     with pytest.raises(SystemExit):
-        tyro.cli(grpo_math.Args, args=["--kl_estimator", "k1"])
-    assert tyro.cli(grpo_math.Args, args=["--kl_estimator", "k2"]).kl_estimator == "k2"
+        tyro.cli(grpo_math.Config, args=["--kl_estimator", "k1"])
+    assert tyro.cli(grpo_math.Config, args=["--kl_estimator", "k2"]).kl_estimator == "k2"

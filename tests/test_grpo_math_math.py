@@ -783,7 +783,7 @@ def test_prompt_groups_gather_the_rows_of_each_prompt_whatever_their_order():
 
 def test_module_exposes_main_and_args():
     assert callable(grpo_math.main)
-    assert grpo_math.Args().num_generations >= 2
+    assert grpo_math.Config().num_generations >= 2
 
 
 # select_groups (DAPO dynamic sampling)

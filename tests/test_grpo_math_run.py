@@ -62,7 +62,7 @@ def test_hf_generate_run_writes_what_a_run_must_show(make_args):
 
     with open(os.path.join(run_dir, "config.json")) as f:
         config = json.load(f)
-    assert set(asdict(grpo_math.Args())) <= set(config["args"])
+    assert set(asdict(grpo_math.Config())) <= set(config["args"])
     assert isinstance(config["git_sha"], str)
     assert config["vllm"] is False
     assert config["args"]["world_size"] == 1 and config["args"]["batch_size"] == 8
@@ -152,12 +152,12 @@ def test_invariant_killed_at_random_points_and_resumed_gives_the_uninterrupted_r
         model_name_or_path=tiny_model_dir, dataset_path=task_dir, output_dir=str(tmp_path / "faulty"), **overrides
     )
     with pytest.raises(SystemExit) as exc:
-        grpo_math.main(grpo_math.Args(**{**FAST_ARGS, **args, "resume": run_dir}))
+        grpo_math.main(grpo_math.Config(**{**FAST_ARGS, **args, "resume": run_dir}))
     earlier = os.path.join(run_dir, "checkpoints", "step_000002")
     message = str(exc.value.code)
     assert message.startswith("error: checkpoint") and "model.safetensors has 1000 bytes" in message, message
     assert message.endswith(f"resume from an earlier one with --resume {earlier}"), message
-    grpo_math.main(grpo_math.Args(**{**FAST_ARGS, **args, "resume": earlier}))
+    grpo_math.main(grpo_math.Config(**{**FAST_ARGS, **args, "resume": earlier}))
     reference_dir = only_run_dir(tmp_path / "reference")
     assert without_timing(read_metrics(run_dir)) == without_timing(read_metrics(reference_dir))
     assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == ["step_000002", "step_000003"]
@@ -406,7 +406,7 @@ def test_hf_generate_no_stop_at_eos_generates_the_full_length(eos_model):
 def test_vllm_run(tiny_model_dir, task_dir, tmp_path):
     require_vllm()
     out = str(tmp_path / "runs")
-    flags = fast_cli_flags(tiny_model_dir, task_dir, out, vllm=True, total_steps=2, vllm_cpu_kvcache_gib=1)
+    flags = fast_cli_flags(tiny_model_dir, task_dir, out, vllm=True, total_steps=2)
     run_checked([sys.executable, "grpo_math.py", *flags], vllm_env(), timeout=300)
     run_dir = only_run_dir(out)
     with open(os.path.join(run_dir, "config.json")) as f:
@@ -432,9 +432,7 @@ def test_invariant_two_processes_with_vllm_engines(tiny_model_dir, task_dir, tmp
     largest ratio near 1). The toy reward of the fixed-rollout launcher gives the update a signal."""
     require_vllm()
     out = str(tmp_path / "runs")
-    flags = fast_cli_flags(
-        tiny_model_dir, task_dir, out, vllm=True, total_steps=2, vllm_cpu_kvcache_gib=1, learning_rate=1e-3
-    )
+    flags = fast_cli_flags(tiny_model_dir, task_dir, out, vllm=True, total_steps=2, learning_rate=1e-3)
     run_dir = launch_fixed_rollout("grpo_math.py", flags, out, env=vllm_env())
     with open(os.path.join(run_dir, "config.json")) as f:
         assert json.load(f)["vllm"] is True

@@ -266,7 +266,7 @@ def reference_loss(logprobs, values, old_logprobs, old_values, advantages, retur
 @pytest.mark.parametrize("tis", [False, True])
 def test_ppo_prm_loss_matches_a_loop_and_micro_batches_sum_to_the_minibatch(seed, tis):
     g = torch.Generator().manual_seed(seed)
-    args = prm.Args(cliprange=0.2, cliprange_value=0.3, vf_coef=0.1 + seed, tis_cap=1.5)
+    args = prm.Config(cliprange=0.2, cliprange_value=0.3, vf_coef=0.1 + seed, tis_cap=1.5)
     mask = right_padded_mask([random.Random(seed).randint(1, 7) for _ in range(6)], 7)
 
     def rand(scale=1.0):
@@ -497,7 +497,7 @@ def make_args(tiny_model_dir, task_dir, tmp_path):
             "output_dir": str(tmp_path / "runs"),
             **overrides,
         }
-        return prm.Args(**values)
+        return prm.Config(**values)
 
     return _make
 
@@ -726,7 +726,7 @@ def test_vllm_run(tiny_model_dir, task_dir, tmp_path):
     require_vllm()
     out = str(tmp_path / "runs")
     values = {**FAST_ARGS, "model_name_or_path": tiny_model_dir, "dataset_path": task_dir, "output_dir": out}
-    flags = cli_flags({**values, "vllm": True, "vllm_cpu_kvcache_gib": 1})
+    flags = cli_flags({**values, "vllm": True})
     run_checked([sys.executable, "ppo_prm_clip.py", *flags, "--reward_mode", "raw"], vllm_env(), timeout=300)
     run_dir = only_run_dir(out)
     with open(os.path.join(run_dir, "config.json")) as f:

@@ -369,7 +369,7 @@ def make_ppo_args(tiny_model_dir, tiny_reward_model_dir, task_dir, tmp_path):
             "output_dir": str(tmp_path / "runs"),
             **overrides,
         }
-        return ppo_rlhf.Args(**values)
+        return ppo_rlhf.Config(**values)
 
     return _make
 
@@ -479,7 +479,6 @@ def test_vllm_run(tiny_model_dir, tiny_reward_model_dir, task_dir, tmp_path):
             "dataset_path": task_dir,
             "output_dir": out,
             "vllm": True,
-            "vllm_cpu_kvcache_gib": 1,
         }
     )
     run_checked([sys.executable, "ppo_rlhf.py", *flags], vllm_env(), timeout=300)

@@ -44,7 +44,7 @@ def args_for(tiny_model_dir, task_dir, tmp_path, monkeypatch):
             output_dir=str(tmp_path / "runs"),
             vllm=False,
         )
-        return ppo_rlhf.Args(**{**values, **overrides})
+        return ppo_rlhf.Config(**{**values, **overrides})
 
     return _make
 
@@ -62,7 +62,8 @@ def test_default_reward_model_not_trained_yet(args_for, tmp_path, monkeypatch):
     # The default, runs/reward_model, is relative and looks like a hub id ("org/name"): before
     # `python reward_modeling.py` has made it, the run must say so, not try the hub.
     monkeypatch.chdir(tmp_path)
-    message = assert_one_line_error(args_for(reward_model_path=ppo_rlhf.Args.reward_model_path), "--reward_model_path")
+    default = ppo_rlhf.Config.reward_model_path
+    message = assert_one_line_error(args_for(reward_model_path=default), "--reward_model_path")
     assert "python reward_modeling.py" in message
 
 

@@ -308,7 +308,7 @@ FAST_ARGS = dict(
 
 @pytest.fixture
 def make_args(tiny_model_dir, preference_dir, tmp_path):
-    """make_args(**overrides) -> reward_modeling.Args with fast settings on the tiny model and the good/bad pairs;
+    """make_args(**overrides) -> reward_modeling.Config with fast settings on the tiny model and the good/bad pairs;
     the final model goes to tmp_path/reward_model, never to the repository's runs/."""
 
     def _make(**overrides):
@@ -320,7 +320,7 @@ def make_args(tiny_model_dir, preference_dir, tmp_path):
             "reward_model_dir": str(tmp_path / "reward_model"),
             **overrides,
         }
-        return rm.Args(**values)
+        return rm.Config(**values)
 
     return _make
 
@@ -357,7 +357,7 @@ def test_preference_run_learns_and_saves_a_centred_model(make_args, tokenizer):
 
     with open(os.path.join(run_dir, "config.json")) as f:
         config = json.load(f)
-    assert set(asdict(rm.Args())) <= set(config["args"]) and isinstance(config["git_sha"], str)
+    assert set(asdict(rm.Config())) <= set(config["args"]) and isinstance(config["git_sha"], str)
     assert config["args"]["data_kind"] == "preferences" and config["args"]["num_train_pairs"] == 64
     assert config["args"]["total_steps"] == 16  # 2 epochs * 64 pairs / 8 per step
     assert config["args"]["run_name"].startswith("good_bad__reward_model__1__")
@@ -492,18 +492,11 @@ def test_vllm_samples_the_task_pairs(make_args, tokenizer, tmp_path):
     the toy verifier patched in there), then the engine is shut down and the reward model trains."""
     require_vllm()
     task = write_ones_task(tmp_path / "ones")
-    args = make_args(
-        dataset_path=task,
-        num_train_epochs=0.25,
-        pairs_per_rank=4,
-        micro_batch_size=2,
-        vllm=True,
-        vllm_cpu_kvcache_gib=1,
-    )
+    args = make_args(dataset_path=task, num_train_epochs=0.25, pairs_per_rank=4, micro_batch_size=2, vllm=True)
     code = (
         f"import sys; sys.path.insert(0, {REPO_ROOT!r}); import reward_modeling as rm\n"
         "rm.extract_answer = lambda text: '1' if len(text) % 2 == 0 else '0'\n"
-        f"rm.main(rm.Args(**{asdict(args)!r}))\n"
+        f"rm.main(rm.Config(**{asdict(args)!r}))\n"
     )
     run_checked([sys.executable, "-c", code], vllm_env(), timeout=300)
     (run_dir,) = glob.glob(os.path.join(args.output_dir, "*__reward_model__*"))
@@ -883,7 +876,7 @@ def test_prm_run_trains_on_step_labels_and_ppo_prm_clip_loads_it(make_args, toke
     assert config["prm"]["step_separator"] == " " and "bias" not in config
 
     # ppo_prm_clip.py reads it as a learned PRM: p_k = sigmoid(head) at each step's last token.
-    ppo_args = ppo_prm_clip.Args(
+    ppo_args = ppo_prm_clip.Config(
         model_name_or_path=args.model_name_or_path,
         dataset_path=task,
         output_dir=str(tmp_path / "ppo"),
