@@ -351,18 +351,11 @@ def main(args: Args):
     rank, world_size = accelerator.process_index, accelerator.num_processes
     args.world_size = world_size
     tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code, args.prompt_template)
+    pad_id = tokenizer.pad_token_id
     train_prompts, train_golds, eval_sets = load_math_prompts(args, tokenizer, world_size)
     run = Run(args, accelerator, RESUMABLE_ARGS)
     set_seed(args.seed + rank)  # random, numpy and torch: a different sampling stream per process
-    model = load_model(args.model_name_or_path, AutoModelForCausalLM, args, tokenizer.pad_token_id)
-    ref_model = None
-    if args.lora_r > 0:  # the reference is then the same model with its adapters switched off
-        model = add_lora(model, args, "CAUSAL_LM")
-    elif args.beta > 0:
-        with whole_on_every_process(accelerator):
-            ref_model = load_model(args.model_name_or_path, AutoModelForCausalLM, args, tokenizer.pad_token_id)
-        ref_model = frozen(ref_model, accelerator, accelerator.device)
-    enable_gradient_checkpointing([model], args)
+    model, ref_model = load_policy_and_reference(args, accelerator, pad_id)  # ref: None with LoRA
     num_updates = args.total_steps * args.num_iterations * args.num_minibatches
     trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay, eps=1e-8)
@@ -406,18 +399,12 @@ def main(args: Args):
         if args.oversample > 1:  # dynamic sampling: train on prompts_per_rank groups, those with a signal first
             keep = select_groups(rewards, args.num_generations, args.prompts_per_rank)  # [B]
             responses, mask, rewards = responses[keep], mask[keep], rewards[keep]
-            sampler_logprobs = sampler_logprobs[keep] if sampler_logprobs is not None else None
+            sampler_logprobs = take(sampler_logprobs, keep)
             prompts = [prompts[i // args.num_generations] for i in keep[:: args.num_generations].tolist()]
             zero_std = rewards.view(-1, args.num_generations).std(1) == 0
             metrics["objective/zero_std_groups_trained"] = zero_std.float().mean().item()
         query_responses, attention_mask, mask, sampler_logprobs, context_length = training_batch(
-            prompts,
-            args.num_generations,
-            responses,
-            mask,
-            sampler_logprobs,
-            tokenizer.pad_token_id,
-            accelerator.device,
+            prompts, args.num_generations, responses, mask, sampler_logprobs, pad_id, accelerator.device
         )
 
         # 4. Advantages, each completion against its own group, on every process's rewards together (gather keeps
@@ -445,13 +432,9 @@ def main(args: Args):
         # minibatches (one optimizer step each), each into micro-batches (gradient accumulation).
         model.train()
         stats = collections.defaultdict(list)  # metric name -> one value per micro-batch (or minibatch)
-        order_rng = torch.Generator().manual_seed(args.seed * 7919 + step)
+        rng = torch.Generator().manual_seed(args.seed * 7919 + step)  # the later passes' orders
         for iteration in range(args.num_iterations):
-            order = (
-                torch.arange(args.batch_size)
-                if iteration == 0
-                else torch.randperm(args.batch_size, generator=order_rng)
-            )
+            order = torch.randperm(args.batch_size, generator=rng) if iteration else torch.arange(args.batch_size)
             for start in range(0, args.batch_size, args.minibatch_size):
                 minibatch = order[start : start + args.minibatch_size]
                 # token_mean divides by the minibatch's tokens over all processes (DAPO): each process divides by
@@ -466,33 +449,19 @@ def main(args: Args):
                             model, query_responses[idx], attention_mask[idx], context_length, args.temperature
                         )
                         old = old_logprobs[idx] if reuse else logprobs.detach()
+                        ref, sampled, adv = take(ref_logprobs, idx), take(sampler_logprobs, idx), advantages[idx]
                         loss, micro_stats = grpo_loss(
-                            logprobs,
-                            old,
-                            ref_logprobs[idx] if ref_logprobs is not None else None,
-                            sampler_logprobs[idx] if sampler_logprobs is not None else None,
-                            advantages[idx],
-                            mask[idx],
-                            args,
-                            minibatch_tokens,
-                            len(minibatch),
+                            logprobs, old, ref, sampled, adv, mask[idx], args, minibatch_tokens, len(minibatch)
                         )
                         check_finite(accelerator, loss, "loss/policy", step, run.last_checkpoint)
                         # accelerate divides a micro-batch's loss by gradient_accumulation_steps (to average
                         # micro-batch means); these losses are shares that already sum to the minibatch's.
                         accelerator.backward(loss * args.gradient_accumulation_steps)
                     minibatch_loss += loss.item()
+                    if iteration == 0:  # the policy's entropy (first minibatch) and its gap to the sampler's
+                        micro_stats |= first_pass_stats(logits, old, sampled, mask[idx], first_minibatch=start == 0)
                     for name, value in micro_stats.items():
                         stats[name].append(value)
-                    with torch.no_grad():
-                        if iteration == 0 and start == 0:
-                            stats["objective/entropy"].append(
-                                masked_mean(entropy_from_logits(logits), mask[idx]).item()
-                            )
-                        if iteration == 0 and sampler_logprobs is not None:  # the sampler's pi against the trainer's
-                            log_gap = old - sampler_logprobs[idx]
-                            stats["objective/logprob_gap"].append(masked_mean(log_gap.abs(), mask[idx]).item())
-                            stats["gap_max"].append(torch.exp(log_gap)[mask[idx] > 0].max().item())
                     del logits
                 stats["loss/policy"].append(minibatch_loss)
                 stats["policy/grad_norm"].append(
@@ -772,6 +741,41 @@ def shared_prompt_logprobs(model, input_ids, attention_mask, context_length, tem
     ).logits[:, :-1]
     logits = packed[group[:, None], columns].float() / temperature  # [B, R, V]
     return logprobs_from_logits(logits, input_ids[:, context_length:]), logits
+
+
+def load_policy_and_reference(args, accelerator, pad_token_id):
+    """The policy (with LoRA adapters if --lora_r) and the frozen reference: None with LoRA, where it is the policy
+    with its adapters switched off, and with --beta 0, where nothing reads it."""
+    model = load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_token_id)
+    ref_model = None
+    if args.lora_r > 0:
+        model = add_lora(model, args, "CAUSAL_LM")
+    elif args.beta > 0:
+        with whole_on_every_process(accelerator):
+            ref_model = load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_token_id)
+        ref_model = frozen(ref_model, accelerator, accelerator.device)
+    enable_gradient_checkpointing([model], args)
+    return model, ref_model
+
+
+def take(values, rows):
+    """values[rows], or None for a tensor the run does not have (no reference model, no sampler log-probs)."""
+    return None if values is None else values[rows]
+
+
+@torch.no_grad()
+def first_pass_stats(logits, logprobs, sampler_logprobs, mask, first_minibatch):
+    """Diagnostics of a micro-batch on the first pass: the entropy of the policy (on the first minibatch only: it
+    needs the full softmax) and, with vLLM, the gap between the sampler's log-probs and the trainer's (gap_max is the
+    largest pi_train / pi_sampler ratio, reduced with max over processes)."""
+    stats = {}
+    if first_minibatch:
+        stats["objective/entropy"] = masked_mean(entropy_from_logits(logits), mask).item()
+    if sampler_logprobs is not None:
+        log_gap = logprobs - sampler_logprobs
+        stats["objective/logprob_gap"] = masked_mean(log_gap.abs(), mask).item()
+        stats["gap_max"] = torch.exp(log_gap)[mask > 0].max().item()
+    return stats
 
 
 class Sampler:
