@@ -176,14 +176,14 @@ class Args:
     seed: int = 1
     """seed of the experiment; process r samples batch t with a seed made of (seed + r, t)"""
 
-    # Computed in main(), recorded in config.json
-    world_size: int = 0
+    # Computed in main(), recorded in config.json (not flags)
+    world_size: tyro.conf.Suppress[int] = 0
     """(computed) number of processes"""
-    num_completions: int = 0
+    num_completions: tyro.conf.Suppress[int] = 0
     """(computed) completions per prompt: 2 with dpo, rloo_k with rloo"""
-    minibatch_size: int = 0
+    minibatch_size: tyro.conf.Suppress[int] = 0
     """(computed) prompts per process per optimizer step"""
-    gradient_accumulation_steps: int = 0
+    gradient_accumulation_steps: tyro.conf.Suppress[int] = 0
     """(computed) micro-batches per optimizer step"""
 
 
@@ -776,8 +776,8 @@ class RunArgs:
     num_samples_logged: int = 8
     """how many evaluation completions go to the sample table"""
 
-    # Computed in main(), recorded in config.json
-    run_name: str = ""
+    # Computed in main(), recorded in config.json (not flags)
+    run_name: tyro.conf.Suppress[str] = ""
     """(computed) {task}__{exp_name}__{seed}__{unix_time}"""
 
 

@@ -118,14 +118,14 @@ class Args:
     seed: int = 1
     """seed of the experiment; process r samples with seed + r"""
 
-    # Computed in main(), recorded in config.json
-    world_size: int = 0
+    # Computed in main(), recorded in config.json (not flags)
+    world_size: tyro.conf.Suppress[int] = 0
     """(computed) number of processes"""
-    batch_size: int = 0
+    batch_size: tyro.conf.Suppress[int] = 0
     """(computed) completions per process per step: prompts_per_rank * num_generations"""
-    minibatch_size: int = 0
+    minibatch_size: tyro.conf.Suppress[int] = 0
     """(computed) completions per process per optimizer step"""
-    gradient_accumulation_steps: int = 0
+    gradient_accumulation_steps: tyro.conf.Suppress[int] = 0
     """(computed) micro-batches per optimizer step"""
 
 
@@ -602,8 +602,8 @@ class RunArgs:
     num_samples_logged: int = 8
     """how many evaluation completions go to the sample table"""
 
-    # Computed in main(), recorded in config.json
-    run_name: str = ""
+    # Computed in main(), recorded in config.json (not flags)
+    run_name: tyro.conf.Suppress[str] = ""
     """(computed) {task}__{exp_name}__{seed}__{unix_time}"""
 
 

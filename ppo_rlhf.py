@@ -127,12 +127,12 @@ class Args:
     seed: int = 1
     """seed of the experiment; process r samples with seed + r"""
 
-    # Computed in main(), recorded in config.json
-    world_size: int = 0
+    # Computed in main(), recorded in config.json (not flags)
+    world_size: tyro.conf.Suppress[int] = 0
     """(computed) number of processes"""
-    minibatch_size: int = 0
+    minibatch_size: tyro.conf.Suppress[int] = 0
     """(computed) responses per process per optimizer step"""
-    gradient_accumulation_steps: int = 0
+    gradient_accumulation_steps: tyro.conf.Suppress[int] = 0
     """(computed) micro-batches per optimizer step"""
 
 
@@ -349,22 +349,7 @@ def main(args: Args):
     train_prompts, train_golds, eval_set, has_gold = load_rlhf_prompts(args, tokenizer, world_size)
     run = Run(args, accelerator, RESUMABLE_ARGS)
     set_seed(args.seed + rank)  # random, numpy and torch: a different sampling stream per process
-    # Dropout off in every model (the rollout's log-probs and values must equal the first minibatch's). The frozen
-    # reference and reward model are whole on every process; the trained policy and value model sharded under ZeRO-3.
-    pad_id = tokenizer.pad_token_id
-    policy, ref_policy = load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_id), None
-    if args.lora_r > 0:  # the reference is then the policy with its adapters switched off
-        policy = add_lora(policy, args, "CAUSAL_LM")
-    else:
-        with whole_on_every_process(accelerator):
-            ref_policy = load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_id)
-        ref_policy = frozen(ref_policy, accelerator, accelerator.device)
-    with whole_on_every_process(accelerator):
-        reward_model = load_model(args.reward_model_path, AutoModelForSequenceClassification, args, pad_id)
-    reward_model = frozen(reward_model, accelerator, accelerator.device)
-    value_model_path = args.value_model_path or args.reward_model_path  # the N+ details start it from the reward model
-    value_model = load_model(value_model_path, AutoModelForSequenceClassification, args, pad_id)
-    enable_gradient_checkpointing([policy, value_model], args)
+    policy, ref_policy, reward_model, value_model = load_ppo_models(args, accelerator, tokenizer.pad_token_id)
     model = PolicyAndValue(policy, value_model)
     num_updates = args.total_steps * args.num_ppo_epochs * args.num_minibatches
     # eps 1e-5 as in the N+ details (TensorFlow's Adam default in the original OpenAI code).
@@ -377,7 +362,7 @@ def main(args: Args):
     start_step = run.start({"vllm": sampler.llm is not None})
     if start_step > 0:
         sampler.sync_weights()
-    if start_step == 0:
+    else:
         eval_metrics, samples = evaluate(sampler, reward_model, eval_set, has_gold, args, accelerator, 0)
         run.log(0, eval_metrics, samples)
         accelerator.print(" | ".join(f"{k} {v:.3f}" for k, v in eval_metrics.items()))
@@ -441,12 +426,10 @@ def main(args: Args):
         # minibatches (one optimizer step each), each into micro-batches (gradient accumulation).
         model.train()
         stats = collections.defaultdict(list)  # metric name -> one value per micro-batch (or minibatch)
-        order_rng = torch.Generator().manual_seed(args.seed * 7919 + step)
+        rng = torch.Generator().manual_seed(args.seed * 7919 + step)  # the later epochs' orders
         for epoch in range(args.num_ppo_epochs):
             order = (
-                torch.arange(args.prompts_per_rank)
-                if epoch == 0
-                else torch.randperm(args.prompts_per_rank, generator=order_rng)
+                torch.randperm(args.prompts_per_rank, generator=rng) if epoch else torch.arange(args.prompts_per_rank)
             )
             for start in range(0, args.prompts_per_rank, args.minibatch_size):
                 minibatch = order[start : start + args.minibatch_size]
@@ -527,6 +510,27 @@ def main(args: Args):
 # PLUMBING: everything below serves main() and is not needed to follow the algorithm; a reader may stop here.
 # A definition with the same name is identical in every script that has it (tests/test_drift.py checks).
 # =====================================================================================================================
+
+
+def load_ppo_models(args, accelerator, pad_token_id):
+    """The policy (with LoRA adapters if --lora_r), its frozen reference (None with LoRA: the policy with its adapters
+    switched off), the frozen reward model and the value model (started from the reward model unless
+    --value_model_path, as in the N+ details). Frozen models are whole on every process; the trained ones are sharded
+    under ZeRO-3. load_model turns dropout off: the rollout's log-probs and values must equal the first minibatch's."""
+    policy, ref_policy = load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_token_id), None
+    if args.lora_r > 0:
+        policy = add_lora(policy, args, "CAUSAL_LM")
+    else:
+        with whole_on_every_process(accelerator):
+            ref_policy = load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_token_id)
+        ref_policy = frozen(ref_policy, accelerator, accelerator.device)
+    with whole_on_every_process(accelerator):
+        reward_model = load_model(args.reward_model_path, AutoModelForSequenceClassification, args, pad_token_id)
+    reward_model = frozen(reward_model, accelerator, accelerator.device)
+    value_model_path = args.value_model_path or args.reward_model_path
+    value_model = load_model(value_model_path, AutoModelForSequenceClassification, args, pad_token_id)
+    enable_gradient_checkpointing([policy, value_model], args)
+    return policy, ref_policy, reward_model, value_model
 
 
 @dataclass
@@ -612,8 +616,8 @@ class RunArgs:
     num_samples_logged: int = 8
     """how many evaluation completions go to samples.jsonl"""
 
-    # Computed in main(), recorded in config.json
-    run_name: str = ""
+    # Computed in main(), recorded in config.json (not flags)
+    run_name: tyro.conf.Suppress[str] = ""
     """(computed) {task}__{exp_name}__{seed}__{unix_time}"""
 
 

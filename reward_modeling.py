@@ -117,16 +117,16 @@ class Args:
     seed: int = 1
     """seed of the experiment (pairs, data order, score-head init); process r samples completions with seed + r"""
 
-    # Computed in main(), recorded in config.json
-    world_size: int = 0
+    # Computed in main(), recorded in config.json (not flags)
+    world_size: tyro.conf.Suppress[int] = 0
     """(computed) number of processes"""
-    data_kind: str = ""
+    data_kind: tyro.conf.Suppress[str] = ""
     """(computed) "preferences" (chosen/rejected columns) or "task" (pairs built from question/answer columns)"""
-    num_train_pairs: int = 0
+    num_train_pairs: tyro.conf.Suppress[int] = 0
     """(computed) training pairs after dropping those longer than max_length"""
-    total_steps: int = 0
+    total_steps: tyro.conf.Suppress[int] = 0
     """(computed) optimizer steps: num_train_epochs * num_train_pairs / (pairs_per_rank * world_size)"""
-    gradient_accumulation_steps: int = 0
+    gradient_accumulation_steps: tyro.conf.Suppress[int] = 0
     """(computed) micro-batches per optimizer step"""
 
 
@@ -590,8 +590,8 @@ class RunArgs:
     eval_every: int = 0
     """evaluate on the held-out pairs every N optimizer steps (0: only before and after training)"""
 
-    # Computed in main(), recorded in config.json
-    run_name: str = ""
+    # Computed in main(), recorded in config.json (not flags)
+    run_name: tyro.conf.Suppress[str] = ""
     """(computed) {task}__{exp_name}__{seed}__{unix_time}"""
 
 

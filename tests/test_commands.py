@@ -42,6 +42,7 @@ import itertools
 import os
 import re
 import shlex
+import typing
 
 import pytest
 from conftest import REPO_ROOT
@@ -453,6 +454,12 @@ def test_the_command_line_is_args_then_run_args(script, capsys):
     with pytest.raises(SystemExit):
         tyro.cli(module.Config, args=["--help"])
     text = capsys.readouterr().out
-    where = {name: re.search(rf"--{name.replace('_', '-')}(?![\w-])", text) for name in algorithm + run}
+    flag = lambda name: re.search(rf"--{name.replace('_', '-')}(?![\w-])", text)  # noqa: E731
+    # The computed fields (world_size, run_name, ...) are tyro.conf.Suppress: in config.json, never flags.
+    computed = [f.name for f in dataclasses.fields(module.Config) if typing.get_origin(f.type) is typing.Annotated]
+    assert "run_name" in computed and "world_size" in computed and not any(flag(name) for name in computed)
+    where = {name: flag(name) for name in algorithm + run if name not in computed}
     assert all(where.values()), [name for name, found in where.items() if not found]
-    assert max(where[name].start() for name in algorithm) < min(where[name].start() for name in run)
+    assert max(where[name].start() for name in algorithm if name in where) < min(
+        where[name].start() for name in run if name in where
+    )
