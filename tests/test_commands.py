@@ -45,6 +45,7 @@ import shlex
 import typing
 
 import pytest
+import tyro
 from conftest import REPO_ROOT
 
 from benchmark import memory_plan
@@ -444,8 +445,6 @@ def test_parse_catches_a_bad_flag():
 def test_the_command_line_is_args_then_run_args(script, capsys):
     """Config joins the algorithm's Args (above the fence) and RunArgs (below): no flag in both, every field of
     either in Config, and --help lists every Args flag before the first RunArgs one."""
-    import tyro
-
     module = importlib.import_module(script.removesuffix(".py"))
     algorithm = [f.name for f in dataclasses.fields(module.Args)]
     run = [f.name for f in dataclasses.fields(module.RunArgs)]

@@ -57,8 +57,8 @@ def test_lora_params_match_peft():
     # r * (in + out): q, o 64 + 64, k, v 64 + 32, gate, up, down 64 + 128; 2 layers
     assert mp.lora_params(config, 4, targets) == trained == 2 * 4 * (2 * 128 + 2 * 96 + 3 * 192)
     # The scripts' default, all-linear: peft takes the same 7 layers, never the output head (lm_head, score).
+    config.num_labels = 1  # the scripts' reward and value models
     for auto, task_type in ((LlamaForCausalLM, "CAUSAL_LM"), (LlamaForSequenceClassification, "SEQ_CLS")):
-        config.num_labels = 1
         lora = peft.LoraConfig(r=4, target_modules="all-linear", task_type=task_type)
         model = peft.get_peft_model(auto(config), lora)
         adapters = sum(p.numel() for name, p in model.named_parameters() if "lora_" in name)
