@@ -70,13 +70,10 @@ import os
 import queue
 import re
 import shutil
-import socket
 import subprocess
 import threading
 import time
-import urllib.parse
 import warnings
-import zlib
 from dataclasses import asdict, dataclass
 from fractions import Fraction
 from typing import Literal, Optional
@@ -86,8 +83,8 @@ import torch
 import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator
+from accelerate.tracking import TensorBoardTracker, WandBTracker
 from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list, set_seed
-from torch.utils.tensorboard import SummaryWriter
 from tqdm.auto import tqdm
 from transformers import (
     AutoConfig,
@@ -1387,17 +1384,18 @@ def load_generator_models(args, accelerator, use_vllm, pad_token_id):
 
 
 class Run:
-    """The run folder {output_dir}/{run_name}: config.json, metrics.jsonl, samples.jsonl, TensorBoard events, wandb,
-    checksummed atomic checkpoints, and --resume from a run folder (its latest checkpoint) or a checkpoint folder.
-    Made on every process; only the main process writes. The run name ({task}__{exp_name}__{seed}__{unix_time}, the
+    """The run folder {output_dir}/{run_name}: config.json, metrics.jsonl, samples.jsonl, accelerate's TensorBoard and
+    wandb trackers, atomic checkpoints, and --resume from its latest checkpoint. Made on every process; only the main
+    process writes. The run name ({task}__{exp_name}__{seed}__{unix_time}, the
     time from rank 0, with a suffix if that folder exists) is set on args.run_name."""
 
     def __init__(self, args, accelerator, resumable_args):
         self.args, self.accelerator = args, accelerator
         self.episode, self.last_checkpoint = 0, None
-        self.metrics_file = self.writer = self.wandb_run = None
+        self.metrics_file, self.trackers = None, []
         if args.resume is not None:  # the same run: every argument that changes what is computed must match
-            self.dir, self.resume_from = resume_checkpoint(args.resume)
+            self.dir = os.path.normpath(args.resume)
+            self.resume_from = resume_checkpoint(self.dir)
             with open(os.path.join(self.dir, "config.json")) as f:
                 saved = json.load(f)["args"]
             for key, value in asdict(args).items():
@@ -1413,14 +1411,19 @@ class Run:
             self.dir = os.path.join(args.output_dir, args.run_name)
 
     def start(self, launch_info):
-        """With --resume, load its checkpoint (weights, optimizer, scheduler, every process's RNG state) and drop the
-        checkpoints and log lines that came after it; then open the logs. launch_info goes to config.json. Returns
-        the first step."""
+        """With --resume, load its latest checkpoint (weights, optimizer, scheduler, every process's RNG state) and
+        drop the log lines that came after it; then open the logs. launch_info goes to config.json. Returns the first
+        step."""
         step = 0
         if self.args.resume is not None:
-            self.accelerator.load_state(self.resume_from)
-            with open(os.path.join(self.resume_from, "trainer_state.json")) as f:
-                state = json.load(f)
+            try:  # a checkpoint is complete once renamed; a file damaged since gives one line, not a traceback
+                self.accelerator.load_state(self.resume_from)
+                with open(os.path.join(self.resume_from, "trainer_state.json")) as f:
+                    state = json.load(f)
+            except Exception as error:
+                problem, earlier = " ".join(str(error).split()), finished_checkpoints(self.dir)[-2:-1]
+                hint = f"; delete it to resume from {earlier[0]}" if earlier else ""
+                fail(f"checkpoint {self.resume_from} does not load ({type(error).__name__}: {problem}){hint}")
             step, self.episode, self.last_checkpoint = state["global_step"], state["episode"], self.resume_from
             self.accelerator.print(f"resumed {self.dir} from {self.resume_from} at step {step}")
         if self.accelerator.is_main_process:
@@ -1430,31 +1433,19 @@ class Run:
                 distributed = {"distributed_type": self.accelerator.distributed_type.value}
                 with open(os.path.join(self.dir, "config.json"), "w") as f:
                     json.dump({"args": config, "git_sha": git_sha(), **distributed, **launch_info}, f, indent=2)
-            else:  # the continuation from an earlier checkpoint replaces what came after it
-                done = finished_checkpoints(self.dir)
-                for later in done[done.index(self.resume_from) + 1 :]:
-                    shutil.rmtree(later)
-                    print(f"removed {later}, which came after the checkpoint resumed from")
             for name in ("metrics.jsonl", "samples.jsonl"):  # drop what was logged after the checkpoint
                 truncate_jsonl(os.path.join(self.dir, name), step)
             self.metrics_file = open(os.path.join(self.dir, "metrics.jsonl"), "a")
-            self.writer = SummaryWriter(os.path.join(self.dir, "tensorboard"))
-            self.writer.add_text(
-                "hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in config.items())
-            )
+            self.trackers = [TensorBoardTracker("tensorboard", self.dir)]
             if self.args.track:
-                import wandb
-
-                self.wandb_run = wandb.init(
-                    project=self.args.wandb_project_name,
-                    entity=self.args.wandb_entity,
-                    name=self.args.run_name,
-                    id=self.args.run_name.replace("/", "_"),
-                    resume="allow",
-                    config=config,
-                    tags=[*self.args.wandb_tags, git_sha()[:12] or "no-git"],
-                    dir=self.dir,
-                )
+                name, tags = self.args.run_name, [*self.args.wandb_tags, git_sha()[:12] or "no-git"]
+                kwargs = dict(entity=self.args.wandb_entity, id=name, name=name, resume="allow", tags=tags)
+                self.trackers.append(WandBTracker(self.args.wandb_project_name, dir=self.dir, **kwargs))
+            # TensorBoard's hparams take numbers and text
+            hparams = {k: v if isinstance(v, (int, float, str)) else str(v) for k, v in config.items()}
+            for tracker in self.trackers:
+                tracker.start()
+                tracker.store_init_configuration(hparams)
         self.t_start = time.time()
         return step
 
@@ -1465,19 +1456,15 @@ class Run:
         line = {"global_step": step, "episode": self.episode, "time": time.time() - self.t_start, **metrics}
         self.metrics_file.write(json.dumps(line) + "\n")
         self.metrics_file.flush()
-        for key, value in metrics.items():
-            self.writer.add_scalar(key, value, step)
-        self.writer.flush()
+        for tracker in self.trackers:
+            tracker.log(metrics, step=step)
         if samples:
             with open(os.path.join(self.dir, "samples.jsonl"), "a") as f:
                 f.writelines(json.dumps(s) + "\n" for s in samples)
-        if self.wandb_run is not None:
-            self.wandb_run.log(metrics, step=step)
 
     def save_checkpoint(self, step):
         """Everything needed to resume (accelerate's state of every process and trainer_state.json) goes to
-        step_N.tmp with checksums.json written last, which becomes step_N by one rename once complete; only the
-        newest keep_checkpoints stay."""
+        step_N.tmp, which becomes step_N by one rename once complete; only the newest keep_checkpoints stay."""
         final = os.path.join(self.dir, "checkpoints", f"step_{step:06d}")
         tmp = final + ".tmp"
         if self.accelerator.is_main_process:
@@ -1488,9 +1475,6 @@ class Run:
         if self.accelerator.is_main_process:
             with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
                 json.dump({"global_step": step, "episode": self.episode}, f)
-            checksums = file_checksums(tmp)
-            with open(os.path.join(tmp, "checksums.json"), "w") as f:
-                json.dump(checksums, f, indent=0)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             for old_checkpoint in finished_checkpoints(self.dir)[: -self.args.keep_checkpoints]:
@@ -1506,9 +1490,8 @@ class Run:
             self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
             self.metrics_file.close()
-            self.writer.close()
-            if self.wandb_run is not None:
-                self.wandb_run.finish()
+            for tracker in self.trackers:
+                tracker.finish()
         self.accelerator.print(f"done in {time.time() - self.t_start:.0f}s: {self.dir}")
         self.accelerator.end_training()
 
@@ -1547,7 +1530,7 @@ def load_tokenizer(model_name_or_path, trust_remote_code, prompt_template=None):
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code)
     except OSError as error:
-        offline = "; offline (the Hub is unreachable or HF_HUB_OFFLINE is set), only cached models load"
+        offline = "; offline (HF_HUB_OFFLINE=1): only cached models load"
         fail(
             f"--model_name_or_path {model_name_or_path} is neither a local folder nor a reachable hub model "
             f"({str(error).splitlines()[0]}){offline if constants.HF_HUB_OFFLINE else ''}"
@@ -1899,7 +1882,7 @@ def load_split(path, config_name, split):
     try:
         return list(datasets.load_dataset(path, config_name, split=split))
     except Exception as error:  # no network, no such dataset, split or config: one line instead of a traceback
-        offline = " (offline: the Hub is unreachable or HF_HUB_OFFLINE is set, and it is not cached)"
+        offline = " (offline, HF_HUB_OFFLINE=1, and not cached)"
         fail(
             f"dataset {path} split {split} did not load{offline if constants.HF_HUB_OFFLINE else ''}: "
             f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
@@ -2011,33 +1994,13 @@ def require_prompts(prompts, needed, where, max_prompt_length):
 
 
 def locate_inputs(args, names):
-    """Where the inputs named by `names` (model and dataset arguments) are read from. An assets/ path missing from
-    the working directory is taken from next to this script: the embedded defaults work from any folder. When a hub
-    id is among them and the Hub does not accept a connection within 3 s, the Hugging Face libraries go offline
-    (their cache only) at once, instead of retrying every file with back-off for ~50 s."""
-    from huggingface_hub import constants
-
-    hub_ids = []
+    """An assets/ path (of the arguments named by `names`) missing from the working directory is taken from next to
+    this script: the embedded defaults work from any folder."""
     for name in names:
         path = getattr(args, name)
-        if path is None or os.path.exists(path):
-            continue
-        beside_script = os.path.join(os.path.dirname(os.path.abspath(__file__)), path)
-        if path.startswith("assets/") and os.path.exists(beside_script):
+        beside_script = os.path.join(os.path.dirname(os.path.abspath(__file__)), path or "")
+        if path and path.startswith("assets/") and not os.path.exists(path) and os.path.exists(beside_script):
             setattr(args, name, beside_script)
-        elif not is_local_path(path):
-            hub_ids.append(path)
-    if not hub_ids or constants.HF_HUB_OFFLINE or any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy")):
-        return  # behind a proxy a direct connection says nothing
-    endpoint = urllib.parse.urlparse(constants.ENDPOINT)
-    try:
-        socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=3).close()
-    except OSError:
-        import datasets
-
-        constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
-        os.environ["HF_HUB_OFFLINE"] = "1"  # for subprocesses (vLLM)
-        print(f"{endpoint.hostname} is unreachable: {', '.join(hub_ids)} must be in the Hugging Face cache")
 
 
 def finished_checkpoints(run_dir):
@@ -2048,66 +2011,14 @@ def finished_checkpoints(run_dir):
     return [os.path.join(folder, d) for d in sorted(os.listdir(folder)) if d.startswith("step_") and "." not in d]
 
 
-def file_checksums(folder):
-    """{relative path: [size, CRC-32]} of every file under `folder` (CRC-32 reads ~4 GB/s)."""
-    checksums = {}
-    for root, _, files in os.walk(folder):
-        for name in sorted(files):
-            path, crc = os.path.join(root, name), 0
-            with open(path, "rb") as f:
-                while chunk := f.read(1 << 24):
-                    crc = zlib.crc32(chunk, crc)
-            checksums[os.path.relpath(path, folder)] = [os.path.getsize(path), crc]
-    return checksums
-
-
-def checkpoint_problem(checkpoint):
-    """Why a finished checkpoint cannot be resumed from (a file missing, cut short or changed since its checksums
-    were written), or None. Checkpoints written before checksums existed are taken as they are."""
-    manifest = os.path.join(checkpoint, "checksums.json")
-    if not os.path.isfile(os.path.join(checkpoint, "trainer_state.json")):
-        return "no trainer_state.json"
-    if not os.path.isfile(manifest):
-        return None
-    try:
-        with open(manifest) as f:
-            expected = json.load(f)
-    except (OSError, json.JSONDecodeError):
-        return "checksums.json is unreadable"
-    found = {name: value for name, value in file_checksums(checkpoint).items() if name in expected}
-    for name, (size, crc) in expected.items():
-        if name not in found:
-            return f"{name} is missing"
-        if found[name][0] != size:
-            return f"{name} has {found[name][0]} bytes instead of {size}"
-        if found[name][1] != crc:
-            return f"{name} does not match its checksum"
-    return None
-
-
-def resume_checkpoint(resume):
-    """(run folder, checkpoint folder) for --resume: a run folder resumes from its latest finished checkpoint, a
-    checkpoint folder (run/checkpoints/step_N) from itself. A corrupted checkpoint stops the run with one line that
-    names the newest intact one before it."""
-    resume = os.path.normpath(resume)
-    if os.path.basename(resume).startswith("step_"):
-        if "." in os.path.basename(resume) or not os.path.isdir(resume):
-            fail(f"--resume {resume} is not a finished checkpoint (run/checkpoints/step_N)")
-        run_dir, checkpoint = os.path.dirname(os.path.dirname(resume)), resume
-    else:
-        run_dir, done = resume, finished_checkpoints(resume)
-        checkpoint = done[-1] if done else None
+def resume_checkpoint(run_dir):
+    """The latest finished checkpoint of the run folder given to --resume."""
     if not os.path.isfile(os.path.join(run_dir, "config.json")):
-        fail(f"--resume {resume} is not a run folder nor a checkpoint of one (no config.json in {run_dir})")
-    if checkpoint is None:
-        fail(f"--resume {resume} has no finished checkpoint to continue from")
-    problem = checkpoint_problem(checkpoint)
-    if problem is not None:
-        done = finished_checkpoints(run_dir)
-        intact = [c for c in done[: done.index(checkpoint)] if checkpoint_problem(c) is None]
-        offer = f"resume from an earlier one with --resume {intact[-1]}" if intact else "no earlier one is intact"
-        fail(f"checkpoint {checkpoint} is corrupted ({problem}); {offer}")
-    return run_dir, checkpoint
+        fail(f"--resume {run_dir} is not a run folder (it has no config.json)")
+    done = finished_checkpoints(run_dir)
+    if not done:
+        fail(f"--resume {run_dir} has no finished checkpoint to continue from")
+    return done[-1]
 
 
 def new_run_folder(output_dir, name):

@@ -81,20 +81,15 @@ def test_hub_dataset_offline(script_args):
     assert "offline" in message
 
 
-def test_resume_of_a_corrupted_checkpoint_names_the_intact_one(script_args, task_dir, tmp_path):
+def test_resume_of_a_run_folder_without_a_finished_checkpoint(script_args, task_dir, tmp_path):
+    """A run killed before its first checkpoint was renamed (only step_N.tmp) has nothing to resume: one line."""
     module, make = script_args
     run_dir = tmp_path / "run"
-    for step in (1, 2):
-        folder = run_dir / "checkpoints" / f"step_{step:06d}"
-        folder.mkdir(parents=True)
-        (folder / "model.safetensors").write_bytes(bytes(range(256)) * 4)
-        (folder / "trainer_state.json").write_text(json.dumps({"global_step": step, "episode": 8 * step}))
-        (folder / "checksums.json").write_text(json.dumps(module.file_checksums(str(folder))))
+    (run_dir / "checkpoints" / "step_000001.tmp").mkdir(parents=True)
     (run_dir / "config.json").write_text(json.dumps({"args": {"run_name": "run"}}))
-    with open(run_dir / "checkpoints" / "step_000002" / "model.safetensors", "r+b") as f:
-        f.truncate(100)
-    message = one_line_error(module.main, make(dataset_path=task_dir, resume=str(run_dir)), "step_000002", "corrupted")
-    assert message.endswith(f"--resume {run_dir / 'checkpoints' / 'step_000001'}")
+    one_line_error(
+        module.main, make(dataset_path=task_dir, resume=str(run_dir)), str(run_dir), "no finished checkpoint"
+    )
 
 
 def test_top_p_below_one_with_vllm(script_args, task_dir):
