@@ -702,10 +702,6 @@ class RunArgs:
     """fraction of GPU memory vLLM may take (colocated with the trainer)"""
     top_p: float = 1.0
     """nucleus sampling"""
-    stop_at_eos: bool = True
-    """stop a completion at its first EOS (--no-stop_at_eos: always generate response_length tokens)"""
-    truncate_at_eos: bool = True
-    """tokens after the first EOS are masked out: the judge does not read them and the loss does not train them"""
 
     # Model
     gradient_checkpointing: bool = False
@@ -1094,23 +1090,15 @@ class AsyncGenerator:
         a, pad_id = self.args, self.pad_id
         if self.llm is not None:
             responses, lengths, sampler_logprobs = vllm_generate(
-                self.llm, prompts, n, a.response_length, temperature, a.top_p, a.stop_at_eos, pad_id, self.stop_ids
+                self.llm, prompts, n, a.response_length, temperature, a.top_p, pad_id, self.stop_ids
             )
         else:
             with self.accelerator.autocast():  # the policy's mixed precision (see score_rows)
                 responses, lengths = hf_generate(
-                    self.gen_model,
-                    prompts,
-                    n,
-                    a.response_length,
-                    temperature,
-                    a.top_p,
-                    a.stop_at_eos,
-                    pad_id,
-                    self.stop_ids,
+                    self.gen_model, prompts, n, a.response_length, temperature, a.top_p, pad_id, self.stop_ids
                 )
             sampler_logprobs = None
-        mask = response_mask(responses, lengths, self.stop_ids, a.truncate_at_eos)
+        mask = response_mask(responses, lengths, self.stop_ids)
         texts = self.tokenizer.batch_decode(responses.masked_fill(mask == 0, pad_id), skip_special_tokens=True)
         return responses, mask, sampler_logprobs, texts
 
@@ -1676,8 +1664,8 @@ def disable_dropout(model):
     return model
 
 
-def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_eos, pad_token_id, stop_token_ids):
-    """Sample n completions per prompt with Hugging Face generate.
+def hf_generate(model, prompts, n, response_length, temperature, top_p, pad_token_id, stop_token_ids):
+    """Sample n completions per prompt with Hugging Face generate, each ending at its first stop token (kept).
     Returns (responses [len(prompts) * n, response_length], lengths [len(prompts) * n]); completions of one prompt
     are consecutive. temperature 0 is greedy decoding. Each process generates on its own (synced_gpus=False): under
     DeepSpeed ZeRO-3 the caller gathers the parameters first (gathered_parameters)."""
@@ -1690,7 +1678,7 @@ def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_
         temperature=temperature if temperature > 0 else None,
         top_p=top_p if temperature > 0 else None,
         top_k=0 if temperature > 0 else None,
-        eos_token_id=list(stop_token_ids) if stop_at_eos else [],  # None would be filled in from the model's config
+        eos_token_id=list(stop_token_ids),
         pad_token_id=pad_token_id,
         use_cache=True,
     )
@@ -1710,15 +1698,13 @@ def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_
     finally:
         base.generation_config = saved
     responses = out[:, input_ids.shape[1] :].cpu()
-    lengths = torch.full((responses.shape[0],), responses.shape[1], dtype=torch.long)
-    if stop_at_eos:  # a finished sequence is padded after its EOS: its length ends at the first EOS
-        is_eos = torch.isin(responses, torch.tensor(stop_token_ids))
-        lengths = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, lengths)
+    is_eos = torch.isin(responses, torch.tensor(stop_token_ids))  # a finished sequence is padded after its EOS
+    lengths = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, responses.shape[1])
     responses = F.pad(responses, (0, response_length - responses.shape[1]), value=pad_token_id)
     return responses, lengths
 
 
-def vllm_generate(llm, prompts, n, response_length, temperature, top_p, stop_at_eos, pad_token_id, stop_token_ids):
+def vllm_generate(llm, prompts, n, response_length, temperature, top_p, pad_token_id, stop_token_ids):
     """Sample n completions per prompt with vLLM. Returns (responses [N, response_length], lengths [N],
     logprobs [N, response_length]) where logprobs are the sampler's (after temperature) for the sampled tokens.
     stop_token_ids are passed explicitly so that vLLM and HF generate stop on the same ids."""
@@ -1729,8 +1715,7 @@ def vllm_generate(llm, prompts, n, response_length, temperature, top_p, stop_at_
         temperature=temperature,
         top_p=top_p,
         max_tokens=response_length,
-        ignore_eos=not stop_at_eos,
-        stop_token_ids=list(stop_token_ids) if stop_at_eos else None,
+        stop_token_ids=list(stop_token_ids),
         logprobs=0 if temperature > 0 else None,
         detokenize=False,
     )
@@ -1785,16 +1770,12 @@ def stop_token_ids(tokenizer, model_name_or_path):
     return sorted({tokenizer.eos_token_id, *eos} - {None})
 
 
-def response_mask(responses, lengths, stop_token_ids, truncate_at_eos):
-    """1 on the real response tokens: positions < length, and (with truncate_at_eos) up to the first stop token
-    (any EOS id) included. responses [B, R], lengths [B]. Returns a float mask [B, R]."""
-    positions = torch.arange(responses.shape[1]).unsqueeze(0)
-    mask = positions < lengths.unsqueeze(1)
-    if truncate_at_eos:
-        is_eos = torch.isin(responses, torch.tensor(stop_token_ids)) & mask
-        after_first_eos = (is_eos.cumsum(1) - is_eos.long()) > 0
-        mask = mask & ~after_first_eos
-    return mask.float()
+def response_mask(responses, lengths, stop_token_ids):
+    """1 on the real response tokens: positions < length, up to the first stop token (any EOS id) included.
+    responses [B, R], lengths [B]. Returns a float mask [B, R]."""
+    mask = torch.arange(responses.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
+    is_eos = torch.isin(responses, torch.tensor(stop_token_ids)) & mask
+    return (mask & ~((is_eos.cumsum(1) - is_eos.long()) > 0)).float()
 
 
 def left_pad(sequences, pad_token_id):

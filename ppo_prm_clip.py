@@ -355,18 +355,8 @@ def main(args: Args):
         check_same_vocabulary(args.value_model_path, "value_model_path", tokenizer, args.trust_remote_code)
     run = Run(args, accelerator, RESUMABLE_ARGS)
     set_seed(args.seed + rank)  # random, numpy and torch: a different sampling stream per process
-    # The policy and its reference (with LoRA, the policy with its adapters off); the value model from the policy's
-    # weights with a zero head; the PRM, frozen. Frozen models are whole on every process, even under ZeRO-3.
-    policy, ref_policy = load_model(args.model_name_or_path, AutoModelForCausalLM, args, tokenizer.pad_token_id), None
-    if args.lora_r > 0:
-        policy = add_lora(policy, args, "CAUSAL_LM")
-    else:
-        with whole_on_every_process(accelerator):
-            ref_policy = load_model(args.model_name_or_path, AutoModelForCausalLM, args, tokenizer.pad_token_id)
-        ref_policy = frozen(ref_policy, accelerator, accelerator.device)
-    value_model = load_value_model_prm(args, accelerator, tokenizer.pad_token_id)
+    policy, ref_policy, value_model = load_prm_policy_and_value(args, accelerator, tokenizer.pad_token_id)
     prm = ProcessRewardModel(args, accelerator, tokenizer, prm_tokenizer, prm_token_ids)
-    enable_gradient_checkpointing([policy, value_model], args)
     model = PolicyAndValueModel(policy, value_model)  # one optimizer, one DDP/DeepSpeed wrapper, one checkpoint
     num_updates = args.total_steps * args.num_ppo_epochs * args.num_minibatches
     # Adam's eps 1e-5 as in the N+ details (TensorFlow's default in the original OpenAI code).
@@ -379,18 +369,13 @@ def main(args: Args):
     start_step = run.start({"vllm": sampler.llm is not None})
     if start_step > 0:
         sampler.sync_weights()
-    if start_step == 0:
+    else:
         eval_metrics, samples = evaluate(sampler, prm, eval_set, args, accelerator, tokenizer, 0)
         run.log(0, eval_metrics, samples)
         accelerator.print(" | ".join(f"{k} {v:.3f}" for k, v in eval_metrics.items()))
 
     batch_size = args.prompts_per_rank  # one response per prompt
-    progress = tqdm(
-        total=args.total_steps,
-        initial=start_step,
-        desc=f"ppo {args.reward_mode}",
-        disable=not accelerator.is_main_process,
-    )
+    progress = tqdm(total=args.total_steps, initial=start_step, desc="ppo", disable=not accelerator.is_main_process)
     for step in range(start_step, args.total_steps):
         t_step, metrics = time.time(), {}
         # 1. Prompts: each process takes its slice of a global order that is a function of (seed, step), so that
@@ -410,10 +395,8 @@ def main(args: Args):
         )
         responses = responses[:, : mask.shape[1]]
 
-        # 3. What stays fixed during the update, computed in the micro-batches of the first minibatch (whose ratio
-        # is then exactly 1): the old policy's log-probs and values, and the reference's log-probs, under the
-        # policy's autocast so that the KL is exactly 0 before the first update (accelerate autocasts the prepared
-        # model only). [B, R]
+        # 3. What stays fixed during the update, in the first minibatch's micro-batches (its ratio is then exactly 1):
+        # the old policy's log-probs and values; the reference's under the policy's autocast (KL 0 before any update).
         t_train = time.time()
         batch = (query_responses, attention_mask, context_length, args.temperature, args.micro_batch_size)
         model.eval()
@@ -447,14 +430,19 @@ def main(args: Args):
         metrics |= prm_rollout_metrics(
             success, has_eos, steps, scores, process, kl, non_score_reward, old_logprobs, old_values, mask
         )
+        if sampler_logprobs is not None:  # the sampler's pi against the trainer's
+            gap_metrics, gap_max = sampler_gap_metrics(old_logprobs, sampler_logprobs, mask, args.micro_batch_size)
+            metrics |= gap_metrics
+        rollout = dict(old_logprobs=old_logprobs, old_values=old_values, advantages=advantages, returns=returns)
+        rollout |= dict(sampler_logprobs=sampler_logprobs, mask=mask)  # [B, R] each; sampler_logprobs may be None
 
         # 7. PPO update: num_ppo_epochs passes over the batch (the first in rollout order), each split into
         # minibatches (one optimizer step each), each into micro-batches (gradient accumulation).
         model.train()
         stats = collections.defaultdict(list)  # metric name -> one value per micro-batch (or minibatch)
-        order_rng = torch.Generator().manual_seed(args.seed * 7919 + step)
+        rng = torch.Generator().manual_seed(args.seed * 7919 + step)  # the later epochs' orders
         for epoch in range(args.num_ppo_epochs):
-            order = torch.arange(batch_size) if epoch == 0 else torch.randperm(batch_size, generator=order_rng)
+            order = torch.randperm(batch_size, generator=rng) if epoch else torch.arange(batch_size)
             for start in range(0, batch_size, args.minibatch_size):
                 minibatch = order[start : start + args.minibatch_size]
                 minibatch_tokens = accelerator.reduce(mask[minibatch].sum(), "mean").clamp(min=1)
@@ -465,17 +453,9 @@ def main(args: Args):
                         logprobs, logits, values = model(
                             query_responses[idx], attention_mask[idx], context_length, args.temperature
                         )
+                        micro = {name: take(tensor, idx) for name, tensor in rollout.items()}
                         loss, micro_stats = ppo_prm_loss(
-                            logprobs,
-                            values,
-                            old_logprobs[idx],
-                            old_values[idx],
-                            advantages[idx],
-                            returns[idx],
-                            sampler_logprobs[idx] if sampler_logprobs is not None else None,
-                            mask[idx],
-                            args,
-                            minibatch_tokens,
+                            logprobs, values, **micro, args=args, minibatch_tokens=minibatch_tokens
                         )
                         check_finite(accelerator, loss, "loss", step, run.last_checkpoint)
                         # accelerate divides a micro-batch's loss by gradient_accumulation_steps (to average
@@ -485,10 +465,6 @@ def main(args: Args):
                         stats[name].append(value)
                     with torch.no_grad():
                         stats["policy/entropy_avg"].append(masked_mean(entropy_from_logits(logits), mask[idx]).item())
-                        if epoch == 0 and sampler_logprobs is not None:  # the sampler's pi against the trainer's
-                            log_gap = old_logprobs[idx] - sampler_logprobs[idx]
-                            stats["objective/logprob_gap"].append(masked_mean(log_gap.abs(), mask[idx]).item())
-                            stats["gap_max"].append(torch.exp(log_gap)[mask[idx] > 0].max().item())
                     del logits
                 stats["policy/grad_norm"].append(
                     clip_gradients(accelerator, model, args.max_grad_norm, step, run.last_checkpoint)
@@ -514,7 +490,6 @@ def main(args: Args):
         # 9. Log (averaged over processes), evaluate, checkpoint.
         metrics = reduce_metrics(accelerator, metrics)
         if sampler_logprobs is not None:
-            gap_max = max(stats["gap_max"], default=0.0)
             metrics["objective/logprob_ratio_max"] = reduce_metrics(accelerator, {"m": gap_max}, "max")["m"]
         run.episode += batch_size * world_size
         metrics["perf/episodes_per_second"] = batch_size * world_size / (time.time() - t_step)
@@ -525,9 +500,6 @@ def main(args: Args):
         run.log(step + 1, metrics, samples)
         if is_due(step + 1, args.save_every, args.total_steps):
             run.save_checkpoint(step + 1)
-        progress.set_postfix(
-            success=f"{metrics['objective/success']:.2f}", steps=f"{metrics['objective/num_steps']:.1f}"
-        )
         progress.update()
 
     save_policy_and_value_prm(accelerator, model, tokenizer, run.dir)
@@ -566,10 +538,6 @@ class RunArgs:
     """the colocated vLLM engine sleeps while the policy trains (its weights to CPU, its KV cache freed; GPU only)"""
     top_p: float = 1.0
     """nucleus sampling"""
-    stop_at_eos: bool = True
-    """stop a response at its first EOS (--no-stop_at_eos generates the full length, truncated after the EOS)"""
-    truncate_at_eos: bool = True
-    """tokens after the first EOS are masked out: the PRM and the verifier do not read them, the losses skip them"""
 
     # Models
     gradient_checkpointing: bool = False
@@ -701,7 +669,7 @@ class Sampler:
         if self.llm is not None:
             self.wake_up()
             responses, lengths, logprobs = vllm_generate(
-                self.llm, prompts, n, a.response_length, temperature, a.top_p, a.stop_at_eos, pad_id, self.stop_ids
+                self.llm, prompts, n, a.response_length, temperature, a.top_p, pad_id, self.stop_ids
             )
             if self.sleep:
                 self.llm.sleep(level=1)
@@ -711,18 +679,10 @@ class Sampler:
             # A collective under ZeRO-3 (the policy's shards are gathered): every process calls it as often.
             with gathered_parameters(self.accelerator, self.policy):
                 responses, lengths = hf_generate(
-                    self.policy,
-                    prompts,
-                    n,
-                    a.response_length,
-                    temperature,
-                    a.top_p,
-                    a.stop_at_eos,
-                    pad_id,
-                    self.stop_ids,
+                    self.policy, prompts, n, a.response_length, temperature, a.top_p, pad_id, self.stop_ids
                 )
             logprobs = None
-        mask = response_mask(responses, lengths, self.stop_ids, a.truncate_at_eos)
+        mask = response_mask(responses, lengths, self.stop_ids)
         texts = self.tokenizer.batch_decode(responses.masked_fill(mask == 0, pad_id), skip_special_tokens=True)
         return responses, mask, logprobs, texts
 
@@ -1159,6 +1119,38 @@ class OneLabelClassifier:
         return AutoModelForSequenceClassification.from_pretrained(path, config=config, **kwargs)
 
 
+def load_prm_policy_and_value(args, accelerator, pad_token_id):
+    """The policy (with LoRA adapters if --lora_r), its frozen reference (None with LoRA: the policy with its adapters
+    switched off) and the value model (load_value_model_prm). Frozen models are whole on every process; the trained
+    ones are sharded under ZeRO-3. load_model turns dropout off: the rollout's log-probs and values must equal the
+    first minibatch's."""
+    policy, ref_policy = load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_token_id), None
+    if args.lora_r > 0:
+        policy = add_lora(policy, args, "CAUSAL_LM")
+    else:
+        with whole_on_every_process(accelerator):
+            ref_policy = load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_token_id)
+        ref_policy = frozen(ref_policy, accelerator, accelerator.device)
+    value_model = load_value_model_prm(args, accelerator, pad_token_id)
+    enable_gradient_checkpointing([policy, value_model], args)
+    return policy, ref_policy, value_model
+
+
+def take(values, rows):
+    """values[rows], or None for a tensor the run does not have (no reference model, no sampler log-probs)."""
+    return None if values is None else values[rows]
+
+
+def sampler_gap_metrics(old_logprobs, sampler_logprobs, mask, micro_batch_size):
+    """How far the sampler's pi is from the trainer's on the rollout, per token log(pi_train / pi_sampler): the mean
+    of its absolute value (averaged over the micro-batches' token means) and the largest ratio. All [B, R].
+    Returns ({"objective/logprob_gap": float}, largest pi_train / pi_sampler)."""
+    log_gap = old_logprobs - sampler_logprobs
+    parts = [slice(i, i + micro_batch_size) for i in range(0, len(log_gap), micro_batch_size)]
+    means = [masked_mean(log_gap[s].abs(), mask[s]).item() for s in parts]
+    return {"objective/logprob_gap": float(np.mean(means))}, torch.exp(log_gap)[mask > 0].max().item()
+
+
 def load_value_model_prm(args, accelerator, pad_token_id):
     """The value model: --value_model_path (default: the policy's weights) as a one-label sequence classifier. A new
     head (a causal LM's checkpoint has none) is set to zero: a random one would start at random values, a random
@@ -1303,8 +1295,8 @@ def disable_dropout(model):
     return model
 
 
-def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_eos, pad_token_id, stop_token_ids):
-    """Sample n completions per prompt with Hugging Face generate.
+def hf_generate(model, prompts, n, response_length, temperature, top_p, pad_token_id, stop_token_ids):
+    """Sample n completions per prompt with Hugging Face generate, each ending at its first stop token (kept).
     Returns (responses [len(prompts) * n, response_length], lengths [len(prompts) * n]); completions of one prompt
     are consecutive. temperature 0 is greedy decoding. Each process generates on its own (synced_gpus=False): under
     DeepSpeed ZeRO-3 the caller gathers the parameters first (gathered_parameters)."""
@@ -1317,7 +1309,7 @@ def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_
         temperature=temperature if temperature > 0 else None,
         top_p=top_p if temperature > 0 else None,
         top_k=0 if temperature > 0 else None,
-        eos_token_id=list(stop_token_ids) if stop_at_eos else [],  # None would be filled in from the model's config
+        eos_token_id=list(stop_token_ids),
         pad_token_id=pad_token_id,
         use_cache=True,
     )
@@ -1337,15 +1329,13 @@ def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_
     finally:
         base.generation_config = saved
     responses = out[:, input_ids.shape[1] :].cpu()
-    lengths = torch.full((responses.shape[0],), responses.shape[1], dtype=torch.long)
-    if stop_at_eos:  # a finished sequence is padded after its EOS: its length ends at the first EOS
-        is_eos = torch.isin(responses, torch.tensor(stop_token_ids))
-        lengths = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, lengths)
+    is_eos = torch.isin(responses, torch.tensor(stop_token_ids))  # a finished sequence is padded after its EOS
+    lengths = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, responses.shape[1])
     responses = F.pad(responses, (0, response_length - responses.shape[1]), value=pad_token_id)
     return responses, lengths
 
 
-def vllm_generate(llm, prompts, n, response_length, temperature, top_p, stop_at_eos, pad_token_id, stop_token_ids):
+def vllm_generate(llm, prompts, n, response_length, temperature, top_p, pad_token_id, stop_token_ids):
     """Sample n completions per prompt with vLLM. Returns (responses [N, response_length], lengths [N],
     logprobs [N, response_length]) where logprobs are the sampler's (after temperature) for the sampled tokens.
     stop_token_ids are passed explicitly so that vLLM and HF generate stop on the same ids."""
@@ -1356,8 +1346,7 @@ def vllm_generate(llm, prompts, n, response_length, temperature, top_p, stop_at_
         temperature=temperature,
         top_p=top_p,
         max_tokens=response_length,
-        ignore_eos=not stop_at_eos,
-        stop_token_ids=list(stop_token_ids) if stop_at_eos else None,
+        stop_token_ids=list(stop_token_ids),
         logprobs=0 if temperature > 0 else None,
         detokenize=False,
     )
@@ -1412,16 +1401,12 @@ def stop_token_ids(tokenizer, model_name_or_path):
     return sorted({tokenizer.eos_token_id, *eos} - {None})
 
 
-def response_mask(responses, lengths, stop_token_ids, truncate_at_eos):
-    """1 on the real response tokens: positions < length, and (with truncate_at_eos) up to the first stop token
-    (any EOS id) included. responses [B, R], lengths [B]. Returns a float mask [B, R]."""
-    positions = torch.arange(responses.shape[1]).unsqueeze(0)
-    mask = positions < lengths.unsqueeze(1)
-    if truncate_at_eos:
-        is_eos = torch.isin(responses, torch.tensor(stop_token_ids)) & mask
-        after_first_eos = (is_eos.cumsum(1) - is_eos.long()) > 0
-        mask = mask & ~after_first_eos
-    return mask.float()
+def response_mask(responses, lengths, stop_token_ids):
+    """1 on the real response tokens: positions < length, up to the first stop token (any EOS id) included.
+    responses [B, R], lengths [B]. Returns a float mask [B, R]."""
+    mask = torch.arange(responses.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
+    is_eos = torch.isin(responses, torch.tensor(stop_token_ids)) & mask
+    return (mask & ~((is_eos.cumsum(1) - is_eos.long()) > 0)).float()
 
 
 def left_pad(sequences, pad_token_id):
@@ -1502,7 +1487,7 @@ def prm_update_metrics(stats, num_optimizer_steps):
     """The update's metrics from ppo_prm_loss's statistics (one value per micro-batch, or per minibatch): the losses
     (micro-batch shares of their minibatch's loss: summed, then averaged over minibatches), the ratio's variance,
     and the mean of each of the rest."""
-    internal = ("pg_loss", "vf_loss", "ratio_sq", "gap_max")
+    internal = ("pg_loss", "vf_loss", "ratio_sq")
     metrics = {name: float(np.mean(values)) for name, values in stats.items() if name not in internal}
     metrics["loss/policy_avg"] = sum(stats["pg_loss"]) / num_optimizer_steps
     metrics["loss/value_avg"] = sum(stats["vf_loss"]) / num_optimizer_steps

@@ -19,7 +19,7 @@ Run on CPU with the embedded defaults (build the reward model first):
 Run on GPUs (one vLLM engine per process, colocated with the trainer), e.g. TL;DR with a TL;DR reward model:
     accelerate launch --num_processes 8 ppo_rlhf.py --model_name_or_path <sft model> \
         --reward_model_path <reward model> --dataset_path trl-lib/tldr --question_column prompt --instruction "" \
-        --dtype bfloat16 --response_length 53 --no-stop_at_eos
+        --dtype bfloat16 --response_length 53
     accelerate launch --config_file benchmark/accelerate_configs/deepspeed_zero2.yaml ppo_rlhf.py ...
 Two processes on CPU (gloo): accelerate launch --multi_gpu --num_processes 2 ppo_rlhf.py --no-vllm
 
@@ -416,8 +416,10 @@ def main(args: Args):
         advantages = masked_whiten(advantages, mask, sum_processes=sum_processes) * mask
         metrics |= rlhf_rollout_metrics(scores, kl, non_score_reward, old_logprobs, mask, has_eos, correct, has_gold)
         if sampler_logprobs is not None:  # the sampler's pi against the trainer's
-            gap_metrics, gap_max = rlhf_logprob_gap(old_logprobs, sampler_logprobs, mask, args.micro_batch_size)
+            gap_metrics, gap_max = sampler_gap_metrics(old_logprobs, sampler_logprobs, mask, args.micro_batch_size)
             metrics |= gap_metrics
+        rollout = dict(old_logprobs=old_logprobs, old_values=old_values, returns=returns, advantages=advantages)
+        rollout |= dict(sampler_logprobs=sampler_logprobs, mask=mask)  # [B, R] each; sampler_logprobs may be None
 
         # 7. PPO update: num_ppo_epochs passes over the batch (the first in rollout order), each split into
         # minibatches (one optimizer step each), each into micro-batches (gradient accumulation).
@@ -440,18 +442,9 @@ def main(args: Args):
                         logprobs, logits, values = model(
                             query_responses[idx], attention_mask[idx], context_length, args.temperature
                         )
+                        micro = {name: take(tensor, idx) for name, tensor in rollout.items()}
                         loss, micro_stats = ppo_rlhf_loss(
-                            logprobs,
-                            logits,
-                            values,
-                            old_logprobs[idx],
-                            old_values[idx],
-                            returns[idx],
-                            advantages[idx],
-                            sampler_logprobs[idx] if sampler_logprobs is not None else None,
-                            mask[idx],
-                            args,
-                            minibatch_tokens,
+                            logprobs, logits, values, **micro, args=args, num_tokens=minibatch_tokens
                         )
                         policy_and_value = torch.tensor([micro_stats["pg_loss"], micro_stats["vf_loss"]])
                         check_finite(accelerator, policy_and_value, "loss (policy, value)", step, run.last_checkpoint)
@@ -546,11 +539,6 @@ class RunArgs:
     """the colocated vLLM engine sleeps while the policy trains (its weights to CPU, its KV cache freed; GPU only)"""
     top_p: float = 1.0
     """nucleus sampling"""
-    stop_at_eos: bool = True
-    """stop a response at its first EOS. The N+ details generate a fixed length and truncate after the first EOS
-    (--no-stop_at_eos); with truncate_at_eos both give the same responses, stopping only skips the wasted tokens"""
-    truncate_at_eos: bool = True
-    """tokens after the first EOS are masked out: the reward model does not read them and the losses skip them"""
 
     # Models
     gradient_checkpointing: bool = False
@@ -683,7 +671,7 @@ class Sampler:
         if self.llm is not None:
             self.wake_up()
             responses, lengths, logprobs = vllm_generate(
-                self.llm, prompts, n, a.response_length, temperature, a.top_p, a.stop_at_eos, pad_id, self.stop_ids
+                self.llm, prompts, n, a.response_length, temperature, a.top_p, pad_id, self.stop_ids
             )
             if self.sleep:
                 self.llm.sleep(level=1)
@@ -693,18 +681,10 @@ class Sampler:
             # A collective under ZeRO-3 (the policy's shards are gathered): every process calls it as often.
             with gathered_parameters(self.accelerator, self.policy):
                 responses, lengths = hf_generate(
-                    self.policy,
-                    prompts,
-                    n,
-                    a.response_length,
-                    temperature,
-                    a.top_p,
-                    a.stop_at_eos,
-                    pad_id,
-                    self.stop_ids,
+                    self.policy, prompts, n, a.response_length, temperature, a.top_p, pad_id, self.stop_ids
                 )
             logprobs = None
-        mask = response_mask(responses, lengths, self.stop_ids, a.truncate_at_eos)
+        mask = response_mask(responses, lengths, self.stop_ids)
         texts = self.tokenizer.batch_decode(responses.masked_fill(mask == 0, pad_id), skip_special_tokens=True)
         return responses, mask, logprobs, texts
 
@@ -1009,8 +989,8 @@ def disable_dropout(model):
     return model
 
 
-def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_eos, pad_token_id, stop_token_ids):
-    """Sample n completions per prompt with Hugging Face generate.
+def hf_generate(model, prompts, n, response_length, temperature, top_p, pad_token_id, stop_token_ids):
+    """Sample n completions per prompt with Hugging Face generate, each ending at its first stop token (kept).
     Returns (responses [len(prompts) * n, response_length], lengths [len(prompts) * n]); completions of one prompt
     are consecutive. temperature 0 is greedy decoding. Each process generates on its own (synced_gpus=False): under
     DeepSpeed ZeRO-3 the caller gathers the parameters first (gathered_parameters)."""
@@ -1023,7 +1003,7 @@ def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_
         temperature=temperature if temperature > 0 else None,
         top_p=top_p if temperature > 0 else None,
         top_k=0 if temperature > 0 else None,
-        eos_token_id=list(stop_token_ids) if stop_at_eos else [],  # None would be filled in from the model's config
+        eos_token_id=list(stop_token_ids),
         pad_token_id=pad_token_id,
         use_cache=True,
     )
@@ -1043,15 +1023,13 @@ def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_
     finally:
         base.generation_config = saved
     responses = out[:, input_ids.shape[1] :].cpu()
-    lengths = torch.full((responses.shape[0],), responses.shape[1], dtype=torch.long)
-    if stop_at_eos:  # a finished sequence is padded after its EOS: its length ends at the first EOS
-        is_eos = torch.isin(responses, torch.tensor(stop_token_ids))
-        lengths = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, lengths)
+    is_eos = torch.isin(responses, torch.tensor(stop_token_ids))  # a finished sequence is padded after its EOS
+    lengths = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, responses.shape[1])
     responses = F.pad(responses, (0, response_length - responses.shape[1]), value=pad_token_id)
     return responses, lengths
 
 
-def vllm_generate(llm, prompts, n, response_length, temperature, top_p, stop_at_eos, pad_token_id, stop_token_ids):
+def vllm_generate(llm, prompts, n, response_length, temperature, top_p, pad_token_id, stop_token_ids):
     """Sample n completions per prompt with vLLM. Returns (responses [N, response_length], lengths [N],
     logprobs [N, response_length]) where logprobs are the sampler's (after temperature) for the sampled tokens.
     stop_token_ids are passed explicitly so that vLLM and HF generate stop on the same ids."""
@@ -1062,8 +1040,7 @@ def vllm_generate(llm, prompts, n, response_length, temperature, top_p, stop_at_
         temperature=temperature,
         top_p=top_p,
         max_tokens=response_length,
-        ignore_eos=not stop_at_eos,
-        stop_token_ids=list(stop_token_ids) if stop_at_eos else None,
+        stop_token_ids=list(stop_token_ids),
         logprobs=0 if temperature > 0 else None,
         detokenize=False,
     )
@@ -1118,16 +1095,12 @@ def stop_token_ids(tokenizer, model_name_or_path):
     return sorted({tokenizer.eos_token_id, *eos} - {None})
 
 
-def response_mask(responses, lengths, stop_token_ids, truncate_at_eos):
-    """1 on the real response tokens: positions < length, and (with truncate_at_eos) up to the first stop token
-    (any EOS id) included. responses [B, R], lengths [B]. Returns a float mask [B, R]."""
-    positions = torch.arange(responses.shape[1]).unsqueeze(0)
-    mask = positions < lengths.unsqueeze(1)
-    if truncate_at_eos:
-        is_eos = torch.isin(responses, torch.tensor(stop_token_ids)) & mask
-        after_first_eos = (is_eos.cumsum(1) - is_eos.long()) > 0
-        mask = mask & ~after_first_eos
-    return mask.float()
+def response_mask(responses, lengths, stop_token_ids):
+    """1 on the real response tokens: positions < length, up to the first stop token (any EOS id) included.
+    responses [B, R], lengths [B]. Returns a float mask [B, R]."""
+    mask = torch.arange(responses.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
+    is_eos = torch.isin(responses, torch.tensor(stop_token_ids)) & mask
+    return (mask & ~((is_eos.cumsum(1) - is_eos.long()) > 0)).float()
 
 
 def left_pad(sequences, pad_token_id):
@@ -1252,7 +1225,12 @@ def rlhf_update_metrics(stats, num_optimizer_steps):
     return metrics | {name: float(np.mean(values)) for name, values in stats.items()}
 
 
-def rlhf_logprob_gap(old_logprobs, sampler_logprobs, mask, micro_batch_size):
+def take(values, rows):
+    """values[rows], or None for a tensor the run does not have (no reference model, no sampler log-probs)."""
+    return None if values is None else values[rows]
+
+
+def sampler_gap_metrics(old_logprobs, sampler_logprobs, mask, micro_batch_size):
     """How far the sampler's pi is from the trainer's on the rollout, per token log(pi_train / pi_sampler): the mean
     of its absolute value (averaged over the micro-batches' token means) and the largest ratio. All [B, R].
     Returns ({"objective/logprob_gap": float}, largest pi_train / pi_sampler)."""

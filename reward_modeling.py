@@ -57,7 +57,7 @@ import time
 import warnings
 from dataclasses import asdict, dataclass
 from fractions import Fraction
-from typing import ClassVar, Literal, Optional
+from typing import Literal, Optional
 
 import numpy as np
 import torch
@@ -509,10 +509,6 @@ class RunArgs:
     generation_batch_prompts: int = 64
     """problems per generation call (each with num_samples_per_prompt completions)"""
 
-    # Not arguments: a sampled completion ends at its first EOS, which it keeps (read by the Sampler).
-    stop_at_eos: ClassVar[bool] = True
-    truncate_at_eos: ClassVar[bool] = True
-
     # Model
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass (less memory, ~30% slower)"""
@@ -657,7 +653,7 @@ class Sampler:
         if self.llm is not None:
             self.wake_up()
             responses, lengths, logprobs = vllm_generate(
-                self.llm, prompts, n, a.response_length, temperature, a.top_p, a.stop_at_eos, pad_id, self.stop_ids
+                self.llm, prompts, n, a.response_length, temperature, a.top_p, pad_id, self.stop_ids
             )
             if self.sleep:
                 self.llm.sleep(level=1)
@@ -667,18 +663,10 @@ class Sampler:
             # A collective under ZeRO-3 (the policy's shards are gathered): every process calls it as often.
             with gathered_parameters(self.accelerator, self.policy):
                 responses, lengths = hf_generate(
-                    self.policy,
-                    prompts,
-                    n,
-                    a.response_length,
-                    temperature,
-                    a.top_p,
-                    a.stop_at_eos,
-                    pad_id,
-                    self.stop_ids,
+                    self.policy, prompts, n, a.response_length, temperature, a.top_p, pad_id, self.stop_ids
                 )
             logprobs = None
-        mask = response_mask(responses, lengths, self.stop_ids, a.truncate_at_eos)
+        mask = response_mask(responses, lengths, self.stop_ids)
         texts = self.tokenizer.batch_decode(responses.masked_fill(mask == 0, pad_id), skip_special_tokens=True)
         return responses, mask, logprobs, texts
 
@@ -1363,8 +1351,8 @@ def disable_dropout(model):
     return model
 
 
-def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_eos, pad_token_id, stop_token_ids):
-    """Sample n completions per prompt with Hugging Face generate.
+def hf_generate(model, prompts, n, response_length, temperature, top_p, pad_token_id, stop_token_ids):
+    """Sample n completions per prompt with Hugging Face generate, each ending at its first stop token (kept).
     Returns (responses [len(prompts) * n, response_length], lengths [len(prompts) * n]); completions of one prompt
     are consecutive. temperature 0 is greedy decoding. Each process generates on its own (synced_gpus=False): under
     DeepSpeed ZeRO-3 the caller gathers the parameters first (gathered_parameters)."""
@@ -1377,7 +1365,7 @@ def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_
         temperature=temperature if temperature > 0 else None,
         top_p=top_p if temperature > 0 else None,
         top_k=0 if temperature > 0 else None,
-        eos_token_id=list(stop_token_ids) if stop_at_eos else [],  # None would be filled in from the model's config
+        eos_token_id=list(stop_token_ids),
         pad_token_id=pad_token_id,
         use_cache=True,
     )
@@ -1397,15 +1385,13 @@ def hf_generate(model, prompts, n, response_length, temperature, top_p, stop_at_
     finally:
         base.generation_config = saved
     responses = out[:, input_ids.shape[1] :].cpu()
-    lengths = torch.full((responses.shape[0],), responses.shape[1], dtype=torch.long)
-    if stop_at_eos:  # a finished sequence is padded after its EOS: its length ends at the first EOS
-        is_eos = torch.isin(responses, torch.tensor(stop_token_ids))
-        lengths = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, lengths)
+    is_eos = torch.isin(responses, torch.tensor(stop_token_ids))  # a finished sequence is padded after its EOS
+    lengths = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, responses.shape[1])
     responses = F.pad(responses, (0, response_length - responses.shape[1]), value=pad_token_id)
     return responses, lengths
 
 
-def vllm_generate(llm, prompts, n, response_length, temperature, top_p, stop_at_eos, pad_token_id, stop_token_ids):
+def vllm_generate(llm, prompts, n, response_length, temperature, top_p, pad_token_id, stop_token_ids):
     """Sample n completions per prompt with vLLM. Returns (responses [N, response_length], lengths [N],
     logprobs [N, response_length]) where logprobs are the sampler's (after temperature) for the sampled tokens.
     stop_token_ids are passed explicitly so that vLLM and HF generate stop on the same ids."""
@@ -1416,8 +1402,7 @@ def vllm_generate(llm, prompts, n, response_length, temperature, top_p, stop_at_
         temperature=temperature,
         top_p=top_p,
         max_tokens=response_length,
-        ignore_eos=not stop_at_eos,
-        stop_token_ids=list(stop_token_ids) if stop_at_eos else None,
+        stop_token_ids=list(stop_token_ids),
         logprobs=0 if temperature > 0 else None,
         detokenize=False,
     )
@@ -1472,16 +1457,12 @@ def stop_token_ids(tokenizer, model_name_or_path):
     return sorted({tokenizer.eos_token_id, *eos} - {None})
 
 
-def response_mask(responses, lengths, stop_token_ids, truncate_at_eos):
-    """1 on the real response tokens: positions < length, and (with truncate_at_eos) up to the first stop token
-    (any EOS id) included. responses [B, R], lengths [B]. Returns a float mask [B, R]."""
-    positions = torch.arange(responses.shape[1]).unsqueeze(0)
-    mask = positions < lengths.unsqueeze(1)
-    if truncate_at_eos:
-        is_eos = torch.isin(responses, torch.tensor(stop_token_ids)) & mask
-        after_first_eos = (is_eos.cumsum(1) - is_eos.long()) > 0
-        mask = mask & ~after_first_eos
-    return mask.float()
+def response_mask(responses, lengths, stop_token_ids):
+    """1 on the real response tokens: positions < length, up to the first stop token (any EOS id) included.
+    responses [B, R], lengths [B]. Returns a float mask [B, R]."""
+    mask = torch.arange(responses.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
+    is_eos = torch.isin(responses, torch.tensor(stop_token_ids)) & mask
+    return (mask & ~((is_eos.cumsum(1) - is_eos.long()) > 0)).float()
 
 
 def token_scores(model, score_head, input_ids, attention_mask):

@@ -161,7 +161,6 @@ def greedy_correct(model_dir, prompts, golds, tokenizer, response_length, batch_
             response_length,
             0.0,
             1.0,
-            True,
             tokenizer.pad_token_id,
             grpo_math.stop_token_ids(tokenizer, model_dir),
         )

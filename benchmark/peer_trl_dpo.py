@@ -122,7 +122,7 @@ def judge_scores(reward_model, bias, prompts, responses, lengths, stop_ids, pad_
 
     import dpo_online
 
-    mask = dpo_online.response_mask(responses, lengths, stop_ids, True)
+    mask = dpo_online.response_mask(responses, lengths, stop_ids)
     width = max(1, int(mask.sum(1).max()))  # as dpo_online: nothing after the longest completion is scored
     responses, mask = responses[:, :width], mask[:, :width]
     prompt_ids, prompt_mask = dpo_online.left_pad(prompts, pad_token_id)
@@ -265,9 +265,7 @@ def evaluate(model_dir, args):
     score, correct = 0.0, 0.0
     for i in range(0, len(prompts), args.eval_batch_size):
         batch = prompts[i : i + args.eval_batch_size]
-        responses, lengths = dpo_online.hf_generate(
-            model, batch, 1, args.response_length, 0.0, 1.0, True, pad_id, stop_ids
-        )
+        responses, lengths = dpo_online.hf_generate(model, batch, 1, args.response_length, 0.0, 1.0, pad_id, stop_ids)
         scores, _, mask = judge_scores(
             reward_model, bias, batch, responses, lengths, stop_ids, pad_id, args.missing_eos_penalty
         )

@@ -26,7 +26,7 @@ import zlib
 import torch
 
 
-def fixed_generate(model, prompts, n, response_length, temperature, top_p, stop_at_eos, pad_token_id, stop_ids):
+def fixed_generate(model, prompts, n, response_length, temperature, top_p, pad_token_id, stop_ids):
     """Stands in for hf_generate (same signature and returns): completion j of a prompt is a seeded function of
     (prompt tokens, j). Lengths 1..response_length; half of the completions end with the first stop id."""
     stop_ids = [stop_ids] if isinstance(stop_ids, int) else list(stop_ids)
@@ -38,10 +38,9 @@ def fixed_generate(model, prompts, n, response_length, temperature, top_p, stop_
             length = int(torch.randint(1, response_length + 1, (1,), generator=g))
             tokens = torch.randint(300, 3000, (length,), generator=g)  # ordinary word pieces of the SmolLM2 vocab
             ends = bool(torch.rand(1, generator=g) < 0.5)
-            if stop_at_eos:
-                if ends:
-                    tokens[-1] = stop_ids[0]
-                lengths[i * n + j] = length
+            if ends:
+                tokens[-1] = stop_ids[0]
+            lengths[i * n + j] = length
             responses[i * n + j, :length] = tokens
     return responses, lengths
 

@@ -434,9 +434,9 @@ def test_extraction_of_each_form():
 
 
 def test_parse_catches_a_bad_flag():
-    """tyro's booleans are flags: `--stop_at_eos False` is refused, `--no-stop_at_eos` is accepted."""
-    assert "False" in parse_error("ppo_rlhf.py", ["--dtype", "bfloat16", "--stop_at_eos", "False"])
-    assert parse_error("ppo_rlhf.py", ["--dtype", "bfloat16", "--no-stop_at_eos"]) is None
+    """tyro's booleans are flags: `--whiten_rewards False` is refused, `--no-whiten_rewards` is accepted."""
+    assert "False" in parse_error("ppo_rlhf.py", ["--dtype", "bfloat16", "--whiten_rewards", "False"])
+    assert parse_error("ppo_rlhf.py", ["--dtype", "bfloat16", "--no-whiten_rewards"]) is None
     assert parse_error("grpo_math.py", ["--learning_rat", "1"]) is not None
     assert parse_error("grpo_math.py", ["--help"]) is None
 

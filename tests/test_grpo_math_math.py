@@ -356,37 +356,35 @@ EOS = 2
 
 
 @pytest.mark.parametrize(
-    "tokens,length,truncated,untruncated",
+    "tokens,length,expected",
     [
-        ([2, 5, 6, 7], 4, [1, 0, 0, 0], [1, 1, 1, 1]),  # EOS first: only the EOS token is kept
-        ([5, 2, 6, 7], 4, [1, 1, 0, 0], [1, 1, 1, 1]),  # EOS in the middle, kept itself
-        ([5, 6, 7, 8], 3, [1, 1, 1, 0], [1, 1, 1, 0]),  # no EOS: the length decides
-        ([5, 6, 7, 2], 3, [1, 1, 1, 0], [1, 1, 1, 0]),  # EOS after the length: ignored
-        ([5, 2, 2, 7], 4, [1, 1, 0, 0], [1, 1, 1, 1]),  # two EOS: the first one ends it
-        ([5, 6, 7, 8], 0, [0, 0, 0, 0], [0, 0, 0, 0]),  # empty
-        ([5, 6, 7, 2], 4, [1, 1, 1, 1], [1, 1, 1, 1]),  # EOS last
+        ([2, 5, 6, 7], 4, [1, 0, 0, 0]),  # EOS first: only the EOS token is kept
+        ([5, 2, 6, 7], 4, [1, 1, 0, 0]),  # EOS in the middle, kept itself
+        ([5, 6, 7, 8], 3, [1, 1, 1, 0]),  # no EOS: the length decides
+        ([5, 6, 7, 2], 3, [1, 1, 1, 0]),  # EOS after the length: ignored
+        ([5, 2, 2, 7], 4, [1, 1, 0, 0]),  # two EOS: the first one ends it
+        ([5, 6, 7, 8], 0, [0, 0, 0, 0]),  # empty
+        ([5, 6, 7, 2], 4, [1, 1, 1, 1]),  # EOS last
     ],
 )
-def test_response_mask_by_hand(tokens, length, truncated, untruncated):
+def test_response_mask_by_hand(tokens, length, expected):
     responses, lengths = torch.tensor([tokens]), torch.tensor([length])
-    assert response_mask(responses, lengths, [EOS], True).tolist() == [[float(x) for x in truncated]]
-    assert response_mask(responses, lengths, [EOS], False).tolist() == [[float(x) for x in untruncated]]
-    assert response_mask(responses, lengths, [EOS], True).dtype == torch.float32
+    assert response_mask(responses, lengths, [EOS]).tolist() == [[float(x) for x in expected]]
+    assert response_mask(responses, lengths, [EOS]).dtype == torch.float32
 
 
-@pytest.mark.parametrize("truncate", [True, False])
 @pytest.mark.parametrize("stop_ids", [[EOS], [EOS, 4]])
-def test_response_mask_random_matches_loop(truncate, stop_ids):
+def test_response_mask_random_matches_loop(stop_ids):
     """Any of the stop ids ends a response (models with several EOS ids, e.g. Llama-3.1's three)."""
     for seed in SEEDS:
         g = torch.Generator().manual_seed(seed)
         responses = torch.randint(0, 5, (16, 9), generator=g)  # EOS (2) is frequent
         lengths = torch.randint(0, 10, (16,), generator=g)
-        got = response_mask(responses, lengths, stop_ids, truncate)
+        got = response_mask(responses, lengths, stop_ids)
         for b in range(16):
             seen_eos = False
             for t in range(9):
-                keep = t < lengths[b].item() and not (truncate and seen_eos)
+                keep = t < lengths[b].item() and not seen_eos
                 assert got[b, t].item() == float(keep), (b, t)
                 if t < lengths[b].item() and responses[b, t].item() in stop_ids:
                     seen_eos = True

@@ -384,20 +384,12 @@ EOS_PROMPTS = [[1, 4093, 198, 2683, 314], [1, 9690, 198, 2683]]
 
 
 def test_hf_generate_stops_at_eos(eos_model):
-    responses, lengths = grpo_math.hf_generate(eos_model, EOS_PROMPTS, 2, 6, 0.0, 1.0, True, 2, [2])
+    responses, lengths = grpo_math.hf_generate(eos_model, EOS_PROMPTS, 2, 6, 0.0, 1.0, 2, [2])
     assert responses.shape == (4, 6)
     assert lengths.tolist() == [1, 1, 1, 1]
     assert (responses[:, 0] == 2).all()
-    mask = grpo_math.response_mask(responses, lengths, [2], True)
+    mask = grpo_math.response_mask(responses, lengths, [2])
     assert mask.sum(1).tolist() == [1.0] * 4
-
-
-def test_hf_generate_no_stop_at_eos_generates_the_full_length(eos_model):
-    responses, lengths = grpo_math.hf_generate(eos_model, EOS_PROMPTS, 2, 6, 0.0, 1.0, False, 2, [2])
-    assert lengths.tolist() == [6, 6, 6, 6]
-    assert (responses == 2).all()  # the greedy token at every step is EOS, and generation went on
-    assert grpo_math.response_mask(responses, lengths, [2], False).sum(1).tolist() == [6.0] * 4
-    assert grpo_math.response_mask(responses, lengths, [2], True).sum(1).tolist() == [1.0] * 4
 
 
 # Subprocess launches
@@ -463,7 +455,7 @@ dtype = llm.llm_engine.model_config.dtype
 prompts = [[1, 9690, 198, 5248, 314, 216, 35, 1232, 216, 36, 47], [1, 4093, 198, 2683, 314]]
 
 def greedy():
-    responses, lengths, _ = grpo_math.vllm_generate(llm, prompts, 1, 12, 0.0, 1.0, True, 2, [2])
+    responses, lengths, _ = grpo_math.vllm_generate(llm, prompts, 1, 12, 0.0, 1.0, 2, [2])
     return responses.tolist()
 
 original_state = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
@@ -594,10 +586,10 @@ def test_hf_generate_stops_at_any_stop_id(tiny_model_dir):
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     prompt = EOS_PROMPTS[:1]
-    assert grpo_math.hf_generate(model, prompt, 2, 4, 0.0, 1.0, True, 2, [2])[0].tolist() == [[22145] * 4] * 2
-    responses, lengths = grpo_math.hf_generate(model, prompt, 2, 4, 0.0, 1.0, True, 2, [2, 22145])
+    assert grpo_math.hf_generate(model, prompt, 2, 4, 0.0, 1.0, 2, [2])[0].tolist() == [[22145] * 4] * 2
+    responses, lengths = grpo_math.hf_generate(model, prompt, 2, 4, 0.0, 1.0, 2, [2, 22145])
     assert lengths.tolist() == [1, 1]
-    assert grpo_math.response_mask(responses, lengths, [2, 22145], True).sum(1).tolist() == [1.0, 1.0]
+    assert grpo_math.response_mask(responses, lengths, [2, 22145]).sum(1).tolist() == [1.0, 1.0]
 
 
 def test_disable_dropout_zeroes_every_dropout_module():

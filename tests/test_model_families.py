@@ -275,7 +275,7 @@ def test_hf_generate_greedy_ignores_the_checkpoints_sampling_fields(model_with_s
     model = model_with_sampling_config
     prompt = [1, 9690, 198, 2683, 359, 253, 5356, 3117]
     expected = argmax_decoding(model, prompt, 12)
-    responses, lengths = grpo_math.hf_generate(model, [prompt], 1, 12, 0.0, 1.0, True, 2, [2])
+    responses, lengths = grpo_math.hf_generate(model, [prompt], 1, 12, 0.0, 1.0, 2, [2])
     assert responses[0, : int(lengths[0])].tolist() == expected
     assert model.generation_config.repetition_penalty == 1.3  # the model's own config is left as it was
 
@@ -290,7 +290,7 @@ def test_hf_generate_sampling_uses_no_logits_processor_the_trainer_lacks(model_w
     built = []
     original = model._get_logits_processor
     model._get_logits_processor = lambda *a, **kw: built.append(original(*a, **kw)) or built[-1]
-    grpo_math.hf_generate(model, [[1, 9690, 198, 2683]], 2, 4, 0.8, top_p, True, 2, [2])
+    grpo_math.hf_generate(model, [[1, 9690, 198, 2683]], 2, 4, 0.8, top_p, 2, [2])
     kinds = {type(p) for p in built[0]}
     assert kinds == ({TemperatureLogitsWarper, TopPLogitsWarper} if top_p < 1 else {TemperatureLogitsWarper})
 
