@@ -393,14 +393,9 @@ def main(args: Args):
                     logprobs = logprobs_fn(
                         model, query_responses[rows], attention_mask[rows], context_length, args.temperature
                     )[0]
+                    sampled = take(sampler_logprobs, rows)  # vLLM's, or None
                     loss, stats = online_dpo_loss(
-                        logprobs,
-                        ref_logprobs[rows],
-                        sampler_logprobs[rows] if sampler_logprobs is not None else None,
-                        mask[rows],
-                        keep[pairs],
-                        normalizer,
-                        args,
+                        logprobs, ref_logprobs[rows], sampled, mask[rows], keep[pairs], normalizer, args
                     )
                     check_finite(accelerator, loss, "loss/dpo", step, run.last_checkpoint)
                     # accelerate (and DeepSpeed) divide a micro-batch's loss by gradient_accumulation_steps, to
@@ -962,6 +957,11 @@ def contains_eos(responses, mask, stop_token_ids):
     """[N] bool: whether each completion holds a stop token (any EOS id) among its real tokens. responses, mask
     [N, R]."""
     return (torch.isin(responses, torch.tensor(stop_token_ids)) & (mask > 0)).any(1)
+
+
+def take(values, rows):
+    """values[rows], or None for a tensor the run does not have (no reference model, no sampler log-probs)."""
+    return None if values is None else values[rows]
 
 
 def fixed_logprobs_of_rows(
