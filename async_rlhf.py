@@ -22,30 +22,8 @@ t takes batch t and raises if t - version > N, which the wait makes impossible: 
 (seed, process, t), so a batch depends only on the weights that made it: --sync runs are deterministic on CPU and
 resume exactly. Async runs depend on timing through the lag.
 
-Judging. The reward model scores each batch in the generator thread, on the generator's device, and the reference
-policy scores its log-probs there too (a separate reference model; with LoRA the reference is the learner's model
-with its adapters off, so the learner computes them): both depend on the batch only, so they overlap the learner's
-update (the reward model took 4-13 s a step on CPU, which the learner would otherwise add to its own). The verifier
-judges in the learner's main thread: math-verify times out through signal.alarm, which only works in the main
-thread, and it costs milliseconds. Either way the learner checks that the scores are finite. Evaluation (greedy, on
-held-out prompts) goes through the generation engine, after loading the learner's latest weights.
-
-CPU threads: torch's intra-op thread count belongs to each OS thread (torch.set_num_threads sets the OpenMP team of
-the calling thread, and the default for threads that start torch work later; measured: after a second thread sets
-1, the first still runs with 2). Async: the generator thread runs with `generator_threads` (default half of the
-process's torch threads, at least 1) and the learner (the main thread) with the rest, so that together they never
-ask for more threads than the process has: oversubscribed OpenMP teams spin-wait, and on 2 busy cores a 2-thread HF
-generate of the 135M model measured 10-16x slower than a 1-thread one. --sync: both use all threads (they take
-turns). To give the learner more, raise OMP_NUM_THREADS (with OMP_WAIT_POLICY=PASSIVE against the spinning). vLLM's
-in-process CPU engine computes in the thread that calls it, with that thread's count.
-
-Devices. On GPUs the generator with HF generate owns a GPU of its own when a machine has a spare GPU for each
-process (its last ones, as in the paper; see generator_gpu), else it shares its learner's; vLLM's engine shares the
-GPU of the (single) process with its learner, since an in-process engine cannot be placed on another GPU. With
-accelerate, every process runs its own generator thread for its own slice of the prompts (data parallel, as in the
-other scripts) with HF generate: the generator thread never calls a collective. vLLM's engines synchronise across
-processes (a collective from the generator thread would race the learner's), so several processes fall back to HF
-generate with a warning.
+Judging: the reward model and the reference score each batch in the generator thread, overlapping the update; the
+verifier judges in the learner's main thread. Why, and how threads and devices are shared: docs/async_rlhf.md.
 
 Run on CPU with the embedded defaults (build the reward model first, or use the verifier):
     python reward_modeling.py && python async_rlhf.py
@@ -354,59 +332,6 @@ def response_logprobs(model, input_ids, attention_mask, context_length, temperat
 
 
 NUMBER = r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?"  # 12, -1,234.5, .5, 3/4
-
-
-def extract_answer(text):
-    """The final answer of a completion: the first number after the last 'Answer:' (its whole line if it has
-    none), else the last number in the text, else None. When that number starts an equation on its line (numbers
-    and operators, then '=': "9 * 6 = 54", "9 x 6 = 54 = 50 + 4"), the answer is the last side of the equation that
-    is a lone number (54 in both). LaTeX fractions are read as a/b, a Unicode minus as '-'."""
-    text = re.sub(r"\\d?frac\{(-?\d+)\}\{(\d+)\}", r"\1/\2", text).replace("\u2212", "-")
-    if "Answer:" in text:
-        tail = text.rsplit("Answer:", 1)[1]
-        found = re.search(NUMBER, tail)
-        if found:
-            term = r"(?:\([ \t]*)*-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:[ \t]*\))*"  # a number, maybe in parentheses
-            words = r"x|·|\\times|\\cdot|\\div|times|multiplied by|plus|minus|divided by|over|%[ \t]*of|percent of"
-            operation = rf"[ \t]*(?:[-+*/×÷]|(?:{words})(?![a-z]))[ \t]*"
-            side = rf"{term}(?:{operation}{term})*"
-            last = rf"[ \t]*=[ \t]*({NUMBER})(?![.,]?\d|{operation}\(*\.?\d)"  # a lone number
-            equation = re.compile(rf"{term}(?:{operation}{term})+(?:[ \t]*=[ \t]*{side})*{last}", re.I)
-            equation = equation.match(tail, found.start())
-            return (equation.group(1) if equation else found.group(0)).replace(",", "").replace(" ", "")
-        return tail.strip().split("\n")[0].strip().rstrip(".") or None
-    numbers = re.findall(NUMBER, text)
-    return numbers[-1].replace(",", "").replace(" ", "") if numbers else None
-
-
-def gold_answer(answer):
-    """The gold final answer as a string; GSM8K style solutions keep what follows '####'. A null answer is the empty
-    string, which nothing matches."""
-    return "" if answer is None else str(answer).split("####")[-1].strip().replace(",", "")
-
-
-def verifiable_gold(gold):
-    """Whether the verifier can check answers against this gold: it holds a number or a LaTeX expression. Null,
-    empty and plain-word golds do not (a completion could only match them as text, e.g. "Answer: None")."""
-    return re.search(r"[0-9\\]", gold) is not None
-
-
-def verify_answer(prediction, gold):
-    """1.0 if the prediction equals the gold answer: math-verify first, numeric equality as the fallback."""
-    if prediction is None or not gold:
-        return 0.0
-    try:
-        from math_verify import parse, verify
-
-        parsed_gold, parsed_pred = parse(f"${gold}$"), parse(f"${prediction}$")
-        if parsed_gold and parsed_pred:
-            return float(verify(parsed_gold, parsed_pred))
-    except Exception:  # math-verify raises on some inputs, or times out: fall back to the task's numeric scorer
-        pass
-    try:
-        return float(abs(Fraction(prediction) - Fraction(gold)) < 1e-6)
-    except (ValueError, ZeroDivisionError):
-        return float(prediction.strip() == gold.strip())
 
 
 def verifier_scores(texts, golds):
@@ -1949,6 +1874,59 @@ def check_columns(rows, columns, where, text_columns=()):
                 f"{where}: {len(bad)} of {len(rows)} rows have a {column} that is not text (the first is row "
                 f"{bad[0] + 1}: {json.dumps(rows[bad[0]][column])[:80]})"
             )
+
+
+def extract_answer(text):
+    """The final answer of a completion: the first number after the last 'Answer:' (its whole line if it has
+    none), else the last number in the text, else None. When that number starts an equation on its line (numbers
+    and operators, then '=': "9 * 6 = 54", "9 x 6 = 54 = 50 + 4"), the answer is the last side of the equation that
+    is a lone number (54 in both). LaTeX fractions are read as a/b, a Unicode minus as '-'."""
+    text = re.sub(r"\\d?frac\{(-?\d+)\}\{(\d+)\}", r"\1/\2", text).replace("\u2212", "-")
+    if "Answer:" in text:
+        tail = text.rsplit("Answer:", 1)[1]
+        found = re.search(NUMBER, tail)
+        if found:
+            term = r"(?:\([ \t]*)*-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:[ \t]*\))*"  # a number, maybe in parentheses
+            words = r"x|·|\\times|\\cdot|\\div|times|multiplied by|plus|minus|divided by|over|%[ \t]*of|percent of"
+            operation = rf"[ \t]*(?:[-+*/×÷]|(?:{words})(?![a-z]))[ \t]*"
+            side = rf"{term}(?:{operation}{term})*"
+            last = rf"[ \t]*=[ \t]*({NUMBER})(?![.,]?\d|{operation}\(*\.?\d)"  # a lone number
+            equation = re.compile(rf"{term}(?:{operation}{term})+(?:[ \t]*=[ \t]*{side})*{last}", re.I)
+            equation = equation.match(tail, found.start())
+            return (equation.group(1) if equation else found.group(0)).replace(",", "").replace(" ", "")
+        return tail.strip().split("\n")[0].strip().rstrip(".") or None
+    numbers = re.findall(NUMBER, text)
+    return numbers[-1].replace(",", "").replace(" ", "") if numbers else None
+
+
+def gold_answer(answer):
+    """The gold final answer as a string; GSM8K style solutions keep what follows '####'. A null answer is the empty
+    string, which nothing matches."""
+    return "" if answer is None else str(answer).split("####")[-1].strip().replace(",", "")
+
+
+def verifiable_gold(gold):
+    """Whether the verifier can check answers against this gold: it holds a number or a LaTeX expression. Null,
+    empty and plain-word golds do not (a completion could only match them as text, e.g. "Answer: None")."""
+    return re.search(r"[0-9\\]", gold) is not None
+
+
+def verify_answer(prediction, gold):
+    """1.0 if the prediction equals the gold answer: math-verify first, numeric equality as the fallback."""
+    if prediction is None or not gold:
+        return 0.0
+    try:
+        from math_verify import parse, verify
+
+        parsed_gold, parsed_pred = parse(f"${gold}$"), parse(f"${prediction}$")
+        if parsed_gold and parsed_pred:
+            return float(verify(parsed_gold, parsed_pred))
+    except Exception:  # math-verify raises on some inputs, or times out: fall back to the task's numeric scorer
+        pass
+    try:
+        return float(abs(Fraction(prediction) - Fraction(gold)) < 1e-6)
+    except (ValueError, ZeroDivisionError):
+        return float(prediction.strip() == gold.strip())
 
 
 def check_golds(rows, column, where, max_share=0.1):

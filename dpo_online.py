@@ -263,11 +263,6 @@ def response_logprobs(model, input_ids, attention_mask, context_length, temperat
     return logprobs_from_logits(logits, input_ids[:, context_length:]), logits
 
 
-def verifier_verdicts(texts, golds):
-    """The task's verifier: 1.0 for a completion whose final answer is the gold one, else 0.0. [N]"""
-    return torch.tensor([verify_answer(extract_answer(t), g) for t, g in zip(texts, golds)])
-
-
 def judge_completions(judge, reward_model, query_responses, attention_mask, texts, golds, accelerator):
     """The judge's score of each completion [B] (higher is better), on the trainer's device. reward_model: its score
     at the sequence's last real token minus its config.bias (reward_modeling.py stores the mean training score there,
@@ -1553,6 +1548,11 @@ def check_columns(rows, columns, where, text_columns=()):
                 f"{where}: {len(bad)} of {len(rows)} rows have a {column} that is not text (the first is row "
                 f"{bad[0] + 1}: {json.dumps(rows[bad[0]][column])[:80]})"
             )
+
+
+def verifier_verdicts(texts, golds):
+    """The task's verifier: 1.0 for a completion whose final answer is the gold one, else 0.0. [N]"""
+    return torch.tensor([verify_answer(extract_answer(t), g) for t, g in zip(texts, golds)])
 
 
 def check_golds(rows, column, where, max_share=0.1):

@@ -264,71 +264,7 @@ def response_logprobs(model, input_ids, attention_mask, context_length, temperat
     return logprobs_from_logits(logits, input_ids[:, context_length:]), logits
 
 
-def fixed_logprobs(logprobs_fn, model, query_responses, attention_mask, context_length, temperature, micro_batch_size):
-    """logprobs_fn (response_logprobs, or shared_prompt_logprobs where a script has it) without gradients, by
-    micro-batch: the old policy's and the reference's log-probs, which stay fixed during the update.
-    [B, P + R] -> [B, R]"""
-    parts = [slice(i, i + micro_batch_size) for i in range(0, len(query_responses), micro_batch_size)]
-    with torch.no_grad():
-        return torch.cat(
-            [logprobs_fn(model, query_responses[s], attention_mask[s], context_length, temperature)[0] for s in parts]
-        )
-
-
 NUMBER = r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?"  # 12, -1,234.5, .5, 3/4
-
-
-def extract_answer(text):
-    """The final answer of a completion: the first number after the last 'Answer:' (its whole line if it has
-    none), else the last number in the text, else None. When that number starts an equation on its line (numbers
-    and operators, then '=': "9 * 6 = 54", "9 x 6 = 54 = 50 + 4"), the answer is the last side of the equation that
-    is a lone number (54 in both). LaTeX fractions are read as a/b, a Unicode minus as '-'."""
-    text = re.sub(r"\\d?frac\{(-?\d+)\}\{(\d+)\}", r"\1/\2", text).replace("\u2212", "-")
-    if "Answer:" in text:
-        tail = text.rsplit("Answer:", 1)[1]
-        found = re.search(NUMBER, tail)
-        if found:
-            term = r"(?:\([ \t]*)*-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:[ \t]*\))*"  # a number, maybe in parentheses
-            words = r"x|·|\\times|\\cdot|\\div|times|multiplied by|plus|minus|divided by|over|%[ \t]*of|percent of"
-            operation = rf"[ \t]*(?:[-+*/×÷]|(?:{words})(?![a-z]))[ \t]*"
-            side = rf"{term}(?:{operation}{term})*"
-            last = rf"[ \t]*=[ \t]*({NUMBER})(?![.,]?\d|{operation}\(*\.?\d)"  # a lone number
-            equation = re.compile(rf"{term}(?:{operation}{term})+(?:[ \t]*=[ \t]*{side})*{last}", re.I)
-            equation = equation.match(tail, found.start())
-            return (equation.group(1) if equation else found.group(0)).replace(",", "").replace(" ", "")
-        return tail.strip().split("\n")[0].strip().rstrip(".") or None
-    numbers = re.findall(NUMBER, text)
-    return numbers[-1].replace(",", "").replace(" ", "") if numbers else None
-
-
-def gold_answer(answer):
-    """The gold final answer as a string; GSM8K style solutions keep what follows '####'. A null answer is the empty
-    string, which nothing matches."""
-    return "" if answer is None else str(answer).split("####")[-1].strip().replace(",", "")
-
-
-def verifiable_gold(gold):
-    """Whether the verifier can check answers against this gold: it holds a number or a LaTeX expression. Null,
-    empty and plain-word golds do not (a completion could only match them as text, e.g. "Answer: None")."""
-    return re.search(r"[0-9\\]", gold) is not None
-
-
-def verify_answer(prediction, gold):
-    """1.0 if the prediction equals the gold answer: math-verify first, numeric equality as the fallback."""
-    if prediction is None or not gold:
-        return 0.0
-    try:
-        from math_verify import parse, verify
-
-        parsed_gold, parsed_pred = parse(f"${gold}$"), parse(f"${prediction}$")
-        if parsed_gold and parsed_pred:
-            return float(verify(parsed_gold, parsed_pred))
-    except Exception:  # math-verify raises on some inputs, or times out: fall back to the task's numeric scorer
-        pass
-    try:
-        return float(abs(Fraction(prediction) - Fraction(gold)) < 1e-6)
-    except (ValueError, ZeroDivisionError):
-        return float(prediction.strip() == gold.strip())
 
 
 def compute_rewards(completions, golds, format_reward):
@@ -410,9 +346,8 @@ def main(args: Args):
         advantages = group_advantages(all_rewards, args.num_generations, args.scale_rewards)
         advantages = advantages[rank * args.batch_size : (rank + 1) * args.batch_size]
 
-        # 5. Log-probs that stay fixed during the update: the old policy's (only when the batch is reused: otherwise
-        # the first pass is exactly on-policy) and the reference's, under the policy's autocast so that the KL is
-        # exactly 0 before the first update (accelerate autocasts the prepared model only). [B, R]
+        # 5. Log-probs that stay fixed during the update [B, R]: the old policy's (only when the batch is reused, else
+        # the first pass is exactly on-policy); the reference's under the policy's autocast (KL 0 before any update).
         t0 = time.time()
         logprobs_fn = shared_prompt_logprobs if args.shared_prompt else response_logprobs
         batch = (query_responses, attention_mask, context_length, args.temperature, args.micro_batch_size)
@@ -461,9 +396,8 @@ def main(args: Args):
                         stats[name].append(value)
                     del logits
                 stats["loss/policy"].append(minibatch_loss)
-                stats["policy/grad_norm"].append(
-                    clip_gradients(accelerator, model, args.max_grad_norm, step, run.last_checkpoint)
-                )
+                grad_norm = clip_gradients(accelerator, model, args.max_grad_norm, step, run.last_checkpoint)
+                stats["policy/grad_norm"].append(grad_norm)
                 lr = scheduler.get_last_lr()[0]  # the learning rate of this update
                 optimizer.step()
                 scheduler.step()
@@ -475,9 +409,8 @@ def main(args: Args):
         gap_max = max(stats.pop("gap_max", [0.0]))
         metrics |= {name: float(np.mean(values)) for name, values in stats.items()}
         metrics["lr"] = lr  # of the step's last update
-        metrics["perf/train_tokens_per_second"] = (
-            int(attention_mask.sum()) * args.num_iterations / metrics["time/training"]
-        )
+        train_tokens = int(attention_mask.sum()) * args.num_iterations
+        metrics["perf/train_tokens_per_second"] = train_tokens / metrics["time/training"]
 
         # 7. Weight sync: the sampler generates the next batch with the new weights.
         t0 = time.time()
@@ -749,6 +682,17 @@ def load_policy_and_reference(args, accelerator, pad_token_id):
         ref_model = frozen(ref_model, accelerator, accelerator.device)
     enable_gradient_checkpointing([model], args)
     return model, ref_model
+
+
+def fixed_logprobs(logprobs_fn, model, query_responses, attention_mask, context_length, temperature, micro_batch_size):
+    """logprobs_fn (response_logprobs, or shared_prompt_logprobs where a script has it) without gradients, by
+    micro-batch: the old policy's and the reference's log-probs, which stay fixed during the update.
+    [B, P + R] -> [B, R]"""
+    parts = [slice(i, i + micro_batch_size) for i in range(0, len(query_responses), micro_batch_size)]
+    with torch.no_grad():
+        return torch.cat(
+            [logprobs_fn(model, query_responses[s], attention_mask[s], context_length, temperature)[0] for s in parts]
+        )
 
 
 def take(values, rows):
@@ -1419,6 +1363,59 @@ def check_columns(rows, columns, where, text_columns=()):
                 f"{where}: {len(bad)} of {len(rows)} rows have a {column} that is not text (the first is row "
                 f"{bad[0] + 1}: {json.dumps(rows[bad[0]][column])[:80]})"
             )
+
+
+def extract_answer(text):
+    """The final answer of a completion: the first number after the last 'Answer:' (its whole line if it has
+    none), else the last number in the text, else None. When that number starts an equation on its line (numbers
+    and operators, then '=': "9 * 6 = 54", "9 x 6 = 54 = 50 + 4"), the answer is the last side of the equation that
+    is a lone number (54 in both). LaTeX fractions are read as a/b, a Unicode minus as '-'."""
+    text = re.sub(r"\\d?frac\{(-?\d+)\}\{(\d+)\}", r"\1/\2", text).replace("\u2212", "-")
+    if "Answer:" in text:
+        tail = text.rsplit("Answer:", 1)[1]
+        found = re.search(NUMBER, tail)
+        if found:
+            term = r"(?:\([ \t]*)*-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:[ \t]*\))*"  # a number, maybe in parentheses
+            words = r"x|·|\\times|\\cdot|\\div|times|multiplied by|plus|minus|divided by|over|%[ \t]*of|percent of"
+            operation = rf"[ \t]*(?:[-+*/×÷]|(?:{words})(?![a-z]))[ \t]*"
+            side = rf"{term}(?:{operation}{term})*"
+            last = rf"[ \t]*=[ \t]*({NUMBER})(?![.,]?\d|{operation}\(*\.?\d)"  # a lone number
+            equation = re.compile(rf"{term}(?:{operation}{term})+(?:[ \t]*=[ \t]*{side})*{last}", re.I)
+            equation = equation.match(tail, found.start())
+            return (equation.group(1) if equation else found.group(0)).replace(",", "").replace(" ", "")
+        return tail.strip().split("\n")[0].strip().rstrip(".") or None
+    numbers = re.findall(NUMBER, text)
+    return numbers[-1].replace(",", "").replace(" ", "") if numbers else None
+
+
+def gold_answer(answer):
+    """The gold final answer as a string; GSM8K style solutions keep what follows '####'. A null answer is the empty
+    string, which nothing matches."""
+    return "" if answer is None else str(answer).split("####")[-1].strip().replace(",", "")
+
+
+def verifiable_gold(gold):
+    """Whether the verifier can check answers against this gold: it holds a number or a LaTeX expression. Null,
+    empty and plain-word golds do not (a completion could only match them as text, e.g. "Answer: None")."""
+    return re.search(r"[0-9\\]", gold) is not None
+
+
+def verify_answer(prediction, gold):
+    """1.0 if the prediction equals the gold answer: math-verify first, numeric equality as the fallback."""
+    if prediction is None or not gold:
+        return 0.0
+    try:
+        from math_verify import parse, verify
+
+        parsed_gold, parsed_pred = parse(f"${gold}$"), parse(f"${prediction}$")
+        if parsed_gold and parsed_pred:
+            return float(verify(parsed_gold, parsed_pred))
+    except Exception:  # math-verify raises on some inputs, or times out: fall back to the task's numeric scorer
+        pass
+    try:
+        return float(abs(Fraction(prediction) - Fraction(gold)) < 1e-6)
+    except (ValueError, ZeroDivisionError):
+        return float(prediction.strip() == gold.strip())
 
 
 def check_golds(rows, column, where, max_share=0.1):

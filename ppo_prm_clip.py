@@ -466,9 +466,8 @@ def main(args: Args):
                     with torch.no_grad():
                         stats["policy/entropy_avg"].append(masked_mean(entropy_from_logits(logits), mask[idx]).item())
                     del logits
-                stats["policy/grad_norm"].append(
-                    clip_gradients(accelerator, model, args.max_grad_norm, step, run.last_checkpoint)
-                )
+                grad_norm = clip_gradients(accelerator, model, args.max_grad_norm, step, run.last_checkpoint)
+                stats["policy/grad_norm"].append(grad_norm)
                 lr = scheduler.get_last_lr()[0]  # the learning rate of this update
                 optimizer.step()
                 scheduler.step()

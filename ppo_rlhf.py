@@ -279,38 +279,6 @@ def response_logprobs(model, input_ids, attention_mask, context_length, temperat
     return logprobs_from_logits(logits, input_ids[:, context_length:]), logits
 
 
-def fixed_logprobs(logprobs_fn, model, query_responses, attention_mask, context_length, temperature, micro_batch_size):
-    """logprobs_fn (response_logprobs, or shared_prompt_logprobs where a script has it) without gradients, by
-    micro-batch: the old policy's and the reference's log-probs, which stay fixed during the update.
-    [B, P + R] -> [B, R]"""
-    parts = [slice(i, i + micro_batch_size) for i in range(0, len(query_responses), micro_batch_size)]
-    with torch.no_grad():
-        return torch.cat(
-            [logprobs_fn(model, query_responses[s], attention_mask[s], context_length, temperature)[0] for s in parts]
-        )
-
-
-class PolicyAndValue(torch.nn.Module):
-    """The policy and the value model as one module, so that one optimizer, one DDP/DeepSpeed wrapper (which syncs
-    gradients only for calls through its forward) and one checkpoint cover both."""
-
-    def __init__(self, policy, value_model):
-        super().__init__()
-        self.policy, self.value_model = policy, value_model
-        # The value model's head minus its config.bias (the mean training score reward_modeling.py stores), as the
-        # N+ critic does: a value model started from the reward model then predicts the centred scores
-        # (score - bias) from step 0 instead of starting bias above every return. A plain float, not a buffer:
-        # it stays in the value model's saved config, and checkpoints keep their keys.
-        self.value_bias = float(getattr(value_model.config, "bias", 0.0))
-
-    def forward(self, input_ids, attention_mask, context_length, temperature):
-        """Response log-probs [B, R], their logits [B, R, V] and the values [B, R] of the states before each
-        response token (the value model's centred output at the position that predicts it)."""
-        logprobs, logits = response_logprobs(self.policy, input_ids, attention_mask, context_length, temperature)
-        values = token_scores(self.value_model, self.value_model.score, input_ids, attention_mask)
-        return logprobs, logits, values[:, context_length - 1 : -1] - self.value_bias
-
-
 def reward_model_scores(
     reward_model, query_responses, attention_mask, context_length, mask, stop_ids, args, accelerator
 ):
@@ -454,9 +422,8 @@ def main(args: Args):
                     for name, value in micro_stats.items():
                         stats[name].append(value)
                     del logits
-                stats["policy/grad_norm"].append(
-                    clip_gradients(accelerator, model, args.max_grad_norm, step, run.last_checkpoint)
-                )
+                grad_norm = clip_gradients(accelerator, model, args.max_grad_norm, step, run.last_checkpoint)
+                stats["policy/grad_norm"].append(grad_norm)
                 lr = scheduler.get_last_lr()[0]  # the learning rate of this update
                 optimizer.step()
                 scheduler.step()
@@ -1157,6 +1124,38 @@ def save_policy_and_value(accelerator, model, tokenizer, run_dir):
             module = getattr(unwrapped, attribute)
             module.save_pretrained(os.path.join(run_dir, folder), state_dict=own, safe_serialization=True)
             tokenizer.save_pretrained(os.path.join(run_dir, folder))
+
+
+class PolicyAndValue(torch.nn.Module):
+    """The policy and the value model as one module, so that one optimizer, one DDP/DeepSpeed wrapper (which syncs
+    gradients only for calls through its forward) and one checkpoint cover both."""
+
+    def __init__(self, policy, value_model):
+        super().__init__()
+        self.policy, self.value_model = policy, value_model
+        # The value model's head minus its config.bias (the mean training score reward_modeling.py stores), as the
+        # N+ critic does: a value model started from the reward model then predicts the centred scores
+        # (score - bias) from step 0 instead of starting bias above every return. A plain float, not a buffer:
+        # it stays in the value model's saved config, and checkpoints keep their keys.
+        self.value_bias = float(getattr(value_model.config, "bias", 0.0))
+
+    def forward(self, input_ids, attention_mask, context_length, temperature):
+        """Response log-probs [B, R], their logits [B, R, V] and the values [B, R] of the states before each
+        response token (the value model's centred output at the position that predicts it)."""
+        logprobs, logits = response_logprobs(self.policy, input_ids, attention_mask, context_length, temperature)
+        values = token_scores(self.value_model, self.value_model.score, input_ids, attention_mask)
+        return logprobs, logits, values[:, context_length - 1 : -1] - self.value_bias
+
+
+def fixed_logprobs(logprobs_fn, model, query_responses, attention_mask, context_length, temperature, micro_batch_size):
+    """logprobs_fn (response_logprobs, or shared_prompt_logprobs where a script has it) without gradients, by
+    micro-batch: the old policy's and the reference's log-probs, which stay fixed during the update.
+    [B, P + R] -> [B, R]"""
+    parts = [slice(i, i + micro_batch_size) for i in range(0, len(query_responses), micro_batch_size)]
+    with torch.no_grad():
+        return torch.cat(
+            [logprobs_fn(model, query_responses[s], attention_mask[s], context_length, temperature)[0] for s in parts]
+        )
 
 
 def fixed_logprobs_and_values(model, query_responses, attention_mask, context_length, temperature, micro_batch_size):
