@@ -80,14 +80,11 @@ class Args:
     sync: bool = False
     """generate and learn in turn (the synchronous baseline: every batch from the current weights, lag 0)"""
     max_staleness: int = 1
-    """N: the learner at step t trains on a batch generated with the weights of step t - N or newer (the size of the
-    queue between generator and learner); 1 is the paper's one-step off-policy pipeline; 0 waits for the current
-    weights, lag 0 as with --sync (the same numbers), but with the CPU threads split as in async runs"""
+    """N: step t trains on a batch made with the weights of step t - N or newer (1: the paper's; 0: lag 0)"""
 
     # Learning: online DPO or RLOO
     loss: Literal["dpo", "rloo"] = "dpo"
-    """dpo: online DPO on two completions per prompt (the higher score chosen); rloo: PPO-clipped RLOO on rloo_k
-    completions per prompt"""
+    """dpo: online DPO on two completions per prompt; rloo: PPO-clipped RLOO on rloo_k completions per prompt"""
     total_steps: int = 60
     """number of learner steps (one batch each)"""
     prompts_per_rank: int = 8
@@ -119,16 +116,13 @@ class Args:
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
     """estimator of the KL to the reference: logged as objective/kl, and in the rloo reward"""
     tis_cap: Optional[float] = None
-    """dpo with vLLM: truncated importance sampling, weight each pair's loss by min(pi_train / pi_vllm, cap) over
-    both completions (None: off). rloo needs none: its ratio is already taken against the generator's log-probs"""
+    """dpo with vLLM: weight each pair's loss by min(pi_train / pi_vllm, cap) (None: off; rloo needs none)"""
 
     # Judge
     judge: Literal["reward_model", "verifier"] = "reward_model"
-    """what scores a completion: the reward model, or the task's verifier (1 if the final answer is right, else 0;
-    needs the --answer_column)"""
+    """what scores a completion: the reward model, or the verifier (1 if the final answer is right, else 0)"""
     reward_model_path: str = "runs/reward_model"
-    """the judge with --judge reward_model: a one-label sequence-classification model (default: what
-    `python reward_modeling.py` saves), whose score minus its config.bias is the score"""
+    """the judge: a one-label sequence classifier (what reward_modeling.py saves); score = logit - config.bias"""
     missing_eos_penalty: Optional[float] = -1.0
     """the score of a completion with no EOS within response_length, instead of the judge's (None: keep it)"""
 
@@ -144,8 +138,7 @@ class Args:
     dtype: Literal["float32", "bfloat16"] = "float32"
     """dtype of the trained weights (and of the generator's copy); bfloat16 weights lose small Adam updates"""
     lora_r: int = 0
-    """LoRA rank of the policy through peft (0: full fine-tuning); the reference is then the adapters switched off,
-    and the generator receives the merged weights"""
+    """LoRA rank of the policy (0: full fine-tuning); reference: adapters off; the generator gets merged weights"""
 
     # Experiment
     seed: int = 1

@@ -92,25 +92,21 @@ class Args:
     loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
     """sigmoid: -log sigmoid(beta * h) (DPO); ipo: (h - 1 / (2 beta))^2 (IPO), h the log-ratio difference"""
     judge: Literal["reward_model", "verifier"] = "reward_model"
-    """what picks the chosen completion of a pair: the reward model's score, or the task's verifier (1 if the final
-    answer is right, else 0; needs the --answer_column)"""
+    """what picks the chosen completion: the reward model's score, or the verifier (1 if the final answer is right)"""
     reward_model_path: str = "runs/reward_model"
-    """the judge with --judge reward_model: a one-label sequence-classification model (default: what
-    `python reward_modeling.py` saves), whose score minus its config.bias is the score"""
+    """the judge: a one-label sequence classifier (what reward_modeling.py saves); score = logit - config.bias"""
     missing_eos_penalty: Optional[float] = -1.0
     """the score of a completion with no EOS within response_length, instead of the judge's (None: keep it)"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
     """estimator of the KL to the reference logged as objective/kl (measured only: DPO's KL term is beta)"""
     tis_cap: Optional[float] = None
-    """truncated importance sampling for vLLM samples: weight each pair's loss by min(pi_train / pi_vllm, cap),
-    the ratio of both completions' sequence probabilities (None: off; DPO's loss does not assume on-policy samples)"""
+    """vLLM samples: weight each pair's loss by min(pi_train / pi_vllm, cap), both completions' (None: off)"""
 
     # Generation
     response_length: int = 64
     """maximum number of generated tokens per completion"""
     temperature: float = 0.9
-    """sampling temperature (the trainer divides its logits by it too, so both score the same distribution); the
-    two completions of a pair must differ for the judge to prefer one, which a low temperature makes rare"""
+    """sampling temperature (the trainer divides its logits by it too); too low and a pair's two rarely differ"""
 
     # Model
     model_name_or_path: str = "assets/SmolLM2-135M-Instruct"

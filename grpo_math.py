@@ -59,9 +59,7 @@ class Args:
     num_generations: int = 8
     """G, completions per prompt (the group)"""
     oversample: int = 1
-    """DAPO dynamic sampling: sample oversample * prompts_per_rank prompts per step and train on prompts_per_rank
-    of them, groups whose completions got different rewards first (a group with one reward has zero advantages
-    and only dilutes the token mean); 1: off"""
+    """DAPO dynamic sampling: sample oversample x the prompts, train on groups whose rewards differ first (1: off)"""
     micro_batch_size: int = 8
     """completions per forward/backward pass"""
     num_minibatches: int = 1
@@ -83,11 +81,9 @@ class Args:
     clip_eps_high: float = 0.2
     """ratio clip above 1 + eps_high (DAPO clip-higher: 0.28)"""
     beta: float = 0.04
-    """coefficient of the KL to the reference policy in the loss (0: no reference model is loaded; 0.04 as in the GRPO
-    paper, rather than 0: docs/grpo_math.md)"""
+    """coefficient of the KL to the reference in the loss (0: no reference is loaded; 0.04 as in the GRPO paper)"""
     kl_estimator: Literal["k2", "k3"] = "k3"
-    """estimator of the per-token KL in the loss. Its expected gradient on samples of pi: k3's is that of
-    KL(pi_ref || pi), k2's that of KL(pi || pi_ref); k1's is zero (E_pi[grad log pi] = 0), so it is not offered"""
+    """per-token KL estimator in the loss: k3's gradient is that of KL(pi_ref || pi), k2's of KL(pi || pi_ref)"""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """divide centred rewards by the group std (GRPO), the batch std, or nothing (Dr. GRPO)"""
     loss_type: Literal["token_mean", "seq_mean_token_mean", "constant"] = "token_mean"

@@ -81,15 +81,13 @@ from transformers import (
 class Args:
     # Process rewards (the paper's Clip / Delta)
     reward_mode: Literal["none", "raw", "clip", "delta", "clip_delta"] = "clip_delta"
-    """how the PRM's step scores p_k become step rewards r_k: raw p_k; clip min(p_k - eta, 0); delta p_k - p_{k+1}
-    (the last step keeps p_K); clip_delta: delta of the clipped values; none: success reward only (the baseline)"""
+    """p_k -> r_k: raw p_k; clip min(p_k - eta, 0); delta p_k - p_{k+1}, r_K = p_K; clip_delta; none: success only"""
     eta: float = 0.5
     """the Clip threshold, in [0, 1]: steps the PRM scores at eta or above get 0, the others p_k - eta"""
     prm_coef: float = 0.5
     """weight of the process rewards next to the success reward (1 correct / 0 wrong)"""
     prm: str = "verifier"
-    """the process reward model: "verifier" (checks each step's arithmetic), a folder written by
-    `python reward_modeling.py --prm`, or a Math-Shepherd style causal-LM PRM (folder or hub id)"""
+    """the PRM: verifier (checks each step's arithmetic), a reward_modeling.py --prm folder, or a Math-Shepherd LM"""
     step_separator: str = "\n\n"
     """responses are split into steps at this string (a blank line; in a shell, $'\\n' gives a newline)"""
     missing_eos_penalty: Optional[float] = None
@@ -103,13 +101,11 @@ class Args:
     micro_batch_size: int = 4
     """responses per forward/backward pass"""
     num_ppo_epochs: int = 1
-    """passes over each batch (1 by default: a CPU step costs about one forward-backward pass of policy and value
-    model per pass; the second minibatch is already off-policy, so the clipping still acts)"""
+    """passes over each batch (with 2 minibatches the second is already off-policy: the clipping acts)"""
     num_minibatches: int = 2
     """optimizer steps per pass"""
     learning_rate: float = 2e-5
-    """AdamW learning rate (policy and value model): 2 optimizer steps per batch at 2e-5 move the policy about as far
-    as ppo_rlhf.py's 4 at 1e-5"""
+    """AdamW learning rate of the policy and the value model"""
     lr_scheduler: Literal["constant", "linear", "cosine"] = "linear"
     """learning-rate schedule after warmup"""
     warmup_steps: int = 0

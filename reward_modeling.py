@@ -81,8 +81,7 @@ from transformers import (
 class Args:
     # Reward model (Bradley-Terry; --prm: a process reward model)
     prm: bool = False
-    """train a step-level PRM on the verifier's step labels (binary cross-entropy at each step's last token) instead
-    of a Bradley-Terry reward model; needs a task (question/answer columns)"""
+    """train a step-level PRM (cross-entropy at each step's last token, verifier labels), not a Bradley-Terry RM"""
     step_separator: str = "\n\n"
     """with --prm, completions are split into steps at this string (as in ppo_prm_clip.py)"""
     num_train_epochs: float = 1.0
