@@ -712,7 +712,7 @@ class Run:
                     state = json.load(f)
             except Exception as error:
                 problem, earlier = " ".join(str(error).split()), finished_checkpoints(self.dir)[-2:-1]
-                hint = f"; delete it to resume from {earlier[0]}" if earlier else ""
+                hint = f"; if a file is damaged, delete it to resume from {earlier[0]}" if earlier else ""
                 fail(f"checkpoint {self.resume_from} does not load ({type(error).__name__}: {problem}){hint}")
             step, self.episode, self.last_checkpoint = state["global_step"], state["episode"], self.resume_from
             self.accelerator.print(f"resumed {self.dir} from {self.resume_from} at step {step}")
@@ -735,7 +735,7 @@ class Run:
             hparams = {k: v if isinstance(v, (int, float, str)) else str(v) for k, v in config.items()}
             for tracker in self.trackers:
                 tracker.start()
-                tracker.store_init_configuration(hparams)
+                tracker.store_init_configuration(config if tracker.name == "wandb" else hparams)
         self.t_start = time.time()
         return step
 

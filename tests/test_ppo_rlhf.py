@@ -641,3 +641,28 @@ def test_process_chunks_cover_every_item_once_with_the_same_count_on_every_proce
     for rank, chunks in enumerate(shares):
         assert all(len(chunk) <= chunk_size for chunk in chunks)
         assert [i for chunk in chunks for i in chunk] == list(range(rank, num_items, world_size))
+
+
+def test_sampler_gap_metrics_against_a_loop():
+    """objective/logprob_gap is the mean over micro-batches (in rollout order) of each one's masked mean of
+    |log pi_train - log pi_sampler|; the ratio max is the largest pi_train / pi_sampler on a real token. ppo_prm_clip
+    has the same function (drift test)."""
+    g = torch.Generator().manual_seed(0)
+    old, sampler = (
+        torch.randn(6, 5, generator=g, dtype=torch.float64),
+        torch.randn(6, 5, generator=g, dtype=torch.float64),
+    )
+    mask = (torch.rand(6, 5, generator=g) > 0.3).double()
+    mask[4] = 0.0  # a micro-batch row with no real token still counts in its micro-batch's mean
+    gap, ratio_max = ppo_rlhf.sampler_gap_metrics(old, sampler, mask, micro_batch_size=2)
+    means, largest = [], -math.inf
+    for start in range(0, 6, 2):
+        total = count = 0.0
+        for b in range(start, start + 2):
+            for t in range(5):
+                if mask[b, t]:
+                    d = old[b, t].item() - sampler[b, t].item()
+                    total, count, largest = total + abs(d), count + 1, max(largest, math.exp(d))
+        means.append(total / max(count, 1.0))
+    assert gap == {"objective/logprob_gap": pytest.approx(sum(means) / len(means), rel=1e-12)}
+    assert ratio_max == pytest.approx(largest, rel=1e-12)
