@@ -288,21 +288,7 @@ def main(args: Args):
     train_prompts, train_golds, eval_set, has_gold = load_judged_prompts(args, tokenizer, world_size)
     run = Run(args, accelerator, RESUMABLE_ARGS)
     set_seed(args.seed + rank)  # random, numpy and torch: a different sampling stream per process
-    model = load_model(args.model_name_or_path, AutoModelForCausalLM, args, tokenizer.pad_token_id)
-    ref_model = reward_model = None
-    if args.lora_r > 0:  # the reference is then the same model with its adapters switched off
-        model = add_lora(model, args, "CAUSAL_LM")
-    else:
-        with whole_on_every_process(accelerator):
-            ref_model = load_model(args.model_name_or_path, AutoModelForCausalLM, args, tokenizer.pad_token_id)
-        ref_model = frozen(ref_model, accelerator, device)
-    if args.judge == "reward_model":
-        with whole_on_every_process(accelerator):
-            reward_model = load_model(
-                args.reward_model_path, AutoModelForSequenceClassification, args, tokenizer.pad_token_id
-            )
-        reward_model = frozen(reward_model, accelerator, device)
-    enable_gradient_checkpointing([model], args)
+    model, ref_model, reward_model = load_dpo_models(args, accelerator, tokenizer.pad_token_id)
     trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay, eps=1e-8)
     scheduler = make_scheduler(optimizer, args, args.total_steps * args.num_minibatches)
@@ -312,15 +298,13 @@ def main(args: Args):
     start_step = run.start({"vllm": sampler.llm is not None})
     if start_step > 0:
         sampler.sync_weights()
-    if start_step == 0:
+    else:
         eval_metrics, samples = evaluate(sampler, eval_set, has_gold, reward_model, args, accelerator, 0)
         run.log(0, eval_metrics, samples)
         accelerator.print(" | ".join(f"{k} {v:.3f}" for k, v in eval_metrics.items()))
 
     num_pairs = args.prompts_per_rank
-    progress = tqdm(
-        total=args.total_steps, initial=start_step, desc="dpo_online", disable=not accelerator.is_main_process
-    )
+    progress = tqdm(total=args.total_steps, initial=start_step, desc="dpo", disable=not accelerator.is_main_process)
     for step in range(start_step, args.total_steps):
         t_step, metrics = time.time(), {}
         # 1. Prompts: each process takes its slice of a global order that is a function of (seed, step), so that
@@ -948,6 +932,29 @@ def contains_eos(responses, mask, stop_token_ids):
     """[N] bool: whether each completion holds a stop token (any EOS id) among its real tokens. responses, mask
     [N, R]."""
     return (torch.isin(responses, torch.tensor(stop_token_ids)) & (mask > 0)).any(1)
+
+
+def load_dpo_models(args, accelerator, pad_token_id):
+    """The policy (with LoRA adapters if --lora_r), its frozen reference (None with LoRA: the policy with its adapters
+    switched off) and, with --judge reward_model, the frozen reward model (else None). Frozen models are whole on
+    every process; the policy is sharded under ZeRO-3."""
+    model, ref_model, reward_model = (
+        load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_token_id),
+        None,
+        None,
+    )
+    if args.lora_r > 0:
+        model = add_lora(model, args, "CAUSAL_LM")
+    else:
+        with whole_on_every_process(accelerator):
+            ref_model = load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_token_id)
+        ref_model = frozen(ref_model, accelerator, accelerator.device)
+    if args.judge == "reward_model":
+        with whole_on_every_process(accelerator):
+            reward_model = load_model(args.reward_model_path, AutoModelForSequenceClassification, args, pad_token_id)
+        reward_model = frozen(reward_model, accelerator, accelerator.device)
+    enable_gradient_checkpointing([model], args)
+    return model, ref_model, reward_model
 
 
 def take(values, rows):

@@ -1892,8 +1892,6 @@ def check_args(args):
             f"--micro_batch_size ({args.micro_batch_size}) must divide the minibatch "
             f"(prompts_per_rank / num_minibatches = {args.prompts_per_rank // args.num_minibatches})"
         )
-    if args.reward_mode not in ("none", "raw", "clip", "delta", "clip_delta"):
-        fail(f"--reward_mode must be one of none, raw, clip, delta, clip_delta; got {args.reward_mode!r}")
     if not 0 <= args.eta <= 1:
         fail(f"--eta must be in [0, 1] (PRM scores are probabilities); got {args.eta}")
     if not args.step_separator:

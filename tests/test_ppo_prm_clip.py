@@ -13,6 +13,7 @@ import sys
 import fixed_rollout
 import pytest
 import torch
+import tyro
 from conftest import (
     REPO_ROOT,
     NoModelLoads,
@@ -661,7 +662,6 @@ def bad_args(make_args, monkeypatch):
     [
         (dict(eta=1.5), ["--eta", "[0, 1]"]),
         (dict(eta=-0.1), ["--eta"]),
-        (dict(reward_mode="sqrt"), ["--reward_mode", "clip_delta"]),
         (dict(step_separator=""), ["--step_separator"]),
         (dict(prm_coef=-1.0), ["--prm_coef"]),
         (dict(prm="runs/no_such_prm"), ["--prm", "reward_modeling.py --prm"]),
@@ -672,6 +672,13 @@ def bad_args(make_args, monkeypatch):
 )
 def test_bad_input(bad_args, overrides, names):
     one_line_error(prm.main, bad_args(**overrides), *names)
+
+
+def test_an_unknown_reward_mode_is_refused_by_the_command_line(capsys):
+    """tyro checks the Literal choices (the script does not repeat it): --reward_mode sqrt stops with the choices."""
+    with pytest.raises(SystemExit):
+        tyro.cli(prm.Config, args=["--reward_mode", "sqrt"])
+    assert "clip_delta" in capsys.readouterr().err
 
 
 def test_a_prm_that_gives_no_score_for_a_step(bad_args, monkeypatch):
