@@ -272,6 +272,49 @@ def test_run_folders_are_never_shared(tmp_path):
     assert sorted(os.listdir(tmp_path / "runs")) == sorted(names)
 
 
+def test_trackers_get_the_config(make_args, monkeypatch):
+    """--track: wandb (a stand-in that records what accelerate's WandBTracker would get) receives the config's own
+    values (tuples and None intact), the run name as id and name, resume="allow" and the run folder; TensorBoard's
+    hparams, which take numbers and text only, get the rest as text; metrics go to both."""
+    from accelerate import Accelerator
+
+    calls = {}
+
+    class RecordingWandB:
+        name = "wandb"
+
+        def __init__(self, project, **kwargs):
+            calls["init"] = (project, kwargs)
+
+        def start(self):
+            pass
+
+        def store_init_configuration(self, values):
+            calls["config"] = values
+
+        def log(self, values, step):
+            calls.setdefault("log", []).append((step, values))
+
+        def finish(self):
+            calls["finished"] = True
+
+    monkeypatch.setattr(grpo_math, "WandBTracker", RecordingWandB)
+    args = make_args(track=True, wandb_tags=("a",), system_prompt=None)
+    run = grpo_math.Run(args, Accelerator(cpu=True), grpo_math.RESUMABLE_ARGS)
+    run.start({})
+    run.log(0, {"eval/accuracy": 0.5})
+    run.finish()
+    project, kwargs = calls["init"]
+    assert project == "cleanrlhf" and kwargs["id"] == kwargs["name"] == args.run_name and kwargs["resume"] == "allow"
+    assert kwargs["dir"] == run.dir and kwargs["tags"][0] == "a"
+    assert calls["config"]["lora_target_modules"] == ("all-linear",) and calls["config"]["system_prompt"] is None
+    assert calls["log"] == [(0, {"eval/accuracy": 0.5})] and calls["finished"]
+    (hparams,) = [os.path.join(d, f) for d, _, files in os.walk(run.dir) for f in files if f == "hparams.yml"]
+    with open(hparams) as f:
+        text = f.read()
+    assert "lora_target_modules: ('all-linear',)" in text and "system_prompt: None" in text, text
+
+
 def test_top_p_below_one_with_vllm(make_args, no_model):
     """vLLM's log-probs under --top_p < 1 are over the nucleus, the trainer's over the whole vocabulary (TIS)."""
     assert_one_line_error(make_args(vllm=True, top_p=0.9), "--top_p 0.9", "--no-vllm")
