@@ -1292,8 +1292,8 @@ def load_generator_models(args, accelerator, use_vllm, pad_token_id):
 class Run:
     """The run folder {output_dir}/{run_name}: config.json, metrics.jsonl, samples.jsonl, accelerate's TensorBoard and
     wandb trackers, atomic checkpoints, and --resume from its latest checkpoint. Made on every process; only the main
-    process writes. The run name ({task}__{exp_name}__{seed}__{unix_time}, the
-    time from rank 0, with a suffix if that folder exists) is set on args.run_name."""
+    process writes. The run name ({task}__{exp_name}__{seed}__{unix_time}, the time from rank 0, with a suffix if that
+    folder exists) is set on args.run_name."""
 
     def __init__(self, args, accelerator, resumable_args):
         self.args, self.accelerator = args, accelerator

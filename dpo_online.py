@@ -733,8 +733,8 @@ class Sampler:
 class Run:
     """The run folder {output_dir}/{run_name}: config.json, metrics.jsonl, samples.jsonl, accelerate's TensorBoard and
     wandb trackers, atomic checkpoints, and --resume from its latest checkpoint. Made on every process; only the main
-    process writes. The run name ({task}__{exp_name}__{seed}__{unix_time}, the
-    time from rank 0, with a suffix if that folder exists) is set on args.run_name."""
+    process writes. The run name ({task}__{exp_name}__{seed}__{unix_time}, the time from rank 0, with a suffix if that
+    folder exists) is set on args.run_name."""
 
     def __init__(self, args, accelerator, resumable_args):
         self.args, self.accelerator = args, accelerator
@@ -934,21 +934,26 @@ def contains_eos(responses, mask, stop_token_ids):
     return (torch.isin(responses, torch.tensor(stop_token_ids)) & (mask > 0)).any(1)
 
 
-def load_dpo_models(args, accelerator, pad_token_id):
-    """The policy (with LoRA adapters if --lora_r), its frozen reference (None with LoRA: the policy with its adapters
-    switched off) and, with --judge reward_model, the frozen reward model (else None). Frozen models are whole on
-    every process; the policy is sharded under ZeRO-3."""
-    model, ref_model, reward_model = (
-        load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_token_id),
-        None,
-        None,
-    )
+def load_policy_and_reference(args, accelerator, pad_token_id, with_reference=True):
+    """The policy (with LoRA adapters if --lora_r; sharded under ZeRO-3) and its frozen reference, whole on every
+    process: None with LoRA (the policy with its adapters switched off is the reference) or without with_reference.
+    load_model turns dropout off: the rollout's log-probs must equal the first minibatch's, the policy's its
+    reference's."""
+    policy = load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_token_id)
     if args.lora_r > 0:
-        model = add_lora(model, args, "CAUSAL_LM")
-    else:
-        with whole_on_every_process(accelerator):
-            ref_model = load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_token_id)
-        ref_model = frozen(ref_model, accelerator, accelerator.device)
+        return add_lora(policy, args, "CAUSAL_LM"), None
+    if not with_reference:
+        return policy, None
+    with whole_on_every_process(accelerator):
+        reference = load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_token_id)
+    return policy, frozen(reference, accelerator, accelerator.device)
+
+
+def load_dpo_models(args, accelerator, pad_token_id):
+    """The policy and its reference (load_policy_and_reference) and, with --judge reward_model, the frozen reward
+    model, whole on every process (else None)."""
+    model, ref_model = load_policy_and_reference(args, accelerator, pad_token_id)
+    reward_model = None
     if args.judge == "reward_model":
         with whole_on_every_process(accelerator):
             reward_model = load_model(args.reward_model_path, AutoModelForSequenceClassification, args, pad_token_id)

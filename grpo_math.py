@@ -284,7 +284,8 @@ def main(args: Args):
     train_prompts, train_golds, eval_sets = load_math_prompts(args, tokenizer, world_size)
     run = Run(args, accelerator, RESUMABLE_ARGS)
     set_seed(args.seed + rank)  # random, numpy and torch: a different sampling stream per process
-    model, ref_model = load_policy_and_reference(args, accelerator, pad_id)  # ref: None with LoRA
+    model, ref_model = load_policy_and_reference(args, accelerator, pad_id, with_reference=args.beta > 0)
+    enable_gradient_checkpointing([model], args)
     num_updates = args.total_steps * args.num_iterations * args.num_minibatches
     trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay, eps=1e-8)
@@ -665,19 +666,19 @@ def shared_prompt_logprobs(model, input_ids, attention_mask, context_length, tem
     return logprobs_from_logits(logits, input_ids[:, context_length:]), logits
 
 
-def load_policy_and_reference(args, accelerator, pad_token_id):
-    """The policy (with LoRA adapters if --lora_r) and the frozen reference: None with LoRA, where it is the policy
-    with its adapters switched off, and with --beta 0, where nothing reads it."""
-    model = load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_token_id)
-    ref_model = None
+def load_policy_and_reference(args, accelerator, pad_token_id, with_reference=True):
+    """The policy (with LoRA adapters if --lora_r; sharded under ZeRO-3) and its frozen reference, whole on every
+    process: None with LoRA (the policy with its adapters switched off is the reference) or without with_reference.
+    load_model turns dropout off: the rollout's log-probs must equal the first minibatch's, the policy's its
+    reference's."""
+    policy = load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_token_id)
     if args.lora_r > 0:
-        model = add_lora(model, args, "CAUSAL_LM")
-    elif args.beta > 0:
-        with whole_on_every_process(accelerator):
-            ref_model = load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_token_id)
-        ref_model = frozen(ref_model, accelerator, accelerator.device)
-    enable_gradient_checkpointing([model], args)
-    return model, ref_model
+        return add_lora(policy, args, "CAUSAL_LM"), None
+    if not with_reference:
+        return policy, None
+    with whole_on_every_process(accelerator):
+        reference = load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_token_id)
+    return policy, frozen(reference, accelerator, accelerator.device)
 
 
 def fixed_logprobs(logprobs_fn, model, query_responses, attention_mask, context_length, temperature, micro_batch_size):
@@ -802,8 +803,8 @@ class Sampler:
 class Run:
     """The run folder {output_dir}/{run_name}: config.json, metrics.jsonl, samples.jsonl, accelerate's TensorBoard and
     wandb trackers, atomic checkpoints, and --resume from its latest checkpoint. Made on every process; only the main
-    process writes. The run name ({task}__{exp_name}__{seed}__{unix_time}, the
-    time from rank 0, with a suffix if that folder exists) is set on args.run_name."""
+    process writes. The run name ({task}__{exp_name}__{seed}__{unix_time}, the time from rank 0, with a suffix if that
+    folder exists) is set on args.run_name."""
 
     def __init__(self, args, accelerator, resumable_args):
         self.args, self.accelerator = args, accelerator

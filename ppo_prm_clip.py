@@ -351,7 +351,9 @@ def main(args: Args):
         check_same_vocabulary(args.value_model_path, "value_model_path", tokenizer, args.trust_remote_code)
     run = Run(args, accelerator, RESUMABLE_ARGS)
     set_seed(args.seed + rank)  # random, numpy and torch: a different sampling stream per process
-    policy, ref_policy, value_model = load_prm_policy_and_value(args, accelerator, tokenizer.pad_token_id)
+    policy, ref_policy = load_policy_and_reference(args, accelerator, tokenizer.pad_token_id)
+    value_model = load_value_model_prm(args, accelerator, tokenizer.pad_token_id)
+    enable_gradient_checkpointing([policy, value_model], args)
     prm = ProcessRewardModel(args, accelerator, tokenizer, prm_tokenizer, prm_token_ids)
     model = PolicyAndValueModel(policy, value_model)  # one optimizer, one DDP/DeepSpeed wrapper, one checkpoint
     num_updates = args.total_steps * args.num_ppo_epochs * args.num_minibatches
@@ -702,8 +704,8 @@ class Sampler:
 class Run:
     """The run folder {output_dir}/{run_name}: config.json, metrics.jsonl, samples.jsonl, accelerate's TensorBoard and
     wandb trackers, atomic checkpoints, and --resume from its latest checkpoint. Made on every process; only the main
-    process writes. The run name ({task}__{exp_name}__{seed}__{unix_time}, the
-    time from rank 0, with a suffix if that folder exists) is set on args.run_name."""
+    process writes. The run name ({task}__{exp_name}__{seed}__{unix_time}, the time from rank 0, with a suffix if that
+    folder exists) is set on args.run_name."""
 
     def __init__(self, args, accelerator, resumable_args):
         self.args, self.accelerator = args, accelerator
@@ -1114,23 +1116,6 @@ class OneLabelClassifier:
         return AutoModelForSequenceClassification.from_pretrained(path, config=config, **kwargs)
 
 
-def load_prm_policy_and_value(args, accelerator, pad_token_id):
-    """The policy (with LoRA adapters if --lora_r), its frozen reference (None with LoRA: the policy with its adapters
-    switched off) and the value model (load_value_model_prm). Frozen models are whole on every process; the trained
-    ones are sharded under ZeRO-3. load_model turns dropout off: the rollout's log-probs and values must equal the
-    first minibatch's."""
-    policy, ref_policy = load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_token_id), None
-    if args.lora_r > 0:
-        policy = add_lora(policy, args, "CAUSAL_LM")
-    else:
-        with whole_on_every_process(accelerator):
-            ref_policy = load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_token_id)
-        ref_policy = frozen(ref_policy, accelerator, accelerator.device)
-    value_model = load_value_model_prm(args, accelerator, pad_token_id)
-    enable_gradient_checkpointing([policy, value_model], args)
-    return policy, ref_policy, value_model
-
-
 def take(values, rows):
     """values[rows], or None for a tensor the run does not have (no reference model, no sampler log-probs)."""
     return None if values is None else values[rows]
@@ -1144,6 +1129,21 @@ def sampler_gap_metrics(old_logprobs, sampler_logprobs, mask, micro_batch_size):
     parts = [slice(i, i + micro_batch_size) for i in range(0, len(log_gap), micro_batch_size)]
     means = [masked_mean(log_gap[s].abs(), mask[s]).item() for s in parts]
     return {"objective/logprob_gap": float(np.mean(means))}, torch.exp(log_gap)[mask > 0].max().item()
+
+
+def load_policy_and_reference(args, accelerator, pad_token_id, with_reference=True):
+    """The policy (with LoRA adapters if --lora_r; sharded under ZeRO-3) and its frozen reference, whole on every
+    process: None with LoRA (the policy with its adapters switched off is the reference) or without with_reference.
+    load_model turns dropout off: the rollout's log-probs must equal the first minibatch's, the policy's its
+    reference's."""
+    policy = load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_token_id)
+    if args.lora_r > 0:
+        return add_lora(policy, args, "CAUSAL_LM"), None
+    if not with_reference:
+        return policy, None
+    with whole_on_every_process(accelerator):
+        reference = load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_token_id)
+    return policy, frozen(reference, accelerator, accelerator.device)
 
 
 def load_value_model_prm(args, accelerator, pad_token_id):

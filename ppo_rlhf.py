@@ -469,18 +469,25 @@ def main(args: Args):
 # =====================================================================================================================
 
 
-def load_ppo_models(args, accelerator, pad_token_id):
-    """The policy (with LoRA adapters if --lora_r), its frozen reference (None with LoRA: the policy with its adapters
-    switched off), the frozen reward model and the value model (started from the reward model unless
-    --value_model_path, as in the N+ details). Frozen models are whole on every process; the trained ones are sharded
-    under ZeRO-3. load_model turns dropout off: the rollout's log-probs and values must equal the first minibatch's."""
-    policy, ref_policy = load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_token_id), None
+def load_policy_and_reference(args, accelerator, pad_token_id, with_reference=True):
+    """The policy (with LoRA adapters if --lora_r; sharded under ZeRO-3) and its frozen reference, whole on every
+    process: None with LoRA (the policy with its adapters switched off is the reference) or without with_reference.
+    load_model turns dropout off: the rollout's log-probs must equal the first minibatch's, the policy's its
+    reference's."""
+    policy = load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_token_id)
     if args.lora_r > 0:
-        policy = add_lora(policy, args, "CAUSAL_LM")
-    else:
-        with whole_on_every_process(accelerator):
-            ref_policy = load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_token_id)
-        ref_policy = frozen(ref_policy, accelerator, accelerator.device)
+        return add_lora(policy, args, "CAUSAL_LM"), None
+    if not with_reference:
+        return policy, None
+    with whole_on_every_process(accelerator):
+        reference = load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_token_id)
+    return policy, frozen(reference, accelerator, accelerator.device)
+
+
+def load_ppo_models(args, accelerator, pad_token_id):
+    """The policy and its reference (load_policy_and_reference), the frozen reward model (whole on every process) and
+    the value model (started from the reward model unless --value_model_path, as in the N+ details)."""
+    policy, ref_policy = load_policy_and_reference(args, accelerator, pad_token_id)
     with whole_on_every_process(accelerator):
         reward_model = load_model(args.reward_model_path, AutoModelForSequenceClassification, args, pad_token_id)
     reward_model = frozen(reward_model, accelerator, accelerator.device)
@@ -676,8 +683,8 @@ class Sampler:
 class Run:
     """The run folder {output_dir}/{run_name}: config.json, metrics.jsonl, samples.jsonl, accelerate's TensorBoard and
     wandb trackers, atomic checkpoints, and --resume from its latest checkpoint. Made on every process; only the main
-    process writes. The run name ({task}__{exp_name}__{seed}__{unix_time}, the
-    time from rank 0, with a suffix if that folder exists) is set on args.run_name."""
+    process writes. The run name ({task}__{exp_name}__{seed}__{unix_time}, the time from rank 0, with a suffix if that
+    folder exists) is set on args.run_name."""
 
     def __init__(self, args, accelerator, resumable_args):
         self.args, self.accelerator = args, accelerator
