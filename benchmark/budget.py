@@ -14,8 +14,8 @@ import json
 import os
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The fence's text line and the names each script has its own version of (not copies); tests/test_drift.py uses both.
 FENCE = "# PLUMBING: everything below serves main() and is not needed to follow the algorithm; a reader may stop here."
-# Each script's own, whatever their name (tests/test_drift.py): not copies.
 SCRIPT_OWN = ("Args", "RunArgs", "main", "check_args", "evaluate")
 # script: (total lines, lines above the fence), the targets of issue 28
 BUDGET = {

@@ -7,7 +7,6 @@ import inspect
 import os
 
 from conftest import REPO_ROOT
-from test_drift import FENCE, SCRIPT_OWN
 
 from benchmark import budget
 
@@ -26,10 +25,6 @@ def test_counts_match_the_imported_scripts():
         assert row["args_fields"] + row["run_args_fields"] == len(dataclasses.fields(module.Config))
         assert all(hasattr(module, definition) for definition in shared)
     assert not set(shared) & set(budget.SCRIPT_OWN) and "Sampler" not in shared  # async_rlhf has its own generator
-
-
-def test_the_fence_and_the_script_own_names_are_the_drift_tests():
-    assert budget.FENCE == FENCE[1] and budget.SCRIPT_OWN == SCRIPT_OWN
 
 
 def test_a_small_file(tmp_path):

@@ -13,6 +13,9 @@ import os
 
 from conftest import REPO_ROOT
 
+from benchmark.budget import FENCE as PLUMBING
+from benchmark.budget import SCRIPT_OWN
+
 
 def script_paths(root=REPO_ROOT):
     return sorted(p for p in glob.glob(os.path.join(root, "*.py")) if os.path.basename(p) not in ("setup.py",))
@@ -32,14 +35,11 @@ def module_functions(path):
     return definitions
 
 
-# Every script has its own arguments, entry point, argument check and evaluation: same name by convention,
-# different by design.
-SCRIPT_OWN = ("Args", "RunArgs", "main", "check_args", "evaluate")
-
-# The line between a script's algorithm (above) and its plumbing (below), the same in every script.
+# The line between a script's algorithm (above) and its plumbing (below), the same in every script; its text and the
+# names each script has its own version of (SCRIPT_OWN) are defined once, in benchmark/budget.py.
 FENCE = (
     "# " + "=" * 117,
-    "# PLUMBING: everything below serves main() and is not needed to follow the algorithm; a reader may stop here.",
+    PLUMBING,
     "# A definition with the same name is identical in every script that has it (tests/test_drift.py checks).",
     "# " + "=" * 117,
 )
