@@ -1462,11 +1462,6 @@ def truncate_jsonl(path, last_step):
     os.replace(path + ".tmp", path)
 
 
-def is_local_path(path):
-    # Hub ids look like "org/name": the folders this project writes (assets/, runs/) are local even before they exist.
-    return os.path.exists(path) or path.startswith((".", "/", "~", "assets/", "runs/"))
-
-
 def check_columns(rows, columns, where, text_columns=()):
     """Every row must have each of `columns` ({column: the argument that names it}), and the text_columns must hold
     non-empty text; else one line with the counts and the first bad row (1-based)."""
@@ -1513,16 +1508,6 @@ def require_prompts(prompts, needed, where, max_prompt_length):
         fail(f"{where}: only {len(prompts)} prompts fit --max_prompt_length {max_prompt_length}; {needed} needed")
 
 
-def locate_inputs(args, names):
-    """An assets/ path (of the arguments named by `names`) missing from the working directory is taken from next to
-    this script: the embedded defaults work from any folder."""
-    for name in names:
-        path = getattr(args, name)
-        beside_script = os.path.join(os.path.dirname(os.path.abspath(__file__)), path or "")
-        if path and path.startswith("assets/") and not os.path.exists(path) and os.path.exists(beside_script):
-            setattr(args, name, beside_script)
-
-
 def finished_checkpoints(run_dir):
     """The paths of the run's finished checkpoints (step_N, not step_N.tmp), oldest first."""
     folder = os.path.join(run_dir, "checkpoints")
@@ -1554,12 +1539,51 @@ def new_run_folder(output_dir, name):
             continue
 
 
-def check_output_args(args):
-    """--output_dir and --keep_checkpoints (--resume is checked when the run folder is opened)."""
-    if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
-        fail(f"--output_dir {args.output_dir} is a file; it must be a folder (each run makes its own folder in it)")
-    if args.keep_checkpoints < 1:
-        fail(f"--keep_checkpoints must be >= 1; got {args.keep_checkpoints}")
+def require(ok, message):
+    """fail(message) unless ok."""
+    if not ok:
+        fail(message)
+
+
+def check_at_least(args, minimum, names):
+    """Each argument in `names` (space-separated) must be >= minimum."""
+    for name in names.split():
+        require(getattr(args, name) >= minimum, f"--{name} must be >= {minimum}; got {getattr(args, name)}")
+
+
+def check_common_args(args, paths=(), compares_logprobs=True):
+    """The checks every script makes: sampling, --prompt_template, the run folder, and that each local path exists
+    (the model, the dataset and `paths` {argument: how to get one}; an assets/ path missing here is taken from
+    beside this script, and a hub id is checked when it loads). When the trainer compares its log-probs with vLLM's
+    (compares_logprobs), --top_p must be 1: vLLM's are renormalised over the nucleus, the trainer's are not."""
+    paths = {
+        "model_name_or_path": "build the embedded model with `make assets`, or pass a Hugging Face folder or hub id",
+        "dataset_path": "build the embedded tasks with `make assets`, or pass a folder with train.jsonl/test.jsonl or "
+        "a hub dataset id",
+        **dict(paths),
+    }
+    for name, hint in paths.items():
+        path = getattr(args, name)
+        beside_script = os.path.join(os.path.dirname(os.path.abspath(__file__)), path or "")
+        if path and path.startswith("assets/") and not os.path.exists(path) and os.path.exists(beside_script):
+            path = beside_script
+            setattr(args, name, path)
+        # Hub ids look like "org/name": the folders this project writes (assets/, runs/) are local before they exist.
+        local = path is not None and (os.path.exists(path) or path.startswith((".", "/", "~", "assets/", "runs/")))
+        require(not local or os.path.isdir(path), f"--{name} {path} does not exist; {hint}")
+    require(args.temperature > 0, f"--temperature must be > 0 (completions are sampled); got {args.temperature}")
+    require(0 < args.top_p <= 1, f"--top_p must be in (0, 1]; got {args.top_p}")
+    vllm_top_p = f"--top_p {args.top_p} with vLLM: its log-probs would be over the nucleus, the trainer's over the "
+    require(not (compares_logprobs and args.vllm and args.top_p < 1), vllm_top_p + "vocabulary; use 1, or --no-vllm")
+    if getattr(args, "tis_cap", None) is not None:
+        require(args.tis_cap > 0, f"--tis_cap must be > 0 (or None to turn it off); got {args.tis_cap}")
+    if getattr(args, "vllm_sleep", False):
+        require(not args.vllm or torch.cuda.is_available(), "--vllm_sleep needs vLLM on a GPU (CUDA / ROCm / XPU)")
+    template = args.prompt_template
+    require(template is None or "{question}" in template, "--prompt_template must contain {question}")
+    output_is_file = f"--output_dir {args.output_dir} is a file; it must be a folder (each run makes its own in it)"
+    require(not os.path.isfile(args.output_dir), output_is_file)
+    check_at_least(args, 1, "keep_checkpoints")
 
 
 def fail(message):
@@ -1567,32 +1591,14 @@ def fail(message):
     raise SystemExit(f"error: {message}")
 
 
-def check_top_p(args):
-    """--top_p in (0, 1], and 1 when vLLM samples: vLLM's log-probs are then renormalised over the nucleus and the
-    trainer's are not, so the importance weights and objective/logprob_gap between them would be off from the first
-    token (HF generate returns no log-probs: nothing compares them there)."""
-    if not 0 < args.top_p <= 1:
-        fail(f"--top_p must be in (0, 1]; got {args.top_p}")
-    if args.vllm and args.top_p < 1:
-        fail(
-            f"--top_p {args.top_p} with vLLM: its log-probs would be over the nucleus, the trainer's over the whole "
-            "vocabulary; use --top_p 1, or --no-vllm"
-        )
-
-
 def check_args(args):
     """Reject bad input with one line naming the argument, before any model is loaded."""
-    locate_inputs(args, ("model_name_or_path", "dataset_path", "reward_model_path", "value_model_path"))
-    for name in (
-        "prompts_per_rank",
-        "micro_batch_size",
-        "num_minibatches",
-        "num_ppo_epochs",
-        "total_steps",
-        "response_length",
-    ):
-        if getattr(args, name) < 1:
-            fail(f"--{name} must be >= 1; got {getattr(args, name)}")
+    score_model = "train the default reward model first with `python reward_modeling.py`, or pass a one-label "
+    score_model += "sequence-classification folder or hub id"
+    check_common_args(args, {"reward_model_path": score_model, "value_model_path": score_model})
+    check_at_least(args, 1, "prompts_per_rank micro_batch_size num_minibatches num_ppo_epochs total_steps")
+    check_at_least(args, 1, "response_length")
+    check_at_least(args, 0, "cliprange cliprange_value kl_coef vf_coef")
     if args.prompts_per_rank % args.num_minibatches:
         fail(f"--num_minibatches ({args.num_minibatches}) must divide --prompts_per_rank ({args.prompts_per_rank})")
     if (args.prompts_per_rank // args.num_minibatches) % args.micro_batch_size:
@@ -1600,38 +1606,8 @@ def check_args(args):
             f"--micro_batch_size ({args.micro_batch_size}) must divide the minibatch "
             f"(prompts_per_rank / num_minibatches = {args.prompts_per_rank // args.num_minibatches})"
         )
-    if args.temperature <= 0:
-        fail(f"--temperature must be > 0 (PPO samples its responses); got {args.temperature}")
-    check_top_p(args)
-    if args.vllm and args.vllm_sleep and not torch.cuda.is_available():
-        fail("--vllm_sleep needs vLLM on a GPU: its sleep mode is CUDA / ROCm / XPU only")
-    for name in ("cliprange", "cliprange_value", "kl_coef", "vf_coef"):
-        if getattr(args, name) < 0:
-            fail(f"--{name} must be >= 0; got {getattr(args, name)}")
-    if not (0 <= args.gamma <= 1 and 0 <= args.lam <= 1):
-        fail(f"--gamma and --lam must be in [0, 1]; got {args.gamma}, {args.lam}")
-    if args.tis_cap is not None and args.tis_cap <= 0:
-        fail(f"--tis_cap must be > 0 (or None to turn it off); got {args.tis_cap}")
-    if args.prompt_template is not None and "{question}" not in args.prompt_template:
-        fail("--prompt_template must contain {question}")
-    if is_local_path(args.model_name_or_path) and not os.path.isdir(args.model_name_or_path):
-        fail(
-            f"--model_name_or_path {args.model_name_or_path} does not exist; build the embedded model with "
-            "`make assets`, or pass a Hugging Face folder or hub id"
-        )
-    for name in ("reward_model_path", "value_model_path"):
-        path = getattr(args, name)
-        if path is not None and is_local_path(path) and not os.path.isdir(path):
-            fail(
-                f"--{name} {path} does not exist; train the default reward model first with "
-                "`python reward_modeling.py`, or pass a one-label sequence-classification folder or hub id"
-            )
-    if is_local_path(args.dataset_path) and not os.path.isdir(args.dataset_path):
-        fail(
-            f"--dataset_path {args.dataset_path} does not exist; build the embedded tasks with `make assets`, or "
-            "pass a folder with train.jsonl/test.jsonl or a hub dataset id"
-        )
-    check_output_args(args)
+    gae = f"--gamma and --lam must be in [0, 1]; got {args.gamma}, {args.lam}"
+    require(0 <= args.gamma <= 1 and 0 <= args.lam <= 1, gae)
 
 
 def check_reward_and_value_models(args, policy_tokenizer):

@@ -1689,11 +1689,6 @@ def truncate_jsonl(path, last_step):
     os.replace(path + ".tmp", path)
 
 
-def is_local_path(path):
-    # Hub ids look like "org/name": the folders this project writes (assets/, runs/) are local even before they exist.
-    return os.path.exists(path) or path.startswith((".", "/", "~", "assets/", "runs/"))
-
-
 def check_columns(rows, columns, where, text_columns=()):
     """Every row must have each of `columns` ({column: the argument that names it}), and the text_columns must hold
     non-empty text; else one line with the counts and the first bad row (1-based)."""
@@ -1793,16 +1788,6 @@ def require_prompts(prompts, needed, where, max_prompt_length):
         fail(f"{where}: only {len(prompts)} prompts fit --max_prompt_length {max_prompt_length}; {needed} needed")
 
 
-def locate_inputs(args, names):
-    """An assets/ path (of the arguments named by `names`) missing from the working directory is taken from next to
-    this script: the embedded defaults work from any folder."""
-    for name in names:
-        path = getattr(args, name)
-        beside_script = os.path.join(os.path.dirname(os.path.abspath(__file__)), path or "")
-        if path and path.startswith("assets/") and not os.path.exists(path) and os.path.exists(beside_script):
-            setattr(args, name, beside_script)
-
-
 def finished_checkpoints(run_dir):
     """The paths of the run's finished checkpoints (step_N, not step_N.tmp), oldest first."""
     folder = os.path.join(run_dir, "checkpoints")
@@ -1834,12 +1819,51 @@ def new_run_folder(output_dir, name):
             continue
 
 
-def check_output_args(args):
-    """--output_dir and --keep_checkpoints (--resume is checked when the run folder is opened)."""
-    if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
-        fail(f"--output_dir {args.output_dir} is a file; it must be a folder (each run makes its own folder in it)")
-    if args.keep_checkpoints < 1:
-        fail(f"--keep_checkpoints must be >= 1; got {args.keep_checkpoints}")
+def require(ok, message):
+    """fail(message) unless ok."""
+    if not ok:
+        fail(message)
+
+
+def check_at_least(args, minimum, names):
+    """Each argument in `names` (space-separated) must be >= minimum."""
+    for name in names.split():
+        require(getattr(args, name) >= minimum, f"--{name} must be >= {minimum}; got {getattr(args, name)}")
+
+
+def check_common_args(args, paths=(), compares_logprobs=True):
+    """The checks every script makes: sampling, --prompt_template, the run folder, and that each local path exists
+    (the model, the dataset and `paths` {argument: how to get one}; an assets/ path missing here is taken from
+    beside this script, and a hub id is checked when it loads). When the trainer compares its log-probs with vLLM's
+    (compares_logprobs), --top_p must be 1: vLLM's are renormalised over the nucleus, the trainer's are not."""
+    paths = {
+        "model_name_or_path": "build the embedded model with `make assets`, or pass a Hugging Face folder or hub id",
+        "dataset_path": "build the embedded tasks with `make assets`, or pass a folder with train.jsonl/test.jsonl or "
+        "a hub dataset id",
+        **dict(paths),
+    }
+    for name, hint in paths.items():
+        path = getattr(args, name)
+        beside_script = os.path.join(os.path.dirname(os.path.abspath(__file__)), path or "")
+        if path and path.startswith("assets/") and not os.path.exists(path) and os.path.exists(beside_script):
+            path = beside_script
+            setattr(args, name, path)
+        # Hub ids look like "org/name": the folders this project writes (assets/, runs/) are local before they exist.
+        local = path is not None and (os.path.exists(path) or path.startswith((".", "/", "~", "assets/", "runs/")))
+        require(not local or os.path.isdir(path), f"--{name} {path} does not exist; {hint}")
+    require(args.temperature > 0, f"--temperature must be > 0 (completions are sampled); got {args.temperature}")
+    require(0 < args.top_p <= 1, f"--top_p must be in (0, 1]; got {args.top_p}")
+    vllm_top_p = f"--top_p {args.top_p} with vLLM: its log-probs would be over the nucleus, the trainer's over the "
+    require(not (compares_logprobs and args.vllm and args.top_p < 1), vllm_top_p + "vocabulary; use 1, or --no-vllm")
+    if getattr(args, "tis_cap", None) is not None:
+        require(args.tis_cap > 0, f"--tis_cap must be > 0 (or None to turn it off); got {args.tis_cap}")
+    if getattr(args, "vllm_sleep", False):
+        require(not args.vllm or torch.cuda.is_available(), "--vllm_sleep needs vLLM on a GPU (CUDA / ROCm / XPU)")
+    template = args.prompt_template
+    require(template is None or "{question}" in template, "--prompt_template must contain {question}")
+    output_is_file = f"--output_dir {args.output_dir} is a file; it must be a folder (each run makes its own in it)"
+    require(not os.path.isfile(args.output_dir), output_is_file)
+    check_at_least(args, 1, "keep_checkpoints")
 
 
 def fail(message):
@@ -1849,21 +1873,11 @@ def fail(message):
 
 def check_args(args):
     """Reject bad input with one line naming the argument, before any model is loaded."""
-    locate_inputs(args, ("model_name_or_path", "dataset_path", "policy_name_or_path"))
-    for name in (
-        "pairs_per_rank",
-        "micro_batch_size",
-        "eval_batch_size",
-        "max_pairs_per_prompt",
-        "response_length",
-        "max_length",
-        "generation_batch_prompts",
-    ):
-        if getattr(args, name) < 1:
-            fail(f"--{name} must be >= 1; got {getattr(args, name)}")
-    for name in ("num_train_prompts", "num_eval_prompts", "num_eval_pairs", "eval_every", "save_every"):
-        if getattr(args, name) < 0:
-            fail(f"--{name} must be >= 0 (0: all / off); got {getattr(args, name)}")
+    policy = "build the embedded model with `make assets`, or pass a Hugging Face folder or hub id"
+    check_common_args(args, {"policy_name_or_path": policy}, compares_logprobs=False)
+    check_at_least(args, 1, "pairs_per_rank micro_batch_size eval_batch_size max_pairs_per_prompt response_length")
+    check_at_least(args, 1, "max_length generation_batch_prompts")
+    check_at_least(args, 0, "num_train_prompts num_eval_prompts num_eval_pairs eval_every save_every")
     if args.pairs_per_rank % args.micro_batch_size:
         fail(f"--micro_batch_size ({args.micro_batch_size}) must divide --pairs_per_rank ({args.pairs_per_rank})")
     if args.num_samples_per_prompt < 2:
@@ -1871,34 +1885,13 @@ def check_args(args):
             f"--num_samples_per_prompt must be >= 2 (a pair needs a correct and a wrong completion of the same "
             f"prompt); got {args.num_samples_per_prompt}"
         )
-    if not args.num_train_epochs > 0:
-        fail(f"--num_train_epochs must be > 0; got {args.num_train_epochs}")
-    if not args.learning_rate > 0:
-        fail(f"--learning_rate must be > 0; got {args.learning_rate}")
-    if args.temperature <= 0:
-        fail(f"--temperature must be > 0 (the pairs need varied completions); got {args.temperature}")
-    if not 0 < args.top_p <= 1:
-        fail(f"--top_p must be in (0, 1]; got {args.top_p}")
-    if args.prompt_template is not None and "{question}" not in args.prompt_template:
-        fail("--prompt_template must contain {question}")
-    for name in ("model_name_or_path", "policy_name_or_path"):
-        path = getattr(args, name)
-        if path is not None and is_local_path(path) and not os.path.isdir(path):
-            fail(
-                f"--{name} {path} does not exist; build the embedded model with `make assets`, or pass a Hugging "
-                "Face folder or hub id"
-            )
-    if is_local_path(args.dataset_path):
-        if not os.path.isdir(args.dataset_path):
-            fail(
-                f"--dataset_path {args.dataset_path} does not exist; build the embedded tasks with `make assets`, or "
-                "pass a folder with train.jsonl/test.jsonl or a hub dataset id"
-            )
+    require(args.num_train_epochs > 0, f"--num_train_epochs must be > 0; got {args.num_train_epochs}")
+    require(args.learning_rate > 0, f"--learning_rate must be > 0; got {args.learning_rate}")
+    if os.path.isdir(args.dataset_path):
         for name in ("train_split", "eval_split"):
             split = getattr(args, name)
             if not os.path.isfile(os.path.join(args.dataset_path, f"{split}.jsonl")):
                 fail(f"--dataset_path {args.dataset_path} has no {split}.jsonl; set --{name}")
-    check_output_args(args)
     if args.prm and not args.step_separator:
         fail("--step_separator must not be empty (--prm splits completions into steps at it)")
 
