@@ -398,8 +398,8 @@ def dpo_update(model, optimizer, scheduler, accelerator, args, batch, scores, st
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-    metrics, everywhere = summarize_update(accelerator, metrics, stats, kl, entropy, lr, sampler_logprobs is not None)
-    return metrics, everywhere | dpo_pair_metrics(accelerator.reduce(pair_sums, "sum").tolist())
+    pair_metrics = dpo_pair_metrics(accelerator.reduce(pair_sums, "sum").tolist())  # over every process's pairs
+    return summarize_update(metrics, stats, kl, entropy, lr), pair_metrics
 
 
 def rloo_update(model, optimizer, scheduler, accelerator, args, batch, judged, step, last_checkpoint):
@@ -464,7 +464,7 @@ def rloo_update(model, optimizer, scheduler, accelerator, args, batch, judged, s
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
     metrics["loss/policy"] = policy_loss
-    return summarize_update(accelerator, metrics, stats, kl, entropy, lr, sampler_logprobs is not None)
+    return summarize_update(metrics, stats, kl, entropy, lr), {}
 
 
 def main(args: Args):
@@ -1160,33 +1160,26 @@ def reference_logprobs(model, accelerator, args, batch, micro_rows):
     return ref_logprobs
 
 
-def summarize_update(accelerator, metrics, stats, kl, entropy, lr, vllm_sampled):
-    """The metrics of one update: `metrics`, the per micro-batch (or minibatch) statistics averaged, the KL to the
-    reference and the entropy per completion averaged, the learning rate of the step's last update. Returns (those,
-    of this process; {name: float} over every process: with vLLM samples, the largest pi_train / pi_sampler of a
-    token, a collective call)."""
-    gap_max = max(stats.pop("gap_max", [0.0]))
+def summarize_update(metrics, stats, kl, entropy, lr):
+    """The metrics of one update on this process: `metrics`, the per micro-batch (or minibatch) statistics averaged
+    (average_stats), the KL to the reference and the entropy per completion averaged, the learning rate of the step's
+    last update."""
     metrics = metrics | {"objective/kl": kl.mean().item(), "objective/entropy": entropy.mean().item()}
-    metrics |= {name: float(np.mean(values)) for name, values in stats.items()}
-    metrics["lr"] = lr  # of the step's last update
-    everywhere = {}
-    if vllm_sampled:
-        everywhere["objective/logprob_ratio_max"] = reduce_metrics(accelerator, {"m": gap_max}, "max")["m"]
-    return metrics, everywhere
+    return metrics | average_stats(stats) | {"lr": lr}  # lr: of the step's last update
 
 
 def completion_statistics(logprobs, ref_logprobs, sampler_logprobs, mask, kl_estimator):
     """What the learner's policy says of a micro-batch's completions (logprobs [b, R], no gradients): the KL estimate
     to the reference summed over each one's tokens [b], its sampled entropy in nats [b], and with vLLM samples
     (sampler_logprobs [b, R], else None) how far the trainer's log-probs are from the sampler's ({name: float};
-    gap_max, the largest pi_train / pi_sampler of a token, is reduced by max)."""
+    objective/logprob_ratio_max, the largest pi_train / pi_sampler of a token, is reduced by max)."""
     kl = (kl_estimate(logprobs, ref_logprobs, kl_estimator) * mask).sum(1)
     entropy = -(logprobs * mask).sum(1)
     stats = {}
     if sampler_logprobs is not None:
         log_gap = logprobs - sampler_logprobs  # log(pi_train / pi_sampler) per token
         stats["objective/logprob_gap"] = masked_mean(log_gap.abs(), mask).item()
-        stats["gap_max"] = torch.exp(log_gap)[mask > 0].max().item()
+        stats["objective/logprob_ratio_max"] = torch.exp(log_gap)[mask > 0].max().item()
     return kl, entropy, stats
 
 
@@ -1807,13 +1800,17 @@ def build_prompts(tokenizer, rows, args):
     return prompts, golds
 
 
-def reduce_metrics(accelerator, metrics, op="mean"):
-    """Average (or max) a dict of floats over processes."""
+def reduce_metrics(accelerator, metrics):
+    """Average a dict of floats over processes (a collective); a name ending in _max takes the largest value."""
     keys = sorted(metrics)
     values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=accelerator.device)
-    gathered = accelerator.gather(values.unsqueeze(0))  # [world_size, K]
-    reduced = gathered.mean(0) if op == "mean" else gathered.max(0).values
-    return dict(zip(keys, reduced.tolist()))
+    gathered = accelerator.gather(values.unsqueeze(0)).cpu()  # [world_size, K]
+    return {key: (v.max() if key.endswith("_max") else v.mean()).item() for key, v in zip(keys, gathered.T)}
+
+
+def average_stats(stats):
+    """{name: one float per micro-batch (or minibatch)} -> their mean, or for a name ending in _max the largest."""
+    return {name: float(max(v) if name.endswith("_max") else np.mean(v)) for name, v in stats.items()}
 
 
 def git_sha():

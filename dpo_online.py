@@ -871,10 +871,7 @@ class PairUpdateStats:
         """{metric: value} over every process (a collective: every process calls it), with rewards/margins and
         objective/skipped_ties, the number of tied pairs."""
         means = {name: values.mean().item() for name, values in self.per_completion.items()}
-        means |= {name: float(np.mean(v)) for name, v in self.per_micro_batch.items() if not name.endswith("_max")}
-        metrics = reduce_metrics(accelerator, means)
-        for name in [name for name in self.per_micro_batch if name.endswith("_max")]:
-            metrics[name] = reduce_metrics(accelerator, {"m": max(self.per_micro_batch[name])}, "max")["m"]
+        metrics = reduce_metrics(accelerator, means | average_stats(self.per_micro_batch))
         counts = [self.keep.sum().item(), (1 - self.keep).sum().item()]  # kept and tied pairs
         local = torch.tensor([*self.pair_sums.values(), *counts], dtype=torch.float64, device=self.keep.device)
         *sums, num_kept, num_ties = accelerator.reduce(local, "sum").tolist()
@@ -1496,13 +1493,17 @@ def build_prompts(tokenizer, rows, args):
     return prompts, golds
 
 
-def reduce_metrics(accelerator, metrics, op="mean"):
-    """Average (or max) a dict of floats over processes."""
+def reduce_metrics(accelerator, metrics):
+    """Average a dict of floats over processes (a collective); a name ending in _max takes the largest value."""
     keys = sorted(metrics)
     values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=accelerator.device)
-    gathered = accelerator.gather(values.unsqueeze(0))  # [world_size, K]
-    reduced = gathered.mean(0) if op == "mean" else gathered.max(0).values
-    return dict(zip(keys, reduced.tolist()))
+    gathered = accelerator.gather(values.unsqueeze(0)).cpu()  # [world_size, K]
+    return {key: (v.max() if key.endswith("_max") else v.mean()).item() for key, v in zip(keys, gathered.T)}
+
+
+def average_stats(stats):
+    """{name: one float per micro-batch (or minibatch)} -> their mean, or for a name ending in _max the largest."""
+    return {name: float(max(v) if name.endswith("_max") else np.mean(v)) for name, v in stats.items()}
 
 
 def git_sha():

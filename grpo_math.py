@@ -403,8 +403,7 @@ def main(args: Args):
                     metrics["policy/ratio_first_minibatch"] = float(np.mean(stats["policy/ratio"]))
                     metrics["policy/approxkl_first_minibatch"] = float(np.mean(stats["policy/approxkl"]))
         metrics["time/training"] = time.time() - t0
-        gap_max = max(stats.pop("gap_max", [0.0]))
-        metrics |= {name: float(np.mean(values)) for name, values in stats.items()}
+        metrics |= average_stats(stats)
         metrics["lr"] = lr  # of the step's last update
         train_tokens = int(attention_mask.sum()) * args.num_iterations
         metrics["perf/train_tokens_per_second"] = train_tokens / metrics["time/training"]
@@ -416,8 +415,6 @@ def main(args: Args):
 
         # 8. Log (averaged over processes), evaluate, checkpoint.
         metrics = reduce_metrics(accelerator, metrics)
-        if sampler_logprobs is not None:
-            metrics["objective/logprob_ratio_max"] = reduce_metrics(accelerator, {"m": gap_max}, "max")["m"]
         run.episode += args.batch_size * world_size
         metrics["time/step"] = time.time() - t_step
         metrics["perf/episodes_per_second"] = args.batch_size * world_size / metrics["time/step"]
@@ -700,15 +697,15 @@ def take(values, rows):
 @torch.no_grad()
 def first_pass_stats(logits, logprobs, sampler_logprobs, mask, first_minibatch):
     """Diagnostics of a micro-batch on the first pass: the entropy of the policy (on the first minibatch only: it
-    needs the full softmax) and, with vLLM, the gap between the sampler's log-probs and the trainer's (gap_max is the
-    largest pi_train / pi_sampler ratio, reduced with max over processes)."""
+    needs the full softmax) and, with vLLM, the gap between the sampler's log-probs and the trainer's (the mean of
+    |log(pi_train / pi_sampler)| and the largest pi_train / pi_sampler)."""
     stats = {}
     if first_minibatch:
         stats["objective/entropy"] = masked_mean(entropy_from_logits(logits), mask).item()
     if sampler_logprobs is not None:
         log_gap = logprobs - sampler_logprobs
         stats["objective/logprob_gap"] = masked_mean(log_gap.abs(), mask).item()
-        stats["gap_max"] = torch.exp(log_gap)[mask > 0].max().item()
+        stats["objective/logprob_ratio_max"] = torch.exp(log_gap)[mask > 0].max().item()
     return stats
 
 
@@ -1457,13 +1454,17 @@ def build_prompts(tokenizer, rows, args):
     return prompts, golds
 
 
-def reduce_metrics(accelerator, metrics, op="mean"):
-    """Average (or max) a dict of floats over processes."""
+def reduce_metrics(accelerator, metrics):
+    """Average a dict of floats over processes (a collective); a name ending in _max takes the largest value."""
     keys = sorted(metrics)
     values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=accelerator.device)
-    gathered = accelerator.gather(values.unsqueeze(0))  # [world_size, K]
-    reduced = gathered.mean(0) if op == "mean" else gathered.max(0).values
-    return dict(zip(keys, reduced.tolist()))
+    gathered = accelerator.gather(values.unsqueeze(0)).cpu()  # [world_size, K]
+    return {key: (v.max() if key.endswith("_max") else v.mean()).item() for key, v in zip(keys, gathered.T)}
+
+
+def average_stats(stats):
+    """{name: one float per micro-batch (or minibatch)} -> their mean, or for a name ending in _max the largest."""
+    return {name: float(max(v) if name.endswith("_max") else np.mean(v)) for name, v in stats.items()}
 
 
 def git_sha():

@@ -429,8 +429,7 @@ def main(args: Args):
             success, has_eos, steps, scores, process, kl, non_score_reward, old_logprobs, old_values, mask
         )
         if sampler_logprobs is not None:  # the sampler's pi against the trainer's
-            gap_metrics, gap_max = sampler_gap_metrics(old_logprobs, sampler_logprobs, mask, args.micro_batch_size)
-            metrics |= gap_metrics
+            metrics |= sampler_gap_metrics(old_logprobs, sampler_logprobs, mask, args.micro_batch_size)
         rollout = dict(old_logprobs=old_logprobs, old_values=old_values, advantages=advantages, returns=returns)
         rollout |= dict(sampler_logprobs=sampler_logprobs, mask=mask)  # [B, R] each; sampler_logprobs may be None
 
@@ -486,8 +485,6 @@ def main(args: Args):
 
         # 9. Log (averaged over processes), evaluate, checkpoint.
         metrics = reduce_metrics(accelerator, metrics)
-        if sampler_logprobs is not None:
-            metrics["objective/logprob_ratio_max"] = reduce_metrics(accelerator, {"m": gap_max}, "max")["m"]
         run.episode += batch_size * world_size
         metrics["perf/episodes_per_second"] = batch_size * world_size / (time.time() - t_step)
         samples = []
@@ -1124,11 +1121,12 @@ def take(values, rows):
 def sampler_gap_metrics(old_logprobs, sampler_logprobs, mask, micro_batch_size):
     """How far the sampler's pi is from the trainer's on the rollout, per token log(pi_train / pi_sampler): the mean
     of its absolute value (averaged over the micro-batches' token means) and the largest ratio. All [B, R].
-    Returns ({"objective/logprob_gap": float}, largest pi_train / pi_sampler)."""
+    Returns {"objective/logprob_gap": float, "objective/logprob_ratio_max": largest pi_train / pi_sampler}."""
     log_gap = old_logprobs - sampler_logprobs
     parts = [slice(i, i + micro_batch_size) for i in range(0, len(log_gap), micro_batch_size)]
     means = [masked_mean(log_gap[s].abs(), mask[s]).item() for s in parts]
-    return {"objective/logprob_gap": float(np.mean(means))}, torch.exp(log_gap)[mask > 0].max().item()
+    ratio_max = torch.exp(log_gap)[mask > 0].max().item()
+    return {"objective/logprob_gap": float(np.mean(means)), "objective/logprob_ratio_max": ratio_max}
 
 
 def load_policy_and_reference(args, accelerator, pad_token_id, with_reference=True):
@@ -1730,13 +1728,17 @@ def math_shepherd_text(question, steps, step_tag):
     return f"{question} " + "\n".join(f"{step.replace(step_tag, '').strip()} {step_tag}" for step in steps)
 
 
-def reduce_metrics(accelerator, metrics, op="mean"):
-    """Average (or max) a dict of floats over processes."""
+def reduce_metrics(accelerator, metrics):
+    """Average a dict of floats over processes (a collective); a name ending in _max takes the largest value."""
     keys = sorted(metrics)
     values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=accelerator.device)
-    gathered = accelerator.gather(values.unsqueeze(0))  # [world_size, K]
-    reduced = gathered.mean(0) if op == "mean" else gathered.max(0).values
-    return dict(zip(keys, reduced.tolist()))
+    gathered = accelerator.gather(values.unsqueeze(0)).cpu()  # [world_size, K]
+    return {key: (v.max() if key.endswith("_max") else v.mean()).item() for key, v in zip(keys, gathered.T)}
+
+
+def average_stats(stats):
+    """{name: one float per micro-batch (or minibatch)} -> their mean, or for a name ending in _max the largest."""
+    return {name: float(max(v) if name.endswith("_max") else np.mean(v)) for name, v in stats.items()}
 
 
 def git_sha():

@@ -1655,13 +1655,17 @@ def write_jsonl(path, rows):
     os.replace(path + ".tmp", path)
 
 
-def reduce_metrics(accelerator, metrics, op="mean"):
-    """Average (or max) a dict of floats over processes."""
+def reduce_metrics(accelerator, metrics):
+    """Average a dict of floats over processes (a collective); a name ending in _max takes the largest value."""
     keys = sorted(metrics)
     values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=accelerator.device)
-    gathered = accelerator.gather(values.unsqueeze(0))  # [world_size, K]
-    reduced = gathered.mean(0) if op == "mean" else gathered.max(0).values
-    return dict(zip(keys, reduced.tolist()))
+    gathered = accelerator.gather(values.unsqueeze(0)).cpu()  # [world_size, K]
+    return {key: (v.max() if key.endswith("_max") else v.mean()).item() for key, v in zip(keys, gathered.T)}
+
+
+def average_stats(stats):
+    """{name: one float per micro-batch (or minibatch)} -> their mean, or for a name ending in _max the largest."""
+    return {name: float(max(v) if name.endswith("_max") else np.mean(v)) for name, v in stats.items()}
 
 
 def git_sha():

@@ -814,3 +814,19 @@ def test_select_groups_prefers_groups_with_a_signal_by_hand():
     assert select_groups(rewards, 2, 2).tolist() == [2, 3, 6, 7]
     # Three kept: the two with a signal, then the first all-equal group.
     assert select_groups(rewards, 2, 3).tolist() == [0, 1, 2, 3, 6, 7]
+
+
+def test_average_stats_and_reduce_metrics_take_the_largest_of_a_max():
+    """Per micro-batch statistics are averaged, a name ending in _max keeps the largest; over processes the same
+    (reduce_metrics, one process here: the values come back as they are, in float64)."""
+    stats = {"policy/ratio": [1.0, 2.0, 4.5], "objective/logprob_ratio_max": [1.5, 3.25, 2.0]}
+    assert grpo_math.average_stats(stats) == {"policy/ratio": 2.5, "objective/logprob_ratio_max": 3.25}
+
+    class OneProcess:
+        device = "cpu"
+
+        def gather(self, tensor):
+            return torch.cat([tensor, tensor * torch.tensor([[2.0, 0.5]], dtype=tensor.dtype)])  # a second process
+
+    reduced = grpo_math.reduce_metrics(OneProcess(), {"b_max": 1.0, "a": 3.0})  # sorted: a, b_max
+    assert reduced == {"a": (3.0 + 6.0) / 2, "b_max": 1.0}
