@@ -112,8 +112,6 @@ class Args:
     """seed of the experiment; process r samples with seed + r"""
 
     # Computed in main(), recorded in config.json (not flags)
-    world_size: tyro.conf.Suppress[int] = 0
-    """(computed) number of processes"""
     batch_size: tyro.conf.Suppress[int] = 0
     """(computed) completions per process per step: prompts_per_rank * num_generations"""
     minibatch_size: tyro.conf.Suppress[int] = 0
@@ -231,38 +229,6 @@ def grpo_loss(
     return loss, stats
 
 
-def logprobs_from_logits(logits, labels):
-    """log softmax(logits)[labels] without materialising the full log-softmax. logits [..., V], labels [...]."""
-    return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-
-
-def entropy_from_logits(logits):
-    """Entropy of softmax(logits) along the last dimension."""
-    return torch.logsumexp(logits, dim=-1) - (F.softmax(logits, dim=-1) * logits).sum(-1)
-
-
-def response_logprobs(model, input_ids, attention_mask, context_length, temperature):
-    """Log-probs of the response tokens input_ids[:, context_length:] under `model`, and the logits that gave them.
-    Prompts are left-padded, so positions are counted from each sequence's first real token.
-    Returns (logprobs [B, R], logits [B, R, V]) with logits divided by the sampling temperature."""
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    # The logits at position t predict token t + 1: only the last R + 1 positions are needed, so the LM head
-    # (a [hidden, vocab] matmul) skips the prompt.
-    logits_to_keep = input_ids.shape[1] - context_length + 1
-    logits = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        use_cache=False,
-        logits_to_keep=logits_to_keep,
-    ).logits
-    logits = logits[:, :-1].float() / temperature
-    return logprobs_from_logits(logits, input_ids[:, context_length:]), logits
-
-
-NUMBER = r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?"  # 12, -1,234.5, .5, 3/4
-
-
 def compute_rewards(completions, golds, format_reward):
     """Verifiable rewards. Returns (rewards [N], correct [N], formatted [N]) as float tensors."""
     correct = torch.tensor([verify_answer(extract_answer(c), g) for c, g in zip(completions, golds)])
@@ -273,23 +239,23 @@ def compute_rewards(completions, golds, format_reward):
 def main(args: Args):
     # Setup: processes, data, models, sampler, run folder (the helpers are below the fence).
     check_args(args)
-    args.batch_size = args.prompts_per_rank * args.num_generations
+    G = args.num_generations  # the group size
+    args.batch_size = args.prompts_per_rank * G
     args.minibatch_size = args.batch_size // args.num_minibatches
     args.gradient_accumulation_steps = args.minibatch_size // args.micro_batch_size
     accelerator = make_accelerator(args.micro_batch_size, args.gradient_accumulation_steps, args.max_grad_norm)
     rank, world_size = accelerator.process_index, accelerator.num_processes
-    args.world_size = world_size
     tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code, args.prompt_template)
-    pad_id = tokenizer.pad_token_id
     train_prompts, train_golds, eval_sets = load_math_prompts(args, tokenizer, world_size)
     run = Run(args, accelerator, RESUMABLE_ARGS)
     set_seed(args.seed + rank)  # random, numpy and torch: a different sampling stream per process
-    model, ref_model = load_policy_and_reference(args, accelerator, pad_id, with_reference=args.beta > 0)
+    model, ref_model = load_policy_and_reference(
+        args, accelerator, tokenizer.pad_token_id, with_reference=args.beta > 0
+    )
     enable_gradient_checkpointing([model], args)
-    num_updates = args.total_steps * args.num_iterations * args.num_minibatches
     trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay, eps=1e-8)
-    scheduler = make_scheduler(optimizer, args, num_updates)
+    scheduler = make_scheduler(optimizer, args, args.total_steps * args.num_iterations * args.num_minibatches)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     unwrapped = accelerator.unwrap_model(model)
     sampler = Sampler(args, accelerator, unwrapped, tokenizer, args.model_name_or_path, args.vllm_sleep)
@@ -297,9 +263,7 @@ def main(args: Args):
     if start_step > 0:
         sampler.sync_weights()
     else:
-        eval_metrics, samples = evaluate(sampler, eval_sets, args, accelerator, tokenizer, 0)
-        run.log(0, eval_metrics, samples)
-        accelerator.print(" | ".join(f"{k} {v:.3f}" for k, v in eval_metrics.items() if "accuracy" in k))
+        run.log(0, *evaluate(sampler, eval_sets, args, accelerator, tokenizer, 0))
 
     progress = tqdm(total=args.total_steps, initial=start_step, desc="grpo", disable=not accelerator.is_main_process)
     for step in range(start_step, args.total_steps):
@@ -310,37 +274,33 @@ def main(args: Args):
         global_indices = step_prompt_indices(step, num_sampled * world_size, len(train_prompts), args.seed)
         indices = global_indices[rank * num_sampled : (rank + 1) * num_sampled]
         prompts = [train_prompts[i] for i in indices]
-        golds = [train_golds[i] for i in indices for _ in range(args.num_generations)]
+        golds = [train_golds[i] for i in indices for _ in range(G)]
 
         # 2. Rollout: G completions per prompt, consecutive. responses, mask [num_sampled * G, R].
-        t0 = time.time()
-        responses, mask, sampler_logprobs, texts = sampler.generate(prompts, args.num_generations, args.temperature)
-        metrics["time/generation"] = time.time() - t0
+        with timed(metrics, "time/generation"):
+            responses, mask, sampler_logprobs, texts = sampler.generate(prompts, G, args.temperature)
         metrics["perf/generation_tokens_per_second"] = mask.sum().item() / metrics["time/generation"]
 
         # 3. Rewards from the verifier. The objective/ metrics describe everything sampled.
-        t0 = time.time()
-        rewards, correct, formatted = compute_rewards(texts, golds, args.format_reward)
+        with timed(metrics, "time/reward"):
+            rewards, correct, formatted = compute_rewards(texts, golds, args.format_reward)
         check_finite(accelerator, rewards, "objective/scores", step, run.last_checkpoint)
-        metrics["time/reward"] = time.time() - t0
-        metrics |= rollout_metrics(
-            rewards, correct, formatted, responses, mask, args.num_generations, sampler.stop_ids
-        )
+        metrics |= rollout_metrics(rewards, correct, formatted, responses, mask, G, sampler.stop_ids)
         if args.oversample > 1:  # dynamic sampling: train on prompts_per_rank groups, those with a signal first
-            keep = select_groups(rewards, args.num_generations, args.prompts_per_rank)  # [B]
+            keep = select_groups(rewards, G, args.prompts_per_rank)  # [B]
             responses, mask, rewards = responses[keep], mask[keep], rewards[keep]
             sampler_logprobs = take(sampler_logprobs, keep)
-            prompts = [prompts[i // args.num_generations] for i in keep[:: args.num_generations].tolist()]
-            zero_std = rewards.view(-1, args.num_generations).std(1) == 0
+            prompts = [prompts[i // G] for i in keep[::G].tolist()]
+            zero_std = rewards.view(-1, G).std(1) == 0
             metrics["objective/zero_std_groups_trained"] = zero_std.float().mean().item()
         query_responses, attention_mask, mask, sampler_logprobs, context_length = training_batch(
-            prompts, args.num_generations, responses, mask, sampler_logprobs, pad_id, accelerator.device
+            prompts, G, responses, mask, sampler_logprobs, tokenizer.pad_token_id, accelerator.device
         )
 
         # 4. Advantages, each completion against its own group, on every process's rewards together (gather keeps
         # rank order) so that scale_rewards="batch" uses the whole batch's std. [B]
         all_rewards = accelerator.gather(rewards.to(accelerator.device))  # [world_size * B]
-        advantages = group_advantages(all_rewards, args.num_generations, args.scale_rewards)
+        advantages = group_advantages(all_rewards, G, args.scale_rewards)
         advantages = advantages[rank * args.batch_size : (rank + 1) * args.batch_size]
 
         # 5. Log-probs that stay fixed during the update [B, R]: the old policy's (only when the batch is reused, else
@@ -351,11 +311,7 @@ def main(args: Args):
         reuse = args.num_iterations > 1 or args.num_minibatches > 1
         model.eval()
         old_logprobs = fixed_logprobs(logprobs_fn, model, *batch) if reuse else None
-        ref_logprobs = None
-        if args.beta > 0:
-            ref_context = unwrapped.disable_adapter() if args.lora_r > 0 else contextlib.nullcontext()
-            with ref_context, accelerator.autocast():
-                ref_logprobs = fixed_logprobs(logprobs_fn, ref_model or model, *batch)
+        ref_logprobs = reference_logprobs(logprobs_fn, model, ref_model, accelerator, batch) if args.beta > 0 else None
 
         # 6. Policy update: num_iterations passes over the batch (the first in rollout order), each split into
         # minibatches (one optimizer step each), each into micro-batches (gradient accumulation).
@@ -409,9 +365,8 @@ def main(args: Args):
         metrics["perf/train_tokens_per_second"] = train_tokens / metrics["time/training"]
 
         # 7. Weight sync: the sampler generates the next batch with the new weights.
-        t0 = time.time()
-        sampler.sync_weights()
-        metrics["time/weight_sync"] = time.time() - t0
+        with timed(metrics, "time/weight_sync"):
+            sampler.sync_weights()
 
         # 8. Log (averaged over processes), evaluate, checkpoint.
         metrics = reduce_metrics(accelerator, metrics)
@@ -525,6 +480,8 @@ class RunArgs:
     # Computed in main(), recorded in config.json (not flags)
     run_name: tyro.conf.Suppress[str] = ""
     """(computed) {task}__{exp_name}__{seed}__{unix_time}"""
+    world_size: tyro.conf.Suppress[int] = 0
+    """(computed) number of processes"""
 
 
 @dataclass
@@ -537,6 +494,35 @@ RESUMABLE_ARGS = (
     "resume total_steps track wandb_project_name wandb_entity wandb_tags save_every keep_checkpoints eval_every "
     "num_samples_logged run_name"
 ).split()
+
+
+def logprobs_from_logits(logits, labels):
+    """log softmax(logits)[labels] without materialising the full log-softmax. logits [..., V], labels [...]."""
+    return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def entropy_from_logits(logits):
+    """Entropy of softmax(logits) along the last dimension."""
+    return torch.logsumexp(logits, dim=-1) - (F.softmax(logits, dim=-1) * logits).sum(-1)
+
+
+def response_logprobs(model, input_ids, attention_mask, context_length, temperature):
+    """Log-probs of the response tokens input_ids[:, context_length:] under `model`, and the logits that gave them.
+    Prompts are left-padded, so positions are counted from each sequence's first real token.
+    Returns (logprobs [B, R], logits [B, R, V]) with logits divided by the sampling temperature."""
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    # The logits at position t predict token t + 1: only the last R + 1 positions are needed, so the LM head
+    # (a [hidden, vocab] matmul) skips the prompt.
+    logits_to_keep = input_ids.shape[1] - context_length + 1
+    logits = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        use_cache=False,
+        logits_to_keep=logits_to_keep,
+    ).logits
+    logits = logits[:, :-1].float() / temperature
+    return logprobs_from_logits(logits, input_ids[:, context_length:]), logits
 
 
 def prompt_groups(input_ids, attention_mask, context_length):
@@ -689,6 +675,14 @@ def fixed_logprobs(logprobs_fn, model, query_responses, attention_mask, context_
         )
 
 
+def reference_logprobs(logprobs_fn, model, ref_model, accelerator, batch):
+    """fixed_logprobs of the reference: ref_model, or with LoRA (ref_model None) the policy with its adapters off,
+    under the policy's autocast (--mixed_precision), so that KL is exactly 0 before the first update. [B, R]"""
+    adapters_off = accelerator.unwrap_model(model).disable_adapter() if ref_model is None else contextlib.nullcontext()
+    with adapters_off, accelerator.autocast():
+        return fixed_logprobs(logprobs_fn, ref_model or model, *batch)
+
+
 def take(values, rows):
     """values[rows], or None for a tensor the run does not have (no reference model, no sampler log-probs)."""
     return None if values is None else values[rows]
@@ -799,64 +793,77 @@ class Sampler:
 
 class Run:
     """The run folder {output_dir}/{run_name}: config.json, metrics.jsonl, samples.jsonl, accelerate's TensorBoard and
-    wandb trackers, atomic checkpoints, and --resume from its latest checkpoint. Made on every process; only the main
-    process writes. The run name ({task}__{exp_name}__{seed}__{unix_time}, the time from rank 0, with a suffix if that
-    folder exists) is set on args.run_name."""
+    wandb trackers, checkpoints (written to step_N.tmp, renamed step_N once complete), and --resume from the latest.
+    Made on every process, written by the main one. Sets args.run_name ({task}__{exp_name}__{seed}__{unix_time}, the
+    time from rank 0, with a suffix if that folder exists) and args.world_size."""
 
     def __init__(self, args, accelerator, resumable_args):
-        self.args, self.accelerator = args, accelerator
-        self.episode, self.last_checkpoint = 0, None
-        self.metrics_file, self.trackers = None, []
-        if args.resume is not None:  # the same run: every argument that changes what is computed must match
-            self.dir = os.path.normpath(args.resume)
-            self.resume_from = resume_checkpoint(self.dir)
-            with open(os.path.join(self.dir, "config.json")) as f:
-                saved = json.load(f)["args"]
-            for key, value in asdict(args).items():
-                if key not in resumable_args and key in saved and json.loads(json.dumps(value)) != saved[key]:
-                    fail(f"--{key} is {value!r} but the run being resumed used {saved[key]!r}")
-            args.run_name = saved["run_name"]
-        else:
+        self.args, self.accelerator, args.world_size = args, accelerator, accelerator.num_processes
+        self.episode, self.last_checkpoint, self.trackers = 0, None, []
+        if args.resume is None:
             name = None
             if accelerator.is_main_process:
-                task = os.path.basename(os.path.normpath(args.dataset_path)).replace("/", "_")
+                task = os.path.basename(os.path.normpath(args.dataset_path))
                 name = new_run_folder(args.output_dir, f"{task}__{args.exp_name}__{args.seed}__{int(time.time())}")
             args.run_name = broadcast_object_list([name])[0]
             self.dir = os.path.join(args.output_dir, args.run_name)
+            return
+        self.dir = os.path.normpath(args.resume)  # the same run: every argument that changes the numbers must match
+        require(os.path.isfile(os.path.join(self.dir, "config.json")), f"--resume {self.dir} has no config.json")
+        require(self.checkpoints(), f"--resume {self.dir} has no finished checkpoint to continue from")
+        with open(os.path.join(self.dir, "config.json")) as f:
+            saved = json.load(f)["args"]
+        for key, value in asdict(args).items():
+            if key not in resumable_args and key in saved and json.loads(json.dumps(value)) != saved[key]:
+                fail(f"--{key} is {value!r} but the run being resumed used {saved[key]!r}")
+        args.run_name = saved["run_name"]
+
+    def checkpoints(self):
+        """The finished checkpoints (step_N, not step_N.tmp), oldest first."""
+        folder = os.path.join(self.dir, "checkpoints")
+        names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+        return [os.path.join(folder, name) for name in names if name.startswith("step_") and "." not in name]
 
     def start(self, launch_info):
-        """With --resume, load its latest checkpoint (weights, optimizer, scheduler, every process's RNG state) and
-        drop the log lines that came after it; then open the logs. launch_info goes to config.json. Returns the first
-        step."""
-        step = 0
-        if self.args.resume is not None:
+        """Load --resume's latest checkpoint (weights, optimizer, scheduler, every process's RNG state) and drop the
+        log lines written after it; open the logs; launch_info goes to config.json. Returns the first step."""
+        step, args = 0, self.args
+        if args.resume is not None:
+            *earlier, latest = self.checkpoints()
             try:  # a checkpoint is complete once renamed; a file damaged since gives one line, not a traceback
-                self.accelerator.load_state(self.resume_from)
-                with open(os.path.join(self.resume_from, "trainer_state.json")) as f:
+                self.accelerator.load_state(latest)
+                with open(os.path.join(latest, "trainer_state.json")) as f:
                     state = json.load(f)
             except Exception as error:
-                problem, earlier = " ".join(str(error).split()), finished_checkpoints(self.dir)[-2:-1]
-                hint = f"; if a file is damaged, delete it to resume from {earlier[0]}" if earlier else ""
-                fail(f"checkpoint {self.resume_from} does not load ({type(error).__name__}: {problem}){hint}")
-            step, self.episode, self.last_checkpoint = state["global_step"], state["episode"], self.resume_from
-            self.accelerator.print(f"resumed {self.dir} from {self.resume_from} at step {step}")
+                hint = f"; if a file is damaged, delete it to resume from {earlier[-1]}" if earlier else ""
+                fail(
+                    f"checkpoint {latest} does not load ({type(error).__name__}: {' '.join(str(error).split())}){hint}"
+                )
+            step, self.episode, self.last_checkpoint = state["global_step"], state["episode"], latest
+            self.accelerator.print(f"resumed {self.dir} from {latest} at step {step}")
         if self.accelerator.is_main_process:
-            os.makedirs(self.dir, exist_ok=True)
-            config = asdict(self.args)
-            if self.args.resume is None:
-                distributed = {"distributed_type": self.accelerator.distributed_type.value}
+            config = asdict(args)
+            if args.resume is None:
+                info = {
+                    "git_sha": git_sha(),
+                    "distributed_type": self.accelerator.distributed_type.value,
+                    **launch_info,
+                }
                 with open(os.path.join(self.dir, "config.json"), "w") as f:
-                    json.dump({"args": config, "git_sha": git_sha(), **distributed, **launch_info}, f, indent=2)
+                    json.dump({"args": config, **info}, f, indent=2)
             for name in ("metrics.jsonl", "samples.jsonl"):  # drop what was logged after the checkpoint
                 truncate_jsonl(os.path.join(self.dir, name), step)
             self.metrics_file = open(os.path.join(self.dir, "metrics.jsonl"), "a")
             self.trackers = [TensorBoardTracker("tensorboard", self.dir)]
-            if self.args.track:
-                name, tags = self.args.run_name, [*self.args.wandb_tags, git_sha()[:12] or "no-git"]
-                kwargs = dict(entity=self.args.wandb_entity, id=name, name=name, resume="allow", tags=tags)
-                self.trackers.append(WandBTracker(self.args.wandb_project_name, dir=self.dir, **kwargs))
-            # TensorBoard's hparams take numbers and text
-            hparams = {k: v if isinstance(v, (int, float, str)) else str(v) for k, v in config.items()}
+            if args.track:
+                tags = [*args.wandb_tags, git_sha()[:12] or "no-git"]
+                kwargs = dict(
+                    entity=args.wandb_entity, id=args.run_name, name=args.run_name, resume="allow", tags=tags
+                )
+                self.trackers.append(WandBTracker(args.wandb_project_name, dir=self.dir, **kwargs))
+            hparams = {
+                k: v if isinstance(v, (int, float, str)) else str(v) for k, v in config.items()
+            }  # TensorBoard's
             for tracker in self.trackers:
                 tracker.start()
                 tracker.store_init_configuration(config if tracker.name == "wandb" else hparams)
@@ -867,6 +874,8 @@ class Run:
         """One line of metrics.jsonl (and TensorBoard, wandb) for this step; samples go to samples.jsonl."""
         if not self.accelerator.is_main_process:
             return
+        if step == 0:  # the evaluation before training, on the console too
+            print(" | ".join(f"{name} {value:.4g}" for name, value in metrics.items()))
         line = {"global_step": step, "episode": self.episode, "time": time.time() - self.t_start, **metrics}
         self.metrics_file.write(json.dumps(line) + "\n")
         self.metrics_file.flush()
@@ -877,29 +886,27 @@ class Run:
                 f.writelines(json.dumps(s) + "\n" for s in samples)
 
     def save_checkpoint(self, step):
-        """Everything needed to resume (accelerate's state of every process and trainer_state.json) goes to
-        step_N.tmp, which becomes step_N by one rename once complete; only the newest keep_checkpoints stay."""
+        """accelerate's state of every process and trainer_state.json go to step_N.tmp, renamed step_N once complete;
+        the newest keep_checkpoints stay."""
         final = os.path.join(self.dir, "checkpoints", f"step_{step:06d}")
-        tmp = final + ".tmp"
         if self.accelerator.is_main_process:
-            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(final + ".tmp", ignore_errors=True)
         self.accelerator.wait_for_everyone()
-        self.accelerator.save_state(tmp)
-        self.accelerator.wait_for_everyone()  # every process has written its RNG state into tmp
+        self.accelerator.save_state(final + ".tmp")
+        self.accelerator.wait_for_everyone()  # every process has written its RNG state
         if self.accelerator.is_main_process:
-            with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+            with open(os.path.join(final + ".tmp", "trainer_state.json"), "w") as f:
                 json.dump({"global_step": step, "episode": self.episode}, f)
             shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-            for old_checkpoint in finished_checkpoints(self.dir)[: -self.args.keep_checkpoints]:
-                shutil.rmtree(old_checkpoint)
+            os.replace(final + ".tmp", final)
+            for old in self.checkpoints()[: -self.args.keep_checkpoints]:
+                shutil.rmtree(old)
         self.accelerator.wait_for_everyone()
         self.last_checkpoint = final
 
     def finish(self):
-        """Close the logs once every process is done (the main one may still be writing the final model: a process
-        that tore down its process group and exited meanwhile was seen to abort under DeepSpeed). A vLLM engine's
-        shutdown may have destroyed the process group already."""
+        """Close the logs once every process is done (under DeepSpeed, a process that exited while the main one still
+        wrote the final model was seen to abort it); a vLLM engine's shutdown may have destroyed the group already."""
         if torch.distributed.is_initialized():
             self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
@@ -908,6 +915,14 @@ class Run:
                 tracker.finish()
         self.accelerator.print(f"done in {time.time() - self.t_start:.0f}s: {self.dir}")
         self.accelerator.end_training()
+
+
+@contextlib.contextmanager
+def timed(metrics, name):
+    """metrics[name] = the seconds the block took."""
+    start = time.time()
+    yield
+    metrics[name] = time.time() - start
 
 
 def is_due(step, every, total_steps):
@@ -1359,6 +1374,9 @@ def check_columns(rows, columns, where, text_columns=()):
             )
 
 
+NUMBER = r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?"  # 12, -1,234.5, .5, 3/4
+
+
 def extract_answer(text):
     """The final answer of a completion: the first number after the last 'Answer:' (its whole line if it has
     none), else the last number in the text, else None. When that number starts an equation on its line (numbers
@@ -1476,51 +1494,23 @@ def git_sha():
 
 
 def truncate_jsonl(path, last_step):
-    """Keep the lines of a JSONL log up to global_step last_step; a line cut short by a kill is dropped."""
-    if not os.path.exists(path):
-        return
-    kept = []
-    with open(path) as f:
-        for line in f:
-            try:
-                if json.loads(line)["global_step"] <= last_step:
-                    kept.append(line)
-            except (json.JSONDecodeError, KeyError):
-                pass
-    with open(path + ".tmp", "w") as f:
-        f.writelines(kept)
-    os.replace(path + ".tmp", path)
-
-
-def finished_checkpoints(run_dir):
-    """The paths of the run's finished checkpoints (step_N, not step_N.tmp), oldest first."""
-    folder = os.path.join(run_dir, "checkpoints")
-    if not os.path.isdir(folder):
-        return []
-    return [os.path.join(folder, d) for d in sorted(os.listdir(folder)) if d.startswith("step_") and "." not in d]
-
-
-def resume_checkpoint(run_dir):
-    """The latest finished checkpoint of the run folder given to --resume."""
-    if not os.path.isfile(os.path.join(run_dir, "config.json")):
-        fail(f"--resume {run_dir} is not a run folder (it has no config.json)")
-    done = finished_checkpoints(run_dir)
-    if not done:
-        fail(f"--resume {run_dir} has no finished checkpoint to continue from")
-    return done[-1]
+    """Keep the lines of a JSONL log up to global_step last_step, and none cut short by a kill (no newline yet)."""
+    if os.path.exists(path):
+        with open(path) as f:
+            kept = [line for line in f if line.endswith("\n") and json.loads(line)["global_step"] <= last_step]
+        with open(path + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(path + ".tmp", path)
 
 
 def new_run_folder(output_dir, name):
-    """Create {output_dir}/{name} and return the name; a name already taken (two runs of the same task, exp_name
-    and seed started in the same second) gets a suffix _2, _3, ...: two runs never share a folder."""
+    """Create {output_dir}/{name}, or {name}_2, _3, ... when taken (two runs of one task, exp_name and seed started
+    in the same second); returns the name."""
     os.makedirs(output_dir, exist_ok=True)
-    for k in itertools.count(1):
-        candidate = name if k == 1 else f"{name}_{k}"
-        try:
+    for candidate in (name if k == 1 else f"{name}_{k}" for k in itertools.count(1)):
+        with contextlib.suppress(FileExistsError):
             os.mkdir(os.path.join(output_dir, candidate))
             return candidate
-        except FileExistsError:
-            continue
 
 
 def require(ok, message):

@@ -7,22 +7,17 @@ steps, each of which the PRM pays for, and its accuracy falls. The paper's fix b
 - Delta: r_k = p_k - p_{k+1} (k < K), r_K = p_K, so that the rewards from step k on sum to p_k, however many steps
   follow; Clip-Delta applies Delta to the clipped values.
 
-Each response is split into reasoning steps at `--step_separator` (a blank line by default). The PRM gives p_k in
-[0, 1] for the prefix that ends with step k. The refined process reward of step k, times `--prm_coef`, is placed on
-the token that holds the step's last character; the verifier's success reward (1 correct / 0 wrong) on the last
-token; every token pays -kl_coef * (log pi - log pi_ref) as in ppo_rlhf.py. PPO with a value model and GAE, as in
-ppo_rlhf.py; `--reward_mode none` is the success-only baseline. The value model starts from the policy's weights
-with a zero-initialised value head (there is no scalar reward model to start from): its first values are 0.
+Responses are split into steps at `--step_separator`; the PRM gives p_k in [0, 1] for the prefix ending with step k.
+The refined reward of step k, times `--prm_coef`, goes on the token holding the step's last character, the
+verifier's success (1 correct / 0 wrong) on the last token, -kl_coef * (log pi - log pi_ref) on every token; then PPO
+with GAE as in ppo_rlhf.py, the value model starting from the policy with a zero value head. `--reward_mode none` is
+the success-only baseline.
 
-Three PRMs behind `--prm` (each gives one score per step, see `ProcessRewardModel`):
-- `verifier` (default): checks the arithmetic of each step (every "a op b = c" it contains); a step with a wrong
-  equation scores 0, a correct one 1, one with nothing to check 0.8, and p_k is the lowest score up to step k. It
-  pays a correct but useless step as well as a useful one: exactly what makes `raw` hackable.
-- a learned PRM: a folder written by `python reward_modeling.py --prm` (a one-label sequence classifier trained
-  with binary cross-entropy at the last token of each step, on the verifier's step labels); p_k = sigmoid(score).
-- a Math-Shepherd style PRM (a causal LM, hub id or folder): the steps are joined with a step tag after each, and
-  p_k = P(good) / (P(good) + P(bad)) of the next token at the k-th tag (`--prm_step_tag`, `--prm_good_token`,
-  `--prm_bad_token`; the defaults are those of peiyi9979/math-shepherd-mistral-7b-prm).
+`--prm` picks the PRM (`ProcessRewardModel`): `verifier` (default) checks the arithmetic of each step (a wrong
+equation scores 0, a correct one 1, nothing to check 0.8; p_k is the lowest score up to step k), so it pays a correct
+but useless step as well as a useful one: what makes `raw` hackable. Or a folder from `python reward_modeling.py
+--prm` (p_k = sigmoid of its score at the step's last token), or a Math-Shepherd style causal LM (p_k = P(good) /
+(P(good) + P(bad)) at the k-th `--prm_step_tag`).
 
 Run on CPU with the embedded defaults (SmolLM2-135M-Instruct, arith_1d, the verifier PRM):
     python ppo_prm_clip.py --reward_mode raw          # the hackable dense reward
@@ -152,14 +147,10 @@ class Args:
     """seed of the experiment; process r samples with seed + r"""
 
     # Computed in main(), recorded in config.json (not flags)
-    world_size: tyro.conf.Suppress[int] = 0
-    """(computed) number of processes"""
     minibatch_size: tyro.conf.Suppress[int] = 0
     """(computed) responses per process per optimizer step"""
     gradient_accumulation_steps: tyro.conf.Suppress[int] = 0
     """(computed) micro-batches per optimizer step"""
-    prm_kind: tyro.conf.Suppress[str] = ""
-    """(computed) "verifier", "learned" (a sequence classifier from reward_modeling.py --prm) or "math_shepherd\""""
 
 
 def masked_mean(values, mask, dim=None):
@@ -252,12 +243,12 @@ def truncated_importance_weights(logprobs, sampler_logprobs, cap):
 
 
 def ppo_prm_loss(
-    logprobs, values, old_logprobs, old_values, advantages, returns, sampler_logprobs, mask, args, minibatch_tokens
+    logprobs, logits, values, old_logprobs, old_values, advantages, returns, sampler_logprobs, mask, args, num_tokens
 ):
     """The loss of one micro-batch, its share of the minibatch's: policy loss + vf_coef * value loss, each summed
-    over the micro-batch's tokens and divided by minibatch_tokens (the minibatch's token count averaged over
-    processes: DDP's mean of the processes' gradients is then the gradient of the whole minibatch's loss).
-    logprobs, values [b, R] (with gradients); old_logprobs, old_values, advantages, returns, mask [b, R];
+    over the micro-batch's tokens and divided by num_tokens (the minibatch's token count averaged over processes:
+    DDP's mean of the processes' gradients is then the gradient of the whole minibatch's loss). logprobs, values
+    [b, R] and logits [b, R, V] with gradients; old_logprobs, old_values, advantages, returns, mask [b, R];
     sampler_logprobs [b, R] (None unless vLLM sampled). Returns (loss, {name: float})."""
     pg_token_loss, ratio, pg_clipped = ppo_policy_loss(logprobs, old_logprobs, advantages, args.cliprange)
     vf_token_loss, vf_clipped = clipped_value_loss(values, old_values, returns, args.cliprange_value)
@@ -266,11 +257,12 @@ def ppo_prm_loss(
         tis = truncated_importance_weights(old_logprobs, sampler_logprobs, args.tis_cap)
         pg_token_loss = pg_token_loss * tis
         stats["objective/tis_weight"] = masked_mean(tis, mask).item()
-    pg_loss = (pg_token_loss * mask).sum() / minibatch_tokens
-    vf_loss = (vf_token_loss * mask).sum() / minibatch_tokens
+    pg_loss = (pg_token_loss * mask).sum() / num_tokens
+    vf_loss = (vf_token_loss * mask).sum() / num_tokens
     with torch.no_grad():
         stats["policy/approxkl_avg"] = masked_mean(0.5 * (logprobs - old_logprobs) ** 2, mask).item()
         stats["policy/clipfrac_avg"] = masked_mean(pg_clipped.float(), mask).item()
+        stats["policy/entropy_avg"] = masked_mean(entropy_from_logits(logits), mask).item()
         stats["val/clipfrac_avg"] = masked_mean(vf_clipped.float(), mask).item()
         stats["val/ratio"] = masked_mean(ratio, mask).item()
         stats["ratio_sq"] = masked_mean(ratio**2, mask).item()  # for the ratio's variance
@@ -299,9 +291,8 @@ def refine_process_rewards(step_scores, mode, eta):
 
 
 def place_process_rewards(step_rewards, step_tokens, width):
-    """Per-token process rewards [B, width]: response i gets step_rewards[i][k] on token step_tokens[i][k] (the
-    token holding step k's last character), 0 elsewhere; two steps ending in one token add up.
-    step_rewards: B tensors [K_i]; step_tokens: B lists of K_i token indices."""
+    """Per-token process rewards [B, width]: step_rewards[i][k] (B tensors [K_i]) on token step_tokens[i][k] (the one
+    holding step k's last character), 0 elsewhere; two steps ending in one token add up."""
     rewards = torch.zeros(len(step_rewards), width)
     for i, (values, tokens) in enumerate(zip(step_rewards, step_tokens)):
         rewards[i].index_put_((torch.tensor(tokens, dtype=torch.long),), values.float().cpu(), accumulate=True)
@@ -309,9 +300,8 @@ def place_process_rewards(step_rewards, step_tokens, width):
 
 
 def verifier_step_scores(steps, correct=1.0, unchecked=0.8, wrong=0.0):
-    """The verifier PRM: p_k for the prefix ending at each step. A step scores `wrong` when one of its equations is
-    wrong, `correct` when it has equations and all hold, `unchecked` when it has none; a prefix is as good as its
-    worst step (after a wrong step every longer prefix is wrong too). steps: list of K strings. Returns K floats."""
+    """The verifier PRM: p_k for the prefix ending at each of the K steps (strings). A step scores `wrong` when one of
+    its equations is wrong, `correct` when all hold, `unchecked` without any; a prefix scores as its worst step."""
     scores, prefix = [], correct
     for step in steps:
         verdict = step_arithmetic(step)
@@ -321,11 +311,9 @@ def verifier_step_scores(steps, correct=1.0, unchecked=0.8, wrong=0.0):
 
 
 def prm_rewards(prm, prompts, questions, golds, responses, mask, texts, args):
-    """The rewards of a batch of right-padded responses [B, R] (cut to the longest) and their mask [B, R]:
-    success [B] (the verifier's 1 correct / 0 wrong; --missing_eos_penalty instead for a response without EOS, when
-    set), has_eos [B], each response's steps (K_i strings), the PRM's scores p_k of its step prefixes (B tensors
-    [K_i]), and the process rewards [B, R]: the refined step rewards times prm_coef, each on the token that holds its
-    step's last character."""
+    """Rewards of right-padded responses [B, R] (mask [B, R]): success [B] (1 correct / 0 wrong, or
+    --missing_eos_penalty without EOS), has_eos [B], the steps (B lists), the PRM's p_k (B tensors [K_i]), and the
+    process rewards [B, R]: prm_coef times the refined step rewards, each on its step's last token."""
     has_eos = (torch.isin(responses, torch.tensor(prm.stop_ids)) & (mask.cpu() > 0)).any(1)
     success = torch.tensor([verify_answer(extract_answer(t), g) for t, g in zip(texts, golds)])
     if args.missing_eos_penalty is not None:
@@ -343,12 +331,9 @@ def main(args: Args):
     args.gradient_accumulation_steps = args.minibatch_size // args.micro_batch_size
     accelerator = make_accelerator(args.micro_batch_size, args.gradient_accumulation_steps, args.max_grad_norm)
     rank, world_size = accelerator.process_index, accelerator.num_processes
-    args.world_size = world_size
     tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code, args.prompt_template)
     (train_prompts, train_golds, train_questions), eval_set = load_prm_prompts(args, tokenizer, world_size)
     args.prm_kind, prm_tokenizer, prm_token_ids = check_prm(args, tokenizer)
-    if args.value_model_path is not None:
-        check_same_vocabulary(args.value_model_path, "value_model_path", tokenizer, args.trust_remote_code)
     run = Run(args, accelerator, RESUMABLE_ARGS)
     set_seed(args.seed + rank)  # random, numpy and torch: a different sampling stream per process
     policy, ref_policy = load_policy_and_reference(args, accelerator, tokenizer.pad_token_id)
@@ -356,11 +341,10 @@ def main(args: Args):
     enable_gradient_checkpointing([policy, value_model], args)
     prm = ProcessRewardModel(args, accelerator, tokenizer, prm_tokenizer, prm_token_ids)
     model = PolicyAndValueModel(policy, value_model)  # one optimizer, one DDP/DeepSpeed wrapper, one checkpoint
-    num_updates = args.total_steps * args.num_ppo_epochs * args.num_minibatches
     # Adam's eps 1e-5 as in the N+ details (TensorFlow's default in the original OpenAI code).
     trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay, eps=1e-5)
-    scheduler = make_scheduler(optimizer, args, num_updates)
+    scheduler = make_scheduler(optimizer, args, args.total_steps * args.num_ppo_epochs * args.num_minibatches)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     unwrapped = accelerator.unwrap_model(model)
     sampler = Sampler(args, accelerator, unwrapped.policy, tokenizer, args.model_name_or_path, args.vllm_sleep)
@@ -368,9 +352,7 @@ def main(args: Args):
     if start_step > 0:
         sampler.sync_weights()
     else:
-        eval_metrics, samples = evaluate(sampler, prm, eval_set, args, accelerator, tokenizer, 0)
-        run.log(0, eval_metrics, samples)
-        accelerator.print(" | ".join(f"{k} {v:.3f}" for k, v in eval_metrics.items()))
+        run.log(0, *evaluate(sampler, prm, eval_set, args, accelerator, tokenizer, 0))
 
     batch_size = args.prompts_per_rank  # one response per prompt
     progress = tqdm(total=args.total_steps, initial=start_step, desc="ppo", disable=not accelerator.is_main_process)
@@ -382,11 +364,10 @@ def main(args: Args):
         indices = global_indices[rank * batch_size : (rank + 1) * batch_size]
         prompts = [train_prompts[i] for i in indices]
 
-        # 2. Rollout: one response per prompt. responses, mask [B, R], cut to the longest response (nothing after
-        # it is computed); query_responses, attention_mask [B, P + R]: the left-padded prompts, then the responses.
-        t0 = time.time()
-        responses, mask, sampler_logprobs, texts = sampler.generate(prompts, 1, args.temperature)
-        metrics["time/generation"] = time.time() - t0
+        # 2. Rollout: one response per prompt, cut to the longest. responses, mask [B, R]; query_responses,
+        # attention_mask [B, P + R]: the left-padded prompts, then the responses.
+        with timed(metrics, "time/generation"):
+            responses, mask, sampler_logprobs, texts = sampler.generate(prompts, 1, args.temperature)
         metrics["perf/generation_tokens_per_second"] = mask.sum().item() / metrics["time/generation"]
         query_responses, attention_mask, mask, sampler_logprobs, context_length = training_batch(
             prompts, 1, responses, mask, sampler_logprobs, tokenizer.pad_token_id, accelerator.device
@@ -399,19 +380,16 @@ def main(args: Args):
         batch = (query_responses, attention_mask, context_length, args.temperature, args.micro_batch_size)
         model.eval()
         old_logprobs, old_values = fixed_logprobs_and_values_prm(model, *batch)
-        ref_context = unwrapped.policy.disable_adapter() if args.lora_r > 0 else contextlib.nullcontext()
-        with ref_context, accelerator.autocast():
-            ref_logprobs = fixed_logprobs(response_logprobs, ref_policy or unwrapped.policy, *batch)
+        ref_logprobs = reference_logprobs(response_logprobs, unwrapped.policy, ref_policy, accelerator, batch)
 
         # 4. Rewards: the verifier's success [B]; each response's steps, the PRM's score p_k of each step prefix, and
         # the refined step rewards r_k * prm_coef on each step's last token: process [B, R].
-        t0 = time.time()
         questions, golds = [train_questions[i] for i in indices], [train_golds[i] for i in indices]
-        success, has_eos, steps, scores, process = prm_rewards(
-            prm, prompts, questions, golds, responses, mask, texts, args
-        )
+        with timed(metrics, "time/reward"):
+            success, has_eos, steps, scores, process = prm_rewards(
+                prm, prompts, questions, golds, responses, mask, texts, args
+            )
         success, process = success.to(accelerator.device), process.to(accelerator.device)
-        metrics["time/reward"] = time.time() - t0
 
         # 5. Per-token rewards [B, R]: the KL penalty on every token, the process rewards on the steps' last tokens,
         # the success on the last real token; with --whiten_rewards scaled by their std over every process's tokens.
@@ -452,7 +430,7 @@ def main(args: Args):
                         )
                         micro = {name: take(tensor, idx) for name, tensor in rollout.items()}
                         loss, micro_stats = ppo_prm_loss(
-                            logprobs, values, **micro, args=args, minibatch_tokens=minibatch_tokens
+                            logprobs, logits, values, **micro, args=args, num_tokens=minibatch_tokens
                         )
                         check_finite(accelerator, loss, "loss", step, run.last_checkpoint)
                         # accelerate divides a micro-batch's loss by gradient_accumulation_steps (to average
@@ -460,8 +438,6 @@ def main(args: Args):
                         accelerator.backward(loss * args.gradient_accumulation_steps)
                     for name, value in micro_stats.items():
                         stats[name].append(value)
-                    with torch.no_grad():
-                        stats["policy/entropy_avg"].append(masked_mean(entropy_from_logits(logits), mask[idx]).item())
                     del logits
                 grad_norm = clip_gradients(accelerator, model, args.max_grad_norm, step, run.last_checkpoint)
                 stats["policy/grad_norm"].append(grad_norm)
@@ -479,9 +455,8 @@ def main(args: Args):
         metrics["perf/train_tokens_per_second"] = train_tokens / metrics["time/training"]
 
         # 8. Weight sync: the sampler generates the next batch with the new weights.
-        t0 = time.time()
-        sampler.sync_weights()
-        metrics["time/weight_sync"] = time.time() - t0
+        with timed(metrics, "time/weight_sync"):
+            sampler.sync_weights()
 
         # 9. Log (averaged over processes), evaluate, checkpoint.
         metrics = reduce_metrics(accelerator, metrics)
@@ -596,6 +571,10 @@ class RunArgs:
     # Computed in main(), recorded in config.json (not flags)
     run_name: tyro.conf.Suppress[str] = ""
     """(computed) {task}__{exp_name}__{seed}__{unix_time}"""
+    world_size: tyro.conf.Suppress[int] = 0
+    """(computed) number of processes"""
+    prm_kind: tyro.conf.Suppress[str] = ""
+    """(computed) "verifier", "learned" (a sequence classifier from reward_modeling.py --prm) or "math_shepherd\""""
 
 
 @dataclass
@@ -700,64 +679,77 @@ class Sampler:
 
 class Run:
     """The run folder {output_dir}/{run_name}: config.json, metrics.jsonl, samples.jsonl, accelerate's TensorBoard and
-    wandb trackers, atomic checkpoints, and --resume from its latest checkpoint. Made on every process; only the main
-    process writes. The run name ({task}__{exp_name}__{seed}__{unix_time}, the time from rank 0, with a suffix if that
-    folder exists) is set on args.run_name."""
+    wandb trackers, checkpoints (written to step_N.tmp, renamed step_N once complete), and --resume from the latest.
+    Made on every process, written by the main one. Sets args.run_name ({task}__{exp_name}__{seed}__{unix_time}, the
+    time from rank 0, with a suffix if that folder exists) and args.world_size."""
 
     def __init__(self, args, accelerator, resumable_args):
-        self.args, self.accelerator = args, accelerator
-        self.episode, self.last_checkpoint = 0, None
-        self.metrics_file, self.trackers = None, []
-        if args.resume is not None:  # the same run: every argument that changes what is computed must match
-            self.dir = os.path.normpath(args.resume)
-            self.resume_from = resume_checkpoint(self.dir)
-            with open(os.path.join(self.dir, "config.json")) as f:
-                saved = json.load(f)["args"]
-            for key, value in asdict(args).items():
-                if key not in resumable_args and key in saved and json.loads(json.dumps(value)) != saved[key]:
-                    fail(f"--{key} is {value!r} but the run being resumed used {saved[key]!r}")
-            args.run_name = saved["run_name"]
-        else:
+        self.args, self.accelerator, args.world_size = args, accelerator, accelerator.num_processes
+        self.episode, self.last_checkpoint, self.trackers = 0, None, []
+        if args.resume is None:
             name = None
             if accelerator.is_main_process:
-                task = os.path.basename(os.path.normpath(args.dataset_path)).replace("/", "_")
+                task = os.path.basename(os.path.normpath(args.dataset_path))
                 name = new_run_folder(args.output_dir, f"{task}__{args.exp_name}__{args.seed}__{int(time.time())}")
             args.run_name = broadcast_object_list([name])[0]
             self.dir = os.path.join(args.output_dir, args.run_name)
+            return
+        self.dir = os.path.normpath(args.resume)  # the same run: every argument that changes the numbers must match
+        require(os.path.isfile(os.path.join(self.dir, "config.json")), f"--resume {self.dir} has no config.json")
+        require(self.checkpoints(), f"--resume {self.dir} has no finished checkpoint to continue from")
+        with open(os.path.join(self.dir, "config.json")) as f:
+            saved = json.load(f)["args"]
+        for key, value in asdict(args).items():
+            if key not in resumable_args and key in saved and json.loads(json.dumps(value)) != saved[key]:
+                fail(f"--{key} is {value!r} but the run being resumed used {saved[key]!r}")
+        args.run_name = saved["run_name"]
+
+    def checkpoints(self):
+        """The finished checkpoints (step_N, not step_N.tmp), oldest first."""
+        folder = os.path.join(self.dir, "checkpoints")
+        names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+        return [os.path.join(folder, name) for name in names if name.startswith("step_") and "." not in name]
 
     def start(self, launch_info):
-        """With --resume, load its latest checkpoint (weights, optimizer, scheduler, every process's RNG state) and
-        drop the log lines that came after it; then open the logs. launch_info goes to config.json. Returns the first
-        step."""
-        step = 0
-        if self.args.resume is not None:
+        """Load --resume's latest checkpoint (weights, optimizer, scheduler, every process's RNG state) and drop the
+        log lines written after it; open the logs; launch_info goes to config.json. Returns the first step."""
+        step, args = 0, self.args
+        if args.resume is not None:
+            *earlier, latest = self.checkpoints()
             try:  # a checkpoint is complete once renamed; a file damaged since gives one line, not a traceback
-                self.accelerator.load_state(self.resume_from)
-                with open(os.path.join(self.resume_from, "trainer_state.json")) as f:
+                self.accelerator.load_state(latest)
+                with open(os.path.join(latest, "trainer_state.json")) as f:
                     state = json.load(f)
             except Exception as error:
-                problem, earlier = " ".join(str(error).split()), finished_checkpoints(self.dir)[-2:-1]
-                hint = f"; if a file is damaged, delete it to resume from {earlier[0]}" if earlier else ""
-                fail(f"checkpoint {self.resume_from} does not load ({type(error).__name__}: {problem}){hint}")
-            step, self.episode, self.last_checkpoint = state["global_step"], state["episode"], self.resume_from
-            self.accelerator.print(f"resumed {self.dir} from {self.resume_from} at step {step}")
+                hint = f"; if a file is damaged, delete it to resume from {earlier[-1]}" if earlier else ""
+                fail(
+                    f"checkpoint {latest} does not load ({type(error).__name__}: {' '.join(str(error).split())}){hint}"
+                )
+            step, self.episode, self.last_checkpoint = state["global_step"], state["episode"], latest
+            self.accelerator.print(f"resumed {self.dir} from {latest} at step {step}")
         if self.accelerator.is_main_process:
-            os.makedirs(self.dir, exist_ok=True)
-            config = asdict(self.args)
-            if self.args.resume is None:
-                distributed = {"distributed_type": self.accelerator.distributed_type.value}
+            config = asdict(args)
+            if args.resume is None:
+                info = {
+                    "git_sha": git_sha(),
+                    "distributed_type": self.accelerator.distributed_type.value,
+                    **launch_info,
+                }
                 with open(os.path.join(self.dir, "config.json"), "w") as f:
-                    json.dump({"args": config, "git_sha": git_sha(), **distributed, **launch_info}, f, indent=2)
+                    json.dump({"args": config, **info}, f, indent=2)
             for name in ("metrics.jsonl", "samples.jsonl"):  # drop what was logged after the checkpoint
                 truncate_jsonl(os.path.join(self.dir, name), step)
             self.metrics_file = open(os.path.join(self.dir, "metrics.jsonl"), "a")
             self.trackers = [TensorBoardTracker("tensorboard", self.dir)]
-            if self.args.track:
-                name, tags = self.args.run_name, [*self.args.wandb_tags, git_sha()[:12] or "no-git"]
-                kwargs = dict(entity=self.args.wandb_entity, id=name, name=name, resume="allow", tags=tags)
-                self.trackers.append(WandBTracker(self.args.wandb_project_name, dir=self.dir, **kwargs))
-            # TensorBoard's hparams take numbers and text
-            hparams = {k: v if isinstance(v, (int, float, str)) else str(v) for k, v in config.items()}
+            if args.track:
+                tags = [*args.wandb_tags, git_sha()[:12] or "no-git"]
+                kwargs = dict(
+                    entity=args.wandb_entity, id=args.run_name, name=args.run_name, resume="allow", tags=tags
+                )
+                self.trackers.append(WandBTracker(args.wandb_project_name, dir=self.dir, **kwargs))
+            hparams = {
+                k: v if isinstance(v, (int, float, str)) else str(v) for k, v in config.items()
+            }  # TensorBoard's
             for tracker in self.trackers:
                 tracker.start()
                 tracker.store_init_configuration(config if tracker.name == "wandb" else hparams)
@@ -768,6 +760,8 @@ class Run:
         """One line of metrics.jsonl (and TensorBoard, wandb) for this step; samples go to samples.jsonl."""
         if not self.accelerator.is_main_process:
             return
+        if step == 0:  # the evaluation before training, on the console too
+            print(" | ".join(f"{name} {value:.4g}" for name, value in metrics.items()))
         line = {"global_step": step, "episode": self.episode, "time": time.time() - self.t_start, **metrics}
         self.metrics_file.write(json.dumps(line) + "\n")
         self.metrics_file.flush()
@@ -778,29 +772,27 @@ class Run:
                 f.writelines(json.dumps(s) + "\n" for s in samples)
 
     def save_checkpoint(self, step):
-        """Everything needed to resume (accelerate's state of every process and trainer_state.json) goes to
-        step_N.tmp, which becomes step_N by one rename once complete; only the newest keep_checkpoints stay."""
+        """accelerate's state of every process and trainer_state.json go to step_N.tmp, renamed step_N once complete;
+        the newest keep_checkpoints stay."""
         final = os.path.join(self.dir, "checkpoints", f"step_{step:06d}")
-        tmp = final + ".tmp"
         if self.accelerator.is_main_process:
-            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(final + ".tmp", ignore_errors=True)
         self.accelerator.wait_for_everyone()
-        self.accelerator.save_state(tmp)
-        self.accelerator.wait_for_everyone()  # every process has written its RNG state into tmp
+        self.accelerator.save_state(final + ".tmp")
+        self.accelerator.wait_for_everyone()  # every process has written its RNG state
         if self.accelerator.is_main_process:
-            with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+            with open(os.path.join(final + ".tmp", "trainer_state.json"), "w") as f:
                 json.dump({"global_step": step, "episode": self.episode}, f)
             shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-            for old_checkpoint in finished_checkpoints(self.dir)[: -self.args.keep_checkpoints]:
-                shutil.rmtree(old_checkpoint)
+            os.replace(final + ".tmp", final)
+            for old in self.checkpoints()[: -self.args.keep_checkpoints]:
+                shutil.rmtree(old)
         self.accelerator.wait_for_everyone()
         self.last_checkpoint = final
 
     def finish(self):
-        """Close the logs once every process is done (the main one may still be writing the final model: a process
-        that tore down its process group and exited meanwhile was seen to abort under DeepSpeed). A vLLM engine's
-        shutdown may have destroyed the process group already."""
+        """Close the logs once every process is done (under DeepSpeed, a process that exited while the main one still
+        wrote the final model was seen to abort it); a vLLM engine's shutdown may have destroyed the group already."""
         if torch.distributed.is_initialized():
             self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
@@ -1036,6 +1028,14 @@ def verify_answer(prediction, gold):
         return float(prediction.strip() == gold.strip())
 
 
+@contextlib.contextmanager
+def timed(metrics, name):
+    """metrics[name] = the seconds the block took."""
+    start = time.time()
+    yield
+    metrics[name] = time.time() - start
+
+
 def is_due(step, every, total_steps):
     """Whether a periodic event (evaluation, checkpoint) happens after `step`: every `every` steps and at the end."""
     return bool(every and step % every == 0) or step == total_steps
@@ -1111,6 +1111,14 @@ class OneLabelClassifier:
     def from_pretrained(path, config, **kwargs):
         config.num_labels = 1
         return AutoModelForSequenceClassification.from_pretrained(path, config=config, **kwargs)
+
+
+def reference_logprobs(logprobs_fn, model, ref_model, accelerator, batch):
+    """fixed_logprobs of the reference: ref_model, or with LoRA (ref_model None) the policy with its adapters off,
+    under the policy's autocast (--mixed_precision), so that KL is exactly 0 before the first update. [B, R]"""
+    adapters_off = accelerator.unwrap_model(model).disable_adapter() if ref_model is None else contextlib.nullcontext()
+    with adapters_off, accelerator.autocast():
+        return fixed_logprobs(logprobs_fn, ref_model or model, *batch)
 
 
 def take(values, rows):
@@ -1750,20 +1758,13 @@ def git_sha():
 
 
 def truncate_jsonl(path, last_step):
-    """Keep the lines of a JSONL log up to global_step last_step; a line cut short by a kill is dropped."""
-    if not os.path.exists(path):
-        return
-    kept = []
-    with open(path) as f:
-        for line in f:
-            try:
-                if json.loads(line)["global_step"] <= last_step:
-                    kept.append(line)
-            except (json.JSONDecodeError, KeyError):
-                pass
-    with open(path + ".tmp", "w") as f:
-        f.writelines(kept)
-    os.replace(path + ".tmp", path)
+    """Keep the lines of a JSONL log up to global_step last_step, and none cut short by a kill (no newline yet)."""
+    if os.path.exists(path):
+        with open(path) as f:
+            kept = [line for line in f if line.endswith("\n") and json.loads(line)["global_step"] <= last_step]
+        with open(path + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(path + ".tmp", path)
 
 
 def check_golds(rows, column, where, max_share=0.1):
@@ -1789,35 +1790,14 @@ def require_prompts(prompts, needed, where, max_prompt_length):
         fail(f"{where}: only {len(prompts)} prompts fit --max_prompt_length {max_prompt_length}; {needed} needed")
 
 
-def finished_checkpoints(run_dir):
-    """The paths of the run's finished checkpoints (step_N, not step_N.tmp), oldest first."""
-    folder = os.path.join(run_dir, "checkpoints")
-    if not os.path.isdir(folder):
-        return []
-    return [os.path.join(folder, d) for d in sorted(os.listdir(folder)) if d.startswith("step_") and "." not in d]
-
-
-def resume_checkpoint(run_dir):
-    """The latest finished checkpoint of the run folder given to --resume."""
-    if not os.path.isfile(os.path.join(run_dir, "config.json")):
-        fail(f"--resume {run_dir} is not a run folder (it has no config.json)")
-    done = finished_checkpoints(run_dir)
-    if not done:
-        fail(f"--resume {run_dir} has no finished checkpoint to continue from")
-    return done[-1]
-
-
 def new_run_folder(output_dir, name):
-    """Create {output_dir}/{name} and return the name; a name already taken (two runs of the same task, exp_name
-    and seed started in the same second) gets a suffix _2, _3, ...: two runs never share a folder."""
+    """Create {output_dir}/{name}, or {name}_2, _3, ... when taken (two runs of one task, exp_name and seed started
+    in the same second); returns the name."""
     os.makedirs(output_dir, exist_ok=True)
-    for k in itertools.count(1):
-        candidate = name if k == 1 else f"{name}_{k}"
-        try:
+    for candidate in (name if k == 1 else f"{name}_{k}" for k in itertools.count(1)):
+        with contextlib.suppress(FileExistsError):
             os.mkdir(os.path.join(output_dir, candidate))
             return candidate
-        except FileExistsError:
-            continue
 
 
 def require(ok, message):
@@ -1905,11 +1885,14 @@ def check_args(args):
 
 
 def check_prm(args, policy_tokenizer):
-    """Which kind of PRM --prm names, checked before any model is loaded: the verifier must give one score in
+    """Which kind of PRM --prm names (and that --value_model_path has the policy's vocabulary), checked before any
+    model is loaded: the verifier must give one score in
     [0, 1] per step of a probe response; a learned PRM must be a one-label sequence classifier saved by
     reward_modeling.py --prm (config.prm) with the policy's vocabulary (it reads the policy's tokens); a
     Math-Shepherd PRM must be a causal LM whose tokenizer makes one step tag per step and one token of each label.
     Returns (kind, the PRM's tokenizer or None, (tag id, good id, bad id) or None)."""
+    if args.value_model_path is not None:  # here, as a check that needs the policy's tokenizer
+        check_same_vocabulary(args.value_model_path, "value_model_path", policy_tokenizer, args.trust_remote_code)
     probe = ["1 + 1 = 2", "2 + 2 = 5", "Answer: 4"]
     if args.prm == "verifier":
         scores = verifier_step_scores(probe)

@@ -125,8 +125,6 @@ class Args:
     """seed of the experiment; process r samples with seed + r"""
 
     # Computed in main(), recorded in config.json (not flags)
-    world_size: tyro.conf.Suppress[int] = 0
-    """(computed) number of processes"""
     minibatch_size: tyro.conf.Suppress[int] = 0
     """(computed) responses per process per optimizer step"""
     gradient_accumulation_steps: tyro.conf.Suppress[int] = 0
@@ -250,35 +248,6 @@ def ppo_rlhf_loss(
     return policy_loss + args.vf_coef * value_loss, stats
 
 
-def logprobs_from_logits(logits, labels):
-    """log softmax(logits)[labels] without materialising the full log-softmax. logits [..., V], labels [...]."""
-    return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-
-
-def entropy_from_logits(logits):
-    """Entropy of softmax(logits) along the last dimension."""
-    return torch.logsumexp(logits, dim=-1) - (F.softmax(logits, dim=-1) * logits).sum(-1)
-
-
-def response_logprobs(model, input_ids, attention_mask, context_length, temperature):
-    """Log-probs of the response tokens input_ids[:, context_length:] under `model`, and the logits that gave them.
-    Prompts are left-padded, so positions are counted from each sequence's first real token.
-    Returns (logprobs [B, R], logits [B, R, V]) with logits divided by the sampling temperature."""
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    # The logits at position t predict token t + 1: only the last R + 1 positions are needed, so the LM head
-    # (a [hidden, vocab] matmul) skips the prompt.
-    logits_to_keep = input_ids.shape[1] - context_length + 1
-    logits = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        use_cache=False,
-        logits_to_keep=logits_to_keep,
-    ).logits
-    logits = logits[:, :-1].float() / temperature
-    return logprobs_from_logits(logits, input_ids[:, context_length:]), logits
-
-
 def reward_model_scores(
     reward_model, query_responses, attention_mask, context_length, mask, stop_ids, args, accelerator
 ):
@@ -304,11 +273,11 @@ def reward_model_scores(
 def main(args: Args):
     # Setup: processes, data, the four models, sampler, run folder (the helpers are below the fence).
     check_args(args)
-    args.minibatch_size = args.prompts_per_rank // args.num_minibatches
+    B = args.prompts_per_rank  # responses per process per step
+    args.minibatch_size = B // args.num_minibatches
     args.gradient_accumulation_steps = args.minibatch_size // args.micro_batch_size
     accelerator = make_accelerator(args.micro_batch_size, args.gradient_accumulation_steps, args.max_grad_norm)
     rank, world_size = accelerator.process_index, accelerator.num_processes
-    args.world_size = world_size
     tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code, args.prompt_template)
     check_reward_and_value_models(args, tokenizer)
     train_prompts, train_golds, eval_set, has_gold = load_rlhf_prompts(args, tokenizer, world_size)
@@ -328,23 +297,20 @@ def main(args: Args):
     if start_step > 0:
         sampler.sync_weights()
     else:
-        eval_metrics, samples = evaluate(sampler, reward_model, eval_set, has_gold, args, accelerator, 0)
-        run.log(0, eval_metrics, samples)
-        accelerator.print(" | ".join(f"{k} {v:.3f}" for k, v in eval_metrics.items()))
+        run.log(0, *evaluate(sampler, reward_model, eval_set, has_gold, args, accelerator, 0))
 
     progress = tqdm(total=args.total_steps, initial=start_step, desc="ppo", disable=not accelerator.is_main_process)
     for step in range(start_step, args.total_steps):
         t_step, metrics = time.time(), {}
         # 1. Prompts: each process takes its slice of a global order that is a function of (seed, step), so that
         # --resume repeats it.
-        global_indices = step_prompt_indices(step, args.prompts_per_rank * world_size, len(train_prompts), args.seed)
-        indices = global_indices[rank * args.prompts_per_rank : (rank + 1) * args.prompts_per_rank]
+        global_indices = step_prompt_indices(step, B * world_size, len(train_prompts), args.seed)
+        indices = global_indices[rank * B : (rank + 1) * B]
         prompts = [train_prompts[i] for i in indices]
 
         # 2. Rollout: one response per prompt, cut to the longest one. responses, mask [B, R], B = prompts_per_rank.
-        t0 = time.time()
-        responses, mask, sampler_logprobs, texts = sampler.generate(prompts, 1, args.temperature)
-        metrics["time/generation"] = time.time() - t0
+        with timed(metrics, "time/generation"):
+            responses, mask, sampler_logprobs, texts = sampler.generate(prompts, 1, args.temperature)
         metrics["perf/generation_tokens_per_second"] = mask.sum().item() / metrics["time/generation"]
         query_responses, attention_mask, mask, sampler_logprobs, context_length = training_batch(
             prompts, 1, responses, mask, sampler_logprobs, tokenizer.pad_token_id, accelerator.device
@@ -357,9 +323,7 @@ def main(args: Args):
         batch = (query_responses, attention_mask, context_length, args.temperature, args.micro_batch_size)
         model.eval()
         old_logprobs, old_values = fixed_logprobs_and_values(model, *batch)
-        ref_context = unwrapped.policy.disable_adapter() if args.lora_r > 0 else contextlib.nullcontext()
-        with ref_context, accelerator.autocast():
-            ref_logprobs = fixed_logprobs(response_logprobs, ref_policy or unwrapped.policy, *batch)
+        ref_logprobs = reference_logprobs(response_logprobs, unwrapped.policy, ref_policy, accelerator, batch)
 
         # 4. Reward: the reward model's score of each whole response (the verifier's verdict is only reported). [B]
         t0 = time.time()
@@ -367,8 +331,8 @@ def main(args: Args):
             reward_model, query_responses, attention_mask, context_length, mask, sampler.stop_ids, args, accelerator
         )
         correct = verifier_correct(texts, [train_golds[i] for i in indices])
-        check_finite(accelerator, scores, "objective/scores", step, run.last_checkpoint)
         metrics["time/reward"] = time.time() - t0
+        check_finite(accelerator, scores, "objective/scores", step, run.last_checkpoint)
 
         # 5. Per-token rewards: the KL penalty on every token, plus the score on the last real one. [B, R]
         kl = kl_estimate(old_logprobs, ref_logprobs, "k1") * mask
@@ -394,10 +358,8 @@ def main(args: Args):
         stats = collections.defaultdict(list)  # metric name -> one value per micro-batch (or minibatch)
         rng = torch.Generator().manual_seed(args.seed * 7919 + step)  # the later epochs' orders
         for epoch in range(args.num_ppo_epochs):
-            order = (
-                torch.randperm(args.prompts_per_rank, generator=rng) if epoch else torch.arange(args.prompts_per_rank)
-            )
-            for start in range(0, args.prompts_per_rank, args.minibatch_size):
+            order = torch.randperm(B, generator=rng) if epoch else torch.arange(B)
+            for start in range(0, B, args.minibatch_size):
                 minibatch = order[start : start + args.minibatch_size]
                 # The losses are means over the minibatch's tokens on every process, not each process's own count:
                 # each process divides by the mean count, and DDP averages the gradients.
@@ -437,14 +399,13 @@ def main(args: Args):
         metrics["perf/train_tokens_per_second"] = train_tokens / metrics["time/training"]
 
         # 8. Weight sync: the sampler generates the next batch with the new policy.
-        t0 = time.time()
-        sampler.sync_weights()
-        metrics["time/weight_sync"] = time.time() - t0
+        with timed(metrics, "time/weight_sync"):
+            sampler.sync_weights()
 
         # 9. Log (averaged over processes), evaluate, checkpoint.
         metrics = reduce_metrics(accelerator, metrics)
-        run.episode += args.prompts_per_rank * world_size
-        metrics["perf/episodes_per_second"] = args.prompts_per_rank * world_size / (time.time() - t_step)
+        run.episode += B * world_size
+        metrics["perf/episodes_per_second"] = B * world_size / (time.time() - t_step)
         samples = []
         if is_due(step + 1, args.eval_every, args.total_steps):
             eval_metrics, samples = evaluate(sampler, reward_model, eval_set, has_gold, args, accelerator, step + 1)
@@ -464,6 +425,35 @@ def main(args: Args):
 # PLUMBING: everything below serves main() and is not needed to follow the algorithm; a reader may stop here.
 # A definition with the same name is identical in every script that has it (tests/test_drift.py checks).
 # =====================================================================================================================
+
+
+def logprobs_from_logits(logits, labels):
+    """log softmax(logits)[labels] without materialising the full log-softmax. logits [..., V], labels [...]."""
+    return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def entropy_from_logits(logits):
+    """Entropy of softmax(logits) along the last dimension."""
+    return torch.logsumexp(logits, dim=-1) - (F.softmax(logits, dim=-1) * logits).sum(-1)
+
+
+def response_logprobs(model, input_ids, attention_mask, context_length, temperature):
+    """Log-probs of the response tokens input_ids[:, context_length:] under `model`, and the logits that gave them.
+    Prompts are left-padded, so positions are counted from each sequence's first real token.
+    Returns (logprobs [B, R], logits [B, R, V]) with logits divided by the sampling temperature."""
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    # The logits at position t predict token t + 1: only the last R + 1 positions are needed, so the LM head
+    # (a [hidden, vocab] matmul) skips the prompt.
+    logits_to_keep = input_ids.shape[1] - context_length + 1
+    logits = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        use_cache=False,
+        logits_to_keep=logits_to_keep,
+    ).logits
+    logits = logits[:, :-1].float() / temperature
+    return logprobs_from_logits(logits, input_ids[:, context_length:]), logits
 
 
 def load_policy_and_reference(args, accelerator, pad_token_id, with_reference=True):
@@ -575,6 +565,8 @@ class RunArgs:
     # Computed in main(), recorded in config.json (not flags)
     run_name: tyro.conf.Suppress[str] = ""
     """(computed) {task}__{exp_name}__{seed}__{unix_time}"""
+    world_size: tyro.conf.Suppress[int] = 0
+    """(computed) number of processes"""
 
 
 @dataclass
@@ -679,64 +671,77 @@ class Sampler:
 
 class Run:
     """The run folder {output_dir}/{run_name}: config.json, metrics.jsonl, samples.jsonl, accelerate's TensorBoard and
-    wandb trackers, atomic checkpoints, and --resume from its latest checkpoint. Made on every process; only the main
-    process writes. The run name ({task}__{exp_name}__{seed}__{unix_time}, the time from rank 0, with a suffix if that
-    folder exists) is set on args.run_name."""
+    wandb trackers, checkpoints (written to step_N.tmp, renamed step_N once complete), and --resume from the latest.
+    Made on every process, written by the main one. Sets args.run_name ({task}__{exp_name}__{seed}__{unix_time}, the
+    time from rank 0, with a suffix if that folder exists) and args.world_size."""
 
     def __init__(self, args, accelerator, resumable_args):
-        self.args, self.accelerator = args, accelerator
-        self.episode, self.last_checkpoint = 0, None
-        self.metrics_file, self.trackers = None, []
-        if args.resume is not None:  # the same run: every argument that changes what is computed must match
-            self.dir = os.path.normpath(args.resume)
-            self.resume_from = resume_checkpoint(self.dir)
-            with open(os.path.join(self.dir, "config.json")) as f:
-                saved = json.load(f)["args"]
-            for key, value in asdict(args).items():
-                if key not in resumable_args and key in saved and json.loads(json.dumps(value)) != saved[key]:
-                    fail(f"--{key} is {value!r} but the run being resumed used {saved[key]!r}")
-            args.run_name = saved["run_name"]
-        else:
+        self.args, self.accelerator, args.world_size = args, accelerator, accelerator.num_processes
+        self.episode, self.last_checkpoint, self.trackers = 0, None, []
+        if args.resume is None:
             name = None
             if accelerator.is_main_process:
-                task = os.path.basename(os.path.normpath(args.dataset_path)).replace("/", "_")
+                task = os.path.basename(os.path.normpath(args.dataset_path))
                 name = new_run_folder(args.output_dir, f"{task}__{args.exp_name}__{args.seed}__{int(time.time())}")
             args.run_name = broadcast_object_list([name])[0]
             self.dir = os.path.join(args.output_dir, args.run_name)
+            return
+        self.dir = os.path.normpath(args.resume)  # the same run: every argument that changes the numbers must match
+        require(os.path.isfile(os.path.join(self.dir, "config.json")), f"--resume {self.dir} has no config.json")
+        require(self.checkpoints(), f"--resume {self.dir} has no finished checkpoint to continue from")
+        with open(os.path.join(self.dir, "config.json")) as f:
+            saved = json.load(f)["args"]
+        for key, value in asdict(args).items():
+            if key not in resumable_args and key in saved and json.loads(json.dumps(value)) != saved[key]:
+                fail(f"--{key} is {value!r} but the run being resumed used {saved[key]!r}")
+        args.run_name = saved["run_name"]
+
+    def checkpoints(self):
+        """The finished checkpoints (step_N, not step_N.tmp), oldest first."""
+        folder = os.path.join(self.dir, "checkpoints")
+        names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+        return [os.path.join(folder, name) for name in names if name.startswith("step_") and "." not in name]
 
     def start(self, launch_info):
-        """With --resume, load its latest checkpoint (weights, optimizer, scheduler, every process's RNG state) and
-        drop the log lines that came after it; then open the logs. launch_info goes to config.json. Returns the first
-        step."""
-        step = 0
-        if self.args.resume is not None:
+        """Load --resume's latest checkpoint (weights, optimizer, scheduler, every process's RNG state) and drop the
+        log lines written after it; open the logs; launch_info goes to config.json. Returns the first step."""
+        step, args = 0, self.args
+        if args.resume is not None:
+            *earlier, latest = self.checkpoints()
             try:  # a checkpoint is complete once renamed; a file damaged since gives one line, not a traceback
-                self.accelerator.load_state(self.resume_from)
-                with open(os.path.join(self.resume_from, "trainer_state.json")) as f:
+                self.accelerator.load_state(latest)
+                with open(os.path.join(latest, "trainer_state.json")) as f:
                     state = json.load(f)
             except Exception as error:
-                problem, earlier = " ".join(str(error).split()), finished_checkpoints(self.dir)[-2:-1]
-                hint = f"; if a file is damaged, delete it to resume from {earlier[0]}" if earlier else ""
-                fail(f"checkpoint {self.resume_from} does not load ({type(error).__name__}: {problem}){hint}")
-            step, self.episode, self.last_checkpoint = state["global_step"], state["episode"], self.resume_from
-            self.accelerator.print(f"resumed {self.dir} from {self.resume_from} at step {step}")
+                hint = f"; if a file is damaged, delete it to resume from {earlier[-1]}" if earlier else ""
+                fail(
+                    f"checkpoint {latest} does not load ({type(error).__name__}: {' '.join(str(error).split())}){hint}"
+                )
+            step, self.episode, self.last_checkpoint = state["global_step"], state["episode"], latest
+            self.accelerator.print(f"resumed {self.dir} from {latest} at step {step}")
         if self.accelerator.is_main_process:
-            os.makedirs(self.dir, exist_ok=True)
-            config = asdict(self.args)
-            if self.args.resume is None:
-                distributed = {"distributed_type": self.accelerator.distributed_type.value}
+            config = asdict(args)
+            if args.resume is None:
+                info = {
+                    "git_sha": git_sha(),
+                    "distributed_type": self.accelerator.distributed_type.value,
+                    **launch_info,
+                }
                 with open(os.path.join(self.dir, "config.json"), "w") as f:
-                    json.dump({"args": config, "git_sha": git_sha(), **distributed, **launch_info}, f, indent=2)
+                    json.dump({"args": config, **info}, f, indent=2)
             for name in ("metrics.jsonl", "samples.jsonl"):  # drop what was logged after the checkpoint
                 truncate_jsonl(os.path.join(self.dir, name), step)
             self.metrics_file = open(os.path.join(self.dir, "metrics.jsonl"), "a")
             self.trackers = [TensorBoardTracker("tensorboard", self.dir)]
-            if self.args.track:
-                name, tags = self.args.run_name, [*self.args.wandb_tags, git_sha()[:12] or "no-git"]
-                kwargs = dict(entity=self.args.wandb_entity, id=name, name=name, resume="allow", tags=tags)
-                self.trackers.append(WandBTracker(self.args.wandb_project_name, dir=self.dir, **kwargs))
-            # TensorBoard's hparams take numbers and text
-            hparams = {k: v if isinstance(v, (int, float, str)) else str(v) for k, v in config.items()}
+            if args.track:
+                tags = [*args.wandb_tags, git_sha()[:12] or "no-git"]
+                kwargs = dict(
+                    entity=args.wandb_entity, id=args.run_name, name=args.run_name, resume="allow", tags=tags
+                )
+                self.trackers.append(WandBTracker(args.wandb_project_name, dir=self.dir, **kwargs))
+            hparams = {
+                k: v if isinstance(v, (int, float, str)) else str(v) for k, v in config.items()
+            }  # TensorBoard's
             for tracker in self.trackers:
                 tracker.start()
                 tracker.store_init_configuration(config if tracker.name == "wandb" else hparams)
@@ -747,6 +752,8 @@ class Run:
         """One line of metrics.jsonl (and TensorBoard, wandb) for this step; samples go to samples.jsonl."""
         if not self.accelerator.is_main_process:
             return
+        if step == 0:  # the evaluation before training, on the console too
+            print(" | ".join(f"{name} {value:.4g}" for name, value in metrics.items()))
         line = {"global_step": step, "episode": self.episode, "time": time.time() - self.t_start, **metrics}
         self.metrics_file.write(json.dumps(line) + "\n")
         self.metrics_file.flush()
@@ -757,29 +764,27 @@ class Run:
                 f.writelines(json.dumps(s) + "\n" for s in samples)
 
     def save_checkpoint(self, step):
-        """Everything needed to resume (accelerate's state of every process and trainer_state.json) goes to
-        step_N.tmp, which becomes step_N by one rename once complete; only the newest keep_checkpoints stay."""
+        """accelerate's state of every process and trainer_state.json go to step_N.tmp, renamed step_N once complete;
+        the newest keep_checkpoints stay."""
         final = os.path.join(self.dir, "checkpoints", f"step_{step:06d}")
-        tmp = final + ".tmp"
         if self.accelerator.is_main_process:
-            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(final + ".tmp", ignore_errors=True)
         self.accelerator.wait_for_everyone()
-        self.accelerator.save_state(tmp)
-        self.accelerator.wait_for_everyone()  # every process has written its RNG state into tmp
+        self.accelerator.save_state(final + ".tmp")
+        self.accelerator.wait_for_everyone()  # every process has written its RNG state
         if self.accelerator.is_main_process:
-            with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+            with open(os.path.join(final + ".tmp", "trainer_state.json"), "w") as f:
                 json.dump({"global_step": step, "episode": self.episode}, f)
             shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-            for old_checkpoint in finished_checkpoints(self.dir)[: -self.args.keep_checkpoints]:
-                shutil.rmtree(old_checkpoint)
+            os.replace(final + ".tmp", final)
+            for old in self.checkpoints()[: -self.args.keep_checkpoints]:
+                shutil.rmtree(old)
         self.accelerator.wait_for_everyone()
         self.last_checkpoint = final
 
     def finish(self):
-        """Close the logs once every process is done (the main one may still be writing the final model: a process
-        that tore down its process group and exited meanwhile was seen to abort under DeepSpeed). A vLLM engine's
-        shutdown may have destroyed the process group already."""
+        """Close the logs once every process is done (under DeepSpeed, a process that exited while the main one still
+        wrote the final model was seen to abort it); a vLLM engine's shutdown may have destroyed the group already."""
         if torch.distributed.is_initialized():
             self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
@@ -788,6 +793,14 @@ class Run:
                 tracker.finish()
         self.accelerator.print(f"done in {time.time() - self.t_start:.0f}s: {self.dir}")
         self.accelerator.end_training()
+
+
+@contextlib.contextmanager
+def timed(metrics, name):
+    """metrics[name] = the seconds the block took."""
+    start = time.time()
+    yield
+    metrics[name] = time.time() - start
 
 
 def is_due(step, every, total_steps):
@@ -1228,6 +1241,14 @@ def rlhf_update_metrics(stats, num_optimizer_steps):
     return metrics | {name: float(np.mean(values)) for name, values in stats.items()}
 
 
+def reference_logprobs(logprobs_fn, model, ref_model, accelerator, batch):
+    """fixed_logprobs of the reference: ref_model, or with LoRA (ref_model None) the policy with its adapters off,
+    under the policy's autocast (--mixed_precision), so that KL is exactly 0 before the first update. [B, R]"""
+    adapters_off = accelerator.unwrap_model(model).disable_adapter() if ref_model is None else contextlib.nullcontext()
+    with adapters_off, accelerator.autocast():
+        return fixed_logprobs(logprobs_fn, ref_model or model, *batch)
+
+
 def take(values, rows):
     """values[rows], or None for a tensor the run does not have (no reference model, no sampler log-probs)."""
     return None if values is None else values[rows]
@@ -1448,20 +1469,13 @@ def git_sha():
 
 
 def truncate_jsonl(path, last_step):
-    """Keep the lines of a JSONL log up to global_step last_step; a line cut short by a kill is dropped."""
-    if not os.path.exists(path):
-        return
-    kept = []
-    with open(path) as f:
-        for line in f:
-            try:
-                if json.loads(line)["global_step"] <= last_step:
-                    kept.append(line)
-            except (json.JSONDecodeError, KeyError):
-                pass
-    with open(path + ".tmp", "w") as f:
-        f.writelines(kept)
-    os.replace(path + ".tmp", path)
+    """Keep the lines of a JSONL log up to global_step last_step, and none cut short by a kill (no newline yet)."""
+    if os.path.exists(path):
+        with open(path) as f:
+            kept = [line for line in f if line.endswith("\n") and json.loads(line)["global_step"] <= last_step]
+        with open(path + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(path + ".tmp", path)
 
 
 def check_columns(rows, columns, where, text_columns=()):
@@ -1510,35 +1524,14 @@ def require_prompts(prompts, needed, where, max_prompt_length):
         fail(f"{where}: only {len(prompts)} prompts fit --max_prompt_length {max_prompt_length}; {needed} needed")
 
 
-def finished_checkpoints(run_dir):
-    """The paths of the run's finished checkpoints (step_N, not step_N.tmp), oldest first."""
-    folder = os.path.join(run_dir, "checkpoints")
-    if not os.path.isdir(folder):
-        return []
-    return [os.path.join(folder, d) for d in sorted(os.listdir(folder)) if d.startswith("step_") and "." not in d]
-
-
-def resume_checkpoint(run_dir):
-    """The latest finished checkpoint of the run folder given to --resume."""
-    if not os.path.isfile(os.path.join(run_dir, "config.json")):
-        fail(f"--resume {run_dir} is not a run folder (it has no config.json)")
-    done = finished_checkpoints(run_dir)
-    if not done:
-        fail(f"--resume {run_dir} has no finished checkpoint to continue from")
-    return done[-1]
-
-
 def new_run_folder(output_dir, name):
-    """Create {output_dir}/{name} and return the name; a name already taken (two runs of the same task, exp_name
-    and seed started in the same second) gets a suffix _2, _3, ...: two runs never share a folder."""
+    """Create {output_dir}/{name}, or {name}_2, _3, ... when taken (two runs of one task, exp_name and seed started
+    in the same second); returns the name."""
     os.makedirs(output_dir, exist_ok=True)
-    for k in itertools.count(1):
-        candidate = name if k == 1 else f"{name}_{k}"
-        try:
+    for candidate in (name if k == 1 else f"{name}_{k}" for k in itertools.count(1)):
+        with contextlib.suppress(FileExistsError):
             os.mkdir(os.path.join(output_dir, candidate))
             return candidate
-        except FileExistsError:
-            continue
 
 
 def require(ok, message):

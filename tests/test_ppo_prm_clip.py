@@ -244,9 +244,12 @@ def test_per_token_rewards_with_process_rewards_match_a_loop(seed):
     torch.testing.assert_close(rewards.sum(1), total, rtol=1e-12, atol=1e-12)
 
 
-def reference_loss(logprobs, values, old_logprobs, old_values, advantages, returns, sampler_logprobs, mask, args, n):
-    """ppo_prm_loss one token at a time in Python floats: (policy sum + vf_coef * value sum) / n."""
-    policy = value = 0.0
+def reference_loss(
+    logprobs, logits, values, old_logprobs, old_values, advantages, returns, sampler_logprobs, mask, args, n
+):
+    """ppo_prm_loss one token at a time in Python floats: (policy sum + vf_coef * value sum) / n, and the mean entropy
+    of softmax(logits) over the real tokens."""
+    policy = value = entropy = 0.0
     for i in range(len(mask)):
         for t in range(len(mask[i])):
             if not mask[i][t]:
@@ -260,7 +263,10 @@ def reference_loss(logprobs, values, old_logprobs, old_values, advantages, retur
             v_clipped = old_v + min(max(v - old_v, -args.cliprange_value), args.cliprange_value)
             policy += pg
             value += 0.5 * max((v - ret) ** 2, (v_clipped - ret) ** 2)
-    return (policy + args.vf_coef * value) / n, policy / n, value / n
+            probs = [math.exp(x) for x in logits[i][t]]
+            entropy -= sum(q / sum(probs) * math.log(q / sum(probs)) for q in probs)
+    real = sum(sum(row) for row in mask)
+    return (policy + args.vf_coef * value) / n, policy / n, value / n, entropy / real
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -276,14 +282,16 @@ def test_ppo_prm_loss_matches_a_loop_and_micro_batches_sum_to_the_minibatch(seed
     logprobs, values = rand(0.3).requires_grad_(), rand().requires_grad_()
     old_logprobs, old_values, advantages, returns = rand(0.3), rand(), rand(), rand()
     sampler_logprobs = old_logprobs + rand(0.5) if tis else None
-    tensors = (logprobs, values, old_logprobs, old_values, advantages, returns, sampler_logprobs, mask)
+    logits = torch.randn(6, 7, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    tensors = (logprobs, logits, values, old_logprobs, old_values, advantages, returns, sampler_logprobs, mask)
     n = mask.sum() * 0.75  # a minibatch token count (averaged over processes, it need not be this batch's)
     loss, stats = prm.ppo_prm_loss(*tensors, args, n)
     as_lists = [None if x is None else x.tolist() for x in tensors]
-    expected, expected_policy, expected_value = reference_loss(*as_lists, args, float(n))
+    expected, expected_policy, expected_value, expected_entropy = reference_loss(*as_lists, args, float(n))
     assert loss.item() == pytest.approx(expected, rel=1e-12)
     assert stats["pg_loss"] == pytest.approx(expected_policy, rel=1e-12)
     assert stats["vf_loss"] == pytest.approx(expected_value, rel=1e-12)
+    assert stats["policy/entropy_avg"] == pytest.approx(expected_entropy, rel=1e-12)
     assert ("objective/tis_weight" in stats) == tis
     loss.backward()
     assert logprobs.grad.abs().sum() > 0 and values.grad.abs().sum() > 0
