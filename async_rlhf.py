@@ -95,10 +95,6 @@ class Args:
     """optimizer steps per batch (one pass over it; later minibatches see a slightly updated policy)"""
     learning_rate: float = 1e-5
     """AdamW learning rate"""
-    lr_scheduler: Literal["constant", "linear", "cosine"] = "linear"
-    """learning-rate schedule after warmup"""
-    warmup_steps: int = 0
-    """optimizer steps of linear warmup"""
     weight_decay: float = 0.0
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
@@ -228,8 +224,7 @@ def async_dpo_loss(logprobs, mask, ref_sequence_logps, sampler_logprobs, keep, n
 
 def truncated_importance_weights(logprobs, sampler_logprobs, cap):
     """Truncated importance sampling (Yao et al., "Your Efficient RL Framework Secretly Brings You Off-Policy RL
-    Training", 2025): the batch was sampled by the inference engine's pi_sampler, not by the trainer's pi, so each
-    token's loss is weighted by min(pi / pi_sampler, cap). logprobs, sampler_logprobs [B, R] -> weights [B, R]."""
+    Training", 2025): a token the inference engine sampled weighs min(pi / pi_sampler, cap). [B, R] -> [B, R]"""
     return torch.clamp(torch.exp(logprobs - sampler_logprobs), max=cap)
 
 
@@ -254,11 +249,8 @@ def clipped_surrogate(logprobs, old_logprobs, advantages, clip_eps_low, clip_eps
     """Per-token PPO/GRPO policy loss -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A).
     logprobs, old_logprobs: [B, R]; advantages: [B] (one per completion, shared by its tokens).
     Returns (loss [B, R], ratio [B, R])."""
-    ratio = torch.exp(logprobs - old_logprobs)
-    adv = advantages.unsqueeze(1)
-    unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high) * adv
-    return -torch.min(unclipped, clipped), ratio
+    ratio, adv = torch.exp(logprobs - old_logprobs), advantages.unsqueeze(1)
+    return -torch.min(ratio * adv, torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high) * adv), ratio
 
 
 def rloo_loss(logprobs, old_logprobs, advantages, mask, clip_eps, normalizer):
@@ -649,6 +641,12 @@ class RunArgs:
     """used instead of the chat template, with {question} in it (needed when the tokenizer has no chat template)"""
     max_prompt_length: int = 256
     """prompts longer than this (in tokens) are dropped"""
+
+    # Learning-rate schedule
+    lr_scheduler: Literal["constant", "linear", "cosine"] = "linear"
+    """learning-rate schedule after warmup"""
+    warmup_steps: int = 0
+    """optimizer steps of linear warmup"""
 
     # Experiment
     exp_name: str = "async_rlhf"
@@ -1740,16 +1738,25 @@ def build_prompts(tokenizer, rows, args):
 
 
 def reduce_metrics(accelerator, metrics):
-    """Average a dict of floats over processes (a collective); a name ending in _max takes the largest value."""
+    """Average a dict of floats over processes (a collective); a name ending in _max (_min) takes the largest
+    (smallest) value."""
     keys = sorted(metrics)
     values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=accelerator.device)
     gathered = accelerator.gather(values.unsqueeze(0)).cpu()  # [world_size, K]
-    return {key: (v.max() if key.endswith("_max") else v.mean()).item() for key, v in zip(keys, gathered.T)}
+    return {key: reduce_values(key, v.tolist()) for key, v in zip(keys, gathered.T)}
 
 
 def average_stats(stats):
-    """{name: one float per micro-batch (or minibatch)} -> their mean, or for a name ending in _max the largest."""
-    return {name: float(max(v) if name.endswith("_max") else np.mean(v)) for name, v in stats.items()}
+    """{name: one float per micro-batch (or minibatch)} -> their mean, or for a name ending in _max (_min) the largest
+    (smallest)."""
+    return {name: reduce_values(name, values) for name, values in stats.items()}
+
+
+def reduce_values(name, values):
+    """The largest of a list of floats for a metric named *_max, the smallest for *_min, else their mean; NaNs (a
+    micro-batch with no token in the loss, see token_mean) are left out."""
+    values = [v for v in values if v == v] or [float("nan")]
+    return float(max(values) if name.endswith("_max") else min(values) if name.endswith("_min") else np.mean(values))
 
 
 def git_sha():

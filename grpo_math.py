@@ -2,16 +2,15 @@
 
 Group Relative Policy Optimization (Shao et al., "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in
 Open Language Models", arXiv 2402.03300), with the options of DAPO (Yu et al., arXiv 2503.14476: clip-higher,
-token-mean loss, dynamic sampling) and Dr. GRPO (Liu et al., "Understanding R1-Zero-Like Training: A Critical
-Perspective", arXiv 2503.20783: no std scaling, constant normalizer).
+token-mean loss, dynamic sampling, overlong shaping), Dr. GRPO (Liu et al., arXiv 2503.20783: no std scaling,
+constant normalizer), GSPO (sequence-level ratios, arXiv 2507.18071) and CISPO (clipped IS weights, 2506.13585).
 
 For every prompt the policy samples a group of G completions. A verifier gives each one a reward (1 if its final
 answer is right, else 0). The advantage of a completion is its reward relative to its group, A_i = r_i - mean(r),
 optionally divided by a std; every token of the completion gets that advantage in a PPO-style clipped surrogate.
 No value model, no learned reward.
 
-Run on CPU with the embedded defaults (SmolLM2-135M-Instruct and a reasoning-gym task; `make train` builds them
-and runs this):
+Run on CPU with the embedded defaults (SmolLM2-135M-Instruct, a reasoning-gym task; `make train` runs this):
     python grpo_math.py
     python grpo_math.py --no-vllm                  # Hugging Face generate instead of vLLM
 Run on GPUs (one vLLM engine per process, colocated with the trainer):
@@ -68,10 +67,6 @@ class Args:
     """passes over each batch (mu in the paper); with 1 pass and 1 minibatch the ratio is exactly 1"""
     learning_rate: float = 1e-5
     """AdamW learning rate"""
-    lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
-    """learning-rate schedule after warmup"""
-    warmup_steps: int = 0
-    """optimizer steps of linear warmup"""
     weight_decay: float = 0.0
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
@@ -92,6 +87,18 @@ class Args:
     """added to the reward of a completion that states its answer after 'Answer:'"""
     tis_cap: Optional[float] = 2.0
     """truncated importance sampling for vLLM samples: weight tokens by min(pi_train / pi_vllm, cap); None: off"""
+    mis_range: Optional[tuple[float, float]] = None
+    """masked importance sampling (IcePop) for vLLM samples: drop tokens whose pi_train / pi_vllm is outside it"""
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """sequence: every ratio is its sequence's geometric mean of token ratios, clipped per sequence (GSPO)"""
+    cispo_cap: Optional[float] = None
+    """CISPO (MiniMax-M1): weight each token's log-prob gradient by min(ratio, cap), detached; None: PPO's clip"""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong penalty: 0 up to response_length - buffer tokens, then linear to -1 (0: off)"""
+    overlong_filtering: bool = False
+    """DAPO: completions cut at response_length (no stop token) are masked out of the loss"""
+    entropy_coef: float = 0.0
+    """entropy bonus: - entropy_coef * H(pi) per token in the loss"""
 
     # Generation
     response_length: int = 64
@@ -157,9 +164,8 @@ def group_advantages(rewards, group_size, scale_rewards, eps=1e-4):
 
 
 def select_groups(rewards, group_size, num_groups):
-    """DAPO dynamic sampling. rewards: [M * group_size], consecutive blocks are groups. Keeps num_groups groups:
-    those whose rewards are not all equal, in order, then equal-reward ones to fill the batch. Returns the sorted
-    indices of the kept completions [num_groups * group_size]."""
+    """DAPO dynamic sampling: num_groups of the groups (consecutive blocks of rewards [M * group_size]), those whose
+    rewards differ first, then equal-reward ones. Returns the kept completions' indices, sorted [num_groups * G]."""
     grouped = rewards.view(-1, group_size)
     informative = (grouped != grouped[:, :1]).any(dim=1)  # [M]
     order = torch.cat([torch.nonzero(informative).flatten(), torch.nonzero(~informative).flatten()])
@@ -171,26 +177,46 @@ def clipped_surrogate(logprobs, old_logprobs, advantages, clip_eps_low, clip_eps
     """Per-token PPO/GRPO policy loss -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A).
     logprobs, old_logprobs: [B, R]; advantages: [B] (one per completion, shared by its tokens).
     Returns (loss [B, R], ratio [B, R])."""
-    ratio = torch.exp(logprobs - old_logprobs)
-    adv = advantages.unsqueeze(1)
-    unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high) * adv
-    return -torch.min(unclipped, clipped), ratio
+    ratio, adv = torch.exp(logprobs - old_logprobs), advantages.unsqueeze(1)
+    return -torch.min(ratio * adv, torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high) * adv), ratio
+
+
+def cispo_surrogate(ratio_logprobs, ratio_old_logprobs, logprobs, advantages, cap):
+    """CISPO (MiniMax-M1, arXiv 2506.13585): -sg(min(ratio, cap)) * A * log pi per token [B, R], a clipped weight: no
+    token loses its gradient (cap = inf: REINFORCE, -ratio * A). ratio = exp(ratio_logprobs - ratio_old_logprobs)."""
+    ratio = torch.exp(ratio_logprobs - ratio_old_logprobs)
+    return -torch.clamp(ratio, max=cap).detach() * advantages.unsqueeze(1) * logprobs, ratio
+
+
+def sequence_mean(logprobs, mask):
+    """GSPO (Zheng et al., arXiv 2507.18071): each sequence's mean token log-prob, on each of its tokens, so that a
+    ratio of two of them is the sequence's geometric mean of token ratios. [B, R] -> [B, R]"""
+    return masked_mean(logprobs, mask, dim=1).unsqueeze(1).expand_as(logprobs)
+
+
+def masked_importance_weights(logprobs, sampler_logprobs, low, high):
+    """Masked importance sampling (IcePop; the TIS note's follow-ups): 1 where pi / pi_sampler is within [low, high],
+    else 0: those tokens leave the loss instead of being reweighted. [B, R] -> [B, R]"""
+    ratio = torch.exp(logprobs - sampler_logprobs)
+    return ((ratio >= low) & (ratio <= high)).to(logprobs.dtype)
+
+
+def overlong_penalty(lengths, response_length, buffer):
+    """DAPO's soft overlong penalty of lengths [N]: 0 up to response_length - buffer, then linear to -1 at the end."""
+    return torch.clamp((response_length - buffer - lengths.float()) / buffer, min=-1.0, max=0.0)
 
 
 def truncated_importance_weights(logprobs, sampler_logprobs, cap):
     """Truncated importance sampling (Yao et al., "Your Efficient RL Framework Secretly Brings You Off-Policy RL
-    Training", 2025): the batch was sampled by the inference engine's pi_sampler, not by the trainer's pi, so each
-    token's loss is weighted by min(pi / pi_sampler, cap). logprobs, sampler_logprobs [B, R] -> weights [B, R]."""
+    Training", 2025): a token the inference engine sampled weighs min(pi / pi_sampler, cap). [B, R] -> [B, R]"""
     return torch.clamp(torch.exp(logprobs - sampler_logprobs), max=cap)
 
 
 def aggregate_loss(token_loss, mask, loss_type, minibatch_tokens, minibatch_seqs, max_response_length):
-    """This micro-batch's share of the minibatch loss; summed over the micro-batches it gives the minibatch loss.
-    token_mean: sum / tokens in the minibatch; seq_mean_token_mean: mean over sequences of each one's token mean;
-    constant: sum / (sequences * max_response_length) (Dr. GRPO, no length bias). With several processes, pass the
-    minibatch's token count averaged over processes and each process's own sequence count: DDP's mean of the
-    processes' gradients is then the gradient of the whole minibatch's loss."""
+    """This micro-batch's share of the minibatch loss (the shares sum to it). token_mean: sum / the minibatch's tokens;
+    seq_mean_token_mean: mean over sequences of their token means; constant: sum / (sequences * max_response_length)
+    (Dr. GRPO). With several processes, pass the token count averaged over processes and this process's sequence
+    count: DDP's mean of the processes' gradients is then the gradient of the whole minibatch's loss."""
     masked = token_loss * mask
     if loss_type == "token_mean":
         return masked.sum() / minibatch_tokens
@@ -202,30 +228,42 @@ def aggregate_loss(token_loss, mask, loss_type, minibatch_tokens, minibatch_seqs
 
 
 def grpo_loss(
-    logprobs, old_logprobs, ref_logprobs, sampler_logprobs, advantages, mask, args, minibatch_tokens, minibatch_seqs
+    logprobs, old_logprobs, ref_logprobs, sampler_logprobs, advantages, mask, args, tokens, seqs, logits=None
 ):
-    """The loss of one micro-batch (its share of the minibatch's, see aggregate_loss) and its statistics.
-    logprobs [b, R] (with gradients), old_logprobs [b, R], ref_logprobs [b, R] (None when beta = 0),
-    sampler_logprobs [b, R] (None unless vLLM sampled), advantages [b], mask [b, R]. Returns (loss, {name: float})."""
-    token_loss, ratio = clipped_surrogate(logprobs, old_logprobs, advantages, args.clip_eps_low, args.clip_eps_high)
+    """One micro-batch's share of the minibatch's loss (aggregate_loss) and its statistics. logprobs [b, R] (with
+    gradients), old, ref (None when beta = 0), sampler (None unless vLLM sampled) log-probs, mask [b, R], advantages
+    [b], logits [b, R, V] (read by the entropy bonus only). Returns (loss, {name: float})."""
+    lp, old, sampled = logprobs, old_logprobs, sampler_logprobs  # what the importance ratios compare
+    if args.importance_sampling_level == "sequence":  # GSPO: one ratio per sequence, for the sampler's too
+        lp, old, sampled = (None if x is None else sequence_mean(x, mask) for x in (lp, old, sampled))
+    if args.cispo_cap is None:
+        token_loss, ratio = clipped_surrogate(lp, old, advantages, args.clip_eps_low, args.clip_eps_high)
+    else:
+        token_loss, ratio = cispo_surrogate(lp, old, logprobs, advantages, args.cispo_cap)
     stats = {}
-    if sampler_logprobs is not None and args.tis_cap is not None:
-        tis = truncated_importance_weights(old_logprobs, sampler_logprobs, args.tis_cap)
+    if sampled is not None and args.tis_cap is not None:
+        tis = truncated_importance_weights(old, sampled, args.tis_cap)
         token_loss = token_loss * tis
-        stats["objective/tis_weight"] = masked_mean(tis, mask).item()
+        stats["objective/tis_weight"] = token_mean(tis, mask)
+    if sampled is not None and args.mis_range is not None:
+        kept = masked_importance_weights(old, sampled, *args.mis_range)
+        token_loss = token_loss * kept
+        stats["objective/mis_masked_fraction"] = 1 - token_mean(kept, mask)
+    if args.entropy_coef:
+        token_loss = token_loss - args.entropy_coef * entropy_from_logits(logits)
     if args.beta > 0:
         kl = kl_estimate(logprobs, ref_logprobs, args.kl_estimator)
         token_loss = token_loss + args.beta * kl
-        stats["objective/kl"] = masked_mean(kl.detach(), mask).item()
-    loss = aggregate_loss(token_loss, mask, args.loss_type, minibatch_tokens, minibatch_seqs, args.response_length)
-    with torch.no_grad():
-        adv = advantages.unsqueeze(1)
-        stats["policy/ratio"] = masked_mean(ratio, mask).item()
-        stats["policy/clipfrac_low"] = masked_mean(((ratio < 1 - args.clip_eps_low) & (adv < 0)).float(), mask).item()
-        stats["policy/clipfrac_high"] = masked_mean(
-            ((ratio > 1 + args.clip_eps_high) & (adv > 0)).float(), mask
-        ).item()
-        stats["policy/approxkl"] = masked_mean(0.5 * (logprobs - old_logprobs) ** 2, mask).item()
+        stats["objective/kl"] = token_mean(kl.detach(), mask)
+    loss = aggregate_loss(token_loss, mask, args.loss_type, tokens, seqs, args.response_length)
+    with torch.no_grad():  # clipped: where PPO's clip cuts the gradient, or CISPO's cap lowers the weight
+        adv, ppo = advantages.unsqueeze(1), args.cispo_cap is None
+        low = (ratio < 1 - args.clip_eps_low) & (adv < 0) & ppo
+        high = (ratio > 1 + args.clip_eps_high) & (adv > 0) if ppo else ratio > args.cispo_cap
+        stats["policy/ratio"] = token_mean(ratio, mask)
+        stats["policy/clipfrac_low"] = token_mean(low.float(), mask)
+        stats["policy/clipfrac_high"] = token_mean(high.float(), mask)
+        stats["policy/approxkl"] = token_mean(0.5 * (logprobs - old_logprobs) ** 2, mask)
     return loss, stats
 
 
@@ -249,9 +287,7 @@ def main(args: Args):
     train_prompts, train_golds, eval_sets = load_math_prompts(args, tokenizer, world_size)
     run = Run(args, accelerator, RESUMABLE_ARGS)
     set_seed(args.seed + rank)  # random, numpy and torch: a different sampling stream per process
-    model, ref_model = load_policy_and_reference(
-        args, accelerator, tokenizer.pad_token_id, with_reference=args.beta > 0
-    )
+    model, ref_model = load_policy_and_reference(args, accelerator, tokenizer.pad_token_id, args.beta > 0)
     enable_gradient_checkpointing([model], args)
     trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay, eps=1e-8)
@@ -284,6 +320,8 @@ def main(args: Args):
         # 3. Rewards from the verifier. The objective/ metrics describe everything sampled.
         with timed(metrics, "time/reward"):
             rewards, correct, formatted = compute_rewards(texts, golds, args.format_reward)
+        if args.overlong_buffer:  # DAPO's soft overlong punishment
+            rewards = rewards + overlong_penalty(mask.sum(1), args.response_length, args.overlong_buffer)
         check_finite(accelerator, rewards, "objective/scores", step, run.last_checkpoint)
         metrics |= rollout_metrics(rewards, correct, formatted, responses, mask, G, sampler.stop_ids)
         if args.oversample > 1:  # dynamic sampling: train on prompts_per_rank groups, those with a signal first
@@ -291,11 +329,13 @@ def main(args: Args):
             responses, mask, rewards = responses[keep], mask[keep], rewards[keep]
             sampler_logprobs = take(sampler_logprobs, keep)
             prompts = [prompts[i // G] for i in keep[::G].tolist()]
-            zero_std = rewards.view(-1, G).std(1) == 0
-            metrics["objective/zero_std_groups_trained"] = zero_std.float().mean().item()
+            metrics["objective/zero_std_groups_trained"] = (rewards.view(-1, G).std(1) == 0).float().mean().item()
         query_responses, attention_mask, mask, sampler_logprobs, context_length = training_batch(
             prompts, G, responses, mask, sampler_logprobs, tokenizer.pad_token_id, accelerator.device
         )
+        sampled_mask = mask  # every sampled token, for the diagnostics
+        if args.overlong_filtering:  # DAPO: completions cut at response_length (no stop token) leave the loss
+            mask = mask * stopped(query_responses[:, context_length:], mask, sampler.stop_ids)
 
         # 4. Advantages, each completion against its own group, on every process's rewards together (gather keeps
         # rank order) so that scale_rewards="batch" uses the whole batch's std. [B]
@@ -336,7 +376,7 @@ def main(args: Args):
                         old = old_logprobs[idx] if reuse else logprobs.detach()
                         ref, sampled, adv = take(ref_logprobs, idx), take(sampler_logprobs, idx), advantages[idx]
                         loss, micro_stats = grpo_loss(
-                            logprobs, old, ref, sampled, adv, mask[idx], args, minibatch_tokens, len(minibatch)
+                            logprobs, old, ref, sampled, adv, mask[idx], args, minibatch_tokens, len(minibatch), logits
                         )
                         check_finite(accelerator, loss, "loss/policy", step, run.last_checkpoint)
                         # accelerate divides a micro-batch's loss by gradient_accumulation_steps (to average
@@ -344,7 +384,7 @@ def main(args: Args):
                         accelerator.backward(loss * args.gradient_accumulation_steps)
                     minibatch_loss += loss.item()
                     if iteration == 0:  # the policy's entropy (first minibatch) and its gap to the sampler's
-                        micro_stats |= first_pass_stats(logits, old, sampled, mask[idx], first_minibatch=start == 0)
+                        micro_stats |= first_pass_stats(logits, old, sampled, sampled_mask[idx], start == 0)
                     for name, value in micro_stats.items():
                         stats[name].append(value)
                     del logits
@@ -355,9 +395,9 @@ def main(args: Args):
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
-                if iteration == 0 and start == 0:
-                    metrics["policy/ratio_first_minibatch"] = float(np.mean(stats["policy/ratio"]))
-                    metrics["policy/approxkl_first_minibatch"] = float(np.mean(stats["policy/approxkl"]))
+                if iteration == 0 and start == 0:  # ratio 1, approxkl 0 on a fresh batch's first minibatch
+                    for name in ("policy/ratio", "policy/approxkl"):
+                        metrics[f"{name}_first_minibatch"] = reduce_values(name, stats[name])
         metrics["time/training"] = time.time() - t0
         metrics |= average_stats(stats)
         metrics["lr"] = lr  # of the step's last update
@@ -410,6 +450,12 @@ class RunArgs:
     """the colocated vLLM engine sleeps while the policy trains (its weights to CPU, its KV cache freed; GPU only)"""
     top_p: float = 1.0
     """nucleus sampling"""
+
+    # Learning-rate schedule
+    lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
+    """learning-rate schedule after warmup"""
+    warmup_steps: int = 0
+    """optimizer steps of linear warmup"""
 
     # Model
     gradient_checkpointing: bool = False
@@ -683,16 +729,20 @@ def take(values, rows):
 
 @torch.no_grad()
 def first_pass_stats(logits, logprobs, sampler_logprobs, mask, first_minibatch):
-    """Diagnostics of a micro-batch on the first pass: the entropy of the policy (on the first minibatch only: it
-    needs the full softmax) and, with vLLM, the gap between the sampler's log-probs and the trainer's (the mean of
-    |log(pi_train / pi_sampler)| and the largest pi_train / pi_sampler)."""
+    """Diagnostics of a micro-batch on the first pass, over every sampled token (mask): the entropy of the policy (on
+    the first minibatch only: it needs the full softmax) and, with vLLM, how far the sampler's log-probs are from the
+    trainer's, before any truncation or masking: the mean |log(pi_train / pi_sampler)|, the extreme ratios and the
+    fraction of tokens whose ratio is outside [0.5, 2]."""
     stats = {}
     if first_minibatch:
         stats["objective/entropy"] = masked_mean(entropy_from_logits(logits), mask).item()
     if sampler_logprobs is not None:
         log_gap = logprobs - sampler_logprobs
+        ratios = torch.exp(log_gap)[mask > 0]
         stats["objective/logprob_gap"] = masked_mean(log_gap.abs(), mask).item()
-        stats["objective/logprob_ratio_max"] = torch.exp(log_gap)[mask > 0].max().item()
+        stats["objective/logprob_ratio_max"] = ratios.max().item()
+        stats["objective/logprob_ratio_min"] = ratios.min().item()
+        stats["objective/logprob_ratio_outside_0.5_2"] = ((ratios < 0.5) | (ratios > 2)).float().mean().item()
     return stats
 
 
@@ -1212,6 +1262,13 @@ def training_batch(prompts, n, responses, mask, sampler_logprobs, pad_token_id, 
     return query_responses, attention_mask, mask, sampler_logprobs, prompt_ids.shape[1]
 
 
+def stopped(responses, mask, stop_ids):
+    """1 for each completion that ends at a stop token within its mask, 0 for one cut at the length limit.
+    responses, mask [B, R] -> [B, 1]"""
+    is_stop = torch.isin(responses, torch.tensor(stop_ids, device=responses.device)) & (mask > 0)
+    return is_stop.any(1, keepdim=True).to(mask.dtype)
+
+
 def rollout_metrics(rewards, correct, formatted, responses, mask, group_size, stop_ids):
     """What the sampled completions scored, and how long they were. All [N] or [N, R]."""
     return {
@@ -1426,16 +1483,31 @@ def build_prompts(tokenizer, rows, args):
 
 
 def reduce_metrics(accelerator, metrics):
-    """Average a dict of floats over processes (a collective); a name ending in _max takes the largest value."""
+    """Average a dict of floats over processes (a collective); a name ending in _max (_min) takes the largest
+    (smallest) value."""
     keys = sorted(metrics)
     values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=accelerator.device)
     gathered = accelerator.gather(values.unsqueeze(0)).cpu()  # [world_size, K]
-    return {key: (v.max() if key.endswith("_max") else v.mean()).item() for key, v in zip(keys, gathered.T)}
+    return {key: reduce_values(key, v.tolist()) for key, v in zip(keys, gathered.T)}
 
 
 def average_stats(stats):
-    """{name: one float per micro-batch (or minibatch)} -> their mean, or for a name ending in _max the largest."""
-    return {name: float(max(v) if name.endswith("_max") else np.mean(v)) for name, v in stats.items()}
+    """{name: one float per micro-batch (or minibatch)} -> their mean, or for a name ending in _max (_min) the largest
+    (smallest)."""
+    return {name: reduce_values(name, values) for name, values in stats.items()}
+
+
+def reduce_values(name, values):
+    """The largest of a list of floats for a metric named *_max, the smallest for *_min, else their mean; NaNs (a
+    micro-batch with no token in the loss, see token_mean) are left out."""
+    values = [v for v in values if v == v] or [float("nan")]
+    return float(max(values) if name.endswith("_max") else min(values) if name.endswith("_min") else np.mean(values))
+
+
+def token_mean(values, mask):
+    """masked_mean over every element as a float; NaN without any token (a micro-batch whose completions all left the
+    loss), which the averages over micro-batches and processes then leave out (reduce_values)."""
+    return masked_mean(values, mask).item() if mask.any() else float("nan")
 
 
 def git_sha():
@@ -1539,6 +1611,13 @@ def check_args(args):
     clip = f"--clip_eps_low must be in [0, 1) and --clip_eps_high >= 0; got {args.clip_eps_low}, {args.clip_eps_high}"
     require(0 <= args.clip_eps_low < 1 and args.clip_eps_high >= 0, clip)
     require(args.beta >= 0, f"--beta must be >= 0; got {args.beta}")
+    low, high = args.mis_range or (0, 1)
+    require(0 <= low < high, f"--mis_range must be two numbers 0 <= low < high; got {low} {high}")
+    require(args.cispo_cap is None or args.cispo_cap > 0, f"--cispo_cap must be > 0 (or None); got {args.cispo_cap}")
+    overlong = (
+        f"--overlong_buffer must be in [0, --response_length {args.response_length}); got {args.overlong_buffer}"
+    )
+    require(0 <= args.overlong_buffer < args.response_length, overlong)
 
 
 def quiet_harmless_logs():

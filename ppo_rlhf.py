@@ -75,10 +75,6 @@ class Args:
     """optimizer steps per pass"""
     learning_rate: float = 1e-5
     """AdamW learning rate (policy and value model)"""
-    lr_scheduler: Literal["constant", "linear", "cosine"] = "linear"
-    """learning-rate schedule after warmup (the N+ details decay it linearly)"""
-    warmup_steps: int = 0
-    """optimizer steps of linear warmup"""
     weight_decay: float = 0.0
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
@@ -215,8 +211,7 @@ def clipped_value_loss(values, old_values, returns, cliprange_value):
 
 def truncated_importance_weights(logprobs, sampler_logprobs, cap):
     """Truncated importance sampling (Yao et al., "Your Efficient RL Framework Secretly Brings You Off-Policy RL
-    Training", 2025): the batch was sampled by the inference engine's pi_sampler, not by the trainer's pi, so each
-    token's loss is weighted by min(pi / pi_sampler, cap). logprobs, sampler_logprobs [B, R] -> weights [B, R]."""
+    Training", 2025): a token the inference engine sampled weighs min(pi / pi_sampler, cap). [B, R] -> [B, R]"""
     return torch.clamp(torch.exp(logprobs - sampler_logprobs), max=cap)
 
 
@@ -530,6 +525,12 @@ class RunArgs:
     """used instead of the chat template, with {question} in it (needed when the tokenizer has no chat template)"""
     max_prompt_length: int = 256
     """prompts longer than this (in tokens) are dropped"""
+
+    # Learning-rate schedule
+    lr_scheduler: Literal["constant", "linear", "cosine"] = "linear"
+    """learning-rate schedule after warmup (the N+ details decay it linearly)"""
+    warmup_steps: int = 0
+    """optimizer steps of linear warmup"""
 
     # Experiment
     exp_name: str = "ppo"
@@ -1401,16 +1402,25 @@ def build_prompts(tokenizer, rows, args):
 
 
 def reduce_metrics(accelerator, metrics):
-    """Average a dict of floats over processes (a collective); a name ending in _max takes the largest value."""
+    """Average a dict of floats over processes (a collective); a name ending in _max (_min) takes the largest
+    (smallest) value."""
     keys = sorted(metrics)
     values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=accelerator.device)
     gathered = accelerator.gather(values.unsqueeze(0)).cpu()  # [world_size, K]
-    return {key: (v.max() if key.endswith("_max") else v.mean()).item() for key, v in zip(keys, gathered.T)}
+    return {key: reduce_values(key, v.tolist()) for key, v in zip(keys, gathered.T)}
 
 
 def average_stats(stats):
-    """{name: one float per micro-batch (or minibatch)} -> their mean, or for a name ending in _max the largest."""
-    return {name: float(max(v) if name.endswith("_max") else np.mean(v)) for name, v in stats.items()}
+    """{name: one float per micro-batch (or minibatch)} -> their mean, or for a name ending in _max (_min) the largest
+    (smallest)."""
+    return {name: reduce_values(name, values) for name, values in stats.items()}
+
+
+def reduce_values(name, values):
+    """The largest of a list of floats for a metric named *_max, the smallest for *_min, else their mean; NaNs (a
+    micro-batch with no token in the loss, see token_mean) are left out."""
+    values = [v for v in values if v == v] or [float("nan")]
+    return float(max(values) if name.endswith("_max") else min(values) if name.endswith("_min") else np.mean(values))
 
 
 def git_sha():

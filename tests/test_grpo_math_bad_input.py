@@ -101,6 +101,11 @@ def test_micro_batch_size_must_divide_the_minibatch(make_args, no_model):
         ("top_p", 1.5),
         ("beta", -0.1),
         ("tis_cap", 0.0),
+        ("mis_range", (2.0, 0.5)),
+        ("mis_range", (-1.0, 2.0)),
+        ("cispo_cap", 0.0),
+        ("overlong_buffer", -1),
+        ("overlong_buffer", 12),  # the fast settings' response_length: the penalty would start before any token
         ("clip_eps_low", 1.0),
         ("clip_eps_high", -0.1),
         ("prompt_template", "no placeholder"),

@@ -231,6 +231,10 @@ def test_truncated_importance_weights_matches_loop():
     assert truncated_importance_weights(same, same, 2.0).tolist() == [[1.0] * 4] * 2  # on-policy: weight 1
 
 
+# The defaults of the GRPO variants' options: plain GRPO.
+NO_VARIANT = dict(importance_sampling_level="token", cispo_cap=None, mis_range=None, entropy_coef=0.0)
+
+
 def grpo_loss_reference(lp, old, ref, sampler, adv, mask, eps_low, eps_high, beta, cap, tokens):
     """The token-mean GRPO loss with k3 KL and truncated IS, token by token in float64."""
     total = 0.0
@@ -252,7 +256,7 @@ def test_grpo_loss_matches_loop(with_sampler, beta):
 
     args = SimpleNamespace(
         clip_eps_low=0.2, clip_eps_high=0.28, tis_cap=2.0, beta=beta, kl_estimator="k3", loss_type="token_mean",
-        response_length=6,
+        response_length=6, **NO_VARIANT,
     )  # fmt: skip
     for seed in SEEDS:
         lp = -rand((4, 6), seed).abs()
@@ -276,7 +280,7 @@ def test_grpo_loss_on_policy_is_minus_the_advantage():
 
     args = SimpleNamespace(
         clip_eps_low=0.2, clip_eps_high=0.2, tis_cap=None, beta=0.0, kl_estimator="k3", loss_type="token_mean",
-        response_length=5,
+        response_length=5, **NO_VARIANT,
     )  # fmt: skip
     lp = -rand((3, 5), 0).abs().requires_grad_()
     adv, mask = rand((3,), 1), rand_mask((3, 5), 2)
@@ -819,14 +823,175 @@ def test_select_groups_prefers_groups_with_a_signal_by_hand():
 def test_average_stats_and_reduce_metrics_take_the_largest_of_a_max():
     """Per micro-batch statistics are averaged, a name ending in _max keeps the largest; over processes the same
     (reduce_metrics, one process here: the values come back as they are, in float64)."""
-    stats = {"policy/ratio": [1.0, 2.0, 4.5], "objective/logprob_ratio_max": [1.5, 3.25, 2.0]}
-    assert grpo_math.average_stats(stats) == {"policy/ratio": 2.5, "objective/logprob_ratio_max": 3.25}
+    stats = {"policy/ratio": [1.0, 2.0, 4.5], "objective/logprob_ratio_max": [1.5, 3.25, 2.0], "x_min": [2.0, 0.5]}
+    assert grpo_math.average_stats(stats) == {"policy/ratio": 2.5, "objective/logprob_ratio_max": 3.25, "x_min": 0.5}
 
     class OneProcess:
         device = "cpu"
 
         def gather(self, tensor):
-            return torch.cat([tensor, tensor * torch.tensor([[2.0, 0.5]], dtype=tensor.dtype)])  # a second process
+            return torch.cat([tensor, tensor * torch.tensor([[2.0, 0.5, 0.5]], dtype=tensor.dtype)])  # a 2nd process
 
-    reduced = grpo_math.reduce_metrics(OneProcess(), {"b_max": 1.0, "a": 3.0})  # sorted: a, b_max
-    assert reduced == {"a": (3.0 + 6.0) / 2, "b_max": 1.0}
+    reduced = grpo_math.reduce_metrics(OneProcess(), {"b_max": 1.0, "a": 3.0, "c_min": 4.0})  # sorted: a, b_max, c_min
+    assert reduced == {"a": (3.0 + 6.0) / 2, "b_max": 1.0, "c_min": 2.0}
+
+
+# The GRPO variants: GSPO (sequence_mean), CISPO, masked importance sampling, DAPO's overlong penalty, entropy bonus
+
+
+def test_sequence_mean_matches_loop():
+    for seed in SEEDS:
+        lp, mask = rand((4, 6), seed), rand_mask((4, 6), seed)
+        got = grpo_math.sequence_mean(lp, mask)
+        for b in range(4):
+            real = [lp[b, t].item() for t in range(6) if mask[b, t]]
+            expected = sum(real) / max(1, len(real))
+            assert [got[b, t].item() for t in range(6)] == pytest.approx([expected] * 6, rel=1e-12, abs=1e-15)
+
+
+def test_gspo_with_length_one_sequences_is_the_token_ratio():
+    """A sequence of one token: its geometric-mean ratio is that token's ratio, and so is its clipped loss."""
+    lp, old, adv = rand((5, 4), 1, 0.4), rand((5, 4), 2, 0.4), rand((5,), 3)
+    mask = torch.zeros(5, 4, dtype=torch.float64)
+    mask[torch.arange(5), torch.tensor([0, 3, 1, 2, 0])] = 1.0
+    seq = grpo_math.sequence_mean
+    seq_loss, seq_ratio = clipped_surrogate(seq(lp, mask), seq(old, mask), adv, 0.2, 0.28)
+    token_loss, token_ratio = clipped_surrogate(lp, old, adv, 0.2, 0.28)
+    real = mask > 0
+    assert torch.equal(seq_ratio[real], token_ratio[real]) and torch.equal(seq_loss[real], token_loss[real])
+
+
+@pytest.mark.parametrize("cap", [0.8, 1.2, 5.0])
+def test_cispo_surrogate_matches_loop_and_keeps_every_gradient(cap):
+    for seed in SEEDS:
+        lp = rand((3, 5), seed, 0.3).requires_grad_()
+        old, adv = lp.detach() + rand((3, 5), seed + 1, 0.3), rand((3,), seed + 2)
+        loss, ratio = grpo_math.cispo_surrogate(lp, old, lp, adv, cap)
+        loss.sum().backward()
+        for b in range(3):
+            for t in range(5):
+                r = math.exp(lp[b, t].item() - old[b, t].item())
+                weight = min(r, cap)
+                assert ratio[b, t].item() == pytest.approx(r, rel=1e-12)
+                assert loss[b, t].item() == pytest.approx(-weight * adv[b].item() * lp[b, t].item(), rel=1e-12)
+                # The weight is detached: d loss / d log pi = -min(r, cap) * A, never 0 (PPO's clip would drop it).
+                assert lp.grad[b, t].item() == pytest.approx(-weight * adv[b].item(), rel=1e-12)
+
+
+def test_cispo_with_an_infinite_cap_is_reinforce_with_the_importance_weight():
+    """cap = inf: the gradient of -sg(r) * A * log pi is -r * A * d log pi, that of the unclipped -r * A."""
+    lp, old, adv = rand((4, 6), 5, 0.3), rand((4, 6), 6, 0.3), rand((4,), 7)
+    cispo, plain = lp.clone().requires_grad_(), lp.clone().requires_grad_()
+    grpo_math.cispo_surrogate(cispo, old, cispo, adv, math.inf)[0].sum().backward()
+    (-torch.exp(plain - old) * adv.unsqueeze(1)).sum().backward()
+    torch.testing.assert_close(cispo.grad, plain.grad, rtol=1e-12, atol=0)
+
+
+def test_masked_importance_weights_match_loop_and_mask_nothing_on_zero_to_infinity():
+    for seed in SEEDS:
+        lp, sampler = rand((4, 7), seed, 0.7), rand((4, 7), seed + 1, 0.7)
+        for low, high in ((0.5, 2.0), (0.9, 1.1), (1.0, 3.0)):
+            got = grpo_math.masked_importance_weights(lp, sampler, low, high)
+            for b in range(4):
+                for t in range(7):
+                    r = math.exp(lp[b, t].item() - sampler[b, t].item())
+                    assert got[b, t].item() == (1.0 if low <= r <= high else 0.0)
+        assert (grpo_math.masked_importance_weights(lp, sampler, 0.0, math.inf) == 1).all()
+
+
+def test_overlong_penalty_matches_loop_zero_below_the_buffer_and_minus_one_at_the_limit():
+    for response_length, buffer in ((64, 16), (10, 1), (12, 11)):
+        lengths = torch.arange(response_length + 1)
+        got = grpo_math.overlong_penalty(lengths, response_length, buffer)
+        for n in range(response_length + 1):
+            expected = 0.0 if n <= response_length - buffer else (response_length - buffer - n) / buffer
+            assert got[n].item() == pytest.approx(expected, rel=1e-6, abs=1e-7)
+        assert (got[: response_length - buffer + 1] == 0).all() and got[response_length].item() == -1.0
+
+
+def variant_loss_reference(lp, old, sampler, adv, mask, logits, args, tokens):
+    """grpo_loss with its variants (GSPO's sequence-level ratios, CISPO, TIS, MIS, the entropy bonus), token_mean
+    and no KL, token by token in float64."""
+    rows, width = len(lp), len(lp[0])
+
+    def seq(x, b):  # the sequence's mean log-prob over its real tokens
+        real = [x[b][t] for t in range(width) if mask[b][t]]
+        return sum(real) / max(1, len(real))
+
+    total = 0.0
+    for b in range(rows):
+        for t in range(width):
+            if not mask[b][t]:
+                continue
+            if args.importance_sampling_level == "sequence":
+                log_ratio, sampler_log_ratio = seq(lp, b) - seq(old, b), seq(old, b) - seq(sampler, b)
+            else:
+                log_ratio, sampler_log_ratio = lp[b][t] - old[b][t], old[b][t] - sampler[b][t]
+            r, w = math.exp(log_ratio), math.exp(sampler_log_ratio)
+            if args.cispo_cap is None:
+                clipped = min(max(r, 1 - args.clip_eps_low), 1 + args.clip_eps_high)
+                surrogate = -min(r * adv[b], clipped * adv[b])
+            else:
+                surrogate = -min(r, args.cispo_cap) * adv[b] * lp[b][t]
+            surrogate *= min(w, args.tis_cap) * (1.0 if args.mis_range[0] <= w <= args.mis_range[1] else 0.0)
+            z = [math.exp(v) for v in logits[b][t]]
+            entropy = -sum(p / sum(z) * math.log(p / sum(z)) for p in z)
+            total += surrogate - args.entropy_coef * entropy
+    return total / tokens
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("cispo_cap", [None, 1.1])
+def test_grpo_loss_with_the_variants_matches_loop(level, cispo_cap):
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(
+        clip_eps_low=0.2, clip_eps_high=0.28, tis_cap=1.5, beta=0.0, kl_estimator="k3", loss_type="token_mean",
+        response_length=6, importance_sampling_level=level, cispo_cap=cispo_cap, mis_range=(0.6, 1.6),
+        entropy_coef=0.05,
+    )  # fmt: skip
+    for seed in SEEDS:
+        lp = -rand((4, 6), seed).abs()
+        old = lp + rand((4, 6), seed + 1, 0.3)
+        # Some tokens (and whole sequences) outside mis_range, some weights above tis_cap.
+        sampler = old + rand((4, 6), seed + 3, 0.5) + rand((4, 1), seed + 6, 0.6)
+        adv, mask, logits = rand((4,), seed + 4), rand_mask((4, 6), seed), rand((4, 6, 5), seed + 5)
+        tokens = mask.sum() + 3
+        loss, stats = grpo_loss(lp, old, None, sampler, adv, mask, args, tokens, 4, logits)
+        expected = variant_loss_reference(
+            *map(tolist2, (lp, old, sampler)), adv.tolist(), tolist2(mask), logits.tolist(), args, tokens.item()
+        )
+        assert loss.item() == pytest.approx(expected, rel=1e-10)
+        assert 0 < stats["objective/mis_masked_fraction"] < 1
+
+
+@pytest.mark.parametrize("loss_type", ["token_mean", "seq_mean_token_mean"])
+def test_on_policy_gspo_and_cispo_give_grpos_gradient(loss_type):
+    """On the first pass over a fresh batch (ratio 1: one pass, one minibatch, the default), GSPO's sequence ratio and
+    CISPO's weight are 1: their gradients are GRPO's. They differ only once updates go off-policy."""
+    from types import SimpleNamespace
+
+    lp, adv, mask = -rand((4, 6), 11).abs(), rand((4,), 12), rand_mask((4, 6), 13)
+    grads = []
+    for variant in (dict(), dict(importance_sampling_level="sequence"), dict(cispo_cap=1.28)):
+        args = SimpleNamespace(
+            clip_eps_low=3e-4, clip_eps_high=4e-4, tis_cap=None, beta=0.0, kl_estimator="k3", loss_type=loss_type,
+            response_length=6, **{**NO_VARIANT, **variant},
+        )  # fmt: skip
+        x = lp.clone().requires_grad_()
+        grpo_loss(x, x.detach(), None, None, adv, mask, args, mask.sum(), 4)[0].backward()
+        grads.append(x.grad)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(grads[2], grads[0], rtol=1e-12, atol=1e-15)
+
+
+def test_token_mean_is_nan_without_tokens_and_the_averages_leave_it_out():
+    """A micro-batch whose completions all left the loss (--overlong_filtering) has no statistics: NaN, which the
+    averages over micro-batches and processes skip (all NaN: NaN)."""
+    values, empty = rand((2, 3), 0), torch.zeros(2, 3, dtype=torch.float64)
+    assert math.isnan(grpo_math.token_mean(values, empty))
+    assert grpo_math.token_mean(values, torch.ones(2, 3)) == pytest.approx(values.mean().item(), rel=1e-12)
+    assert grpo_math.reduce_values("policy/ratio", [1.0, math.nan, 0.5]) == 0.75
+    assert grpo_math.reduce_values("x_max", [math.nan, 2.0]) == 2.0 and math.isnan(
+        grpo_math.reduce_values("x", [math.nan])
+    )

@@ -397,11 +397,13 @@ def test_hf_generate_stops_at_eos(eos_model):
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_vllm_run(tiny_model_dir, task_dir, tmp_path):
+@pytest.mark.parametrize("variant", [(), ("--importance_sampling_level", "sequence", "--mis_range", "0.5", "2.0")])
+def test_vllm_run(tiny_model_dir, task_dir, tmp_path, variant):
+    """vLLM samples, TIS (and with the variant GSPO's sequence-level ratios and MIS) correct for the sampler."""
     require_vllm()
     out = str(tmp_path / "runs")
     flags = fast_cli_flags(tiny_model_dir, task_dir, out, vllm=True, total_steps=2)
-    run_checked([sys.executable, "grpo_math.py", *flags], vllm_env(), timeout=300)
+    run_checked([sys.executable, "grpo_math.py", *flags, *variant], vllm_env(), timeout=300)
     run_dir = only_run_dir(out)
     with open(os.path.join(run_dir, "config.json")) as f:
         assert json.load(f)["vllm"] is True
@@ -416,6 +418,12 @@ def test_vllm_run(tiny_model_dir, task_dir, tmp_path):
         assert "time/weight_sync" in line
         # With one pass over the batch the update is on-policy for the trainer, whatever the sampler was.
         assert line["policy/ratio"] == 1.0
+        # The ratio's spread: a matched engine leaves no token outside [0.5, 2], so MIS masks none.
+        assert 1 / 3 < line["objective/logprob_ratio_min"] <= 1 <= line["objective/logprob_ratio_max"]
+        assert line["objective/logprob_ratio_outside_0.5_2"] == 0.0
+        assert line.get("objective/mis_masked_fraction", 0.0) == 0.0 and ("--mis_range" in variant) == (
+            "objective/mis_masked_fraction" in line
+        )
 
 
 @pytest.mark.slow
@@ -562,6 +570,40 @@ def test_invariant_gradient_accumulation_equals_one_micro_batch(make_args, monke
     assert_same_trajectory(*runs, INVARIANT_KEYS)
     initial = os.path.join(make_args().model_name_or_path, "model.safetensors")
     assert_same_weights(*(os.path.join(d, "model", "model.safetensors") for d in runs), initial)
+
+
+# The GRPO variants whose quantities are per sequence (GSPO's ratio, DAPO's overlong penalty and filtering) or add a
+# term (CISPO's weights, the entropy bonus): computed per sequence, not per process or micro-batch slice.
+VARIANTS = {
+    "gspo": dict(importance_sampling_level="sequence", loss_type="seq_mean_token_mean"),
+    "cispo": dict(cispo_cap=1.0),  # num_iterations 2: the second pass has ratios above the cap
+    "dapo_overlong_entropy": dict(overlong_buffer=4, overlong_filtering=True, entropy_coef=0.01),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_invariant_variants_two_processes_and_accumulation(
+    variant, tiny_model_dir, task_dir, tmp_path, make_args, monkeypatch
+):
+    """With each variant: 2 processes with 2 prompts each = 1 process with the 4 prompts, and micro-batches of 2
+    accumulated = one micro-batch of the 16 completions: same loss, grad norm, lr and weights. The losses here nearly
+    cancel (about 6e-3 from terms of size 1), so float32's summation order shows at 1e-7: compared to 5e-7."""
+    options = VARIANTS[variant]
+    one, accumulated = (
+        fixed_rollout_run(
+            monkeypatch, make_args, prompts_per_rank=4, micro_batch_size=m, output_dir=str(tmp_path / f"mb{m}"),
+            **options,
+        )
+        for m in (16, 2)
+    )  # fmt: skip
+    out = str(tmp_path / "two")
+    flags = fast_cli_flags(tiny_model_dir, task_dir, out, **{**INVARIANT_ARGS, "prompts_per_rank": 2, **options})
+    two = launch_fixed_rollout("grpo_math.py", flags, out)
+    initial = os.path.join(tiny_model_dir, "model.safetensors")
+    for other in (accumulated, two):
+        assert_same_trajectory(one, other, INVARIANT_KEYS, abs_=5e-7)
+        assert_same_weights(*(os.path.join(d, "model", "model.safetensors") for d in (one, other)), initial)
 
 
 def test_stop_token_ids_reads_every_eos_of_the_generation_config(tiny_model_dir, tmp_path):
