@@ -41,6 +41,15 @@ python -m benchmark.registry table --experiments "grpo=runs/add_2t2d__grpo_base_
     "oversample 3=runs/add_2t2d__grpo_os3__[123]__*" --metrics eval/accuracy objective/kl \
     --out benchmark/results/grpo_math_oversample.md
 
+# The GRPO variants (issue 29, docs/grpo_math.md): token clip, GSPO, CISPO, each with 4 minibatches a batch (at one
+# minibatch the three give the same gradient), 3 seeds; run one seed of each arm at a time, seed by seed.
+python -m benchmark.run --script grpo_math.py --seeds 1 2 3 "$@" -- --num_minibatches 4 --exp_name grpo_mb4
+python -m benchmark.run --script grpo_math.py --seeds 1 2 3 "$@" -- --num_minibatches 4 \
+    --importance_sampling_level sequence --loss_type seq_mean_token_mean --clip_eps_low 3e-4 --clip_eps_high 4e-4 \
+    --exp_name gspo_mb4
+python -m benchmark.run --script grpo_math.py --seeds 1 2 3 "$@" -- --num_minibatches 4 --cispo_cap 1.28 \
+    --exp_name cispo_mb4
+
 # The peer comparison: TRL's GRPOTrainer against grpo_math.py (HF generate and vLLM), 20 steps of 2 prompts x 8
 # completions, on arith_1d (the first published table, one seed), then on add_2t2d, 3 seeds, TRL against the vLLM side.
 python -m benchmark.peer_trl --steps 20 --seeds 1
