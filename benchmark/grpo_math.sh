@@ -49,6 +49,21 @@ python -m benchmark.run --script grpo_math.py --seeds 1 2 3 "$@" -- --num_miniba
     --exp_name gspo_mb4
 python -m benchmark.run --script grpo_math.py --seeds 1 2 3 "$@" -- --num_minibatches 4 --cispo_cap 1.28 \
     --exp_name cispo_mb4
+# The table and curves, from the runs' config.json and metrics.jsonl copied to benchmark/results/grpo_variants/.
+python -m benchmark.registry table --experiments "token clip=benchmark/results/grpo_variants/add_2t2d__grpo_mb4__*" \
+    "GSPO=benchmark/results/grpo_variants/add_2t2d__gspo_mb4__*" \
+    "CISPO=benchmark/results/grpo_variants/add_2t2d__cispo_mb4__*" \
+    --metrics eval/accuracy objective/accuracy policy/clipfrac_high --out benchmark/results/grpo_variants.md
+python -m benchmark.registry plot --experiments "token clip=benchmark/results/grpo_variants/add_2t2d__grpo_mb4__*" \
+    "GSPO=benchmark/results/grpo_variants/add_2t2d__gspo_mb4__*" \
+    "CISPO=benchmark/results/grpo_variants/add_2t2d__cispo_mb4__*" \
+    --metric eval/accuracy objective/accuracy policy/clipfrac_high --smooth 4 \
+    --out benchmark/results/grpo_variants_step.png
+python -m benchmark.registry paired --baseline "token clip" \
+    --experiments "token clip=benchmark/results/grpo_variants/add_2t2d__grpo_mb4__*" \
+    "GSPO=benchmark/results/grpo_variants/add_2t2d__gspo_mb4__*" \
+    "CISPO=benchmark/results/grpo_variants/add_2t2d__cispo_mb4__*" \
+    --metrics eval/accuracy wall_clock --out benchmark/results/grpo_variants_paired.md
 
 # The peer comparison: TRL's GRPOTrainer against grpo_math.py (HF generate and vLLM), 20 steps of 2 prompts x 8
 # completions, on arith_1d (the first published table, one seed), then on add_2t2d, 3 seeds, TRL against the vLLM side.

@@ -8,6 +8,8 @@ Reads only runs/{run_name}/config.json ({"args": {...}, "git_sha": ..., ...}) an
         --metric eval/accuracy objective/accuracy --x step --smooth 8 --out benchmark/results/grpo_math.png
     python -m benchmark.registry table --experiments "grpo=runs/arith_1d__grpo__*" \
         --metrics eval/accuracy objective/scores --out benchmark/results/grpo_math.md
+    python -m benchmark.registry paired --experiments "grpo=runs/arith_1d__grpo__*" "lr2e-5=runs/arith_1d__lr2e-5__*" \
+        --baseline grpo --metrics eval/accuracy wall_clock --out benchmark/results/grpo_lr_paired.md
     python -m benchmark.registry perf --experiments "grpo_math=runs/arith_1d__grpo__1__*" \
         "ppo_rlhf=runs/arith_1d__ppo__1__*" --out benchmark/results/training_throughput
 
@@ -350,6 +352,44 @@ def markdown_table(experiments, metrics, digits=3):
     return "\n".join("| " + " | ".join(row) + " |" for row in rows) + "\n"
 
 
+def seed_values(runs, metric):
+    """{seed: final value} of a metric ("wall_clock": the final wall-clock seconds), for the runs that have it."""
+    values = {}
+    for run in runs:
+        value = final_time(run["lines"]) if metric == "wall_clock" else final_value(run["lines"], metric)
+        if value is not None:
+            values[run["seed"]] = value
+    return values
+
+
+def paired_table(experiments, metrics, baseline, digits=3):
+    """A markdown table comparing each experiment with the baseline experiment (a label) seed by seed: for each
+    metric, the final values of both on the seeds they share, the differences (experiment - baseline), their mean ±
+    std (ddof=1) and the paired t statistic mean / (std / sqrt(n)) with n - 1 degrees of freedom."""
+    runs_of = dict(experiments)
+    if baseline not in runs_of:
+        raise ValueError(f"--baseline {baseline!r} is not one of the experiments' labels {list(runs_of)}")
+    header = ["experiment", "metric", "seeds", f"{baseline} per seed", "experiment per seed", "difference per seed"]
+    rows = [header + ["difference (mean ± std)", "paired t (df)"]]
+    rows.append(["---"] * len(rows[0]))
+    for label, runs in experiments:
+        if label == baseline:
+            continue
+        for metric in metrics:
+            base, other = seed_values(runs_of[baseline], metric), seed_values(runs, metric)
+            seeds = sorted(set(base) & set(other))
+            diffs = [other[seed] - base[seed] for seed in seeds]
+            mean, std, n = mean_std(diffs)
+            t = "–" if not std else f"{mean / (std / math.sqrt(n)):.2f} ({n - 1})"
+            columns = [base[seed] for seed in seeds], [other[seed] for seed in seeds], diffs
+            row = [label, metric, " ".join(map(str, seeds))] + [
+                " / ".join(f"{v:.{digits}f}" for v in c) for c in columns
+            ]
+            row += [format_mean_std((mean, std, n), digits), t]
+            rows.append(row)
+    return "\n".join("| " + " | ".join(row) + " |" for row in rows) + "\n"
+
+
 def runs_table(runs, metrics, digits=3):
     """The `list` table: one row per run with its name, exp_name, seed, short git sha, steps, wall-clock, and the
     final value of each metric."""
@@ -477,6 +517,13 @@ def build_parser():
     p.add_argument("--out", default=None, help="also write the table to this .md file")
     p.add_argument("--digits", type=int, default=3, help="decimals of the metric values")
 
+    p = commands.add_parser("paired", help="each experiment against a baseline, seed by seed: differences, paired t")
+    experiments_args(p)
+    p.add_argument("--baseline", required=True, help="the label of the experiment the others are compared with")
+    p.add_argument("--metrics", nargs="+", required=True, help="final values compared (wall_clock: seconds)")
+    p.add_argument("--out", default=None, help="also write the table to this .md file")
+    p.add_argument("--digits", type=int, default=3, help="decimals of the values")
+
     p = commands.add_parser("perf", help="per-step time split and throughput (medians over steps), JSON + markdown")
     experiments_args(p)
     p.add_argument("--out", default=None, help="also write {out}.md and {out}.json")
@@ -498,6 +545,9 @@ def main(argv=None):
     elif args.command == "table":
         experiments = load_experiments(args.experiments, args.all_runs)
         write_text(markdown_table(experiments, args.metrics, args.digits), args.out)
+    elif args.command == "paired":
+        experiments = load_experiments(args.experiments, args.all_runs)
+        write_text(paired_table(experiments, args.metrics, args.baseline, args.digits), args.out)
     elif args.command == "perf":
         experiments = load_experiments(args.experiments, args.all_runs)
         table, records = perf_table(experiments)

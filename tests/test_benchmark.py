@@ -255,6 +255,35 @@ def test_registry_table_is_mean_and_std_over_seeds(synthetic_runs):
     assert open(out).read() == table
 
 
+def test_registry_paired_table_against_differences_worked_out_here(synthetic_runs, tmp_path):
+    """Experiment B (seeds 1 and 3, final accuracy shifted by +0.1 and -0.05; seed 2 missing) against A: only the
+    shared seeds are paired; the mean ± std of the differences and t = mean / (std / sqrt(n)) as computed here."""
+    root = str(tmp_path / "b")
+    shifts = {1: 0.1, 3: -0.05}
+    for seed, shift in shifts.items():
+        lines = synthetic_lines(seed)
+        lines[10]["eval/accuracy"] += shift
+        lines[-1]["time"] += 7.0 * seed
+        write_run(root, f"arith__b__{seed}__{1000 + seed}", seed, lines)
+    specs = [f"A={synthetic_runs}/arith__grpo__*", f"B={root}/arith__b__*"]
+    out = str(tmp_path / "paired.md")
+    registry.main(["paired", "--experiments", *specs, "--baseline", "A", "--metrics", "eval/accuracy", "wall_clock"]
+                  + ["--digits", "4", "--out", out])  # fmt: skip
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in open(out).read().strip().splitlines()]
+    assert rows[0][:3] == ["experiment", "metric", "seeds"] and len(rows) == 4
+    diffs = [shifts[1], shifts[3]]
+    mean, std = statistics.mean(diffs), statistics.stdev(diffs)
+    a = [SEED_FINAL[1], SEED_FINAL[3]]
+    assert rows[2][:6] == ["B", "eval/accuracy", "1 3", f"{a[0]:.4f} / {a[1]:.4f}"] + [
+        f"{a[0] + shifts[1]:.4f} / {a[1] + shifts[3]:.4f}",
+        f"{diffs[0]:.4f} / {diffs[1]:.4f}",
+    ]
+    assert rows[2][6:] == [f"{mean:.4f} ± {std:.4f}", f"{mean / (std / 2**0.5):.2f} (1)"]
+    assert rows[3][1] == "wall_clock" and rows[3][5] == f"{7.0:.4f} / {21.0:.4f}"
+    with pytest.raises(ValueError, match="--baseline"):
+        registry.paired_table([("A", [])], ["eval/accuracy"], "C")
+
+
 def test_registry_list(synthetic_runs, capsys):
     registry.main(["list", "--runs_dir", synthetic_runs, "--filter", "grpo", "--metrics", "eval/accuracy"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| arith")]
@@ -854,3 +883,4 @@ def test_grpo_errors_table_counts_each_kind(tiny_model_dir, tmp_path, monkeypatc
         assert int(count) == len(right) and accuracy == pytest.approx(sum(right) / len(right), abs=0.005), kind
     assert float(rows["all"][1].rstrip(" |")) == 0.5
     assert set(expected) == set(rows) - {"all", "held-out sums", "---"}
+
