@@ -884,3 +884,63 @@ def test_grpo_errors_table_counts_each_kind(tiny_model_dir, tmp_path, monkeypatc
     assert float(rows["all"][1].rstrip(" |")) == 0.5
     assert set(expected) == set(rows) - {"all", "held-out sums", "---"}
 
+
+def test_prm_preflight_kinds_of_wrong_answers():
+    from benchmark.prm_preflight import kind_of, step_verdicts
+
+    assert step_verdicts("2 + 3 = 5\n5 * 2 = 11\nAnswer: 11", "\n") == [True, False, None]
+    assert kind_of([True, False, None]) == "false and true steps"
+    assert kind_of([None, False]) == "false steps only"
+    assert kind_of([True, None]) == "true steps only"
+    assert kind_of([None]) == kind_of([]) == "nothing to check"
+
+
+def test_prm_preflight_counts_against_hand_made_responses(tiny_model_dir, tmp_path, monkeypatch):
+    """hf_generate replaced by one that writes known responses: accuracy, EOS, steps and the kinds of wrong answers
+    in the summary are the ones counted here by hand."""
+    from transformers import AutoTokenizer
+
+    import ppo_prm_clip
+    from benchmark import prm_preflight
+
+    data = tmp_path / "task"
+    data.mkdir()
+    with open(data / "test.jsonl", "w") as f:
+        for a, b in [(2, 3), (4, 4)]:
+            f.write(json.dumps({"question": f"Calculate {a} + {b} + 1.", "answer": str(a + b + 1)}) + "\n")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    # For each prompt (in the sampled order), 2 samples then 1 greedy: (text, ends with EOS)
+    texts = {
+        "6": ["2 + 3 = 5\n5 + 1 = 6\nAnswer: 6", "2 + 3 = 6\n6 + 1 = 7\nAnswer: 7", "Answer: 6"],
+        "9": ["4 + 4 = 8\n8 + 1 = 10\nAnswer: 10", "I think\nAnswer: 3", "4 + 4 = 8\n8 + 1 = 9"],
+    }
+    calls = []
+
+    def fake_generate(model, prompts, n, response_length, temperature, top_p, pad_token_id, stop_ids):
+        calls.append((len(prompts), n, temperature))
+        rows = []
+        for prompt in prompts:
+            gold = "6" if "2 + 3" in tokenizer.decode(prompt) else "9"
+            chosen = texts[gold][:2] if n == 2 else texts[gold][2:]
+            for text in chosen:
+                ids = tokenizer(text, add_special_tokens=False).input_ids
+                rows.append(ids + ([] if text.endswith("= 9") else [stop_ids[0]]))  # the last one runs out
+        width = max(map(len, rows))
+        responses = torch.tensor([r + [pad_token_id] * (width - len(r)) for r in rows])
+        return responses, torch.tensor([len(r) for r in rows])
+
+    monkeypatch.setattr(ppo_prm_clip, "hf_generate", fake_generate)
+    summary, _ = prm_preflight.main(
+        ["--dataset_path", str(data), "--model", tiny_model_dir, "--samples", "2", "--step_separator", "\n"]
+        + ["--temperature", "0.7", "--num_prompts", "2"]
+    )
+    assert calls == [(2, 2, 0.7), (2, 1, 0.0)]
+    sampled, greedy = summary["sampled"], summary["greedy"]
+    assert sampled["responses"] == 4 and sampled["accuracy"] == 0.25 and sampled["eos_fraction"] == 1.0
+    assert sampled["steps_per_response"] == (3 + 3 + 3 + 2) / 4
+    # wrong: "2 + 3 = 6 / 6 + 1 = 7" (false then true), "4 + 4 = 8 / 8 + 1 = 10" (true then false), "I think"
+    assert sampled["wrong"] == 3
+    assert sampled["wrong_by_kind"] == {"false and true steps": round(2 / 3, 3), "nothing to check": round(1 / 3, 3)}
+    assert sampled["wrong_with_a_false_step"] == 2 / 3 and sampled["right_with_a_false_step"] == 0.0
+    # greedy: "Answer: 6" right; "4 + 4 = 8 / 8 + 1 = 9" right (the last number) but without EOS
+    assert greedy["accuracy"] == 1.0 and greedy["eos_fraction"] == 0.5
