@@ -601,7 +601,9 @@ def test_invariant_deepspeed_equals_one_process(
     lines = read_metrics(zero)
     assert [line["policy/lag"] for line in train_lines(lines)] == [0, 0]
     assert train_lines(lines)[0]["policy/ratio"] == pytest.approx(1.0, abs=1e-6)  # the copy holds the policy
-    assert_same_trajectory(one, zero, INVARIANT_KEYS)
+    # abs 1e-6 as in the accumulation test: the KL (~0.03) is a mean of differences of log-probs of size ~10, whose
+    # float32 rounding is ~1e-6 (observed with deepspeed 0.19.8: 7.2e-7 at step 2, every other key within 2e-6 rel).
+    assert_same_trajectory(one, zero, INVARIANT_KEYS, abs_=1e-6)
 
     records = [json.loads((probe_dir / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     for record in records:
