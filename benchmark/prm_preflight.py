@@ -1,6 +1,6 @@
 """Preflight of a task for ppo_prm_clip.py: can process rewards say anything on it? (a couple of minutes on CPU)
 
-    python -m benchmark.prm_preflight --dataset_path assets/data/arith_3t1d --num_prompts 100 --samples 4
+    python -m benchmark.prm_preflight --dataset_path assets/data/chain_sum --num_prompts 100 --samples 4
 
 Samples `--samples` completions of `--num_prompts` held-out prompts (HF generate, ppo_prm_clip.py's prompts, stop
 tokens, step splitter, answer extraction and verifier PRM; the sampling settings are the script's defaults unless
