@@ -19,7 +19,7 @@ but useless step as well as a useful one: what makes `raw` hackable. Or a folder
 --prm` (p_k = sigmoid of its score at the step's last token), or a Math-Shepherd style causal LM (p_k = P(good) /
 (P(good) + P(bad)) at the k-th `--prm_step_tag`).
 
-Run on CPU with the embedded defaults (SmolLM2-135M-Instruct, arith_1d, the verifier PRM):
+Run on CPU with the embedded defaults (SmolLM2-135M-Instruct, arith_2t3t1d, the verifier PRM):
     python ppo_prm_clip.py --reward_mode raw          # the hackable dense reward
     python ppo_prm_clip.py --reward_mode clip_delta   # also clip, delta, and none (success only)
     python reward_modeling.py --prm && python ppo_prm_clip.py --prm runs/prm   # a learned PRM
@@ -83,9 +83,9 @@ class Args:
     """weight of the process rewards next to the success reward (1 correct / 0 wrong)"""
     prm: str = "verifier"
     """the PRM: verifier (checks each step's arithmetic), a reward_modeling.py --prm folder, or a Math-Shepherd LM"""
-    step_separator: str = "\n\n"
-    """responses are split into steps at this string (a blank line; in a shell, $'\\n' gives a newline)"""
-    missing_eos_penalty: Optional[float] = None
+    step_separator: str = "\n"
+    """responses are split into steps at this string (a newline: SmolLM2 writes one equation per line)"""
+    missing_eos_penalty: Optional[float] = -1.0
     """the success reward of a response with no EOS within response_length (None: the verifier's verdict)"""
 
     # PPO
@@ -125,7 +125,7 @@ class Args:
     # Generation
     response_length: int = 96
     """maximum number of generated tokens per response (room for the raw reward's extra steps to show)"""
-    temperature: float = 0.7
+    temperature: float = 0.5
     """sampling temperature (the trainer divides its logits by it too, so both score the same distribution)"""
 
     # Models
@@ -306,17 +306,20 @@ def verifier_step_scores(steps, correct=1.0, unchecked=0.8, wrong=0.0):
 
 
 def prm_rewards(prm, prompts, questions, golds, responses, mask, texts, args):
-    """Rewards of right-padded responses [B, R] (mask [B, R]): success [B] (1 correct / 0 wrong, or
-    --missing_eos_penalty without EOS), has_eos [B], the steps (B lists), the PRM's p_k (B tensors [K_i]), and the
-    process rewards [B, R]: prm_coef times the refined step rewards, each on its step's last token."""
+    """Rewards of right-padded responses [B, R] (mask [B, R]): the verifier's verdict correct [B] (1 / 0), the
+    success reward [B] (correct, or --missing_eos_penalty without EOS), has_eos [B], the steps (B lists), the PRM's
+    p_k (B tensors [K_i]), and the process rewards [B, R]: prm_coef times the refined step rewards, each on its
+    step's last token."""
     has_eos = (torch.isin(responses, torch.tensor(prm.stop_ids)) & (mask.cpu() > 0)).any(1)
-    success = torch.tensor([verify_answer(extract_answer(t), g) for t, g in zip(texts, golds)])
+    correct = torch.tensor([verify_answer(extract_answer(t), g) for t, g in zip(texts, golds)])
+    success = correct
     if args.missing_eos_penalty is not None:
-        success = torch.where(has_eos, success, torch.full_like(success, args.missing_eos_penalty))
+        success = torch.where(has_eos, correct, torch.full_like(correct, args.missing_eos_penalty))
     steps, step_tokens = prm.steps(responses, mask.cpu(), texts)
     scores = prm.scores(prompts, questions, responses, mask, steps, step_tokens)
     step_rewards = [args.prm_coef * refine_process_rewards(s, args.reward_mode, args.eta) for s in scores]
-    return success, has_eos, steps, scores, place_process_rewards(step_rewards, step_tokens, responses.shape[1])
+    process = place_process_rewards(step_rewards, step_tokens, responses.shape[1])
+    return correct, success, has_eos, steps, scores, process
 
 
 def main(args: Args):
@@ -377,11 +380,12 @@ def main(args: Args):
         old_logprobs, old_values = fixed_logprobs_and_values_prm(model, *batch)
         ref_logprobs = reference_logprobs(response_logprobs, unwrapped.policy, ref_policy, accelerator, batch)
 
-        # 4. Rewards: the verifier's success [B]; each response's steps, the PRM's score p_k of each step prefix, and
-        # the refined step rewards r_k * prm_coef on each step's last token: process [B, R].
+        # 4. Rewards: the verifier's success [B] (its verdict, or the missing-EOS penalty); each response's steps, the
+        # PRM's score p_k of each step prefix, and the refined step rewards r_k * prm_coef on each step's last token:
+        # process [B, R].
         questions, golds = [train_questions[i] for i in indices], [train_golds[i] for i in indices]
         with timed(metrics, "time/reward"):
-            success, has_eos, steps, scores, process = prm_rewards(
+            correct, success, has_eos, steps, scores, process = prm_rewards(
                 prm, prompts, questions, golds, responses, mask, texts, args
             )
         success, process = success.to(accelerator.device), process.to(accelerator.device)
@@ -399,7 +403,7 @@ def main(args: Args):
         advantages, returns = gae_advantages(rewards, old_values, mask, args.gamma, args.lam)
         advantages = masked_whiten(advantages, mask, sum_processes=sum_processes) * mask
         metrics |= prm_rollout_metrics(
-            success, has_eos, steps, scores, process, kl, non_score_reward, old_logprobs, old_values, mask
+            correct, success, has_eos, steps, scores, process, kl, non_score_reward, old_logprobs, old_values, mask
         )
         if sampler_logprobs is not None:  # the sampler's pi against the trainer's
             metrics |= sampler_gap_metrics(old_logprobs, sampler_logprobs, mask, args.micro_batch_size)
@@ -516,7 +520,7 @@ class RunArgs:
     """allow model code from the hub (off unless asked)"""
 
     # Data
-    dataset_path: str = "assets/data/arith_1d"
+    dataset_path: str = "assets/data/arith_2t3t1d"
     """a folder with {split}.jsonl files, or a hub dataset id (question and answer columns)"""
     dataset_config: Optional[str] = None
     """the hub dataset config"""
@@ -528,9 +532,9 @@ class RunArgs:
     """column with the problem text"""
     answer_column: str = "answer"
     """column with the gold answer (GSM8K style '... #### 42' is understood): the verifier's success reward"""
-    num_eval_prompts: int = 100
+    num_eval_prompts: int = 0
     """how many held-out prompts to evaluate on (0: all)"""
-    instruction: str = "Solve it step by step. Separate the steps with a blank line and end with 'Answer: <number>'."
+    instruction: str = "Solve it step by step, one step per line, and end with 'Answer: <number>'."
     """appended to every prompt: it asks for steps separated by --step_separator"""
     system_prompt: Optional[str] = None
     """an optional system message"""
@@ -564,7 +568,7 @@ class RunArgs:
     """save a checkpoint every N steps (0: only at the end)"""
     keep_checkpoints: int = 2
     """how many of the latest checkpoints to keep"""
-    eval_every: int = 10
+    eval_every: int = 5
     """evaluate on the held-out set every N steps (0: only before and after training)"""
     num_samples_logged: int = 8
     """how many evaluation completions go to the sample table"""
@@ -1414,14 +1418,13 @@ def process_chunks(items, rank, world_size, chunk_size):
 
 
 def prm_rollout_metrics(
-    success, has_eos, steps, scores, process, kl, non_score_reward, old_logprobs, old_values, mask
+    correct, success, has_eos, steps, scores, process, kl, non_score_reward, old_logprobs, old_values, mask
 ):
-    """What the rollout scored: success, steps per response, the PRM's step scores, the process rewards paid, the
-    KL and the entropy per response, lengths and values. success, has_eos [B]; steps and scores per response; the
-    rest [B, R]."""
+    """What the rollout scored: accuracy, success reward, steps per response, the PRM's step scores, the process
+    rewards paid, the KL and the entropy per response, lengths and values. correct, success, has_eos [B]; steps and
+    scores per response; the rest [B, R]."""
     every_step = torch.cat(scores)  # p_k of every step in the batch
-    metrics = {"objective/success": success.mean().item()}
-    metrics["objective/accuracy"] = metrics["objective/success"]  # the name the other scripts use
+    metrics = {"objective/success": success.mean().item(), "objective/accuracy": correct.mean().item()}
     metrics["objective/num_steps"] = len(every_step) / len(steps)  # mean steps per response
     metrics["objective/prm_score"] = every_step.mean().item() if len(every_step) else 0.0
     metrics["objective/wrong_step_fraction"] = (every_step < 0.5).float().mean().item() if len(every_step) else 0.0
@@ -1466,10 +1469,10 @@ def evaluate(sampler, prm, eval_set, args, accelerator, tokenizer, step):
         prompts, golds = [eval_prompts[i] for i in chunk], [eval_golds[i] for i in chunk]
         responses, mask, _, texts = sampler.generate(prompts, 1, 0.0)
         width = max(1, int(mask.sum(1).max()))
-        correct, has_eos, steps, scores, process = prm_rewards(
+        correct, success, has_eos, steps, scores, process = prm_rewards(
             prm, prompts, [eval_questions[i] for i in chunk], golds, responses[:, :width], mask[:, :width], texts, args
         )
-        reward = correct + process.sum(1)
+        reward = success + process.sum(1)
         sums = [correct.sum(), sum(map(len, steps)), sum(map(sum, scores)), reward.sum()]
         sums += [mask.sum(), has_eos.sum(), len(chunk)]  # in the order of `names`
         totals += torch.tensor([float(v) for v in sums], dtype=torch.float64)

