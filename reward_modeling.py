@@ -17,7 +17,7 @@ from a policy, labels each with the verifier, and pairs a correct completion (ch
 the same prompt; the pairs are written to runs/{run_name}/preferences/{train,test}.jsonl.
 
 With `--prm` the script trains a step-level process reward model (PRM) instead, for ppo_prm_clip.py: completions
-sampled from the policy with a step-by-step instruction are split into steps (`--step_separator`, a blank line),
+sampled from the policy with a step-by-step instruction are split into steps (`--step_separator`, a newline),
 and each step gets a binary label from the verifier of ppo_prm_clip.py, which checks the arithmetic of every
 equation: 1 while no equation so far is wrong, 0 from the first wrong one on (a label of the prefix that ends with
 the step). The model's one-output head is read at the last token of each step (the causal model sees the prompt and
@@ -29,7 +29,7 @@ Run on CPU with the embedded defaults (SmolLM2-135M-Instruct, the arith_1d task;
 runs/reward_model, where ppo_rlhf.py and dpo_online.py look by default):
     python reward_modeling.py
     python reward_modeling.py --no-vllm                  # HF generate instead of vLLM to sample the pairs
-    python reward_modeling.py --prm                      # a PRM for ppo_prm_clip.py, saved to runs/prm
+    python reward_modeling.py --prm                      # a PRM for ppo_prm_clip.py (its task), saved to runs/prm
 Run on GPUs, e.g. on a hub preference dataset:
     accelerate launch --num_processes 8 reward_modeling.py --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct \
         --dataset_path Anthropic/hh-rlhf --max_length 1024 --pairs_per_rank 8 --micro_batch_size 4
@@ -82,8 +82,8 @@ class Args:
     # Reward model (Bradley-Terry; --prm: a process reward model)
     prm: bool = False
     """train a step-level PRM (cross-entropy at each step's last token, verifier labels), not a Bradley-Terry RM"""
-    step_separator: str = "\n\n"
-    """with --prm, completions are split into steps at this string (as in ppo_prm_clip.py)"""
+    step_separator: str = "\n"
+    """with --prm, completions are split into steps at this string (as in ppo_prm_clip.py: one step per line)"""
     num_train_epochs: float = 1.0
     """passes over the training pairs (fractions allowed)"""
     pairs_per_rank: int = 8
@@ -271,17 +271,21 @@ def verifier_step_scores(steps, correct=1.0, unchecked=0.8, wrong=0.0):
 
 
 def main(args: Args):
-    # Setup: processes, data, the pairs (sampled from a task), the model (the helpers are below the fence).
+    # Setup: processes, data, the pairs (sampled from a task), the model (the helpers are below the fence). A PRM's
+    # defaults are ppo_prm_clip.py's: its task, and the prompt of the policy whose responses the PRM will judge.
+    if args.prm:
+        defaults = (
+            "assets/data/arith_2t3t1d",
+            "Solve it step by step, one step per line, and end with 'Answer: <number>'.",
+        )
+    else:
+        defaults = ("assets/data/arith_1d", "Give only the final answer after 'Answer:'.")
+    for name, default in zip(("dataset_path", "instruction"), defaults):
+        setattr(args, name, default if getattr(args, name) is None else getattr(args, name))
     check_args(args)
     args.gradient_accumulation_steps = args.pairs_per_rank // args.micro_batch_size
     accelerator = make_accelerator(args.micro_batch_size, args.gradient_accumulation_steps, args.max_grad_norm)
     rank, world_size = accelerator.process_index, accelerator.num_processes
-    if args.instruction is None:  # the prompt of the policy whose responses this model will judge
-        args.instruction = (
-            "Solve it step by step. Separate the steps with a blank line and end with 'Answer: <number>'."
-            if args.prm
-            else "Give only the final answer after 'Answer:'."
-        )
     train_rows, eval_rows = load_reward_data(args)  # checked before any model is loaded
     tokenizer = load_reward_tokenizer(args, train_rows)
     pad_id = tokenizer.pad_token_id
@@ -466,9 +470,10 @@ class RunArgs:
     """allow model code from the hub (off unless asked)"""
 
     # Data
-    dataset_path: str = "assets/data/arith_1d"
+    dataset_path: Optional[str] = None
     """a folder with {split}.jsonl files or a hub dataset id: preference pairs (chosen/rejected columns), or a task
-    (question/answer columns) from which the pairs are built"""
+    (question/answer columns) from which the pairs are built (default: assets/data/arith_1d; with --prm,
+    assets/data/arith_2t3t1d)"""
     dataset_config: Optional[str] = None
     """the hub dataset config"""
     train_split: str = "train"

@@ -857,7 +857,7 @@ def test_prm_run_trains_on_step_labels_and_ppo_prm_clip_loads_it(make_args, toke
     for row in rows:
         assert row["steps"] == [s for s, _ in rm.split_steps(row["completion"], " ")]
         assert row["step_labels"] == toy_step_scores(row["steps"])
-        assert "step by step" in row["prompt"]  # the --prm default instruction, the one ppo_prm_clip.py uses
+        assert ppo_prm_clip.Config().instruction in row["prompt"]  # the --prm default is ppo_prm_clip.py's
         for step, t, (_, (_start, end)) in zip(
             row["steps"], row["step_tokens"], rm.split_steps(row["completion"], " ")
         ):
@@ -874,6 +874,8 @@ def test_prm_run_trains_on_step_labels_and_ppo_prm_clip_loads_it(make_args, toke
     with open(os.path.join(prm_dir, "config.json")) as f:
         config = json.load(f)
     assert config["prm"]["step_separator"] == " " and "bias" not in config
+    assert config["prm"]["instruction"] == ppo_prm_clip.Config().instruction
+    assert rm.Config().step_separator == ppo_prm_clip.Config().step_separator  # the default, not this run's
 
     # ppo_prm_clip.py reads it as a learned PRM: p_k = sigmoid(head) at each step's last token.
     ppo_args = ppo_prm_clip.Config(
