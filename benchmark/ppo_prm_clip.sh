@@ -1,28 +1,59 @@
 #!/usr/bin/env bash
-# The published figures of ppo_prm_clip.py (issue 5): the five reward arms (success only, raw process rewards, Clip,
-# Delta, Clip-Delta) with the verifier PRM, same seeds, steps and prompts; then the accuracy and length curves and
-# the table of final accuracy and steps per response.
-#   bash benchmark/ppo_prm_clip.sh                  # one run at a time (2 cores: 11-14 min a run, ~2 h in all)
+# The published figures of ppo_prm_clip.py (issue 30): the reward arms (success only, raw process rewards, Clip,
+# Delta, Clip-Delta) at the script's defaults (arith_2t3t1d, one step per line, prm_coef 0.5, missing_eos_penalty -1,
+# T 0.5, 30 steps of 8 prompts, the whole 500-problem held-out split every 5 steps), seeds 1-3, first with the
+# verifier PRM, then with a PRM learned by reward_modeling.py --prm; then the curves, the tables and the paired
+# comparisons with success only.
+#   bash benchmark/ppo_prm_clip.sh                  # one run at a time (2 cores: ~15 min a run, ~6 h in all)
 #   bash benchmark/ppo_prm_clip.sh --workers 2      # extra arguments go to benchmark.run
+# A run cut short resumes with `python ppo_prm_clip.py --resume runs/<its folder>` (checkpoints every 10 steps).
 # Every command that runs a script is on its own line: tests/test_benchmark.py checks its flags against --help.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# The arms run with --prm_coef 1.5 --temperature 1.0: at the script's defaults (0.5, 0.7) every arm, raw included,
-# converges to one-step answers and raw's hacking does not show (docs/ppo_prm_clip.md). Seed-major
-# order, so that a cut-short session still has every arm of seed 1.
-for seed in 1 2; do
+# 1. The verifier PRM. Seed-major order, so that a cut-short session still has every arm of the first seeds.
+for seed in 1 2 3; do
     for mode in none raw clip delta clip_delta; do
         python -m benchmark.run --script ppo_prm_clip.py --seeds "$seed" "$@" -- --reward_mode "$mode" \
-            --prm_coef 1.5 --temperature 1.0 --total_steps 20 --eval_every 5 --save_every 0 --exp_name "prm_$mode"
+            --save_every 10 --keep_checkpoints 1 --exp_name "prm_$mode"
     done
 done
 
-EXPERIMENTS=()
-for mode in none raw clip delta clip_delta; do EXPERIMENTS+=("$mode=runs/arith_1d__prm_${mode}__*"); done
-python -m benchmark.registry plot --experiments "${EXPERIMENTS[@]}" \
-    --metric eval/accuracy objective/num_steps objective/response_length --smooth 3 \
-    --out benchmark/results/ppo_prm_clip_step.png
-python -m benchmark.registry table --experiments "${EXPERIMENTS[@]}" \
-    --metrics eval/accuracy eval/num_steps eval/eos_fraction objective/num_steps objective/response_length \
-    --out benchmark/results/ppo_prm_clip.md
+# 2. A learned PRM: trained on the verifier's step labels of completions sampled like the policy's (T 0.5, 96
+# tokens), then the arms with it. Success only does not read the PRM: its runs are the ones above.
+python reward_modeling.py --prm --temperature 0.5 --response_length 96 --exp_name learned_prm --prm_dir runs/prm
+for seed in 1 2 3; do
+    for mode in raw clip delta; do
+        python -m benchmark.run --script ppo_prm_clip.py --seeds "$seed" "$@" -- --reward_mode "$mode" --prm runs/prm \
+            --save_every 10 --keep_checkpoints 1 --exp_name "lprm_$mode"
+    done
+done
+
+# 3. The runs' config.json and metrics.jsonl copied to benchmark/results/ppo_prm_clip/ (committed), then from the
+# copies: curves, tables, paired differences with success only (seed by seed).
+OUT=benchmark/results/ppo_prm_clip
+for run in runs/arith_2t3t1d__prm_*__[123]__* runs/arith_2t3t1d__lprm_*__[123]__*; do
+    mkdir -p "$OUT/$(basename "$run")" && cp "$run/config.json" "$run/metrics.jsonl" "$OUT/$(basename "$run")/"
+done
+for prm in prm lprm; do
+    EXPERIMENTS=("none=$OUT/arith_2t3t1d__prm_none__*")
+    for mode in raw clip delta clip_delta; do
+        if compgen -G "$OUT/arith_2t3t1d__${prm}_${mode}__*" > /dev/null; then
+            EXPERIMENTS+=("$mode=$OUT/arith_2t3t1d__${prm}_${mode}__*")
+        fi
+    done
+    python -m benchmark.registry plot --experiments "${EXPERIMENTS[@]}" \
+        --metric eval/accuracy eval/num_steps objective/num_steps objective/response_length --smooth 1 \
+        --out "benchmark/results/ppo_${prm}_step.png"
+    python -m benchmark.registry table --experiments "${EXPERIMENTS[@]}" \
+        --metrics eval/accuracy eval/num_steps eval/response_length eval/eos_fraction objective/num_steps \
+        objective/response_length objective/prm_score_sum --out "benchmark/results/ppo_${prm}.md"
+    python -m benchmark.registry paired --experiments "${EXPERIMENTS[@]}" --baseline none \
+        --metrics eval/accuracy eval/num_steps eval/response_length --out "benchmark/results/ppo_${prm}_paired.md"
+done
+python -m benchmark.prm_checks --experiments "none=$OUT/arith_2t3t1d__prm_none__*" "raw=$OUT/arith_2t3t1d__prm_raw__*" \
+    "clip=$OUT/arith_2t3t1d__prm_clip__*" "delta=$OUT/arith_2t3t1d__prm_delta__*" \
+    "clip_delta=$OUT/arith_2t3t1d__prm_clip_delta__*" --out benchmark/results/ppo_prm_checks.md
+python -m benchmark.prm_checks --experiments "none=$OUT/arith_2t3t1d__prm_none__*" "raw=$OUT/arith_2t3t1d__lprm_raw__*" \
+    "clip=$OUT/arith_2t3t1d__lprm_clip__*" "delta=$OUT/arith_2t3t1d__lprm_delta__*" \
+    --out benchmark/results/ppo_lprm_checks.md

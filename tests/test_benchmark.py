@@ -944,3 +944,67 @@ def test_prm_preflight_counts_against_hand_made_responses(tiny_model_dir, tmp_pa
     assert sampled["wrong_with_a_false_step"] == 2 / 3 and sampled["right_with_a_false_step"] == 0.0
     # greedy: "Answer: 6" right; "4 + 4 = 8 / 8 + 1 = 9" right (the last number) but without EOS
     assert greedy["accuracy"] == 1.0 and greedy["eos_fraction"] == 0.5
+
+
+# benchmark/prm_checks.py: the PRM paper's claims as checks. Each arm's final held-out accuracy and steps per seed are
+# set here, so every verdict is known in advance.
+def prm_arm_lines(accuracy, steps, train_steps):
+    """Lines of a run: evaluations at steps 0 and 4, training steps 1-4 with objective/num_steps from train_steps."""
+    lines = [{"global_step": 0, "time": 1.0, "eval/accuracy": 0.2, "eval/num_steps": 3.0, "eval/response_length": 50}]
+    for step, value in enumerate(train_steps, start=1):
+        lines.append({"global_step": step, "time": 1.0 + step, "objective/num_steps": value})
+    lines[-1] |= {"eval/accuracy": accuracy, "eval/num_steps": steps, "eval/response_length": 10 * steps}
+    return lines
+
+
+def write_prm_arms(root, arms):
+    """arms: {label: {seed: (accuracy, steps)}} -> experiment specs LABEL=GLOB."""
+    for label, seeds in arms.items():
+        for seed, (accuracy, steps) in seeds.items():
+            write_run(
+                root, f"t__prm_{label}__{seed}__{100 + seed}", seed, prm_arm_lines(accuracy, steps, [1, 2, 3, 4])
+            )
+    return [f"{label}={os.path.join(root, f't__prm_{label}__*')}" for label in arms]
+
+
+def test_prm_checks_verdicts_worked_out_here(tmp_path):
+    from benchmark import prm_checks
+
+    none = {1: (0.40, 1.0), 2: (0.50, 1.2), 3: (0.45, 1.1)}
+    arms = {
+        "none": none,
+        # (a) held: 2 of 3 seeds with >= 1.5x the steps and lower accuracy (seed 3 has only 1.4x)
+        "raw": {1: (0.30, 2.0), 2: (0.45, 1.8), 3: (0.40, 1.1 * 1.4)},
+        # (b) held: differences +0.005 / -0.005 / 0, steps the same
+        "clip": {1: (0.405, 1.0), 2: (0.495, 1.2), 3: (0.45, 1.1)},
+        # (b) inconclusive: differences +0.05 / -0.05 / 0 (SE 0.0289 crosses the 2-point bound); steps within 20%
+        "delta": {1: (0.45, 1.1), 2: (0.45, 1.3), 3: (0.45, 1.2)},
+        # (b) not held: 1.5x the steps; (c) held: +0.05 / +0.06 / +0.04 on every seed
+        "clip_delta": {1: (0.45, 1.5), 2: (0.56, 1.8), 3: (0.49, 1.65)},
+    }
+    specs = write_prm_arms(str(tmp_path / "runs"), arms)
+    out = str(tmp_path / "checks.md")
+    prm_checks.main(["--experiments", *specs, "--last", "2", "--out", out])
+    text = open(out).read()
+    verdicts = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[1] for line in text.splitlines() if "**" in line}
+    assert verdicts == {
+        "(a) raw: >= 1.5x the steps and less accurate, on >= 2 of 3 seeds": "**held**",
+        "(b) clip: within 20% of the steps and 2 points of the accuracy": "**held**",
+        "(b) delta: within 20% of the steps and 2 points of the accuracy": "**inconclusive**",
+        "(b) clip_delta: within 20% of the steps and 2 points of the accuracy": "**not held**",
+        "(c) some arm above success only": "**held**",
+    }
+    # The per-seed table: the final held-out values, and the mean of the last 2 training steps (3 and 4 -> 3.5).
+    assert "| raw | 1 | 0.300 | 2.000 | 20.000 | 3.500 |" in text
+    se = np.std([0.05, -0.05, 0.0], ddof=1) / np.sqrt(3)
+    assert f"accuracy difference +0.000 ± {se:.3f}" in text
+
+    # (a) not held with 1 of 3 seeds; every check inconclusive on 2 seeds.
+    values = {
+        label: {s: {"eval/accuracy": a, "eval/num_steps": n} for s, (a, n) in seeds.items()}
+        for label, seeds in arms.items()
+    }
+    values["raw"][2]["eval/num_steps"] = 1.2
+    assert prm_checks.checks(values, "none")[0][1] == "not held"
+    two = {label: {s: v for s, v in seeds.items() if s < 3} for label, seeds in values.items()}
+    assert {verdict for _, verdict, _ in prm_checks.checks(two, "none")} == {"inconclusive"}
