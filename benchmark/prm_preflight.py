@@ -1,6 +1,7 @@
-"""Preflight of a task for ppo_prm_clip.py: can process rewards say anything on it? (a couple of minutes on CPU)
+"""Preflight of a task for ppo_prm_clip.py: can process rewards say anything on it? (~5 min on 2 CPU cores)
 
-    python -m benchmark.prm_preflight --dataset_path assets/data/chain_sum --num_prompts 100 --samples 4
+    python -m benchmark.prm_preflight --num_prompts 100 --out benchmark/results/prm_preflight.json   # the defaults
+    python -m benchmark.prm_preflight --dataset_path assets/data/chain_sum --temperature 0.7 --step_separator ' '
 
 Samples `--samples` completions of `--num_prompts` held-out prompts (HF generate, ppo_prm_clip.py's prompts, stop
 tokens, step splitter, answer extraction and verifier PRM; the sampling settings are the script's defaults unless
