@@ -10,7 +10,8 @@ cd "$(dirname "$0")/.."
 
 # The default (4 prompts a step) against the default before issue 19 (2 prompts a step, each completion with its own
 # copy of the prompt), 3 seeds each. The published runs were made one seed of each at a time, alternating, with
-# these exact flags (`--prompts_per_rank 4` is the default; it is spelled out for the run name).
+# these exact flags (`--prompts_per_rank 4` is the default; it is spelled out for the run name). Those runs' folders
+# were lost before runs were committed (issue 30): the plots and tables below need the runs made again.
 python -m benchmark.run --script grpo_math.py --seeds 1 2 3 "$@" -- --prompts_per_rank 4 --exp_name grpo_p4
 python -m benchmark.run --script grpo_math.py --seeds 1 2 3 "$@" -- --prompts_per_rank 2 --no-shared_prompt \
     --exp_name grpo_base
