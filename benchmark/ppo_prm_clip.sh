@@ -33,27 +33,24 @@ done
 # copies: curves, tables, paired differences with success only (seed by seed).
 OUT=benchmark/results/ppo_prm_clip
 for run in runs/arith_2t3t1d__prm_*__[123]__* runs/arith_2t3t1d__lprm_*__[123]__*; do
+    [ -d "$run" ] || continue  # a glob that matched nothing
     mkdir -p "$OUT/$(basename "$run")" && cp "$run/config.json" "$run/metrics.jsonl" "$OUT/$(basename "$run")/"
 done
-for prm in prm lprm; do
-    EXPERIMENTS=("none=$OUT/arith_2t3t1d__prm_none__*")
+for kind in verifier learned; do
+    prefix=$([ "$kind" = verifier ] && echo prm || echo lprm)
+    EXPERIMENTS=("none=$OUT/arith_2t3t1d__prm_none__*")  # success only does not read the PRM: one baseline for both
     for mode in raw clip delta clip_delta; do
-        if compgen -G "$OUT/arith_2t3t1d__${prm}_${mode}__*" > /dev/null; then
-            EXPERIMENTS+=("$mode=$OUT/arith_2t3t1d__${prm}_${mode}__*")
+        if compgen -G "$OUT/arith_2t3t1d__${prefix}_${mode}__*" > /dev/null; then
+            EXPERIMENTS+=("$mode=$OUT/arith_2t3t1d__${prefix}_${mode}__*")
         fi
     done
+    RESULTS="benchmark/results/ppo_prm_clip_$kind"
     python -m benchmark.registry plot --experiments "${EXPERIMENTS[@]}" \
-        --metric eval/accuracy eval/num_steps objective/num_steps objective/response_length --smooth 1 \
-        --out "benchmark/results/ppo_${prm}_step.png"
+        --metric eval/accuracy eval/num_steps objective/num_steps objective/response_length --out "${RESULTS}_step.png"
     python -m benchmark.registry table --experiments "${EXPERIMENTS[@]}" \
         --metrics eval/accuracy eval/num_steps eval/response_length eval/eos_fraction objective/num_steps \
-        objective/response_length objective/prm_score_sum --out "benchmark/results/ppo_${prm}.md"
+        objective/response_length objective/prm_score_sum --out "$RESULTS.md"
     python -m benchmark.registry paired --experiments "${EXPERIMENTS[@]}" --baseline none \
-        --metrics eval/accuracy eval/num_steps eval/response_length --out "benchmark/results/ppo_${prm}_paired.md"
+        --metrics eval/accuracy eval/num_steps eval/response_length --out "${RESULTS}_paired.md"
+    python -m benchmark.prm_checks --experiments "${EXPERIMENTS[@]}" --out "${RESULTS}_checks.md"
 done
-python -m benchmark.prm_checks --experiments "none=$OUT/arith_2t3t1d__prm_none__*" "raw=$OUT/arith_2t3t1d__prm_raw__*" \
-    "clip=$OUT/arith_2t3t1d__prm_clip__*" "delta=$OUT/arith_2t3t1d__prm_delta__*" \
-    "clip_delta=$OUT/arith_2t3t1d__prm_clip_delta__*" --out benchmark/results/ppo_prm_checks.md
-python -m benchmark.prm_checks --experiments "none=$OUT/arith_2t3t1d__prm_none__*" "raw=$OUT/arith_2t3t1d__lprm_raw__*" \
-    "clip=$OUT/arith_2t3t1d__lprm_clip__*" "delta=$OUT/arith_2t3t1d__lprm_delta__*" \
-    --out benchmark/results/ppo_lprm_checks.md
