@@ -23,7 +23,7 @@ import math
 
 import numpy as np
 
-from benchmark.registry import final_value, load_experiments, write_text
+from benchmark.registry import final_value, load_experiments, mean_std, write_text
 
 BOUNDED = ("clip", "delta", "clip_delta")
 TRAINING = {
@@ -51,9 +51,9 @@ def per_seed(runs, last):
 
 
 def interval(diffs):
-    """(mean, standard error) of paired differences; the error is None for fewer than 2."""
-    mean = float(np.mean(diffs))
-    return mean, (float(np.std(diffs, ddof=1)) / math.sqrt(len(diffs)) if len(diffs) > 1 else None)
+    """(mean, standard error) of paired differences, from the registry's mean_std; no error for fewer than 2."""
+    mean, std, n = mean_std(diffs)
+    return mean, (None if std is None else std / math.sqrt(n))
 
 
 def verdict_inside(mean, se, low, high):
