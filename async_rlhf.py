@@ -377,6 +377,7 @@ def dpo_update(model, optimizer, scheduler, accelerator, args, batch, scores, st
             for name, value in (micro_stats | more_stats).items():
                 stats[name].append(value)
         stats["policy/grad_norm"].append(clip_gradients(accelerator, model, args.max_grad_norm, step, last_checkpoint))
+        record_staleness(stats, (step - batch["version"]) * args.num_minibatches + start // args.minibatch_size)
         lr = scheduler.get_last_lr()[0]  # the learning rate of this update
         optimizer.step()
         scheduler.step()
@@ -442,11 +443,15 @@ def rloo_update(model, optimizer, scheduler, accelerator, args, batch, judged, s
             for name, value in (micro_stats | more_stats).items():
                 stats[name].append(value)
         stats["policy/grad_norm"].append(clip_gradients(accelerator, model, args.max_grad_norm, step, last_checkpoint))
+        record_staleness(stats, (step - batch["version"]) * args.num_minibatches + start // args.minibatch_size)
         lr = scheduler.get_last_lr()[0]  # the learning rate of this update
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
     metrics["loss/policy"] = policy_loss
+    # What the stalest update saw: the approximate KL of the policy to the generator's, on the last minibatch.
+    last_minibatch = stats["policy/approxkl"][-args.gradient_accumulation_steps :]  # its micro-batches
+    metrics["policy/approxkl_last_minibatch"] = float(np.mean(last_minibatch))
     return summarize_update(metrics, stats, kl, entropy, lr), {}
 
 
@@ -1103,6 +1108,14 @@ def batch_reference_logprobs(model, accelerator, args, batch, micro_rows):
             inputs = (batch["query_responses"][rows], batch["attention_mask"][rows], batch["context_length"])
             ref_logprobs[rows] = logprobs_fn(model, *inputs, args.temperature)[0]
     return ref_logprobs
+
+
+def record_staleness(stats, updates_behind):
+    """Adds one update's staleness to its step's statistics: `updates_behind`, the number of optimizer updates
+    between the weights that generated its minibatch and the weights it updates (logged as the step's mean and
+    max)."""
+    stats["policy/staleness"].append(updates_behind)
+    stats["policy/staleness_max"].append(updates_behind)
 
 
 def summarize_update(metrics, stats, kl, entropy, lr):

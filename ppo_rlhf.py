@@ -380,6 +380,7 @@ def main(args: Args):
                     del logits
                 grad_norm = clip_gradients(accelerator, model, args.max_grad_norm, step, run.last_checkpoint)
                 stats["policy/grad_norm"].append(grad_norm)
+                record_staleness(stats, epoch * args.num_minibatches + start // args.minibatch_size)
                 lr = scheduler.get_last_lr()[0]  # the learning rate of this update
                 optimizer.step()
                 scheduler.step()
@@ -387,6 +388,9 @@ def main(args: Args):
                 if epoch == 0 and start == 0:
                     metrics["policy/ratio_first_minibatch"] = float(np.mean(stats["val/ratio"]))
                     metrics["policy/approxkl_first_minibatch"] = float(np.mean(stats["policy/approxkl_avg"]))
+        # What the stalest update saw: the approximate KL of the policy to the rollout's, on the last minibatch.
+        last_minibatch = stats["policy/approxkl_avg"][-args.gradient_accumulation_steps :]  # its micro-batches
+        metrics["policy/approxkl_last_minibatch"] = float(np.mean(last_minibatch))
         metrics["time/training"] = time.time() - t_train - metrics["time/reward"]
         metrics |= rlhf_update_metrics(stats, args.num_ppo_epochs * args.num_minibatches)
         metrics["lr"] = lr  # of the step's last update
@@ -1182,17 +1186,26 @@ def rlhf_rollout_metrics(scores, kl, non_score_reward, old_logprobs, mask, has_e
     return metrics
 
 
+def record_staleness(stats, updates_behind):
+    """Adds one update's staleness to its step's statistics: `updates_behind`, the number of optimizer updates
+    between the weights that generated its minibatch and the weights it updates (logged as the step's mean and
+    max)."""
+    stats["policy/staleness"].append(updates_behind)
+    stats["policy/staleness_max"].append(updates_behind)
+
+
 def rlhf_update_metrics(stats, num_optimizer_steps):
     """The update's metrics from its statistics ({name: one value per micro-batch, or per minibatch}): their means,
     except the losses, whose micro-batch values are shares of their minibatch's loss (summed per minibatch, averaged
-    over minibatches), and val/ratio_var, from the means of the ratio and of its square."""
+    over minibatches), val/ratio_var, from the means of the ratio and of its square, and a *_max (*_min) name's largest
+    (smallest) value."""
     stats = dict(stats)
     metrics = {
         "loss/policy_avg": sum(stats.pop("pg_loss")) / num_optimizer_steps,
         "loss/value_avg": sum(stats.pop("vf_loss")) / num_optimizer_steps,
         "val/ratio_var": float(np.mean(stats.pop("ratio_sq"))) - float(np.mean(stats["val/ratio"])) ** 2,
     }
-    return metrics | {name: float(np.mean(values)) for name, values in stats.items()}
+    return metrics | average_stats(stats)
 
 
 def reference_logprobs(logprobs_fn, model, ref_model, accelerator, batch):

@@ -290,6 +290,7 @@ def test_sync_run_has_lag_zero_and_logs_the_pipeline(make_async_args):
     assert [line["time"] for line in lines] == sorted(line["time"] for line in lines)
     for step, line in enumerate(train_lines(lines)):
         assert line["policy/lag"] == 0 and line["policy/generator_version"] == step  # every batch on-policy
+        assert line["policy/staleness"] == 0 and line["policy/staleness_max"] == 0  # one update per batch
         missing = [k for k in TIME_KEYS if k not in line]
         assert not missing, missing
         assert all(math.isfinite(v) for v in line.values())
@@ -353,12 +354,36 @@ def test_rloo_lags_reach_but_never_pass_max_staleness(make_async_args, monkeypat
         run_dir = async_rlhf.main(args)
     lines = train_lines(read_metrics(run_dir))
     assert [line["policy/lag"] for line in lines] == [0, 1, 2, 2, 2]
+    # One update per batch: the update is as many updates stale as its batch's lag.
+    assert [(line["policy/staleness"], line["policy/staleness_max"]) for line in lines] == [(0, 0), (1, 1)] + [
+        (2, 2)
+    ] * 3
     assert [line["policy/generator_version"] for line in lines] == [0, 0, 0, 1, 2]
     assert [line["episode"] for line in lines] == [6, 12, 18, 24, 30]  # 2 prompts * 3 completions per step
     for line in lines:
         for key in ("loss/policy", "policy/ratio", "policy/clipfrac", "policy/approxkl", "objective/rlhf_reward"):
             assert math.isfinite(line[key]), key
     assert lines[-1]["policy/approxkl"] > 0  # off-policy batches: the learner's policy is not the generator's
+
+
+@pytest.mark.slow
+def test_sync_minibatch_i_is_i_updates_stale(make_async_args, tmp_path):
+    """--sync with N minibatches per batch (the paper's off-policyness N): minibatch i is trained i updates after the
+    weights that generated it. With one minibatch the update is on-policy (the policy's log-probs are the
+    generator's); with two the last minibatch sees a policy one update away from the generator's."""
+    values = dict(sync=True, loss="rloo", rloo_k=2, total_steps=2, learning_rate=1e-2)
+    one, two = (
+        train_lines(
+            read_metrics(
+                async_rlhf.main(make_async_args(num_minibatches=n, output_dir=str(tmp_path / f"{n}"), **values))
+            )
+        )
+        for n in (1, 2)
+    )
+    assert all(line["policy/staleness"] == 0 and line["policy/staleness_max"] == 0 for line in one)
+    assert all(line["policy/approxkl_last_minibatch"] < 1e-10 for line in one)
+    assert all(line["policy/staleness"] == 0.5 and line["policy/staleness_max"] == 1 for line in two)
+    assert all(line["policy/approxkl_last_minibatch"] > 1e-6 for line in two)
 
 
 @pytest.mark.slow

@@ -401,6 +401,9 @@ def test_run_logs_the_n_plus_metrics_and_starts_on_policy(make_ppo_args, monkeyp
         assert line["policy/ratio_first_minibatch"] == 1.0
         assert line["policy/approxkl_first_minibatch"] == 0.0
         assert line["policy/approxkl_avg"] > 0
+        # 2 epochs x 2 minibatches: the batch's updates are 0, 1, 2, 3 updates after the rollout's weights.
+        assert line["policy/staleness"] == 1.5 and line["policy/staleness_max"] == 3
+        assert line["policy/approxkl_last_minibatch"] > 0
         assert line["objective/non_score_reward"] == 0.0  # kl_coef 0: the KL is measured, not paid
     assert lines[1]["objective/kl"] == 0.0  # policy == reference before the first update
     assert lines[-1]["objective/kl"] != 0.0
