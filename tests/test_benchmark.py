@@ -1008,3 +1008,65 @@ def test_prm_checks_verdicts_worked_out_here(tmp_path):
     assert prm_checks.checks(values, "none")[0][1] == "not held"
     two = {label: {s: v for s, v in seeds.items() if s < 3} for label, seeds in values.items()}
     assert {verdict for _, verdict, _ in prm_checks.checks(two, "none")} == {"inconclusive"}
+
+
+# benchmark/offpolicy.py: the Asynchronous RLHF paper's off-policyness check. Each objective's final accuracy per N
+# and seed is set here, so the verdicts are known in advance.
+def write_offpolicy_runs(root, objectives):
+    """objectives: {label: {N: {seed: final accuracy}}} -> experiment specs LABEL=GLOB. The score is 2 x accuracy."""
+    for label, by_n in objectives.items():
+        for n, seeds in by_n.items():
+            for seed, accuracy in seeds.items():
+                lines = [{"global_step": 0, "eval/accuracy": 0.3, "eval/score": 0.6}]
+                lines += [{"global_step": 1, "objective/kl": 0.1 * n, "policy/staleness": (n - 1) / 2}]
+                lines += [{"global_step": 2, "objective/kl": 0.2 * n, "policy/staleness": (n - 1) / 2}]
+                lines[-1] |= {"eval/accuracy": accuracy, "eval/score": 2 * accuracy, "policy/staleness_max": n - 1}
+                path = write_run(root, f"t__off_{label}_n{n}__{seed}__{100 * n + seed}", seed, lines)
+                with open(os.path.join(path, "config.json")) as f:
+                    config = json.load(f)
+                config["args"]["num_minibatches"] = n
+                with open(os.path.join(path, "config.json"), "w") as f:
+                    json.dump(config, f)
+    return [f"{label}={os.path.join(root, f't__off_{label}_*')}" for label in objectives]
+
+
+def test_offpolicy_check_verdicts_worked_out_here(tmp_path):
+    from benchmark import offpolicy
+
+    objectives = {
+        # drops 1 - 16: 0.02 / 0.00 / 0.04 (mean 0.02)
+        "dpo": {1: {1: 0.50, 2: 0.52, 3: 0.54}, 4: {1: 0.49, 2: 0.50, 3: 0.52}, 16: {1: 0.48, 2: 0.52, 3: 0.50}},
+        # drops 0.10 / 0.08 / 0.12: RLOO's drop - DPO's = 0.08 on every seed (standard error 0): above 0
+        "rloo": {1: {1: 0.50, 2: 0.50, 3: 0.52}, 16: {1: 0.40, 2: 0.42, 3: 0.40}},
+        # drops 0.05 / 0.03 / 0.01: differences +0.03 / +0.03 / -0.03, mean 0.01 ± 0.02: inconclusive
+        "ppo": {1: {1: 0.45, 2: 0.45, 3: 0.45}, 16: {1: 0.40, 2: 0.42, 3: 0.44}},
+    }
+    specs = write_offpolicy_runs(str(tmp_path / "runs"), objectives)
+    out = str(tmp_path / "offpolicy")
+    offpolicy.main(["--experiments", *specs, "--out", out])
+    text = open(out + ".md").read()
+    assert os.path.getsize(out + ".png") > 0
+    verdicts = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[1] for line in text.splitlines() if "**" in line}
+    assert verdicts == {
+        "dpo's drop in eval/accuracy from N = 1 to N = 16 is the smallest": "**inconclusive**",
+        "dpo's drop in eval/score from N = 1 to N = 16 is the smallest": "**inconclusive**",
+    }
+    se = np.std([0.03, 0.03, -0.03], ddof=1) / np.sqrt(3)
+    assert f"ppo - dpo: +0.010 ± {se:.3f} (seeds [1, 2, 3])" in text
+    assert "rloo - dpo: +0.080 ± 0.000" in text
+    # Every seed's row (final values; KL, staleness at the last training step), and the mean ± std per N.
+    assert "| dpo | 16 | 2 | 0.520 | 1.040 | 3.200 | 7.500 | 15.000 | – |" in text
+    assert f"| dpo | 4 | 3 | 0.503 ± {np.std([0.49, 0.50, 0.52], ddof=1):.3f} |" in text
+
+    values = {
+        label: offpolicy.by_n(offpolicy.find_runs(spec.split("=")[1], all_runs=True))
+        for label, spec in zip(objectives, specs)
+    }
+    values["ppo"][16][3]["eval/accuracy"] = 0.36  # PPO's drops now 0.05 / 0.03 / 0.09: above DPO's on every seed
+    assert offpolicy.check(values, "dpo")[1] == "held"
+    values["rloo"][16] = {s: {**v, "eval/accuracy": 0.55} for s, v in values["rloo"][16].items()}  # RLOO gains
+    assert offpolicy.check(values, "dpo")[1] == "not held"
+    two = {
+        label: {n: {s: v for s, v in seeds.items() if s < 3} for n, seeds in t.items()} for label, t in values.items()
+    }
+    assert offpolicy.check(two, "dpo")[1] == "inconclusive"

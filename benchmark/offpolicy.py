@@ -1,0 +1,175 @@
+"""The Asynchronous RLHF paper's off-policyness figure (issue 31) from runs' config.json and metrics.jsonl.
+
+    python -m benchmark.offpolicy --experiments "online DPO=benchmark/results/offpolicy/arith_1d__offpolicy_dpo_*" \
+        "RLOO=benchmark/results/offpolicy/arith_1d__offpolicy_rloo_*" "PPO=..." --out benchmark/results/offpolicy
+
+N, the off-policyness of Noukhovitch et al. (arXiv 2410.18252), is the number of minibatches (optimizer updates) per
+generated batch: each run's `num_minibatches` in its config.json (with one PPO epoch; more epochs would add
+staleness). An experiment is LABEL=GLOB, one objective: its runs are grouped by N, and within an N by seed (the
+newest run per (N, seed)). Writes {out}.md: one row per objective, N and seed (the final held-out accuracy and
+reward-model score; at the last training step, the KL to the reference, the staleness the updates saw and the
+approximate KL of the last minibatch's policy to the sampler's), the mean ± std per objective and N, and the paper's
+claim as a check; and {out}.png: accuracy and score against N (mean ± std over seeds, one line per objective), and
+score against KL, one point per run.
+
+The check: online DPO's drop from N = 1 to the largest N (the mean over seeds of each seed's final accuracy at N = 1
+minus at the largest N) is the smallest of the objectives. Against each other objective, the paired difference of the
+drops over the seeds both ran at both ends, mean ± its standard error: held when every interval lies above 0, not
+held when one lies below, else inconclusive; fewer than 3 seeds is inconclusive.
+"""
+
+import argparse
+import math
+import os
+
+import numpy as np
+
+from benchmark.registry import final_value, find_runs, mean_std, parse_experiment, write_text
+
+FINAL = {"eval/accuracy": "held-out accuracy", "eval/score": "held-out score"}
+TRAINING = {  # their value at the last training step (the same span of the run at every N)
+    "objective/kl": "KL to the reference",
+    "policy/staleness": "staleness (mean)",
+    "policy/staleness_max": "staleness (max)",
+    "policy/approxkl_last_minibatch": "approx. KL, last minibatch",
+}
+
+
+def by_n(runs):
+    """{N: {seed: {metric: final value}}} of one objective's runs (the newest per (N, seed))."""
+    newest = {}
+    for run in runs:
+        key = (run["args"].get("num_minibatches", 1), run["seed"])
+        if key not in newest or run["stamp"] > newest[key]["stamp"]:
+            newest[key] = run
+    table = {}
+    for (n, seed), run in sorted(newest.items()):
+        table.setdefault(n, {})[seed] = {m: final_value(run["lines"], m) for m in (*FINAL, *TRAINING)}
+    return table
+
+
+def drops(table, metric):
+    """({seed: value at the smallest N minus value at the largest N} over the seeds that ran both, (smallest N,
+    largest N))."""
+    low, high = min(table), max(table)
+    both = set(table[low]) & set(table[high])
+    seeds = sorted(s for s in both if None not in (table[low][s][metric], table[high][s][metric]))
+    return {s: table[low][s][metric] - table[high][s][metric] for s in seeds}, (low, high)
+
+
+def check(values, subject, metric="eval/accuracy", min_seeds=3):
+    """(claim, verdict, numbers): `subject`'s drop in `metric` from the smallest to the largest N is the smallest.
+    Against each other objective, the paired differences (their drop - the subject's) over the seeds both ran at
+    both ends: held when every mean - standard error is above 0, not held when some mean + standard error is below 0,
+    else inconclusive (and with fewer than min_seeds seeds, or different N ranges)."""
+    all_drops = {label: drops(table, metric) for label, table in values.items()}
+    mine, ends = all_drops[subject]
+    notes = [f"{label} drop {np.mean(list(d.values())):+.3f}" for label, (d, _) in all_drops.items() if d]
+    verdicts = []
+    for label, (theirs, their_ends) in all_drops.items():
+        if label == subject:
+            continue
+        seeds = sorted(set(mine) & set(theirs))
+        if not seeds or their_ends != ends:
+            verdicts.append("inconclusive")
+            notes.append(f"{label}: no seeds or N range shared with {subject}")
+            continue
+        mean, std, n = mean_std([theirs[s] - mine[s] for s in seeds])
+        se = None if std is None else std / math.sqrt(n)
+        if n < min_seeds or se is None:
+            verdicts.append("inconclusive")
+        else:
+            verdicts.append("held" if mean - se > 0 else "not held" if mean + se < 0 else "inconclusive")
+        notes.append(f"{label} - {subject}: {mean:+.3f} ± {fmt(se)} (seeds {seeds})")
+    verdict = "not held" if "not held" in verdicts else "held" if set(verdicts) == {"held"} else "inconclusive"
+    return (
+        f"{subject}'s drop in {metric} from N = {ends[0]} to N = {ends[1]} is the smallest",
+        verdict,
+        "; ".join(notes),
+    )
+
+
+def fmt(value, digits=3):
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def report(values, subject):
+    names = [*FINAL, *TRAINING]
+    header = ["objective", "N", "seed", *FINAL.values(), *(f"{t} (last step)" for t in TRAINING.values())]
+    rows = [header, ["---"] * len(header)]
+    summary = [["objective", "N", "seeds", *FINAL.values(), TRAINING["objective/kl"]], ["---"] * 6]
+    for label, table in values.items():
+        for n, seeds in table.items():
+            for seed, row in seeds.items():
+                rows.append([label, str(n), str(seed)] + [fmt(row[m]) for m in names])
+            cells = []
+            for m in (*FINAL, "objective/kl"):
+                mean, std, count = mean_std([row[m] for row in seeds.values()])
+                cells.append("–" if mean is None else f"{mean:.3f}" + ("" if std is None else f" ± {std:.3f}"))
+            summary.append([label, str(n), str(len(seeds)), *cells])
+    text = "\n".join("| " + " | ".join(r) + " |" for r in rows) + "\n\n"
+    text += "Mean ± std over seeds (ddof 1):\n\n" + "\n".join("| " + " | ".join(r) + " |" for r in summary) + "\n\n"
+    text += "| claim | verdict | numbers |\n| --- | --- | --- |\n"
+    for metric in FINAL:
+        claim, verdict, numbers = check(values, subject, metric)
+        text += f"| {claim} | **{verdict}** | {numbers} |\n"
+    return text
+
+
+def plot(values, out):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(18, 4.5))
+    for i, (label, table) in enumerate(values.items()):
+        color, ns = f"C{i % 10}", sorted(table)
+        for ax, metric in zip(axes[:2], FINAL):
+            stats = [mean_std([row[metric] for row in table[n].values()]) for n in ns]
+            means = [m if m is not None else np.nan for m, _, _ in stats]
+            stds = [s or 0.0 for _, s, _ in stats]
+            seeds = max(c for _, _, c in stats)
+            ax.errorbar(ns, means, yerr=stds, color=color, marker="o", capsize=3, label=f"{label} (≤{seeds} seeds)")
+        points = [(row["objective/kl"], row["eval/score"], n) for n in ns for row in table[n].values()]
+        points = [p for p in points if None not in p]
+        if points:
+            kl, score, n = zip(*points)
+            axes[2].scatter(kl, score, color=color, s=[12 + 6 * math.log2(x) ** 2 for x in n], alpha=0.7, label=label)
+    for ax, metric in zip(axes[:2], FINAL):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("N: minibatches per generated batch (the last is N - 1 updates stale)")
+        ax.set_title(f"final {metric} (mean ± std over seeds)", fontsize=10)
+    axes[2].set_xlabel("KL to the reference (last training step)")
+    axes[2].set_title("final eval/score against KL, one point per run (larger: larger N)", fontsize=10)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--experiments", nargs="+", required=True, help="LABEL=GLOB, one objective each")
+    parser.add_argument("--subject", default=None, help="the objective the claim is about (default: the first)")
+    parser.add_argument("--out", default=None, help="write {out}.md and {out}.png")
+    args = parser.parse_args(argv)
+    values = {}
+    for spec in args.experiments:
+        label, pattern = parse_experiment(spec)
+        values[label] = by_n(find_runs(pattern, all_runs=True))
+    values = {label: table for label, table in values.items() if table}
+    if not values:
+        raise SystemExit("error: no run folder matches any --experiments glob")
+    subject = args.subject or next(iter(values))
+    write_text(report(values, subject), f"{args.out}.md" if args.out else None)
+    if args.out:
+        print(f"wrote {plot(values, args.out + '.png')}")
+
+
+if __name__ == "__main__":
+    main()
