@@ -1,21 +1,55 @@
 #!/usr/bin/env bash
-# The published async-vs-sync figure of async_rlhf.py: the same program, seed, prompts and number of learner steps,
-# generation and learning in turn (--sync) and at the same time (max_staleness 1), one after the other on one
-# machine. HF generate in the generator (on 2 CPU cores it gains nothing from a second thread, while training does:
-# the split that lets the two overlap), the default reward-model judge (`python reward_modeling.py` first).
-#   bash benchmark/async_rlhf.sh
+# The published figures of async_rlhf.py (issue 31), on the embedded task (arith_1d) with the default reward model
+# (`python reward_modeling.py` first, saved to runs/reward_model; the verifier's accuracy is the gold score):
+#   1. async against --sync at equal learner steps, seeds 1-3, one run at a time on an otherwise idle machine;
+#   2. the off-policyness sweep of Noukhovitch et al.: N minibatches (optimizer updates) per generated batch, so
+#      that the last minibatch is N - 1 updates stale, for online DPO, RLOO and PPO, N in 1 2 4 8 16, seeds 1-3;
+#   3. the runs' config.json and metrics.jsonl copied to benchmark/results/async_rlhf/ (committed), and the figures,
+#      tables and checks made from the copies.
+#   bash benchmark/async_rlhf.sh      # ~10 min a run in part 1, ~5 in part 2 (2 cores): ~5 h in all
 # Every command that runs a script is on its own line: tests/test_benchmark.py checks its flags against --help.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+[ -d runs/reward_model ] || python reward_modeling.py
 
-python async_rlhf.py --sync --no-vllm --total_steps 12 --eval_every 0 --exp_name async_bench_sync "$@"
-python async_rlhf.py --no-vllm --total_steps 12 --eval_every 0 --exp_name async_bench_async "$@"
+# 1. Async against --sync: the same program, seed, prompts and number of learner steps; generation and learning in
+# turn (--sync) and at the same time (max_staleness 1). HF generate in the generator (on 2 CPU cores it gains
+# nothing from a second thread, while training does: the split that lets the two overlap).
+for seed in 1 2 3; do
+    python async_rlhf.py --sync --no-vllm --total_steps 12 --eval_every 0 --seed "$seed" --exp_name async_bench_sync
+    python async_rlhf.py --no-vllm --total_steps 12 --eval_every 0 --seed "$seed" --exp_name async_bench_async
+done
 
-python -m benchmark.registry table --experiments "sync=runs/arith_1d__async_bench_sync__*" \
-    "async=runs/arith_1d__async_bench_async__*" --metrics eval/score eval/accuracy objective/scores \
-    --out benchmark/results/async_vs_sync.md
-python -m benchmark.registry perf --experiments "sync=runs/arith_1d__async_bench_sync__*" \
-    "async=runs/arith_1d__async_bench_async__*" --out benchmark/results/async_vs_sync_perf
-python -m benchmark.registry plot --experiments "sync=runs/arith_1d__async_bench_sync__*" \
-    "async=runs/arith_1d__async_bench_async__*" --metric objective/scores eval/score --x time --smooth 3 \
+# 2. Off-policyness: with N minibatches per batch the batch holds N x the prompts and there are 32 / N batches, so
+# that every run makes the same 32 optimizer updates on the same 64 prompts in the same order (2 a step with 2
+# completions each for DPO and RLOO, 4 with 1 completion for PPO: 4 completions per update either way), and only the
+# staleness changes. --sync: every batch comes from the current weights; PPO with one epoch (more would add
+# staleness). Each script's defaults otherwise (lr 1e-5; T 0.9 for async_rlhf.py, 0.7 for ppo_rlhf.py).
+for seed in 1 2 3; do
+    for n in 1 16 4 2 8; do
+        python async_rlhf.py --sync --no-vllm --loss dpo --num_minibatches "$n" --prompts_per_rank $((2 * n)) \
+            --micro_batch_size 2 --total_steps $((32 / n)) --eval_every 0 --seed "$seed" --exp_name "offpolicy_dpo_n$n"
+        python async_rlhf.py --sync --no-vllm --loss rloo --rloo_k 2 --num_minibatches "$n" \
+            --prompts_per_rank $((2 * n)) --micro_batch_size 2 --total_steps $((32 / n)) --eval_every 0 --seed "$seed" \
+            --exp_name "offpolicy_rloo_n$n"
+        python ppo_rlhf.py --no-vllm --num_ppo_epochs 1 --num_minibatches "$n" --prompts_per_rank $((4 * n)) \
+            --micro_batch_size 4 --total_steps $((32 / n)) --eval_every 0 --seed "$seed" --exp_name "offpolicy_ppo_n$n"
+    done
+done
+
+# 3. Copies of the runs, then the figures and tables from the copies.
+OUT=benchmark/results/async_rlhf
+for run in runs/arith_1d__async_bench_*__[123]__* runs/arith_1d__offpolicy_*__[123]__*; do
+    [ -d "$run" ] || continue  # a glob that matched nothing
+    mkdir -p "$OUT/$(basename "$run")" && cp "$run/config.json" "$run/metrics.jsonl" "$OUT/$(basename "$run")/"
+done
+SPEED=("sync=$OUT/arith_1d__async_bench_sync__*" "async=$OUT/arith_1d__async_bench_async__*")
+python -m benchmark.registry table --experiments "${SPEED[@]}" \
+    --metrics eval/score eval/accuracy objective/scores --out benchmark/results/async_vs_sync.md
+python -m benchmark.registry paired --experiments "${SPEED[@]}" --baseline sync \
+    --metrics eval/score eval/accuracy wall_clock --out benchmark/results/async_vs_sync_paired.md
+python -m benchmark.registry perf --experiments "${SPEED[@]}" --out benchmark/results/async_vs_sync_perf
+python -m benchmark.registry plot --experiments "${SPEED[@]}" --metric objective/scores eval/score --x time --smooth 3 \
     --out benchmark/results/async_vs_sync_time.png
+python -m benchmark.offpolicy --experiments "online DPO=$OUT/arith_1d__offpolicy_dpo_n*" \
+    "RLOO=$OUT/arith_1d__offpolicy_rloo_n*" "PPO=$OUT/arith_1d__offpolicy_ppo_n*" --out benchmark/results/offpolicy

@@ -10,7 +10,9 @@ newest run per (N, seed)). Writes {out}.md: one row per objective, N and seed (t
 reward-model score; at the last training step, the KL to the reference, the staleness the updates saw and the
 approximate KL of the last minibatch's policy to the sampler's), the mean ± std per objective and N, and the paper's
 claim as a check; and {out}.png: accuracy and score against N (mean ± std over seeds, one line per objective), and
-score against KL, one point per run.
+score against KL, one point per run. The KL is each script's objective/kl at its last step, as TRL logs it:
+ppo_rlhf.py's is the sampling policy's, on its batch; async_rlhf.py's the learner's during the step's updates, on the
+batch (the same policy at N = 1; at N > 1 the mean over the policies of the step's N updates).
 
 The check: online DPO's drop from N = 1 to the largest N (the mean over seeds of each seed's final accuracy at N = 1
 minus at the largest N) is the smallest of the objectives. Against each other objective, the paired difference of the
