@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The published figures of dpo_online.py: the reward model (`python reward_modeling.py`, saved to runs/reward_model,
-# skipped when it is there), then the default online DPO run over seeds, and its curves next to ppo_rlhf.py's on the
-# same reward model and prompts (run benchmark/ppo_rlhf.sh first for those), by step and by wall-clock time.
+# skipped when it is there), the default online DPO run, then online DPO against PPO over 3 seeds on the same
+# reward model, prompts and number of completions (issue 31), by step and by wall-clock time.
 #   bash benchmark/dpo_online.sh                    # one seed at a time (a 2-core CPU machine)
 #   bash benchmark/dpo_online.sh --workers 2        # extra arguments go to benchmark.run
 # Every command that runs a script is on its own line: tests/test_benchmark.py checks its flags against --help.
@@ -11,15 +11,28 @@ cd "$(dirname "$0")/.."
 [ -d runs/reward_model ] || python reward_modeling.py
 python -m benchmark.run --script dpo_online.py --seeds 1 "$@"
 
-python -m benchmark.registry plot --experiments "ppo_rlhf=runs/arith_1d__ppo__[12]__*" \
-    "dpo_online=runs/arith_1d__dpo_online__[12]__*" --metric eval/score eval/accuracy objective/scores objective/kl \
-    --smooth 5 --out benchmark/results/ppo_vs_dpo_step.png
-python -m benchmark.registry plot --experiments "ppo_rlhf=runs/arith_1d__ppo__[12]__*" \
-    "dpo_online=runs/arith_1d__dpo_online__[12]__*" --metric eval/score eval/accuracy objective/scores objective/kl \
-    --smooth 5 --x time --out benchmark/results/ppo_vs_dpo_time.png
-python -m benchmark.registry table --experiments "ppo_rlhf=runs/arith_1d__ppo__[12]__*" \
-    "dpo_online=runs/arith_1d__dpo_online__[12]__*" --metrics eval/score eval/accuracy objective/kl \
+# PPO against online DPO (Xu et al., arXiv 2404.10719: a tuned PPO matches or beats DPO), seeds 1-3, on the same
+# reward model, prompts and number of completions: 40 steps of 8 completions, PPO at its defaults (8 prompts x 1,
+# 2 epochs x 2 minibatches), online DPO with 4 prompts x 2. The runs' config.json and metrics.jsonl are copied to
+# benchmark/results/ppo_vs_dpo/ (committed) and the curves, table and paired check are made from the copies.
+for seed in 1 2 3; do
+    python ppo_rlhf.py --seed "$seed" --exp_name ppo_vs_dpo_ppo
+    python dpo_online.py --seed "$seed" --prompts_per_rank 4 --total_steps 40 --exp_name ppo_vs_dpo_dpo
+done
+OUT=benchmark/results/ppo_vs_dpo
+for run in runs/arith_1d__ppo_vs_dpo_*__[123]__*; do
+    mkdir -p "$OUT/$(basename "$run")" && cp "$run/config.json" "$run/metrics.jsonl" "$OUT/$(basename "$run")/"
+done
+PAIR=("dpo_online=$OUT/arith_1d__ppo_vs_dpo_dpo__*" "ppo_rlhf=$OUT/arith_1d__ppo_vs_dpo_ppo__*")
+python -m benchmark.registry plot --experiments "${PAIR[@]}" --metric eval/score eval/accuracy objective/scores \
+    objective/kl --smooth 5 --out benchmark/results/ppo_vs_dpo_step.png
+python -m benchmark.registry plot --experiments "${PAIR[@]}" --metric eval/score eval/accuracy objective/scores \
+    objective/kl --smooth 5 --x time --out benchmark/results/ppo_vs_dpo_time.png
+python -m benchmark.registry table --experiments "${PAIR[@]}" --metrics eval/score eval/accuracy objective/kl \
     --out benchmark/results/ppo_vs_dpo.md
+# The claim as a check: PPO's final accuracy (and score) minus DPO's, seed by seed, at least -0.02 ("matches or beats").
+python -m benchmark.registry paired --experiments "${PAIR[@]}" --baseline dpo_online --at_least -0.02 \
+    --metrics eval/accuracy eval/score --out benchmark/results/ppo_vs_dpo_paired.md
 
 # The peer comparison: TRL's online DPO trainer against dpo_online.py (HF generate and vLLM), 20 steps of the
 # default batch, judged by the same reward model (runs/reward_model).

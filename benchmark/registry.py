@@ -362,15 +362,27 @@ def seed_values(runs, metric):
     return values
 
 
-def paired_table(experiments, metrics, baseline, digits=3):
+def claim_verdict(mean, std, n, at_least, min_seeds=3):
+    """Whether paired differences support "difference >= at_least": held when mean - se lies at or above it, not held
+    when mean + se lies below it (se = std / sqrt(n)), else inconclusive; inconclusive on fewer than min_seeds."""
+    if n < min_seeds or std is None:
+        return "inconclusive"
+    se = std / math.sqrt(n)
+    return "held" if mean - se >= at_least else "not held" if mean + se < at_least else "inconclusive"
+
+
+def paired_table(experiments, metrics, baseline, digits=3, at_least=None):
     """A markdown table comparing each experiment with the baseline experiment (a label) seed by seed: for each
     metric, the final values of both on the seeds they share, the differences (experiment - baseline), their mean ±
-    std (ddof=1) and the paired t statistic mean / (std / sqrt(n)) with n - 1 degrees of freedom."""
+    std (ddof=1) and the paired t statistic mean / (std / sqrt(n)) with n - 1 degrees of freedom. With at_least, a
+    last column checks the claim "difference >= at_least" (claim_verdict)."""
     runs_of = dict(experiments)
     if baseline not in runs_of:
         raise ValueError(f"--baseline {baseline!r} is not one of the experiments' labels {list(runs_of)}")
     header = ["experiment", "metric", "seeds", f"{baseline} per seed", "experiment per seed", "difference per seed"]
     rows = [header + ["difference (mean ± std)", "paired t (df)"]]
+    if at_least is not None:
+        rows[0].append(f"difference >= {at_least:g} (mean ± standard error)")
     rows.append(["---"] * len(rows[0]))
     for label, runs in experiments:
         if label == baseline:
@@ -386,6 +398,8 @@ def paired_table(experiments, metrics, baseline, digits=3):
                 " / ".join(f"{v:.{digits}f}" for v in c) for c in columns
             ]
             row += [format_mean_std((mean, std, n), digits), t]
+            if at_least is not None:
+                row.append(f"**{claim_verdict(mean, std, n, at_least)}**")
             rows.append(row)
     return "\n".join("| " + " | ".join(row) + " |" for row in rows) + "\n"
 
@@ -523,6 +537,7 @@ def build_parser():
     p.add_argument("--metrics", nargs="+", required=True, help="final values compared (wall_clock: seconds)")
     p.add_argument("--out", default=None, help="also write the table to this .md file")
     p.add_argument("--digits", type=int, default=3, help="decimals of the values")
+    p.add_argument("--at_least", type=float, default=None, help="check the claim: difference >= this, per metric")
 
     p = commands.add_parser("perf", help="per-step time split and throughput (medians over steps), JSON + markdown")
     experiments_args(p)
@@ -547,7 +562,7 @@ def main(argv=None):
         write_text(markdown_table(experiments, args.metrics, args.digits), args.out)
     elif args.command == "paired":
         experiments = load_experiments(args.experiments, args.all_runs)
-        write_text(paired_table(experiments, args.metrics, args.baseline, args.digits), args.out)
+        write_text(paired_table(experiments, args.metrics, args.baseline, args.digits, args.at_least), args.out)
     elif args.command == "perf":
         experiments = load_experiments(args.experiments, args.all_runs)
         table, records = perf_table(experiments)

@@ -284,6 +284,22 @@ def test_registry_paired_table_against_differences_worked_out_here(synthetic_run
         registry.paired_table([("A", [])], ["eval/accuracy"], "C")
 
 
+def test_registry_claim_verdicts_worked_out_here():
+    """ "difference >= at_least" from paired differences: held / not held when mean -/+ one standard error clears the
+    bound, inconclusive when the interval crosses it or on fewer than 3 seeds."""
+    for diffs, at_least, verdict in [
+        ([0.01, 0.02, 0.03], -0.02, "held"),  # 0.02 - 0.0058 >= -0.02
+        ([-0.05, -0.04, -0.06], -0.02, "not held"),  # -0.05 + 0.0058 < -0.02
+        ([0.05, -0.05, 0.0], -0.02, "inconclusive"),  # 0 ± 0.0289 crosses -0.02
+        ([0.1, 0.2], 0.0, "inconclusive"),  # 2 seeds
+        ([-0.03, -0.01, -0.02], -0.02, "inconclusive"),  # -0.02 ± 0.0058
+    ]:
+        mean, std, n = registry.mean_std(diffs)
+        assert registry.claim_verdict(mean, std, n, at_least) == verdict, (diffs, at_least)
+    se = statistics.stdev([0.01, 0.02, 0.03]) / 3**0.5
+    assert 0.02 - se >= -0.02 and se == pytest.approx(0.005774, abs=1e-6)
+
+
 def test_registry_list(synthetic_runs, capsys):
     registry.main(["list", "--runs_dir", synthetic_runs, "--filter", "grpo", "--metrics", "eval/accuracy"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| arith")]
