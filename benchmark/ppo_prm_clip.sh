@@ -20,8 +20,10 @@ for seed in 1 2 3; do
 done
 
 # 2. A learned PRM: trained on the verifier's step labels of completions sampled like the policy's (T 0.5, 96
-# tokens), then the arms with it. Success only does not read the PRM: its runs are the ones above.
-python reward_modeling.py --prm --temperature 0.5 --response_length 96 --exp_name learned_prm --prm_dir runs/prm
+# tokens; 4 per problem for 500 of the 1394 training problems, ~35 min; 100 held-out problems for its evaluation),
+# then the arms with it. Success only does not read the PRM: its runs are the ones above.
+python reward_modeling.py --prm --temperature 0.5 --response_length 96 --num_train_prompts 500 \
+    --num_eval_prompts 100 --exp_name learned_prm --prm_dir runs/prm
 for seed in 1 2 3; do
     for mode in raw clip delta; do
         python -m benchmark.run --script ppo_prm_clip.py --seeds "$seed" "$@" -- --reward_mode "$mode" --prm runs/prm \
