@@ -21,10 +21,12 @@ for seed in 1 2 3; do
 done
 
 # 2. Off-policyness: with N minibatches per batch the batch holds N x the prompts and there are 32 / N batches, so
-# that every run makes the same 32 optimizer updates on the same 64 prompts in the same order (2 a step with 2
-# completions each for DPO and RLOO, 4 with 1 completion for PPO: 4 completions per update either way), and only the
-# staleness changes. --sync: every batch comes from the current weights; PPO with one epoch (more would add
-# staleness). Each script's defaults otherwise (lr 1e-5; T 0.9 for async_rlhf.py, 0.7 for ppo_rlhf.py).
+# that every run of an objective makes the same 32 optimizer updates on the same prompts in the same order (2 an
+# update with 2 completions each for DPO and RLOO: 64 prompts; 4 with 1 completion for PPO: 128, the first 64 the
+# same; 4 completions per update either way). What else changes with N: the generation batch (N x larger), and PPO
+# whitens its advantages over the whole batch. --sync: every batch comes from the current weights; PPO with one epoch
+# (more would add staleness). Each script's defaults otherwise (lr 1e-5; T 0.9 for async_rlhf.py, 0.7 for
+# ppo_rlhf.py).
 for seed in 1 2 3; do
     for n in 1 16 4 2 8; do
         python async_rlhf.py --sync --no-vllm --loss dpo --num_minibatches "$n" --prompts_per_rank $((2 * n)) \

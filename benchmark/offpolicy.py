@@ -1,18 +1,19 @@
 """The Asynchronous RLHF paper's off-policyness figure (issue 31) from runs' config.json and metrics.jsonl.
 
-    python -m benchmark.offpolicy --experiments "online DPO=benchmark/results/offpolicy/arith_1d__offpolicy_dpo_*" \
-        "RLOO=benchmark/results/offpolicy/arith_1d__offpolicy_rloo_*" "PPO=..." --out benchmark/results/offpolicy
+    python -m benchmark.offpolicy --experiments "online DPO=benchmark/results/async_rlhf/arith_1d__offpolicy_dpo_n*" \
+        "RLOO=benchmark/results/async_rlhf/arith_1d__offpolicy_rloo_n*" "PPO=..." --out benchmark/results/offpolicy
 
 N, the off-policyness of Noukhovitch et al. (arXiv 2410.18252), is the number of minibatches (optimizer updates) per
-generated batch: each run's `num_minibatches` in its config.json (with one PPO epoch; more epochs would add
-staleness). An experiment is LABEL=GLOB, one objective: its runs are grouped by N, and within an N by seed (the
-newest run per (N, seed)). Writes {out}.md: one row per objective, N and seed (the final held-out accuracy and
-reward-model score; at the last training step, the KL to the reference, the staleness the updates saw and the
-approximate KL of the last minibatch's policy to the sampler's), the mean ± std per objective and N, and the paper's
-claim as a check; and {out}.png: accuracy and score against N (mean ± std over seeds, one line per objective), and
-score against KL, one point per run. The KL is each script's objective/kl at its last step, as TRL logs it:
-ppo_rlhf.py's is the sampling policy's, on its batch; async_rlhf.py's the learner's during the step's updates, on the
-batch (the same policy at N = 1; at N > 1 the mean over the policies of the step's N updates).
+generated batch: each run's `num_minibatches` in its config.json (runs with more than one PPO epoch, or async_rlhf.py
+runs without --sync, add staleness of another kind and are refused). An experiment is LABEL=GLOB, one objective: its
+runs are grouped by N, and within an N by seed (the newest run per (N, seed)). Writes {out}.md: one row per objective,
+N and seed (the final held-out accuracy and reward-model score; at the last training step, the KL to the reference, the
+staleness the updates saw and the approximate KL of the last minibatch's policy to the sampler's), the mean ± std per
+objective and N, and the paper's claim as a check; and {out}.png: accuracy and score against N (mean ± std over seeds,
+one line per objective), and score against KL, one point per run. The KL is each script's objective/kl at its last
+step, as TRL logs it: ppo_rlhf.py's is the sampling policy's, on its batch; async_rlhf.py's the learner's during the
+step's updates, on the batch (the same policy at N = 1; at N > 1, N updates before the end for PPO and the mean over
+the last N updates' policies for the others): the panel shows where each run ended, not KLs of one and the same policy.
 
 The check: online DPO's drop from N = 1 to the largest N (the mean over seeds of each seed's final accuracy at N = 1
 minus at the largest N) is the smallest of the objectives. Against each other objective, the paired difference of the
@@ -26,10 +27,10 @@ import os
 
 import numpy as np
 
-from benchmark.registry import final_value, find_runs, mean_std, parse_experiment, write_text
+from benchmark.registry import claim_verdict, final_value, find_runs, mean_std, parse_experiment, write_text
 
 FINAL = {"eval/accuracy": "held-out accuracy", "eval/score": "held-out score"}
-TRAINING = {  # their value at the last training step (the same span of the run at every N)
+TRAINING = {  # their value at the last training step
     "objective/kl": "KL to the reference",
     "policy/staleness": "staleness (mean)",
     "policy/staleness_max": "staleness (max)",
@@ -41,6 +42,10 @@ def by_n(runs):
     """{N: {seed: {metric: final value}}} of one objective's runs (the newest per (N, seed))."""
     newest = {}
     for run in runs:
+        if run["args"].get("num_ppo_epochs", 1) != 1 or not run["args"].get("sync", True):
+            raise ValueError(
+                f"{run['path']}: its staleness is not num_minibatches - 1 (PPO epochs > 1, or not --sync)"
+            )
         key = (run["args"].get("num_minibatches", 1), run["seed"])
         if key not in newest or run["stamp"] > newest[key]["stamp"]:
             newest[key] = run
@@ -62,8 +67,8 @@ def drops(table, metric):
 def check(values, subject, metric="eval/accuracy", min_seeds=3):
     """(claim, verdict, numbers): `subject`'s drop in `metric` from the smallest to the largest N is the smallest.
     Against each other objective, the paired differences (their drop - the subject's) over the seeds both ran at
-    both ends: held when every mean - standard error is above 0, not held when some mean + standard error is below 0,
-    else inconclusive (and with fewer than min_seeds seeds, or different N ranges)."""
+    both ends: held when every mean - standard error is at or above 0, not held when some mean + standard error is
+    below 0, else inconclusive (and with fewer than min_seeds seeds, or different N ranges)."""
     all_drops = {label: drops(table, metric) for label, table in values.items()}
     mine, ends = all_drops[subject]
     notes = [f"{label} drop {np.mean(list(d.values())):+.3f}" for label, (d, _) in all_drops.items() if d]
@@ -78,10 +83,7 @@ def check(values, subject, metric="eval/accuracy", min_seeds=3):
             continue
         mean, std, n = mean_std([theirs[s] - mine[s] for s in seeds])
         se = None if std is None else std / math.sqrt(n)
-        if n < min_seeds or se is None:
-            verdicts.append("inconclusive")
-        else:
-            verdicts.append("held" if mean - se > 0 else "not held" if mean + se < 0 else "inconclusive")
+        verdicts.append(claim_verdict(mean, std, n, 0.0, min_seeds))
         notes.append(f"{label} - {subject}: {mean:+.3f} ± {fmt(se)} (seeds {seeds})")
     verdict = "not held" if "not held" in verdicts else "held" if set(verdicts) == {"held"} else "inconclusive"
     return (
@@ -143,7 +145,7 @@ def plot(values, out):
         ax.set_xlabel("N: minibatches per generated batch (the last is N - 1 updates stale)")
         ax.set_title(f"final {metric} (mean ± std over seeds)", fontsize=10)
     axes[2].set_xlabel("KL to the reference (last training step)")
-    axes[2].set_title("final eval/score against KL, one point per run (larger: larger N)", fontsize=10)
+    axes[2].set_title("final eval/score against the last step's KL, one point per run (larger: larger N)", fontsize=10)
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -164,10 +166,10 @@ def main(argv=None):
     for spec in args.experiments:
         label, pattern = parse_experiment(spec)
         values[label] = by_n(find_runs(pattern, all_runs=True))
+    subject = args.subject or parse_experiment(args.experiments[0])[0]
+    if not values.get(subject):
+        raise SystemExit(f"error: the claim's subject {subject!r} has no runs (labels: {list(values)})")
     values = {label: table for label, table in values.items() if table}
-    if not values:
-        raise SystemExit("error: no run folder matches any --experiments glob")
-    subject = args.subject or next(iter(values))
     write_text(report(values, subject), f"{args.out}.md" if args.out else None)
     if args.out:
         print(f"wrote {plot(values, args.out + '.png')}")

@@ -282,6 +282,11 @@ def test_registry_paired_table_against_differences_worked_out_here(synthetic_run
     assert rows[3][1] == "wall_clock" and rows[3][5] == f"{7.0:.4f} / {21.0:.4f}"
     with pytest.raises(ValueError, match="--baseline"):
         registry.paired_table([("A", [])], ["eval/accuracy"], "C")
+    # --at_least adds the claim's verdict: 2 seeds are too few.
+    registry.main(["paired", "--experiments", *specs, "--baseline", "A", "--metrics", "eval/accuracy"]
+                  + ["--at_least", "-0.02", "--out", out])  # fmt: skip
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in open(out).read().strip().splitlines()]
+    assert rows[0][-1] == "difference >= -0.02 (mean ± standard error)" and rows[2][-1] == "**inconclusive**"
 
 
 def test_registry_claim_verdicts_worked_out_here():
@@ -1086,3 +1091,14 @@ def test_offpolicy_check_verdicts_worked_out_here(tmp_path):
         label: {n: {s: v for s, v in seeds.items() if s < 3} for n, seeds in t.items()} for label, t in values.items()
     }
     assert offpolicy.check(two, "dpo")[1] == "inconclusive"
+
+    # A run whose staleness is not num_minibatches - 1 is refused: two PPO epochs, or async_rlhf.py without --sync.
+    for i, extra in enumerate([{"num_ppo_epochs": 2}, {"sync": False}]):
+        path = write_run(str(tmp_path / "other"), f"t__off_x__1__{i}", 1, [])
+        with open(os.path.join(path, "config.json")) as f:
+            config = json.load(f)
+        config["args"] |= extra
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(config, f)
+        with pytest.raises(ValueError, match="staleness"):
+            offpolicy.by_n(offpolicy.find_runs(path, all_runs=True))
