@@ -29,13 +29,13 @@ done
 # ppo_rlhf.py).
 for seed in 1 2 3; do
     for n in 1 16 4 2 8; do
-        python async_rlhf.py --sync --no-vllm --loss dpo --num_minibatches "$n" --prompts_per_rank $((2 * n)) \
-            --micro_batch_size 2 --total_steps $((32 / n)) --eval_every 0 --seed "$seed" --exp_name "offpolicy_dpo_n$n"
+        python async_rlhf.py --sync --no-vllm --loss dpo --num_minibatches "$n" --prompts_per_rank $((2*$n)) \
+            --micro_batch_size 2 --total_steps $((32/$n)) --eval_every 0 --seed "$seed" --exp_name "offpolicy_dpo_n$n"
         python async_rlhf.py --sync --no-vllm --loss rloo --rloo_k 2 --num_minibatches "$n" \
-            --prompts_per_rank $((2 * n)) --micro_batch_size 2 --total_steps $((32 / n)) --eval_every 0 --seed "$seed" \
+            --prompts_per_rank $((2*$n)) --micro_batch_size 2 --total_steps $((32/$n)) --eval_every 0 --seed "$seed" \
             --exp_name "offpolicy_rloo_n$n"
-        python ppo_rlhf.py --no-vllm --num_ppo_epochs 1 --num_minibatches "$n" --prompts_per_rank $((4 * n)) \
-            --micro_batch_size 4 --total_steps $((32 / n)) --eval_every 0 --seed "$seed" --exp_name "offpolicy_ppo_n$n"
+        python ppo_rlhf.py --no-vllm --num_ppo_epochs 1 --num_minibatches "$n" --prompts_per_rank $((4*$n)) \
+            --micro_batch_size 4 --total_steps $((32/$n)) --eval_every 0 --seed "$seed" --exp_name "offpolicy_ppo_n$n"
     done
 done
 

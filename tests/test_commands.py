@@ -27,7 +27,9 @@ Placeholders:
 - `"$@"` / `$*` (the arguments a shell file passes on) is dropped;
 - a `$VAR` / `${VAR}` set by a `for VAR in a b c; do` loop of the same shell file: the command is checked once per
   value (every combination when it uses several loop variables); `${VAR:-default}` gets its default; any other
-  variable takes its value from SHELL_VALUES below, and a variable found in neither fails the command with its name.
+  variable takes its value from SHELL_VALUES below, and a variable found in neither fails the command with its name;
+- an arithmetic expansion of two integers, written without spaces (`$((2*$n))`, `$((32/$n))`), takes its value
+  after the variables (integer division, as in bash).
 """
 
 import ast
@@ -65,6 +67,7 @@ RUNNER = re.compile(
 PYTHON = re.compile(r"(?:.*/)?python(?:3(?:\.\d+)?)?")
 PLACEHOLDER = re.compile(r"<(?=\S)[^<>\n]*(?<=\S)>")
 VARIABLE = re.compile(r"\$(?:\{(\w+)(?::-([^}]*))?\}|(\w+))")
+ARITHMETIC = re.compile(r"\$\(\((\d+)([-+*/])(\d+)\)\)")
 INLINE_CODE = re.compile(r"`([^`]+)`")
 SHELL_LOOP = re.compile(r"\bfor\s+(\w+)\s+in\s+([^;\n]*);\s*do\b")
 # Shell words that may come before a command in the same segment (`...; do python x.py`).
@@ -145,8 +148,14 @@ def expansions(tokens, loops):
                 return SHELL_VALUES[name]
             raise KeyError(f"${name}")
 
-        out.append((binding, [VARIABLE.sub(value, t) for t in tokens]))
+        out.append((binding, [ARITHMETIC.sub(arithmetic, VARIABLE.sub(value, t)) for t in tokens]))
     return out
+
+
+def arithmetic(m):
+    """The value of a matched `$((a op b))` of two integers, as bash computes it (integer division)."""
+    a, op, b = int(m.group(1)), m.group(2), int(m.group(3))
+    return str({"+": a + b, "-": a - b, "*": a * b, "/": a // b}[op])
 
 
 def script_index(tokens):
@@ -429,6 +438,10 @@ def test_extraction_of_each_form():
         f"t:4:ppo_prm_clip.py:seed={s},mode={m}" for s, m in itertools.product(("1", "2"), ("raw", "clip"))
     ]
     assert script_argv(runs[1]) == ["--seed", "1", "--reward_mode", "clip"]
+    (half,) = commands_in(
+        "t", 1, "python ppo_rlhf.py --seed $((2*$seed)) --total_steps $((32/$seed))", {"seed": ["3"]}
+    )
+    assert script_argv(half) == ["--seed", "6", "--total_steps", "10"]
     (unknown,) = commands_in("t", 1, "python grpo_math.py --seed $NOPE", loops)
     assert "$NOPE" in unknown.error
 
