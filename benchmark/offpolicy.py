@@ -108,7 +108,7 @@ def report(values, subject):
                 rows.append([label, str(n), str(seed)] + [fmt(row[m]) for m in names])
             cells = []
             for m in (*FINAL, "objective/kl"):
-                mean, std, count = mean_std([row[m] for row in seeds.values()])
+                mean, std, _ = mean_std([row[m] for row in seeds.values()])
                 cells.append("–" if mean is None else f"{mean:.3f}" + ("" if std is None else f" ± {std:.3f}"))
             summary.append([label, str(n), str(len(seeds)), *cells])
     text = "\n".join("| " + " | ".join(r) + " |" for r in rows) + "\n\n"
