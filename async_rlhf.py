@@ -1057,28 +1057,31 @@ class AsyncGenerator:
 
 def evaluate(generator, prompts, golds, has_gold, args, accelerator, step):
     """Greedy completions of the held-out prompts (sharded over processes) from the generation engine, with the
-    learner's latest weights: the judge's mean score (with the missing-EOS penalty) and, when the dataset has gold
-    answers, the verifier's accuracy. Returns ({eval/metric: value}, sample rows for samples.jsonl)."""
+    learner's latest weights: the judge's mean score (with the missing-EOS penalty), when the dataset has gold
+    answers the verifier's accuracy, and with a separate reference model (not with LoRA) the reference's mean
+    perplexity of the completions (reference_perplexity). Returns ({eval/metric: value}, rows for samples.jsonl)."""
     rank, world_size, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     mine = list(range(rank, len(prompts), world_size))
-    results, samples, totals = {}, [], torch.zeros(5, dtype=torch.float64)
+    results, samples, totals = {}, [], torch.zeros(6, dtype=torch.float64)
     for start in range(0, len(mine), 64):  # chunks bound the memory of HF generate and of the reward model
         chunk = mine[start : start + 64]
         chunk_prompts, chunk_golds = [prompts[i] for i in chunk], [golds[i] for i in chunk]
         with generator.engine_lock:
             generator.refresh_engine()
             responses, mask, _, texts = generator.generate(chunk_prompts, 1, 0.0)
-            query_responses, attention_mask, _, _, _ = training_batch(
+            query_responses, attention_mask, cut_mask, _, context_length = training_batch(
                 chunk_prompts, 1, responses, mask, None, generator.pad_id, device
             )
             scores = generator.judge(query_responses, attention_mask, texts, chunk_golds)
+            perplexity = torch.zeros(len(chunk))  # not measured with LoRA (see the docstring)
+            if generator.ref_policy is not None:
+                rows = query_responses.to(generator.device), attention_mask.to(generator.device), context_length
+                perplexity = reference_perplexity(generator.score_rows(generator.ref_policy, *rows), cut_mask.cpu())
         has_eos = (torch.isin(responses, torch.tensor(generator.stop_ids)) & (mask > 0)).any(1).to(device)
         scores = penalize_missing_eos(scores, has_eos, args.missing_eos_penalty)
         correct = verifier_scores(texts, chunk_golds)
-        totals += torch.tensor(
-            [scores.sum().item(), correct.sum().item(), mask.sum().item(), has_eos.sum().item(), len(chunk)],
-            dtype=torch.float64,
-        )
+        sums = [scores.sum(), correct.sum(), mask.sum(), has_eos.sum(), len(chunk), perplexity.sum()]
+        totals += torch.tensor([float(x) for x in sums], dtype=torch.float64)
         for i, text, score, ok in zip(chunk, texts, scores.tolist(), correct.tolist()):
             if len(samples) < args.num_samples_logged:
                 prompt = generator.tokenizer.decode(prompts[i])
@@ -1091,7 +1094,16 @@ def evaluate(generator, prompts, golds, has_gold, args, accelerator, step):
     results["eval/response_length"] = (totals[2] / totals[4]).item()
     results["eval/eos_fraction"] = (totals[3] / totals[4]).item()
     results["eval/num_prompts"] = totals[4].item()
+    if generator.ref_policy is not None:
+        results["eval/ref_perplexity"] = (totals[5] / totals[4]).item()
     return results, samples
+
+
+def reference_perplexity(ref_logprobs, mask):
+    """The reference's perplexity of each completion, exp(-mean log-prob of its tokens) [B, R] -> [B] (at the
+    sampling temperature, the distribution the KL penalty compares with): how far the policy's completions have
+    moved from what the reference writes, the x-axis ("KL (perplexity)") of the Asynchronous RLHF paper's figures."""
+    return torch.exp(-(ref_logprobs * mask).sum(1) / mask.sum(1).clamp(min=1))
 
 
 def batch_reference_logprobs(model, accelerator, args, batch, micro_rows):

@@ -292,7 +292,7 @@ def main(args: Args):
     if start_step > 0:
         sampler.sync_weights()
     else:
-        run.log(0, *evaluate(sampler, reward_model, eval_set, has_gold, args, accelerator, 0))
+        run.log(0, *evaluate(sampler, reward_model, ref_policy, eval_set, has_gold, args, accelerator, 0))
 
     progress = tqdm(total=args.total_steps, initial=start_step, desc="ppo", disable=not accelerator.is_main_process)
     for step in range(start_step, args.total_steps):
@@ -407,7 +407,9 @@ def main(args: Args):
         metrics["perf/episodes_per_second"] = B * world_size / (time.time() - t_step)
         samples = []
         if is_due(step + 1, args.eval_every, args.total_steps):
-            eval_metrics, samples = evaluate(sampler, reward_model, eval_set, has_gold, args, accelerator, step + 1)
+            eval_metrics, samples = evaluate(
+                sampler, reward_model, ref_policy, eval_set, has_gold, args, accelerator, step + 1
+            )
             metrics |= eval_metrics
         run.log(step + 1, metrics, samples)
         if is_due(step + 1, args.save_every, args.total_steps):
@@ -1293,14 +1295,15 @@ def verify_answer(prediction, gold):
         return float(prediction.strip() == gold.strip())
 
 
-def evaluate(sampler, reward_model, eval_set, has_gold, args, accelerator, step):
+def evaluate(sampler, reward_model, ref_policy, eval_set, has_gold, args, accelerator, step):
     """Greedy responses to the held-out prompts (eval_set = (prompts, golds), sharded over processes): the reward
-    model's mean score and, when the dataset has gold answers, the verifier's accuracy.
+    model's mean score, when the dataset has gold answers the verifier's accuracy, and with a separate reference
+    model (not with LoRA) the reference's mean perplexity of the responses (reference_perplexity).
     Returns ({eval/metric: value}, sample rows for samples.jsonl)."""
     eval_prompts, eval_golds = eval_set
     tokenizer = sampler.tokenizer
     rank, world_size = accelerator.process_index, accelerator.num_processes
-    results, samples, totals = {}, [], torch.zeros(5, dtype=torch.float64)
+    results, samples, totals = {}, [], torch.zeros(6, dtype=torch.float64)
     # Chunks bound the memory of HF generate and of the reward model.
     for chunk in process_chunks(range(len(eval_prompts)), rank, world_size, 64):
         prompts = [eval_prompts[i] for i in chunk]
@@ -1316,10 +1319,14 @@ def evaluate(sampler, reward_model, eval_set, has_gold, args, accelerator, step)
             reward_model, query_responses, attention_mask, context_length, mask, sampler.stop_ids, args, accelerator
         )
         correct = verifier_correct(texts, [eval_golds[i] for i in chunk])
-        totals += torch.tensor(
-            [scores.sum().item(), correct.sum().item(), mask.sum().item(), has_eos.sum().item(), len(chunk)],
-            dtype=torch.float64,
-        )
+        perplexity = torch.zeros(len(chunk))  # not measured with LoRA (see the docstring)
+        if ref_policy is not None:  # whole on every process: no collective call
+            batch = (query_responses, attention_mask, context_length, args.temperature, args.micro_batch_size)
+            perplexity = reference_perplexity(
+                reference_logprobs(response_logprobs, None, ref_policy, accelerator, batch), mask
+            )
+        sums = [scores.sum(), correct.sum(), mask.sum(), has_eos.sum(), len(chunk), perplexity.sum()]
+        totals += torch.tensor([float(x) for x in sums], dtype=torch.float64)
         for i, text, score, ok in zip(chunk, texts, scores.tolist(), correct.tolist()):
             if len(samples) < args.num_samples_logged:
                 prompt = tokenizer.decode(eval_prompts[i])
@@ -1332,7 +1339,16 @@ def evaluate(sampler, reward_model, eval_set, has_gold, args, accelerator, step)
     results["eval/response_length"] = (totals[2] / totals[4]).item()
     results["eval/eos_fraction"] = (totals[3] / totals[4]).item()
     results["eval/num_prompts"] = totals[4].item()
+    if ref_policy is not None:
+        results["eval/ref_perplexity"] = (totals[5] / totals[4]).item()
     return results, samples
+
+
+def reference_perplexity(ref_logprobs, mask):
+    """The reference's perplexity of each completion, exp(-mean log-prob of its tokens) [B, R] -> [B] (at the
+    sampling temperature, the distribution the KL penalty compares with): how far the policy's completions have
+    moved from what the reference writes, the x-axis ("KL (perplexity)") of the Asynchronous RLHF paper's figures."""
+    return torch.exp(-(ref_logprobs * mask).sum(1) / mask.sum(1).clamp(min=1))
 
 
 def process_chunks(items, rank, world_size, chunk_size):

@@ -7,13 +7,14 @@ N, the off-policyness of Noukhovitch et al. (arXiv 2410.18252), is the number of
 generated batch: each run's `num_minibatches` in its config.json (runs with more than one PPO epoch, or async_rlhf.py
 runs without --sync, add staleness of another kind and are refused). An experiment is LABEL=GLOB, one objective: its
 runs are grouped by N, and within an N by seed (the newest run per (N, seed)). Writes {out}.md: one row per objective,
-N and seed (the final held-out accuracy and reward-model score; at the last training step, the KL to the reference, the
-staleness the updates saw and the approximate KL of the last minibatch's policy to the sampler's), the mean ± std per
-objective and N, and the paper's claim as a check; and {out}.png: accuracy and score against N (mean ± std over seeds,
-one line per objective), and score against KL, one point per run. The KL is each script's objective/kl at its last
-step, as TRL logs it: ppo_rlhf.py's is the sampling policy's, on its batch; async_rlhf.py's the learner's during the
-step's updates, on the batch (the same policy at N = 1; at N > 1, N updates before the end for PPO and the mean over
-the last N updates' policies for the others): the panel shows where each run ended, not KLs of one and the same policy.
+N and seed (the final held-out accuracy, reward-model score and reference perplexity; at the last training step, the
+KL to the reference, the staleness the updates saw and the approximate KL of the last minibatch's policy to the
+sampler's), the mean ± std per objective and N, and the paper's claim as a check; and {out}.png: accuracy and score
+against N (mean ± std over seeds, one line per objective), and score against the reference's perplexity, one point
+per run. That perplexity (eval/ref_perplexity: the reference's exp(-mean log-prob) of the final policy's greedy
+held-out completions) is the paper's own x-axis, "KL (perplexity)", and it measures the final policy of every run.
+The last step's objective/kl, in the table only, does not at N > 1: ppo_rlhf.py's is the sampling policy's (N updates
+before the end), async_rlhf.py's the mean over the last N updates' policies, on the batch the first of them sampled.
 
 The check: online DPO's drop from N = 1 to the largest N (the mean over seeds of each seed's final accuracy at N = 1
 minus at the largest N) is the smallest of the objectives. Against each other objective, the paired difference of the
@@ -29,7 +30,8 @@ import numpy as np
 
 from benchmark.registry import claim_verdict, final_value, find_runs, mean_std, parse_experiment, write_text
 
-FINAL = {"eval/accuracy": "held-out accuracy", "eval/score": "held-out score"}
+FINAL = {"eval/accuracy": "held-out accuracy", "eval/score": "held-out score"}  # checked, and plotted against N
+PERPLEXITY = "eval/ref_perplexity"  # the paper's "KL (perplexity)": the x-axis of the score panel
 TRAINING = {  # their value at the last training step
     "objective/kl": "KL to the reference",
     "policy/staleness": "staleness (mean)",
@@ -51,7 +53,7 @@ def by_n(runs):
             newest[key] = run
     table = {}
     for (n, seed), run in sorted(newest.items()):
-        table.setdefault(n, {})[seed] = {m: final_value(run["lines"], m) for m in (*FINAL, *TRAINING)}
+        table.setdefault(n, {})[seed] = {m: final_value(run["lines"], m) for m in (*FINAL, PERPLEXITY, *TRAINING)}
     return table
 
 
@@ -98,16 +100,17 @@ def fmt(value, digits=3):
 
 
 def report(values, subject):
-    names = [*FINAL, *TRAINING]
-    header = ["objective", "N", "seed", *FINAL.values(), *(f"{t} (last step)" for t in TRAINING.values())]
+    names = [*FINAL, PERPLEXITY, *TRAINING]
+    header = ["objective", "N", "seed", *FINAL.values(), "reference perplexity"]
+    header += [f"{t} (last step)" for t in TRAINING.values()]
     rows = [header, ["---"] * len(header)]
-    summary = [["objective", "N", "seeds", *FINAL.values(), TRAINING["objective/kl"]], ["---"] * 6]
+    summary = [["objective", "N", "seeds", *FINAL.values(), "reference perplexity", "KL (last step)"], ["---"] * 7]
     for label, table in values.items():
         for n, seeds in table.items():
             for seed, row in seeds.items():
                 rows.append([label, str(n), str(seed)] + [fmt(row[m]) for m in names])
             cells = []
-            for m in (*FINAL, "objective/kl"):
+            for m in (*FINAL, PERPLEXITY, "objective/kl"):
                 mean, std, _ = mean_std([row[m] for row in seeds.values()])
                 cells.append("–" if mean is None else f"{mean:.3f}" + ("" if std is None else f" ± {std:.3f}"))
             summary.append([label, str(n), str(len(seeds)), *cells])
@@ -135,17 +138,19 @@ def plot(values, out):
             stds = [s or 0.0 for _, s, _ in stats]
             seeds = max(c for _, _, c in stats)
             ax.errorbar(ns, means, yerr=stds, color=color, marker="o", capsize=3, label=f"{label} (≤{seeds} seeds)")
-        points = [(row["objective/kl"], row["eval/score"], n) for n in ns for row in table[n].values()]
+        points = [(row[PERPLEXITY], row["eval/score"], n) for n in ns for row in table[n].values()]
         points = [p for p in points if None not in p]
         if points:
-            kl, score, n = zip(*points)
-            axes[2].scatter(kl, score, color=color, s=[12 + 6 * math.log2(x) ** 2 for x in n], alpha=0.7, label=label)
+            perplexity, score, n = zip(*points)
+            axes[2].scatter(
+                perplexity, score, color=color, s=[12 + 6 * math.log2(x) ** 2 for x in n], alpha=0.7, label=label
+            )
     for ax, metric in zip(axes[:2], FINAL):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("N: minibatches per generated batch (the last is N - 1 updates stale)")
         ax.set_title(f"final {metric} (mean ± std over seeds)", fontsize=10)
-    axes[2].set_xlabel("KL to the reference (last training step)")
-    axes[2].set_title("final eval/score against the last step's KL, one point per run (larger: larger N)", fontsize=10)
+    axes[2].set_xlabel("the reference's perplexity of the final policy's held-out completions")
+    axes[2].set_title("final eval/score against it, one point per run (larger: larger N)", fontsize=10)
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)

@@ -298,6 +298,7 @@ def test_sync_run_has_lag_zero_and_logs_the_pipeline(make_async_args):
     assert first["loss/dpo"] == pytest.approx(LOG2, abs=1e-7)  # the first update starts at the reference
     assert first["rewards/margins"] == 0.0 and first["objective/kl"] == 0.0
     assert lines[-1]["objective/kl"] != 0.0
+    assert lines[0]["eval/ref_perplexity"] >= 1 and lines[-1]["eval/ref_perplexity"] != lines[0]["eval/ref_perplexity"]
     assert not generator_threads()
 
 
@@ -391,7 +392,9 @@ def test_sync_rloo_with_lora_starts_on_policy(make_async_args):
     """--sync RLOO: the generator's copy (LoRA merged into it) scores the samples as the learner does, so the first
     ratio is 1 and nothing is clipped; the reference is the adapters switched off, so the KL starts at 0."""
     args = make_async_args(sync=True, loss="rloo", rloo_k=2, lora_r=4, total_steps=2, learning_rate=1e-2)
-    lines = train_lines(read_metrics(async_rlhf.main(args)))
+    every_line = read_metrics(async_rlhf.main(args))
+    assert not any("eval/ref_perplexity" in line for line in every_line)  # the reference is the adapters off
+    lines = train_lines(every_line)
     first = lines[0]
     assert first["policy/ratio"] == pytest.approx(1.0, abs=1e-5)
     assert first["policy/approxkl"] < 1e-10 and first["policy/clipfrac"] == 0.0
@@ -497,6 +500,7 @@ INVARIANT_KEYS = (
     "rewards/margins",
     "policy/ratio",
     "objective/rlhf_reward",
+    "eval/ref_perplexity",  # sharded over the processes, then summed
 )
 
 

@@ -1036,10 +1036,11 @@ def write_offpolicy_runs(root, objectives):
     for label, by_n in objectives.items():
         for n, seeds in by_n.items():
             for seed, accuracy in seeds.items():
-                lines = [{"global_step": 0, "eval/accuracy": 0.3, "eval/score": 0.6}]
+                lines = [{"global_step": 0, "eval/accuracy": 0.3, "eval/score": 0.6, "eval/ref_perplexity": 1.5}]
                 lines += [{"global_step": 1, "objective/kl": 0.1 * n, "policy/staleness": (n - 1) / 2}]
                 lines += [{"global_step": 2, "objective/kl": 0.2 * n, "policy/staleness": (n - 1) / 2}]
-                lines[-1] |= {"eval/accuracy": accuracy, "eval/score": 2 * accuracy, "policy/staleness_max": n - 1}
+                lines[-1] |= {"eval/accuracy": accuracy, "eval/score": 2 * accuracy, "eval/ref_perplexity": 1 + n}
+                lines[-1] |= {"policy/staleness_max": n - 1}
                 path = write_run(root, f"t__off_{label}_n{n}__{seed}__{100 * n + seed}", seed, lines)
                 with open(os.path.join(path, "config.json")) as f:
                     config = json.load(f)
@@ -1074,8 +1075,9 @@ def test_offpolicy_check_verdicts_worked_out_here(tmp_path):
     assert f"ppo - dpo: +0.010 ± {se:.3f} (seeds [1, 2, 3])" in text
     assert "rloo - dpo: +0.080 ± 0.000" in text
     # Every seed's row (final values; KL, staleness at the last training step), and the mean ± std per N.
-    assert "| dpo | 16 | 2 | 0.520 | 1.040 | 3.200 | 7.500 | 15.000 | – |" in text
+    assert "| dpo | 16 | 2 | 0.520 | 1.040 | 17.000 | 3.200 | 7.500 | 15.000 | – |" in text
     assert f"| dpo | 4 | 3 | 0.503 ± {np.std([0.49, 0.50, 0.52], ddof=1):.3f} |" in text
+    assert "| 17.000 ± 0.000 | 3.200 ± 0.000 |" in text  # N = 16: the final reference perplexity, the last KL
 
     values = {
         label: offpolicy.by_n(offpolicy.find_runs(spec.split("=")[1], all_runs=True))

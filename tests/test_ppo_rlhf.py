@@ -393,6 +393,8 @@ def test_run_logs_the_n_plus_metrics_and_starts_on_policy(make_ppo_args, monkeyp
     assert [line["global_step"] for line in lines] == [0, 1, 2, 3]
     assert [line["episode"] for line in lines] == [0, 8, 16, 24]
     assert {"eval/score", "eval/accuracy"} <= set(lines[0]) and {"eval/score", "eval/accuracy"} <= set(lines[-1])
+    # The reference's perplexity of the greedy responses: >= 1, and it moves with the policy.
+    assert lines[0]["eval/ref_perplexity"] >= 1 and lines[-1]["eval/ref_perplexity"] != lines[0]["eval/ref_perplexity"]
     for line in train_lines(lines):
         missing = [k for k in N_PLUS_METRICS if k not in line]
         assert not missing, missing
@@ -464,9 +466,11 @@ def test_invariant_killed_at_random_points_and_resumed_gives_the_uninterrupted_r
 
 @pytest.mark.slow
 def test_lora_policy_starts_at_the_reference(make_ppo_args):
-    lines = train_lines(read_metrics(ppo_rlhf.main(make_ppo_args(lora_r=4, learning_rate=1e-2, kl_coef=0.1))))
+    run_dir = ppo_rlhf.main(make_ppo_args(lora_r=4, learning_rate=1e-2, kl_coef=0.1))
+    lines = train_lines(read_metrics(run_dir))
     assert lines[0]["objective/kl"] == 0.0  # the adapters start at zero: policy == reference (adapters off)
     assert lines[-1]["objective/kl"] != 0.0
+    assert not any("eval/ref_perplexity" in line for line in read_metrics(run_dir))  # no separate reference
 
 
 @pytest.mark.slow
@@ -550,7 +554,7 @@ def test_invariant_two_processes_equal_one_process(
     assert [line["lr"] for line in train_lines(lines)] == pytest.approx([7.5e-4, 2.5e-4])
     for line in train_lines(lines):
         assert line["policy/ratio_first_minibatch"] == 1.0
-    assert_same_trajectory(one, two, INVARIANT_KEYS)
+    assert_same_trajectory(one, two, (*INVARIANT_KEYS, "eval/ref_perplexity"))  # the same 4 held-out prompts
     assert_same_models(one, two, tiny_model_dir, tiny_reward_model_dir)
 
 
@@ -604,7 +608,7 @@ def test_invariant_gradient_accumulation_equals_one_micro_batch(
         fixed_rollout_run(monkeypatch, make_ppo_args, micro_batch_size=m, output_dir=str(tmp_path / f"mb{m}"))
         for m in (2, 8)
     ]
-    assert_same_trajectory(*runs, INVARIANT_KEYS)
+    assert_same_trajectory(*runs, (*INVARIANT_KEYS, "eval/ref_perplexity"))
     assert_same_models(*runs, tiny_model_dir, tiny_reward_model_dir)
 
 
@@ -644,6 +648,20 @@ def test_process_chunks_cover_every_item_once_with_the_same_count_on_every_proce
     for rank, chunks in enumerate(shares):
         assert all(len(chunk) <= chunk_size for chunk in chunks)
         assert [i for chunk in chunks for i in chunk] == list(range(rank, num_items, world_size))
+
+
+def test_reference_perplexity_matches_a_loop():
+    """eval/ref_perplexity per completion: exp of minus the mean of the reference's log-probs over its real tokens
+    (a completion with none counts as 1). async_rlhf has the same function (drift test)."""
+    g = torch.Generator().manual_seed(0)
+    ref_logprobs = -torch.rand(5, 7, generator=g, dtype=torch.float64) * 3
+    mask = (torch.rand(5, 7, generator=g) > 0.4).double()
+    mask[2] = 0.0
+    expected = []
+    for b in range(5):
+        tokens = [ref_logprobs[b, t].item() for t in range(7) if mask[b, t]]
+        expected.append(math.exp(-sum(tokens) / len(tokens)) if tokens else 1.0)
+    assert ppo_rlhf.reference_perplexity(ref_logprobs, mask).tolist() == pytest.approx(expected, rel=1e-12)
 
 
 def test_sampler_gap_metrics_against_a_loop():
