@@ -285,7 +285,7 @@ def main(args: Args):
     if start_step > 0:
         sampler.sync_weights()
     else:
-        run.log(0, *evaluate(sampler, eval_set, has_gold, reward_model, args, accelerator, 0))
+        run.log(0, *evaluate(sampler, eval_set, has_gold, reward_model, ref_model, args, accelerator, 0))
 
     num_pairs = args.prompts_per_rank
     progress = tqdm(total=args.total_steps, initial=start_step, desc="dpo", disable=not accelerator.is_main_process)
@@ -384,7 +384,9 @@ def main(args: Args):
         metrics["perf/episodes_per_second"] = 2 * num_pairs * world_size / metrics["time/step"]
         samples = []
         if is_due(step + 1, args.eval_every, args.total_steps):
-            eval_metrics, samples = evaluate(sampler, eval_set, has_gold, reward_model, args, accelerator, step + 1)
+            eval_metrics, samples = evaluate(
+                sampler, eval_set, has_gold, reward_model, ref_model, args, accelerator, step + 1
+            )
             metrics |= eval_metrics
         run.log(step + 1, metrics, samples)
         if is_due(step + 1, args.save_every, args.total_steps):
@@ -984,12 +986,13 @@ def fixed_logprobs_of_rows(
     return logprobs
 
 
-def evaluate(sampler, eval_set, has_gold, reward_model, args, accelerator, step):
+def evaluate(sampler, eval_set, has_gold, reward_model, ref_model, args, accelerator, step):
     """Greedy completions of the held-out prompts (eval_set: (prompts, golds)), sharded over processes: the judge's
-    mean score (with the missing-EOS penalty) and, when the dataset has gold answers, the verifier's accuracy.
+    mean score (with the missing-EOS penalty), when the dataset has gold answers the verifier's accuracy, and with a
+    separate reference model (not with LoRA) the reference's mean perplexity of the completions (reference_perplexity).
     Returns ({eval/metric: value}, sample rows for samples.jsonl)."""
     prompts, golds = eval_set
-    totals, samples = torch.zeros(5, dtype=torch.float64), []
+    totals, samples = torch.zeros(6, dtype=torch.float64), []
     # Chunks bound the memory of HF generate and of the reward model.
     for chunk in process_chunks(range(len(prompts)), accelerator.process_index, accelerator.num_processes, 64):
         if not chunk:  # nothing left here: only HF generate's gathering of the parameters to take part in
@@ -999,18 +1002,22 @@ def evaluate(sampler, eval_set, has_gold, reward_model, args, accelerator, step)
         chunk_prompts, chunk_golds = [prompts[i] for i in chunk], [golds[i] for i in chunk]
         responses, mask, _, texts = sampler.generate(chunk_prompts, 1, 0.0)
         has_eos = contains_eos(responses, mask, sampler.stop_ids).to(accelerator.device)
-        query_responses, attention_mask, mask, _, _ = training_batch(
+        query_responses, attention_mask, mask, _, context_length = training_batch(
             chunk_prompts, 1, responses, mask, None, sampler.tokenizer.pad_token_id, accelerator.device
         )
+        perplexity = torch.zeros(len(chunk))  # not measured with LoRA (see the docstring)
+        if ref_model is not None:  # whole on every process: no collective call
+            rows = torch.arange(len(chunk)).split(args.micro_batch_size)
+            with accelerator.autocast():  # the policy's, as for the reference's log-probs in training
+                batch = (query_responses, attention_mask, context_length, args.temperature, rows)
+                perplexity = reference_perplexity(fixed_logprobs_of_rows(response_logprobs, ref_model, *batch), mask)
         scores = judge_completions(
             args.judge, reward_model, query_responses, attention_mask, texts, chunk_golds, accelerator
         )
         scores = penalize_missing_eos(scores, has_eos, args.missing_eos_penalty)
         correct = verifier_verdicts(texts, chunk_golds)
-        totals += torch.tensor(
-            [scores.sum().item(), correct.sum().item(), mask.sum().item(), has_eos.sum().item(), len(chunk)],
-            dtype=torch.float64,
-        )
+        sums = [scores.sum(), correct.sum(), mask.sum(), has_eos.sum(), len(chunk), perplexity.sum()]
+        totals += torch.tensor([float(x) for x in sums], dtype=torch.float64)
         for i, text, score, ok in zip(chunk, texts, scores.tolist(), correct.tolist()):
             if len(samples) < args.num_samples_logged:
                 prompt = sampler.tokenizer.decode(prompts[i])
@@ -1023,7 +1030,16 @@ def evaluate(sampler, eval_set, has_gold, reward_model, args, accelerator, step)
     results["eval/response_length"] = (totals[2] / totals[4]).item()
     results["eval/eos_fraction"] = (totals[3] / totals[4]).item()
     results["eval/num_prompts"] = totals[4].item()
+    if ref_model is not None:
+        results["eval/ref_perplexity"] = (totals[5] / totals[4]).item()
     return results, samples
+
+
+def reference_perplexity(ref_logprobs, mask):
+    """The reference's perplexity of each completion, exp(-mean log-prob of its tokens) [B, R] -> [B] (at the
+    sampling temperature, the distribution the KL penalty compares with): how far the policy's completions have
+    moved from what the reference writes, the x-axis ("KL (perplexity)") of the Asynchronous RLHF paper's figures."""
+    return torch.exp(-(ref_logprobs * mask).sum(1) / mask.sum(1).clamp(min=1))
 
 
 def token_scores(model, score_head, input_ids, attention_mask):

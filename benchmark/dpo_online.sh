@@ -15,7 +15,8 @@ python -m benchmark.run --script dpo_online.py --seeds 1 "$@"
 # model and number of completions: 40 steps of 8 completions, PPO at its defaults (8 prompts x 1, 2 epochs x 2
 # minibatches), online DPO with 4 prompts x 2 (its 160 prompts are the first 160 of PPO's 320, in order). The runs'
 # config.json and metrics.jsonl are copied to benchmark/results/ppo_vs_dpo/ (committed) and the curves, table and
-# paired check are made from the copies.
+# paired check are made from the copies. The KL: each run's last-step objective/kl (PPO's is its last rollout's,
+# one step before the end) and the final policy's eval/ref_perplexity (the reference's perplexity of its completions).
 for seed in 1 2 3; do
     python ppo_rlhf.py --seed "$seed" --exp_name ppo_vs_dpo_ppo
     python dpo_online.py --seed "$seed" --prompts_per_rank 4 --total_steps 40 --exp_name ppo_vs_dpo_dpo
@@ -27,11 +28,11 @@ for run in runs/arith_1d__ppo_vs_dpo_*__[123]__*; do
 done
 PAIR=("dpo_online=$OUT/arith_1d__ppo_vs_dpo_dpo__*" "ppo_rlhf=$OUT/arith_1d__ppo_vs_dpo_ppo__*")
 python -m benchmark.registry plot --experiments "${PAIR[@]}" --metric eval/score eval/accuracy objective/scores \
-    objective/kl --smooth 5 --out benchmark/results/ppo_vs_dpo_step.png
+    objective/kl eval/ref_perplexity --smooth 5 --out benchmark/results/ppo_vs_dpo_step.png
 python -m benchmark.registry plot --experiments "${PAIR[@]}" --metric eval/score eval/accuracy objective/scores \
-    objective/kl --smooth 5 --x time --out benchmark/results/ppo_vs_dpo_time.png
+    objective/kl eval/ref_perplexity --smooth 5 --x time --out benchmark/results/ppo_vs_dpo_time.png
 python -m benchmark.registry table --experiments "${PAIR[@]}" --metrics eval/score eval/accuracy objective/kl \
-    --out benchmark/results/ppo_vs_dpo.md
+    eval/ref_perplexity --out benchmark/results/ppo_vs_dpo.md
 # The claim as a check: PPO's final accuracy minus DPO's, seed by seed, at least -0.02 ("matches or beats").
 python -m benchmark.registry paired --experiments "${PAIR[@]}" --baseline dpo_online --at_least -0.02 \
     --metrics eval/accuracy --out benchmark/results/ppo_vs_dpo_paired.md

@@ -393,6 +393,8 @@ def test_run_logs_the_dpo_metrics_and_starts_at_the_reference(make_dpo_args):
     assert first["rewards/accuracies"] == 0.0 and first["objective/kl"] == 0.0
     assert first["logps/chosen"] < 0 and first["logps/rejected"] < 0
     assert lines[-1]["objective/kl"] != 0.0 and lines[-1]["loss/dpo"] != pytest.approx(LOG2)
+    # The reference's perplexity of the greedy completions: >= 1, and it moves with the policy.
+    assert lines[0]["eval/ref_perplexity"] >= 1 and lines[-1]["eval/ref_perplexity"] != lines[0]["eval/ref_perplexity"]
     assert os.path.isfile(os.path.join(run_dir, "model", "model.safetensors"))
 
 
@@ -457,7 +459,9 @@ def test_verifier_judge_skips_and_counts_ties(make_dpo_args, tiny_model_dir):
 def test_lora_ipo_starts_at_the_reference(make_dpo_args):
     """With LoRA the reference is the policy with its adapters off; they start at zero, so the first step is at the
     reference exactly: IPO's loss is (1 / (2 beta))^2."""
-    lines = train_lines(read_metrics(dpo_online.main(make_dpo_args(lora_r=4, loss_type="ipo", learning_rate=1e-2))))
+    every_line = read_metrics(dpo_online.main(make_dpo_args(lora_r=4, loss_type="ipo", learning_rate=1e-2)))
+    assert not any("eval/ref_perplexity" in line for line in every_line)  # the reference is the adapters off
+    lines = train_lines(every_line)
     assert lines[0]["loss/dpo"] == pytest.approx(25.0, rel=1e-6)  # beta 0.1
     assert lines[0]["objective/kl"] == 0.0 and lines[0]["rewards/margins"] == 0.0
     assert lines[1]["objective/kl"] != 0.0
@@ -531,6 +535,7 @@ INVARIANT_KEYS = (
     "logps/chosen",
     "logps/rejected",
     "eval/score",
+    "eval/ref_perplexity",  # sharded over the processes (none on one under ZeRO-3), then summed
 )
 # Differences of float32 log-prob sums of ~50 (one ulp 4e-6) from batches padded to other widths: an absolute
 # tolerance of a few ulps (the implicit rewards are scaled by beta 0.1). Observed: 1.9e-7 and 1.8e-7.
