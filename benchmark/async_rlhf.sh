@@ -41,10 +41,8 @@ done
 
 # 3. Copies of the runs, then the figures and tables from the copies.
 OUT=benchmark/results/async_rlhf
-for run in runs/arith_1d__async_bench_*__[123]__* runs/arith_1d__offpolicy_*__[123]__*; do
-    [ -d "$run" ] || continue  # a glob that matched nothing
-    mkdir -p "$OUT/$(basename "$run")" && cp "$run/config.json" "$run/metrics.jsonl" "$OUT/$(basename "$run")/"
-done
+python -m benchmark.registry copy --out "$OUT" runs/arith_1d__async_bench_*__[123]__* \
+    runs/arith_1d__offpolicy_*__[123]__*
 SPEED=("sync=$OUT/arith_1d__async_bench_sync__*" "async=$OUT/arith_1d__async_bench_async__*")
 python -m benchmark.registry table --experiments "${SPEED[@]}" \
     --metrics eval/score eval/accuracy objective/scores --out benchmark/results/async_vs_sync.md

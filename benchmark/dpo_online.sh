@@ -22,10 +22,7 @@ for seed in 1 2 3; do
     python dpo_online.py --seed "$seed" --prompts_per_rank 4 --total_steps 40 --exp_name ppo_vs_dpo_dpo
 done
 OUT=benchmark/results/ppo_vs_dpo
-for run in runs/arith_1d__ppo_vs_dpo_*__[123]__*; do
-    [ -d "$run" ] || continue  # a glob that matched nothing
-    mkdir -p "$OUT/$(basename "$run")" && cp "$run/config.json" "$run/metrics.jsonl" "$OUT/$(basename "$run")/"
-done
+python -m benchmark.registry copy --out "$OUT" runs/arith_1d__ppo_vs_dpo_*__[123]__*
 PAIR=("dpo_online=$OUT/arith_1d__ppo_vs_dpo_dpo__*" "ppo_rlhf=$OUT/arith_1d__ppo_vs_dpo_ppo__*")
 python -m benchmark.registry plot --experiments "${PAIR[@]}" --metric eval/score eval/accuracy objective/scores \
     objective/kl eval/ref_perplexity --smooth 5 --out benchmark/results/ppo_vs_dpo_step.png

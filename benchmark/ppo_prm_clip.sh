@@ -34,10 +34,8 @@ done
 # 3. The runs' config.json and metrics.jsonl copied to benchmark/results/ppo_prm_clip/ (committed), then from the
 # copies: curves, tables, paired differences with success only (seed by seed).
 OUT=benchmark/results/ppo_prm_clip
-for run in runs/arith_2t3t1d__prm_*__[123]__* runs/arith_2t3t1d__lprm_*__[123]__*; do
-    [ -d "$run" ] || continue  # a glob that matched nothing
-    mkdir -p "$OUT/$(basename "$run")" && cp "$run/config.json" "$run/metrics.jsonl" "$OUT/$(basename "$run")/"
-done
+python -m benchmark.registry copy --out "$OUT" runs/arith_2t3t1d__prm_*__[123]__* \
+    runs/arith_2t3t1d__lprm_*__[123]__*
 for kind in verifier learned; do
     prefix=$([ "$kind" = verifier ] && echo prm || echo lprm)
     EXPERIMENTS=("none=$OUT/arith_2t3t1d__prm_none__*")  # success only does not read the PRM: one baseline for both

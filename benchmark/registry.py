@@ -12,6 +12,7 @@ Reads only runs/{run_name}/config.json ({"args": {...}, "git_sha": ..., ...}) an
         --baseline grpo --metrics eval/accuracy wall_clock --out benchmark/results/grpo_lr_paired.md
     python -m benchmark.registry perf --experiments "grpo_math=runs/arith_1d__grpo__1__*" \
         "ppo_rlhf=runs/arith_1d__ppo__1__*" --out benchmark/results/training_throughput
+    python -m benchmark.registry copy --out benchmark/results/grpo_variants runs/add_2t2d__grpo_mb4__*
 
 An experiment is LABEL=GLOB: the run folders the glob matches are its seeds. By default only the newest run of each
 seed is kept (the run name ends in its unix start time), so an interrupted or older run of the same seed does not
@@ -22,6 +23,9 @@ deviations (ddof=1) everywhere; a single seed has none.
 
 `time` in metrics.jsonl counts from the start of the process that logged the line, so a resumed run starts again
 near 0; wall_clock() adds the earlier segments back, making it monotonic.
+
+`copy` copies run folders' config.json and metrics.jsonl (a few kB each) to OUT/<run folder name>/: the copies are
+committed, and every published figure and table is made from them, so it regenerates from the repository alone.
 """
 
 import argparse
@@ -30,6 +34,7 @@ import glob
 import json
 import math
 import os
+import shutil
 import sys
 
 import numpy as np
@@ -542,6 +547,10 @@ def build_parser():
     p = commands.add_parser("perf", help="per-step time split and throughput (medians over steps), JSON + markdown")
     experiments_args(p)
     p.add_argument("--out", default=None, help="also write {out}.md and {out}.json")
+
+    p = commands.add_parser("copy", help="copy run folders' config.json and metrics.jsonl to OUT/<run folder name>/")
+    p.add_argument("runs", nargs="*", help="run folders; anything else (a glob that matched nothing) is skipped")
+    p.add_argument("--out", required=True, help="the folder the copies go to")
     return parser
 
 
@@ -570,6 +579,12 @@ def main(argv=None):
         if args.out:
             with open(args.out + ".json", "w") as f:
                 json.dump(records, f, indent=2)
+    elif args.command == "copy":
+        for run in filter(is_run_dir, args.runs):
+            target = os.path.join(args.out, os.path.basename(os.path.normpath(run)))
+            os.makedirs(target, exist_ok=True)
+            for name in ("config.json", "metrics.jsonl"):
+                shutil.copy(os.path.join(run, name), target)
 
 
 if __name__ == "__main__":

@@ -255,6 +255,25 @@ def test_registry_table_is_mean_and_std_over_seeds(synthetic_runs):
     assert open(out).read() == table
 
 
+def test_registry_copy_keeps_config_and_metrics_of_run_folders_only(tmp_path):
+    """copy: each run folder's config.json and metrics.jsonl, byte for byte, under OUT/<its name>/; its other files
+    (weights, samples) stay behind, and an argument that is not a run folder (an unmatched glob) is skipped."""
+    runs = [
+        write_run(str(tmp_path / "runs"), f"t__x__{seed}__{seed}", seed, [{"global_step": seed}]) for seed in (1, 2)
+    ]
+    with open(os.path.join(runs[0], "samples.jsonl"), "w") as f:
+        f.write("{}\n")
+    os.makedirs(tmp_path / "runs" / "not_a_run")
+    out = str(tmp_path / "results")
+    registry.main(["copy", "--out", out, *runs, str(tmp_path / "runs" / "not_a_run"), str(tmp_path / "runs/y__*")])
+    assert sorted(os.listdir(out)) == ["t__x__1__1", "t__x__2__2"]
+    for run in runs:
+        copied = os.path.join(out, os.path.basename(run))
+        assert sorted(os.listdir(copied)) == ["config.json", "metrics.jsonl"]
+        for name in ("config.json", "metrics.jsonl"):
+            assert open(os.path.join(copied, name)).read() == open(os.path.join(run, name)).read()
+
+
 def test_registry_paired_table_against_differences_worked_out_here(synthetic_runs, tmp_path):
     """Experiment B (seeds 1 and 3, final accuracy shifted by +0.1 and -0.05; seed 2 missing) against A: only the
     shared seeds are paired; the mean ± std of the differences and t = mean / (std / sqrt(n)) as computed here."""
