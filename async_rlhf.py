@@ -827,8 +827,8 @@ class AsyncGenerator:
     t, with the newest weights the learner has published once they are at most N versions older than t; the
     reference policy and the reward model score the batch there too. Shared between the two threads:
     - published: the learner's newest weights and their version, guarded by the condition new_weights;
-    - engine_version: the version of the weights inside the engine, guarded with the engine by engine_lock (the
-      generator and the learner's evaluation both generate with it);
+    - engine_version: the version of the weights inside the engine, guarded with the engine, the reference and the
+      reward model by engine_lock (the generator and the learner's evaluation both use them);
     - batches: at most N generated batches waiting for the learner; failure: the generator's exception, if any.
     The learner (the main thread) calls publish, start, next_batch, join and close; evaluation takes engine_lock.
     `threads`: (the real torch.set_num_threads, this process's torch threads), read before vLLM started."""
@@ -928,22 +928,23 @@ class AsyncGenerator:
                 prompts, n, responses, mask, sampler_logprobs, self.pad_id, self.device
             )
             old_logprobs = sampler_logprobs  # the log-probs of the policy that sampled: vLLM's own
+            rows = (query_responses, attention_mask, context_length, a.temperature)  # for score_rows
             if a.loss == "rloo" and self.llm is None:
                 # RLOO with HF generate: the generator's copy scores its samples, in the learner's micro-batches, so
                 # that with --sync the ratio pi / pi_generator starts at 1. old_logprobs [nP, R].
                 t0 = time.time()
-                old_logprobs = self.score_rows(self.gen_model, query_responses, attention_mask, context_length)
+                old_logprobs = self.score_rows(self.gen_model, *rows)
                 timings["time/generator_logprobs"] = time.time() - t0
             scores = None  # [nP]; the verifier judges in the learner's main thread
             if self.reward_model is not None:  # the reward model depends on the batch only: it overlaps the update
                 t0 = time.time()
                 scores = self.judge(query_responses, attention_mask, texts, golds)
                 timings["time/reward"] = time.time() - t0
-        ref_logprobs = None  # with LoRA the learner computes them, with its own model (adapters off)
-        if self.ref_policy is not None:  # the reference depends on the batch only: ~1/4 of the learner's compute
-            t0 = time.time()
-            ref_logprobs = self.score_rows(self.ref_policy, query_responses, attention_mask, context_length)
-            timings["time/reference_logprobs"] = time.time() - t0
+            ref_logprobs = None  # with LoRA the learner computes them, with its own model (adapters off)
+            if self.ref_policy is not None:  # the reference depends on the batch only: ~1/4 of the learner's compute
+                t0 = time.time()
+                ref_logprobs = self.score_rows(self.ref_policy, *rows)
+                timings["time/reference_logprobs"] = time.time() - t0
         batch = dict(step=t, version=version, texts=texts, golds=golds, scores=scores, timings=timings)
         batch |= dict(query_responses=query_responses, attention_mask=attention_mask, context_length=context_length)
         batch |= dict(mask=mask, has_eos=has_eos, sampler_logprobs=sampler_logprobs, old_logprobs=old_logprobs)
@@ -981,7 +982,7 @@ class AsyncGenerator:
         texts = self.tokenizer.batch_decode(responses.masked_fill(mask == 0, pad_id), skip_special_tokens=True)
         return responses, mask, sampler_logprobs, texts
 
-    def score_rows(self, scorer, query_responses, attention_mask, context_length):
+    def score_rows(self, scorer, query_responses, attention_mask, context_length, temperature):
         """Generator: the log-probs [nP, R] (on the CPU) of `scorer` for a batch, micro_batch_size prompts (all their
         completions) per forward pass. The learner's micro-batches hold the same rows, in another order for DPO (the
         chosen then the rejected), which leaves each row's result unchanged: with --sync the first update starts
@@ -992,7 +993,7 @@ class AsyncGenerator:
         shared_prompt_logprobs packs a micro-batch the same whatever the order of its rows."""
         k = self.args.micro_batch_size * self.args.num_completions
         logprobs_fn = shared_prompt_logprobs if self.args.shared_prompt else response_logprobs
-        rows, temperature = [slice(i, i + k) for i in range(0, len(query_responses), k)], self.args.temperature
+        rows = [slice(i, i + k) for i in range(0, len(query_responses), k)]
         with torch.no_grad(), self.accelerator.autocast():
             parts = [
                 logprobs_fn(scorer, query_responses[r], attention_mask[r], context_length, temperature)[0]
@@ -1075,8 +1076,8 @@ def evaluate(generator, prompts, golds, has_gold, args, accelerator, step):
             scores = generator.judge(query_responses, attention_mask, texts, chunk_golds)
             perplexity = torch.zeros(len(chunk))  # not measured with LoRA (see the docstring)
             if generator.ref_policy is not None:
-                rows = query_responses.to(generator.device), attention_mask.to(generator.device), context_length
-                perplexity = reference_perplexity(generator.score_rows(generator.ref_policy, *rows), cut_mask.cpu())
+                batch = query_responses.to(generator.device), attention_mask.to(generator.device), context_length, 1.0
+                perplexity = reference_perplexity(generator.score_rows(generator.ref_policy, *batch), cut_mask.cpu())
         has_eos = (torch.isin(responses, torch.tensor(generator.stop_ids)) & (mask > 0)).any(1).to(device)
         scores = penalize_missing_eos(scores, has_eos, args.missing_eos_penalty)
         correct = verifier_scores(texts, chunk_golds)
@@ -1100,9 +1101,9 @@ def evaluate(generator, prompts, golds, has_gold, args, accelerator, step):
 
 
 def reference_perplexity(ref_logprobs, mask):
-    """The reference's perplexity of each completion, exp(-mean log-prob of its tokens) [B, R] -> [B] (at the
-    sampling temperature, the distribution the KL penalty compares with): how far the policy's completions have
-    moved from what the reference writes, the x-axis ("KL (perplexity)") of the Asynchronous RLHF paper's figures."""
+    """The reference's perplexity of each completion, exp(-mean log-prob of its tokens) [B, R] -> [B] (log-probs at
+    temperature 1): how far the policy's completions have moved from what the reference writes, as the Asynchronous
+    RLHF paper measures it for its "KL (perplexity)" axis (it divides by the prompt's tokens too)."""
     return torch.exp(-(ref_logprobs * mask).sum(1) / mask.sum(1).clamp(min=1))
 
 

@@ -1009,7 +1009,7 @@ def evaluate(sampler, eval_set, has_gold, reward_model, ref_model, args, acceler
         if ref_model is not None:  # whole on every process: no collective call
             rows = torch.arange(len(chunk)).split(args.micro_batch_size)
             with accelerator.autocast():  # the policy's, as for the reference's log-probs in training
-                batch = (query_responses, attention_mask, context_length, args.temperature, rows)
+                batch = (query_responses, attention_mask, context_length, 1.0, rows)
                 perplexity = reference_perplexity(fixed_logprobs_of_rows(response_logprobs, ref_model, *batch), mask)
         scores = judge_completions(
             args.judge, reward_model, query_responses, attention_mask, texts, chunk_golds, accelerator
@@ -1036,9 +1036,9 @@ def evaluate(sampler, eval_set, has_gold, reward_model, ref_model, args, acceler
 
 
 def reference_perplexity(ref_logprobs, mask):
-    """The reference's perplexity of each completion, exp(-mean log-prob of its tokens) [B, R] -> [B] (at the
-    sampling temperature, the distribution the KL penalty compares with): how far the policy's completions have
-    moved from what the reference writes, the x-axis ("KL (perplexity)") of the Asynchronous RLHF paper's figures."""
+    """The reference's perplexity of each completion, exp(-mean log-prob of its tokens) [B, R] -> [B] (log-probs at
+    temperature 1): how far the policy's completions have moved from what the reference writes, as the Asynchronous
+    RLHF paper measures it for its "KL (perplexity)" axis (it divides by the prompt's tokens too)."""
     return torch.exp(-(ref_logprobs * mask).sum(1) / mask.sum(1).clamp(min=1))
 
 

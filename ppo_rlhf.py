@@ -1321,7 +1321,7 @@ def evaluate(sampler, reward_model, ref_policy, eval_set, has_gold, args, accele
         correct = verifier_correct(texts, [eval_golds[i] for i in chunk])
         perplexity = torch.zeros(len(chunk))  # not measured with LoRA (see the docstring)
         if ref_policy is not None:  # whole on every process: no collective call
-            batch = (query_responses, attention_mask, context_length, args.temperature, args.micro_batch_size)
+            batch = (query_responses, attention_mask, context_length, 1.0, args.micro_batch_size)
             perplexity = reference_perplexity(
                 reference_logprobs(response_logprobs, None, ref_policy, accelerator, batch), mask
             )
@@ -1345,9 +1345,9 @@ def evaluate(sampler, reward_model, ref_policy, eval_set, has_gold, args, accele
 
 
 def reference_perplexity(ref_logprobs, mask):
-    """The reference's perplexity of each completion, exp(-mean log-prob of its tokens) [B, R] -> [B] (at the
-    sampling temperature, the distribution the KL penalty compares with): how far the policy's completions have
-    moved from what the reference writes, the x-axis ("KL (perplexity)") of the Asynchronous RLHF paper's figures."""
+    """The reference's perplexity of each completion, exp(-mean log-prob of its tokens) [B, R] -> [B] (log-probs at
+    temperature 1): how far the policy's completions have moved from what the reference writes, as the Asynchronous
+    RLHF paper measures it for its "KL (perplexity)" axis (it divides by the prompt's tokens too)."""
     return torch.exp(-(ref_logprobs * mask).sum(1) / mask.sum(1).clamp(min=1))
 
 

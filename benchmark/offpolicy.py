@@ -11,8 +11,9 @@ N and seed (the final held-out accuracy, reward-model score and reference perple
 KL to the reference, the staleness the updates saw and the approximate KL of the last minibatch's policy to the
 sampler's), the mean ± std per objective and N, and the paper's claim as a check; and {out}.png: accuracy and score
 against N (mean ± std over seeds, one line per objective), and score against the reference's perplexity, one point
-per run. That perplexity (eval/ref_perplexity: the reference's exp(-mean log-prob) of the final policy's greedy
-held-out completions) is the paper's own x-axis, "KL (perplexity)", and it measures the final policy of every run.
+per run. That perplexity (eval/ref_perplexity: the reference's exp(-mean log-prob), at temperature 1, of the final
+policy's greedy held-out completions) is the paper's x-axis, "KL (perplexity)" (its code divides by the prompt's
+tokens too), and it measures the final policy of every run whatever the script's sampling temperature.
 The last step's objective/kl, in the table only, does not at N > 1: ppo_rlhf.py's is the sampling policy's (N updates
 before the end), async_rlhf.py's the mean over the last N updates' policies, on the batch the first of them sampled.
 

@@ -549,7 +549,7 @@ def build_parser():
     p.add_argument("--out", default=None, help="also write {out}.md and {out}.json")
 
     p = commands.add_parser("copy", help="copy run folders' config.json and metrics.jsonl to OUT/<run folder name>/")
-    p.add_argument("runs", nargs="*", help="run folders; anything else (a glob that matched nothing) is skipped")
+    p.add_argument("runs", nargs="*", help="run folders; one without both files (an unmatched glob) is skipped")
     p.add_argument("--out", required=True, help="the folder the copies go to")
     return parser
 
@@ -580,11 +580,15 @@ def main(argv=None):
             with open(args.out + ".json", "w") as f:
                 json.dump(records, f, indent=2)
     elif args.command == "copy":
-        for run in filter(is_run_dir, args.runs):
-            target = os.path.join(args.out, os.path.basename(os.path.normpath(run)))
-            os.makedirs(target, exist_ok=True)
-            for name in ("config.json", "metrics.jsonl"):
-                shutil.copy(os.path.join(run, name), target)
+        files = ("config.json", "metrics.jsonl")
+        runs = [run for run in args.runs if all(os.path.isfile(os.path.join(run, f)) for f in files)]
+        names = [os.path.basename(os.path.abspath(run)) for run in runs]
+        if len(set(names)) < len(names):
+            sys.exit(f"error: two run folders share a name: {sorted(n for n in names if names.count(n) > 1)}")
+        for run, name in zip(runs, names):
+            os.makedirs(os.path.join(args.out, name), exist_ok=True)
+            for f in files:
+                shutil.copy(os.path.join(run, f), os.path.join(args.out, name))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import atexit
 import contextlib
 import glob
 import json
+import math
 import os
 import shutil
 import signal
@@ -388,6 +389,40 @@ def assert_same_trajectory(reference_dir, other_dir, keys, rel=1e-5, abs_=1e-7):
                 compared.add(key)
     # A renamed metric must not leave the comparison empty: a trajectory compared by its lr also compares a loss.
     assert compared and ("lr" not in keys or {"lr", "loss/"} <= {key[:5] for key in compared}), sorted(compared)
+
+
+def record_greedy_generations(cls, setattr_):
+    """Wraps cls.generate (a script's sampler or generator) to record every greedy call, the evaluation's: a list
+    of (prompt token ids, response token ids up to the mask's end) pairs, in call order."""
+    original, records = cls.generate, []
+
+    def generate(self, prompts, n, temperature):
+        out = original(self, prompts, n, temperature)
+        if temperature == 0.0:
+            responses, mask = out[0], out[1]
+            for prompt, response, row in zip(prompts, responses.tolist(), mask.tolist()):
+                records.append((list(prompt), [t for t, m in zip(response, row) if m]))
+        return out
+
+    setattr_(cls, "generate", generate)
+    return records
+
+
+def reference_perplexity_loop(model_dir, pairs):
+    """eval/ref_perplexity worked out here: each (prompt, response) alone (no padding) through the model in float64,
+    the log-softmax at temperature 1 of the logit before each response token, exp(-their mean), averaged over the
+    pairs (1 for a response with no token)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
+    values = []
+    for prompt, response in pairs:
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + response])).logits[0]
+        logp = torch.log_softmax(logits, -1)
+        tokens = [logp[len(prompt) - 1 + j, token].item() for j, token in enumerate(response)]
+        values.append(math.exp(-sum(tokens) / len(tokens)) if tokens else 1.0)
+    return sum(values) / len(values)
 
 
 def assert_same_weights(reference_file, other_file, initial_file, rel=1e-4):

@@ -28,6 +28,8 @@ from conftest import (
     one_line_error,
     only_run_dir,
     read_metrics,
+    record_greedy_generations,
+    reference_perplexity_loop,
     require_deepspeed,
     require_vllm,
     run_checked,
@@ -298,7 +300,6 @@ def test_sync_run_has_lag_zero_and_logs_the_pipeline(make_async_args):
     assert first["loss/dpo"] == pytest.approx(LOG2, abs=1e-7)  # the first update starts at the reference
     assert first["rewards/margins"] == 0.0 and first["objective/kl"] == 0.0
     assert lines[-1]["objective/kl"] != 0.0
-    assert lines[0]["eval/ref_perplexity"] >= 1 and lines[-1]["eval/ref_perplexity"] != lines[0]["eval/ref_perplexity"]
     assert not generator_threads()
 
 
@@ -385,6 +386,20 @@ def test_sync_minibatch_i_is_i_updates_stale(make_async_args, tmp_path):
     assert all(line["policy/approxkl_last_minibatch"] < 1e-10 for line in one)
     assert all(line["policy/staleness"] == 0.5 and line["policy/staleness_max"] == 1 for line in two)
     assert all(line["policy/approxkl_last_minibatch"] > 1e-6 for line in two)
+
+
+@pytest.mark.slow
+def test_eval_ref_perplexity_is_worked_out_here(make_async_args, tiny_model_dir, monkeypatch):
+    """eval/ref_perplexity = the reference's perplexity (temperature 1, whatever --temperature) of the held-out
+    completions, worked out one sequence at a time in float64, at step 0 and after an update (the reference stays).
+    The fixed rollout's completions (1 to response_length tokens, half ending with EOS) make the mask matter."""
+    fixed_rollout.patch(async_rlhf, monkeypatch.setattr)
+    records = record_greedy_generations(async_rlhf.AsyncGenerator, monkeypatch.setattr)
+    lines = read_metrics(async_rlhf.main(make_async_args(total_steps=1, num_eval_prompts=4, sync=True)))
+    assert len(records) == 8 and [line["global_step"] for line in lines] == [0, 1]  # two evaluations of 4 prompts
+    assert len({len(response) for _, response in records[:4]}) > 1  # responses of different lengths
+    for line, pairs in ((lines[0], records[:4]), (lines[-1], records[4:])):
+        assert line["eval/ref_perplexity"] == pytest.approx(reference_perplexity_loop(tiny_model_dir, pairs), rel=1e-4)
 
 
 @pytest.mark.slow

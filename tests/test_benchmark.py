@@ -256,8 +256,9 @@ def test_registry_table_is_mean_and_std_over_seeds(synthetic_runs):
 
 
 def test_registry_copy_keeps_config_and_metrics_of_run_folders_only(tmp_path):
-    """copy: each run folder's config.json and metrics.jsonl, byte for byte, under OUT/<its name>/; its other files
-    (weights, samples) stay behind, and an argument that is not a run folder (an unmatched glob) is skipped."""
+    """copy: each run folder's config.json and metrics.jsonl, byte for byte, under OUT/<its name>/ (a trailing slash
+    too); its other files (weights, samples) stay behind, an argument without both (an unmatched glob) is skipped,
+    and two folders of one name are refused."""
     runs = [
         write_run(str(tmp_path / "runs"), f"t__x__{seed}__{seed}", seed, [{"global_step": seed}]) for seed in (1, 2)
     ]
@@ -265,13 +266,17 @@ def test_registry_copy_keeps_config_and_metrics_of_run_folders_only(tmp_path):
         f.write("{}\n")
     os.makedirs(tmp_path / "runs" / "not_a_run")
     out = str(tmp_path / "results")
-    registry.main(["copy", "--out", out, *runs, str(tmp_path / "runs" / "not_a_run"), str(tmp_path / "runs/y__*")])
+    skipped = [str(tmp_path / "runs" / "not_a_run"), str(tmp_path / "runs/y__*")]
+    registry.main(["copy", "--out", out, runs[0] + "/", runs[1], *skipped])
     assert sorted(os.listdir(out)) == ["t__x__1__1", "t__x__2__2"]
     for run in runs:
         copied = os.path.join(out, os.path.basename(run))
         assert sorted(os.listdir(copied)) == ["config.json", "metrics.jsonl"]
         for name in ("config.json", "metrics.jsonl"):
             assert open(os.path.join(copied, name)).read() == open(os.path.join(run, name)).read()
+    other = write_run(str(tmp_path / "other"), "t__x__1__1", 1, [])  # the same name as a run above: refused
+    with pytest.raises(SystemExit, match="share a name"):
+        registry.main(["copy", "--out", out, runs[0], other])
 
 
 def test_registry_paired_table_against_differences_worked_out_here(synthetic_runs, tmp_path):

@@ -19,6 +19,8 @@ from conftest import (
     launch_fixed_rollout,
     only_run_dir,
     read_metrics,
+    record_greedy_generations,
+    reference_perplexity_loop,
     require_deepspeed,
     require_vllm,
     run_checked,
@@ -393,8 +395,6 @@ def test_run_logs_the_dpo_metrics_and_starts_at_the_reference(make_dpo_args):
     assert first["rewards/accuracies"] == 0.0 and first["objective/kl"] == 0.0
     assert first["logps/chosen"] < 0 and first["logps/rejected"] < 0
     assert lines[-1]["objective/kl"] != 0.0 and lines[-1]["loss/dpo"] != pytest.approx(LOG2)
-    # The reference's perplexity of the greedy completions: >= 1, and it moves with the policy.
-    assert lines[0]["eval/ref_perplexity"] >= 1 and lines[-1]["eval/ref_perplexity"] != lines[0]["eval/ref_perplexity"]
     assert os.path.isfile(os.path.join(run_dir, "model", "model.safetensors"))
 
 
@@ -453,6 +453,20 @@ def test_verifier_judge_skips_and_counts_ties(make_dpo_args, tiny_model_dir):
         load_file(os.path.join(run_dir, "model", "model.safetensors")),
     )
     assert all(torch.equal(initial[k], final[k]) for k in initial)
+
+
+@pytest.mark.slow
+def test_eval_ref_perplexity_is_worked_out_here(make_dpo_args, tiny_model_dir, monkeypatch):
+    """eval/ref_perplexity = the reference's perplexity (temperature 1, whatever --temperature) of the held-out
+    completions, worked out one sequence at a time in float64, at step 0 and after an update (the reference stays).
+    The fixed rollout's completions (1 to response_length tokens, half ending with EOS) make the mask matter."""
+    fixed_rollout.patch(dpo_online, monkeypatch.setattr)
+    records = record_greedy_generations(dpo_online.Sampler, monkeypatch.setattr)
+    lines = read_metrics(dpo_online.main(make_dpo_args(total_steps=1, num_eval_prompts=4)))
+    assert len(records) == 8 and [line["global_step"] for line in lines] == [0, 1]  # two evaluations of 4 prompts
+    assert len({len(response) for _, response in records[:4]}) > 1  # responses of different lengths
+    for line, pairs in ((lines[0], records[:4]), (lines[-1], records[4:])):
+        assert line["eval/ref_perplexity"] == pytest.approx(reference_perplexity_loop(tiny_model_dir, pairs), rel=1e-4)
 
 
 @pytest.mark.slow

@@ -20,6 +20,8 @@ from conftest import (
     launch_fixed_rollout,
     only_run_dir,
     read_metrics,
+    record_greedy_generations,
+    reference_perplexity_loop,
     require_deepspeed,
     require_vllm,
     run_checked,
@@ -393,8 +395,6 @@ def test_run_logs_the_n_plus_metrics_and_starts_on_policy(make_ppo_args, monkeyp
     assert [line["global_step"] for line in lines] == [0, 1, 2, 3]
     assert [line["episode"] for line in lines] == [0, 8, 16, 24]
     assert {"eval/score", "eval/accuracy"} <= set(lines[0]) and {"eval/score", "eval/accuracy"} <= set(lines[-1])
-    # The reference's perplexity of the greedy responses: >= 1, and it moves with the policy.
-    assert lines[0]["eval/ref_perplexity"] >= 1 and lines[-1]["eval/ref_perplexity"] != lines[0]["eval/ref_perplexity"]
     for line in train_lines(lines):
         missing = [k for k in N_PLUS_METRICS if k not in line]
         assert not missing, missing
@@ -465,6 +465,20 @@ def test_invariant_killed_at_random_points_and_resumed_gives_the_uninterrupted_r
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_eval_ref_perplexity_is_worked_out_here(make_ppo_args, tiny_model_dir, monkeypatch):
+    """eval/ref_perplexity = the reference's perplexity (temperature 1, whatever --temperature) of the held-out
+    completions, worked out one sequence at a time in float64, at step 0 and after an update (the reference stays).
+    The fixed rollout's completions (1 to response_length tokens, half ending with EOS) make the mask matter."""
+    fixed_rollout.patch(ppo_rlhf, monkeypatch.setattr)
+    records = record_greedy_generations(ppo_rlhf.Sampler, monkeypatch.setattr)
+    lines = read_metrics(ppo_rlhf.main(make_ppo_args(total_steps=1, num_eval_prompts=4)))
+    assert len(records) == 8 and [line["global_step"] for line in lines] == [0, 1]  # two evaluations of 4 prompts
+    assert len({len(response) for _, response in records[:4]}) > 1  # responses of different lengths
+    for line, pairs in ((lines[0], records[:4]), (lines[-1], records[4:])):
+        assert line["eval/ref_perplexity"] == pytest.approx(reference_perplexity_loop(tiny_model_dir, pairs), rel=1e-4)
+
+
 def test_lora_policy_starts_at_the_reference(make_ppo_args):
     run_dir = ppo_rlhf.main(make_ppo_args(lora_r=4, learning_rate=1e-2, kl_coef=0.1))
     lines = train_lines(read_metrics(run_dir))
