@@ -391,38 +391,38 @@ def assert_same_trajectory(reference_dir, other_dir, keys, rel=1e-5, abs_=1e-7):
     assert compared and ("lr" not in keys or {"lr", "loss/"} <= {key[:5] for key in compared}), sorted(compared)
 
 
-def record_greedy_generations(cls, setattr_):
-    """Wraps cls.generate (a script's sampler or generator) to record every greedy call, the evaluation's: a list
-    of (prompt token ids, response token ids up to the mask's end) pairs, in call order."""
-    original, records = cls.generate, []
+def assert_eval_ref_perplexity_is_worked_out_here(module, engine_class, args, model_dir, setattr_):
+    """eval/ref_perplexity = the reference's perplexity (temperature 1, whatever --temperature) of the held-out
+    completions, worked out here one sequence at a time (no padding) in float64, at step 0 and after an update (the
+    reference stays). The run (args: total_steps 1, num_eval_prompts 4) samples from the fixed rollout, whose
+    completions (1 to response_length tokens, half ending with EOS) make the mask matter; engine_class.generate (the
+    script's sampler or generator) is wrapped to record the greedy (evaluation) calls."""
+    import fixed_rollout
+    from transformers import AutoModelForCausalLM
+
+    fixed_rollout.patch(module, setattr_)
+    original, records = engine_class.generate, []  # (prompt token ids, response token ids up to the mask's end)
 
     def generate(self, prompts, n, temperature):
         out = original(self, prompts, n, temperature)
         if temperature == 0.0:
-            responses, mask = out[0], out[1]
-            for prompt, response, row in zip(prompts, responses.tolist(), mask.tolist()):
+            for prompt, response, row in zip(prompts, out[0].tolist(), out[1].tolist()):
                 records.append((list(prompt), [t for t, m in zip(response, row) if m]))
         return out
 
-    setattr_(cls, "generate", generate)
-    return records
-
-
-def reference_perplexity_loop(model_dir, pairs):
-    """eval/ref_perplexity worked out here: each (prompt, response) alone (no padding) through the model in float64,
-    the log-softmax at temperature 1 of the logit before each response token, exp(-their mean), averaged over the
-    pairs (1 for a response with no token)."""
-    from transformers import AutoModelForCausalLM
-
+    setattr_(engine_class, "generate", generate)
+    lines = read_metrics(module.main(args))
+    assert len(records) == 8 and [line["global_step"] for line in lines] == [0, 1]  # two evaluations of 4 prompts
+    assert len({len(response) for _, response in records[:4]}) > 1  # responses of different lengths
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
-    values = []
-    for prompt, response in pairs:
-        with torch.no_grad():
-            logits = model(torch.tensor([prompt + response])).logits[0]
-        logp = torch.log_softmax(logits, -1)
-        tokens = [logp[len(prompt) - 1 + j, token].item() for j, token in enumerate(response)]
-        values.append(math.exp(-sum(tokens) / len(tokens)) if tokens else 1.0)
-    return sum(values) / len(values)
+    for line, pairs in ((lines[0], records[:4]), (lines[-1], records[4:])):
+        values = []
+        for prompt, response in pairs:
+            with torch.no_grad():
+                logp = torch.log_softmax(model(torch.tensor([prompt + response])).logits[0], -1)
+            tokens = [logp[len(prompt) - 1 + j, token].item() for j, token in enumerate(response)]
+            values.append(math.exp(-sum(tokens) / len(tokens)) if tokens else 1.0)
+        assert line["eval/ref_perplexity"] == pytest.approx(sum(values) / len(values), rel=1e-4)
 
 
 def assert_same_weights(reference_file, other_file, initial_file, rel=1e-4):

@@ -21,6 +21,7 @@ import torch
 from conftest import (
     REPO_ROOT,
     NoModelLoads,
+    assert_eval_ref_perplexity_is_worked_out_here,
     assert_same_trajectory,
     assert_same_weights,
     cli_flags,
@@ -28,8 +29,6 @@ from conftest import (
     one_line_error,
     only_run_dir,
     read_metrics,
-    record_greedy_generations,
-    reference_perplexity_loop,
     require_deepspeed,
     require_vllm,
     run_checked,
@@ -390,16 +389,10 @@ def test_sync_minibatch_i_is_i_updates_stale(make_async_args, tmp_path):
 
 @pytest.mark.slow
 def test_eval_ref_perplexity_is_worked_out_here(make_async_args, tiny_model_dir, monkeypatch):
-    """eval/ref_perplexity = the reference's perplexity (temperature 1, whatever --temperature) of the held-out
-    completions, worked out one sequence at a time in float64, at step 0 and after an update (the reference stays).
-    The fixed rollout's completions (1 to response_length tokens, half ending with EOS) make the mask matter."""
-    fixed_rollout.patch(async_rlhf, monkeypatch.setattr)
-    records = record_greedy_generations(async_rlhf.AsyncGenerator, monkeypatch.setattr)
-    lines = read_metrics(async_rlhf.main(make_async_args(total_steps=1, num_eval_prompts=4, sync=True)))
-    assert len(records) == 8 and [line["global_step"] for line in lines] == [0, 1]  # two evaluations of 4 prompts
-    assert len({len(response) for _, response in records[:4]}) > 1  # responses of different lengths
-    for line, pairs in ((lines[0], records[:4]), (lines[-1], records[4:])):
-        assert line["eval/ref_perplexity"] == pytest.approx(reference_perplexity_loop(tiny_model_dir, pairs), rel=1e-4)
+    args = make_async_args(total_steps=1, num_eval_prompts=4, sync=True)
+    assert_eval_ref_perplexity_is_worked_out_here(
+        async_rlhf, async_rlhf.AsyncGenerator, args, tiny_model_dir, monkeypatch.setattr
+    )
 
 
 @pytest.mark.slow

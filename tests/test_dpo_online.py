@@ -12,6 +12,7 @@ import torch
 from conftest import (
     REPO_ROOT,
     SMOLLM2_DIR,
+    assert_eval_ref_perplexity_is_worked_out_here,
     assert_same_trajectory,
     assert_same_weights,
     assert_survives_kills,
@@ -19,8 +20,6 @@ from conftest import (
     launch_fixed_rollout,
     only_run_dir,
     read_metrics,
-    record_greedy_generations,
-    reference_perplexity_loop,
     require_deepspeed,
     require_vllm,
     run_checked,
@@ -457,16 +456,10 @@ def test_verifier_judge_skips_and_counts_ties(make_dpo_args, tiny_model_dir):
 
 @pytest.mark.slow
 def test_eval_ref_perplexity_is_worked_out_here(make_dpo_args, tiny_model_dir, monkeypatch):
-    """eval/ref_perplexity = the reference's perplexity (temperature 1, whatever --temperature) of the held-out
-    completions, worked out one sequence at a time in float64, at step 0 and after an update (the reference stays).
-    The fixed rollout's completions (1 to response_length tokens, half ending with EOS) make the mask matter."""
-    fixed_rollout.patch(dpo_online, monkeypatch.setattr)
-    records = record_greedy_generations(dpo_online.Sampler, monkeypatch.setattr)
-    lines = read_metrics(dpo_online.main(make_dpo_args(total_steps=1, num_eval_prompts=4)))
-    assert len(records) == 8 and [line["global_step"] for line in lines] == [0, 1]  # two evaluations of 4 prompts
-    assert len({len(response) for _, response in records[:4]}) > 1  # responses of different lengths
-    for line, pairs in ((lines[0], records[:4]), (lines[-1], records[4:])):
-        assert line["eval/ref_perplexity"] == pytest.approx(reference_perplexity_loop(tiny_model_dir, pairs), rel=1e-4)
+    args = make_dpo_args(total_steps=1, num_eval_prompts=4)
+    assert_eval_ref_perplexity_is_worked_out_here(
+        dpo_online, dpo_online.Sampler, args, tiny_model_dir, monkeypatch.setattr
+    )
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ import torch
 from conftest import (
     REPO_ROOT,
     SMOLLM2_DIR,
+    assert_eval_ref_perplexity_is_worked_out_here,
     assert_same_trajectory,
     assert_same_weights,
     assert_survives_kills,
@@ -20,8 +21,6 @@ from conftest import (
     launch_fixed_rollout,
     only_run_dir,
     read_metrics,
-    record_greedy_generations,
-    reference_perplexity_loop,
     require_deepspeed,
     require_vllm,
     run_checked,
@@ -465,26 +464,20 @@ def test_invariant_killed_at_random_points_and_resumed_gives_the_uninterrupted_r
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 def test_eval_ref_perplexity_is_worked_out_here(make_ppo_args, tiny_model_dir, monkeypatch):
-    """eval/ref_perplexity = the reference's perplexity (temperature 1, whatever --temperature) of the held-out
-    completions, worked out one sequence at a time in float64, at step 0 and after an update (the reference stays).
-    The fixed rollout's completions (1 to response_length tokens, half ending with EOS) make the mask matter."""
-    fixed_rollout.patch(ppo_rlhf, monkeypatch.setattr)
-    records = record_greedy_generations(ppo_rlhf.Sampler, monkeypatch.setattr)
-    lines = read_metrics(ppo_rlhf.main(make_ppo_args(total_steps=1, num_eval_prompts=4)))
-    assert len(records) == 8 and [line["global_step"] for line in lines] == [0, 1]  # two evaluations of 4 prompts
-    assert len({len(response) for _, response in records[:4]}) > 1  # responses of different lengths
-    for line, pairs in ((lines[0], records[:4]), (lines[-1], records[4:])):
-        assert line["eval/ref_perplexity"] == pytest.approx(reference_perplexity_loop(tiny_model_dir, pairs), rel=1e-4)
+    args = make_ppo_args(total_steps=1, num_eval_prompts=4)
+    assert_eval_ref_perplexity_is_worked_out_here(
+        ppo_rlhf, ppo_rlhf.Sampler, args, tiny_model_dir, monkeypatch.setattr
+    )
 
 
+@pytest.mark.slow
 def test_lora_policy_starts_at_the_reference(make_ppo_args):
-    run_dir = ppo_rlhf.main(make_ppo_args(lora_r=4, learning_rate=1e-2, kl_coef=0.1))
-    lines = train_lines(read_metrics(run_dir))
+    every_line = read_metrics(ppo_rlhf.main(make_ppo_args(lora_r=4, learning_rate=1e-2, kl_coef=0.1)))
+    assert not any("eval/ref_perplexity" in line for line in every_line)  # the reference is the adapters off
+    lines = train_lines(every_line)
     assert lines[0]["objective/kl"] == 0.0  # the adapters start at zero: policy == reference (adapters off)
     assert lines[-1]["objective/kl"] != 0.0
-    assert not any("eval/ref_perplexity" in line for line in read_metrics(run_dir))  # no separate reference
 
 
 @pytest.mark.slow
@@ -666,7 +659,7 @@ def test_process_chunks_cover_every_item_once_with_the_same_count_on_every_proce
 
 def test_reference_perplexity_matches_a_loop():
     """eval/ref_perplexity per completion: exp of minus the mean of the reference's log-probs over its real tokens
-    (a completion with none counts as 1). async_rlhf has the same function (drift test)."""
+    (a completion with none counts as 1). async_rlhf and dpo_online have the same function (drift test)."""
     g = torch.Generator().manual_seed(0)
     ref_logprobs = -torch.rand(5, 7, generator=g, dtype=torch.float64) * 3
     mask = (torch.rand(5, 7, generator=g) > 0.4).double()
