@@ -7,7 +7,8 @@ One group of 8 completions of a 48-token prompt, response lengths spread evenly 
 (random weights: the time does not depend on them), fp32, the policy's log-probs forward + backward, as the training
 step computes them: packed (grpo_math.shared_prompt_logprobs forced to pack) and unpacked (response_logprobs). Each
 measurement runs in its own process, packed and unpacked alternating, best of --repeats; reported per R: seconds,
-the bytes autograd saved for the backward pass, the process's peak RSS, and whether shared_prompt_pays packs.
+the bytes autograd saved for the backward pass, the process's peak RSS (with --device cuda: the CUDA allocator's
+peak, and the time of a second forward + backward after a warm-up), and whether shared_prompt_pays packs.
 Results go to benchmark/results/shared_prompt_length.{json,md}.
 """
 
@@ -37,20 +38,22 @@ def batch(r, prompt_length=48, group=8, seed=0):
     return ids * mask, mask, prompt_length
 
 
-def measure(r, packed, layers):
-    """One forward + backward in this process; returns seconds, saved bytes and what the rule decides."""
+def measure(r, packed, layers, device="cpu", dtype="float32", config_dir=MODEL):
+    """One forward + backward in this process (on CUDA a second one, timed, after a warm-up); returns seconds,
+    saved bytes, peak memory and what the rule decides."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import grpo_math
 
     torch.set_num_threads(int(os.environ.get("THREADS", "2")))
-    config = AutoConfig.from_pretrained(MODEL)
-    config.num_hidden_layers = layers
+    config = AutoConfig.from_pretrained(config_dir)
+    config.num_hidden_layers = layers or config.num_hidden_layers
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).float()
-    ids, mask, p = batch(r)
-    group = torch.zeros(len(ids), dtype=torch.long)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype))
+    ids, mask, p = (t.to(device) if torch.is_tensor(t) else t for t in batch(r))
+    group = torch.zeros(len(ids), dtype=torch.long, device=device)
     pays = grpo_math.shared_prompt_pays(config, group, mask[:, p:].sum(1), p, ids.shape[1])
     grpo_math.shared_prompt_pays = lambda *a: True  # forced: the packed run measures packing whatever the rule says
     fn = grpo_math.shared_prompt_logprobs if packed else grpo_math.response_logprobs
@@ -60,25 +63,36 @@ def measure(r, packed, layers):
         saved[0] += tensor.numel() * tensor.element_size()
         return tensor
 
-    t0 = time.perf_counter()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        logprobs = fn(model, ids, mask, p, 1.0)[0]
-    (logprobs * mask[:, p:]).sum().backward()
-    seconds = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    for _ in range(2 if device == "cuda" else 1):
+        saved[0] = 0
+        torch.cuda.synchronize() if device == "cuda" else None
+        t0 = time.perf_counter()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            logprobs = fn(model, ids, mask, p, 1.0)[0]
+        (logprobs * mask[:, p:]).sum().backward()
+        torch.cuda.synchronize() if device == "cuda" else None
+        seconds = time.perf_counter() - t0
+    if device == "cuda":  # reported in the RSS column: the CUDA allocator's peak
+        peak = torch.cuda.max_memory_allocated()
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"seconds": seconds, "saved_bytes": saved[0], "peak_rss_bytes": peak, "rule_packs": bool(pays)}
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[64, 256, 512, 1024])
-    parser.add_argument("--layers", type=int, default=30, help="decoder layers (SmolLM2-135M has 30)")
+    parser.add_argument("--layers", type=int, default=30, help="decoder layers (SmolLM2-135M has 30; 0: the config's)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the weights' dtype")
+    parser.add_argument("--model_config", default=MODEL, help="a folder with the model's config.json")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", default="benchmark/results/shared_prompt_length")
     parser.add_argument("--one", nargs=2, help=argparse.SUPPRESS)  # R and packed|unpacked: a single measurement
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(measure(int(args.one[0]), args.one[1] == "packed", args.layers)))
+        r, packed = int(args.one[0]), args.one[1] == "packed"
+        print(json.dumps(measure(r, packed, args.layers, args.device, args.dtype, args.model_config)))
         return
     rows = []
     for r in args.lengths:
@@ -86,8 +100,9 @@ def main():
         for k in range(args.repeats):
             for mode in ("packed", "unpacked") if k % 2 == 0 else ("unpacked", "packed"):
                 cmd = [sys.executable, "-m", "benchmark.perf_shared_prompt_length", "--one", str(r), mode]
+                cmd += ["--layers", str(args.layers), "--device", args.device, "--dtype", args.dtype]
                 out = subprocess.run(
-                    cmd + ["--layers", str(args.layers)], cwd=REPO_ROOT, capture_output=True, text=True
+                    cmd + ["--model_config", args.model_config], cwd=REPO_ROOT, capture_output=True, text=True
                 )
                 runs[mode].append(json.loads(out.stdout.strip().splitlines()[-1]))
         best = {mode: min(values, key=lambda v: v["seconds"]) for mode, values in runs.items()}
@@ -98,18 +113,22 @@ def main():
         "layers": args.layers,
         "repeats": args.repeats,
         "cpu": platform.processor() or platform.machine(),
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "dtype": args.dtype,
+        "model_config": os.path.relpath(args.model_config, REPO_ROOT),
         "torch": torch.__version__,
         "threads": int(os.environ.get("THREADS", "2")),
     }
     with open(args.out + ".json", "w") as f:
         json.dump({"info": info, "rows": rows}, f, indent=1)
     lines = [
-        f"`{info['command']}` ({args.layers} layers of SmolLM2-135M's shape, fp32, {info['threads']} threads, "
+        f"`{info['command']}` ({args.layers or 'all'} layers of {info['model_config']}'s shape, {args.dtype}, "
+        f"{info['device'] if args.device == 'cuda' else str(info['threads']) + ' threads'}, "
         f"best of {args.repeats}; one group of 8 completions of a 48-token prompt, lengths evenly in [R/2, R]; "
         "forward + backward of the policy's log-probs)",
         "",
-        "| R | packed s | unpacked s | unpacked / packed | saved for backward, packed / unpacked (MiB) | "
-        "peak RSS packed / unpacked (MiB) | shared_prompt_pays packs |",
+        "| R | packed s | unpacked s | unpacked / packed | saved for backward, packed / unpacked (MiB) | peak "
+        f"{'CUDA memory' if args.device == 'cuda' else 'RSS'} packed / unpacked (MiB) | shared_prompt_pays packs |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     mib = 2**20

@@ -1126,3 +1126,28 @@ def test_offpolicy_check_verdicts_worked_out_here(tmp_path):
             json.dump(config, f)
         with pytest.raises(ValueError, match="staleness"):
             offpolicy.by_n(offpolicy.find_runs(path, all_runs=True))
+
+
+def test_gpu_check_summary_reads_the_first_training_step_and_the_last_evaluation(tmp_path, capsys):
+    """benchmark/gpu_check.py's table: step 1's KL / ratio / approxkl / grad norm (reward_modeling's
+    objective/grad_norm in the same column), seconds per step after step 1, the last evaluation's eval/ keys."""
+    from benchmark import gpu_check
+
+    def write(name, lines):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+    write(
+        "a",
+        [
+            {"global_step": 0, "time": 5.0, "eval/score": 0.5},
+            {"global_step": 1, "time": 10.0, "lr": 1e-5, "objective/kl": 0.0, "policy/ratio_first_minibatch": 1.0},
+            {"global_step": 2, "time": 13.0, "lr": 1e-5, "objective/kl": 0.25, "policy/grad_norm": 2.0},
+            {"global_step": 3, "time": 20.0, "lr": 1e-5, "eval/score": 0.75},
+        ],
+    )
+    write("b", [{"global_step": 1, "time": 1.0, "lr": 1e-3, "objective/grad_norm": 3.5}])
+    gpu_check.summary(str(tmp_path))
+    rows = capsys.readouterr().out.splitlines()[2:]
+    assert rows[0] == "| a | 3 | 0 | 1 | - | - | 5.00 | {'eval/score': 0.75} |"
+    assert rows[1] == "| b | 1 | - | - | - | 3.5 | nan | {} |"
