@@ -41,14 +41,16 @@ launch rm_prm reward_modeling.py --no-vllm --model_name_or_path $M/qwen2 --prm -
     --num_eval_prompts 4 --response_length ${LEN:-128} --prm_dir $W/prm &
 wait
 
-if [ "${PEAK:-1}" = 1 ]; then
-    big="--no-vllm --model_name_or_path $M/qwen2-1.5b --dtype bfloat16 --response_length 512 --total_steps 2"
-    big="$big --save_every 0 --eval_every 0 --num_eval_prompts 32 --output_dir $W/runs/peak_1.5b"
-    start=$SECONDS rc=0
-    timeout ${LIMIT:-300} python3 -m benchmark.gpu_check peak $W/logs/peak.json grpo_math.py $big \
+peak_and_plan() {  # grpo_math.py ARGS: torch's CUDA peak in that run; prints the memory plan of the same command
+    local start=$SECONDS rc=0
+    timeout ${LIMIT:-300} python3 -m benchmark.gpu_check peak $W/logs/peak.json grpo_math.py "$@" \
         > $W/logs/peak_1.5b.log 2>&1 || rc=$?
     echo "peak_1.5b: rc $rc, $((SECONDS - start)) s" >> $W/logs/rc.txt
-    python3 -m benchmark.memory_plan --model_config $M/qwen2-1.5b grpo_math.py $big > $W/logs/plan.txt 2>&1 || true
+    python3 -m benchmark.memory_plan --model_config $M/qwen2-1.5b grpo_math.py "$@" || true
+}
+if [ "${PEAK:-1}" = 1 ]; then
+    peak_and_plan --no-vllm --model_name_or_path $M/qwen2-1.5b --dtype bfloat16 --response_length 512 --total_steps 2 \
+        --save_every 0 --eval_every 0 --num_eval_prompts 32 --output_dir $W/runs/peak_1.5b > $W/logs/plan.txt 2>&1
 fi
 python3 -m benchmark.gpu_check summary $W/runs > $OUT/summary.md
 { echo; cat $W/logs/versions.txt $W/logs/rc.txt $W/logs/peak.json $W/logs/plan.txt 2>/dev/null || true; } \

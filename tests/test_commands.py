@@ -56,8 +56,8 @@ from benchmark import run as launcher
 SCRIPTS = ("grpo_math.py", "reward_modeling.py", "ppo_rlhf.py", "dpo_online.py", "ppo_prm_clip.py", "async_rlhf.py")
 MARKDOWN_FILES = ["README.md"] + sorted(os.path.relpath(p, REPO_ROOT) for p in glob.glob(f"{REPO_ROOT}/docs/*.md"))
 SHELL_FILES = sorted(os.path.relpath(p, REPO_ROOT) for p in glob.glob(f"{REPO_ROOT}/benchmark/*.sh"))
-# Plausible values of shell variables that no loop of the file sets (none is needed today).
-SHELL_VALUES = {"SEED": "1"}
+# Plausible values of shell variables that no loop of the file sets (benchmark/gpu_check.sh's work folders).
+SHELL_VALUES = {"SEED": "1", "W": "/tmp/gpu_check_work", "M": "/tmp/gpu_check_work/models"}
 
 # Where a command starts: a Python interpreter (any path, e.g. .venv/bin/python), accelerate launch, torchrun or
 # make train, as a word of its own.
