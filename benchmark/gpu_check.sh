@@ -20,7 +20,7 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 python3 -m benchmark.gpu_check build $M assets/SmolLM2-135M-Instruct ${PEAK:-1} >> $W/logs/versions.txt
 
 common="--no-vllm --total_steps ${STEPS:-3} --save_every 0 --eval_every ${STEPS:-3} --num_eval_prompts ${EVAL:-16}"
-common="$common --response_length ${LEN:-128} --model_name_or_path $M/qwen2"
+common="$common --response_length ${LEN:-128}"
 launch() {  # launch NAME SCRIPT ARGS...: one process, bf16 autocast, its run under $W/runs/NAME
     local name=$1 start=$SECONDS rc=0
     shift
@@ -29,12 +29,12 @@ launch() {  # launch NAME SCRIPT ARGS...: one process, bf16 autocast, its run un
         > $W/logs/$name.log 2>&1 || rc=$?
     echo "$name: rc $rc, $((SECONDS - start)) s" >> $W/logs/rc.txt
 }
-launch grpo_two_passes grpo_math.py $common --num_iterations 2 &
+launch grpo_two_passes grpo_math.py $common --model_name_or_path $M/qwen2 --num_iterations 2 &
 launch grpo_window32 grpo_math.py $common --model_name_or_path $M/qwen2-window32 &
-launch ppo_rlhf ppo_rlhf.py $common --reward_model_path $M/qwen2-reward &
-launch dpo_online dpo_online.py $common --reward_model_path $M/qwen2-reward &
-launch async_rlhf async_rlhf.py $common --reward_model_path $M/qwen2-reward &
-launch ppo_prm_clip ppo_prm_clip.py $common &
+launch ppo_rlhf ppo_rlhf.py $common --model_name_or_path $M/qwen2 --reward_model_path $M/qwen2-reward &
+launch dpo_online dpo_online.py $common --model_name_or_path $M/qwen2 --reward_model_path $M/qwen2-reward &
+launch async_rlhf async_rlhf.py $common --model_name_or_path $M/qwen2 --reward_model_path $M/qwen2-reward &
+launch ppo_prm_clip ppo_prm_clip.py $common --model_name_or_path $M/qwen2 &
 launch rm_pairs reward_modeling.py --no-vllm --model_name_or_path $M/qwen2 --dataset_path $M/preferences \
     --reward_model_dir $W/reward_model &
 launch rm_prm reward_modeling.py --no-vllm --model_name_or_path $M/qwen2 --prm --num_train_prompts 16 \

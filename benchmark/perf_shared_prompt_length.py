@@ -63,14 +63,15 @@ def measure(r, packed, layers, device="cpu", dtype="float32", config_dir=MODEL):
         saved[0] += tensor.numel() * tensor.element_size()
         return tensor
 
+    sync = torch.cuda.synchronize if device == "cuda" else lambda: None  # CUDA kernels run asynchronously
     for _ in range(2 if device == "cuda" else 1):
         saved[0] = 0
-        torch.cuda.synchronize() if device == "cuda" else None
+        sync()
         t0 = time.perf_counter()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             logprobs = fn(model, ids, mask, p, 1.0)[0]
         (logprobs * mask[:, p:]).sum().backward()
-        torch.cuda.synchronize() if device == "cuda" else None
+        sync()
         seconds = time.perf_counter() - t0
     if device == "cuda":  # reported in the RSS column: the CUDA allocator's peak
         peak = torch.cuda.max_memory_allocated()
