@@ -72,8 +72,12 @@ def checks(values, baseline, min_seeds=3):
     base = values[baseline]
     results = []
 
-    def shared(arm):
-        return sorted(seed for seed in set(base) & set(values[arm]) if base[seed]["eval/accuracy"] is not None)
+    def shared(arm):  # the seeds both arms finished (a run still in progress has no final accuracy yet)
+        return sorted(
+            seed
+            for seed in set(base) & set(values[arm])
+            if base[seed]["eval/accuracy"] is not None and values[arm][seed]["eval/accuracy"] is not None
+        )
 
     if "raw" in values:
         seeds = shared("raw")

@@ -1051,6 +1051,10 @@ def test_prm_checks_verdicts_worked_out_here(tmp_path):
     assert prm_checks.checks(values, "none")[0][1] == "not held"
     two = {label: {s: v for s, v in seeds.items() if s < 3} for label, seeds in values.items()}
     assert {verdict for _, verdict, _ in prm_checks.checks(two, "none")} == {"inconclusive"}
+    # A seed whose run has no final evaluation yet (still in progress) is left out, as if it had not run: 2 seeds.
+    values["clip"][3] = {"eval/accuracy": None, "eval/num_steps": None}
+    clip = [row for row in prm_checks.checks(values, "none") if row[0].startswith("(b) clip:")][0]
+    assert clip[1] == "inconclusive" and "(seeds [1, 2])" in clip[2]
 
 
 # benchmark/offpolicy.py: the Asynchronous RLHF paper's off-policyness check. Each objective's final accuracy per N
