@@ -25,7 +25,9 @@ deviations (ddof=1) everywhere; a single seed has none.
 near 0; wall_clock() adds the earlier segments back, making it monotonic.
 
 `copy` copies run folders' config.json and metrics.jsonl (a few kB each) to OUT/<run folder name>/: the copies are
-committed, and every published figure and table is made from them, so it regenerates from the repository alone.
+committed, and every published figure and table is made from them, so it regenerates from the repository alone. It
+copies finished runs only: every script saves its policy to model/ after the last line of metrics.jsonl, so a folder
+without model/ is a run in progress (or killed), whose last line would otherwise pass for its final value.
 """
 
 import argparse
@@ -548,7 +550,9 @@ def build_parser():
     experiments_args(p)
     p.add_argument("--out", default=None, help="also write {out}.md and {out}.json")
 
-    p = commands.add_parser("copy", help="copy run folders' config.json and metrics.jsonl to OUT/<run folder name>/")
+    p = commands.add_parser(
+        "copy", help="copy finished run folders' config.json and metrics.jsonl to OUT/<run folder name>/"
+    )
     p.add_argument("runs", nargs="*", help="run folders; one without both files (an unmatched glob) is skipped")
     p.add_argument("--out", required=True, help="the folder the copies go to")
     return parser
@@ -582,6 +586,10 @@ def main(argv=None):
     elif args.command == "copy":
         files = ("config.json", "metrics.jsonl")
         runs = [run for run in args.runs if all(os.path.isfile(os.path.join(run, f)) for f in files)]
+        unfinished = [run for run in runs if not os.path.isdir(os.path.join(run, "model"))]
+        for run in unfinished:
+            print(f"not copied, not finished (no model/): {run}", file=sys.stderr)
+        runs = [run for run in runs if run not in unfinished]
         names = [os.path.basename(os.path.abspath(run)) for run in runs]
         if len(set(names)) < len(names):
             sys.exit(f"error: two run folders share a name: {sorted(n for n in names if names.count(n) > 1)}")

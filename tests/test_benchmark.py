@@ -256,17 +256,19 @@ def test_registry_table_is_mean_and_std_over_seeds(synthetic_runs):
 
 
 def test_registry_copy_keeps_config_and_metrics_of_run_folders_only(tmp_path):
-    """copy: each run folder's config.json and metrics.jsonl, byte for byte, under OUT/<its name>/ (a trailing slash
-    too); its other files (weights, samples) stay behind, an argument without both (an unmatched glob) is skipped,
-    and two folders of one name are refused."""
+    """copy: each finished run folder's config.json and metrics.jsonl, byte for byte, under OUT/<its name>/ (a
+    trailing slash too); its other files (weights, samples) stay behind; an argument without both (an unmatched glob)
+    and a run in progress (no model/ yet) are skipped; two folders of one name are refused."""
     runs = [
-        write_run(str(tmp_path / "runs"), f"t__x__{seed}__{seed}", seed, [{"global_step": seed}]) for seed in (1, 2)
+        write_run(str(tmp_path / "runs"), f"t__x__{seed}__{seed}", seed, [{"global_step": seed}]) for seed in (1, 2, 3)
     ]
+    for run in runs[:2]:
+        os.makedirs(os.path.join(run, "model"))
     with open(os.path.join(runs[0], "samples.jsonl"), "w") as f:
         f.write("{}\n")
     os.makedirs(tmp_path / "runs" / "not_a_run")
     out = str(tmp_path / "results")
-    skipped = [str(tmp_path / "runs" / "not_a_run"), str(tmp_path / "runs/y__*")]
+    skipped = [str(tmp_path / "runs" / "not_a_run"), str(tmp_path / "runs/y__*"), runs.pop()]
     registry.main(["copy", "--out", out, runs[0] + "/", runs[1], *skipped])
     assert sorted(os.listdir(out)) == ["t__x__1__1", "t__x__2__2"]
     for run in runs:
@@ -275,6 +277,7 @@ def test_registry_copy_keeps_config_and_metrics_of_run_folders_only(tmp_path):
         for name in ("config.json", "metrics.jsonl"):
             assert open(os.path.join(copied, name)).read() == open(os.path.join(run, name)).read()
     other = write_run(str(tmp_path / "other"), "t__x__1__1", 1, [])  # the same name as a run above: refused
+    os.makedirs(os.path.join(other, "model"))
     with pytest.raises(SystemExit, match="share a name"):
         registry.main(["copy", "--out", out, runs[0], other])
 
