@@ -26,7 +26,8 @@ done
 # same; 4 completions per update either way). What else changes with N: the generation batch (N x larger), and PPO
 # whitens its advantages over the whole batch. --sync: every batch comes from the current weights; PPO with one epoch
 # (more would add staleness). Each script's defaults otherwise (lr 1e-5; T 0.9 for async_rlhf.py, 0.7 for
-# ppo_rlhf.py).
+# ppo_rlhf.py). Disk: each run keeps checkpoints and weights, 2-7 GiB (45 runs: ~150 GiB); a finished run needs only
+# its config.json and metrics.jsonl, which part 3 copies.
 for seed in 1 2 3; do
     for n in 1 16 4 2 8; do
         python async_rlhf.py --sync --no-vllm --loss dpo --num_minibatches "$n" --prompts_per_rank $((2*$n)) \
