@@ -151,7 +151,9 @@ def plot(values, out):
         ax.set_xlabel("N: minibatches per generated batch (the last is N - 1 updates stale)")
         ax.set_title(f"final {metric} (mean ± std over seeds)", fontsize=10)
     axes[2].set_xlabel("the reference's perplexity of the final policy's held-out completions")
-    axes[2].set_title("final eval/score against it, one point per run (larger: larger N)", fontsize=10)
+    axes[2].set_title(
+        "final eval/score against the paper's KL (perplexity), a point per run (larger: larger N)", fontsize=10
+    )
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
