@@ -93,6 +93,8 @@ class Args:
     """weight of the value loss"""
     whiten_rewards: bool = False
     """scale the per-token rewards by their batch std before GAE (the mean is kept)"""
+    whiten_advantages: bool = True
+    """shift and scale the advantages to mean 0 and std 1 over the batch (off: GAE's advantages as they are)"""
     missing_eos_penalty: Optional[float] = -1.0
     """the score of a response with no EOS within response_length, instead of the reward model's (None: keep it)"""
     tis_cap: Optional[float] = 2.0
@@ -340,7 +342,8 @@ def main(args: Args):
 
         # 6. Advantages and returns with GAE, then the advantages whitened over the batch. [B, R]
         advantages, returns = gae_advantages(rewards, old_values, mask, args.gamma, args.lam)
-        advantages = masked_whiten(advantages, mask, sum_processes=sum_processes) * mask
+        if args.whiten_advantages:
+            advantages = masked_whiten(advantages, mask, sum_processes=sum_processes) * mask
         metrics |= rlhf_rollout_metrics(scores, kl, non_score_reward, old_logprobs, mask, has_eos, correct, has_gold)
         if sampler_logprobs is not None:  # the sampler's pi against the trainer's
             metrics |= sampler_gap_metrics(old_logprobs, sampler_logprobs, mask, args.micro_batch_size)

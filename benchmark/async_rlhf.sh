@@ -3,7 +3,8 @@
 # (`python reward_modeling.py` first, saved to runs/reward_model; the verifier's accuracy is the gold score):
 #   1. async against --sync at equal learner steps, seeds 1-3, one run at a time on an otherwise idle machine;
 #   2. the off-policyness sweep of Noukhovitch et al.: N minibatches (optimizer updates) per generated batch, so
-#      that the last minibatch is N - 1 updates stale, for online DPO, RLOO and PPO, N in 1 2 4 8 16, seeds 1-3;
+#      that the last minibatch is N - 1 updates stale, for online DPO, RLOO and PPO, N in 1 2 4 8 16, seeds 1-3, and
+#      PPO without advantage whitening at N = 1 and 16 (a control);
 #   3. the runs' config.json and metrics.jsonl copied to benchmark/results/async_rlhf/ (committed), and the figures,
 #      tables and checks made from the copies.
 #   bash benchmark/async_rlhf.sh      # ~10 min a run in part 1, ~5 in part 2 (2 cores): ~5 h in all
@@ -39,6 +40,15 @@ for seed in 1 2 3; do
             --micro_batch_size 4 --total_steps $((32/$n)) --eval_every 0 --seed "$seed" --exp_name "offpolicy_ppo_n$n"
     done
 done
+# A control for PPO: its advantages left as GAE gives them, at both ends of N (at N = 1 the batch it whitens over
+# is one minibatch, 4 responses; at N = 16, 64).
+for seed in 1 2 3; do
+    for n in 1 16; do
+        python ppo_rlhf.py --no-vllm --num_ppo_epochs 1 --num_minibatches "$n" --prompts_per_rank $((4*$n)) \
+            --micro_batch_size 4 --total_steps $((32/$n)) --eval_every 0 --no-whiten_advantages --seed "$seed" \
+            --exp_name "offpolicy_ppo_nowhiten_n$n"
+    done
+done
 
 # 3. Copies of the runs, then the figures and tables from the copies.
 OUT=benchmark/results/async_rlhf
@@ -53,4 +63,6 @@ python -m benchmark.registry perf --experiments "${SPEED[@]}" --out benchmark/re
 python -m benchmark.registry plot --experiments "${SPEED[@]}" --metric objective/scores eval/score --x time --smooth 3 \
     --out benchmark/results/async_vs_sync_time.png
 python -m benchmark.offpolicy --experiments "online DPO=$OUT/arith_1d__offpolicy_dpo_n*" \
-    "RLOO=$OUT/arith_1d__offpolicy_rloo_n*" "PPO=$OUT/arith_1d__offpolicy_ppo_n*" --out benchmark/results/offpolicy
+    "RLOO=$OUT/arith_1d__offpolicy_rloo_n*" "PPO=$OUT/arith_1d__offpolicy_ppo_n[0-9]*" --out benchmark/results/offpolicy
+python -m benchmark.offpolicy --experiments "PPO=$OUT/arith_1d__offpolicy_ppo_n[0-9]*" \
+    "PPO, advantages not whitened=$OUT/arith_1d__offpolicy_ppo_nowhiten_n*" --out benchmark/results/offpolicy_ppo_whitening
