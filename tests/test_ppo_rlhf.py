@@ -420,6 +420,41 @@ def test_run_logs_the_n_plus_metrics_and_starts_on_policy(make_ppo_args, monkeyp
         assert os.path.isfile(os.path.join(run_dir, name, "model.safetensors"))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("whiten", [True, False])
+def test_the_loss_gets_gae_advantages_whitened_over_the_batch_or_as_they_are(make_ppo_args, monkeypatch, whiten):
+    """--whiten_advantages (default): (A - mean) / std over every real token of the batch, unbiased variance, worked
+    out here in float64; --no-whiten_advantages: GAE's advantages reach the loss unchanged."""
+    gae_out, loss_in = [], []
+    original_gae, original_loss = ppo_rlhf.gae_advantages, ppo_rlhf.ppo_rlhf_loss
+
+    def recording_gae(rewards, values, mask, gamma, lam):
+        advantages, returns = original_gae(rewards, values, mask, gamma, lam)
+        gae_out.append((advantages.clone(), mask.clone()))
+        return advantages, returns
+
+    def recording_loss(*args, advantages, **kwargs):
+        loss_in.append(advantages.clone())
+        return original_loss(*args, advantages=advantages, **kwargs)
+
+    monkeypatch.setattr(ppo_rlhf, "gae_advantages", recording_gae)
+    monkeypatch.setattr(ppo_rlhf, "ppo_rlhf_loss", recording_loss)
+    ppo_rlhf.main(make_ppo_args(total_steps=1, num_ppo_epochs=1, num_eval_prompts=4, whiten_advantages=whiten))
+
+    ((advantages, mask),) = gae_out
+    received = torch.cat(loss_in)  # 2 minibatches x 1 micro-batch of 4, in rollout order: the batch's 8 rows
+    assert received.shape == advantages.shape
+    if not whiten:
+        assert torch.equal(received, advantages)
+        return
+    real = [float(a) for row, m in zip(advantages.double(), mask) for a, keep in zip(row, m) if keep]
+    mean = sum(real) / len(real)
+    std = (sum((a - mean) ** 2 for a in real) / (len(real) - 1) + 1e-8) ** 0.5
+    expected = (advantages.double() - mean) / std * mask
+    torch.testing.assert_close(received.double(), expected, rtol=1e-5, atol=1e-5)
+    assert abs(float(received[mask.bool()].mean())) < 1e-5  # mean 0 over the real tokens
+
+
 def space_token_scores(original, sign):
     """A toy reward model the tiny policy can learn against: sign * the number of tokens so far whose text starts
     with a space (about 65% of the vocabulary), divided by 10, at every position like the real head. The prompt's
