@@ -340,7 +340,7 @@ def main(args: Args):
         if args.whiten_rewards:
             rewards = masked_whiten(rewards, mask, shift_mean=False, sum_processes=sum_processes) * mask
 
-        # 6. Advantages and returns with GAE, then the advantages whitened over the batch. [B, R]
+        # 6. Advantages and returns with GAE, then the advantages whitened over the batch (by default). [B, R]
         advantages, returns = gae_advantages(rewards, old_values, mask, args.gamma, args.lam)
         if args.whiten_advantages:
             advantages = masked_whiten(advantages, mask, sum_processes=sum_processes) * mask

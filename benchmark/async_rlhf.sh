@@ -65,4 +65,5 @@ python -m benchmark.registry plot --experiments "${SPEED[@]}" --metric objective
 python -m benchmark.offpolicy --experiments "online DPO=$OUT/arith_1d__offpolicy_dpo_n*" \
     "RLOO=$OUT/arith_1d__offpolicy_rloo_n*" "PPO=$OUT/arith_1d__offpolicy_ppo_n[0-9]*" --out benchmark/results/offpolicy
 python -m benchmark.offpolicy --experiments "PPO=$OUT/arith_1d__offpolicy_ppo_n[0-9]*" \
-    "PPO, advantages not whitened=$OUT/arith_1d__offpolicy_ppo_nowhiten_n*" --out benchmark/results/offpolicy_ppo_whitening
+    "PPO, advantages not whitened=$OUT/arith_1d__offpolicy_ppo_nowhiten_n*" \
+    --out benchmark/results/offpolicy_ppo_whitening
