@@ -60,10 +60,11 @@ python -m benchmark.registry table --experiments "${SPEED[@]}" \
 python -m benchmark.registry paired --experiments "${SPEED[@]}" --baseline sync \
     --metrics eval/score eval/accuracy wall_clock --out benchmark/results/async_vs_sync_paired.md
 python -m benchmark.registry perf --experiments "${SPEED[@]}" --out benchmark/results/async_vs_sync_perf
-python -m benchmark.registry plot --experiments "${SPEED[@]}" --metric objective/scores eval/score --x time --smooth 3 \
-    --out benchmark/results/async_vs_sync_time.png
+python -m benchmark.registry plot --experiments "${SPEED[@]}" --metric objective/scores eval/score --x time \
+    --smooth 3 --out benchmark/results/async_vs_sync_time.png
 python -m benchmark.offpolicy --experiments "online DPO=$OUT/arith_1d__offpolicy_dpo_n*" \
-    "RLOO=$OUT/arith_1d__offpolicy_rloo_n*" "PPO=$OUT/arith_1d__offpolicy_ppo_n[0-9]*" --out benchmark/results/offpolicy
+    "RLOO=$OUT/arith_1d__offpolicy_rloo_n*" "PPO=$OUT/arith_1d__offpolicy_ppo_n[0-9]*" \
+    --out benchmark/results/offpolicy
 python -m benchmark.offpolicy --experiments "PPO=$OUT/arith_1d__offpolicy_ppo_n[0-9]*" \
     "PPO, advantages not whitened=$OUT/arith_1d__offpolicy_ppo_nowhiten_n*" \
     --out benchmark/results/offpolicy_ppo_whitening
