@@ -40,14 +40,17 @@ for seed in 1 2 3; do
             --micro_batch_size 4 --total_steps $((32/$n)) --eval_every 0 --seed "$seed" --exp_name "offpolicy_ppo_n$n"
     done
 done
-# A control for PPO: its advantages left as GAE gives them, at both ends of N (at N = 1 the batch it whitens over
-# is one minibatch, 4 responses; at N = 16, 64).
+# Controls for PPO, whose batch (what it whitens its advantages over) is one minibatch of 4 responses at N = 1:
+# its advantages left as GAE gives them, at both ends of N; and N = 1 with 8 responses an update (2 micro-batches of
+# 4, 256 samples), the batch of N = 2.
 for seed in 1 2 3; do
     for n in 1 16; do
         python ppo_rlhf.py --no-vllm --num_ppo_epochs 1 --num_minibatches "$n" --prompts_per_rank $((4*$n)) \
             --micro_batch_size 4 --total_steps $((32/$n)) --eval_every 0 --no-whiten_advantages --seed "$seed" \
             --exp_name "offpolicy_ppo_nowhiten_n$n"
     done
+    python ppo_rlhf.py --no-vllm --num_ppo_epochs 1 --num_minibatches 1 --prompts_per_rank 8 --micro_batch_size 4 \
+        --total_steps 32 --eval_every 0 --seed "$seed" --exp_name offpolicy_ppo_batch8_n1
 done
 
 # 3. Copies of the runs, then the figures and tables from the copies.
@@ -67,4 +70,4 @@ python -m benchmark.offpolicy --experiments "online DPO=$OUT/arith_1d__offpolicy
     --out benchmark/results/offpolicy
 python -m benchmark.offpolicy --experiments "PPO=$OUT/arith_1d__offpolicy_ppo_n[0-9]*" \
     "PPO, advantages not whitened=$OUT/arith_1d__offpolicy_ppo_nowhiten_n*" \
-    --out benchmark/results/offpolicy_ppo_whitening
+    "PPO, 8 responses an update=$OUT/arith_1d__offpolicy_ppo_batch8_n*" --out benchmark/results/offpolicy_ppo_controls
