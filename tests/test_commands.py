@@ -255,10 +255,12 @@ def markdown_commands(path):
 
 def shell_commands(path):
     """Commands of a shell file: its lines that are not comments, and the inline code spans of its comments; the
-    variables of its `for` loops take each of their values in turn."""
+    variables of its `for` loops take each of their values in turn (a name two loops bind, every value of both)."""
     with open(os.path.join(REPO_ROOT, path)) as f:
         text = f.read()
-    loops = {m.group(1): shlex.split(m.group(2)) for m in SHELL_LOOP.finditer(text)}
+    loops = collections.defaultdict(list)
+    for m in SHELL_LOOP.finditer(text):
+        loops[m.group(1)] += [value for value in shlex.split(m.group(2)) if value not in loops[m.group(1)]]
     out = []
     for number, line in logical_lines(text):
         if line.lstrip().startswith("#"):
