@@ -4,7 +4,7 @@
 #   1. async against --sync at equal learner steps, seeds 1-3, one run at a time on an otherwise idle machine;
 #   2. the off-policyness sweep of Noukhovitch et al.: N minibatches (optimizer updates) per generated batch, so
 #      that the last minibatch is N - 1 updates stale, for online DPO, RLOO and PPO, N in 1 2 4 8 16, seeds 1-3, and
-#      PPO without advantage whitening at N = 1 and 16 (a control);
+#      two PPO controls (no advantage whitening at N = 1 and 16; N = 1 with 8 responses an update);
 #   3. the runs' config.json and metrics.jsonl copied to benchmark/results/async_rlhf/ (committed), and the figures,
 #      tables and checks made from the copies.
 #   bash benchmark/async_rlhf.sh      # ~10 min a run in part 1, ~5 in part 2 (2 cores): ~5 h in all

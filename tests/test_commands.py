@@ -448,6 +448,16 @@ def test_extraction_of_each_form():
     assert "$NOPE" in unknown.error
 
 
+def test_a_shell_variable_two_loops_bind_takes_the_values_of_both(tmp_path):
+    script = tmp_path / "two_loops.sh"
+    script.write_text(
+        "for n in 1 4; do\n    python ppo_rlhf.py --num_minibatches $n\ndone\n"
+        "for n in 1 16; do\n    python ppo_rlhf.py --num_minibatches $n --no-whiten_advantages\ndone\n"
+    )
+    found = [(c.line, script_argv(c)[1]) for c in shell_commands(str(script))]
+    assert sorted(found) == [(2, n) for n in ("1", "16", "4")] + [(5, n) for n in ("1", "16", "4")]
+
+
 def test_parse_catches_a_bad_flag():
     """tyro's booleans are flags: `--whiten_rewards False` is refused, `--no-whiten_rewards` is accepted."""
     assert "False" in parse_error("ppo_rlhf.py", ["--dtype", "bfloat16", "--whiten_rewards", "False"])
