@@ -70,4 +70,5 @@ python -m benchmark.offpolicy --experiments "online DPO=$OUT/arith_1d__offpolicy
     --out benchmark/results/offpolicy
 python -m benchmark.offpolicy --experiments "PPO=$OUT/arith_1d__offpolicy_ppo_n[0-9]*" \
     "PPO, advantages not whitened=$OUT/arith_1d__offpolicy_ppo_nowhiten_n*" \
-    "PPO, 8 responses an update=$OUT/arith_1d__offpolicy_ppo_batch8_n*" --out benchmark/results/offpolicy_ppo_controls
+    "PPO, 8 responses an update=$OUT/arith_1d__offpolicy_ppo_batch8_n*" --baseline PPO \
+    --out benchmark/results/offpolicy_ppo_controls

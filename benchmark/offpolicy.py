@@ -20,7 +20,9 @@ before the end), async_rlhf.py's the mean over the last N updates' policies, on 
 The check: online DPO's drop from N = 1 to the largest N (the mean over seeds of each seed's final accuracy at N = 1
 minus at the largest N) is the smallest of the objectives. Against each other objective, the paired difference of the
 drops over the seeds both ran at both ends, mean ± its standard error: held when every interval lies above 0, not
-held when one lies below, else inconclusive; fewer than 3 seeds is inconclusive.
+held when one lies below, else inconclusive; fewer than 3 seeds is inconclusive. With --baseline LABEL (controls of
+one objective, e.g. PPO with and without advantage whitening), the check is replaced by each objective minus the
+baseline at each N both ran, seed by seed.
 """
 
 import argparse
@@ -96,11 +98,31 @@ def check(values, subject, metric="eval/accuracy", min_seeds=3):
     )
 
 
+def paired_at_n(values, baseline):
+    """[(label, N, seeds, {metric: (mean, standard error)})]: each other objective minus `baseline` at each N both ran,
+    seed by seed over the seeds both ran (the controls of one objective, whose N range is not the claim's)."""
+    rows = []
+    for label, table in values.items():
+        for n in sorted(set(table) & set(values[baseline])) if label != baseline else []:
+            mine, theirs = table[n], values[baseline][n]
+            seeds = sorted(
+                s for s in set(mine) & set(theirs) if None not in [r[s][m] for r in (mine, theirs) for m in FINAL]
+            )
+            if not seeds:
+                continue
+            cells = {}
+            for m in FINAL:
+                mean, std, k = mean_std([mine[s][m] - theirs[s][m] for s in seeds])
+                cells[m] = (mean, None if std is None else std / math.sqrt(k))
+            rows.append((label, n, seeds, cells))
+    return rows
+
+
 def fmt(value, digits=3):
     return "–" if value is None else f"{value:.{digits}f}"
 
 
-def report(values, subject):
+def report(values, subject, baseline=None):
     names = [*FINAL, PERPLEXITY, *TRAINING]
     header = ["objective", "N", "seed", *FINAL.values(), "reference perplexity"]
     header += [f"{t} (last step)" for t in TRAINING.values()]
@@ -117,6 +139,14 @@ def report(values, subject):
             summary.append([label, str(n), str(len(seeds)), *cells])
     text = "\n".join("| " + " | ".join(r) + " |" for r in rows) + "\n\n"
     text += "Mean ± std over seeds (ddof 1):\n\n" + "\n".join("| " + " | ".join(r) + " |" for r in summary) + "\n\n"
+    if baseline:
+        text += f"Each objective minus {baseline} at the same N, seed by seed (mean ± standard error):\n\n"
+        text += "| objective | N | seeds | " + " | ".join(f"{t} - {baseline}" for t in FINAL.values()) + " |\n"
+        text += "| --- | --- | --- |" + " --- |" * len(FINAL) + "\n"
+        for label, n, seeds, cells in paired_at_n(values, baseline):
+            diffs = [f"{mean:+.3f} ± {fmt(se)}" for mean, se in cells.values()]
+            text += f"| {label} | {n} | {', '.join(map(str, seeds))} | " + " | ".join(diffs) + " |\n"
+        return text
     text += "| claim | verdict | numbers |\n| --- | --- | --- |\n"
     for metric in FINAL:
         claim, verdict, numbers = check(values, subject, metric)
@@ -168,17 +198,20 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--experiments", nargs="+", required=True, help="LABEL=GLOB, one objective each")
     parser.add_argument("--subject", default=None, help="the objective the claim is about (default: the first)")
+    parser.add_argument(
+        "--baseline", default=None, help="instead of the claim, each objective minus this one at the same N"
+    )
     parser.add_argument("--out", default=None, help="write {out}.md and {out}.png")
     args = parser.parse_args(argv)
     values = {}
     for spec in args.experiments:
         label, pattern = parse_experiment(spec)
         values[label] = by_n(find_runs(pattern, all_runs=True))
-    subject = args.subject or parse_experiment(args.experiments[0])[0]
+    subject = args.baseline or args.subject or parse_experiment(args.experiments[0])[0]
     if not values.get(subject):
-        raise SystemExit(f"error: the claim's subject {subject!r} has no runs (labels: {list(values)})")
+        raise SystemExit(f"error: {subject!r} has no runs (labels: {list(values)})")
     values = {label: table for label, table in values.items() if table}
-    write_text(report(values, subject), f"{args.out}.md" if args.out else None)
+    write_text(report(values, subject, args.baseline), f"{args.out}.md" if args.out else None)
     if args.out:
         print(f"wrote {plot(values, args.out + '.png')}")
 

@@ -1135,6 +1135,32 @@ def test_offpolicy_check_verdicts_worked_out_here(tmp_path):
             offpolicy.by_n(offpolicy.find_runs(path, all_runs=True))
 
 
+def test_offpolicy_baseline_compares_at_the_same_n_seed_by_seed(tmp_path):
+    """--baseline: each control minus the baseline at every N both ran, over the seeds both ran; no claim."""
+    from benchmark import offpolicy
+
+    objectives = {
+        "ppo": {1: {1: 0.50, 2: 0.60, 3: 0.40}, 16: {1: 0.60, 2: 0.62}},
+        "nowhiten": {1: {1: 0.40, 2: 0.70}, 16: {2: 0.66}},  # N = 1: -0.10 / +0.10; N = 16: +0.04 (seed 2 only)
+        "batch8": {1: {1: 0.70}},
+        "other": {4: {1: 0.5}},  # no N shared with ppo: no row
+    }
+    specs = write_offpolicy_runs(str(tmp_path / "runs"), objectives)
+    out = str(tmp_path / "controls")
+    offpolicy.main(["--experiments", *specs, "--baseline", "ppo", "--out", out])
+    text = open(out + ".md").read()
+    assert "claim" not in text and "**" not in text
+    rows = [line for line in text.splitlines() if line.startswith("| nowhiten |") or line.startswith("| batch8 |")]
+    rows = [line for line in rows if line.count("|") == 6]
+    se = np.std([-0.10, 0.10], ddof=1) / np.sqrt(2)
+    assert rows == [
+        f"| nowhiten | 1 | 1, 2 | +0.000 ± {se:.3f} | +0.000 ± {2 * se:.3f} |",
+        "| nowhiten | 16 | 2 | +0.040 ± – | +0.080 ± – |",
+        "| batch8 | 1 | 1 | +0.200 ± – | +0.400 ± – |",
+    ]
+    assert not any(line.startswith("| other | 4 | 1 | +") for line in text.splitlines())
+
+
 def test_gpu_check_summary_reads_the_first_training_step_and_the_last_evaluation(tmp_path, capsys):
     """benchmark/gpu_check.py's table: step 1's KL / ratio / approxkl / grad norm (reward_modeling's
     objective/grad_norm in the same column), seconds per step after step 1, the last evaluation's eval/ keys."""
