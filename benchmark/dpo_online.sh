@@ -24,10 +24,16 @@ for seed in 1 2 3; do
     python dpo_online.py --seed "$seed" --prompts_per_rank 4 --total_steps 40 --exp_name ppo_vs_dpo_dpo
     python ppo_rlhf.py --seed "$seed" --kl_coef 0.2 --exp_name ppo_vs_dpo_ppo_kl0.2
 done
+# The second control, seeds 1-2 only (one session's time): PPO with twice the batch (16 prompts a step) over half the
+# steps, the same 320 samples, to see whether a larger batch (one of Xu et al.'s factors) closes the gap.
+for seed in 1 2; do
+    python ppo_rlhf.py --seed "$seed" --prompts_per_rank 16 --total_steps 20 --exp_name ppo_vs_dpo_ppo_batch16
+done
 OUT=benchmark/results/ppo_vs_dpo
 python -m benchmark.registry copy --out "$OUT" runs/arith_1d__ppo_vs_dpo_*__[123]__*
 PAIR=("dpo_online=$OUT/arith_1d__ppo_vs_dpo_dpo__*" "ppo_rlhf=$OUT/arith_1d__ppo_vs_dpo_ppo__*"
-    "ppo_rlhf_kl0.2=$OUT/arith_1d__ppo_vs_dpo_ppo_kl0.2__*")
+    "ppo_rlhf_kl0.2=$OUT/arith_1d__ppo_vs_dpo_ppo_kl0.2__*"
+    "ppo_rlhf_batch16=$OUT/arith_1d__ppo_vs_dpo_ppo_batch16__*")
 python -m benchmark.registry plot --experiments "${PAIR[@]}" --metric eval/score eval/accuracy objective/scores \
     objective/kl eval/ref_perplexity --smooth 5 --out benchmark/results/ppo_vs_dpo_step.png
 python -m benchmark.registry plot --experiments "${PAIR[@]}" --metric eval/score eval/accuracy objective/scores \
