@@ -44,6 +44,7 @@ import contextlib
 import itertools
 import json
 import logging
+import math
 import os
 import queue
 import re
@@ -196,7 +197,7 @@ def async_dpo_loss(logprobs, mask, ref_sequence_logps, sampler_logprobs, keep, n
     ref_chosen, ref_rejected = ref_sequence_logps.split(num_pairs)
     losses = dpo_loss(chosen_logps, rejected_logps, ref_chosen, ref_rejected, args.beta, args.loss_type)
     weights = keep
-    if sampler_logprobs is not None and args.tis_cap is not None:  # the pair came from vLLM's pi, not the trainer's
+    if sampler_logprobs is not None and args.tis_cap:  # None or 0: off; the pair is vLLM's, not the trainer's
         pair_logps = (logprobs.detach() * mask).sum(1).view(2, -1).sum(0)  # log pi(chosen) + log pi(rejected) [b]
         pair_sampler_logps = (sampler_logprobs * mask).sum(1).view(2, -1).sum(0)
         tis = truncated_importance_weights(pair_logps, pair_sampler_logps, args.tis_cap)
@@ -376,7 +377,9 @@ def dpo_update(model, optimizer, scheduler, accelerator, args, batch, scores, st
                 )
             for name, value in (micro_stats | more_stats).items():
                 stats[name].append(value)
-        stats["policy/grad_norm"].append(clip_gradients(accelerator, model, args.max_grad_norm, step, last_checkpoint))
+        grad_norm = clip_gradients(accelerator, model, args.max_grad_norm, step, last_checkpoint)
+        stats["policy/grad_norm"].append(grad_norm)
+        stats["policy/skipped_updates"].append(float(grad_norm != grad_norm))  # NaN: fp16's loss scaler skipped it
         record_staleness(stats, (step - batch["version"]) * args.num_minibatches + start // args.minibatch_size)
         lr = scheduler.get_last_lr()[0]  # the learning rate of this update
         optimizer.step()
@@ -442,7 +445,9 @@ def rloo_update(model, optimizer, scheduler, accelerator, args, batch, judged, s
                 )
             for name, value in (micro_stats | more_stats).items():
                 stats[name].append(value)
-        stats["policy/grad_norm"].append(clip_gradients(accelerator, model, args.max_grad_norm, step, last_checkpoint))
+        grad_norm = clip_gradients(accelerator, model, args.max_grad_norm, step, last_checkpoint)
+        stats["policy/grad_norm"].append(grad_norm)
+        stats["policy/skipped_updates"].append(float(grad_norm != grad_norm))  # NaN: fp16's loss scaler skipped it
         record_staleness(stats, (step - batch["version"]) * args.num_minibatches + start // args.minibatch_size)
         lr = scheduler.get_last_lr()[0]  # the learning rate of this update
         optimizer.step()
@@ -1415,12 +1420,16 @@ def check_finite(accelerator, values, name, step, last_checkpoint):
 
 
 def clip_gradients(accelerator, model, max_grad_norm, step, last_checkpoint):
-    """Clip the gradients to max_grad_norm; returns their global norm, the same on every process. A non-finite norm
+    """Clip the gradients to max_grad_norm; returns their global norm, the same on every process, or NaN for an update
+    that fp16's loss scaler skips (accelerate's GradScaler or DeepSpeed's: an overflow is their signal to skip the
+    step and lower the scale, so the weights stay finite; the averages leave NaN out). Elsewhere a non-finite norm
     (a finite loss whose backward overflowed) stops the run before the optimizer step, so that non-finite weights are
     never checkpointed (DeepSpeed steps inside accelerator.backward: there, before the next checkpoint)."""
-    grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
-    check_finite(accelerator, grad_norm, "gradient norm", step, last_checkpoint)
-    return float(grad_norm)
+    grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), max_grad_norm))
+    deepspeed_fp16 = accelerator.state.deepspeed_plugin is not None and accelerator.mixed_precision == "fp16"
+    if accelerator.scaler is None and not deepspeed_fp16:
+        check_finite(accelerator, grad_norm, "gradient norm", step, last_checkpoint)
+    return grad_norm if math.isfinite(grad_norm) else float("nan")
 
 
 def load_tokenizer(model_name_or_path, trust_remote_code, prompt_template=None):
@@ -1499,6 +1508,11 @@ def make_accelerator(micro_batch_size, gradient_accumulation_steps, max_grad_nor
     --config_file`), on GPUs or on CPU. The scheduler is stepped by hand once per optimizer step (accelerate's
     default would step it once per process)."""
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    if deepspeed:  # before 0.19.2 its bf16 cast rounded the buffers (RoPE's) too, which frozen() keeps: KL 0 at step 0
+        from deepspeed import __version__ as version
+        from packaging.version import Version
+
+        require(Version(version) >= Version("0.19.2"), f"DeepSpeed {version} is installed; the scripts need >= 0.19.2")
     no_gpu = not torch.cuda.is_available()
     # On CPU, cpu=True connects DDP processes (gloo); under DeepSpeed it would switch DeepSpeed off: gloo is named.
     gloo = [InitProcessGroupKwargs(backend="gloo")] if deepspeed and no_gpu else []
@@ -1949,7 +1963,7 @@ def check_common_args(args, paths=(), compares_logprobs=True):
     vllm_top_p = f"--top_p {args.top_p} with vLLM: its log-probs would be over the nucleus, the trainer's over the "
     require(not (compares_logprobs and args.vllm and args.top_p < 1), vllm_top_p + "vocabulary; use 1, or --no-vllm")
     if getattr(args, "tis_cap", None) is not None:
-        require(args.tis_cap > 0, f"--tis_cap must be > 0 (or None to turn it off); got {args.tis_cap}")
+        require(args.tis_cap >= 0, f"--tis_cap must be > 0 (0: off); got {args.tis_cap}")
     if getattr(args, "vllm_sleep", False):
         require(not args.vllm or torch.cuda.is_available(), "--vllm_sleep needs vLLM on a GPU (CUDA / ROCm / XPU)")
     template = args.prompt_template

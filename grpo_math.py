@@ -27,6 +27,7 @@ import contextlib
 import itertools
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -71,26 +72,31 @@ class Args:
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
     """gradient clipping"""
-    clip_eps_low: float = 0.2
-    """ratio clip below 1 - eps_low"""
-    clip_eps_high: float = 0.2
-    """ratio clip above 1 + eps_high (DAPO clip-higher: 0.28)"""
+    clip_eps_low: Optional[float] = None
+    """ratio clip below 1 - eps_low (None: 0.2; GSPO's 3e-4 with --importance_sampling_level sequence)"""
+    clip_eps_high: Optional[float] = None
+    """ratio clip above 1 + eps_high (None: 0.2, GSPO's 4e-4 at the sequence level; DAPO clip-higher: 0.28)"""
     beta: float = 0.04
     """coefficient of the KL to the reference in the loss (0: no reference is loaded; 0.04 as in the GRPO paper)"""
     kl_estimator: Literal["k2", "k3"] = "k3"
     """per-token KL estimator in the loss: k3's gradient is that of KL(pi_ref || pi), k2's of KL(pi || pi_ref)"""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """divide centred rewards by the group std (GRPO), the batch std, or nothing (Dr. GRPO)"""
-    loss_type: Literal["token_mean", "seq_mean_token_mean", "constant"] = "token_mean"
-    """loss aggregation: mean over all tokens (DAPO), mean of per-sequence means (GRPO), or sum / (B * L) (Dr. GRPO)"""
+    loss_type: Optional[Literal["token_mean", "seq_mean_token_mean", "constant"]] = None
+    """loss aggregation: mean over all tokens (DAPO), mean of per-sequence means (GRPO), or sum / (B * L) (Dr. GRPO)
+    (None: token_mean; seq_mean_token_mean, GSPO's, at the sequence level)"""
     format_reward: float = 0.0
     """added to the reward of a completion that states its answer after 'Answer:'"""
-    tis_cap: Optional[float] = 2.0
-    """truncated importance sampling for vLLM samples: weight tokens by min(pi_train / pi_vllm, cap); None: off"""
+    tis_cap: Optional[float] = None
+    """truncated importance sampling for vLLM samples: weight tokens by min(pi_train / pi_vllm, cap) (None: 2.0, or
+    no cap with --mis_range: the kept tokens carry the ratio itself; 0: off)"""
     mis_range: Optional[tuple[float, float]] = None
     """masked importance sampling (IcePop) for vLLM samples: drop tokens whose pi_train / pi_vllm is outside it"""
+    mis_level: Literal["token", "sequence"] = "token"
+    """the ratio --mis_range masks: each token's (IcePop), or its sequence's geometric mean"""
     importance_sampling_level: Literal["token", "sequence"] = "token"
-    """sequence: every ratio is its sequence's geometric mean of token ratios, clipped per sequence (GSPO)"""
+    """sequence: every ratio is its sequence's geometric mean of token ratios, clipped per sequence (GSPO; brings
+    GSPO's clip range and aggregation unless they are set)"""
     cispo_cap: Optional[float] = None
     """CISPO (MiniMax-M1): weight each token's log-prob gradient by min(ratio, cap), detached; None: PPO's clip"""
     overlong_buffer: int = 0
@@ -194,11 +200,13 @@ def sequence_mean(logprobs, mask):
     return masked_mean(logprobs, mask, dim=1).unsqueeze(1).expand_as(logprobs)
 
 
-def masked_importance_weights(logprobs, sampler_logprobs, low, high):
-    """Masked importance sampling (IcePop; the TIS note's follow-ups): 1 where pi / pi_sampler is within [low, high],
-    else 0: those tokens leave the loss instead of being reweighted. [B, R] -> [B, R]"""
+def masked_importance_weights(logprobs, sampler_logprobs, low, high, cap=None):
+    """Masked importance sampling (IcePop; the TIS note's follow-ups): a token whose ratio pi / pi_sampler is within
+    [low, high] weighs that ratio (or min(ratio, cap)), any other weighs 0: it leaves the loss instead of being
+    reweighted. [B, R] -> [B, R]"""
     ratio = torch.exp(logprobs - sampler_logprobs)
-    return ((ratio >= low) & (ratio <= high)).to(logprobs.dtype)
+    kept = ratio if cap is None else torch.clamp(ratio, max=cap)
+    return torch.where((ratio >= low) & (ratio <= high), kept, torch.zeros_like(ratio))
 
 
 def overlong_penalty(lengths, response_length, buffer):
@@ -241,14 +249,18 @@ def grpo_loss(
     else:
         token_loss, ratio = cispo_surrogate(lp, old, logprobs, advantages, args.cispo_cap)
     stats = {}
-    if sampled is not None and args.tis_cap is not None:
+    if sampled is not None and args.mis_range is not None:  # masked IS, at its own level (IcePop: every token's)
+        pair = (old_logprobs, sampler_logprobs)
+        if args.mis_level == "sequence":
+            pair = (sequence_mean(x, mask) for x in pair)
+        weights = masked_importance_weights(*pair, *args.mis_range, args.tis_cap or None)
+        token_loss = token_loss * weights
+        stats["objective/tis_weight"] = token_mean(weights, mask)
+        stats["objective/mis_masked_fraction"] = token_mean((weights == 0).float(), mask)
+    elif sampled is not None and args.tis_cap:  # 0 or None: off
         tis = truncated_importance_weights(old, sampled, args.tis_cap)
         token_loss = token_loss * tis
         stats["objective/tis_weight"] = token_mean(tis, mask)
-    if sampled is not None and args.mis_range is not None:
-        kept = masked_importance_weights(old, sampled, *args.mis_range)
-        token_loss = token_loss * kept
-        stats["objective/mis_masked_fraction"] = 1 - token_mean(kept, mask)
     if args.entropy_coef:
         token_loss = token_loss - args.entropy_coef * entropy_from_logits(logits)
     if args.beta > 0:
@@ -274,9 +286,27 @@ def compute_rewards(completions, golds, format_reward):
     return correct + format_reward * formatted, correct, formatted
 
 
+def resolve_defaults(args):
+    """What None means for the flags whose default depends on another (config.json records the result): at the
+    sequence level GSPO's clip range 3e-4 / 4e-4 and its mean of sequence losses (arXiv 2507.18071, Sec. 5.1: with a
+    token mean a sequence weighs by its length, and a 0.2 clip hardly ever binds on a geometric-mean ratio), else
+    0.2 / 0.2 and the token mean; truncated IS at cap 2 unless a mask range is given (IcePop: the kept tokens carry
+    their ratio)."""
+    gspo = args.importance_sampling_level == "sequence"
+    defaults = dict(clip_eps_low=3e-4 if gspo else 0.2, clip_eps_high=4e-4 if gspo else 0.2)
+    defaults |= dict(loss_type="seq_mean_token_mean" if gspo else "token_mean")
+    defaults |= dict(tis_cap=2.0 if args.mis_range is None else 0.0)
+    filled = {name: value for name, value in defaults.items() if getattr(args, name) is None}
+    for name, value in filled.items():
+        setattr(args, name, value)
+    if gspo and filled:
+        warnings.warn(f"GSPO's defaults at the sequence level: {filled}", stacklevel=2)
+    return args
+
+
 def main(args: Args):
     # Setup: processes, data, models, sampler, run folder (the helpers are below the fence).
-    check_args(args)
+    check_args(resolve_defaults(args))
     G = args.num_generations  # the group size
     args.batch_size = args.prompts_per_rank * G
     args.minibatch_size = args.batch_size // args.num_minibatches
@@ -324,12 +354,13 @@ def main(args: Args):
             rewards = rewards + overlong_penalty(mask.sum(1), args.response_length, args.overlong_buffer)
         check_finite(accelerator, rewards, "objective/scores", step, run.last_checkpoint)
         metrics |= rollout_metrics(rewards, correct, formatted, responses, mask, G, sampler.stop_ids)
-        if args.oversample > 1:  # dynamic sampling: train on prompts_per_rank groups, those with a signal first
-            keep = select_groups(rewards, G, args.prompts_per_rank)  # [B]
-            responses, mask, rewards = responses[keep], mask[keep], rewards[keep]
+        if args.oversample > 1:  # dynamic sampling: train on prompts_per_rank groups, those with a signal first; the
+            # signal is accuracy (DAPO), not the length shaping, which separates completions of any group [B]
+            keep = select_groups(correct, G, args.prompts_per_rank)
+            responses, mask, rewards, correct = responses[keep], mask[keep], rewards[keep], correct[keep]
             sampler_logprobs = take(sampler_logprobs, keep)
             prompts = [prompts[i // G] for i in keep[::G].tolist()]
-            metrics["objective/zero_std_groups_trained"] = (rewards.view(-1, G).std(1) == 0).float().mean().item()
+            metrics["objective/zero_std_groups_trained"] = (correct.view(-1, G).std(1) == 0).float().mean().item()
         query_responses, attention_mask, mask, sampler_logprobs, context_length = training_batch(
             prompts, G, responses, mask, sampler_logprobs, tokenizer.pad_token_id, accelerator.device
         )
@@ -391,6 +422,7 @@ def main(args: Args):
                 stats["loss/policy"].append(minibatch_loss)
                 grad_norm = clip_gradients(accelerator, model, args.max_grad_norm, step, run.last_checkpoint)
                 stats["policy/grad_norm"].append(grad_norm)
+                stats["policy/skipped_updates"].append(float(grad_norm != grad_norm))  # NaN: fp16's scaler skipped it
                 lr = scheduler.get_last_lr()[0]  # the learning rate of this update
                 optimizer.step()
                 scheduler.step()
@@ -985,12 +1017,16 @@ def check_finite(accelerator, values, name, step, last_checkpoint):
 
 
 def clip_gradients(accelerator, model, max_grad_norm, step, last_checkpoint):
-    """Clip the gradients to max_grad_norm; returns their global norm, the same on every process. A non-finite norm
+    """Clip the gradients to max_grad_norm; returns their global norm, the same on every process, or NaN for an update
+    that fp16's loss scaler skips (accelerate's GradScaler or DeepSpeed's: an overflow is their signal to skip the
+    step and lower the scale, so the weights stay finite; the averages leave NaN out). Elsewhere a non-finite norm
     (a finite loss whose backward overflowed) stops the run before the optimizer step, so that non-finite weights are
     never checkpointed (DeepSpeed steps inside accelerator.backward: there, before the next checkpoint)."""
-    grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
-    check_finite(accelerator, grad_norm, "gradient norm", step, last_checkpoint)
-    return float(grad_norm)
+    grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), max_grad_norm))
+    deepspeed_fp16 = accelerator.state.deepspeed_plugin is not None and accelerator.mixed_precision == "fp16"
+    if accelerator.scaler is None and not deepspeed_fp16:
+        check_finite(accelerator, grad_norm, "gradient norm", step, last_checkpoint)
+    return grad_norm if math.isfinite(grad_norm) else float("nan")
 
 
 def load_tokenizer(model_name_or_path, trust_remote_code, prompt_template=None):
@@ -1069,6 +1105,11 @@ def make_accelerator(micro_batch_size, gradient_accumulation_steps, max_grad_nor
     --config_file`), on GPUs or on CPU. The scheduler is stepped by hand once per optimizer step (accelerate's
     default would step it once per process)."""
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    if deepspeed:  # before 0.19.2 its bf16 cast rounded the buffers (RoPE's) too, which frozen() keeps: KL 0 at step 0
+        from deepspeed import __version__ as version
+        from packaging.version import Version
+
+        require(Version(version) >= Version("0.19.2"), f"DeepSpeed {version} is installed; the scripts need >= 0.19.2")
     no_gpu = not torch.cuda.is_available()
     # On CPU, cpu=True connects DDP processes (gloo); under DeepSpeed it would switch DeepSpeed off: gloo is named.
     gloo = [InitProcessGroupKwargs(backend="gloo")] if deepspeed and no_gpu else []
@@ -1270,12 +1311,13 @@ def stopped(responses, mask, stop_ids):
 
 
 def rollout_metrics(rewards, correct, formatted, responses, mask, group_size, stop_ids):
-    """What the sampled completions scored, and how long they were. All [N] or [N, R]."""
+    """What the sampled completions scored, and how long they were. All [N] or [N, R]. A zero-std group is one whose
+    completions are all right or all wrong (DAPO's groups without a signal), whatever the format and length shaping."""
     return {
         "objective/scores": rewards.mean().item(),
         "objective/accuracy": correct.mean().item(),
         "objective/format": formatted.mean().item(),
-        "objective/zero_std_groups": (rewards.view(-1, group_size).std(1) == 0).float().mean().item(),
+        "objective/zero_std_groups": (correct.view(-1, group_size).std(1) == 0).float().mean().item(),
         "objective/response_length": mask.sum(1).float().mean().item(),
         "val/num_eos_tokens": (torch.isin(responses, torch.tensor(stop_ids)) & (mask > 0)).sum().item(),
     }
@@ -1575,7 +1617,7 @@ def check_common_args(args, paths=(), compares_logprobs=True):
     vllm_top_p = f"--top_p {args.top_p} with vLLM: its log-probs would be over the nucleus, the trainer's over the "
     require(not (compares_logprobs and args.vllm and args.top_p < 1), vllm_top_p + "vocabulary; use 1, or --no-vllm")
     if getattr(args, "tis_cap", None) is not None:
-        require(args.tis_cap > 0, f"--tis_cap must be > 0 (or None to turn it off); got {args.tis_cap}")
+        require(args.tis_cap >= 0, f"--tis_cap must be > 0 (0: off); got {args.tis_cap}")
     if getattr(args, "vllm_sleep", False):
         require(not args.vllm or torch.cuda.is_available(), "--vllm_sleep needs vLLM on a GPU (CUDA / ROCm / XPU)")
     template = args.prompt_template

@@ -248,7 +248,7 @@ def ppo_prm_loss(
     pg_token_loss, ratio, pg_clipped = ppo_policy_loss(logprobs, old_logprobs, advantages, args.cliprange)
     vf_token_loss, vf_clipped = clipped_value_loss(values, old_values, returns, args.cliprange_value)
     stats = {}
-    if sampler_logprobs is not None and args.tis_cap is not None:
+    if sampler_logprobs is not None and args.tis_cap:  # None or 0: off
         tis = truncated_importance_weights(old_logprobs, sampler_logprobs, args.tis_cap)
         pg_token_loss = pg_token_loss * tis
         stats["objective/tis_weight"] = masked_mean(tis, mask).item()
@@ -440,6 +440,7 @@ def main(args: Args):
                     del logits
                 grad_norm = clip_gradients(accelerator, model, args.max_grad_norm, step, run.last_checkpoint)
                 stats["policy/grad_norm"].append(grad_norm)
+                stats["policy/skipped_updates"].append(float(grad_norm != grad_norm))  # NaN: fp16's scaler skipped it
                 lr = scheduler.get_last_lr()[0]  # the learning rate of this update
                 optimizer.step()
                 scheduler.step()
@@ -1051,12 +1052,16 @@ def check_finite(accelerator, values, name, step, last_checkpoint):
 
 
 def clip_gradients(accelerator, model, max_grad_norm, step, last_checkpoint):
-    """Clip the gradients to max_grad_norm; returns their global norm, the same on every process. A non-finite norm
+    """Clip the gradients to max_grad_norm; returns their global norm, the same on every process, or NaN for an update
+    that fp16's loss scaler skips (accelerate's GradScaler or DeepSpeed's: an overflow is their signal to skip the
+    step and lower the scale, so the weights stay finite; the averages leave NaN out). Elsewhere a non-finite norm
     (a finite loss whose backward overflowed) stops the run before the optimizer step, so that non-finite weights are
     never checkpointed (DeepSpeed steps inside accelerator.backward: there, before the next checkpoint)."""
-    grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
-    check_finite(accelerator, grad_norm, "gradient norm", step, last_checkpoint)
-    return float(grad_norm)
+    grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), max_grad_norm))
+    deepspeed_fp16 = accelerator.state.deepspeed_plugin is not None and accelerator.mixed_precision == "fp16"
+    if accelerator.scaler is None and not deepspeed_fp16:
+        check_finite(accelerator, grad_norm, "gradient norm", step, last_checkpoint)
+    return grad_norm if math.isfinite(grad_norm) else float("nan")
 
 
 def load_tokenizer(model_name_or_path, trust_remote_code, prompt_template=None):
@@ -1215,6 +1220,11 @@ def make_accelerator(micro_batch_size, gradient_accumulation_steps, max_grad_nor
     --config_file`), on GPUs or on CPU. The scheduler is stepped by hand once per optimizer step (accelerate's
     default would step it once per process)."""
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    if deepspeed:  # before 0.19.2 its bf16 cast rounded the buffers (RoPE's) too, which frozen() keeps: KL 0 at step 0
+        from deepspeed import __version__ as version
+        from packaging.version import Version
+
+        require(Version(version) >= Version("0.19.2"), f"DeepSpeed {version} is installed; the scripts need >= 0.19.2")
     no_gpu = not torch.cuda.is_available()
     # On CPU, cpu=True connects DDP processes (gloo); under DeepSpeed it would switch DeepSpeed off: gloo is named.
     gloo = [InitProcessGroupKwargs(backend="gloo")] if deepspeed and no_gpu else []
@@ -1622,20 +1632,34 @@ def step_token_indices(char_ends, spans):
 
 
 def evaluate_arithmetic(expression):
-    """The value of an arithmetic expression of numbers, + - * / (also × ÷) and parentheses, as a float; None
-    when it is anything else, does not parse, divides by zero or overflows. Parsed with ast, never eval."""
-    expression = expression.replace("×", "*").replace("÷", "/").strip()
+    """The value of an arithmetic expression of numbers, + - * / (also × ÷), powers (** or ^, also ² ³), square
+    roots (√16, √(16), sqrt(16)) and parentheses, as a float; None when it is anything else, does not parse, divides
+    by zero, overflows, has an exponent beyond ±1000 (the text is model output) or the root or fractional power of a
+    negative number. Parsed with ast, never eval."""
+    for symbol, python in ("×", "*"), ("÷", "/"), ("^", "**"), ("²", "**2"), ("³", "**3"):
+        expression = expression.replace(symbol, python)
+    expression = re.sub(r"√[ \t]*(\d*\.?\d+)", r"sqrt(\1)", expression).replace("√", "sqrt").strip()
     if not expression or len(expression) > 200:
         return None
+
+    def power(base, exponent):
+        if abs(exponent) > 1000:
+            raise ValueError("exponent out of range")
+        return math.pow(base, exponent)  # ValueError for (-8) ** 0.5, OverflowError for 10 ** 400
+
+    ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+    ops[ast.Pow] = power
 
     def value(node):
         if isinstance(node, ast.Constant) and type(node.value) in (int, float):
             return float(node.value)
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
             return value(node.operand) * (-1 if isinstance(node.op, ast.USub) else 1)
-        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub, ast.Mult, ast.Div)):
-            ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+        if isinstance(node, ast.BinOp) and type(node.op) in ops:
             return ops[type(node.op)](value(node.left), value(node.right))
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "sqrt" and not node.keywords:
+            (argument,) = node.args  # ValueError unless exactly one
+            return math.sqrt(value(argument))
         raise ValueError("not arithmetic")
 
     try:
@@ -1646,15 +1670,30 @@ def evaluate_arithmetic(expression):
 
 
 def step_arithmetic(step):
-    """The verdict on a step's equations: False when one of them is wrong, True when it has some and all hold,
+    r"""The verdict on a step's equations: False when one of them is wrong, True when it has some and all hold,
     None when it has none that can be checked. An equation is a run of numbers, operators, parentheses and '='
-    ("3 + 4 = 7", "2 * 3 = 6 = 12 / 2"); it holds when all its sides that evaluate are equal, and is checkable when
-    at least two do. A side glued to a word ("x + 3", "2x") is part of an expression with a variable: not checked.
-    A period not between digits ends a sentence; a comma between digits groups thousands. Between two numbers,
-    "x", "times", "multiplied by", "plus", "minus", "divided by", "over" and "·" are operators, and a percentage
-    of a number ("50% of 10", "50 percent of 10", "10 x 50%") is read as n / 100."""
-    text = step.replace("\u2212", "-")
-    operand = r"[ \t]*(?=\(|-?\.?\d)"  # what follows an operator: "(" or a number
+    ("3 + 4 = 7", "2 * 3 = 6 = 12 / 2", "2^3 = 8", "√16 = 4"); it holds when all its sides that evaluate (see
+    evaluate_arithmetic) are equal, and is checkable when at least two do. A side that is a number written with d >= 1
+    decimals stands for the values that round to it ("10 / 3 = 3.33": within 0.5 * 10^-d); a whole number is exact
+    ("7 / 2 = 3" is wrong). A side glued to a word or "_" ("x + 3", "2x", "x^2", "a_1") is part of an expression with
+    a variable: not checked. A period not between digits ends a sentence; a comma between digits groups thousands.
+    Between two numbers, "x", "times", "multiplied by", "plus", "minus", "divided by", "over" and "·" are operators,
+    and a percentage of a number ("50% of 10", "50 percent of 10", "10 x 50%") is read as n / 100. LaTeX is read:
+    \frac{a}{b} (also \dfrac, \tfrac) as (a)/(b), \sqrt{a}, a^{b}, \times, \cdot, \div; the delimiters \( \) \[ \]
+    \left \right and $ are dropped (so "$12" is 12). "**" between two numbers is a power, anywhere else Markdown bold
+    (dropped). A GSM8K calculator annotation ("48/2 = <<48/2=24>>24") is an equation of its own, checked apart."""
+    text = step.replace("\u2212", "-").replace("\\%", "%")
+    annotations = re.findall(r"<<([^<>]*)>>", text)
+    text = re.sub(r"<<[^<>]*>>", "", text) + "".join(f"; {annotation}" for annotation in annotations)
+    braced = r"\{([^{}]*)\}"  # a LaTeX argument without braces: nested ones are read from the innermost out
+    latex = {rf"\\[dt]?frac{braced}{braced}": r"((\1)/(\2))", rf"\\sqrt{braced}": r"√(\1)", rf"\^{braced}": r"^(\1)"}
+    while any(re.search(pattern, text) for pattern in latex):
+        for pattern, replacement in latex.items():
+            text = re.sub(pattern, replacement, text)
+    text = re.sub(r"\\[()\[\]]|\\left|\\right|\$", " ", text)
+    text = re.sub(r"\\?\bsqrt(?=[ \t]*\()", "√", text)
+    text = re.sub(r"(?<=[\d)])\*\*(?=[-\d(√.])|(?<=[\d)] )\*\*(?= [-\d(√.])", "^", text).replace("**", " ")
+    operand = r"[ \t]*(?=[(√]|-?\.?\d)"  # what follows an operator: "(", a root or a number
     percent = r"[ \t]*(?:%|percent(?![a-z]))"
     times = r"x|·|\\times|\\cdot|times|multiplied[ \t]+by"  # between two numbers, like * and ×
     rules = [
@@ -1669,19 +1708,26 @@ def step_arithmetic(step):
     text = re.sub(r"(?<!\d)\.|\.(?!\d)", ";", text)
     text = re.sub(r"(?<=\d),(?=\d{3})", "", text)
     verdict = None
-    for match in re.finditer(r"[0-9 \t.+\-*/×÷()=]+", text):
+    for match in re.finditer(r"[0-9 \t.+\-*/×÷()=^√²³]+", text):
         chunk = match.group()
         sides = chunk.split("=")
-        glued = text[match.start() - 1 : match.start()].isalpha() and not chunk[0].isspace()  # "x2 + 3"
-        after_word = text[: match.start()].rstrip()[-1:].isalpha() and sides[0].lstrip()[:1] in tuple("+-*/×÷")
+        before = text[match.start() - 1 : match.start()]
+        glued = (before.isalpha() or before == "_") and not chunk[0].isspace()  # "x2 + 3", "x^2", "a_1"
+        after_word = text[: match.start()].rstrip()[-1:].isalpha() and sides[0].lstrip()[:1] in tuple("+-*/×÷^")
         if glued or after_word:  # "x + 3 = 5": the first side continues an expression with a variable
             sides = sides[1:]
         if text[match.end() : match.end() + 1].isalpha() and not chunk[-1].isspace():  # "= 2x"
             sides = sides[:-1]
-        values = [v for v in map(evaluate_arithmetic, sides) if v is not None] if "=" in chunk else []
-        if len(values) < 2:
+        intervals = []  # the values each side stands for
+        for side in sides if "=" in chunk else []:
+            value, written = evaluate_arithmetic(side), re.fullmatch(r"\s*-?\d*\.(\d+)\s*", side)  # "3.33": rounded
+            half = 0.5 * 10.0 ** -len(written.group(1)) if written else 0.0
+            if value is not None:
+                intervals.append((value - half, value + half))
+        if len(intervals) < 2:
             continue
-        if not all(math.isclose(v, values[0], rel_tol=1e-6, abs_tol=1e-9) for v in values[1:]):
+        low, high = max(lo for lo, _ in intervals), min(hi for _, hi in intervals)
+        if low > high and not math.isclose(low, high, rel_tol=1e-6, abs_tol=1e-9):
             return False
         verdict = True
     return verdict
@@ -1803,7 +1849,7 @@ def check_common_args(args, paths=(), compares_logprobs=True):
     vllm_top_p = f"--top_p {args.top_p} with vLLM: its log-probs would be over the nucleus, the trainer's over the "
     require(not (compares_logprobs and args.vllm and args.top_p < 1), vllm_top_p + "vocabulary; use 1, or --no-vllm")
     if getattr(args, "tis_cap", None) is not None:
-        require(args.tis_cap > 0, f"--tis_cap must be > 0 (or None to turn it off); got {args.tis_cap}")
+        require(args.tis_cap >= 0, f"--tis_cap must be > 0 (0: off); got {args.tis_cap}")
     if getattr(args, "vllm_sleep", False):
         require(not args.vllm or torch.cuda.is_available(), "--vllm_sleep needs vLLM on a GPU (CUDA / ROCm / XPU)")
     template = args.prompt_template

@@ -32,6 +32,7 @@ import functools
 import itertools
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -228,7 +229,7 @@ def ppo_rlhf_loss(
     value_token_loss, value_clipped = clipped_value_loss(values, old_values, returns, args.cliprange_value)
     policy_token_loss, ratio, policy_clipped = ppo_policy_loss(logprobs, old_logprobs, advantages, args.cliprange)
     stats = {}
-    if sampler_logprobs is not None and args.tis_cap is not None:
+    if sampler_logprobs is not None and args.tis_cap:  # None or 0: off
         tis = truncated_importance_weights(old_logprobs, sampler_logprobs, args.tis_cap)
         policy_token_loss = policy_token_loss * tis
         stats["objective/tis_weight"] = masked_mean(tis, mask).item()
@@ -383,6 +384,7 @@ def main(args: Args):
                     del logits
                 grad_norm = clip_gradients(accelerator, model, args.max_grad_norm, step, run.last_checkpoint)
                 stats["policy/grad_norm"].append(grad_norm)
+                stats["policy/skipped_updates"].append(float(grad_norm != grad_norm))  # NaN: fp16's scaler skipped it
                 record_staleness(stats, epoch * args.num_minibatches + start // args.minibatch_size)
                 lr = scheduler.get_last_lr()[0]  # the learning rate of this update
                 optimizer.step()
@@ -823,12 +825,16 @@ def check_finite(accelerator, values, name, step, last_checkpoint):
 
 
 def clip_gradients(accelerator, model, max_grad_norm, step, last_checkpoint):
-    """Clip the gradients to max_grad_norm; returns their global norm, the same on every process. A non-finite norm
+    """Clip the gradients to max_grad_norm; returns their global norm, the same on every process, or NaN for an update
+    that fp16's loss scaler skips (accelerate's GradScaler or DeepSpeed's: an overflow is their signal to skip the
+    step and lower the scale, so the weights stay finite; the averages leave NaN out). Elsewhere a non-finite norm
     (a finite loss whose backward overflowed) stops the run before the optimizer step, so that non-finite weights are
     never checkpointed (DeepSpeed steps inside accelerator.backward: there, before the next checkpoint)."""
-    grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
-    check_finite(accelerator, grad_norm, "gradient norm", step, last_checkpoint)
-    return float(grad_norm)
+    grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), max_grad_norm))
+    deepspeed_fp16 = accelerator.state.deepspeed_plugin is not None and accelerator.mixed_precision == "fp16"
+    if accelerator.scaler is None and not deepspeed_fp16:
+        check_finite(accelerator, grad_norm, "gradient norm", step, last_checkpoint)
+    return grad_norm if math.isfinite(grad_norm) else float("nan")
 
 
 def load_tokenizer(model_name_or_path, trust_remote_code, prompt_template=None):
@@ -897,6 +903,11 @@ def make_accelerator(micro_batch_size, gradient_accumulation_steps, max_grad_nor
     --config_file`), on GPUs or on CPU. The scheduler is stepped by hand once per optimizer step (accelerate's
     default would step it once per process)."""
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    if deepspeed:  # before 0.19.2 its bf16 cast rounded the buffers (RoPE's) too, which frozen() keeps: KL 0 at step 0
+        from deepspeed import __version__ as version
+        from packaging.version import Version
+
+        require(Version(version) >= Version("0.19.2"), f"DeepSpeed {version} is installed; the scripts need >= 0.19.2")
     no_gpu = not torch.cuda.is_available()
     # On CPU, cpu=True connects DDP processes (gloo); under DeepSpeed it would switch DeepSpeed off: gloo is named.
     gloo = [InitProcessGroupKwargs(backend="gloo")] if deepspeed and no_gpu else []
@@ -1566,7 +1577,7 @@ def check_common_args(args, paths=(), compares_logprobs=True):
     vllm_top_p = f"--top_p {args.top_p} with vLLM: its log-probs would be over the nucleus, the trainer's over the "
     require(not (compares_logprobs and args.vllm and args.top_p < 1), vllm_top_p + "vocabulary; use 1, or --no-vllm")
     if getattr(args, "tis_cap", None) is not None:
-        require(args.tis_cap > 0, f"--tis_cap must be > 0 (or None to turn it off); got {args.tis_cap}")
+        require(args.tis_cap >= 0, f"--tis_cap must be > 0 (0: off); got {args.tis_cap}")
     if getattr(args, "vllm_sleep", False):
         require(not args.vllm or torch.cuda.is_available(), "--vllm_sleep needs vLLM on a GPU (CUDA / ROCm / XPU)")
     template = args.prompt_template

@@ -110,7 +110,7 @@ def test_dataset_without_the_prompt_column(args_for, tmp_path):
         (dict(prompts_per_rank=0), "--prompts_per_rank"),
         (dict(temperature=0.0), "--temperature"),
         (dict(top_p=1.5), "--top_p"),
-        (dict(tis_cap=0.0), "--tis_cap"),
+        (dict(tis_cap=-1.0), "--tis_cap"),
         (dict(prompt_template="no placeholder"), "--prompt_template"),
         (dict(model_name_or_path="assets/no-such-model"), "--model_name_or_path"),
         (dict(keep_checkpoints=0), "--keep_checkpoints"),

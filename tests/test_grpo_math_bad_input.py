@@ -100,7 +100,7 @@ def test_micro_batch_size_must_divide_the_minibatch(make_args, no_model):
         ("top_p", 0.0),
         ("top_p", 1.5),
         ("beta", -0.1),
-        ("tis_cap", 0.0),
+        ("tis_cap", -1.0),
         ("mis_range", (2.0, 0.5)),
         ("mis_range", (-1.0, 2.0)),
         ("cispo_cap", 0.0),

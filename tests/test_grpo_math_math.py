@@ -232,7 +232,9 @@ def test_truncated_importance_weights_matches_loop():
 
 
 # The defaults of the GRPO variants' options: plain GRPO.
-NO_VARIANT = dict(importance_sampling_level="token", cispo_cap=None, mis_range=None, entropy_coef=0.0)
+NO_VARIANT = dict(
+    importance_sampling_level="token", cispo_cap=None, mis_range=None, mis_level="token", entropy_coef=0.0
+)
 
 
 def grpo_loss_reference(lp, old, ref, sampler, adv, mask, eps_low, eps_high, beta, cap, tokens):
@@ -887,18 +889,6 @@ def test_cispo_with_an_infinite_cap_is_reinforce_with_the_importance_weight():
     torch.testing.assert_close(cispo.grad, plain.grad, rtol=1e-12, atol=0)
 
 
-def test_masked_importance_weights_match_loop_and_mask_nothing_on_zero_to_infinity():
-    for seed in SEEDS:
-        lp, sampler = rand((4, 7), seed, 0.7), rand((4, 7), seed + 1, 0.7)
-        for low, high in ((0.5, 2.0), (0.9, 1.1), (1.0, 3.0)):
-            got = grpo_math.masked_importance_weights(lp, sampler, low, high)
-            for b in range(4):
-                for t in range(7):
-                    r = math.exp(lp[b, t].item() - sampler[b, t].item())
-                    assert got[b, t].item() == (1.0 if low <= r <= high else 0.0)
-        assert (grpo_math.masked_importance_weights(lp, sampler, 0.0, math.inf) == 1).all()
-
-
 def test_overlong_penalty_matches_loop_zero_below_the_buffer_and_minus_one_at_the_limit():
     for response_length, buffer in ((64, 16), (10, 1), (12, 11)):
         lengths = torch.arange(response_length + 1)
@@ -927,13 +917,21 @@ def variant_loss_reference(lp, old, sampler, adv, mask, logits, args, tokens):
                 log_ratio, sampler_log_ratio = seq(lp, b) - seq(old, b), seq(old, b) - seq(sampler, b)
             else:
                 log_ratio, sampler_log_ratio = lp[b][t] - old[b][t], old[b][t] - sampler[b][t]
-            r, w = math.exp(log_ratio), math.exp(sampler_log_ratio)
+            if args.mis_level == "sequence":  # the ratio the mask reads
+                mis_log_ratio = seq(old, b) - seq(sampler, b)
+            else:
+                mis_log_ratio = old[b][t] - sampler[b][t]
+            r, w, m = math.exp(log_ratio), math.exp(sampler_log_ratio), math.exp(mis_log_ratio)
             if args.cispo_cap is None:
                 clipped = min(max(r, 1 - args.clip_eps_low), 1 + args.clip_eps_high)
                 surrogate = -min(r * adv[b], clipped * adv[b])
             else:
                 surrogate = -min(r, args.cispo_cap) * adv[b] * lp[b][t]
-            surrogate *= min(w, args.tis_cap) * (1.0 if args.mis_range[0] <= w <= args.mis_range[1] else 0.0)
+            if args.mis_range is None:
+                surrogate *= min(w, args.tis_cap) if args.tis_cap else 1.0
+            else:  # IcePop: a kept token carries its ratio, truncated only if a cap is set
+                kept = args.mis_range[0] <= m <= args.mis_range[1]
+                surrogate *= (min(m, args.tis_cap) if args.tis_cap else m) if kept else 0.0
             z = [math.exp(v) for v in logits[b][t]]
             entropy = -sum(p / sum(z) * math.log(p / sum(z)) for p in z)
             total += surrogate - args.entropy_coef * entropy
@@ -941,14 +939,16 @@ def variant_loss_reference(lp, old, sampler, adv, mask, logits, args, tokens):
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("mis_level", ["token", "sequence"])
 @pytest.mark.parametrize("cispo_cap", [None, 1.1])
-def test_grpo_loss_with_the_variants_matches_loop(level, cispo_cap):
+@pytest.mark.parametrize("tis_cap", [0.0, 1.5])
+def test_grpo_loss_with_the_variants_matches_loop(level, mis_level, cispo_cap, tis_cap):
     from types import SimpleNamespace
 
     args = SimpleNamespace(
-        clip_eps_low=0.2, clip_eps_high=0.28, tis_cap=1.5, beta=0.0, kl_estimator="k3", loss_type="token_mean",
+        clip_eps_low=0.2, clip_eps_high=0.28, tis_cap=tis_cap, beta=0.0, kl_estimator="k3", loss_type="token_mean",
         response_length=6, importance_sampling_level=level, cispo_cap=cispo_cap, mis_range=(0.6, 1.6),
-        entropy_coef=0.05,
+        mis_level=mis_level, entropy_coef=0.05,
     )  # fmt: skip
     for seed in SEEDS:
         lp = -rand((4, 6), seed).abs()
@@ -963,6 +963,67 @@ def test_grpo_loss_with_the_variants_matches_loop(level, cispo_cap):
         )
         assert loss.item() == pytest.approx(expected, rel=1e-10)
         assert 0 < stats["objective/mis_masked_fraction"] < 1
+
+
+def gspo_objective_reference(lp, old, adv, mask, eps_low, eps_high):
+    """GSPO's loss (Zheng et al., arXiv 2507.18071, Eq. 5-7), sequence by sequence in float64: s_i = (pi(y_i) /
+    pi_old(y_i)) ** (1 / |y_i|), loss = -mean_i min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i)."""
+    total = 0.0
+    for b in range(len(lp)):
+        real = [t for t in range(lp.shape[1]) if mask[b, t] > 0]
+        s = torch.exp(sum(lp[b, t] - old[b, t] for t in real) / len(real))
+        total = total - torch.min(s * adv[b], torch.clamp(s, 1 - eps_low, 1 + eps_high) * adv[b])
+    return total / len(lp)
+
+
+def test_gspo_by_one_flag_gives_the_papers_gradient():
+    """--importance_sampling_level sequence alone: GSPO's clip range and its mean over sequences come with it, so the
+    gradient is the paper's (with the token mean a sequence would weigh by its length; a 0.2 clip would not bind)."""
+    args = grpo_math.resolve_defaults(grpo_math.Config(importance_sampling_level="sequence", beta=0.0))
+    assert (args.clip_eps_low, args.clip_eps_high, args.loss_type) == (3e-4, 4e-4, "seq_mean_token_mean")
+    clipped_count = 0
+    for seed in SEEDS:
+        lp, adv = -rand((6, 7), seed).abs(), rand((6,), seed + 1)
+        mask = rand_mask((6, 7), seed)
+        mask[:, 0] = 1  # every sequence has a token
+        old = lp + rand((6, 7), seed + 2, 1e-3)  # sequence ratios within 1e-3 of 1: some clipped, some not
+        x = lp.clone().requires_grad_()
+        grpo_loss(x, old, None, None, adv, mask, args, mask.sum(), 6)[0].backward()
+        y = lp.clone().requires_grad_()
+        gspo_objective_reference(y, old, adv, mask, 3e-4, 4e-4).backward()
+        torch.testing.assert_close(x.grad, y.grad, rtol=1e-10, atol=1e-13)
+        ratios = torch.exp(grpo_math.masked_mean(lp - old, mask, dim=1))
+        clipped = ((ratios < 1 - 3e-4) & (adv < 0)) | ((ratios > 1 + 4e-4) & (adv > 0))
+        clipped_count += int(clipped.sum())
+    assert 0 < clipped_count < 6 * len(SEEDS), "some sequences are clipped, some not"
+
+
+def test_defaults_resolve_once_and_a_set_value_stays():
+    resolve = lambda **kw: grpo_math.resolve_defaults(grpo_math.Config(**kw))
+    plain = resolve()
+    assert (plain.clip_eps_low, plain.clip_eps_high, plain.loss_type, plain.tis_cap) == (0.2, 0.2, "token_mean", 2.0)
+    gspo = resolve(importance_sampling_level="sequence", clip_eps_high=0.28, loss_type="token_mean")
+    assert (gspo.clip_eps_low, gspo.clip_eps_high, gspo.loss_type) == (3e-4, 0.28, "token_mean")
+    assert resolve(mis_range=(0.5, 5.0)).tis_cap == 0.0  # IcePop: the kept tokens carry their ratio
+    assert resolve(mis_range=(0.5, 5.0), tis_cap=1.5).tis_cap == 1.5
+    assert resolve(tis_cap=0.0).tis_cap == 0.0  # off
+    again = grpo_math.resolve_defaults(resolve(mis_range=(0.5, 5.0)))
+    assert again.tis_cap == 0.0, "resolving twice (a --resume of the recorded config) changes nothing"
+
+
+def test_masked_importance_weights_match_loop():
+    """IcePop: a kept token weighs its ratio pi / pi_sampler (min(ratio, cap) with a cap), a dropped one 0."""
+    for seed in SEEDS:
+        lp, sampler = -rand((3, 5), seed).abs(), -rand((3, 5), seed + 1).abs()
+        for low, high, cap in ((0.5, 5.0, None), (0.5, 5.0, 2.0), (0.2, 1.1, None)):
+            got = grpo_math.masked_importance_weights(lp, sampler, low, high, cap)
+            for b in range(3):
+                for t in range(5):
+                    r = math.exp(lp[b, t].item() - sampler[b, t].item())
+                    expected = (min(r, cap) if cap else r) if low <= r <= high else 0.0
+                    assert got[b, t].item() == pytest.approx(expected, rel=1e-12)
+        everything = grpo_math.masked_importance_weights(lp, sampler, 0.0, math.inf)
+        torch.testing.assert_close(everything, torch.exp(lp - sampler), rtol=1e-12, atol=0)  # nothing masked
 
 
 @pytest.mark.parametrize("loss_type", ["token_mean", "seq_mean_token_mean"])

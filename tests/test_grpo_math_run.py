@@ -273,11 +273,14 @@ def test_policy_learns_a_toy_reward(make_args, monkeypatch, sign):
 
 
 @pytest.mark.slow
-def test_dynamic_sampling_trains_on_the_groups_with_a_signal(make_args, monkeypatch):
+@pytest.mark.parametrize("overlong_buffer", [0, 4])
+def test_dynamic_sampling_trains_on_the_groups_with_a_signal(make_args, monkeypatch, overlong_buffer):
     """With --oversample 2, four groups are sampled per step and two trained on. The toy reward gives every
     completion of groups 0 and 2 the same reward, and alternating rewards in groups 1 and 3: half the sampled groups
-    carry no signal, and none of the trained ones do (without dynamic sampling, one of the two would)."""
-    calls = []
+    carry no signal, and none of the trained ones do (without dynamic sampling, one of the two would). With the
+    overlong shaping (a small penalty that differs with every length), the groups are still chosen by accuracy, as
+    in DAPO: the shaping would make every group look informative."""
+    calls, trained, original = [], [], grpo_math.group_advantages
 
     def reward(completions, golds, format_reward):
         calls.append(list(completions))
@@ -285,14 +288,26 @@ def test_dynamic_sampling_trains_on_the_groups_with_a_signal(make_args, monkeypa
         rewards = torch.where(group % 2 == 1, (torch.arange(len(completions)) % 2).float(), torch.zeros(()))
         return rewards, rewards, torch.zeros(len(completions))
 
+    def advantages(rewards, group_size, scale_rewards):
+        trained.append(rewards.clone())
+        return original(rewards, group_size, scale_rewards)
+
     monkeypatch.setattr(grpo_math, "compute_rewards", reward)
-    args = make_args(total_steps=2, prompts_per_rank=2, num_generations=4, micro_batch_size=4, oversample=2)
+    monkeypatch.setattr(grpo_math, "overlong_penalty", lambda lengths, *_: -0.001 * lengths.float())
+    monkeypatch.setattr(grpo_math, "group_advantages", advantages)
+    args = make_args(
+        total_steps=2, prompts_per_rank=2, num_generations=4, micro_batch_size=4, oversample=2,
+        overlong_buffer=overlong_buffer,
+    )  # fmt: skip
     lines = train_lines(read_metrics(grpo_math.main(args)))
     assert [len(c) for c in calls if len(c) == 16] == [16, 16], "each step samples 2 x 2 prompts x 4 completions"
+    assert len(trained) == 2
+    for rewards in trained:  # the trained groups' verdicts (the shaping moves a reward by 0.001 per token)
+        assert rewards.round().view(2, 4).tolist() == [[0, 1, 0, 1]] * 2
     for line in lines:
         assert line["objective/zero_std_groups"] == 0.5
         assert line["objective/zero_std_groups_trained"] == 0.0
-        assert line["objective/scores"] == 0.25
+        assert line["objective/accuracy"] == 0.25
 
 
 @pytest.mark.slow
@@ -729,3 +744,39 @@ def test_check_finite_stops_every_process_when_one_sees_a_non_finite_value():
         grpo_math.check_finite(FakeAccelerator(False), torch.tensor([1.0, 2.0]), "loss/policy", 3, "ckpt")
     with pytest.raises(RuntimeError, match="nan"):
         grpo_math.check_finite(FakeAccelerator(True), torch.tensor([float("nan")]), "loss/policy", 3, "ckpt")
+
+
+@pytest.mark.slow
+def test_fp16_loss_scaler_skips_an_overflowing_update_and_the_run_goes_on(make_args, monkeypatch):
+    """Under --mixed_precision fp16 (V100, T4), accelerate's GradScaler starts at scale 65536, and an overflowing
+    backward gives an inf gradient norm: the scaler's signal to skip that update and lower its scale. The run must
+    go on (bf16 and fp32 stop there), count the skipped updates, and keep its weights: KL to the reference stays
+    exactly 0 until an update is taken. accelerate has no fp16 scaler on CPU: a CPU GradScaler stands in, and the
+    first two updates' gradients are made inf (2 micro-batches an update)."""
+    make, scalers = grpo_math.make_accelerator, []
+
+    def with_scaler(*args, **kwargs):
+        accelerator = make(*args, **kwargs)
+        accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=1000)  # before prepare
+        backward, calls = accelerator.backward, []
+
+        def overflowing_backward(loss, **kw):
+            backward(loss, **kw)
+            calls.append(1)
+            if len(calls) <= 4:
+                next(accelerator._models[0].parameters()).grad.fill_(math.inf)
+
+        accelerator.backward = overflowing_backward
+        scalers.append(accelerator.scaler)
+        return accelerator
+
+    monkeypatch.setattr(grpo_math, "make_accelerator", with_scaler)
+    monkeypatch.setattr(grpo_math, "compute_rewards", space_reward)
+    run_dir = grpo_math.main(make_args(total_steps=4, beta=0.1, learning_rate=3e-3, temperature=0.5))
+    lines = train_lines(read_metrics(run_dir))
+    assert [line["policy/skipped_updates"] for line in lines] == [1.0, 1.0, 0.0, 0.0]
+    assert [math.isnan(line["policy/grad_norm"]) for line in lines] == [True, True, False, False]
+    assert [line["objective/kl"] for line in lines][:3] == [0.0, 0.0, 0.0] and lines[3]["objective/kl"] > 0
+    assert scalers[0].get_scale() == 0.25  # halved at each skipped update
+    weights = load_file(os.path.join(run_dir, "model", "model.safetensors"))
+    assert all(torch.isfinite(w).all() for w in weights.values())

@@ -2,6 +2,7 @@
 against float64 loops, step splitting, rewards on the right tokens, the verifier PRM, end-to-end tiny runs of every
 reward mode and PRM kind, and bad input."""
 
+import importlib
 import json
 import math
 import os
@@ -452,6 +453,76 @@ STEP_TABLE = [
 @pytest.mark.parametrize("step, verdict", STEP_TABLE)
 def test_step_arithmetic_table(step, verdict):
     assert prm.step_arithmetic(step) is verdict
+
+
+# Issue 45: steps as Qwen2.5-Math (LaTeX, powers, roots, rounded decimals, Markdown bold) and GSM8K solutions
+# (calculator annotations, dollar signs) write them. Each row's verdict was written by hand; "failed before" marks the
+# rows the verifier got wrong (its verdict in parentheses). "GSM8K" rows are whole lines of GSM8K gold solutions.
+NOTATION_TABLE = [
+    ("2^3 = 8", True),  # failed before (False): the exponent was compared with the result
+    ("5^2 = 25", True),  # failed before (False)
+    ("2**10 = 1024", True),  # failed before (None)
+    ("(2 + 3)**2 = 25", True),  # failed before (None)
+    ("5² = 25", True),  # failed before (None)
+    ("2^{10} = 1024", True),  # failed before (None)
+    ("10^{-3} = 0.001", True),  # failed before (None)
+    ("\\( 3^2 + 4^2 = 9 + 16 = 25 \\)", True),  # failed before (False)
+    ("√16 = 4", True),  # failed before (False)
+    ("√(16) = 4", True),  # failed before (False)
+    ("\\sqrt{16} = 4", True),  # failed before (None)
+    ("sqrt(16) = 4", True),  # failed before (None)
+    ("3 \\times \\sqrt{4} = 6", True),  # failed before (None)
+    ("\\( 3 \\times 4 = 12 \\)", True),  # failed before (None)
+    ("$3 \\cdot 4 = 12$", True),
+    ("\\[ 12 \\div 4 = 3 \\]", True),
+    ("$10 \\times 12 = 120$", True),
+    ("\\frac{6}{3} = 2", True),  # failed before (None)
+    ("\\dfrac{10}{4} = 2.5", True),  # failed before (None)
+    ("\\frac{\\sqrt{16}}{2} = 2", True),  # failed before (None)
+    ("\\left( \\frac{1}{2} \\right) \\times 8 = 4", True),  # failed before (None)
+    ("The area is \\( \\pi r^2 = 3.14 \\times 5^2 = 78.5 \\).", True),  # failed before (False)
+    ("10 / 3 = 3.33", True),  # failed before (False): a decimal stands for the values that round to it
+    ("10 / 3 = 3.3", True),  # failed before (False)
+    ("2/3 = 0.67", True),  # failed before (False)
+    ("√2 = 1.41", True),  # failed before (False)
+    ("**Step 1:** 2 + 3 = 5", True),  # failed before (None): Markdown bold, not a power
+    ("2 + 3 = **5**", True),  # failed before (None)
+    ("x_1 = 2 + 3 = 5", True),  # failed before (False)
+    ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.", True),  # GSM8K
+    ("Natalia sold 48/2 = 24 clips in May.", True),
+    ("Weng earns 12/60 = $<<12/60=0.2>>0.2 per minute.", True),  # GSM8K
+    ("The total price of the house is $350,000 + $17,500 + $42,000 = $409,500.", True),  # GSM8K, failed before (None)
+    ("Her tennis shoes were half the original $48 price, so they cost $48*1/2=$24.", True),  # failed before (None)
+    ("2^3 = 9", False),
+    ("\\sqrt{16} = 5", False),  # failed before (None)
+    ("\\frac{6}{3} = 3", False),  # failed before (None)
+    ("\\( 3 \\times 4 = 13 \\)", False),  # failed before (None)
+    ("10 / 3 = 3.4", False),
+    ("10 / 3 = 3", False),  # a whole number is exact
+    ("7 / 2 = 3", False),
+    ("48/2 = <<48/2=24>>25", False),  # failed before (True): the written result is checked, not only the annotation
+    ("48/2 = <<48/2=25>>25", False),  # a wrong annotation
+    ("x^2 = 9", None),  # failed before (False): a variable
+    ("x ^ 2 = 9", None),  # failed before (False)
+    ("a_1 = 5", None),  # failed before (False)
+    ("\\frac{x}{2} = 3", None),
+    ("2^2^2^2^2^2 = 1", None),  # failed before (False): 2^65536 is not read (exponents beyond 1000), a side alone
+    ("10^400 = 1", None),  # failed before (False): overflows
+    ("(-8)^(1/3) = -2", None),  # failed before (False): a fractional power of a negative number is not read
+]
+
+
+@pytest.mark.parametrize("script", ["ppo_prm_clip", "reward_modeling"])  # reward_modeling.py --prm labels with it
+@pytest.mark.parametrize("step, verdict", NOTATION_TABLE)
+def test_step_arithmetic_reads_math_notation(step, verdict, script):
+    assert importlib.import_module(script).step_arithmetic(step) is verdict
+
+
+def test_evaluate_arithmetic_bounds_powers():
+    assert prm.evaluate_arithmetic("2^10") == prm.evaluate_arithmetic("2 ** 10") == 1024
+    assert prm.evaluate_arithmetic("√(9) + sqrt(16) + 2² + 2³") == 19
+    for expression in ("2 ** 1001", "10 ^ 400", "(-8) ** 0.5", "√-4", "sqrt(4, 2)", "sqrt(x=4)", "pow(2, 3)"):
+        assert prm.evaluate_arithmetic(expression) is None, expression
 
 
 def test_verifier_scores_are_prefix_scores():

@@ -112,7 +112,7 @@ def test_dataset_without_the_prompt_column(args_for, tmp_path):
         (dict(temperature=0.0), "--temperature"),
         (dict(lam=1.5), "--lam"),
         (dict(kl_coef=-0.1), "--kl_coef"),
-        (dict(tis_cap=0.0), "--tis_cap"),
+        (dict(tis_cap=-1.0), "--tis_cap"),
         (dict(prompt_template="no placeholder"), "--prompt_template"),
         (dict(model_name_or_path="assets/no-such-model"), "--model_name_or_path"),
     ],
