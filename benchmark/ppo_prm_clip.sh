@@ -11,6 +11,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# 0. The task's preflight (docs/ppo_prm_clip.md "The task"): 4 sampled and 1 greedy response to each of 100 held-out
+# prompts, what the verifier finds in them (~5 min).
+python -m benchmark.prm_preflight --num_prompts 100 --out benchmark/results/prm_preflight.json
+
 # 1. The verifier PRM. Seed-major order, so that a cut-short session still has every arm of the first seeds.
 for seed in 1 2 3; do
     for mode in none raw clip delta clip_delta; do
@@ -54,3 +58,43 @@ for kind in verifier learned; do
         --metrics eval/accuracy eval/num_steps eval/response_length --out "${RESULTS}_paired.md"
     python -m benchmark.prm_checks --experiments "${EXPERIMENTS[@]}" --out "${RESULTS}_checks.md"
 done
+
+# 4. Superseded (EARLIER=1 bash benchmark/ppo_prm_clip.sh): the tables of docs/ppo_prm_clip.md's two "Earlier"
+# sections, on arith_1d, 2026-11-22 and 2026-11-23, whose runs were not kept: the five arms of issue 5 (seeds 1-2,
+# prm_coef 1.5, T 1.0, 20 steps; benchmark/results/ppo_prm_clip.md) and three arms at the defaults of then (seed 1,
+# prm_coef 0.5, T 0.7, 30 steps; ppo_prm_clip_defaults.md). The defaults of then are spelled out (arith_1d, steps at
+# a blank line, no missing-EOS penalty, 100 held-out problems every 10 steps); the code has changed since (issue 8's
+# verifier and answer parser among others), so the figures will not repeat to the digit.
+if [ "${EARLIER:-0}" = 1 ]; then
+    for seed in 1 2; do
+        for mode in none raw clip delta clip_delta; do
+            python -m benchmark.run --script ppo_prm_clip.py --seeds "$seed" "$@" -- --reward_mode "$mode" \
+                --dataset_path assets/data/arith_1d --step_separator $'\n\n' --missing_eos_penalty None \
+        --instruction "Solve it step by step. Separate the steps with a blank line and end with 'Answer: <number>'." \
+                --num_eval_prompts 100 --prm_coef 1.5 --temperature 1.0 --total_steps 20 --eval_every 5 \
+                --save_every 0 --exp_name "prm_$mode"
+        done
+    done
+    for mode in none raw clip_delta; do
+        python -m benchmark.run --script ppo_prm_clip.py --seeds 1 "$@" -- --reward_mode "$mode" \
+            --dataset_path assets/data/arith_1d --step_separator $'\n\n' --missing_eos_penalty None \
+        --instruction "Solve it step by step. Separate the steps with a blank line and end with 'Answer: <number>'." \
+            --num_eval_prompts 100 --temperature 0.7 --eval_every 10 --exp_name "prm_default_$mode"
+    done
+    EXPERIMENTS=()
+    for mode in none raw clip delta clip_delta; do EXPERIMENTS+=("$mode=runs/arith_1d__prm_${mode}__*"); done
+    python -m benchmark.registry plot --experiments "${EXPERIMENTS[@]}" \
+        --metric eval/accuracy objective/num_steps objective/response_length --smooth 3 \
+        --out benchmark/results/ppo_prm_clip_step.png
+    python -m benchmark.registry table --experiments "${EXPERIMENTS[@]}" \
+        --metrics eval/accuracy eval/num_steps eval/eos_fraction objective/num_steps objective/response_length \
+        --out benchmark/results/ppo_prm_clip.md
+    EXPERIMENTS=()
+    for mode in none raw clip_delta; do EXPERIMENTS+=("$mode=runs/arith_1d__prm_default_${mode}__*"); done
+    python -m benchmark.registry plot --experiments "${EXPERIMENTS[@]}" \
+        --metric eval/accuracy eval/num_steps objective/num_steps objective/response_length \
+        --out benchmark/results/ppo_prm_clip_defaults_step.png
+    python -m benchmark.registry table --experiments "${EXPERIMENTS[@]}" \
+        --metrics eval/accuracy eval/num_steps objective/num_steps eval/response_length \
+        --out benchmark/results/ppo_prm_clip_defaults.md
+fi

@@ -12,9 +12,11 @@ response (what raw would pay, before prm_coef) and the process reward this arm p
 (b) each bounded arm (clip, delta, clip_delta) stays within 20% of the baseline's held-out steps (means over seeds)
     and within 2 points of its accuracy;
 (c) some arm ends above the baseline.
-An accuracy comparison in (b) and (c) uses the paired differences over the seeds both arms ran: their mean ± its
-standard error (std / sqrt(n)); the check holds when that interval lies inside the bound (above 0 for (c)), does not
-when it lies outside, and is inconclusive when it crosses the bound. Any check on fewer than 3 shared seeds is
+An accuracy comparison in (b) and (c) uses the paired differences over the seeds both arms ran: the two-sided 95%
+interval of their mean, mean ± t(0.975, n - 1) x standard error (std / sqrt(n); t = 4.30 for 3 seeds); the check holds
+when that interval lies inside the bound (above 0 for (c)), does not when it lies outside, and is inconclusive when it
+crosses the bound. So "held" and "not held" need a difference significant at the 5% level (|paired t| > 4.30 on 3
+seeds); one standard error clear of the bound (|t| > 1) is not enough. Any check on fewer than 3 shared seeds is
 inconclusive.
 """
 
@@ -50,21 +52,37 @@ def per_seed(runs, last):
     return table
 
 
+# Student's t: the 0.975 quantile by degrees of freedom, 1-30 (beyond 30 the value at 30, a little wider than exact).
+T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131)
+T_975 += (2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
 def interval(diffs):
-    """(mean, standard error) of paired differences, from the registry's mean_std; no error for fewer than 2."""
+    """(mean, standard error, half-width of the two-sided 95% interval) of paired differences, from the registry's
+    mean_std; no error and no interval for fewer than 2."""
     mean, std, n = mean_std(diffs)
-    return mean, (None if std is None else std / math.sqrt(n))
+    if std is None:
+        return mean, None, None
+    se = std / math.sqrt(n)
+    return mean, se, T_975[min(n - 1, len(T_975)) - 1] * se
 
 
-def verdict_inside(mean, se, low, high):
-    """held / not held / inconclusive for an interval mean ± se against the bounds [low, high]."""
-    if se is None:
+def verdict_inside(mean, half, low, high):
+    """held / not held / inconclusive for the interval mean ± half against the bounds [low, high]."""
+    if half is None:
         return "inconclusive"
-    if low <= mean - se and mean + se <= high:
+    if low <= mean - half and mean + half <= high:
         return "held"
-    if mean + se < low or mean - se > high:
+    if mean + half < low or mean - half > high:
         return "not held"
     return "inconclusive"
+
+
+def interval_text(mean, se, half):
+    """('+0.062 ± 0.044', '95% interval -0.127 to +0.251'): the mean ± its standard error, and the 95% interval."""
+    if se is None:
+        return f"{mean:+.3f} ± –", "no interval"
+    return f"{mean:+.3f} ± {se:.3f}", f"95% interval {mean - half:+.3f} to {mean + half:+.3f}"
 
 
 def checks(values, baseline, min_seeds=3):
@@ -102,16 +120,16 @@ def checks(values, baseline, min_seeds=3):
         steps_ratio = np.mean([values[arm][s]["eval/num_steps"] for s in seeds]) / max(
             np.mean([base[s]["eval/num_steps"] for s in seeds]), 1e-9
         )
-        mean, se = interval(diffs)
-        accuracy = verdict_inside(mean, se, -0.02, 0.02)
+        mean, se, half = interval(diffs)
+        accuracy = verdict_inside(mean, half, -0.02, 0.02)
         if len(seeds) < min_seeds:
             verdict = "inconclusive"
         elif abs(steps_ratio - 1) > 0.2 or accuracy == "not held":
             verdict = "not held"
         else:
             verdict = accuracy
-        se_text = "–" if se is None else f"{se:.3f}"
-        numbers = f"steps x{steps_ratio:.2f}; accuracy difference {mean:+.3f} ± {se_text} (seeds {seeds})"
+        difference, span = interval_text(mean, se, half)
+        numbers = f"steps x{steps_ratio:.2f}; accuracy difference {difference} (seeds {seeds}), {span}"
         results.append((f"(b) {arm}: within 20% of the steps and 2 points of the accuracy", verdict, numbers))
 
     verdicts, notes = [], []
@@ -119,10 +137,10 @@ def checks(values, baseline, min_seeds=3):
         seeds = shared(arm)
         if not seeds:
             continue
-        mean, se = interval([values[arm][s]["eval/accuracy"] - base[s]["eval/accuracy"] for s in seeds])
-        above = "inconclusive" if len(seeds) < min_seeds else verdict_inside(mean, se, 0.0, math.inf)
+        mean, se, half = interval([values[arm][s]["eval/accuracy"] - base[s]["eval/accuracy"] for s in seeds])
+        above = "inconclusive" if len(seeds) < min_seeds else verdict_inside(mean, half, 0.0, math.inf)
         verdicts.append(above)
-        notes.append(f"{arm} {mean:+.3f} ± {'–' if se is None else f'{se:.3f}'}")
+        notes.append("{} {} ({})".format(arm, *interval_text(mean, se, half)))
     if verdicts:
         verdict = "held" if "held" in verdicts else "not held" if set(verdicts) == {"not held"} else "inconclusive"
         results.append(("(c) some arm above success only", verdict, "; ".join(notes)))
@@ -145,6 +163,11 @@ def report(experiments, baseline, last):
     text += "| claim | verdict | numbers |\n| --- | --- | --- |\n"
     text += "".join(
         f"| {claim} | **{verdict}** | {numbers} |\n" for claim, verdict, numbers in checks(values, baseline)
+    )
+    text += (
+        "\nAn accuracy difference is the paired differences' mean ± its standard error, then the two-sided 95%"
+        " interval (mean ± t(0.975, n - 1) x standard error): held or not held when that interval clears the bound"
+        " (above 0 for (c)), inconclusive when it crosses it, and on fewer than 3 seeds.\n"
     )
     return text
 

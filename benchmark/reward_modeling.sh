@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
-# The published figures of reward_modeling.py: 3 seeds of the default run, then the learning curves (mean ± std over
-# seeds) and the table of held-out pair accuracy before and after training. The seeds' models stay in their run
-# folders (--reward_model_dir None): runs/reward_model, which ppo_rlhf.py reads, is left alone.
-#   bash benchmark/reward_modeling.sh               # one seed at a time (a 2-core CPU machine)
-#   bash benchmark/reward_modeling.sh --workers 3   # extra arguments go to benchmark.run
+# The published figures of reward_modeling.py: one run of the default (seed 1), the reward model that ppo_rlhf.py,
+# dpo_online.py and async_rlhf.py read from runs/reward_model (docs/reward_modeling.md); its config.json and
+# metrics.jsonl copied to benchmark/results/reward_modeling/ (committed), then the curves and the table of held-out
+# pair accuracy before and after training, made from the copy. One seed is published.
+#   bash benchmark/reward_modeling.sh               # the published run took 480 s (2026-11-27)
+#   bash benchmark/reward_modeling.sh --track       # extra arguments go to benchmark.run
 # Every command that runs a script is on its own line: tests/test_benchmark.py checks its flags against --help.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-python -m benchmark.run --script reward_modeling.py --seeds 1 2 3 "$@" -- --reward_model_dir None
+python -m benchmark.run --script reward_modeling.py --seeds 1 "$@"
 
-python -m benchmark.registry plot --experiments "reward_model=runs/arith_1d__reward_model__[123]__*" \
+OUT=benchmark/results/reward_modeling
+python -m benchmark.registry copy --out "$OUT" runs/arith_1d__reward_model__1__*
+python -m benchmark.registry plot --experiments "reward_model=$OUT/arith_1d__reward_model__1__*" \
     --metric objective/accuracy loss/reward_model eval/accuracy eval/margin --smooth 8 \
     --out benchmark/results/reward_modeling_step.png
-python -m benchmark.registry table --experiments "reward_model=runs/arith_1d__reward_model__[123]__*" \
+python -m benchmark.registry table --experiments "reward_model=$OUT/arith_1d__reward_model__1__*" \
     --metrics eval/accuracy eval/margin objective/train_set_accuracy --out benchmark/results/reward_modeling.md

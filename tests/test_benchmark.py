@@ -1052,6 +1052,14 @@ def test_prm_checks_verdicts_worked_out_here(tmp_path):
     }
     values["raw"][2]["eval/num_steps"] = 1.2
     assert prm_checks.checks(values, "none")[0][1] == "not held"
+    # One standard error above 0 is not enough: +0.03 / +0.10 / +0.06 (paired t 3.1 on 2 df, under the 4.30 of a
+    # 95% interval) leaves (c) inconclusive.
+    weak = {"none": values["none"], "clip": {s: dict(values["none"][s]) for s in (1, 2, 3)}}
+    for seed, difference in zip((1, 2, 3), (0.03, 0.10, 0.06)):
+        weak["clip"][seed]["eval/accuracy"] += difference
+    assert [verdict for claim, verdict, _ in prm_checks.checks(weak, "none") if claim.startswith("(c)")] == [
+        "inconclusive"
+    ]
     two = {label: {s: v for s, v in seeds.items() if s < 3} for label, seeds in values.items()}
     assert {verdict for _, verdict, _ in prm_checks.checks(two, "none")} == {"inconclusive"}
     # A seed whose run has no final evaluation yet (still in progress) is left out, as if it had not run: 2 seeds.
