@@ -292,6 +292,7 @@ def test_dynamic_sampling_trains_on_the_groups_with_a_signal(make_args, monkeypa
         trained.append(rewards.clone())
         return original(rewards, group_size, scale_rewards)
 
+    fixed_rollout.patch(grpo_math, monkeypatch.setattr)  # completions of 1 to 12 tokens: the penalty varies
     monkeypatch.setattr(grpo_math, "compute_rewards", reward)
     monkeypatch.setattr(grpo_math, "overlong_penalty", lambda lengths, *_: -0.001 * lengths.float())
     monkeypatch.setattr(grpo_math, "group_advantages", advantages)
@@ -304,6 +305,7 @@ def test_dynamic_sampling_trains_on_the_groups_with_a_signal(make_args, monkeypa
     assert len(trained) == 2
     for rewards in trained:  # the trained groups' verdicts (the shaping moves a reward by 0.001 per token)
         assert rewards.round().view(2, 4).tolist() == [[0, 1, 0, 1]] * 2
+        assert bool((rewards.frac().abs() > 0).any()) == (overlong_buffer > 0)  # the shaping reached training
     for line in lines:
         assert line["objective/zero_std_groups"] == 0.5
         assert line["objective/zero_std_groups_trained"] == 0.0
