@@ -17,7 +17,7 @@ interval of their mean, mean ± t(0.975, n - 1) x standard error (std / sqrt(n);
 when that interval lies inside the bound (above 0 for (c)), does not when it lies outside, and is inconclusive when it
 crosses the bound. So "held" and "not held" need a difference significant at the 5% level (|paired t| > 4.30 on 3
 seeds); one standard error clear of the bound (|t| > 1) is not enough. Any check on fewer than 3 shared seeds is
-inconclusive.
+inconclusive. The rule and its t table are benchmark/registry.py's, the one rule of every check in benchmark/.
 """
 
 import argparse
@@ -25,7 +25,7 @@ import math
 
 import numpy as np
 
-from benchmark.registry import final_value, load_experiments, mean_std, write_text
+from benchmark.registry import final_value, interval, interval_text, load_experiments, verdict_inside, write_text
 
 BOUNDED = ("clip", "delta", "clip_delta")
 TRAINING = {
@@ -50,39 +50,6 @@ def per_seed(runs, last):
         row |= {m: last_mean(run["lines"], m, last) for m in TRAINING}
         table[run["seed"]] = row
     return table
-
-
-# Student's t: the 0.975 quantile by degrees of freedom, 1-30 (beyond 30 the value at 30, a little wider than exact).
-T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131)
-T_975 += (2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
-
-
-def interval(diffs):
-    """(mean, standard error, half-width of the two-sided 95% interval) of paired differences, from the registry's
-    mean_std; no error and no interval for fewer than 2."""
-    mean, std, n = mean_std(diffs)
-    if std is None:
-        return mean, None, None
-    se = std / math.sqrt(n)
-    return mean, se, T_975[min(n - 1, len(T_975)) - 1] * se
-
-
-def verdict_inside(mean, half, low, high):
-    """held / not held / inconclusive for the interval mean ± half against the bounds [low, high]."""
-    if half is None:
-        return "inconclusive"
-    if low <= mean - half and mean + half <= high:
-        return "held"
-    if mean + half < low or mean - half > high:
-        return "not held"
-    return "inconclusive"
-
-
-def interval_text(mean, se, half):
-    """('+0.062 ± 0.044', '95% interval -0.127 to +0.251'): the mean ± its standard error, and the 95% interval."""
-    if se is None:
-        return f"{mean:+.3f} ± –", "no interval"
-    return f"{mean:+.3f} ± {se:.3f}", f"95% interval {mean - half:+.3f} to {mean + half:+.3f}"
 
 
 def checks(values, baseline, min_seeds=3):

@@ -369,27 +369,73 @@ def seed_values(runs, metric):
     return values
 
 
+# The one verdict rule of every claim check in benchmark/ (registry paired --at_least, offpolicy, prm_checks): a claim
+# about paired differences over seeds is held or not held only when the two-sided 95% t interval of their mean,
+# mean ± t(0.975, n - 1) x standard error (std / sqrt(n)), clears the bound; an interval that crosses it, or fewer
+# than 3 seeds, is inconclusive. So a verdict needs a difference significant at the 5% level (|paired t| > 4.30 on 3
+# seeds); one standard error clear of the bound (|t| > 1) is not enough.
+# Student's t: the 0.975 quantile by degrees of freedom, 1-30 (beyond 30 the value at 30, a little wider than exact).
+T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131)
+T_975 += (2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def t_975(df):
+    """The 0.975 quantile of Student's t with df >= 1 degrees of freedom (the value at 30 beyond 30)."""
+    return T_975[min(df, len(T_975)) - 1]
+
+
+def interval(diffs):
+    """(mean, standard error, half-width of the two-sided 95% interval) of paired differences (None values left out),
+    from mean_std; no error and no interval for fewer than 2."""
+    mean, std, n = mean_std(diffs)
+    if std is None:
+        return mean, None, None
+    se = std / math.sqrt(n)
+    return mean, se, t_975(n - 1) * se
+
+
+def verdict_inside(mean, half, low, high):
+    """held / not held / inconclusive for the interval mean ± half against the bounds [low, high] (math.inf for no
+    upper bound): held when it lies inside, not held when it lies wholly outside, else inconclusive."""
+    if half is None:
+        return "inconclusive"
+    if low <= mean - half and mean + half <= high:
+        return "held"
+    if mean + half < low or mean - half > high:
+        return "not held"
+    return "inconclusive"
+
+
+def interval_text(mean, se, half):
+    """('+0.062 ± 0.044', '95% interval -0.127 to +0.251'): the mean ± its standard error, and the 95% interval."""
+    if se is None:
+        return f"{mean:+.3f} ± –", "no interval"
+    return f"{mean:+.3f} ± {se:.3f}", f"95% interval {mean - half:+.3f} to {mean + half:+.3f}"
+
+
 def claim_verdict(mean, std, n, at_least, min_seeds=3):
-    """Whether paired differences support "difference >= at_least": held when mean - se lies at or above it, not held
-    when mean + se lies below it (se = std / sqrt(n)), else inconclusive; inconclusive on fewer than min_seeds."""
+    """Whether paired differences support "difference >= at_least", by the rule above: held when the 95% interval
+    mean ± t(0.975, n - 1) x std / sqrt(n) lies at or above it, not held when it lies below it, else inconclusive;
+    inconclusive on fewer than min_seeds."""
     if n < min_seeds or std is None:
         return "inconclusive"
     se = std / math.sqrt(n)
-    return "held" if mean - se >= at_least else "not held" if mean + se < at_least else "inconclusive"
+    return verdict_inside(mean, t_975(n - 1) * se, at_least, math.inf)
 
 
 def paired_table(experiments, metrics, baseline, digits=3, at_least=None):
     """A markdown table comparing each experiment with the baseline experiment (a label) seed by seed: for each
     metric, the final values of both on the seeds they share, the differences (experiment - baseline), their mean ±
-    std (ddof=1) and the paired t statistic mean / (std / sqrt(n)) with n - 1 degrees of freedom. With at_least, a
-    last column checks the claim "difference >= at_least" (claim_verdict)."""
+    std (ddof=1) and the paired t statistic mean / (std / sqrt(n)) with n - 1 degrees of freedom. With at_least, two
+    more columns: the mean ± its standard error with the two-sided 95% interval, and the claim "difference >=
+    at_least" checked on that interval (claim_verdict)."""
     runs_of = dict(experiments)
     if baseline not in runs_of:
         raise ValueError(f"--baseline {baseline!r} is not one of the experiments' labels {list(runs_of)}")
     header = ["experiment", "metric", "seeds", f"{baseline} per seed", "experiment per seed", "difference per seed"]
     rows = [header + ["difference (mean ± std)", "paired t (df)"]]
     if at_least is not None:
-        rows[0].append(f"difference >= {at_least:g} (mean ± standard error)")
+        rows[0] += ["difference (mean ± standard error; 95% t interval)", f"difference >= {at_least:g} (95% interval)"]
     rows.append(["---"] * len(rows[0]))
     for label, runs in experiments:
         if label == baseline:
@@ -406,6 +452,7 @@ def paired_table(experiments, metrics, baseline, digits=3, at_least=None):
             ]
             row += [format_mean_std((mean, std, n), digits), t]
             if at_least is not None:
+                row += ["; ".join(interval_text(*interval(diffs))) if diffs else "–"]
                 row.append(f"**{claim_verdict(mean, std, n, at_least)}**")
             rows.append(row)
     return "\n".join("| " + " | ".join(row) + " |" for row in rows) + "\n"

@@ -313,21 +313,30 @@ def test_registry_paired_table_against_differences_worked_out_here(synthetic_run
     registry.main(["paired", "--experiments", *specs, "--baseline", "A", "--metrics", "eval/accuracy"]
                   + ["--at_least", "-0.02", "--out", out])  # fmt: skip
     rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in open(out).read().strip().splitlines()]
-    assert rows[0][-1] == "difference >= -0.02 (mean ± standard error)" and rows[2][-1] == "**inconclusive**"
+    assert rows[0][-2:] == ["difference (mean ± standard error; 95% t interval)", "difference >= -0.02 (95% interval)"]
+    se, half = std / 2**0.5, 12.706 * std / 2**0.5  # t(0.975) at 1 df
+    span = f"95% interval {mean - half:+.3f} to {mean + half:+.3f}"
+    assert rows[2][-2:] == [f"{mean:+.3f} ± {se:.3f}; {span}", "**inconclusive**"]
 
 
 def test_registry_claim_verdicts_worked_out_here():
-    """ "difference >= at_least" from paired differences: held / not held when mean -/+ one standard error clears the
-    bound, inconclusive when the interval crosses it or on fewer than 3 seeds."""
+    """ "difference >= at_least" from paired differences: held / not held when the two-sided 95% t interval, mean ±
+    t(0.975, n - 1) x standard error (4.303 at 2 df), clears the bound, inconclusive when it crosses it or on fewer
+    than 3 seeds."""
     for diffs, at_least, verdict in [
-        ([0.01, 0.02, 0.03], -0.02, "held"),  # 0.02 - 0.0058 >= -0.02
-        ([-0.05, -0.04, -0.06], -0.02, "not held"),  # -0.05 + 0.0058 < -0.02
-        ([0.05, -0.05, 0.0], -0.02, "inconclusive"),  # 0 ± 0.0289 crosses -0.02
+        ([0.01, 0.02, 0.03], -0.02, "held"),  # 0.02 - 4.303 x 0.0058 = -0.005 >= -0.02
+        ([-0.05, -0.04, -0.06], -0.02, "not held"),  # -0.05 + 0.025 < -0.02
+        ([0.05, -0.05, 0.0], -0.02, "inconclusive"),  # 0 ± 0.124 crosses -0.02
         ([0.1, 0.2], 0.0, "inconclusive"),  # 2 seeds
-        ([-0.03, -0.01, -0.02], -0.02, "inconclusive"),  # -0.02 ± 0.0058
+        ([-0.03, -0.01, -0.02], -0.02, "inconclusive"),  # -0.02 ± 0.025
+        ([0.03, 0.10, 0.06], 0.0, "inconclusive"),  # paired t 3.1: one standard error clear of 0, not 4.30
+        ([-0.03, -0.10, -0.06], 0.0, "inconclusive"),
+        ([0.04, 0.06, 0.08], 0.0, "held"),  # paired t 5.2
+        ([-0.04, -0.06, -0.08], 0.0, "not held"),
     ]:
         mean, std, n = registry.mean_std(diffs)
         assert registry.claim_verdict(mean, std, n, at_least) == verdict, (diffs, at_least)
+    assert registry.t_975(2) == 4.303 and registry.t_975(1) == 12.706 and registry.t_975(100) == registry.t_975(30)
 
 
 def test_registry_list(synthetic_runs, capsys):
@@ -1161,12 +1170,65 @@ def test_offpolicy_baseline_compares_at_the_same_n_seed_by_seed(tmp_path):
     rows = [line for line in text.splitlines() if line.startswith("| nowhiten |") or line.startswith("| batch8 |")]
     rows = [line for line in rows if line.count("|") == 6]
     se = np.std([-0.10, 0.10], ddof=1) / np.sqrt(2)
+    half = 12.706 * se  # t(0.975) at 1 df
     assert rows == [
-        f"| nowhiten | 1 | 1, 2 | +0.000 ± {se:.3f} | +0.000 ± {2 * se:.3f} |",
-        "| nowhiten | 16 | 2 | +0.040 ± – | +0.080 ± – |",
-        "| batch8 | 1 | 1 | +0.200 ± – | +0.400 ± – |",
+        f"| nowhiten | 1 | 1, 2 | +0.000 ± {se:.3f}; 95% interval {-half:+.3f} to {half:+.3f} | +0.000 ± {2 * se:.3f};"
+        f" 95% interval {-2 * half:+.3f} to {2 * half:+.3f} |",
+        "| nowhiten | 16 | 2 | +0.040 ± –; no interval | +0.080 ± –; no interval |",
+        "| batch8 | 1 | 1 | +0.200 ± –; no interval | +0.400 ± –; no interval |",
     ]
     assert not any(line.startswith("| other | 4 | 1 | +") for line in text.splitlines())
+
+
+def test_one_verdict_rule_for_every_claim_check():
+    """registry paired --at_least, offpolicy's check and prm_checks judge paired differences over seeds by one rule,
+    registry's: held / not held only when the two-sided 95% t interval clears the bound. A difference of paired t 3.1
+    on 2 df (+0.03 / +0.10 / +0.06, one standard error clear of 0 but under t(0.975, 2) = 4.30) is inconclusive
+    everywhere; one of t 5.2 (+0.04 / +0.06 / +0.08) is held, and its negative not held."""
+    from benchmark import offpolicy, prm_checks
+
+    weak, strong = (0.03, 0.10, 0.06), (0.04, 0.06, 0.08)
+    mean, std, n = registry.mean_std(weak)
+    assert 3.0 < mean / (std / np.sqrt(n)) < 3.2 and mean - std / np.sqrt(n) > 0  # held by mean - one s.e.
+    mean, std, n = registry.mean_std(strong)
+    assert 5.0 < mean / (std / np.sqrt(n)) < 5.5
+    cases = [(weak, "inconclusive"), (tuple(-d for d in weak), "inconclusive")]
+    cases += [(strong, "held"), (tuple(-d for d in strong), "not held")]
+
+    # registry paired --at_least 0: the last column.
+    def runs(values):
+        return [{"seed": seed, "lines": [{"eval/accuracy": v}]} for seed, v in zip((1, 2, 3), values)]
+
+    experiments = [("base", runs([0.5] * 3))]
+    experiments += [(f"arm{i}", runs([0.5 + d for d in diffs])) for i, (diffs, _) in enumerate(cases)]
+    table = registry.paired_table(experiments, ["eval/accuracy"], "base", at_least=0.0)
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in table.strip().splitlines()[2:]]
+    assert [row[-1] for row in rows] == [f"**{verdict}**" for _, verdict in cases]
+    se = np.std(weak, ddof=1) / np.sqrt(3)
+    assert rows[0][-2] == f"+0.063 ± {se:.3f}; 95% interval {np.mean(weak) - 4.303 * se:+.3f} to +0.151"
+
+    # offpolicy: another objective's drop from N = 1 to 16 minus the subject's, seed by seed.
+    for diffs, verdict in cases:
+        values = {
+            "dpo": {
+                1: {s: {"eval/accuracy": 0.5} for s in (1, 2, 3)},
+                16: {s: {"eval/accuracy": 0.5} for s in (1, 2, 3)},
+            },
+            "rloo": {
+                1: {s: {"eval/accuracy": 0.5} for s in (1, 2, 3)},
+                16: {s: {"eval/accuracy": 0.5 - d} for s, d in zip((1, 2, 3), diffs)},
+            },
+        }
+        claim, got, numbers = offpolicy.check(values, "dpo")
+        assert got == verdict, (diffs, numbers)
+    assert "95% interval" in numbers
+
+    # prm_checks (c): an arm above success only.
+    for diffs, verdict in cases:
+        values = {"none": {s: {"eval/accuracy": 0.5, "eval/num_steps": 1.0} for s in (1, 2, 3)}}
+        values["clip"] = {s: {"eval/accuracy": 0.5 + d, "eval/num_steps": 1.0} for s, d in zip((1, 2, 3), diffs)}
+        assert [v for claim, v, _ in prm_checks.checks(values, "none") if claim.startswith("(c)")] == [verdict]
+    assert prm_checks.verdict_inside is registry.verdict_inside and prm_checks.interval is registry.interval
 
 
 def test_gpu_check_summary_reads_the_first_training_step_and_the_last_evaluation(tmp_path, capsys):
