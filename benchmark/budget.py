@@ -5,7 +5,10 @@
 total lines, lines above the fence (up to the `# ====` line that opens it) and below, main()'s lines, the fields
 of Args (above the fence: what the algorithm reads) and of RunArgs (below: the rest of the command line), and the
 definitions whose name is in all six scripts (each script's own Args, RunArgs, main, check_args and evaluate aside)
-with the lines they take in each: a copy a user gets in every file.
+with the lines they take in each: a copy a user gets in every file. Then the reading figures of issue 46 against its
+targets: the lines of main()'s longest loop (the training loop) and the line it starts at, the deepest nesting of
+blocks (for, while, if, with, try) in main(), and the definitions below the fence that main() and the functions above
+the fence it calls reach (what a reader must open below the fence to follow the algorithm).
 """
 
 import argparse
@@ -17,6 +20,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The fence's text line and the names each script has its own version of (not copies); tests/test_drift.py uses both.
 FENCE = "# PLUMBING: everything below serves main() and is not needed to follow the algorithm; a reader may stop here."
 SCRIPT_OWN = ("Args", "RunArgs", "main", "check_args", "evaluate")
+BLOCKS = (ast.For, ast.While, ast.If, ast.With, ast.Try)
 # script: (total lines, lines above the fence), the targets of issue 28
 BUDGET = {
     "grpo_math": (950, 430),
@@ -26,6 +30,46 @@ BUDGET = {
     "ppo_prm_clip": (1150, 480),
     "async_rlhf": (1250, 600),
 }
+
+
+# Issue 46's targets: the training loop's lines, main's block depth, below-fence names reached, the loop's first line,
+# total lines.
+READING = {
+    "grpo_math": (90, 4, 14, 260, 1490),
+    "dpo_online": (90, 4, 14, 260, 1540),
+    "ppo_rlhf": (90, 4, 14, 260, 1500),
+    "reward_modeling": (90, 4, 14, 300, 1700),
+    "ppo_prm_clip": (90, 4, 14, 320, 1770),
+    "async_rlhf": (90, 4, 14, 460, 1860),
+}
+
+
+def block_depth(node, depth=0):
+    """The deepest nesting of blocks (for, while, if, with, try) under `node`."""
+    return max(
+        [depth] + [block_depth(child, depth + isinstance(child, BLOCKS)) for child in ast.iter_child_nodes(node)]
+    )
+
+
+def below_fence_reached(tree, fence_line):
+    """The names of the module-level definitions after `fence_line` that main() uses, directly or through the
+    functions above the fence that it uses."""
+    defined = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+    below = {n.name for n in defined if n.lineno > fence_line}
+    above = {n.name: n for n in defined if n.lineno < fence_line and isinstance(n, ast.FunctionDef)}
+    seen, todo, reached = set(), ["main"], set()
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in above:
+            continue
+        seen.add(name)
+        for node in ast.walk(above[name]):
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+                if node.id in below:
+                    reached.add(node.id)
+                elif node.id in above:
+                    todo.append(node.id)
+    return sorted(reached)
 
 
 def fields(tree, name):
@@ -46,7 +90,13 @@ def measure(path):
         for n in tree.body
         if isinstance(n, (ast.FunctionDef, ast.ClassDef))
     }
+    loops = [n for n in ast.walk(main) if isinstance(n, (ast.For, ast.While))]
+    loop = max(loops, key=lambda n: n.end_lineno - n.lineno, default=None)
     return dict(
+        loop=loop.end_lineno - loop.lineno + 1 if loop else 0,
+        loop_start=loop.lineno if loop else 0,
+        depth=block_depth(main),
+        below_reached=below_fence_reached(tree, above + 2),
         total=len(lines),
         above=above,
         below=len(lines) - above,
@@ -83,6 +133,15 @@ def main(argv=None):
             f"| {row['args_fields']} / {row['run_args_fields']} | {row['copied_lines']} |"
         )
     print(f"\n{len(shared)} definitions are in all six scripts: {', '.join(shared)}")
+    print("\nReading figures (issue 46): now (target)\n")
+    print(
+        "| script | training loop lines | block depth in main | below-fence names reached | loop starts at | total |"
+    )
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name, row in rows.items():
+        now = (row["loop"], row["depth"], len(row["below_reached"]), row["loop_start"], row["total"])
+        cells = " | ".join(f"{value} ({target})" for value, target in zip(now, READING[name]))
+        print(f"| {name}.py | {cells} |")
     return rows
 
 

@@ -5,6 +5,7 @@ import dataclasses
 import importlib
 import inspect
 import os
+import re
 
 from conftest import REPO_ROOT
 
@@ -53,3 +54,57 @@ def test_a_small_file(tmp_path):
     assert (row["total"], row["above"], row["below"], row["main"]) == (18, 10, 8, 2)
     assert (row["args_fields"], row["run_args_fields"]) == (1, 2)
     assert row["definitions"] == {"Args": 4, "main": 2, "RunArgs": 4}
+
+
+def test_reading_figures_on_a_small_file(tmp_path):
+    """The loop, its depth and what main reaches below the fence, on a file where they are counted by hand: main's
+    longest loop is lines 8-13 (6 lines) at depth 2 (for, if); it uses `helper` (above the fence), which uses
+    `parse` (below); `step` is below and used directly; `unused` is below and never reached."""
+    source = [
+        "def helper(x):",  # 1
+        "    return parse(x)",
+        "",
+        "def main(args):",  # 4
+        "    total = 0",
+        "    for i in range(3):",  # 6
+        "        total += i",
+        "    for j in range(2):",  # 8 (the other loop is lines 6-7)
+        "        if j:",
+        "            total += helper(j)",
+        "        total += step(j)",
+        "        total += 1",
+        "        total -= 1",  # 13
+        "    return total",
+        "",
+        "# " + "=" * 117,
+        budget.FENCE,
+        "# " + "=" * 117,
+        "",
+        "def parse(x):",
+        "    return x",
+        "",
+        "def step(x):",
+        "    return x",
+        "",
+        "def unused(x):",
+        "    return x",
+    ]
+    (tmp_path / "b.py").write_text("\n".join(source) + "\n")
+    row = budget.measure(str(tmp_path / "b.py"))
+    assert (row["loop"], row["loop_start"], row["depth"]) == (6, 8, 2)
+    assert row["below_reached"] == ["parse", "step"]
+
+
+def test_reading_figures_of_the_scripts_against_the_files():
+    """Each script's loop figures read back from its own lines: the loop starts with `for`/`while` at that line and
+    main's text ends after it; every name reached is defined below the fence and appears in the text above it."""
+    rows, _ = budget.report()
+    for name, row in rows.items():
+        with open(os.path.join(REPO_ROOT, f"{name}.py")) as f:
+            lines = f.read().splitlines()
+        assert lines[row["loop_start"] - 1].lstrip().startswith(("for ", "while "))
+        above, below = "\n".join(lines[: row["above"]]), "\n".join(lines[row["above"] :])
+        for reached in row["below_reached"]:
+            assert f"def {reached}(" in below or f"class {reached}" in below
+            assert re.search(rf"\b{reached}\b", above), (name, reached)
+        assert 1 <= row["depth"] <= 8 and set(budget.READING) == set(budget.BUDGET)
