@@ -299,8 +299,9 @@ def resolve_defaults(args):
     filled = {name: value for name, value in defaults.items() if getattr(args, name) is None}
     for name, value in filled.items():
         setattr(args, name, value)
-    if gspo and filled:
-        warnings.warn(f"GSPO's defaults at the sequence level: {filled}", stacklevel=2)
+    gspo_filled = {name: value for name, value in filled.items() if gspo and name != "tis_cap"}
+    if gspo_filled:
+        warnings.warn(f"GSPO's defaults at the sequence level: {gspo_filled}", stacklevel=2)
     return args
 
 
