@@ -20,6 +20,7 @@ import argparse
 import hashlib
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -74,7 +75,7 @@ def script_runs(variants, runs, out, load):
 
     lines = [
         f"# Bit-identical reruns of the script: `python -m benchmark.determinism --runs {runs} --load {load} "
-        f"--variants {' '.join(variants)}`",
+        f"--variants {shlex.join(variants)}`",
         "",
         f"`{RUN}` (threads: torch's default, 2 on the 2-core hosts), {runs} runs per setting, one at a time, "
         f"{load} busy processes beside them; each "

@@ -106,3 +106,12 @@ python -m benchmark.registry perf --experiments "grpo_math=runs/add_2t2d__grpo_p
     "dpo_online=runs/arith_1d__dpo_online__1__*" \
     "async_rlhf --sync (HF generate)=runs/arith_1d__async_bench_sync__1__*" \
     "async_rlhf (HF generate)=runs/arith_1d__async_bench_async__1__*" --out benchmark/results/training_throughput
+
+# Bit-identical reruns on CPU (issue 45; docs/launch_paths.md "Reruns"), 2026-11-27: forward + backward passes of a
+# fixed batch across fresh processes with a busy process beside them (determinism.md), then the script itself, 3 runs
+# per setting with a busy process beside it (determinism_runs.md) and 2 alone (determinism_runs_unloaded.md).
+python -m benchmark.determinism --repeats 6 --processes 2 --load 1 --variants default
+python -m benchmark.determinism --runs 3 --load 1 --variants default MKL_CBWR=AUTO,STRICT \
+    --out benchmark/results/determinism_runs.md
+python -m benchmark.determinism --runs 2 --load 0 --variants default "1 thread" \
+    --out benchmark/results/determinism_runs_unloaded.md
