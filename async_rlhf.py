@@ -383,7 +383,8 @@ def dpo_update(model, optimizer, scheduler, accelerator, args, batch, scores, st
         record_staleness(stats, (step - batch["version"]) * args.num_minibatches + start // args.minibatch_size)
         lr = scheduler.get_last_lr()[0]  # the learning rate of this update
         optimizer.step()
-        scheduler.step()
+        if grad_norm == grad_norm:  # the schedule counts updates taken (fp16's scaler skips some)
+            scheduler.step()
         optimizer.zero_grad(set_to_none=True)
     pair_metrics = dpo_pair_metrics(accelerator.reduce(pair_sums, "sum").tolist())  # over every process's pairs
     return summarize_update(metrics, stats, kl, entropy, lr), pair_metrics
@@ -451,7 +452,8 @@ def rloo_update(model, optimizer, scheduler, accelerator, args, batch, judged, s
         record_staleness(stats, (step - batch["version"]) * args.num_minibatches + start // args.minibatch_size)
         lr = scheduler.get_last_lr()[0]  # the learning rate of this update
         optimizer.step()
-        scheduler.step()
+        if grad_norm == grad_norm:  # the schedule counts updates taken (fp16's scaler skips some)
+            scheduler.step()
         optimizer.zero_grad(set_to_none=True)
     metrics["loss/policy"] = policy_loss
     # What the stalest update saw: the approximate KL of the policy to the generator's, on the last minibatch.

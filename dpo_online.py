@@ -365,7 +365,8 @@ def main(args: Args):
             grad_norms.append(clip_gradients(accelerator, model, args.max_grad_norm, step, run.last_checkpoint))
             lr = scheduler.get_last_lr()[0]  # the learning rate of this update
             optimizer.step()
-            scheduler.step()
+            if grad_norms[-1] == grad_norms[-1]:  # the schedule counts updates taken (fp16's scaler skips some)
+                scheduler.step()
             optimizer.zero_grad(set_to_none=True)
         metrics["time/training"] = time.time() - t_train
         metrics["policy/grad_norm"] = reduce_values("policy/grad_norm", grad_norms)

@@ -426,7 +426,8 @@ def main(args: Args):
                 stats["policy/skipped_updates"].append(float(grad_norm != grad_norm))  # NaN: fp16's scaler skipped it
                 lr = scheduler.get_last_lr()[0]  # the learning rate of this update
                 optimizer.step()
-                scheduler.step()
+                if grad_norm == grad_norm:  # the schedule counts updates taken (fp16's scaler skips some)
+                    scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
                 if iteration == 0 and start == 0:  # ratio 1, approxkl 0 on a fresh batch's first minibatch
                     for name in ("policy/ratio", "policy/approxkl"):

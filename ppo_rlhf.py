@@ -388,7 +388,8 @@ def main(args: Args):
                 record_staleness(stats, epoch * args.num_minibatches + start // args.minibatch_size)
                 lr = scheduler.get_last_lr()[0]  # the learning rate of this update
                 optimizer.step()
-                scheduler.step()
+                if grad_norm == grad_norm:  # the schedule counts updates taken (fp16's scaler skips some)
+                    scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
                 if epoch == 0 and start == 0:
                     metrics["policy/ratio_first_minibatch"] = float(np.mean(stats["val/ratio"]))

@@ -364,7 +364,8 @@ def main(args: Args):
         metrics["objective/skipped_updates"] = float(metrics["objective/grad_norm"] != metrics["objective/grad_norm"])
         metrics["lr"] = scheduler.get_last_lr()[0]  # the learning rate of this update
         optimizer.step()
-        scheduler.step()
+        if not metrics["objective/skipped_updates"]:  # the schedule counts updates taken (fp16's scaler skips some)
+            scheduler.step()
         optimizer.zero_grad(set_to_none=True)
 
         # 4. Log (averaged over processes), evaluate; after the last step also the bias (Bradley-Terry), checkpoint.

@@ -752,8 +752,8 @@ def test_check_finite_stops_every_process_when_one_sees_a_non_finite_value():
 def test_fp16_loss_scaler_skips_an_overflowing_update_and_the_run_goes_on(make_args, monkeypatch):
     """Under --mixed_precision fp16 (V100, T4), accelerate's GradScaler starts at scale 65536, and an overflowing
     backward gives an inf gradient norm: the scaler's signal to skip that update and lower its scale. The run must
-    go on (bf16 and fp32 stop there), count the skipped updates, and keep its weights: KL to the reference stays
-    exactly 0 until an update is taken. accelerate has no fp16 scaler on CPU: a CPU GradScaler stands in, and the
+    go on (bf16 and fp32 stop there), count the skipped updates, and keep its weights and its learning-rate
+    schedule: KL to the reference stays exactly 0 until an update is taken. accelerate has no fp16 scaler on CPU: a CPU GradScaler stands in, and the
     first two updates' gradients are made inf (2 micro-batches an update)."""
     make, scalers = grpo_math.make_accelerator, []
 
@@ -774,9 +774,12 @@ def test_fp16_loss_scaler_skips_an_overflowing_update_and_the_run_goes_on(make_a
 
     monkeypatch.setattr(grpo_math, "make_accelerator", with_scaler)
     monkeypatch.setattr(grpo_math, "compute_rewards", space_reward)
-    run_dir = grpo_math.main(make_args(total_steps=4, beta=0.1, learning_rate=3e-3, temperature=0.5))
+    args = make_args(total_steps=4, beta=0.1, learning_rate=4e-3, temperature=0.5, lr_scheduler="linear")
+    run_dir = grpo_math.main(args)
     lines = train_lines(read_metrics(run_dir))
     assert [line["policy/skipped_updates"] for line in lines] == [1.0, 1.0, 0.0, 0.0]
+    # The linear schedule over 4 updates counts the updates taken: the skipped two leave it at its start.
+    assert [line["lr"] for line in lines] == pytest.approx([4e-3, 4e-3, 4e-3, 3e-3], rel=1e-12)
     assert [math.isnan(line["policy/grad_norm"]) for line in lines] == [True, True, False, False]
     assert [line["objective/kl"] for line in lines][:3] == [0.0, 0.0, 0.0] and lines[3]["objective/kl"] > 0
     assert scalers[0].get_scale() == 0.25  # halved at each skipped update
