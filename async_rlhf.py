@@ -916,8 +916,7 @@ class AsyncGenerator:
         answer prompt i. The tensors stay on the generator's side; next_batch moves them."""
         a, n = self.args, self.args.num_completions
         rank, world_size = self.accelerator.process_index, self.accelerator.num_processes
-        global_indices = step_prompt_indices(t, a.prompts_per_rank * world_size, len(self.prompts), a.seed)
-        indices = global_indices[rank * a.prompts_per_rank : (rank + 1) * a.prompts_per_rank]
+        indices = step_prompt_indices(t, a.prompts_per_rank, len(self.prompts), a.seed, rank, world_size)
         prompts = [self.prompts[i] for i in indices]
         golds = [self.golds[i] for i in indices for _ in range(n)]  # [nP], one per completion
         timings = {}
@@ -1287,6 +1286,7 @@ class Run:
     def __init__(self, args, accelerator, resumable_args):
         self.args, self.accelerator, args.world_size = args, accelerator, accelerator.num_processes
         self.episode, self.last_checkpoint, self.trackers = 0, None, []
+        self.step, self.metrics, self.stats = 0, {}, collections.defaultdict(list)
         if args.resume is None:
             name = None
             if accelerator.is_main_process:
@@ -1355,7 +1355,51 @@ class Run:
                 tracker.start()
                 tracker.store_init_configuration(config if tracker.name == "wandb" else hparams)
         self.t_start = time.time()
+        self.progress = tqdm(
+            total=args.total_steps, initial=step, desc=args.exp_name, disable=not self.accelerator.is_main_process
+        )
         return step
+
+    def begin_step(self, step):
+        """Start step `step` (from 0): its clock, its metrics (one value per name; returned, to fill) and its stats
+        (one value per micro-batch or update, through add(), averaged when the step ends)."""
+        self.step, self.t_step, self.metrics, self.stats = step, time.time(), {}, collections.defaultdict(list)
+        return self.metrics
+
+    def add(self, stats):
+        """One value per name for this step's averages (reduce_values: NaN left out, *_max / *_min the extreme)."""
+        for name, value in stats.items():
+            self.stats[name].append(value)
+
+    @contextlib.contextmanager
+    def timed(self, name):
+        """metrics[name] = the seconds the block took."""
+        start = time.time()
+        yield
+        self.metrics[name] = time.time() - start
+
+    def check(self, values, name):
+        """Stop at a non-finite value, naming this step and the last good checkpoint (check_finite: a collective)."""
+        check_finite(self.accelerator, values, name, self.step, self.last_checkpoint)
+
+    def due(self, every):
+        """Whether a periodic event (evaluation, checkpoint) happens after this step: every `every` steps and last."""
+        done = self.step + 1
+        return bool(every and done % every == 0) or done == self.args.total_steps
+
+    def end_step(self, episodes, evaluate):
+        """Close the step: its metrics and averaged stats, reduced over processes (a collective), the episodes it
+        trained on, then evaluate(step) -> (metrics, samples) when --eval_every is due, one log line, and a
+        checkpoint when --save_every is due."""
+        metrics = reduce_metrics(self.accelerator, self.metrics | average_stats(self.stats))
+        self.episode += episodes
+        metrics["time/step"] = time.time() - self.t_step
+        metrics["perf/episodes_per_second"] = episodes / metrics["time/step"]
+        evaluation, samples = evaluate(self.step + 1) if self.due(self.args.eval_every) else ({}, [])
+        self.log(self.step + 1, metrics | evaluation, samples)
+        if self.due(self.args.save_every):
+            self.save_checkpoint(self.step + 1)
+        self.progress.update()
 
     def log(self, step, metrics, samples=()):
         """One line of metrics.jsonl (and TensorBoard, wandb) for this step; samples go to samples.jsonl."""
@@ -1400,6 +1444,7 @@ class Run:
             self.metrics_file.close()
             for tracker in self.trackers:
                 tracker.finish()
+        self.progress.close()
         self.accelerator.print(f"done in {time.time() - self.t_start:.0f}s: {self.dir}")
         self.accelerator.end_training()
 
@@ -1681,16 +1726,19 @@ def left_pad(sequences, pad_token_id):
     return input_ids, attention_mask
 
 
-def step_prompt_indices(step, prompts_per_step, num_prompts, seed):
-    """Indices of the prompts used at `step` (all processes together): the dataset is walked in a fresh
-    permutation every epoch, so the data order is a pure function of (seed, step) and --resume repeats it."""
+def step_prompt_indices(step, per_rank, num_prompts, seed, rank=0, world_size=1):
+    """Indices of the prompts process `rank` uses at `step`: its slice of the step's world_size * per_rank. The
+    dataset is walked in a fresh permutation every epoch, so the data order is a pure function of (seed, step) and
+    --resume repeats it."""
+    prompts_per_step = per_rank * world_size
     start, end = step * prompts_per_step, (step + 1) * prompts_per_step
     first_epoch, last_epoch = start // num_prompts, (end - 1) // num_prompts
     epochs = range(first_epoch, last_epoch + 1)
     order = torch.cat(
         [torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed * 100_003 + e)) for e in epochs]
     )
-    return order[start - first_epoch * num_prompts : end - first_epoch * num_prompts].tolist()
+    mine = start - first_epoch * num_prompts + rank * per_rank
+    return order[mine : mine + per_rank].tolist()
 
 
 def training_batch(prompts, n, responses, mask, sampler_logprobs, pad_token_id, device):
@@ -1702,7 +1750,9 @@ def training_batch(prompts, n, responses, mask, sampler_logprobs, pad_token_id, 
     responses, mask = responses[:, :width], mask[:, :width].to(device)
     if sampler_logprobs is not None:
         sampler_logprobs = sampler_logprobs[:, :width].to(device)
-    prompt_ids, prompt_mask = left_pad([p for p in prompts for _ in range(n)], pad_token_id)
+    rows, P = [p for p in prompts for _ in range(n)], max(len(p) for p in prompts)  # left-padded to P
+    prompt_ids = torch.tensor([[pad_token_id] * (P - len(p)) + list(p) for p in rows], dtype=torch.long)
+    prompt_mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in rows], dtype=torch.long)
     query_responses = torch.cat([prompt_ids, responses], 1).to(device)
     attention_mask = torch.cat([prompt_mask.to(device), mask.long()], 1)
     return query_responses, attention_mask, mask, sampler_logprobs, prompt_ids.shape[1]

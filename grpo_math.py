@@ -24,6 +24,8 @@ Read down to the line "PLUMBING": the arguments, the math, the reward and main()
 
 import collections
 import contextlib
+import functools
+import inspect
 import itertools
 import json
 import logging
@@ -141,6 +143,75 @@ def masked_mean(values, mask, dim=None):
     return (values * mask).sum(dim) / mask.sum(dim).clamp(min=1)
 
 
+def token_mean(values, mask):
+    """masked_mean over every element as a float; NaN without any token (a micro-batch whose completions all left the
+    loss), which the averages over micro-batches and processes then leave out (reduce_values)."""
+    return masked_mean(values, mask).item() if mask.any() else float("nan")
+
+
+def logprobs_from_logits(logits, labels):
+    """log softmax(logits)[labels] without materialising the full log-softmax. logits [..., V], labels [...]."""
+    return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def entropy_from_logits(logits):
+    """Entropy of softmax(logits) along the last dimension."""
+    return torch.logsumexp(logits, dim=-1) - (F.softmax(logits, dim=-1) * logits).sum(-1)
+
+
+def response_logprobs(model, input_ids, attention_mask, context_length, temperature):
+    """Log-probs of the response tokens input_ids[:, context_length:] under `model`, and the logits that gave them.
+    Prompts are left-padded, so positions are counted from each sequence's first real token.
+    Returns (logprobs [B, R], logits [B, R, V]) with logits divided by the sampling temperature."""
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    # The logits at position t predict token t + 1: the LM head (a [hidden, vocab] matmul) skips the prompt.
+    logits = model(**inputs, logits_to_keep=input_ids.shape[1] - context_length + 1).logits
+    logits = logits[:, :-1].float() / temperature
+    return logprobs_from_logits(logits, input_ids[:, context_length:]), logits
+
+
+def fixed_logprobs(logprobs_fn, model, query_responses, attention_mask, context_length, temperature, micro_batch_size):
+    """logprobs_fn (response_logprobs, or shared_prompt_logprobs where a script has it) without gradients, by
+    micro-batch: the old policy's and the reference's log-probs, which stay fixed during the update.
+    [B, P + R] -> [B, R]"""
+    parts = [slice(i, i + micro_batch_size) for i in range(0, len(query_responses), micro_batch_size)]
+    with torch.no_grad():
+        return torch.cat(
+            [logprobs_fn(model, query_responses[s], attention_mask[s], context_length, temperature)[0] for s in parts]
+        )
+
+
+def reference_logprobs(logprobs_fn, model, ref_model, accelerator, batch):
+    """fixed_logprobs of the reference: ref_model, or with LoRA (ref_model None) the policy with its adapters off,
+    under the policy's autocast (--mixed_precision), so that KL is exactly 0 before the first update. [B, R]"""
+    adapters_off = accelerator.unwrap_model(model).disable_adapter() if ref_model is None else contextlib.nullcontext()
+    with adapters_off, accelerator.autocast():
+        return fixed_logprobs(logprobs_fn, ref_model or model, *batch)
+
+
+def take(values, rows):
+    """values[rows], or None for a tensor the run does not have (no reference model, no sampler log-probs)."""
+    return None if values is None else values[rows]
+
+
+def training_batch(prompts, n, responses, mask, sampler_logprobs, pad_token_id, device):
+    """The rollout as the trainer's input: each prompt (left-padded) repeated for its n consecutive completions, then
+    the responses cut to the longest one (nothing after it is computed). responses, mask, sampler_logprobs [B, R].
+    Returns query_responses [B, P + R'], attention_mask [B, P + R'] (0 on padding and after the first EOS),
+    mask [B, R'], sampler_logprobs [B, R'] (or None) on `device`, and P, the prompts' padded length."""
+    width = max(1, int(mask.sum(1).max()))
+    responses, mask = responses[:, :width], mask[:, :width].to(device)
+    if sampler_logprobs is not None:
+        sampler_logprobs = sampler_logprobs[:, :width].to(device)
+    rows, P = [p for p in prompts for _ in range(n)], max(len(p) for p in prompts)  # left-padded to P
+    prompt_ids = torch.tensor([[pad_token_id] * (P - len(p)) + list(p) for p in rows], dtype=torch.long)
+    prompt_mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in rows], dtype=torch.long)
+    query_responses = torch.cat([prompt_ids, responses], 1).to(device)
+    attention_mask = torch.cat([prompt_mask.to(device), mask.long()], 1)
+    return query_responses, attention_mask, mask, sampler_logprobs, prompt_ids.shape[1]
+
+
 def kl_estimate(logprobs, ref_logprobs, kind):
     """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman, "Approximating KL divergence").
     k1 = log r, k2 = (log r)^2 / 2, k3 = exp(-log r) + log r - 1, with log r = logprobs - ref_logprobs."""
@@ -236,47 +307,113 @@ def aggregate_loss(token_loss, mask, loss_type, minibatch_tokens, minibatch_seqs
 
 
 def grpo_loss(
-    logprobs, old_logprobs, ref_logprobs, sampler_logprobs, advantages, mask, args, tokens, seqs, logits=None
-):
-    """One micro-batch's share of the minibatch's loss (aggregate_loss) and its statistics. logprobs [b, R] (with
-    gradients), old, ref (None when beta = 0), sampler (None unless vLLM sampled) log-probs, mask [b, R], advantages
-    [b], logits [b, R, V] (read by the entropy bonus only). Returns (loss, {name: float})."""
+    logprobs, old_logprobs, ref_logprobs, sampler_logprobs, advantages, mask, logits, tokens, seqs, *,
+    importance_sampling_level, clip_eps_low, clip_eps_high, cispo_cap, mis_range, mis_level, tis_cap, entropy_coef,
+    beta, kl_estimator, loss_type, response_length,
+):  # fmt: skip
+    """One micro-batch's share of the minibatch's loss (aggregate_loss: divided by the minibatch's `tokens` averaged
+    over processes, or its `seqs`) and its statistics. logprobs [b, R] (with gradients), old, ref (None when beta = 0),
+    sampler (None unless vLLM sampled) log-probs, mask [b, R], advantages [b], logits [b, R, V] (read by the entropy
+    bonus only); the rest: the flags of the same names. Returns (loss, {name: float})."""
     lp, old, sampled = logprobs, old_logprobs, sampler_logprobs  # what the importance ratios compare
-    if args.importance_sampling_level == "sequence":  # GSPO: one ratio per sequence, for the sampler's too
+    if importance_sampling_level == "sequence":  # GSPO: one ratio per sequence, for the sampler's too
         lp, old, sampled = (None if x is None else sequence_mean(x, mask) for x in (lp, old, sampled))
-    if args.cispo_cap is None:
-        token_loss, ratio = clipped_surrogate(lp, old, advantages, args.clip_eps_low, args.clip_eps_high)
+    if cispo_cap is None:
+        token_loss, ratio = clipped_surrogate(lp, old, advantages, clip_eps_low, clip_eps_high)
     else:
-        token_loss, ratio = cispo_surrogate(lp, old, logprobs, advantages, args.cispo_cap)
+        token_loss, ratio = cispo_surrogate(lp, old, logprobs, advantages, cispo_cap)
     stats = {}
-    if sampled is not None and args.mis_range is not None:  # masked IS, at its own level (IcePop: every token's)
+    if sampled is not None and mis_range is not None:  # masked IS, at its own level (IcePop: every token's)
         pair = (old_logprobs, sampler_logprobs)
-        if args.mis_level == "sequence":
+        if mis_level == "sequence":
             pair = (sequence_mean(x, mask) for x in pair)
-        weights = masked_importance_weights(*pair, *args.mis_range, args.tis_cap or None)
+        weights = masked_importance_weights(*pair, *mis_range, tis_cap or None)
         token_loss = token_loss * weights
         stats["objective/tis_weight"] = token_mean(weights, mask)
         stats["objective/mis_masked_fraction"] = token_mean((weights == 0).float(), mask)
-    elif sampled is not None and args.tis_cap:  # 0 or None: off
-        tis = truncated_importance_weights(old, sampled, args.tis_cap)
+    elif sampled is not None and tis_cap:  # 0 or None: off
+        tis = truncated_importance_weights(old, sampled, tis_cap)
         token_loss = token_loss * tis
         stats["objective/tis_weight"] = token_mean(tis, mask)
-    if args.entropy_coef:
-        token_loss = token_loss - args.entropy_coef * entropy_from_logits(logits)
-    if args.beta > 0:
-        kl = kl_estimate(logprobs, ref_logprobs, args.kl_estimator)
-        token_loss = token_loss + args.beta * kl
+    if entropy_coef:
+        token_loss = token_loss - entropy_coef * entropy_from_logits(logits)
+    if beta > 0:
+        kl = kl_estimate(logprobs, ref_logprobs, kl_estimator)
+        token_loss = token_loss + beta * kl
         stats["objective/kl"] = token_mean(kl.detach(), mask)
-    loss = aggregate_loss(token_loss, mask, args.loss_type, tokens, seqs, args.response_length)
+    loss = aggregate_loss(token_loss, mask, loss_type, tokens, seqs, response_length)
     with torch.no_grad():  # clipped: where PPO's clip cuts the gradient, or CISPO's cap lowers the weight
-        adv, ppo = advantages.unsqueeze(1), args.cispo_cap is None
-        low = (ratio < 1 - args.clip_eps_low) & (adv < 0) & ppo
-        high = (ratio > 1 + args.clip_eps_high) & (adv > 0) if ppo else ratio > args.cispo_cap
+        adv, ppo = advantages.unsqueeze(1), cispo_cap is None
+        low = (ratio < 1 - clip_eps_low) & (adv < 0) & ppo
+        high = (ratio > 1 + clip_eps_high) & (adv > 0) if ppo else ratio > cispo_cap
         stats["policy/ratio"] = token_mean(ratio, mask)
         stats["policy/clipfrac_low"] = token_mean(low.float(), mask)
         stats["policy/clipfrac_high"] = token_mean(high.float(), mask)
         stats["policy/approxkl"] = token_mean(0.5 * (logprobs - old_logprobs) ** 2, mask)
     return loss, stats
+
+
+@torch.no_grad()
+def first_pass_stats(logits, logprobs, sampler_logprobs, mask, first_minibatch):
+    """Diagnostics of a micro-batch on the first pass, over every sampled token (mask): the entropy of the policy (on
+    the first minibatch only: it needs the full softmax) and, with vLLM, how far the sampler's log-probs are from the
+    trainer's, before any truncation or masking: the mean |log(pi_train / pi_sampler)|, the extreme ratios and the
+    fraction of tokens whose ratio is outside [0.5, 2]."""
+    stats = {}
+    if first_minibatch:
+        stats["objective/entropy"] = masked_mean(entropy_from_logits(logits), mask).item()
+    if sampler_logprobs is not None:
+        log_gap = logprobs - sampler_logprobs
+        ratios = torch.exp(log_gap)[mask > 0]
+        stats["objective/logprob_gap"] = masked_mean(log_gap.abs(), mask).item()
+        stats["objective/logprob_ratio_max"] = ratios.max().item()
+        stats["objective/logprob_ratio_min"] = ratios.min().item()
+        stats["objective/logprob_ratio_outside_0.5_2"] = ((ratios < 0.5) | (ratios > 2)).float().mean().item()
+    return stats
+
+
+NUMBER = r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?"  # 12, -1,234.5, .5, 3/4
+
+
+def extract_answer(text):
+    """The final answer of a completion: the first number after the last 'Answer:' (its whole line if it has
+    none), else the last number in the text, else None. When that number starts an equation on its line (numbers
+    and operators, then '=': "9 * 6 = 54", "9 x 6 = 54 = 50 + 4"), the answer is the last side of the equation that
+    is a lone number (54 in both). LaTeX fractions are read as a/b, a Unicode minus as '-'."""
+    text = re.sub(r"\\d?frac\{(-?\d+)\}\{(\d+)\}", r"\1/\2", text).replace("\u2212", "-")
+    if "Answer:" in text:
+        tail = text.rsplit("Answer:", 1)[1]
+        found = re.search(NUMBER, tail)
+        if found:
+            term = r"(?:\([ \t]*)*-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:[ \t]*\))*"  # a number, maybe in parentheses
+            words = r"x|·|\\times|\\cdot|\\div|times|multiplied by|plus|minus|divided by|over|%[ \t]*of|percent of"
+            operation = rf"[ \t]*(?:[-+*/×÷]|(?:{words})(?![a-z]))[ \t]*"
+            side = rf"{term}(?:{operation}{term})*"
+            last = rf"[ \t]*=[ \t]*({NUMBER})(?![.,]?\d|{operation}\(*\.?\d)"  # a lone number
+            equation = re.compile(rf"{term}(?:{operation}{term})+(?:[ \t]*=[ \t]*{side})*{last}", re.I)
+            equation = equation.match(tail, found.start())
+            return (equation.group(1) if equation else found.group(0)).replace(",", "").replace(" ", "")
+        return tail.strip().split("\n")[0].strip().rstrip(".") or None
+    numbers = re.findall(NUMBER, text)
+    return numbers[-1].replace(",", "").replace(" ", "") if numbers else None
+
+
+def verify_answer(prediction, gold):
+    """1.0 if the prediction equals the gold answer: math-verify first, numeric equality as the fallback."""
+    if prediction is None or not gold:
+        return 0.0
+    try:
+        from math_verify import parse, verify
+
+        parsed_gold, parsed_pred = parse(f"${gold}$"), parse(f"${prediction}$")
+        if parsed_gold and parsed_pred:
+            return float(verify(parsed_gold, parsed_pred))
+    except Exception:  # math-verify raises on some inputs, or times out: fall back to the task's numeric scorer
+        pass
+    try:
+        return float(abs(Fraction(prediction) - Fraction(gold)) < 1e-6)
+    except (ValueError, ZeroDivisionError):
+        return float(prediction.strip() == gold.strip())
 
 
 def compute_rewards(completions, golds, format_reward):
@@ -286,74 +423,74 @@ def compute_rewards(completions, golds, format_reward):
     return correct + format_reward * formatted, correct, formatted
 
 
-def resolve_defaults(args):
-    """What None means for the flags whose default depends on another (config.json records the result): at the
-    sequence level GSPO's clip range 3e-4 / 4e-4 and its mean of sequence losses (arXiv 2507.18071, Sec. 5.1: with a
-    token mean a sequence weighs by its length, and a 0.2 clip hardly ever binds on a geometric-mean ratio), else
-    0.2 / 0.2 and the token mean; truncated IS at cap 2 unless a mask range is given (IcePop: the kept tokens carry
-    their ratio)."""
-    gspo = args.importance_sampling_level == "sequence"
-    defaults = dict(clip_eps_low=3e-4 if gspo else 0.2, clip_eps_high=4e-4 if gspo else 0.2)
-    defaults |= dict(loss_type="seq_mean_token_mean" if gspo else "token_mean")
-    defaults |= dict(tis_cap=2.0 if args.mis_range is None else 0.0)
-    filled = {name: value for name, value in defaults.items() if getattr(args, name) is None}
-    for name, value in filled.items():
-        setattr(args, name, value)
-    gspo_filled = {name: value for name, value in filled.items() if gspo and name != "tis_cap"}
-    if gspo_filled:
-        warnings.warn(f"GSPO's defaults at the sequence level: {gspo_filled}", stacklevel=2)
-    return args
+def stopped(responses, mask, stop_ids):
+    """1 for each completion that ends at a stop token within its mask, 0 for one cut at the length limit.
+    responses, mask [B, R] -> [B, 1]"""
+    is_stop = torch.isin(responses, torch.tensor(stop_ids, device=responses.device)) & (mask > 0)
+    return is_stop.any(1, keepdim=True).to(mask.dtype)
 
 
-def main(args: Args):
+def rollout_metrics(rewards, correct, formatted, responses, mask, group_size, stop_ids):
+    """What the sampled completions scored, and how long they were. All [N] or [N, R]. A zero-std group is one whose
+    completions are all right or all wrong (DAPO's groups without a signal), whatever the format and length shaping."""
+    return {
+        "objective/scores": rewards.mean().item(),
+        "objective/accuracy": correct.mean().item(),
+        "objective/format": formatted.mean().item(),
+        "objective/zero_std_groups": (correct.view(-1, group_size).std(1) == 0).float().mean().item(),
+        "objective/response_length": mask.sum(1).float().mean().item(),
+        "val/num_eos_tokens": (torch.isin(responses, torch.tensor(stop_ids)) & (mask > 0)).sum().item(),
+    }
+
+
+def main(args: "Config"):
     # Setup: processes, data, models, sampler, run folder (the helpers are below the fence).
-    check_args(resolve_defaults(args))
+    check_args(args)  # and fill the defaults that depend on other flags (resolve_defaults)
     G = args.num_generations  # the group size
     args.batch_size = args.prompts_per_rank * G
     args.minibatch_size = args.batch_size // args.num_minibatches
     args.gradient_accumulation_steps = args.minibatch_size // args.micro_batch_size
     accelerator = make_accelerator(args.micro_batch_size, args.gradient_accumulation_steps, args.max_grad_norm)
-    rank, world_size = accelerator.process_index, accelerator.num_processes
+    rank, world_size, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code, args.prompt_template)
     train_prompts, train_golds, eval_sets = load_math_prompts(args, tokenizer, world_size)
     run = Run(args, accelerator, RESUMABLE_ARGS)
     set_seed(args.seed + rank)  # random, numpy and torch: a different sampling stream per process
     model, ref_model = load_policy_and_reference(args, accelerator, tokenizer.pad_token_id, args.beta > 0)
-    enable_gradient_checkpointing([model], args)
     trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay, eps=1e-8)
     scheduler = make_scheduler(optimizer, args, args.total_steps * args.num_iterations * args.num_minibatches)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    unwrapped = accelerator.unwrap_model(model)
-    sampler = Sampler(args, accelerator, unwrapped, tokenizer, args.model_name_or_path, args.vllm_sleep)
+    sampler = Sampler(args, accelerator, accelerator.unwrap_model(model), tokenizer)
+    # grpo_loss takes tensors and scalars: its keyword-only arguments are the flags of the same names.
+    loss_flags = {name: getattr(args, name) for name in inspect.getfullargspec(grpo_loss).kwonlyargs}
+    logprobs_fn = shared_prompt_logprobs if args.shared_prompt else response_logprobs  # the same log-probs
+    evaluation = functools.partial(evaluate, sampler, eval_sets, args, accelerator, tokenizer)  # (step) -> metrics
     start_step = run.start({"vllm": sampler.llm is not None})
     if start_step > 0:
         sampler.sync_weights()
     else:
-        run.log(0, *evaluate(sampler, eval_sets, args, accelerator, tokenizer, 0))
+        run.log(0, *evaluation(0))
 
-    progress = tqdm(total=args.total_steps, initial=start_step, desc="grpo", disable=not accelerator.is_main_process)
     for step in range(start_step, args.total_steps):
-        t_step, metrics = time.time(), {}
+        metrics = run.begin_step(step)
         # 1. Prompts: each process takes its slice of a global order that is a function of (seed, step), so that
         # --resume repeats it (oversample times as many prompts with dynamic sampling).
         num_sampled = args.prompts_per_rank * args.oversample
-        global_indices = step_prompt_indices(step, num_sampled * world_size, len(train_prompts), args.seed)
-        indices = global_indices[rank * num_sampled : (rank + 1) * num_sampled]
-        prompts = [train_prompts[i] for i in indices]
-        golds = [train_golds[i] for i in indices for _ in range(G)]
+        indices = step_prompt_indices(step, num_sampled, len(train_prompts), args.seed, rank, world_size)
+        prompts, golds = [train_prompts[i] for i in indices], [train_golds[i] for i in indices for _ in range(G)]
 
         # 2. Rollout: G completions per prompt, consecutive. responses, mask [num_sampled * G, R].
-        with timed(metrics, "time/generation"):
+        with run.timed("time/generation"):
             responses, mask, sampler_logprobs, texts = sampler.generate(prompts, G, args.temperature)
         metrics["perf/generation_tokens_per_second"] = mask.sum().item() / metrics["time/generation"]
 
         # 3. Rewards from the verifier. The objective/ metrics describe everything sampled.
-        with timed(metrics, "time/reward"):
+        with run.timed("time/reward"):
             rewards, correct, formatted = compute_rewards(texts, golds, args.format_reward)
         if args.overlong_buffer:  # DAPO's soft overlong punishment
             rewards = rewards + overlong_penalty(mask.sum(1), args.response_length, args.overlong_buffer)
-        check_finite(accelerator, rewards, "objective/scores", step, run.last_checkpoint)
+        run.check(rewards, "objective/scores")
         metrics |= rollout_metrics(rewards, correct, formatted, responses, mask, G, sampler.stop_ids)
         if args.oversample > 1:  # dynamic sampling: train on prompts_per_rank groups, those with a signal first; the
             # signal is accuracy (DAPO), not the length shaping, which separates completions of any group [B]
@@ -363,7 +500,7 @@ def main(args: Args):
             prompts = [prompts[i // G] for i in keep[::G].tolist()]
             metrics["objective/zero_std_groups_trained"] = (correct.view(-1, G).std(1) == 0).float().mean().item()
         query_responses, attention_mask, mask, sampler_logprobs, context_length = training_batch(
-            prompts, G, responses, mask, sampler_logprobs, tokenizer.pad_token_id, accelerator.device
+            prompts, G, responses, mask, sampler_logprobs, tokenizer.pad_token_id, device
         )
         sampled_mask = mask  # every sampled token, for the diagnostics
         if args.overlong_filtering:  # DAPO: completions cut at response_length (no stop token) leave the loss
@@ -371,14 +508,12 @@ def main(args: Args):
 
         # 4. Advantages, each completion against its own group, on every process's rewards together (gather keeps
         # rank order) so that scale_rewards="batch" uses the whole batch's std. [B]
-        all_rewards = accelerator.gather(rewards.to(accelerator.device))  # [world_size * B]
-        advantages = group_advantages(all_rewards, G, args.scale_rewards)
-        advantages = advantages[rank * args.batch_size : (rank + 1) * args.batch_size]
+        all_rewards = accelerator.gather(rewards.to(device))  # [world_size * B]
+        advantages = group_advantages(all_rewards, G, args.scale_rewards).view(world_size, -1)[rank]
 
         # 5. Log-probs that stay fixed during the update [B, R]: the old policy's (only when the batch is reused, else
         # the first pass is exactly on-policy); the reference's under the policy's autocast (KL 0 before any update).
-        t0 = time.time()
-        logprobs_fn = shared_prompt_logprobs if args.shared_prompt else response_logprobs
+        t_train = time.time()
         batch = (query_responses, attention_mask, context_length, args.temperature, args.micro_batch_size)
         reuse = args.num_iterations > 1 or args.num_minibatches > 1
         model.eval()
@@ -388,73 +523,44 @@ def main(args: Args):
         # 6. Policy update: num_iterations passes over the batch (the first in rollout order), each split into
         # minibatches (one optimizer step each), each into micro-batches (gradient accumulation).
         model.train()
-        stats = collections.defaultdict(list)  # metric name -> one value per micro-batch (or minibatch)
-        rng = torch.Generator().manual_seed(args.seed * 7919 + step)  # the later passes' orders
-        for iteration in range(args.num_iterations):
-            order = torch.randperm(args.batch_size, generator=rng) if iteration else torch.arange(args.batch_size)
-            for start in range(0, args.batch_size, args.minibatch_size):
-                minibatch = order[start : start + args.minibatch_size]
-                # token_mean divides by the minibatch's tokens over all processes (DAPO): each process divides by
-                # the mean count, and DDP averages the gradients.
-                minibatch_tokens = accelerator.reduce(mask[minibatch].sum(), "mean").clamp(min=1)
+        sizes = (args.batch_size, args.minibatch_size, args.micro_batch_size)  # rows per batch, minibatch, micro-batch
+        for mb in micro_batches(*sizes, args.num_iterations, seed=args.seed * 7919 + step):
+            if mb.first:  # token_mean's count: the minibatch's tokens averaged over processes (DDP averages too)
+                mb_tokens = accelerator.reduce(mask[mb.minibatch].sum(), "mean").clamp(min=1)
                 minibatch_loss = 0.0
-                for micro_start in range(0, args.minibatch_size, args.micro_batch_size):
-                    idx = minibatch[micro_start : micro_start + args.micro_batch_size].to(accelerator.device)
-                    # Gradients sync over processes on the minibatch's last micro-batch (where DeepSpeed also steps).
-                    with accelerator.accumulate(model):
-                        logprobs, logits = logprobs_fn(
-                            model, query_responses[idx], attention_mask[idx], context_length, args.temperature
-                        )
-                        old = old_logprobs[idx] if reuse else logprobs.detach()
-                        ref, sampled, adv = take(ref_logprobs, idx), take(sampler_logprobs, idx), advantages[idx]
-                        loss, micro_stats = grpo_loss(
-                            logprobs, old, ref, sampled, adv, mask[idx], args, minibatch_tokens, len(minibatch), logits
-                        )
-                        check_finite(accelerator, loss, "loss/policy", step, run.last_checkpoint)
-                        # accelerate divides a micro-batch's loss by gradient_accumulation_steps (to average
-                        # micro-batch means); these losses are shares that already sum to the minibatch's.
-                        accelerator.backward(loss * args.gradient_accumulation_steps)
-                    minibatch_loss += loss.item()
-                    if iteration == 0:  # the policy's entropy (first minibatch) and its gap to the sampler's
-                        micro_stats |= first_pass_stats(logits, old, sampled, sampled_mask[idx], start == 0)
-                    for name, value in micro_stats.items():
-                        stats[name].append(value)
-                    del logits
-                stats["loss/policy"].append(minibatch_loss)
-                grad_norm = clip_gradients(accelerator, model, args.max_grad_norm, step, run.last_checkpoint)
-                stats["policy/grad_norm"].append(grad_norm)
-                stats["policy/skipped_updates"].append(float(grad_norm != grad_norm))  # NaN: fp16's scaler skipped it
-                lr = scheduler.get_last_lr()[0]  # the learning rate of this update
-                optimizer.step()
-                if grad_norm == grad_norm:  # the schedule counts updates taken (fp16's scaler skips some)
-                    scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-                if iteration == 0 and start == 0:  # ratio 1, approxkl 0 on a fresh batch's first minibatch
-                    for name in ("policy/ratio", "policy/approxkl"):
-                        metrics[f"{name}_first_minibatch"] = reduce_values(name, stats[name])
-        metrics["time/training"] = time.time() - t0
-        metrics |= average_stats(stats)
-        metrics["lr"] = lr  # of the step's last update
+            idx = mb.rows.to(device)
+            # Gradients sync over processes on the minibatch's last micro-batch (where DeepSpeed also steps).
+            with accelerator.accumulate(model):
+                logprobs, logits = logprobs_fn(model, query_responses[idx], attention_mask[idx], *batch[2:4])
+                old = old_logprobs[idx] if reuse else logprobs.detach()
+                ref, sampled, adv = take(ref_logprobs, idx), take(sampler_logprobs, idx), advantages[idx]
+                loss, stats = grpo_loss(
+                    logprobs, old, ref, sampled, adv, mask[idx], logits, mb_tokens, len(mb.minibatch), **loss_flags
+                )
+                run.check(loss, "loss/policy")
+                # The loss is this micro-batch's share of the minibatch's (see aggregate_loss); accelerate divides
+                # what it back-propagates by gradient_accumulation_steps (to average micro-batch means): undo it.
+                accelerator.backward(loss * args.gradient_accumulation_steps)
+            minibatch_loss += loss.item()
+            if mb.update == 0:  # ratio 1, approxkl 0 on a fresh batch's first minibatch
+                run.add({f"{name}_first_minibatch": stats[name] for name in ("policy/ratio", "policy/approxkl")})
+            if mb.epoch == 0:  # the policy's entropy (first minibatch) and its gap to the sampler's
+                stats |= first_pass_stats(logits, old, sampled, sampled_mask[idx], mb.update == 0)
+            run.add(stats)
+            del logits
+            if mb.last:  # one optimizer step per minibatch
+                optimizer_step(accelerator, model, optimizer, scheduler, run)
+                run.add({"loss/policy": minibatch_loss})
+        metrics["time/training"] = time.time() - t_train
         train_tokens = int(attention_mask.sum()) * args.num_iterations
         metrics["perf/train_tokens_per_second"] = train_tokens / metrics["time/training"]
 
         # 7. Weight sync: the sampler generates the next batch with the new weights.
-        with timed(metrics, "time/weight_sync"):
+        with run.timed("time/weight_sync"):
             sampler.sync_weights()
 
         # 8. Log (averaged over processes), evaluate, checkpoint.
-        metrics = reduce_metrics(accelerator, metrics)
-        run.episode += args.batch_size * world_size
-        metrics["time/step"] = time.time() - t_step
-        metrics["perf/episodes_per_second"] = args.batch_size * world_size / metrics["time/step"]
-        samples = []
-        if is_due(step + 1, args.eval_every, args.total_steps):
-            eval_metrics, samples = evaluate(sampler, eval_sets, args, accelerator, tokenizer, step + 1)
-            metrics |= eval_metrics
-        run.log(step + 1, metrics, samples)
-        if is_due(step + 1, args.save_every, args.total_steps):
-            run.save_checkpoint(step + 1)
-        progress.update()
+        run.end_step(args.batch_size * world_size, evaluation)
 
     save_policy(accelerator, model, tokenizer, os.path.join(run.dir, "model"))
     sampler.close()
@@ -574,28 +680,6 @@ RESUMABLE_ARGS = (
     "resume total_steps track wandb_project_name wandb_entity wandb_tags save_every keep_checkpoints eval_every "
     "num_samples_logged run_name"
 ).split()
-
-
-def logprobs_from_logits(logits, labels):
-    """log softmax(logits)[labels] without materialising the full log-softmax. logits [..., V], labels [...]."""
-    return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-
-
-def entropy_from_logits(logits):
-    """Entropy of softmax(logits) along the last dimension."""
-    return torch.logsumexp(logits, dim=-1) - (F.softmax(logits, dim=-1) * logits).sum(-1)
-
-
-def response_logprobs(model, input_ids, attention_mask, context_length, temperature):
-    """Log-probs of the response tokens input_ids[:, context_length:] under `model`, and the logits that gave them.
-    Prompts are left-padded, so positions are counted from each sequence's first real token.
-    Returns (logprobs [B, R], logits [B, R, V]) with logits divided by the sampling temperature."""
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    # The logits at position t predict token t + 1: the LM head (a [hidden, vocab] matmul) skips the prompt.
-    logits = model(**inputs, logits_to_keep=input_ids.shape[1] - context_length + 1).logits
-    logits = logits[:, :-1].float() / temperature
-    return logprobs_from_logits(logits, input_ids[:, context_length:]), logits
 
 
 def prompt_groups(input_ids, attention_mask, context_length):
@@ -729,55 +813,13 @@ def load_policy_and_reference(args, accelerator, pad_token_id, with_reference=Tr
     reference's."""
     policy = load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_token_id)
     if args.lora_r > 0:
-        return add_lora(policy, args, "CAUSAL_LM"), None
-    if not with_reference:
+        policy = add_lora(policy, args, "CAUSAL_LM")
+    enable_gradient_checkpointing([policy], args)
+    if args.lora_r > 0 or not with_reference:
         return policy, None
     with whole_on_every_process(accelerator):
         reference = load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_token_id)
     return policy, frozen(reference, accelerator, accelerator.device)
-
-
-def fixed_logprobs(logprobs_fn, model, query_responses, attention_mask, context_length, temperature, micro_batch_size):
-    """logprobs_fn (response_logprobs, or shared_prompt_logprobs where a script has it) without gradients, by
-    micro-batch: the old policy's and the reference's log-probs, which stay fixed during the update.
-    [B, P + R] -> [B, R]"""
-    parts = [slice(i, i + micro_batch_size) for i in range(0, len(query_responses), micro_batch_size)]
-    with torch.no_grad():
-        return torch.cat(
-            [logprobs_fn(model, query_responses[s], attention_mask[s], context_length, temperature)[0] for s in parts]
-        )
-
-
-def reference_logprobs(logprobs_fn, model, ref_model, accelerator, batch):
-    """fixed_logprobs of the reference: ref_model, or with LoRA (ref_model None) the policy with its adapters off,
-    under the policy's autocast (--mixed_precision), so that KL is exactly 0 before the first update. [B, R]"""
-    adapters_off = accelerator.unwrap_model(model).disable_adapter() if ref_model is None else contextlib.nullcontext()
-    with adapters_off, accelerator.autocast():
-        return fixed_logprobs(logprobs_fn, ref_model or model, *batch)
-
-
-def take(values, rows):
-    """values[rows], or None for a tensor the run does not have (no reference model, no sampler log-probs)."""
-    return None if values is None else values[rows]
-
-
-@torch.no_grad()
-def first_pass_stats(logits, logprobs, sampler_logprobs, mask, first_minibatch):
-    """Diagnostics of a micro-batch on the first pass, over every sampled token (mask): the entropy of the policy (on
-    the first minibatch only: it needs the full softmax) and, with vLLM, how far the sampler's log-probs are from the
-    trainer's, before any truncation or masking: the mean |log(pi_train / pi_sampler)|, the extreme ratios and the
-    fraction of tokens whose ratio is outside [0.5, 2]."""
-    stats = {}
-    if first_minibatch:
-        stats["objective/entropy"] = masked_mean(entropy_from_logits(logits), mask).item()
-    if sampler_logprobs is not None:
-        log_gap = logprobs - sampler_logprobs
-        ratios = torch.exp(log_gap)[mask > 0]
-        stats["objective/logprob_gap"] = masked_mean(log_gap.abs(), mask).item()
-        stats["objective/logprob_ratio_max"] = ratios.max().item()
-        stats["objective/logprob_ratio_min"] = ratios.min().item()
-        stats["objective/logprob_ratio_outside_0.5_2"] = ((ratios < 0.5) | (ratios > 2)).float().mean().item()
-    return stats
 
 
 def start_vllm(args, model_name_or_path, rank, world_size, cores, sleep=False):
@@ -806,10 +848,11 @@ class Sampler:
     engine sleeps between generations (level 1: its weights go to CPU memory, its KV cache is freed), so the update
     has the GPU; it wakes before it generates or takes new weights."""
 
-    def __init__(self, args, accelerator, policy, tokenizer, model_name_or_path, sleep=False):
+    def __init__(self, args, accelerator, policy, tokenizer, model_name_or_path=None):
         self.args, self.accelerator, self.policy, self.tokenizer = args, accelerator, policy, tokenizer
+        model_name_or_path = model_name_or_path or args.model_name_or_path
         self.stop_ids = stop_token_ids(tokenizer, model_name_or_path)
-        self.llm, self.sleep, self.asleep = None, sleep, False
+        self.llm, self.sleep, self.asleep = None, getattr(args, "vllm_sleep", False), False
         if not args.vllm:
             return
         try:
@@ -823,7 +866,7 @@ class Sampler:
         cores = sorted(os.sched_getaffinity(0))  # on CPU, each process's engine computes on its share of the cores
         share = max(1, len(cores) // world_size)
         cores = cores[rank * share : (rank + 1) * share] or cores
-        self.llm = start_vllm(args, model_name_or_path, rank, world_size, cores, sleep)
+        self.llm = start_vllm(args, model_name_or_path, rank, world_size, cores, self.sleep)
 
     def generate(self, prompts, n, temperature):
         """n completions per prompt, consecutive. Returns responses [N, R], their mask [N, R] (see response_mask),
@@ -876,6 +919,7 @@ class Run:
     def __init__(self, args, accelerator, resumable_args):
         self.args, self.accelerator, args.world_size = args, accelerator, accelerator.num_processes
         self.episode, self.last_checkpoint, self.trackers = 0, None, []
+        self.step, self.metrics, self.stats = 0, {}, collections.defaultdict(list)
         if args.resume is None:
             name = None
             if accelerator.is_main_process:
@@ -944,7 +988,51 @@ class Run:
                 tracker.start()
                 tracker.store_init_configuration(config if tracker.name == "wandb" else hparams)
         self.t_start = time.time()
+        self.progress = tqdm(
+            total=args.total_steps, initial=step, desc=args.exp_name, disable=not self.accelerator.is_main_process
+        )
         return step
+
+    def begin_step(self, step):
+        """Start step `step` (from 0): its clock, its metrics (one value per name; returned, to fill) and its stats
+        (one value per micro-batch or update, through add(), averaged when the step ends)."""
+        self.step, self.t_step, self.metrics, self.stats = step, time.time(), {}, collections.defaultdict(list)
+        return self.metrics
+
+    def add(self, stats):
+        """One value per name for this step's averages (reduce_values: NaN left out, *_max / *_min the extreme)."""
+        for name, value in stats.items():
+            self.stats[name].append(value)
+
+    @contextlib.contextmanager
+    def timed(self, name):
+        """metrics[name] = the seconds the block took."""
+        start = time.time()
+        yield
+        self.metrics[name] = time.time() - start
+
+    def check(self, values, name):
+        """Stop at a non-finite value, naming this step and the last good checkpoint (check_finite: a collective)."""
+        check_finite(self.accelerator, values, name, self.step, self.last_checkpoint)
+
+    def due(self, every):
+        """Whether a periodic event (evaluation, checkpoint) happens after this step: every `every` steps and last."""
+        done = self.step + 1
+        return bool(every and done % every == 0) or done == self.args.total_steps
+
+    def end_step(self, episodes, evaluate):
+        """Close the step: its metrics and averaged stats, reduced over processes (a collective), the episodes it
+        trained on, then evaluate(step) -> (metrics, samples) when --eval_every is due, one log line, and a
+        checkpoint when --save_every is due."""
+        metrics = reduce_metrics(self.accelerator, self.metrics | average_stats(self.stats))
+        self.episode += episodes
+        metrics["time/step"] = time.time() - self.t_step
+        metrics["perf/episodes_per_second"] = episodes / metrics["time/step"]
+        evaluation, samples = evaluate(self.step + 1) if self.due(self.args.eval_every) else ({}, [])
+        self.log(self.step + 1, metrics | evaluation, samples)
+        if self.due(self.args.save_every):
+            self.save_checkpoint(self.step + 1)
+        self.progress.update()
 
     def log(self, step, metrics, samples=()):
         """One line of metrics.jsonl (and TensorBoard, wandb) for this step; samples go to samples.jsonl."""
@@ -989,8 +1077,43 @@ class Run:
             self.metrics_file.close()
             for tracker in self.trackers:
                 tracker.finish()
+        self.progress.close()
         self.accelerator.print(f"done in {time.time() - self.t_start:.0f}s: {self.dir}")
         self.accelerator.end_training()
+
+
+MicroBatch = collections.namedtuple("MicroBatch", "update epoch minibatch rows first last")
+
+
+def micro_batches(batch_size, minibatch_size, micro_batch_size, num_epochs, seed):
+    """The update's schedule, flat: num_epochs passes over a batch of batch_size rows (the first in rollout order, the
+    later ones shuffled by a generator seeded with `seed`), each split into minibatches (one optimizer step each),
+    each into micro-batches (gradient accumulation). Yields a MicroBatch per micro-batch: the update (minibatch) it
+    belongs to, counted from 0 in this step, the epoch (pass), the minibatch's rows and its own, and whether it is
+    the minibatch's first and last."""
+    rng, update = torch.Generator().manual_seed(seed), 0
+    for epoch in range(num_epochs):
+        order = torch.randperm(batch_size, generator=rng) if epoch else torch.arange(batch_size)
+        for start in range(0, batch_size, minibatch_size):
+            minibatch = order[start : start + minibatch_size]
+            for first in range(0, minibatch_size, micro_batch_size):
+                rows, last = minibatch[first : first + micro_batch_size], first + micro_batch_size >= minibatch_size
+                yield MicroBatch(update, epoch, minibatch, rows, first == 0, last)
+            update += 1
+
+
+def optimizer_step(accelerator, model, optimizer, scheduler, run, prefix="policy/"):
+    """One update: clip the gradients (clip_gradients), step the optimizer, then the learning-rate schedule when the
+    update was taken (it counts updates taken: fp16's loss scaler skips an overflowing one), and zero the gradients.
+    Adds prefix + grad_norm (NaN when skipped) and prefix + skipped_updates to the step's stats; the step's lr is
+    this update's (the step's last)."""
+    grad_norm = clip_gradients(accelerator, model, run.args.max_grad_norm, run.step, run.last_checkpoint)
+    run.add({f"{prefix}grad_norm": grad_norm, f"{prefix}skipped_updates": float(grad_norm != grad_norm)})
+    run.metrics["lr"] = scheduler.get_last_lr()[0]
+    optimizer.step()
+    if grad_norm == grad_norm:
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 @contextlib.contextmanager
@@ -1278,51 +1401,19 @@ def left_pad(sequences, pad_token_id):
     return input_ids, attention_mask
 
 
-def step_prompt_indices(step, prompts_per_step, num_prompts, seed):
-    """Indices of the prompts used at `step` (all processes together): the dataset is walked in a fresh
-    permutation every epoch, so the data order is a pure function of (seed, step) and --resume repeats it."""
+def step_prompt_indices(step, per_rank, num_prompts, seed, rank=0, world_size=1):
+    """Indices of the prompts process `rank` uses at `step`: its slice of the step's world_size * per_rank. The
+    dataset is walked in a fresh permutation every epoch, so the data order is a pure function of (seed, step) and
+    --resume repeats it."""
+    prompts_per_step = per_rank * world_size
     start, end = step * prompts_per_step, (step + 1) * prompts_per_step
     first_epoch, last_epoch = start // num_prompts, (end - 1) // num_prompts
     epochs = range(first_epoch, last_epoch + 1)
     order = torch.cat(
         [torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed * 100_003 + e)) for e in epochs]
     )
-    return order[start - first_epoch * num_prompts : end - first_epoch * num_prompts].tolist()
-
-
-def training_batch(prompts, n, responses, mask, sampler_logprobs, pad_token_id, device):
-    """The rollout as the trainer's input: each prompt (left-padded) repeated for its n consecutive completions, then
-    the responses cut to the longest one (nothing after it is computed). responses, mask, sampler_logprobs [B, R].
-    Returns query_responses [B, P + R'], attention_mask [B, P + R'] (0 on padding and after the first EOS),
-    mask [B, R'], sampler_logprobs [B, R'] (or None) on `device`, and P, the prompts' padded length."""
-    width = max(1, int(mask.sum(1).max()))
-    responses, mask = responses[:, :width], mask[:, :width].to(device)
-    if sampler_logprobs is not None:
-        sampler_logprobs = sampler_logprobs[:, :width].to(device)
-    prompt_ids, prompt_mask = left_pad([p for p in prompts for _ in range(n)], pad_token_id)
-    query_responses = torch.cat([prompt_ids, responses], 1).to(device)
-    attention_mask = torch.cat([prompt_mask.to(device), mask.long()], 1)
-    return query_responses, attention_mask, mask, sampler_logprobs, prompt_ids.shape[1]
-
-
-def stopped(responses, mask, stop_ids):
-    """1 for each completion that ends at a stop token within its mask, 0 for one cut at the length limit.
-    responses, mask [B, R] -> [B, 1]"""
-    is_stop = torch.isin(responses, torch.tensor(stop_ids, device=responses.device)) & (mask > 0)
-    return is_stop.any(1, keepdim=True).to(mask.dtype)
-
-
-def rollout_metrics(rewards, correct, formatted, responses, mask, group_size, stop_ids):
-    """What the sampled completions scored, and how long they were. All [N] or [N, R]. A zero-std group is one whose
-    completions are all right or all wrong (DAPO's groups without a signal), whatever the format and length shaping."""
-    return {
-        "objective/scores": rewards.mean().item(),
-        "objective/accuracy": correct.mean().item(),
-        "objective/format": formatted.mean().item(),
-        "objective/zero_std_groups": (correct.view(-1, group_size).std(1) == 0).float().mean().item(),
-        "objective/response_length": mask.sum(1).float().mean().item(),
-        "val/num_eos_tokens": (torch.isin(responses, torch.tensor(stop_ids)) & (mask > 0)).sum().item(),
-    }
+    mine = start - first_epoch * num_prompts + rank * per_rank
+    return order[mine : mine + per_rank].tolist()
 
 
 def evaluate(sampler, eval_sets, args, accelerator, tokenizer, step):
@@ -1428,32 +1519,6 @@ def check_columns(rows, columns, where, text_columns=()):
             )
 
 
-NUMBER = r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?"  # 12, -1,234.5, .5, 3/4
-
-
-def extract_answer(text):
-    """The final answer of a completion: the first number after the last 'Answer:' (its whole line if it has
-    none), else the last number in the text, else None. When that number starts an equation on its line (numbers
-    and operators, then '=': "9 * 6 = 54", "9 x 6 = 54 = 50 + 4"), the answer is the last side of the equation that
-    is a lone number (54 in both). LaTeX fractions are read as a/b, a Unicode minus as '-'."""
-    text = re.sub(r"\\d?frac\{(-?\d+)\}\{(\d+)\}", r"\1/\2", text).replace("\u2212", "-")
-    if "Answer:" in text:
-        tail = text.rsplit("Answer:", 1)[1]
-        found = re.search(NUMBER, tail)
-        if found:
-            term = r"(?:\([ \t]*)*-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:[ \t]*\))*"  # a number, maybe in parentheses
-            words = r"x|·|\\times|\\cdot|\\div|times|multiplied by|plus|minus|divided by|over|%[ \t]*of|percent of"
-            operation = rf"[ \t]*(?:[-+*/×÷]|(?:{words})(?![a-z]))[ \t]*"
-            side = rf"{term}(?:{operation}{term})*"
-            last = rf"[ \t]*=[ \t]*({NUMBER})(?![.,]?\d|{operation}\(*\.?\d)"  # a lone number
-            equation = re.compile(rf"{term}(?:{operation}{term})+(?:[ \t]*=[ \t]*{side})*{last}", re.I)
-            equation = equation.match(tail, found.start())
-            return (equation.group(1) if equation else found.group(0)).replace(",", "").replace(" ", "")
-        return tail.strip().split("\n")[0].strip().rstrip(".") or None
-    numbers = re.findall(NUMBER, text)
-    return numbers[-1].replace(",", "").replace(" ", "") if numbers else None
-
-
 def gold_answer(answer):
     """The gold final answer as a string; GSM8K style solutions keep what follows '####'. A null answer is the empty
     string, which nothing matches."""
@@ -1464,24 +1529,6 @@ def verifiable_gold(gold):
     """Whether the verifier can check answers against this gold: it holds a number or a LaTeX expression. Null,
     empty and plain-word golds do not (a completion could only match them as text, e.g. "Answer: None")."""
     return re.search(r"[0-9\\]", gold) is not None
-
-
-def verify_answer(prediction, gold):
-    """1.0 if the prediction equals the gold answer: math-verify first, numeric equality as the fallback."""
-    if prediction is None or not gold:
-        return 0.0
-    try:
-        from math_verify import parse, verify
-
-        parsed_gold, parsed_pred = parse(f"${gold}$"), parse(f"${prediction}$")
-        if parsed_gold and parsed_pred:
-            return float(verify(parsed_gold, parsed_pred))
-    except Exception:  # math-verify raises on some inputs, or times out: fall back to the task's numeric scorer
-        pass
-    try:
-        return float(abs(Fraction(prediction) - Fraction(gold)) < 1e-6)
-    except (ValueError, ZeroDivisionError):
-        return float(prediction.strip() == gold.strip())
 
 
 def check_golds(rows, column, where, max_share=0.1):
@@ -1546,12 +1593,6 @@ def reduce_values(name, values):
     micro-batch with no token in the loss, see token_mean) are left out."""
     values = [v for v in values if v == v] or [float("nan")]
     return float(max(values) if name.endswith("_max") else min(values) if name.endswith("_min") else np.mean(values))
-
-
-def token_mean(values, mask):
-    """masked_mean over every element as a float; NaN without any token (a micro-batch whose completions all left the
-    loss), which the averages over micro-batches and processes then leave out (reduce_values)."""
-    return masked_mean(values, mask).item() if mask.any() else float("nan")
 
 
 def git_sha():
@@ -1629,13 +1670,34 @@ def check_common_args(args, paths=(), compares_logprobs=True):
     check_at_least(args, 1, "keep_checkpoints")
 
 
+def resolve_defaults(args):
+    """What None means for the flags whose default depends on another (config.json records the result): at the
+    sequence level GSPO's clip range 3e-4 / 4e-4 and its mean of sequence losses (arXiv 2507.18071, Sec. 5.1: with a
+    token mean a sequence weighs by its length, and a 0.2 clip hardly ever binds on a geometric-mean ratio), else
+    0.2 / 0.2 and the token mean; truncated IS at cap 2 unless a mask range is given (IcePop: the kept tokens carry
+    their ratio)."""
+    gspo = args.importance_sampling_level == "sequence"
+    defaults = dict(clip_eps_low=3e-4 if gspo else 0.2, clip_eps_high=4e-4 if gspo else 0.2)
+    defaults |= dict(loss_type="seq_mean_token_mean" if gspo else "token_mean")
+    defaults |= dict(tis_cap=2.0 if args.mis_range is None else 0.0)
+    filled = {name: value for name, value in defaults.items() if getattr(args, name) is None}
+    for name, value in filled.items():
+        setattr(args, name, value)
+    gspo_filled = {name: value for name, value in filled.items() if gspo and name != "tis_cap"}
+    if gspo_filled:
+        warnings.warn(f"GSPO's defaults at the sequence level: {gspo_filled}", stacklevel=2)
+    return args
+
+
 def fail(message):
     """Stop before any heavy work with one clear line."""
     raise SystemExit(f"error: {message}")
 
 
 def check_args(args):
-    """Reject bad input with one line naming the argument, before any model is loaded."""
+    """Fill the defaults that depend on other flags (resolve_defaults), then reject bad input with one line naming the
+    argument, before any model is loaded."""
+    resolve_defaults(args)
     data = (
         "build the embedded tasks with `make assets`, or pass a folder with train.jsonl/test.jsonl or a hub dataset id"
     )

@@ -290,7 +290,7 @@ def main(args: Args):
     scheduler = make_scheduler(optimizer, args, num_updates)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     unwrapped = accelerator.unwrap_model(model)
-    sampler = Sampler(args, accelerator, unwrapped.policy, tokenizer, args.model_name_or_path, args.vllm_sleep)
+    sampler = Sampler(args, accelerator, unwrapped.policy, tokenizer)
     start_step = run.start({"vllm": sampler.llm is not None})
     if start_step > 0:
         sampler.sync_weights()
@@ -302,8 +302,7 @@ def main(args: Args):
         t_step, metrics = time.time(), {}
         # 1. Prompts: each process takes its slice of a global order that is a function of (seed, step), so that
         # --resume repeats it.
-        global_indices = step_prompt_indices(step, B * world_size, len(train_prompts), args.seed)
-        indices = global_indices[rank * B : (rank + 1) * B]
+        indices = step_prompt_indices(step, B, len(train_prompts), args.seed, rank, world_size)
         prompts = [train_prompts[i] for i in indices]
 
         # 2. Rollout: one response per prompt, cut to the longest one. responses, mask [B, R], B = prompts_per_rank.
@@ -463,8 +462,9 @@ def load_policy_and_reference(args, accelerator, pad_token_id, with_reference=Tr
     reference's."""
     policy = load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_token_id)
     if args.lora_r > 0:
-        return add_lora(policy, args, "CAUSAL_LM"), None
-    if not with_reference:
+        policy = add_lora(policy, args, "CAUSAL_LM")
+    enable_gradient_checkpointing([policy], args)
+    if args.lora_r > 0 or not with_reference:
         return policy, None
     with whole_on_every_process(accelerator):
         reference = load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_token_id)
@@ -480,7 +480,7 @@ def load_ppo_models(args, accelerator, pad_token_id):
     reward_model = frozen(reward_model, accelerator, accelerator.device)
     value_model_path = args.value_model_path or args.reward_model_path
     value_model = load_model(value_model_path, AutoModelForSequenceClassification, args, pad_token_id)
-    enable_gradient_checkpointing([policy, value_model], args)
+    enable_gradient_checkpointing([value_model], args)  # the policy's: load_policy_and_reference
     return policy, ref_policy, reward_model, value_model
 
 
@@ -613,10 +613,11 @@ class Sampler:
     engine sleeps between generations (level 1: its weights go to CPU memory, its KV cache is freed), so the update
     has the GPU; it wakes before it generates or takes new weights."""
 
-    def __init__(self, args, accelerator, policy, tokenizer, model_name_or_path, sleep=False):
+    def __init__(self, args, accelerator, policy, tokenizer, model_name_or_path=None):
         self.args, self.accelerator, self.policy, self.tokenizer = args, accelerator, policy, tokenizer
+        model_name_or_path = model_name_or_path or args.model_name_or_path
         self.stop_ids = stop_token_ids(tokenizer, model_name_or_path)
-        self.llm, self.sleep, self.asleep = None, sleep, False
+        self.llm, self.sleep, self.asleep = None, getattr(args, "vllm_sleep", False), False
         if not args.vllm:
             return
         try:
@@ -630,7 +631,7 @@ class Sampler:
         cores = sorted(os.sched_getaffinity(0))  # on CPU, each process's engine computes on its share of the cores
         share = max(1, len(cores) // world_size)
         cores = cores[rank * share : (rank + 1) * share] or cores
-        self.llm = start_vllm(args, model_name_or_path, rank, world_size, cores, sleep)
+        self.llm = start_vllm(args, model_name_or_path, rank, world_size, cores, self.sleep)
 
     def generate(self, prompts, n, temperature):
         """n completions per prompt, consecutive. Returns responses [N, R], their mask [N, R] (see response_mask),
@@ -683,6 +684,7 @@ class Run:
     def __init__(self, args, accelerator, resumable_args):
         self.args, self.accelerator, args.world_size = args, accelerator, accelerator.num_processes
         self.episode, self.last_checkpoint, self.trackers = 0, None, []
+        self.step, self.metrics, self.stats = 0, {}, collections.defaultdict(list)
         if args.resume is None:
             name = None
             if accelerator.is_main_process:
@@ -751,7 +753,51 @@ class Run:
                 tracker.start()
                 tracker.store_init_configuration(config if tracker.name == "wandb" else hparams)
         self.t_start = time.time()
+        self.progress = tqdm(
+            total=args.total_steps, initial=step, desc=args.exp_name, disable=not self.accelerator.is_main_process
+        )
         return step
+
+    def begin_step(self, step):
+        """Start step `step` (from 0): its clock, its metrics (one value per name; returned, to fill) and its stats
+        (one value per micro-batch or update, through add(), averaged when the step ends)."""
+        self.step, self.t_step, self.metrics, self.stats = step, time.time(), {}, collections.defaultdict(list)
+        return self.metrics
+
+    def add(self, stats):
+        """One value per name for this step's averages (reduce_values: NaN left out, *_max / *_min the extreme)."""
+        for name, value in stats.items():
+            self.stats[name].append(value)
+
+    @contextlib.contextmanager
+    def timed(self, name):
+        """metrics[name] = the seconds the block took."""
+        start = time.time()
+        yield
+        self.metrics[name] = time.time() - start
+
+    def check(self, values, name):
+        """Stop at a non-finite value, naming this step and the last good checkpoint (check_finite: a collective)."""
+        check_finite(self.accelerator, values, name, self.step, self.last_checkpoint)
+
+    def due(self, every):
+        """Whether a periodic event (evaluation, checkpoint) happens after this step: every `every` steps and last."""
+        done = self.step + 1
+        return bool(every and done % every == 0) or done == self.args.total_steps
+
+    def end_step(self, episodes, evaluate):
+        """Close the step: its metrics and averaged stats, reduced over processes (a collective), the episodes it
+        trained on, then evaluate(step) -> (metrics, samples) when --eval_every is due, one log line, and a
+        checkpoint when --save_every is due."""
+        metrics = reduce_metrics(self.accelerator, self.metrics | average_stats(self.stats))
+        self.episode += episodes
+        metrics["time/step"] = time.time() - self.t_step
+        metrics["perf/episodes_per_second"] = episodes / metrics["time/step"]
+        evaluation, samples = evaluate(self.step + 1) if self.due(self.args.eval_every) else ({}, [])
+        self.log(self.step + 1, metrics | evaluation, samples)
+        if self.due(self.args.save_every):
+            self.save_checkpoint(self.step + 1)
+        self.progress.update()
 
     def log(self, step, metrics, samples=()):
         """One line of metrics.jsonl (and TensorBoard, wandb) for this step; samples go to samples.jsonl."""
@@ -796,6 +842,7 @@ class Run:
             self.metrics_file.close()
             for tracker in self.trackers:
                 tracker.finish()
+        self.progress.close()
         self.accelerator.print(f"done in {time.time() - self.t_start:.0f}s: {self.dir}")
         self.accelerator.end_training()
 
@@ -1075,16 +1122,19 @@ def left_pad(sequences, pad_token_id):
     return input_ids, attention_mask
 
 
-def step_prompt_indices(step, prompts_per_step, num_prompts, seed):
-    """Indices of the prompts used at `step` (all processes together): the dataset is walked in a fresh
-    permutation every epoch, so the data order is a pure function of (seed, step) and --resume repeats it."""
+def step_prompt_indices(step, per_rank, num_prompts, seed, rank=0, world_size=1):
+    """Indices of the prompts process `rank` uses at `step`: its slice of the step's world_size * per_rank. The
+    dataset is walked in a fresh permutation every epoch, so the data order is a pure function of (seed, step) and
+    --resume repeats it."""
+    prompts_per_step = per_rank * world_size
     start, end = step * prompts_per_step, (step + 1) * prompts_per_step
     first_epoch, last_epoch = start // num_prompts, (end - 1) // num_prompts
     epochs = range(first_epoch, last_epoch + 1)
     order = torch.cat(
         [torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed * 100_003 + e)) for e in epochs]
     )
-    return order[start - first_epoch * num_prompts : end - first_epoch * num_prompts].tolist()
+    mine = start - first_epoch * num_prompts + rank * per_rank
+    return order[mine : mine + per_rank].tolist()
 
 
 def training_batch(prompts, n, responses, mask, sampler_logprobs, pad_token_id, device):
@@ -1096,7 +1146,9 @@ def training_batch(prompts, n, responses, mask, sampler_logprobs, pad_token_id, 
     responses, mask = responses[:, :width], mask[:, :width].to(device)
     if sampler_logprobs is not None:
         sampler_logprobs = sampler_logprobs[:, :width].to(device)
-    prompt_ids, prompt_mask = left_pad([p for p in prompts for _ in range(n)], pad_token_id)
+    rows, P = [p for p in prompts for _ in range(n)], max(len(p) for p in prompts)  # left-padded to P
+    prompt_ids = torch.tensor([[pad_token_id] * (P - len(p)) + list(p) for p in rows], dtype=torch.long)
+    prompt_mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in rows], dtype=torch.long)
     query_responses = torch.cat([prompt_ids, responses], 1).to(device)
     attention_mask = torch.cat([prompt_mask.to(device), mask.long()], 1)
     return query_responses, attention_mask, mask, sampler_logprobs, prompt_ids.shape[1]

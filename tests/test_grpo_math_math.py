@@ -1,5 +1,6 @@
 """The math of grpo_math.py against independent references: plain Python loops in float64."""
 
+import inspect
 import math
 import random
 
@@ -31,6 +32,11 @@ from grpo_math import (
 
 SEEDS = [0, 1, 2]
 SHAPES = [(1, 1), (3, 5), (8, 17)]
+
+
+def loss_flags(args):
+    """grpo_loss's keyword-only flags, read from a Config as main() reads them."""
+    return {name: getattr(args, name) for name in inspect.getfullargspec(grpo_loss).kwonlyargs}
 
 
 def rand(shape, seed, scale=1.0):
@@ -266,7 +272,7 @@ def test_grpo_loss_matches_loop(with_sampler, beta):
         sampler = old + rand((4, 6), seed + 3, 0.5) if with_sampler else None
         adv, mask = rand((4,), seed + 4), rand_mask((4, 6), seed)
         tokens = mask.sum() + 3  # the minibatch holds other micro-batches too
-        loss, stats = grpo_loss(lp, old, ref, sampler, adv, mask, args, tokens, 4)
+        loss, stats = grpo_loss(lp, old, ref, sampler, adv, mask, None, tokens, 4, **loss_flags(args))
         expected = grpo_loss_reference(
             *map(tolist2, (lp, old, ref)), tolist2(sampler) if with_sampler else None, adv.tolist(), tolist2(mask),
             0.2, 0.28, beta, 2.0, tokens.item(),
@@ -286,7 +292,7 @@ def test_grpo_loss_on_policy_is_minus_the_advantage():
     )  # fmt: skip
     lp = -rand((3, 5), 0).abs().requires_grad_()
     adv, mask = rand((3,), 1), rand_mask((3, 5), 2)
-    loss, stats = grpo_loss(lp, lp.detach(), None, None, adv, mask, args, mask.sum(), 3)
+    loss, stats = grpo_loss(lp, lp.detach(), None, None, adv, mask, None, mask.sum(), 3, **loss_flags(args))
     assert loss.item() == pytest.approx(-(adv.unsqueeze(1) * mask).sum().item() / mask.sum().item(), rel=1e-12)
     assert stats["policy/ratio"] == 1.0 and stats["policy/clipfrac_low"] == stats["policy/clipfrac_high"] == 0.0
 
@@ -957,7 +963,7 @@ def test_grpo_loss_with_the_variants_matches_loop(level, mis_level, cispo_cap, t
         sampler = old + rand((4, 6), seed + 3, 0.5) + rand((4, 1), seed + 6, 0.6)
         adv, mask, logits = rand((4,), seed + 4), rand_mask((4, 6), seed), rand((4, 6, 5), seed + 5)
         tokens = mask.sum() + 3
-        loss, stats = grpo_loss(lp, old, None, sampler, adv, mask, args, tokens, 4, logits)
+        loss, stats = grpo_loss(lp, old, None, sampler, adv, mask, logits, tokens, 4, **loss_flags(args))
         expected = variant_loss_reference(
             *map(tolist2, (lp, old, sampler)), adv.tolist(), tolist2(mask), logits.tolist(), args, tokens.item()
         )
@@ -988,7 +994,7 @@ def test_gspo_by_one_flag_gives_the_papers_gradient():
         mask[:, 0] = 1  # every sequence has a token
         old = lp + rand((6, 7), seed + 2, 1e-3)  # sequence ratios within 1e-3 of 1: some clipped, some not
         x = lp.clone().requires_grad_()
-        grpo_loss(x, old, None, None, adv, mask, args, mask.sum(), 6)[0].backward()
+        grpo_loss(x, old, None, None, adv, mask, None, mask.sum(), 6, **loss_flags(args))[0].backward()
         y = lp.clone().requires_grad_()
         gspo_objective_reference(y, old, adv, mask, 3e-4, 4e-4).backward()
         torch.testing.assert_close(x.grad, y.grad, rtol=1e-10, atol=1e-13)
@@ -1040,7 +1046,7 @@ def test_on_policy_gspo_and_cispo_give_grpos_gradient(loss_type):
             response_length=6, **{**NO_VARIANT, **variant},
         )  # fmt: skip
         x = lp.clone().requires_grad_()
-        grpo_loss(x, x.detach(), None, None, adv, mask, args, mask.sum(), 4)[0].backward()
+        grpo_loss(x, x.detach(), None, None, adv, mask, None, mask.sum(), 4, **loss_flags(args))[0].backward()
         grads.append(x.grad)
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-12, atol=1e-15)
     torch.testing.assert_close(grads[2], grads[0], rtol=1e-12, atol=1e-15)
@@ -1056,3 +1062,21 @@ def test_token_mean_is_nan_without_tokens_and_the_averages_leave_it_out():
     assert grpo_math.reduce_values("x_max", [math.nan, 2.0]) == 2.0 and math.isnan(
         grpo_math.reduce_values("x", [math.nan])
     )
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_step_prompt_indices_split_one_order_between_processes(world_size):
+    """The processes' slices of a step, side by side, are the step's slice of one order over the dataset: a fresh
+    permutation every epoch (each index once per epoch, steps crossing an epoch's end included), the same for any
+    split of the same prompts per step, a pure function of (seed, step)."""
+    per_rank, num_prompts, seed = 6 // world_size, 10, 3
+    whole = []  # the order a single process with every prompt of the step walks, by a plain loop
+    for epoch in range(6):
+        whole += torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
+    for step in range(8):
+        parts = [
+            grpo_math.step_prompt_indices(step, per_rank, num_prompts, seed, rank, world_size)
+            for rank in range(world_size)
+        ]
+        assert sum(parts, []) == whole[step * 6 : (step + 1) * 6]
+    assert sorted(whole[:10]) == list(range(10)) and sorted(whole[10:20]) == list(range(10))

@@ -350,10 +350,10 @@ def test_vllm_sleeps_between_generations_and_wakes_before_it_generates_or_takes_
 
     monkeypatch.setattr(grpo_math, "vllm_generate", fake_generate)
     monkeypatch.setattr(grpo_math, "vllm_sync_weights", lambda llm, state, dtype: llm.run("sync"))
-    args = grpo_math.Config(model_name_or_path=tiny_model_dir, vllm=False)
+    args = grpo_math.Config(model_name_or_path=tiny_model_dir, vllm=False, vllm_sleep=sleep)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     policy = torch.nn.Linear(2, 2)
-    sampler = grpo_math.Sampler(args, Accelerator(cpu=True), policy, tokenizer, tiny_model_dir, sleep=sleep)
+    sampler = grpo_math.Sampler(args, Accelerator(cpu=True), policy, tokenizer, tiny_model_dir)
     sampler.llm = engine = SleepyEngine()
     sampler.generate([[1, 2]], 1, 0.0)  # evaluation at step 0
     sampler.generate([[1, 2], [3]], 2, 1.0)  # the step's rollout
