@@ -41,6 +41,7 @@ Read down to the line "PLUMBING": the arguments, the math, the reward and main()
 
 import collections
 import contextlib
+import functools
 import itertools
 import json
 import logging
@@ -308,7 +309,64 @@ def response_logprobs(model, input_ids, attention_mask, context_length, temperat
     return logprobs_from_logits(logits, input_ids[:, context_length:]), logits
 
 
+def batch_reference_logprobs(model, accelerator, args, batch, micro_rows):
+    """The reference's log-probs of every completion of a batch [nP, R]: the generator's (a separate reference
+    model), or with LoRA the learner's model with its adapters off, in the very micro-batches (micro_rows) that the
+    update will use. Either way, before the first update the policy's log-probs equal them bit for bit."""
+    if batch["ref_logprobs"] is not None:
+        return batch["ref_logprobs"]
+    ref_logprobs = torch.zeros(batch["mask"].shape, device=accelerator.device)
+    logprobs_fn = shared_prompt_logprobs if args.shared_prompt else response_logprobs
+    model.eval()
+    with torch.no_grad(), accelerator.unwrap_model(model).disable_adapter():
+        for rows in micro_rows:
+            inputs = (batch["query_responses"][rows], batch["attention_mask"][rows], batch["context_length"])
+            ref_logprobs[rows] = logprobs_fn(model, *inputs, args.temperature)[0]
+    return ref_logprobs
+
+
 NUMBER = r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?"  # 12, -1,234.5, .5, 3/4
+
+
+def extract_answer(text):
+    """The final answer of a completion: the first number after the last 'Answer:' (its whole line if it has
+    none), else the last number in the text, else None. When that number starts an equation on its line (numbers
+    and operators, then '=': "9 * 6 = 54", "9 x 6 = 54 = 50 + 4"), the answer is the last side of the equation that
+    is a lone number (54 in both). LaTeX fractions are read as a/b, a Unicode minus as '-'."""
+    text = re.sub(r"\\d?frac\{(-?\d+)\}\{(\d+)\}", r"\1/\2", text).replace("\u2212", "-")
+    if "Answer:" in text:
+        tail = text.rsplit("Answer:", 1)[1]
+        found = re.search(NUMBER, tail)
+        if found:
+            term = r"(?:\([ \t]*)*-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:[ \t]*\))*"  # a number, maybe in parentheses
+            words = r"x|·|\\times|\\cdot|\\div|times|multiplied by|plus|minus|divided by|over|%[ \t]*of|percent of"
+            operation = rf"[ \t]*(?:[-+*/×÷]|(?:{words})(?![a-z]))[ \t]*"
+            side = rf"{term}(?:{operation}{term})*"
+            last = rf"[ \t]*=[ \t]*({NUMBER})(?![.,]?\d|{operation}\(*\.?\d)"  # a lone number
+            equation = re.compile(rf"{term}(?:{operation}{term})+(?:[ \t]*=[ \t]*{side})*{last}", re.I)
+            equation = equation.match(tail, found.start())
+            return (equation.group(1) if equation else found.group(0)).replace(",", "").replace(" ", "")
+        return tail.strip().split("\n")[0].strip().rstrip(".") or None
+    numbers = re.findall(NUMBER, text)
+    return numbers[-1].replace(",", "").replace(" ", "") if numbers else None
+
+
+def verify_answer(prediction, gold):
+    """1.0 if the prediction equals the gold answer: math-verify first, numeric equality as the fallback."""
+    if prediction is None or not gold:
+        return 0.0
+    try:
+        from math_verify import parse, verify
+
+        parsed_gold, parsed_pred = parse(f"${gold}$"), parse(f"${prediction}$")
+        if parsed_gold and parsed_pred:
+            return float(verify(parsed_gold, parsed_pred))
+    except Exception:  # math-verify raises on some inputs, or times out: fall back to the task's numeric scorer
+        pass
+    try:
+        return float(abs(Fraction(prediction) - Fraction(gold)) < 1e-6)
+    except (ValueError, ZeroDivisionError):
+        return float(prediction.strip() == gold.strip())
 
 
 def verifier_scores(texts, golds):
@@ -324,11 +382,51 @@ def reward_model_judge(reward_model, reward_bias, query_responses, attention_mas
     return per_token[torch.arange(len(per_token)), last_real_index(attention_mask)] - reward_bias
 
 
-def dpo_update(model, optimizer, scheduler, accelerator, args, batch, scores, step, last_checkpoint):
+def completion_statistics(logprobs, ref_logprobs, sampler_logprobs, mask, kl_estimator):
+    """What the learner's policy says of a micro-batch's completions (logprobs [b, R], no gradients): the KL estimate
+    to the reference summed over each one's tokens [b], its sampled entropy in nats [b], and with vLLM samples
+    (sampler_logprobs [b, R], else None) how far the trainer's log-probs are from the sampler's ({name: float};
+    objective/logprob_ratio_max, the largest pi_train / pi_sampler of a token, is reduced by max)."""
+    kl = (kl_estimate(logprobs, ref_logprobs, kl_estimator) * mask).sum(1)
+    entropy = -(logprobs * mask).sum(1)
+    stats = {}
+    if sampler_logprobs is not None:
+        log_gap = logprobs - sampler_logprobs  # log(pi_train / pi_sampler) per token
+        stats["objective/logprob_gap"] = masked_mean(log_gap.abs(), mask).item()
+        stats["objective/logprob_ratio_max"] = torch.exp(log_gap)[mask > 0].max().item()
+    return kl, entropy, stats
+
+
+def dpo_pair_metrics(sums):
+    """The pair metrics of a step from async_dpo_loss's sums over every process's pairs (a list of 8 floats): means
+    over the kept pairs (0 when no pair anywhere was kept) and the number of ties skipped."""
+    num_kept = max(1.0, sums[6])
+    return {
+        "loss/dpo": sums[0] / num_kept,
+        "rewards/chosen": sums[1] / num_kept,
+        "rewards/rejected": sums[2] / num_kept,
+        "rewards/margins": (sums[1] - sums[2]) / num_kept,
+        "rewards/accuracies": sums[3] / num_kept,
+        "logps/chosen": sums[4] / num_kept,
+        "logps/rejected": sums[5] / num_kept,
+        "objective/skipped_ties": sums[7],
+    }
+
+
+def staleness(step, version, num_minibatches, minibatch):
+    """One update's staleness, for its step's statistics (logged as the step's mean and max): the number of optimizer
+    updates between the weights that generated its minibatch (the batch's weights `version`, then one update per
+    minibatch) and the weights it updates (update `minibatch` of `step`)."""
+    updates_behind = (step - version) * num_minibatches + minibatch
+    return {"policy/staleness": updates_behind, "policy/staleness_max": updates_behind}
+
+
+def dpo_update(model, optimizer, scheduler, accelerator, args, batch, scores, run):
     """Online DPO on one batch: two completions per prompt (rows 2i and 2i + 1), the judge's higher score chosen, a
     tied pair weighing 0. One pass over the batch in minibatches (one optimizer step each) of micro-batches (gradient
     accumulation); each kept pair weighs the same whatever process it is on. scores [2P]: the judge's, before the
-    missing-EOS penalty. Returns ({name: float} of this process, {name: float} over every process)."""
+    missing-EOS penalty. The per micro-batch statistics go to run.add. Returns ({name: float} of this process,
+    {name: float} over every process)."""
     device, mb = accelerator.device, args.micro_batch_size
     query_responses, attention_mask = batch["query_responses"], batch["attention_mask"]
     mask, sampler_logprobs, context_length = batch["mask"], batch["sampler_logprobs"], batch["context_length"]
@@ -347,7 +445,6 @@ def dpo_update(model, optimizer, scheduler, accelerator, args, batch, scores, st
     ref_sequence_logps = (ref_logprobs * mask).sum(1)  # [2P]
 
     model.train()
-    stats = collections.defaultdict(list)  # metric name -> one value per micro-batch (or minibatch)
     pair_sums = torch.zeros(8, dtype=torch.float64, device=device)  # see async_dpo_loss
     kl, entropy = torch.zeros_like(ref_sequence_logps), torch.zeros_like(ref_sequence_logps)  # [2P]
     for start in range(0, args.prompts_per_rank, args.minibatch_size):
@@ -366,7 +463,7 @@ def dpo_update(model, optimizer, scheduler, accelerator, args, batch, scores, st
                 loss, sums, micro_stats = async_dpo_loss(
                     logprobs, m, ref_sequence_logps[rows], sampled, keep[group], normalizer, args
                 )
-                check_finite(accelerator, loss, "loss/dpo", step, last_checkpoint)
+                run.check(loss, "loss/dpo")
                 # accelerate (and DeepSpeed) divide a micro-batch's loss by gradient_accumulation_steps, to average
                 # micro-batch means; these losses are shares that already sum to the minibatch's.
                 accelerator.backward(loss * args.gradient_accumulation_steps)
@@ -375,28 +472,20 @@ def dpo_update(model, optimizer, scheduler, accelerator, args, batch, scores, st
                 kl[rows], entropy[rows], more_stats = completion_statistics(
                     logprobs.detach(), ref_logprobs[rows], sampled, m, args.kl_estimator
                 )
-            for name, value in (micro_stats | more_stats).items():
-                stats[name].append(value)
-        grad_norm = clip_gradients(accelerator, model, args.max_grad_norm, step, last_checkpoint)
-        stats["policy/grad_norm"].append(grad_norm)
-        stats["policy/skipped_updates"].append(float(grad_norm != grad_norm))  # NaN: fp16's loss scaler skipped it
-        record_staleness(stats, (step - batch["version"]) * args.num_minibatches + start // args.minibatch_size)
-        lr = scheduler.get_last_lr()[0]  # the learning rate of this update
-        optimizer.step()
-        if grad_norm == grad_norm:  # the schedule counts updates taken (fp16's scaler skips some)
-            scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-    pair_metrics = dpo_pair_metrics(accelerator.reduce(pair_sums, "sum").tolist())  # over every process's pairs
-    return summarize_update(metrics, stats, kl, entropy, lr), pair_metrics
+            run.add(micro_stats | more_stats)
+        optimizer_step(accelerator, model, optimizer, scheduler, run)
+        run.add(staleness(run.step, batch["version"], args.num_minibatches, start // args.minibatch_size))
+    metrics |= {"objective/kl": kl.mean().item(), "objective/entropy": entropy.mean().item()}
+    return metrics, dpo_pair_metrics(accelerator.reduce(pair_sums, "sum").tolist())  # over every process's pairs
 
 
-def rloo_update(model, optimizer, scheduler, accelerator, args, batch, judged, step, last_checkpoint):
+def rloo_update(model, optimizer, scheduler, accelerator, args, batch, judged, run):
     """PPO-clipped RLOO on one batch: k completions per prompt (rows i * k .. i * k + k - 1), each one's advantage its
     reward (the judged score minus the KL penalty to the reference) minus the mean reward of the other k - 1, in
     PPO's clipped surrogate with the ratio pi / pi_generator per token. One pass over the batch in minibatches (one
     optimizer step each) of micro-batches (gradient accumulation), each minibatch's loss averaged over its tokens on
-    every process. judged [kP]: the scores after the missing-EOS penalty. Returns ({name: float} of this process,
-    {name: float} over every process)."""
+    every process. judged [kP]: the scores after the missing-EOS penalty. The per micro-batch statistics go to
+    run.add. Returns ({name: float} of this process, {name: float} over every process)."""
     device, mb, k = accelerator.device, args.micro_batch_size, args.num_completions
     query_responses, attention_mask = batch["query_responses"], batch["attention_mask"]
     mask, sampler_logprobs, context_length = batch["mask"], batch["sampler_logprobs"], batch["context_length"]
@@ -415,7 +504,6 @@ def rloo_update(model, optimizer, scheduler, accelerator, args, batch, judged, s
     }
 
     model.train()
-    stats = collections.defaultdict(list)  # metric name -> one value per micro-batch (or minibatch)
     kl, entropy = torch.zeros(len(mask), device=device), torch.zeros(len(mask), device=device)  # [kP]
     policy_loss = 0.0  # the mean over minibatches of their loss
     for start in range(0, args.prompts_per_rank, args.minibatch_size):
@@ -435,7 +523,7 @@ def rloo_update(model, optimizer, scheduler, accelerator, args, batch, judged, s
                 loss, micro_stats = rloo_loss(
                     logprobs, old_logprobs[rows], advantages[rows], m, args.clip_eps, normalizer
                 )
-                check_finite(accelerator, loss, "loss/rloo", step, last_checkpoint)
+                run.check(loss, "loss/rloo")
                 # accelerate (and DeepSpeed) divide a micro-batch's loss by gradient_accumulation_steps, to average
                 # micro-batch means; these losses are shares that already sum to the minibatch's.
                 accelerator.backward(loss * args.gradient_accumulation_steps)
@@ -444,29 +532,20 @@ def rloo_update(model, optimizer, scheduler, accelerator, args, batch, judged, s
                 kl[rows], entropy[rows], more_stats = completion_statistics(
                     logprobs.detach(), ref_logprobs[rows], sampled, m, args.kl_estimator
                 )
-            for name, value in (micro_stats | more_stats).items():
-                stats[name].append(value)
-        grad_norm = clip_gradients(accelerator, model, args.max_grad_norm, step, last_checkpoint)
-        stats["policy/grad_norm"].append(grad_norm)
-        stats["policy/skipped_updates"].append(float(grad_norm != grad_norm))  # NaN: fp16's loss scaler skipped it
-        record_staleness(stats, (step - batch["version"]) * args.num_minibatches + start // args.minibatch_size)
-        lr = scheduler.get_last_lr()[0]  # the learning rate of this update
-        optimizer.step()
-        if grad_norm == grad_norm:  # the schedule counts updates taken (fp16's scaler skips some)
-            scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+            run.add(micro_stats | more_stats)
+        optimizer_step(accelerator, model, optimizer, scheduler, run)
+        run.add(staleness(run.step, batch["version"], args.num_minibatches, start // args.minibatch_size))
     metrics["loss/policy"] = policy_loss
     # What the stalest update saw: the approximate KL of the policy to the generator's, on the last minibatch.
-    last_minibatch = stats["policy/approxkl"][-args.gradient_accumulation_steps :]  # its micro-batches
+    last_minibatch = run.stats["policy/approxkl"][-args.gradient_accumulation_steps :]  # its micro-batches
     metrics["policy/approxkl_last_minibatch"] = float(np.mean(last_minibatch))
-    return summarize_update(metrics, stats, kl, entropy, lr), {}
+    metrics |= {"objective/kl": kl.mean().item(), "objective/entropy": entropy.mean().item()}
+    return metrics, {}
 
 
-def main(args: Args):
+def main(args: "Config"):
     # Setup: processes, data, models, the generator, run folder (the helpers are below the fence).
     check_args(args)
-    if args.judge == "reward_model":
-        check_score_model(args.reward_model_path, "reward_model_path", args.trust_remote_code)
     args.num_completions = 2 if args.loss == "dpo" else args.rloo_k
     args.minibatch_size = args.prompts_per_rank // args.num_minibatches
     args.gradient_accumulation_steps = args.minibatch_size // args.micro_batch_size
@@ -476,63 +555,48 @@ def main(args: Args):
     rank, world_size, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     # vLLM's CPU worker replaces torch.set_num_threads by a no-op once it starts: keep the real one.
     threads = (torch.set_num_threads, torch.get_num_threads())
-    train_rows, eval_rows, has_gold = load_judged_rows(args)  # checked before any model is loaded
     tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code, args.prompt_template)
-    if args.judge == "reward_model":  # before any model is loaded
-        check_same_vocabulary(args.reward_model_path, "reward_model_path", tokenizer, args.trust_remote_code)
-    # Rows without a gold answer get an empty one, which only the gold accuracy would read (never in training).
-    train_prompts, train_golds = build_prompts(tokenizer, [{args.answer_column: "", **r} for r in train_rows], args)
-    eval_prompts, eval_golds = build_prompts(tokenizer, [{args.answer_column: "", **r} for r in eval_rows], args)
-    where = f"--dataset_path {args.dataset_path} split"
-    require_prompts(
-        train_prompts, args.prompts_per_rank * world_size, f"{where} {args.train_split}", args.max_prompt_length
-    )
-    require_prompts(eval_prompts, 1, f"{where} {args.eval_split}", args.max_prompt_length)
+    train_prompts, train_golds, eval_prompts, eval_golds, has_gold = load_judged_prompts(args, tokenizer, world_size)
     run = Run(args, accelerator, RESUMABLE_ARGS)
     set_seed(args.seed + rank)  # random, numpy and torch: a different sampling stream per process
-    use_vllm = vllm_usable(args, world_size)
-    model = load_model(args.model_name_or_path, AutoModelForCausalLM, args, tokenizer.pad_token_id)
-    if args.lora_r > 0:  # the reference is then the learner's model with its adapters switched off
-        model = add_lora(model, args, "CAUSAL_LM")
-    # The generator's device (a spare GPU of its own, else the learner's) and its models: a policy copy for HF
-    # generate, the reference, the reward model. What depends on the batch only is computed while the learner trains.
-    gen_models = load_generator_models(args, accelerator, use_vllm, tokenizer.pad_token_id)
-    enable_gradient_checkpointing([model], args)
+    # The learner's policy; the generator's models on its own device (a spare GPU, else the learner's): a policy
+    # copy for HF generate, the reference, the reward model. What depends on the batch only is computed while the
+    # learner trains.
+    model, _ = load_policy_and_reference(args, accelerator, tokenizer.pad_token_id, with_reference=False)
+    gen_models = load_generator_models(args, accelerator, tokenizer.pad_token_id)
     trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay, eps=1e-8)
     scheduler = make_scheduler(optimizer, args, args.total_steps * args.num_minibatches)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     generator = AsyncGenerator(args, accelerator, model, tokenizer, train_prompts, train_golds, gen_models, threads)
-    start_step = run.start({"vllm": use_vllm})
+    evaluation = functools.partial(evaluate, generator, eval_prompts, eval_golds, has_gold, args, accelerator)
+    start_step = run.start({"vllm": generator.gen_model is None})
     generator.publish(start_step)  # the generator's first weights: the initial ones, or those --resume restored
     if start_step == 0:
-        run.log(0, *evaluate(generator, eval_prompts, eval_golds, has_gold, args, accelerator, 0))
+        run.log(0, *evaluation(0))
     generator.start(start_step)  # from here on it generates while the learner learns
 
-    desc = "async_rlhf" + (" --sync" if args.sync else f" (max_staleness {staleness})")
-    progress = tqdm(total=args.total_steps, initial=start_step, desc=desc, disable=not accelerator.is_main_process)
     try:
-        t_last = time.time()
         for step in range(start_step, args.total_steps):
+            metrics = run.begin_step(step)
             # 1. Batch `step` from the generator (the learner idles here when generation is the slower side). Its lag,
             # the number of updates between the weights that generated it and the learner's, is at most N.
-            batch, metrics = generator.next_batch(step)  # rows i * n .. i * n + n - 1 answer prompt i
+            batch, generation_metrics = generator.next_batch(step)  # rows i * n .. i * n + n - 1 answer prompt i
             lag = step - batch["version"]
             if batch["step"] != step or not 0 <= lag <= staleness:
                 raise RuntimeError(
                     f"step {step + 1}: got batch {batch['step']} from weights version {batch['version']}: lag {lag} "
                     f"breaks max_staleness {staleness}"
                 )
-            metrics |= {"policy/lag": lag, "policy/generator_version": batch["version"]}
+            metrics |= generation_metrics | {"policy/lag": lag, "policy/generator_version": batch["version"]}
 
             # 2. Judge: one score per completion [nP]. The reward model's came with the batch; the verifier judges
             # here, in the main thread. A completion without EOS scores missing_eos_penalty.
             scores = batch["scores"]
             if scores is None:
-                t0 = time.time()
-                scores = verifier_scores(batch["texts"], batch["golds"]).to(device)
-                metrics["time/reward"] = time.time() - t0
-            check_finite(accelerator, scores, "objective/scores", step, run.last_checkpoint)
+                with run.timed("time/reward"):
+                    scores = verifier_scores(batch["texts"], batch["golds"]).to(device)
+            run.check(scores, "objective/scores")
             judged = penalize_missing_eos(scores, batch["has_eos"], args.missing_eos_penalty)
             metrics["objective/scores"] = judged.mean().item()
             if has_gold:
@@ -542,43 +606,28 @@ def main(args: Args):
             metrics["val/num_eos_tokens"] = batch["has_eos"].sum().item()
 
             # 3. Update on the batch: online DPO on pairs, or PPO-clipped RLOO (each in its own function above).
-            t0 = time.time()
-            if args.loss == "dpo":
-                step_metrics, everywhere = dpo_update(
-                    model, optimizer, scheduler, accelerator, args, batch, scores, step, run.last_checkpoint
+            with run.timed("time/training"):
+                update = dpo_update if args.loss == "dpo" else rloo_update
+                step_metrics, everywhere = update(
+                    model,
+                    optimizer,
+                    scheduler,
+                    accelerator,
+                    args,
+                    batch,
+                    scores if args.loss == "dpo" else judged,
+                    run,
                 )
-            else:
-                step_metrics, everywhere = rloo_update(
-                    model, optimizer, scheduler, accelerator, args, batch, judged, step, run.last_checkpoint
-                )
-            metrics |= step_metrics
-            metrics["time/training"] = time.time() - t0
+            metrics |= step_metrics | everywhere  # everywhere: the pair statistics, already over every process
             metrics["perf/train_tokens_per_second"] = int(batch["attention_mask"].sum()) * 2 / metrics["time/training"]
 
             # 4. Weight sync: publish the new weights (version step + 1); the generator loads them before its next
             # batch, while the learner goes on.
-            t0 = time.time()
-            generator.publish(step + 1)
-            metrics["time/weight_sync"] = time.time() - t0
+            with run.timed("time/weight_sync"):
+                generator.publish(step + 1)
 
-            # 5. Log (averaged over processes; the pair statistics over all kept pairs), evaluate, checkpoint.
-            metrics = reduce_metrics(accelerator, metrics) | everywhere
-            run.episode += n * args.prompts_per_rank * world_size
-            metrics["time/step"] = time.time() - t_last  # wall clock between two learner steps
-            metrics["perf/episodes_per_second"] = n * args.prompts_per_rank * world_size / metrics["time/step"]
-            t_last = time.time()
-            samples = []
-            if is_due(step + 1, args.eval_every, args.total_steps):
-                if step + 1 == args.total_steps:  # every batch is made: the last evaluation gets all the threads
-                    generator.join()
-                eval_metrics, samples = evaluate(
-                    generator, eval_prompts, eval_golds, has_gold, args, accelerator, step + 1
-                )
-                metrics |= eval_metrics
-            run.log(step + 1, metrics, samples)
-            if is_due(step + 1, args.save_every, args.total_steps):
-                run.save_checkpoint(step + 1)
-            progress.update()
+            # 5. Log (averaged over processes), evaluate (the last evaluation once every batch is made), checkpoint.
+            run.end_step(n * args.prompts_per_rank * world_size, evaluation)
     finally:
         generator.close()  # whatever happened (the last step, an error in either thread): no generator left behind
 
@@ -1066,7 +1115,10 @@ def evaluate(generator, prompts, golds, has_gold, args, accelerator, step):
     """Greedy completions of the held-out prompts (sharded over processes) from the generation engine, with the
     learner's latest weights: the judge's mean score (with the missing-EOS penalty), when the dataset has gold
     answers the verifier's accuracy, and with a separate reference model (not with LoRA) the reference's mean
-    perplexity of the completions (reference_perplexity). Returns ({eval/metric: value}, rows for samples.jsonl)."""
+    perplexity of the completions (reference_perplexity). After the last step, once every batch is made (the
+    generator joined), so that it gets all the threads. Returns ({eval/metric: value}, rows for samples.jsonl)."""
+    if step == args.total_steps:
+        generator.join()
     rank, world_size, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     mine = list(range(rank, len(prompts), world_size))
     results, samples, totals = {}, [], torch.zeros(6, dtype=torch.float64)
@@ -1113,73 +1165,11 @@ def reference_perplexity(ref_logprobs, mask):
     return torch.exp(-(ref_logprobs * mask).sum(1) / mask.sum(1).clamp(min=1))
 
 
-def batch_reference_logprobs(model, accelerator, args, batch, micro_rows):
-    """The reference's log-probs of every completion of a batch [nP, R]: the generator's (a separate reference
-    model), or with LoRA the learner's model with its adapters off, in the very micro-batches (micro_rows) that the
-    update will use. Either way, before the first update the policy's log-probs equal them bit for bit."""
-    if batch["ref_logprobs"] is not None:
-        return batch["ref_logprobs"]
-    ref_logprobs = torch.zeros(batch["mask"].shape, device=accelerator.device)
-    logprobs_fn = shared_prompt_logprobs if args.shared_prompt else response_logprobs
-    model.eval()
-    with torch.no_grad(), accelerator.unwrap_model(model).disable_adapter():
-        for rows in micro_rows:
-            inputs = (batch["query_responses"][rows], batch["attention_mask"][rows], batch["context_length"])
-            ref_logprobs[rows] = logprobs_fn(model, *inputs, args.temperature)[0]
-    return ref_logprobs
-
-
-def record_staleness(stats, updates_behind):
-    """Adds one update's staleness to its step's statistics: `updates_behind`, the number of optimizer updates
-    between the weights that generated its minibatch and the weights it updates (logged as the step's mean and
-    max)."""
-    stats["policy/staleness"].append(updates_behind)
-    stats["policy/staleness_max"].append(updates_behind)
-
-
-def summarize_update(metrics, stats, kl, entropy, lr):
-    """The metrics of one update on this process: `metrics`, the per micro-batch (or minibatch) statistics averaged
-    (average_stats), the KL to the reference and the entropy per completion averaged, the learning rate of the step's
-    last update."""
-    metrics = metrics | {"objective/kl": kl.mean().item(), "objective/entropy": entropy.mean().item()}
-    return metrics | average_stats(stats) | {"lr": lr}  # lr: of the step's last update
-
-
-def completion_statistics(logprobs, ref_logprobs, sampler_logprobs, mask, kl_estimator):
-    """What the learner's policy says of a micro-batch's completions (logprobs [b, R], no gradients): the KL estimate
-    to the reference summed over each one's tokens [b], its sampled entropy in nats [b], and with vLLM samples
-    (sampler_logprobs [b, R], else None) how far the trainer's log-probs are from the sampler's ({name: float};
-    objective/logprob_ratio_max, the largest pi_train / pi_sampler of a token, is reduced by max)."""
-    kl = (kl_estimate(logprobs, ref_logprobs, kl_estimator) * mask).sum(1)
-    entropy = -(logprobs * mask).sum(1)
-    stats = {}
-    if sampler_logprobs is not None:
-        log_gap = logprobs - sampler_logprobs  # log(pi_train / pi_sampler) per token
-        stats["objective/logprob_gap"] = masked_mean(log_gap.abs(), mask).item()
-        stats["objective/logprob_ratio_max"] = torch.exp(log_gap)[mask > 0].max().item()
-    return kl, entropy, stats
-
-
-def dpo_pair_metrics(sums):
-    """The pair metrics of a step from async_dpo_loss's sums over every process's pairs (a list of 8 floats): means
-    over the kept pairs (0 when no pair anywhere was kept) and the number of ties skipped."""
-    num_kept = max(1.0, sums[6])
-    return {
-        "loss/dpo": sums[0] / num_kept,
-        "rewards/chosen": sums[1] / num_kept,
-        "rewards/rejected": sums[2] / num_kept,
-        "rewards/margins": (sums[1] - sums[2]) / num_kept,
-        "rewards/accuracies": sums[3] / num_kept,
-        "logps/chosen": sums[4] / num_kept,
-        "logps/rejected": sums[5] / num_kept,
-        "objective/skipped_ties": sums[7],
-    }
-
-
-def load_judged_rows(args):
-    """The training and held-out rows of --dataset_path, their columns checked before any model is loaded (the
-    verifier judge needs gold answers). Returns (train rows, the first num_eval_prompts held-out rows, whether the
-    held-out rows have gold answers)."""
+def load_judged_prompts(args, tokenizer, world_size):
+    """The training and held-out prompts and gold answers of --dataset_path, checked before any model is loaded: the
+    columns (the verifier judge needs gold answers), the reward model's vocabulary, enough prompts. Rows without a
+    gold answer get an empty one, which only the gold accuracy would read (never in training). Returns (train
+    prompts, train golds, the first num_eval_prompts held-out prompts and golds, whether they have gold answers)."""
     train_rows = load_split(args.dataset_path, args.dataset_config, args.train_split)
     eval_rows = load_split(args.dataset_path, args.dataset_config, args.eval_split)
     if args.num_eval_prompts:
@@ -1193,7 +1183,16 @@ def load_judged_rows(args):
         if args.judge == "verifier":
             check_golds(rows, args.answer_column, where)
     has_gold = all(args.answer_column in row for row in eval_rows)
-    return train_rows, eval_rows, has_gold
+    if args.judge == "reward_model":
+        check_same_vocabulary(args.reward_model_path, "reward_model_path", tokenizer, args.trust_remote_code)
+    train_prompts, train_golds = build_prompts(tokenizer, [{args.answer_column: "", **r} for r in train_rows], args)
+    eval_prompts, eval_golds = build_prompts(tokenizer, [{args.answer_column: "", **r} for r in eval_rows], args)
+    where = f"--dataset_path {args.dataset_path} split"
+    require_prompts(
+        train_prompts, args.prompts_per_rank * world_size, f"{where} {args.train_split}", args.max_prompt_length
+    )
+    require_prompts(eval_prompts, 1, f"{where} {args.eval_split}", args.max_prompt_length)
+    return train_prompts, train_golds, eval_prompts, eval_golds, has_gold
 
 
 def start_vllm(args, model_name_or_path, rank, world_size, cores, sleep=False):
@@ -1256,13 +1255,14 @@ def generator_gpu(local_rank, local_processes, num_gpus):
     return local_processes + local_rank % spare
 
 
-def load_generator_models(args, accelerator, use_vllm, pad_token_id):
+def load_generator_models(args, accelerator, pad_token_id):
     """The models the generator thread runs, on its device: its own whole copy of the policy for HF generate (None
     with vLLM; it receives the policy's gathered weights, see AsyncGenerator.publish), the frozen reference policy
     (None with LoRA: the reference is then the learner's model with its adapters off) and the reward model (with
     --judge reward_model). They load whole on every process (under ZeRO-3 they would be partitioned as they load): a
     thread must never take part in a collective call. Returns (the generator's device, gen_model, ref_policy,
     reward_model)."""
+    use_vllm = vllm_usable(args, accelerator.num_processes)
     device, gen_model, ref_policy, reward_model = generator_device(accelerator, use_vllm), None, None, None
     with whole_on_every_process(accelerator):
         if args.lora_r == 0:
@@ -1390,7 +1390,7 @@ class Run:
     def end_step(self, episodes, evaluate):
         """Close the step: its metrics and averaged stats, reduced over processes (a collective), the episodes it
         trained on, then evaluate(step) -> (metrics, samples) when --eval_every is due, one log line, and a
-        checkpoint when --save_every is due."""
+        checkpoint when --save_every is due. Returns the metrics logged."""
         metrics = reduce_metrics(self.accelerator, self.metrics | average_stats(self.stats))
         self.episode += episodes
         metrics["time/step"] = time.time() - self.t_step
@@ -1400,6 +1400,7 @@ class Run:
         if self.due(self.args.save_every):
             self.save_checkpoint(self.step + 1)
         self.progress.update()
+        return metrics | evaluation
 
     def log(self, step, metrics, samples=()):
         """One line of metrics.jsonl (and TensorBoard, wandb) for this step; samples go to samples.jsonl."""
@@ -1449,9 +1450,18 @@ class Run:
         self.accelerator.end_training()
 
 
-def is_due(step, every, total_steps):
-    """Whether a periodic event (evaluation, checkpoint) happens after `step`: every `every` steps and at the end."""
-    return bool(every and step % every == 0) or step == total_steps
+def optimizer_step(accelerator, model, optimizer, scheduler, run, prefix="policy/"):
+    """One update: clip the gradients (clip_gradients), step the optimizer, then the learning-rate schedule when the
+    update was taken (it counts updates taken: fp16's loss scaler skips an overflowing one), and zero the gradients.
+    Adds prefix + grad_norm (NaN when skipped) and prefix + skipped_updates to the step's stats; the step's lr is
+    this update's (the step's last)."""
+    grad_norm = clip_gradients(accelerator, model, run.args.max_grad_norm, run.step, run.last_checkpoint)
+    run.add({f"{prefix}grad_norm": grad_norm, f"{prefix}skipped_updates": float(grad_norm != grad_norm)})
+    run.metrics["lr"] = scheduler.get_last_lr()[0]
+    optimizer.step()
+    if grad_norm == grad_norm:
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def check_finite(accelerator, values, name, step, last_checkpoint):
@@ -1585,6 +1595,22 @@ def frozen(model, accelerator, device):
         for param in model.parameters():
             param.data = param.data.to(torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float16)
     return model
+
+
+def load_policy_and_reference(args, accelerator, pad_token_id, with_reference=True):
+    """The policy (with LoRA adapters if --lora_r; sharded under ZeRO-3) and its frozen reference, whole on every
+    process: None with LoRA (the policy with its adapters switched off is the reference) or without with_reference.
+    load_model turns dropout off: the rollout's log-probs must equal the first minibatch's, the policy's its
+    reference's."""
+    policy = load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_token_id)
+    if args.lora_r > 0:
+        policy = add_lora(policy, args, "CAUSAL_LM")
+    enable_gradient_checkpointing([policy], args)
+    if args.lora_r > 0 or not with_reference:
+        return policy, None
+    with whole_on_every_process(accelerator):
+        reference = load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_token_id)
+    return policy, frozen(reference, accelerator, accelerator.device)
 
 
 @contextlib.contextmanager
@@ -1845,10 +1871,13 @@ def average_stats(stats):
 
 
 def reduce_values(name, values):
-    """The largest of a list of floats for a metric named *_max, the smallest for *_min, else their mean; NaNs (a
-    micro-batch with no token in the loss, see token_mean) are left out."""
+    """The largest of a list of floats for a metric named *_max, the smallest for *_min, else their mean (exactly the
+    value when they are all equal: a metric already taken over every process stays as it is, on any number of
+    processes); NaNs (a micro-batch with no token in the loss, see token_mean) are left out."""
     values = [v for v in values if v == v] or [float("nan")]
-    return float(max(values) if name.endswith("_max") else min(values) if name.endswith("_min") else np.mean(values))
+    if name.endswith("_max") or name.endswith("_min") or min(values) == max(values):
+        return float(max(values) if name.endswith("_max") else min(values))
+    return float(np.mean(values))
 
 
 def git_sha():
@@ -1892,29 +1921,6 @@ def check_columns(rows, columns, where, text_columns=()):
             )
 
 
-def extract_answer(text):
-    """The final answer of a completion: the first number after the last 'Answer:' (its whole line if it has
-    none), else the last number in the text, else None. When that number starts an equation on its line (numbers
-    and operators, then '=': "9 * 6 = 54", "9 x 6 = 54 = 50 + 4"), the answer is the last side of the equation that
-    is a lone number (54 in both). LaTeX fractions are read as a/b, a Unicode minus as '-'."""
-    text = re.sub(r"\\d?frac\{(-?\d+)\}\{(\d+)\}", r"\1/\2", text).replace("\u2212", "-")
-    if "Answer:" in text:
-        tail = text.rsplit("Answer:", 1)[1]
-        found = re.search(NUMBER, tail)
-        if found:
-            term = r"(?:\([ \t]*)*-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:[ \t]*\))*"  # a number, maybe in parentheses
-            words = r"x|·|\\times|\\cdot|\\div|times|multiplied by|plus|minus|divided by|over|%[ \t]*of|percent of"
-            operation = rf"[ \t]*(?:[-+*/×÷]|(?:{words})(?![a-z]))[ \t]*"
-            side = rf"{term}(?:{operation}{term})*"
-            last = rf"[ \t]*=[ \t]*({NUMBER})(?![.,]?\d|{operation}\(*\.?\d)"  # a lone number
-            equation = re.compile(rf"{term}(?:{operation}{term})+(?:[ \t]*=[ \t]*{side})*{last}", re.I)
-            equation = equation.match(tail, found.start())
-            return (equation.group(1) if equation else found.group(0)).replace(",", "").replace(" ", "")
-        return tail.strip().split("\n")[0].strip().rstrip(".") or None
-    numbers = re.findall(NUMBER, text)
-    return numbers[-1].replace(",", "").replace(" ", "") if numbers else None
-
-
 def gold_answer(answer):
     """The gold final answer as a string; GSM8K style solutions keep what follows '####'. A null answer is the empty
     string, which nothing matches."""
@@ -1925,24 +1931,6 @@ def verifiable_gold(gold):
     """Whether the verifier can check answers against this gold: it holds a number or a LaTeX expression. Null,
     empty and plain-word golds do not (a completion could only match them as text, e.g. "Answer: None")."""
     return re.search(r"[0-9\\]", gold) is not None
-
-
-def verify_answer(prediction, gold):
-    """1.0 if the prediction equals the gold answer: math-verify first, numeric equality as the fallback."""
-    if prediction is None or not gold:
-        return 0.0
-    try:
-        from math_verify import parse, verify
-
-        parsed_gold, parsed_pred = parse(f"${gold}$"), parse(f"${prediction}$")
-        if parsed_gold and parsed_pred:
-            return float(verify(parsed_gold, parsed_pred))
-    except Exception:  # math-verify raises on some inputs, or times out: fall back to the task's numeric scorer
-        pass
-    try:
-        return float(abs(Fraction(prediction) - Fraction(gold)) < 1e-6)
-    except (ValueError, ZeroDivisionError):
-        return float(prediction.strip() == gold.strip())
 
 
 def check_golds(rows, column, where, max_share=0.1):
@@ -2031,7 +2019,8 @@ def fail(message):
 
 
 def check_args(args):
-    """Reject bad input with one line naming the argument, before any model is loaded."""
+    """Reject bad input with one line naming the argument (and a reward model that is not one), before any model is
+    loaded."""
     judge = "run `python reward_modeling.py` first (it saves runs/reward_model), pass a one-label sequence-"
     judge += "classification folder or hub id, or use --judge verifier"
     check_common_args(args, {"reward_model_path": judge} if args.judge == "reward_model" else {})
@@ -2049,6 +2038,8 @@ def check_args(args):
     require(args.clip_eps > 0, f"--clip_eps must be > 0; got {args.clip_eps}")
     if args.beta <= 0:
         fail(f"--beta must be > 0 (DPO's log-ratios are scaled by it, IPO's target is 1 / (2 beta)); got {args.beta}")
+    if args.judge == "reward_model":
+        check_score_model(args.reward_model_path, "reward_model_path", args.trust_remote_code)
 
 
 def check_score_model(path, name, trust_remote_code):

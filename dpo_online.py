@@ -35,6 +35,8 @@ Read down to the line "PLUMBING": the arguments, the math, the reward and main()
 
 import collections
 import contextlib
+import functools
+import inspect
 import itertools
 import json
 import logging
@@ -168,45 +170,75 @@ def pair_importance_weights(logprobs, sampler_logprobs, mask, cap):
     return torch.clamp(torch.exp(chosen_log_ratio + rejected_log_ratio), max=cap)
 
 
-def online_dpo_loss(logprobs, ref_logprobs, sampler_logprobs, mask, keep, normalizer, args):
+def online_dpo_loss(
+    logprobs, ref_logprobs, sampler_logprobs, mask, keep, normalizer, *, beta, loss_type, tis_cap, kl_estimator
+):
     """The loss of one micro-batch of b pairs (its share of the minibatch's) and its statistics.
     logprobs [2b, R] (with gradients), ref_logprobs [2b, R], sampler_logprobs [2b, R] (None unless vLLM sampled),
     mask [2b, R]: rows i and b + i are pair i's chosen and rejected completions. keep [b]: 1 for a pair the judge
     prefers one side of, 0 for a tie (it stays in the micro-batch, so that every process runs the same ones, and
     weighs 0). A minibatch's loss is the sum over its kept pairs divided by normalizer, their mean count per process:
-    every kept pair weighs the same, whatever process it is on.
-    Returns (loss, stats): per pair [b] its loss, the implicit rewards beta * (log pi - log ref) of both sides,
-    whether they order the pair as the judge did, and the log-probs; per completion [2b] the KL estimate to the
-    reference and the entropy estimate -log pi; with vLLM samples, floats for the micro-batch: the mean truncated-IS
-    weight, the mean |log pi - log pi_sampler| per token and the largest ratio pi / pi_sampler."""
+    every kept pair weighs the same, whatever process it is on. The rest: the flags of the same names.
+    Returns (loss, stats, pair_stats). stats, the micro-batch's floats, with vLLM samples only: the mean truncated-IS
+    weight, the mean |log pi - log pi_sampler| per token and the largest ratio pi / pi_sampler. pair_stats, for
+    pair_metrics: per pair [b] its loss, the implicit rewards beta * (log pi - log ref) of both sides, whether they
+    order the pair as the judge did, and the log-probs; per completion [2b] the KL estimate to the reference and the
+    entropy estimate -log pi."""
     chosen_logps, rejected_logps = (logprobs * mask).sum(1).chunk(2)  # summed over response tokens [b] each
     ref_chosen, ref_rejected = (ref_logprobs * mask).sum(1).chunk(2)
-    losses = dpo_loss(chosen_logps, rejected_logps, ref_chosen, ref_rejected, args.beta, args.loss_type)
+    losses = dpo_loss(chosen_logps, rejected_logps, ref_chosen, ref_rejected, beta, loss_type)
     weights, stats = keep, {}
-    if sampler_logprobs is not None and args.tis_cap:  # None or 0: off
-        tis = pair_importance_weights(logprobs.detach(), sampler_logprobs, mask, args.tis_cap)
+    if sampler_logprobs is not None and tis_cap:  # None or 0: off
+        tis = pair_importance_weights(logprobs.detach(), sampler_logprobs, mask, tis_cap)
         weights = weights * tis
         stats["objective/tis_weight"] = tis.mean().item()
     loss = (losses * weights).sum() / normalizer
     with torch.no_grad():
         logprobs = logprobs.detach()
-        chosen_rewards = args.beta * (chosen_logps.detach() - ref_chosen)
-        rejected_rewards = args.beta * (rejected_logps.detach() - ref_rejected)
-        stats |= {
+        chosen_rewards = beta * (chosen_logps.detach() - ref_chosen)
+        rejected_rewards = beta * (rejected_logps.detach() - ref_rejected)
+        pair_stats = {
             "loss/dpo": losses.detach(),
             "rewards/chosen": chosen_rewards,
             "rewards/rejected": rejected_rewards,
             "rewards/accuracies": (chosen_rewards > rejected_rewards).float(),
             "logps/chosen": chosen_logps.detach(),
             "logps/rejected": rejected_logps.detach(),
-            "objective/kl": (kl_estimate(logprobs, ref_logprobs, args.kl_estimator) * mask).sum(1),
+            "objective/kl": (kl_estimate(logprobs, ref_logprobs, kl_estimator) * mask).sum(1),
             "objective/entropy": -(logprobs * mask).sum(1),  # a sampled estimate, nats per completion
         }
         if sampler_logprobs is not None:
             log_gap = logprobs - sampler_logprobs  # log(pi_train / pi_sampler) per token
             stats["objective/logprob_gap"] = masked_mean(log_gap.abs(), mask).item()
             stats["objective/logprob_ratio_max"] = torch.exp(log_gap)[mask > 0].max().item()
-    return loss, stats
+    return loss, stats, pair_stats
+
+
+def pair_metrics(micro_batch_stats, keep, accelerator):
+    """The update's pair_stats (online_dpo_loss) as metrics, over every process (a collective: every process calls
+    it). micro_batch_stats: (pairs [b], rows [2b], pair_stats) of each micro-batch, rows the completions' (chosen, then
+    rejected); keep [P]: 1 for a kept pair, 0 for a tie. A value per pair is summed over the kept pairs and divided by
+    their number over all processes (0 when no pair is kept); a value per completion is averaged over every
+    completion, ties included (over this process's: Run.end_step averages over processes). Adds rewards/margins and
+    objective/skipped_ties, the number of tied pairs."""
+    pair_sums, per_completion = {}, {}  # name -> sum over this process's kept pairs; name -> [2P] in rollout order
+    for pairs, rows, stats in micro_batch_stats:
+        weights = keep[pairs].double()
+        for name, value in stats.items():
+            if len(value) == len(pairs):
+                pair_sums[name] = pair_sums.get(name, 0.0) + (value.double() * weights).sum().item()
+            else:
+                per_completion.setdefault(name, value.new_zeros(2 * len(keep)))[rows] = value
+    metrics = {name: values.mean().item() for name, values in per_completion.items()}
+    counts = [keep.sum().item(), (1 - keep).sum().item()]  # kept and tied pairs
+    local = torch.tensor([*pair_sums.values(), *counts], dtype=torch.float64, device=keep.device)
+    *sums, num_kept, num_ties = accelerator.reduce(local, "sum").tolist()
+    sums = dict(zip(pair_sums, sums))
+    num_kept = max(1.0, num_kept)  # no kept pair anywhere: the pair metrics read 0
+    metrics |= {name: total / num_kept for name, total in sums.items()}
+    metrics["rewards/margins"] = (sums["rewards/chosen"] - sums["rewards/rejected"]) / num_kept
+    metrics["objective/skipped_ties"] = num_ties
+    return metrics
 
 
 def masked_mean(values, mask, dim=None):
@@ -247,6 +279,121 @@ def response_logprobs(model, input_ids, attention_mask, context_length, temperat
     return logprobs_from_logits(logits, input_ids[:, context_length:]), logits
 
 
+def fixed_logprobs_of_rows(
+    logprobs_fn, model, query_responses, attention_mask, context_length, temperature, row_batches
+):
+    """logprobs_fn (response_logprobs or shared_prompt_logprobs) without gradients, computed batch by batch on the
+    given rows (the update's micro-batches, so that the policy's log-probs before its first update equal them bit for
+    bit); every row must be in one batch. [B, P + R] -> [B, R]"""
+    shape = (query_responses.shape[0], query_responses.shape[1] - context_length)
+    logprobs = torch.zeros(shape, device=query_responses.device)
+    with torch.no_grad():
+        for rows in row_batches:
+            logprobs[rows] = logprobs_fn(
+                model, query_responses[rows], attention_mask[rows], context_length, temperature
+            )[0]
+    return logprobs
+
+
+def take(values, rows):
+    """values[rows], or None for a tensor the run does not have (no reference model, no sampler log-probs)."""
+    return None if values is None else values[rows]
+
+
+def training_batch(prompts, n, responses, mask, sampler_logprobs, pad_token_id, device):
+    """The rollout as the trainer's input: each prompt (left-padded) repeated for its n consecutive completions, then
+    the responses cut to the longest one (nothing after it is computed). responses, mask, sampler_logprobs [B, R].
+    Returns query_responses [B, P + R'], attention_mask [B, P + R'] (0 on padding and after the first EOS),
+    mask [B, R'], sampler_logprobs [B, R'] (or None) on `device`, and P, the prompts' padded length."""
+    width = max(1, int(mask.sum(1).max()))
+    responses, mask = responses[:, :width], mask[:, :width].to(device)
+    if sampler_logprobs is not None:
+        sampler_logprobs = sampler_logprobs[:, :width].to(device)
+    rows, P = [p for p in prompts for _ in range(n)], max(len(p) for p in prompts)  # left-padded to P
+    prompt_ids = torch.tensor([[pad_token_id] * (P - len(p)) + list(p) for p in rows], dtype=torch.long)
+    prompt_mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in rows], dtype=torch.long)
+    query_responses = torch.cat([prompt_ids, responses], 1).to(device)
+    attention_mask = torch.cat([prompt_mask.to(device), mask.long()], 1)
+    return query_responses, attention_mask, mask, sampler_logprobs, prompt_ids.shape[1]
+
+
+def contains_eos(responses, mask, stop_ids):
+    """[N] bool: whether each completion holds a stop token (stop_ids: any EOS id) among its real tokens. responses,
+    mask [N, R]."""
+    return (torch.isin(responses, torch.tensor(stop_ids)) & (mask > 0)).any(1)
+
+
+def token_scores(model, score_head, input_ids, attention_mask):
+    """The one-label head of a sequence-classification model (reward or value model) at every position: [B, T]
+    float32. `model` may be wrapped (DDP, DeepSpeed) so that gradients sync; `score_head` is its unwrapped `.score`
+    layer. The classifier's forward applies the head at every position and then keeps the last one: a hook takes
+    the head's output before that, so no layer's hidden states are kept (output_hidden_states would keep all).
+    Positions count from each sequence's first real token, so left and right padding give the same scores."""
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    scores = []
+    handle = score_head.register_forward_hook(lambda module, inputs, output: scores.append(output))
+    try:
+        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    finally:
+        handle.remove()
+    return scores[0].squeeze(-1).float()
+
+
+def last_real_index(attention_mask):
+    """[B] index of the last position where attention_mask is 1 (left, right or both-sided padding)."""
+    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+    return (positions * attention_mask).argmax(1)
+
+
+NUMBER = r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?"  # 12, -1,234.5, .5, 3/4
+
+
+def extract_answer(text):
+    """The final answer of a completion: the first number after the last 'Answer:' (its whole line if it has
+    none), else the last number in the text, else None. When that number starts an equation on its line (numbers
+    and operators, then '=': "9 * 6 = 54", "9 x 6 = 54 = 50 + 4"), the answer is the last side of the equation that
+    is a lone number (54 in both). LaTeX fractions are read as a/b, a Unicode minus as '-'."""
+    text = re.sub(r"\\d?frac\{(-?\d+)\}\{(\d+)\}", r"\1/\2", text).replace("\u2212", "-")
+    if "Answer:" in text:
+        tail = text.rsplit("Answer:", 1)[1]
+        found = re.search(NUMBER, tail)
+        if found:
+            term = r"(?:\([ \t]*)*-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:[ \t]*\))*"  # a number, maybe in parentheses
+            words = r"x|·|\\times|\\cdot|\\div|times|multiplied by|plus|minus|divided by|over|%[ \t]*of|percent of"
+            operation = rf"[ \t]*(?:[-+*/×÷]|(?:{words})(?![a-z]))[ \t]*"
+            side = rf"{term}(?:{operation}{term})*"
+            last = rf"[ \t]*=[ \t]*({NUMBER})(?![.,]?\d|{operation}\(*\.?\d)"  # a lone number
+            equation = re.compile(rf"{term}(?:{operation}{term})+(?:[ \t]*=[ \t]*{side})*{last}", re.I)
+            equation = equation.match(tail, found.start())
+            return (equation.group(1) if equation else found.group(0)).replace(",", "").replace(" ", "")
+        return tail.strip().split("\n")[0].strip().rstrip(".") or None
+    numbers = re.findall(NUMBER, text)
+    return numbers[-1].replace(",", "").replace(" ", "") if numbers else None
+
+
+def verify_answer(prediction, gold):
+    """1.0 if the prediction equals the gold answer: math-verify first, numeric equality as the fallback."""
+    if prediction is None or not gold:
+        return 0.0
+    try:
+        from math_verify import parse, verify
+
+        parsed_gold, parsed_pred = parse(f"${gold}$"), parse(f"${prediction}$")
+        if parsed_gold and parsed_pred:
+            return float(verify(parsed_gold, parsed_pred))
+    except Exception:  # math-verify raises on some inputs, or times out: fall back to the task's numeric scorer
+        pass
+    try:
+        return float(abs(Fraction(prediction) - Fraction(gold)) < 1e-6)
+    except (ValueError, ZeroDivisionError):
+        return float(prediction.strip() == gold.strip())
+
+
+def verifier_verdicts(texts, golds):
+    """The task's verifier: 1.0 for a completion whose final answer is the gold one, else 0.0. [N]"""
+    return torch.tensor([verify_answer(extract_answer(t), g) for t, g in zip(texts, golds)])
+
+
 def judge_completions(judge, reward_model, query_responses, attention_mask, texts, golds, accelerator):
     """The judge's score of each completion [B] (higher is better), on the trainer's device. reward_model: its score
     at the sequence's last real token minus its config.bias (reward_modeling.py stores the mean training score there,
@@ -261,7 +408,23 @@ def judge_completions(judge, reward_model, query_responses, attention_mask, text
     return per_token[torch.arange(len(per_token)), last_real_index(attention_mask)] - bias
 
 
-def main(args: Args):
+def judge_metrics(judged, chosen, rejected, tie, correct, mask, has_eos):
+    """What the judge made of the sampled pairs, and how long the completions were. judged [2P] (the scores after
+    the missing-EOS penalty), chosen, rejected, tie [P], correct [2P] (the verifier's; None without gold answers),
+    mask [2P, R], has_eos [2P]."""
+    metrics = {
+        "objective/scores": judged.mean().item(),
+        "objective/score_gap": (judged[chosen] - judged[rejected]).mean().item(),
+        "objective/tie_fraction": tie.float().mean().item(),
+    }
+    if correct is not None:
+        metrics["objective/accuracy"] = correct.float().mean().item()
+    metrics["objective/response_length"] = mask.sum(1).float().mean().item()
+    metrics["val/num_eos_tokens"] = has_eos.sum().item()
+    return metrics
+
+
+def main(args: "Config"):
     # Setup: processes, data, models, sampler, run folder (the helpers are below the fence).
     check_args(args)
     args.minibatch_size = args.prompts_per_rank // args.num_minibatches
@@ -270,9 +433,7 @@ def main(args: Args):
     accelerator = make_accelerator(2 * args.micro_batch_size, args.gradient_accumulation_steps, args.max_grad_norm)
     rank, world_size, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code, args.prompt_template)
-    if args.judge == "reward_model":  # the judge reads the policy's tokens
-        check_same_vocabulary(args.reward_model_path, "reward_model_path", tokenizer, args.trust_remote_code)
-    train_prompts, train_golds, eval_set, has_gold = load_judged_prompts(args, tokenizer, world_size)
+    train_prompts, train_golds, eval_prompts, eval_golds, has_gold = load_judged_prompts(args, tokenizer, world_size)
     run = Run(args, accelerator, RESUMABLE_ARGS)
     set_seed(args.seed + rank)  # random, numpy and torch: a different sampling stream per process
     model, ref_model, reward_model = load_dpo_models(args, accelerator, tokenizer.pad_token_id)
@@ -282,27 +443,30 @@ def main(args: Args):
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     unwrapped = accelerator.unwrap_model(model)
     sampler = Sampler(args, accelerator, unwrapped, tokenizer)
+    # online_dpo_loss takes tensors and scalars: its keyword-only arguments are the flags of the same names.
+    loss_flags = {name: getattr(args, name) for name in inspect.getfullargspec(online_dpo_loss).kwonlyargs}
+    logprobs_fn = shared_prompt_logprobs if args.shared_prompt else response_logprobs  # a pair shares its prompt
+    eval_set = (eval_prompts, eval_golds)
+    evaluation = functools.partial(evaluate, sampler, eval_set, has_gold, reward_model, ref_model, args, accelerator)
     start_step = run.start({"vllm": sampler.llm is not None})
     if start_step > 0:
         sampler.sync_weights()
     else:
-        run.log(0, *evaluate(sampler, eval_set, has_gold, reward_model, ref_model, args, accelerator, 0))
+        run.log(0, *evaluation(0))
 
-    num_pairs = args.prompts_per_rank
-    progress = tqdm(total=args.total_steps, initial=start_step, desc="dpo", disable=not accelerator.is_main_process)
+    P = args.prompts_per_rank  # pairs per process and step
     for step in range(start_step, args.total_steps):
-        t_step, metrics = time.time(), {}
+        metrics = run.begin_step(step)
         # 1. Prompts: each process takes its slice of a global order that is a function of (seed, step), so that
         # --resume repeats it.
-        indices = step_prompt_indices(step, num_pairs, len(train_prompts), args.seed, rank, world_size)
+        indices = step_prompt_indices(step, P, len(train_prompts), args.seed, rank, world_size)
         prompts = [train_prompts[i] for i in indices]
         golds = [train_golds[i] for i in indices for _ in range(2)]  # [2P], one per completion
 
         # 2. Rollout: two completions per prompt from the current policy; rows 2i and 2i + 1 answer prompt i.
-        # responses, mask [2P, R], P = prompts_per_rank.
-        t0 = time.time()
-        responses, mask, sampler_logprobs, texts = sampler.generate(prompts, 2, args.temperature)
-        metrics["time/generation"] = time.time() - t0
+        # responses, mask [2P, R].
+        with run.timed("time/generation"):
+            responses, mask, sampler_logprobs, texts = sampler.generate(prompts, 2, args.temperature)
         metrics["perf/generation_tokens_per_second"] = mask.sum().item() / metrics["time/generation"]
         has_eos = contains_eos(responses, mask, sampler.stop_ids)  # [2P]
         query_responses, attention_mask, mask, sampler_logprobs, context_length = training_batch(
@@ -311,14 +475,15 @@ def main(args: Args):
 
         # 3. Judge: one score per completion [2P]; a completion without EOS scores missing_eos_penalty; the higher of
         # each pair is chosen. chosen, rejected [P] are row indices; a tie (equal scores) says nothing: keep 0.
-        t0 = time.time()
-        scores = judge_completions(
-            args.judge, reward_model, query_responses, attention_mask, texts, golds, accelerator
-        )
-        check_finite(accelerator, scores, "objective/scores", step, run.last_checkpoint)
-        chosen, rejected, tie, judged = assign_preferences(scores, has_eos.to(scores.device), args.missing_eos_penalty)
+        with run.timed("time/reward"):
+            scores = judge_completions(
+                args.judge, reward_model, query_responses, attention_mask, texts, golds, accelerator
+            )
+            run.check(scores, "objective/scores")
+            chosen, rejected, tie, judged = assign_preferences(
+                scores, has_eos.to(scores.device), args.missing_eos_penalty
+            )
         chosen, rejected, keep = chosen.to(device), rejected.to(device), (~tie).float().to(device)
-        metrics["time/reward"] = time.time() - t0
         correct = None  # the verifier's verdicts, reported when the dataset has gold answers
         if has_gold:
             correct = scores.cpu() if args.judge == "verifier" else verifier_verdicts(texts, golds)
@@ -328,72 +493,47 @@ def main(args: Args):
         # chosen rows, then their rejected rows) and under the policy's autocast (accelerate autocasts the prepared
         # model only): before the first update the policy's equal them bit for bit, and h is exactly 0.
         t_train = time.time()
-        micro_batches = torch.arange(num_pairs).split(args.micro_batch_size)  # pair indices
-        row_batches = [torch.cat([chosen[pairs], rejected[pairs]]) for pairs in micro_batches]
+        schedule = list(micro_batches(P, args.minibatch_size, args.micro_batch_size, num_epochs=1, seed=args.seed))
+        row_batches = [torch.cat([chosen[mb.rows], rejected[mb.rows]]) for mb in schedule]
+        batch = (query_responses, attention_mask, context_length, args.temperature)
         ref_context = unwrapped.disable_adapter() if args.lora_r > 0 else contextlib.nullcontext()
-        logprobs_fn = shared_prompt_logprobs if args.shared_prompt else response_logprobs  # a pair shares its prompt
         model.eval()
         with ref_context, accelerator.autocast():
-            batch = (query_responses, attention_mask, context_length, args.temperature)
             ref_logprobs = fixed_logprobs_of_rows(logprobs_fn, ref_model or model, *batch, row_batches)
 
-        # 5. DPO update: one pass over the pairs, in minibatches (one optimizer step each) of micro-batches (gradient
-        # accumulation).
+        # 5. DPO update: one pass over the pairs in rollout order, in minibatches (one optimizer step each) of
+        # micro-batches (gradient accumulation).
         model.train()
-        update_stats, grad_norms = PairUpdateStats(keep), []
-        for start in range(0, num_pairs, args.minibatch_size):
-            kept = keep[start : start + args.minibatch_size].sum().double()
-            normalizer = accelerator.reduce(kept, "sum").clamp(min=1) / world_size  # kept pairs, mean per process
-            first = start // args.micro_batch_size
-            for i in range(first, first + args.gradient_accumulation_steps):
-                pairs, rows = micro_batches[i], row_batches[i]
-                # Gradients sync over processes on the minibatch's last micro-batch (where DeepSpeed also steps).
-                with accelerator.accumulate(model):
-                    logprobs = logprobs_fn(
-                        model, query_responses[rows], attention_mask[rows], context_length, args.temperature
-                    )[0]
-                    sampled = take(sampler_logprobs, rows)  # vLLM's, or None
-                    loss, stats = online_dpo_loss(
-                        logprobs, ref_logprobs[rows], sampled, mask[rows], keep[pairs], normalizer, args
-                    )
-                    check_finite(accelerator, loss, "loss/dpo", step, run.last_checkpoint)
-                    # accelerate (and DeepSpeed) divide a micro-batch's loss by gradient_accumulation_steps, to
-                    # average micro-batch means; these losses are shares that already sum to the minibatch's.
-                    accelerator.backward(loss * args.gradient_accumulation_steps)
-                update_stats.add(pairs, rows, stats)
-            grad_norms.append(clip_gradients(accelerator, model, args.max_grad_norm, step, run.last_checkpoint))
-            lr = scheduler.get_last_lr()[0]  # the learning rate of this update
-            optimizer.step()
-            if grad_norms[-1] == grad_norms[-1]:  # the schedule counts updates taken (fp16's scaler skips some)
-                scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+        pair_stats = []  # (pairs, rows, their stats) of each micro-batch
+        for mb, rows in zip(schedule, row_batches):
+            if mb.first:  # the minibatch's kept pairs, their mean count per process
+                normalizer = accelerator.reduce(keep[mb.minibatch].sum().double(), "sum").clamp(min=1) / world_size
+            # Gradients sync over processes on the minibatch's last micro-batch (where DeepSpeed also steps).
+            with accelerator.accumulate(model):
+                logprobs = logprobs_fn(model, query_responses[rows], attention_mask[rows], *batch[2:])[0]
+                sampled = take(sampler_logprobs, rows)  # vLLM's, or None
+                loss, stats, per_pair = online_dpo_loss(
+                    logprobs, ref_logprobs[rows], sampled, mask[rows], keep[mb.rows], normalizer, **loss_flags
+                )
+                run.check(loss, "loss/dpo")
+                # accelerate (and DeepSpeed) divide a micro-batch's loss by gradient_accumulation_steps, to average
+                # micro-batch means; these losses are shares that already sum to the minibatch's.
+                accelerator.backward(loss * args.gradient_accumulation_steps)
+            run.add(stats)
+            pair_stats.append((mb.rows, rows, per_pair))
+            if mb.last:  # one optimizer step per minibatch
+                optimizer_step(accelerator, model, optimizer, scheduler, run)
         metrics["time/training"] = time.time() - t_train
-        metrics["policy/grad_norm"] = reduce_values("policy/grad_norm", grad_norms)
-        metrics["policy/skipped_updates"] = float(np.mean([g != g for g in grad_norms]))  # NaN: fp16's scaler skipped
-        metrics["lr"] = lr  # of the step's last update
+        metrics |= pair_metrics(pair_stats, keep, accelerator)  # over all kept pairs (a collective)
         train_tokens = int(attention_mask.sum()) * 2  # the reference's pass and the policy's
         metrics["perf/train_tokens_per_second"] = train_tokens / metrics["time/training"]
 
         # 6. Weight sync: the sampler generates the next batch with the new policy.
-        t0 = time.time()
-        sampler.sync_weights()
-        metrics["time/weight_sync"] = time.time() - t0
+        with run.timed("time/weight_sync"):
+            sampler.sync_weights()
 
-        # 7. Log (averaged over processes; the pair statistics over all kept pairs), evaluate, checkpoint.
-        metrics = reduce_metrics(accelerator, metrics) | update_stats.reduce(accelerator)
-        run.episode += 2 * num_pairs * world_size
-        metrics["time/step"] = time.time() - t_step
-        metrics["perf/episodes_per_second"] = 2 * num_pairs * world_size / metrics["time/step"]
-        samples = []
-        if is_due(step + 1, args.eval_every, args.total_steps):
-            eval_metrics, samples = evaluate(
-                sampler, eval_set, has_gold, reward_model, ref_model, args, accelerator, step + 1
-            )
-            metrics |= eval_metrics
-        run.log(step + 1, metrics, samples)
-        if is_due(step + 1, args.save_every, args.total_steps):
-            run.save_checkpoint(step + 1)
-        progress.update()
+        # 7. Log (averaged over processes), evaluate, checkpoint.
+        run.end_step(2 * P * world_size, evaluation)
 
     save_policy(accelerator, model, tokenizer, os.path.join(run.dir, "model"))
     sampler.close()
@@ -839,7 +979,7 @@ class Run:
     def end_step(self, episodes, evaluate):
         """Close the step: its metrics and averaged stats, reduced over processes (a collective), the episodes it
         trained on, then evaluate(step) -> (metrics, samples) when --eval_every is due, one log line, and a
-        checkpoint when --save_every is due."""
+        checkpoint when --save_every is due. Returns the metrics logged."""
         metrics = reduce_metrics(self.accelerator, self.metrics | average_stats(self.stats))
         self.episode += episodes
         metrics["time/step"] = time.time() - self.t_step
@@ -849,6 +989,7 @@ class Run:
         if self.due(self.args.save_every):
             self.save_checkpoint(self.step + 1)
         self.progress.update()
+        return metrics | evaluation
 
     def log(self, step, metrics, samples=()):
         """One line of metrics.jsonl (and TensorBoard, wandb) for this step; samples go to samples.jsonl."""
@@ -898,49 +1039,38 @@ class Run:
         self.accelerator.end_training()
 
 
-class PairUpdateStats:
-    """The statistics of one step's DPO update, collected micro-batch by micro-batch (see online_dpo_loss) and then
-    reduced over processes: a value per pair is summed over the kept pairs and divided by their number over all
-    processes (0 when no pair is kept); a value per completion is averaged over every completion, ties included; a
-    float per micro-batch is averaged, or for a "_max" the largest is kept."""
-
-    def __init__(self, keep):
-        self.keep = keep  # [P]: 1 for a kept pair, 0 for a tie
-        self.pair_sums = {}  # name -> sum over this process's kept pairs
-        self.per_completion = {}  # name -> [2P], in rollout order
-        self.per_micro_batch = collections.defaultdict(list)
-
-    def add(self, pairs, rows, stats):
-        """The stats of one micro-batch: pairs [b] its pair indices, rows [2b] its completions' (chosen, then
-        rejected)."""
-        weights = self.keep[pairs].double()
-        for name, value in stats.items():
-            if isinstance(value, float):
-                self.per_micro_batch[name].append(value)
-            elif len(value) == len(pairs):
-                self.pair_sums[name] = self.pair_sums.get(name, 0.0) + (value.double() * weights).sum().item()
-            else:
-                self.per_completion.setdefault(name, value.new_zeros(2 * len(self.keep)))[rows] = value
-
-    def reduce(self, accelerator):
-        """{metric: value} over every process (a collective: every process calls it), with rewards/margins and
-        objective/skipped_ties, the number of tied pairs."""
-        means = {name: values.mean().item() for name, values in self.per_completion.items()}
-        metrics = reduce_metrics(accelerator, means | average_stats(self.per_micro_batch))
-        counts = [self.keep.sum().item(), (1 - self.keep).sum().item()]  # kept and tied pairs
-        local = torch.tensor([*self.pair_sums.values(), *counts], dtype=torch.float64, device=self.keep.device)
-        *sums, num_kept, num_ties = accelerator.reduce(local, "sum").tolist()
-        sums = dict(zip(self.pair_sums, sums))
-        num_kept = max(1.0, num_kept)  # no kept pair anywhere: the pair metrics read 0
-        metrics |= {name: total / num_kept for name, total in sums.items()}
-        metrics["rewards/margins"] = (sums["rewards/chosen"] - sums["rewards/rejected"]) / num_kept
-        metrics["objective/skipped_ties"] = num_ties
-        return metrics
+MicroBatch = collections.namedtuple("MicroBatch", "update epoch minibatch rows first last")
 
 
-def is_due(step, every, total_steps):
-    """Whether a periodic event (evaluation, checkpoint) happens after `step`: every `every` steps and at the end."""
-    return bool(every and step % every == 0) or step == total_steps
+def micro_batches(batch_size, minibatch_size, micro_batch_size, num_epochs, seed):
+    """The update's schedule, flat: num_epochs passes over a batch of batch_size rows (the first in rollout order, the
+    later ones shuffled by a generator seeded with `seed`), each split into minibatches (one optimizer step each),
+    each into micro-batches (gradient accumulation). Yields a MicroBatch per micro-batch: the update (minibatch) it
+    belongs to, counted from 0 in this step, the epoch (pass), the minibatch's rows and its own, and whether it is
+    the minibatch's first and last."""
+    rng, update = torch.Generator().manual_seed(seed), 0
+    for epoch in range(num_epochs):
+        order = torch.randperm(batch_size, generator=rng) if epoch else torch.arange(batch_size)
+        for start in range(0, batch_size, minibatch_size):
+            minibatch = order[start : start + minibatch_size]
+            for first in range(0, minibatch_size, micro_batch_size):
+                rows, last = minibatch[first : first + micro_batch_size], first + micro_batch_size >= minibatch_size
+                yield MicroBatch(update, epoch, minibatch, rows, first == 0, last)
+            update += 1
+
+
+def optimizer_step(accelerator, model, optimizer, scheduler, run, prefix="policy/"):
+    """One update: clip the gradients (clip_gradients), step the optimizer, then the learning-rate schedule when the
+    update was taken (it counts updates taken: fp16's loss scaler skips an overflowing one), and zero the gradients.
+    Adds prefix + grad_norm (NaN when skipped) and prefix + skipped_updates to the step's stats; the step's lr is
+    this update's (the step's last)."""
+    grad_norm = clip_gradients(accelerator, model, run.args.max_grad_norm, run.step, run.last_checkpoint)
+    run.add({f"{prefix}grad_norm": grad_norm, f"{prefix}skipped_updates": float(grad_norm != grad_norm)})
+    run.metrics["lr"] = scheduler.get_last_lr()[0]
+    optimizer.step()
+    if grad_norm == grad_norm:
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def check_finite(accelerator, values, name, step, last_checkpoint):
@@ -966,28 +1096,6 @@ def clip_gradients(accelerator, model, max_grad_norm, step, last_checkpoint):
     if accelerator.scaler is None and not deepspeed_fp16:
         check_finite(accelerator, grad_norm, "gradient norm", step, last_checkpoint)
     return grad_norm if math.isfinite(grad_norm) else float("nan")
-
-
-def judge_metrics(judged, chosen, rejected, tie, correct, mask, has_eos):
-    """What the judge made of the sampled pairs, and how long the completions were. judged [2P] (the scores after
-    the missing-EOS penalty), chosen, rejected, tie [P], correct [2P] (the verifier's; None without gold answers),
-    mask [2P, R], has_eos [2P]."""
-    metrics = {
-        "objective/scores": judged.mean().item(),
-        "objective/score_gap": (judged[chosen] - judged[rejected]).mean().item(),
-        "objective/tie_fraction": tie.float().mean().item(),
-    }
-    if correct is not None:
-        metrics["objective/accuracy"] = correct.float().mean().item()
-    metrics["objective/response_length"] = mask.sum(1).float().mean().item()
-    metrics["val/num_eos_tokens"] = has_eos.sum().item()
-    return metrics
-
-
-def contains_eos(responses, mask, stop_token_ids):
-    """[N] bool: whether each completion holds a stop token (any EOS id) among its real tokens. responses, mask
-    [N, R]."""
-    return (torch.isin(responses, torch.tensor(stop_token_ids)) & (mask > 0)).any(1)
 
 
 def load_policy_and_reference(args, accelerator, pad_token_id, with_reference=True):
@@ -1016,27 +1124,6 @@ def load_dpo_models(args, accelerator, pad_token_id):
             reward_model = load_model(args.reward_model_path, AutoModelForSequenceClassification, args, pad_token_id)
         reward_model = frozen(reward_model, accelerator, accelerator.device)
     return model, ref_model, reward_model
-
-
-def take(values, rows):
-    """values[rows], or None for a tensor the run does not have (no reference model, no sampler log-probs)."""
-    return None if values is None else values[rows]
-
-
-def fixed_logprobs_of_rows(
-    logprobs_fn, model, query_responses, attention_mask, context_length, temperature, row_batches
-):
-    """logprobs_fn (response_logprobs or shared_prompt_logprobs) without gradients, computed batch by batch on the
-    given rows (the update's micro-batches, so that the policy's log-probs before its first update equal them bit for
-    bit); every row must be in one batch. [B, P + R] -> [B, R]"""
-    shape = (query_responses.shape[0], query_responses.shape[1] - context_length)
-    logprobs = torch.zeros(shape, device=query_responses.device)
-    with torch.no_grad():
-        for rows in row_batches:
-            logprobs[rows] = logprobs_fn(
-                model, query_responses[rows], attention_mask[rows], context_length, temperature
-            )[0]
-    return logprobs
 
 
 def evaluate(sampler, eval_set, has_gold, reward_model, ref_model, args, accelerator, step):
@@ -1093,28 +1180,6 @@ def reference_perplexity(ref_logprobs, mask):
     temperature 1): how far the policy's completions have moved from what the reference writes, as the Asynchronous
     RLHF paper measures it for its "KL (perplexity)" axis (it divides by the prompt's tokens too)."""
     return torch.exp(-(ref_logprobs * mask).sum(1) / mask.sum(1).clamp(min=1))
-
-
-def token_scores(model, score_head, input_ids, attention_mask):
-    """The one-label head of a sequence-classification model (reward or value model) at every position: [B, T]
-    float32. `model` may be wrapped (DDP, DeepSpeed) so that gradients sync; `score_head` is its unwrapped `.score`
-    layer. The classifier's forward applies the head at every position and then keeps the last one: a hook takes
-    the head's output before that, so no layer's hidden states are kept (output_hidden_states would keep all).
-    Positions count from each sequence's first real token, so left and right padding give the same scores."""
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    scores = []
-    handle = score_head.register_forward_hook(lambda module, inputs, output: scores.append(output))
-    try:
-        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    finally:
-        handle.remove()
-    return scores[0].squeeze(-1).float()
-
-
-def last_real_index(attention_mask):
-    """[B] index of the last position where attention_mask is 1 (left, right or both-sided padding)."""
-    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
-    return (positions * attention_mask).argmax(1)
 
 
 def load_tokenizer(model_name_or_path, trust_remote_code, prompt_template=None):
@@ -1379,23 +1444,6 @@ def step_prompt_indices(step, per_rank, num_prompts, seed, rank=0, world_size=1)
     return order[mine : mine + per_rank].tolist()
 
 
-def training_batch(prompts, n, responses, mask, sampler_logprobs, pad_token_id, device):
-    """The rollout as the trainer's input: each prompt (left-padded) repeated for its n consecutive completions, then
-    the responses cut to the longest one (nothing after it is computed). responses, mask, sampler_logprobs [B, R].
-    Returns query_responses [B, P + R'], attention_mask [B, P + R'] (0 on padding and after the first EOS),
-    mask [B, R'], sampler_logprobs [B, R'] (or None) on `device`, and P, the prompts' padded length."""
-    width = max(1, int(mask.sum(1).max()))
-    responses, mask = responses[:, :width], mask[:, :width].to(device)
-    if sampler_logprobs is not None:
-        sampler_logprobs = sampler_logprobs[:, :width].to(device)
-    rows, P = [p for p in prompts for _ in range(n)], max(len(p) for p in prompts)  # left-padded to P
-    prompt_ids = torch.tensor([[pad_token_id] * (P - len(p)) + list(p) for p in rows], dtype=torch.long)
-    prompt_mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in rows], dtype=torch.long)
-    query_responses = torch.cat([prompt_ids, responses], 1).to(device)
-    attention_mask = torch.cat([prompt_mask.to(device), mask.long()], 1)
-    return query_responses, attention_mask, mask, sampler_logprobs, prompt_ids.shape[1]
-
-
 def process_chunks(items, rank, world_size, chunk_size):
     """This process's share of `items` (every world_size-th, from rank) in chunks of chunk_size, as many chunks on
     every process, the last ones possibly empty: under DeepSpeed ZeRO-3 a generation gathers the trained model's
@@ -1403,32 +1451,6 @@ def process_chunks(items, rank, world_size, chunk_size):
     mine = items[rank::world_size]
     most = -(-len(items) // world_size)  # the share of rank 0, the largest
     return [mine[start : start + chunk_size] for start in range(0, most, chunk_size)]
-
-
-NUMBER = r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?"  # 12, -1,234.5, .5, 3/4
-
-
-def extract_answer(text):
-    """The final answer of a completion: the first number after the last 'Answer:' (its whole line if it has
-    none), else the last number in the text, else None. When that number starts an equation on its line (numbers
-    and operators, then '=': "9 * 6 = 54", "9 x 6 = 54 = 50 + 4"), the answer is the last side of the equation that
-    is a lone number (54 in both). LaTeX fractions are read as a/b, a Unicode minus as '-'."""
-    text = re.sub(r"\\d?frac\{(-?\d+)\}\{(\d+)\}", r"\1/\2", text).replace("\u2212", "-")
-    if "Answer:" in text:
-        tail = text.rsplit("Answer:", 1)[1]
-        found = re.search(NUMBER, tail)
-        if found:
-            term = r"(?:\([ \t]*)*-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:[ \t]*\))*"  # a number, maybe in parentheses
-            words = r"x|·|\\times|\\cdot|\\div|times|multiplied by|plus|minus|divided by|over|%[ \t]*of|percent of"
-            operation = rf"[ \t]*(?:[-+*/×÷]|(?:{words})(?![a-z]))[ \t]*"
-            side = rf"{term}(?:{operation}{term})*"
-            last = rf"[ \t]*=[ \t]*({NUMBER})(?![.,]?\d|{operation}\(*\.?\d)"  # a lone number
-            equation = re.compile(rf"{term}(?:{operation}{term})+(?:[ \t]*=[ \t]*{side})*{last}", re.I)
-            equation = equation.match(tail, found.start())
-            return (equation.group(1) if equation else found.group(0)).replace(",", "").replace(" ", "")
-        return tail.strip().split("\n")[0].strip().rstrip(".") or None
-    numbers = re.findall(NUMBER, text)
-    return numbers[-1].replace(",", "").replace(" ", "") if numbers else None
 
 
 def gold_answer(answer):
@@ -1443,28 +1465,11 @@ def verifiable_gold(gold):
     return re.search(r"[0-9\\]", gold) is not None
 
 
-def verify_answer(prediction, gold):
-    """1.0 if the prediction equals the gold answer: math-verify first, numeric equality as the fallback."""
-    if prediction is None or not gold:
-        return 0.0
-    try:
-        from math_verify import parse, verify
-
-        parsed_gold, parsed_pred = parse(f"${gold}$"), parse(f"${prediction}$")
-        if parsed_gold and parsed_pred:
-            return float(verify(parsed_gold, parsed_pred))
-    except Exception:  # math-verify raises on some inputs, or times out: fall back to the task's numeric scorer
-        pass
-    try:
-        return float(abs(Fraction(prediction) - Fraction(gold)) < 1e-6)
-    except (ValueError, ZeroDivisionError):
-        return float(prediction.strip() == gold.strip())
-
-
 def load_judged_prompts(args, tokenizer, world_size):
-    """The training prompts and gold answers, the held-out set (prompts, golds), and whether the dataset has gold
-    answers: rows without one get an empty answer, which only the gold accuracy would read (never training). The
-    columns are checked before any model is loaded; the verifier judge needs gold answers."""
+    """The training and held-out prompts and gold answers of --dataset_path, checked before any model is loaded: the
+    columns (the verifier judge needs gold answers), the reward model's vocabulary, enough prompts. Rows without a
+    gold answer get an empty one, which only the gold accuracy would read (never in training). Returns (train
+    prompts, train golds, the first num_eval_prompts held-out prompts and golds, whether they have gold answers)."""
     train_rows = load_split(args.dataset_path, args.dataset_config, args.train_split)
     eval_rows = load_split(args.dataset_path, args.dataset_config, args.eval_split)
     if args.num_eval_prompts:
@@ -1478,14 +1483,16 @@ def load_judged_prompts(args, tokenizer, world_size):
         if args.judge == "verifier":
             check_golds(rows, args.answer_column, where)
     has_gold = all(args.answer_column in row for row in eval_rows)
+    if args.judge == "reward_model":
+        check_same_vocabulary(args.reward_model_path, "reward_model_path", tokenizer, args.trust_remote_code)
     train_prompts, train_golds = build_prompts(tokenizer, [{args.answer_column: "", **r} for r in train_rows], args)
-    eval_set = build_prompts(tokenizer, [{args.answer_column: "", **r} for r in eval_rows], args)
+    eval_prompts, eval_golds = build_prompts(tokenizer, [{args.answer_column: "", **r} for r in eval_rows], args)
     where = f"--dataset_path {args.dataset_path} split"
     require_prompts(
         train_prompts, args.prompts_per_rank * world_size, f"{where} {args.train_split}", args.max_prompt_length
     )
-    require_prompts(eval_set[0], 1, f"{where} {args.eval_split}", args.max_prompt_length)
-    return train_prompts, train_golds, eval_set, has_gold
+    require_prompts(eval_prompts, 1, f"{where} {args.eval_split}", args.max_prompt_length)
+    return train_prompts, train_golds, eval_prompts, eval_golds, has_gold
 
 
 def load_split(path, config_name, split):
@@ -1553,10 +1560,13 @@ def average_stats(stats):
 
 
 def reduce_values(name, values):
-    """The largest of a list of floats for a metric named *_max, the smallest for *_min, else their mean; NaNs (a
-    micro-batch with no token in the loss, see token_mean) are left out."""
+    """The largest of a list of floats for a metric named *_max, the smallest for *_min, else their mean (exactly the
+    value when they are all equal: a metric already taken over every process stays as it is, on any number of
+    processes); NaNs (a micro-batch with no token in the loss, see token_mean) are left out."""
     values = [v for v in values if v == v] or [float("nan")]
-    return float(max(values) if name.endswith("_max") else min(values) if name.endswith("_min") else np.mean(values))
+    if name.endswith("_max") or name.endswith("_min") or min(values) == max(values):
+        return float(max(values) if name.endswith("_max") else min(values))
+    return float(np.mean(values))
 
 
 def git_sha():
@@ -1598,11 +1608,6 @@ def check_columns(rows, columns, where, text_columns=()):
                 f"{where}: {len(bad)} of {len(rows)} rows have a {column} that is not text (the first is row "
                 f"{bad[0] + 1}: {json.dumps(rows[bad[0]][column])[:80]})"
             )
-
-
-def verifier_verdicts(texts, golds):
-    """The task's verifier: 1.0 for a completion whose final answer is the gold one, else 0.0. [N]"""
-    return torch.tensor([verify_answer(extract_answer(t), g) for t, g in zip(texts, golds)])
 
 
 def check_golds(rows, column, where, max_share=0.1):

@@ -1023,7 +1023,7 @@ class Run:
     def end_step(self, episodes, evaluate):
         """Close the step: its metrics and averaged stats, reduced over processes (a collective), the episodes it
         trained on, then evaluate(step) -> (metrics, samples) when --eval_every is due, one log line, and a
-        checkpoint when --save_every is due."""
+        checkpoint when --save_every is due. Returns the metrics logged."""
         metrics = reduce_metrics(self.accelerator, self.metrics | average_stats(self.stats))
         self.episode += episodes
         metrics["time/step"] = time.time() - self.t_step
@@ -1033,6 +1033,7 @@ class Run:
         if self.due(self.args.save_every):
             self.save_checkpoint(self.step + 1)
         self.progress.update()
+        return metrics | evaluation
 
     def log(self, step, metrics, samples=()):
         """One line of metrics.jsonl (and TensorBoard, wandb) for this step; samples go to samples.jsonl."""
@@ -1114,19 +1115,6 @@ def optimizer_step(accelerator, model, optimizer, scheduler, run, prefix="policy
     if grad_norm == grad_norm:
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-
-
-@contextlib.contextmanager
-def timed(metrics, name):
-    """metrics[name] = the seconds the block took."""
-    start = time.time()
-    yield
-    metrics[name] = time.time() - start
-
-
-def is_due(step, every, total_steps):
-    """Whether a periodic event (evaluation, checkpoint) happens after `step`: every `every` steps and at the end."""
-    return bool(every and step % every == 0) or step == total_steps
 
 
 def check_finite(accelerator, values, name, step, last_checkpoint):
@@ -1589,10 +1577,13 @@ def average_stats(stats):
 
 
 def reduce_values(name, values):
-    """The largest of a list of floats for a metric named *_max, the smallest for *_min, else their mean; NaNs (a
-    micro-batch with no token in the loss, see token_mean) are left out."""
+    """The largest of a list of floats for a metric named *_max, the smallest for *_min, else their mean (exactly the
+    value when they are all equal: a metric already taken over every process stays as it is, on any number of
+    processes); NaNs (a micro-batch with no token in the loss, see token_mean) are left out."""
     values = [v for v in values if v == v] or [float("nan")]
-    return float(max(values) if name.endswith("_max") else min(values) if name.endswith("_min") else np.mean(values))
+    if name.endswith("_max") or name.endswith("_min") or min(values) == max(values):
+        return float(max(values) if name.endswith("_max") else min(values))
+    return float(np.mean(values))
 
 
 def git_sha():

@@ -39,6 +39,7 @@ import bisect
 import collections
 import contextlib
 import functools
+import inspect
 import itertools
 import json
 import logging
@@ -170,6 +171,119 @@ def masked_whiten(values, mask, shift_mean=True, eps=1e-8, sum_processes=lambda 
     return whitened if shift_mean else whitened + mean
 
 
+def logprobs_from_logits(logits, labels):
+    """log softmax(logits)[labels] without materialising the full log-softmax. logits [..., V], labels [...]."""
+    return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def entropy_from_logits(logits):
+    """Entropy of softmax(logits) along the last dimension."""
+    return torch.logsumexp(logits, dim=-1) - (F.softmax(logits, dim=-1) * logits).sum(-1)
+
+
+def response_logprobs(model, input_ids, attention_mask, context_length, temperature):
+    """Log-probs of the response tokens input_ids[:, context_length:] under `model`, and the logits that gave them.
+    Prompts are left-padded, so positions are counted from each sequence's first real token.
+    Returns (logprobs [B, R], logits [B, R, V]) with logits divided by the sampling temperature."""
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    # The logits at position t predict token t + 1: the LM head (a [hidden, vocab] matmul) skips the prompt.
+    logits = model(**inputs, logits_to_keep=input_ids.shape[1] - context_length + 1).logits
+    logits = logits[:, :-1].float() / temperature
+    return logprobs_from_logits(logits, input_ids[:, context_length:]), logits
+
+
+def token_scores(model, score_head, input_ids, attention_mask):
+    """The one-label head of a sequence-classification model (reward or value model) at every position: [B, T]
+    float32. `model` may be wrapped (DDP, DeepSpeed) so that gradients sync; `score_head` is its unwrapped `.score`
+    layer. The classifier's forward applies the head at every position and then keeps the last one: a hook takes
+    the head's output before that, so no layer's hidden states are kept (output_hidden_states would keep all).
+    Positions count from each sequence's first real token, so left and right padding give the same scores."""
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    scores = []
+    handle = score_head.register_forward_hook(lambda module, inputs, output: scores.append(output))
+    try:
+        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    finally:
+        handle.remove()
+    return scores[0].squeeze(-1).float()
+
+
+class PolicyAndValueModel(torch.nn.Module):
+    """The policy and the value model as one module, so that one optimizer, one DDP/DeepSpeed wrapper (which syncs
+    gradients only for calls through its forward) and one checkpoint cover both. The value model's head starts at
+    zero (load_models_prm): no bias to remove from its values."""
+
+    def __init__(self, policy, value_model):
+        super().__init__()
+        self.policy, self.value_model = policy, value_model
+
+    def forward(self, input_ids, attention_mask, context_length, temperature):
+        """Response log-probs [B, R], their logits [B, R, V] and the values [B, R] of the states before each
+        response token (the value model's output at the position that predicts it)."""
+        logprobs, logits = response_logprobs(self.policy, input_ids, attention_mask, context_length, temperature)
+        values = token_scores(self.value_model, self.value_model.score, input_ids, attention_mask)
+        return logprobs, logits, values[:, context_length - 1 : -1]
+
+
+def fixed_logprobs(logprobs_fn, model, query_responses, attention_mask, context_length, temperature, micro_batch_size):
+    """logprobs_fn (response_logprobs, or shared_prompt_logprobs where a script has it) without gradients, by
+    micro-batch: the old policy's and the reference's log-probs, which stay fixed during the update.
+    [B, P + R] -> [B, R]"""
+    parts = [slice(i, i + micro_batch_size) for i in range(0, len(query_responses), micro_batch_size)]
+    with torch.no_grad():
+        return torch.cat(
+            [logprobs_fn(model, query_responses[s], attention_mask[s], context_length, temperature)[0] for s in parts]
+        )
+
+
+def fixed_logprobs_and_values_prm(
+    model, query_responses, attention_mask, context_length, temperature, micro_batch_size
+):
+    """The old policy's log-probs and the old values [B, R] (model: a PolicyAndValueModel, prepared), without
+    gradients, micro-batch by micro-batch: they stay fixed during the update."""
+    logprobs, values = [], []
+    with torch.no_grad():
+        for i in range(0, len(query_responses), micro_batch_size):
+            part = slice(i, i + micro_batch_size)
+            part_logprobs, _, part_values = model(
+                query_responses[part], attention_mask[part], context_length, temperature
+            )
+            logprobs.append(part_logprobs)
+            values.append(part_values)
+    return torch.cat(logprobs), torch.cat(values)
+
+
+def reference_logprobs(logprobs_fn, model, ref_model, accelerator, batch):
+    """fixed_logprobs of the reference: ref_model, or with LoRA (ref_model None) the policy with its adapters off,
+    under the policy's autocast (--mixed_precision), so that KL is exactly 0 before the first update. [B, R]"""
+    adapters_off = accelerator.unwrap_model(model).disable_adapter() if ref_model is None else contextlib.nullcontext()
+    with adapters_off, accelerator.autocast():
+        return fixed_logprobs(logprobs_fn, ref_model or model, *batch)
+
+
+def take(values, rows):
+    """values[rows], or None for a tensor the run does not have (no reference model, no sampler log-probs)."""
+    return None if values is None else values[rows]
+
+
+def training_batch(prompts, n, responses, mask, sampler_logprobs, pad_token_id, device):
+    """The rollout as the trainer's input: each prompt (left-padded) repeated for its n consecutive completions, then
+    the responses cut to the longest one (nothing after it is computed). responses, mask, sampler_logprobs [B, R].
+    Returns query_responses [B, P + R'], attention_mask [B, P + R'] (0 on padding and after the first EOS),
+    mask [B, R'], sampler_logprobs [B, R'] (or None) on `device`, and P, the prompts' padded length."""
+    width = max(1, int(mask.sum(1).max()))
+    responses, mask = responses[:, :width], mask[:, :width].to(device)
+    if sampler_logprobs is not None:
+        sampler_logprobs = sampler_logprobs[:, :width].to(device)
+    rows, P = [p for p in prompts for _ in range(n)], max(len(p) for p in prompts)  # left-padded to P
+    prompt_ids = torch.tensor([[pad_token_id] * (P - len(p)) + list(p) for p in rows], dtype=torch.long)
+    prompt_mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in rows], dtype=torch.long)
+    query_responses = torch.cat([prompt_ids, responses], 1).to(device)
+    attention_mask = torch.cat([prompt_mask.to(device), mask.long()], 1)
+    return query_responses, attention_mask, mask, sampler_logprobs, prompt_ids.shape[1]
+
+
 def kl_estimate(logprobs, ref_logprobs, kind):
     """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman, "Approximating KL divergence").
     k1 = log r, k2 = (log r)^2 / 2, k3 = exp(-log r) + log r - 1, with log r = logprobs - ref_logprobs."""
@@ -238,18 +352,20 @@ def truncated_importance_weights(logprobs, sampler_logprobs, cap):
 
 
 def ppo_prm_loss(
-    logprobs, logits, values, old_logprobs, old_values, advantages, returns, sampler_logprobs, mask, args, num_tokens
-):
+    logprobs, logits, values, old_logprobs, old_values, advantages, returns, sampler_logprobs, mask, num_tokens, *,
+    cliprange, cliprange_value, tis_cap, vf_coef,
+):  # fmt: skip
     """The loss of one micro-batch, its share of the minibatch's: policy loss + vf_coef * value loss, each summed
     over the micro-batch's tokens and divided by num_tokens (the minibatch's token count averaged over processes:
     DDP's mean of the processes' gradients is then the gradient of the whole minibatch's loss). logprobs, values
     [b, R] and logits [b, R, V] with gradients; old_logprobs, old_values, advantages, returns, mask [b, R];
-    sampler_logprobs [b, R] (None unless vLLM sampled). Returns (loss, {name: float})."""
-    pg_token_loss, ratio, pg_clipped = ppo_policy_loss(logprobs, old_logprobs, advantages, args.cliprange)
-    vf_token_loss, vf_clipped = clipped_value_loss(values, old_values, returns, args.cliprange_value)
+    sampler_logprobs [b, R] (None unless vLLM sampled); the rest: the flags of the same names.
+    Returns (loss, {name: float})."""
+    pg_token_loss, ratio, pg_clipped = ppo_policy_loss(logprobs, old_logprobs, advantages, cliprange)
+    vf_token_loss, vf_clipped = clipped_value_loss(values, old_values, returns, cliprange_value)
     stats = {}
-    if sampler_logprobs is not None and args.tis_cap:  # None or 0: off
-        tis = truncated_importance_weights(old_logprobs, sampler_logprobs, args.tis_cap)
+    if sampler_logprobs is not None and tis_cap:  # None or 0: off
+        tis = truncated_importance_weights(old_logprobs, sampler_logprobs, tis_cap)
         pg_token_loss = pg_token_loss * tis
         stats["objective/tis_weight"] = masked_mean(tis, mask).item()
     pg_loss = (pg_token_loss * mask).sum() / num_tokens
@@ -262,7 +378,7 @@ def ppo_prm_loss(
         stats["val/ratio"] = masked_mean(ratio, mask).item()
         stats["ratio_sq"] = masked_mean(ratio**2, mask).item()  # for the ratio's variance
     stats["pg_loss"], stats["vf_loss"] = pg_loss.item(), vf_loss.item()  # shares: summed per minibatch
-    return pg_loss + args.vf_coef * vf_loss, stats
+    return pg_loss + vf_coef * vf_loss, stats
 
 
 def refine_process_rewards(step_scores, mode, eta):
@@ -305,6 +421,50 @@ def verifier_step_scores(steps, correct=1.0, unchecked=0.8, wrong=0.0):
     return scores
 
 
+NUMBER = r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?"  # 12, -1,234.5, .5, 3/4
+
+
+def extract_answer(text):
+    """The final answer of a completion: the first number after the last 'Answer:' (its whole line if it has
+    none), else the last number in the text, else None. When that number starts an equation on its line (numbers
+    and operators, then '=': "9 * 6 = 54", "9 x 6 = 54 = 50 + 4"), the answer is the last side of the equation that
+    is a lone number (54 in both). LaTeX fractions are read as a/b, a Unicode minus as '-'."""
+    text = re.sub(r"\\d?frac\{(-?\d+)\}\{(\d+)\}", r"\1/\2", text).replace("\u2212", "-")
+    if "Answer:" in text:
+        tail = text.rsplit("Answer:", 1)[1]
+        found = re.search(NUMBER, tail)
+        if found:
+            term = r"(?:\([ \t]*)*-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:[ \t]*\))*"  # a number, maybe in parentheses
+            words = r"x|·|\\times|\\cdot|\\div|times|multiplied by|plus|minus|divided by|over|%[ \t]*of|percent of"
+            operation = rf"[ \t]*(?:[-+*/×÷]|(?:{words})(?![a-z]))[ \t]*"
+            side = rf"{term}(?:{operation}{term})*"
+            last = rf"[ \t]*=[ \t]*({NUMBER})(?![.,]?\d|{operation}\(*\.?\d)"  # a lone number
+            equation = re.compile(rf"{term}(?:{operation}{term})+(?:[ \t]*=[ \t]*{side})*{last}", re.I)
+            equation = equation.match(tail, found.start())
+            return (equation.group(1) if equation else found.group(0)).replace(",", "").replace(" ", "")
+        return tail.strip().split("\n")[0].strip().rstrip(".") or None
+    numbers = re.findall(NUMBER, text)
+    return numbers[-1].replace(",", "").replace(" ", "") if numbers else None
+
+
+def verify_answer(prediction, gold):
+    """1.0 if the prediction equals the gold answer: math-verify first, numeric equality as the fallback."""
+    if prediction is None or not gold:
+        return 0.0
+    try:
+        from math_verify import parse, verify
+
+        parsed_gold, parsed_pred = parse(f"${gold}$"), parse(f"${prediction}$")
+        if parsed_gold and parsed_pred:
+            return float(verify(parsed_gold, parsed_pred))
+    except Exception:  # math-verify raises on some inputs, or times out: fall back to the task's numeric scorer
+        pass
+    try:
+        return float(abs(Fraction(prediction) - Fraction(gold)) < 1e-6)
+    except (ValueError, ZeroDivisionError):
+        return float(prediction.strip() == gold.strip())
+
+
 def prm_rewards(prm, prompts, questions, golds, responses, mask, texts, args):
     """Rewards of right-padded responses [B, R] (mask [B, R]): the verifier's verdict correct [B] (1 / 0), the
     success reward [B] (correct, or --missing_eos_penalty without EOS), has_eos [B], the steps (B lists), the PRM's
@@ -322,40 +482,85 @@ def prm_rewards(prm, prompts, questions, golds, responses, mask, texts, args):
     return correct, success, has_eos, steps, scores, process
 
 
-def main(args: Args):
-    # Setup: processes, data, the PRM's kind, models, sampler, run folder (the helpers are below the fence).
+def prm_rollout_metrics(
+    correct, success, has_eos, steps, scores, process, kl, non_score_reward, old_logprobs, old_values, mask
+):
+    """What the rollout scored: accuracy, success reward, steps per response, the PRM's step scores, the process
+    rewards paid, the KL and the entropy per response, lengths and values. correct, success, has_eos [B]; steps and
+    scores per response; the rest [B, R]."""
+    every_step = torch.cat(scores)  # p_k of every step in the batch
+    metrics = {"objective/success": success.mean().item(), "objective/accuracy": correct.mean().item()}
+    metrics["objective/num_steps"] = len(every_step) / len(steps)  # mean steps per response
+    metrics["objective/prm_score"] = every_step.mean().item() if len(every_step) else 0.0
+    metrics["objective/wrong_step_fraction"] = (every_step < 0.5).float().mean().item() if len(every_step) else 0.0
+    metrics["objective/prm_score_sum"] = every_step.sum().item() / len(steps)  # what raw would pay, per response
+    metrics["objective/process_reward"] = process.sum(1).mean().item()  # what this reward_mode paid
+    metrics["objective/scores"] = (success + process.sum(1)).mean().item()
+    metrics["objective/kl"] = kl.sum(1).mean().item()
+    metrics["objective/entropy"] = (-old_logprobs * mask).sum(1).mean().item()  # sampled estimate, nats/response
+    metrics["objective/non_score_reward"] = non_score_reward.sum(1).mean().item()
+    metrics["objective/rlhf_reward"] = metrics["objective/scores"] + metrics["objective/non_score_reward"]
+    metrics["objective/response_length"] = mask.sum(1).float().mean().item()
+    metrics["val/mean"] = masked_mean(old_values, mask).item()  # 0 at the first step: the head starts at zero
+    metrics["val/num_eos_tokens"] = has_eos.sum().item()
+    return metrics
+
+
+def sampler_gap_metrics(old_logprobs, sampler_logprobs, mask, micro_batch_size):
+    """How far the sampler's pi is from the trainer's on the rollout, per token log(pi_train / pi_sampler): the mean
+    of its absolute value (averaged over the micro-batches' token means) and the largest ratio. All [B, R].
+    Returns {"objective/logprob_gap": float, "objective/logprob_ratio_max": largest pi_train / pi_sampler}."""
+    log_gap = old_logprobs - sampler_logprobs
+    parts = [slice(i, i + micro_batch_size) for i in range(0, len(log_gap), micro_batch_size)]
+    means = [masked_mean(log_gap[s].abs(), mask[s]).item() for s in parts]
+    ratio_max = torch.exp(log_gap)[mask > 0].max().item()
+    return {"objective/logprob_gap": float(np.mean(means)), "objective/logprob_ratio_max": ratio_max}
+
+
+def prm_update_metrics(stats, num_updates):
+    """The update's metrics that are not means of ppo_prm_loss's statistics (stats: one value per micro-batch, the
+    step's, which Run averages when the step ends): the losses (micro-batch shares of their minibatch's loss: summed,
+    then averaged over minibatches) and the ratio's variance. Takes the values they come from out of `stats`."""
+    pg_loss, vf_loss, ratio_sq = (stats.pop(name) for name in ("pg_loss", "vf_loss", "ratio_sq"))
+    metrics = {"loss/policy_avg": sum(pg_loss) / num_updates, "loss/value_avg": sum(vf_loss) / num_updates}
+    metrics["val/ratio_var"] = float(np.mean(ratio_sq)) - float(np.mean(stats["val/ratio"])) ** 2
+    return metrics
+
+
+def main(args: "Config"):
+    # Setup: processes, data, the PRM (its kind checked before any model loads), models, sampler, run folder (the
+    # helpers are below the fence).
     check_args(args)
     args.minibatch_size = args.prompts_per_rank // args.num_minibatches
     args.gradient_accumulation_steps = args.minibatch_size // args.micro_batch_size
     accelerator = make_accelerator(args.micro_batch_size, args.gradient_accumulation_steps, args.max_grad_norm)
-    rank, world_size = accelerator.process_index, accelerator.num_processes
+    rank, world_size, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code, args.prompt_template)
     (train_prompts, train_golds, train_questions), eval_set = load_prm_prompts(args, tokenizer, world_size)
-    args.prm_kind, prm_tokenizer, prm_token_ids = check_prm(args, tokenizer)
+    prm = ProcessRewardModel(args, accelerator, tokenizer)  # sets args.prm_kind: before Run compares the args
     run = Run(args, accelerator, RESUMABLE_ARGS)
     set_seed(args.seed + rank)  # random, numpy and torch: a different sampling stream per process
-    policy, ref_policy = load_policy_and_reference(args, accelerator, tokenizer.pad_token_id)
-    value_model = load_value_model_prm(args, accelerator, tokenizer.pad_token_id)
-    enable_gradient_checkpointing([value_model], args)  # the policy's: load_policy_and_reference
-    prm = ProcessRewardModel(args, accelerator, tokenizer, prm_tokenizer, prm_token_ids)
-    model = PolicyAndValueModel(policy, value_model)  # one optimizer, one DDP/DeepSpeed wrapper, one checkpoint
+    # The policy and the value model as one module: one optimizer, one DDP/DeepSpeed wrapper, one checkpoint.
+    model, ref_policy = load_models_prm(args, accelerator, tokenizer.pad_token_id)
     # Adam's eps 1e-5 as in the N+ details (TensorFlow's default in the original OpenAI code).
     trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay, eps=1e-5)
     scheduler = make_scheduler(optimizer, args, args.total_steps * args.num_ppo_epochs * args.num_minibatches)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    unwrapped = accelerator.unwrap_model(model)
-    sampler = Sampler(args, accelerator, unwrapped.policy, tokenizer)
+    policy = accelerator.unwrap_model(model).policy
+    sampler = Sampler(args, accelerator, policy, tokenizer)
+    # ppo_prm_loss takes tensors and scalars: its keyword-only arguments are the flags of the same names.
+    loss_flags = {name: getattr(args, name) for name in inspect.getfullargspec(ppo_prm_loss).kwonlyargs}
+    evaluation = functools.partial(evaluate, sampler, prm, eval_set, args, accelerator, tokenizer)  # (step) -> metrics
     start_step = run.start({"vllm": sampler.llm is not None})
     if start_step > 0:
         sampler.sync_weights()
     else:
-        run.log(0, *evaluate(sampler, prm, eval_set, args, accelerator, tokenizer, 0))
+        run.log(0, *evaluation(0))
 
     batch_size = args.prompts_per_rank  # one response per prompt
-    progress = tqdm(total=args.total_steps, initial=start_step, desc="ppo", disable=not accelerator.is_main_process)
     for step in range(start_step, args.total_steps):
-        t_step, metrics = time.time(), {}
+        metrics = run.begin_step(step)
         # 1. Prompts: each process takes its slice of a global order that is a function of (seed, step), so that
         # --resume repeats it.
         indices = step_prompt_indices(step, batch_size, len(train_prompts), args.seed, rank, world_size)
@@ -363,11 +568,11 @@ def main(args: Args):
 
         # 2. Rollout: one response per prompt, cut to the longest. responses, mask [B, R]; query_responses,
         # attention_mask [B, P + R]: the left-padded prompts, then the responses.
-        with timed(metrics, "time/generation"):
+        with run.timed("time/generation"):
             responses, mask, sampler_logprobs, texts = sampler.generate(prompts, 1, args.temperature)
         metrics["perf/generation_tokens_per_second"] = mask.sum().item() / metrics["time/generation"]
         query_responses, attention_mask, mask, sampler_logprobs, context_length = training_batch(
-            prompts, 1, responses, mask, sampler_logprobs, tokenizer.pad_token_id, accelerator.device
+            prompts, 1, responses, mask, sampler_logprobs, tokenizer.pad_token_id, device
         )
         responses = responses[:, : mask.shape[1]]
 
@@ -377,23 +582,23 @@ def main(args: Args):
         batch = (query_responses, attention_mask, context_length, args.temperature, args.micro_batch_size)
         model.eval()
         old_logprobs, old_values = fixed_logprobs_and_values_prm(model, *batch)
-        ref_logprobs = reference_logprobs(response_logprobs, unwrapped.policy, ref_policy, accelerator, batch)
+        ref_logprobs = reference_logprobs(response_logprobs, policy, ref_policy, accelerator, batch)
 
         # 4. Rewards: the verifier's success [B] (its verdict, or the missing-EOS penalty); each response's steps, the
         # PRM's score p_k of each step prefix, and the refined step rewards r_k * prm_coef on each step's last token:
         # process [B, R].
         questions, golds = [train_questions[i] for i in indices], [train_golds[i] for i in indices]
-        with timed(metrics, "time/reward"):
+        with run.timed("time/reward"):
             correct, success, has_eos, steps, scores, process = prm_rewards(
                 prm, prompts, questions, golds, responses, mask, texts, args
             )
-        success, process = success.to(accelerator.device), process.to(accelerator.device)
+        success, process = success.to(device), process.to(device)
 
         # 5. Per-token rewards [B, R]: the KL penalty on every token, the process rewards on the steps' last tokens,
         # the success on the last real token; with --whiten_rewards scaled by their std over every process's tokens.
         kl = kl_estimate(old_logprobs, ref_logprobs, "k1") * mask
         rewards, non_score_reward = per_token_rewards(kl, success, mask, args.kl_coef, process)
-        check_finite(accelerator, rewards.sum(1), "objective/rlhf_reward", step, run.last_checkpoint)
+        run.check(rewards.sum(1), "objective/rlhf_reward")
         sum_processes = functools.partial(accelerator.reduce, reduction="sum")
         if args.whiten_rewards:
             rewards = masked_whiten(rewards, mask, shift_mean=False, sum_processes=sum_processes) * mask
@@ -412,64 +617,38 @@ def main(args: Args):
         # 7. PPO update: num_ppo_epochs passes over the batch (the first in rollout order), each split into
         # minibatches (one optimizer step each), each into micro-batches (gradient accumulation).
         model.train()
-        stats = collections.defaultdict(list)  # metric name -> one value per micro-batch (or minibatch)
-        rng = torch.Generator().manual_seed(args.seed * 7919 + step)  # the later epochs' orders
-        for epoch in range(args.num_ppo_epochs):
-            order = torch.randperm(batch_size, generator=rng) if epoch else torch.arange(batch_size)
-            for start in range(0, batch_size, args.minibatch_size):
-                minibatch = order[start : start + args.minibatch_size]
-                minibatch_tokens = accelerator.reduce(mask[minibatch].sum(), "mean").clamp(min=1)
-                for micro_start in range(0, args.minibatch_size, args.micro_batch_size):
-                    idx = minibatch[micro_start : micro_start + args.micro_batch_size].to(accelerator.device)
-                    # Gradients sync over processes on the minibatch's last micro-batch (where DeepSpeed also steps).
-                    with accelerator.accumulate(model):
-                        logprobs, logits, values = model(
-                            query_responses[idx], attention_mask[idx], context_length, args.temperature
-                        )
-                        micro = {name: take(tensor, idx) for name, tensor in rollout.items()}
-                        loss, micro_stats = ppo_prm_loss(
-                            logprobs, logits, values, **micro, args=args, num_tokens=minibatch_tokens
-                        )
-                        check_finite(accelerator, loss, "loss", step, run.last_checkpoint)
-                        # accelerate divides a micro-batch's loss by gradient_accumulation_steps (to average
-                        # micro-batch means); these losses are shares that already sum to the minibatch's.
-                        accelerator.backward(loss * args.gradient_accumulation_steps)
-                    for name, value in micro_stats.items():
-                        stats[name].append(value)
-                    del logits
-                grad_norm = clip_gradients(accelerator, model, args.max_grad_norm, step, run.last_checkpoint)
-                stats["policy/grad_norm"].append(grad_norm)
-                stats["policy/skipped_updates"].append(float(grad_norm != grad_norm))  # NaN: fp16's scaler skipped it
-                lr = scheduler.get_last_lr()[0]  # the learning rate of this update
-                optimizer.step()
-                if grad_norm == grad_norm:  # the schedule counts updates taken (fp16's scaler skips some)
-                    scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-                if epoch == 0 and start == 0:
-                    metrics["policy/ratio_first_minibatch"] = float(np.mean(stats["val/ratio"]))
-                    metrics["policy/approxkl_first_minibatch"] = float(np.mean(stats["policy/approxkl_avg"]))
+        sizes = (batch_size, args.minibatch_size, args.micro_batch_size)  # rows per batch, minibatch, micro-batch
+        for mb in micro_batches(*sizes, args.num_ppo_epochs, seed=args.seed * 7919 + step):
+            if mb.first:  # the loss's count: the minibatch's tokens averaged over processes (DDP averages too)
+                mb_tokens = accelerator.reduce(mask[mb.minibatch].sum(), "mean").clamp(min=1)
+            idx = mb.rows.to(device)
+            # Gradients sync over processes on the minibatch's last micro-batch (where DeepSpeed also steps).
+            with accelerator.accumulate(model):
+                logprobs, logits, values = model(query_responses[idx], attention_mask[idx], *batch[2:4])
+                micro = {name: take(tensor, idx) for name, tensor in rollout.items()}
+                loss, stats = ppo_prm_loss(logprobs, logits, values, **micro, num_tokens=mb_tokens, **loss_flags)
+                run.check(loss, "loss")
+                # The loss is this micro-batch's share of the minibatch's; accelerate divides what it back-propagates
+                # by gradient_accumulation_steps (to average micro-batch means): undo it.
+                accelerator.backward(loss * args.gradient_accumulation_steps)
+            if mb.update == 0:  # ratio 1, approxkl 0 on a fresh batch's first minibatch
+                first = {"policy/ratio": stats["val/ratio"], "policy/approxkl": stats["policy/approxkl_avg"]}
+                run.add({f"{name}_first_minibatch": value for name, value in first.items()})
+            run.add(stats)
+            del logits
+            if mb.last:  # one optimizer step per minibatch
+                optimizer_step(accelerator, model, optimizer, scheduler, run)
         metrics["time/training"] = time.time() - t_train - metrics["time/reward"]
-        metrics |= prm_update_metrics(stats, args.num_ppo_epochs * args.num_minibatches)
-        metrics["lr"] = lr  # of the step's last update
+        metrics |= prm_update_metrics(run.stats, args.num_ppo_epochs * args.num_minibatches)
         train_tokens = int(attention_mask.sum()) * (args.num_ppo_epochs + 1)  # + the no-grad pass of step 3
         metrics["perf/train_tokens_per_second"] = train_tokens / metrics["time/training"]
 
         # 8. Weight sync: the sampler generates the next batch with the new weights.
-        with timed(metrics, "time/weight_sync"):
+        with run.timed("time/weight_sync"):
             sampler.sync_weights()
 
         # 9. Log (averaged over processes), evaluate, checkpoint.
-        metrics = reduce_metrics(accelerator, metrics)
-        run.episode += batch_size * world_size
-        metrics["perf/episodes_per_second"] = batch_size * world_size / (time.time() - t_step)
-        samples = []
-        if is_due(step + 1, args.eval_every, args.total_steps):
-            eval_metrics, samples = evaluate(sampler, prm, eval_set, args, accelerator, tokenizer, step + 1)
-            metrics |= eval_metrics
-        run.log(step + 1, metrics, samples)
-        if is_due(step + 1, args.save_every, args.total_steps):
-            run.save_checkpoint(step + 1)
-        progress.update()
+        run.end_step(batch_size * world_size, evaluation)
 
     save_policy_and_value_prm(accelerator, model, tokenizer, run.dir)
     sampler.close()
@@ -796,7 +975,7 @@ class Run:
     def end_step(self, episodes, evaluate):
         """Close the step: its metrics and averaged stats, reduced over processes (a collective), the episodes it
         trained on, then evaluate(step) -> (metrics, samples) when --eval_every is due, one log line, and a
-        checkpoint when --save_every is due."""
+        checkpoint when --save_every is due. Returns the metrics logged."""
         metrics = reduce_metrics(self.accelerator, self.metrics | average_stats(self.stats))
         self.episode += episodes
         metrics["time/step"] = time.time() - self.t_step
@@ -806,6 +985,7 @@ class Run:
         if self.due(self.args.save_every):
             self.save_checkpoint(self.step + 1)
         self.progress.update()
+        return metrics | evaluation
 
     def log(self, step, metrics, samples=()):
         """One line of metrics.jsonl (and TensorBoard, wandb) for this step; samples go to samples.jsonl."""
@@ -855,17 +1035,51 @@ class Run:
         self.accelerator.end_training()
 
 
+MicroBatch = collections.namedtuple("MicroBatch", "update epoch minibatch rows first last")
+
+
+def micro_batches(batch_size, minibatch_size, micro_batch_size, num_epochs, seed):
+    """The update's schedule, flat: num_epochs passes over a batch of batch_size rows (the first in rollout order, the
+    later ones shuffled by a generator seeded with `seed`), each split into minibatches (one optimizer step each),
+    each into micro-batches (gradient accumulation). Yields a MicroBatch per micro-batch: the update (minibatch) it
+    belongs to, counted from 0 in this step, the epoch (pass), the minibatch's rows and its own, and whether it is
+    the minibatch's first and last."""
+    rng, update = torch.Generator().manual_seed(seed), 0
+    for epoch in range(num_epochs):
+        order = torch.randperm(batch_size, generator=rng) if epoch else torch.arange(batch_size)
+        for start in range(0, batch_size, minibatch_size):
+            minibatch = order[start : start + minibatch_size]
+            for first in range(0, minibatch_size, micro_batch_size):
+                rows, last = minibatch[first : first + micro_batch_size], first + micro_batch_size >= minibatch_size
+                yield MicroBatch(update, epoch, minibatch, rows, first == 0, last)
+            update += 1
+
+
+def optimizer_step(accelerator, model, optimizer, scheduler, run, prefix="policy/"):
+    """One update: clip the gradients (clip_gradients), step the optimizer, then the learning-rate schedule when the
+    update was taken (it counts updates taken: fp16's loss scaler skips an overflowing one), and zero the gradients.
+    Adds prefix + grad_norm (NaN when skipped) and prefix + skipped_updates to the step's stats; the step's lr is
+    this update's (the step's last)."""
+    grad_norm = clip_gradients(accelerator, model, run.args.max_grad_norm, run.step, run.last_checkpoint)
+    run.add({f"{prefix}grad_norm": grad_norm, f"{prefix}skipped_updates": float(grad_norm != grad_norm)})
+    run.metrics["lr"] = scheduler.get_last_lr()[0]
+    optimizer.step()
+    if grad_norm == grad_norm:
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 class ProcessRewardModel:
-    """The PRM of --prm (its kind found and checked by check_prm before any model loads): p_k in [0, 1] for the
-    prefix of a response that ends with step k. The verifier checks each step's arithmetic; a learned PRM
-    (reward_modeling.py --prm) reads the policy's own tokens, p_k = sigmoid(score) at the last token of step k; a
-    Math-Shepherd PRM reads the question and the steps re-tokenized with its own tokenizer, a tag after each step,
-    p_k = P(good) / (P(good) + P(bad)) for the token after the k-th tag. A PRM model is frozen and whole on every
+    """The PRM of --prm: p_k in [0, 1] for the prefix of a response that ends with step k, its kind found and checked
+    by check_prm (which sets args.prm_kind) before it loads any model. The verifier checks each step's arithmetic; a
+    learned PRM (reward_modeling.py --prm) reads the policy's own tokens, p_k = sigmoid(score) at the last token of
+    step k; a Math-Shepherd PRM reads the question and the steps re-tokenized with its own tokenizer, a tag after each
+    step, p_k = P(good) / (P(good) + P(bad)) for the token after the k-th tag. A PRM model is frozen and whole on every
     process. It reads the policy's responses: it holds the policy's tokenizer and stop ids too."""
 
-    def __init__(self, args, accelerator, tokenizer, prm_tokenizer, prm_token_ids):
+    def __init__(self, args, accelerator, tokenizer):
         self.args, self.accelerator, self.tokenizer = args, accelerator, tokenizer
-        self.prm_tokenizer, self.prm_token_ids = prm_tokenizer, prm_token_ids
+        args.prm_kind, self.prm_tokenizer, self.prm_token_ids = check_prm(args, tokenizer)
         self.stop_ids = stop_token_ids(tokenizer, args.model_name_or_path)
         self.model = None
         if args.prm_kind != "verifier":
@@ -934,115 +1148,6 @@ class ProcessRewardModel:
         return scores
 
 
-class PolicyAndValueModel(torch.nn.Module):
-    """The policy and the value model as one module, so that one optimizer, one DDP/DeepSpeed wrapper (which syncs
-    gradients only for calls through its forward) and one checkpoint cover both. The value model's head starts at
-    zero (load_value_model_prm): no bias to remove from its values."""
-
-    def __init__(self, policy, value_model):
-        super().__init__()
-        self.policy, self.value_model = policy, value_model
-
-    def forward(self, input_ids, attention_mask, context_length, temperature):
-        """Response log-probs [B, R], their logits [B, R, V] and the values [B, R] of the states before each
-        response token (the value model's output at the position that predicts it)."""
-        logprobs, logits = response_logprobs(self.policy, input_ids, attention_mask, context_length, temperature)
-        values = token_scores(self.value_model, self.value_model.score, input_ids, attention_mask)
-        return logprobs, logits, values[:, context_length - 1 : -1]
-
-
-def fixed_logprobs_and_values_prm(
-    model, query_responses, attention_mask, context_length, temperature, micro_batch_size
-):
-    """The old policy's log-probs and the old values [B, R] (model: a PolicyAndValueModel, prepared), without
-    gradients, micro-batch by micro-batch: they stay fixed during the update."""
-    logprobs, values = [], []
-    with torch.no_grad():
-        for i in range(0, len(query_responses), micro_batch_size):
-            part = slice(i, i + micro_batch_size)
-            part_logprobs, _, part_values = model(
-                query_responses[part], attention_mask[part], context_length, temperature
-            )
-            logprobs.append(part_logprobs)
-            values.append(part_values)
-    return torch.cat(logprobs), torch.cat(values)
-
-
-def logprobs_from_logits(logits, labels):
-    """log softmax(logits)[labels] without materialising the full log-softmax. logits [..., V], labels [...]."""
-    return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-
-
-def entropy_from_logits(logits):
-    """Entropy of softmax(logits) along the last dimension."""
-    return torch.logsumexp(logits, dim=-1) - (F.softmax(logits, dim=-1) * logits).sum(-1)
-
-
-def response_logprobs(model, input_ids, attention_mask, context_length, temperature):
-    """Log-probs of the response tokens input_ids[:, context_length:] under `model`, and the logits that gave them.
-    Prompts are left-padded, so positions are counted from each sequence's first real token.
-    Returns (logprobs [B, R], logits [B, R, V]) with logits divided by the sampling temperature."""
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    # The logits at position t predict token t + 1: the LM head (a [hidden, vocab] matmul) skips the prompt.
-    logits = model(**inputs, logits_to_keep=input_ids.shape[1] - context_length + 1).logits
-    logits = logits[:, :-1].float() / temperature
-    return logprobs_from_logits(logits, input_ids[:, context_length:]), logits
-
-
-def fixed_logprobs(logprobs_fn, model, query_responses, attention_mask, context_length, temperature, micro_batch_size):
-    """logprobs_fn (response_logprobs, or shared_prompt_logprobs where a script has it) without gradients, by
-    micro-batch: the old policy's and the reference's log-probs, which stay fixed during the update.
-    [B, P + R] -> [B, R]"""
-    parts = [slice(i, i + micro_batch_size) for i in range(0, len(query_responses), micro_batch_size)]
-    with torch.no_grad():
-        return torch.cat(
-            [logprobs_fn(model, query_responses[s], attention_mask[s], context_length, temperature)[0] for s in parts]
-        )
-
-
-def token_scores(model, score_head, input_ids, attention_mask):
-    """The one-label head of a sequence-classification model (reward or value model) at every position: [B, T]
-    float32. `model` may be wrapped (DDP, DeepSpeed) so that gradients sync; `score_head` is its unwrapped `.score`
-    layer. The classifier's forward applies the head at every position and then keeps the last one: a hook takes
-    the head's output before that, so no layer's hidden states are kept (output_hidden_states would keep all).
-    Positions count from each sequence's first real token, so left and right padding give the same scores."""
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    scores = []
-    handle = score_head.register_forward_hook(lambda module, inputs, output: scores.append(output))
-    try:
-        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    finally:
-        handle.remove()
-    return scores[0].squeeze(-1).float()
-
-
-NUMBER = r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?"  # 12, -1,234.5, .5, 3/4
-
-
-def extract_answer(text):
-    """The final answer of a completion: the first number after the last 'Answer:' (its whole line if it has
-    none), else the last number in the text, else None. When that number starts an equation on its line (numbers
-    and operators, then '=': "9 * 6 = 54", "9 x 6 = 54 = 50 + 4"), the answer is the last side of the equation that
-    is a lone number (54 in both). LaTeX fractions are read as a/b, a Unicode minus as '-'."""
-    text = re.sub(r"\\d?frac\{(-?\d+)\}\{(\d+)\}", r"\1/\2", text).replace("\u2212", "-")
-    if "Answer:" in text:
-        tail = text.rsplit("Answer:", 1)[1]
-        found = re.search(NUMBER, tail)
-        if found:
-            term = r"(?:\([ \t]*)*-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:[ \t]*\))*"  # a number, maybe in parentheses
-            words = r"x|·|\\times|\\cdot|\\div|times|multiplied by|plus|minus|divided by|over|%[ \t]*of|percent of"
-            operation = rf"[ \t]*(?:[-+*/×÷]|(?:{words})(?![a-z]))[ \t]*"
-            side = rf"{term}(?:{operation}{term})*"
-            last = rf"[ \t]*=[ \t]*({NUMBER})(?![.,]?\d|{operation}\(*\.?\d)"  # a lone number
-            equation = re.compile(rf"{term}(?:{operation}{term})+(?:[ \t]*=[ \t]*{side})*{last}", re.I)
-            equation = equation.match(tail, found.start())
-            return (equation.group(1) if equation else found.group(0)).replace(",", "").replace(" ", "")
-        return tail.strip().split("\n")[0].strip().rstrip(".") or None
-    numbers = re.findall(NUMBER, text)
-    return numbers[-1].replace(",", "").replace(" ", "") if numbers else None
-
-
 def gold_answer(answer):
     """The gold final answer as a string; GSM8K style solutions keep what follows '####'. A null answer is the empty
     string, which nothing matches."""
@@ -1053,37 +1158,6 @@ def verifiable_gold(gold):
     """Whether the verifier can check answers against this gold: it holds a number or a LaTeX expression. Null,
     empty and plain-word golds do not (a completion could only match them as text, e.g. "Answer: None")."""
     return re.search(r"[0-9\\]", gold) is not None
-
-
-def verify_answer(prediction, gold):
-    """1.0 if the prediction equals the gold answer: math-verify first, numeric equality as the fallback."""
-    if prediction is None or not gold:
-        return 0.0
-    try:
-        from math_verify import parse, verify
-
-        parsed_gold, parsed_pred = parse(f"${gold}$"), parse(f"${prediction}$")
-        if parsed_gold and parsed_pred:
-            return float(verify(parsed_gold, parsed_pred))
-    except Exception:  # math-verify raises on some inputs, or times out: fall back to the task's numeric scorer
-        pass
-    try:
-        return float(abs(Fraction(prediction) - Fraction(gold)) < 1e-6)
-    except (ValueError, ZeroDivisionError):
-        return float(prediction.strip() == gold.strip())
-
-
-@contextlib.contextmanager
-def timed(metrics, name):
-    """metrics[name] = the seconds the block took."""
-    start = time.time()
-    yield
-    metrics[name] = time.time() - start
-
-
-def is_due(step, every, total_steps):
-    """Whether a periodic event (evaluation, checkpoint) happens after `step`: every `every` steps and at the end."""
-    return bool(every and step % every == 0) or step == total_steps
 
 
 def check_finite(accelerator, values, name, step, last_checkpoint):
@@ -1156,30 +1230,6 @@ class OneLabelClassifier:
         return AutoModelForSequenceClassification.from_pretrained(path, config=config, **kwargs)
 
 
-def reference_logprobs(logprobs_fn, model, ref_model, accelerator, batch):
-    """fixed_logprobs of the reference: ref_model, or with LoRA (ref_model None) the policy with its adapters off,
-    under the policy's autocast (--mixed_precision), so that KL is exactly 0 before the first update. [B, R]"""
-    adapters_off = accelerator.unwrap_model(model).disable_adapter() if ref_model is None else contextlib.nullcontext()
-    with adapters_off, accelerator.autocast():
-        return fixed_logprobs(logprobs_fn, ref_model or model, *batch)
-
-
-def take(values, rows):
-    """values[rows], or None for a tensor the run does not have (no reference model, no sampler log-probs)."""
-    return None if values is None else values[rows]
-
-
-def sampler_gap_metrics(old_logprobs, sampler_logprobs, mask, micro_batch_size):
-    """How far the sampler's pi is from the trainer's on the rollout, per token log(pi_train / pi_sampler): the mean
-    of its absolute value (averaged over the micro-batches' token means) and the largest ratio. All [B, R].
-    Returns {"objective/logprob_gap": float, "objective/logprob_ratio_max": largest pi_train / pi_sampler}."""
-    log_gap = old_logprobs - sampler_logprobs
-    parts = [slice(i, i + micro_batch_size) for i in range(0, len(log_gap), micro_batch_size)]
-    means = [masked_mean(log_gap[s].abs(), mask[s]).item() for s in parts]
-    ratio_max = torch.exp(log_gap)[mask > 0].max().item()
-    return {"objective/logprob_gap": float(np.mean(means)), "objective/logprob_ratio_max": ratio_max}
-
-
 def load_policy_and_reference(args, accelerator, pad_token_id, with_reference=True):
     """The policy (with LoRA adapters if --lora_r; sharded under ZeRO-3) and its frozen reference, whole on every
     process: None with LoRA (the policy with its adapters switched off is the reference) or without with_reference.
@@ -1196,13 +1246,16 @@ def load_policy_and_reference(args, accelerator, pad_token_id, with_reference=Tr
     return policy, frozen(reference, accelerator, accelerator.device)
 
 
-def load_value_model_prm(args, accelerator, pad_token_id):
-    """The value model: --value_model_path (default: the policy's weights) as a one-label sequence classifier. A new
-    head (a causal LM's checkpoint has none) is set to zero: a random one would start at random values, a random
-    baseline the first advantages carry; zero, every first value is 0 and the head learns from the first returns
-    (the policy's weights give it the features). Under DeepSpeed ZeRO-3 the head was partitioned as it loaded (an
-    empty tensor on each process, where a write silently does nothing): it is gathered whole, zeroed, and rank 0's
-    copy is partitioned again."""
+def load_models_prm(args, accelerator, pad_token_id):
+    """The policy and the value model as one PolicyAndValueModel, and the policy's frozen reference (see
+    load_policy_and_reference); the value model with gradient checkpointing if asked, as the policy. The value model:
+    --value_model_path (default: the policy's weights) as a one-label sequence classifier. A new head (a causal LM's
+    checkpoint has none) is set to zero: a random one would start at random values, a random baseline the first
+    advantages carry; zero, every first value is 0 and the head learns from the first returns (the policy's weights
+    give it the features). Under DeepSpeed ZeRO-3 the head was partitioned as it loaded (an empty tensor on each
+    process, where a write silently does nothing): it is gathered whole, zeroed, and rank 0's copy is partitioned
+    again."""
+    policy, ref_policy = load_policy_and_reference(args, accelerator, pad_token_id)
     path = args.value_model_path or args.model_name_or_path
     config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
     head_is_new = not any(a.endswith("ForSequenceClassification") for a in config.architectures or [])
@@ -1217,7 +1270,8 @@ def load_value_model_prm(args, accelerator, pad_token_id):
                 torch.nn.init.zeros_(head)
         else:
             torch.nn.init.zeros_(head)
-    return value_model
+    enable_gradient_checkpointing([value_model], args)
+    return PolicyAndValueModel(policy, value_model), ref_policy
 
 
 def add_lora(model, args, task_type):
@@ -1454,23 +1508,6 @@ def step_prompt_indices(step, per_rank, num_prompts, seed, rank=0, world_size=1)
     return order[mine : mine + per_rank].tolist()
 
 
-def training_batch(prompts, n, responses, mask, sampler_logprobs, pad_token_id, device):
-    """The rollout as the trainer's input: each prompt (left-padded) repeated for its n consecutive completions, then
-    the responses cut to the longest one (nothing after it is computed). responses, mask, sampler_logprobs [B, R].
-    Returns query_responses [B, P + R'], attention_mask [B, P + R'] (0 on padding and after the first EOS),
-    mask [B, R'], sampler_logprobs [B, R'] (or None) on `device`, and P, the prompts' padded length."""
-    width = max(1, int(mask.sum(1).max()))
-    responses, mask = responses[:, :width], mask[:, :width].to(device)
-    if sampler_logprobs is not None:
-        sampler_logprobs = sampler_logprobs[:, :width].to(device)
-    rows, P = [p for p in prompts for _ in range(n)], max(len(p) for p in prompts)  # left-padded to P
-    prompt_ids = torch.tensor([[pad_token_id] * (P - len(p)) + list(p) for p in rows], dtype=torch.long)
-    prompt_mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in rows], dtype=torch.long)
-    query_responses = torch.cat([prompt_ids, responses], 1).to(device)
-    attention_mask = torch.cat([prompt_mask.to(device), mask.long()], 1)
-    return query_responses, attention_mask, mask, sampler_logprobs, prompt_ids.shape[1]
-
-
 def process_chunks(items, rank, world_size, chunk_size):
     """This process's share of `items` (every world_size-th, from rank) in chunks of chunk_size, as many chunks on
     every process, the last ones possibly empty: under DeepSpeed ZeRO-3 a generation gathers the trained model's
@@ -1478,42 +1515,6 @@ def process_chunks(items, rank, world_size, chunk_size):
     mine = items[rank::world_size]
     most = -(-len(items) // world_size)  # the share of rank 0, the largest
     return [mine[start : start + chunk_size] for start in range(0, most, chunk_size)]
-
-
-def prm_rollout_metrics(
-    correct, success, has_eos, steps, scores, process, kl, non_score_reward, old_logprobs, old_values, mask
-):
-    """What the rollout scored: accuracy, success reward, steps per response, the PRM's step scores, the process
-    rewards paid, the KL and the entropy per response, lengths and values. correct, success, has_eos [B]; steps and
-    scores per response; the rest [B, R]."""
-    every_step = torch.cat(scores)  # p_k of every step in the batch
-    metrics = {"objective/success": success.mean().item(), "objective/accuracy": correct.mean().item()}
-    metrics["objective/num_steps"] = len(every_step) / len(steps)  # mean steps per response
-    metrics["objective/prm_score"] = every_step.mean().item() if len(every_step) else 0.0
-    metrics["objective/wrong_step_fraction"] = (every_step < 0.5).float().mean().item() if len(every_step) else 0.0
-    metrics["objective/prm_score_sum"] = every_step.sum().item() / len(steps)  # what raw would pay, per response
-    metrics["objective/process_reward"] = process.sum(1).mean().item()  # what this reward_mode paid
-    metrics["objective/scores"] = (success + process.sum(1)).mean().item()
-    metrics["objective/kl"] = kl.sum(1).mean().item()
-    metrics["objective/entropy"] = (-old_logprobs * mask).sum(1).mean().item()  # sampled estimate, nats/response
-    metrics["objective/non_score_reward"] = non_score_reward.sum(1).mean().item()
-    metrics["objective/rlhf_reward"] = metrics["objective/scores"] + metrics["objective/non_score_reward"]
-    metrics["objective/response_length"] = mask.sum(1).float().mean().item()
-    metrics["val/mean"] = masked_mean(old_values, mask).item()  # 0 at the first step: the head starts at zero
-    metrics["val/num_eos_tokens"] = has_eos.sum().item()
-    return metrics
-
-
-def prm_update_metrics(stats, num_optimizer_steps):
-    """The update's metrics from ppo_prm_loss's statistics (one value per micro-batch, or per minibatch): the losses
-    (micro-batch shares of their minibatch's loss: summed, then averaged over minibatches), the ratio's variance,
-    and the mean of each of the rest."""
-    internal = ("pg_loss", "vf_loss", "ratio_sq")
-    metrics = {name: float(np.mean(values)) for name, values in stats.items() if name not in internal}
-    metrics["loss/policy_avg"] = sum(stats["pg_loss"]) / num_optimizer_steps
-    metrics["loss/value_avg"] = sum(stats["vf_loss"]) / num_optimizer_steps
-    metrics["val/ratio_var"] = float(np.mean(stats["ratio_sq"])) - metrics["val/ratio"] ** 2
-    return metrics
 
 
 def evaluate(sampler, prm, eval_set, args, accelerator, tokenizer, step):
@@ -1808,10 +1809,13 @@ def average_stats(stats):
 
 
 def reduce_values(name, values):
-    """The largest of a list of floats for a metric named *_max, the smallest for *_min, else their mean; NaNs (a
-    micro-batch with no token in the loss, see token_mean) are left out."""
+    """The largest of a list of floats for a metric named *_max, the smallest for *_min, else their mean (exactly the
+    value when they are all equal: a metric already taken over every process stays as it is, on any number of
+    processes); NaNs (a micro-batch with no token in the loss, see token_mean) are left out."""
     values = [v for v in values if v == v] or [float("nan")]
-    return float(max(values) if name.endswith("_max") else min(values) if name.endswith("_min") else np.mean(values))
+    if name.endswith("_max") or name.endswith("_min") or min(values) == max(values):
+        return float(max(values) if name.endswith("_max") else min(values))
+    return float(np.mean(values))
 
 
 def git_sha():

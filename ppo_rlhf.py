@@ -29,6 +29,7 @@ Read down to the line "PLUMBING": the arguments, the math, the reward and main()
 import collections
 import contextlib
 import functools
+import inspect
 import itertools
 import json
 import logging
@@ -151,6 +152,126 @@ def masked_whiten(values, mask, shift_mean=True, eps=1e-8, sum_processes=lambda 
     return whitened if shift_mean else whitened + mean
 
 
+def logprobs_from_logits(logits, labels):
+    """log softmax(logits)[labels] without materialising the full log-softmax. logits [..., V], labels [...]."""
+    return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def entropy_from_logits(logits):
+    """Entropy of softmax(logits) along the last dimension."""
+    return torch.logsumexp(logits, dim=-1) - (F.softmax(logits, dim=-1) * logits).sum(-1)
+
+
+def response_logprobs(model, input_ids, attention_mask, context_length, temperature):
+    """Log-probs of the response tokens input_ids[:, context_length:] under `model`, and the logits that gave them.
+    Prompts are left-padded, so positions are counted from each sequence's first real token.
+    Returns (logprobs [B, R], logits [B, R, V]) with logits divided by the sampling temperature."""
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    # The logits at position t predict token t + 1: the LM head (a [hidden, vocab] matmul) skips the prompt.
+    logits = model(**inputs, logits_to_keep=input_ids.shape[1] - context_length + 1).logits
+    logits = logits[:, :-1].float() / temperature
+    return logprobs_from_logits(logits, input_ids[:, context_length:]), logits
+
+
+def token_scores(model, score_head, input_ids, attention_mask):
+    """The one-label head of a sequence-classification model (reward or value model) at every position: [B, T]
+    float32. `model` may be wrapped (DDP, DeepSpeed) so that gradients sync; `score_head` is its unwrapped `.score`
+    layer. The classifier's forward applies the head at every position and then keeps the last one: a hook takes
+    the head's output before that, so no layer's hidden states are kept (output_hidden_states would keep all).
+    Positions count from each sequence's first real token, so left and right padding give the same scores."""
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    scores = []
+    handle = score_head.register_forward_hook(lambda module, inputs, output: scores.append(output))
+    try:
+        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    finally:
+        handle.remove()
+    return scores[0].squeeze(-1).float()
+
+
+def last_real_index(attention_mask):
+    """[B] index of the last position where attention_mask is 1 (left, right or both-sided padding)."""
+    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+    return (positions * attention_mask).argmax(1)
+
+
+class PolicyAndValue(torch.nn.Module):
+    """The policy and the value model as one module, so that one optimizer, one DDP/DeepSpeed wrapper (which syncs
+    gradients only for calls through its forward) and one checkpoint cover both."""
+
+    def __init__(self, policy, value_model):
+        super().__init__()
+        self.policy, self.value_model = policy, value_model
+        # The value model's head minus its config.bias (the mean training score reward_modeling.py stores), as the
+        # N+ critic does: a value model started from the reward model then predicts the centred scores
+        # (score - bias) from step 0 instead of starting bias above every return. A plain float, not a buffer:
+        # it stays in the value model's saved config, and checkpoints keep their keys.
+        self.value_bias = float(getattr(value_model.config, "bias", 0.0))
+
+    def forward(self, input_ids, attention_mask, context_length, temperature):
+        """Response log-probs [B, R], their logits [B, R, V] and the values [B, R] of the states before each
+        response token (the value model's centred output at the position that predicts it)."""
+        logprobs, logits = response_logprobs(self.policy, input_ids, attention_mask, context_length, temperature)
+        values = token_scores(self.value_model, self.value_model.score, input_ids, attention_mask)
+        return logprobs, logits, values[:, context_length - 1 : -1] - self.value_bias
+
+
+def fixed_logprobs(logprobs_fn, model, query_responses, attention_mask, context_length, temperature, micro_batch_size):
+    """logprobs_fn (response_logprobs, or shared_prompt_logprobs where a script has it) without gradients, by
+    micro-batch: the old policy's and the reference's log-probs, which stay fixed during the update.
+    [B, P + R] -> [B, R]"""
+    parts = [slice(i, i + micro_batch_size) for i in range(0, len(query_responses), micro_batch_size)]
+    with torch.no_grad():
+        return torch.cat(
+            [logprobs_fn(model, query_responses[s], attention_mask[s], context_length, temperature)[0] for s in parts]
+        )
+
+
+def fixed_logprobs_and_values(model, query_responses, attention_mask, context_length, temperature, micro_batch_size):
+    """The PolicyAndValue model's response log-probs and values without gradients, micro-batch by micro-batch (the
+    logits of one micro-batch at a time): the old policy's log-probs and the old values, which stay fixed during the
+    update. [B, P + R] -> ([B, R], [B, R])"""
+    parts = [slice(i, i + micro_batch_size) for i in range(0, len(query_responses), micro_batch_size)]
+    logprobs, values = [], []
+    with torch.no_grad():
+        for s in parts:
+            part_logprobs, _, part_values = model(query_responses[s], attention_mask[s], context_length, temperature)
+            logprobs.append(part_logprobs)
+            values.append(part_values)
+    return torch.cat(logprobs), torch.cat(values)
+
+
+def reference_logprobs(logprobs_fn, model, ref_model, accelerator, batch):
+    """fixed_logprobs of the reference: ref_model, or with LoRA (ref_model None) the policy with its adapters off,
+    under the policy's autocast (--mixed_precision), so that KL is exactly 0 before the first update. [B, R]"""
+    adapters_off = accelerator.unwrap_model(model).disable_adapter() if ref_model is None else contextlib.nullcontext()
+    with adapters_off, accelerator.autocast():
+        return fixed_logprobs(logprobs_fn, ref_model or model, *batch)
+
+
+def take(values, rows):
+    """values[rows], or None for a tensor the run does not have (no reference model, no sampler log-probs)."""
+    return None if values is None else values[rows]
+
+
+def training_batch(prompts, n, responses, mask, sampler_logprobs, pad_token_id, device):
+    """The rollout as the trainer's input: each prompt (left-padded) repeated for its n consecutive completions, then
+    the responses cut to the longest one (nothing after it is computed). responses, mask, sampler_logprobs [B, R].
+    Returns query_responses [B, P + R'], attention_mask [B, P + R'] (0 on padding and after the first EOS),
+    mask [B, R'], sampler_logprobs [B, R'] (or None) on `device`, and P, the prompts' padded length."""
+    width = max(1, int(mask.sum(1).max()))
+    responses, mask = responses[:, :width], mask[:, :width].to(device)
+    if sampler_logprobs is not None:
+        sampler_logprobs = sampler_logprobs[:, :width].to(device)
+    rows, P = [p for p in prompts for _ in range(n)], max(len(p) for p in prompts)  # left-padded to P
+    prompt_ids = torch.tensor([[pad_token_id] * (P - len(p)) + list(p) for p in rows], dtype=torch.long)
+    prompt_mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in rows], dtype=torch.long)
+    query_responses = torch.cat([prompt_ids, responses], 1).to(device)
+    attention_mask = torch.cat([prompt_mask.to(device), mask.long()], 1)
+    return query_responses, attention_mask, mask, sampler_logprobs, prompt_ids.shape[1]
+
+
 def kl_estimate(logprobs, ref_logprobs, kind):
     """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman, "Approximating KL divergence").
     k1 = log r, k2 = (log r)^2 / 2, k3 = exp(-log r) + log r - 1, with log r = logprobs - ref_logprobs."""
@@ -219,18 +340,20 @@ def truncated_importance_weights(logprobs, sampler_logprobs, cap):
 
 
 def ppo_rlhf_loss(
-    logprobs, logits, values, old_logprobs, old_values, returns, advantages, sampler_logprobs, mask, args, num_tokens
-):
+    logprobs, logits, values, old_logprobs, old_values, returns, advantages, sampler_logprobs, mask, num_tokens, *,
+    cliprange, cliprange_value, tis_cap, vf_coef,
+):  # fmt: skip
     """The loss of one micro-batch, policy + vf_coef * value, as its share of the minibatch's: per-token losses
     summed over the micro-batch and divided by num_tokens, the minibatch's token count (averaged over processes:
     DDP's mean of the gradients is then the gradient of the whole minibatch's loss). logprobs, values
     [b, R] and logits [b, R, V] with gradients; old_logprobs, old_values, returns, advantages, mask [b, R];
-    sampler_logprobs [b, R] or None (vLLM's, for truncated importance sampling). Returns (loss, {name: float})."""
-    value_token_loss, value_clipped = clipped_value_loss(values, old_values, returns, args.cliprange_value)
-    policy_token_loss, ratio, policy_clipped = ppo_policy_loss(logprobs, old_logprobs, advantages, args.cliprange)
+    sampler_logprobs [b, R] or None (vLLM's, for truncated importance sampling); the rest: the flags of the same
+    names. Returns (loss, {name: float})."""
+    value_token_loss, value_clipped = clipped_value_loss(values, old_values, returns, cliprange_value)
+    policy_token_loss, ratio, policy_clipped = ppo_policy_loss(logprobs, old_logprobs, advantages, cliprange)
     stats = {}
-    if sampler_logprobs is not None and args.tis_cap:  # None or 0: off
-        tis = truncated_importance_weights(old_logprobs, sampler_logprobs, args.tis_cap)
+    if sampler_logprobs is not None and tis_cap:  # None or 0: off
+        tis = truncated_importance_weights(old_logprobs, sampler_logprobs, tis_cap)
         policy_token_loss = policy_token_loss * tis
         stats["objective/tis_weight"] = masked_mean(tis, mask).item()
     policy_loss = (policy_token_loss * mask).sum() / num_tokens
@@ -243,15 +366,15 @@ def ppo_rlhf_loss(
         stats["val/ratio"] = masked_mean(ratio, mask).item()
         stats["ratio_sq"] = masked_mean(ratio**2, mask).item()  # for val/ratio_var
         stats["pg_loss"], stats["vf_loss"] = policy_loss.item(), value_loss.item()  # shares: summed per minibatch
-    return policy_loss + args.vf_coef * value_loss, stats
+    return policy_loss + vf_coef * value_loss, stats
 
 
 def reward_model_scores(
-    reward_model, query_responses, attention_mask, context_length, mask, stop_ids, args, accelerator
+    reward_model, query_responses, attention_mask, context_length, mask, stop_ids, missing_eos_penalty, accelerator
 ):
     """The reward: the reward model's score of each whole response at its last real token, centred by its
     config.bias (the mean training score reward_modeling.py stores); a response without an EOS gets
-    missing_eos_penalty instead. query_responses, attention_mask [B, P + R], mask [B, R].
+    missing_eos_penalty instead (None: its score). query_responses, attention_mask [B, P + R], mask [B, R].
     Returns (scores [B], has_eos [B])."""
     # Under --mixed_precision bf16 accelerate autocasts the prepared policy and value model only; the frozen reward
     # model and reference run under the same autocast, so that the scores are on the values' scale and KL is
@@ -263,19 +386,115 @@ def reward_model_scores(
     responses = query_responses[:, context_length:]
     is_stop = torch.isin(responses, torch.tensor(stop_ids, device=responses.device)).to(mask.device)
     has_eos = (is_stop & (mask > 0)).any(1).to(scores.device)
-    if args.missing_eos_penalty is not None:
-        scores = torch.where(has_eos, scores, torch.full_like(scores, args.missing_eos_penalty))
+    if missing_eos_penalty is not None:
+        scores = torch.where(has_eos, scores, torch.full_like(scores, missing_eos_penalty))
     return scores, has_eos
 
 
-def main(args: Args):
+NUMBER = r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?"  # 12, -1,234.5, .5, 3/4
+
+
+def extract_answer(text):
+    """The final answer of a completion: the first number after the last 'Answer:' (its whole line if it has
+    none), else the last number in the text, else None. When that number starts an equation on its line (numbers
+    and operators, then '=': "9 * 6 = 54", "9 x 6 = 54 = 50 + 4"), the answer is the last side of the equation that
+    is a lone number (54 in both). LaTeX fractions are read as a/b, a Unicode minus as '-'."""
+    text = re.sub(r"\\d?frac\{(-?\d+)\}\{(\d+)\}", r"\1/\2", text).replace("\u2212", "-")
+    if "Answer:" in text:
+        tail = text.rsplit("Answer:", 1)[1]
+        found = re.search(NUMBER, tail)
+        if found:
+            term = r"(?:\([ \t]*)*-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:[ \t]*\))*"  # a number, maybe in parentheses
+            words = r"x|·|\\times|\\cdot|\\div|times|multiplied by|plus|minus|divided by|over|%[ \t]*of|percent of"
+            operation = rf"[ \t]*(?:[-+*/×÷]|(?:{words})(?![a-z]))[ \t]*"
+            side = rf"{term}(?:{operation}{term})*"
+            last = rf"[ \t]*=[ \t]*({NUMBER})(?![.,]?\d|{operation}\(*\.?\d)"  # a lone number
+            equation = re.compile(rf"{term}(?:{operation}{term})+(?:[ \t]*=[ \t]*{side})*{last}", re.I)
+            equation = equation.match(tail, found.start())
+            return (equation.group(1) if equation else found.group(0)).replace(",", "").replace(" ", "")
+        return tail.strip().split("\n")[0].strip().rstrip(".") or None
+    numbers = re.findall(NUMBER, text)
+    return numbers[-1].replace(",", "").replace(" ", "") if numbers else None
+
+
+def verify_answer(prediction, gold):
+    """1.0 if the prediction equals the gold answer: math-verify first, numeric equality as the fallback."""
+    if prediction is None or not gold:
+        return 0.0
+    try:
+        from math_verify import parse, verify
+
+        parsed_gold, parsed_pred = parse(f"${gold}$"), parse(f"${prediction}$")
+        if parsed_gold and parsed_pred:
+            return float(verify(parsed_gold, parsed_pred))
+    except Exception:  # math-verify raises on some inputs, or times out: fall back to the task's numeric scorer
+        pass
+    try:
+        return float(abs(Fraction(prediction) - Fraction(gold)) < 1e-6)
+    except (ValueError, ZeroDivisionError):
+        return float(prediction.strip() == gold.strip())
+
+
+def verifier_correct(texts, golds):
+    """The verifier's verdict (1/0) per response: reported next to the score, never trained on."""
+    return torch.tensor([verify_answer(extract_answer(t), g) for t, g in zip(texts, golds)])
+
+
+def rlhf_rollout_metrics(scores, kl, non_score_reward, old_logprobs, mask, has_eos, correct, has_gold):
+    """What the sampled responses scored and how far the policy is from its reference (the N+ details' names), and
+    how long the responses were. scores, has_eos, correct [B]; kl, non_score_reward, old_logprobs, mask [B, R]."""
+    metrics = {
+        "objective/scores": scores.mean().item(),
+        "objective/kl": kl.sum(1).mean().item(),
+        "objective/entropy": (-old_logprobs * mask).sum(1).mean().item(),  # sampled estimate, nats per response
+        "objective/non_score_reward": non_score_reward.sum(1).mean().item(),
+    }
+    metrics["objective/rlhf_reward"] = metrics["objective/scores"] + metrics["objective/non_score_reward"]
+    if has_gold:
+        metrics["objective/accuracy"] = correct.mean().item()
+    metrics["objective/response_length"] = mask.sum(1).float().mean().item()
+    metrics["val/num_eos_tokens"] = has_eos.sum().item()
+    return metrics
+
+
+def sampler_gap_metrics(old_logprobs, sampler_logprobs, mask, micro_batch_size):
+    """How far the sampler's pi is from the trainer's on the rollout, per token log(pi_train / pi_sampler): the mean
+    of its absolute value (averaged over the micro-batches' token means) and the largest ratio. All [B, R].
+    Returns {"objective/logprob_gap": float, "objective/logprob_ratio_max": largest pi_train / pi_sampler}."""
+    log_gap = old_logprobs - sampler_logprobs
+    parts = [slice(i, i + micro_batch_size) for i in range(0, len(log_gap), micro_batch_size)]
+    means = [masked_mean(log_gap[s].abs(), mask[s]).item() for s in parts]
+    ratio_max = torch.exp(log_gap)[mask > 0].max().item()
+    return {"objective/logprob_gap": float(np.mean(means)), "objective/logprob_ratio_max": ratio_max}
+
+
+def record_staleness(stats, updates_behind):
+    """Adds one update's staleness to its step's statistics: `updates_behind`, the number of optimizer updates
+    between the weights that generated its minibatch and the weights it updates (logged as the step's mean and
+    max)."""
+    stats["policy/staleness"].append(updates_behind)
+    stats["policy/staleness_max"].append(updates_behind)
+
+
+def rlhf_update_metrics(stats, num_updates):
+    """The update's metrics that are not means of its statistics ({name: one value per micro-batch}, whose share
+    statistics it takes out): the losses, whose micro-batch values are shares of their minibatch's loss (summed per
+    minibatch, averaged over minibatches), and val/ratio_var, from the means of the ratio and of its square."""
+    return {
+        "loss/policy_avg": sum(stats.pop("pg_loss")) / num_updates,
+        "loss/value_avg": sum(stats.pop("vf_loss")) / num_updates,
+        "val/ratio_var": float(np.mean(stats.pop("ratio_sq"))) - float(np.mean(stats["val/ratio"])) ** 2,
+    }
+
+
+def main(args: "Config"):
     # Setup: processes, data, the four models, sampler, run folder (the helpers are below the fence).
     check_args(args)
     B = args.prompts_per_rank  # responses per process per step
     args.minibatch_size = B // args.num_minibatches
     args.gradient_accumulation_steps = args.minibatch_size // args.micro_batch_size
     accelerator = make_accelerator(args.micro_batch_size, args.gradient_accumulation_steps, args.max_grad_norm)
-    rank, world_size = accelerator.process_index, accelerator.num_processes
+    rank, world_size, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code, args.prompt_template)
     check_reward_and_value_models(args, tokenizer)
     train_prompts, train_golds, eval_set, has_gold = load_rlhf_prompts(args, tokenizer, world_size)
@@ -283,34 +502,38 @@ def main(args: Args):
     set_seed(args.seed + rank)  # random, numpy and torch: a different sampling stream per process
     policy, ref_policy, reward_model, value_model = load_ppo_models(args, accelerator, tokenizer.pad_token_id)
     model = PolicyAndValue(policy, value_model)
-    num_updates = args.total_steps * args.num_ppo_epochs * args.num_minibatches
+    num_updates = args.num_ppo_epochs * args.num_minibatches  # optimizer steps per step
     # eps 1e-5 as in the N+ details (TensorFlow's Adam default in the original OpenAI code).
     trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay, eps=1e-5)
-    scheduler = make_scheduler(optimizer, args, num_updates)
+    scheduler = make_scheduler(optimizer, args, args.total_steps * num_updates)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     unwrapped = accelerator.unwrap_model(model)
     sampler = Sampler(args, accelerator, unwrapped.policy, tokenizer)
+    # ppo_rlhf_loss takes tensors and scalars: its keyword-only arguments are the flags of the same names.
+    loss_flags = {name: getattr(args, name) for name in inspect.getfullargspec(ppo_rlhf_loss).kwonlyargs}
+    evaluation = functools.partial(evaluate, sampler, reward_model, ref_policy, eval_set, has_gold, args, accelerator)
+    # Whitening over every process's tokens: N processes with 1/N of the batch each whiten as one with all of it.
+    sum_processes = functools.partial(accelerator.reduce, reduction="sum")
     start_step = run.start({"vllm": sampler.llm is not None})
     if start_step > 0:
         sampler.sync_weights()
     else:
-        run.log(0, *evaluate(sampler, reward_model, ref_policy, eval_set, has_gold, args, accelerator, 0))
+        run.log(0, *evaluation(0))
 
-    progress = tqdm(total=args.total_steps, initial=start_step, desc="ppo", disable=not accelerator.is_main_process)
     for step in range(start_step, args.total_steps):
-        t_step, metrics = time.time(), {}
+        metrics = run.begin_step(step)
         # 1. Prompts: each process takes its slice of a global order that is a function of (seed, step), so that
         # --resume repeats it.
         indices = step_prompt_indices(step, B, len(train_prompts), args.seed, rank, world_size)
         prompts = [train_prompts[i] for i in indices]
 
         # 2. Rollout: one response per prompt, cut to the longest one. responses, mask [B, R], B = prompts_per_rank.
-        with timed(metrics, "time/generation"):
+        with run.timed("time/generation"):
             responses, mask, sampler_logprobs, texts = sampler.generate(prompts, 1, args.temperature)
         metrics["perf/generation_tokens_per_second"] = mask.sum().item() / metrics["time/generation"]
         query_responses, attention_mask, mask, sampler_logprobs, context_length = training_batch(
-            prompts, 1, responses, mask, sampler_logprobs, tokenizer.pad_token_id, accelerator.device
+            prompts, 1, responses, mask, sampler_logprobs, tokenizer.pad_token_id, device
         )
 
         # 3. What stays fixed during the update, in the micro-batches the first minibatch of the first epoch will
@@ -323,20 +546,16 @@ def main(args: Args):
         ref_logprobs = reference_logprobs(response_logprobs, unwrapped.policy, ref_policy, accelerator, batch)
 
         # 4. Reward: the reward model's score of each whole response (the verifier's verdict is only reported). [B]
-        t0 = time.time()
-        scores, has_eos = reward_model_scores(
-            reward_model, query_responses, attention_mask, context_length, mask, sampler.stop_ids, args, accelerator
-        )
-        correct = verifier_correct(texts, [train_golds[i] for i in indices])
-        metrics["time/reward"] = time.time() - t0
-        check_finite(accelerator, scores, "objective/scores", step, run.last_checkpoint)
+        with run.timed("time/reward"):
+            scores, has_eos = reward_model_scores(
+                reward_model, *batch[:3], mask, sampler.stop_ids, args.missing_eos_penalty, accelerator
+            )
+            correct = verifier_correct(texts, [train_golds[i] for i in indices])
+        run.check(scores, "objective/scores")
 
         # 5. Per-token rewards: the KL penalty on every token, plus the score on the last real one. [B, R]
         kl = kl_estimate(old_logprobs, ref_logprobs, "k1") * mask
         rewards, non_score_reward = per_token_rewards(kl, scores, mask, args.kl_coef)
-        # Whitening statistics over every process's tokens: N processes with 1/N of the batch each whiten as one
-        # process with the whole batch.
-        sum_processes = functools.partial(accelerator.reduce, reduction="sum")
         if args.whiten_rewards:
             rewards = masked_whiten(rewards, mask, shift_mean=False, sum_processes=sum_processes) * mask
 
@@ -353,73 +572,41 @@ def main(args: Args):
         # 7. PPO update: num_ppo_epochs passes over the batch (the first in rollout order), each split into
         # minibatches (one optimizer step each), each into micro-batches (gradient accumulation).
         model.train()
-        stats = collections.defaultdict(list)  # metric name -> one value per micro-batch (or minibatch)
-        rng = torch.Generator().manual_seed(args.seed * 7919 + step)  # the later epochs' orders
-        for epoch in range(args.num_ppo_epochs):
-            order = torch.randperm(B, generator=rng) if epoch else torch.arange(B)
-            for start in range(0, B, args.minibatch_size):
-                minibatch = order[start : start + args.minibatch_size]
-                # The losses are means over the minibatch's tokens on every process, not each process's own count:
-                # each process divides by the mean count, and DDP averages the gradients.
-                minibatch_tokens = accelerator.reduce(mask[minibatch].sum(), "mean").clamp(min=1)
-                for micro_start in range(0, args.minibatch_size, args.micro_batch_size):
-                    idx = minibatch[micro_start : micro_start + args.micro_batch_size].to(accelerator.device)
-                    # Gradients sync over processes on the minibatch's last micro-batch (where DeepSpeed also steps).
-                    with accelerator.accumulate(model):
-                        logprobs, logits, values = model(
-                            query_responses[idx], attention_mask[idx], context_length, args.temperature
-                        )
-                        micro = {name: take(tensor, idx) for name, tensor in rollout.items()}
-                        loss, micro_stats = ppo_rlhf_loss(
-                            logprobs, logits, values, **micro, args=args, num_tokens=minibatch_tokens
-                        )
-                        policy_and_value = torch.tensor([micro_stats["pg_loss"], micro_stats["vf_loss"]])
-                        check_finite(accelerator, policy_and_value, "loss (policy, value)", step, run.last_checkpoint)
-                        # accelerate (and DeepSpeed) divide a micro-batch's loss by gradient_accumulation_steps, to
-                        # average micro-batch means; these losses are shares that already sum to the minibatch's.
-                        accelerator.backward(loss * args.gradient_accumulation_steps)
-                    for name, value in micro_stats.items():
-                        stats[name].append(value)
-                    del logits
-                grad_norm = clip_gradients(accelerator, model, args.max_grad_norm, step, run.last_checkpoint)
-                stats["policy/grad_norm"].append(grad_norm)
-                stats["policy/skipped_updates"].append(float(grad_norm != grad_norm))  # NaN: fp16's scaler skipped it
-                record_staleness(stats, epoch * args.num_minibatches + start // args.minibatch_size)
-                lr = scheduler.get_last_lr()[0]  # the learning rate of this update
-                optimizer.step()
-                if grad_norm == grad_norm:  # the schedule counts updates taken (fp16's scaler skips some)
-                    scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-                if epoch == 0 and start == 0:
-                    metrics["policy/ratio_first_minibatch"] = float(np.mean(stats["val/ratio"]))
-                    metrics["policy/approxkl_first_minibatch"] = float(np.mean(stats["policy/approxkl_avg"]))
-        # What the stalest update saw: the approximate KL of the policy to the rollout's, on the last minibatch.
-        last_minibatch = stats["policy/approxkl_avg"][-args.gradient_accumulation_steps :]  # its micro-batches
-        metrics["policy/approxkl_last_minibatch"] = float(np.mean(last_minibatch))
+        sizes = (B, args.minibatch_size, args.micro_batch_size)  # rows per batch, minibatch, micro-batch
+        for mb in micro_batches(*sizes, args.num_ppo_epochs, seed=args.seed * 7919 + step):
+            if mb.first:  # the losses' count: the minibatch's tokens averaged over processes (DDP averages too)
+                mb_tokens = accelerator.reduce(mask[mb.minibatch].sum(), "mean").clamp(min=1)
+            idx = mb.rows.to(device)
+            # Gradients sync over processes on the minibatch's last micro-batch (where DeepSpeed also steps).
+            with accelerator.accumulate(model):
+                logprobs, logits, values = model(query_responses[idx], attention_mask[idx], *batch[2:4])
+                micro = {name: take(tensor, idx) for name, tensor in rollout.items()}
+                loss, stats = ppo_rlhf_loss(logprobs, logits, values, **micro, num_tokens=mb_tokens, **loss_flags)
+                run.check(torch.tensor([stats["pg_loss"], stats["vf_loss"]]), "loss (policy, value)")
+                # The loss is this micro-batch's share of the minibatch's; accelerate (and DeepSpeed) divide what it
+                # back-propagates by gradient_accumulation_steps (to average micro-batch means): undo it.
+                accelerator.backward(loss * args.gradient_accumulation_steps)
+            if mb.update == 0:  # ratio 1, approxkl 0: a fresh batch's first minibatch is exactly on-policy
+                run.add({"policy/ratio_first_minibatch": stats["val/ratio"]})
+                run.add({"policy/approxkl_first_minibatch": stats["policy/approxkl_avg"]})
+            if mb.update == num_updates - 1:  # what the stalest update saw: the policy's KL to the rollout's
+                run.add({"policy/approxkl_last_minibatch": stats["policy/approxkl_avg"]})
+            run.add(stats)
+            del logits
+            if mb.last:  # one optimizer step per minibatch, mb.update updates after the rollout's weights
+                record_staleness(run.stats, mb.update)
+                optimizer_step(accelerator, model, optimizer, scheduler, run)
+        metrics |= rlhf_update_metrics(run.stats, num_updates)  # the losses and val/ratio_var
         metrics["time/training"] = time.time() - t_train - metrics["time/reward"]
-        metrics |= rlhf_update_metrics(stats, args.num_ppo_epochs * args.num_minibatches)
-        metrics["lr"] = lr  # of the step's last update
         train_tokens = int(attention_mask.sum()) * (args.num_ppo_epochs + 1)  # + the no-grad pass of step 3
         metrics["perf/train_tokens_per_second"] = train_tokens / metrics["time/training"]
 
         # 8. Weight sync: the sampler generates the next batch with the new policy.
-        with timed(metrics, "time/weight_sync"):
+        with run.timed("time/weight_sync"):
             sampler.sync_weights()
 
         # 9. Log (averaged over processes), evaluate, checkpoint.
-        metrics = reduce_metrics(accelerator, metrics)
-        run.episode += B * world_size
-        metrics["perf/episodes_per_second"] = B * world_size / (time.time() - t_step)
-        samples = []
-        if is_due(step + 1, args.eval_every, args.total_steps):
-            eval_metrics, samples = evaluate(
-                sampler, reward_model, ref_policy, eval_set, has_gold, args, accelerator, step + 1
-            )
-            metrics |= eval_metrics
-        run.log(step + 1, metrics, samples)
-        if is_due(step + 1, args.save_every, args.total_steps):
-            run.save_checkpoint(step + 1)
-        progress.update()
+        run.end_step(B * world_size, evaluation)
 
     save_policy_and_value(accelerator, model, tokenizer, run.dir)
     sampler.close()
@@ -431,28 +618,6 @@ def main(args: Args):
 # PLUMBING: everything below serves main() and is not needed to follow the algorithm; a reader may stop here.
 # A definition with the same name is identical in every script that has it (tests/test_drift.py checks).
 # =====================================================================================================================
-
-
-def logprobs_from_logits(logits, labels):
-    """log softmax(logits)[labels] without materialising the full log-softmax. logits [..., V], labels [...]."""
-    return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-
-
-def entropy_from_logits(logits):
-    """Entropy of softmax(logits) along the last dimension."""
-    return torch.logsumexp(logits, dim=-1) - (F.softmax(logits, dim=-1) * logits).sum(-1)
-
-
-def response_logprobs(model, input_ids, attention_mask, context_length, temperature):
-    """Log-probs of the response tokens input_ids[:, context_length:] under `model`, and the logits that gave them.
-    Prompts are left-padded, so positions are counted from each sequence's first real token.
-    Returns (logprobs [B, R], logits [B, R, V]) with logits divided by the sampling temperature."""
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    # The logits at position t predict token t + 1: the LM head (a [hidden, vocab] matmul) skips the prompt.
-    logits = model(**inputs, logits_to_keep=input_ids.shape[1] - context_length + 1).logits
-    logits = logits[:, :-1].float() / temperature
-    return logprobs_from_logits(logits, input_ids[:, context_length:]), logits
 
 
 def load_policy_and_reference(args, accelerator, pad_token_id, with_reference=True):
@@ -788,7 +953,7 @@ class Run:
     def end_step(self, episodes, evaluate):
         """Close the step: its metrics and averaged stats, reduced over processes (a collective), the episodes it
         trained on, then evaluate(step) -> (metrics, samples) when --eval_every is due, one log line, and a
-        checkpoint when --save_every is due."""
+        checkpoint when --save_every is due. Returns the metrics logged."""
         metrics = reduce_metrics(self.accelerator, self.metrics | average_stats(self.stats))
         self.episode += episodes
         metrics["time/step"] = time.time() - self.t_step
@@ -798,6 +963,7 @@ class Run:
         if self.due(self.args.save_every):
             self.save_checkpoint(self.step + 1)
         self.progress.update()
+        return metrics | evaluation
 
     def log(self, step, metrics, samples=()):
         """One line of metrics.jsonl (and TensorBoard, wandb) for this step; samples go to samples.jsonl."""
@@ -847,17 +1013,38 @@ class Run:
         self.accelerator.end_training()
 
 
-@contextlib.contextmanager
-def timed(metrics, name):
-    """metrics[name] = the seconds the block took."""
-    start = time.time()
-    yield
-    metrics[name] = time.time() - start
+MicroBatch = collections.namedtuple("MicroBatch", "update epoch minibatch rows first last")
 
 
-def is_due(step, every, total_steps):
-    """Whether a periodic event (evaluation, checkpoint) happens after `step`: every `every` steps and at the end."""
-    return bool(every and step % every == 0) or step == total_steps
+def micro_batches(batch_size, minibatch_size, micro_batch_size, num_epochs, seed):
+    """The update's schedule, flat: num_epochs passes over a batch of batch_size rows (the first in rollout order, the
+    later ones shuffled by a generator seeded with `seed`), each split into minibatches (one optimizer step each),
+    each into micro-batches (gradient accumulation). Yields a MicroBatch per micro-batch: the update (minibatch) it
+    belongs to, counted from 0 in this step, the epoch (pass), the minibatch's rows and its own, and whether it is
+    the minibatch's first and last."""
+    rng, update = torch.Generator().manual_seed(seed), 0
+    for epoch in range(num_epochs):
+        order = torch.randperm(batch_size, generator=rng) if epoch else torch.arange(batch_size)
+        for start in range(0, batch_size, minibatch_size):
+            minibatch = order[start : start + minibatch_size]
+            for first in range(0, minibatch_size, micro_batch_size):
+                rows, last = minibatch[first : first + micro_batch_size], first + micro_batch_size >= minibatch_size
+                yield MicroBatch(update, epoch, minibatch, rows, first == 0, last)
+            update += 1
+
+
+def optimizer_step(accelerator, model, optimizer, scheduler, run, prefix="policy/"):
+    """One update: clip the gradients (clip_gradients), step the optimizer, then the learning-rate schedule when the
+    update was taken (it counts updates taken: fp16's loss scaler skips an overflowing one), and zero the gradients.
+    Adds prefix + grad_norm (NaN when skipped) and prefix + skipped_updates to the step's stats; the step's lr is
+    this update's (the step's last)."""
+    grad_norm = clip_gradients(accelerator, model, run.args.max_grad_norm, run.step, run.last_checkpoint)
+    run.add({f"{prefix}grad_norm": grad_norm, f"{prefix}skipped_updates": float(grad_norm != grad_norm)})
+    run.metrics["lr"] = scheduler.get_last_lr()[0]
+    optimizer.step()
+    if grad_norm == grad_norm:
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def check_finite(accelerator, values, name, step, last_checkpoint):
@@ -1137,23 +1324,6 @@ def step_prompt_indices(step, per_rank, num_prompts, seed, rank=0, world_size=1)
     return order[mine : mine + per_rank].tolist()
 
 
-def training_batch(prompts, n, responses, mask, sampler_logprobs, pad_token_id, device):
-    """The rollout as the trainer's input: each prompt (left-padded) repeated for its n consecutive completions, then
-    the responses cut to the longest one (nothing after it is computed). responses, mask, sampler_logprobs [B, R].
-    Returns query_responses [B, P + R'], attention_mask [B, P + R'] (0 on padding and after the first EOS),
-    mask [B, R'], sampler_logprobs [B, R'] (or None) on `device`, and P, the prompts' padded length."""
-    width = max(1, int(mask.sum(1).max()))
-    responses, mask = responses[:, :width], mask[:, :width].to(device)
-    if sampler_logprobs is not None:
-        sampler_logprobs = sampler_logprobs[:, :width].to(device)
-    rows, P = [p for p in prompts for _ in range(n)], max(len(p) for p in prompts)  # left-padded to P
-    prompt_ids = torch.tensor([[pad_token_id] * (P - len(p)) + list(p) for p in rows], dtype=torch.long)
-    prompt_mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in rows], dtype=torch.long)
-    query_responses = torch.cat([prompt_ids, responses], 1).to(device)
-    attention_mask = torch.cat([prompt_mask.to(device), mask.long()], 1)
-    return query_responses, attention_mask, mask, sampler_logprobs, prompt_ids.shape[1]
-
-
 def save_policy_and_value(accelerator, model, tokenizer, run_dir):
     """The trained policy (the LoRA adapter alone when --lora_r > 0) and value model as Hugging Face folders
     run_dir/model and run_dir/value_model, each with its share of the PolicyAndValue wrapper's weights. Under ZeRO-3
@@ -1170,168 +1340,6 @@ def save_policy_and_value(accelerator, model, tokenizer, run_dir):
             tokenizer.save_pretrained(os.path.join(run_dir, folder))
 
 
-class PolicyAndValue(torch.nn.Module):
-    """The policy and the value model as one module, so that one optimizer, one DDP/DeepSpeed wrapper (which syncs
-    gradients only for calls through its forward) and one checkpoint cover both."""
-
-    def __init__(self, policy, value_model):
-        super().__init__()
-        self.policy, self.value_model = policy, value_model
-        # The value model's head minus its config.bias (the mean training score reward_modeling.py stores), as the
-        # N+ critic does: a value model started from the reward model then predicts the centred scores
-        # (score - bias) from step 0 instead of starting bias above every return. A plain float, not a buffer:
-        # it stays in the value model's saved config, and checkpoints keep their keys.
-        self.value_bias = float(getattr(value_model.config, "bias", 0.0))
-
-    def forward(self, input_ids, attention_mask, context_length, temperature):
-        """Response log-probs [B, R], their logits [B, R, V] and the values [B, R] of the states before each
-        response token (the value model's centred output at the position that predicts it)."""
-        logprobs, logits = response_logprobs(self.policy, input_ids, attention_mask, context_length, temperature)
-        values = token_scores(self.value_model, self.value_model.score, input_ids, attention_mask)
-        return logprobs, logits, values[:, context_length - 1 : -1] - self.value_bias
-
-
-def fixed_logprobs(logprobs_fn, model, query_responses, attention_mask, context_length, temperature, micro_batch_size):
-    """logprobs_fn (response_logprobs, or shared_prompt_logprobs where a script has it) without gradients, by
-    micro-batch: the old policy's and the reference's log-probs, which stay fixed during the update.
-    [B, P + R] -> [B, R]"""
-    parts = [slice(i, i + micro_batch_size) for i in range(0, len(query_responses), micro_batch_size)]
-    with torch.no_grad():
-        return torch.cat(
-            [logprobs_fn(model, query_responses[s], attention_mask[s], context_length, temperature)[0] for s in parts]
-        )
-
-
-def fixed_logprobs_and_values(model, query_responses, attention_mask, context_length, temperature, micro_batch_size):
-    """The PolicyAndValue model's response log-probs and values without gradients, micro-batch by micro-batch (the
-    logits of one micro-batch at a time): the old policy's log-probs and the old values, which stay fixed during the
-    update. [B, P + R] -> ([B, R], [B, R])"""
-    parts = [slice(i, i + micro_batch_size) for i in range(0, len(query_responses), micro_batch_size)]
-    logprobs, values = [], []
-    with torch.no_grad():
-        for s in parts:
-            part_logprobs, _, part_values = model(query_responses[s], attention_mask[s], context_length, temperature)
-            logprobs.append(part_logprobs)
-            values.append(part_values)
-    return torch.cat(logprobs), torch.cat(values)
-
-
-def token_scores(model, score_head, input_ids, attention_mask):
-    """The one-label head of a sequence-classification model (reward or value model) at every position: [B, T]
-    float32. `model` may be wrapped (DDP, DeepSpeed) so that gradients sync; `score_head` is its unwrapped `.score`
-    layer. The classifier's forward applies the head at every position and then keeps the last one: a hook takes
-    the head's output before that, so no layer's hidden states are kept (output_hidden_states would keep all).
-    Positions count from each sequence's first real token, so left and right padding give the same scores."""
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    scores = []
-    handle = score_head.register_forward_hook(lambda module, inputs, output: scores.append(output))
-    try:
-        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    finally:
-        handle.remove()
-    return scores[0].squeeze(-1).float()
-
-
-def last_real_index(attention_mask):
-    """[B] index of the last position where attention_mask is 1 (left, right or both-sided padding)."""
-    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
-    return (positions * attention_mask).argmax(1)
-
-
-def rlhf_rollout_metrics(scores, kl, non_score_reward, old_logprobs, mask, has_eos, correct, has_gold):
-    """What the sampled responses scored and how far the policy is from its reference (the N+ details' names), and
-    how long the responses were. scores, has_eos, correct [B]; kl, non_score_reward, old_logprobs, mask [B, R]."""
-    metrics = {
-        "objective/scores": scores.mean().item(),
-        "objective/kl": kl.sum(1).mean().item(),
-        "objective/entropy": (-old_logprobs * mask).sum(1).mean().item(),  # sampled estimate, nats per response
-        "objective/non_score_reward": non_score_reward.sum(1).mean().item(),
-    }
-    metrics["objective/rlhf_reward"] = metrics["objective/scores"] + metrics["objective/non_score_reward"]
-    if has_gold:
-        metrics["objective/accuracy"] = correct.mean().item()
-    metrics["objective/response_length"] = mask.sum(1).float().mean().item()
-    metrics["val/num_eos_tokens"] = has_eos.sum().item()
-    return metrics
-
-
-def record_staleness(stats, updates_behind):
-    """Adds one update's staleness to its step's statistics: `updates_behind`, the number of optimizer updates
-    between the weights that generated its minibatch and the weights it updates (logged as the step's mean and
-    max)."""
-    stats["policy/staleness"].append(updates_behind)
-    stats["policy/staleness_max"].append(updates_behind)
-
-
-def rlhf_update_metrics(stats, num_optimizer_steps):
-    """The update's metrics from its statistics ({name: one value per micro-batch, or per minibatch}): their means,
-    except the losses, whose micro-batch values are shares of their minibatch's loss (summed per minibatch, averaged
-    over minibatches), val/ratio_var, from the means of the ratio and of its square, and a *_max (*_min) name's largest
-    (smallest) value."""
-    stats = dict(stats)
-    metrics = {
-        "loss/policy_avg": sum(stats.pop("pg_loss")) / num_optimizer_steps,
-        "loss/value_avg": sum(stats.pop("vf_loss")) / num_optimizer_steps,
-        "val/ratio_var": float(np.mean(stats.pop("ratio_sq"))) - float(np.mean(stats["val/ratio"])) ** 2,
-    }
-    return metrics | average_stats(stats)
-
-
-def reference_logprobs(logprobs_fn, model, ref_model, accelerator, batch):
-    """fixed_logprobs of the reference: ref_model, or with LoRA (ref_model None) the policy with its adapters off,
-    under the policy's autocast (--mixed_precision), so that KL is exactly 0 before the first update. [B, R]"""
-    adapters_off = accelerator.unwrap_model(model).disable_adapter() if ref_model is None else contextlib.nullcontext()
-    with adapters_off, accelerator.autocast():
-        return fixed_logprobs(logprobs_fn, ref_model or model, *batch)
-
-
-def take(values, rows):
-    """values[rows], or None for a tensor the run does not have (no reference model, no sampler log-probs)."""
-    return None if values is None else values[rows]
-
-
-def sampler_gap_metrics(old_logprobs, sampler_logprobs, mask, micro_batch_size):
-    """How far the sampler's pi is from the trainer's on the rollout, per token log(pi_train / pi_sampler): the mean
-    of its absolute value (averaged over the micro-batches' token means) and the largest ratio. All [B, R].
-    Returns {"objective/logprob_gap": float, "objective/logprob_ratio_max": largest pi_train / pi_sampler}."""
-    log_gap = old_logprobs - sampler_logprobs
-    parts = [slice(i, i + micro_batch_size) for i in range(0, len(log_gap), micro_batch_size)]
-    means = [masked_mean(log_gap[s].abs(), mask[s]).item() for s in parts]
-    ratio_max = torch.exp(log_gap)[mask > 0].max().item()
-    return {"objective/logprob_gap": float(np.mean(means)), "objective/logprob_ratio_max": ratio_max}
-
-
-def verifier_correct(texts, golds):
-    """The verifier's verdict (1/0) per response: reported next to the score, never trained on."""
-    return torch.tensor([verify_answer(extract_answer(t), g) for t, g in zip(texts, golds)])
-
-
-NUMBER = r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?"  # 12, -1,234.5, .5, 3/4
-
-
-def extract_answer(text):
-    """The final answer of a completion: the first number after the last 'Answer:' (its whole line if it has
-    none), else the last number in the text, else None. When that number starts an equation on its line (numbers
-    and operators, then '=': "9 * 6 = 54", "9 x 6 = 54 = 50 + 4"), the answer is the last side of the equation that
-    is a lone number (54 in both). LaTeX fractions are read as a/b, a Unicode minus as '-'."""
-    text = re.sub(r"\\d?frac\{(-?\d+)\}\{(\d+)\}", r"\1/\2", text).replace("\u2212", "-")
-    if "Answer:" in text:
-        tail = text.rsplit("Answer:", 1)[1]
-        found = re.search(NUMBER, tail)
-        if found:
-            term = r"(?:\([ \t]*)*-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:[ \t]*\))*"  # a number, maybe in parentheses
-            words = r"x|·|\\times|\\cdot|\\div|times|multiplied by|plus|minus|divided by|over|%[ \t]*of|percent of"
-            operation = rf"[ \t]*(?:[-+*/×÷]|(?:{words})(?![a-z]))[ \t]*"
-            side = rf"{term}(?:{operation}{term})*"
-            last = rf"[ \t]*=[ \t]*({NUMBER})(?![.,]?\d|{operation}\(*\.?\d)"  # a lone number
-            equation = re.compile(rf"{term}(?:{operation}{term})+(?:[ \t]*=[ \t]*{side})*{last}", re.I)
-            equation = equation.match(tail, found.start())
-            return (equation.group(1) if equation else found.group(0)).replace(",", "").replace(" ", "")
-        return tail.strip().split("\n")[0].strip().rstrip(".") or None
-    numbers = re.findall(NUMBER, text)
-    return numbers[-1].replace(",", "").replace(" ", "") if numbers else None
-
-
 def gold_answer(answer):
     """The gold final answer as a string; GSM8K style solutions keep what follows '####'. A null answer is the empty
     string, which nothing matches."""
@@ -1342,24 +1350,6 @@ def verifiable_gold(gold):
     """Whether the verifier can check answers against this gold: it holds a number or a LaTeX expression. Null,
     empty and plain-word golds do not (a completion could only match them as text, e.g. "Answer: None")."""
     return re.search(r"[0-9\\]", gold) is not None
-
-
-def verify_answer(prediction, gold):
-    """1.0 if the prediction equals the gold answer: math-verify first, numeric equality as the fallback."""
-    if prediction is None or not gold:
-        return 0.0
-    try:
-        from math_verify import parse, verify
-
-        parsed_gold, parsed_pred = parse(f"${gold}$"), parse(f"${prediction}$")
-        if parsed_gold and parsed_pred:
-            return float(verify(parsed_gold, parsed_pred))
-    except Exception:  # math-verify raises on some inputs, or times out: fall back to the task's numeric scorer
-        pass
-    try:
-        return float(abs(Fraction(prediction) - Fraction(gold)) < 1e-6)
-    except (ValueError, ZeroDivisionError):
-        return float(prediction.strip() == gold.strip())
 
 
 def evaluate(sampler, reward_model, ref_policy, eval_set, has_gold, args, accelerator, step):
@@ -1382,8 +1372,9 @@ def evaluate(sampler, reward_model, ref_policy, eval_set, has_gold, args, accele
         query_responses, attention_mask, mask, _, context_length = training_batch(
             prompts, 1, responses, mask, None, tokenizer.pad_token_id, accelerator.device
         )
+        penalty = args.missing_eos_penalty  # None: the reward model's score
         scores, has_eos = reward_model_scores(
-            reward_model, query_responses, attention_mask, context_length, mask, sampler.stop_ids, args, accelerator
+            reward_model, query_responses, attention_mask, context_length, mask, sampler.stop_ids, penalty, accelerator
         )
         correct = verifier_correct(texts, [eval_golds[i] for i in chunk])
         perplexity = torch.zeros(len(chunk))  # not measured with LoRA (see the docstring)
@@ -1513,10 +1504,13 @@ def average_stats(stats):
 
 
 def reduce_values(name, values):
-    """The largest of a list of floats for a metric named *_max, the smallest for *_min, else their mean; NaNs (a
-    micro-batch with no token in the loss, see token_mean) are left out."""
+    """The largest of a list of floats for a metric named *_max, the smallest for *_min, else their mean (exactly the
+    value when they are all equal: a metric already taken over every process stays as it is, on any number of
+    processes); NaNs (a micro-batch with no token in the loss, see token_mean) are left out."""
     values = [v for v in values if v == v] or [float("nan")]
-    return float(max(values) if name.endswith("_max") else min(values) if name.endswith("_min") else np.mean(values))
+    if name.endswith("_max") or name.endswith("_min") or min(values) == max(values):
+        return float(max(values) if name.endswith("_max") else min(values))
+    return float(np.mean(values))
 
 
 def git_sha():

@@ -43,6 +43,7 @@ import ast
 import bisect
 import collections
 import contextlib
+import functools
 import gc
 import itertools
 import json
@@ -130,6 +131,39 @@ def bradley_terry_loss(chosen_scores, rejected_scores):
     return -F.logsigmoid(chosen_scores - rejected_scores)
 
 
+def token_scores(model, score_head, input_ids, attention_mask):
+    """The one-label head of a sequence-classification model (reward or value model) at every position: [B, T]
+    float32. `model` may be wrapped (DDP, DeepSpeed) so that gradients sync; `score_head` is its unwrapped `.score`
+    layer. The classifier's forward applies the head at every position and then keeps the last one: a hook takes
+    the head's output before that, so no layer's hidden states are kept (output_hidden_states would keep all).
+    Positions count from each sequence's first real token, so left and right padding give the same scores."""
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    scores = []
+    handle = score_head.register_forward_hook(lambda module, inputs, output: scores.append(output))
+    try:
+        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    finally:
+        handle.remove()
+    return scores[0].squeeze(-1).float()
+
+
+def last_real_index(attention_mask):
+    """[B] index of the last position where attention_mask is 1 (left, right or both-sided padding)."""
+    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+    return (positions * attention_mask).argmax(1)
+
+
+def right_pad(sequences, pad_token_id):
+    """Right-pad lists of token ids. Returns (input_ids [B, L], attention_mask [B, L])."""
+    width = max(len(s) for s in sequences)
+    input_ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, s in enumerate(sequences):
+        input_ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        attention_mask[i, : len(s)] = 1
+    return input_ids, attention_mask
+
+
 def pair_scores(model, score_head, pairs, pad_token_id, device):
     """Scores of a list of pairs: (chosen [b], rejected [b]) float32. Chosen and rejected go through one forward,
     right-padded; each score is read at its sequence's last real token."""
@@ -150,7 +184,7 @@ def bradley_terry_metrics(chosen, rejected):
     }
 
 
-def bradley_terry_backward(model, score_head, pairs, args, accelerator, pad_token_id, step, last_checkpoint):
+def bradley_terry_backward(model, score_head, pairs, args, accelerator, pad_token_id, run):
     """The gradient of the mean Bradley-Terry loss over this process's pairs of the step, accumulated over
     gradient_accumulation_steps micro-batches; gradients sync over processes on the last one, where DeepSpeed also
     takes its optimizer step. Returns the batch's metrics before the update: the loss optimised (its mean over
@@ -163,7 +197,7 @@ def bradley_terry_backward(model, score_head, pairs, args, accelerator, pad_toke
             # Every micro-batch of every process holds the same number of pairs: the mean of their means is the mean
             # over the whole batch, and DDP's mean over processes keeps it so.
             loss = bradley_terry_loss(chosen, rejected).mean() / args.gradient_accumulation_steps
-            check_finite(accelerator, loss, "loss/reward_model", step, last_checkpoint)
+            run.check(loss, "loss/reward_model")
             # accelerate (and DeepSpeed) divide a micro-batch's loss by gradient_accumulation_steps, to average
             # micro-batch means; these losses are shares that already sum to the step's.
             accelerator.backward(loss * args.gradient_accumulation_steps)
@@ -171,13 +205,6 @@ def bradley_terry_backward(model, score_head, pairs, args, accelerator, pad_toke
         chosen_all.append(chosen.detach())
         rejected_all.append(rejected.detach())
     return {"loss/reward_model": batch_loss, **bradley_terry_metrics(torch.cat(chosen_all), torch.cat(rejected_all))}
-
-
-def centring_bias(model, score_head, train_pairs, args, accelerator, pad_token_id):
-    """The bias stored with the model: its mean score over the training responses (as many chosen as rejected),
-    which consumers subtract so that scores are centred on 0. Returns (bias, training-set accuracy)."""
-    train = evaluate_pairs(model, score_head, train_pairs, "train", args, accelerator, pad_token_id)
-    return (train["train/chosen_score"] + train["train/rejected_score"]) / 2, train["train/accuracy"]
 
 
 def preference_pairs(labels, max_pairs, rng):
@@ -234,7 +261,7 @@ def prm_loss(logits, labels, mean_steps):
     return F.binary_cross_entropy_with_logits(logits, labels, reduction="sum") / mean_steps
 
 
-def prm_backward(model, score_head, completions, args, accelerator, pad_token_id, step, last_checkpoint):
+def prm_backward(model, score_head, completions, args, accelerator, pad_token_id, run):
     """The gradient of the PRM loss (prm_loss) on this process's completions of the step, accumulated over
     gradient_accumulation_steps micro-batches as in bradley_terry_backward. Returns the batch's metrics before the
     update: the loss optimised (its mean over processes is the whole batch's), step accuracy and scores."""
@@ -246,7 +273,7 @@ def prm_backward(model, score_head, completions, args, accelerator, pad_token_id
         with accelerator.accumulate(model):
             logits, labels = prm_step_logits(model, score_head, micro_batch, pad_token_id, accelerator.device)
             loss = prm_loss(logits, labels, mean_steps)
-            check_finite(accelerator, loss, "loss/reward_model", step, last_checkpoint)
+            run.check(loss, "loss/reward_model")
             accelerator.backward(loss * args.gradient_accumulation_steps)  # see bradley_terry_backward
         batch_loss += loss.item()
         logits_all.append(logits.detach())
@@ -271,19 +298,9 @@ def verifier_step_scores(steps, correct=1.0, unchecked=0.8, wrong=0.0):
     return scores
 
 
-def main(args: Args):
-    # Setup: processes, data, the pairs (sampled from a task), the model (the helpers are below the fence). A PRM's
-    # defaults are ppo_prm_clip.py's: its task, and the prompt of the policy whose responses the PRM will judge.
-    if args.prm:
-        defaults = (
-            "assets/data/arith_2t3t1d",
-            "Solve it step by step, one step per line, and end with 'Answer: <number>'.",
-        )
-    else:
-        defaults = ("assets/data/arith_1d", "Give only the final answer after 'Answer:'.")
-    for name, default in zip(("dataset_path", "instruction"), defaults):
-        setattr(args, name, default if getattr(args, name) is None else getattr(args, name))
-    check_args(args)
+def main(args: "Config"):
+    # Setup: processes, data, the pairs (sampled from a task), the model (the helpers are below the fence).
+    check_args(args)  # and fill the defaults --prm changes (its task and instruction are ppo_prm_clip.py's)
     args.gradient_accumulation_steps = args.pairs_per_rank // args.micro_batch_size
     accelerator = make_accelerator(args.micro_batch_size, args.gradient_accumulation_steps, args.max_grad_norm)
     rank, world_size = accelerator.process_index, accelerator.num_processes
@@ -295,31 +312,17 @@ def main(args: Args):
     random.seed(args.seed + rank)  # a different sampling stream per process (the model init below is reseeded)
     np.random.seed(args.seed + rank)
     torch.manual_seed(args.seed + rank)
-    # Pairs from a task: completions sampled from the policy and labelled by the verifier, a correct one paired with
-    # a wrong one of the same prompt (--prm: every completion, a label per step). A resumed run reads the rows it
-    # wrote (with their token ids) instead of sampling again.
-    rows_dir = os.path.join(run.dir, "steps" if args.prm else "preferences")
-    pair_metrics = {}
-    if args.data_kind == "task" and args.resume is not None:
-        train_rows, eval_rows = (load_split(rows_dir, None, split) for split in (args.train_split, args.eval_split))
-    elif args.data_kind == "task":
-        train_rows, eval_rows, pair_metrics = sample_task_rows(args, accelerator, tokenizer, train_rows, eval_rows)
-        if accelerator.is_main_process:
-            write_jsonl(os.path.join(rows_dir, f"{args.train_split}.jsonl"), train_rows)
-            write_jsonl(os.path.join(rows_dir, f"{args.eval_split}.jsonl"), eval_rows)
     # Token ids: (chosen [L_c], rejected [L_r]), prompt included; --prm: (prompt + completion [L], positions of the
-    # steps' last tokens [K], step labels [K]). Those longer than max_length are dropped.
-    train_pairs, eval_pairs = encode_rows(train_rows, eval_rows, args, tokenizer, accelerator)
+    # steps' last tokens [K], step labels [K]). From a task, completions sampled from the policy and labelled by the
+    # verifier, a correct one paired with a wrong one of the same prompt (--prm: every completion, a label per step).
+    train_pairs, eval_pairs, pair_metrics = reward_pairs(args, accelerator, tokenizer, run, train_rows, eval_rows)
     pairs_per_step = args.pairs_per_rank * world_size
     args.num_train_pairs = len(train_pairs)
     args.total_steps = max(1, round(args.num_train_epochs * len(train_pairs) / pairs_per_step))
 
     torch.manual_seed(args.seed)  # a new score head starts the same in every process
-    model = load_model_with_score_head(args, config, pad_id)
-    if args.lora_r > 0:  # SEQ_CLS: peft trains the new score head in full next to the adapters
-        model = add_lora(model, args, "SEQ_CLS")
-    enable_gradient_checkpointing([model], args)
-    trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters
+    model = load_reward_model(args, config, pad_id)
+    trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters (and the new head)
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay, eps=1e-8)
     scheduler = make_scheduler(optimizer, args, args.total_steps)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
@@ -327,82 +330,38 @@ def main(args: Args):
     # The one-output head, read by token_scores at every position (peft wraps it in a trainable copy).
     score_head = (unwrapped.base_model.model if args.lora_r > 0 else unwrapped).score
     backward = prm_backward if args.prm else bradley_terry_backward
-    evaluate = evaluate_steps if args.prm else evaluate_pairs  # held-out: with the unwrapped model
-    start_step = run.start({})
+    # Held-out accuracy, with the unwrapped model; after the last step, the bias stored with the model.
+    evaluation = functools.partial(evaluate, unwrapped, score_head, train_pairs, eval_pairs, args, accelerator, pad_id)
+    start_step, logged = run.start({}), {}
     if start_step == 0:
-        t0 = time.time()
-        eval_metrics = evaluate(unwrapped, score_head, eval_pairs, "eval", args, accelerator, pad_id)
-        run.log(0, {**pair_metrics, **eval_metrics, "time/eval": time.time() - t0})
-        unit = "steps" if args.prm else "pairs"
-        accelerator.print(
-            f"before training: held-out accuracy {eval_metrics['eval/accuracy']:.3f} on "
-            f"{eval_metrics[f'eval/num_{unit}']:.0f} {unit}; {len(train_pairs)} training "
-            f"{'completions' if args.prm else 'pairs'}, {args.total_steps} steps"
-        )
-    bias = None
+        run.log(0, pair_metrics | evaluation(0)[0])
 
-    progress = tqdm(
-        total=args.total_steps, initial=start_step, desc="reward model", disable=not accelerator.is_main_process
-    )
     for step in range(start_step, args.total_steps):
-        t_step = time.time()
+        metrics = run.begin_step(step)
         # 1. Pairs of this step (--prm: labelled completions): each process takes its slice of a global order that is
         # a function of (seed, step) (a fresh permutation each epoch), so that --resume repeats it. Pairs of similar
         # lengths share a micro-batch (less padding); the step's gradient is the same sum.
         indices = step_prompt_indices(step, args.pairs_per_rank, len(train_pairs), args.seed, rank, world_size)
         batch = sorted((train_pairs[i] for i in indices), key=lambda pair: max(map(len, pair)))
 
-        # 2. The loss's gradient over micro-batches: Bradley-Terry -log sigmoid(r_chosen - r_rejected) on each pair
-        # (--prm: binary cross-entropy on each step). Its metrics describe the batch before the update.
-        model.train()
-        metrics = backward(model, score_head, batch, args, accelerator, pad_id, step, run.last_checkpoint)
-
-        # 3. Update: gradients clipped to max_grad_norm (by DeepSpeed itself under DeepSpeed), one optimizer step.
-        metrics["objective/grad_norm"] = clip_gradients(
-            accelerator, model, args.max_grad_norm, step, run.last_checkpoint
-        )
-        metrics["objective/skipped_updates"] = float(metrics["objective/grad_norm"] != metrics["objective/grad_norm"])
-        metrics["lr"] = scheduler.get_last_lr()[0]  # the learning rate of this update
-        optimizer.step()
-        if not metrics["objective/skipped_updates"]:  # the schedule counts updates taken (fp16's scaler skips some)
-            scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-
-        # 4. Log (averaged over processes), evaluate; after the last step also the bias (Bradley-Terry), checkpoint.
-        elapsed = time.time() - t_step
+        with run.timed("time/training"):
+            # 2. The loss's gradient over micro-batches: Bradley-Terry -log sigmoid(r_chosen - r_rejected) on each
+            # pair (--prm: binary cross-entropy on each step). Its metrics describe the batch before the update.
+            model.train()
+            metrics |= backward(model, score_head, batch, args, accelerator, pad_id, run)
+            # 3. Update: gradients clipped to max_grad_norm (by DeepSpeed itself under DeepSpeed), one optimizer step.
+            optimizer_step(accelerator, model, optimizer, scheduler, run, prefix="objective/")
         tokens = sum(len(pair[0]) if args.prm else len(pair[0]) + len(pair[1]) for pair in batch)
-        metrics |= {"time/training": elapsed, "perf/train_tokens_per_second": tokens / elapsed}
-        metrics = reduce_metrics(accelerator, metrics)
-        metrics["perf/pairs_per_second"] = pairs_per_step / elapsed
-        run.episode += pairs_per_step
-        if is_due(step + 1, args.eval_every, args.total_steps):
-            t0 = time.time()
-            metrics |= evaluate(unwrapped, score_head, eval_pairs, "eval", args, accelerator, pad_id)
-            metrics["time/eval"] = time.time() - t0
-        if step + 1 == args.total_steps and args.prm:
-            accelerator.print(f"after training: held-out step accuracy {metrics['eval/accuracy']:.3f}")
-        elif step + 1 == args.total_steps:
-            bias, train_accuracy = centring_bias(unwrapped, score_head, train_pairs, args, accelerator, pad_id)
-            metrics |= {"objective/bias": bias, "objective/train_set_accuracy": train_accuracy}
-            accelerator.print(
-                f"after training: held-out accuracy {metrics['eval/accuracy']:.3f}, training-set accuracy "
-                f"{train_accuracy:.3f}, bias {bias:.4f}"
-            )
-        run.log(step + 1, metrics)
-        progress.set_postfix(loss=f"{metrics['loss/reward_model']:.3f}", acc=f"{metrics['objective/accuracy']:.2f}")
-        if is_due(step + 1, args.save_every, args.total_steps):
-            run.save_checkpoint(step + 1)
-        progress.update()
+        metrics["perf/train_tokens_per_second"] = tokens / metrics["time/training"]
+        metrics["perf/pairs_per_second"] = pairs_per_step / metrics["time/training"]
 
-    # The final model, LoRA merged in, in the run folder and in reward_model_dir (--prm: prm_dir).
-    if args.prm:  # what ppo_prm_clip.py checks: a PRM, and how its steps were cut and prompted
-        entries = {"prm": {"step_separator": args.step_separator, "instruction": args.instruction}}
-    else:  # a finished run resumed has no bias yet (nothing was left to train): measured again
-        if bias is None:
-            bias, _ = centring_bias(unwrapped, score_head, train_pairs, args, accelerator, pad_id)
-        entries = {"bias": bias}
-    target_dir = args.prm_dir if args.prm else args.reward_model_dir
-    save_reward_model(accelerator, model, tokenizer, os.path.join(run.dir, "model"), entries, target_dir)
+        # 4. Log (averaged over processes), evaluate (after the last step with the bias), checkpoint.
+        logged = run.end_step(pairs_per_step, evaluation)
+        run.progress.set_postfix(loss=f"{logged['loss/reward_model']:.3f}", acc=f"{logged['objective/accuracy']:.2f}")
+
+    # The final model, LoRA merged in, in the run folder and in reward_model_dir (--prm: prm_dir), with the bias (a
+    # finished run resumed has none logged: it is measured again) or what ppo_prm_clip.py checks of a PRM.
+    save_reward_model(accelerator, model, tokenizer, run.dir, args, logged.get("objective/bias"), train_pairs)
     run.finish()
     return run.dir
 
@@ -754,7 +713,7 @@ class Run:
     def end_step(self, episodes, evaluate):
         """Close the step: its metrics and averaged stats, reduced over processes (a collective), the episodes it
         trained on, then evaluate(step) -> (metrics, samples) when --eval_every is due, one log line, and a
-        checkpoint when --save_every is due."""
+        checkpoint when --save_every is due. Returns the metrics logged."""
         metrics = reduce_metrics(self.accelerator, self.metrics | average_stats(self.stats))
         self.episode += episodes
         metrics["time/step"] = time.time() - self.t_step
@@ -764,6 +723,7 @@ class Run:
         if self.due(self.args.save_every):
             self.save_checkpoint(self.step + 1)
         self.progress.update()
+        return metrics | evaluation
 
     def log(self, step, metrics, samples=()):
         """One line of metrics.jsonl (and TensorBoard, wandb) for this step; samples go to samples.jsonl."""
@@ -813,9 +773,18 @@ class Run:
         self.accelerator.end_training()
 
 
-def is_due(step, every, total_steps):
-    """Whether a periodic event (evaluation, checkpoint) happens after `step`: every `every` steps and at the end."""
-    return bool(every and step % every == 0) or step == total_steps
+def optimizer_step(accelerator, model, optimizer, scheduler, run, prefix="policy/"):
+    """One update: clip the gradients (clip_gradients), step the optimizer, then the learning-rate schedule when the
+    update was taken (it counts updates taken: fp16's loss scaler skips an overflowing one), and zero the gradients.
+    Adds prefix + grad_norm (NaN when skipped) and prefix + skipped_updates to the step's stats; the step's lr is
+    this update's (the step's last)."""
+    grad_norm = clip_gradients(accelerator, model, run.args.max_grad_norm, run.step, run.last_checkpoint)
+    run.add({f"{prefix}grad_norm": grad_norm, f"{prefix}skipped_updates": float(grad_norm != grad_norm)})
+    run.metrics["lr"] = scheduler.get_last_lr()[0]
+    optimizer.step()
+    if grad_norm == grad_norm:
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def check_finite(accelerator, values, name, step, last_checkpoint):
@@ -841,6 +810,21 @@ def clip_gradients(accelerator, model, max_grad_norm, step, last_checkpoint):
     if accelerator.scaler is None and not deepspeed_fp16:
         check_finite(accelerator, grad_norm, "gradient norm", step, last_checkpoint)
     return grad_norm if math.isfinite(grad_norm) else float("nan")
+
+
+def reward_pairs(args, accelerator, tokenizer, run, train_rows, eval_rows):
+    """The training and held-out pairs as token ids (encode_rows) and the metrics of how they were made. From a task,
+    the rows are sampled and labelled first (sample_task_rows) and written to the run folder (preferences/, --prm:
+    steps/); a resumed run reads the rows it wrote instead of sampling again."""
+    rows_dir, pair_metrics = os.path.join(run.dir, "steps" if args.prm else "preferences"), {}
+    if args.data_kind == "task" and args.resume is not None:
+        train_rows, eval_rows = (load_split(rows_dir, None, split) for split in (args.train_split, args.eval_split))
+    elif args.data_kind == "task":
+        train_rows, eval_rows, pair_metrics = sample_task_rows(args, accelerator, tokenizer, train_rows, eval_rows)
+        if accelerator.is_main_process:
+            write_jsonl(os.path.join(rows_dir, f"{args.train_split}.jsonl"), train_rows)
+            write_jsonl(os.path.join(rows_dir, f"{args.eval_split}.jsonl"), eval_rows)
+    return *encode_rows(train_rows, eval_rows, args, tokenizer, accelerator), pair_metrics
 
 
 def sample_task_rows(args, accelerator, tokenizer, train_rows, eval_rows):
@@ -1189,10 +1173,11 @@ def check_reward_config(path, trust_remote_code):
     return config
 
 
-def load_model_with_score_head(args, config, pad_token_id):
+def load_reward_model(args, config, pad_token_id):
     """The starting model (--model_name_or_path, its `config` from check_reward_config) as a sequence classifier with
     one output, in --dtype; a causal LM gets a new head, drawn from torch's RNG. Dropout off (the config's dropout
-    attributes zeroed, then every nn.Dropout), so that a pair's scores do not depend on the pass that computes them."""
+    attributes zeroed, then every nn.Dropout), so that a pair's scores do not depend on the pass that computes them.
+    With --lora_r, LoRA adapters (peft trains the new head in full next to them); --gradient_checkpointing."""
     for key in ("dropout", "attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
         if hasattr(config, key):
             setattr(config, key, 0.0)
@@ -1207,13 +1192,61 @@ def load_model_with_score_head(args, config, pad_token_id):
         trust_remote_code=args.trust_remote_code,
         use_safetensors=True,
     )
-    return disable_dropout(model)
+    model = disable_dropout(model)
+    if args.lora_r > 0:  # SEQ_CLS: peft trains the new score head in full next to the adapters
+        model = add_lora(model, args, "SEQ_CLS")
+    enable_gradient_checkpointing([model], args)
+    return model
 
 
-def save_reward_model(accelerator, model, tokenizer, folder, config_entries, copy_to):
-    """The trained model as a Hugging Face folder, LoRA merged in (consumers load a plain sequence classifier), with
-    config_entries (the bias, or --prm's `prm`) in its config.json; then copied to copy_to (None: not copied),
-    replacing what was there. Under ZeRO-3 every process takes part in gathering the weights."""
+def centring_bias(model, score_head, train_pairs, args, accelerator, pad_token_id):
+    """The bias stored with the model: its mean score over the training responses (as many chosen as rejected),
+    which consumers subtract so that scores are centred on 0. Returns (bias, training-set accuracy)."""
+    train = evaluate_pairs(model, score_head, train_pairs, "train", args, accelerator, pad_token_id)
+    return (train["train/chosen_score"] + train["train/rejected_score"]) / 2, train["train/accuracy"]
+
+
+def evaluate(model, score_head, train_pairs, eval_pairs, args, accelerator, pad_token_id, step):
+    """Held-out accuracy, loss and scores (evaluate_pairs; --prm: evaluate_steps) and the seconds they took; after the
+    last step of a Bradley-Terry model also the bias stored with it and the training-set accuracy (centring_bias).
+    Before and after training, a line on the console. Returns (metrics, no samples)."""
+    t0, unit = time.time(), "steps" if args.prm else "pairs"
+    metrics = (evaluate_steps if args.prm else evaluate_pairs)(
+        model, score_head, eval_pairs, "eval", args, accelerator, pad_token_id
+    )
+    metrics["time/eval"] = time.time() - t0
+    if step == 0:
+        accelerator.print(
+            f"before training: held-out accuracy {metrics['eval/accuracy']:.3f} on {metrics[f'eval/num_{unit}']:.0f} "
+            f"{unit}; {len(train_pairs)} training {'completions' if args.prm else 'pairs'}, {args.total_steps} steps"
+        )
+    elif step == args.total_steps and args.prm:
+        accelerator.print(f"after training: held-out step accuracy {metrics['eval/accuracy']:.3f}")
+    elif step == args.total_steps:
+        bias, train_accuracy = centring_bias(model, score_head, train_pairs, args, accelerator, pad_token_id)
+        metrics |= {"objective/bias": bias, "objective/train_set_accuracy": train_accuracy}
+        accelerator.print(
+            f"after training: held-out accuracy {metrics['eval/accuracy']:.3f}, training-set accuracy "
+            f"{train_accuracy:.3f}, bias {bias:.4f}"
+        )
+    return metrics, []
+
+
+def save_reward_model(accelerator, model, tokenizer, run_dir, args, bias, train_pairs):
+    """The trained model as a Hugging Face folder in {run_dir}/model, LoRA merged in (consumers load a plain sequence
+    classifier), with in its config.json the bias (centring_bias; None: measured here) or --prm's `prm` (how its
+    steps were cut and prompted, which ppo_prm_clip.py checks); then copied to --reward_model_dir (--prm: --prm_dir;
+    None: not copied), replacing what was there. Under ZeRO-3 every process takes part in gathering the weights."""
+    if args.prm:
+        config_entries = {"prm": {"step_separator": args.step_separator, "instruction": args.instruction}}
+    else:
+        unwrapped = accelerator.unwrap_model(model)
+        score_head = (unwrapped.base_model.model if args.lora_r > 0 else unwrapped).score
+        pad_id = tokenizer.pad_token_id
+        if bias is None:
+            bias = centring_bias(unwrapped, score_head, train_pairs, args, accelerator, pad_id)[0]
+        config_entries = {"bias": bias}
+    folder, copy_to = os.path.join(run_dir, "model"), args.prm_dir if args.prm else args.reward_model_dir
     accelerator.wait_for_everyone()
     unwrapped = accelerator.unwrap_model(model)
     final_model, state_dict = unwrapped, None
@@ -1436,39 +1469,6 @@ def response_mask(responses, lengths, stop_token_ids):
     mask = torch.arange(responses.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
     is_eos = torch.isin(responses, torch.tensor(stop_token_ids)) & mask
     return (mask & ~((is_eos.cumsum(1) - is_eos.long()) > 0)).float()
-
-
-def token_scores(model, score_head, input_ids, attention_mask):
-    """The one-label head of a sequence-classification model (reward or value model) at every position: [B, T]
-    float32. `model` may be wrapped (DDP, DeepSpeed) so that gradients sync; `score_head` is its unwrapped `.score`
-    layer. The classifier's forward applies the head at every position and then keeps the last one: a hook takes
-    the head's output before that, so no layer's hidden states are kept (output_hidden_states would keep all).
-    Positions count from each sequence's first real token, so left and right padding give the same scores."""
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    scores = []
-    handle = score_head.register_forward_hook(lambda module, inputs, output: scores.append(output))
-    try:
-        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    finally:
-        handle.remove()
-    return scores[0].squeeze(-1).float()
-
-
-def last_real_index(attention_mask):
-    """[B] index of the last position where attention_mask is 1 (left, right or both-sided padding)."""
-    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
-    return (positions * attention_mask).argmax(1)
-
-
-def right_pad(sequences, pad_token_id):
-    """Right-pad lists of token ids. Returns (input_ids [B, L], attention_mask [B, L])."""
-    width = max(len(s) for s in sequences)
-    input_ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for i, s in enumerate(sequences):
-        input_ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-        attention_mask[i, : len(s)] = 1
-    return input_ids, attention_mask
 
 
 def left_pad(sequences, pad_token_id):
@@ -1735,10 +1735,13 @@ def average_stats(stats):
 
 
 def reduce_values(name, values):
-    """The largest of a list of floats for a metric named *_max, the smallest for *_min, else their mean; NaNs (a
-    micro-batch with no token in the loss, see token_mean) are left out."""
+    """The largest of a list of floats for a metric named *_max, the smallest for *_min, else their mean (exactly the
+    value when they are all equal: a metric already taken over every process stays as it is, on any number of
+    processes); NaNs (a micro-batch with no token in the loss, see token_mean) are left out."""
     values = [v for v in values if v == v] or [float("nan")]
-    return float(max(values) if name.endswith("_max") else min(values) if name.endswith("_min") else np.mean(values))
+    if name.endswith("_max") or name.endswith("_min") or min(values) == max(values):
+        return float(max(values) if name.endswith("_max") else min(values))
+    return float(np.mean(values))
 
 
 def git_sha():
@@ -1921,7 +1924,15 @@ def fail(message):
 
 
 def check_args(args):
-    """Reject bad input with one line naming the argument, before any model is loaded."""
+    """Fill the defaults --prm changes (ppo_prm_clip.py's task, and the prompt of the policy whose responses the PRM
+    will judge), then reject bad input with one line naming the argument, before any model is loaded."""
+    prm_defaults = (
+        "assets/data/arith_2t3t1d",
+        "Solve it step by step, one step per line, and end with 'Answer: <number>'.",
+    )
+    defaults = prm_defaults if args.prm else ("assets/data/arith_1d", "Give only the final answer after 'Answer:'.")
+    for name, default in zip(("dataset_path", "instruction"), defaults):
+        setattr(args, name, default if getattr(args, name) is None else getattr(args, name))
     policy = "build the embedded model with `make assets`, or pass a Hugging Face folder or hub id"
     check_common_args(args, {"policy_name_or_path": policy}, compares_logprobs=False)
     check_at_least(args, 1, "pairs_per_rank micro_batch_size eval_batch_size max_pairs_per_prompt response_length")

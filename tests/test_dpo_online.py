@@ -178,6 +178,11 @@ def dpo_args(**overrides):
     return dpo_online.Config(**{**values, **overrides})
 
 
+def loss_flags(args):
+    """online_dpo_loss's keyword-only scalars, from the flags of the same names (as main builds them)."""
+    return {name: getattr(args, name) for name in ("beta", "loss_type", "tis_cap", "kl_estimator")}
+
+
 def reference_online_dpo_loss(logprobs, ref_logprobs, sampler_logprobs, mask, keep, normalizer, args):
     """online_dpo_loss by a loop over pairs and tokens in Python floats: (loss, per pair stats, per completion)."""
     b = len(keep)
@@ -229,20 +234,24 @@ def test_online_dpo_loss_matches_a_loop(overrides):
     keep = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0], dtype=torch.float64)  # pairs 1 and 4 are ties
     sampled = sampler_logprobs if args.tis_cap is not None else None
     logprobs.requires_grad_(True)
-    loss, stats = dpo_online.online_dpo_loss(logprobs, ref_logprobs, sampled, mask, keep, 2.5, args)
+    loss, stats, pair_stats = dpo_online.online_dpo_loss(
+        logprobs, ref_logprobs, sampled, mask, keep, 2.5, **loss_flags(args)
+    )
     expected_loss, pairs, completions = reference_online_dpo_loss(
         logprobs.detach(), ref_logprobs, sampled, mask, keep, 2.5, args
     )
     assert loss.item() == pytest.approx(expected_loss, rel=1e-12)
     for name, key in (("loss/dpo", "loss"), ("rewards/chosen", "chosen"), ("rewards/rejected", "rejected")):
-        torch.testing.assert_close(stats[name], torch.tensor(pairs[key], dtype=torch.float64), rtol=1e-12, atol=1e-12)
-    assert stats["rewards/accuracies"].tolist() == pairs["accurate"]
-    assert stats["logps/chosen"].tolist() == pytest.approx(pairs["logp_c"], rel=1e-12)
-    assert stats["logps/rejected"].tolist() == pytest.approx(pairs["logp_r"], rel=1e-12)
+        expected = torch.tensor(pairs[key], dtype=torch.float64)
+        torch.testing.assert_close(pair_stats[name], expected, rtol=1e-12, atol=1e-12)
+    assert pair_stats["rewards/accuracies"].tolist() == pairs["accurate"]
+    assert pair_stats["logps/chosen"].tolist() == pytest.approx(pairs["logp_c"], rel=1e-12)
+    assert pair_stats["logps/rejected"].tolist() == pytest.approx(pairs["logp_r"], rel=1e-12)
     for name in ("kl", "entropy"):
         expected = torch.tensor(completions[name], dtype=torch.float64)
-        torch.testing.assert_close(stats[f"objective/{name}"], expected, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(pair_stats[f"objective/{name}"], expected, rtol=1e-12, atol=1e-12)
     assert ("objective/tis_weight" in stats) == (args.tis_cap is not None)
+    assert all(isinstance(value, float) for value in stats.values()) and not set(stats) & set(pair_stats)
     # A tie weighs nothing: no gradient reaches its completions, nor any padding token.
     loss.backward()
     assert (logprobs.grad[[1, 4, 6, 9]] == 0).all() and (logprobs.grad[mask == 0] == 0).all()
@@ -252,7 +261,9 @@ def test_online_dpo_loss_matches_a_loop(overrides):
 def test_online_dpo_loss_with_vllm_samples_reports_the_gap_to_the_sampler():
     logprobs, ref_logprobs, sampler_logprobs, mask = random_pair_batch(3, 4, seed=5)
     keep = torch.ones(3, dtype=torch.float64)
-    _, stats = dpo_online.online_dpo_loss(logprobs, ref_logprobs, sampler_logprobs, mask, keep, 3.0, dpo_args())
+    _, stats, _ = dpo_online.online_dpo_loss(
+        logprobs, ref_logprobs, sampler_logprobs, mask, keep, 3.0, **loss_flags(dpo_args())
+    )
     gaps = [
         (lp - slp, m)
         for row in range(6)
@@ -264,55 +275,46 @@ def test_online_dpo_loss_with_vllm_samples_reports_the_gap_to_the_sampler():
 
 
 class OneProcess:
-    """What PairUpdateStats.reduce asks of an Accelerator, for a single process."""
-
-    device = torch.device("cpu")
-
-    def gather(self, tensor):
-        return tensor
+    """What pair_metrics asks of an Accelerator, for a single process."""
 
     def reduce(self, tensor, reduction):
         return tensor
 
 
-def test_pair_update_stats_average_over_kept_pairs_and_every_completion():
+def test_pair_metrics_average_over_kept_pairs_and_every_completion():
     keep = torch.tensor([1.0, 0.0, 1.0, 1.0])  # pair 1 is a tie
-    stats = dpo_online.PairUpdateStats(keep)
     # Two micro-batches of 2 pairs: rows are the chosen completions, then the rejected ones.
-    stats.add(
-        torch.tensor([0, 1]),
-        torch.tensor([1, 2, 0, 3]),
-        {
-            "rewards/chosen": torch.tensor([0.5, 100.0]),
-            "rewards/rejected": torch.tensor([0.25, -100.0]),
-            "objective/kl": torch.tensor([1.0, 2.0, 3.0, 4.0]),
-            "objective/logprob_gap": 0.1,
-            "objective/logprob_ratio_max": 1.5,
-        },
-    )
-    stats.add(
-        torch.tensor([2, 3]),
-        torch.tensor([4, 7, 5, 6]),
-        {
-            "rewards/chosen": torch.tensor([1.0, 1.5]),
-            "rewards/rejected": torch.tensor([2.0, 0.0]),
-            "objective/kl": torch.tensor([5.0, 6.0, 7.0, 8.0]),
-            "objective/logprob_gap": 0.3,
-            "objective/logprob_ratio_max": 1.25,
-        },
-    )
-    metrics = stats.reduce(OneProcess())
+    micro_batch_stats = [
+        (
+            torch.tensor([0, 1]),
+            torch.tensor([1, 2, 0, 3]),
+            {
+                "rewards/chosen": torch.tensor([0.5, 100.0]),
+                "rewards/rejected": torch.tensor([0.25, -100.0]),
+                "objective/kl": torch.tensor([1.0, 2.0, 3.0, 4.0]),
+            },
+        ),
+        (
+            torch.tensor([2, 3]),
+            torch.tensor([4, 7, 5, 6]),
+            {
+                "rewards/chosen": torch.tensor([1.0, 1.5]),
+                "rewards/rejected": torch.tensor([2.0, 0.0]),
+                "objective/kl": torch.tensor([5.0, 6.0, 7.0, 8.0]),
+            },
+        ),
+    ]
+    metrics = dpo_online.pair_metrics(micro_batch_stats, keep, OneProcess())
     assert metrics["rewards/chosen"] == pytest.approx((0.5 + 1.0 + 1.5) / 3)  # the tie's 100 is left out
     assert metrics["rewards/rejected"] == pytest.approx((0.25 + 2.0 + 0.0) / 3)
     assert metrics["rewards/margins"] == pytest.approx((0.25 - 1.0 + 1.5) / 3)
     assert metrics["objective/kl"] == pytest.approx(4.5)  # every completion, ties included
-    assert metrics["objective/logprob_gap"] == pytest.approx(0.2)
-    assert metrics["objective/logprob_ratio_max"] == 1.5
     assert metrics["objective/skipped_ties"] == 1
-    everything_tied = dpo_online.PairUpdateStats(torch.zeros(2))
-    everything_tied.add(torch.tensor([0, 1]), torch.tensor([0, 1, 2, 3]), {"rewards/chosen": torch.ones(2),
-                        "rewards/rejected": torch.ones(2)})  # fmt: skip
-    assert everything_tied.reduce(OneProcess())["rewards/margins"] == 0.0  # no kept pair: 0, not a division by 0
+    tied = {"rewards/chosen": torch.ones(2), "rewards/rejected": torch.ones(2)}
+    everything_tied = dpo_online.pair_metrics(
+        [(torch.tensor([0, 1]), torch.arange(4), tied)], torch.zeros(2), OneProcess()
+    )
+    assert everything_tied["rewards/margins"] == 0.0  # no kept pair: 0, not a division by 0
 
 
 # End-to-end runs

@@ -753,8 +753,8 @@ def test_fp16_loss_scaler_skips_an_overflowing_update_and_the_run_goes_on(make_a
     """Under --mixed_precision fp16 (V100, T4), accelerate's GradScaler starts at scale 65536, and an overflowing
     backward gives an inf gradient norm: the scaler's signal to skip that update and lower its scale. The run must
     go on (bf16 and fp32 stop there), count the skipped updates, and keep its weights and its learning-rate
-    schedule: KL to the reference stays exactly 0 until an update is taken. accelerate has no fp16 scaler on CPU: a CPU GradScaler stands in, and the
-    first two updates' gradients are made inf (2 micro-batches an update)."""
+    schedule: KL to the reference stays exactly 0 until an update is taken. accelerate has no fp16 scaler on CPU: a
+    CPU GradScaler stands in, and the first two updates' gradients are made inf (2 micro-batches an update)."""
     make, scalers = grpo_math.make_accelerator, []
 
     def with_scaler(*args, **kwargs):

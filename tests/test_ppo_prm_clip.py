@@ -3,6 +3,7 @@ against float64 loops, step splitting, rewards on the right tokens, the verifier
 reward mode and PRM kind, and bad input."""
 
 import importlib
+import inspect
 import json
 import math
 import os
@@ -286,7 +287,8 @@ def test_ppo_prm_loss_matches_a_loop_and_micro_batches_sum_to_the_minibatch(seed
     logits = torch.randn(6, 7, 5, generator=g, dtype=torch.float64, requires_grad=True)
     tensors = (logprobs, logits, values, old_logprobs, old_values, advantages, returns, sampler_logprobs, mask)
     n = mask.sum() * 0.75  # a minibatch token count (averaged over processes, it need not be this batch's)
-    loss, stats = prm.ppo_prm_loss(*tensors, args, n)
+    flags = {name: getattr(args, name) for name in inspect.getfullargspec(prm.ppo_prm_loss).kwonlyargs}
+    loss, stats = prm.ppo_prm_loss(*tensors, n, **flags)
     as_lists = [None if x is None else x.tolist() for x in tensors]
     expected, expected_policy, expected_value, expected_entropy = reference_loss(*as_lists, args, float(n))
     assert loss.item() == pytest.approx(expected, rel=1e-12)
@@ -299,7 +301,7 @@ def test_ppo_prm_loss_matches_a_loop_and_micro_batches_sum_to_the_minibatch(seed
     assert (logprobs.grad[mask == 0] == 0).all() and (values.grad[mask == 0] == 0).all()
     # Gradient accumulation: the micro-batches' losses, each divided by the minibatch's count, sum to its loss.
     halves = [
-        prm.ppo_prm_loss(*(None if x is None else x[part] for x in tensors), args, n)[0]
+        prm.ppo_prm_loss(*(None if x is None else x[part] for x in tensors), n, **flags)[0]
         for part in (slice(0, 2), slice(2, 6))
     ]
     assert sum(h.item() for h in halves) == pytest.approx(loss.item(), rel=1e-12)

@@ -1,11 +1,11 @@
 """ppo_rlhf.py: its math against float64 loops, and end-to-end runs of the tiny policy against a tiny reward model."""
 
+import inspect
 import json
 import math
 import os
 import shutil
 import sys
-from types import SimpleNamespace
 
 import fixed_rollout
 import pytest
@@ -234,12 +234,12 @@ def test_ppo_rlhf_loss_shares_sum_to_the_minibatch_token_means():
     gives truncated importance weights of 1 and the same loss."""
     logprobs, old_logprobs, advantages, values, old_values, returns, mask = random_ppo_batch(6)
     logits = torch.randn(*mask.shape, 11, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
-    args = SimpleNamespace(cliprange=0.2, cliprange_value=0.2, vf_coef=0.1, tis_cap=2.0)
+    flags = dict(cliprange=0.2, cliprange_value=0.2, vf_coef=0.1, tis_cap=2.0)
     tensors = (logprobs, logits, values, old_logprobs, old_values, returns, advantages)
 
     def loss_of(rows, sampler_logprobs=None):
         sampler = None if sampler_logprobs is None else sampler_logprobs[rows]
-        return ppo_rlhf.ppo_rlhf_loss(*(t[rows] for t in tensors), sampler, mask[rows], args, mask.sum())
+        return ppo_rlhf.ppo_rlhf_loss(*(t[rows] for t in tensors), sampler, mask[rows], mask.sum(), **flags)
 
     shares = [loss_of(rows) for rows in (slice(0, 2), slice(2, 6))]
     policy, _ = reference_policy_loss(logprobs, old_logprobs, advantages, 0.2)
@@ -437,6 +437,7 @@ def test_the_loss_gets_gae_advantages_whitened_over_the_batch_or_as_they_are(mak
         loss_in.append(advantages.clone())
         return original_loss(*args, advantages=advantages, **kwargs)
 
+    recording_loss.__signature__ = inspect.signature(original_loss)  # main reads the loss's flags from it
     monkeypatch.setattr(ppo_rlhf, "gae_advantages", recording_gae)
     monkeypatch.setattr(ppo_rlhf, "ppo_rlhf_loss", recording_loss)
     ppo_rlhf.main(make_ppo_args(total_steps=1, num_ppo_epochs=1, num_eval_prompts=4, whiten_advantages=whiten))
