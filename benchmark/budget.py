@@ -72,6 +72,37 @@ def below_fence_reached(tree, fence_line):
     return sorted(reached)
 
 
+def plumbing_order(tree, fence_line):
+    """The order issue 46 gives the definitions below the fence: RunArgs, Config and RESUMABLE_ARGS, then each one
+    in the order main() first uses it (directly or through a function above the fence), followed at once by what it
+    uses that is not placed yet (depth first), then the ones main never reaches, in their order in the file.
+    A name counts where it appears as a name or an attribute (run.timed reaches a `timed`)."""
+    units = {}
+    for node in tree.body:
+        name = getattr(node, "name", None)
+        if name is None and isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            name = node.targets[0].id
+        if name and node.lineno > fence_line:
+            units[name] = node
+    above = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef) and n.lineno < fence_line}
+    placed, seen = [name for name in ("RunArgs", "Config", "RESUMABLE_ARGS") if name in units], set()
+
+    def visit(name):
+        node = units.get(name) if name not in placed else None
+        if node is None and (name not in above or name in seen):
+            return
+        placed.append(name) if node is not None else seen.add(name)
+        found = [(x.lineno, x.col_offset, x.id) for x in ast.walk(node or above[name]) if isinstance(x, ast.Name)]
+        found += [
+            (x.lineno, x.col_offset, x.attr) for x in ast.walk(node or above[name]) if isinstance(x, ast.Attribute)
+        ]
+        for _, _, used in sorted(found):
+            visit(used)
+
+    visit("main")
+    return placed + [name for name in units if name not in placed]
+
+
 def fields(tree, name):
     """The dataclass fields of the module-level class `name` (ClassVar annotations are not fields), or []."""
     cls = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name), None)

@@ -194,3 +194,21 @@ def test_checker_skips_each_script_own_main_and_check_args(tmp_path):
     assert helper_drift([a, b]) == []
     c = write(tmp_path / "c.py", HELPER.replace("mask.sum()", "mask.sum(0)") + "\ndef main(args):\n    return 3\n")
     assert len(helper_drift([a, c])) == 1
+
+
+def test_plumbing_is_in_the_order_main_calls_it():
+    """Below the fence, a reader who follows main's next call finds it further down: the definitions are in the order
+    main first reaches them, each followed by what it uses (benchmark/budget.py's plumbing_order, the same rule in
+    every script)."""
+    import ast
+
+    from benchmark.budget import plumbing_order
+
+    for path in script_paths():
+        with open(path) as f:
+            tree = ast.parse(f.read())
+        start = fence_line(path)
+        below = [n for n in tree.body if n.lineno > start + 3 and not isinstance(n, ast.If)]  # not __main__
+        below = [n.targets[0].id if isinstance(n, ast.Assign) else n.name for n in below]
+        expected = plumbing_order(tree, start + 1)
+        assert below == expected, (os.path.basename(path), [(a, b) for a, b in zip(below, expected) if a != b][:3])
