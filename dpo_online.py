@@ -944,7 +944,7 @@ class Run:
 
     def __init__(self, args, accelerator, resumable_args):
         self.args, self.accelerator, args.world_size = args, accelerator, accelerator.num_processes
-        self.episode, self.last_checkpoint, self.trackers = 0, None, []
+        self.episode, self.last_checkpoint = 0, None
         self.step, self.metrics, self.stats = 0, {}, collections.defaultdict(list)
         if args.resume is None:
             name = None
@@ -990,29 +990,22 @@ class Run:
         if self.accelerator.is_main_process:
             config = asdict(args)
             if args.resume is None:
-                info = {
-                    "git_sha": git_sha(),
-                    "distributed_type": self.accelerator.distributed_type.value,
-                    **launch_info,
-                }
+                info = dict(git_sha=git_sha(), distributed_type=self.accelerator.distributed_type.value, **launch_info)
                 with open(os.path.join(self.dir, "config.json"), "w") as f:
                     json.dump({"args": config, **info}, f, indent=2)
             for name in ("metrics.jsonl", "samples.jsonl"):  # drop what was logged after the checkpoint
                 truncate_jsonl(os.path.join(self.dir, name), step)
             self.metrics_file = open(os.path.join(self.dir, "metrics.jsonl"), "a")
-            self.trackers = [TensorBoardTracker("tensorboard", self.dir)]
+            trackers = [TensorBoardTracker("tensorboard", self.dir)]  # accelerate's: accelerator.log, end_training
             if args.track:
                 tags = [*args.wandb_tags, git_sha()[:12] or "no-git"]
-                kwargs = dict(
-                    entity=args.wandb_entity, id=args.run_name, name=args.run_name, resume="allow", tags=tags
-                )
-                self.trackers.append(WandBTracker(args.wandb_project_name, dir=self.dir, **kwargs))
-            hparams = {
-                k: v if isinstance(v, (int, float, str)) else str(v) for k, v in config.items()
-            }  # TensorBoard's
-            for tracker in self.trackers:
+                wandb = dict(entity=args.wandb_entity, id=args.run_name, name=args.run_name, resume="allow", tags=tags)
+                trackers.append(WandBTracker(args.wandb_project_name, dir=self.dir, **wandb))
+            hparams = {k: v if isinstance(v, (int, float, str)) else str(v) for k, v in config.items()}  # TensorBoard
+            for tracker in trackers:
                 tracker.start()
                 tracker.store_init_configuration(config if tracker.name == "wandb" else hparams)
+            self.accelerator.trackers = trackers
         self.t_start = time.time()
         self.progress = tqdm(
             total=args.total_steps, initial=step, desc=args.exp_name, disable=not self.accelerator.is_main_process
@@ -1070,8 +1063,7 @@ class Run:
         line = {"global_step": step, "episode": self.episode, "time": time.time() - self.t_start, **metrics}
         self.metrics_file.write(json.dumps(line) + "\n")
         self.metrics_file.flush()
-        for tracker in self.trackers:
-            tracker.log(metrics, step=step)
+        self.accelerator.log(metrics, step=step)
         if samples:
             with open(os.path.join(self.dir, "samples.jsonl"), "a") as f:
                 f.writelines(json.dumps(s) + "\n" for s in samples)
@@ -1102,8 +1094,6 @@ class Run:
             self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
             self.metrics_file.close()
-            for tracker in self.trackers:
-                tracker.finish()
         self.progress.close()
         self.accelerator.print(f"done in {time.time() - self.t_start:.0f}s: {self.dir}")
         self.accelerator.end_training()
