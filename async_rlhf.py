@@ -545,10 +545,7 @@ def rloo_update(model, optimizer, scheduler, accelerator, args, batch, judged, r
 
 def main(args: "Config"):
     # Setup: processes, data, models, the generator, run folder (the helpers are below the fence).
-    check_args(args)
-    args.num_completions = 2 if args.loss == "dpo" else args.rloo_k
-    args.minibatch_size = args.prompts_per_rank // args.num_minibatches
-    args.gradient_accumulation_steps = args.minibatch_size // args.micro_batch_size
+    check_args(args)  # one-line errors; fills the batch sizes
     n, staleness = args.num_completions, 0 if args.sync else args.max_staleness  # N: the largest lag of a batch
     # DeepSpeed's micro-batch is counted in rows (completions): micro_batch_size prompts with all their completions.
     accelerator = make_accelerator(args.micro_batch_size * n, args.gradient_accumulation_steps, args.max_grad_norm)
@@ -755,7 +752,7 @@ RESUMABLE_ARGS = (
 
 def check_args(args):
     """Reject bad input with one line naming the argument (and a reward model that is not one), before any model is
-    loaded."""
+    loaded. Then the batch sizes, computed from the flags."""
     judge = "run `python reward_modeling.py` first (it saves runs/reward_model), pass a one-label sequence-"
     judge += "classification folder or hub id, or use --judge verifier"
     check_common_args(args, {"reward_model_path": judge} if args.judge == "reward_model" else {})
@@ -775,6 +772,10 @@ def check_args(args):
         fail(f"--beta must be > 0 (DPO's log-ratios are scaled by it, IPO's target is 1 / (2 beta)); got {args.beta}")
     if args.judge == "reward_model":
         check_score_model(args.reward_model_path, "reward_model_path", args.trust_remote_code)
+    # The sizes computed from the flags (config.json records them).
+    args.num_completions = 2 if args.loss == "dpo" else args.rloo_k
+    args.minibatch_size = args.prompts_per_rank // args.num_minibatches
+    args.gradient_accumulation_steps = args.minibatch_size // args.micro_batch_size
 
 
 def check_common_args(args, paths=(), compares_logprobs=True):

@@ -426,9 +426,7 @@ def judge_metrics(judged, chosen, rejected, tie, correct, mask, has_eos):
 
 def main(args: "Config"):
     # Setup: processes, data, models, sampler, run folder (the helpers are below the fence).
-    check_args(args)
-    args.minibatch_size = args.prompts_per_rank // args.num_minibatches
-    args.gradient_accumulation_steps = args.minibatch_size // args.micro_batch_size
+    check_args(args)  # one-line errors; fills the batch sizes
     # DeepSpeed's micro-batch counts sequences: a micro-batch of pairs is its chosen and its rejected completions.
     accelerator = make_accelerator(2 * args.micro_batch_size, args.gradient_accumulation_steps, args.max_grad_norm)
     rank, world_size, device = accelerator.process_index, accelerator.num_processes, accelerator.device
@@ -655,7 +653,8 @@ RESUMABLE_ARGS = (
 
 
 def check_args(args):
-    """Reject bad input with one line naming the argument, before any model is loaded."""
+    """Reject bad input with one line naming the argument, before any model is loaded. Then the batch sizes, computed
+    from the flags."""
     judge = "run `python reward_modeling.py` first (it saves runs/reward_model), pass a one-label sequence-"
     judge += "classification folder or hub id, or use --judge verifier"
     check_common_args(args, {"reward_model_path": judge} if args.judge == "reward_model" else {})
@@ -671,6 +670,9 @@ def check_args(args):
         fail(f"--beta must be > 0 (DPO's log-ratios are scaled by it, IPO's target is 1 / (2 beta)); got {args.beta}")
     if args.judge == "reward_model":  # before any model is loaded
         check_score_model(args.reward_model_path, "reward_model_path", args.trust_remote_code)
+    # The sizes computed from the flags (config.json records them).
+    args.minibatch_size = args.prompts_per_rank // args.num_minibatches
+    args.gradient_accumulation_steps = args.minibatch_size // args.micro_batch_size
 
 
 def check_common_args(args, paths=(), compares_logprobs=True):

@@ -445,11 +445,8 @@ def rollout_metrics(rewards, correct, formatted, responses, mask, group_size, st
 
 def main(args: "Config"):
     # Setup: processes, data, models, sampler, run folder (the helpers are below the fence).
-    check_args(args)  # and fill the defaults that depend on other flags (resolve_defaults)
+    check_args(args)  # one-line errors; fills the defaults that depend on other flags (GSPO's) and the batch sizes
     G = args.num_generations  # the group size
-    args.batch_size = args.prompts_per_rank * G
-    args.minibatch_size = args.batch_size // args.num_minibatches
-    args.gradient_accumulation_steps = args.minibatch_size // args.micro_batch_size
     accelerator = make_accelerator(args.micro_batch_size, args.gradient_accumulation_steps, args.max_grad_norm)
     rank, world_size, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code, args.prompt_template)
@@ -684,7 +681,7 @@ RESUMABLE_ARGS = (
 
 def check_args(args):
     """Fill the defaults that depend on other flags (resolve_defaults), then reject bad input with one line naming the
-    argument, before any model is loaded."""
+    argument, before any model is loaded. Then the batch sizes, computed from the flags."""
     resolve_defaults(args)
     data = (
         "build the embedded tasks with `make assets`, or pass a folder with train.jsonl/test.jsonl or a hub dataset id"
@@ -712,6 +709,10 @@ def check_args(args):
         f"--overlong_buffer must be in [0, --response_length {args.response_length}); got {args.overlong_buffer}"
     )
     require(0 <= args.overlong_buffer < args.response_length, overlong)
+    # The sizes computed from the flags (config.json records them).
+    args.batch_size = args.prompts_per_rank * args.num_generations
+    args.minibatch_size = args.batch_size // args.num_minibatches
+    args.gradient_accumulation_steps = args.minibatch_size // args.micro_batch_size
 
 
 def resolve_defaults(args):

@@ -530,9 +530,7 @@ def prm_update_metrics(stats, num_updates):
 def main(args: "Config"):
     # Setup: processes, data, the PRM (its kind checked before any model loads), models, sampler, run folder (the
     # helpers are below the fence).
-    check_args(args)
-    args.minibatch_size = args.prompts_per_rank // args.num_minibatches
-    args.gradient_accumulation_steps = args.minibatch_size // args.micro_batch_size
+    check_args(args)  # one-line errors; fills the batch sizes
     accelerator = make_accelerator(args.micro_batch_size, args.gradient_accumulation_steps, args.max_grad_norm)
     rank, world_size, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code, args.prompt_template)
@@ -775,7 +773,8 @@ RESUMABLE_ARGS = (
 
 
 def check_args(args):
-    """Reject bad input with one line naming the argument, before any model is loaded."""
+    """Reject bad input with one line naming the argument, before any model is loaded. Then the batch sizes, computed
+    from the flags."""
     value = "build the embedded model with `make assets`, or pass a Hugging Face folder or hub id"
     prm = "use --prm verifier, train one with `python reward_modeling.py --prm` (saved to runs/prm), or pass a "
     check_common_args(args, {"value_model_path": value, "prm": prm + "Math-Shepherd style PRM"})
@@ -793,6 +792,9 @@ def check_args(args):
     require(args.step_separator, "--step_separator must not be empty")
     gae = f"--gamma and --lam must be in [0, 1]; got {args.gamma}, {args.lam}"
     require(0 <= args.gamma <= 1 and 0 <= args.lam <= 1, gae)
+    # The sizes computed from the flags (config.json records them).
+    args.minibatch_size = args.prompts_per_rank // args.num_minibatches
+    args.gradient_accumulation_steps = args.minibatch_size // args.micro_batch_size
 
 
 def check_common_args(args, paths=(), compares_logprobs=True):

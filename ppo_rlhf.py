@@ -489,10 +489,8 @@ def rlhf_update_metrics(stats, num_updates):
 
 def main(args: "Config"):
     # Setup: processes, data, the four models, sampler, run folder (the helpers are below the fence).
-    check_args(args)
+    check_args(args)  # one-line errors; fills the batch sizes
     B = args.prompts_per_rank  # responses per process per step
-    args.minibatch_size = B // args.num_minibatches
-    args.gradient_accumulation_steps = args.minibatch_size // args.micro_batch_size
     accelerator = make_accelerator(args.micro_batch_size, args.gradient_accumulation_steps, args.max_grad_norm)
     rank, world_size, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code, args.prompt_template)
@@ -724,7 +722,8 @@ RESUMABLE_ARGS = (
 
 
 def check_args(args):
-    """Reject bad input with one line naming the argument, before any model is loaded."""
+    """Reject bad input with one line naming the argument, before any model is loaded. Then the batch sizes, computed
+    from the flags."""
     score_model = "train the default reward model first with `python reward_modeling.py`, or pass a one-label "
     score_model += "sequence-classification folder or hub id"
     check_common_args(args, {"reward_model_path": score_model, "value_model_path": score_model})
@@ -740,6 +739,9 @@ def check_args(args):
         )
     gae = f"--gamma and --lam must be in [0, 1]; got {args.gamma}, {args.lam}"
     require(0 <= args.gamma <= 1 and 0 <= args.lam <= 1, gae)
+    # The sizes computed from the flags (config.json records them).
+    args.minibatch_size = args.prompts_per_rank // args.num_minibatches
+    args.gradient_accumulation_steps = args.minibatch_size // args.micro_batch_size
 
 
 def check_common_args(args, paths=(), compares_logprobs=True):

@@ -300,8 +300,9 @@ def verifier_step_scores(steps, correct=1.0, unchecked=0.8, wrong=0.0):
 
 def main(args: "Config"):
     # Setup: processes, data, the pairs (sampled from a task), the model (the helpers are below the fence).
-    check_args(args)  # and fill the defaults --prm changes (its task and instruction are ppo_prm_clip.py's)
-    args.gradient_accumulation_steps = args.pairs_per_rank // args.micro_batch_size
+    check_args(
+        args
+    )  # one-line errors; fills the defaults --prm changes (ppo_prm_clip.py's task and prompt) and the batch sizes
     accelerator = make_accelerator(args.micro_batch_size, args.gradient_accumulation_steps, args.max_grad_norm)
     rank, world_size = accelerator.process_index, accelerator.num_processes
     train_rows, eval_rows = load_reward_data(args)  # checked before any model is loaded
@@ -514,7 +515,8 @@ RESUMABLE_ARGS = (
 
 def check_args(args):
     """Fill the defaults --prm changes (ppo_prm_clip.py's task, and the prompt of the policy whose responses the PRM
-    will judge), then reject bad input with one line naming the argument, before any model is loaded."""
+    will judge), then reject bad input with one line naming the argument, before any model is loaded. Then the batch
+    sizes, computed from the flags."""
     prm_defaults = (
         "assets/data/arith_2t3t1d",
         "Solve it step by step, one step per line, and end with 'Answer: <number>'.",
@@ -543,6 +545,8 @@ def check_args(args):
                 fail(f"--dataset_path {args.dataset_path} has no {split}.jsonl; set --{name}")
     if args.prm and not args.step_separator:
         fail("--step_separator must not be empty (--prm splits completions into steps at it)")
+    # The sizes computed from the flags (config.json records them).
+    args.gradient_accumulation_steps = args.pairs_per_rank // args.micro_batch_size
 
 
 def check_common_args(args, paths=(), compares_logprobs=True):
