@@ -112,7 +112,13 @@ class Args:
     model_name_or_path: str = "assets/SmolLM2-135M-Instruct"
     """the policy to train (and its frozen reference): a local Hugging Face folder or a hub model id"""
     reward_model_path: str = "runs/reward_model"
-    """a one-label sequence-classification model (default: what `python reward_modeling.py` saves)"""
+    """a one-label sequence-classification model (default: what `python reward_modeling.py` saves), or an ensemble: a
+    folder of them (its subfolders with a config.json, in name order: `reward_modeling.py --ensemble_size K`)"""
+    reward_ensemble: Literal["mean", "wco", "uwo"] = "mean"
+    """an ensemble's reward from its members' scores (Coste et al., arXiv 2310.02743): the mean, the worst member
+    (WCO), or the mean minus --uwo_coef x their variance (UWO); a single reward model gives its score with any"""
+    uwo_coef: float = 1.0
+    """lambda of UWO: the weight of the members' variance"""
     value_model_path: Optional[str] = None
     """where the value model starts from (default: the reward model, as in the N+ details)"""
     dtype: Literal["float32", "bfloat16"] = "float32"
@@ -369,26 +375,48 @@ def ppo_rlhf_loss(
     return policy_loss + vf_coef * value_loss, stats
 
 
+def ensemble_reward(member_scores, ensemble, uwo_coef):
+    """The reward of an ensemble of reward models from its members' scores [K, B] (Coste et al., "Reward Model
+    Ensembles Help Mitigate Overoptimization", arXiv 2310.02743): their mean; WCO, the worst case, min over members;
+    UWO, the mean minus uwo_coef x the members' variance (over K, not K - 1: the spread of these K models, as the
+    paper writes it). Each member's score is centred by its own bias (reward_model_scores) and not rescaled: a
+    Bradley-Terry score is defined up to a shift, and the members learn their scale from the same pairs. Returns
+    [B]; with K = 1, the member's score whatever the ensemble."""
+    if ensemble == "mean":
+        return member_scores.mean(0)
+    if ensemble == "wco":
+        return member_scores.min(0).values
+    if ensemble == "uwo":
+        return member_scores.mean(0) - uwo_coef * member_scores.var(0, unbiased=False)
+    raise ValueError(f"unknown ensemble {ensemble!r}; expected mean, wco or uwo")
+
+
 def reward_model_scores(
-    reward_model, query_responses, attention_mask, context_length, mask, stop_ids, missing_eos_penalty, accelerator
-):
-    """The reward: the reward model's score of each whole response at its last real token, centred by its
-    config.bias (the mean training score reward_modeling.py stores); a response without an EOS gets
-    missing_eos_penalty instead (None: its score). query_responses, attention_mask [B, P + R], mask [B, R].
-    Returns (scores [B], has_eos [B])."""
+    reward_models, query_responses, attention_mask, context_length, mask, stop_ids, accelerator, *,
+    missing_eos_penalty, reward_ensemble, uwo_coef,
+):  # fmt: skip
+    """The reward: each reward model's score of each whole response at its last real token, centred by its
+    config.bias (the mean training score reward_modeling.py stores), combined over the models (ensemble_reward); a
+    response without an EOS gets missing_eos_penalty instead (None: its score). query_responses, attention_mask
+    [B, P + R], mask [B, R]. Returns (scores [B], has_eos [B], the members' scores [K, B])."""
     # Under --mixed_precision bf16 accelerate autocasts the prepared policy and value model only; the frozen reward
-    # model and reference run under the same autocast, so that the scores are on the values' scale and KL is
+    # models and reference run under the same autocast, so that the scores are on the values' scale and KL is
     # exactly 0 before the first update.
-    with torch.no_grad(), accelerator.autocast():
-        per_token = token_scores(reward_model, reward_model.score, query_responses, attention_mask)
-    bias = float(getattr(reward_model.config, "bias", 0.0))
-    scores = per_token[torch.arange(len(per_token)), last_real_index(attention_mask)] - bias
+    last, members = last_real_index(attention_mask), []
+    for reward_model in reward_models:
+        with torch.no_grad(), accelerator.autocast():
+            per_token = token_scores(reward_model, reward_model.score, query_responses, attention_mask)
+        members.append(
+            per_token[torch.arange(len(per_token)), last] - float(getattr(reward_model.config, "bias", 0.0))
+        )
+    member_scores = torch.stack(members)  # [K, B]
+    scores = ensemble_reward(member_scores, reward_ensemble, uwo_coef)
     responses = query_responses[:, context_length:]
     is_stop = torch.isin(responses, torch.tensor(stop_ids, device=responses.device)).to(mask.device)
     has_eos = (is_stop & (mask > 0)).any(1).to(scores.device)
     if missing_eos_penalty is not None:
         scores = torch.where(has_eos, scores, torch.full_like(scores, missing_eos_penalty))
-    return scores, has_eos
+    return scores, has_eos, member_scores
 
 
 NUMBER = r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?"  # 12, -1,234.5, .5, 3/4
@@ -498,7 +526,7 @@ def main(args: "Config"):
     train_prompts, train_golds, eval_set, has_gold = load_rlhf_prompts(args, tokenizer, world_size)
     run = Run(args, accelerator, RESUMABLE_ARGS)
     set_seed(args.seed + rank)  # random, numpy and torch: a different sampling stream per process
-    policy, ref_policy, reward_model, value_model = load_ppo_models(args, accelerator, tokenizer.pad_token_id)
+    policy, ref_policy, reward_models, value_model = load_ppo_models(args, accelerator, tokenizer.pad_token_id)
     model = PolicyAndValue(policy, value_model)
     num_updates = args.num_ppo_epochs * args.num_minibatches  # optimizer steps per step
     # eps 1e-5 as in the N+ details (TensorFlow's Adam default in the original OpenAI code).
@@ -510,7 +538,8 @@ def main(args: "Config"):
     sampler = Sampler(args, accelerator, unwrapped.policy, tokenizer)
     # ppo_rlhf_loss takes tensors and scalars: its keyword-only arguments are the flags of the same names.
     loss_flags = {name: getattr(args, name) for name in inspect.getfullargspec(ppo_rlhf_loss).kwonlyargs}
-    evaluation = functools.partial(evaluate, sampler, reward_model, ref_policy, eval_set, has_gold, args, accelerator)
+    reward_flags = {name: getattr(args, name) for name in inspect.getfullargspec(reward_model_scores).kwonlyargs}
+    evaluation = functools.partial(evaluate, sampler, reward_models, ref_policy, eval_set, has_gold, args, accelerator)
     # Whitening over every process's tokens: N processes with 1/N of the batch each whiten as one with all of it.
     sum_processes = functools.partial(accelerator.reduce, reduction="sum")
     start_step = run.start({"vllm": sampler.llm is not None})
@@ -545,11 +574,13 @@ def main(args: "Config"):
 
         # 4. Reward: the reward model's score of each whole response (the verifier's verdict is only reported). [B]
         with run.timed("time/reward"):
-            scores, has_eos = reward_model_scores(
-                reward_model, *batch[:3], mask, sampler.stop_ids, args.missing_eos_penalty, accelerator
+            scores, has_eos, member_scores = reward_model_scores(
+                reward_models, *batch[:3], mask, sampler.stop_ids, accelerator, **reward_flags
             )
             correct = verifier_correct(texts, [train_golds[i] for i in indices])
         run.check(scores, "objective/scores")
+        if len(reward_models) > 1:  # an ensemble: each member's own mean score too
+            metrics |= {f"objective/scores_member_{k}": score.mean().item() for k, score in enumerate(member_scores)}
 
         # 5. Per-token rewards: the KL penalty on every token, plus the score on the last real one. [B, R]
         kl = kl_estimate(old_logprobs, ref_logprobs, "k1") * mask
@@ -739,6 +770,7 @@ def check_args(args):
         )
     gae = f"--gamma and --lam must be in [0, 1]; got {args.gamma}, {args.lam}"
     require(0 <= args.gamma <= 1 and 0 <= args.lam <= 1, gae)
+    require(args.uwo_coef >= 0, f"--uwo_coef must be >= 0 (UWO subtracts the members' variance); got {args.uwo_coef}")
     # The sizes computed from the flags (config.json records them).
     args.minibatch_size = args.prompts_per_rank // args.num_minibatches
     args.gradient_accumulation_steps = args.minibatch_size // args.micro_batch_size
@@ -846,11 +878,22 @@ def load_tokenizer(model_name_or_path, trust_remote_code, prompt_template=None):
 def check_reward_and_value_models(args, policy_tokenizer):
     """The reward model and the value model's start must be one-label sequence-classification models that read the
     policy's tokens."""
-    check_score_model(args.reward_model_path, "reward_model_path", args.trust_remote_code)
-    check_score_model(args.value_model_path or args.reward_model_path, "value_model_path", args.trust_remote_code)
-    check_same_vocabulary(args.reward_model_path, "reward_model_path", policy_tokenizer, args.trust_remote_code)
+    members = reward_model_members(args.reward_model_path)
+    for path in members:
+        check_score_model(path, "reward_model_path", args.trust_remote_code)
+        check_same_vocabulary(path, "reward_model_path", policy_tokenizer, args.trust_remote_code)
+    check_score_model(args.value_model_path or members[0], "value_model_path", args.trust_remote_code)
     if args.value_model_path is not None:
         check_same_vocabulary(args.value_model_path, "value_model_path", policy_tokenizer, args.trust_remote_code)
+
+
+def reward_model_members(path):
+    """The reward models at --reward_model_path: the folder itself when it holds a model (a config.json), else its
+    subfolders that do, in name order (an ensemble, as `reward_modeling.py --ensemble_size K` writes it)."""
+    if os.path.isfile(os.path.join(path, "config.json")) or not os.path.isdir(path):  # a model, or a hub id
+        return [path]
+    members = sorted(os.path.join(path, name) for name in os.listdir(path))
+    return [member for member in members if os.path.isfile(os.path.join(member, "config.json"))] or [path]
 
 
 def check_score_model(path, name, trust_remote_code):
@@ -1214,15 +1257,17 @@ def average_stats(stats):
     return {name: reduce_values(name, values) for name, values in stats.items()}
 
 
-def evaluate(sampler, reward_model, ref_policy, eval_set, has_gold, args, accelerator, step):
+def evaluate(sampler, reward_models, ref_policy, eval_set, has_gold, args, accelerator, step):
     """Greedy responses to the held-out prompts (eval_set = (prompts, golds), sharded over processes): the reward
-    model's mean score, when the dataset has gold answers the verifier's accuracy, and with a separate reference
-    model (not with LoRA) the reference's mean perplexity of the responses (reference_perplexity).
+    model's mean score (of an ensemble: the reward, and each member's own score), when the dataset has gold answers
+    the verifier's accuracy, and with a separate reference model (not with LoRA) the reference's mean perplexity of
+    the responses (reference_perplexity).
     Returns ({eval/metric: value}, sample rows for samples.jsonl)."""
     eval_prompts, eval_golds = eval_set
     tokenizer = sampler.tokenizer
     rank, world_size = accelerator.process_index, accelerator.num_processes
-    results, samples, totals = {}, [], torch.zeros(6, dtype=torch.float64)
+    K = len(reward_models)  # with an ensemble, each member's mean score too (eval/score_member_k, its own score)
+    results, samples, totals = {}, [], torch.zeros(6 + K, dtype=torch.float64)
     # Chunks bound the memory of HF generate and of the reward model.
     for chunk in process_chunks(range(len(eval_prompts)), rank, world_size, 64):
         prompts = [eval_prompts[i] for i in chunk]
@@ -1234,9 +1279,17 @@ def evaluate(sampler, reward_model, ref_policy, eval_set, has_gold, args, accele
         query_responses, attention_mask, mask, _, context_length = training_batch(
             prompts, 1, responses, mask, None, tokenizer.pad_token_id, accelerator.device
         )
-        penalty = args.missing_eos_penalty  # None: the reward model's score
-        scores, has_eos = reward_model_scores(
-            reward_model, query_responses, attention_mask, context_length, mask, sampler.stop_ids, penalty, accelerator
+        reward_flags = dict(missing_eos_penalty=args.missing_eos_penalty, reward_ensemble=args.reward_ensemble)
+        scores, has_eos, member_scores = reward_model_scores(
+            reward_models,
+            query_responses,
+            attention_mask,
+            context_length,
+            mask,
+            sampler.stop_ids,
+            accelerator,
+            **reward_flags,
+            uwo_coef=args.uwo_coef,
         )
         correct = verifier_correct(texts, [eval_golds[i] for i in chunk])
         perplexity = torch.zeros(len(chunk))  # not measured with LoRA (see the docstring)
@@ -1246,6 +1299,7 @@ def evaluate(sampler, reward_model, ref_policy, eval_set, has_gold, args, accele
                 reference_logprobs(response_logprobs, None, ref_policy, accelerator, batch), mask
             )
         sums = [scores.sum(), correct.sum(), mask.sum(), has_eos.sum(), len(chunk), perplexity.sum()]
+        sums += member_scores.sum(1).tolist()
         totals += torch.tensor([float(x) for x in sums], dtype=torch.float64)
         for i, text, score, ok in zip(chunk, texts, scores.tolist(), correct.tolist()):
             if len(samples) < args.num_samples_logged:
@@ -1261,6 +1315,8 @@ def evaluate(sampler, reward_model, ref_policy, eval_set, has_gold, args, accele
     results["eval/num_prompts"] = totals[4].item()
     if ref_policy is not None:
         results["eval/ref_perplexity"] = (totals[5] / totals[4]).item()
+    for k in range(K if K > 1 else 0):
+        results[f"eval/score_member_{k}"] = (totals[6 + k] / totals[4]).item()
     return results, samples
 
 
@@ -1281,16 +1337,18 @@ def reference_perplexity(ref_logprobs, mask):
 
 
 def load_ppo_models(args, accelerator, pad_token_id):
-    """The policy and its reference (load_policy_and_reference), the frozen reward model (whole on every process) and
-    the value model (started from the reward model unless --value_model_path, as in the N+ details)."""
-    policy, ref_policy = load_policy_and_reference(args, accelerator, pad_token_id)
-    with whole_on_every_process(accelerator):
-        reward_model = load_model(args.reward_model_path, AutoModelForSequenceClassification, args, pad_token_id)
-    reward_model = frozen(reward_model, accelerator, accelerator.device)
-    value_model_path = args.value_model_path or args.reward_model_path
+    """The policy and its reference (load_policy_and_reference), the frozen reward models (one, or an ensemble's
+    members: reward_model_members; whole on every process) and the value model (started from the (first) reward
+    model unless --value_model_path, as in the N+ details)."""
+    policy, ref_policy, members = *load_policy_and_reference(args, accelerator, pad_token_id), []
+    for path in reward_model_members(args.reward_model_path):
+        with whole_on_every_process(accelerator):
+            reward_model = load_model(path, AutoModelForSequenceClassification, args, pad_token_id)
+        members.append(frozen(reward_model, accelerator, accelerator.device))
+    value_model_path = args.value_model_path or reward_model_members(args.reward_model_path)[0]
     value_model = load_model(value_model_path, AutoModelForSequenceClassification, args, pad_token_id)
     enable_gradient_checkpointing([value_model], args)  # the policy's: load_policy_and_reference
-    return policy, ref_policy, reward_model, value_model
+    return policy, ref_policy, members, value_model
 
 
 def load_policy_and_reference(args, accelerator, pad_token_id, with_reference=True):

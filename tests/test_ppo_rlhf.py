@@ -26,6 +26,7 @@ from conftest import (
     run_checked,
     train_lines,
     vllm_env,
+    without_timing,
 )
 
 import ppo_rlhf
@@ -577,17 +578,38 @@ def assert_same_models(run_a, run_b, tiny_model_dir, tiny_reward_model_dir):
         assert_same_weights(*(os.path.join(d, name, "model.safetensors") for d in (run_a, run_b)), initial)
 
 
+@pytest.fixture(scope="module")
+def distinct_ensemble(tiny_reward_model_dir, tmp_path_factory):
+    """An ensemble of two reward models that disagree: the tiny reward model, and a copy with another score head
+    (seed 1) and config.bias 0.2."""
+    from transformers import AutoModelForSequenceClassification
+
+    folder = tmp_path_factory.mktemp("distinct-ensemble")
+    shutil.copytree(tiny_reward_model_dir, folder / "member_0")
+    shutil.copytree(tiny_reward_model_dir, folder / "member_1")
+    model = AutoModelForSequenceClassification.from_pretrained(folder / "member_1")
+    torch.manual_seed(1)
+    with torch.no_grad():
+        model.score.weight.normal_(0, 1 / (model.config.hidden_size + 1) ** 0.5)
+    model.config.bias = 0.2
+    model.save_pretrained(folder / "member_1", safe_serialization=True)
+    return str(folder)
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("ensemble", [None, "wco"])
 def test_invariant_two_processes_equal_one_process(
-    tiny_model_dir, tiny_reward_model_dir, task_dir, tmp_path, make_ppo_args, monkeypatch
+    tiny_model_dir, tiny_reward_model_dir, task_dir, tmp_path, make_ppo_args, monkeypatch, distinct_ensemble, ensemble
 ):
     """2 processes with 4 prompts each = 1 process with the 8 prompts: the same losses, grad norm, lr and weights
     (policy and value model) after 4 updates (failed before: the prepared scheduler stepped twice per update, and
-    the advantage whitening and the losses' token counts were per process)."""
-    one = fixed_rollout_run(monkeypatch, make_ppo_args, output_dir=str(tmp_path / "one"))
+    the advantage whitening and the losses' token counts were per process); with an ensemble of two reward models
+    that disagree (WCO) too, each member's score included."""
+    reward = {} if ensemble is None else dict(reward_model_path=distinct_ensemble, reward_ensemble=ensemble)
+    one = fixed_rollout_run(monkeypatch, make_ppo_args, output_dir=str(tmp_path / "one"), **reward)
     out = str(tmp_path / "two")
     paths = dict(model_name_or_path=tiny_model_dir, reward_model_path=tiny_reward_model_dir, dataset_path=task_dir)
-    flags = cli_flags({**FAST_PPO_ARGS, **INVARIANT_ARGS, **paths, "prompts_per_rank": 4, "output_dir": out})
+    flags = cli_flags({**FAST_PPO_ARGS, **INVARIANT_ARGS, **paths, **reward, "prompts_per_rank": 4, "output_dir": out})
     two = launch_fixed_rollout("ppo_rlhf.py", flags, out)
     lines = read_metrics(two)
     assert [line["global_step"] for line in lines] == [0, 1, 2]
@@ -597,7 +619,8 @@ def test_invariant_two_processes_equal_one_process(
     assert [line["lr"] for line in train_lines(lines)] == pytest.approx([7.5e-4, 2.5e-4])
     for line in train_lines(lines):
         assert line["policy/ratio_first_minibatch"] == 1.0
-    assert_same_trajectory(one, two, (*INVARIANT_KEYS, "eval/ref_perplexity"))  # the same 4 held-out prompts
+    members = ("objective/scores_member_0", "objective/scores_member_1", "eval/score_member_1") if ensemble else ()
+    assert_same_trajectory(one, two, (*INVARIANT_KEYS, "eval/ref_perplexity", *members))  # the same 4 prompts
     assert_same_models(one, two, tiny_model_dir, tiny_reward_model_dir)
 
 
@@ -732,3 +755,82 @@ def test_sampler_gap_metrics_against_a_loop():
         "objective/logprob_gap": pytest.approx(sum(means) / len(means), rel=1e-12),
         "objective/logprob_ratio_max": pytest.approx(largest, rel=1e-12),
     }
+
+
+def ensemble_reference(member_scores, ensemble, uwo_coef):
+    """The ensemble's reward by a plain loop in float64: per response, the members' mean, their minimum, or the mean
+    minus uwo_coef x the population variance (1 / K) of the K scores."""
+    rewards = []
+    for column in member_scores.double().T.tolist():
+        mean = sum(column) / len(column)
+        variance = sum((x - mean) ** 2 for x in column) / len(column)
+        rewards.append({"mean": mean, "wco": min(column), "uwo": mean - uwo_coef * variance}[ensemble])
+    return torch.tensor(rewards, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("ensemble", ["mean", "wco", "uwo"])
+@pytest.mark.parametrize("K", [1, 2, 5])
+def test_ensemble_reward_matches_a_float64_loop(ensemble, K):
+    for seed in range(5):
+        g = torch.Generator().manual_seed(seed)
+        members = (torch.randn(K, 16, generator=g) * 2).double()
+        uwo_coef = float(torch.rand(1, generator=g)) * 3
+        got = ppo_rlhf.ensemble_reward(members, ensemble, uwo_coef)
+        torch.testing.assert_close(got, ensemble_reference(members, ensemble, uwo_coef), rtol=1e-12, atol=1e-12)
+        if K == 1:  # one model: its own score, exactly, whatever the combination
+            assert torch.equal(got, members[0])
+
+
+def test_ensemble_reward_properties():
+    g = torch.Generator().manual_seed(0)
+    members = torch.randn(4, 64, generator=g)
+    mean = ppo_rlhf.ensemble_reward(members, "mean", 1.0)
+    assert (ppo_rlhf.ensemble_reward(members, "wco", 1.0) <= mean).all()  # the worst case is never above the mean
+    assert torch.equal(ppo_rlhf.ensemble_reward(members, "uwo", 0.0), mean)  # UWO at lambda 0 is the mean
+    assert (ppo_rlhf.ensemble_reward(members, "uwo", 2.0) <= mean).all()
+    for K in (2, 3):  # members that agree: every combination is their score (exactly for 2: x + x halves exactly)
+        agree = members[:1].expand(K, -1)
+        for ensemble in ("mean", "wco", "uwo"):
+            got = ppo_rlhf.ensemble_reward(agree, ensemble, 5.0)
+            assert torch.equal(got, members[0]) if K == 2 else torch.allclose(got, members[0], rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="unknown ensemble"):
+        ppo_rlhf.ensemble_reward(members, "median", 1.0)
+
+
+@pytest.fixture(scope="module")
+def two_member_ensemble(tiny_reward_model_dir, tmp_path_factory):
+    """An ensemble folder of two copies of the tiny reward model (member_0, member_1), with a README beside them."""
+    folder = tmp_path_factory.mktemp("ensemble")
+    for k in range(2):
+        shutil.copytree(tiny_reward_model_dir, folder / f"member_{k}")
+    (folder / "README.md").write_text("not a model")
+    return str(folder)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ensemble", ["mean", "wco", "uwo"])
+def test_an_ensemble_of_identical_members_trains_as_the_single_model(make_ppo_args, two_member_ensemble, ensemble):
+    """Two copies of one reward model agree on every response: mean, WCO and UWO all give that model's score, so the
+    run is the single-model run number for number (KL 0 and ratio 1 before the first update included), with each
+    member's score logged beside it, in training and in evaluation."""
+    single = read_metrics(ppo_rlhf.main(make_ppo_args(seed=3)))
+    double = read_metrics(
+        ppo_rlhf.main(make_ppo_args(seed=3, reward_model_path=two_member_ensemble, reward_ensemble=ensemble))
+    )
+    members = [f"{prefix}_member_{k}" for prefix in ("objective/scores", "eval/score") for k in range(2)]
+    for one, two in zip(without_timing(single), without_timing(double)):
+        assert {k: v for k, v in two.items() if "_member_" not in k} == one
+    for line in train_lines(double):
+        assert line["objective/scores_member_0"] == line["objective/scores_member_1"] == line["objective/scores"]
+    assert double[-1]["eval/score_member_0"] == double[-1]["eval/score"] and set(members) <= set(double[-1])
+    assert not any("_member_" in key for line in single for key in line)
+    assert (
+        train_lines(single)[0]["objective/kl"] == 0.0 and train_lines(single)[0]["policy/ratio_first_minibatch"] == 1.0
+    )
+
+
+def test_reward_model_members_reads_a_model_or_an_ensemble_folder(tiny_reward_model_dir, two_member_ensemble):
+    assert ppo_rlhf.reward_model_members(tiny_reward_model_dir) == [tiny_reward_model_dir]
+    members = ppo_rlhf.reward_model_members(two_member_ensemble)
+    assert [os.path.basename(m) for m in members] == ["member_0", "member_1"]
+    assert ppo_rlhf.reward_model_members("org/hub-model") == ["org/hub-model"]
