@@ -43,6 +43,7 @@ import ast
 import bisect
 import collections
 import contextlib
+import dataclasses
 import functools
 import gc
 import itertools
@@ -110,6 +111,9 @@ class Args:
     # Experiment
     seed: int = 1
     """seed of the experiment (pairs, data order, score-head init); process r samples completions with seed + r"""
+    data_seed: Optional[int] = None
+    """seed of the sampled completions and pairs alone (None: --seed): an ensemble's members share it and differ in
+    --seed, their score head's init and data order (Coste et al., arXiv 2310.02743)"""
 
     # Computed in main(), recorded in config.json (not flags)
     data_kind: tyro.conf.Suppress[str] = ""
@@ -310,9 +314,9 @@ def main(args: "Config"):
     pad_id = tokenizer.pad_token_id
     config = check_reward_config(args.model_name_or_path, args.trust_remote_code)
     run = Run(args, accelerator, RESUMABLE_ARGS)
-    random.seed(args.seed + rank)  # a different sampling stream per process (the model init below is reseeded)
-    np.random.seed(args.seed + rank)
-    torch.manual_seed(args.seed + rank)
+    random.seed(args.data_seed + rank)  # a different sampling stream per process (the model init below is reseeded)
+    np.random.seed(args.data_seed + rank)
+    torch.manual_seed(args.data_seed + rank)
     # Token ids: (chosen [L_c], rejected [L_r]), prompt included; --prm: (prompt + completion [L], positions of the
     # steps' last tokens [K], step labels [K]). From a task, completions sampled from the policy and labelled by the
     # verifier, a correct one paired with a wrong one of the same prompt (--prm: every completion, a label per step).
@@ -545,8 +549,9 @@ def check_args(args):
                 fail(f"--dataset_path {args.dataset_path} has no {split}.jsonl; set --{name}")
     if args.prm and not args.step_separator:
         fail("--step_separator must not be empty (--prm splits completions into steps at it)")
-    # The sizes computed from the flags (config.json records them).
+    # The sizes computed from the flags (config.json records them), and the pairs' seed.
     args.gradient_accumulation_steps = args.pairs_per_rank // args.micro_batch_size
+    args.data_seed = args.seed if args.data_seed is None else args.data_seed
 
 
 def check_common_args(args, paths=(), compares_logprobs=True):
@@ -1212,7 +1217,7 @@ def policy_sampler(args, accelerator, tokenizer):
     completions. For HF generate the policy, not trained, is loaded whole on every process, so that each samples
     on its own (no collective calls)."""
     path = args.policy_name_or_path or args.model_name_or_path
-    sampler = Sampler(args, accelerator, None, tokenizer, path)
+    sampler = Sampler(dataclasses.replace(args, seed=args.data_seed), accelerator, None, tokenizer, path)  # its engine
     if sampler.llm is None:
         with whole_on_every_process(accelerator):
             policy = load_model(path, AutoModelForCausalLM, args, tokenizer.pad_token_id)
@@ -1714,7 +1719,7 @@ def preference_rows(groups, prompts, golds, split, args, tokenizer):
         i = group["index"]
         # A generator per prompt, seeded by (seed, split, prompt): the pairs do not depend on the order in which
         # processes finished.
-        rng = random.Random(f"{args.seed}/{split}/{i}")
+        rng = random.Random(f"{args.data_seed}/{split}/{i}")
         for c, r in preference_pairs(group["labels"], args.max_pairs_per_prompt, rng):
             chosen, rejected = group["ids"][c], group["ids"][r]
             texts = [decode(tokenizer, ids) for ids in (prompts[i], chosen, rejected)]

@@ -907,3 +907,28 @@ def test_prm_needs_a_task(make_args, no_model):
 
 def test_prm_needs_a_step_separator(make_args, no_model, task_dir):
     assert_one_line_error(make_args(prm=True, dataset_path=task_dir, step_separator=""), "--step_separator")
+
+
+@pytest.mark.slow
+def test_ensemble_members_share_their_pairs_and_differ_in_seed(make_args, monkeypatch, tmp_path):
+    """An ensemble's members (Coste et al.): --seed 2 and --seed 3 with --data_seed 2 sample the very pairs that
+    --seed 2 alone samples (the completions and the pairing), and start from different score heads (their held-out
+    scores before training differ); without --data_seed it is --seed (config.json records it)."""
+    monkeypatch.setattr(rm, "extract_answer", toy_extract_answer)
+    task = write_ones_task(tmp_path / "ones")
+    small = dict(dataset_path=task, num_train_epochs=0.25, pairs_per_rank=4, micro_batch_size=2)
+    runs = [rm.main(make_args(seed=2, **small)), rm.main(make_args(seed=3, data_seed=2, **small))]
+    for split in ("train", "test"):
+        texts = []
+        for run_dir in runs:
+            with open(os.path.join(run_dir, "preferences", f"{split}.jsonl")) as f:
+                texts.append(f.read())
+        assert texts[0] == texts[1] and texts[0]
+    configs = []
+    for run_dir in runs:
+        with open(os.path.join(run_dir, "config.json")) as f:
+            configs.append(json.load(f)["args"])
+    assert (configs[0]["data_seed"], configs[1]["data_seed"], configs[1]["seed"]) == (2, 2, 3)
+    before = [read_metrics(run_dir)[0] for run_dir in runs]
+    assert before[0]["eval/num_pairs"] == before[1]["eval/num_pairs"]
+    assert before[0]["eval/chosen_score"] != before[1]["eval/chosen_score"]  # another score head
