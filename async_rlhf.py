@@ -771,6 +771,9 @@ def check_args(args):
     if args.beta <= 0:
         fail(f"--beta must be > 0 (DPO's log-ratios are scaled by it, IPO's target is 1 / (2 beta)); got {args.beta}")
     if args.judge == "reward_model":
+        members = len(reward_model_members(args.reward_model_path))
+        ensemble = f"--reward_model_path {args.reward_model_path} holds {members} reward models: async_rlhf.py judges"
+        require(members == 1, ensemble + " with one (ensembles: ppo_rlhf.py, dpo_online.py)")
         check_score_model(args.reward_model_path, "reward_model_path", args.trust_remote_code)
     # The sizes computed from the flags (config.json records them).
     args.num_completions = 2 if args.loss == "dpo" else args.rloo_k
@@ -828,6 +831,15 @@ def check_at_least(args, minimum, names):
     """Each argument in `names` (space-separated) must be >= minimum."""
     for name in names.split():
         require(getattr(args, name) >= minimum, f"--{name} must be >= {minimum}; got {getattr(args, name)}")
+
+
+def reward_model_members(path):
+    """The reward models at --reward_model_path: the folder itself when it holds a model (a config.json), else its
+    subfolders that do, in name order (an ensemble, as `reward_modeling.py --ensemble_size K` writes it)."""
+    if os.path.isfile(os.path.join(path, "config.json")) or not os.path.isdir(path):  # a model, or a hub id
+        return [path]
+    members = sorted(os.path.join(path, name) for name in os.listdir(path))
+    return [member for member in members if os.path.isfile(os.path.join(member, "config.json"))] or [path]
 
 
 def check_score_model(path, name, trust_remote_code):
@@ -911,8 +923,8 @@ def load_judged_prompts(args, tokenizer, world_size):
         if args.judge == "verifier":
             check_golds(rows, args.answer_column, where)
     has_gold = all(args.answer_column in row for row in eval_rows)
-    if args.judge == "reward_model":
-        check_same_vocabulary(args.reward_model_path, "reward_model_path", tokenizer, args.trust_remote_code)
+    for path in reward_model_members(args.reward_model_path) if args.judge == "reward_model" else []:
+        check_same_vocabulary(path, "reward_model_path", tokenizer, args.trust_remote_code)
     train_prompts, train_golds = build_prompts(tokenizer, [{args.answer_column: "", **r} for r in train_rows], args)
     eval_prompts, eval_golds = build_prompts(tokenizer, [{args.answer_column: "", **r} for r in eval_rows], args)
     where = f"--dataset_path {args.dataset_path} split"

@@ -93,7 +93,13 @@ class Args:
     judge: Literal["reward_model", "verifier"] = "reward_model"
     """what picks the chosen completion: the reward model's score, or the verifier (1 if the final answer is right)"""
     reward_model_path: str = "runs/reward_model"
-    """the judge: a one-label sequence classifier (what reward_modeling.py saves); score = logit - config.bias"""
+    """the judge: a one-label sequence classifier (what reward_modeling.py saves); score = logit - config.bias; or an
+    ensemble: a folder of them (its subfolders with a config.json, in name order)"""
+    reward_ensemble: Literal["mean", "wco", "uwo"] = "mean"
+    """an ensemble's score from its members' (Coste et al., arXiv 2310.02743): the mean, the worst member (WCO), or
+    the mean minus --uwo_coef x their variance (UWO); a single reward model gives its score with any"""
+    uwo_coef: float = 1.0
+    """lambda of UWO: the weight of the members' variance"""
     missing_eos_penalty: Optional[float] = -1.0
     """the score of a completion with no EOS within response_length, instead of the judge's (None: keep it)"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
@@ -394,18 +400,42 @@ def verifier_verdicts(texts, golds):
     return torch.tensor([verify_answer(extract_answer(t), g) for t, g in zip(texts, golds)])
 
 
-def judge_completions(judge, reward_model, query_responses, attention_mask, texts, golds, accelerator):
-    """The judge's score of each completion [B] (higher is better), on the trainer's device. reward_model: its score
-    at the sequence's last real token minus its config.bias (reward_modeling.py stores the mean training score there,
-    so that scores are centred around 0), under the policy's autocast like the reference. verifier: 1.0 for a right
-    final answer, 0.0 for a wrong one. Any other judge (an LLM asked which of two answers is better, a rule) fits here
-    with the same signature."""
+def ensemble_reward(member_scores, ensemble, uwo_coef):
+    """The reward of an ensemble of reward models from its members' scores [K, B] (Coste et al., "Reward Model
+    Ensembles Help Mitigate Overoptimization", arXiv 2310.02743): their mean; WCO, the worst case, min over members;
+    UWO, the mean minus uwo_coef x the members' variance (over K, not K - 1: the spread of these K models, as the
+    paper writes it). Each member's score is centred by its own bias (reward_model_scores) and not rescaled: a
+    Bradley-Terry score is defined up to a shift, and the members learn their scale from the same pairs. Returns
+    [B]; with K = 1, the member's score whatever the ensemble."""
+    if ensemble == "mean":
+        return member_scores.mean(0)
+    if ensemble == "wco":
+        return member_scores.min(0).values
+    if ensemble == "uwo":
+        return member_scores.mean(0) - uwo_coef * member_scores.var(0, unbiased=False)
+    raise ValueError(f"unknown ensemble {ensemble!r}; expected mean, wco or uwo")
+
+
+def judge_completions(
+    judge, reward_models, query_responses, attention_mask, texts, golds, accelerator, reward_ensemble, uwo_coef
+):
+    """The judge's score of each completion [B] (higher is better), on the trainer's device, and with reward models
+    each one's score [K, B] (else None). reward_model: its score at the sequence's last real token minus its
+    config.bias (reward_modeling.py stores the mean training score there, so that scores are centred around 0),
+    under the policy's autocast like the reference; several: combined by ensemble_reward. verifier: 1.0 for a right
+    final answer, 0.0 for a wrong one. Any other judge (an LLM asked which of two answers is better, a rule) fits
+    here with the same signature."""
     if judge == "verifier":
-        return verifier_verdicts(texts, golds).to(accelerator.device)
-    with torch.no_grad(), accelerator.autocast():
-        per_token = token_scores(reward_model, reward_model.score, query_responses, attention_mask)
-    bias = float(getattr(reward_model.config, "bias", 0.0))
-    return per_token[torch.arange(len(per_token)), last_real_index(attention_mask)] - bias
+        return verifier_verdicts(texts, golds).to(accelerator.device), None
+    last, members = last_real_index(attention_mask), []
+    for reward_model in reward_models:
+        with torch.no_grad(), accelerator.autocast():
+            per_token = token_scores(reward_model, reward_model.score, query_responses, attention_mask)
+        members.append(
+            per_token[torch.arange(len(per_token)), last] - float(getattr(reward_model.config, "bias", 0.0))
+        )
+    member_scores = torch.stack(members)  # [K, B]
+    return ensemble_reward(member_scores, reward_ensemble, uwo_coef), member_scores
 
 
 def judge_metrics(judged, chosen, rejected, tie, correct, mask, has_eos):
@@ -434,7 +464,7 @@ def main(args: "Config"):
     train_prompts, train_golds, eval_prompts, eval_golds, has_gold = load_judged_prompts(args, tokenizer, world_size)
     run = Run(args, accelerator, RESUMABLE_ARGS)
     set_seed(args.seed + rank)  # random, numpy and torch: a different sampling stream per process
-    model, ref_model, reward_model = load_dpo_models(args, accelerator, tokenizer.pad_token_id)
+    model, ref_model, reward_models = load_dpo_models(args, accelerator, tokenizer.pad_token_id)
     trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay, eps=1e-8)
     scheduler = make_scheduler(optimizer, args, args.total_steps * args.num_minibatches)
@@ -445,7 +475,8 @@ def main(args: "Config"):
     loss_flags = {name: getattr(args, name) for name in inspect.getfullargspec(online_dpo_loss).kwonlyargs}
     logprobs_fn = shared_prompt_logprobs if args.shared_prompt else response_logprobs  # a pair shares its prompt
     eval_set = (eval_prompts, eval_golds)
-    evaluation = functools.partial(evaluate, sampler, eval_set, has_gold, reward_model, ref_model, args, accelerator)
+    evaluation = functools.partial(evaluate, sampler, eval_set, has_gold, reward_models, ref_model, args, accelerator)
+    ensemble = (args.reward_ensemble, args.uwo_coef)  # how several reward models' scores combine
     start_step = run.start({"vllm": sampler.llm is not None})
     if start_step > 0:
         sampler.sync_weights()
@@ -474,8 +505,8 @@ def main(args: "Config"):
         # 3. Judge: one score per completion [2P]; a completion without EOS scores missing_eos_penalty; the higher of
         # each pair is chosen. chosen, rejected [P] are row indices; a tie (equal scores) says nothing: keep 0.
         with run.timed("time/reward"):
-            scores = judge_completions(
-                args.judge, reward_model, query_responses, attention_mask, texts, golds, accelerator
+            scores, member_scores = judge_completions(
+                args.judge, reward_models, query_responses, attention_mask, texts, golds, accelerator, *ensemble
             )
             run.check(scores, "objective/scores")
             chosen, rejected, tie, judged = assign_preferences(
@@ -486,6 +517,8 @@ def main(args: "Config"):
         if has_gold:
             correct = scores.cpu() if args.judge == "verifier" else verifier_verdicts(texts, golds)
         metrics |= judge_metrics(judged, chosen, rejected, tie, correct, mask, has_eos)
+        if member_scores is not None and len(member_scores) > 1:  # an ensemble: each member's own mean score too
+            metrics |= {f"objective/scores_member_{k}": score.mean().item() for k, score in enumerate(member_scores)}
 
         # 4. The reference's log-probs of every completion [2P, R], in the micro-batches of the update (b pairs: their
         # chosen rows, then their rejected rows) and under the policy's autocast (accelerate autocasts the prepared
@@ -668,8 +701,9 @@ def check_args(args):
         )
     if args.beta <= 0:
         fail(f"--beta must be > 0 (DPO's log-ratios are scaled by it, IPO's target is 1 / (2 beta)); got {args.beta}")
-    if args.judge == "reward_model":  # before any model is loaded
-        check_score_model(args.reward_model_path, "reward_model_path", args.trust_remote_code)
+    require(args.uwo_coef >= 0, f"--uwo_coef must be >= 0 (UWO subtracts the members' variance); got {args.uwo_coef}")
+    for path in reward_model_members(args.reward_model_path) if args.judge == "reward_model" else []:
+        check_score_model(path, "reward_model_path", args.trust_remote_code)  # before any model is loaded
     # The sizes computed from the flags (config.json records them).
     args.minibatch_size = args.prompts_per_rank // args.num_minibatches
     args.gradient_accumulation_steps = args.minibatch_size // args.micro_batch_size
@@ -725,6 +759,15 @@ def check_at_least(args, minimum, names):
     """Each argument in `names` (space-separated) must be >= minimum."""
     for name in names.split():
         require(getattr(args, name) >= minimum, f"--{name} must be >= {minimum}; got {getattr(args, name)}")
+
+
+def reward_model_members(path):
+    """The reward models at --reward_model_path: the folder itself when it holds a model (a config.json), else its
+    subfolders that do, in name order (an ensemble, as `reward_modeling.py --ensemble_size K` writes it)."""
+    if os.path.isfile(os.path.join(path, "config.json")) or not os.path.isdir(path):  # a model, or a hub id
+        return [path]
+    members = sorted(os.path.join(path, name) for name in os.listdir(path))
+    return [member for member in members if os.path.isfile(os.path.join(member, "config.json"))] or [path]
 
 
 def check_score_model(path, name, trust_remote_code):
@@ -808,8 +851,8 @@ def load_judged_prompts(args, tokenizer, world_size):
         if args.judge == "verifier":
             check_golds(rows, args.answer_column, where)
     has_gold = all(args.answer_column in row for row in eval_rows)
-    if args.judge == "reward_model":
-        check_same_vocabulary(args.reward_model_path, "reward_model_path", tokenizer, args.trust_remote_code)
+    for path in reward_model_members(args.reward_model_path) if args.judge == "reward_model" else []:
+        check_same_vocabulary(path, "reward_model_path", tokenizer, args.trust_remote_code)
     train_prompts, train_golds = build_prompts(tokenizer, [{args.answer_column: "", **r} for r in train_rows], args)
     eval_prompts, eval_golds = build_prompts(tokenizer, [{args.answer_column: "", **r} for r in eval_rows], args)
     where = f"--dataset_path {args.dataset_path} split"
@@ -1166,13 +1209,14 @@ def average_stats(stats):
     return {name: reduce_values(name, values) for name, values in stats.items()}
 
 
-def evaluate(sampler, eval_set, has_gold, reward_model, ref_model, args, accelerator, step):
+def evaluate(sampler, eval_set, has_gold, reward_models, ref_model, args, accelerator, step):
     """Greedy completions of the held-out prompts (eval_set: (prompts, golds)), sharded over processes: the judge's
-    mean score (with the missing-EOS penalty), when the dataset has gold answers the verifier's accuracy, and with a
-    separate reference model (not with LoRA) the reference's mean perplexity of the completions (reference_perplexity).
-    Returns ({eval/metric: value}, sample rows for samples.jsonl)."""
+    mean score (with the missing-EOS penalty; of an ensemble, each member's own score too), when the dataset has gold
+    answers the verifier's accuracy, and with a separate reference model (not with LoRA) the reference's mean
+    perplexity of the completions (reference_perplexity). Returns ({eval/metric: value}, sample rows)."""
     prompts, golds = eval_set
-    totals, samples = torch.zeros(6, dtype=torch.float64), []
+    K = len(reward_models) if len(reward_models) > 1 else 0  # eval/score_member_k for an ensemble
+    totals, samples = torch.zeros(6 + K, dtype=torch.float64), []
     # Chunks bound the memory of HF generate and of the reward model.
     for chunk in process_chunks(range(len(prompts)), accelerator.process_index, accelerator.num_processes, 64):
         if not chunk:  # nothing left here: only HF generate's gathering of the parameters to take part in
@@ -1191,12 +1235,21 @@ def evaluate(sampler, eval_set, has_gold, reward_model, ref_model, args, acceler
             with accelerator.autocast():  # the policy's, as for the reference's log-probs in training
                 batch = (query_responses, attention_mask, context_length, 1.0, rows)
                 perplexity = reference_perplexity(fixed_logprobs_of_rows(response_logprobs, ref_model, *batch), mask)
-        scores = judge_completions(
-            args.judge, reward_model, query_responses, attention_mask, texts, chunk_golds, accelerator
+        scores, member_scores = judge_completions(
+            args.judge,
+            reward_models,
+            query_responses,
+            attention_mask,
+            texts,
+            chunk_golds,
+            accelerator,
+            args.reward_ensemble,
+            args.uwo_coef,
         )
         scores = penalize_missing_eos(scores, has_eos, args.missing_eos_penalty)
         correct = verifier_verdicts(texts, chunk_golds)
         sums = [scores.sum(), correct.sum(), mask.sum(), has_eos.sum(), len(chunk), perplexity.sum()]
+        sums += member_scores.sum(1).tolist() if K else []
         totals += torch.tensor([float(x) for x in sums], dtype=torch.float64)
         for i, text, score, ok in zip(chunk, texts, scores.tolist(), correct.tolist()):
             if len(samples) < args.num_samples_logged:
@@ -1212,6 +1265,8 @@ def evaluate(sampler, eval_set, has_gold, reward_model, ref_model, args, acceler
     results["eval/num_prompts"] = totals[4].item()
     if ref_model is not None:
         results["eval/ref_perplexity"] = (totals[5] / totals[4]).item()
+    for k in range(K):
+        results[f"eval/score_member_{k}"] = (totals[6 + k] / totals[4]).item()
     return results, samples
 
 
@@ -1233,14 +1288,14 @@ def reference_perplexity(ref_logprobs, mask):
 
 def load_dpo_models(args, accelerator, pad_token_id):
     """The policy and its reference (load_policy_and_reference) and, with --judge reward_model, the frozen reward
-    model, whole on every process (else None)."""
+    models (one, or an ensemble's members: reward_model_members), whole on every process (else none)."""
     model, ref_model = load_policy_and_reference(args, accelerator, pad_token_id)
-    reward_model = None
-    if args.judge == "reward_model":
+    members = []
+    for path in reward_model_members(args.reward_model_path) if args.judge == "reward_model" else []:
         with whole_on_every_process(accelerator):
-            reward_model = load_model(args.reward_model_path, AutoModelForSequenceClassification, args, pad_token_id)
-        reward_model = frozen(reward_model, accelerator, accelerator.device)
-    return model, ref_model, reward_model
+            reward_model = load_model(path, AutoModelForSequenceClassification, args, pad_token_id)
+        members.append(frozen(reward_model, accelerator, accelerator.device))
+    return model, ref_model, members
 
 
 def load_policy_and_reference(args, accelerator, pad_token_id, with_reference=True):

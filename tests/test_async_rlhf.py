@@ -829,3 +829,13 @@ def test_reward_model_with_another_tokenizer_stops_before_any_model_loads(args_f
 def test_reward_model_with_the_policys_vocabulary_goes_on_to_load_the_policy(args_for, tiny_reward_model_dir):
     with pytest.raises(AssertionError, match="model loaded"):
         async_rlhf.main(args_for(judge="reward_model", reward_model_path=tiny_reward_model_dir))
+
+
+def test_an_ensemble_of_reward_models_is_refused_in_one_line(args_for, tiny_reward_model_dir, tmp_path):
+    """async_rlhf.py judges with one reward model: a folder of several (what ppo_rlhf.py and dpo_online.py take as an
+    ensemble) stops before any model loads, naming the flag and where ensembles are read."""
+    for k in range(2):
+        shutil.copytree(tiny_reward_model_dir, tmp_path / "ensemble" / f"member_{k}")
+    args = args_for(judge="reward_model", reward_model_path=str(tmp_path / "ensemble"))
+    message = one_line_error(async_rlhf.main, args, "--reward_model_path", "2 reward models", "ppo_rlhf.py")
+    assert "dpo_online.py" in message

@@ -658,3 +658,28 @@ def test_invariant_bf16_autocast_h_is_zero_before_the_first_update(make_dpo_args
     assert line["rewards/chosen"] == line["rewards/rejected"] == line["rewards/margins"] == 0.0
     assert line["objective/kl"] == 0.0
     assert line["loss/dpo"] == LOG2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ensemble", ["wco", "uwo"])
+def test_an_ensemble_of_identical_members_judges_as_the_single_model(
+    make_dpo_args, tiny_reward_model_dir, tmp_path, ensemble
+):
+    """Two copies of the judge agree on every completion: WCO and UWO give its score, so the run is the single-model
+    run number for number, each member's score logged beside it (in training and evaluation). ensemble_reward itself
+    is tested in tests/test_ppo_rlhf.py (one definition: the drift test)."""
+    import shutil
+
+    folder = tmp_path / "ensemble"
+    for k in range(2):
+        shutil.copytree(tiny_reward_model_dir, folder / f"member_{k}")
+    single = read_metrics(dpo_online.main(make_dpo_args(seed=2)))
+    double = read_metrics(
+        dpo_online.main(make_dpo_args(seed=2, reward_model_path=str(folder), reward_ensemble=ensemble))
+    )
+    strip = lambda line: {k: v for k, v in line.items() if k != "time" and not k.startswith(("time/", "perf/"))}  # noqa: E731
+    for one, two in zip(single, double):
+        assert {k: v for k, v in strip(two).items() if "_member_" not in k} == strip(one)
+    for line in train_lines(double):
+        assert line["objective/scores_member_0"] == line["objective/scores_member_1"]
+    assert double[-1]["eval/score_member_1"] == double[-1]["eval/score"]  # missing_eos_penalty None: the members' own
