@@ -1254,3 +1254,39 @@ def test_gpu_check_summary_reads_the_first_training_step_and_the_last_evaluation
     rows = capsys.readouterr().out.splitlines()[2:]
     assert rows[0] == "| a | 3 | 0 | 1 | - | - | 5.00 | {'eval/score': 0.75} |"
     assert rows[1] == "| b | 1 | - | - | - | 3.5 | nan | {} |"
+
+
+# benchmark.reward_ensemble
+
+
+def test_agreement_of_ensemble_members_against_a_loop():
+    from benchmark.reward_ensemble import agreement
+
+    g = torch.Generator().manual_seed(0)
+    prefers = torch.rand(4, 50, generator=g) > 0.3
+    pairwise, unanimous = agreement(prefers)
+    rows = prefers.tolist()
+    pairs = [(a, b) for a in range(4) for b in range(a + 1, 4)]
+    expected = sum(sum(x == y for x, y in zip(rows[a], rows[b])) / 50 for a, b in pairs) / len(pairs)
+    assert pairwise == pytest.approx(expected, abs=1e-6)
+    assert unanimous == pytest.approx(sum(len(set(column)) == 1 for column in zip(*rows)) / 50, abs=1e-6)
+    assert agreement(prefers[:1]) == (1.0, 1.0)
+    assert agreement(torch.stack([prefers[0], ~prefers[0]])) == (0.0, 0.0)
+
+
+def test_reward_ensemble_report_on_two_copies(tiny_reward_model_dir, tmp_path):
+    """Two copies of one reward model: each member's accuracy is the model's, the members agree on every pair, and
+    every combination of the ensemble is as accurate as one member."""
+    import shutil
+
+    from benchmark.reward_ensemble import report
+
+    for k in range(2):
+        shutil.copytree(tiny_reward_model_dir, tmp_path / "ensemble" / f"member_{k}")
+    rows = [{"prompt_ids": [1, 5, 6], "chosen_ids": [7 + i, 2], "rejected_ids": [30 + 2 * i]} for i in range(6)]
+    (tmp_path / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = report(str(tmp_path / "ensemble"), str(tmp_path / "test.jsonl"))
+    table = [line for line in text.splitlines() if line.startswith("| member") or line.startswith("| ensemble")]
+    accuracies = {line.split(" | ")[1].rstrip(" |") for line in table}
+    assert len(table) == 5 and len(accuracies) == 1, text
+    assert "Members agreeing on a pair: 1.000 (two members, averaged), 1.000 (all of them)." in text
