@@ -524,6 +524,54 @@ def plot(experiments, metrics, x="step", out="benchmark/results/curve.png", smoo
     return out
 
 
+def frontier_points(runs, y_metric, x_metric, x_at_step0=None):
+    """The points of a y-against-x curve over seeds (Coste et al.'s gold score against KL): for every step at which
+    each run logged y and x on one line (an evaluation step: the evaluation and the step's own metrics share a line),
+    the mean over runs of x and of y and the std over runs of y. x_at_step0: x on the step-0 line, which has no step
+    metrics (KL 0 before any update). Returns (steps, x means, y means, y stds) as numpy arrays, by step."""
+    by_step = {}
+    for run in runs:
+        for line in run["lines"]:
+            y, x, step = line.get(y_metric), line.get(x_metric), line.get("global_step")
+            x = x_at_step0 if x is None and step == 0 else x
+            if y is not None and x is not None and step is not None:
+                by_step.setdefault(step, {})[run["path"]] = (float(x), float(y))
+    steps = sorted(step for step, points in by_step.items() if len(points) == len(runs))  # every run has the point
+    xs = np.asarray([np.mean([x for x, _ in by_step[s].values()]) for s in steps])
+    ys = np.asarray([[y for _, y in by_step[s].values()] for s in steps]).reshape(len(steps), -1)
+    std = ys.std(axis=1, ddof=DDOF) if ys.shape[1] > DDOF else np.zeros(len(steps))
+    return np.asarray(steps), xs, ys.mean(axis=1), std
+
+
+def plot_frontier(experiments, y_metric, x_metric, out, x_at_step0=None, title=None):
+    """One line per experiment: y against x over the evaluation steps (frontier_points), ± one std of y over seeds.
+    Writes a PNG and returns its path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for i, (label, runs) in enumerate(experiments):
+        steps, xs, ys, std = frontier_points(runs, y_metric, x_metric, x_at_step0)
+        if not len(steps):
+            print(f"warning: no run of {label!r} logged {y_metric} with {x_metric}", file=sys.stderr)
+            continue
+        ax.errorbar(xs, ys, yerr=std if len(runs) > 1 else None, color=f"C{i % 10}", marker="o", markersize=3,
+                    capsize=2, label=f"{label} ({len(runs)} seed{'s' * (len(runs) > 1)})")  # fmt: skip
+    ax.set_xlabel(x_metric)
+    ax.set_ylabel(y_metric)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    if title:
+        ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Command line
 
@@ -579,6 +627,14 @@ def build_parser():
     p.add_argument("--smooth", type=int, default=1, help="trailing moving-average window, in steps, per seed")
     p.add_argument("--title", default=None, help="a title over the figure")
 
+    p = commands.add_parser("frontier", help="one metric against another over the evaluation steps, mean over seeds")
+    experiments_args(p)
+    p.add_argument("--y", required=True, help="the metric up the side, e.g. eval/accuracy (the gold score)")
+    p.add_argument("--x", required=True, help="the metric along the bottom, e.g. objective/kl")
+    p.add_argument("--x_at_step0", type=float, default=None, help="x on the step-0 line (e.g. 0 for the KL)")
+    p.add_argument("--out", default="benchmark/results/frontier.png", help="where the PNG goes")
+    p.add_argument("--title", default=None, help="a title over the figure")
+
     p = commands.add_parser("table", help="a markdown table of initial and final metrics, mean ± std over seeds")
     experiments_args(p)
     p.add_argument("--metrics", nargs="+", required=True, help="the metrics in the table")
@@ -617,6 +673,9 @@ def main(argv=None):
         experiments = load_experiments(args.experiments, args.all_runs)
         out = plot(experiments, args.metrics, x=args.x, out=args.out, smooth=args.smooth, title=args.title)
         print(f"wrote {out}")
+    elif args.command == "frontier":
+        experiments = load_experiments(args.experiments, args.all_runs)
+        print(f"wrote {plot_frontier(experiments, args.y, args.x, args.out, args.x_at_step0, args.title)}")
     elif args.command == "table":
         experiments = load_experiments(args.experiments, args.all_runs)
         write_text(markdown_table(experiments, args.metrics, args.digits), args.out)

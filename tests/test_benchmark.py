@@ -1290,3 +1290,31 @@ def test_reward_ensemble_report_on_two_copies(tiny_reward_model_dir, tmp_path):
     accuracies = {line.split(" | ")[1].rstrip(" |") for line in table}
     assert len(table) == 5 and len(accuracies) == 1, text
     assert "Members agreeing on a pair: 1.000 (two members, averaged), 1.000 (all of them)." in text
+
+
+def test_frontier_points_average_the_seeds_at_each_evaluation_step(tmp_path):
+    """Gold against KL over seeds: at each step every run evaluated, the mean KL and the mean and std of the gold
+    score; the step-0 line (no KL logged) sits at x_at_step0; a step only one seed reached is left out."""
+    from benchmark.registry import frontier_points, load_run
+
+    def write_run(name, lines):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+        return load_run(str(folder))
+
+    a = write_run("t__x__1__1", [
+        {"global_step": 0, "eval/accuracy": 0.5},
+        {"global_step": 1, "objective/kl": 0.1},
+        {"global_step": 2, "objective/kl": 0.4, "eval/accuracy": 0.6},
+        {"global_step": 4, "objective/kl": 0.9, "eval/accuracy": 0.7},
+    ])  # fmt: skip
+    b = write_run("t__x__2__1", [
+        {"global_step": 0, "eval/accuracy": 0.3},
+        {"global_step": 2, "objective/kl": 0.2, "eval/accuracy": 0.8},
+    ])  # fmt: skip
+    steps, xs, ys, std = frontier_points([a, b], "eval/accuracy", "objective/kl", x_at_step0=0.0)
+    assert steps.tolist() == [0, 2]
+    assert xs.tolist() == pytest.approx([0.0, 0.3]) and ys.tolist() == pytest.approx([0.4, 0.7])
+    assert std.tolist() == pytest.approx([0.02**0.5, 0.02**0.5])  # sample std of two values 0.2 apart
+    assert frontier_points([a, b], "eval/accuracy", "objective/kl")[0].tolist() == [2]  # no x at step 0
