@@ -14,10 +14,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-for k in 0 1 2 3 4; do
-    [ -f "runs/reward_ensemble/member_$k/config.json" ] && continue
-    python reward_modeling.py --seed "$((k + 1))" --data_seed 1 --exp_name rm_member --reward_model_dir "runs/reward_ensemble/member_$k"
-done
+[ -f runs/reward_ensemble/member_0/config.json ] ||
+    python reward_modeling.py --seed 1 --data_seed 1 --exp_name rm_member --reward_model_dir runs/reward_ensemble/member_0
+[ -f runs/reward_ensemble/member_1/config.json ] ||
+    python reward_modeling.py --seed 2 --data_seed 1 --exp_name rm_member --reward_model_dir runs/reward_ensemble/member_1
+[ -f runs/reward_ensemble/member_2/config.json ] ||
+    python reward_modeling.py --seed 3 --data_seed 1 --exp_name rm_member --reward_model_dir runs/reward_ensemble/member_2
+[ -f runs/reward_ensemble/member_3/config.json ] ||
+    python reward_modeling.py --seed 4 --data_seed 1 --exp_name rm_member --reward_model_dir runs/reward_ensemble/member_3
+[ -f runs/reward_ensemble/member_4/config.json ] ||
+    python reward_modeling.py --seed 5 --data_seed 1 --exp_name rm_member --reward_model_dir runs/reward_ensemble/member_4
 python -m benchmark.reward_ensemble --ensemble runs/reward_ensemble --out benchmark/results/reward_ensemble.md
 
 ls -d runs/arith_1d__ens_pilot_single__3__* > /dev/null 2>&1 ||
