@@ -24,6 +24,7 @@ cd "$(dirname "$0")/.."
     python reward_modeling.py --seed 4 --data_seed 1 --exp_name rm_member --reward_model_dir runs/reward_ensemble/member_3
 [ -f runs/reward_ensemble/member_4/config.json ] ||
     python reward_modeling.py --seed 5 --data_seed 1 --exp_name rm_member --reward_model_dir runs/reward_ensemble/member_4
+python -m benchmark.registry copy --out benchmark/results/reward_ensemble runs/arith_1d__rm_member__[12345]__*
 python -m benchmark.reward_ensemble --ensemble runs/reward_ensemble --out benchmark/results/reward_ensemble.md
 
 ls -d runs/arith_1d__ens_pilot_single__3__* > /dev/null 2>&1 ||
