@@ -69,23 +69,19 @@ def report(ensemble, pairs_path=None, uwo_coef=1.0):
     scores = [member_scores(path, pairs) for path in members]
     chosen, rejected = torch.stack([c for c, _ in scores]), torch.stack([r for _, r in scores])  # [K, N]
     prefers_chosen = chosen > rejected
-    rows = [(os.path.basename(path), prefers_chosen[k].float().mean().item()) for k, path in enumerate(members)]
+    spread = torch.cat([chosen, rejected], 1).std(1)  # each member's score std over these responses [K]
+    rows = [
+        (os.path.basename(m), prefers_chosen[k].float().mean().item(), f"{spread[k]:.3f}")
+        for k, m in enumerate(members)
+    ]
     for combine in ("mean", "wco", "uwo"):
         c, r = (ppo_rlhf.ensemble_reward(x, combine, uwo_coef) for x in (chosen, rejected))
-        rows.append(
-            (
-                f"ensemble: {combine}" + (f" (lambda {uwo_coef})" if combine == "uwo" else ""),
-                (c > r).float().mean().item(),
-            )
-        )
+        name = f"ensemble: {combine}" + (f" (lambda {uwo_coef})" if combine == "uwo" else "")
+        rows.append((name, (c > r).float().mean().item(), ""))
     pairwise, unanimous = agreement(prefers_chosen)
-    lines = [
-        f"{len(members)} members of {ensemble}, {len(pairs)} held-out pairs",
-        "",
-        "| model | pair accuracy |",
-        "| --- | --- |",
-    ]
-    lines += [f"| {name} | {accuracy:.3f} |" for name, accuracy in rows]
+    lines = [f"{len(members)} members of {ensemble}, {len(pairs)} held-out pairs", ""]
+    lines += ["| model | pair accuracy | score std (centred scores of both responses) |", "| --- | --- | --- |"]
+    lines += [f"| {name} | {accuracy:.3f} | {std} |" for name, accuracy, std in rows]
     lines += [
         "",
         f"Members agreeing on a pair: {pairwise:.3f} (two members, averaged), {unanimous:.3f} (all of them).",

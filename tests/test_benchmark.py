@@ -1287,7 +1287,7 @@ def test_reward_ensemble_report_on_two_copies(tiny_reward_model_dir, tmp_path):
     (tmp_path / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     text = report(str(tmp_path / "ensemble"), str(tmp_path / "test.jsonl"))
     table = [line for line in text.splitlines() if line.startswith("| member") or line.startswith("| ensemble")]
-    accuracies = {line.split(" | ")[1].rstrip(" |") for line in table}
+    accuracies = {line.split(" | ")[1] for line in table}
     assert len(table) == 5 and len(accuracies) == 1, text
     assert "Members agreeing on a pair: 1.000 (two members, averaged), 1.000 (all of them)." in text
 
