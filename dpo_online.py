@@ -416,6 +416,21 @@ def ensemble_reward(member_scores, ensemble, uwo_coef):
     raise ValueError(f"unknown ensemble {ensemble!r}; expected mean, wco or uwo")
 
 
+def member_scores_of(reward_models, query_responses, attention_mask, accelerator):
+    """Each reward model's score of each whole sequence at its last real token, centred by its config.bias (the mean
+    training score reward_modeling.py stores), under the policy's autocast like the reference (so that scores are on
+    the values' scale and KL is exactly 0 before the first update). query_responses, attention_mask [B, P + R].
+    Returns [K, B]."""
+    last, members = last_real_index(attention_mask), []
+    for reward_model in reward_models:
+        with torch.no_grad(), accelerator.autocast():
+            per_token = token_scores(reward_model, reward_model.score, query_responses, attention_mask)
+        members.append(
+            per_token[torch.arange(len(per_token)), last] - float(getattr(reward_model.config, "bias", 0.0))
+        )
+    return torch.stack(members)
+
+
 def judge_completions(
     judge, reward_models, query_responses, attention_mask, texts, golds, accelerator, reward_ensemble, uwo_coef
 ):
@@ -427,14 +442,7 @@ def judge_completions(
     here with the same signature."""
     if judge == "verifier":
         return verifier_verdicts(texts, golds).to(accelerator.device), None
-    last, members = last_real_index(attention_mask), []
-    for reward_model in reward_models:
-        with torch.no_grad(), accelerator.autocast():
-            per_token = token_scores(reward_model, reward_model.score, query_responses, attention_mask)
-        members.append(
-            per_token[torch.arange(len(per_token)), last] - float(getattr(reward_model.config, "bias", 0.0))
-        )
-    member_scores = torch.stack(members)  # [K, B]
+    member_scores = member_scores_of(reward_models, query_responses, attention_mask, accelerator)  # [K, B]
     return ensemble_reward(member_scores, reward_ensemble, uwo_coef), member_scores
 
 

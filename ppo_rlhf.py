@@ -391,6 +391,21 @@ def ensemble_reward(member_scores, ensemble, uwo_coef):
     raise ValueError(f"unknown ensemble {ensemble!r}; expected mean, wco or uwo")
 
 
+def member_scores_of(reward_models, query_responses, attention_mask, accelerator):
+    """Each reward model's score of each whole sequence at its last real token, centred by its config.bias (the mean
+    training score reward_modeling.py stores), under the policy's autocast like the reference (so that scores are on
+    the values' scale and KL is exactly 0 before the first update). query_responses, attention_mask [B, P + R].
+    Returns [K, B]."""
+    last, members = last_real_index(attention_mask), []
+    for reward_model in reward_models:
+        with torch.no_grad(), accelerator.autocast():
+            per_token = token_scores(reward_model, reward_model.score, query_responses, attention_mask)
+        members.append(
+            per_token[torch.arange(len(per_token)), last] - float(getattr(reward_model.config, "bias", 0.0))
+        )
+    return torch.stack(members)
+
+
 def reward_model_scores(
     reward_models, query_responses, attention_mask, context_length, mask, stop_ids, accelerator, *,
     missing_eos_penalty, reward_ensemble, uwo_coef,
@@ -399,17 +414,7 @@ def reward_model_scores(
     config.bias (the mean training score reward_modeling.py stores), combined over the models (ensemble_reward); a
     response without an EOS gets missing_eos_penalty instead (None: its score). query_responses, attention_mask
     [B, P + R], mask [B, R]. Returns (scores [B], has_eos [B], the members' scores [K, B])."""
-    # Under --mixed_precision bf16 accelerate autocasts the prepared policy and value model only; the frozen reward
-    # models and reference run under the same autocast, so that the scores are on the values' scale and KL is
-    # exactly 0 before the first update.
-    last, members = last_real_index(attention_mask), []
-    for reward_model in reward_models:
-        with torch.no_grad(), accelerator.autocast():
-            per_token = token_scores(reward_model, reward_model.score, query_responses, attention_mask)
-        members.append(
-            per_token[torch.arange(len(per_token)), last] - float(getattr(reward_model.config, "bias", 0.0))
-        )
-    member_scores = torch.stack(members)  # [K, B]
+    member_scores = member_scores_of(reward_models, query_responses, attention_mask, accelerator)  # [K, B]
     scores = ensemble_reward(member_scores, reward_ensemble, uwo_coef)
     responses = query_responses[:, context_length:]
     is_stop = torch.isin(responses, torch.tensor(stop_ids, device=responses.device)).to(mask.device)
@@ -1279,18 +1284,11 @@ def evaluate(sampler, reward_models, ref_policy, eval_set, has_gold, args, accel
         query_responses, attention_mask, mask, _, context_length = training_batch(
             prompts, 1, responses, mask, None, tokenizer.pad_token_id, accelerator.device
         )
-        reward_flags = dict(missing_eos_penalty=args.missing_eos_penalty, reward_ensemble=args.reward_ensemble)
+        reward_flags = {name: getattr(args, name) for name in inspect.getfullargspec(reward_model_scores).kwonlyargs}
         scores, has_eos, member_scores = reward_model_scores(
-            reward_models,
-            query_responses,
-            attention_mask,
-            context_length,
-            mask,
-            sampler.stop_ids,
-            accelerator,
+            reward_models, query_responses, attention_mask, context_length, mask, sampler.stop_ids, accelerator,
             **reward_flags,
-            uwo_coef=args.uwo_coef,
-        )
+        )  # fmt: skip
         correct = verifier_correct(texts, [eval_golds[i] for i in chunk])
         perplexity = torch.zeros(len(chunk))  # not measured with LoRA (see the docstring)
         if ref_policy is not None:  # whole on every process: no collective call
