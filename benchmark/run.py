@@ -6,10 +6,13 @@
 
 Each seed runs as `python <script> --seed S <script args>` (inside `accelerate launch` when --accelerate_config or
 --num_processes is given; with --track, `--track --wandb_tags <git sha>` is added), at most --workers at a time.
-Every command is printed before it starts; its stdout and stderr go to runs/_logs/{script}__{seed}__{unix_time}.log.
-A failing seed does not stop the others; the summary at the end gives each seed's exit code, run folder and
-wall-clock, and the launcher exits with 1 when any seed failed. Nothing else is written: the run folders are the
-scripts' own (runs/{run_name}/config.json records the git sha), and `python -m benchmark.registry` reads them.
+With --resume_unfinished (for experiments that span sessions) a seed whose run folder, same --exp_name, is there from
+an earlier launch is skipped when its metrics reached --total_steps and resumed from its checkpoint (`--resume
+<folder>`) when not. Every command is printed before it starts; its stdout and stderr go to
+runs/_logs/{script}__{seed}__{unix_time}.log. A failing seed does not stop the others; the summary at the end gives
+each seed's exit code, run folder and wall-clock, and the launcher exits with 1 when any seed failed. Nothing else is
+written: the run folders are the scripts' own (runs/{run_name}/config.json records the git sha), and `python -m
+benchmark.registry` reads them.
 """
 
 import argparse
@@ -112,11 +115,7 @@ def list_dirs(folder):
 
 
 def run_seed_of(path):
-    try:
-        with open(os.path.join(path, "config.json")) as f:
-            return json.load(f)["args"].get("seed")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
+    return run_args(path).get("seed")
 
 
 def find_run_folder(output_dir, seed, existing, log_text="", exp_name=None):
@@ -138,6 +137,37 @@ def find_run_folder(output_dir, seed, existing, log_text="", exp_name=None):
     if not candidates:
         return None
     return max(candidates, key=lambda p: os.path.getmtime(os.path.join(p, "config.json")))
+
+
+def earlier_run(output_dir, seed, exp_name):
+    """An earlier launch's run folder for this seed and exp_name (the newest) and its state: "finished" when its
+    metrics.jsonl reached the config's total_steps, "resumable" when it has a checkpoint, else "empty" (killed before
+    its first checkpoint: a fresh run replaces nothing). (None, None) when there is none."""
+    folders = [
+        path
+        for path in (os.path.join(output_dir, name) for name in sorted(list_dirs(output_dir)))
+        if run_seed_of(path) == seed and run_args(path).get("exp_name") == exp_name
+    ]
+    if not folders:
+        return None, None
+    folder = max(folders, key=lambda p: os.path.getmtime(os.path.join(p, "config.json")))
+    steps = []
+    if os.path.isfile(os.path.join(folder, "metrics.jsonl")):
+        with open(os.path.join(folder, "metrics.jsonl")) as f:
+            steps = [json.loads(line).get("global_step") for line in f if line.strip()]
+    total = run_args(folder).get("total_steps")
+    if total is not None and total in steps:
+        return folder, "finished"
+    checkpoints = os.path.join(folder, "checkpoints")
+    return folder, "resumable" if os.path.isdir(checkpoints) and os.listdir(checkpoints) else "empty"
+
+
+def run_args(path):
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            return json.load(f)["args"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
 
 
 def format_seconds(seconds):
@@ -164,6 +194,11 @@ def build_parser():
         default=29500,
         help="with accelerate and more than one worker, seed i gets port main_process_port + i",
     )
+    parser.add_argument(
+        "--resume_unfinished",
+        action="store_true",
+        help="skip a seed whose run (same --exp_name) finished in an earlier launch; resume one that has a checkpoint",
+    )
     parser.add_argument("--log_dir", default="runs/_logs", help="where each seed's stdout/stderr goes")
     return parser
 
@@ -180,13 +215,30 @@ def main(argv=None):
     if not os.path.isfile(args.script):
         sys.exit(f"error: --script {args.script} is not a file")
 
+    output_dir = flag_value(script_args, "output_dir", "runs")
+    exp_name = flag_value(script_args, "exp_name")
+    earlier = {}
+    if args.resume_unfinished:
+        if exp_name is None or flag_index(script_args, "resume") is not None:
+            sys.exit("error: --resume_unfinished needs --exp_name after `--` (and no --resume)")
+        earlier = {seed: earlier_run(output_dir, seed, exp_name) for seed in args.seeds}
+        for seed, (folder, state) in earlier.items():
+            if state is not None:
+                print(f"[seed {seed}] {folder}: {state}", flush=True)
+        args.seeds = [seed for seed in args.seeds if earlier[seed][1] != "finished"]
+        if not args.seeds:
+            print("every seed finished in an earlier launch")
+            return 0
+
     sha = git_sha()
     accelerate = args.accelerate_config is not None or args.num_processes is not None
     commands = {
         seed: build_command(
             args.script,
             seed,
-            script_args,
+            [*script_args, "--resume", earlier[seed][0]]
+            if seed in earlier and earlier[seed][1] == "resumable"
+            else script_args,  # fmt: skip
             track=args.track,
             sha=sha,
             accelerate_config=args.accelerate_config,
@@ -202,9 +254,6 @@ def main(argv=None):
 
     if args.track and git_dirty():
         print(f"warning: tracked files differ from HEAD {sha[:12]}: the wandb tag names the last commit", flush=True)
-    output_dir = flag_value(script_args, "output_dir", "runs")
-    resume = flag_value(script_args, "resume")
-    exp_name = flag_value(script_args, "exp_name")
     existing = list_dirs(output_dir)
     os.makedirs(args.log_dir, exist_ok=True)
     script_name = os.path.splitext(os.path.basename(args.script))[0]
@@ -228,7 +277,7 @@ def main(argv=None):
         elapsed = time.time() - start
         with open(log_path, errors="replace") as log:
             log_text = log.read()
-        folder = resume or find_run_folder(output_dir, seed, existing, log_text, exp_name)
+        folder = flag_value(command, "resume") or find_run_folder(output_dir, seed, existing, log_text, exp_name)
         with print_lock:
             print(f"[seed {seed}] exit code {returncode} after {format_seconds(elapsed)}", flush=True)
         return {"seed": seed, "returncode": returncode, "run_dir": folder, "seconds": elapsed, "log": log_path}

@@ -134,6 +134,39 @@ def test_launcher_dry_run_only_prints(fake_script):
     assert sorted(os.listdir(fake_script)) == ["fake.py"]
 
 
+def test_launcher_resume_unfinished_skips_finished_runs_and_resumes_checkpointed_ones(fake_script):
+    """An experiment that spans sessions: seed 1 finished (its metrics reach total_steps), seed 2 was killed after a
+    checkpoint, seed 3 before its first one, seed 4 never started; another exp_name's finished run is not seed 2's."""
+
+    def run_folder(name, seed, exp_name, last_step, checkpoint):
+        path = fake_script / "runs" / name
+        (path / "checkpoints" / "step_000002" if checkpoint else path).mkdir(parents=True)
+        (path / "config.json").write_text(json.dumps({"args": {"seed": seed, "exp_name": exp_name, "total_steps": 4}}))
+        lines = [json.dumps({"global_step": step}) for step in range(last_step + 1)]
+        (path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+        return os.path.join("runs", name)
+
+    run_folder("task__x__1__100", 1, "x", last_step=4, checkpoint=True)
+    resumable = run_folder("task__x__2__100", 2, "x", last_step=3, checkpoint=True)
+    run_folder("task__y__2__100", 2, "y", last_step=4, checkpoint=True)
+    run_folder("task__x__3__100", 3, "x", last_step=0, checkpoint=False)
+    argv = ("--script", "fake.py", "--seeds", "1", "2", "3", "4", "--dry_run", "--resume_unfinished", "--")
+    result = launch(fake_script, *argv, "--exp_name", "x")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[:3] == [
+        f"[seed 1] {os.path.join('runs', 'task__x__1__100')}: finished",
+        f"[seed 2] {resumable}: resumable",
+        f"[seed 3] {os.path.join('runs', 'task__x__3__100')}: empty",
+    ]
+    assert [shlex.split(line)[1:] for line in lines[3:]] == [
+        ["fake.py", "--seed", "2", "--exp_name", "x", "--resume", resumable],
+        ["fake.py", "--seed", "3", "--exp_name", "x"],
+        ["fake.py", "--seed", "4", "--exp_name", "x"],
+    ]
+    assert launch(fake_script, *argv).returncode != 0  # without --exp_name the runs cannot be told apart
+
+
 def test_launcher_argument_helpers():
     assert launcher.split_argv(["--seeds", "1", "--", "--lr", "1"]) == (["--seeds", "1"], ["--lr", "1"])
     assert launcher.with_tracking(["--wandb_tags", "a", "b", "--lr", "1"], "sha") == [
