@@ -6,10 +6,8 @@
 #      the folder ppo_rlhf.py --reward_model_path reads as an ensemble. A member whose model is there is skipped
 #      (an interrupted one: `python reward_modeling.py --resume runs/<its run folder> ...` with the same flags).
 #   2. How the members do on their shared held-out pairs, alone and combined, and how often they agree.
-#   3. The pilot: where PPO on one reward model (member_0, which is the default reward model: seed 1, its pairs)
-#      over-optimises. Issue 31 saw seed 3's verifier accuracy fall from step 10 (0.642) to step 40 (0.500): seed 3
-#      for 80 steps, evaluated every 10. Interrupted: `python ppo_rlhf.py --resume runs/<its run folder>`.
-#   bash benchmark/ppo_rlhf_ensemble.sh             # one run at a time (a 2-core CPU machine): ~8 min a member
+#   3. The experiment: PPO with the mean, WCO and UWO of the 5 members, online DPO with their WCO, 3 seeds each.
+#   bash benchmark/ppo_rlhf_ensemble.sh   # one run at a time (a 2-core CPU machine): ~8 min a member, ~30 min a PPO run
 # Every command that runs a script is on its own line: tests/test_benchmark.py checks its flags against --help.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,7 +23,21 @@ cd "$(dirname "$0")/.."
 [ -f runs/reward_ensemble/member_4/config.json ] ||
     python reward_modeling.py --seed 5 --data_seed 1 --exp_name rm_member --reward_model_dir runs/reward_ensemble/member_4
 python -m benchmark.registry copy --out benchmark/results/reward_ensemble runs/arith_1d__rm_member__[12345]__*
-python -m benchmark.reward_ensemble --ensemble runs/reward_ensemble --out benchmark/results/reward_ensemble.md
+[ -f benchmark/results/reward_ensemble.md ] ||  # ~7 min: remove the file to make it again
+    python -m benchmark.reward_ensemble --ensemble runs/reward_ensemble --uwo_coef 0.25 0.5 1 2 4 --out benchmark/results/reward_ensemble.md
 
-ls -d runs/arith_1d__ens_pilot_single__3__* > /dev/null 2>&1 ||
-    python ppo_rlhf.py --seed 3 --total_steps 80 --save_every 10 --reward_model_path runs/reward_ensemble/member_0 --exp_name ens_pilot_single
+# 3. The experiment: 40 steps, 3 seeds, the issue-31 budget (PPO at its defaults; online DPO with 4 prompts x 2
+#    completions a step, the same 8 completions). The single-reward-model arms are issue 31's runs (member_0 is the
+#    default reward model; benchmark/dpo_online.sh made them, committed under benchmark/results/ppo_vs_dpo/), whose first
+#    steps today's code repeats number for number (docs/ppo_rlhf.md). UWO's lambda 1 is chosen from the members'
+#    held-out scores above (docs/ppo_rlhf.md says why). --resume_unfinished: a seed that finished is skipped, an
+#    interrupted one resumes from its checkpoint, so the file can be run again across sessions until all are done.
+ENS=runs/reward_ensemble
+python -m benchmark.run --script ppo_rlhf.py --seeds 1 2 3 --resume_unfinished -- \
+    --exp_name ens_ppo_wco --reward_model_path "$ENS" --reward_ensemble wco
+python -m benchmark.run --script ppo_rlhf.py --seeds 1 2 3 --resume_unfinished -- \
+    --exp_name ens_ppo_uwo --reward_model_path "$ENS" --reward_ensemble uwo --uwo_coef 1
+python -m benchmark.run --script dpo_online.py --seeds 1 2 3 --resume_unfinished -- \
+    --exp_name ens_dpo_wco --reward_model_path "$ENS" --reward_ensemble wco --prompts_per_rank 4 --total_steps 40
+python -m benchmark.run --script ppo_rlhf.py --seeds 1 2 3 --resume_unfinished -- \
+    --exp_name ens_ppo_mean --reward_model_path "$ENS" --reward_ensemble mean

@@ -54,7 +54,7 @@ def held_out_pairs(member, pairs_path=None):
     if pairs_path is None:
         for config_path in glob.glob(os.path.join("runs", "*", "config.json")):
             with open(config_path) as f:
-                args = json.load(f)["args"]
+                args = json.load(f).get("args") or {}  # a saved model's config.json has no args
             if os.path.normpath(args.get("reward_model_dir") or "") == os.path.normpath(member):
                 pairs_path = os.path.join(os.path.dirname(config_path), "preferences", "test.jsonl")
         if pairs_path is None:
@@ -63,7 +63,7 @@ def held_out_pairs(member, pairs_path=None):
     return [(row["prompt_ids"] + row["chosen_ids"], row["prompt_ids"] + row["rejected_ids"]) for row in rows]
 
 
-def report(ensemble, pairs_path=None, uwo_coef=1.0):
+def report(ensemble, pairs_path=None, uwo_coefs=(1.0,)):
     members = ppo_rlhf.reward_model_members(ensemble)
     pairs = held_out_pairs(members[0], pairs_path)
     scores = [member_scores(path, pairs) for path in members]
@@ -74,17 +74,23 @@ def report(ensemble, pairs_path=None, uwo_coef=1.0):
         (os.path.basename(m), prefers_chosen[k].float().mean().item(), f"{spread[k]:.3f}")
         for k, m in enumerate(members)
     ]
-    for combine in ("mean", "wco", "uwo"):
+    for combine, uwo_coef in [("mean", 0.0), ("wco", 0.0), *(("uwo", coef) for coef in uwo_coefs)]:
         c, r = (ppo_rlhf.ensemble_reward(x, combine, uwo_coef) for x in (chosen, rejected))
-        name = f"ensemble: {combine}" + (f" (lambda {uwo_coef})" if combine == "uwo" else "")
+        name = f"ensemble: {combine}" + (f" (lambda {uwo_coef:g})" if combine == "uwo" else "")
         rows.append((name, (c > r).float().mean().item(), ""))
     pairwise, unanimous = agreement(prefers_chosen)
+    variance = torch.cat([chosen, rejected], 1).var(0, unbiased=False)  # the members' disagreement on a response
     lines = [f"{len(members)} members of {ensemble}, {len(pairs)} held-out pairs", ""]
     lines += ["| model | pair accuracy | score std (centred scores of both responses) |", "| --- | --- | --- |"]
     lines += [f"| {name} | {accuracy:.3f} | {std} |" for name, accuracy, std in rows]
     lines += [
         "",
         f"Members agreeing on a pair: {pairwise:.3f} (two members, averaged), {unanimous:.3f} (all of them).",
+        "The members' variance of a response's score (UWO's penalty at lambda 1), over the held-out responses: "
+        + ", ".join(
+            f"{name} {variance.quantile(q).item():.3f}" for name, q in (("median", 0.5), ("90th percentile", 0.9))
+        )
+        + f", max {variance.max().item():.3f}.",
     ]
     return "\n".join(lines) + "\n"
 
@@ -93,7 +99,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ensemble", default="runs/reward_ensemble", help="a folder of reward models")
     parser.add_argument("--pairs", default=None, help="a preferences JSONL with prompt_ids, chosen_ids, rejected_ids")
-    parser.add_argument("--uwo_coef", type=float, default=1.0, help="lambda of UWO")
+    parser.add_argument("--uwo_coef", type=float, nargs="+", default=[1.0], help="lambda(s) of UWO, one row each")
     parser.add_argument("--out", default=None, help="write the table there (markdown)")
     args = parser.parse_args(argv)
     text = report(args.ensemble, args.pairs, args.uwo_coef)

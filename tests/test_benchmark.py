@@ -1318,11 +1318,16 @@ def test_reward_ensemble_report_on_two_copies(tiny_reward_model_dir, tmp_path):
         shutil.copytree(tiny_reward_model_dir, tmp_path / "ensemble" / f"member_{k}")
     rows = [{"prompt_ids": [1, 5, 6], "chosen_ids": [7 + i, 2], "rejected_ids": [30 + 2 * i]} for i in range(6)]
     (tmp_path / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    text = report(str(tmp_path / "ensemble"), str(tmp_path / "test.jsonl"))
+    text = report(str(tmp_path / "ensemble"), str(tmp_path / "test.jsonl"), uwo_coefs=(0.5, 2.0))
     table = [line for line in text.splitlines() if line.startswith("| member") or line.startswith("| ensemble")]
     accuracies = {line.split(" | ")[1] for line in table}
-    assert len(table) == 5 and len(accuracies) == 1, text
+    assert len(table) == 6 and len(accuracies) == 1, text
+    assert [line.split(" | ")[0] for line in table[-2:]] == [
+        "| ensemble: uwo (lambda 0.5)",
+        "| ensemble: uwo (lambda 2)",
+    ]
     assert "Members agreeing on a pair: 1.000 (two members, averaged), 1.000 (all of them)." in text
+    assert "over the held-out responses: median 0.000, 90th percentile 0.000, max 0.000." in text
 
 
 def test_frontier_points_average_the_seeds_at_each_evaluation_step(tmp_path):
