@@ -1001,8 +1001,8 @@ def gold_answer(answer):
 
 
 def build_prompts(tokenizer, rows, args):
-    """Token ids of each row's prompt (chat template or --prompt_template) and its gold answer; prompts longer
-    than max_prompt_length are dropped."""
+    """Token ids of each row's prompt (chat template, after the system prompt and any shown examples, or
+    --prompt_template) and its gold answer; prompts longer than max_prompt_length are dropped."""
     prompts, golds = [], []
     for row in rows:
         question = f"{row[args.question_column]} {args.instruction}".strip()
@@ -1010,6 +1010,8 @@ def build_prompts(tokenizer, rows, args):
             text = args.prompt_template.format(question=question)
         else:
             messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
+            for shown, answer in getattr(args, "examples", ()):  # exchanges shown before the question (grpo_tools)
+                messages += [{"role": "user", "content": shown}, {"role": "assistant", "content": answer}]
             messages.append({"role": "user", "content": question})
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         ids = tokenizer(text, add_special_tokens=args.prompt_template is not None).input_ids

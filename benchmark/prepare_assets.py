@@ -94,6 +94,22 @@ TASKS = {
             },
         ),
     ],
+    # The default of grpo_tools.py: products of two numbers of 2-3 digits ("Calculate 874 * 404."), which the
+    # embedded model cannot do in its head and can with a calculator call.
+    "mul_2t3d": [
+        (
+            "basic_arithmetic",
+            {
+                "min_terms": 2,
+                "max_terms": 2,
+                "min_digits": 2,
+                "max_digits": 3,
+                "operators": ("*",),
+                "allow_parentheses": False,
+                "allow_negation": False,
+            },
+        )
+    ],
     "chain_sum": [("chain_sum", {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1})],
     "chain_sum_2t1d": [("chain_sum", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1})],
     "chain_sum_2t2d": [("chain_sum", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2})],

@@ -45,6 +45,27 @@ def fixed_generate(model, prompts, n, response_length, temperature, top_p, pad_t
     return responses, lengths
 
 
+def fixed_turns(model, tokenizer, contexts, max_tokens, temperature, top_p, pad_token_id, stop_ids):
+    """Stands in for grpo_tools' hf_turns (same signature and returns): a scripted policy whose turn is a seeded
+    function of (the context's tokens, how many earlier contexts of this call were the same: the sample's index in
+    its group on the first turn). A turn is a few ordinary word pieces then, at random, a tool call of a product of
+    two numbers of 1-6 digits (results of different lengths), a malformed call, or an answer ending with the first
+    stop id; cut at max_tokens."""
+    stop_ids = [stop_ids] if isinstance(stop_ids, int) else list(stop_ids)
+    seen, turns = collections.Counter(), []
+    for context, limit in zip(contexts, max_tokens):
+        key = repr(list(context))
+        g = torch.Generator().manual_seed(zlib.crc32(f"{key} {seen[key]}".encode()))
+        seen[key] += 1
+        words = torch.randint(300, 3000, (int(torch.randint(0, 4, (1,), generator=g)),), generator=g).tolist()
+        kind = int(torch.randint(0, 4, (1,), generator=g))
+        a, b = (int(torch.randint(1, 10**3, (1,), generator=g)) for _ in range(2))
+        ending = [f"<calc>{a} * {b}</calc>", "<calc>(1 +</calc>", f"Answer: {a}", f"Answer: {a * b}"][kind]
+        ids = words + tokenizer(ending, add_special_tokens=False).input_ids + ([stop_ids[0]] if kind >= 2 else [])
+        turns.append((ids[:limit], None))
+    return turns
+
+
 def space_reward(completions, golds, format_reward):
     """grpo_math's compute_rewards on the fixed rollout: the fraction of characters that are spaces (varied within
     a group, so the advantages are not zero)."""
@@ -53,7 +74,10 @@ def space_reward(completions, golds, format_reward):
 
 
 # Script module -> {attribute: replacement} on top of hf_generate.
-PATCHES = {"grpo_math": {"compute_rewards": space_reward}}
+PATCHES = {
+    "grpo_math": {"compute_rewards": space_reward},
+    "grpo_tools": {"compute_rewards": space_reward, "hf_turns": fixed_turns},
+}
 
 
 def patch(module, setter=setattr):

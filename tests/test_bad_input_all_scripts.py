@@ -8,6 +8,7 @@ from conftest import GOOD_ROWS, NoModelLoads, one_line_error, write_rows
 
 import async_rlhf
 import dpo_online
+import grpo_tools
 import ppo_prm_clip
 import ppo_rlhf
 import reward_modeling
@@ -18,6 +19,7 @@ SCRIPTS = {
     "ppo_prm_clip": ppo_prm_clip,
     "async_rlhf": async_rlhf,
     "reward_modeling": reward_modeling,
+    "grpo_tools": grpo_tools,
 }
 
 

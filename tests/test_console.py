@@ -10,7 +10,15 @@ import logging
 
 import pytest
 
-SCRIPTS = ("grpo_math.py", "reward_modeling.py", "ppo_rlhf.py", "dpo_online.py", "ppo_prm_clip.py", "async_rlhf.py")
+SCRIPTS = (
+    "grpo_math.py",
+    "reward_modeling.py",
+    "ppo_rlhf.py",
+    "dpo_online.py",
+    "ppo_prm_clip.py",
+    "async_rlhf.py",
+    "grpo_tools.py",
+)
 
 # (logger = module name, a line of the message in that module's source, the message as it is logged)
 HARMLESS = [

@@ -2,9 +2,9 @@
 fence between its algorithm and its plumbing, and no script imports another.
 
 The scripts are the top-level *.py files of the repository (grpo_math.py, ppo_rlhf.py, reward_modeling.py,
-dpo_online.py, ppo_prm_clip.py, async_rlhf.py). Module-level functions and classes with the same name in two or more
-scripts are compared by their source text (a class with its methods); a script that needs a variant gives it
-another name.
+dpo_online.py, ppo_prm_clip.py, async_rlhf.py, grpo_tools.py). Module-level functions and classes with the same name in
+two or more scripts are compared by their source text (a class with its methods); a script that needs a variant gives
+it another name.
 """
 
 import ast

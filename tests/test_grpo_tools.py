@@ -1,0 +1,562 @@
+"""grpo_tools.py: the calculator against a reference written here and on bad input, the multi-turn rollout and its
+loss mask, the trainer's log-probs against a plain per-trajectory forward, and runs on the tiny model (on-policy
+ratio 1, KL 0, accumulation = one micro-batch, 2 processes = 1) with a scripted policy (tests/fixed_rollout.py)."""
+
+import decimal
+import inspect
+import json
+import math
+import os
+import random
+import re
+from fractions import Fraction
+
+import fixed_rollout
+import pytest
+import torch
+from conftest import (
+    SMOLLM2_DIR,
+    assert_same_trajectory,
+    assert_same_weights,
+    fast_cli_flags,
+    launch_fixed_rollout,
+    read_metrics,
+    require_vllm,
+)
+
+import grpo_tools
+from grpo_tools import CALL, RESULT, calculator, multi_turn_rollout, tool_call
+
+# ---------------------------------------------------------------------------------------------------------------
+# The calculator
+
+
+def random_expression(rng, depth=0):
+    """An arithmetic expression in the calculator's grammar: numbers (integers, decimals), + - * / ^ **, signs,
+    parentheses, spaces here and there."""
+    if depth > 3 or rng.random() < 0.3:
+        number = str(rng.randint(0, 999)) if rng.random() < 0.8 else f"{rng.randint(0, 99)}.{rng.randint(0, 99)}"
+        return ("-" if rng.random() < 0.15 else "") + number
+    kind = rng.random()
+    if kind < 0.15:
+        return f"({random_expression(rng, depth + 1)})"
+    if kind < 0.25:
+        return f"({random_expression(rng, depth + 1)}){rng.choice(['^', '**'])}{rng.randint(0, 3)}"  # no towers
+    op = rng.choice(["+", "-", "*", "/"])
+    space = " " if rng.random() < 0.5 else ""
+    return f"{random_expression(rng, depth + 1)}{space}{op}{space}{random_expression(rng, depth + 1)}"
+
+
+def reference_value(expression):
+    """The value by Python's own arithmetic on exact Fractions (an independent evaluator: the test builds the
+    expression, so evaluating it is safe here), or None on a division by zero."""
+    exact = re.sub(r"\d+(?:\.\d*)?", lambda m: f"Fraction('{m.group(0)}')", expression.replace("^", "**"))
+    try:
+        return eval(exact, {"Fraction": Fraction})  # noqa: S307
+    except ZeroDivisionError:
+        return None
+
+
+def reference_text(value):
+    """The calculator's format worked out here with decimal arithmetic: rounded to 6 decimals (half to even), no
+    trailing zeros, no decimal point for an integer."""
+    with decimal.localcontext(decimal.Context(prec=80)):
+        exact = decimal.Decimal(value.numerator) / decimal.Decimal(value.denominator)
+        text = f"{exact.quantize(decimal.Decimal('0.000001'), rounding=decimal.ROUND_HALF_EVEN):f}"
+    text = text.rstrip("0").rstrip(".")
+    return "0" if text in ("-0", "") else text
+
+
+def test_calculator_against_python_arithmetic_on_random_expressions():
+    rng, checked = random.Random(0), 0
+    for _ in range(2000):
+        expression = random_expression(rng)
+        value, got = reference_value(expression), calculator(expression)
+        if value is None:
+            assert got == "error: division by zero", expression
+            continue
+        expected = reference_text(value)
+        if len(expected) > 24:
+            assert got == "error: result too long", expression
+            continue
+        assert got == expected, (expression, value)
+        checked += 1
+    assert checked > 1500
+    # Precedence and associativity the way arithmetic has them (as Python's ** does).
+    for expression, expected in [("-2^2", "-4"), ("2^3^2", "512"), ("2^-1", "0.5"), ("(2+3)*4", "20"), ("7/2", "3.5"),
+                                 ("1/3", "0.333333"), ("2 ** 10", "1024"), ("-(3 - 5)", "2"), ("10 - 4 - 3", "3"),
+                                 ("874 * 404", "353096"), (" 12 ", "12"), ("0.1 + 0.2", "0.3")]:  # fmt: skip
+        assert calculator(expression) == expected, expression
+
+
+@pytest.mark.parametrize(
+    "expression, message",
+    [
+        ("", "empty expression"),
+        ("3 +", "incomplete expression"),
+        ("(1 + 2", "missing )"),
+        ("1 + 2)", "unexpected )"),
+        ("2 ** * 3", "unexpected *"),
+        ("12 x 4", "unexpected 'x 4'"),
+        ("1/0", "division by zero"),
+        ("1/(2-2)", "division by zero"),
+        ("0^-1", "division by zero"),
+        ("2^0.5", "only whole powers"),
+        ("9^99999", "power too large"),
+        ("10^10^10", "power too large"),
+        ("99999999999 * 99999999999 * 99999", "result too long"),
+        ("(" * 40 + "1" + ")" * 40, "too many parentheses"),
+        ("1+" * 150 + "1", "expression longer than 200 characters"),
+        ("__import__('os').system('touch /tmp/pwned')", "unexpected"),
+        ("1; import os", "unexpected"),
+        ("open('/etc/passwd').read()", "unexpected"),
+        ("lambda: 1", "unexpected"),
+        ("1e400", "unexpected"),
+        ("\u0661 + 1", "unexpected"),  # an Arabic-Indic digit: \d would match it, int() would read it
+    ],
+)
+def test_calculator_returns_a_short_error_and_never_raises(expression, message):
+    out = calculator(expression)
+    assert out.startswith("error: ") and message in out and len(out) < 80, out
+    assert not os.path.exists("/tmp/pwned")
+
+
+def test_tool_call_reads_the_expression_a_turn_ends_with():
+    assert tool_call("Let me compute. <calc>12 * 34</calc>") == "12 * 34"
+    assert tool_call("<calc>1</calc> then <calc>2 + 3</calc>") == "1"  # a turn ends at its first CALL[1]
+    assert tool_call("x <calc>a <calc>5*5</calc><") == "5*5"  # the last CALL[0] before it; overhang after
+    assert tool_call("no opening tag</calc>") == ""  # malformed: the calculator answers "empty expression"
+    assert tool_call("Answer: 12") is None and tool_call("<calc>12 * 3") is None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The rollout and its loss mask
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def scripted_turns(tokenizer, script):
+    """A policy_turn that writes script[(row, turn)] for each context (row: the index of the trajectory, found from
+    its prompt; turn: how many turns it has had), recording every context it was given."""
+    seen, counts = [], {}
+
+    def policy_turn(contexts, max_tokens):
+        out = []
+        for context, limit in zip(contexts, max_tokens):
+            row = context[0]  # each test prompt starts with its own id
+            turn = counts.get(row, 0)
+            counts[row] = turn + 1
+            seen.append((row, turn, list(context), limit))
+            ids = tokenizer(script[(row, turn)], add_special_tokens=False).input_ids
+            if script[(row, turn)].endswith("<eos>"):
+                ids = tokenizer(script[(row, turn)][:-5], add_special_tokens=False).input_ids + [
+                    tokenizer.eos_token_id
+                ]
+            out.append((ids[:limit], [-0.5 - 0.01 * k for k in range(len(ids[:limit]))]))
+        return out
+
+    return policy_turn, seen
+
+
+def test_rollout_appends_tool_output_as_context_and_masks_it_out_of_the_loss(tokenizer):
+    """Three trajectories: two calls with results of different lengths, then an answer; a malformed call; calls past
+    max_turns. The ids are the turns and the tool outputs back to back, each turn is given exactly the prompt and
+    everything before it (token in, token out), and the loss mask is 1 on the policy's tokens only."""
+    prompts = [[900, 901], [902, 903, 904], [905]]
+    script = {
+        (900, 0): "First <calc>12 * 34</calc>",
+        (900, 1): "then <calc>(408 + 2)/4</calc>",
+        (900, 2): "Answer: 102.5<eos>",
+        (902, 0): "<calc>1 +</calc>",
+        (902, 1): "Answer: 7<eos>",
+        (905, 0): "<calc>2^10</calc>",
+        (905, 1): "<calc>3</calc>",
+        (905, 2): "<calc>4</calc>",  # the third call: max_turns is 2, so it is not run
+    }
+    policy_turn, seen = scripted_turns(tokenizer, script)
+    rollout = multi_turn_rollout(policy_turn, tokenizer, prompts, 1, response_length=64, max_turns=2)
+
+    def enc(text):
+        return tokenizer(text, add_special_tokens=False).input_ids
+
+    def tool(text):
+        return enc(f"{RESULT[0]}{text}{RESULT[1]}")
+
+    eos = [tokenizer.eos_token_id]
+    expected = {
+        0: [(enc("First <calc>12 * 34</calc>"), 1), (tool("408"), 0), (enc("then <calc>(408 + 2)/4</calc>"), 1),
+            (tool("102.5"), 0), (enc("Answer: 102.5") + eos, 1)],
+        1: [(enc("<calc>1 +</calc>"), 1), (tool("error: incomplete expression"), 0), (enc("Answer: 7") + eos, 1)],
+        2: [(enc("<calc>2^10</calc>"), 1), (tool("1024"), 0), (enc("<calc>3</calc>"), 1), (tool("3"), 0),
+            (enc("<calc>4</calc>"), 1)],
+    }  # fmt: skip
+    for i, parts in expected.items():
+        ids = [t for part, _ in parts for t in part]
+        policy = [p for part, p in parts for _ in part]
+        n = len(ids)
+        assert rollout.ids[i, :n].tolist() == ids and (rollout.ids[i, n:] == tokenizer.pad_token_id).all()
+        assert rollout.policy[i].tolist() == policy + [0] * (64 - n)
+        assert rollout.real[i].tolist() == [1] * n + [0] * (64 - n)
+        # The sampler's log-probs sit on the policy's tokens, 0 on the tool's.
+        logps = rollout.sampler_logprobs[i, :n]
+        assert (logps[torch.tensor(policy) == 0] == 0).all() and (logps[torch.tensor(policy) == 1] < 0).all()
+    # Every turn was given its prompt and the trajectory so far, as ids, and the budget left.
+    for row, turn, context, limit in seen:
+        i = {900: 0, 902: 1, 905: 2}[row]
+        before = [t for part, _ in expected[i][: 2 * turn] for t in part]
+        assert context == prompts[i] + before and limit == 64 - len(before)
+    assert rollout.calls == [
+        [("12 * 34", "408"), ("(408 + 2)/4", "102.5")],
+        [("1 +", "error: incomplete expression")],
+        [("2^10", "1024"), ("3", "3")],
+    ]
+    assert rollout.turns == [3, 2, 3]
+    assert rollout.answers == ["Answer: 102.5", "Answer: 7", "<calc>4</calc>"]
+    assert rollout.texts[0].startswith("First <calc>12 * 34</calc><result>408</result>then")
+
+
+def test_rollout_stops_at_the_budget_and_cuts_a_tool_output_that_does_not_fit(tokenizer):
+    """A trajectory is at most response_length tokens: a tool output is cut to the room left, and a trajectory with
+    no room left ends; groups of n trajectories per prompt are consecutive."""
+    call = tokenizer("<calc>123456 * 654321</calc>", add_special_tokens=False).input_ids
+    budget = len(call) + 3
+
+    def policy_turn(contexts, max_tokens):
+        return [(call[:m], None) for m in max_tokens]
+
+    rollout = multi_turn_rollout(policy_turn, tokenizer, [[900], [901]], 2, response_length=budget, max_turns=3)
+    assert rollout.sampler_logprobs is None and len(rollout.turns) == 4
+    for i in range(4):
+        assert rollout.ids[i, : len(call)].tolist() == call and rollout.real[i].sum() == budget
+        assert rollout.policy[i].tolist() == [1] * len(call) + [0] * 3  # the output's first 3 tokens
+    assert rollout.turns == [1, 1, 1, 1]
+
+
+def test_trajectory_metrics_count_calls_failures_copies_and_accuracy_by_call(tokenizer):
+    Rollout = grpo_tools.Rollout
+    rollout = Rollout(
+        ids=None,
+        real=torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]], dtype=torch.float),
+        policy=torch.tensor([[1, 0, 1, 0], [1, 1, 0, 0], [1, 0, 0, 1], [1, 0, 0, 0]], dtype=torch.float),
+        sampler_logprobs=None,
+        texts=None,
+        answers=["Answer: 408", "Answer: 5", "Answer: 9", "Answer: 3"],
+        calls=[[("12*34", "408")], [], [("1/0", "error: division by zero"), ("3*3", "9")], []],
+        turns=[2, 1, 3, 1],
+    )
+    correct = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    m = grpo_tools.trajectory_metrics(correct, correct, torch.ones(4), rollout, 2)
+    assert m["tools/calls"] == 0.75 and m["tools/call_rate"] == 0.5 and m["tools/failed_calls"] == pytest.approx(1 / 3)
+    assert m["tools/answer_copies_result"] == 1.0 and m["tools/turns"] == 1.75
+    assert m["objective/accuracy_with_call"] == 0.5 and m["objective/accuracy_without_call"] == 0.5
+    assert m["tools/policy_tokens"] == 1.75 and m["tools/tool_tokens"] == 0.75
+    assert m["objective/zero_std_groups"] == 0.0
+    m = grpo_tools.trajectory_metrics(correct, correct, torch.ones(4), rollout._replace(calls=[[]] * 4), 2)
+    assert math.isnan(m["tools/failed_calls"]) and math.isnan(m["objective/accuracy_with_call"])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The trainer's log-probs: on the ids the sampler saw
+
+
+@pytest.mark.parametrize("shared_prompt", [False, True])
+def test_trainer_logprobs_of_policy_tokens_equal_a_plain_forward_of_each_trajectory(
+    tiny_model_dir, tokenizer, shared_prompt
+):
+    """The batch the trainer builds (prompts left-padded, trajectories with tool outputs of different lengths
+    right-padded) gives each policy token the log-prob a plain forward of that trajectory alone, unpadded, gives it:
+    the tool tokens are context at their own positions, and the loss mask picks the policy's tokens."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    prompts = [[900, 17, 18, 19, 20], [902, 21]]
+    script = {
+        (900, 0): "A <calc>7 * 8</calc>", (900, 1): "B <calc>123456789 * 3</calc>", (900, 2): "Answer: 1<eos>",
+        (902, 0): "<calc>2^3</calc>", (902, 1): "x y z Answer: 8<eos>",
+    }  # fmt: skip
+    policy_turn, _ = scripted_turns(tokenizer, script)
+    rollout = multi_turn_rollout(policy_turn, tokenizer, prompts, 1, response_length=48, max_turns=3)
+    query_responses, attention_mask, real, _, P = grpo_tools.training_batch(
+        prompts, 1, rollout.ids, rollout.real, None, tokenizer.pad_token_id, "cpu"
+    )
+    mask = rollout.policy[:, : real.shape[1]]
+    fn = grpo_tools.shared_prompt_logprobs if shared_prompt else grpo_tools.response_logprobs
+    with torch.no_grad():
+        logprobs, _ = fn(model, query_responses, attention_mask, P, 0.7)
+        for i, prompt in enumerate(prompts):
+            n = int(rollout.real[i].sum())
+            sequence = torch.tensor([prompt + rollout.ids[i, :n].tolist()])
+            logits = model(sequence).logits[0, len(prompt) - 1 : -1].double() / 0.7
+            expected = torch.log_softmax(logits, -1).gather(1, sequence[0, len(prompt) :, None]).squeeze(1)
+            policy = mask[i, :n] > 0
+            assert policy.sum() > 0 and (~policy).sum() > 0
+            torch.testing.assert_close(logprobs[i, :n][policy].double(), expected[policy], rtol=0, atol=2e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Runs on the tiny model with the scripted policy
+
+
+TOOL_ARGS = dict(
+    num_eval_prompts=4,
+    vllm=False,
+    response_length=40,
+    prompts_per_rank=2,
+    num_generations=4,
+    micro_batch_size=4,
+    total_steps=2,
+    save_every=0,
+    beta=0.0,
+    max_turns=2,
+    max_prompt_length=256,  # the tool's description and example come before the question
+)
+INVARIANT_ARGS = dict(
+    total_steps=2,
+    num_iterations=2,  # 4 updates: the old-policy log-probs and the reused batch are in the comparison
+    lr_scheduler="linear",
+    learning_rate=1e-4,
+    beta=0.04,
+    scale_rewards="batch",
+    loss_type="token_mean",
+    eval_every=0,
+)
+INVARIANT_KEYS = ("loss/policy", "policy/grad_norm", "lr", "objective/scores", "policy/ratio_first_minibatch")
+
+
+@pytest.fixture
+def make_tool_args(tiny_model_dir, task_dir, tmp_path):
+    def make(**overrides):
+        values = dict(model_name_or_path=tiny_model_dir, dataset_path=task_dir, output_dir=str(tmp_path / "runs"))
+        return grpo_tools.Config(**{**TOOL_ARGS, **values, **overrides})
+
+    return make
+
+
+def scripted_run(monkeypatch, make_tool_args, **overrides):
+    fixed_rollout.patch(grpo_tools, monkeypatch.setattr)
+    return grpo_tools.main(make_tool_args(**overrides))
+
+
+@pytest.mark.slow
+def test_run_is_on_policy_with_kl_zero_and_logs_the_tool_metrics(make_tool_args, monkeypatch, tmp_path):
+    """The scripted policy calls the calculator (results of different lengths, failed calls) and answers. With the
+    batch reused (2 passes of 2 minibatches) every step's first minibatch has ratio 1 and approxkl 0 and the later
+    ones do not; with one minibatch the KL to the reference is exactly 0 on the first step (no update yet) and not
+    after. The tool metrics and the held-out call rate are logged, the tool's example is in every prompt."""
+    reuse = dict(num_minibatches=2, micro_batch_size=2, num_iterations=2, output_dir=str(tmp_path / "a"))
+    reused = scripted_run(monkeypatch, make_tool_args, total_steps=3, beta=0.04, learning_rate=1e-3, **reuse)
+    lines = read_metrics(reused)
+    assert [line["global_step"] for line in lines] == [0, 1, 2, 3]
+    assert {"eval/accuracy", "eval/call_rate", "eval/accuracy_with_call"} <= set(lines[0])
+    for line in lines[1:]:
+        assert line["policy/ratio_first_minibatch"] == 1.0 and line["policy/approxkl_first_minibatch"] == 0.0
+        assert line["tools/calls"] > 0 and line["tools/tool_tokens"] > 0 and line["tools/policy_tokens"] > 0
+        assert 0 <= line["tools/failed_calls"] <= 1 and 1 <= line["tools/turns"] <= 3
+    assert max(line["policy/approxkl"] for line in lines[1:]) > 0
+    with open(os.path.join(reused, "samples.jsonl")) as f:
+        assert all(CALL[0] in json.loads(line)["prompt"] for line in f)  # the tool's example is in every prompt
+    lines = read_metrics(scripted_run(monkeypatch, make_tool_args, beta=0.04, learning_rate=1e-3,
+                                      output_dir=str(tmp_path / "b")))  # fmt: skip
+    assert lines[1]["objective/kl"] == 0.0 and lines[2]["objective/kl"] != 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss_type", ["token_mean", "seq_mean_token_mean"])
+def test_invariant_gradient_accumulation_equals_one_micro_batch(make_tool_args, monkeypatch, tmp_path, loss_type):
+    """micro-batches of 2 accumulated = the batch of 8 trajectories in one micro-batch: same loss, grad norm, lr
+    and weights (the token count of token_mean is the policy's tokens over the minibatch, not the micro-batch's)."""
+    options = {**INVARIANT_ARGS, "loss_type": loss_type}
+    runs = [
+        scripted_run(monkeypatch, make_tool_args, **options, micro_batch_size=m, output_dir=str(tmp_path / f"mb{m}"))
+        for m in (2, 8)
+    ]
+    assert_same_trajectory(*runs, INVARIANT_KEYS)
+    initial = os.path.join(make_tool_args().model_name_or_path, "model.safetensors")
+    assert_same_weights(*(os.path.join(d, "model", "model.safetensors") for d in runs), initial)
+
+
+@pytest.mark.slow
+def test_invariant_two_processes_equal_one_process(tiny_model_dir, task_dir, tmp_path, make_tool_args, monkeypatch):
+    """2 processes with 2 prompts each = 1 process with the 4 prompts: same loss, grad norm, lr and weights, with
+    multi-turn trajectories whose tool outputs differ in length."""
+    one = scripted_run(monkeypatch, make_tool_args, **INVARIANT_ARGS, prompts_per_rank=4)
+    out = str(tmp_path / "two")
+    flags = fast_cli_flags(tiny_model_dir, task_dir, out, **{**TOOL_ARGS, **INVARIANT_ARGS, "prompts_per_rank": 2})
+    two = launch_fixed_rollout("grpo_tools.py", strip_flags(flags, "oversample"), out)
+    assert [line["episode"] for line in read_metrics(two)] == [0, 16, 32]
+    assert_same_trajectory(one, two, INVARIANT_KEYS)
+    initial = os.path.join(tiny_model_dir, "model.safetensors")
+    assert_same_weights(*(os.path.join(d, "model", "model.safetensors") for d in (one, two)), initial)
+
+
+def strip_flags(flags, *names):
+    """flags without --name value pairs (conftest's FAST_ARGS carry grpo_math's own)."""
+    out, skip = [], False
+    for flag in flags:
+        if skip:
+            skip = False
+            continue
+        if flag.lstrip("-").replace("-", "_") in names:
+            skip = True
+            continue
+        out.append(flag)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The samplers on the embedded model, which calls the calculator when shown how
+
+
+@pytest.fixture(scope="module")
+def smollm_prompts():
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(SMOLLM2_DIR)
+    args = grpo_tools.Config()
+    rows = [{"question": f"Calculate {a} * {b}.", "answer": str(a * b)} for a, b in [(874, 404), (57, 912), (36, 41)]]
+    prompts, _ = grpo_tools.build_prompts(tokenizer, rows, args)
+    return tokenizer, prompts
+
+
+def check_turns_end_at_their_call(tokenizer, rollout):
+    """Every executed call's turn ends with the token that completed CALL[1] (nothing generated after it)."""
+    assert sum(len(c) for c in rollout.calls) > 0, rollout.texts
+    for i, calls in enumerate(rollout.calls):
+        ids, policy, real = rollout.ids[i].tolist(), rollout.policy[i].tolist(), rollout.real[i].tolist()
+        starts = [k for k in range(1, len(ids)) if policy[k - 1] == 1 and policy[k] == 0 and real[k]]  # tool output
+        assert len(starts) == len(calls)
+        for k in starts:
+            turn_start = max([j for j in range(k) if j == 0 or policy[j - 1] == 0])
+            text = tokenizer.decode(ids[turn_start:k])
+            assert CALL[1] in text and CALL[1] not in tokenizer.decode(ids[turn_start : k - 1]), text
+
+
+@pytest.mark.slow
+def test_hf_turns_stop_at_the_call_on_the_embedded_model(smollm_prompts):
+    from transformers import AutoModelForCausalLM
+
+    tokenizer, prompts = smollm_prompts
+    model = AutoModelForCausalLM.from_pretrained(SMOLLM2_DIR, dtype=torch.float32).eval()
+    stop_ids = grpo_tools.stop_token_ids(tokenizer, SMOLLM2_DIR)
+    torch.manual_seed(0)
+
+    def turn(contexts, max_tokens):
+        return grpo_tools.hf_turns(model, tokenizer, contexts, max_tokens, 1.0, 1.0, tokenizer.pad_token_id, stop_ids)
+
+    rollout = multi_turn_rollout(turn, tokenizer, prompts, 2, response_length=48, max_turns=2)
+    check_turns_end_at_their_call(tokenizer, rollout)
+
+
+@pytest.mark.slow
+def test_vllm_turns_stop_at_the_call_and_their_logprobs_are_the_trainers(smollm_prompts, tmp_path, monkeypatch):
+    """vLLM's turns on the embedded model: calls are run, each turn ends at its call, and the sampler's log-probs of
+    the policy's tokens are the trainer's (within vLLM's CPU float32 kernels) on the batch the trainer builds."""
+    require_vllm()
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    tokenizer, prompts = smollm_prompts
+    args = grpo_tools.Config(vllm=True, seed=1)
+    llm = grpo_tools.start_vllm(args, SMOLLM2_DIR, 0, 1, sorted(os.sched_getaffinity(0)))
+    stop_ids = grpo_tools.stop_token_ids(tokenizer, SMOLLM2_DIR)
+    try:
+
+        def turn(contexts, max_tokens):
+            return grpo_tools.vllm_turns(llm, contexts, max_tokens, 1.0, 1.0, stop_ids)
+
+        rollout = multi_turn_rollout(turn, tokenizer, prompts, 4, response_length=48, max_turns=2)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    check_turns_end_at_their_call(tokenizer, rollout)
+    model = AutoModelForCausalLM.from_pretrained(SMOLLM2_DIR, dtype=torch.float32).eval()
+    query_responses, attention_mask, real, sampler_logprobs, P = grpo_tools.training_batch(
+        prompts, 4, rollout.ids, rollout.real, rollout.sampler_logprobs, tokenizer.pad_token_id, "cpu"
+    )
+    mask = rollout.policy[:, : real.shape[1]] > 0
+    with torch.no_grad():
+        logprobs, _ = grpo_tools.response_logprobs(model, query_responses, attention_mask, P, 1.0)
+    gap = (logprobs - sampler_logprobs).abs()[mask]
+    assert gap.mean() < 1e-3 and gap.max() < 0.05, (gap.mean(), gap.max())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The loss: a plain loop in float64
+
+
+def test_trajectory_loss_against_a_plain_loop_over_the_policy_tokens():
+    """The loss and its statistics worked out token by token in float64: only the tokens the mask keeps (the
+    policy's) count, a tool token changes nothing whatever its log-probs."""
+    torch.manual_seed(0)
+    b, R = 3, 7
+    logprobs, old, ref, sampled = (torch.randn(b, R, dtype=torch.float64) * 0.3 - 1 for _ in range(4))
+    advantages = torch.tensor([1.0, -0.5, 0.25], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0], [1, 0, 0, 1, 1, 1, 1], [0, 1, 1, 1, 0, 0, 0]], dtype=torch.float64)
+    flags = dict(clip_eps_low=0.2, clip_eps_high=0.28, tis_cap=2.0, entropy_coef=0.0, beta=0.04, kl_estimator="k3",
+                 loss_type="token_mean", response_length=R)  # fmt: skip
+    tokens = float(mask.sum())
+    loss, stats = grpo_tools.trajectory_loss(logprobs, old, ref, sampled, advantages, mask, None, tokens, b, **flags)
+    total, kl_sum, ratio_sum = 0.0, 0.0, 0.0
+    for i in range(b):
+        for t in range(R):
+            if not mask[i, t]:
+                continue
+            ratio = math.exp(logprobs[i, t] - old[i, t])
+            a = float(advantages[i])
+            surrogate = -min(ratio * a, min(max(ratio, 1 - 0.2), 1 + 0.28) * a)
+            tis = min(math.exp(old[i, t] - sampled[i, t]), 2.0)
+            log_r = float(logprobs[i, t] - ref[i, t])
+            kl = math.exp(-log_r) + log_r - 1
+            total += surrogate * tis + 0.04 * kl
+            kl_sum, ratio_sum = kl_sum + kl, ratio_sum + ratio
+    assert float(loss) == pytest.approx(total / tokens, rel=1e-12)
+    assert stats["objective/kl"] == pytest.approx(kl_sum / tokens, rel=1e-12)
+    assert stats["policy/ratio"] == pytest.approx(ratio_sum / tokens, rel=1e-12)
+    # What a tool token holds does not matter.
+    changed = [x.masked_fill(mask == 0, 5.0) for x in (logprobs, old, ref, sampled)]
+    again, _ = grpo_tools.trajectory_loss(*changed, advantages, mask, None, tokens, b, **flags)
+    assert float(again) == pytest.approx(float(loss), rel=1e-12)
+
+
+@pytest.mark.slow
+def test_the_loss_gets_the_policy_tokens_of_the_rollout_as_its_mask(make_tool_args, monkeypatch):
+    """In a run, trajectory_loss's mask is the rollout's policy mask row for row: 0 on every tool token the
+    attention mask covers, 1 on every token the policy wrote."""
+    rollouts, masks = [], []
+    rollout_fn, loss_fn = grpo_tools.multi_turn_rollout, grpo_tools.trajectory_loss
+
+    def spy_rollout(*args, **kwargs):
+        rollouts.append(rollout_fn(*args, **kwargs))
+        return rollouts[-1]
+
+    def spy_loss(*args, **kwargs):
+        masks.append(args[5].cpu())
+        return loss_fn(*args, **kwargs)
+
+    spy_loss.__signature__ = inspect.signature(loss_fn)  # main reads the loss's flags from it
+
+    fixed_rollout.patch(grpo_tools, monkeypatch.setattr)
+    monkeypatch.setattr(grpo_tools, "multi_turn_rollout", spy_rollout)
+    monkeypatch.setattr(grpo_tools, "trajectory_loss", spy_loss)
+    grpo_tools.main(make_tool_args(total_steps=1, eval_every=0, micro_batch_size=8))
+    train = rollouts[1]  # the first is the evaluation before training
+    (mask,) = masks
+    assert torch.equal(mask, train.policy[:, : mask.shape[1]])
+    tool = (train.real - train.policy)[:, : mask.shape[1]]
+    assert tool.sum() > 0 and (mask[tool > 0] == 0).all()
+
+
+@pytest.mark.slow
+def test_vllm_run(make_tool_args):
+    """The run with vLLM engines sampling the turns: the sampler's log-probs come back for the policy's tokens, and
+    the trainer's are close to them (the gap and truncated IS weight are logged)."""
+    require_vllm()
+    lines = read_metrics(grpo_tools.main(make_tool_args(vllm=True, total_steps=2, beta=0.04)))
+    for line in lines[1:]:
+        assert line["objective/logprob_gap"] < 1e-3 and line["objective/tis_weight"] == pytest.approx(1, abs=1e-2)
+        assert line["policy/ratio_first_minibatch"] == 1.0
+    assert lines[1]["objective/kl"] == 0.0
