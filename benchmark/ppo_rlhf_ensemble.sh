@@ -32,12 +32,11 @@ python -m benchmark.registry copy --out benchmark/results/reward_ensemble runs/a
 #    steps today's code repeats number for number (docs/ppo_rlhf.md). UWO's lambda 1 is chosen from the members'
 #    held-out scores above (docs/ppo_rlhf.md says why). --resume_unfinished: a seed that finished is skipped, an
 #    interrupted one resumes from its checkpoint, so the file can be run again across sessions until all are done.
-ENS=runs/reward_ensemble
 python -m benchmark.run --script ppo_rlhf.py --seeds 1 2 3 --resume_unfinished -- \
-    --exp_name ens_ppo_wco --reward_model_path "$ENS" --reward_ensemble wco
+    --exp_name ens_ppo_wco --reward_model_path runs/reward_ensemble --reward_ensemble wco
 python -m benchmark.run --script ppo_rlhf.py --seeds 1 2 3 --resume_unfinished -- \
-    --exp_name ens_ppo_uwo --reward_model_path "$ENS" --reward_ensemble uwo --uwo_coef 1
+    --exp_name ens_ppo_uwo --reward_model_path runs/reward_ensemble --reward_ensemble uwo --uwo_coef 1
 python -m benchmark.run --script dpo_online.py --seeds 1 2 3 --resume_unfinished -- \
-    --exp_name ens_dpo_wco --reward_model_path "$ENS" --reward_ensemble wco --prompts_per_rank 4 --total_steps 40
+    --exp_name ens_dpo_wco --reward_model_path runs/reward_ensemble --reward_ensemble wco --prompts_per_rank 4 --total_steps 40
 python -m benchmark.run --script ppo_rlhf.py --seeds 1 2 3 --resume_unfinished -- \
-    --exp_name ens_ppo_mean --reward_model_path "$ENS" --reward_ensemble mean
+    --exp_name ens_ppo_mean --reward_model_path runs/reward_ensemble --reward_ensemble mean
