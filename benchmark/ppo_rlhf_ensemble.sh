@@ -29,7 +29,10 @@ python -m benchmark.registry copy --out benchmark/results/reward_ensemble runs/a
 # 3. The experiment: 40 steps, 3 seeds, the issue-31 budget (PPO at its defaults; online DPO with 4 prompts x 2
 #    completions a step, the same 8 completions). The single-reward-model arms are issue 31's runs (member_0 is the
 #    default reward model; benchmark/dpo_online.sh made them, committed under benchmark/results/ppo_vs_dpo/), whose first
-#    steps today's code repeats number for number (docs/ppo_rlhf.md). UWO's lambda 1 is chosen from the members'
+#    steps today's code repeats (docs/ppo_rlhf.md: `python ppo_rlhf.py --seed 3 --exp_name repro_ppo
+#    --reward_model_path runs/reward_ensemble/member_0` and `python dpo_online.py --seed 1 --prompts_per_rank 4
+#    --total_steps 40 --exp_name repro_dpo --reward_model_path runs/reward_ensemble/member_0`, each stopped after step
+#    3; their logs are in benchmark/results/ensemble_repro/). UWO's lambda 1 is chosen from the members'
 #    held-out scores above (docs/ppo_rlhf.md says why). --resume_unfinished: a seed that finished is skipped, an
 #    interrupted one resumes from its checkpoint, so the file can be run again across sessions until all are done.
 python -m benchmark.run --script ppo_rlhf.py --seeds 1 2 3 --resume_unfinished -- \

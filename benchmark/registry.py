@@ -458,6 +458,34 @@ def paired_table(experiments, metrics, baseline, digits=3, at_least=None):
     return "\n".join("| " + " | ".join(row) + " |" for row in rows) + "\n"
 
 
+def change_table(experiments, metrics, window, digits=3, at_least=None):
+    """A markdown table of each experiment's within-run change per metric: for each seed, the mean of the last
+    `window` logged values minus the mean of the first `window` (a per-step metric of a few samples is noisy), their
+    mean ± std over seeds (ddof=1), and with at_least the claim "change >= at_least" checked on the 95% t interval of
+    the mean (claim_verdict): does the metric rise from the start of training to its end? A run with fewer than
+    2 x window values is left out."""
+    header = ["experiment", "metric", f"first {window} steps per seed", f"last {window} steps per seed"]
+    header += ["change per seed", "change (mean ± std)"]
+    if at_least is not None:
+        header += ["change (mean ± standard error; 95% t interval)", f"change >= {at_least:g} (95% interval)"]
+    rows = [header, ["---"] * len(header)]
+    for label, runs in experiments:
+        for metric in metrics:
+            series = [(run["seed"], metric_series(run["lines"], metric)[1]) for run in runs]
+            series = sorted((seed, ys) for seed, ys in series if len(ys) >= 2 * window)
+            starts = [float(np.mean(ys[:window])) for _, ys in series]
+            ends = [float(np.mean(ys[-window:])) for _, ys in series]
+            changes = [end - start for start, end in zip(starts, ends)]
+            row = [label, metric] + [" / ".join(f"{v:.{digits}f}" for v in c) for c in (starts, ends, changes)]
+            row.append(format_mean_std(mean_std(changes), digits))
+            if at_least is not None:
+                mean, std, n = mean_std(changes)
+                row += ["; ".join(interval_text(*interval(changes))) if changes else "–"]
+                row.append(f"**{claim_verdict(mean, std, n, at_least)}**")
+            rows.append(row)
+    return "\n".join("| " + " | ".join(row) + " |" for row in rows) + "\n"
+
+
 def runs_table(runs, metrics, digits=3):
     """The `list` table: one row per run with its name, exp_name, seed, short git sha, steps, wall-clock, and the
     final value of each metric."""
@@ -649,6 +677,14 @@ def build_parser():
     p.add_argument("--digits", type=int, default=3, help="decimals of the values")
     p.add_argument("--at_least", type=float, default=None, help="check the claim: difference >= this, per metric")
 
+    p = commands.add_parser("change", help="each run's metric, last steps minus first steps, over seeds")
+    experiments_args(p)
+    p.add_argument("--metrics", nargs="+", required=True, help="per-step metrics")
+    p.add_argument("--window", type=int, default=5, help="logged values averaged at each end")
+    p.add_argument("--out", default=None, help="also write the table to this .md file")
+    p.add_argument("--digits", type=int, default=3, help="decimals of the values")
+    p.add_argument("--at_least", type=float, default=None, help="check the claim: change >= this, per metric")
+
     p = commands.add_parser("perf", help="per-step time split and throughput (medians over steps), JSON + markdown")
     experiments_args(p)
     p.add_argument("--out", default=None, help="also write {out}.md and {out}.json")
@@ -682,6 +718,9 @@ def main(argv=None):
     elif args.command == "paired":
         experiments = load_experiments(args.experiments, args.all_runs)
         write_text(paired_table(experiments, args.metrics, args.baseline, args.digits, args.at_least), args.out)
+    elif args.command == "change":
+        experiments = load_experiments(args.experiments, args.all_runs)
+        write_text(change_table(experiments, args.metrics, args.window, args.digits, args.at_least), args.out)
     elif args.command == "perf":
         experiments = load_experiments(args.experiments, args.all_runs)
         table, records = perf_table(experiments)

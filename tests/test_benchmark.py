@@ -1356,3 +1356,28 @@ def test_frontier_points_average_the_seeds_at_each_evaluation_step(tmp_path):
     assert xs.tolist() == pytest.approx([0.0, 0.3]) and ys.tolist() == pytest.approx([0.4, 0.7])
     assert std.tolist() == pytest.approx([0.02**0.5, 0.02**0.5])  # sample std of two values 0.2 apart
     assert frontier_points([a, b], "eval/accuracy", "objective/kl")[0].tolist() == [2]  # no x at step 0
+
+
+def test_registry_change_is_each_runs_last_steps_minus_its_first_worked_out_here(tmp_path):
+    """change: per seed, the mean of the last W values minus the mean of the first W, then mean ± std over seeds and
+    the claim verdict on the 95% t interval; a run with fewer than 2 W values is left out."""
+    from benchmark.registry import change_table, load_run
+
+    def run(name, values):
+        folder = tmp_path / name
+        folder.mkdir()
+        lines = [{"global_step": i + 1, "tools/call_rate": v} for i, v in enumerate(values)]
+        (folder / "config.json").write_text(json.dumps({"args": {"seed": int(name[-1])}}))
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+        return load_run(str(folder))
+
+    runs = [run("t__x__1", [0.5, 0.6, 0.7, 0.9, 1.0, 0.9]), run("t__x__2", [0.2, 0.4, 0.5, 0.8, 0.8, 0.9]),
+            run("t__x__3", [0.4, 0.4, 0.5, 0.7, 0.8, 0.8]), run("t__x__4", [0.1, 0.2, 0.3])]  # fmt: skip
+    text = change_table([("tools", runs)], ["tools/call_rate"], window=2, at_least=0.0)
+    row = text.splitlines()[2].split(" | ")
+    changes = [(0.95 - 0.55), (0.85 - 0.3), (0.8 - 0.4)]
+    assert row[2] == "0.550 / 0.300 / 0.400" and row[3] == "0.950 / 0.850 / 0.800"
+    assert row[4] == " / ".join(f"{c:.3f}" for c in changes)
+    assert row[5] == f"{statistics.mean(changes):.3f} ± {statistics.stdev(changes):.3f}"
+    half = 4.303 * statistics.stdev(changes) / 3**0.5
+    assert statistics.mean(changes) - half > 0 and row[-1] == "**held** |"
