@@ -43,3 +43,33 @@ python -m benchmark.run --script dpo_online.py --seeds 1 2 3 --resume_unfinished
     --exp_name ens_dpo_wco --reward_model_path runs/reward_ensemble --reward_ensemble wco --prompts_per_rank 4 --total_steps 40
 python -m benchmark.run --script ppo_rlhf.py --seeds 1 2 3 --resume_unfinished -- \
     --exp_name ens_ppo_mean --reward_model_path runs/reward_ensemble --reward_ensemble mean
+
+# 4. The runs' config.json and metrics.jsonl to benchmark/results/reward_ensemble_runs/ (committed), then the table,
+#    the checks and the figure from the copies. The paper's claims, each from the paired differences over seeds
+#    (held / not held only when the 95% t interval clears the bound, else inconclusive):
+#    (a) WCO and UWO end no lower than the single reward model (final accuracy, difference >= -0.02) and do not show
+#        its late fall (the fall from a run's own peak to its end, single minus ensemble >= 0: `--statistic fall`
+#        with the ensemble as the baseline);
+#    (b) little cost: the ensembles' peak within noise of the single's (peak difference >= -0.02);
+#    (c) PPO with an ensemble reaches online DPO on one reward model (final accuracy difference >= -0.02).
+OUT=benchmark/results/reward_ensemble_runs
+python -m benchmark.registry copy --out "$OUT" runs/arith_1d__ens_*__[123]__*
+ARMS=("ppo single=benchmark/results/ppo_vs_dpo/arith_1d__ppo_vs_dpo_ppo__*" "ppo mean=$OUT/arith_1d__ens_ppo_mean__*"
+    "ppo wco=$OUT/arith_1d__ens_ppo_wco__*" "ppo uwo=$OUT/arith_1d__ens_ppo_uwo__*"
+    "dpo single=benchmark/results/ppo_vs_dpo/arith_1d__ppo_vs_dpo_dpo__*" "dpo wco=$OUT/arith_1d__ens_dpo_wco__*")
+python -m benchmark.registry table --experiments "${ARMS[@]}" --metrics eval/accuracy eval/score objective/kl \
+    --out benchmark/results/reward_ensemble_table.md
+python -m benchmark.registry paired --experiments "${ARMS[@]}" --baseline "ppo single" --metrics eval/accuracy \
+    --at_least -0.02 --out benchmark/results/reward_ensemble_final.md
+python -m benchmark.registry paired --experiments "${ARMS[@]}" --baseline "ppo single" --metrics eval/accuracy \
+    --at_least -0.02 --statistic peak --out benchmark/results/reward_ensemble_peak.md
+python -m benchmark.registry paired --experiments "${ARMS[@]}" --baseline "ppo wco" --metrics eval/accuracy \
+    --at_least 0 --statistic fall --out benchmark/results/reward_ensemble_fall_wco.md
+python -m benchmark.registry paired --experiments "${ARMS[@]}" --baseline "ppo uwo" --metrics eval/accuracy \
+    --at_least 0 --statistic fall --out benchmark/results/reward_ensemble_fall_uwo.md
+python -m benchmark.registry paired --experiments "${ARMS[@]}" --baseline "dpo single" --metrics eval/accuracy \
+    --at_least -0.02 --out benchmark/results/reward_ensemble_vs_dpo.md
+python -m benchmark.registry frontier --experiments "${ARMS[@]}" --y eval/accuracy --x objective/kl --x_at_step0 0 \
+    --out benchmark/results/reward_ensemble_frontier.png
+python -m benchmark.registry plot --experiments "${ARMS[@]}" --metric eval/accuracy eval/score objective/kl \
+    --out benchmark/results/reward_ensemble_step.png

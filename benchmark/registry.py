@@ -359,11 +359,20 @@ def markdown_table(experiments, metrics, digits=3):
     return "\n".join("| " + " | ".join(row) + " |" for row in rows) + "\n"
 
 
-def seed_values(runs, metric):
-    """{seed: final value} of a metric ("wall_clock": the final wall-clock seconds), for the runs that have it."""
+def seed_values(runs, metric, statistic="final"):
+    """{seed: value} of a metric for the runs that have it: its final value ("wall_clock": the final wall-clock
+    seconds), its peak (the largest value logged) or its fall (the peak minus the final value: how much a run lost
+    after its best evaluation, over-optimisation's signature)."""
     values = {}
     for run in runs:
-        value = final_time(run["lines"]) if metric == "wall_clock" else final_value(run["lines"], metric)
+        if metric == "wall_clock":
+            value = final_time(run["lines"])
+        elif statistic == "final":
+            value = final_value(run["lines"], metric)
+        else:
+            logged = metric_series(run["lines"], metric)[1]
+            peak = max(logged) if logged else None
+            value = peak if statistic == "peak" or peak is None else peak - logged[-1]
         if value is not None:
             values[run["seed"]] = value
     return values
@@ -423,9 +432,10 @@ def claim_verdict(mean, std, n, at_least, min_seeds=3):
     return verdict_inside(mean, t_975(n - 1) * se, at_least, math.inf)
 
 
-def paired_table(experiments, metrics, baseline, digits=3, at_least=None):
+def paired_table(experiments, metrics, baseline, digits=3, at_least=None, statistic="final"):
     """A markdown table comparing each experiment with the baseline experiment (a label) seed by seed: for each
-    metric, the final values of both on the seeds they share, the differences (experiment - baseline), their mean ±
+    metric, the final values (or the peaks, or the falls from the peak: seed_values' statistic) of both on the seeds
+    they share, the differences (experiment - baseline), their mean ±
     std (ddof=1) and the paired t statistic mean / (std / sqrt(n)) with n - 1 degrees of freedom. With at_least, two
     more columns: the mean ± its standard error with the two-sided 95% interval, and the claim "difference >=
     at_least" checked on that interval (claim_verdict)."""
@@ -441,13 +451,14 @@ def paired_table(experiments, metrics, baseline, digits=3, at_least=None):
         if label == baseline:
             continue
         for metric in metrics:
-            base, other = seed_values(runs_of[baseline], metric), seed_values(runs, metric)
+            base, other = seed_values(runs_of[baseline], metric, statistic), seed_values(runs, metric, statistic)
             seeds = sorted(set(base) & set(other))
             diffs = [other[seed] - base[seed] for seed in seeds]
             mean, std, n = mean_std(diffs)
             t = "–" if not std else f"{mean / (std / math.sqrt(n)):.2f} ({n - 1})"
             columns = [base[seed] for seed in seeds], [other[seed] for seed in seeds], diffs
-            row = [label, metric, " ".join(map(str, seeds))] + [
+            name = metric if statistic == "final" else f"{metric} ({statistic})"
+            row = [label, name, " ".join(map(str, seeds))] + [
                 " / ".join(f"{v:.{digits}f}" for v in c) for c in columns
             ]
             row += [format_mean_std((mean, std, n), digits), t]
@@ -676,6 +687,10 @@ def build_parser():
     p.add_argument("--out", default=None, help="also write the table to this .md file")
     p.add_argument("--digits", type=int, default=3, help="decimals of the values")
     p.add_argument("--at_least", type=float, default=None, help="check the claim: difference >= this, per metric")
+    p.add_argument(
+        "--statistic", choices=("final", "peak", "fall"), default="final",
+        help="what is compared: the final value, the peak (largest logged), or the fall (peak - final)",
+    )  # fmt: skip
 
     p = commands.add_parser("change", help="each run's metric, last steps minus first steps, over seeds")
     experiments_args(p)
@@ -717,7 +732,8 @@ def main(argv=None):
         write_text(markdown_table(experiments, args.metrics, args.digits), args.out)
     elif args.command == "paired":
         experiments = load_experiments(args.experiments, args.all_runs)
-        write_text(paired_table(experiments, args.metrics, args.baseline, args.digits, args.at_least), args.out)
+        table = paired_table(experiments, args.metrics, args.baseline, args.digits, args.at_least, args.statistic)
+        write_text(table, args.out)
     elif args.command == "change":
         experiments = load_experiments(args.experiments, args.all_runs)
         write_text(change_table(experiments, args.metrics, args.window, args.digits, args.at_least), args.out)

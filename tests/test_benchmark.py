@@ -1381,3 +1381,35 @@ def test_registry_change_is_each_runs_last_steps_minus_its_first_worked_out_here
     assert row[5] == f"{statistics.mean(changes):.3f} ± {statistics.stdev(changes):.3f}"
     half = 4.303 * statistics.stdev(changes) / 3**0.5
     assert statistics.mean(changes) - half > 0 and row[-1] == "**held** |"
+
+
+def test_registry_paired_peak_and_fall_worked_out_here(tmp_path):
+    """paired --statistic peak / fall: each run's largest logged value, and that minus its final value (how much it
+    lost after its best evaluation), paired by seed."""
+
+    def runs(name, series):
+        return [
+            registry.load_run(write_run(str(tmp_path), f"t__{name}__{seed}__1", seed, [
+                {"global_step": 10 * i, "eval/accuracy": v} for i, v in enumerate(values)]))
+            for seed, values in series.items()
+        ]  # fmt: skip
+
+    single = runs("single", {1: [0.5, 0.64, 0.57, 0.50], 2: [0.5, 0.61, 0.60, 0.61]})
+    wco = runs("wco", {1: [0.5, 0.60, 0.62, 0.61], 2: [0.5, 0.58, 0.63, 0.59]})
+    experiments = [("single", single), ("wco", wco)]
+    peak = registry.paired_table(experiments, ["eval/accuracy"], "single", statistic="peak").splitlines()[2]
+    assert peak.split(" | ")[1:6] == [
+        "eval/accuracy (peak)",
+        "1 2",
+        "0.640 / 0.610",
+        "0.620 / 0.630",
+        "-0.020 / 0.020",
+    ]
+    fall = registry.paired_table(experiments, ["eval/accuracy"], "single", statistic="fall").splitlines()[2]
+    assert fall.split(" | ")[1:6] == [
+        "eval/accuracy (fall)",
+        "1 2",
+        "0.140 / 0.000",
+        "0.010 / 0.040",
+        "-0.130 / 0.040",
+    ]
