@@ -18,6 +18,7 @@ from conftest import (
     SMOLLM2_DIR,
     assert_same_trajectory,
     assert_same_weights,
+    assert_survives_kills,
     fast_cli_flags,
     launch_fixed_rollout,
     read_metrics,
@@ -560,3 +561,12 @@ def test_vllm_run(make_tool_args):
         assert line["objective/logprob_gap"] < 1e-3 and line["objective/tis_weight"] == pytest.approx(1, abs=1e-2)
         assert line["policy/ratio_first_minibatch"] == 1.0
     assert lines[1]["objective/kl"] == 0.0
+
+
+@pytest.mark.slow
+def test_invariant_killed_at_random_points_and_resumed_gives_the_uninterrupted_run(tiny_model_dir, task_dir, tmp_path):
+    """SIGKILL inside a step, inside a checkpoint write and inside the final save, --resume after each: the same
+    metrics, samples and weights as the uninterrupted run (the scripted multi-turn policy)."""
+    overrides = {**TOOL_ARGS, "total_steps": 3, "save_every": 1, "beta": 0.04}
+    flags = strip_flags(fast_cli_flags(tiny_model_dir, task_dir, "", **overrides), "oversample", "output_dir")
+    assert_survives_kills("grpo_tools.py", flags, lambda folder: ["--output_dir", folder], str(tmp_path), seed=48)
