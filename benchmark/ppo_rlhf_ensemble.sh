@@ -73,3 +73,18 @@ python -m benchmark.registry frontier --experiments "${ARMS[@]}" --y eval/accura
     --out benchmark/results/reward_ensemble_frontier.png
 python -m benchmark.registry plot --experiments "${ARMS[@]}" --metric eval/accuracy eval/score objective/kl \
     --out benchmark/results/reward_ensemble_step.png
+
+# 5. The cost of five members: 4 steps of PPO with one reward model and with the five (WCO), twice each, alternating,
+#    nothing else on the cores (made on 2026-11-27 with the experiment above paused by SIGSTOP; the peak memory is
+#    /usr/bin/time -v's maximum resident set size). Step 1 scores the same samples in both (the policy has not moved).
+if [ ! -d benchmark/results/reward_ensemble_cost ]; then
+    for rep in 1 2; do
+        python ppo_rlhf.py --total_steps 4 --eval_every 0 --save_every 0 --num_eval_prompts 8 --output_dir runs/ensemble_cost \
+            --exp_name "k1_$rep" --reward_model_path runs/reward_ensemble/member_0
+        python ppo_rlhf.py --total_steps 4 --eval_every 0 --save_every 0 --num_eval_prompts 8 --output_dir runs/ensemble_cost \
+            --exp_name "k5_$rep" --reward_model_path runs/reward_ensemble --reward_ensemble wco
+    done
+    python -m benchmark.registry copy --out benchmark/results/reward_ensemble_cost runs/ensemble_cost/arith_1d__k*
+fi
+python -m benchmark.registry perf --experiments "one reward model=benchmark/results/reward_ensemble_cost/arith_1d__k1_*" \
+    "five, WCO=benchmark/results/reward_ensemble_cost/arith_1d__k5_*" --out benchmark/results/reward_ensemble_cost
