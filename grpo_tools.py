@@ -270,6 +270,11 @@ def trajectory_loss(
     gradients), old, ref (None when beta = 0), sampler (None unless vLLM sampled) log-probs, advantages [b] (one per
     trajectory, shared by its tokens), logits [b, R, V] (read by the entropy bonus only); the rest: the flags of the
     same names. Returns (loss, {name: float})."""
+    # Outside the mask every comparison is with the policy's own log-prob (ratio 1, KL 0): a tool token's values,
+    # which nothing trains, could grow to inf, and inf x 0 in the masked sum would be NaN.
+    own, keep = logprobs.detach(), mask > 0
+    old_logprobs = torch.where(keep, old_logprobs, own)
+    ref_logprobs = None if ref_logprobs is None else torch.where(keep, ref_logprobs, own)
     token_loss, ratio = clipped_surrogate(logprobs, old_logprobs, advantages, clip_eps_low, clip_eps_high)
     stats = {}
     if sampler_logprobs is not None and tis_cap:
@@ -333,6 +338,8 @@ def calculator(expression, max_length=24):
         value = Arithmetic(expression).value()
     except ValueError as error:
         return f"error: {error}"
+    if abs(value) >= 10**max_length:  # before formatting: Python refuses str() of an integer over 4300 digits
+        return "error: result too long"
     value = round(value, 6)
     sign, whole, rest = "-" * (value < 0), *divmod(abs(value), 1)
     text = f"{sign}{whole}" + (f".{int(rest * 10**6):06d}".rstrip("0") if rest else "")
@@ -345,7 +352,7 @@ class Arithmetic:
     atom = number | ( expr ). Every failure is a ValueError with a message for the policy."""
 
     TOKEN = re.compile(r"\s*(?:([0-9]+(?:\.[0-9]*)?|\.[0-9]+)|(\*\*|[-+*/^()]))")  # ASCII digits only
-    MAX_CHARS, MAX_DEPTH, MAX_POWER_DIGITS = 200, 30, 400
+    MAX_CHARS, MAX_DEPTH, MAX_BITS = 200, 30, 1400  # 1400 bits: 421 digits
 
     def __init__(self, expression):
         if len(expression) > self.MAX_CHARS:
@@ -380,7 +387,7 @@ class Arithmetic:
     def expr(self):
         value = self.term()
         while self.peek() in ("+", "-"):
-            value = value + self.term() if self.take() == "+" else value - self.term()
+            value = self.bounded(value + self.term() if self.take() == "+" else value - self.term())
         return value
 
     def term(self):
@@ -389,7 +396,7 @@ class Arithmetic:
             op, right = self.take(), self.unary()
             if op == "/" and right == 0:
                 raise ValueError("division by zero")
-            value = value * right if op == "*" else value / right
+            value = self.bounded(value * right if op == "*" else value / right)
         return value
 
     def unary(self):
@@ -407,10 +414,17 @@ class Arithmetic:
             raise ValueError("only whole powers")
         if base == 0 and exponent < 0:
             raise ValueError("division by zero")
-        digits = abs(exponent) * max(len(str(base.numerator)), len(str(base.denominator)))
-        if abs(base) != 1 and base != 0 and digits > self.MAX_POWER_DIGITS:
+        bits = abs(exponent) * max(base.numerator.bit_length(), base.denominator.bit_length())
+        if abs(base) != 1 and base != 0 and bits > self.MAX_BITS:
             raise ValueError("power too large")
         return base ** int(exponent)
+
+    def bounded(self, value):
+        """Every intermediate result stays under MAX_BITS in its numerator and denominator (time and memory are then
+        bounded, whatever the expression)."""
+        if max(value.numerator.bit_length(), value.denominator.bit_length()) > self.MAX_BITS:
+            raise ValueError("number too large")
+        return value
 
     def atom(self):
         token = self.take()
@@ -446,41 +460,39 @@ def multi_turn_rollout(policy_turn, tokenizer, prompts, n, response_length, max_
     -> [(ids, sampler log-probs or None)] continues each context (its prompt and its trajectory so far, as token
     ids) until a stop token, the end of a call (CALL[1]) or max_tokens. A turn that ends a call gets the
     calculator's output appended as tool tokens, while the trajectory has made at most max_turns calls and has
-    room; any other turn ends it. Nothing is re-tokenised: the trainer sees the ids the sampler saw.
-    Returns a Rollout: ids [N, R] (R = response_length, padded with the pad id), real [N, R] (1 on every token of
-    the trajectory), policy [N, R] (1 on the policy's tokens: the loss mask), sampler_logprobs [N, R] (0 on tool
-    tokens; None without vLLM), texts (whole trajectories), answers (the last policy turn: where the final answer is
-    read), calls [(expression, output)] and turns (policy turns) per trajectory."""
+    room (an output that does not fit is cut); any other turn ends it. Nothing is re-tokenised: the trainer sees the
+    ids the sampler saw. Returns a Rollout: ids [N, R] (R = response_length, padded with the pad id), real [N, R] (1
+    on every token of the trajectory), policy [N, R] (1 on the policy's tokens: the loss mask), sampler_logprobs
+    [N, R] (0 on tool tokens; None without vLLM), texts (whole trajectories), answers (the last policy turn, where
+    the final answer is read; empty when it ends with a call that was not run), calls [(expression, output: the
+    calculator's answer, or the part of its text that fit)] and turns (policy turns) per trajectory."""
     N = len(prompts) * n
     ids, policy, logps = [[] for _ in range(N)], [[] for _ in range(N)], [[] for _ in range(N)]
-    calls, turns, last_turn, has_logprobs = [[] for _ in range(N)], [0] * N, [[] for _ in range(N)], False
+    calls, turns, answers, has_logprobs = [[] for _ in range(N)], [0] * N, [""] * N, False
     active = list(range(N))
     while active:
-        outputs = policy_turn(
-            [prompts[i // n] + ids[i] for i in active], [response_length - len(ids[i]) for i in active]
-        )
+        contexts = [prompts[i // n] + ids[i] for i in active]
+        outputs = policy_turn(contexts, [response_length - len(ids[i]) for i in active])
         still = []
         for i, (turn_ids, turn_logps) in zip(active, outputs):
-            ids[i], policy[i], turns[i], last_turn[i] = (
-                ids[i] + turn_ids,
-                policy[i] + [1] * len(turn_ids),
-                turns[i] + 1,
-                turn_ids,
-            )
-            has_logprobs |= turn_logps is not None
+            text = tokenizer.decode(turn_ids, skip_special_tokens=True)
+            ids[i], policy[i], turns[i] = ids[i] + turn_ids, policy[i] + [1] * len(turn_ids), turns[i] + 1
             logps[i] += turn_logps if turn_logps is not None else [0.0] * len(turn_ids)
-            expression = tool_call(tokenizer.decode(turn_ids, skip_special_tokens=True))
-            room = response_length - len(ids[i])
+            has_logprobs |= turn_logps is not None
+            expression, room = tool_call(text), response_length - len(ids[i])
+            answers[i] = text if expression is None else ""  # a turn whose call is not run holds no answer
             if expression is None or len(calls[i]) >= max_turns or room <= 0:
                 continue
-            output = calculator(expression)
-            tool_ids = tokenizer(f"{RESULT[0]}{output}{RESULT[1]}", add_special_tokens=False).input_ids[:room]
-            ids[i], policy[i], logps[i] = (
-                ids[i] + tool_ids,
-                policy[i] + [0] * len(tool_ids),
-                logps[i] + [0.0] * len(tool_ids),
-            )
-            calls[i].append((expression, output))
+            # The tool's text, less what the turn's last token already wrote of it: a token that completes CALL[1]
+            # may run on (SmolLM2's "><" ends "</calc>" and starts "<result>").
+            output, overhang = calculator(expression), text.split(CALL[1], 1)[1]
+            tool_text = f"{RESULT[0]}{output}{RESULT[1]}"
+            tool_text = tool_text[len(overhang) :] if tool_text.startswith(overhang) else tool_text
+            full = tokenizer(tool_text, add_special_tokens=False).input_ids
+            tool_ids = full[:room]
+            ids[i], policy[i] = ids[i] + tool_ids, policy[i] + [0] * len(tool_ids)
+            logps[i] += [0.0] * len(tool_ids)
+            calls[i].append((expression, output if len(tool_ids) == len(full) else tokenizer.decode(tool_ids)))
             if len(ids[i]) < response_length:
                 still.append(i)
         active = still
@@ -490,7 +502,6 @@ def multi_turn_rollout(policy_turn, tokenizer, prompts, n, response_length, max_
 
     real = padded([[1] * len(row) for row in ids], 0, torch.float)
     texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
-    answers = tokenizer.batch_decode(last_turn, skip_special_tokens=True)
     sampler_logprobs = padded(logps, 0.0, torch.float) if has_logprobs else None
     ids = padded(ids, tokenizer.pad_token_id, torch.long)
     return Rollout(ids, real, padded(policy, 0, torch.float), sampler_logprobs, texts, answers, calls, turns)
@@ -1632,7 +1643,16 @@ def policy_state_dict(model):
 
 
 class TurnSampler(Sampler):
-    """The Sampler (vLLM in this process, or HF generate on the policy) generating one policy turn at a time."""
+    """The Sampler (vLLM in this process, or HF generate on the policy) generating one policy turn at a time. Under
+    DeepSpeed ZeRO-3, HF generate gathers the sharded policy in every turn, a collective, and processes take
+    different numbers of turns: refused there (vLLM generates in each process on its own)."""
+
+    def __init__(self, args, accelerator, policy, tokenizer):
+        super().__init__(args, accelerator, policy, tokenizer)
+        plugin = accelerator.state.deepspeed_plugin
+        zero3 = plugin is not None and plugin.zero_stage == 3
+        turns = "HF generate's turns would gather the policy a different number of times on each process"
+        require(self.llm is not None or not zero3, f"DeepSpeed ZeRO-3 needs vLLM here (--vllm): {turns}")
 
     def turn(self, contexts, max_tokens, temperature):
         """One policy turn for each context (prompt and trajectory so far, token ids): sampled until a stop token, the

@@ -49,8 +49,8 @@ def fixed_turns(model, tokenizer, contexts, max_tokens, temperature, top_p, pad_
     """Stands in for grpo_tools' hf_turns (same signature and returns): a scripted policy whose turn is a seeded
     function of (the context's tokens, how many earlier contexts of this call were the same: the sample's index in
     its group on the first turn). A turn is a few ordinary word pieces then, at random, a tool call of a product of
-    two numbers of 1-6 digits (results of different lengths), a malformed call, or an answer ending with the first
-    stop id; cut at max_tokens."""
+    two numbers of 1-3 digits (results of different lengths), a call the calculator refuses (malformed, or a
+    division by zero), or an answer ending with the first stop id; cut at max_tokens."""
     stop_ids = [stop_ids] if isinstance(stop_ids, int) else list(stop_ids)
     seen, turns = collections.Counter(), []
     for context, limit in zip(contexts, max_tokens):
@@ -60,7 +60,8 @@ def fixed_turns(model, tokenizer, contexts, max_tokens, temperature, top_p, pad_
         words = torch.randint(300, 3000, (int(torch.randint(0, 4, (1,), generator=g)),), generator=g).tolist()
         kind = int(torch.randint(0, 4, (1,), generator=g))
         a, b = (int(torch.randint(1, 10**3, (1,), generator=g)) for _ in range(2))
-        ending = [f"<calc>{a} * {b}</calc>", "<calc>(1 +</calc>", f"Answer: {a}", f"Answer: {a * b}"][kind]
+        refused = "<calc>(1 +</calc>" if a % 2 else f"<calc>{a}/0</calc>"
+        ending = [f"<calc>{a} * {b}</calc>", refused, f"Answer: {a}", f"Answer: {a * b}"][kind]
         ids = words + tokenizer(ending, add_special_tokens=False).input_ids + ([stop_ids[0]] if kind >= 2 else [])
         turns.append((ids[:limit], None))
     return turns

@@ -114,6 +114,8 @@ def test_calculator_against_python_arithmetic_on_random_expressions():
         ("lambda: 1", "unexpected"),
         ("1e400", "unexpected"),
         ("\u0661 + 1", "unexpected"),  # an Arabic-Indic digit: \d would match it, int() would read it
+        ("*".join(["10^200"] * 22), "number too large"),  # 4400 digits: Python's str() of it would raise
+        ("(" + "*".join(["10^200"] * 25) + ")^2", "number too large"),
     ],
 )
 def test_calculator_returns_a_short_error_and_never_raises(expression, message):
@@ -175,7 +177,7 @@ def test_rollout_appends_tool_output_as_context_and_masks_it_out_of_the_loss(tok
         (900, 2): "Answer: 102.5<eos>",
         (902, 0): "<calc>1 +</calc>",
         (902, 1): "Answer: 7<eos>",
-        (905, 0): "<calc>2^10</calc>",
+        (905, 0): "<calc>2^10</calc><",  # a last token that runs on into the tool's text: "<" is not repeated
         (905, 1): "<calc>3</calc>",
         (905, 2): "<calc>4</calc>",  # the third call: max_turns is 2, so it is not run
     }
@@ -193,8 +195,8 @@ def test_rollout_appends_tool_output_as_context_and_masks_it_out_of_the_loss(tok
         0: [(enc("First <calc>12 * 34</calc>"), 1), (tool("408"), 0), (enc("then <calc>(408 + 2)/4</calc>"), 1),
             (tool("102.5"), 0), (enc("Answer: 102.5") + eos, 1)],
         1: [(enc("<calc>1 +</calc>"), 1), (tool("error: incomplete expression"), 0), (enc("Answer: 7") + eos, 1)],
-        2: [(enc("<calc>2^10</calc>"), 1), (tool("1024"), 0), (enc("<calc>3</calc>"), 1), (tool("3"), 0),
-            (enc("<calc>4</calc>"), 1)],
+        2: [(enc("<calc>2^10</calc><"), 1), (enc("result>1024</result>"), 0), (enc("<calc>3</calc>"), 1),
+            (tool("3"), 0), (enc("<calc>4</calc>"), 1)],
     }  # fmt: skip
     for i, parts in expected.items():
         ids = [t for part, _ in parts for t in part]
@@ -217,25 +219,35 @@ def test_rollout_appends_tool_output_as_context_and_masks_it_out_of_the_loss(tok
         [("2^10", "1024"), ("3", "3")],
     ]
     assert rollout.turns == [3, 2, 3]
-    assert rollout.answers == ["Answer: 102.5", "Answer: 7", "<calc>4</calc>"]
+    assert rollout.answers == ["Answer: 102.5", "Answer: 7", ""]  # a call that is not run is no answer
     assert rollout.texts[0].startswith("First <calc>12 * 34</calc><result>408</result>then")
+    assert rollout.texts[2].startswith("<calc>2^10</calc><result>1024</result><calc>3</calc>")
 
 
 def test_rollout_stops_at_the_budget_and_cuts_a_tool_output_that_does_not_fit(tokenizer):
-    """A trajectory is at most response_length tokens: a tool output is cut to the room left, and a trajectory with
-    no room left ends; groups of n trajectories per prompt are consecutive."""
-    call = tokenizer("<calc>123456 * 654321</calc>", add_special_tokens=False).input_ids
-    budget = len(call) + 3
+    """A trajectory is at most response_length tokens: a tool output is cut to the room left (and recorded as the
+    part that fit), a call that uses the last token is not run, and a trajectory with no room left ends; the n
+    trajectories of a prompt are consecutive."""
+
+    def enc(text):
+        return tokenizer(text, add_special_tokens=False).input_ids
+
+    long_call, short_call = enc("<calc>123456 * 654321</calc>"), enc("<calc>2 * 3</calc>")
+    budget = len(long_call) + 3
+    turns = {900: long_call, 901: short_call + enc(" x") * (budget - len(short_call))}  # the second fills the budget
 
     def policy_turn(contexts, max_tokens):
-        return [(call[:m], None) for m in max_tokens]
+        return [(turns[context[0]][:m], None) for context, m in zip(contexts, max_tokens)]
 
     rollout = multi_turn_rollout(policy_turn, tokenizer, [[900], [901]], 2, response_length=budget, max_turns=3)
-    assert rollout.sampler_logprobs is None and len(rollout.turns) == 4
-    for i in range(4):
-        assert rollout.ids[i, : len(call)].tolist() == call and rollout.real[i].sum() == budget
-        assert rollout.policy[i].tolist() == [1] * len(call) + [0] * 3  # the output's first 3 tokens
-    assert rollout.turns == [1, 1, 1, 1]
+    assert rollout.sampler_logprobs is None and rollout.turns == [1, 1, 1, 1]
+    cut = tokenizer.decode(enc("<result>80779853376</result>")[:3])
+    for i in (0, 1):  # the long call, its output cut to 3 tokens
+        assert rollout.ids[i, : len(long_call)].tolist() == long_call and rollout.real[i].sum() == budget
+        assert rollout.policy[i].tolist() == [1] * len(long_call) + [0] * 3
+        assert rollout.calls[i] == [("123456 * 654321", cut)] and rollout.answers[i] == ""
+    for i in (2, 3):  # a turn that ends the budget: its call (if any) is not run
+        assert rollout.policy[i].tolist() == [1] * budget and rollout.calls[i] == []
 
 
 def test_trajectory_metrics_count_calls_failures_copies_and_accuracy_by_call(tokenizer):
@@ -435,6 +447,9 @@ def check_turns_end_at_their_call(tokenizer, rollout):
             turn_start = max([j for j in range(k) if j == 0 or policy[j - 1] == 0])
             text = tokenizer.decode(ids[turn_start:k])
             assert CALL[1] in text and CALL[1] not in tokenizer.decode(ids[turn_start : k - 1]), text
+        assert CALL[1] + "<" + RESULT[0] not in rollout.texts[i]  # the tool's text continues the call's last token
+        complete = sum(output == calculator(expression) for expression, output in calls)  # not cut by the budget
+        assert rollout.texts[i].count(RESULT[0]) >= complete, rollout.texts[i]
 
 
 @pytest.mark.slow
@@ -489,44 +504,56 @@ def test_vllm_turns_stop_at_the_call_and_their_logprobs_are_the_trainers(smollm_
 # The loss: a plain loop in float64
 
 
-def test_trajectory_loss_against_a_plain_loop_over_the_policy_tokens():
-    """The loss and its statistics worked out token by token in float64: only the tokens the mask keeps (the
-    policy's) count, a tool token changes nothing whatever its log-probs."""
+@pytest.mark.parametrize("loss_type", ["token_mean", "seq_mean_token_mean"])
+def test_trajectory_loss_against_a_plain_loop_over_the_policy_tokens(loss_type):
+    """The loss and its statistics worked out token by token in float64, surrogate, truncated IS, KL and entropy
+    bonus: only the tokens the mask keeps (the policy's) count. A tool token's values change nothing, not even
+    ones whose ratio or KL would be inf: the loss and its gradient stay finite."""
     torch.manual_seed(0)
-    b, R = 3, 7
-    logprobs, old, ref, sampled = (torch.randn(b, R, dtype=torch.float64) * 0.3 - 1 for _ in range(4))
+    b, R, V = 3, 7, 5
+    logits = torch.randn(b, R, V, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, V, (b, R))
+    logprobs = torch.log_softmax(logits, -1).gather(2, labels[..., None]).squeeze(2)
+    old, ref, sampled = (logprobs.detach() + torch.randn(b, R, dtype=torch.float64) * 0.3 for _ in range(3))
     advantages = torch.tensor([1.0, -0.5, 0.25], dtype=torch.float64)
     mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0], [1, 0, 0, 1, 1, 1, 1], [0, 1, 1, 1, 0, 0, 0]], dtype=torch.float64)
-    flags = dict(clip_eps_low=0.2, clip_eps_high=0.28, tis_cap=2.0, entropy_coef=0.0, beta=0.04, kl_estimator="k3",
-                 loss_type="token_mean", response_length=R)  # fmt: skip
+    flags = dict(clip_eps_low=0.2, clip_eps_high=0.28, tis_cap=2.0, entropy_coef=0.01, beta=0.04, kl_estimator="k3",
+                 loss_type=loss_type, response_length=R)  # fmt: skip
     tokens = float(mask.sum())
-    loss, stats = grpo_tools.trajectory_loss(logprobs, old, ref, sampled, advantages, mask, None, tokens, b, **flags)
-    total, kl_sum, ratio_sum = 0.0, 0.0, 0.0
+    loss, stats = grpo_tools.trajectory_loss(logprobs, old, ref, sampled, advantages, mask, logits, tokens, b, **flags)
+    per_row, kl_sum = [0.0] * b, 0.0
     for i in range(b):
         for t in range(R):
             if not mask[i, t]:
                 continue
-            ratio = math.exp(logprobs[i, t] - old[i, t])
-            a = float(advantages[i])
+            lp, a = float(logprobs[i, t]), float(advantages[i])
+            ratio = math.exp(lp - old[i, t])
             surrogate = -min(ratio * a, min(max(ratio, 1 - 0.2), 1 + 0.28) * a)
             tis = min(math.exp(old[i, t] - sampled[i, t]), 2.0)
-            log_r = float(logprobs[i, t] - ref[i, t])
+            log_r = lp - float(ref[i, t])
             kl = math.exp(-log_r) + log_r - 1
-            total += surrogate * tis + 0.04 * kl
-            kl_sum, ratio_sum = kl_sum + kl, ratio_sum + ratio
-    assert float(loss) == pytest.approx(total / tokens, rel=1e-12)
+            e = [math.exp(float(x)) for x in logits[i, t]]
+            entropy = -sum(q * math.log(q) for q in [x / sum(e) for x in e])
+            per_row[i] += surrogate * tis + 0.04 * kl - 0.01 * entropy
+            kl_sum += kl
+    if loss_type == "token_mean":
+        expected = sum(per_row) / tokens
+    else:
+        expected = sum(per_row[i] / float(mask[i].sum()) for i in range(b)) / b
+    assert float(loss) == pytest.approx(expected, rel=1e-10)
     assert stats["objective/kl"] == pytest.approx(kl_sum / tokens, rel=1e-12)
-    assert stats["policy/ratio"] == pytest.approx(ratio_sum / tokens, rel=1e-12)
-    # What a tool token holds does not matter.
-    changed = [x.masked_fill(mask == 0, 5.0) for x in (logprobs, old, ref, sampled)]
-    again, _ = grpo_tools.trajectory_loss(*changed, advantages, mask, None, tokens, b, **flags)
+    # Tool tokens with values that would make their ratio and KL inf: nothing changes, no NaN.
+    wild = [x.masked_fill(mask == 0, -1e4) for x in (old, ref, sampled)]
+    again, _ = grpo_tools.trajectory_loss(logprobs, *wild, advantages, mask, logits, tokens, b, **flags)
     assert float(again) == pytest.approx(float(loss), rel=1e-12)
+    again.backward()
+    assert torch.isfinite(logits.grad).all()
 
 
 @pytest.mark.slow
 def test_the_loss_gets_the_policy_tokens_of_the_rollout_as_its_mask(make_tool_args, monkeypatch):
-    """In a run, trajectory_loss's mask is the rollout's policy mask row for row: 0 on every tool token the
-    attention mask covers, 1 on every token the policy wrote."""
+    """In a run, trajectory_loss's mask is the rollout's policy mask row for row: 0 on every tool token, 1 on every
+    token the policy wrote; the attention mask the batch gets covers them all."""
     rollouts, masks = [], []
     rollout_fn, loss_fn = grpo_tools.multi_turn_rollout, grpo_tools.trajectory_loss
 
@@ -538,17 +565,28 @@ def test_the_loss_gets_the_policy_tokens_of_the_rollout_as_its_mask(make_tool_ar
         masks.append(args[5].cpu())
         return loss_fn(*args, **kwargs)
 
+    attention_masks, batch_fn = [], grpo_tools.training_batch
+
+    def spy_batch(*args, **kwargs):
+        out = batch_fn(*args, **kwargs)
+        attention_masks.append(out[1].cpu())
+        return out
+
     spy_loss.__signature__ = inspect.signature(loss_fn)  # main reads the loss's flags from it
 
     fixed_rollout.patch(grpo_tools, monkeypatch.setattr)
     monkeypatch.setattr(grpo_tools, "multi_turn_rollout", spy_rollout)
     monkeypatch.setattr(grpo_tools, "trajectory_loss", spy_loss)
+    monkeypatch.setattr(grpo_tools, "training_batch", spy_batch)
     grpo_tools.main(make_tool_args(total_steps=1, eval_every=0, micro_batch_size=8))
     train = rollouts[1]  # the first is the evaluation before training
     (mask,) = masks
     assert torch.equal(mask, train.policy[:, : mask.shape[1]])
     tool = (train.real - train.policy)[:, : mask.shape[1]]
     assert tool.sum() > 0 and (mask[tool > 0] == 0).all()
+    # The attention mask covers every token of the trajectory, the tool's included.
+    (attention_mask,) = attention_masks
+    assert torch.equal(attention_mask[:, -mask.shape[1] :].float(), train.real[:, : mask.shape[1]])
 
 
 @pytest.mark.slow
@@ -570,3 +608,19 @@ def test_invariant_killed_at_random_points_and_resumed_gives_the_uninterrupted_r
     overrides = {**TOOL_ARGS, "total_steps": 3, "save_every": 1, "beta": 0.04}
     flags = strip_flags(fast_cli_flags(tiny_model_dir, task_dir, "", **overrides), "oversample", "output_dir")
     assert_survives_kills("grpo_tools.py", flags, lambda folder: ["--output_dir", folder], str(tmp_path), seed=48)
+
+
+def test_zero3_with_hf_generate_is_refused_in_one_line(tiny_model_dir, tokenizer):
+    """Under ZeRO-3 HF generate gathers the policy in every turn, a collective, and processes take different numbers
+    of turns: the sampler refuses the combination with one line."""
+    from types import SimpleNamespace
+
+    zero3 = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=3)))
+    args = grpo_tools.Config(model_name_or_path=tiny_model_dir, vllm=False)
+    with pytest.raises(SystemExit) as exc:
+        grpo_tools.TurnSampler(args, zero3, None, tokenizer)
+    assert str(exc.value.code).startswith("error: DeepSpeed ZeRO-3 needs vLLM here") and "\n" not in str(
+        exc.value.code
+    )
+    zero2 = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=2)))
+    assert grpo_tools.TurnSampler(args, zero2, None, tokenizer).llm is None
