@@ -50,18 +50,10 @@ import pytest
 import tyro
 from conftest import REPO_ROOT
 
-from benchmark import memory_plan
+from benchmark import budget, memory_plan
 from benchmark import run as launcher
 
-SCRIPTS = (
-    "grpo_math.py",
-    "reward_modeling.py",
-    "ppo_rlhf.py",
-    "dpo_online.py",
-    "ppo_prm_clip.py",
-    "async_rlhf.py",
-    "grpo_tools.py",
-)
+SCRIPTS = tuple(f"{name}.py" for name in budget.BUDGET)  # every script, named once in benchmark/budget.py
 MARKDOWN_FILES = ["README.md"] + sorted(os.path.relpath(p, REPO_ROOT) for p in glob.glob(f"{REPO_ROOT}/docs/*.md"))
 SHELL_FILES = sorted(os.path.relpath(p, REPO_ROOT) for p in glob.glob(f"{REPO_ROOT}/benchmark/*.sh"))
 # Plausible values of shell variables that no loop of the file sets (benchmark/gpu_check.sh's work folders).

@@ -10,15 +10,9 @@ import logging
 
 import pytest
 
-SCRIPTS = (
-    "grpo_math.py",
-    "reward_modeling.py",
-    "ppo_rlhf.py",
-    "dpo_online.py",
-    "ppo_prm_clip.py",
-    "async_rlhf.py",
-    "grpo_tools.py",
-)
+from benchmark import budget
+
+SCRIPTS = tuple(f"{name}.py" for name in budget.BUDGET)  # every script, named once in benchmark/budget.py
 
 # (logger = module name, a line of the message in that module's source, the message as it is logged)
 HARMLESS = [
