@@ -379,8 +379,8 @@ def ensemble_reward(member_scores, ensemble, uwo_coef):
     """The reward of an ensemble of reward models from its members' scores [K, B] (Coste et al., "Reward Model
     Ensembles Help Mitigate Overoptimization", arXiv 2310.02743): their mean; WCO, the worst case, min over members;
     UWO, the mean minus uwo_coef x the members' variance (over K, not K - 1: the spread of these K models, as the
-    paper writes it). Each member's score is centred by its own bias (reward_model_scores) and not rescaled: a
-    Bradley-Terry score is defined up to a shift, and the members learn their scale from the same pairs. Returns
+    paper writes it). Each member's score is centred by its own bias (reward_model_scores), not rescaled, as in the
+    paper; the scales are the members' own (they differ, and WCO follows the narrowest: docs/ppo_rlhf.md). Returns
     [B]; with K = 1, the member's score whatever the ensemble."""
     if ensemble == "mean":
         return member_scores.mean(0)
