@@ -1095,7 +1095,7 @@ class Run:
 
     def __init__(self, args, accelerator, resumable_args):
         self.args, self.accelerator, args.world_size = args, accelerator, accelerator.num_processes
-        self.episode, self.last_checkpoint = 0, None
+        self.episode, self.last_checkpoint, self.skipped_in_a_row = 0, None, 0
         self.step, self.metrics, self.stats = 0, {}, collections.defaultdict(list)
         if args.resume is None:
             name = None
@@ -1886,24 +1886,47 @@ MicroBatch = collections.namedtuple("MicroBatch", "update epoch minibatch rows f
 def optimizer_step(accelerator, model, optimizer, scheduler, run, prefix="policy/"):
     """One update: clip the gradients (clip_gradients), step the optimizer, then the learning-rate schedule when the
     update was taken (it counts updates taken: fp16's loss scaler skips an overflowing one), and zero the gradients.
-    Adds prefix + grad_norm (NaN when skipped) and prefix + skipped_updates to the step's stats; the step's lr is
-    this update's (the step's last)."""
+    Adds prefix + grad_norm (NaN when skipped or unknown) and prefix + skipped_updates to the step's stats; the step's
+    lr is this update's (the step's last). MAX_SKIPPED_UPDATES skipped in a row stop the run (check_skipped)."""
     grad_norm = clip_gradients(accelerator, model, run.args.max_grad_norm, run.step, run.last_checkpoint)
-    run.add({f"{prefix}grad_norm": grad_norm, f"{prefix}skipped_updates": float(grad_norm != grad_norm)})
     run.metrics["lr"] = scheduler.get_last_lr()[0]
     optimizer.step()
-    if grad_norm == grad_norm:
+    skipped = accelerator.optimizer_step_was_skipped  # the scaler's verdict (accelerate's GradScaler or DeepSpeed's)
+    run.add({f"{prefix}grad_norm": math.nan if skipped else grad_norm, f"{prefix}skipped_updates": float(skipped)})
+    if not skipped:
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
+    run.skipped_in_a_row = run.skipped_in_a_row + 1 if skipped else 0
+    check_skipped(run.skipped_in_a_row, run.step, run.last_checkpoint)
+
+
+# fp16's loss scale starts at 2^16 and halves at each skipped update (DeepSpeed's at every other one at first): this
+# many in a row take it below 1, where an overflow is the gradients' own, not the scale's.
+MAX_SKIPPED_UPDATES = 30
+
+
+def check_skipped(skipped_in_a_row, step, last_checkpoint):
+    """Stop a run whose fp16 loss scaler has skipped MAX_SKIPPED_UPDATES updates in a row (as DeepSpeed stops at its
+    minimum scale), instead of saving the untrained weights as a trained model. The same on every process: the
+    gradients it looks at are the synchronised ones."""
+    if skipped_in_a_row >= MAX_SKIPPED_UPDATES:
+        raise RuntimeError(
+            f"step {step + 1}: the fp16 loss scaler skipped {skipped_in_a_row} updates in a row (the gradients overflow "
+            f"at every scale); last good checkpoint: {last_checkpoint or 'none'}"
+        )
 
 
 def clip_gradients(accelerator, model, max_grad_norm, step, last_checkpoint):
     """Clip the gradients to max_grad_norm; returns their global norm, the same on every process, or NaN for an update
     that fp16's loss scaler skips (accelerate's GradScaler or DeepSpeed's: an overflow is their signal to skip the
-    step and lower the scale, so the weights stay finite; the averages leave NaN out). Elsewhere a non-finite norm
-    (a finite loss whose backward overflowed) stops the run before the optimizer step, so that non-finite weights are
-    never checkpointed (DeepSpeed steps inside accelerator.backward: there, before the next checkpoint)."""
-    grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), max_grad_norm))
+    step and lower the scale, so the weights stay finite; the averages leave NaN out) and where DeepSpeed computes no
+    norm. Elsewhere a non-finite norm (a finite loss whose backward overflowed) stops the run before the optimizer
+    step, so that non-finite weights are never checkpointed (DeepSpeed steps inside accelerator.backward: there,
+    before the next checkpoint)."""
+    grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+    if grad_norm is None:  # DeepSpeed with zero_optimization.compute_grad_norm false computes none
+        return math.nan
+    grad_norm = float(grad_norm)
     deepspeed_fp16 = accelerator.state.deepspeed_plugin is not None and accelerator.mixed_precision == "fp16"
     if accelerator.scaler is None and not deepspeed_fp16:
         check_finite(accelerator, grad_norm, "gradient norm", step, last_checkpoint)

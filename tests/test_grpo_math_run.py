@@ -4,6 +4,7 @@ import glob
 import json
 import math
 import os
+import re
 import shutil
 import sys
 import textwrap
@@ -785,3 +786,40 @@ def test_fp16_loss_scaler_skips_an_overflowing_update_and_the_run_goes_on(make_a
     assert scalers[0].get_scale() == 0.25  # halved at each skipped update
     weights = load_file(os.path.join(run_dir, "model", "model.safetensors"))
     assert all(torch.isfinite(w).all() for w in weights.values())
+
+
+def test_fp16_updates_skipped_in_a_row_stop_the_run_instead_of_saving_it_as_trained(make_args, monkeypatch, tmp_path):
+    """A gradient that overflows at every loss scale makes the scaler skip every update: after MAX_SKIPPED_UPDATES in a
+    row the run stops with one line (the step, the last checkpoint) and writes no final model (issue 54). A taken
+    update in between starts the count again."""
+    make, overflowing = grpo_math.make_accelerator, {"updates": {0, 1, 3, 4, 5}}
+
+    def with_scaler(*args, **kwargs):
+        accelerator = make(*args, **kwargs)
+        accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=1000)  # before prepare
+        backward, calls = accelerator.backward, []
+
+        def overflowing_backward(loss, **kw):
+            backward(loss, **kw)
+            calls.append(1)
+            if (len(calls) - 1) // 2 in overflowing["updates"]:  # 2 micro-batches an update
+                next(accelerator._models[0].parameters()).grad.fill_(math.inf)
+
+        accelerator.backward = overflowing_backward
+        return accelerator
+
+    monkeypatch.setattr(grpo_math, "make_accelerator", with_scaler)
+    monkeypatch.setattr(grpo_math, "compute_rewards", space_reward)
+    monkeypatch.setattr(grpo_math, "MAX_SKIPPED_UPDATES", 3)
+    args = make_args(total_steps=8, save_every=2, learning_rate=4e-3, temperature=0.5)
+    with pytest.raises(RuntimeError) as error:
+        grpo_math.main(args)
+    message = str(error.value)
+    assert re.fullmatch(
+        r"step 6: the fp16 loss scaler skipped 3 updates in a row \(.*\); last good checkpoint: \S+", message
+    )
+    assert message.endswith(os.path.join("checkpoints", "step_000004"))
+    run_dir = os.path.dirname(os.path.dirname(message.rsplit(" ", 1)[1]))
+    lines = train_lines(read_metrics(run_dir))
+    assert [line["policy/skipped_updates"] for line in lines] == [1.0, 1.0, 0.0, 1.0, 1.0]
+    assert not os.path.exists(os.path.join(run_dir, "model"))

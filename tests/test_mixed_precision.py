@@ -16,6 +16,7 @@ from packaging.version import Version
 import async_rlhf
 import dpo_online
 import grpo_math
+import grpo_tools
 import ppo_prm_clip
 import ppo_rlhf
 import reward_modeling
@@ -67,3 +68,23 @@ def test_deepspeed_older_than_0_19_2_is_refused_before_anything_starts(script, m
     with open(os.path.join(REPO_ROOT, "pyproject.toml"), "rb") as f:
         extra = tomllib.load(f)["project"]["optional-dependencies"]["deepspeed"]
     assert Version(re.search(r">=([\d.]+)", extra[0]).group(1)) >= Version("0.19.2")
+
+
+@pytest.mark.parametrize("script", SCRIPTS + [grpo_tools], ids=lambda m: m.__name__)
+def test_deepspeed_without_a_gradient_norm_is_not_an_error(script):
+    """zero_optimization.compute_grad_norm false (ZeRO-1/2 with gradient_clipping 0): accelerate's clip_grad_norm_
+    returns None. The norm is unknown (NaN, left out of the averages); float(None) raised a TypeError before."""
+    for mixed_precision in ("fp16", "bf16", "no"):
+        accelerator = stand_in_accelerator(0.0, mixed_precision=mixed_precision, deepspeed_plugin=object())
+        accelerator.clip_grad_norm_ = lambda parameters, max_norm: None
+        assert math.isnan(script.clip_gradients(accelerator, torch.nn.Linear(2, 2), 1.0, 3, None))
+
+
+@pytest.mark.parametrize("script", SCRIPTS + [grpo_tools], ids=lambda m: m.__name__)
+def test_updates_skipped_in_a_row_are_bounded(script):
+    """The run stops at MAX_SKIPPED_UPDATES skipped updates in a row, naming the step and the last checkpoint; the
+    end-to-end run is in test_grpo_math_run.py."""
+    for skipped in range(script.MAX_SKIPPED_UPDATES):
+        script.check_skipped(skipped, 9, "runs/x/checkpoints/step_8")
+    with pytest.raises(RuntimeError, match=r"^step 10: the fp16 loss scaler skipped 30 updates in a row .*step_8$"):
+        script.check_skipped(script.MAX_SKIPPED_UPDATES, 9, "runs/x/checkpoints/step_8")
