@@ -2037,11 +2037,14 @@ def last_real_index(attention_mask):
     return (positions * attention_mask).argmax(1)
 
 
-def optimizer_step(accelerator, model, optimizer, scheduler, run, prefix="policy/"):
+def optimizer_step(accelerator, model, optimizer, scheduler, run, prefix="policy/", max_skipped=30):
     """One update: clip the gradients (clip_gradients), step the optimizer, then the learning-rate schedule when the
     update was taken (it counts updates taken: fp16's loss scaler skips an overflowing one), and zero the gradients.
     Adds prefix + grad_norm (NaN when skipped or unknown) and prefix + skipped_updates to the step's stats; the step's
-    lr is this update's (the step's last). MAX_SKIPPED_UPDATES skipped in a row stop the run (check_skipped)."""
+    lr is this update's (the step's last). max_skipped updates skipped in a row stop the run, as DeepSpeed stops at
+    its minimum scale, instead of saving untrained weights as a trained model: fp16's scale starts at 2^16 and halves
+    at each skip (DeepSpeed's at every other one at first), so 30 take it below 1, where an overflow is the gradients'
+    own, not the scale's."""
     grad_norm = clip_gradients(accelerator, model, run.args.max_grad_norm, run.step, run.last_checkpoint)
     run.metrics["lr"] = scheduler.get_last_lr()[0]
     optimizer.step()
@@ -2051,22 +2054,10 @@ def optimizer_step(accelerator, model, optimizer, scheduler, run, prefix="policy
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     run.skipped_in_a_row = run.skipped_in_a_row + 1 if skipped else 0
-    check_skipped(run.skipped_in_a_row, run.step, run.last_checkpoint)
-
-
-# fp16's loss scale starts at 2^16 and halves at each skipped update (DeepSpeed's at every other one at first): this
-# many in a row take it below 1, where an overflow is the gradients' own, not the scale's.
-MAX_SKIPPED_UPDATES = 30
-
-
-def check_skipped(skipped_in_a_row, step, last_checkpoint):
-    """Stop a run whose fp16 loss scaler has skipped MAX_SKIPPED_UPDATES updates in a row (as DeepSpeed stops at its
-    minimum scale), instead of saving the untrained weights as a trained model. The same on every process: the
-    gradients it looks at are the synchronised ones."""
-    if skipped_in_a_row >= MAX_SKIPPED_UPDATES:
+    if run.skipped_in_a_row >= max_skipped:  # the same on every process: the gradients are the synchronised ones
         raise RuntimeError(
-            f"step {step + 1}: the fp16 loss scaler skipped {skipped_in_a_row} updates in a row (the gradients overflow "
-            f"at every scale); last good checkpoint: {last_checkpoint or 'none'}"
+            f"step {run.step + 1}: the fp16 loss scaler skipped {max_skipped} updates in a row (gradients that "
+            f"overflow at every scale); last good checkpoint: {run.last_checkpoint or 'none'}"
         )
 
 

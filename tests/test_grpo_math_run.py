@@ -1,5 +1,6 @@
 """End-to-end runs of grpo_math.py on the tiny model: what a run must show, not only that it ran."""
 
+import functools
 import glob
 import json
 import math
@@ -789,7 +790,7 @@ def test_fp16_loss_scaler_skips_an_overflowing_update_and_the_run_goes_on(make_a
 
 
 def test_fp16_updates_skipped_in_a_row_stop_the_run_instead_of_saving_it_as_trained(make_args, monkeypatch, tmp_path):
-    """A gradient that overflows at every loss scale makes the scaler skip every update: after MAX_SKIPPED_UPDATES in a
+    """A gradient that overflows at every loss scale makes the scaler skip every update: after max_skipped (here 3) in a
     row the run stops with one line (the step, the last checkpoint) and writes no final model (issue 54). A taken
     update in between starts the count again."""
     make, overflowing = grpo_math.make_accelerator, {"updates": {0, 1, 3, 4, 5}}
@@ -810,7 +811,7 @@ def test_fp16_updates_skipped_in_a_row_stop_the_run_instead_of_saving_it_as_trai
 
     monkeypatch.setattr(grpo_math, "make_accelerator", with_scaler)
     monkeypatch.setattr(grpo_math, "compute_rewards", space_reward)
-    monkeypatch.setattr(grpo_math, "MAX_SKIPPED_UPDATES", 3)
+    monkeypatch.setattr(grpo_math, "optimizer_step", functools.partial(grpo_math.optimizer_step, max_skipped=3))
     args = make_args(total_steps=8, save_every=2, learning_rate=4e-3, temperature=0.5)
     with pytest.raises(RuntimeError) as error:
         grpo_math.main(args)
