@@ -78,8 +78,9 @@ class Args:
     """ratio clip below 1 - eps_low (None: 0.2; GSPO's 3e-4 with --importance_sampling_level sequence)"""
     clip_eps_high: Optional[float] = None
     """ratio clip above 1 + eps_high (None: 0.2, GSPO's 4e-4 at the sequence level; DAPO clip-higher: 0.28)"""
-    beta: float = 0.04
-    """coefficient of the KL to the reference in the loss (0: no reference is loaded; 0.04 as in the GRPO paper)"""
+    beta: Optional[float] = None
+    """coefficient of the KL to the reference in the loss (0: no reference is loaded; None: 0.04 as in the GRPO paper,
+    0 at the sequence level: GSPO's objective has no KL term)"""
     kl_estimator: Literal["k2", "k3"] = "k3"
     """per-token KL estimator in the loss: k3's gradient is that of KL(pi_ref || pi), k2's of KL(pi || pi_ref)"""
     scale_rewards: Literal["group", "batch", "none"] = "group"
@@ -94,8 +95,10 @@ class Args:
     no cap with --mis_range: the kept tokens carry the ratio itself; 0: off)"""
     mis_range: Optional[tuple[float, float]] = None
     """masked importance sampling (IcePop) for vLLM samples: drop tokens whose pi_train / pi_vllm is outside it"""
-    mis_level: Literal["token", "sequence"] = "token"
-    """the ratio --mis_range masks: each token's (IcePop), or its sequence's geometric mean"""
+    mis_level: Literal["token", "sequence", "geometric"] = "token"
+    """the ratio --mis_range masks, at verl's rollout_is_level: each token's (IcePop; TRL's token_mask), its
+    sequence's likelihood ratio, the product of its token ratios (TRL's sequence_mask, verl's sequence), or their
+    geometric mean (verl's geometric; what sequence meant before issue 54)"""
     importance_sampling_level: Literal["token", "sequence"] = "token"
     """sequence: every ratio is its sequence's geometric mean of token ratios, clipped per sequence (GSPO; brings
     GSPO's clip range and aggregation unless they are set)"""
@@ -271,11 +274,23 @@ def sequence_mean(logprobs, mask):
     return masked_mean(logprobs, mask, dim=1).unsqueeze(1).expand_as(logprobs)
 
 
-def masked_importance_weights(logprobs, sampler_logprobs, low, high, cap=None):
-    """Masked importance sampling (IcePop; the TIS note's follow-ups): a token whose ratio pi / pi_sampler is within
-    [low, high] weighs that ratio (or min(ratio, cap)), any other weighs 0: it leaves the loss instead of being
-    reweighted. [B, R] -> [B, R]"""
-    ratio = torch.exp(logprobs - sampler_logprobs)
+def importance_log_ratio(logprobs, sampler_logprobs, mask, level):
+    """log(pi / pi_sampler) on each token [B, R], at verl's rollout_is_level: token, each token's own; sequence, its
+    sequence's likelihood ratio, the sum of the token log-ratios (the product of the ratios: TRL's sequence_mask /
+    sequence_truncate, verl's sequence; a sum, as a product of 64 ratios could overflow); geometric, their mean (the
+    geometric mean of the ratios: verl's geometric)."""
+    log_ratio = logprobs - sampler_logprobs
+    if level == "token":
+        return log_ratio
+    per_sequence = (log_ratio * mask).sum(1) if level == "sequence" else masked_mean(log_ratio, mask, dim=1)
+    return per_sequence.unsqueeze(1).expand_as(log_ratio)
+
+
+def masked_importance_weights(log_ratio, low, high, cap=None):
+    """Masked importance sampling (IcePop; the TIS note's follow-ups; TRL's *_mask, verl's mask mode): a token whose
+    ratio exp(log_ratio) is within [low, high] weighs that ratio (or min(ratio, cap): with [0, inf), TRL's
+    *_truncate), any other weighs 0: it leaves the loss instead of being reweighted. [B, R] -> [B, R]"""
+    ratio = torch.exp(log_ratio)
     kept = ratio if cap is None else torch.clamp(ratio, max=cap)
     return torch.where((ratio >= low) & (ratio <= high), kept, torch.zeros_like(ratio))
 
@@ -324,10 +339,8 @@ def grpo_loss(
         token_loss, ratio = cispo_surrogate(lp, old, logprobs, advantages, cispo_cap)
     stats = {}
     if sampled is not None and mis_range is not None:  # masked IS, at its own level (IcePop: every token's)
-        pair = (old_logprobs, sampler_logprobs)
-        if mis_level == "sequence":
-            pair = (sequence_mean(x, mask) for x in pair)
-        weights = masked_importance_weights(*pair, *mis_range, tis_cap or None)
+        mis_log_ratio = importance_log_ratio(old_logprobs, sampler_logprobs, mask, mis_level)
+        weights = masked_importance_weights(mis_log_ratio, *mis_range, tis_cap or None)
         token_loss = token_loss * weights
         stats["objective/tis_weight"] = token_mean(weights, mask)
         stats["objective/mis_masked_fraction"] = token_mean((weights == 0).float(), mask)
@@ -717,13 +730,13 @@ def check_args(args):
 
 def resolve_defaults(args):
     """What None means for the flags whose default depends on another (config.json records the result): at the
-    sequence level GSPO's clip range 3e-4 / 4e-4 and its mean of sequence losses (arXiv 2507.18071, Sec. 5.1: with a
-    token mean a sequence weighs by its length, and a 0.2 clip hardly ever binds on a geometric-mean ratio), else
-    0.2 / 0.2 and the token mean; truncated IS at cap 2 unless a mask range is given (IcePop: the kept tokens carry
-    their ratio)."""
+    sequence level GSPO's clip range 3e-4 / 4e-4, its mean of sequence losses (arXiv 2507.18071, Sec. 5.1: with a
+    token mean a sequence weighs by its length, and a 0.2 clip hardly ever binds on a geometric-mean ratio) and no KL
+    term (beta 0, as in the paper's objective and TRL's GSPO recipe), else 0.2 / 0.2, the token mean and beta 0.04;
+    truncated IS at cap 2 unless a mask range is given (IcePop: the kept tokens carry their ratio)."""
     gspo = args.importance_sampling_level == "sequence"
     defaults = dict(clip_eps_low=3e-4 if gspo else 0.2, clip_eps_high=4e-4 if gspo else 0.2)
-    defaults |= dict(loss_type="seq_mean_token_mean" if gspo else "token_mean")
+    defaults |= dict(loss_type="seq_mean_token_mean" if gspo else "token_mean", beta=0.0 if gspo else 0.04)
     defaults |= dict(tis_cap=2.0 if args.mis_range is None else 0.0)
     filled = {name: value for name, value in defaults.items() if getattr(args, name) is None}
     for name, value in filled.items():

@@ -48,11 +48,12 @@ python -m benchmark.registry table --experiments "grpo=runs/add_2t2d__grpo_2p__[
     --out benchmark/results/grpo_math_oversample.md
 
 # The GRPO variants (issue 29, docs/grpo_math.md): token clip, GSPO, CISPO, each with 4 minibatches a batch (at one
-# minibatch the three give the same gradient), 3 seeds; run one seed of each arm at a time, seed by seed.
+# minibatch the three give the same gradient), 3 seeds; run one seed of each arm at a time, seed by seed. Every arm
+# has beta 0.04 (GSPO's by --beta: since issue 54 the sequence level alone brings GSPO's beta 0).
 python -m benchmark.run --script grpo_math.py --seeds 1 2 3 "$@" -- --num_minibatches 4 --exp_name grpo_mb4
 python -m benchmark.run --script grpo_math.py --seeds 1 2 3 "$@" -- --num_minibatches 4 \
     --importance_sampling_level sequence --loss_type seq_mean_token_mean --clip_eps_low 3e-4 --clip_eps_high 4e-4 \
-    --exp_name gspo_mb4
+    --beta 0.04 --exp_name gspo_mb4
 python -m benchmark.run --script grpo_math.py --seeds 1 2 3 "$@" -- --num_minibatches 4 --cispo_cap 1.28 \
     --exp_name cispo_mb4
 # The table and curves, from the runs' config.json and metrics.jsonl copied to benchmark/results/grpo_variants/.

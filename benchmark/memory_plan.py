@@ -19,6 +19,7 @@ import argparse
 import importlib.util
 import os
 import sys
+import warnings
 from typing import NamedTuple
 
 import yaml
@@ -35,7 +36,9 @@ class Row(NamedTuple):
 
 
 def load_args(script, argv):
-    """The script's Args from argv, parsed by tyro as the script does (the module is imported, main() not run)."""
+    """The script's Args from argv, parsed by tyro as the script does, with the defaults that depend on other flags
+    filled as its check_args fills them (grpo_math's resolve_defaults: beta); the module is imported, main() is not
+    run."""
     import tyro
 
     name = os.path.basename(script).removesuffix(".py")
@@ -43,7 +46,12 @@ def load_args(script, argv):
         spec = importlib.util.spec_from_file_location(name, script)
         sys.modules[name] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(sys.modules[name])
-    return tyro.cli(sys.modules[name].Config, args=list(argv))
+    args = tyro.cli(sys.modules[name].Config, args=list(argv))
+    if hasattr(sys.modules[name], "resolve_defaults"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the script's warning that it filled GSPO's defaults
+            sys.modules[name].resolve_defaults(args)
+    return args
 
 
 def read_config(path, override=None):

@@ -923,7 +923,10 @@ def variant_loss_reference(lp, old, sampler, adv, mask, logits, args, tokens):
                 log_ratio, sampler_log_ratio = seq(lp, b) - seq(old, b), seq(old, b) - seq(sampler, b)
             else:
                 log_ratio, sampler_log_ratio = lp[b][t] - old[b][t], old[b][t] - sampler[b][t]
-            if args.mis_level == "sequence":  # the ratio the mask reads
+            real = [t2 for t2 in range(width) if mask[b][t2]]
+            if args.mis_level == "sequence":  # the ratio the mask reads: the sequence's likelihood ratio
+                mis_log_ratio = sum(old[b][t2] - sampler[b][t2] for t2 in real)
+            elif args.mis_level == "geometric":  # its geometric mean
                 mis_log_ratio = seq(old, b) - seq(sampler, b)
             else:
                 mis_log_ratio = old[b][t] - sampler[b][t]
@@ -944,8 +947,12 @@ def variant_loss_reference(lp, old, sampler, adv, mask, logits, args, tokens):
     return total / tokens
 
 
+# A sequence's likelihood ratio, a product, spreads wider than a token's ratio or their geometric mean.
+MIS_RANGES = {"token": (0.6, 1.6), "sequence": (0.2, 5.0), "geometric": (0.6, 1.6)}
+
+
 @pytest.mark.parametrize("level", ["token", "sequence"])
-@pytest.mark.parametrize("mis_level", ["token", "sequence"])
+@pytest.mark.parametrize("mis_level", ["token", "sequence", "geometric"])
 @pytest.mark.parametrize("cispo_cap", [None, 1.1])
 @pytest.mark.parametrize("tis_cap", [0.0, 1.5])
 def test_grpo_loss_with_the_variants_matches_loop(level, mis_level, cispo_cap, tis_cap):
@@ -953,7 +960,7 @@ def test_grpo_loss_with_the_variants_matches_loop(level, mis_level, cispo_cap, t
 
     args = SimpleNamespace(
         clip_eps_low=0.2, clip_eps_high=0.28, tis_cap=tis_cap, beta=0.0, kl_estimator="k3", loss_type="token_mean",
-        response_length=6, importance_sampling_level=level, cispo_cap=cispo_cap, mis_range=(0.6, 1.6),
+        response_length=6, importance_sampling_level=level, cispo_cap=cispo_cap, mis_range=MIS_RANGES[mis_level],
         mis_level=mis_level, entropy_coef=0.05,
     )  # fmt: skip
     for seed in SEEDS:
@@ -983,20 +990,29 @@ def gspo_objective_reference(lp, old, adv, mask, eps_low, eps_high):
 
 
 def test_gspo_by_one_flag_gives_the_papers_gradient():
-    """--importance_sampling_level sequence alone: GSPO's clip range and its mean over sequences come with it, so the
-    gradient is the paper's (with the token mean a sequence would weigh by its length; a 0.2 clip would not bind)."""
-    args = grpo_math.resolve_defaults(grpo_math.Config(importance_sampling_level="sequence", beta=0.0))
-    assert (args.clip_eps_low, args.clip_eps_high, args.loss_type) == (3e-4, 4e-4, "seq_mean_token_mean")
+    """--importance_sampling_level sequence alone, parsed as the command line is: GSPO's clip range, its mean over
+    sequences and no KL term (beta 0: the paper's objective has none, TRL's GSPO recipe sets it to 0) come with it, so
+    the loss and the gradient are the paper's (with the token mean a sequence would weigh by its length; a 0.2 clip
+    would not bind; beta 0.04 would add a KL to the reference)."""
+    import tyro
+
+    with pytest.warns(UserWarning, match="GSPO's defaults.*'beta': 0.0"):  # as check_args resolves them
+        args = grpo_math.resolve_defaults(tyro.cli(grpo_math.Config, args=["--importance_sampling_level", "sequence"]))
+    assert (args.clip_eps_low, args.clip_eps_high, args.loss_type, args.beta) == (3e-4, 4e-4, "seq_mean_token_mean", 0)
     clipped_count = 0
     for seed in SEEDS:
         lp, adv = -rand((6, 7), seed).abs(), rand((6,), seed + 1)
         mask = rand_mask((6, 7), seed)
         mask[:, 0] = 1  # every sequence has a token
         old = lp + rand((6, 7), seed + 2, 1e-3)  # sequence ratios within 1e-3 of 1: some clipped, some not
+        ref = lp + rand((6, 7), seed + 3, 0.3)  # a reference main() would not load: a KL term would show
         x = lp.clone().requires_grad_()
-        grpo_loss(x, old, None, None, adv, mask, None, mask.sum(), 6, **loss_flags(args))[0].backward()
+        loss = grpo_loss(x, old, ref, None, adv, mask, None, mask.sum(), 6, **loss_flags(args))[0]
+        loss.backward()
         y = lp.clone().requires_grad_()
-        gspo_objective_reference(y, old, adv, mask, 3e-4, 4e-4).backward()
+        expected = gspo_objective_reference(y, old, adv, mask, 3e-4, 4e-4)
+        expected.backward()
+        assert loss.item() == pytest.approx(expected.item(), rel=1e-10, abs=1e-13)
         torch.testing.assert_close(x.grad, y.grad, rtol=1e-10, atol=1e-13)
         ratios = torch.exp(grpo_math.masked_mean(lp - old, mask, dim=1))
         clipped = ((ratios < 1 - 3e-4) & (adv < 0)) | ((ratios > 1 + 4e-4) & (adv > 0))
@@ -1008,8 +1024,10 @@ def test_defaults_resolve_once_and_a_set_value_stays():
     resolve = lambda **kw: grpo_math.resolve_defaults(grpo_math.Config(**kw))
     plain = resolve()
     assert (plain.clip_eps_low, plain.clip_eps_high, plain.loss_type, plain.tis_cap) == (0.2, 0.2, "token_mean", 2.0)
-    gspo = resolve(importance_sampling_level="sequence", clip_eps_high=0.28, loss_type="token_mean")
-    assert (gspo.clip_eps_low, gspo.clip_eps_high, gspo.loss_type) == (3e-4, 0.28, "token_mean")
+    assert plain.beta == 0.04
+    gspo = resolve(importance_sampling_level="sequence", clip_eps_high=0.28, loss_type="token_mean", beta=0.01)
+    assert (gspo.clip_eps_low, gspo.clip_eps_high, gspo.loss_type, gspo.beta) == (3e-4, 0.28, "token_mean", 0.01)
+    assert resolve(importance_sampling_level="sequence").beta == 0.0 and resolve(beta=0.0).beta == 0.0
     assert resolve(mis_range=(0.5, 5.0)).tis_cap == 0.0  # IcePop: the kept tokens carry their ratio
     assert resolve(mis_range=(0.5, 5.0), tis_cap=1.5).tis_cap == 1.5
     assert resolve(tis_cap=0.0).tis_cap == 0.0  # off
@@ -1022,14 +1040,88 @@ def test_masked_importance_weights_match_loop():
     for seed in SEEDS:
         lp, sampler = -rand((3, 5), seed).abs(), -rand((3, 5), seed + 1).abs()
         for low, high, cap in ((0.5, 5.0, None), (0.5, 5.0, 2.0), (0.2, 1.1, None)):
-            got = grpo_math.masked_importance_weights(lp, sampler, low, high, cap)
+            got = grpo_math.masked_importance_weights(lp - sampler, low, high, cap)
             for b in range(3):
                 for t in range(5):
                     r = math.exp(lp[b, t].item() - sampler[b, t].item())
                     expected = (min(r, cap) if cap else r) if low <= r <= high else 0.0
                     assert got[b, t].item() == pytest.approx(expected, rel=1e-12)
-        everything = grpo_math.masked_importance_weights(lp, sampler, 0.0, math.inf)
+        everything = grpo_math.masked_importance_weights(lp - sampler, 0.0, math.inf)
         torch.testing.assert_close(everything, torch.exp(lp - sampler), rtol=1e-12, atol=0)  # nothing masked
+
+
+def mis_weights_reference(lp, sampler, mask, level, low, high, cap):
+    """Masked IS weights token by token in float64, at verl's rollout_is_level: the token's ratio, its sequence's
+    likelihood ratio prod_t pi / pi_sampler (TRL's sequence_mask / sequence_truncate, verl's sequence) or that
+    product's |y|-th root (verl's geometric); kept within [low, high], then min(ratio, cap) with a cap."""
+    weights = []
+    for b in range(len(lp)):
+        real = [t for t in range(len(lp[b])) if mask[b][t]]
+        product = 1.0
+        for t in real:
+            product *= math.exp(lp[b][t] - sampler[b][t])
+        row = []
+        for t in range(len(lp[b])):
+            if level == "token":
+                r = math.exp(lp[b][t] - sampler[b][t])
+            else:
+                r = product if level == "sequence" else product ** (1 / max(1, len(real)))
+            row.append((min(r, cap) if cap else r) if low <= r <= high else 0.0)
+        weights.append(row)
+    return weights
+
+
+@pytest.mark.parametrize("level", ["token", "sequence", "geometric"])
+def test_mis_weights_at_each_level_match_loop(level):
+    """--mis_level token / sequence / geometric: the mask and the weight read the level's ratio, for mask ranges
+    and caps that keep some sequences and drop others, and [0, inf) with a cap (TRL's sequence_truncate)."""
+    for seed in SEEDS:
+        lp, mask = -rand((4, 6), seed).abs(), rand_mask((4, 6), seed)
+        sampler = lp + rand((4, 6), seed + 1, 0.3) + rand((4, 1), seed + 2, 0.4)
+        for low, high, cap in ((0.6, 1.6, None), (0.5, 3.0, 1.5), (0.0, math.inf, 1.2), (0.0, 2.0, None)):
+            log_ratio = grpo_math.importance_log_ratio(lp, sampler, mask, level)
+            got = grpo_math.masked_importance_weights(log_ratio, low, high, cap)
+            expected = mis_weights_reference(*map(tolist2, (lp, sampler, mask)), level, low, high, cap)
+            for b in range(4):
+                for t in range(6):
+                    if mask[b, t]:
+                        assert got[b, t].item() == pytest.approx(expected[b][t], rel=1e-12, abs=1e-300)
+
+
+def test_one_token_in_64_a_thousand_times_off_is_masked_by_the_product_kept_by_the_geometric_mean():
+    """Issue 54: a 64-token sequence with one token 1000x likelier under the sampler (ratio 1e-3, the others 1) has the
+    likelihood ratio 1e-3, which TRL's sequence_mask and verl's sequence level mask; its geometric mean 1000^(-1/64) =
+    0.898 stays in [0.5, 2], so verl's geometric level keeps every token at weight 0.898. The other way round (the
+    token 1000x likelier under the trainer) the product 1000 is masked, the geometric mean 1.114 kept."""
+    mask = torch.ones(1, 64, dtype=torch.float64)
+    for sign, geometric in ((-1, 0.8977), (1, 1.1139)):
+        sampler = -torch.full((1, 64), 2.0, dtype=torch.float64)
+        lp = sampler.clone()
+        lp[0, 17] += sign * math.log(1000.0)
+        weights = {
+            level: grpo_math.masked_importance_weights(
+                grpo_math.importance_log_ratio(lp, sampler, mask, level), 0.5, 2.0
+            )
+            for level in ("token", "sequence", "geometric")
+        }
+        assert (weights["sequence"] == 0).all(), "the product (TRL, verl's sequence) masks the whole sequence"
+        assert weights["geometric"][0].tolist() == pytest.approx([1000.0 ** (sign / 64)] * 64, rel=1e-12)
+        assert weights["geometric"][0, 0].item() == pytest.approx(geometric, abs=1e-4)
+        assert weights["token"][0, 17] == 0 and (weights["token"][0, :17] == 1).all(), "IcePop drops the one token"
+        for level in ("token", "sequence", "geometric"):
+            expected = mis_weights_reference(*map(tolist2, (lp, sampler, mask)), level, 0.5, 2.0, None)
+            assert weights[level][0].tolist() == pytest.approx(expected[0], rel=1e-12)
+
+
+def test_the_sequence_ratio_is_summed_in_log_space():
+    """A 400-token sequence whose tokens are each 1.3x likelier under the trainer: the product 1.3^400 = 1e45 is past
+    float32's range, but its log (105) is not; the mask drops it and no inf or NaN reaches the weights."""
+    lp, mask = torch.zeros(1, 400), torch.ones(1, 400)
+    log_ratio = grpo_math.importance_log_ratio(lp, lp - math.log(1.3), mask, "sequence")
+    assert log_ratio[0, 0].item() == pytest.approx(400 * math.log(1.3), rel=1e-5)
+    weights = grpo_math.masked_importance_weights(log_ratio, 0.5, 2.0)
+    assert (weights == 0).all() and torch.isfinite(weights).all()
+    assert (grpo_math.masked_importance_weights(log_ratio, 0.0, math.inf, 3.0) == 3.0).all()  # sequence_truncate
 
 
 @pytest.mark.parametrize("loss_type", ["token_mean", "seq_mean_token_mean"])

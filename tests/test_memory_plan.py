@@ -110,6 +110,7 @@ def rows_of(tiny_folder, *argv, **kwargs):
 def test_rows_by_hand(tiny_folder):
     rows = rows_of(tiny_folder, prompt_length=32)  # fp32, beta 0.04: a reference
     assert rows["weights"] == rows["reference policy"] == 4 * TINY_LLAMA
+    assert "reference policy" not in rows_of(tiny_folder, "--importance_sampling_level", "sequence")  # GSPO: beta 0
     assert rows["AdamW state (2 x trained)"] == 2 * rows["gradients"] == 8 * TINY_LLAMA
     assert rows["logits x3"] == 3 * 8 * 64 * 1000 * 4  # micro_batch_size 8, response_length 64, vocab, fp32
     # The bool mask, and an fp32 bias per layer. At R = 64 the script's rule does not pack a model this small (the
