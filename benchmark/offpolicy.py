@@ -6,25 +6,26 @@
 N, the off-policyness of Noukhovitch et al. (arXiv 2410.18252), is the number of minibatches (optimizer updates) per
 generated batch: each run's `num_minibatches` in its config.json (runs with more than one PPO epoch, or async_rlhf.py
 runs without --sync, add staleness of another kind and are refused). An experiment is LABEL=GLOB, one objective: its
-runs are grouped by N, and within an N by seed (the newest run per (N, seed)). Writes {out}.md: one row per objective,
-N and seed (the final held-out accuracy, reward-model score and reference perplexity; at the last training step, the
-KL to the reference, the staleness the updates saw and the approximate KL of the last minibatch's policy to the
-sampler's), the mean ± std per objective and N, and the paper's claim as a check; and {out}.png: accuracy and score
-against N (mean ± std over seeds, one line per objective), and score against the reference's perplexity, one point
-per run. That perplexity (eval/ref_perplexity: the reference's exp(-mean log-prob), at temperature 1, of the final
-policy's greedy held-out completions) is the paper's x-axis, "KL (perplexity)" (its code divides by the prompt's
-tokens too), and it measures the final policy of every run whatever the script's sampling temperature.
-The last step's objective/kl, in the table only, does not at N > 1: ppo_rlhf.py's is the sampling policy's (N updates
-before the end), async_rlhf.py's the mean over the last N updates' policies, on the batch the first of them sampled.
+runs are grouped by N, and within an N by seed (several runs of one (N, seed) are refused). Writes {out}.md: one row
+per objective, N and seed (the final held-out accuracy, reward-model score and reference perplexity; at the last
+training step, the KL to the reference, the staleness the updates saw and the approximate KL of the last minibatch's
+policy to the sampler's), the mean ± std per objective and N, and the paper's claim as a check; and {out}.png: accuracy
+and score against N (mean ± std over seeds, one line per objective), and score against the reference's perplexity, one
+point per run. That perplexity (eval/ref_perplexity: the reference's exp(-mean log-prob), at temperature 1, of the
+final policy's greedy held-out completions) is the paper's x-axis, "KL (perplexity)" (its code divides by the prompt's
+tokens too), and it measures the final policy of every run whatever the script's sampling temperature. The last step's
+objective/kl, in the table only, does not at N > 1: ppo_rlhf.py's is the sampling policy's (N updates before the end),
+async_rlhf.py's the mean over the last N updates' policies, on the batch the first of them sampled.
 
 The check: online DPO's drop from N = 1 to the largest N (the mean over seeds of each seed's final accuracy at N = 1
 minus at the largest N) is the smallest of the objectives. Against each other objective, the paired difference of the
-drops over the seeds both ran at both ends, mean ± its standard error and its two-sided 95% t interval (mean ±
-t(0.975, n - 1) x standard error; t = 4.30 on 3 seeds), the rule of every check in benchmark/ (benchmark/registry.py):
-held when every interval lies above 0, not held when one lies below, else inconclusive; fewer than 3 seeds is
-inconclusive. With --baseline LABEL (controls of one objective, e.g. PPO with and without advantage whitening), the
-check is replaced by each objective minus the baseline at each N both ran, seed by seed (mean ± standard error and the
-95% interval; no verdict).
+drops over the seeds both ran at both ends, mean ± its standard error and its two-sided 95% t interval (mean ± t(0.975,
+n - 1) x standard error; t = 4.30 on 3 seeds), the rule of every check in benchmark/ (benchmark/registry.py): held when
+every interval lies above 0 (a conjunction: no correction), not held when some other objective's drop is below the
+subject's by Holm's procedure over the objectives' one-sided p-values at 0.025 a side (a disjunction: registry.holm),
+else inconclusive; fewer than 3 seeds is inconclusive. With --baseline LABEL (controls of one objective, e.g. PPO with
+and without advantage whitening), the check is replaced by each objective minus the baseline at each N both ran, seed
+by seed (mean ± standard error and the 95% interval; no verdict).
 """
 
 import argparse
@@ -37,10 +38,13 @@ from benchmark.registry import (
     claim_verdict,
     final_value,
     find_runs,
+    holm,
     interval,
     interval_text,
     mean_std,
+    p_above,
     parse_experiment,
+    shared_seeds,
     write_text,
 )
 
@@ -55,18 +59,20 @@ TRAINING = {  # their value at the last training step
 
 
 def by_n(runs):
-    """{N: {seed: {metric: final value}}} of one objective's runs (the newest per (N, seed))."""
-    newest = {}
+    """{N: {seed: {metric: final value}}} of one objective's runs; several runs of one (N, seed) are refused
+    (ValueError naming them), never reduced to one without saying so."""
     for run in runs:
         if run["args"].get("num_ppo_epochs", 1) != 1 or not run["args"].get("sync", True):
             raise ValueError(
                 f"{run['path']}: its staleness is not num_minibatches - 1 (PPO epochs > 1, or not --sync)"
             )
-        key = (run["args"].get("num_minibatches", 1), run["seed"])
-        if key not in newest or run["stamp"] > newest[key]["stamp"]:
-            newest[key] = run
+    key = lambda run: (run["args"].get("num_minibatches", 1), run["seed"])  # noqa: E731
+    shared = shared_seeds(runs, key)
+    if shared:
+        raise ValueError(f"several runs of one (N, seed), keep one of each: {sorted(shared.values())}")
     table = {}
-    for (n, seed), run in sorted(newest.items()):
+    for run in sorted(runs, key=lambda run: (key(run)[0], key(run)[1] if key(run)[1] is not None else 0)):
+        n, seed = key(run)
         table.setdefault(n, {})[seed] = {m: final_value(run["lines"], m) for m in (*FINAL, PERPLEXITY, *TRAINING)}
     return table
 
@@ -84,26 +90,28 @@ def check(values, subject, metric="eval/accuracy", min_seeds=3):
     """(claim, verdict, numbers): `subject`'s drop in `metric` from the smallest to the largest N is the smallest.
     Against each other objective, the paired differences (their drop - the subject's) over the seeds both ran at
     both ends, judged by their two-sided 95% t interval (registry.claim_verdict): held when every interval lies at or
-    above 0, not held when some interval lies below 0, else inconclusive (and with fewer than min_seeds seeds, or
-    different N ranges)."""
+    above 0, not held when Holm's procedure over the objectives (one-sided p-values of "difference < 0", 0.025 a side)
+    finds one below, else inconclusive (and with fewer than min_seeds seeds, or different N ranges)."""
     all_drops = {label: drops(table, metric) for label, table in values.items()}
     mine, ends = all_drops[subject]
     notes = [f"{label} drop {np.mean(list(d.values())):+.3f}" for label, (d, _) in all_drops.items() if d]
-    verdicts = []
+    verdicts, p_below = [], []  # p_below: the one-sided p-value of "their drop is below the subject's"
     for label, (theirs, their_ends) in all_drops.items():
         if label == subject:
             continue
         seeds = sorted(set(mine) & set(theirs))
         if not seeds or their_ends != ends:
             verdicts.append("inconclusive")
+            p_below.append(None)
             notes.append(f"{label}: no seeds or N range shared with {subject}")
             continue
         diffs = [theirs[s] - mine[s] for s in seeds]
         mean, std, n = mean_std(diffs)
         verdicts.append(claim_verdict(mean, std, n, 0.0, min_seeds))
+        p_below.append(p_above([-d for d in diffs]) if n >= min_seeds else None)
         difference, span = interval_text(*interval(diffs))
         notes.append(f"{label} - {subject}: {difference} (seeds {seeds}), {span}")
-    verdict = "not held" if "not held" in verdicts else "held" if set(verdicts) == {"held"} else "inconclusive"
+    verdict = "held" if set(verdicts) == {"held"} else "not held" if any(holm(p_below)) else "inconclusive"
     return (
         f"{subject}'s drop in {metric} from N = {ends[0]} to N = {ends[1]} is the smallest",
         verdict,

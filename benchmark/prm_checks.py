@@ -7,17 +7,19 @@ Writes one row per arm and seed: the final held-out accuracy, steps per response
 evaluation), and over the last `--last` training steps the sampled responses' steps, length, the PRM's score sum per
 response (what raw would pay, before prm_coef) and the process reward this arm paid. Then the claims of Gao et al.
 (arXiv 2410.15115), each held / not held / inconclusive with its numbers, against the baseline (success only):
-(a) raw writes at least 1.5x the baseline's held-out steps per response and ends less accurate, on at least 2 of
-    3 seeds;
-(b) each bounded arm (clip, delta, clip_delta) stays within 20% of the baseline's held-out steps (means over seeds)
-    and within 2 points of its accuracy;
+(a) raw writes at least 1.5x the baseline's held-out steps per response and ends less accurate;
+(b) each bounded arm (clip, delta, clip_delta) stays within 20% of the baseline's held-out steps and within 2 points
+    of its accuracy;
 (c) some arm ends above the baseline.
-An accuracy comparison in (b) and (c) uses the paired differences over the seeds both arms ran: the two-sided 95%
-interval of their mean, mean ± t(0.975, n - 1) x standard error (std / sqrt(n); t = 4.30 for 3 seeds); the check holds
-when that interval lies inside the bound (above 0 for (c)), does not when it lies outside, and is inconclusive when it
-crosses the bound. So "held" and "not held" need a difference significant at the 5% level (|paired t| > 4.30 on 3
-seeds); one standard error clear of the bound (|t| > 1) is not enough. Any check on fewer than 3 shared seeds is
-inconclusive. The rule and its t table are benchmark/registry.py's, the one rule of every check in benchmark/.
+Every comparison is paired over the seeds both arms finished, by the one rule of every check in benchmark/
+(benchmark/registry.py): a step count as the per-seed ratio arm / baseline, an accuracy as the per-seed difference
+arm - baseline, and the two-sided 95% interval of their mean, mean ± t(0.975, n - 1) x standard error (std / sqrt(n);
+t = 4.30 on 3 seeds), against the bound: held when it lies inside, not held when it lies wholly outside, inconclusive
+when it crosses it, when the differences have no spread (no interval), and on fewer than 3 shared seeds. (a) and each
+(b) are conjunctions (both halves must hold; either half not held makes the claim not held): no correction. (c) is
+"some arm of the k tried": held when Holm's step-down procedure over the arms' one-sided p-values (the paired t test
+of "difference > 0") rejects at 0.025 a side, the level of the interval's lower end (registry.holm), so that trying k
+arms does not raise the chance of a lucky one; not held when every arm's interval lies below 0; else inconclusive.
 """
 
 import argparse
@@ -25,7 +27,17 @@ import math
 
 import numpy as np
 
-from benchmark.registry import final_value, interval, interval_text, load_experiments, verdict_inside, write_text
+from benchmark.registry import (
+    final_value,
+    holm,
+    interval,
+    interval_text,
+    load_experiments,
+    p_above,
+    shared_seeds,
+    verdict_inside,
+    write_text,
+)
 
 BOUNDED = ("clip", "delta", "clip_delta")
 TRAINING = {
@@ -44,12 +56,36 @@ def last_mean(lines, metric, last):
 
 def per_seed(runs, last):
     """{seed: {name: value}} of one experiment: final held-out metrics, and training means over the last steps."""
+    shared = shared_seeds(runs)
+    if shared:
+        raise ValueError(f"the checks pair arms by seed, and these runs share one: {sorted(shared.values())}")
     table = {}
     for run in runs:
         row = {m: final_value(run["lines"], m) for m in ("eval/accuracy", "eval/num_steps", "eval/response_length")}
         row |= {m: last_mean(run["lines"], m, last) for m in TRAINING}
         table[run["seed"]] = row
     return table
+
+
+def paired(diffs, low, high, min_seeds):
+    """(verdict, mean, se, half) of paired values against the bounds [low, high] (registry.verdict_inside),
+    inconclusive on fewer than min_seeds."""
+    mean, se, half = interval(diffs)
+    verdict = "inconclusive" if len(diffs) < min_seeds else verdict_inside(mean, half, low, high)
+    return verdict, mean, se, half
+
+
+def conjunction(verdicts):
+    """A claim whose parts must all hold: held when each is held, not held when one is not, else inconclusive."""
+    return "not held" if "not held" in verdicts else "held" if set(verdicts) == {"held"} else "inconclusive"
+
+
+def ratio_text(mean, se, half):
+    if se is None:
+        return f"x{mean:.2f} ± –, no interval"
+    if half is None:
+        return f"x{mean:.2f} ± {se:.2f}, no interval (no spread over seeds)"
+    return f"x{mean:.2f} ± {se:.2f}, 95% interval x{mean - half:.2f} to x{mean + half:.2f}"
 
 
 def checks(values, baseline, min_seeds=3):
@@ -64,53 +100,44 @@ def checks(values, baseline, min_seeds=3):
             if base[seed]["eval/accuracy"] is not None and values[arm][seed]["eval/accuracy"] is not None
         )
 
-    if "raw" in values:
-        seeds = shared("raw")
-        hits, notes = 0, []
-        for seed in seeds:
-            b, r = base[seed], values["raw"][seed]
-            ratio = r["eval/num_steps"] / max(b["eval/num_steps"], 1e-9)
-            ok = ratio >= 1.5 and r["eval/accuracy"] < b["eval/accuracy"]
-            hits += ok
-            notes.append(
-                f"seed {seed}: steps x{ratio:.2f}, accuracy {r['eval/accuracy']:.3f} vs {b['eval/accuracy']:.3f}"
-                f" ({'yes' if ok else 'no'})"
-            )
-        verdict = "inconclusive" if len(seeds) < min_seeds else "held" if hits >= 2 else "not held"
-        results.append(("(a) raw: >= 1.5x the steps and less accurate, on >= 2 of 3 seeds", verdict, "; ".join(notes)))
-
-    for arm in [a for a in BOUNDED if a in values]:
+    def steps_and_accuracy(arm, steps_bounds, accuracy_bounds):
+        """(verdict, numbers): the per-seed steps ratios and accuracy differences of an arm, each on its bounds."""
         seeds = shared(arm)
-        if not seeds:
-            continue
+        ratios = [values[arm][s]["eval/num_steps"] / max(base[s]["eval/num_steps"], 1e-9) for s in seeds]
         diffs = [values[arm][s]["eval/accuracy"] - base[s]["eval/accuracy"] for s in seeds]
-        steps_ratio = np.mean([values[arm][s]["eval/num_steps"] for s in seeds]) / max(
-            np.mean([base[s]["eval/num_steps"] for s in seeds]), 1e-9
+        steps, *ratio = paired(ratios, *steps_bounds, min_seeds)
+        accuracy, *difference = paired(diffs, *accuracy_bounds, min_seeds)
+        text, span = interval_text(*difference)
+        numbers = (
+            f"steps {' / '.join(f'x{r:.2f}' for r in ratios)}: {ratio_text(*ratio)} ({steps}); accuracy difference"
+            f" {text} (seeds {seeds}), {span} ({accuracy})"
         )
-        mean, se, half = interval(diffs)
-        accuracy = verdict_inside(mean, half, -0.02, 0.02)
-        if len(seeds) < min_seeds:
-            verdict = "inconclusive"
-        elif abs(steps_ratio - 1) > 0.2 or accuracy == "not held":
-            verdict = "not held"
-        else:
-            verdict = accuracy
-        difference, span = interval_text(mean, se, half)
-        numbers = f"steps x{steps_ratio:.2f}; accuracy difference {difference} (seeds {seeds}), {span}"
+        return conjunction([steps, accuracy]), numbers
+
+    if "raw" in values and shared("raw"):
+        verdict, numbers = steps_and_accuracy("raw", (1.5, math.inf), (-math.inf, 0.0))
+        results.append(("(a) raw: >= 1.5x the steps and less accurate", verdict, numbers))
+
+    for arm in [a for a in BOUNDED if a in values and shared(a)]:
+        verdict, numbers = steps_and_accuracy(arm, (0.8, 1.2), (-0.02, 0.02))
         results.append((f"(b) {arm}: within 20% of the steps and 2 points of the accuracy", verdict, numbers))
 
-    verdicts, notes = [], []
-    for arm in [a for a in values if a != baseline]:
-        seeds = shared(arm)
-        if not seeds:
-            continue
-        mean, se, half = interval([values[arm][s]["eval/accuracy"] - base[s]["eval/accuracy"] for s in seeds])
-        above = "inconclusive" if len(seeds) < min_seeds else verdict_inside(mean, half, 0.0, math.inf)
-        verdicts.append(above)
-        notes.append("{} {} ({})".format(arm, *interval_text(mean, se, half)))
-    if verdicts:
-        verdict = "held" if "held" in verdicts else "not held" if set(verdicts) == {"not held"} else "inconclusive"
-        results.append(("(c) some arm above success only", verdict, "; ".join(notes)))
+    arms = [a for a in values if a != baseline and shared(a)]
+    if arms:
+        diffs = {
+            arm: [values[arm][s]["eval/accuracy"] - base[s]["eval/accuracy"] for s in shared(arm)] for arm in arms
+        }
+        p_values = [p_above(diffs[arm]) if len(diffs[arm]) >= min_seeds else None for arm in arms]
+        rejected = holm(p_values)
+        below = [paired(diffs[arm], 0.0, math.inf, min_seeds)[0] == "not held" for arm in arms]
+        verdict = "held" if any(rejected) else "not held" if all(below) else "inconclusive"
+        notes = []
+        for arm, p, above in zip(arms, p_values, rejected):
+            difference, span = interval_text(*interval(diffs[arm]))
+            test = "no test" if p is None else f"one-sided p {p:.3f}{', above by Holm' if above else ''}"
+            notes.append(f"{arm} {difference} ({span}; {test})")
+        claim = f"(c) some arm above success only (Holm over {len(arms)} arms, 0.025 a side)"
+        results.append((claim, verdict, "; ".join(notes)))
     return results
 
 
@@ -132,9 +159,13 @@ def report(experiments, baseline, last):
         f"| {claim} | **{verdict}** | {numbers} |\n" for claim, verdict, numbers in checks(values, baseline)
     )
     text += (
-        "\nAn accuracy difference is the paired differences' mean ± its standard error, then the two-sided 95%"
-        " interval (mean ± t(0.975, n - 1) x standard error): held or not held when that interval clears the bound"
-        " (above 0 for (c)), inconclusive when it crosses it, and on fewer than 3 seeds.\n"
+        "\nA steps ratio (arm / success only, per seed) and an accuracy difference (arm - success only, per seed) are"
+        " the paired values' mean ± its standard error, then the two-sided 95% interval (mean ± t(0.975, n - 1) x"
+        " standard error): a part is held or not held when that interval lies inside or wholly outside its bound,"
+        " inconclusive when it crosses it, has no spread, or has fewer than 3 seeds; (a) and (b) hold when both parts"
+        " do and are not held when one is not. (c) is held when Holm's procedure over the arms' one-sided p-values"
+        " (paired t, difference > 0) rejects for some arm at 0.025 a side, not held when every arm's interval lies"
+        " below 0.\n"
     )
     return text
 

@@ -14,12 +14,13 @@ Reads only runs/{run_name}/config.json ({"args": {...}, "git_sha": ..., ...}) an
         "ppo_rlhf=runs/arith_1d__ppo__1__*" --out benchmark/results/training_throughput
     python -m benchmark.registry copy --out benchmark/results/grpo_variants runs/add_2t2d__grpo_mb4__*
 
-An experiment is LABEL=GLOB: the run folders the glob matches are its seeds. By default only the newest run of each
-seed is kept (the run name ends in its unix start time), so an interrupted or older run of the same seed does not
-count twice; --all_runs keeps every match. Curves are the mean over seeds with a shaded band of +- one standard
-deviation; by step, the seeds are read at the steps where they logged the metric; by wall-clock time, each seed is
-interpolated onto a common grid over the time span all seeds cover. Standard deviations are sample standard
-deviations (ddof=1) everywhere; a single seed has none.
+An experiment is LABEL=GLOB: the run folders the glob matches are its seeds. Several matches of one seed (a repeat, or
+an older or interrupted launch of it) are refused with a message naming them, never silently reduced to one: narrow the
+glob (or remove the stale folder), or pass --all_runs to use every match (table and plot then count each run as a
+sample; paired comparisons still refuse, as they need one run per seed; perf always shows every run, one row each).
+Curves are the mean over seeds with a shaded band of +- one standard deviation; by step, the seeds are read at the
+steps where they logged the metric; by wall-clock time, each seed is interpolated onto a common grid over the time span
+all seeds cover. Standard deviations are sample standard deviations (ddof=1) everywhere; a single seed has none.
 
 `time` in metrics.jsonl counts from the start of the process that logged the line, so a resumed run starts again
 near 0; wall_clock() adds the earlier segments back, making it monotonic.
@@ -103,16 +104,28 @@ def is_run_dir(path):
         return False
 
 
+def shared_seeds(runs, key=lambda run: run["seed"]):
+    """{key: [run names]} of the keys (by default the seed) that more than one run has; runs without a seed are
+    their own."""
+    names = {}
+    for run in runs:
+        if run["seed"] is not None:
+            names.setdefault(key(run), []).append(run.get("name", "?"))
+    return {k: v for k, v in names.items() if len(v) > 1}
+
+
 def find_runs(pattern, all_runs=False):
-    """The runs whose folders match a glob, sorted by seed then start time; without all_runs, the newest per seed."""
+    """The runs whose folders match a glob, sorted by seed then start time. Several runs of one seed are all kept with
+    all_runs, and refused without it (ValueError naming them): a repeat, or an older launch of the seed, is never
+    silently dropped."""
     runs = [load_run(p) for p in sorted(glob.glob(pattern)) if is_run_dir(p)]
-    if not all_runs:
-        newest = {}
-        for run in runs:
-            key = run["seed"] if run["seed"] is not None else run["name"]
-            if key not in newest or run["stamp"] > newest[key]["stamp"]:
-                newest[key] = run
-        runs = list(newest.values())
+    shared = shared_seeds(runs)
+    if shared and not all_runs:
+        named = "; ".join(f"seed {seed}: {', '.join(names)}" for seed, names in sorted(shared.items()))
+        raise ValueError(
+            f"several runs of one seed match {pattern} ({named}): narrow the glob (or remove the stale folders) to"
+            " one run per seed, or pass --all_runs to use every one"
+        )
     return sorted(runs, key=lambda r: (r["seed"] is None, r["seed"] if r["seed"] is not None else 0, r["stamp"]))
 
 
@@ -281,13 +294,23 @@ def step_seconds(lines):
     ]
 
 
+def logged_step_seconds(lines):
+    """The script's own `time/step` of every training step that logged it: the step from its start to its metrics,
+    before any evaluation or checkpoint (so, unlike step_seconds, a step that ran an evaluation is kept)."""
+    return [float(line["time/step"]) for line in lines if isinstance(line.get("time/step"), (int, float))]
+
+
 def perf_summary(run):
-    """Medians over the training steps of one run: step wall-clock and each PERF_METRICS present."""
+    """Medians over the training steps of one run: step wall-clock (step_seconds; `time/step`, the script's own,
+    where logged) and each PERF_METRICS present."""
     training = [line for line in run["lines"] if line.get("global_step", 0) > 0]
     summary = {"steps": len(training)}
     seconds = step_seconds(run["lines"])
     if seconds:
         summary["step_seconds"] = float(np.median(seconds))
+    logged = logged_step_seconds(training)
+    if logged:
+        summary["time/step"] = float(np.median(logged))
     for metric in PERF_METRICS:
         values = [line[metric] for line in training if isinstance(line.get(metric), (int, float))]
         if values:
@@ -296,11 +319,15 @@ def perf_summary(run):
 
 
 def perf_table(experiments):
-    """(markdown, records): one row per run, medians over its training steps; the time split as seconds and as
-    a share of the step."""
-    header = ["experiment", "run", "steps", "s/step", "generation", "reward", "training", "weight sync"]
+    """(markdown, records): one row per run (every run, repeats of a seed included), medians over its training
+    steps; the time split as seconds and as a share of s/step. Then one row per experiment: the medians over all its
+    runs' steps together of s/step and of the scripts' own time/step, and the latter against the first experiment's.
+    s/step is the time between consecutive log lines, without the steps that ran an evaluation (the last one always
+    does); time/step is the script's clock of every step, evaluation excluded."""
+    header = ["experiment", "run", "steps", "s/step", "time/step", "generation", "reward", "training", "weight sync"]
     header += ["generation tok/s", "training tok/s"]
     rows, records = [header, ["---"] * len(header)], []
+    pooled = []  # (label, number of runs, step_seconds of all its runs, time/step of all its runs)
     for label, runs in experiments:
         for run in runs:
             s = perf_summary(run)
@@ -315,10 +342,31 @@ def perf_table(experiments):
 
             rows.append(
                 [label, run["name"], str(s["steps"]), "–" if step is None else f"{step:.2f}"]
+                + ["–" if "time/step" not in s else f"{s['time/step']:.2f}"]
                 + [cell(m) for m in PERF_METRICS[:4]]
                 + [f"{s[m]:.0f}" if m in s else "–" for m in PERF_METRICS[4:]]
             )
-    return "\n".join("| " + " | ".join(row) + " |" for row in rows) + "\n", records
+        pooled.append(
+            (
+                label,
+                len(runs),
+                [x for run in runs for x in step_seconds(run["lines"])],
+                [x for run in runs for x in logged_step_seconds(run["lines"])],
+            )
+        )
+    header = ["experiment", "runs", "s/step, median over all runs' steps", "time/step, median over all runs' steps"]
+    header.append(f"time/step against {pooled[0][0]}" if pooled else "time/step against the first")
+    summary = [header, ["---"] * len(header)]
+    first = float(np.median(pooled[0][3])) if pooled and pooled[0][3] else None
+    for label, n, seconds, logged in pooled:
+        median = float(np.median(logged)) if logged else None
+        ratio = "–" if median is None or not first else f"x{median / first:.2f} ({100 * (median / first - 1):+.0f}%)"
+        summary.append(
+            [label, str(n), f"{np.median(seconds):.2f}" if seconds else "–"]
+            + ["–" if median is None else f"{median:.2f}", ratio]
+        )
+    text = "\n".join("| " + " | ".join(row) + " |" for row in rows) + "\n\n"
+    return text + "\n".join("| " + " | ".join(row) + " |" for row in summary) + "\n", records
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -362,7 +410,11 @@ def markdown_table(experiments, metrics, digits=3):
 def seed_values(runs, metric, statistic="final"):
     """{seed: value} of a metric for the runs that have it: its final value ("wall_clock": the final wall-clock
     seconds), its peak (the largest value logged) or its fall (the peak minus the final value: how much a run lost
-    after its best evaluation, over-optimisation's signature)."""
+    after its best evaluation, over-optimisation's signature). Pairing needs one run per seed: several are refused
+    (ValueError)."""
+    shared = shared_seeds(runs)
+    if shared:
+        raise ValueError(f"a paired comparison needs one run per seed, and these share one: {sorted(shared.values())}")
     values = {}
     for run in runs:
         if metric == "wall_clock":
@@ -383,6 +435,14 @@ def seed_values(runs, metric, statistic="final"):
 # mean ± t(0.975, n - 1) x standard error (std / sqrt(n)), clears the bound; an interval that crosses it, or fewer
 # than 3 seeds, is inconclusive. So a verdict needs a difference significant at the 5% level (|paired t| > 4.30 on 3
 # seeds); one standard error clear of the bound (|t| > 1) is not enough.
+# Differences with no spread (all n equal: standard error 0) have no interval, and are inconclusive: a zero-width
+# interval would settle any bound with certainty, while equal differences of a metric measured on a finite evaluation
+# (an accuracy is a multiple of 1 / its number of problems) say that the spread between seeds is below the metric's
+# resolution, not that it is zero, and the t interval has no estimate of it. More seeds or a finer evaluation decide.
+# A claim about several arms at once: "every arm ..." (a conjunction) holds when each arm's check holds, with no
+# correction (each must clear its own bound); "some arm ..." (a disjunction) holds only when Holm's step-down
+# procedure over the arms' one-sided p-values rejects at the interval's own level, 0.025 a side (holm below), since
+# trying several arms raises the chance that one clears the bound by luck. With one arm Holm is the rule above.
 # Student's t: the 0.975 quantile by degrees of freedom, 1-30 (beyond 30 the value at 30, a little wider than exact).
 T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131)
 T_975 += (2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
@@ -395,12 +455,18 @@ def t_975(df):
 
 def interval(diffs):
     """(mean, standard error, half-width of the two-sided 95% interval) of paired differences (None values left out),
-    from mean_std; no error and no interval for fewer than 2."""
+    from mean_std; no error and no interval for fewer than 2, and no interval (None) when they are all equal."""
     mean, std, n = mean_std(diffs)
     if std is None:
         return mean, None, None
     se = std / math.sqrt(n)
-    return mean, se, t_975(n - 1) * se
+    return mean, se, (None if no_spread(mean, std) else t_975(n - 1) * se)  # no spread: no interval (the rule above)
+
+
+def no_spread(mean, std):
+    """Whether differences are all equal, up to floating-point rounding (0.45 - 0.40 and 0.50 - 0.45 differ in the
+    last bit): a std of at most 1e-12 of the mean's size (or of 1)."""
+    return std <= 1e-12 * max(1.0, abs(mean))
 
 
 def verdict_inside(mean, half, low, high):
@@ -419,6 +485,8 @@ def interval_text(mean, se, half):
     """('+0.062 ± 0.044', '95% interval -0.127 to +0.251'): the mean ± its standard error, and the 95% interval."""
     if se is None:
         return f"{mean:+.3f} ± –", "no interval"
+    if half is None:
+        return f"{mean:+.3f} ± {se:.3f}", "no interval (no spread over seeds)"
     return f"{mean:+.3f} ± {se:.3f}", f"95% interval {mean - half:+.3f} to {mean + half:+.3f}"
 
 
@@ -426,10 +494,55 @@ def claim_verdict(mean, std, n, at_least, min_seeds=3):
     """Whether paired differences support "difference >= at_least", by the rule above: held when the 95% interval
     mean ± t(0.975, n - 1) x std / sqrt(n) lies at or above it, not held when it lies below it, else inconclusive;
     inconclusive on fewer than min_seeds."""
-    if n < min_seeds or std is None:
+    if n < min_seeds or std is None or no_spread(mean, std):  # too few seeds, or no spread (no interval)
         return "inconclusive"
     se = std / math.sqrt(n)
     return verdict_inside(mean, t_975(n - 1) * se, at_least, math.inf)
+
+
+def t_cdf(t, df):
+    """P(T <= t) for Student's t with an integer df >= 1, exact: the finite series of Abramowitz and Stegun 26.7.3
+    (odd df) and 26.7.4 (even df) for A = P(|T| <= |t|), in theta = atan(|t| / sqrt(df))."""
+    if math.isinf(t):
+        return 1.0 if t > 0 else 0.0
+    theta = math.atan(abs(t) / math.sqrt(df))
+    c2, s = math.cos(theta) ** 2, math.sin(theta)
+    if df % 2:  # 2 / pi (theta + sin cos (1 + 2/3 cos^2 + 2.4/(3.5) cos^4 + ... up to cos^(df-3)))
+        term, total = 1.0, 1.0 if df > 1 else 0.0
+        for k in range(2, df - 1, 2):
+            term *= c2 * k / (k + 1)
+            total += term
+        inside = 2 / math.pi * (theta + s * math.cos(theta) * total)
+    else:  # sin (1 + 1/2 cos^2 + 1.3/(2.4) cos^4 + ... up to cos^(df-2))
+        term, total = 1.0, 1.0
+        for k in range(1, df - 2, 2):
+            term *= c2 * k / (k + 1)
+            total += term
+        inside = s * total
+    return 0.5 + inside / 2 if t >= 0 else 0.5 - inside / 2
+
+
+def p_above(diffs, bound=0.0):
+    """The one-sided p-value of paired differences for "their mean is above bound" (the paired t test's upper tail,
+    n - 1 df), or None where the rule gives no interval (fewer than 2, or no spread)."""
+    mean, se, half = interval(diffs)
+    if half is None:
+        return None
+    return 1.0 - t_cdf((mean - bound) / se, len([d for d in diffs if d is not None]) - 1)
+
+
+def holm(p_values, alpha=0.025):
+    """Holm's step-down procedure: [rejected] for p-values (None: no test, never rejected), the family-wise error rate
+    held at alpha. The i-th smallest p (i = 0, 1, ...) is rejected when it and every smaller one is at most
+    alpha / (m - i), m the number of hypotheses (None ones included, as they were tried)."""
+    m = len(p_values)
+    order = sorted((i for i, p in enumerate(p_values) if p is not None), key=lambda i: p_values[i])
+    rejected = [False] * m
+    for rank, i in enumerate(order):
+        if p_values[i] > alpha / (m - rank):
+            break
+        rejected[i] = True
+    return rejected
 
 
 def paired_table(experiments, metrics, baseline, digits=3, at_least=None, statistic="final"):
@@ -619,7 +732,10 @@ def load_experiments(specs, all_runs=False):
     experiments = []
     for spec in specs:
         label, pattern = parse_experiment(spec)
-        runs = find_runs(pattern, all_runs=all_runs)
+        try:
+            runs = find_runs(pattern, all_runs=all_runs)
+        except ValueError as error:
+            sys.exit(f"error: experiment {label!r}: {error}")
         if not runs:
             print(f"warning: experiment {label!r}: no run folder matches {pattern}", file=sys.stderr)
         else:
@@ -656,7 +772,11 @@ def build_parser():
             required=True,
             help='LABEL=GLOB of run folders (its seeds), e.g. "grpo=runs/x__*"',
         )
-        p.add_argument("--all_runs", action="store_true", help="keep every matching run, not the newest per seed")
+        p.add_argument(
+            "--all_runs",
+            action="store_true",
+            help="use every matching run when several share a seed (refused without it); perf always does",
+        )
 
     p = commands.add_parser("plot", help="learning curves: mean ± std over seeds, by step or wall-clock time")
     experiments_args(p)
@@ -732,13 +852,16 @@ def main(argv=None):
         write_text(markdown_table(experiments, args.metrics, args.digits), args.out)
     elif args.command == "paired":
         experiments = load_experiments(args.experiments, args.all_runs)
-        table = paired_table(experiments, args.metrics, args.baseline, args.digits, args.at_least, args.statistic)
+        try:
+            table = paired_table(experiments, args.metrics, args.baseline, args.digits, args.at_least, args.statistic)
+        except ValueError as error:
+            sys.exit(f"error: {error}")
         write_text(table, args.out)
     elif args.command == "change":
         experiments = load_experiments(args.experiments, args.all_runs)
         write_text(change_table(experiments, args.metrics, args.window, args.digits, args.at_least), args.out)
     elif args.command == "perf":
-        experiments = load_experiments(args.experiments, args.all_runs)
+        experiments = load_experiments(args.experiments, all_runs=True)  # every run is a row: repeats are measurements
         table, records = perf_table(experiments)
         write_text(table, args.out and args.out + ".md")
         if args.out:

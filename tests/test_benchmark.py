@@ -4,6 +4,7 @@ inputs, its plots, and every flag that benchmark/*.sh passes to a script against
 import functools
 import glob
 import json
+import math
 import os
 import re
 import shlex
@@ -217,8 +218,6 @@ def synthetic_runs(tmp_path):
     root = str(tmp_path / "runs")
     for seed in (1, 2, 3):
         write_run(root, f"arith__grpo__{seed}__{1000 + seed}", seed, synthetic_lines(seed))
-    # An older, interrupted run of seed 1: left out unless --all_runs.
-    write_run(root, "arith__grpo__1__900", 1, synthetic_lines(1)[:3])
     write_run(root, "arith__other__1__2000", 1, [{"global_step": 0, "time": 1.0, "eval/accuracy": 0.2}])
     os.makedirs(os.path.join(root, "_logs"))
     return root
@@ -244,7 +243,6 @@ def test_registry_values_of_one_run():
 def test_registry_table_is_mean_and_std_over_seeds(synthetic_runs):
     runs = registry.find_runs(os.path.join(synthetic_runs, "arith__grpo__*"))
     assert [(run["seed"], run["name"]) for run in runs] == [(s, f"arith__grpo__{s}__{1000 + s}") for s in (1, 2, 3)]
-    assert len(registry.find_runs(os.path.join(synthetic_runs, "arith__grpo__*"), all_runs=True)) == 4
 
     finals = [SEED_FINAL[s] for s in (1, 2, 3)]
     initials = [SEED_INITIAL[s] for s in (1, 2, 3)]
@@ -375,7 +373,7 @@ def test_registry_claim_verdicts_worked_out_here():
 def test_registry_list(synthetic_runs, capsys):
     registry.main(["list", "--runs_dir", synthetic_runs, "--filter", "grpo", "--metrics", "eval/accuracy"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| arith")]
-    assert len(rows) == 4  # the interrupted run too; no _logs
+    assert len(rows) == 3  # no _logs
     cells = [cell.strip() for cell in rows[-1].strip("|").split("|")]
     assert cells == ["arith__grpo__3__1003", "grpo", "3", "0123456", "10", "94 s", "0.850"]
 
@@ -450,6 +448,110 @@ def test_registry_perf_medians_and_step_seconds(tmp_path):
         table = f.read()
     generation = summary["time/generation"]
     assert f"| {generation:.2f} s ({100 * generation / summary['step_seconds']:.0f}%) |" in table
+
+
+def test_registry_runs_of_one_seed_are_all_used_or_refused(synthetic_runs, tmp_path):
+    """Issue 54: a repeat or an older launch of a seed is never dropped without a word (find_runs kept the newest run
+    of a seed silently). Several runs of one seed are refused, naming them; --all_runs uses every one (the table
+    counts each); a paired comparison needs one run per seed and refuses them even then."""
+    write_run(synthetic_runs, "arith__grpo__1__900", 1, synthetic_lines(1)[:3])  # an older launch of seed 1
+    pattern = os.path.join(synthetic_runs, "arith__grpo__*")
+    with pytest.raises(ValueError, match=r"seed 1: arith__grpo__1__1001, arith__grpo__1__900\).*--all_runs"):
+        registry.find_runs(pattern)
+    names = [run["name"] for run in registry.find_runs(pattern, all_runs=True)]
+    assert names == ["arith__grpo__1__900", "arith__grpo__1__1001", "arith__grpo__2__1002", "arith__grpo__3__1003"]
+    with pytest.raises(SystemExit, match="experiment 'A': several runs of one seed"):
+        registry.main(["table", "--experiments", f"A={pattern}", "--metrics", "eval/accuracy"])
+    out = str(tmp_path / "table.md")
+    registry.main(["table", "--all_runs", "--experiments", f"A={pattern}", "--metrics", "eval/accuracy", "--out", out])
+    assert "| A | 4 |" in open(out).read()
+    specs = [f"A={pattern}", f"B={synthetic_runs}/arith__other__*"]
+    with pytest.raises(SystemExit, match="one run per seed"):
+        registry.main(
+            ["paired", "--all_runs", "--experiments", *specs, "--baseline", "B", "--metrics", "eval/accuracy"]
+        )
+
+
+def test_registry_perf_shows_every_run_and_the_scripts_step_time(tmp_path):
+    """perf shows every run, repeats of a seed included (issue 54: the reward-ensemble cost table kept one of two
+    repeats), the median of the script's own time/step next to s/step (which leaves out the steps that ran an
+    evaluation: the last one always does), and per experiment the median over all its runs' steps of both, time/step
+    against the first experiment's."""
+    root = str(tmp_path / "runs")
+    logged = {"a_1": [30, 20, 16, 20], "a_2": [33, 22, 15, 19], "b_1": [36, 22, 18, 33], "b_2": [38, 24, 18, 32]}
+    for i, (name, seconds) in enumerate(logged.items()):
+        lines, t = [{"global_step": 0, "time": 2.0, "eval/accuracy": 0.1}], 2.0
+        for step, x in enumerate(seconds, start=1):
+            t += x + 0.5  # the log line's clock: the step and a little more
+            lines.append({"global_step": step, "time": t, "time/step": float(x)})
+        lines[-1]["eval/accuracy"] = 0.2
+        write_run(root, f"t__{name}__1__{100 + i}", 1, lines)
+    out = str(tmp_path / "results" / "perf")
+    registry.main(["perf", "--experiments", f"A={root}/t__a_*", f"B={root}/t__b_*", "--out", out])
+    tables = open(out + ".md").read().split("\n\n")
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in tables[0].strip().splitlines()[2:]]
+    assert [row[1] for row in rows] == [f"t__{name}__1__{100 + i}" for i, name in enumerate(logged)]
+    for row, seconds in zip(rows, logged.values()):
+        assert row[3] == f"{statistics.median([x + 0.5 for x in seconds[:3]]):.2f}"  # step 4 evaluated: left out
+        assert row[4] == f"{statistics.median(seconds):.2f}"
+    summary = [[c.strip() for c in line.strip("|").split("|")] for line in tables[1].strip().splitlines()]
+    assert summary[0][-1] == "time/step against A"
+    a, b = (statistics.median(logged[f"{x}_1"] + logged[f"{x}_2"]) for x in "ab")
+    assert (a, b) == (20, 28)
+    assert summary[2] == ["A", "2", "21.50", "20.00", "x1.00 (+0%)"]
+    assert summary[3] == ["B", "2", "23.50", "28.00", "x1.40 (+40%)"]
+
+
+def test_registry_no_spread_is_no_interval():
+    """Paired differences that are all equal have a standard error of 0: a zero-width interval would settle any
+    bound. The rule calls them inconclusive (a spread below the metric's resolution, not a spread of zero)."""
+    for diffs in ([0.05] * 3, [0.0] * 3, [-0.05] * 3):
+        mean, std, n = registry.mean_std(diffs)
+        assert registry.claim_verdict(mean, std, n, 0.0) == "inconclusive"
+        assert registry.claim_verdict(mean, std, n, -0.02) == "inconclusive"
+        assert registry.interval(diffs)[2] is None and registry.p_above(diffs) is None
+        assert registry.interval_text(*registry.interval(diffs))[1] == "no interval (no spread over seeds)"
+
+
+def test_registry_t_cdf_and_holm_against_independent_computations():
+    """t_cdf (exact series) against the t table and a numerical integral of Student's density; holm against Holm's
+    adjusted p-values (the i-th smallest p times m - i, made monotone), and a case worked out by hand."""
+    for df in range(1, 31):
+        assert registry.t_cdf(registry.t_975(df), df) == pytest.approx(0.975, abs=5e-5)
+
+    def density(x, df):
+        c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+        return c * (1 + x * x / df) ** (-(df + 1) / 2)
+
+    for df in (1, 2, 3, 4, 5, 7, 10, 30):
+        for t in (-3.1, -0.5, 0.0, 0.7, 1.9, 4.303, 9.0):
+            xs = np.linspace(0.0, abs(t), 4001)  # Simpson's rule on [0, |t|]
+            ys = np.array([density(x, df) for x in xs])
+            half = (xs[1] - xs[0]) / 3 * (ys[0] + ys[-1] + 4 * ys[1:-1:2].sum() + 2 * ys[2:-1:2].sum())
+            assert registry.t_cdf(t, df) == pytest.approx(0.5 + math.copysign(half, t), abs=1e-8), (t, df)
+    diffs = [0.04, 0.06, 0.08]
+    t = np.mean(diffs) / (np.std(diffs, ddof=1) / math.sqrt(3))
+    assert registry.p_above(diffs) == pytest.approx(1 - registry.t_cdf(t, 2))
+    assert registry.p_above(diffs, bound=0.06) == pytest.approx(0.5)
+
+    def adjusted(p_values):  # Holm's adjusted p-values; an untested hypothesis (None) counts in m with p = 1
+        ps = [1.0 if p is None else p for p in p_values]
+        order, m, running, out = sorted(range(len(ps)), key=lambda i: ps[i]), len(ps), 0.0, [0.0] * len(ps)
+        for rank, i in enumerate(order):
+            running = max(running, min(1.0, (m - rank) * ps[i]))
+            out[i] = running
+        return out
+
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        m = int(rng.integers(1, 6))
+        ps = [None if rng.uniform() < 0.15 else float(rng.uniform(0, 0.05)) ** 1.5 for _ in range(m)]
+        assert registry.holm(ps) == [a <= 0.025 for a in adjusted(ps)], ps
+    # By hand: 0.004 <= 0.025 / 4, then 0.01 > 0.025 / 3 stops; three at 0.005 / 0.006 / 0.02 all go (Bonferroni,
+    # 0.025 / 3 each, would keep the third).
+    assert registry.holm([0.01, 0.004, 0.03, None]) == [False, True, False, False]
+    assert registry.holm([0.005, 0.006, 0.02]) == [True, True, True]
+    assert registry.holm([]) == []
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1056,19 +1158,22 @@ def write_prm_arms(root, arms):
 
 
 def test_prm_checks_verdicts_worked_out_here(tmp_path):
+    """Every part of a claim on the paired 95% interval over seeds: a step count as the per-seed ratio arm / success
+    only, an accuracy as the per-seed difference."""
     from benchmark import prm_checks
 
     none = {1: (0.40, 1.0), 2: (0.50, 1.2), 3: (0.45, 1.1)}
     arms = {
         "none": none,
-        # (a) held: 2 of 3 seeds with >= 1.5x the steps and lower accuracy (seed 3 has only 1.4x)
-        "raw": {1: (0.30, 2.0), 2: (0.45, 1.8), 3: (0.40, 1.1 * 1.4)},
-        # (b) held: differences +0.005 / -0.005 / 0, steps the same
-        "clip": {1: (0.405, 1.0), 2: (0.495, 1.2), 3: (0.45, 1.1)},
+        # (a) held: steps x2.0 / x2.1 / x2.2 (95% interval x1.85 to x2.35 >= 1.5), accuracy -0.10 / -0.12 / -0.11
+        "raw": {1: (0.30, 2.0), 2: (0.38, 1.2 * 2.1), 3: (0.34, 1.1 * 2.2)},
+        # (b) held: steps x1.00 / x1.01 / x0.99, differences +0.005 / -0.005 / 0 (interval within 2 points)
+        "clip": {1: (0.405, 1.0), 2: (0.495, 1.2 * 1.01), 3: (0.45, 1.1 * 0.99)},
         # (b) inconclusive: differences +0.05 / -0.05 / 0 (SE 0.0289 crosses the 2-point bound); steps within 20%
         "delta": {1: (0.45, 1.1), 2: (0.45, 1.3), 3: (0.45, 1.2)},
-        # (b) not held: 1.5x the steps; (c) held: +0.05 / +0.06 / +0.04 on every seed
-        "clip_delta": {1: (0.45, 1.5), 2: (0.56, 1.8), 3: (0.49, 1.65)},
+        # (b) not held: steps x1.50 / x1.54 / x1.45, the interval above 1.2; (c) held: +0.05 / +0.07 / +0.06 (one-sided
+        # p 0.0046, under Holm's first threshold 0.025 / 4)
+        "clip_delta": {1: (0.45, 1.5), 2: (0.57, 1.85), 3: (0.51, 1.6)},
     }
     specs = write_prm_arms(str(tmp_path / "runs"), arms)
     out = str(tmp_path / "checks.md")
@@ -1076,38 +1181,74 @@ def test_prm_checks_verdicts_worked_out_here(tmp_path):
     text = open(out).read()
     verdicts = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[1] for line in text.splitlines() if "**" in line}
     assert verdicts == {
-        "(a) raw: >= 1.5x the steps and less accurate, on >= 2 of 3 seeds": "**held**",
+        "(a) raw: >= 1.5x the steps and less accurate": "**held**",
         "(b) clip: within 20% of the steps and 2 points of the accuracy": "**held**",
         "(b) delta: within 20% of the steps and 2 points of the accuracy": "**inconclusive**",
         "(b) clip_delta: within 20% of the steps and 2 points of the accuracy": "**not held**",
-        "(c) some arm above success only": "**held**",
+        "(c) some arm above success only (Holm over 4 arms, 0.025 a side)": "**held**",
     }
     # The per-seed table: the final held-out values, and the mean of the last 2 training steps (3 and 4 -> 3.5).
     assert "| raw | 1 | 0.300 | 2.000 | 20.000 | 3.500 |" in text
     se = np.std([0.05, -0.05, 0.0], ddof=1) / np.sqrt(3)
     assert f"accuracy difference +0.000 ± {se:.3f}" in text
+    assert "steps x2.00 / x2.10 / x2.20: x2.10 ± 0.06, 95% interval x1.85 to x2.35 (held)" in text
+    assert "clip_delta +0.060 ± 0.006 (95% interval +0.035 to +0.085; one-sided p 0.005, above by Holm)" in text
 
-    # (a) not held with 1 of 3 seeds; every check inconclusive on 2 seeds.
     values = {
         label: {s: {"eval/accuracy": a, "eval/num_steps": n} for s, (a, n) in seeds.items()}
         for label, seeds in arms.items()
     }
-    values["raw"][2]["eval/num_steps"] = 1.2
-    assert prm_checks.checks(values, "none")[0][1] == "not held"
-    # One standard error above 0 is not enough: +0.03 / +0.10 / +0.06 (paired t 3.1 on 2 df, under the 4.30 of a
-    # 95% interval) leaves (c) inconclusive.
-    weak = {"none": values["none"], "clip": {s: dict(values["none"][s]) for s in (1, 2, 3)}}
-    for seed, difference in zip((1, 2, 3), (0.03, 0.10, 0.06)):
-        weak["clip"][seed]["eval/accuracy"] += difference
-    assert [verdict for claim, verdict, _ in prm_checks.checks(weak, "none") if claim.startswith("(c)")] == [
-        "inconclusive"
-    ]
+
+    def verdict(values, prefix):
+        (found,) = [v for claim, v, _ in prm_checks.checks(values, "none") if claim.startswith(prefix)]
+        return found
+
+    # (a) was held when 2 of 3 seeds had >= 1.5x the steps and less accuracy: x2.0 / x1.5 / x1.4 and -0.10 / -0.05 /
+    # -0.05 leave the steps' interval (x0.84 to x2.43) across 1.5: inconclusive. Not held once the steps' interval
+    # lies below 1.5 (x1.1 / x1.2 / x1.0).
+    old_a = {1: (0.30, 2.0), 2: (0.45, 1.2 * 1.5), 3: (0.40, 1.1 * 1.4)}
+    values["raw"] = {s: {"eval/accuracy": a, "eval/num_steps": n} for s, (a, n) in old_a.items()}
+    assert verdict(values, "(a)") == "inconclusive"
+    for seed, ratio in zip((1, 2, 3), (1.1, 1.2, 1.0)):
+        values["raw"][seed]["eval/num_steps"] = none[seed][1] * ratio
+    assert verdict(values, "(a)") == "not held"
+    # (b) was not held when the mean steps were more than 20% off (x1.35 here), with no interval: per seed x2.36 /
+    # x0.72 / x1.12 cross the bound, inconclusive.
+    for seed, ratio in zip((1, 2, 3), (2.36, 0.72, 1.12)):
+        values["clip"][seed]["eval/num_steps"] = none[seed][1] * ratio
+    assert verdict(values, "(b) clip:") == "inconclusive"
+    # An arm exactly level with success only on every seed has no spread, so no interval: inconclusive, not held
+    # within 2 points nor "above" (a zero-width interval at 0 did both).
+    level = {"none": values["none"], "clip": {s: dict(v) for s, v in values["none"].items()}}
+    assert verdict(level, "(b) clip:") == "inconclusive" and verdict(level, "(c)") == "inconclusive"
+
+    # (c) with Holm: an arm at paired t 5.2 (+0.04 / +0.06 / +0.08, one-sided p 0.018) holds alone, its interval
+    # clear of 0; among 4 arms tried it needs p <= 0.025 / 4, and the claim is inconclusive.
+    def arm(differences):
+        return {s: {"eval/accuracy": values["none"][s]["eval/accuracy"] + d, "eval/num_steps": 1.0} for s, d in
+                zip((1, 2, 3), differences)}  # fmt: skip
+
+    one = {"none": values["none"], "clip": arm([0.04, 0.06, 0.08])}
+    assert verdict(one, "(c)") == "held"
+    four = one | {name: arm([0.01, -0.01, 0.0]) for name in ("raw", "delta", "clip_delta")}
+    assert verdict(four, "(c)") == "inconclusive"
+    # Not held only when every arm's interval lies below 0.
+    below = {name: arm([-0.04, -0.06, -0.08]) for name in ("raw", "clip", "delta", "clip_delta")}
+    assert verdict({"none": values["none"]} | below, "(c)") == "not held"
+    assert verdict({"none": values["none"]} | below | {"clip": arm([0.01, -0.01, 0.0])}, "(c)") == "inconclusive"
+
     two = {label: {s: v for s, v in seeds.items() if s < 3} for label, seeds in values.items()}
     assert {verdict for _, verdict, _ in prm_checks.checks(two, "none")} == {"inconclusive"}
     # A seed whose run has no final evaluation yet (still in progress) is left out, as if it had not run: 2 seeds.
     values["clip"][3] = {"eval/accuracy": None, "eval/num_steps": None}
     clip = [row for row in prm_checks.checks(values, "none") if row[0].startswith("(b) clip:")][0]
     assert clip[1] == "inconclusive" and "(seeds [1, 2])" in clip[2]
+    # Runs that share a seed are refused, not reduced to one.
+    write_run(str(tmp_path / "runs"), "t__prm_raw__1__99", 1, prm_arm_lines(0.3, 2.0, [1, 2, 3, 4]))
+    with pytest.raises(ValueError, match="share one"):
+        prm_checks.per_seed(registry.find_runs(specs[1].split("=")[1], all_runs=True), 2)
+    with pytest.raises(SystemExit, match="several runs of one seed"):
+        prm_checks.main(["--experiments", *specs])
 
 
 # benchmark/offpolicy.py: the Asynchronous RLHF paper's off-policyness check. Each objective's final accuracy per N
@@ -1154,7 +1295,7 @@ def test_offpolicy_check_verdicts_worked_out_here(tmp_path):
     }
     se = np.std([0.03, 0.03, -0.03], ddof=1) / np.sqrt(3)
     assert f"ppo - dpo: +0.010 ± {se:.3f} (seeds [1, 2, 3])" in text
-    assert "rloo - dpo: +0.080 ± 0.000" in text
+    assert "rloo - dpo: +0.080 ± 0.000 (seeds [1, 2, 3]), no interval (no spread over seeds)" in text
     # Every seed's row (final values; KL, staleness at the last training step), and the mean ± std per N.
     assert "| dpo | 16 | 2 | 0.520 | 1.040 | 17.000 | 3.200 | 7.500 | 15.000 | – |" in text
     assert f"| dpo | 4 | 3 | 0.503 ± {np.std([0.49, 0.50, 0.52], ddof=1):.3f} |" in text
@@ -1165,9 +1306,19 @@ def test_offpolicy_check_verdicts_worked_out_here(tmp_path):
         for label, spec in zip(objectives, specs)
     }
     values["ppo"][16][3]["eval/accuracy"] = 0.36  # PPO's drops now 0.05 / 0.03 / 0.09: above DPO's on every seed
+    # RLOO's +0.08 on every seed has no spread, so no interval: inconclusive, not held with a zero-width interval.
+    assert offpolicy.check(values, "dpo")[1] == "inconclusive"
+    values["rloo"][16][3]["eval/accuracy"] = 0.41  # RLOO - DPO +0.08 / +0.08 / +0.07
     assert offpolicy.check(values, "dpo")[1] == "held"
     values["rloo"][16] = {s: {**v, "eval/accuracy": 0.55} for s, v in values["rloo"][16].items()}  # RLOO gains
     assert offpolicy.check(values, "dpo")[1] == "not held"
+    # "Not held" is "some other objective's drop is below", so Holm over the two: RLOO's drop below DPO's at paired t
+    # 5.2 (one-sided p 0.018) is enough alone, not with PPO also tried (0.018 > 0.025 / 2).
+    dpo_drops = {1: 0.02, 2: 0.00, 3: 0.04}
+    for seed, d in zip((1, 2, 3), (0.04, 0.06, 0.08)):
+        values["rloo"][16][seed]["eval/accuracy"] = values["rloo"][1][seed]["eval/accuracy"] - dpo_drops[seed] + d
+    assert offpolicy.check({k: values[k] for k in ("dpo", "rloo")}, "dpo")[1] == "not held"
+    assert offpolicy.check(values, "dpo")[1] == "inconclusive"
     two = {
         label: {n: {s: v for s, v in seeds.items() if s < 3} for n, seeds in t.items()} for label, t in values.items()
     }
