@@ -122,7 +122,8 @@ class Args:
     reward_model_path: str = "runs/reward_model"
     """the judge: a one-label sequence classifier (what reward_modeling.py saves); score = logit - config.bias"""
     missing_eos_penalty: Optional[float] = -1.0
-    """the score of a completion with no EOS within response_length, instead of the judge's (None: keep it)"""
+    """the score of a completion with no EOS within response_length, instead of the judge's; in online DPO it loses
+    to a finished one whatever their scores (assign_preferences; None: the judge's score, the EOS plays no part)"""
 
     # Generation
     response_length: int = 64
@@ -173,15 +174,23 @@ def penalize_missing_eos(scores, has_eos, missing_eos_penalty):
 
 def assign_preferences(scores, has_eos, missing_eos_penalty):
     """Chosen and rejected completion of each prompt from the judge's scores.
-    scores, has_eos [2P]: the two completions of prompt i are rows 2i and 2i + 1. A completion without EOS first
-    gets missing_eos_penalty as its score. The higher score is chosen; equal scores are a tie (the pair carries no
-    preference and is skipped; it keeps row 2i as "chosen").
+    scores, has_eos [2P]: the two completions of prompt i are rows 2i and 2i + 1. A finished completion (with an
+    EOS) beats one without, whatever their scores: the invariant the N+ details' missing-EOS score (-1, arXiv
+    2403.17031) exists for, which a fixed score does not keep once finished completions score below it (an
+    ensemble's worst case does often). Otherwise the higher score is chosen; equal scores, or two completions
+    without EOS, are a tie (the pair carries no preference and is skipped; it keeps row 2i as "chosen"). A completion
+    without EOS is judged missing_eos_penalty, or its finished partner's score where that is lower; so with one reward
+    model whose finished completions score above the penalty the choices are those of the fixed score. With
+    missing_eos_penalty None the EOS plays no part.
     Returns (chosen [P], rejected [P] row indices, tie [P] bool, judged [2P] the scores after the penalty)."""
-    judged = penalize_missing_eos(scores, has_eos, missing_eos_penalty)
-    pairs = judged.view(-1, 2)
-    second_wins = (pairs[:, 1] > pairs[:, 0]).long()
-    first = 2 * torch.arange(len(pairs), device=judged.device)
-    return first + second_wins, first + 1 - second_wins, pairs[:, 0] == pairs[:, 1], judged
+    pairs = penalize_missing_eos(scores, has_eos, missing_eos_penalty).view(-1, 2)
+    finished = has_eos.view(-1, 2) | (missing_eos_penalty is None)  # [P, 2]; no penalty: every completion counts
+    # No EOS against a finished partner: judged no higher than the partner (which wins below, even on equal scores).
+    pairs = torch.where(~finished & finished.flip(1), torch.minimum(pairs, pairs.flip(1)), pairs)
+    same = finished[:, 0] == finished[:, 1]
+    second_wins = torch.where(same, pairs[:, 1] > pairs[:, 0], finished[:, 1]).long()
+    first = 2 * torch.arange(len(pairs), device=pairs.device)
+    return first + second_wins, first + 1 - second_wins, same & (pairs[:, 0] == pairs[:, 1]), pairs.reshape(-1)
 
 
 def async_dpo_loss(logprobs, mask, ref_sequence_logps, sampler_logprobs, keep, normalizer, args):
@@ -835,7 +844,8 @@ def check_at_least(args, minimum, names):
 
 def reward_model_members(path):
     """The reward models at --reward_model_path: the folder itself when it holds a model (a config.json), else its
-    subfolders that do, in name order (an ensemble, as `reward_modeling.py --ensemble_size K` writes it)."""
+    subfolders that do, in name order (an ensemble: K runs of `reward_modeling.py --seed k --data_seed 1
+    --reward_model_dir DIR/member_k`, k = 1..K, as benchmark/ppo_rlhf_ensemble.sh trains them)."""
     if os.path.isfile(os.path.join(path, "config.json")) or not os.path.isdir(path):  # a model, or a hub id
         return [path]
     members = sorted(os.path.join(path, name) for name in os.listdir(path))

@@ -98,7 +98,8 @@ class Args:
     whiten_advantages: bool = True
     """shift and scale the advantages to mean 0 and std 1 over the batch (off: GAE's advantages as they are)"""
     missing_eos_penalty: Optional[float] = -1.0
-    """the score of a response with no EOS within response_length, instead of the reward model's (None: keep it)"""
+    """the score of a response with no EOS within response_length, instead of the reward model's, or in training the
+    batch's lowest finished score where that is lower (missing_eos_scores; None: keep the reward model's)"""
     tis_cap: Optional[float] = 2.0
     """truncated importance sampling for vLLM samples: weight tokens by min(pi_train / pi_vllm, cap); None: off"""
 
@@ -113,7 +114,8 @@ class Args:
     """the policy to train (and its frozen reference): a local Hugging Face folder or a hub model id"""
     reward_model_path: str = "runs/reward_model"
     """a one-label sequence-classification model (default: what `python reward_modeling.py` saves), or an ensemble: a
-    folder of them (its subfolders with a config.json, in name order: `reward_modeling.py --ensemble_size K`)"""
+    folder of them (its subfolders with a config.json, in name order): K runs of `reward_modeling.py --seed k
+    --data_seed 1 --reward_model_dir DIR/member_k`, k = 1..K, as benchmark/ppo_rlhf_ensemble.sh trains them"""
     reward_ensemble: Literal["mean", "wco", "uwo"] = "mean"
     """an ensemble's reward from its members' scores (Coste et al., arXiv 2310.02743): the mean, the worst member
     (WCO), or the mean minus --uwo_coef x their variance (UWO); a single reward model gives its score with any"""
@@ -406,22 +408,38 @@ def member_scores_of(reward_models, query_responses, attention_mask, accelerator
     return torch.stack(members)
 
 
+def missing_eos_scores(scores, has_eos, missing_eos_penalty, lowest_finished):
+    """The N+ details' missing-EOS rule (arXiv 2403.17031 scores a response without EOS -1) on the reward's own scale:
+    a response without an EOS scores missing_eos_penalty, or lowest_finished where that is lower, the lowest score
+    of a finished response among those it is ranked with (math.inf: none). So it never scores above a finished one,
+    the invariant the constant is there for: a centred reward model's finished responses mostly score above -1, an
+    ensemble's worst case (WCO) often does not. Where no finished response scores below the penalty, this is the
+    constant. scores, has_eos [B]; missing_eos_penalty None: the scores as they are. Returns [B]."""
+    if missing_eos_penalty is None:
+        return scores
+    return torch.where(has_eos, scores, torch.full_like(scores, min(missing_eos_penalty, lowest_finished)))
+
+
 def reward_model_scores(
-    reward_models, query_responses, attention_mask, context_length, mask, stop_ids, accelerator, *,
+    reward_models, query_responses, attention_mask, context_length, mask, stop_ids, accelerator, batch_floor=False, *,
     missing_eos_penalty, reward_ensemble, uwo_coef,
 ):  # fmt: skip
     """The reward: each reward model's score of each whole response at its last real token, centred by its
     config.bias (the mean training score reward_modeling.py stores), combined over the models (ensemble_reward); a
-    response without an EOS gets missing_eos_penalty instead (None: its score). query_responses, attention_mask
+    response without an EOS gets missing_eos_penalty instead (None: its score), with batch_floor (training: a
+    collective) no more than the lowest finished score of every process's batch (missing_eos_scores); evaluation
+    keeps the constant, a score that does not depend on the other responses. query_responses, attention_mask
     [B, P + R], mask [B, R]. Returns (scores [B], has_eos [B], the members' scores [K, B])."""
     member_scores = member_scores_of(reward_models, query_responses, attention_mask, accelerator)  # [K, B]
     scores = ensemble_reward(member_scores, reward_ensemble, uwo_coef)
     responses = query_responses[:, context_length:]
     is_stop = torch.isin(responses, torch.tensor(stop_ids, device=responses.device)).to(mask.device)
     has_eos = (is_stop & (mask > 0)).any(1).to(scores.device)
-    if missing_eos_penalty is not None:
-        scores = torch.where(has_eos, scores, torch.full_like(scores, missing_eos_penalty))
-    return scores, has_eos, member_scores
+    lowest_finished = math.inf
+    if batch_floor and missing_eos_penalty is not None:
+        lowest = scores.masked_fill(~has_eos, math.inf).amin(0, keepdim=True)  # [1]; inf: nothing finished here
+        lowest_finished = accelerator.gather(lowest).min().item()
+    return missing_eos_scores(scores, has_eos, missing_eos_penalty, lowest_finished), has_eos, member_scores
 
 
 NUMBER = r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?"  # 12, -1,234.5, .5, 3/4
@@ -580,7 +598,7 @@ def main(args: "Config"):
         # 4. Reward: the reward model's score of each whole response (the verifier's verdict is only reported). [B]
         with run.timed("time/reward"):
             scores, has_eos, member_scores = reward_model_scores(
-                reward_models, *batch[:3], mask, sampler.stop_ids, accelerator, **reward_flags
+                reward_models, *batch[:3], mask, sampler.stop_ids, accelerator, batch_floor=True, **reward_flags
             )
             correct = verifier_correct(texts, [train_golds[i] for i in indices])
         run.check(scores, "objective/scores")
@@ -894,7 +912,8 @@ def check_reward_and_value_models(args, policy_tokenizer):
 
 def reward_model_members(path):
     """The reward models at --reward_model_path: the folder itself when it holds a model (a config.json), else its
-    subfolders that do, in name order (an ensemble, as `reward_modeling.py --ensemble_size K` writes it)."""
+    subfolders that do, in name order (an ensemble: K runs of `reward_modeling.py --seed k --data_seed 1
+    --reward_model_dir DIR/member_k`, k = 1..K, as benchmark/ppo_rlhf_ensemble.sh trains them)."""
     if os.path.isfile(os.path.join(path, "config.json")) or not os.path.isdir(path):  # a model, or a hub id
         return [path]
     members = sorted(os.path.join(path, name) for name in os.listdir(path))

@@ -86,14 +86,22 @@ def test_dpo_loss_falls_when_the_chosen_logp_rises(loss_type):
 
 
 def reference_assignment(scores, has_eos, penalty):
-    """(chosen, rejected, tie) per pair by a loop: the penalty replaces the score of a completion without EOS."""
-    judged = [s if (e or penalty is None) else penalty for s, e in zip(scores.tolist(), has_eos.tolist())]
-    chosen, rejected, tie = [], [], []
-    for i in range(0, len(judged), 2):
-        second = judged[i + 1] > judged[i]
+    """(chosen, rejected, tie, judged) per pair by a loop. With a penalty a finished completion beats one without EOS,
+    which is judged the penalty, or its finished partner's score where that is lower; two without EOS both get the
+    penalty. Otherwise (and always without a penalty) the higher score wins, equal scores are a tie."""
+    scores, has_eos = scores.tolist(), has_eos.tolist()
+    chosen, rejected, tie, judged = [], [], [], []
+    for i in range(0, len(scores), 2):
+        (a, b), (a_ends, b_ends) = scores[i : i + 2], has_eos[i : i + 2]
+        if penalty is None:
+            a_ends = b_ends = True
+        judged_a = a if a_ends else min(penalty, b) if b_ends else penalty
+        judged_b = b if b_ends else min(penalty, a) if a_ends else penalty
+        second = b_ends if a_ends != b_ends else judged_b > judged_a
         chosen.append(i + 1 if second else i)
         rejected.append(i if second else i + 1)
-        tie.append(judged[i] == judged[i + 1])
+        tie.append(a_ends == b_ends and judged_a == judged_b)
+        judged += [judged_a, judged_b]
     return chosen, rejected, tie, judged
 
 
@@ -126,6 +134,57 @@ def test_assign_preferences_matches_a_loop(penalty):
     assert 0 < tie.sum() < len(tie)
     assert (judged[chosen] >= judged[rejected]).all()
     assert sorted(chosen.tolist() + rejected.tolist()) == list(range(200))  # every completion used once
+
+
+def random_ensemble_scores(generator, K, ensemble, num):
+    """An ensemble's scores of num completions: K members on their own scales and offsets (as trained members are:
+    score std 0.96 to 1.73, docs/ppo_rlhf.md), combined by ensemble_reward; float64."""
+    scales = 0.5 + 1.5 * torch.rand(K, 1, generator=generator, dtype=torch.float64)
+    offsets = torch.randn(K, 1, generator=generator, dtype=torch.float64)
+    members = offsets + scales * torch.randn(K, num, generator=generator, dtype=torch.float64)
+    return dpo_online.ensemble_reward(members, ensemble, 1.0)
+
+
+@pytest.mark.parametrize("ensemble", ["mean", "wco", "uwo"])
+@pytest.mark.parametrize("K", [1, 5])
+@pytest.mark.parametrize("penalty", [-1.0, 0.0])
+def test_a_completion_without_eos_never_wins_against_a_finished_one(ensemble, K, penalty):
+    """Issue 54: under an ensemble, whose scores go below the missing-EOS penalty (WCO's most of all), the fixed
+    penalty let a truncated completion beat a finished one of the same prompt (online DPO with WCO: on 7-10% of
+    steps). Whatever the scores, the finished one is chosen and judged no lower; two finished ones go by score."""
+    generator = torch.Generator().manual_seed(K * 10 + len(ensemble))
+    scores = random_ensemble_scores(generator, K, ensemble, 2000)
+    has_eos = torch.rand(2000, generator=generator) < 0.6
+    chosen, rejected, tie, judged = dpo_online.assign_preferences(scores, has_eos, penalty)
+    mixed = has_eos[0::2] != has_eos[1::2]  # [P] one finished, one not
+    assert (has_eos[chosen][mixed]).all() and not tie[mixed].any()
+    assert (judged[chosen] >= judged[rejected]).all()
+    # The inputs test something: the fixed penalty alone would have put the unfinished one first in many pairs.
+    fixed = dpo_online.penalize_missing_eos(scores, has_eos, penalty).view(-1, 2)
+    assert ((fixed[:, 1] > fixed[:, 0]) != has_eos[1::2])[mixed].sum() > 20
+    both = has_eos[0::2] & has_eos[1::2]
+    assert torch.equal(chosen[both] % 2 == 1, scores.view(-1, 2)[both].argmax(1) == 1)
+    assert (chosen.tolist(), rejected.tolist(), tie.tolist(), judged.tolist()) == reference_assignment(
+        scores, has_eos, penalty
+    )
+
+
+def test_one_reward_model_keeps_the_fixed_penalty_choices_where_they_kept_the_invariant():
+    """With one reward model whose finished completions score above the penalty (where the fixed penalty already
+    ranked every finished completion first), the choices, ties and judged scores are exactly the fixed penalty's."""
+    generator = torch.Generator().manual_seed(54)
+    scores = random_ensemble_scores(generator, 1, "mean", 2000)
+    has_eos = torch.rand(2000, generator=generator) < 0.6
+    scores = torch.where(has_eos, scores.clamp(min=-0.999), scores)  # finished: above the penalty -1
+    scores[:20] = 0.25  # a few equal pairs: ties as before
+    chosen, rejected, tie, judged = dpo_online.assign_preferences(scores, has_eos, -1.0)
+    old_judged = torch.where(has_eos, scores, torch.full_like(scores, -1.0))  # the fixed penalty's rule
+    pairs = old_judged.view(-1, 2)
+    second = (pairs[:, 1] > pairs[:, 0]).long()
+    first = 2 * torch.arange(1000)
+    assert torch.equal(chosen, first + second) and torch.equal(rejected, first + 1 - second)
+    assert torch.equal(tie, pairs[:, 0] == pairs[:, 1]) and tie.any()
+    assert torch.equal(judged, old_judged)
 
 
 def reference_pair_weights(logprobs, sampler_logprobs, mask, cap):

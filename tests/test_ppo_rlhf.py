@@ -797,6 +797,93 @@ def test_ensemble_reward_properties():
         ppo_rlhf.ensemble_reward(members, "median", 1.0)
 
 
+def missing_eos_reference(scores, has_eos, penalty):
+    """The missing-EOS rule by a plain loop in float64: a response without EOS scores the penalty, or the lowest
+    score of a finished response in the batch where that is lower."""
+    finished = [x for x, ends in zip(scores.double().tolist(), has_eos.tolist()) if ends]
+    floor = min([penalty, *finished])
+    rule = [x if ends else floor for x, ends in zip(scores.double().tolist(), has_eos.tolist())]
+    return torch.tensor(rule, dtype=torch.float64)
+
+
+class OneProcess:
+    """The accelerator as reward_model_scores uses it: gather, over one process, or over others whose batches'
+    lowest finished scores are `others`."""
+
+    def __init__(self, others=()):
+        self.others = torch.tensor(others, dtype=torch.float64)
+
+    def gather(self, tensor):
+        return torch.cat([tensor, self.others.to(tensor.dtype)])
+
+
+def scored_batch(monkeypatch, member_scores, has_eos, stop_id=2):
+    """reward_model_scores' inputs for B responses (prompts of 3 tokens, responses of 6, an EOS at a random place in
+    the finished ones) whose reward models score member_scores [K, B]."""
+    generator = torch.Generator().manual_seed(len(has_eos))
+    B, R = len(has_eos), 6
+    responses = torch.randint(10, 100, (B, R), generator=generator)
+    ends = torch.randint(0, R, (B,), generator=generator)
+    responses[has_eos, ends[has_eos]] = stop_id
+    query_responses = torch.cat([torch.randint(10, 100, (B, 3), generator=generator), responses], 1)
+    monkeypatch.setattr(ppo_rlhf, "member_scores_of", lambda *args: member_scores)
+    return query_responses, torch.ones_like(query_responses), 3, torch.ones(B, R), [stop_id]
+
+
+@pytest.mark.parametrize("penalty", [-1.0, 0.0, None])
+def test_missing_eos_scores_matches_a_float64_loop(penalty):
+    for seed in range(5):
+        g = torch.Generator().manual_seed(seed)
+        scores, has_eos = (torch.randn(32, generator=g) * 2).double(), torch.rand(32, generator=g) < 0.7
+        lowest = scores[has_eos].min().item() if has_eos.any() else math.inf
+        got = ppo_rlhf.missing_eos_scores(scores, has_eos, penalty, lowest)
+        assert torch.equal(got, scores if penalty is None else missing_eos_reference(scores, has_eos, penalty))
+    unfinished = ppo_rlhf.missing_eos_scores(torch.tensor([0.5, -3.0]), torch.tensor([False, False]), -1.0, math.inf)
+    assert unfinished.tolist() == [-1.0, -1.0]  # nothing finished to rank against: the constant
+
+
+@pytest.mark.parametrize("ensemble", ["mean", "wco", "uwo"])
+@pytest.mark.parametrize("K", [1, 5])
+@pytest.mark.parametrize("penalty", [-1.0, 0.0])
+def test_a_response_without_eos_never_scores_above_a_finished_one(monkeypatch, ensemble, K, penalty):
+    """Issue 54: under an ensemble, whose reward sits below a member's score (WCO most of all: 0.378 against the
+    members' 0.84-1.57), the fixed penalty scored truncated responses above finished ones of the batch. The training
+    reward keeps them at or below every finished response of the batch, over every process's batch."""
+    g = torch.Generator().manual_seed(K * 10 + len(ensemble))
+    scales = 0.5 + 1.5 * torch.rand(K, 1, generator=g, dtype=torch.float64)  # members on their own scales
+    members = torch.randn(K, 1, generator=g, dtype=torch.float64) + scales * torch.randn(K, 64, generator=g)
+    has_eos = torch.rand(64, generator=g) < 0.6
+    inputs = scored_batch(monkeypatch, members, has_eos)
+    flags = dict(missing_eos_penalty=penalty, reward_ensemble=ensemble, uwo_coef=1.0)
+    scores, got_eos, _ = ppo_rlhf.reward_model_scores(None, *inputs, OneProcess(), batch_floor=True, **flags)
+    assert torch.equal(got_eos, has_eos)
+    assert scores[~has_eos].max() <= scores[has_eos].min()
+    combined = ppo_rlhf.ensemble_reward(members, ensemble, 1.0)
+    assert (combined[has_eos] < penalty).any()  # the fixed penalty alone would have broken the invariant
+    assert torch.equal(scores, missing_eos_reference(combined, has_eos, penalty))
+    # Over two processes: the other one's batch has a finished response scoring lower still; the floor follows it.
+    lower = combined[has_eos].min().item() - 1.0
+    scores, _, _ = ppo_rlhf.reward_model_scores(None, *inputs, OneProcess([lower]), batch_floor=True, **flags)
+    assert (scores[~has_eos] == lower).all() and torch.equal(scores[has_eos], combined[has_eos])
+    # Evaluation (no batch_floor) keeps the constant: a score that does not depend on the other responses.
+    scores, _, _ = ppo_rlhf.reward_model_scores(None, *inputs, OneProcess(), **flags)
+    assert (scores[~has_eos] == penalty).all() and torch.equal(scores[has_eos], combined[has_eos])
+
+
+def test_one_reward_model_keeps_the_fixed_penalty_where_it_kept_the_invariant(monkeypatch):
+    """One reward model whose finished responses all score above the penalty (the invariant already held): the
+    reward is exactly the fixed penalty's, torch.where(has_eos, score, -1)."""
+    g = torch.Generator().manual_seed(54)
+    member = torch.randn(1, 64, generator=g)
+    has_eos = torch.rand(64, generator=g) < 0.6
+    member[0, has_eos] = member[0, has_eos].clamp(min=-0.999)
+    inputs = scored_batch(monkeypatch, member, has_eos)
+    for ensemble in ("mean", "wco", "uwo"):
+        flags = dict(missing_eos_penalty=-1.0, reward_ensemble=ensemble, uwo_coef=1.0)
+        scores, _, _ = ppo_rlhf.reward_model_scores(None, *inputs, OneProcess([0.5]), batch_floor=True, **flags)
+        assert torch.equal(scores, torch.where(has_eos, member[0], torch.full_like(member[0], -1.0)))
+
+
 @pytest.fixture(scope="module")
 def two_member_ensemble(tiny_reward_model_dir, tmp_path_factory):
     """An ensemble folder of two copies of the tiny reward model (member_0, member_1), with a README beside them."""
