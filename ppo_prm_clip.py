@@ -1180,26 +1180,48 @@ def check_same_vocabulary(path, name, policy_tokenizer, trust_remote_code):
 
 def step_arithmetic(step):
     r"""The verdict on a step's equations: False when one of them is wrong, True when it has some and all hold,
-    None when it has none that can be checked. An equation is a run of numbers, operators, parentheses and '='
-    ("3 + 4 = 7", "2 * 3 = 6 = 12 / 2", "2^3 = 8", "√16 = 4"); it holds when all its sides that evaluate (see
-    evaluate_arithmetic) are equal, and is checkable when at least two do. A side that is a number written with d >= 1
-    decimals stands for the values that round to it ("10 / 3 = 3.33": within 0.5 * 10^-d); a whole number is exact
-    ("7 / 2 = 3" is wrong). A side glued to a word or "_" ("x + 3", "2x", "x^2", "a_1") is part of an expression with
-    a variable: not checked. A period not between digits ends a sentence; a comma between digits groups thousands.
-    Between two numbers, "x", "times", "multiplied by", "plus", "minus", "divided by", "over" and "·" are operators,
-    and a percentage of a number ("50% of 10", "50 percent of 10", "10 x 50%") is read as n / 100. LaTeX is read:
-    \frac{a}{b} (also \dfrac, \tfrac) as (a)/(b), \sqrt{a}, a^{b}, \times, \cdot, \div; the delimiters \( \) \[ \]
-    \left \right and $ are dropped (so "$12" is 12). "**" between two numbers is a power, anywhere else Markdown bold
-    (dropped). A GSM8K calculator annotation ("48/2 = <<48/2=24>>24") is an equation of its own, checked apart."""
+    None when it has none that can be checked. What cannot be read is left unchecked, never called wrong (a prefix
+    scores its worst step). An equation is a run of numbers, operators, parentheses and '=' ("3 + 4 = 7",
+    "2 * 3 = 6 = 12 / 2", "2^3 = 8", "√16 = 4"); it holds when all its sides that evaluate (see evaluate_arithmetic)
+    are equal, and is checkable when at least two do. A side that is a number written with d >= 1 decimals stands for
+    the values that round to it ("10 / 3 = 3.33": within 0.5 * 10^-d); a whole number is exact ("7 / 2 = 3" is
+    wrong). A side of percentages reads N% as N / 100, a lone one rounded to its digits ("20 / 80 = 25%",
+    "1/3 = 33%", "50% - 25% = 25%"), or as N where another side ends or starts with a product by 100
+    ("20 / 80 * 100 = 25%"); a side that mixes percentages and plain numbers ("100 + 20% = 120") or has a "%" between
+    numbers ("10 % 3") is not read.
+    A side is not read where it may continue the text around it. The first side: glued to what precedes it ("x^2",
+    "a_1", "3:4", "9:00", "1,00,000", "2,5"), begun by an operator ("x + 3"; in "-3 + 5" the sign is the number's), a
+    lone number after a word ("half of 20", "twice 5"), or after "of", "times", "twice", "thrice", "half", "double",
+    "triple", "than", "≈", "~" or a one-letter name other than "a" ("twice 5 + 2"). The last side: with something
+    glued to it ("2x", "8:30", "3,5", "0.666...") or followed by a remainder or a fraction ("2 R 2", "2 remainder 2",
+    "3 and a half", "3 and 1/2").
+    Between two numbers, "x", "times", "multiplied by", "plus", "minus", "divided by", "over", "equals" and "·" are
+    operators; a percentage or a fraction of a number ("50% of 10", "50 percent of 10", "10 x 50%", "1/2 of 20") is a
+    product. In an equation whose every number has a word after it, the words are units, dropped when the result's
+    is among the others and all are the same where there is a + or - ("3 hours * 60 minutes = 180 minutes",
+    "5 apples + 3 apples = 8 apples"; "1 hour + 30 minutes = 90 minutes" is not read). A period not between digits
+    ends a sentence; a comma before three digits groups thousands; "-" or "•" and a space starting a line are a list
+    bullet. LaTeX is read: \frac{a}{b} (also \dfrac, \tfrac) as (a)/(b), \sqrt{a}, a^{b}, \boxed{a}, \times, \cdot,
+    \div, 1{,}000, and \text{a} as a word; the delimiters \( \) \[ \] \left \right and $ (also \$), € and £ are
+    dropped (so "$12" is 12). "**" between two numbers is a power, anywhere else Markdown bold (dropped). A GSM8K
+    calculator annotation ("48/2 = <<48/2=24>>24") is an equation of its own, checked apart."""
     text = step.replace("\u2212", "-").replace("\\%", "%")
     annotations = re.findall(r"<<([^<>]*)>>", text)
     text = re.sub(r"<<[^<>]*>>", "", text) + "".join(f"; {annotation}" for annotation in annotations)
+    text = re.sub(r"^[ \t]*[-•][ \t]+", "", text, flags=re.M)  # a list bullet, not a minus: "- 15 + 27 = 42"
     braced = r"\{([^{}]*)\}"  # a LaTeX argument without braces: nested ones are read from the innermost out
-    latex = {rf"\\[dt]?frac{braced}{braced}": r"((\1)/(\2))", rf"\\sqrt{braced}": r"√(\1)", rf"\^{braced}": r"^(\1)"}
+    latex = {
+        rf"\\[dt]?frac{braced}{braced}": r"((\1)/(\2))",
+        rf"\\sqrt{braced}": r"√(\1)",
+        rf"\^{braced}": r"^(\1)",
+        rf"\\boxed{braced}": r"(\1)",
+        rf"\\(?:text|mathrm){braced}": r" \1 ",  # a word: "12 \text{ apples}"
+        r"\{,\}": ",",  # "1{,}000"
+    }
     while any(re.search(pattern, text) for pattern in latex):
         for pattern, replacement in latex.items():
             text = re.sub(pattern, replacement, text)
-    text = re.sub(r"\\[()\[\]]|\\left|\\right|\$", " ", text)
+    text = re.sub(r"\\[()\[\]]|\\left|\\right|\\?[$€£]", " ", text)
     text = re.sub(r"\\?\bsqrt(?=[ \t]*\()", "√", text)
     text = re.sub(r"(?<=[\d)])\*\*(?=[-\d(√.])|(?<=[\d)] )\*\*(?= [-\d(√.])", "^", text).replace("**", " ")
     operand = r"[ \t]*(?=[(√]|-?\.?\d)"  # what follows an operator: "(", a root or a number
@@ -1209,28 +1231,52 @@ def step_arithmetic(step):
         (rf"(?<=\d){percent}[ \t]+of(?![a-z]){operand}", " / 100 * "),  # "50% of 10"
         (rf"(?<=\d){percent}(?=[ \t]*(?:[*×]|{times}){operand})", " / 100"),  # "50% x 10"
         (rf"((?<=[\d)])[ \t]*(?:[*×]|{times})[ \t]*\d[\d,]*(?:\.\d+)?){percent}", r"\1 / 100"),  # "10 x 50%"
+        (rf"(?<=\d){percent}", "%"),  # any other percentage: "25 percent" is a side "25%"
+        (rf"(/[ \t]*\(*\d+\)*)[ \t]+of(?![a-z]){operand}", r"\1 * "),  # "1/2 of 20", "\frac{1}{2} of 20"
     ]
-    for symbol, words in ("*", times), ("+", "plus"), ("-", "minus"), ("/", r"\\div|divided[ \t]+by|over"):
-        rules.append((rf"(?<=[\d)])[ \t]*(?:{words})(?![a-z]){operand}", f" {symbol} "))  # "9 times 6"
+    words = ("*", times), ("+", "plus"), ("-", "minus"), ("/", r"\\div|divided[ \t]+by|over"), ("=", "equals?")
+    for symbol, word in words:
+        rules.append((rf"(?<=[\d)])[ \t]*(?:{word})(?![a-z]){operand}", f" {symbol} "))  # "9 times 6"
     for pattern, replacement in rules:
         text = re.sub(pattern, replacement, text, flags=re.I)
-    text = re.sub(r"(?<!\d)\.|\.(?!\d)", ";", text)
-    text = re.sub(r"(?<=\d),(?=\d{3})", "", text)
+    text = re.sub(r"(?<!\d)\.|\.(?![\d(])", ";", text.replace("...", "…"))  # "3.(3)" is not a sentence
+    text = re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", text)
+
+    def without_units(match):  # "3 hours * 60 minutes = 180 minutes" -> "3 * 60 = 180"
+        *units, result = (unit.lower() for unit in re.findall(r"(?<=\d)[ \t]+([a-z]+)", match.group(), re.I))
+        if result in units and (len(set(units)) == 1 or not re.search(r"[a-z][ \t]*[-+]", match.group(), re.I)):
+            return re.sub(r"(?<=\d)[ \t]+[a-z]+", "", match.group(), flags=re.I)
+        return match.group()
+
+    with_unit = r"-?\d+(?:\.\d+)?[ \t]+[a-z]{2,}(?![a-z])"  # "3 hours"
+    unit_equation = rf"{with_unit}(?:[ \t]*[-+*/×÷][ \t]*{with_unit})+[ \t]*=[ \t]*{with_unit}(?![ \t]*=)"
+    text = re.sub(unit_equation, without_units, text, flags=re.I)
+    remainder = r"r(?![a-z])|(?:with[ \t]+)?(?:a[ \t]+)?remainder"  # "2 R 2", "2 remainder 2"
+    after_result = rf"[ \t]*(?:{remainder}|and[ \t]+(?:a[ \t]+(?:half|third|quarter)|\d+[ \t]*/))"  # "3 and a half"
     verdict = None
-    for match in re.finditer(r"[0-9 \t.+\-*/×÷()=^√²³]+", text):
-        chunk = match.group()
+    for match in re.finditer(r"[0-9 \t.+\-*/×÷()=^√²³%]+", text):
+        chunk, head, tail = match.group(), text[: match.start()], text[match.end() :]
         sides = chunk.split("=")
-        before = text[match.start() - 1 : match.start()]
-        glued = (before.isalpha() or before == "_") and not chunk[0].isspace()  # "x2 + 3", "x^2", "a_1"
-        after_word = text[: match.start()].rstrip()[-1:].isalpha() and sides[0].lstrip()[:1] in tuple("+-*/×÷^")
-        if glued or after_word:  # "x + 3 = 5": the first side continues an expression with a variable
+        # The first side may continue the text before it: glued to it, begun by an operator, or after a word.
+        glued = not (head[-1:].isspace() or head[-1:] in "\"'[{`" or chunk[0].isspace())  # "x^2", "a_1", "3:4"
+        operator_first = re.match(r"[ \t]*(?:[+*/×÷^%]|-(?![\d.(√]))", sides[0])  # "x + 3"; "-3 + 5" is a number
+        word = re.search(r"([a-z]+|[≈~])[ \t]*$", head, re.I)
+        lone = re.fullmatch(r"[ \t]*-?\d*\.?\d+[ \t]*%?[ \t]*", sides[0])  # "half of 20", "twice 5"
+        takes_a_number = word and re.fullmatch(r"[b-z≈~]|of|times|twice|thrice|half|double|triple|than", word[1], re.I)
+        if glued or operator_first or word and (lone or takes_a_number):
             sides = sides[1:]
-        if text[match.end() : match.end() + 1].isalpha() and not chunk[-1].isspace():  # "= 2x"
+        # The last side may continue into the text after it: "2x", "8:30", "3,5", "0.666...", "2 R 2", "3 and a half".
+        if not chunk[-1].isspace() and re.match(r"[a-z_:…]|,\d", tail, re.I) or re.match(after_result, tail, re.I):
             sides = sides[:-1]
+        hundred = any(re.search(r"[*×][ \t]*100[ \t]*$|^[ \t]*100[ \t]*[*×]", side) for side in sides)  # N% is N
         intervals = []  # the values each side stands for
-        for side in sides if "=" in chunk else []:
-            value, written = evaluate_arithmetic(side), re.fullmatch(r"\s*-?\d*\.(\d+)\s*", side)  # "3.33": rounded
-            half = 0.5 * 10.0 ** -len(written.group(1)) if written else 0.0
+        for side in sides:
+            if "%" in side and not re.fullmatch(r"(?:[ \t()+\-*/×÷]*\d*\.?\d+[ \t]*%)+[ \t()]*", side):
+                continue  # percentages beside plain numbers ("100 + 20%": 20% of 100?), "10 % 3"
+            scale = 100 if "%" in side and not hundred else 1
+            value = evaluate_arithmetic(re.sub(r"(\d*\.?\d+)[ \t]*%", rf"(\1 / {scale})", side))
+            written = re.fullmatch(r"\s*-?\d*\.?(\d*)\s*%?\s*", side)  # "3.33", "25%": the values that round to it
+            half = 0.5 * 10.0 ** -len(written[1]) / scale if written and ("." in side or "%" in side) else 0.0
             if value is not None:
                 intervals.append((value - half, value + half))
         if len(intervals) < 2:

@@ -394,7 +394,7 @@ STEP_TABLE = [
     ("2x + 3 = 7", None),
     ("2 x + 3 = 7", None),
     ("3x = 12", None),
-    ("50% = 0.5", None),  # a percentage alone is not read
+    ("50% = 0.5", True),  # was None (a percentage alone was not read); read since issue 54
     ("A 3 x 4 grid has 12 cells", None),
     ("5 times 2 apples = 10 apples", None),
     ("1. 9 * 1 = 9 \n2. 9 * 1 = 9 ", True),  # real
