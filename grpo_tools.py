@@ -93,6 +93,9 @@ class Args:
     """truncated importance sampling for vLLM samples: weight tokens by min(pi_train / pi_vllm, cap) (0: off)"""
     entropy_coef: float = 0.0
     """entropy bonus: - entropy_coef * H(pi) per policy token in the loss"""
+    mask_truncated: bool = False
+    """leave the trajectories cut at the budget (--response_length) out of the loss, as TRL's
+    mask_truncated_completions (they still count in their group's advantages)"""
 
     # The tool
     max_turns: int = 3
@@ -452,23 +455,29 @@ def tool_call(turn_text):
     return before.rsplit(CALL[0], 1)[1] if CALL[0] in before else ""
 
 
-Rollout = collections.namedtuple("Rollout", "ids real policy sampler_logprobs texts answers calls turns")
+Rollout = collections.namedtuple(
+    "Rollout", "ids real policy sampler_logprobs texts answers calls turns unrun_calls truncated"
+)
 
 
-def multi_turn_rollout(policy_turn, tokenizer, prompts, n, response_length, max_turns):
+def multi_turn_rollout(policy_turn, tokenizer, prompts, n, response_length, max_turns, stop_ids=()):
     """n trajectories per prompt (consecutive), each the token ids after its prompt. policy_turn(contexts, max_tokens)
     -> [(ids, sampler log-probs or None)] continues each context (its prompt and its trajectory so far, as token
-    ids) until a stop token, the end of a call (CALL[1]) or max_tokens. A turn that ends a call gets the
-    calculator's output appended as tool tokens, while the trajectory has made at most max_turns calls and has
-    room (an output that does not fit is cut); any other turn ends it. Nothing is re-tokenised: the trainer sees the
-    ids the sampler saw. Returns a Rollout: ids [N, R] (R = response_length, padded with the pad id), real [N, R] (1
-    on every token of the trajectory), policy [N, R] (1 on the policy's tokens: the loss mask), sampler_logprobs
-    [N, R] (0 on tool tokens; None without vLLM), texts (whole trajectories), answers (the last policy turn, where
-    the final answer is read; empty when it ends with a call that was not run), calls [(expression, output: the
-    calculator's answer, or the part of its text that fit)] and turns (policy turns) per trajectory."""
+    ids) until a stop token, the token that completes a call (CALL[1]) or max_tokens. A turn that ends a call gets the
+    calculator's output appended as tool tokens (tool_text_after), while the trajectory has made at most max_turns
+    calls and has room (an output that does not fit is cut); any other turn ends it. Nothing is re-tokenised: the
+    trainer sees the ids the sampler saw. Returns a Rollout: ids [N, R] (R = response_length, padded with the pad
+    id), real [N, R] (1 on every token of the trajectory), policy [N, R] (1 on the policy's tokens: the loss mask),
+    sampler_logprobs [N, R] (0 on tool tokens; None without vLLM), texts (whole trajectories), answers (the last
+    policy turn, where the final answer is read; empty when it ends with a call that was not run or is cut inside a
+    call), calls [(expression, output: the calculator's answer, or the part of its text that fit)], turns (policy
+    turns), unrun_calls (the calls not run, past max_turns or at the budget: 0 or 1, such a call ends its
+    trajectory) per trajectory, and truncated [N] (bool: cut at the budget, the trajectory ended at response_length
+    tokens other than by a stop token, one of stop_ids, or by a call past max_turns)."""
     N = len(prompts) * n
     ids, policy, logps = [[] for _ in range(N)], [[] for _ in range(N)], [[] for _ in range(N)]
     calls, turns, answers, has_logprobs = [[] for _ in range(N)], [0] * N, [""] * N, False
+    unrun, truncated = [0] * N, [False] * N
     active = list(range(N))
     while active:
         contexts = [prompts[i // n] + ids[i] for i in active]
@@ -476,24 +485,29 @@ def multi_turn_rollout(policy_turn, tokenizer, prompts, n, response_length, max_
         still = []
         for i, (turn_ids, turn_logps) in zip(active, outputs):
             text = tokenizer.decode(turn_ids, skip_special_tokens=True)
-            ids[i], policy[i], turns[i] = ids[i] + turn_ids, policy[i] + [1] * len(turn_ids), turns[i] + 1
-            logps[i] += turn_logps if turn_logps is not None else [0.0] * len(turn_ids)
+            expression, room, turns[i] = tool_call(text), response_length - len(ids[i]) - len(turn_ids), turns[i] + 1
+            # A turn that ends with a call (run or not), or is cut inside one ("<calc>874 * 40"), holds no answer.
+            answers[i] = text if expression is None and CALL[0] not in text else ""
+            past_max = expression is not None and len(calls[i]) >= max_turns
+            output = calculator(expression) if expression is not None and not past_max and room > 0 else None
+            keep, tool_text = len(turn_ids), ""
+            if output is not None:  # the call is run: the tool's text follows CALL[1] (tool_text_after)
+                keep, tool_text = tool_text_after(tokenizer, turn_ids, text, output)
             has_logprobs |= turn_logps is not None
-            expression, room = tool_call(text), response_length - len(ids[i])
-            answers[i] = text if expression is None else ""  # a turn whose call is not run holds no answer
-            if expression is None or len(calls[i]) >= max_turns or room <= 0:
+            logps[i] += [0.0] * keep if turn_logps is None else list(turn_logps[:keep])
+            ids[i], policy[i] = ids[i] + turn_ids[:keep], policy[i] + [1] * keep
+            if output is None:  # the trajectory ends: no call, or a call not run (past max_turns, or at the budget)
+                unrun[i] = int(expression is not None)
+                stopped = past_max or (expression is None and any(t in stop_ids for t in turn_ids[-1:]))
+                truncated[i] = room <= 0 and not stopped
                 continue
-            # The tool's text, less what the turn's last token already wrote of it: a token that completes CALL[1]
-            # may run on (SmolLM2's "><" ends "</calc>" and starts "<result>").
-            output, overhang = calculator(expression), text.split(CALL[1], 1)[1]
-            tool_text = f"{RESULT[0]}{output}{RESULT[1]}"
-            tool_text = tool_text[len(overhang) :] if tool_text.startswith(overhang) else tool_text
             full = tokenizer(tool_text, add_special_tokens=False).input_ids
-            tool_ids = full[:room]
+            tool_ids = full[: response_length - len(ids[i])]
             ids[i], policy[i] = ids[i] + tool_ids, policy[i] + [0] * len(tool_ids)
             logps[i] += [0.0] * len(tool_ids)
             calls[i].append((expression, output if len(tool_ids) == len(full) else tokenizer.decode(tool_ids)))
-            if len(ids[i]) < response_length:
+            truncated[i] = len(ids[i]) >= response_length  # no room left for the policy's next turn
+            if not truncated[i]:
                 still.append(i)
         active = still
 
@@ -503,8 +517,26 @@ def multi_turn_rollout(policy_turn, tokenizer, prompts, n, response_length, max_
     real = padded([[1] * len(row) for row in ids], 0, torch.float)
     texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
     sampler_logprobs = padded(logps, 0.0, torch.float) if has_logprobs else None
-    ids = padded(ids, tokenizer.pad_token_id, torch.long)
-    return Rollout(ids, real, padded(policy, 0, torch.float), sampler_logprobs, texts, answers, calls, turns)
+    ids, policy = padded(ids, tokenizer.pad_token_id, torch.long), padded(policy, 0, torch.float)
+    return Rollout(ids, real, policy, sampler_logprobs, texts, answers, calls, turns, unrun, torch.tensor(truncated))
+
+
+def tool_text_after(tokenizer, turn_ids, text, output):
+    """How many of a call's turn tokens stay, and the text the tool writes after them: the calculator's `output` in
+    RESULT tags. turn_ids (decoded: text) end with the token that completes CALL[1], which may run on past it, while
+    the context must read CALL[1] then RESULT[0], as the prompt's example does. Run on into the tool's own text
+    (SmolLM2's "><" ends "</calc>" and starts "<result>"), the token stays and the tool's text continues from it. Run
+    on into other text ("></", ">>", ">."), it cannot stay: no cut of a token is a token, and a policy token is a
+    sampled one, which the trainer scores in the very context that holds it (token in, token out). So the turn ends
+    before it (its sampled text past CALL[1] is never in the conversation, and is not trained) and the tool's text
+    begins with the rest of CALL[1], as context. Returns (tokens kept, the tool's text)."""
+    tool_text, overhang = f"{RESULT[0]}{output}{RESULT[1]}", text.split(CALL[1], 1)[1]
+    if tool_text.startswith(overhang):
+        return len(turn_ids), tool_text[len(overhang) :]
+    head, kept = text[: len(text) - len(overhang)], tokenizer.decode(turn_ids[:-1], skip_special_tokens=True)
+    if head.startswith(kept):
+        return len(turn_ids) - 1, head[len(kept) :] + tool_text
+    return len(turn_ids), tool_text  # a decoding that is not prefix-stable: the token stays, the text runs on
 
 
 NUMBER = r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?"  # 12, -1,234.5, .5, 3/4
@@ -560,10 +592,10 @@ def compute_rewards(completions, golds, format_reward):
 
 def trajectory_metrics(rewards, correct, formatted, rollout, group_size):
     """What the trajectories scored and how they used the tool: calls per trajectory, the share with a call, the
-    share of calls the calculator refused (an error as its output), policy turns, the share of final answers that
-    copy one of the trajectory's tool outputs (among those with a call), the accuracy with and without a call (NaN
-    without such trajectories: the averages leave it out), and the tokens of each kind. rewards, correct, formatted
-    [N]."""
+    share of calls the calculator refused (an error as its output), calls not run (past --max_turns or at the budget)
+    per trajectory, the share of trajectories cut at the budget, policy turns, the share of final answers that copy
+    one of the trajectory's tool outputs (among those with a call), the accuracy with and without a call (NaN without
+    such trajectories: the averages leave it out), and the tokens of each kind. rewards, correct, formatted [N]."""
     calls = torch.tensor([len(c) for c in rollout.calls], dtype=torch.float)
     called, nan = calls > 0, float("nan")
     outputs = [output for trajectory in rollout.calls for _, output in trajectory]
@@ -582,6 +614,8 @@ def trajectory_metrics(rewards, correct, formatted, rollout, group_size):
         "tools/calls": calls.mean().item(),
         "tools/call_rate": called.float().mean().item(),
         "tools/failed_calls": sum(o.startswith("error") for o in outputs) / len(outputs) if outputs else nan,
+        "tools/unrun_calls": float(np.mean(rollout.unrun_calls)),
+        "tools/truncated": rollout.truncated.float().mean().item(),
         "tools/answer_copies_result": float(np.mean(copies)) if copies else nan,
         "tools/turns": float(np.mean(rollout.turns)),
         "tools/policy_tokens": rollout.policy.sum(1).mean().item(),
@@ -624,9 +658,11 @@ def main(args: "Config"):
         prompts, golds = [train_prompts[i] for i in indices], [train_golds[i] for i in indices for _ in range(G)]
 
         # 2. Rollout: G conversations per prompt, consecutive, the policy's turns and the calculator's outputs in
-        # turn (multi_turn_rollout). ids, real, policy [B, R].
-        with run.timed("time/generation"):
-            rollout = multi_turn_rollout(policy_turn, tokenizer, prompts, G, args.response_length, args.max_turns)
+        # turn (multi_turn_rollout). ids, real, policy [B, R]. The engine sleeps after it (--vllm_sleep), not per turn.
+        with run.timed("time/generation"), sampler.awake():
+            rollout = multi_turn_rollout(
+                policy_turn, tokenizer, prompts, G, args.response_length, args.max_turns, sampler.stop_ids
+            )
         metrics["perf/generation_tokens_per_second"] = rollout.policy.sum().item() / metrics["time/generation"]
 
         # 3. Rewards: the verifier on the final answer, read from the policy's last turn (a tool output is not an
@@ -636,11 +672,13 @@ def main(args: "Config"):
         run.check(rewards, "objective/scores")
         metrics |= trajectory_metrics(rewards, correct, formatted, rollout, G)
         # The trainer's input: the prompts, then every token of each trajectory (the attention mask covers them
-        # all); `mask`, the loss mask, only the policy's tokens.
+        # all); `mask`, the loss mask, only the policy's tokens (none of a trajectory cut at the budget with
+        # --mask_truncated: TRL's mask_truncated_completions).
         query_responses, attention_mask, real, sampler_logprobs, context_length = training_batch(
             prompts, G, rollout.ids, rollout.real, rollout.sampler_logprobs, tokenizer.pad_token_id, device
         )
         mask = rollout.policy[:, : real.shape[1]].to(device)  # [B, R']
+        mask *= 1 - args.mask_truncated * rollout.truncated[:, None].float().to(device)
 
         # 4. Advantages, each trajectory against its own group, on every process's rewards together (gather keeps
         # rank order) so that scale_rewards="batch" uses the whole batch's std. [B]
@@ -1324,9 +1362,10 @@ def evaluate(sampler, eval_sets, args, accelerator, tokenizer, step):
     results, samples = {}, []
     for name, (prompts, golds) in eval_sets.items():
         mine = list(range(rank, len(prompts), world_size))
-        rollout = multi_turn_rollout(
-            greedy, tokenizer, [prompts[i] for i in mine], 1, args.response_length, args.max_turns
-        )
+        with sampler.awake():  # every process wakes and sleeps its engine once (it may be a collective)
+            rollout = multi_turn_rollout(
+                greedy, tokenizer, [prompts[i] for i in mine], 1, args.response_length, args.max_turns
+            )
         rewards, correct, _ = compute_rewards(rollout.answers, [golds[i] for i in mine], args.format_reward)
         called = torch.tensor([float(len(calls) > 0) for calls in rollout.calls])
         sums = [correct.sum(), called.sum(), (correct * called).sum(), rewards.sum(), len(mine)]
@@ -1654,18 +1693,28 @@ class TurnSampler(Sampler):
         turns = "HF generate's turns would gather the policy a different number of times on each process"
         require(self.llm is not None or not zero3, f"DeepSpeed ZeRO-3 needs vLLM here (--vllm): {turns}")
 
-    def turn(self, contexts, max_tokens, temperature):
-        """One policy turn for each context (prompt and trajectory so far, token ids): sampled until a stop token, the
-        end of a tool call (CALL[1], kept) or max_tokens[i] tokens. Returns [(ids, the sampler's log-probs of them
-        (vLLM) or None)]."""
-        a, pad_id = self.args, self.tokenizer.pad_token_id
+    @contextlib.contextmanager
+    def awake(self):
+        """A rollout's context: the engine wakes before its first turn and, with --vllm_sleep, sleeps after its last
+        (weights to CPU, KV and prefix caches dropped), once per rollout whatever its number of turns. Sleeping
+        after every turn would re-process each context at every turn, and processes take different numbers of turns
+        while a sleep or a wake-up may be a collective (vLLM's are with enable_nccl_comm_suspend): every process
+        must call them as often (a rollout with no prompt on this process included)."""
         if self.llm is not None:
             self.wake_up()
-            turns = vllm_turns(self.llm, contexts, max_tokens, temperature, a.top_p, self.stop_ids)
-            if self.sleep:
-                self.llm.sleep(level=1)
-                self.asleep = True
-            return turns
+        yield
+        if self.llm is not None and self.sleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def turn(self, contexts, max_tokens, temperature):
+        """One policy turn for each context (prompt and trajectory so far, token ids): sampled until a stop token, the
+        token that completes a tool call (CALL[1], kept) or max_tokens[i] tokens. Called inside awake(). Returns
+        [(ids, the sampler's log-probs of them (vLLM) or None)]."""
+        a, pad_id = self.args, self.tokenizer.pad_token_id
+        if self.llm is not None:
+            self.wake_up()  # asleep only when called outside awake()
+            return vllm_turns(self.llm, self.tokenizer, contexts, max_tokens, temperature, a.top_p, self.stop_ids)
         self.policy.eval()
         # A collective under ZeRO-3 (the policy's shards are gathered): every process calls it as often.
         with gathered_parameters(self.accelerator, self.policy):
@@ -1673,10 +1722,12 @@ class TurnSampler(Sampler):
                             self.stop_ids)  # fmt: skip
 
 
-def vllm_turns(llm, contexts, max_tokens, temperature, top_p, stop_token_ids):
+def vllm_turns(llm, tokenizer, contexts, max_tokens, temperature, top_p, stop_token_ids):
     """vLLM's turns: one request per context with its own max_tokens, stopping at stop_token_ids or once a token
-    completes CALL[1] (the token stays, whatever it holds after the string). The sampler's log-probs are after
-    temperature, for the sampled tokens."""
+    completes CALL[1] (a stop string, kept in the output). Each turn is then cut where HF's are (turn_end): vLLM
+    matches the stop string on its own incremental detokenisation, which may see a token's text only with a later
+    token, and tokens past the one that completed CALL[1] would be trained as the policy's before the tool's
+    output. The sampler's log-probs are after temperature, for the sampled tokens."""
     from vllm import SamplingParams
 
     common = dict(temperature=temperature, top_p=top_p, stop=[CALL[1]], include_stop_str_in_output=True)
@@ -1687,6 +1738,7 @@ def vllm_turns(llm, contexts, max_tokens, temperature, top_p, stop_token_ids):
     for output in outputs:
         completion = output.outputs[0]
         ids = list(completion.token_ids)
+        ids = ids[: turn_end(tokenizer, ids, stop_token_ids)]
         logprobs = None
         if completion.logprobs is not None:
             logprobs = [lp[t].logprob for lp, t in zip(completion.logprobs, ids)]
@@ -1694,11 +1746,26 @@ def vllm_turns(llm, contexts, max_tokens, temperature, top_p, stop_token_ids):
     return turns
 
 
+def turn_end(tokenizer, ids, stop_token_ids):
+    """The length of the turn that `ids` begin: up to its first stop id or the first token that completes CALL[1],
+    whichever comes first (kept). Linear in len(ids): a token is decoded with the few before it (CALL[1] spans at
+    most len(CALL[1]) tokens, each holding a character of it at least), and the whole prefix once, to confirm."""
+    end = next((k + 1 for k, t in enumerate(ids) if t in stop_token_ids), len(ids))
+    if CALL[1] not in tokenizer.decode(ids[:end]):
+        return end
+    span = len(CALL[1])
+    for k in range(end):
+        window = tokenizer.decode(ids[max(0, k + 1 - span) : k + 1])
+        if CALL[1] in window and CALL[1] in tokenizer.decode(ids[: k + 1]):
+            return k + 1
+    return end
+
+
 def hf_turns(model, tokenizer, contexts, max_tokens, temperature, top_p, pad_token_id, stop_token_ids):
     """HF generate's turns: the contexts left-padded into one batch, sampled (greedy at temperature 0) up to the
     largest max_tokens; transformers stops a row once a token completes CALL[1] (stop_strings, as vLLM does) or at a
     stop id, which is kept. Each row is then cut at its own max_tokens and at its end: its first stop id, or the
-    token that completed CALL[1] (the padding after it may be the EOS id). Returns [(ids, None)]."""
+    token that completed CALL[1] (turn_end; the padding after it may be the EOS id). Returns [(ids, None)]."""
     input_ids, attention_mask = left_pad(contexts, pad_token_id)
     sampling = dict(temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else {}  # else greedy
     ends = dict(max_new_tokens=max(max_tokens), eos_token_id=list(stop_token_ids), pad_token_id=pad_token_id)
@@ -1714,14 +1781,8 @@ def hf_turns(model, tokenizer, contexts, max_tokens, temperature, top_p, pad_tok
             out = model.generate(**inputs, generation_config=config, tokenizer=tokenizer, synced_gpus=False)
     finally:
         base.generation_config = saved
-    turns = []
-    for row, limit in zip(out[:, input_ids.shape[1] :].tolist(), max_tokens):
-        row = row[:limit]
-        end = next((k + 1 for k, t in enumerate(row) if t in stop_token_ids), len(row))
-        if CALL[1] in tokenizer.decode(row[:end]):  # the first token that completes the call ends the turn
-            end = next(k + 1 for k in range(end) if CALL[1] in tokenizer.decode(row[: k + 1]))
-        turns.append((row[:end], None))
-    return turns
+    rows = [row[:limit] for row, limit in zip(out[:, input_ids.shape[1] :].tolist(), max_tokens)]
+    return [(row[: turn_end(tokenizer, row, stop_token_ids)], None) for row in rows]
 
 
 def shared_prompt_logprobs(model, input_ids, attention_mask, context_length, temperature):

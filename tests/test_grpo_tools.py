@@ -9,20 +9,26 @@ import math
 import os
 import random
 import re
+import sys
 from fractions import Fraction
 
 import fixed_rollout
 import pytest
 import torch
 from conftest import (
+    REPO_ROOT,
     SMOLLM2_DIR,
+    accelerate_command,
     assert_same_trajectory,
     assert_same_weights,
     assert_survives_kills,
     fast_cli_flags,
+    free_port,
     launch_fixed_rollout,
     read_metrics,
     require_vllm,
+    run_checked,
+    subprocess_env,
 )
 
 import grpo_tools
@@ -220,6 +226,7 @@ def test_rollout_appends_tool_output_as_context_and_masks_it_out_of_the_loss(tok
     ]
     assert rollout.turns == [3, 2, 3]
     assert rollout.answers == ["Answer: 102.5", "Answer: 7", ""]  # a call that is not run is no answer
+    assert rollout.unrun_calls == [0, 0, 1] and rollout.truncated.tolist() == [False] * 3  # counted, not cut
     assert rollout.texts[0].startswith("First <calc>12 * 34</calc><result>408</result>then")
     assert rollout.texts[2].startswith("<calc>2^10</calc><result>1024</result><calc>3</calc>")
 
@@ -248,6 +255,57 @@ def test_rollout_stops_at_the_budget_and_cuts_a_tool_output_that_does_not_fit(to
         assert rollout.calls[i] == [("123456 * 654321", cut)] and rollout.answers[i] == ""
     for i in (2, 3):  # a turn that ends the budget: its call (if any) is not run
         assert rollout.policy[i].tolist() == [1] * budget and rollout.calls[i] == []
+    assert rollout.unrun_calls == [0, 0, 1, 1] and rollout.truncated.tolist() == [True] * 4
+
+
+def test_a_turn_cut_inside_a_call_holds_no_answer_and_cut_trajectories_are_flagged(tokenizer):
+    """A turn cut by the budget inside a call ("<calc>874 * 40") is no answer (it would read 40). A trajectory is
+    truncated when it ends at the budget other than by a stop token: an answer that ends with EOS on the last token
+    is not, one cut before its EOS is."""
+
+    def enc(text):
+        return tokenizer(text, add_special_tokens=False).input_ids
+
+    eos = tokenizer.eos_token_id
+    budget = len(enc("<calc>874 * 40"))
+    answer = enc("Answer: 40") + enc(" ok") * budget
+    turns = {900: enc("<calc>874 * 40") + enc(" * 2</calc>"), 901: answer[: budget - 1] + [eos], 902: answer}
+
+    def policy_turn(contexts, max_tokens):
+        return [(turns[context[0]][:m], None) for context, m in zip(contexts, max_tokens)]
+
+    rollout = multi_turn_rollout(policy_turn, tokenizer, [[900], [901], [902]], 1, budget, 3, [eos])
+    assert rollout.answers[0] == "" and rollout.answers[2].startswith("Answer: 40")
+    rewards, correct, _ = grpo_tools.compute_rewards(rollout.answers, ["40"] * 3, 0.0)
+    assert correct.tolist() == [0.0, 1.0, 1.0]
+    assert rollout.truncated.tolist() == [True, False, True] and rollout.unrun_calls == [0, 0, 0]
+
+
+@pytest.mark.parametrize("run_on", ["></", ">>", ">.", ">,", ">)", '>"'])
+def test_a_closing_token_that_runs_on_past_the_call_leaves_the_turn(tokenizer, run_on):
+    """SmolLM2 has single tokens that complete "</calc>" and run on into other text: "></", ">>", ">.", ... The
+    context must read "</calc><result>...", as the prompt's example shows (never "</calc></<result>"): the turn
+    ends before that token (it is not a policy token: the conversation never holds it, so nothing trains it) and
+    the tool's tokens begin with the ">" it did not keep. The trajectory's ids are then the example's own
+    tokenisation of the text, the next turn is given exactly them, and the sampler's log-probs stay aligned."""
+
+    def enc(text):
+        return tokenizer(text, add_special_tokens=False).input_ids
+
+    written = "First <calc>12 * 34</calc" + run_on  # its last token completes "</calc>" and runs on
+    assert tokenizer.decode(enc(written)[-1:]) == run_on and enc(written)[:-1] == enc("First <calc>12 * 34</calc")
+    policy_turn, seen = scripted_turns(tokenizer, {(900, 0): written, (900, 1): "Answer: 408<eos>"})
+    rollout = multi_turn_rollout(policy_turn, tokenizer, [[900]], 1, response_length=40, max_turns=2)
+    turn, tool = enc(written)[:-1], enc("><result>408</result>")  # the tool writes the call's last ">"
+    n = len(turn) + len(tool) + len(enc("Answer: 408")) + 1
+    assert rollout.texts[0] == "First <calc>12 * 34</calc><result>408</result>Answer: 408"
+    assert rollout.ids[0, :n].tolist() == enc(rollout.texts[0]) + [tokenizer.eos_token_id]  # as if written out
+    assert rollout.ids[0, : len(turn) + len(tool)].tolist() == turn + tool
+    assert rollout.policy[0, :n].tolist() == [1] * len(turn) + [0] * len(tool) + [1] * (n - len(turn) - len(tool))
+    assert seen[1][2] == [900] + turn + tool  # the next turn's context: the kept ids, the dropped token nowhere
+    logps = rollout.sampler_logprobs[0]
+    assert logps[: len(turn)].tolist() == pytest.approx([-0.5 - 0.01 * k for k in range(len(turn))])
+    assert (logps[len(turn) : len(turn) + len(tool)] == 0).all() and rollout.calls == [[("12 * 34", "408")]]
 
 
 def test_trajectory_metrics_count_calls_failures_copies_and_accuracy_by_call(tokenizer):
@@ -261,10 +319,13 @@ def test_trajectory_metrics_count_calls_failures_copies_and_accuracy_by_call(tok
         answers=["Answer: 408", "Answer: 5", "Answer: 9", "Answer: 3"],
         calls=[[("12*34", "408")], [], [("1/0", "error: division by zero"), ("3*3", "9")], []],
         turns=[2, 1, 3, 1],
+        unrun_calls=[1, 0, 0, 1],
+        truncated=torch.tensor([False, False, True, False]),
     )
     correct = torch.tensor([1.0, 0.0, 0.0, 1.0])
     m = grpo_tools.trajectory_metrics(correct, correct, torch.ones(4), rollout, 2)
     assert m["tools/calls"] == 0.75 and m["tools/call_rate"] == 0.5 and m["tools/failed_calls"] == pytest.approx(1 / 3)
+    assert m["tools/unrun_calls"] == 0.5 and m["tools/truncated"] == 0.25  # the calls not run are counted apart
     assert m["tools/answer_copies_result"] == 1.0 and m["tools/turns"] == 1.75
     assert m["objective/accuracy_with_call"] == 0.5 and m["objective/accuracy_without_call"] == 0.5
     assert m["tools/policy_tokens"] == 1.75 and m["tools/tool_tokens"] == 0.75
@@ -437,7 +498,8 @@ def smollm_prompts():
 
 
 def check_turns_end_at_their_call(tokenizer, rollout):
-    """Every executed call's turn ends with the token that completed CALL[1] (nothing generated after it)."""
+    """Every executed call's turn ends with the token that completed CALL[1] (nothing generated after it), or the
+    token before it when that one ran on into other text, and CALL[1] is followed by RESULT[0], nothing between."""
     assert sum(len(c) for c in rollout.calls) > 0, rollout.texts
     for i, calls in enumerate(rollout.calls):
         ids, policy, real = rollout.ids[i].tolist(), rollout.policy[i].tolist(), rollout.real[i].tolist()
@@ -445,8 +507,9 @@ def check_turns_end_at_their_call(tokenizer, rollout):
         assert len(starts) == len(calls)
         for k in starts:
             turn_start = max([j for j in range(k) if j == 0 or policy[j - 1] == 0])
-            text = tokenizer.decode(ids[turn_start:k])
-            assert CALL[1] in text and CALL[1] not in tokenizer.decode(ids[turn_start : k - 1]), text
+            text, after = tokenizer.decode(ids[turn_start:k]), tokenizer.decode(ids[turn_start:])
+            assert CALL[1] not in tokenizer.decode(ids[turn_start : k - 1]), text
+            assert after.split(CALL[1], 1)[1].startswith(RESULT[0]), after
         assert CALL[1] + "<" + RESULT[0] not in rollout.texts[i]  # the tool's text continues the call's last token
         complete = sum(output == calculator(expression) for expression, output in calls)  # not cut by the budget
         assert rollout.texts[i].count(RESULT[0]) >= complete, rollout.texts[i]
@@ -483,7 +546,7 @@ def test_vllm_turns_stop_at_the_call_and_their_logprobs_are_the_trainers(smollm_
     try:
 
         def turn(contexts, max_tokens):
-            return grpo_tools.vllm_turns(llm, contexts, max_tokens, 1.0, 1.0, stop_ids)
+            return grpo_tools.vllm_turns(llm, tokenizer, contexts, max_tokens, 1.0, 1.0, stop_ids)
 
         rollout = multi_turn_rollout(turn, tokenizer, prompts, 4, response_length=48, max_turns=2)
     finally:
@@ -590,6 +653,39 @@ def test_the_loss_gets_the_policy_tokens_of_the_rollout_as_its_mask(make_tool_ar
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mask_truncated", [False, True])
+def test_mask_truncated_leaves_the_trajectories_cut_at_the_budget_out_of_the_loss(
+    make_tool_args, monkeypatch, mask_truncated
+):
+    """--mask_truncated (TRL's mask_truncated_completions): the loss mask of a trajectory cut at the budget is all
+    0, the others' are their policy tokens; off by default, when every trajectory keeps its policy tokens."""
+    rollouts, masks, rollout_fn, loss_fn = [], [], grpo_tools.multi_turn_rollout, grpo_tools.trajectory_loss
+
+    def spy_rollout(*args, **kwargs):
+        rollouts.append(rollout_fn(*args, **kwargs))
+        return rollouts[-1]
+
+    def spy_loss(*args, **kwargs):
+        masks.append(args[5].cpu())
+        return loss_fn(*args, **kwargs)
+
+    spy_loss.__signature__ = inspect.signature(loss_fn)  # main reads the loss's flags from it
+    fixed_rollout.patch(grpo_tools, monkeypatch.setattr)
+    monkeypatch.setattr(grpo_tools, "multi_turn_rollout", spy_rollout)
+    monkeypatch.setattr(grpo_tools, "trajectory_loss", spy_loss)
+    args = make_tool_args(total_steps=1, eval_every=0, micro_batch_size=8, response_length=16)
+    assert args.mask_truncated is False
+    args.mask_truncated = mask_truncated
+    grpo_tools.main(args)
+    train, (mask,) = rollouts[1], masks  # the first rollout is the evaluation before training
+    cut = train.truncated
+    assert 0 < cut.sum() < len(cut), cut  # the scripted policy's trajectories: some cut at 16 tokens, some not
+    policy = train.policy[:, : mask.shape[1]]
+    assert torch.equal(mask[~cut], policy[~cut])
+    assert torch.equal(mask[cut], torch.zeros_like(policy[cut]) if mask_truncated else policy[cut])
+
+
+@pytest.mark.slow
 def test_vllm_run(make_tool_args):
     """The run with vLLM engines sampling the turns: the sampler's log-probs come back for the policy's tokens, and
     the trainer's are close to them (the gap and truncated IS weight are logged)."""
@@ -624,3 +720,220 @@ def test_zero3_with_hf_generate_is_refused_in_one_line(tiny_model_dir, tokenizer
     )
     zero2 = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=2)))
     assert grpo_tools.TurnSampler(args, zero2, None, tokenizer).llm is None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The samplers at their edges, with stand-ins for vLLM's engine and HF generate
+
+
+class StandInEngine:
+    """vLLM's LLM as grpo_tools drives it, without a model: each turn of a trajectory writes a call,
+    CALL[0] 6 * 7 CALL[1], until the trajectory has made `calls` of them, then "Answer: 42" and EOS. It counts its
+    generate calls, sleeps, wake-ups and weight loads, and refuses to generate asleep. With several processes a sleep
+    and a wake-up are collectives, as vLLM's are with enable_nccl_comm_suspend: every process checks that all of
+    them make the same one (a process that sleeps more often than another breaks or hangs the run)."""
+
+    def __init__(self, tokenizer, calls):
+        from types import SimpleNamespace
+
+        self.tokenizer, self.calls, self.asleep = tokenizer, calls, False
+        self.counts = dict.fromkeys(["generate", "sleep", "wake_up", "reload_weights"], 0)
+        shutdown = SimpleNamespace(shutdown=lambda: None)
+        self.llm_engine = SimpleNamespace(model_config=SimpleNamespace(dtype=torch.float32), engine_core=shutdown)
+
+    def generate(self, requests, params, use_tqdm=True):
+        from types import SimpleNamespace
+
+        assert not self.asleep, "generate() on a sleeping engine"
+        self.counts["generate"] += 1
+        outputs = []
+        for request, p in zip(requests, params):
+            trajectory = self.tokenizer.decode(request["prompt_token_ids"]).rsplit("<|im_start|>assistant", 1)[1]
+            text = f"{CALL[0]}6 * 7{CALL[1]}" if trajectory.count(RESULT[0]) < self.calls else "Answer: 42"
+            ids = self.tokenizer(text, add_special_tokens=False).input_ids
+            ids = (ids + [self.tokenizer.eos_token_id] * text.startswith("Answer"))[: p.max_tokens]
+            logprobs = None if p.logprobs is None else [{t: SimpleNamespace(logprob=-0.5)} for t in ids]
+            outputs.append(SimpleNamespace(outputs=[SimpleNamespace(token_ids=ids, logprobs=logprobs)]))
+        return outputs
+
+    def sleep(self, level):
+        assert not self.asleep and level == 1
+        self.collective("sleep")
+        self.asleep = True
+
+    def wake_up(self):
+        assert self.asleep
+        self.collective("wake_up")
+        self.asleep = False
+
+    def collective(self, name):
+        self.counts[name] += 1
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            every = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(every, (name, self.counts[name]))
+            if len(set(every)) > 1:
+                raise RuntimeError(f"the processes' engines are out of step: {every}")
+
+    def collective_rpc(self, method, kwargs):
+        self.counts[method] += 1
+
+    def reset_prefix_cache(self):
+        pass
+
+
+def fake_vllm():
+    """The vllm package as grpo_tools imports it, for the stand-in engine: SamplingParams keeps its arguments."""
+    import types
+
+    module = types.ModuleType("vllm")
+    module.SamplingParams = types.SimpleNamespace
+    return module
+
+
+def install_stand_in_engine(monkeypatch, calls):
+    """grpo_tools samples from a StandInEngine per process (calls: {rank: the calls each trajectory makes}) and takes
+    --vllm_sleep on CPU (refused there: vLLM's sleep mode needs a GPU). Returns the list of engines started."""
+    from transformers import AutoTokenizer
+
+    engines, check = [], grpo_tools.check_common_args
+
+    def start_vllm(args, model_name_or_path, rank, world_size, cores, sleep=False):
+        engines.append(StandInEngine(AutoTokenizer.from_pretrained(model_name_or_path), calls[rank]))
+        return engines[-1]
+
+    def check_common_args(args, *rest, **kwargs):
+        sleep, args.vllm_sleep = args.vllm_sleep, False
+        check(args, *rest, **kwargs)
+        args.vllm_sleep = sleep
+
+    monkeypatch.setitem(sys.modules, "vllm", fake_vllm())
+    monkeypatch.setattr(grpo_tools, "start_vllm", start_vllm)
+    monkeypatch.setattr(grpo_tools, "check_common_args", check_common_args)
+    return engines
+
+
+@pytest.mark.slow
+def test_vllm_sleep_sleeps_once_per_rollout_not_once_per_turn(make_tool_args, monkeypatch):
+    """With --vllm_sleep the engine sleeps after each rollout (training and evaluation), not after each of its turns
+    (every turn would re-process its context after the caches were dropped), and wakes once before the next use."""
+    engines = install_stand_in_engine(monkeypatch, calls={0: 2})
+    rollouts, rollout_fn = [], grpo_tools.multi_turn_rollout
+
+    def spy(*args, **kwargs):
+        rollouts.append(rollout_fn(*args, **kwargs))
+        return rollouts[-1]
+
+    monkeypatch.setattr(grpo_tools, "multi_turn_rollout", spy)
+    grpo_tools.main(make_tool_args(vllm=True, vllm_sleep=True, total_steps=2, eval_every=0))
+    (engine,) = engines
+    assert all(turns == 3 for rollout in rollouts for turns in rollout.turns)  # 2 calls, then the answer
+    assert engine.counts["generate"] == 3 * len(rollouts) and len(rollouts) == 4  # evaluation, 2 steps, evaluation
+    assert engine.counts["sleep"] == len(rollouts) and engine.counts["wake_up"] == len(rollouts) - 1
+    assert engine.counts["reload_weights"] == 2 and engine.asleep
+
+
+TWO_PROCESSES_PROGRAM = """
+import importlib, json, os
+import pytest, tyro
+import grpo_tools
+
+args = tyro.cli(grpo_tools.Config)
+tests = importlib.import_module(os.environ["TEST_MODULE"])  # this file, for its stand-in engine
+engines = tests.install_stand_in_engine(pytest.MonkeyPatch(), calls={0: 2, 1: 0})
+grpo_tools.main(args)
+with open(os.path.join(os.environ["COUNTS_DIR"], f"rank{os.environ['RANK']}.json"), "w") as f:
+    json.dump(engines[0].counts, f)
+"""
+
+
+@pytest.mark.slow
+def test_two_processes_whose_trajectories_make_different_numbers_of_calls_do_not_hang(
+    tiny_model_dir, task_dir, tmp_path
+):
+    """2 processes, each with its engine: process 0's trajectories make 2 calls (3 turns), process 1's answer at
+    once (1 turn). Each process calls its engine's collectives (sleep, wake-up, weight load) as often as the other,
+    whatever its number of turns, so the run ends (a sleep per turn would leave process 0 in a collective process 1
+    never joins)."""
+    program, out = tmp_path / "two_processes.py", str(tmp_path / "runs")
+    program.write_text(TWO_PROCESSES_PROGRAM)
+    values = {**TOOL_ARGS, "vllm": True, "vllm_sleep": True, "eval_every": 0}
+    flags = strip_flags(fast_cli_flags(tiny_model_dir, task_dir, out, **values), "oversample")
+    env = subprocess_env()
+    env["PYTHONPATH"] = os.pathsep.join([REPO_ROOT, os.path.join(REPO_ROOT, "tests"), env["PYTHONPATH"]])
+    env["COUNTS_DIR"], env["TEST_MODULE"] = str(tmp_path), __name__
+    cmd = [accelerate_command(), "launch", "--multi_gpu", "--dynamo_backend", "no", "--num_processes", "2"]
+    cmd += ["--num_machines", "1", "--mixed_precision", "no", "--main_process_port", str(free_port())]
+    run_checked(cmd + [str(program), *flags], env, timeout=300)
+    counts = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert counts[0]["generate"] == 3 * counts[1]["generate"] > 0  # 3 turns per rollout against 1
+    for name in ("sleep", "wake_up", "reload_weights"):
+        assert counts[0][name] == counts[1][name] > 0, name
+
+
+def test_vllm_turns_are_cut_at_the_token_that_completes_the_call(tokenizer, monkeypatch):
+    """vLLM matches its stop string on its own incremental detokenisation and can return tokens past the one that
+    completed CALL[1], with their log-probs: the turn is cut there, as HF's are, so that they are not trained as the
+    policy's before the tool's output. The request asks for the stop string, kept in the output."""
+    from types import SimpleNamespace
+
+    monkeypatch.setitem(sys.modules, "vllm", fake_vllm())
+
+    def enc(text):
+        return tokenizer(text, add_special_tokens=False).input_ids
+
+    eos = tokenizer.eos_token_id
+    call, answer = enc("A <calc>2 * 3</calc>"), enc("Answer: 6") + [eos]
+    returned = {7: call + enc(" and on"), 8: answer}
+    assert returned[7][: len(call)] == call
+
+    class Engine:
+        def generate(self, requests, params, use_tqdm=True):
+            assert all(p.stop == [CALL[1]] and p.include_stop_str_in_output for p in params)
+            outputs = []
+            for request in requests:
+                ids = returned[request["prompt_token_ids"][0]]
+                logprobs = [{t: SimpleNamespace(logprob=-0.1 * (k + 1))} for k, t in enumerate(ids)]
+                outputs.append(SimpleNamespace(outputs=[SimpleNamespace(token_ids=ids, logprobs=logprobs)]))
+            return outputs
+
+    turns = grpo_tools.vllm_turns(Engine(), tokenizer, [[7, 1], [8, 1]], [32, 32], 1.0, 1.0, [eos])
+    assert turns[0] == (call, pytest.approx([-0.1 * (k + 1) for k in range(len(call))]))
+    assert turns[1] == (answer, pytest.approx([-0.1 * (k + 1) for k in range(len(answer))]))
+
+
+def test_hf_turns_find_the_end_of_a_call_in_linear_time(tokenizer):
+    """hf_turns cuts each row at its first stop id or at the token that completes CALL[1], decoding a bounded number
+    of tokens per token of the rows (not every prefix of them: quadratic in the length)."""
+    from transformers import GenerationConfig
+
+    def enc(text):
+        return tokenizer(text, add_special_tokens=False).input_ids
+
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    long_turn = enc(" word") * 400 + enc(" <calc>2 * 3</calc>")
+    rows = [long_turn + enc(" more") * 20, enc("Answer: 6") + [eos]]
+    rows[1] += [pad] * (len(rows[0]) - len(rows[1]))
+
+    class Generator(torch.nn.Module):  # HF generate's stand-in: the rows after the contexts
+        def __init__(self):
+            super().__init__()
+            self.weight, self.generation_config = torch.nn.Parameter(torch.zeros(1)), GenerationConfig()
+
+        def generate(self, input_ids, attention_mask, generation_config, **kwargs):
+            assert generation_config.stop_strings == [CALL[1]]
+            return torch.cat([input_ids, torch.tensor(rows)], 1)
+
+    decoded = []
+
+    class Counting:  # the tokenizer, counting the tokens it decodes
+        def __getattr__(self, name):
+            return getattr(tokenizer, name)
+
+        def decode(self, ids, **kwargs):
+            decoded.append(len(ids))
+            return tokenizer.decode(ids, **kwargs)
+
+    limits = [len(rows[0])] * 2
+    turns = grpo_tools.hf_turns(Generator(), Counting(), [[5, 6], [7]], limits, 1.0, 1.0, pad, [eos])
+    assert turns == [(long_turn, None), (enc("Answer: 6") + [eos], None)]
+    assert sum(decoded) <= 10 * len(rows[0]), sum(decoded)  # the old scan of every prefix: 80000 tokens
