@@ -36,7 +36,8 @@ Run on GPUs, e.g. TL;DR with a TL;DR reward model (4 learners, generators with H
         --dtype bfloat16 --response_length 53
 Two processes on CPU (gloo): accelerate launch --multi_gpu --num_processes 2 async_rlhf.py --no-vllm
 
-Read down to the line "PLUMBING": the arguments, the math, the reward and main() are the algorithm.
+Read down to the line "PLUMBING": the arguments, main() with the training loop, then the math and the reward it calls
+are the algorithm.
 """
 
 import collections
@@ -143,13 +144,103 @@ class Args:
     seed: int = 1
     """seed of the experiment; process r samples batch t with a seed made of (seed + r, t)"""
 
-    # Computed in main(), recorded in config.json (not flags)
+    # Computed by check_args from the flags above, recorded in config.json (not flags)
     num_completions: tyro.conf.Suppress[int] = 0
     """(computed) completions per prompt: 2 with dpo, rloo_k with rloo"""
     minibatch_size: tyro.conf.Suppress[int] = 0
     """(computed) prompts per process per optimizer step"""
     gradient_accumulation_steps: tyro.conf.Suppress[int] = 0
     """(computed) micro-batches per optimizer step"""
+
+
+def main(args: "Config"):
+    # Setup: processes, data, models, the generator, run folder (the helpers are below the fence).
+    check_args(args)  # one-line errors; fills the batch sizes
+    n, staleness = args.num_completions, 0 if args.sync else args.max_staleness  # N: the largest lag of a batch
+    # DeepSpeed's micro-batch is counted in rows (completions): micro_batch_size prompts with all their completions.
+    accelerator = make_accelerator(args.micro_batch_size * n, args.gradient_accumulation_steps, args.max_grad_norm)
+    rank, world_size, device = accelerator.process_index, accelerator.num_processes, accelerator.device
+    # vLLM's CPU worker replaces torch.set_num_threads by a no-op once it starts: keep the real one.
+    threads = (torch.set_num_threads, torch.get_num_threads())
+    tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code, args.prompt_template)
+    train_prompts, train_golds, eval_prompts, eval_golds, has_gold = load_judged_prompts(args, tokenizer, world_size)
+    run = Run(args, accelerator, RESUMABLE_ARGS)
+    set_seed(args.seed + rank)  # random, numpy and torch: a different sampling stream per process
+    # The learner's policy; the generator's models on its own device (a spare GPU, else the learner's): a policy
+    # copy for HF generate, the reference, the reward model. What depends on the batch only is computed while the
+    # learner trains.
+    model, _ = load_policy_and_reference(args, accelerator, tokenizer.pad_token_id, with_reference=False)
+    gen_models = load_generator_models(args, accelerator, tokenizer.pad_token_id)
+    trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters
+    optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay, eps=1e-8)
+    scheduler = make_scheduler(optimizer, args, args.total_steps * args.num_minibatches)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    generator = AsyncGenerator(args, accelerator, model, tokenizer, train_prompts, train_golds, gen_models, threads)
+    evaluation = functools.partial(evaluate, generator, eval_prompts, eval_golds, has_gold, args, accelerator)
+    start_step = run.start({"vllm": generator.gen_model is None})
+    generator.publish(start_step)  # the generator's first weights: the initial ones, or those --resume restored
+    if start_step == 0:
+        run.log(0, *evaluation(0))
+    generator.start(start_step)  # from here on it generates while the learner learns
+
+    try:
+        for step in range(start_step, args.total_steps):
+            metrics = run.begin_step(step)
+            # 1. Batch `step` from the generator (the learner idles here when generation is the slower side). Its lag,
+            # the number of updates between the weights that generated it and the learner's, is at most N.
+            batch, generation_metrics = generator.next_batch(step)  # rows i * n .. i * n + n - 1 answer prompt i
+            lag = step - batch["version"]
+            if batch["step"] != step or not 0 <= lag <= staleness:
+                raise RuntimeError(
+                    f"step {step + 1}: got batch {batch['step']} from weights version {batch['version']}: lag {lag} "
+                    f"breaks max_staleness {staleness}"
+                )
+            metrics |= generation_metrics | {"policy/lag": lag, "policy/generator_version": batch["version"]}
+
+            # 2. Judge: one score per completion [nP]. The reward model's came with the batch; the verifier judges
+            # here, in the main thread. A completion without EOS scores missing_eos_penalty.
+            scores = batch["scores"]
+            if scores is None:
+                with run.timed("time/reward"):
+                    scores = verifier_scores(batch["texts"], batch["golds"]).to(device)
+            run.check(scores, "objective/scores")
+            judged = penalize_missing_eos(scores, batch["has_eos"], args.missing_eos_penalty)
+            metrics["objective/scores"] = judged.mean().item()
+            if has_gold:
+                correct = scores.cpu() if args.judge == "verifier" else verifier_scores(batch["texts"], batch["golds"])
+                metrics["objective/accuracy"] = correct.float().mean().item()
+            metrics["objective/response_length"] = batch["mask"].sum(1).float().mean().item()
+            metrics["val/num_eos_tokens"] = batch["has_eos"].sum().item()
+
+            # 3. Update on the batch: online DPO on pairs, or PPO-clipped RLOO (each in its own function above).
+            with run.timed("time/training"):
+                update = dpo_update if args.loss == "dpo" else rloo_update
+                step_metrics, everywhere = update(
+                    model,
+                    optimizer,
+                    scheduler,
+                    accelerator,
+                    args,
+                    batch,
+                    scores if args.loss == "dpo" else judged,
+                    run,
+                )
+            metrics |= step_metrics | everywhere  # everywhere: the pair statistics, already over every process
+            metrics["perf/train_tokens_per_second"] = int(batch["attention_mask"].sum()) * 2 / metrics["time/training"]
+
+            # 4. Weight sync: publish the new weights (version step + 1); the generator loads them before its next
+            # batch, while the learner goes on.
+            with run.timed("time/weight_sync"):
+                generator.publish(step + 1)
+
+            # 5. Log (averaged over processes), evaluate (the last evaluation once every batch is made), checkpoint.
+            run.end_step(n * args.prompts_per_rank * world_size, evaluation)
+    finally:
+        generator.close()  # whatever happened (the last step, an error in either thread): no generator left behind
+
+    save_policy(accelerator, model, tokenizer, os.path.join(run.dir, "model"))
+    run.finish()
+    return run.dir
 
 
 def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta, loss_type):
@@ -552,96 +643,6 @@ def rloo_update(model, optimizer, scheduler, accelerator, args, batch, judged, r
     return metrics, {}
 
 
-def main(args: "Config"):
-    # Setup: processes, data, models, the generator, run folder (the helpers are below the fence).
-    check_args(args)  # one-line errors; fills the batch sizes
-    n, staleness = args.num_completions, 0 if args.sync else args.max_staleness  # N: the largest lag of a batch
-    # DeepSpeed's micro-batch is counted in rows (completions): micro_batch_size prompts with all their completions.
-    accelerator = make_accelerator(args.micro_batch_size * n, args.gradient_accumulation_steps, args.max_grad_norm)
-    rank, world_size, device = accelerator.process_index, accelerator.num_processes, accelerator.device
-    # vLLM's CPU worker replaces torch.set_num_threads by a no-op once it starts: keep the real one.
-    threads = (torch.set_num_threads, torch.get_num_threads())
-    tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code, args.prompt_template)
-    train_prompts, train_golds, eval_prompts, eval_golds, has_gold = load_judged_prompts(args, tokenizer, world_size)
-    run = Run(args, accelerator, RESUMABLE_ARGS)
-    set_seed(args.seed + rank)  # random, numpy and torch: a different sampling stream per process
-    # The learner's policy; the generator's models on its own device (a spare GPU, else the learner's): a policy
-    # copy for HF generate, the reference, the reward model. What depends on the batch only is computed while the
-    # learner trains.
-    model, _ = load_policy_and_reference(args, accelerator, tokenizer.pad_token_id, with_reference=False)
-    gen_models = load_generator_models(args, accelerator, tokenizer.pad_token_id)
-    trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters
-    optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay, eps=1e-8)
-    scheduler = make_scheduler(optimizer, args, args.total_steps * args.num_minibatches)
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    generator = AsyncGenerator(args, accelerator, model, tokenizer, train_prompts, train_golds, gen_models, threads)
-    evaluation = functools.partial(evaluate, generator, eval_prompts, eval_golds, has_gold, args, accelerator)
-    start_step = run.start({"vllm": generator.gen_model is None})
-    generator.publish(start_step)  # the generator's first weights: the initial ones, or those --resume restored
-    if start_step == 0:
-        run.log(0, *evaluation(0))
-    generator.start(start_step)  # from here on it generates while the learner learns
-
-    try:
-        for step in range(start_step, args.total_steps):
-            metrics = run.begin_step(step)
-            # 1. Batch `step` from the generator (the learner idles here when generation is the slower side). Its lag,
-            # the number of updates between the weights that generated it and the learner's, is at most N.
-            batch, generation_metrics = generator.next_batch(step)  # rows i * n .. i * n + n - 1 answer prompt i
-            lag = step - batch["version"]
-            if batch["step"] != step or not 0 <= lag <= staleness:
-                raise RuntimeError(
-                    f"step {step + 1}: got batch {batch['step']} from weights version {batch['version']}: lag {lag} "
-                    f"breaks max_staleness {staleness}"
-                )
-            metrics |= generation_metrics | {"policy/lag": lag, "policy/generator_version": batch["version"]}
-
-            # 2. Judge: one score per completion [nP]. The reward model's came with the batch; the verifier judges
-            # here, in the main thread. A completion without EOS scores missing_eos_penalty.
-            scores = batch["scores"]
-            if scores is None:
-                with run.timed("time/reward"):
-                    scores = verifier_scores(batch["texts"], batch["golds"]).to(device)
-            run.check(scores, "objective/scores")
-            judged = penalize_missing_eos(scores, batch["has_eos"], args.missing_eos_penalty)
-            metrics["objective/scores"] = judged.mean().item()
-            if has_gold:
-                correct = scores.cpu() if args.judge == "verifier" else verifier_scores(batch["texts"], batch["golds"])
-                metrics["objective/accuracy"] = correct.float().mean().item()
-            metrics["objective/response_length"] = batch["mask"].sum(1).float().mean().item()
-            metrics["val/num_eos_tokens"] = batch["has_eos"].sum().item()
-
-            # 3. Update on the batch: online DPO on pairs, or PPO-clipped RLOO (each in its own function above).
-            with run.timed("time/training"):
-                update = dpo_update if args.loss == "dpo" else rloo_update
-                step_metrics, everywhere = update(
-                    model,
-                    optimizer,
-                    scheduler,
-                    accelerator,
-                    args,
-                    batch,
-                    scores if args.loss == "dpo" else judged,
-                    run,
-                )
-            metrics |= step_metrics | everywhere  # everywhere: the pair statistics, already over every process
-            metrics["perf/train_tokens_per_second"] = int(batch["attention_mask"].sum()) * 2 / metrics["time/training"]
-
-            # 4. Weight sync: publish the new weights (version step + 1); the generator loads them before its next
-            # batch, while the learner goes on.
-            with run.timed("time/weight_sync"):
-                generator.publish(step + 1)
-
-            # 5. Log (averaged over processes), evaluate (the last evaluation once every batch is made), checkpoint.
-            run.end_step(n * args.prompts_per_rank * world_size, evaluation)
-    finally:
-        generator.close()  # whatever happened (the last step, an error in either thread): no generator left behind
-
-    save_policy(accelerator, model, tokenizer, os.path.join(run.dir, "model"))
-    run.finish()
-    return run.dir
-
-
 # =====================================================================================================================
 # PLUMBING: everything below serves main() and is not needed to follow the algorithm; a reader may stop here.
 # A definition with the same name is identical in every script that has it (tests/test_drift.py checks).
@@ -740,7 +741,7 @@ class RunArgs:
     num_samples_logged: int = 8
     """how many evaluation completions go to the sample table"""
 
-    # Computed in main(), recorded in config.json (not flags)
+    # Computed by Run, recorded in config.json (not flags)
     run_name: tyro.conf.Suppress[str] = ""
     """(computed) {task}__{exp_name}__{seed}__{unix_time}"""
     world_size: tyro.conf.Suppress[int] = 0

@@ -30,13 +30,13 @@ Run on GPUs (one vLLM engine per process, colocated with the trainer), e.g. TL;D
         --dtype bfloat16 --response_length 53
     accelerate launch --config_file benchmark/accelerate_configs/deepspeed_zero2.yaml dpo_online.py ...
 Two processes on CPU (gloo): accelerate launch --multi_gpu --num_processes 2 dpo_online.py --no-vllm
-Read down to the line "PLUMBING": the arguments, the math, the reward and main() are the algorithm.
+Read down to the line "PLUMBING": the arguments, main() with the training loop, then the math and the reward it calls
+are the algorithm.
 """
 
 import collections
 import contextlib
 import functools
-import inspect
 import itertools
 import json
 import logging
@@ -126,11 +126,132 @@ class Args:
     seed: int = 1
     """seed of the experiment; process r samples with seed + r"""
 
-    # Computed in main(), recorded in config.json (not flags)
+    # Computed by check_args from the flags above, recorded in config.json (not flags)
     minibatch_size: tyro.conf.Suppress[int] = 0
     """(computed) pairs per process per optimizer step"""
     gradient_accumulation_steps: tyro.conf.Suppress[int] = 0
     """(computed) micro-batches per optimizer step"""
+
+
+def main(args: "Config"):
+    # Setup: processes, data, models, sampler, run folder (the helpers are below the fence).
+    check_args(args)  # one-line errors; fills the batch sizes
+    # DeepSpeed's micro-batch counts sequences: a micro-batch of pairs is its chosen and its rejected completions.
+    accelerator = make_accelerator(2 * args.micro_batch_size, args.gradient_accumulation_steps, args.max_grad_norm)
+    rank, world_size, device = accelerator.process_index, accelerator.num_processes, accelerator.device
+    tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code, args.prompt_template)
+    train_prompts, train_golds, eval_prompts, eval_golds, has_gold = load_judged_prompts(args, tokenizer, world_size)
+    run = Run(args, accelerator, RESUMABLE_ARGS)
+    set_seed(args.seed + rank)  # random, numpy and torch: a different sampling stream per process
+    model, ref_model, reward_models = load_dpo_models(args, accelerator, tokenizer.pad_token_id)
+    trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters
+    optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay, eps=1e-8)
+    scheduler = make_scheduler(optimizer, args, args.total_steps * args.num_minibatches)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    unwrapped = accelerator.unwrap_model(model)
+    sampler = Sampler(args, accelerator, unwrapped, tokenizer)
+    loss_flags = dict(  # online_dpo_loss's flags (it takes tensors and scalars, not args)
+        beta=args.beta, loss_type=args.loss_type, tis_cap=args.tis_cap, kl_estimator=args.kl_estimator
+    )
+    logprobs_fn = shared_prompt_logprobs if args.shared_prompt else response_logprobs  # a pair shares its prompt
+    eval_set = (eval_prompts, eval_golds)
+    evaluation = functools.partial(evaluate, sampler, eval_set, has_gold, reward_models, ref_model, args, accelerator)
+    ensemble = (args.reward_ensemble, args.uwo_coef)  # how several reward models' scores combine
+    start_step = run.start({"vllm": sampler.llm is not None})
+    if start_step > 0:
+        sampler.sync_weights()
+    else:
+        run.log(0, *evaluation(0))
+
+    P = args.prompts_per_rank  # pairs per process and step
+    for step in range(start_step, args.total_steps):
+        metrics = run.begin_step(step)
+        # 1. Prompts: each process takes its slice of a global order that is a function of (seed, step), so that
+        # --resume repeats it.
+        indices = step_prompt_indices(step, P, len(train_prompts), args.seed, rank, world_size)
+        prompts = [train_prompts[i] for i in indices]
+        golds = [train_golds[i] for i in indices for _ in range(2)]  # [2P], one per completion
+
+        # 2. Rollout: two completions per prompt from the current policy; rows 2i and 2i + 1 answer prompt i.
+        # responses, mask [2P, R].
+        with run.timed("time/generation"):
+            responses, mask, sampler_logprobs, texts = sampler.generate(prompts, 2, args.temperature)
+        metrics["perf/generation_tokens_per_second"] = mask.sum().item() / metrics["time/generation"]
+        has_eos = contains_eos(responses, mask, sampler.stop_ids)  # [2P]
+        query_responses, attention_mask, mask, sampler_logprobs, context_length = training_batch(
+            prompts, 2, responses, mask, sampler_logprobs, tokenizer.pad_token_id, device
+        )
+
+        # 3. Judge: one score per completion [2P]; a finished completion beats one without EOS, else the higher score
+        # is chosen. chosen, rejected [P] are row indices; a tie (equal scores) says nothing: keep 0.
+        with run.timed("time/reward"):
+            scores, member_scores = judge_completions(
+                args.judge, reward_models, query_responses, attention_mask, texts, golds, accelerator, *ensemble
+            )
+            run.check(scores, "objective/scores")
+            chosen, rejected, tie, judged = assign_preferences(
+                scores, has_eos.to(scores.device), args.missing_eos_penalty
+            )
+        chosen, rejected, keep = chosen.to(device), rejected.to(device), (~tie).float().to(device)
+        correct = None  # the verifier's verdicts, reported when the dataset has gold answers
+        if has_gold:
+            correct = scores.cpu() if args.judge == "verifier" else verifier_verdicts(texts, golds)
+        metrics |= judge_metrics(judged, chosen, rejected, tie, correct, mask, has_eos)
+        if member_scores is not None and len(member_scores) > 1:  # an ensemble: each member's own mean score too
+            metrics |= {f"objective/scores_member_{k}": score.mean().item() for k, score in enumerate(member_scores)}
+
+        # 4. The reference's log-probs of every completion [2P, R], in the micro-batches of the update (b pairs: their
+        # chosen rows, then their rejected rows) and under the policy's autocast (accelerate autocasts the prepared
+        # model only): before the first update the policy's equal them bit for bit, and h is exactly 0.
+        t_train = time.time()
+        schedule = list(micro_batches(P, args.minibatch_size, args.micro_batch_size, num_epochs=1, seed=args.seed))
+        row_batches = [torch.cat([chosen[mb.rows], rejected[mb.rows]]) for mb in schedule]
+        batch = (query_responses, attention_mask, context_length, args.temperature)
+        ref_context = unwrapped.disable_adapter() if args.lora_r > 0 else contextlib.nullcontext()
+        model.eval()
+        with ref_context, accelerator.autocast():
+            ref_logprobs = fixed_logprobs_of_rows(logprobs_fn, ref_model or model, *batch, row_batches)
+
+        # 5. DPO update: one pass over the pairs in rollout order, in minibatches (one optimizer step each) of
+        # micro-batches (gradient accumulation).
+        model.train()
+        pair_stats = []  # (pairs, rows, their stats) of each micro-batch
+        for mb, rows in zip(schedule, row_batches):
+            if mb.first:  # the minibatch's kept pairs, their mean count per process
+                normalizer = accelerator.reduce(keep[mb.minibatch].sum().double(), "sum").clamp(min=1) / world_size
+            # Gradients sync over processes on the minibatch's last micro-batch (where DeepSpeed also steps).
+            with accelerator.accumulate(model):
+                logprobs = logprobs_fn(
+                    model, query_responses[rows], attention_mask[rows], context_length, args.temperature
+                )[0]
+                sampled = take(sampler_logprobs, rows)  # vLLM's, or None
+                loss, stats, per_pair = online_dpo_loss(
+                    logprobs, ref_logprobs[rows], sampled, mask[rows], keep[mb.rows], normalizer, **loss_flags
+                )
+                run.check(loss, "loss/dpo")
+                # accelerate (and DeepSpeed) divide a micro-batch's loss by gradient_accumulation_steps, to average
+                # micro-batch means; these losses are shares that already sum to the minibatch's.
+                accelerator.backward(loss * args.gradient_accumulation_steps)
+            run.add(stats)
+            pair_stats.append((mb.rows, rows, per_pair))
+            if mb.last:  # one optimizer step per minibatch
+                optimizer_step(accelerator, model, optimizer, scheduler, run)
+        metrics["time/training"] = time.time() - t_train
+        metrics |= pair_metrics(pair_stats, keep, accelerator)  # over all kept pairs (a collective)
+        train_tokens = int(attention_mask.sum()) * 2  # the reference's pass and the policy's
+        metrics["perf/train_tokens_per_second"] = train_tokens / metrics["time/training"]
+
+        # 6. Weight sync: the sampler generates the next batch with the new policy.
+        with run.timed("time/weight_sync"):
+            sampler.sync_weights()
+
+        # 7. Log (averaged over processes), evaluate, checkpoint.
+        run.end_step(2 * P * world_size, evaluation)
+
+    save_policy(accelerator, model, tokenizer, os.path.join(run.dir, "model"))
+    sampler.close()
+    run.finish()
+    return run.dir
 
 
 def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta, loss_type):
@@ -471,124 +592,6 @@ def judge_metrics(judged, chosen, rejected, tie, correct, mask, has_eos):
     return metrics
 
 
-def main(args: "Config"):
-    # Setup: processes, data, models, sampler, run folder (the helpers are below the fence).
-    check_args(args)  # one-line errors; fills the batch sizes
-    # DeepSpeed's micro-batch counts sequences: a micro-batch of pairs is its chosen and its rejected completions.
-    accelerator = make_accelerator(2 * args.micro_batch_size, args.gradient_accumulation_steps, args.max_grad_norm)
-    rank, world_size, device = accelerator.process_index, accelerator.num_processes, accelerator.device
-    tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code, args.prompt_template)
-    train_prompts, train_golds, eval_prompts, eval_golds, has_gold = load_judged_prompts(args, tokenizer, world_size)
-    run = Run(args, accelerator, RESUMABLE_ARGS)
-    set_seed(args.seed + rank)  # random, numpy and torch: a different sampling stream per process
-    model, ref_model, reward_models = load_dpo_models(args, accelerator, tokenizer.pad_token_id)
-    trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters
-    optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay, eps=1e-8)
-    scheduler = make_scheduler(optimizer, args, args.total_steps * args.num_minibatches)
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    unwrapped = accelerator.unwrap_model(model)
-    sampler = Sampler(args, accelerator, unwrapped, tokenizer)
-    # online_dpo_loss takes tensors and scalars: its keyword-only arguments are the flags of the same names.
-    loss_flags = {name: getattr(args, name) for name in inspect.getfullargspec(online_dpo_loss).kwonlyargs}
-    logprobs_fn = shared_prompt_logprobs if args.shared_prompt else response_logprobs  # a pair shares its prompt
-    eval_set = (eval_prompts, eval_golds)
-    evaluation = functools.partial(evaluate, sampler, eval_set, has_gold, reward_models, ref_model, args, accelerator)
-    ensemble = (args.reward_ensemble, args.uwo_coef)  # how several reward models' scores combine
-    start_step = run.start({"vllm": sampler.llm is not None})
-    if start_step > 0:
-        sampler.sync_weights()
-    else:
-        run.log(0, *evaluation(0))
-
-    P = args.prompts_per_rank  # pairs per process and step
-    for step in range(start_step, args.total_steps):
-        metrics = run.begin_step(step)
-        # 1. Prompts: each process takes its slice of a global order that is a function of (seed, step), so that
-        # --resume repeats it.
-        indices = step_prompt_indices(step, P, len(train_prompts), args.seed, rank, world_size)
-        prompts = [train_prompts[i] for i in indices]
-        golds = [train_golds[i] for i in indices for _ in range(2)]  # [2P], one per completion
-
-        # 2. Rollout: two completions per prompt from the current policy; rows 2i and 2i + 1 answer prompt i.
-        # responses, mask [2P, R].
-        with run.timed("time/generation"):
-            responses, mask, sampler_logprobs, texts = sampler.generate(prompts, 2, args.temperature)
-        metrics["perf/generation_tokens_per_second"] = mask.sum().item() / metrics["time/generation"]
-        has_eos = contains_eos(responses, mask, sampler.stop_ids)  # [2P]
-        query_responses, attention_mask, mask, sampler_logprobs, context_length = training_batch(
-            prompts, 2, responses, mask, sampler_logprobs, tokenizer.pad_token_id, device
-        )
-
-        # 3. Judge: one score per completion [2P]; a finished completion beats one without EOS, else the higher score
-        # is chosen. chosen, rejected [P] are row indices; a tie (equal scores) says nothing: keep 0.
-        with run.timed("time/reward"):
-            scores, member_scores = judge_completions(
-                args.judge, reward_models, query_responses, attention_mask, texts, golds, accelerator, *ensemble
-            )
-            run.check(scores, "objective/scores")
-            chosen, rejected, tie, judged = assign_preferences(
-                scores, has_eos.to(scores.device), args.missing_eos_penalty
-            )
-        chosen, rejected, keep = chosen.to(device), rejected.to(device), (~tie).float().to(device)
-        correct = None  # the verifier's verdicts, reported when the dataset has gold answers
-        if has_gold:
-            correct = scores.cpu() if args.judge == "verifier" else verifier_verdicts(texts, golds)
-        metrics |= judge_metrics(judged, chosen, rejected, tie, correct, mask, has_eos)
-        if member_scores is not None and len(member_scores) > 1:  # an ensemble: each member's own mean score too
-            metrics |= {f"objective/scores_member_{k}": score.mean().item() for k, score in enumerate(member_scores)}
-
-        # 4. The reference's log-probs of every completion [2P, R], in the micro-batches of the update (b pairs: their
-        # chosen rows, then their rejected rows) and under the policy's autocast (accelerate autocasts the prepared
-        # model only): before the first update the policy's equal them bit for bit, and h is exactly 0.
-        t_train = time.time()
-        schedule = list(micro_batches(P, args.minibatch_size, args.micro_batch_size, num_epochs=1, seed=args.seed))
-        row_batches = [torch.cat([chosen[mb.rows], rejected[mb.rows]]) for mb in schedule]
-        batch = (query_responses, attention_mask, context_length, args.temperature)
-        ref_context = unwrapped.disable_adapter() if args.lora_r > 0 else contextlib.nullcontext()
-        model.eval()
-        with ref_context, accelerator.autocast():
-            ref_logprobs = fixed_logprobs_of_rows(logprobs_fn, ref_model or model, *batch, row_batches)
-
-        # 5. DPO update: one pass over the pairs in rollout order, in minibatches (one optimizer step each) of
-        # micro-batches (gradient accumulation).
-        model.train()
-        pair_stats = []  # (pairs, rows, their stats) of each micro-batch
-        for mb, rows in zip(schedule, row_batches):
-            if mb.first:  # the minibatch's kept pairs, their mean count per process
-                normalizer = accelerator.reduce(keep[mb.minibatch].sum().double(), "sum").clamp(min=1) / world_size
-            # Gradients sync over processes on the minibatch's last micro-batch (where DeepSpeed also steps).
-            with accelerator.accumulate(model):
-                logprobs = logprobs_fn(model, query_responses[rows], attention_mask[rows], *batch[2:])[0]
-                sampled = take(sampler_logprobs, rows)  # vLLM's, or None
-                loss, stats, per_pair = online_dpo_loss(
-                    logprobs, ref_logprobs[rows], sampled, mask[rows], keep[mb.rows], normalizer, **loss_flags
-                )
-                run.check(loss, "loss/dpo")
-                # accelerate (and DeepSpeed) divide a micro-batch's loss by gradient_accumulation_steps, to average
-                # micro-batch means; these losses are shares that already sum to the minibatch's.
-                accelerator.backward(loss * args.gradient_accumulation_steps)
-            run.add(stats)
-            pair_stats.append((mb.rows, rows, per_pair))
-            if mb.last:  # one optimizer step per minibatch
-                optimizer_step(accelerator, model, optimizer, scheduler, run)
-        metrics["time/training"] = time.time() - t_train
-        metrics |= pair_metrics(pair_stats, keep, accelerator)  # over all kept pairs (a collective)
-        train_tokens = int(attention_mask.sum()) * 2  # the reference's pass and the policy's
-        metrics["perf/train_tokens_per_second"] = train_tokens / metrics["time/training"]
-
-        # 6. Weight sync: the sampler generates the next batch with the new policy.
-        with run.timed("time/weight_sync"):
-            sampler.sync_weights()
-
-        # 7. Log (averaged over processes), evaluate, checkpoint.
-        run.end_step(2 * P * world_size, evaluation)
-
-    save_policy(accelerator, model, tokenizer, os.path.join(run.dir, "model"))
-    sampler.close()
-    run.finish()
-    return run.dir
-
-
 # =====================================================================================================================
 # PLUMBING: everything below serves main() and is not needed to follow the algorithm; a reader may stop here.
 # A definition with the same name is identical in every script that has it (tests/test_drift.py checks).
@@ -683,7 +686,7 @@ class RunArgs:
     num_samples_logged: int = 8
     """how many evaluation completions go to samples.jsonl"""
 
-    # Computed in main(), recorded in config.json (not flags)
+    # Computed by Run, recorded in config.json (not flags)
     run_name: tyro.conf.Suppress[str] = ""
     """(computed) {task}__{exp_name}__{seed}__{unix_time}"""
     world_size: tyro.conf.Suppress[int] = 0

@@ -19,13 +19,13 @@ Run on GPUs (one vLLM engine per process, colocated with the trainer):
     accelerate launch --config_file benchmark/accelerate_configs/deepspeed_zero2.yaml grpo_math.py ...
 Two processes on CPU (gloo): accelerate launch --multi_gpu --num_processes 2 grpo_math.py --no-vllm
 
-Read down to the line "PLUMBING": the arguments, the math, the reward and main() are the algorithm.
+Read down to the line "PLUMBING": the arguments, main() with the training loop, then the math and the reward it calls
+are the algorithm.
 """
 
 import collections
 import contextlib
 import functools
-import inspect
 import itertools
 import json
 import logging
@@ -129,13 +129,159 @@ class Args:
     seed: int = 1
     """seed of the experiment; process r samples with seed + r"""
 
-    # Computed in main(), recorded in config.json (not flags)
+    # Computed by check_args from the flags above, recorded in config.json (not flags)
     batch_size: tyro.conf.Suppress[int] = 0
     """(computed) completions per process per step: prompts_per_rank * num_generations"""
     minibatch_size: tyro.conf.Suppress[int] = 0
     """(computed) completions per process per optimizer step"""
     gradient_accumulation_steps: tyro.conf.Suppress[int] = 0
     """(computed) micro-batches per optimizer step"""
+
+
+def resolve_defaults(args):
+    """What None means for the flags whose default depends on another (config.json records the result): at the
+    sequence level GSPO's clip range 3e-4 / 4e-4, its mean of sequence losses (arXiv 2507.18071, Sec. 5.1: with a
+    token mean a sequence weighs by its length, and a 0.2 clip hardly ever binds on a geometric-mean ratio) and no KL
+    term (beta 0, as in the paper's objective and TRL's GSPO recipe), else 0.2 / 0.2, the token mean and beta 0.04;
+    truncated IS at cap 2 unless a mask range is given (IcePop: the kept tokens carry their ratio)."""
+    gspo = args.importance_sampling_level == "sequence"
+    defaults = dict(clip_eps_low=3e-4 if gspo else 0.2, clip_eps_high=4e-4 if gspo else 0.2)
+    defaults |= dict(loss_type="seq_mean_token_mean" if gspo else "token_mean", beta=0.0 if gspo else 0.04)
+    defaults |= dict(tis_cap=2.0 if args.mis_range is None else 0.0)
+    filled = {name: value for name, value in defaults.items() if getattr(args, name) is None}
+    for name, value in filled.items():
+        setattr(args, name, value)
+    gspo_filled = {name: value for name, value in filled.items() if gspo and name != "tis_cap"}
+    if gspo_filled:
+        warnings.warn(f"GSPO's defaults at the sequence level: {gspo_filled}", stacklevel=2)
+    return args
+
+
+def main(args: "Config"):
+    # Setup: processes, data, models, sampler, run folder (the helpers are below the fence).
+    check_args(args)  # one-line errors; fills the defaults that depend on other flags (GSPO's) and the batch sizes
+    G = args.num_generations  # the group size
+    accelerator = make_accelerator(args.micro_batch_size, args.gradient_accumulation_steps, args.max_grad_norm)
+    rank, world_size, device = accelerator.process_index, accelerator.num_processes, accelerator.device
+    tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code, args.prompt_template)
+    train_prompts, train_golds, eval_sets = load_math_prompts(args, tokenizer, world_size)
+    run = Run(args, accelerator, RESUMABLE_ARGS)
+    set_seed(args.seed + rank)  # random, numpy and torch: a different sampling stream per process
+    model, ref_model = load_policy_and_reference(args, accelerator, tokenizer.pad_token_id, args.beta > 0)
+    trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters
+    optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay, eps=1e-8)
+    scheduler = make_scheduler(optimizer, args, args.total_steps * args.num_iterations * args.num_minibatches)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    sampler = Sampler(args, accelerator, accelerator.unwrap_model(model), tokenizer)
+    loss_flags = dict(  # grpo_loss's flags (it takes tensors and scalars, not args)
+        importance_sampling_level=args.importance_sampling_level, clip_eps_low=args.clip_eps_low,
+        clip_eps_high=args.clip_eps_high, cispo_cap=args.cispo_cap, mis_range=args.mis_range, mis_level=args.mis_level,
+        tis_cap=args.tis_cap, entropy_coef=args.entropy_coef, beta=args.beta, kl_estimator=args.kl_estimator,
+        loss_type=args.loss_type, response_length=args.response_length,
+    )  # fmt: skip
+    logprobs_fn = shared_prompt_logprobs if args.shared_prompt else response_logprobs  # the same log-probs
+    evaluation = functools.partial(evaluate, sampler, eval_sets, args, accelerator, tokenizer)  # (step) -> metrics
+    start_step = run.start({"vllm": sampler.llm is not None})
+    if start_step > 0:
+        sampler.sync_weights()
+    else:
+        run.log(0, *evaluation(0))
+
+    for step in range(start_step, args.total_steps):
+        metrics = run.begin_step(step)
+        # 1. Prompts: each process takes its slice of a global order that is a function of (seed, step), so that
+        # --resume repeats it (oversample times as many prompts with dynamic sampling).
+        num_sampled = args.prompts_per_rank * args.oversample
+        indices = step_prompt_indices(step, num_sampled, len(train_prompts), args.seed, rank, world_size)
+        prompts, golds = [train_prompts[i] for i in indices], [train_golds[i] for i in indices for _ in range(G)]
+
+        # 2. Rollout: G completions per prompt, consecutive. responses, mask [num_sampled * G, R].
+        with run.timed("time/generation"):
+            responses, mask, sampler_logprobs, texts = sampler.generate(prompts, G, args.temperature)
+        metrics["perf/generation_tokens_per_second"] = mask.sum().item() / metrics["time/generation"]
+
+        # 3. Rewards from the verifier. The objective/ metrics describe everything sampled.
+        with run.timed("time/reward"):
+            rewards, correct, formatted = compute_rewards(texts, golds, args.format_reward)
+        if args.overlong_buffer:  # DAPO's soft overlong punishment
+            rewards = rewards + overlong_penalty(mask.sum(1), args.response_length, args.overlong_buffer)
+        run.check(rewards, "objective/scores")
+        metrics |= rollout_metrics(rewards, correct, formatted, responses, mask, G, sampler.stop_ids)
+        if args.oversample > 1:  # dynamic sampling: train on prompts_per_rank groups, those with a signal first; the
+            # signal is accuracy (DAPO), not the length shaping, which separates completions of any group [B]
+            keep = select_groups(correct, G, args.prompts_per_rank)
+            responses, mask, rewards, correct = responses[keep], mask[keep], rewards[keep], correct[keep]
+            sampler_logprobs = take(sampler_logprobs, keep)
+            prompts = [prompts[i // G] for i in keep[::G].tolist()]
+            metrics["objective/zero_std_groups_trained"] = (correct.view(-1, G).std(1) == 0).float().mean().item()
+        query_responses, attention_mask, mask, sampler_logprobs, context_length = training_batch(
+            prompts, G, responses, mask, sampler_logprobs, tokenizer.pad_token_id, device
+        )
+        sampled_mask = mask  # every sampled token, for the diagnostics
+        if args.overlong_filtering:  # DAPO: completions cut at response_length (no stop token) leave the loss
+            mask = mask * stopped(query_responses[:, context_length:], mask, sampler.stop_ids)
+
+        # 4. Advantages, each completion against its own group, on every process's rewards together (gather keeps
+        # rank order) so that scale_rewards="batch" uses the whole batch's std. [B]
+        all_rewards = accelerator.gather(rewards.to(device))  # [world_size * B]
+        advantages = group_advantages(all_rewards, G, args.scale_rewards).view(world_size, -1)[rank]
+
+        # 5. Log-probs that stay fixed during the update [B, R]: the old policy's (only when the batch is reused, else
+        # the first pass is exactly on-policy); the reference's under the policy's autocast (KL 0 before any update).
+        t_train = time.time()
+        batch = (query_responses, attention_mask, context_length, args.temperature, args.micro_batch_size)
+        reuse = args.num_iterations > 1 or args.num_minibatches > 1
+        model.eval()
+        old_logprobs = fixed_logprobs(logprobs_fn, model, *batch) if reuse else None
+        ref_logprobs = reference_logprobs(logprobs_fn, model, ref_model, accelerator, batch) if args.beta > 0 else None
+
+        # 6. Policy update: num_iterations passes over the batch (the first in rollout order), each split into
+        # minibatches (one optimizer step each), each into micro-batches (gradient accumulation).
+        model.train()
+        sizes = (args.batch_size, args.minibatch_size, args.micro_batch_size)  # rows per batch, minibatch, micro-batch
+        for mb in micro_batches(*sizes, args.num_iterations, seed=args.seed * 7919 + step):
+            if mb.first:  # token_mean's count: the minibatch's tokens averaged over processes (DDP averages too)
+                mb_tokens = accelerator.reduce(mask[mb.minibatch].sum(), "mean").clamp(min=1)
+                minibatch_loss = 0.0
+            idx = mb.rows.to(device)
+            # Gradients sync over processes on the minibatch's last micro-batch (where DeepSpeed also steps).
+            with accelerator.accumulate(model):
+                logprobs, logits = logprobs_fn(
+                    model, query_responses[idx], attention_mask[idx], context_length, args.temperature
+                )
+                old = old_logprobs[idx] if reuse else logprobs.detach()
+                ref, sampled, adv = take(ref_logprobs, idx), take(sampler_logprobs, idx), advantages[idx]
+                loss, stats = grpo_loss(
+                    logprobs, old, ref, sampled, adv, mask[idx], logits, mb_tokens, len(mb.minibatch), **loss_flags
+                )
+                run.check(loss, "loss/policy")
+                # The loss is this micro-batch's share of the minibatch's (aggregate_loss): undo accelerate's / steps.
+                accelerator.backward(loss * args.gradient_accumulation_steps)
+            minibatch_loss += loss.item()
+            if mb.update == 0:  # ratio 1, approxkl 0 on a fresh batch's first minibatch
+                run.add({f"{name}_first_minibatch": stats[name] for name in ("policy/ratio", "policy/approxkl")})
+            if mb.epoch == 0:  # the policy's entropy (first minibatch) and its gap to the sampler's
+                stats |= first_pass_stats(logits, old, sampled, sampled_mask[idx], mb.update == 0)
+            run.add(stats)
+            del logits
+            if mb.last:  # one optimizer step per minibatch
+                optimizer_step(accelerator, model, optimizer, scheduler, run)
+                run.add({"loss/policy": minibatch_loss})
+        metrics["time/training"] = time.time() - t_train
+        train_tokens = int(attention_mask.sum()) * args.num_iterations
+        metrics["perf/train_tokens_per_second"] = train_tokens / metrics["time/training"]
+
+        # 7. Weight sync: the sampler generates the next batch with the new weights.
+        with run.timed("time/weight_sync"):
+            sampler.sync_weights()
+
+        # 8. Log (averaged over processes), evaluate, checkpoint.
+        run.end_step(args.batch_size * world_size, evaluation)
+
+    save_policy(accelerator, model, tokenizer, os.path.join(run.dir, "model"))
+    sampler.close()
+    run.finish()
+    return run.dir
 
 
 def masked_mean(values, mask, dim=None):
@@ -456,128 +602,6 @@ def rollout_metrics(rewards, correct, formatted, responses, mask, group_size, st
     }
 
 
-def main(args: "Config"):
-    # Setup: processes, data, models, sampler, run folder (the helpers are below the fence).
-    check_args(args)  # one-line errors; fills the defaults that depend on other flags (GSPO's) and the batch sizes
-    G = args.num_generations  # the group size
-    accelerator = make_accelerator(args.micro_batch_size, args.gradient_accumulation_steps, args.max_grad_norm)
-    rank, world_size, device = accelerator.process_index, accelerator.num_processes, accelerator.device
-    tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code, args.prompt_template)
-    train_prompts, train_golds, eval_sets = load_math_prompts(args, tokenizer, world_size)
-    run = Run(args, accelerator, RESUMABLE_ARGS)
-    set_seed(args.seed + rank)  # random, numpy and torch: a different sampling stream per process
-    model, ref_model = load_policy_and_reference(args, accelerator, tokenizer.pad_token_id, args.beta > 0)
-    trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters
-    optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay, eps=1e-8)
-    scheduler = make_scheduler(optimizer, args, args.total_steps * args.num_iterations * args.num_minibatches)
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    sampler = Sampler(args, accelerator, accelerator.unwrap_model(model), tokenizer)
-    # grpo_loss takes tensors and scalars: its keyword-only arguments are the flags of the same names.
-    loss_flags = {name: getattr(args, name) for name in inspect.getfullargspec(grpo_loss).kwonlyargs}
-    logprobs_fn = shared_prompt_logprobs if args.shared_prompt else response_logprobs  # the same log-probs
-    evaluation = functools.partial(evaluate, sampler, eval_sets, args, accelerator, tokenizer)  # (step) -> metrics
-    start_step = run.start({"vllm": sampler.llm is not None})
-    if start_step > 0:
-        sampler.sync_weights()
-    else:
-        run.log(0, *evaluation(0))
-
-    for step in range(start_step, args.total_steps):
-        metrics = run.begin_step(step)
-        # 1. Prompts: each process takes its slice of a global order that is a function of (seed, step), so that
-        # --resume repeats it (oversample times as many prompts with dynamic sampling).
-        num_sampled = args.prompts_per_rank * args.oversample
-        indices = step_prompt_indices(step, num_sampled, len(train_prompts), args.seed, rank, world_size)
-        prompts, golds = [train_prompts[i] for i in indices], [train_golds[i] for i in indices for _ in range(G)]
-
-        # 2. Rollout: G completions per prompt, consecutive. responses, mask [num_sampled * G, R].
-        with run.timed("time/generation"):
-            responses, mask, sampler_logprobs, texts = sampler.generate(prompts, G, args.temperature)
-        metrics["perf/generation_tokens_per_second"] = mask.sum().item() / metrics["time/generation"]
-
-        # 3. Rewards from the verifier. The objective/ metrics describe everything sampled.
-        with run.timed("time/reward"):
-            rewards, correct, formatted = compute_rewards(texts, golds, args.format_reward)
-        if args.overlong_buffer:  # DAPO's soft overlong punishment
-            rewards = rewards + overlong_penalty(mask.sum(1), args.response_length, args.overlong_buffer)
-        run.check(rewards, "objective/scores")
-        metrics |= rollout_metrics(rewards, correct, formatted, responses, mask, G, sampler.stop_ids)
-        if args.oversample > 1:  # dynamic sampling: train on prompts_per_rank groups, those with a signal first; the
-            # signal is accuracy (DAPO), not the length shaping, which separates completions of any group [B]
-            keep = select_groups(correct, G, args.prompts_per_rank)
-            responses, mask, rewards, correct = responses[keep], mask[keep], rewards[keep], correct[keep]
-            sampler_logprobs = take(sampler_logprobs, keep)
-            prompts = [prompts[i // G] for i in keep[::G].tolist()]
-            metrics["objective/zero_std_groups_trained"] = (correct.view(-1, G).std(1) == 0).float().mean().item()
-        query_responses, attention_mask, mask, sampler_logprobs, context_length = training_batch(
-            prompts, G, responses, mask, sampler_logprobs, tokenizer.pad_token_id, device
-        )
-        sampled_mask = mask  # every sampled token, for the diagnostics
-        if args.overlong_filtering:  # DAPO: completions cut at response_length (no stop token) leave the loss
-            mask = mask * stopped(query_responses[:, context_length:], mask, sampler.stop_ids)
-
-        # 4. Advantages, each completion against its own group, on every process's rewards together (gather keeps
-        # rank order) so that scale_rewards="batch" uses the whole batch's std. [B]
-        all_rewards = accelerator.gather(rewards.to(device))  # [world_size * B]
-        advantages = group_advantages(all_rewards, G, args.scale_rewards).view(world_size, -1)[rank]
-
-        # 5. Log-probs that stay fixed during the update [B, R]: the old policy's (only when the batch is reused, else
-        # the first pass is exactly on-policy); the reference's under the policy's autocast (KL 0 before any update).
-        t_train = time.time()
-        batch = (query_responses, attention_mask, context_length, args.temperature, args.micro_batch_size)
-        reuse = args.num_iterations > 1 or args.num_minibatches > 1
-        model.eval()
-        old_logprobs = fixed_logprobs(logprobs_fn, model, *batch) if reuse else None
-        ref_logprobs = reference_logprobs(logprobs_fn, model, ref_model, accelerator, batch) if args.beta > 0 else None
-
-        # 6. Policy update: num_iterations passes over the batch (the first in rollout order), each split into
-        # minibatches (one optimizer step each), each into micro-batches (gradient accumulation).
-        model.train()
-        sizes = (args.batch_size, args.minibatch_size, args.micro_batch_size)  # rows per batch, minibatch, micro-batch
-        for mb in micro_batches(*sizes, args.num_iterations, seed=args.seed * 7919 + step):
-            if mb.first:  # token_mean's count: the minibatch's tokens averaged over processes (DDP averages too)
-                mb_tokens = accelerator.reduce(mask[mb.minibatch].sum(), "mean").clamp(min=1)
-                minibatch_loss = 0.0
-            idx = mb.rows.to(device)
-            # Gradients sync over processes on the minibatch's last micro-batch (where DeepSpeed also steps).
-            with accelerator.accumulate(model):
-                logprobs, logits = logprobs_fn(model, query_responses[idx], attention_mask[idx], *batch[2:4])
-                old = old_logprobs[idx] if reuse else logprobs.detach()
-                ref, sampled, adv = take(ref_logprobs, idx), take(sampler_logprobs, idx), advantages[idx]
-                loss, stats = grpo_loss(
-                    logprobs, old, ref, sampled, adv, mask[idx], logits, mb_tokens, len(mb.minibatch), **loss_flags
-                )
-                run.check(loss, "loss/policy")
-                # The loss is this micro-batch's share of the minibatch's (see aggregate_loss); accelerate divides
-                # what it back-propagates by gradient_accumulation_steps (to average micro-batch means): undo it.
-                accelerator.backward(loss * args.gradient_accumulation_steps)
-            minibatch_loss += loss.item()
-            if mb.update == 0:  # ratio 1, approxkl 0 on a fresh batch's first minibatch
-                run.add({f"{name}_first_minibatch": stats[name] for name in ("policy/ratio", "policy/approxkl")})
-            if mb.epoch == 0:  # the policy's entropy (first minibatch) and its gap to the sampler's
-                stats |= first_pass_stats(logits, old, sampled, sampled_mask[idx], mb.update == 0)
-            run.add(stats)
-            del logits
-            if mb.last:  # one optimizer step per minibatch
-                optimizer_step(accelerator, model, optimizer, scheduler, run)
-                run.add({"loss/policy": minibatch_loss})
-        metrics["time/training"] = time.time() - t_train
-        train_tokens = int(attention_mask.sum()) * args.num_iterations
-        metrics["perf/train_tokens_per_second"] = train_tokens / metrics["time/training"]
-
-        # 7. Weight sync: the sampler generates the next batch with the new weights.
-        with run.timed("time/weight_sync"):
-            sampler.sync_weights()
-
-        # 8. Log (averaged over processes), evaluate, checkpoint.
-        run.end_step(args.batch_size * world_size, evaluation)
-
-    save_policy(accelerator, model, tokenizer, os.path.join(run.dir, "model"))
-    sampler.close()
-    run.finish()
-    return run.dir
-
-
 # =====================================================================================================================
 # PLUMBING: everything below serves main() and is not needed to follow the algorithm; a reader may stop here.
 # A definition with the same name is identical in every script that has it (tests/test_drift.py checks).
@@ -673,7 +697,7 @@ class RunArgs:
     num_samples_logged: int = 8
     """how many evaluation completions go to the sample table"""
 
-    # Computed in main(), recorded in config.json (not flags)
+    # Computed by Run, recorded in config.json (not flags)
     run_name: tyro.conf.Suppress[str] = ""
     """(computed) {task}__{exp_name}__{seed}__{unix_time}"""
     world_size: tyro.conf.Suppress[int] = 0
@@ -726,25 +750,6 @@ def check_args(args):
     args.batch_size = args.prompts_per_rank * args.num_generations
     args.minibatch_size = args.batch_size // args.num_minibatches
     args.gradient_accumulation_steps = args.minibatch_size // args.micro_batch_size
-
-
-def resolve_defaults(args):
-    """What None means for the flags whose default depends on another (config.json records the result): at the
-    sequence level GSPO's clip range 3e-4 / 4e-4, its mean of sequence losses (arXiv 2507.18071, Sec. 5.1: with a
-    token mean a sequence weighs by its length, and a 0.2 clip hardly ever binds on a geometric-mean ratio) and no KL
-    term (beta 0, as in the paper's objective and TRL's GSPO recipe), else 0.2 / 0.2, the token mean and beta 0.04;
-    truncated IS at cap 2 unless a mask range is given (IcePop: the kept tokens carry their ratio)."""
-    gspo = args.importance_sampling_level == "sequence"
-    defaults = dict(clip_eps_low=3e-4 if gspo else 0.2, clip_eps_high=4e-4 if gspo else 0.2)
-    defaults |= dict(loss_type="seq_mean_token_mean" if gspo else "token_mean", beta=0.0 if gspo else 0.04)
-    defaults |= dict(tis_cap=2.0 if args.mis_range is None else 0.0)
-    filled = {name: value for name, value in defaults.items() if getattr(args, name) is None}
-    for name, value in filled.items():
-        setattr(args, name, value)
-    gspo_filled = {name: value for name, value in filled.items() if gspo and name != "tis_cap"}
-    if gspo_filled:
-        warnings.warn(f"GSPO's defaults at the sequence level: {gspo_filled}", stacklevel=2)
-    return args
 
 
 def check_common_args(args, paths=(), compares_logprobs=True):

@@ -31,7 +31,8 @@ Run on GPUs (one vLLM engine per process, colocated with the trainer), e.g. on G
     accelerate launch --config_file benchmark/accelerate_configs/deepspeed_zero2.yaml ppo_prm_clip.py ...
 Two processes on CPU (gloo): accelerate launch --multi_gpu --num_processes 2 ppo_prm_clip.py --no-vllm
 
-Read down to the line "PLUMBING": the arguments, the math, the reward and main() are the algorithm.
+Read down to the line "PLUMBING": the arguments, main() with the training loop, then the math and the reward it calls
+are the algorithm.
 """
 
 import ast
@@ -39,7 +40,6 @@ import bisect
 import collections
 import contextlib
 import functools
-import inspect
 import itertools
 import json
 import logging
@@ -143,11 +143,139 @@ class Args:
     seed: int = 1
     """seed of the experiment; process r samples with seed + r"""
 
-    # Computed in main(), recorded in config.json (not flags)
+    # Computed by check_args from the flags above, recorded in config.json (not flags)
     minibatch_size: tyro.conf.Suppress[int] = 0
     """(computed) responses per process per optimizer step"""
     gradient_accumulation_steps: tyro.conf.Suppress[int] = 0
     """(computed) micro-batches per optimizer step"""
+
+
+def main(args: "Config"):
+    # Setup: processes, data, the PRM (its kind checked before any model loads), models, sampler, run folder (the
+    # helpers are below the fence).
+    check_args(args)  # one-line errors; fills the batch sizes
+    accelerator = make_accelerator(args.micro_batch_size, args.gradient_accumulation_steps, args.max_grad_norm)
+    rank, world_size, device = accelerator.process_index, accelerator.num_processes, accelerator.device
+    tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code, args.prompt_template)
+    (train_prompts, train_golds, train_questions), eval_set = load_prm_prompts(args, tokenizer, world_size)
+    prm = ProcessRewardModel(args, accelerator, tokenizer)  # sets args.prm_kind: before Run compares the args
+    run = Run(args, accelerator, RESUMABLE_ARGS)
+    set_seed(args.seed + rank)  # random, numpy and torch: a different sampling stream per process
+    # The policy and the value model as one module: one optimizer, one DDP/DeepSpeed wrapper, one checkpoint.
+    model, ref_policy = load_models_prm(args, accelerator, tokenizer.pad_token_id)
+    # Adam's eps 1e-5 as in the N+ details (TensorFlow's default in the original OpenAI code).
+    trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters
+    optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay, eps=1e-5)
+    scheduler = make_scheduler(optimizer, args, args.total_steps * args.num_ppo_epochs * args.num_minibatches)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    policy = accelerator.unwrap_model(model).policy
+    sampler = Sampler(args, accelerator, policy, tokenizer)
+    loss_flags = dict(  # ppo_prm_loss's flags (it takes tensors and scalars, not args)
+        cliprange=args.cliprange, cliprange_value=args.cliprange_value, tis_cap=args.tis_cap, vf_coef=args.vf_coef
+    )
+    evaluation = functools.partial(evaluate, sampler, prm, eval_set, args, accelerator, tokenizer)  # (step) -> metrics
+    start_step = run.start({"vllm": sampler.llm is not None})
+    if start_step > 0:
+        sampler.sync_weights()
+    else:
+        run.log(0, *evaluation(0))
+
+    batch_size = args.prompts_per_rank  # one response per prompt
+    for step in range(start_step, args.total_steps):
+        metrics = run.begin_step(step)
+        # 1. Prompts: each process takes its slice of a global order that is a function of (seed, step), so that
+        # --resume repeats it.
+        indices = step_prompt_indices(step, batch_size, len(train_prompts), args.seed, rank, world_size)
+        prompts = [train_prompts[i] for i in indices]
+
+        # 2. Rollout: one response per prompt, cut to the longest. responses, mask [B, R]; query_responses,
+        # attention_mask [B, P + R]: the left-padded prompts, then the responses.
+        with run.timed("time/generation"):
+            responses, mask, sampler_logprobs, texts = sampler.generate(prompts, 1, args.temperature)
+        metrics["perf/generation_tokens_per_second"] = mask.sum().item() / metrics["time/generation"]
+        query_responses, attention_mask, mask, sampler_logprobs, context_length = training_batch(
+            prompts, 1, responses, mask, sampler_logprobs, tokenizer.pad_token_id, device
+        )
+        responses = responses[:, : mask.shape[1]]
+
+        # 3. What stays fixed during the update, in the first minibatch's micro-batches (its ratio is then exactly 1):
+        # the old policy's log-probs and values; the reference's under the policy's autocast (KL 0 before any update).
+        t_train = time.time()
+        batch = (query_responses, attention_mask, context_length, args.temperature, args.micro_batch_size)
+        model.eval()
+        old_logprobs, old_values = fixed_logprobs_and_values_prm(model, *batch)
+        ref_logprobs = reference_logprobs(response_logprobs, policy, ref_policy, accelerator, batch)
+
+        # 4. Rewards: the verifier's success [B] (or the missing-EOS penalty), each response's steps, the PRM's score
+        # p_k of each step prefix, and the refined rewards r_k * prm_coef on each step's last token: process [B, R].
+        questions, golds = [train_questions[i] for i in indices], [train_golds[i] for i in indices]
+        with run.timed("time/reward"):
+            correct, success, has_eos, steps, scores, process = prm_rewards(
+                prm, prompts, questions, golds, responses, mask, texts, args
+            )
+        success, process = success.to(device), process.to(device)
+
+        # 5. Per-token rewards [B, R]: the KL penalty on every token, the process rewards on the steps' last tokens,
+        # the success on the last real token; with --whiten_rewards scaled by their std over every process's tokens.
+        kl = kl_estimate(old_logprobs, ref_logprobs, "k1") * mask
+        rewards, non_score_reward = per_token_rewards(kl, success, mask, args.kl_coef, process)
+        run.check(rewards.sum(1), "objective/rlhf_reward")
+        sum_processes = functools.partial(accelerator.reduce, reduction="sum")
+        if args.whiten_rewards:
+            rewards = masked_whiten(rewards, mask, shift_mean=False, sum_processes=sum_processes) * mask
+
+        # 6. Advantages and returns with GAE, then the advantages whitened over every process's tokens. [B, R]
+        advantages, returns = gae_advantages(rewards, old_values, mask, args.gamma, args.lam)
+        advantages = masked_whiten(advantages, mask, sum_processes=sum_processes) * mask
+        metrics |= prm_rollout_metrics(
+            correct, success, has_eos, steps, scores, process, kl, non_score_reward, old_logprobs, old_values, mask
+        )
+        if sampler_logprobs is not None:  # the sampler's pi against the trainer's
+            metrics |= sampler_gap_metrics(old_logprobs, sampler_logprobs, mask, args.micro_batch_size)
+        rollout = dict(old_logprobs=old_logprobs, old_values=old_values, advantages=advantages, returns=returns)
+        rollout |= dict(sampler_logprobs=sampler_logprobs, mask=mask)  # [B, R] each; sampler_logprobs may be None
+
+        # 7. PPO update: num_ppo_epochs passes over the batch (the first in rollout order), each split into
+        # minibatches (one optimizer step each), each into micro-batches (gradient accumulation).
+        model.train()
+        sizes = (batch_size, args.minibatch_size, args.micro_batch_size)  # rows per batch, minibatch, micro-batch
+        for mb in micro_batches(*sizes, args.num_ppo_epochs, seed=args.seed * 7919 + step):
+            if mb.first:  # the loss's count: the minibatch's tokens averaged over processes (DDP averages too)
+                mb_tokens = accelerator.reduce(mask[mb.minibatch].sum(), "mean").clamp(min=1)
+            idx = mb.rows.to(device)
+            # Gradients sync over processes on the minibatch's last micro-batch (where DeepSpeed also steps).
+            with accelerator.accumulate(model):
+                logprobs, logits, values = model(
+                    query_responses[idx], attention_mask[idx], context_length, args.temperature
+                )
+                micro = {name: take(tensor, idx) for name, tensor in rollout.items()}
+                loss, stats = ppo_prm_loss(logprobs, logits, values, **micro, num_tokens=mb_tokens, **loss_flags)
+                run.check(loss, "loss")
+                # The loss is this micro-batch's share of the minibatch's: undo accelerate's / accumulation steps.
+                accelerator.backward(loss * args.gradient_accumulation_steps)
+            if mb.update == 0:  # ratio 1, approxkl 0 on a fresh batch's first minibatch
+                first = {"policy/ratio": stats["val/ratio"], "policy/approxkl": stats["policy/approxkl_avg"]}
+                run.add({f"{name}_first_minibatch": value for name, value in first.items()})
+            run.add(stats)
+            del logits
+            if mb.last:  # one optimizer step per minibatch
+                optimizer_step(accelerator, model, optimizer, scheduler, run)
+        metrics["time/training"] = time.time() - t_train - metrics["time/reward"]
+        metrics |= prm_update_metrics(run.stats, args.num_ppo_epochs * args.num_minibatches)
+        train_tokens = int(attention_mask.sum()) * (args.num_ppo_epochs + 1)  # + the no-grad pass of step 3
+        metrics["perf/train_tokens_per_second"] = train_tokens / metrics["time/training"]
+
+        # 8. Weight sync: the sampler generates the next batch with the new weights.
+        with run.timed("time/weight_sync"):
+            sampler.sync_weights()
+
+        # 9. Log (averaged over processes), evaluate, checkpoint.
+        run.end_step(batch_size * world_size, evaluation)
+
+    save_policy_and_value_prm(accelerator, model, tokenizer, run.dir)
+    sampler.close()
+    run.finish()
+    return run.dir
 
 
 def masked_mean(values, mask, dim=None):
@@ -527,133 +655,6 @@ def prm_update_metrics(stats, num_updates):
     return metrics
 
 
-def main(args: "Config"):
-    # Setup: processes, data, the PRM (its kind checked before any model loads), models, sampler, run folder (the
-    # helpers are below the fence).
-    check_args(args)  # one-line errors; fills the batch sizes
-    accelerator = make_accelerator(args.micro_batch_size, args.gradient_accumulation_steps, args.max_grad_norm)
-    rank, world_size, device = accelerator.process_index, accelerator.num_processes, accelerator.device
-    tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code, args.prompt_template)
-    (train_prompts, train_golds, train_questions), eval_set = load_prm_prompts(args, tokenizer, world_size)
-    prm = ProcessRewardModel(args, accelerator, tokenizer)  # sets args.prm_kind: before Run compares the args
-    run = Run(args, accelerator, RESUMABLE_ARGS)
-    set_seed(args.seed + rank)  # random, numpy and torch: a different sampling stream per process
-    # The policy and the value model as one module: one optimizer, one DDP/DeepSpeed wrapper, one checkpoint.
-    model, ref_policy = load_models_prm(args, accelerator, tokenizer.pad_token_id)
-    # Adam's eps 1e-5 as in the N+ details (TensorFlow's default in the original OpenAI code).
-    trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters
-    optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay, eps=1e-5)
-    scheduler = make_scheduler(optimizer, args, args.total_steps * args.num_ppo_epochs * args.num_minibatches)
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    policy = accelerator.unwrap_model(model).policy
-    sampler = Sampler(args, accelerator, policy, tokenizer)
-    # ppo_prm_loss takes tensors and scalars: its keyword-only arguments are the flags of the same names.
-    loss_flags = {name: getattr(args, name) for name in inspect.getfullargspec(ppo_prm_loss).kwonlyargs}
-    evaluation = functools.partial(evaluate, sampler, prm, eval_set, args, accelerator, tokenizer)  # (step) -> metrics
-    start_step = run.start({"vllm": sampler.llm is not None})
-    if start_step > 0:
-        sampler.sync_weights()
-    else:
-        run.log(0, *evaluation(0))
-
-    batch_size = args.prompts_per_rank  # one response per prompt
-    for step in range(start_step, args.total_steps):
-        metrics = run.begin_step(step)
-        # 1. Prompts: each process takes its slice of a global order that is a function of (seed, step), so that
-        # --resume repeats it.
-        indices = step_prompt_indices(step, batch_size, len(train_prompts), args.seed, rank, world_size)
-        prompts = [train_prompts[i] for i in indices]
-
-        # 2. Rollout: one response per prompt, cut to the longest. responses, mask [B, R]; query_responses,
-        # attention_mask [B, P + R]: the left-padded prompts, then the responses.
-        with run.timed("time/generation"):
-            responses, mask, sampler_logprobs, texts = sampler.generate(prompts, 1, args.temperature)
-        metrics["perf/generation_tokens_per_second"] = mask.sum().item() / metrics["time/generation"]
-        query_responses, attention_mask, mask, sampler_logprobs, context_length = training_batch(
-            prompts, 1, responses, mask, sampler_logprobs, tokenizer.pad_token_id, device
-        )
-        responses = responses[:, : mask.shape[1]]
-
-        # 3. What stays fixed during the update, in the first minibatch's micro-batches (its ratio is then exactly 1):
-        # the old policy's log-probs and values; the reference's under the policy's autocast (KL 0 before any update).
-        t_train = time.time()
-        batch = (query_responses, attention_mask, context_length, args.temperature, args.micro_batch_size)
-        model.eval()
-        old_logprobs, old_values = fixed_logprobs_and_values_prm(model, *batch)
-        ref_logprobs = reference_logprobs(response_logprobs, policy, ref_policy, accelerator, batch)
-
-        # 4. Rewards: the verifier's success [B] (its verdict, or the missing-EOS penalty); each response's steps, the
-        # PRM's score p_k of each step prefix, and the refined step rewards r_k * prm_coef on each step's last token:
-        # process [B, R].
-        questions, golds = [train_questions[i] for i in indices], [train_golds[i] for i in indices]
-        with run.timed("time/reward"):
-            correct, success, has_eos, steps, scores, process = prm_rewards(
-                prm, prompts, questions, golds, responses, mask, texts, args
-            )
-        success, process = success.to(device), process.to(device)
-
-        # 5. Per-token rewards [B, R]: the KL penalty on every token, the process rewards on the steps' last tokens,
-        # the success on the last real token; with --whiten_rewards scaled by their std over every process's tokens.
-        kl = kl_estimate(old_logprobs, ref_logprobs, "k1") * mask
-        rewards, non_score_reward = per_token_rewards(kl, success, mask, args.kl_coef, process)
-        run.check(rewards.sum(1), "objective/rlhf_reward")
-        sum_processes = functools.partial(accelerator.reduce, reduction="sum")
-        if args.whiten_rewards:
-            rewards = masked_whiten(rewards, mask, shift_mean=False, sum_processes=sum_processes) * mask
-
-        # 6. Advantages and returns with GAE, then the advantages whitened over every process's tokens. [B, R]
-        advantages, returns = gae_advantages(rewards, old_values, mask, args.gamma, args.lam)
-        advantages = masked_whiten(advantages, mask, sum_processes=sum_processes) * mask
-        metrics |= prm_rollout_metrics(
-            correct, success, has_eos, steps, scores, process, kl, non_score_reward, old_logprobs, old_values, mask
-        )
-        if sampler_logprobs is not None:  # the sampler's pi against the trainer's
-            metrics |= sampler_gap_metrics(old_logprobs, sampler_logprobs, mask, args.micro_batch_size)
-        rollout = dict(old_logprobs=old_logprobs, old_values=old_values, advantages=advantages, returns=returns)
-        rollout |= dict(sampler_logprobs=sampler_logprobs, mask=mask)  # [B, R] each; sampler_logprobs may be None
-
-        # 7. PPO update: num_ppo_epochs passes over the batch (the first in rollout order), each split into
-        # minibatches (one optimizer step each), each into micro-batches (gradient accumulation).
-        model.train()
-        sizes = (batch_size, args.minibatch_size, args.micro_batch_size)  # rows per batch, minibatch, micro-batch
-        for mb in micro_batches(*sizes, args.num_ppo_epochs, seed=args.seed * 7919 + step):
-            if mb.first:  # the loss's count: the minibatch's tokens averaged over processes (DDP averages too)
-                mb_tokens = accelerator.reduce(mask[mb.minibatch].sum(), "mean").clamp(min=1)
-            idx = mb.rows.to(device)
-            # Gradients sync over processes on the minibatch's last micro-batch (where DeepSpeed also steps).
-            with accelerator.accumulate(model):
-                logprobs, logits, values = model(query_responses[idx], attention_mask[idx], *batch[2:4])
-                micro = {name: take(tensor, idx) for name, tensor in rollout.items()}
-                loss, stats = ppo_prm_loss(logprobs, logits, values, **micro, num_tokens=mb_tokens, **loss_flags)
-                run.check(loss, "loss")
-                # The loss is this micro-batch's share of the minibatch's; accelerate divides what it back-propagates
-                # by gradient_accumulation_steps (to average micro-batch means): undo it.
-                accelerator.backward(loss * args.gradient_accumulation_steps)
-            if mb.update == 0:  # ratio 1, approxkl 0 on a fresh batch's first minibatch
-                first = {"policy/ratio": stats["val/ratio"], "policy/approxkl": stats["policy/approxkl_avg"]}
-                run.add({f"{name}_first_minibatch": value for name, value in first.items()})
-            run.add(stats)
-            del logits
-            if mb.last:  # one optimizer step per minibatch
-                optimizer_step(accelerator, model, optimizer, scheduler, run)
-        metrics["time/training"] = time.time() - t_train - metrics["time/reward"]
-        metrics |= prm_update_metrics(run.stats, args.num_ppo_epochs * args.num_minibatches)
-        train_tokens = int(attention_mask.sum()) * (args.num_ppo_epochs + 1)  # + the no-grad pass of step 3
-        metrics["perf/train_tokens_per_second"] = train_tokens / metrics["time/training"]
-
-        # 8. Weight sync: the sampler generates the next batch with the new weights.
-        with run.timed("time/weight_sync"):
-            sampler.sync_weights()
-
-        # 9. Log (averaged over processes), evaluate, checkpoint.
-        run.end_step(batch_size * world_size, evaluation)
-
-    save_policy_and_value_prm(accelerator, model, tokenizer, run.dir)
-    sampler.close()
-    run.finish()
-    return run.dir
-
-
 # =====================================================================================================================
 # PLUMBING: everything below serves main() and is not needed to follow the algorithm; a reader may stop here.
 # A definition with the same name is identical in every script that has it (tests/test_drift.py checks).
@@ -751,7 +752,7 @@ class RunArgs:
     num_samples_logged: int = 8
     """how many evaluation completions go to the sample table"""
 
-    # Computed in main(), recorded in config.json (not flags)
+    # Computed by Run, recorded in config.json (not flags)
     run_name: tyro.conf.Suppress[str] = ""
     """(computed) {task}__{exp_name}__{seed}__{unix_time}"""
     world_size: tyro.conf.Suppress[int] = 0

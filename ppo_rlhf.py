@@ -23,13 +23,13 @@ Run on GPUs (one vLLM engine per process, colocated with the trainer), e.g. TL;D
     accelerate launch --config_file benchmark/accelerate_configs/deepspeed_zero2.yaml ppo_rlhf.py ...
 Two processes on CPU (gloo): accelerate launch --multi_gpu --num_processes 2 ppo_rlhf.py --no-vllm
 
-Read down to the line "PLUMBING": the arguments, the math, the reward and main() are the algorithm.
+Read down to the line "PLUMBING": the arguments, main() with the training loop, then the math and the reward it calls
+are the algorithm.
 """
 
 import collections
 import contextlib
 import functools
-import inspect
 import itertools
 import json
 import logging
@@ -132,11 +132,144 @@ class Args:
     seed: int = 1
     """seed of the experiment; process r samples with seed + r"""
 
-    # Computed in main(), recorded in config.json (not flags)
+    # Computed by check_args from the flags above, recorded in config.json (not flags)
     minibatch_size: tyro.conf.Suppress[int] = 0
     """(computed) responses per process per optimizer step"""
     gradient_accumulation_steps: tyro.conf.Suppress[int] = 0
     """(computed) micro-batches per optimizer step"""
+
+
+def main(args: "Config"):
+    # Setup: processes, data, the four models, sampler, run folder (the helpers are below the fence).
+    check_args(args)  # one-line errors; fills the batch sizes
+    B = args.prompts_per_rank  # responses per process per step
+    accelerator = make_accelerator(args.micro_batch_size, args.gradient_accumulation_steps, args.max_grad_norm)
+    rank, world_size, device = accelerator.process_index, accelerator.num_processes, accelerator.device
+    tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code, args.prompt_template)
+    check_reward_and_value_models(args, tokenizer)
+    train_prompts, train_golds, eval_set, has_gold = load_rlhf_prompts(args, tokenizer, world_size)
+    run = Run(args, accelerator, RESUMABLE_ARGS)
+    set_seed(args.seed + rank)  # random, numpy and torch: a different sampling stream per process
+    policy, ref_policy, reward_models, value_model = load_ppo_models(args, accelerator, tokenizer.pad_token_id)
+    model = PolicyAndValue(policy, value_model)
+    num_updates = args.num_ppo_epochs * args.num_minibatches  # optimizer steps per step
+    # eps 1e-5 as in the N+ details (TensorFlow's Adam default in the original OpenAI code).
+    trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters
+    optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay, eps=1e-5)
+    scheduler = make_scheduler(optimizer, args, args.total_steps * num_updates)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    unwrapped = accelerator.unwrap_model(model)
+    sampler = Sampler(args, accelerator, unwrapped.policy, tokenizer)
+    loss_flags = dict(  # ppo_rlhf_loss's flags (it takes tensors and scalars, not args)
+        cliprange=args.cliprange, cliprange_value=args.cliprange_value, tis_cap=args.tis_cap, vf_coef=args.vf_coef
+    )
+    reward_flags = dict(  # reward_model_scores's flags (it takes tensors and scalars, not args)
+        missing_eos_penalty=args.missing_eos_penalty, reward_ensemble=args.reward_ensemble, uwo_coef=args.uwo_coef
+    )
+    evaluation = functools.partial(evaluate, sampler, reward_models, ref_policy, eval_set, has_gold, args, accelerator)
+    # Whitening over every process's tokens: N processes with 1/N of the batch each whiten as one with all of it.
+    sum_processes = functools.partial(accelerator.reduce, reduction="sum")
+    start_step = run.start({"vllm": sampler.llm is not None})
+    if start_step > 0:
+        sampler.sync_weights()
+    else:
+        run.log(0, *evaluation(0))
+
+    for step in range(start_step, args.total_steps):
+        metrics = run.begin_step(step)
+        # 1. Prompts: each process takes its slice of a global order that is a function of (seed, step), so that
+        # --resume repeats it.
+        indices = step_prompt_indices(step, B, len(train_prompts), args.seed, rank, world_size)
+        prompts = [train_prompts[i] for i in indices]
+
+        # 2. Rollout: one response per prompt, cut to the longest one. responses, mask [B, R], B = prompts_per_rank.
+        with run.timed("time/generation"):
+            responses, mask, sampler_logprobs, texts = sampler.generate(prompts, 1, args.temperature)
+        metrics["perf/generation_tokens_per_second"] = mask.sum().item() / metrics["time/generation"]
+        query_responses, attention_mask, mask, sampler_logprobs, context_length = training_batch(
+            prompts, 1, responses, mask, sampler_logprobs, tokenizer.pad_token_id, device
+        )
+
+        # 3. What stays fixed during the update, in the micro-batches the first minibatch of the first epoch will
+        # use (so its ratio is exactly 1): the old policy's log-probs and values, and the reference's log-probs under
+        # the policy's autocast (see reward_model_scores). [B, R]
+        t_train = time.time()
+        batch = (query_responses, attention_mask, context_length, args.temperature, args.micro_batch_size)
+        model.eval()
+        old_logprobs, old_values = fixed_logprobs_and_values(model, *batch)
+        ref_logprobs = reference_logprobs(response_logprobs, unwrapped.policy, ref_policy, accelerator, batch)
+
+        # 4. Reward: the reward model's score of each whole response (the verifier's verdict is only reported). [B]
+        with run.timed("time/reward"):
+            scores, has_eos, member_scores = reward_model_scores(
+                reward_models, query_responses, attention_mask, context_length, mask, sampler.stop_ids, accelerator,
+                batch_floor=True, **reward_flags,
+            )  # fmt: skip
+            correct = verifier_correct(texts, [train_golds[i] for i in indices])
+        run.check(scores, "objective/scores")
+        if len(reward_models) > 1:  # an ensemble: each member's own mean score too
+            metrics |= {f"objective/scores_member_{k}": score.mean().item() for k, score in enumerate(member_scores)}
+
+        # 5. Per-token rewards: the KL penalty on every token, plus the score on the last real one. [B, R]
+        kl = kl_estimate(old_logprobs, ref_logprobs, "k1") * mask
+        rewards, non_score_reward = per_token_rewards(kl, scores, mask, args.kl_coef)
+        if args.whiten_rewards:
+            rewards = masked_whiten(rewards, mask, shift_mean=False, sum_processes=sum_processes) * mask
+
+        # 6. Advantages and returns with GAE, then the advantages whitened over the batch (by default). [B, R]
+        advantages, returns = gae_advantages(rewards, old_values, mask, args.gamma, args.lam)
+        if args.whiten_advantages:
+            advantages = masked_whiten(advantages, mask, sum_processes=sum_processes) * mask
+        metrics |= rlhf_rollout_metrics(scores, kl, non_score_reward, old_logprobs, mask, has_eos, correct, has_gold)
+        if sampler_logprobs is not None:  # the sampler's pi against the trainer's
+            metrics |= sampler_gap_metrics(old_logprobs, sampler_logprobs, mask, args.micro_batch_size)
+        rollout = dict(old_logprobs=old_logprobs, old_values=old_values, returns=returns, advantages=advantages)
+        rollout |= dict(sampler_logprobs=sampler_logprobs, mask=mask)  # [B, R] each; sampler_logprobs may be None
+
+        # 7. PPO update: num_ppo_epochs passes over the batch (the first in rollout order), each split into
+        # minibatches (one optimizer step each), each into micro-batches (gradient accumulation).
+        model.train()
+        sizes = (B, args.minibatch_size, args.micro_batch_size)  # rows per batch, minibatch, micro-batch
+        for mb in micro_batches(*sizes, args.num_ppo_epochs, seed=args.seed * 7919 + step):
+            if mb.first:  # the losses' count: the minibatch's tokens averaged over processes (DDP averages too)
+                mb_tokens = accelerator.reduce(mask[mb.minibatch].sum(), "mean").clamp(min=1)
+            idx = mb.rows.to(device)
+            # Gradients sync over processes on the minibatch's last micro-batch (where DeepSpeed also steps).
+            with accelerator.accumulate(model):
+                logprobs, logits, values = model(
+                    query_responses[idx], attention_mask[idx], context_length, args.temperature
+                )
+                micro = {name: take(tensor, idx) for name, tensor in rollout.items()}
+                loss, stats = ppo_rlhf_loss(logprobs, logits, values, **micro, num_tokens=mb_tokens, **loss_flags)
+                run.check(torch.tensor([stats["pg_loss"], stats["vf_loss"]]), "loss (policy, value)")
+                # The loss is this micro-batch's share of the minibatch's: undo accelerate's / accumulation steps.
+                accelerator.backward(loss * args.gradient_accumulation_steps)
+            if mb.update == 0:  # ratio 1, approxkl 0: a fresh batch's first minibatch is exactly on-policy
+                run.add({"policy/ratio_first_minibatch": stats["val/ratio"]})
+                run.add({"policy/approxkl_first_minibatch": stats["policy/approxkl_avg"]})
+            if mb.update == num_updates - 1:  # what the stalest update saw: the policy's KL to the rollout's
+                run.add({"policy/approxkl_last_minibatch": stats["policy/approxkl_avg"]})
+            run.add(stats)
+            del logits
+            if mb.last:  # one optimizer step per minibatch, mb.update updates after the rollout's weights
+                record_staleness(run.stats, mb.update)
+                optimizer_step(accelerator, model, optimizer, scheduler, run)
+        metrics |= rlhf_update_metrics(run.stats, num_updates)  # the losses and val/ratio_var
+        metrics["time/training"] = time.time() - t_train - metrics["time/reward"]
+        train_tokens = int(attention_mask.sum()) * (args.num_ppo_epochs + 1)  # + the no-grad pass of step 3
+        metrics["perf/train_tokens_per_second"] = train_tokens / metrics["time/training"]
+
+        # 8. Weight sync: the sampler generates the next batch with the new policy.
+        with run.timed("time/weight_sync"):
+            sampler.sync_weights()
+
+        # 9. Log (averaged over processes), evaluate, checkpoint.
+        run.end_step(B * world_size, evaluation)
+
+    save_policy_and_value(accelerator, model, tokenizer, run.dir)
+    sampler.close()
+    run.finish()
+    return run.dir
 
 
 def masked_mean(values, mask, dim=None):
@@ -538,134 +671,6 @@ def rlhf_update_metrics(stats, num_updates):
     }
 
 
-def main(args: "Config"):
-    # Setup: processes, data, the four models, sampler, run folder (the helpers are below the fence).
-    check_args(args)  # one-line errors; fills the batch sizes
-    B = args.prompts_per_rank  # responses per process per step
-    accelerator = make_accelerator(args.micro_batch_size, args.gradient_accumulation_steps, args.max_grad_norm)
-    rank, world_size, device = accelerator.process_index, accelerator.num_processes, accelerator.device
-    tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code, args.prompt_template)
-    check_reward_and_value_models(args, tokenizer)
-    train_prompts, train_golds, eval_set, has_gold = load_rlhf_prompts(args, tokenizer, world_size)
-    run = Run(args, accelerator, RESUMABLE_ARGS)
-    set_seed(args.seed + rank)  # random, numpy and torch: a different sampling stream per process
-    policy, ref_policy, reward_models, value_model = load_ppo_models(args, accelerator, tokenizer.pad_token_id)
-    model = PolicyAndValue(policy, value_model)
-    num_updates = args.num_ppo_epochs * args.num_minibatches  # optimizer steps per step
-    # eps 1e-5 as in the N+ details (TensorFlow's Adam default in the original OpenAI code).
-    trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters
-    optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay, eps=1e-5)
-    scheduler = make_scheduler(optimizer, args, args.total_steps * num_updates)
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    unwrapped = accelerator.unwrap_model(model)
-    sampler = Sampler(args, accelerator, unwrapped.policy, tokenizer)
-    # ppo_rlhf_loss takes tensors and scalars: its keyword-only arguments are the flags of the same names.
-    loss_flags = {name: getattr(args, name) for name in inspect.getfullargspec(ppo_rlhf_loss).kwonlyargs}
-    reward_flags = {name: getattr(args, name) for name in inspect.getfullargspec(reward_model_scores).kwonlyargs}
-    evaluation = functools.partial(evaluate, sampler, reward_models, ref_policy, eval_set, has_gold, args, accelerator)
-    # Whitening over every process's tokens: N processes with 1/N of the batch each whiten as one with all of it.
-    sum_processes = functools.partial(accelerator.reduce, reduction="sum")
-    start_step = run.start({"vllm": sampler.llm is not None})
-    if start_step > 0:
-        sampler.sync_weights()
-    else:
-        run.log(0, *evaluation(0))
-
-    for step in range(start_step, args.total_steps):
-        metrics = run.begin_step(step)
-        # 1. Prompts: each process takes its slice of a global order that is a function of (seed, step), so that
-        # --resume repeats it.
-        indices = step_prompt_indices(step, B, len(train_prompts), args.seed, rank, world_size)
-        prompts = [train_prompts[i] for i in indices]
-
-        # 2. Rollout: one response per prompt, cut to the longest one. responses, mask [B, R], B = prompts_per_rank.
-        with run.timed("time/generation"):
-            responses, mask, sampler_logprobs, texts = sampler.generate(prompts, 1, args.temperature)
-        metrics["perf/generation_tokens_per_second"] = mask.sum().item() / metrics["time/generation"]
-        query_responses, attention_mask, mask, sampler_logprobs, context_length = training_batch(
-            prompts, 1, responses, mask, sampler_logprobs, tokenizer.pad_token_id, device
-        )
-
-        # 3. What stays fixed during the update, in the micro-batches the first minibatch of the first epoch will
-        # use (so its ratio is exactly 1): the old policy's log-probs and values, and the reference's log-probs under
-        # the policy's autocast (see reward_model_scores). [B, R]
-        t_train = time.time()
-        batch = (query_responses, attention_mask, context_length, args.temperature, args.micro_batch_size)
-        model.eval()
-        old_logprobs, old_values = fixed_logprobs_and_values(model, *batch)
-        ref_logprobs = reference_logprobs(response_logprobs, unwrapped.policy, ref_policy, accelerator, batch)
-
-        # 4. Reward: the reward model's score of each whole response (the verifier's verdict is only reported). [B]
-        with run.timed("time/reward"):
-            scores, has_eos, member_scores = reward_model_scores(
-                reward_models, *batch[:3], mask, sampler.stop_ids, accelerator, batch_floor=True, **reward_flags
-            )
-            correct = verifier_correct(texts, [train_golds[i] for i in indices])
-        run.check(scores, "objective/scores")
-        if len(reward_models) > 1:  # an ensemble: each member's own mean score too
-            metrics |= {f"objective/scores_member_{k}": score.mean().item() for k, score in enumerate(member_scores)}
-
-        # 5. Per-token rewards: the KL penalty on every token, plus the score on the last real one. [B, R]
-        kl = kl_estimate(old_logprobs, ref_logprobs, "k1") * mask
-        rewards, non_score_reward = per_token_rewards(kl, scores, mask, args.kl_coef)
-        if args.whiten_rewards:
-            rewards = masked_whiten(rewards, mask, shift_mean=False, sum_processes=sum_processes) * mask
-
-        # 6. Advantages and returns with GAE, then the advantages whitened over the batch (by default). [B, R]
-        advantages, returns = gae_advantages(rewards, old_values, mask, args.gamma, args.lam)
-        if args.whiten_advantages:
-            advantages = masked_whiten(advantages, mask, sum_processes=sum_processes) * mask
-        metrics |= rlhf_rollout_metrics(scores, kl, non_score_reward, old_logprobs, mask, has_eos, correct, has_gold)
-        if sampler_logprobs is not None:  # the sampler's pi against the trainer's
-            metrics |= sampler_gap_metrics(old_logprobs, sampler_logprobs, mask, args.micro_batch_size)
-        rollout = dict(old_logprobs=old_logprobs, old_values=old_values, returns=returns, advantages=advantages)
-        rollout |= dict(sampler_logprobs=sampler_logprobs, mask=mask)  # [B, R] each; sampler_logprobs may be None
-
-        # 7. PPO update: num_ppo_epochs passes over the batch (the first in rollout order), each split into
-        # minibatches (one optimizer step each), each into micro-batches (gradient accumulation).
-        model.train()
-        sizes = (B, args.minibatch_size, args.micro_batch_size)  # rows per batch, minibatch, micro-batch
-        for mb in micro_batches(*sizes, args.num_ppo_epochs, seed=args.seed * 7919 + step):
-            if mb.first:  # the losses' count: the minibatch's tokens averaged over processes (DDP averages too)
-                mb_tokens = accelerator.reduce(mask[mb.minibatch].sum(), "mean").clamp(min=1)
-            idx = mb.rows.to(device)
-            # Gradients sync over processes on the minibatch's last micro-batch (where DeepSpeed also steps).
-            with accelerator.accumulate(model):
-                logprobs, logits, values = model(query_responses[idx], attention_mask[idx], *batch[2:4])
-                micro = {name: take(tensor, idx) for name, tensor in rollout.items()}
-                loss, stats = ppo_rlhf_loss(logprobs, logits, values, **micro, num_tokens=mb_tokens, **loss_flags)
-                run.check(torch.tensor([stats["pg_loss"], stats["vf_loss"]]), "loss (policy, value)")
-                # The loss is this micro-batch's share of the minibatch's; accelerate (and DeepSpeed) divide what it
-                # back-propagates by gradient_accumulation_steps (to average micro-batch means): undo it.
-                accelerator.backward(loss * args.gradient_accumulation_steps)
-            if mb.update == 0:  # ratio 1, approxkl 0: a fresh batch's first minibatch is exactly on-policy
-                run.add({"policy/ratio_first_minibatch": stats["val/ratio"]})
-                run.add({"policy/approxkl_first_minibatch": stats["policy/approxkl_avg"]})
-            if mb.update == num_updates - 1:  # what the stalest update saw: the policy's KL to the rollout's
-                run.add({"policy/approxkl_last_minibatch": stats["policy/approxkl_avg"]})
-            run.add(stats)
-            del logits
-            if mb.last:  # one optimizer step per minibatch, mb.update updates after the rollout's weights
-                record_staleness(run.stats, mb.update)
-                optimizer_step(accelerator, model, optimizer, scheduler, run)
-        metrics |= rlhf_update_metrics(run.stats, num_updates)  # the losses and val/ratio_var
-        metrics["time/training"] = time.time() - t_train - metrics["time/reward"]
-        train_tokens = int(attention_mask.sum()) * (args.num_ppo_epochs + 1)  # + the no-grad pass of step 3
-        metrics["perf/train_tokens_per_second"] = train_tokens / metrics["time/training"]
-
-        # 8. Weight sync: the sampler generates the next batch with the new policy.
-        with run.timed("time/weight_sync"):
-            sampler.sync_weights()
-
-        # 9. Log (averaged over processes), evaluate, checkpoint.
-        run.end_step(B * world_size, evaluation)
-
-    save_policy_and_value(accelerator, model, tokenizer, run.dir)
-    sampler.close()
-    run.finish()
-    return run.dir
-
-
 # =====================================================================================================================
 # PLUMBING: everything below serves main() and is not needed to follow the algorithm; a reader may stop here.
 # A definition with the same name is identical in every script that has it (tests/test_drift.py checks).
@@ -756,7 +761,7 @@ class RunArgs:
     num_samples_logged: int = 8
     """how many evaluation completions go to samples.jsonl"""
 
-    # Computed in main(), recorded in config.json (not flags)
+    # Computed by Run, recorded in config.json (not flags)
     run_name: tyro.conf.Suppress[str] = ""
     """(computed) {task}__{exp_name}__{seed}__{unix_time}"""
     world_size: tyro.conf.Suppress[int] = 0
@@ -1305,7 +1310,9 @@ def evaluate(sampler, reward_models, ref_policy, eval_set, has_gold, args, accel
         query_responses, attention_mask, mask, _, context_length = training_batch(
             prompts, 1, responses, mask, None, tokenizer.pad_token_id, accelerator.device
         )
-        reward_flags = {name: getattr(args, name) for name in inspect.getfullargspec(reward_model_scores).kwonlyargs}
+        reward_flags = dict(  # reward_model_scores's flags (it takes tensors and scalars, not args)
+            missing_eos_penalty=args.missing_eos_penalty, reward_ensemble=args.reward_ensemble, uwo_coef=args.uwo_coef
+        )
         scores, has_eos, member_scores = reward_model_scores(
             reward_models, query_responses, attention_mask, context_length, mask, sampler.stop_ids, accelerator,
             **reward_flags,

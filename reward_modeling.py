@@ -36,7 +36,8 @@ Run on GPUs, e.g. on a hub preference dataset:
     accelerate launch --config_file benchmark/accelerate_configs/deepspeed_zero2.yaml reward_modeling.py ...
 Two processes on CPU (gloo): accelerate launch --multi_gpu --num_processes 2 reward_modeling.py --no-vllm
 
-Read down to the line "PLUMBING": the arguments, the math, the reward and main() are the algorithm.
+Read down to the line "PLUMBING": the arguments, main() with the training loop, then the math and the reward it calls
+are the algorithm.
 """
 
 import ast
@@ -115,7 +116,7 @@ class Args:
     """seed of the sampled completions and pairs alone (None: --seed): an ensemble's members share it and differ in
     --seed, their score head's init and data order (Coste et al., arXiv 2310.02743)"""
 
-    # Computed in main(), recorded in config.json (not flags)
+    # Computed from the flags and the data (check_args, the data loader and main), recorded in config.json (not flags)
     data_kind: tyro.conf.Suppress[str] = ""
     """(computed) "preferences" (chosen/rejected columns) or "task" (pairs built from question/answer columns)"""
     num_train_pairs: tyro.conf.Suppress[int] = 0
@@ -124,6 +125,75 @@ class Args:
     """(computed) optimizer steps: num_train_epochs * num_train_pairs / (pairs_per_rank * world_size)"""
     gradient_accumulation_steps: tyro.conf.Suppress[int] = 0
     """(computed) micro-batches per optimizer step"""
+
+
+def main(args: "Config"):
+    # Setup: processes, data, the pairs (sampled from a task), the model (the helpers are below the fence).
+    check_args(
+        args
+    )  # one-line errors; fills the defaults --prm changes (ppo_prm_clip.py's task and prompt) and the batch sizes
+    accelerator = make_accelerator(args.micro_batch_size, args.gradient_accumulation_steps, args.max_grad_norm)
+    rank, world_size = accelerator.process_index, accelerator.num_processes
+    train_rows, eval_rows = load_reward_data(args)  # checked before any model is loaded
+    tokenizer = load_reward_tokenizer(args, train_rows)
+    pad_id = tokenizer.pad_token_id
+    config = check_reward_config(args.model_name_or_path, args.trust_remote_code)
+    run = Run(args, accelerator, RESUMABLE_ARGS)
+    random.seed(args.data_seed + rank)  # a different sampling stream per process (the model init below is reseeded)
+    np.random.seed(args.data_seed + rank)
+    torch.manual_seed(args.data_seed + rank)
+    # Token ids: (chosen [L_c], rejected [L_r]), prompt included; --prm: (prompt + completion [L], positions of the
+    # steps' last tokens [K], step labels [K]). From a task, completions sampled from the policy and labelled by the
+    # verifier, a correct one paired with a wrong one of the same prompt (--prm: every completion, a label per step).
+    train_pairs, eval_pairs, pair_metrics = reward_pairs(args, accelerator, tokenizer, run, train_rows, eval_rows)
+    pairs_per_step = args.pairs_per_rank * world_size
+    args.num_train_pairs = len(train_pairs)
+    args.total_steps = max(1, round(args.num_train_epochs * len(train_pairs) / pairs_per_step))
+
+    torch.manual_seed(args.seed)  # a new score head starts the same in every process
+    model = load_reward_model(args, config, pad_id)
+    trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters (and the new head)
+    optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay, eps=1e-8)
+    scheduler = make_scheduler(optimizer, args, args.total_steps)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    unwrapped = accelerator.unwrap_model(model)
+    # The one-output head, read by token_scores at every position (peft wraps it in a trainable copy).
+    score_head = (unwrapped.base_model.model if args.lora_r > 0 else unwrapped).score
+    backward = prm_backward if args.prm else bradley_terry_backward
+    # Held-out accuracy, with the unwrapped model; after the last step, the bias stored with the model.
+    evaluation = functools.partial(evaluate, unwrapped, score_head, train_pairs, eval_pairs, args, accelerator, pad_id)
+    start_step, logged = run.start({}), {}
+    if start_step == 0:
+        run.log(0, pair_metrics | evaluation(0)[0])
+
+    for step in range(start_step, args.total_steps):
+        metrics = run.begin_step(step)
+        # 1. Pairs of this step (--prm: labelled completions): each process takes its slice of a global order that is
+        # a function of (seed, step) (a fresh permutation each epoch), so that --resume repeats it. Pairs of similar
+        # lengths share a micro-batch (less padding); the step's gradient is the same sum.
+        indices = step_prompt_indices(step, args.pairs_per_rank, len(train_pairs), args.seed, rank, world_size)
+        batch = sorted((train_pairs[i] for i in indices), key=lambda pair: max(map(len, pair)))
+
+        with run.timed("time/training"):
+            # 2. The loss's gradient over micro-batches: Bradley-Terry -log sigmoid(r_chosen - r_rejected) on each
+            # pair (--prm: binary cross-entropy on each step). Its metrics describe the batch before the update.
+            model.train()
+            metrics |= backward(model, score_head, batch, args, accelerator, pad_id, run)
+            # 3. Update: gradients clipped to max_grad_norm (by DeepSpeed itself under DeepSpeed), one optimizer step.
+            optimizer_step(accelerator, model, optimizer, scheduler, run, prefix="objective/")
+        tokens = sum(len(pair[0]) if args.prm else len(pair[0]) + len(pair[1]) for pair in batch)
+        metrics["perf/train_tokens_per_second"] = tokens / metrics["time/training"]
+        metrics["perf/pairs_per_second"] = pairs_per_step / metrics["time/training"]
+
+        # 4. Log (averaged over processes), evaluate (after the last step with the bias), checkpoint.
+        logged = run.end_step(pairs_per_step, evaluation)
+        run.progress.set_postfix(loss=f"{logged['loss/reward_model']:.3f}", acc=f"{logged['objective/accuracy']:.2f}")
+
+    # The final model, LoRA merged in, in the run folder and in reward_model_dir (--prm: prm_dir), with the bias (a
+    # finished run resumed has none logged: it is measured again) or what ppo_prm_clip.py checks of a PRM.
+    save_reward_model(accelerator, model, tokenizer, run.dir, args, logged.get("objective/bias"), train_pairs)
+    run.finish()
+    return run.dir
 
 
 # The Bradley-Terry reward model
@@ -302,75 +372,6 @@ def verifier_step_scores(steps, correct=1.0, unchecked=0.8, wrong=0.0):
     return scores
 
 
-def main(args: "Config"):
-    # Setup: processes, data, the pairs (sampled from a task), the model (the helpers are below the fence).
-    check_args(
-        args
-    )  # one-line errors; fills the defaults --prm changes (ppo_prm_clip.py's task and prompt) and the batch sizes
-    accelerator = make_accelerator(args.micro_batch_size, args.gradient_accumulation_steps, args.max_grad_norm)
-    rank, world_size = accelerator.process_index, accelerator.num_processes
-    train_rows, eval_rows = load_reward_data(args)  # checked before any model is loaded
-    tokenizer = load_reward_tokenizer(args, train_rows)
-    pad_id = tokenizer.pad_token_id
-    config = check_reward_config(args.model_name_or_path, args.trust_remote_code)
-    run = Run(args, accelerator, RESUMABLE_ARGS)
-    random.seed(args.data_seed + rank)  # a different sampling stream per process (the model init below is reseeded)
-    np.random.seed(args.data_seed + rank)
-    torch.manual_seed(args.data_seed + rank)
-    # Token ids: (chosen [L_c], rejected [L_r]), prompt included; --prm: (prompt + completion [L], positions of the
-    # steps' last tokens [K], step labels [K]). From a task, completions sampled from the policy and labelled by the
-    # verifier, a correct one paired with a wrong one of the same prompt (--prm: every completion, a label per step).
-    train_pairs, eval_pairs, pair_metrics = reward_pairs(args, accelerator, tokenizer, run, train_rows, eval_rows)
-    pairs_per_step = args.pairs_per_rank * world_size
-    args.num_train_pairs = len(train_pairs)
-    args.total_steps = max(1, round(args.num_train_epochs * len(train_pairs) / pairs_per_step))
-
-    torch.manual_seed(args.seed)  # a new score head starts the same in every process
-    model = load_reward_model(args, config, pad_id)
-    trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters (and the new head)
-    optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay, eps=1e-8)
-    scheduler = make_scheduler(optimizer, args, args.total_steps)
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    unwrapped = accelerator.unwrap_model(model)
-    # The one-output head, read by token_scores at every position (peft wraps it in a trainable copy).
-    score_head = (unwrapped.base_model.model if args.lora_r > 0 else unwrapped).score
-    backward = prm_backward if args.prm else bradley_terry_backward
-    # Held-out accuracy, with the unwrapped model; after the last step, the bias stored with the model.
-    evaluation = functools.partial(evaluate, unwrapped, score_head, train_pairs, eval_pairs, args, accelerator, pad_id)
-    start_step, logged = run.start({}), {}
-    if start_step == 0:
-        run.log(0, pair_metrics | evaluation(0)[0])
-
-    for step in range(start_step, args.total_steps):
-        metrics = run.begin_step(step)
-        # 1. Pairs of this step (--prm: labelled completions): each process takes its slice of a global order that is
-        # a function of (seed, step) (a fresh permutation each epoch), so that --resume repeats it. Pairs of similar
-        # lengths share a micro-batch (less padding); the step's gradient is the same sum.
-        indices = step_prompt_indices(step, args.pairs_per_rank, len(train_pairs), args.seed, rank, world_size)
-        batch = sorted((train_pairs[i] for i in indices), key=lambda pair: max(map(len, pair)))
-
-        with run.timed("time/training"):
-            # 2. The loss's gradient over micro-batches: Bradley-Terry -log sigmoid(r_chosen - r_rejected) on each
-            # pair (--prm: binary cross-entropy on each step). Its metrics describe the batch before the update.
-            model.train()
-            metrics |= backward(model, score_head, batch, args, accelerator, pad_id, run)
-            # 3. Update: gradients clipped to max_grad_norm (by DeepSpeed itself under DeepSpeed), one optimizer step.
-            optimizer_step(accelerator, model, optimizer, scheduler, run, prefix="objective/")
-        tokens = sum(len(pair[0]) if args.prm else len(pair[0]) + len(pair[1]) for pair in batch)
-        metrics["perf/train_tokens_per_second"] = tokens / metrics["time/training"]
-        metrics["perf/pairs_per_second"] = pairs_per_step / metrics["time/training"]
-
-        # 4. Log (averaged over processes), evaluate (after the last step with the bias), checkpoint.
-        logged = run.end_step(pairs_per_step, evaluation)
-        run.progress.set_postfix(loss=f"{logged['loss/reward_model']:.3f}", acc=f"{logged['objective/accuracy']:.2f}")
-
-    # The final model, LoRA merged in, in the run folder and in reward_model_dir (--prm: prm_dir), with the bias (a
-    # finished run resumed has none logged: it is measured again) or what ppo_prm_clip.py checks of a PRM.
-    save_reward_model(accelerator, model, tokenizer, run.dir, args, logged.get("objective/bias"), train_pairs)
-    run.finish()
-    return run.dir
-
-
 # =====================================================================================================================
 # PLUMBING: everything below serves main() and is not needed to follow the algorithm; a reader may stop here.
 # A definition with the same name is identical in every script that has it (tests/test_drift.py checks).
@@ -498,7 +499,7 @@ class RunArgs:
     eval_every: int = 0
     """evaluate on the held-out pairs every N optimizer steps (0: only before and after training)"""
 
-    # Computed in main(), recorded in config.json (not flags)
+    # Computed by Run, recorded in config.json (not flags)
     run_name: tyro.conf.Suppress[str] = ""
     """(computed) {task}__{exp_name}__{seed}__{unix_time}"""
     world_size: tyro.conf.Suppress[int] = 0
