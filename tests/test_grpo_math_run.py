@@ -790,9 +790,9 @@ def test_fp16_loss_scaler_skips_an_overflowing_update_and_the_run_goes_on(make_a
 
 
 def test_fp16_updates_skipped_in_a_row_stop_the_run_instead_of_saving_it_as_trained(make_args, monkeypatch, tmp_path):
-    """A gradient that overflows at every loss scale makes the scaler skip every update: after max_skipped (here 3) in a
-    row the run stops with one line (the step, the last checkpoint) and writes no final model (issue 54). A taken
-    update in between starts the count again."""
+    """A gradient that overflows at every loss scale makes the scaler skip every update: after max_skipped (here 3)
+    in a row the run stops with one line (the step, the last checkpoint) and writes no final model (issue 54). A
+    taken update in between starts the count again."""
     make, overflowing = grpo_math.make_accelerator, {"updates": {0, 1, 3, 4, 5}}
 
     def with_scaler(*args, **kwargs):
