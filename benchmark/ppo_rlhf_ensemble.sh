@@ -7,6 +7,7 @@
 #      (an interrupted one: `python reward_modeling.py --resume runs/<its run folder> ...` with the same flags).
 #   2. How the members do on their shared held-out pairs, alone and combined, and how often they agree.
 #   3. The experiment: PPO with the mean, WCO and UWO of the 5 members, online DPO with their WCO, 3 seeds each.
+#   (4. the checks and figures, 5. the cost of five members.) 6. Best-of-n with the 5 members (issue 57): no PPO.
 #   bash benchmark/ppo_rlhf_ensemble.sh   # one run at a time (a 2-core CPU machine): ~8 min a member, ~30 min a PPO run
 # Every command that runs a script is on its own line: tests/test_benchmark.py checks its flags against --help.
 set -euo pipefail
@@ -92,3 +93,19 @@ if [ ! -d benchmark/results/reward_ensemble_cost ]; then
 fi
 python -m benchmark.registry perf --experiments "one reward model=benchmark/results/reward_ensemble_cost/arith_1d__k1_*" \
     "five, WCO=benchmark/results/reward_ensemble_cost/arith_1d__k5_*" --out benchmark/results/reward_ensemble_cost
+
+# 6. Best-of-n with the five members (issue 57, item 1): Coste et al.'s cleanest setting, no PPO and so no seed noise.
+#    64 responses per held-out prompt (the 282 that ppo_rlhf.py evaluates on) from the initial policy at temperature 1,
+#    each scored once by every member of step 1's runs/reward_ensemble; then for n = 1..64 the verifier accuracy of
+#    what each rule picks (each member, the mean, WCO, WCO on standardised members, UWO at 5 lambdas) against the
+#    best-of-n KL, with prompt-bootstrap intervals, and the checks: does a member's curve turn down, do WCO / UWO
+#    flatten it, does the members' disagreement predict the verifier's errors among the picks (benchmark/best_of_n.py).
+#    Each stage resumes where it stopped (rerun the line): from the docs' figures on this 2-core host, sampling
+#    18,048 responses ~20 min (vLLM, 0.5 s a step of 8; longer at temperature 1 or beside another run), scoring them
+#    with 5 members ~3.4 h (1.1 s per 8 responses and member: 18,048 x 5 / 8 x 1.1 s; --num_prompts 128 in the
+#    sample line: ~1.6 h), the analysis seconds. OUT.jsonl (~2 MB, a line per prompt: verdicts, EOS, member scores)
+#    is committed with the table and figure: `analyse --from_responses benchmark/results/best_of_n.jsonl` remakes them.
+python -m benchmark.best_of_n sample --out_dir runs/best_of_n --num_samples 64 --temperature 1
+python -m benchmark.best_of_n score --out_dir runs/best_of_n --ensemble runs/reward_ensemble
+python -m benchmark.best_of_n analyse --out_dir runs/best_of_n --uwo_coef 0.25 0.5 1 2 4 --bootstrap 2000 \
+    --out benchmark/results/best_of_n

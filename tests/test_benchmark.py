@@ -3,6 +3,7 @@ inputs, its plots, and every flag that benchmark/*.sh passes to a script against
 
 import functools
 import glob
+import itertools
 import json
 import math
 import os
@@ -1564,3 +1565,283 @@ def test_registry_paired_peak_and_fall_worked_out_here(tmp_path):
         "0.010 / 0.040",
         "-0.130 / 0.040",
     ]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# benchmark.best_of_n (issue 57): the subset estimator, the rules, the bootstrap, the stages' files
+
+
+def brute_force_best_of_n(score, has_eos, values, n):
+    """The mean over every n-subset of the value of its pick: the best (has_eos, score), ties broken at random (the
+    mean value of the tied best)."""
+    total, subsets = np.zeros(values.shape[1:]), 0
+    for subset in itertools.combinations(range(len(score)), n):
+        best = max((has_eos[i], score[i]) for i in subset)
+        tied = [i for i in subset if (has_eos[i], score[i]) == best]
+        total += values[tied].mean(0)
+        subsets += 1
+    return total / subsets
+
+
+def test_best_of_n_estimator_matches_every_subset():
+    from benchmark import best_of_n as bon
+
+    rng = np.random.default_rng(0)
+    for trial in range(200):
+        N = int(rng.integers(1, 9))
+        score = rng.integers(0, 3, N).astype(float) if trial % 2 else rng.normal(size=N)  # ties on odd trials
+        has_eos = rng.uniform(size=N) < 0.7
+        values = np.stack([rng.integers(0, 2, N), rng.normal(size=N)], 1).astype(float)
+        got = bon.best_of_n_values(score, has_eos, values, bon.pick_weights(N))
+        want = np.stack([brute_force_best_of_n(score, has_eos, values, n) for n in range(1, N + 1)])
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
+    W = bon.pick_weights(64)
+    np.testing.assert_allclose(W.sum(1), 1.0, rtol=0, atol=1e-12)
+    np.testing.assert_array_equal(W[0], np.full(64, 1 / 64))  # n = 1: a random response
+    assert W[-1, 0] == 1.0 and W[-1, 1:].sum() == 0.0  # n = N: the best
+
+
+def test_best_of_n_never_picks_an_unfinished_response_over_a_finished_one():
+    from benchmark import best_of_n as bon
+
+    score, has_eos, correct = [5.0, 0.1, -2.0, 9.0], [False, True, True, False], [0.0, 1.0, 0.0, 0.0]
+    curve = bon.best_of_n_values(score, has_eos, correct, bon.pick_weights(4))
+    assert curve[-1] == 1.0  # the best finished one, not the 5.0 or the 9.0
+    # Two finished of four: a subset of 3 always holds one of them, so no unfinished response is ever picked.
+    assert curve[2] == pytest.approx(brute_force_best_of_n(*map(np.array, (score, has_eos, correct)), 3))
+    assert bon.best_of_n_values([1.0, 2.0], [False, False], [1.0, 0.0], bon.pick_weights(2))[-1] == 0.0  # none
+
+
+def test_best_of_n_rules_against_loops():
+    from benchmark import best_of_n as bon
+
+    rng = np.random.default_rng(1)
+    P, K, N = 3, 4, 5
+    S = rng.normal(size=(P, K, N)) * np.array([1.0, 2.0, 0.5, 1.5])[None, :, None]
+    names = [f"member_{k}" for k in range(K)]
+    rules = bon.rule_scores(S, names, [0.5, 2.0])
+    assert list(rules) == [*names, "mean", "wco", "wco_std", "uwo_0.5", "uwo_2"]
+    every = {k: [S[p, k, i] for p in range(P) for i in range(N)] for k in range(K)}
+    centre = {k: statistics.fmean(every[k]) for k in range(K)}
+    spread = {k: statistics.pstdev(every[k]) for k in range(K)}
+    for p in range(P):
+        for i in range(N):
+            members = [S[p, k, i] for k in range(K)]
+            for k in range(K):
+                assert rules[names[k]][p, i] == members[k]
+            assert rules["mean"][p, i] == pytest.approx(statistics.fmean(members), abs=1e-12)
+            assert rules["wco"][p, i] == min(members)
+            z = [(S[p, k, i] - centre[k]) / spread[k] for k in range(K)]
+            assert rules["wco_std"][p, i] == pytest.approx(min(z), abs=1e-12)
+            for coef in (0.5, 2.0):
+                uwo = statistics.fmean(members) - coef * statistics.pvariance(members)
+                assert rules[f"uwo_{coef:g}"][p, i] == pytest.approx(uwo, abs=1e-12)
+    assert list(bon.rule_scores(S[:, :1], names[:1], [1.0])) == ["member_0"]  # one member: no ensemble rules
+
+
+def test_best_of_n_bootstrap_is_deterministic_and_the_verdict_rule():
+    from benchmark import best_of_n as bon
+
+    a, b = bon.bootstrap_counts(7, 50, seed=3), bon.bootstrap_counts(7, 50, seed=3)
+    np.testing.assert_array_equal(a, b)
+    assert (a.sum(1) == 7).all() and not np.array_equal(a, bon.bootstrap_counts(7, 50, seed=4))
+    values = np.arange(7.0)
+    np.testing.assert_allclose(bon.bootstrap_means(a, values), (a * values).sum(1) / 7)
+    assert bon.bootstrap_verdict(0.01, 0.2) == "held"
+    assert bon.bootstrap_verdict(-0.2, -0.01) == "not held"
+    assert bon.bootstrap_verdict(-0.01, 0.2) == "inconclusive"
+    assert bon.bootstrap_verdict(0.3, 0.3) == "inconclusive"  # no spread: no interval
+    assert bon.p_above(np.array([0.1, 0.2, -0.1, 0.3])) == pytest.approx(2 / 5)
+    assert bon.peak_index(np.array([0.5, 0.7, 0.6])) == 1
+    assert bon.peak_index(np.array([0.5, 0.7, 0.7 - 1e-15])) == 2  # saturated: it does not turn down
+
+
+def write_best_of_n_files(folder, P=60, N=16, seed=0):
+    """A synthetic sample file and score files: member_0 is over-optimised (a planted hack: one or two wrong responses
+    of every odd prompt score 3 above the rest), member_1 and member_2 rank correct above wrong (noise 0.1); every
+    sixth prompt has no right answer."""
+    rng = np.random.default_rng(seed)
+    os.makedirs(os.path.join(folder, "scores"))
+    with open(os.path.join(folder, "meta.json"), "w") as f:
+        json.dump({"num_samples": N}, f)
+    samples, scores = [], {f"member_{k}": [] for k in range(3)}
+    for p in range(P):
+        correct = (rng.uniform(size=N) < 0.5).astype(float)
+        correct[0], correct[1], correct[2] = 1.0, 0.0, 0.0
+        if p % 6 == 0:  # no right answer: every rule errs there, where the members agree
+            correct[:] = 0.0
+        hack = np.zeros(N)
+        if p % 2:
+            hack[1 : 2 + int(rng.integers(0, 2))] = 1.0
+        has_eos = rng.uniform(size=N) < 0.95
+        has_eos[0] = True
+        for i in range(N):
+            samples.append(dict(prompt_index=p, sample=i, gold="1", correct=correct[i], has_eos=bool(has_eos[i])))
+            base = correct[i] + 0.1 * rng.normal(size=3)
+            for k, value in enumerate([base[0] + 3 * hack[i], base[1], base[2]]):
+                scores[f"member_{k}"].append(dict(prompt_index=p, sample=i, score=float(np.float32(value))))
+    for name, path in [("samples", "samples.jsonl")] + [(k, f"scores/{k}.jsonl") for k in scores]:
+        with open(os.path.join(folder, path), "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in (samples if name == "samples" else scores[name]))
+
+
+def test_best_of_n_analyse_finds_the_planted_over_optimisation(tmp_path):
+    from benchmark import best_of_n as bon
+
+    write_best_of_n_files(str(tmp_path / "run"))
+    out = str(tmp_path / "results" / "bon")
+    flags = ["--out_dir", str(tmp_path / "run"), "--out", out, "--bootstrap", "400", "--uwo_coef", "0.5", "1"]
+    result = bon.main(["analyse", *flags])
+    acc = result["accuracy"]
+    assert acc["member_0"][0] == acc["member_1"][0] == acc["wco"][0]  # n = 1: a random response, whatever the rule
+    assert result["drop"]["member_0"][3] == "held" and result["drop"]["member_0"][0] > 0.15
+    assert result["peak_n"]["member_0"] < 8
+    for name in ("member_1", "member_2", "wco", "uwo_1"):
+        assert result["drop"][name][3] == "not held (peak at n = N)", name
+    for name in ("wco", "wco_std", "uwo_0.5", "uwo_1"):
+        assert result["flatten"][name][3] == "held", name
+    assert result["flatten_family"] == {"WCO (raw or standardised)": "held", "UWO (some lambda)": "held"}
+    # member_0's picks at n = N are the hacks on the hackable prompts: wrong, and the members disagree on them
+    above, below, diff, *_, verdict = result["disagreement"]["member_0"][0]
+    assert verdict == "held" and above > 0.8 and 0.1 < below < 0.5
+    text = open(out + ".md").read()
+    assert "| member_0 |" in text and "| UWO, lambda 0.5 |" in text and "**held**" in text
+    assert os.path.getsize(out + ".png") > 0
+    # The committed per-prompt file makes the same table and figure alone; the bootstrap is the same under its seed.
+    again = str(tmp_path / "again" / "bon")
+    bon.main(["analyse", "--from_responses", out + ".jsonl", "--out", again, *flags[4:]])
+    assert open(again + ".md").read() == text
+
+
+def test_best_of_n_analyse_leaves_out_prompts_not_yet_scored(tmp_path):
+    from benchmark import best_of_n as bon
+
+    folder = str(tmp_path / "run")
+    write_best_of_n_files(folder, P=6, N=4)
+    path = os.path.join(folder, "scores", "member_2.jsonl")
+    rows = registry.read_jsonl(path)
+    with open(path, "w") as f:  # the score stage was stopped inside prompt 4
+        f.writelines(json.dumps(row) + "\n" for row in rows[:18])
+    loaded, names, left_out = bon.load_responses(folder)
+    assert [r["prompt_index"] for r in loaded] == [0, 1, 2, 3] and left_out == 2
+    assert names == ["member_0", "member_1", "member_2"]
+
+
+def fake_generate(prompts, n):
+    """Responses of ids 0-5 (0 is the stop id), from torch's generator (seeded by the stage for each chunk)."""
+    responses = torch.randint(0, 6, (len(prompts) * n, 5))
+    lengths = torch.randint(1, 6, (len(prompts) * n,))
+    mask = (torch.arange(5)[None] < lengths[:, None]).float()
+    return responses, mask, [" ".join(map(str, r.tolist())) for r in responses]
+
+
+def test_best_of_n_sample_resumes_to_the_uninterrupted_file(tmp_path):
+    from benchmark import best_of_n as bon
+
+    prompts, golds = [[1, 2], [3], [4, 5, 6], [7], [8, 9]], ["1", "2", "3", "4", "5"]
+    verify = lambda texts, chunk_golds: [float(t.startswith(g)) for t, g in zip(texts, chunk_golds)]
+    indices = bon.select_prompts(len(prompts), 4, seed=1)
+    assert len(indices) == 4 and indices == sorted(indices) and indices == bon.select_prompts(5, 4, seed=1)
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    for folder in (whole, parts):
+        os.makedirs(folder)
+
+    def run(folder, generate):
+        return bon.sample_rows(str(folder), indices, prompts, golds, 3, 1, 7, generate, verify, {0})
+
+    assert run(whole, fake_generate) == 4
+    calls = []
+
+    def dies_on_the_third_chunk(chunk_prompts, n):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return fake_generate(chunk_prompts, n)
+
+    with pytest.raises(KeyboardInterrupt):
+        run(parts, dies_on_the_third_chunk)
+    with open(parts / "samples.jsonl", "a") as f:
+        f.write('{"prompt_index": 99, "sam')  # a line a kill cut short
+    assert run(parts, fake_generate) == 2
+    assert (parts / "samples.jsonl").read_text() == (whole / "samples.jsonl").read_text()
+    rows = registry.read_jsonl(str(whole / "samples.jsonl"))
+    assert [(r["prompt_index"], r["sample"]) for r in rows] == [(i, j) for i in indices for j in range(3)]
+    for row in rows:
+        assert row["has_eos"] == (row["response_ids"][-1:] == [0]) and row["gold"] == golds[row["prompt_index"]]
+    assert run(parts, fake_generate) == 0  # complete: nothing sampled again
+
+
+def test_best_of_n_score_resumes_and_checks_the_settings(tmp_path):
+    from benchmark import best_of_n as bon
+
+    samples = [dict(prompt_index=p, sample=j, response_ids=[1] * (j + 1)) for p in range(3) for j in range(4)]
+    score_fn = lambda batch: [0.1 * len(r["response_ids"]) + r["prompt_index"] for r in batch]
+    whole, parts = str(tmp_path / "whole.jsonl"), str(tmp_path / "parts.jsonl")
+    assert bon.score_rows(whole, samples, 5, score_fn) == 12
+    batches = []
+
+    def dies_on_the_second_batch(batch):
+        batches.append(1)
+        if len(batches) == 2:
+            raise KeyboardInterrupt
+        return score_fn(batch)
+
+    with pytest.raises(KeyboardInterrupt):
+        bon.score_rows(parts, samples, 5, dies_on_the_second_batch)
+    with open(parts, "a") as f:
+        f.write('{"prompt_index": 1, "sample"')
+    assert bon.score_rows(parts, samples, 5, score_fn) == 7
+    assert open(parts).read() == open(whole).read()
+    assert [r["score"] for r in registry.read_jsonl(whole)][:2] == [0.1, 0.2]
+    meta = {"num_samples": 4, "temperature": 1.0, "samplers": ["hf_generate"]}
+    assert bon.check_meta(str(tmp_path / "run"), meta) is None
+    bon.write_meta(str(tmp_path / "run"), meta)
+    assert bon.check_meta(str(tmp_path / "run"), meta | {"samplers": ["vllm"]}) == meta  # the sampler may change
+    with pytest.raises(SystemExit, match="temperature"):
+        bon.check_meta(str(tmp_path / "run"), meta | {"temperature": 0.7})
+
+
+@pytest.mark.slow
+def test_best_of_n_stages_on_the_tiny_model(tiny_model_dir, tiny_reward_model_dir, task_dir, tmp_path):
+    """sample (HF generate) -> score (two members: the same weights, biases 0 and 0.5) -> analyse on the tiny model:
+    the files line up, each score is member_scores_of's on the response alone, centred by the member's bias."""
+    import shutil
+
+    import ppo_rlhf
+    from benchmark import best_of_n as bon
+
+    ensemble = tmp_path / "ensemble"
+    for name, bias in (("member_a", 0.0), ("member_b", 0.5)):
+        shutil.copytree(tiny_reward_model_dir, ensemble / name)
+        config = json.loads((ensemble / name / "config.json").read_text())
+        (ensemble / name / "config.json").write_text(json.dumps(config | {"bias": bias}))
+    out = str(tmp_path / "run")
+    sample = ["sample", "--out_dir", out, "--model_name_or_path", tiny_model_dir, "--dataset_path", task_dir]
+    sample += ["--num_samples", "4", "--num_prompts", "3", "--response_length", "8", "--prompts_per_chunk", "2"]
+    bon.main([*sample, "--no-vllm"])
+    bon.main(["score", "--out_dir", out, "--ensemble", str(ensemble), "--batch_size", "5"])
+    meta = json.loads(open(os.path.join(out, "meta.json")).read())
+    assert meta["samplers"] == ["hf_generate"] and len(meta["prompt_indices"]) == 3
+    rows = registry.read_jsonl(os.path.join(out, "samples.jsonl"))
+    assert [(r["prompt_index"], r["sample"]) for r in rows] == [
+        (i, j) for i in meta["prompt_indices"] for j in range(4)
+    ]
+    a = registry.read_jsonl(os.path.join(out, "scores", "member_a.jsonl"))
+    b = registry.read_jsonl(os.path.join(out, "scores", "member_b.jsonl"))
+    assert [(r["prompt_index"], r["sample"]) for r in a] == [(r["prompt_index"], r["sample"]) for r in rows]
+    np.testing.assert_allclose([r["score"] - 0.5 for r in a], [r["score"] for r in b], atol=1e-5)
+    args = ppo_rlhf.Config(model_name_or_path=tiny_model_dir)
+    model = ppo_rlhf.load_model(
+        str(ensemble / "member_a"), ppo_rlhf.AutoModelForSequenceClassification, args, meta["pad_token_id"]
+    )
+    accelerator = ppo_rlhf.Accelerator()
+    for row, scored in zip(rows, a):
+        prompt = meta["prompts"][str(row["prompt_index"])]
+        ids = torch.tensor([prompt + row["response_ids"]])
+        want = ppo_rlhf.member_scores_of([model.eval()], ids, torch.ones_like(ids), accelerator)[0, 0].item()
+        assert scored["score"] == pytest.approx(want, abs=1e-5)
+        assert row["has_eos"] == (row["response_ids"][-1] in meta["stop_ids"])
+        assert row["correct"] == ppo_rlhf.verifier_correct([row["text"]], [row["gold"]]).item()
+    result = bon.main(["analyse", "--out_dir", out, "--out", str(tmp_path / "bon"), "--bootstrap", "50"])
+    assert result["num_prompts"] == 3 and result["rules"][:2] == ["member_a", "member_b"]
+    assert bon.main([*sample, "--no-vllm"]) is None  # complete: resumes to nothing

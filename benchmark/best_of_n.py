@@ -1,0 +1,735 @@
+"""Best-of-n with the committed reward-model members (issue 57, item 1): Coste et al.'s cleanest over-optimisation
+setting (arXiv 2310.02743), no PPO and so no seed noise. Three stages, each resumable from its files:
+
+    python -m benchmark.best_of_n sample --out_dir runs/best_of_n              # 64 responses per held-out prompt
+    python -m benchmark.best_of_n score --out_dir runs/best_of_n --ensemble runs/reward_ensemble
+    python -m benchmark.best_of_n analyse --out_dir runs/best_of_n --out benchmark/results/best_of_n
+
+`sample`: the held-out prompts ppo_rlhf.py evaluates on (its prompt building on --dataset_path's --eval_split, the
+first 300 rows as its --num_eval_prompts; --num_prompts: a seeded random subset of them), --num_samples responses each
+from the policy at --temperature (1: the policy's own distribution, which the best-of-n KL below is about) and
+ppo_rlhf's --response_length, through ppo_rlhf's Sampler (vLLM when importable, else HF generate).
+OUT_DIR/samples.jsonl gets a line per response: token ids (up to and including the first EOS), text, has_eos and the
+verifier's verdict (ppo_rlhf.verifier_correct); OUT_DIR/meta.json the settings and the prompts' token ids. Prompts are
+sampled in chunks of --prompts_per_chunk, each seeded from (--seed, its first prompt) and appended whole; a rerun
+keeps the complete chunks and samples the rest (with HF generate a resumed file is the uninterrupted one; with vLLM,
+only if its in-process sampler draws from the process's torch generator, which was not checked).
+
+`score`: each member of --ensemble (ppo_rlhf.reward_model_members) scores every response at its last real token,
+centred by its config.bias (ppo_rlhf.member_scores_of on ppo_rlhf.training_batch, evaluation's path), appended to
+OUT_DIR/scores/<member>.jsonl --batch_size responses at a time; a rerun scores only what is missing. A response without
+EOS is scored like any other: the rule (finished first) is the analysis's.
+
+`analyse`: for n = 1..N (N = --num_samples), the expected verifier accuracy of the response each rule picks from n of
+the N samples, over all C(N, n) subsets (not one random draw): sorted by the rule's score, the i-th best of N is the
+best of a random n-subset with probability C(N - i, n - 1) / C(N, n); equal keys share their positions' weights (a
+random tie-break). A response without EOS is never picked over a finished one (issue 54's invariant): the key is
+(has_eos, score). The rules: each member alone; the mean, WCO (min) and UWO (mean - lambda x variance over the K
+members, each --uwo_coef) by ppo_rlhf.ensemble_reward; and WCO on standardised members (each member's score minus its
+mean, over its std, both over every sampled response: one scale for all, the zero of this sample). The x-axis is the
+best-of-n KL, log n - (n - 1) / n. Intervals: the percentile bootstrap over prompts (--bootstrap resamples, --seed),
+the same resamples for every statistic, so differences are paired over prompts. Writes OUT.md (tables and checks),
+OUT.png, and OUT.jsonl, a line per prompt with what the analysis reads (verdicts, EOS, member scores: ~2 MB for 282 x
+64 x 5, to commit): `analyse --from_responses OUT.jsonl` makes the same table and figure from it alone.
+
+The checks, each held / not held / inconclusive by the rule of benchmark/registry.py applied to the bootstrap's 95%
+interval (held when it lies wholly on the claim's side of the bound, not held when wholly on the other side, else, or
+with no spread, inconclusive):
+(1) a rule's curve turns down: its accuracy at its peak n (the full sample's argmax) minus at n = N, > 0 (not held
+    when the peak is at n = N, or the curve is back at its maximum there: it saturates); asked of each member. The
+    peak is chosen on the same prompts, so the interval is a little optimistic.
+(2) WCO / UWO flatten it: the --single member's drop minus the rule's own drop, > 0, paired over prompts; "UWO (some
+    lambda)" and "WCO (raw or standardised)" are disjunctions, held by Holm's procedure over the one-sided bootstrap
+    p-values at 0.025 (registry.holm), not held when every interval lies below 0.
+(3) the members' disagreement predicts verifier errors: among each rule's picks at n = N, the error rate of the prompts
+    whose pick has a members' score std (over K, the centred scores UWO penalises; and on standardised members) above
+    the median, minus that of the rest, > 0.
+"""
+
+import argparse
+import importlib.metadata
+import json
+import math
+import os
+import sys
+import warnings
+
+import numpy as np
+
+from benchmark.registry import holm, read_jsonl, write_text
+
+SEED_STRIDE = 1_000_003  # chunk seed = seed * SEED_STRIDE + the chunk's first prompt's position
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Files
+
+
+def append_jsonl(path, rows):
+    """Append rows to a JSONL file in one write, flushed to disk."""
+    with open(path, "a") as f:
+        f.write("".join(json.dumps(row) + "\n" for row in rows))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def rewrite_jsonl(path, rows):
+    """Replace a JSONL file with rows (atomically): a resumed stage first drops what a kill left half-written."""
+    with open(path + ".tmp", "w") as f:
+        f.write("".join(json.dumps(row) + "\n" for row in rows))
+    os.replace(path + ".tmp", path)
+
+
+def read_rows(path):
+    return read_jsonl(path) if os.path.isfile(path) else []
+
+
+def short_float(x):
+    """A float32 score as the shortest decimal that reads back to the same float32 (what the analysis compares)."""
+    return float(str(np.float32(x)))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 1. sample
+
+
+def chunk_starts(num_prompts, prompts_per_chunk):
+    return list(range(0, num_prompts, prompts_per_chunk))
+
+
+def complete_chunks(rows, positions, num_samples, prompts_per_chunk):
+    """The chunk starts (positions in the selected prompt list) whose every prompt has all its samples in rows."""
+    counts = {}
+    for row in rows:
+        counts[row["prompt_index"]] = counts.get(row["prompt_index"], 0) + 1
+    done = set()
+    for start in chunk_starts(len(positions), prompts_per_chunk):
+        chunk = positions[start : start + prompts_per_chunk]
+        if all(counts.get(i, 0) == num_samples for i in chunk):
+            done.add(start)
+    return done
+
+
+def sample_rows(out_dir, indices, prompts, golds, num_samples, prompts_per_chunk, seed, generate, verify, stop_ids):
+    """Sample num_samples responses for each prompt of `indices` (positions into prompts / golds), chunk by chunk,
+    appended to out_dir/samples.jsonl; chunks already complete there are kept, anything else there is dropped first.
+    generate(prompts, n) -> (responses [B, R], mask [B, R], texts), n consecutive per prompt, after a seed was set by
+    seed_everything(chunk seed); verify(texts, golds) -> [B] 1/0. Returns the number of chunks sampled now."""
+    path = os.path.join(out_dir, "samples.jsonl")
+    rows = read_rows(path)
+    done = complete_chunks(rows, indices, num_samples, prompts_per_chunk)
+    keep = {i for start in done for i in indices[start : start + prompts_per_chunk]}
+    rewrite_jsonl(path, [row for row in rows if row["prompt_index"] in keep])
+    sampled = 0
+    for start in chunk_starts(len(indices), prompts_per_chunk):
+        if start in done:
+            continue
+        chunk = indices[start : start + prompts_per_chunk]
+        seed_everything(seed * SEED_STRIDE + start)
+        responses, mask, texts = generate([prompts[i] for i in chunk], num_samples)
+        chunk_golds = [golds[i] for i in chunk for _ in range(num_samples)]
+        correct = [float(c) for c in verify(texts, chunk_golds)]
+        new = []
+        for row, text in enumerate(texts):
+            ids = [int(t) for t, m in zip(responses[row].tolist(), mask[row].tolist()) if m > 0]
+            new.append(
+                dict(
+                    prompt_index=chunk[row // num_samples], sample=row % num_samples, gold=chunk_golds[row],
+                    response_ids=ids, text=text, has_eos=bool(ids) and ids[-1] in stop_ids, correct=correct[row],
+                )
+            )  # fmt: skip
+        append_jsonl(path, new)
+        sampled += 1
+    return sampled
+
+
+def seed_everything(seed):
+    from accelerate.utils import set_seed
+
+    set_seed(seed)
+
+
+def select_prompts(num_available, num_prompts, seed):
+    """Positions of the prompts to sample: all, or a seeded random subset of num_prompts, in order."""
+    if not num_prompts or num_prompts >= num_available:
+        return list(range(num_available))
+    return sorted(int(i) for i in np.random.default_rng(seed).choice(num_available, num_prompts, replace=False))
+
+
+MAY_CHANGE = ("samplers", "versions")  # what a resumed sample stage may run with
+
+
+def check_meta(out_dir, meta):
+    """The out_dir/meta.json a resumed stage finds (None if there is none), after checking that it was made with the
+    same settings as meta (but MAY_CHANGE): else one line, and the stage stops."""
+    path = os.path.join(out_dir, "meta.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        old = json.load(f)
+    keys = [k for k in meta if k not in MAY_CHANGE and old.get(k) != meta[k]]
+    if keys:
+        sys.exit(f"error: {path} was made with other settings ({', '.join(keys)}); use another --out_dir")
+    return old
+
+
+def write_meta(out_dir, meta):
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "meta.json") + ".tmp", "w") as f:
+        json.dump(meta, f)
+    os.replace(os.path.join(out_dir, "meta.json") + ".tmp", os.path.join(out_dir, "meta.json"))
+
+
+def script_config(args):
+    """ppo_rlhf's Config with this command's settings: its prompts, sampler and models are built from it."""
+    import ppo_rlhf
+
+    return ppo_rlhf.Config(
+        model_name_or_path=args.model_name_or_path, dataset_path=args.dataset_path, eval_split=args.eval_split,
+        response_length=args.response_length, temperature=args.temperature, seed=args.seed, vllm=args.vllm,
+        dtype=args.dtype,
+    )  # fmt: skip
+
+
+def sample(args):
+    import torch
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM
+
+    import ppo_rlhf
+
+    config = script_config(args)
+    tokenizer = ppo_rlhf.load_tokenizer(config.model_name_or_path, config.trust_remote_code)
+    _, _, (prompts, golds), has_gold = ppo_rlhf.load_rlhf_prompts(config, tokenizer, 1)
+    if not has_gold:
+        sys.exit(f"error: --dataset_path {args.dataset_path} split {args.eval_split} has no gold answers to verify")
+    indices = select_prompts(len(prompts), args.num_prompts, args.seed)
+    meta = dict(
+        model_name_or_path=args.model_name_or_path, dataset_path=args.dataset_path, eval_split=args.eval_split,
+        num_samples=args.num_samples, temperature=args.temperature, response_length=args.response_length,
+        seed=args.seed, dtype=args.dtype, prompts_per_chunk=args.prompts_per_chunk, prompt_indices=indices,
+        pad_token_id=tokenizer.pad_token_id, prompts={str(i): prompts[i] for i in indices},
+    )  # fmt: skip
+    meta["stop_ids"] = ppo_rlhf.stop_token_ids(tokenizer, config.model_name_or_path)  # the Sampler's
+    existing = check_meta(args.out_dir, meta)  # before any model loads: a resumed folder must have these settings
+    accelerator = Accelerator()
+    policy = ppo_rlhf.load_model(config.model_name_or_path, AutoModelForCausalLM, config, tokenizer.pad_token_id)
+    sampler = ppo_rlhf.Sampler(config, accelerator, policy.to(accelerator.device).eval(), tokenizer)
+    kind = "vllm" if sampler.llm is not None else "hf_generate"
+    meta["samplers"] = sorted({kind, *(existing or {}).get("samplers", [])})  # every sampler the file has rows of
+    meta["versions"] = {p: version(p) for p in ("torch", "transformers", "vllm")}
+    write_meta(args.out_dir, meta)
+
+    def generate(chunk_prompts, n):
+        with torch.no_grad():
+            responses, mask, _, texts = sampler.generate(chunk_prompts, n, args.temperature)
+        return responses, mask, texts
+
+    verify = lambda texts, chunk_golds: ppo_rlhf.verifier_correct(texts, chunk_golds).tolist()
+    try:
+        sampled = sample_rows(
+            args.out_dir, indices, prompts, golds, args.num_samples, args.prompts_per_chunk, args.seed, generate,
+            verify, set(sampler.stop_ids),
+        )  # fmt: skip
+    finally:
+        sampler.close()
+    print(f"sampled {sampled} chunk(s) of {args.prompts_per_chunk} prompts; {len(indices)} prompts in {args.out_dir}")
+
+
+def version(package):
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 2. score
+
+
+def score_rows(path, samples, batch_size, score_fn):
+    """Score the samples (rows with prompt_index, sample, response_ids) not yet in path (a JSONL of prompt_index,
+    sample, score), batch_size at a time, appending each batch. score_fn(rows) -> [len(rows)] floats. Returns the
+    number scored now."""
+    rows = read_rows(path)
+    rewrite_jsonl(path, rows)  # without a line a kill cut short
+    done = {(row["prompt_index"], row["sample"]) for row in rows}
+    todo = [row for row in samples if (row["prompt_index"], row["sample"]) not in done]
+    for start in range(0, len(todo), batch_size):
+        batch = todo[start : start + batch_size]
+        scores = score_fn(batch)
+        keys = [dict(prompt_index=r["prompt_index"], sample=r["sample"]) for r in batch]
+        append_jsonl(path, [key | dict(score=short_float(s)) for key, s in zip(keys, scores)])
+    return len(todo)
+
+
+def score(args):
+    import torch
+    from accelerate import Accelerator
+    from transformers import AutoModelForSequenceClassification
+
+    import ppo_rlhf
+
+    meta = load_meta(args.out_dir)
+    samples = read_rows(os.path.join(args.out_dir, "samples.jsonl"))
+    if not samples:
+        sys.exit(f"error: no samples in {args.out_dir}/samples.jsonl; run the sample stage first")
+    config = ppo_rlhf.Config(model_name_or_path=meta["model_name_or_path"], dtype=args.dtype)
+    tokenizer = ppo_rlhf.load_tokenizer(config.model_name_or_path, config.trust_remote_code)
+    members = ppo_rlhf.reward_model_members(args.ensemble)
+    for member in members:
+        ppo_rlhf.check_score_model(member, "ensemble", config.trust_remote_code)
+        ppo_rlhf.check_same_vocabulary(member, "ensemble", tokenizer, config.trust_remote_code)
+    accelerator, pad_id = Accelerator(), meta["pad_token_id"]
+    response_length = meta["response_length"]
+    os.makedirs(os.path.join(args.out_dir, "scores"), exist_ok=True)
+    for member in members:
+        path = os.path.join(args.out_dir, "scores", os.path.basename(os.path.normpath(member)) + ".jsonl")
+        model = ppo_rlhf.load_model(member, AutoModelForSequenceClassification, config, pad_id)
+        model = ppo_rlhf.frozen(model, accelerator, accelerator.device)
+
+        def score_fn(batch, model=model):
+            responses = torch.full((len(batch), response_length), pad_id, dtype=torch.long)
+            mask = torch.zeros(responses.shape)
+            for row, r in enumerate(batch):
+                responses[row, : len(r["response_ids"])] = torch.tensor(r["response_ids"], dtype=torch.long)
+                mask[row, : len(r["response_ids"])] = 1
+            prompts = [meta["prompts"][str(r["prompt_index"])] for r in batch]
+            query_responses, attention_mask, *_ = ppo_rlhf.training_batch(
+                prompts, 1, responses, mask, None, pad_id, accelerator.device
+            )
+            return ppo_rlhf.member_scores_of([model], query_responses, attention_mask, accelerator)[0].tolist()
+
+        scored = score_rows(path, samples, args.batch_size, score_fn)
+        print(f"{member}: scored {scored} response(s) -> {path}")
+        del model
+
+
+def load_meta(out_dir):
+    path = os.path.join(out_dir, "meta.json")
+    if not os.path.isfile(path):
+        sys.exit(f"error: no {path}; run `python -m benchmark.best_of_n sample --out_dir {out_dir}` first")
+    with open(path) as f:
+        return json.load(f)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 3. analyse: the estimator and the rules
+
+
+def pick_weights(N):
+    """W [N, N], W[n - 1, i] = C(N - 1 - i, n - 1) / C(N, n): the probability that the (i + 1)-th best of N distinct
+    responses is the best of a uniformly random n-subset (it is in the subset, the other n - 1 are below it). Each
+    row sums to 1 (float64, exact binomials)."""
+    W = np.zeros((N, N))
+    for n in range(1, N + 1):
+        total = math.comb(N, n)
+        for i in range(N - n + 1):
+            W[n - 1, i] = math.comb(N - 1 - i, n - 1) / total
+    return W
+
+
+def best_of_n_values(score, has_eos, values, W):
+    """The expected value (values [N] or [N, m]: verdicts, a disagreement) of the response best-of-n picks, for
+    n = 1..N, over all C(N, n) subsets: the key is (has_eos, score), highest best, so that a response without EOS is
+    never picked over a finished one; equal keys share their positions' weights (a uniformly random tie-break).
+    Returns [N] or [N, m]."""
+    score, has_eos, values = np.asarray(score, float), np.asarray(has_eos, bool), np.asarray(values, float)
+    order = np.lexsort((-score, ~has_eos))  # finished first, then by score, descending
+    keys = list(zip(has_eos[order].tolist(), score[order].tolist()))
+    v = values[order].copy()
+    start = 0
+    for i in range(1, len(keys) + 1):
+        if i == len(keys) or keys[i] != keys[start]:
+            v[start:i] = v[start:i].mean(0)
+            start = i
+    return W @ v
+
+
+def kl_best_of_n(n):
+    """The KL of best-of-n sampling to the policy: log n - (n - 1) / n (Stiennon et al.; Coste et al.'s x-axis)."""
+    n = np.asarray(n, float)
+    return np.log(n) - (n - 1) / n
+
+
+def standardised(S):
+    """S [P, K, N] -> each member's scores minus its mean, over its std, both over every response (ddof 0)."""
+    flat = S.transpose(1, 0, 2).reshape(S.shape[1], -1)
+    return (S - flat.mean(1)[None, :, None]) / flat.std(1)[None, :, None]
+
+
+def rule_scores(S, member_names, uwo_coefs):
+    """{rule: [P, N] score} for S [P, K, N] centred member scores: each member alone, the mean, WCO, WCO on
+    standardised members, UWO at each lambda (ppo_rlhf.ensemble_reward, the training scripts' rule)."""
+    import torch
+
+    import ppo_rlhf
+
+    P, K, N = S.shape
+    flat = torch.from_numpy(np.ascontiguousarray(S.transpose(1, 0, 2).reshape(K, P * N)))  # [K, P * N] float64
+    combine = lambda x, rule, coef=0.0: ppo_rlhf.ensemble_reward(x, rule, coef).numpy().reshape(P, N)
+    rules = {name: S[:, k] for k, name in enumerate(member_names)}
+    if K > 1:
+        rules["mean"] = combine(flat, "mean")
+        rules["wco"] = combine(flat, "wco")
+        Z = torch.from_numpy(np.ascontiguousarray(standardised(S).transpose(1, 0, 2).reshape(K, P * N)))
+        rules["wco_std"] = combine(Z, "wco")
+        for coef in uwo_coefs:
+            rules[f"uwo_{coef:g}"] = combine(flat, "uwo", coef)
+    return rules
+
+
+def rule_label(name):
+    if name == "wco_std":
+        return "WCO, standardised members"
+    if name.startswith("uwo_"):
+        return f"UWO, lambda {name[4:]}"
+    return {"mean": "mean", "wco": "WCO"}.get(name, name)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The bootstrap over prompts and the verdicts
+
+
+def bootstrap_counts(num_prompts, num_resamples, seed):
+    """[B, P]: how often each prompt is drawn in each of B resamples of P prompts with replacement (numpy's
+    default_rng(seed): the same resamples for every statistic, so that differences are paired over prompts)."""
+    rng = np.random.default_rng(seed)
+    draws = rng.integers(0, num_prompts, size=(num_resamples, num_prompts))
+    offsets = (np.arange(num_resamples) * num_prompts)[:, None]
+    return np.bincount((draws + offsets).ravel(), minlength=num_resamples * num_prompts).reshape(
+        num_resamples, num_prompts
+    )
+
+
+def bootstrap_means(counts, per_prompt):
+    """The mean over each resample's prompts of per_prompt [P, ...]: [B, ...]."""
+    P = counts.shape[1]
+    return (counts @ per_prompt.reshape(P, -1) / P).reshape(len(counts), *per_prompt.shape[1:])
+
+
+def percentile_interval(boot):
+    """The 95% percentile interval (2.5th and 97.5th percentiles over axis 0; NaN resamples left out)."""
+    with warnings.catch_warnings():  # a statistic no resample defines (an empty half): NaN, so inconclusive
+        warnings.simplefilter("ignore", RuntimeWarning)
+        low, high = np.nanpercentile(boot, [2.5, 97.5], axis=0)
+    return low, high
+
+
+def p_above(boot, bound=0.0):
+    """The one-sided bootstrap p-value of "above bound": (1 + resamples at or below it) / (1 + resamples)."""
+    boot = boot[~np.isnan(boot)]
+    return (1 + int((boot <= bound).sum())) / (1 + len(boot))
+
+
+def bootstrap_verdict(low, high, bound=0.0):
+    """The registry's rule on a bootstrap interval for "statistic > bound": held when it lies wholly above the
+    bound, not held when wholly below, inconclusive when it crosses it or has no spread (no interval)."""
+    if not (high - low > 1e-12 * max(1.0, abs(high))):
+        return "inconclusive"
+    if low > bound:
+        return "held"
+    if high < bound:
+        return "not held"
+    return "inconclusive"
+
+
+def family_verdict(boots, bound=0.0):
+    """Whether some arm of these is above bound (a disjunction): held when Holm's procedure over the one-sided p-values
+    rejects at 0.025 (registry.holm), not held when every interval lies wholly below the bound, else inconclusive."""
+    if any(holm([p_above(b, bound) for b in boots])):
+        return "held"
+    if all(bootstrap_verdict(*percentile_interval(b), bound) == "not held" for b in boots):
+        return "not held"
+    return "inconclusive"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The analysis
+
+
+def load_responses(out_dir):
+    """Per prompt, what the analysis reads, from out_dir's samples.jsonl and scores/*.jsonl: the prompts with all
+    their samples and every member's score of each. Returns (rows, member names, prompts left out)."""
+    meta = load_meta(out_dir)
+    N = meta["num_samples"]
+    samples = read_rows(os.path.join(out_dir, "samples.jsonl"))
+    score_dir = os.path.join(out_dir, "scores")
+    names = sorted(f[: -len(".jsonl")] for f in os.listdir(score_dir) if f.endswith(".jsonl"))
+    if not names:
+        sys.exit(f"error: no scores in {score_dir}; run `python -m benchmark.best_of_n score` first")
+    scores = {}
+    for name in names:
+        rows = read_rows(os.path.join(score_dir, name + ".jsonl"))
+        scores[name] = {(r["prompt_index"], r["sample"]): r["score"] for r in rows}
+    by_prompt = {}
+    for row in samples:
+        by_prompt.setdefault(row["prompt_index"], {})[row["sample"]] = row
+    rows, left_out = [], 0
+    for index in sorted(by_prompt):
+        got = by_prompt[index]
+        if sorted(got) != list(range(N)) or any((index, j) not in scores[m] for m in names for j in range(N)):
+            left_out += 1
+            continue
+        rows.append(
+            dict(
+                prompt_index=index, gold=got[0].get("gold"), correct=[got[j]["correct"] for j in range(N)],
+                has_eos=[bool(got[j]["has_eos"]) for j in range(N)],
+                scores={m: [scores[m][(index, j)] for j in range(N)] for m in names},
+            )
+        )  # fmt: skip
+    return rows, names, left_out
+
+
+def arrays(rows, names):
+    """(C [P, N] verdicts, E [P, N] has_eos, S [P, K, N] member scores as float32 read to float64)."""
+    C = np.asarray([r["correct"] for r in rows], float)
+    E = np.asarray([r["has_eos"] for r in rows], bool)
+    S = np.asarray([[r["scores"][m] for m in names] for r in rows], np.float32).astype(np.float64)
+    return C, E, S
+
+
+def analysis(rows, names, uwo_coefs, num_resamples, seed, single=None):
+    """Everything the table, the checks and the figure show, from per-prompt rows (load_responses). Returns a dict."""
+    C, E, S = arrays(rows, names)
+    P, K, N = S.shape
+    W = pick_weights(N)
+    rules = rule_scores(S, names, uwo_coefs)
+    disagreement = np.stack([S.std(1), standardised(S).std(1)], -1)  # [P, N, 2]: members' std, raw and standardised
+    curves, picks = {}, {}  # [P, N] accuracy by n; [P, 2] the n = N pick's disagreement (raw, standardised)
+    for name, R in rules.items():
+        per = [best_of_n_values(R[p], E[p], np.concatenate([C[p][:, None], disagreement[p]], 1), W) for p in range(P)]
+        per = np.stack(per)  # [P, N(n), 3]
+        curves[name], picks[name] = per[:, :, 0], per[:, N - 1, 1:]
+    counts = bootstrap_counts(P, num_resamples, seed)
+    out = dict(num_prompts=P, num_samples=N, members=names, rules=list(rules), eos_fraction=float(E.mean()))
+    out["prompts_without_finished"] = int((~E.any(1)).sum())
+    out["n"], out["kl"] = np.arange(1, N + 1), kl_best_of_n(np.arange(1, N + 1))
+    out["accuracy"] = {name: c.mean(0) for name, c in curves.items()}
+    out["interval"] = {name: percentile_interval(bootstrap_means(counts, c)) for name, c in curves.items()}
+    # (1) the drop from the peak (the full sample's argmax, the smallest n among equals; N where the accuracy at N
+    # is the maximum up to rounding: a curve that saturates does not turn down) to n = N, per prompt
+    peak = {name: peak_index(out["accuracy"][name]) for name in rules}
+    drops = {name: curves[name][:, peak[name]] - curves[name][:, N - 1] for name in rules}
+    boot_drop = {name: bootstrap_means(counts, d) for name, d in drops.items()}
+    out["peak_n"] = {name: peak[name] + 1 for name in rules}
+    out["drop"] = {}
+    for name in rules:
+        low, high = percentile_interval(boot_drop[name])
+        verdict = "not held (peak at n = N)" if peak[name] == N - 1 else bootstrap_verdict(low, high)
+        out["drop"][name] = (float(drops[name].mean()), float(low), float(high), verdict)
+    # (2) the single member's drop minus each conservative rule's, paired over prompts
+    single = single or names[0]
+    if single not in names:
+        raise ValueError(f"--single {single!r} is not one of the members {names}")
+    out["single"], out["flatten"], out["flatten_family"] = single, {}, {}
+    conservative = [name for name in rules if name.startswith(("wco", "uwo_"))]
+    boot_flat = {name: boot_drop[single] - boot_drop[name] for name in conservative}
+    for name in conservative:
+        low, high = percentile_interval(boot_flat[name])
+        diff = float((drops[single] - drops[name]).mean())
+        out["flatten"][name] = (diff, float(low), float(high), bootstrap_verdict(low, high), p_above(boot_flat[name]))
+    for family, members in (("WCO (raw or standardised)", ["wco", "wco_std"]), ("UWO (some lambda)", None)):
+        members = members or [name for name in conservative if name.startswith("uwo_")]
+        members = [name for name in members if name in boot_flat]
+        if members:
+            out["flatten_family"][family] = family_verdict([boot_flat[name] for name in members])
+    # (3) the n = N pick's error rate above against at or below the median disagreement
+    out["disagreement"] = {}
+    for name in rules:
+        err = 1.0 - curves[name][:, N - 1]
+        results = []
+        for j in range(2):
+            d = picks[name][:, j]
+            top = (d > np.median(d)).astype(float)
+            bottom = 1.0 - top
+            with np.errstate(invalid="ignore", divide="ignore"):
+                boot = (counts @ (err * top)) / (counts @ top) - (counts @ (err * bottom)) / (counts @ bottom)
+            low, high = percentile_interval(boot)
+            rates = (float((err * top).sum() / max(top.sum(), 1)), float((err * bottom).sum() / max(bottom.sum(), 1)))
+            results.append((*rates, rates[0] - rates[1], float(low), float(high), bootstrap_verdict(low, high)))
+        out["disagreement"][name] = results
+    out["bootstrap"], out["seed"] = num_resamples, seed
+    return out
+
+
+def peak_index(accuracy):
+    """The index of a curve's peak: its first maximum, or the last index where the last value is the maximum up to
+    float rounding (1e-12)."""
+    best = int(np.argmax(accuracy))
+    return len(accuracy) - 1 if accuracy[-1] >= accuracy[best] - 1e-12 else best
+
+
+def shown_ns(N):
+    ns = [n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256) if n < N]
+    return ns + [N]
+
+
+def signed_interval(mean, low, high):
+    return f"{mean:+.3f} [{low:+.3f}, {high:+.3f}]"
+
+
+def markdown(result, meta_line=""):
+    """The tables and the checks of analysis()."""
+    N, single = result["num_samples"], result["single"]
+    ns = shown_ns(N)
+    lines = [
+        f"Best-of-n on {result['num_prompts']} held-out prompts x {N} samples, {len(result['members'])} members "
+        f"({', '.join(result['members'])}){meta_line}. Verifier accuracy of the pick, expected over all n-subsets of "
+        f"the {N} samples; [95% interval]: percentile bootstrap over prompts, {result['bootstrap']} resamples, seed "
+        f"{result['seed']}. Responses with EOS: {result['eos_fraction']:.3f}; prompts with no finished response: "
+        f"{result['prompts_without_finished']}. A response without EOS is never picked over a finished one.",
+        "",
+        "| rule | " + " | ".join(f"n={n} (KL {kl_best_of_n(n):.2f})" for n in ns) + " | peak n | drop peak → N | "
+        "turns down? |",
+        "| --- | " + " | ".join("---" for _ in ns) + " | --- | --- | --- |",
+    ]
+    for name in result["rules"]:
+        acc = result["accuracy"][name]
+        mean, low, high, verdict = result["drop"][name]
+        cells = " | ".join(f"{acc[n - 1]:.3f}" for n in ns)
+        lines.append(
+            f"| {rule_label(name)} | {cells} | {result['peak_n'][name]} | {signed_interval(mean, low, high)} | "
+            f"{verdict} |"
+        )
+    if result["flatten"]:
+        lines += [
+            "",
+            f"Do the conservative rules flatten the single member's curve? {single}'s drop from its peak minus the "
+            f"rule's own, paired over prompts (claim: > 0; {single}'s own drop: "
+            f"{result['drop'][single][3]}).",
+            "",
+            "| rule | drop peak → N | single's drop − rule's | one-sided p | verdict |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        for name, (diff, low, high, verdict, p) in result["flatten"].items():
+            lines.append(
+                f"| {rule_label(name)} | {result['drop'][name][0]:+.3f} | {signed_interval(diff, low, high)} | "
+                f"{p:.4f} | {verdict} |"
+            )
+        lines += [""] + [
+            f"- {family} flattens it (Holm over the family at 0.025): **{verdict}**"
+            for family, verdict in result["flatten_family"].items()
+        ]
+    lines += [
+        "",
+        f"Does the members' disagreement predict verifier errors? Among each rule's picks at n = {N}: the error rate "
+        "where the pick's members' score std (over the members: centred scores, and standardised members) is above "
+        "its median over prompts, against at or below it (claim: above − below > 0).",
+        "",
+        "| rule | error, std above / below (centred) | difference | verdict | error, std above / below "
+        "(standardised) | difference | verdict |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name in result["rules"]:
+        cells = []
+        for above, below, diff, low, high, verdict in result["disagreement"][name]:
+            cells += [f"{above:.3f} / {below:.3f}", signed_interval(diff, low, high), verdict]
+        lines.append(f"| {rule_label(name)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result, out):
+    """Accuracy of the pick against the best-of-n KL, 95% bootstrap bands: the members and their mean on the left,
+    the conservative rules (with the single member, dashed) on the right. Writes a PNG, returns its path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    members, rules, kl = result["members"], result["rules"], result["kl"]
+    panels = [
+        ("members alone and their mean", [*members, *(["mean"] if "mean" in rules else [])]),
+        (f"conservative rules ({result['single']} dashed)", [r for r in rules if r.startswith(("wco", "uwo_"))]),
+    ]
+    panels = [(title, names) for title, names in panels if names]
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False, sharey=True)
+    for ax, (title, names) in zip(axes.flat, panels):
+        if not title.startswith("members"):
+            ax.plot(kl, result["accuracy"][result["single"]], color="gray", linestyle="--", label=result["single"])
+        for i, name in enumerate(names):
+            low, high = result["interval"][name]
+            ax.plot(kl, result["accuracy"][name], color=f"C{i % 10}", label=rule_label(name))
+            ax.fill_between(kl, low, high, color=f"C{i % 10}", alpha=0.15, linewidth=0)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("KL of best-of-n, log n - (n - 1) / n (nats)")
+        if ax is axes.flat[0]:
+            ax.set_ylabel("verifier accuracy of the pick")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        top = ax.secondary_xaxis("top")
+        ticks = shown_ns(result["num_samples"])
+        top.set_xticks(kl_best_of_n(ticks), [str(n) for n in ticks])
+        top.set_xlabel("n", fontsize=8)
+    fig.suptitle(f"Best-of-n, {result['num_prompts']} prompts x {result['num_samples']} samples", fontsize=10)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def analyse(args):
+    if args.from_responses:
+        rows = read_jsonl(args.from_responses)
+        names, left_out = list(rows[0]["scores"]), 0
+    else:
+        rows, names, left_out = load_responses(args.out_dir)
+        if left_out:
+            print(f"warning: {left_out} prompt(s) lack samples or scores and are left out", file=sys.stderr)
+    if not rows:
+        sys.exit("error: no prompt has all its samples scored by every member")
+    result = analysis(rows, names, args.uwo_coef, args.bootstrap, args.seed, args.single)
+    note = f"; {left_out} prompt(s) left out (not yet sampled or scored)" if left_out else ""
+    write_text(markdown(result, note), args.out + ".md")
+    print(f"wrote {plot(result, args.out + '.png')}", file=sys.stderr)
+    if not args.from_responses:
+        rewrite_jsonl(args.out + ".jsonl", rows)
+        print(f"wrote {args.out}.jsonl", file=sys.stderr)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Command line
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(prog="python -m benchmark.best_of_n", description=__doc__.split("\n\n")[0])
+    parser.add_argument("stage", choices=["sample", "score", "analyse"], help="the stage to run (each resumes)")
+    parser.add_argument("--out_dir", default="runs/best_of_n", help="samples.jsonl, meta.json and scores/ (all)")
+    parser.add_argument("--seed", type=int, default=1, help="sampling (sample) and the bootstrap (analyse)")
+    group = parser.add_argument_group("sample")
+    group.add_argument("--model_name_or_path", default="assets/SmolLM2-135M-Instruct", help="the policy")
+    group.add_argument("--dataset_path", default="assets/data/arith_1d", help="as ppo_rlhf.py's")
+    group.add_argument("--eval_split", default="test", help="the held-out split ppo_rlhf.py evaluates on")
+    group.add_argument("--num_samples", type=int, default=64, help="N: responses per prompt")
+    group.add_argument("--num_prompts", type=int, default=None, help="a seeded random subset (default: all)")
+    group.add_argument("--temperature", type=float, default=1.0)
+    group.add_argument("--response_length", type=int, default=64, help="ppo_rlhf.py's default")
+    group.add_argument("--prompts_per_chunk", type=int, default=4, help="prompts sampled (and saved) at a time")
+    group.add_argument("--vllm", action=argparse.BooleanOptionalAction, default=True, help="else HF generate")
+    group.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="models (sample, score)")
+    group = parser.add_argument_group("score")
+    group.add_argument("--ensemble", default="runs/reward_ensemble", help="a folder of reward models (or one)")
+    group.add_argument("--batch_size", type=int, default=32, help="responses per forward (and per saved batch)")
+    group = parser.add_argument_group("analyse")
+    group.add_argument("--uwo_coef", type=float, nargs="+", default=[0.25, 0.5, 1.0, 2.0, 4.0], help="UWO lambdas")
+    group.add_argument("--bootstrap", type=int, default=2000, help="resamples of the prompts")
+    group.add_argument("--single", default=None, help="the member the flattening is checked against (default: first)")
+    group.add_argument("--out", default="benchmark/results/best_of_n", help="writes OUT.md, OUT.png, OUT.jsonl")
+    group.add_argument("--from_responses", default=None, help="analyse an OUT.jsonl (committed) instead of --out_dir")
+    return parser
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    for name in ("num_samples", "prompts_per_chunk", "batch_size", "bootstrap"):
+        if getattr(args, name) < 1:
+            sys.exit(f"error: --{name} must be at least 1, got {getattr(args, name)}")
+    if args.num_prompts is not None and args.num_prompts < 1:
+        sys.exit(f"error: --num_prompts must be at least 1, got {args.num_prompts}")
+    return {"sample": sample, "score": score, "analyse": analyse}[args.stage](args)
+
+
+if __name__ == "__main__":
+    main()
