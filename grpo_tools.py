@@ -101,6 +101,12 @@ class Args:
     max_turns: int = 3
     """calculator calls a trajectory may make; the policy's turn after the last one ends it (a further call is not
     run)"""
+    tool: Literal["calculator", "unavailable"] = "calculator"
+    """what answers a call: the calculator, or `error: unavailable` to every call (the ablation: the same prompt,
+    calls, token path and budget, no result)"""
+    max_operations: int = 0
+    """operations (+ - * / ^) the calculator computes per call; an expression with more gets an error instead
+    (0: any number; 1: a product of three numbers takes two calls)"""
 
     # Generation
     response_length: int = 96
@@ -146,6 +152,7 @@ def main(args: "Config"):
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     sampler = TurnSampler(args, accelerator, accelerator.unwrap_model(model), tokenizer)
     policy_turn = functools.partial(sampler.turn, temperature=args.temperature)  # (contexts, max_tokens) -> turns
+    tool = make_tool(args.tool, args.max_operations)  # (expression) -> the text the tool answers a call with
     loss_flags = dict(  # trajectory_loss's flags (it takes tensors and scalars, not args)
         clip_eps_low=args.clip_eps_low, clip_eps_high=args.clip_eps_high, tis_cap=args.tis_cap,
         entropy_coef=args.entropy_coef, beta=args.beta, kl_estimator=args.kl_estimator, loss_type=args.loss_type,
@@ -170,7 +177,7 @@ def main(args: "Config"):
         # turn (multi_turn_rollout). ids, real, policy [B, R]. The engine sleeps after it (--vllm_sleep), not per turn.
         with run.timed("time/generation"), sampler.awake():
             rollout = multi_turn_rollout(
-                policy_turn, tokenizer, prompts, G, args.response_length, args.max_turns, sampler.stop_ids
+                policy_turn, tokenizer, prompts, G, args.response_length, args.max_turns, sampler.stop_ids, tool
             )
         metrics["perf/generation_tokens_per_second"] = rollout.policy.sum().item() / metrics["time/generation"]
 
@@ -457,14 +464,19 @@ EXAMPLE = (
 )
 
 
-def calculator(expression, max_length=24):
+def calculator(expression, max_length=24, max_operations=0):
     """The tool: the value of an arithmetic expression (numbers, + - * / and ^ or ** for powers, parentheses, a sign
     before a term) computed exactly with fractions by the parser below, never by eval or a shell. It is total: a
-    malformed expression, a division by zero, a power too large or a result longer than max_length characters
-    gives a short error string, which the policy reads as the tool's output; nothing raises. A result that is not
-    an integer is rounded to 6 decimals."""
+    malformed expression, a division by zero, a power too large, more than max_operations operations (when > 0; a
+    sign and parentheses are none: Arithmetic.operations) or a result longer than max_length characters gives a
+    short error string, which the policy reads as the tool's output; nothing raises. A result that is not an integer
+    is rounded to 6 decimals."""
     try:
-        value = Arithmetic(expression).value()
+        parsed = Arithmetic(expression)
+        if max_operations and parsed.operations() > max_operations:
+            allowed = "one operation" if max_operations == 1 else f"{max_operations} operations"
+            raise ValueError(f"at most {allowed} per call")
+        value = parsed.value()
     except ValueError as error:
         return f"error: {error}"
     if abs(value) >= 10**max_length:  # before formatting: Python refuses str() of an integer over 4300 digits
@@ -494,6 +506,12 @@ class Arithmetic:
             self.tokens.append(Fraction(match[1]) if match[1] else match[2])
             position = match.end()
         self.next, self.depth = 0, 0
+
+    def operations(self):
+        """The binary operations (+ - * / ^ **): an operator right after a number or ")". A sign before a term
+        ("-3 * 4", "3 * -4", "-(3 * 4)": one each) and parentheses ("((12 * 34))": one) are not operations."""
+        pairs = zip(self.tokens, self.tokens[1:])
+        return sum(op in ("+", "-", "*", "/", "^", "**") and (isinstance(a, Fraction) or a == ")") for a, op in pairs)
 
     def value(self):
         if not self.tokens:
@@ -572,6 +590,18 @@ class Arithmetic:
         return value
 
 
+UNAVAILABLE = "error: unavailable"  # --tool unavailable's answer to every call
+
+
+def make_tool(name, max_operations=0):
+    """The tool that answers a call, (expression) -> text: the calculator (at most max_operations operations a call,
+    0: any number), or for "unavailable" UNAVAILABLE whatever the call. Its answer takes the calculator's path
+    (RESULT tags, tool tokens, the same budget), so that ablation differs from the working tool by the result alone."""
+    if name == "unavailable":
+        return lambda expression: UNAVAILABLE
+    return functools.partial(calculator, max_operations=max_operations)
+
+
 def tool_call(turn_text):
     """The expression of the call a policy turn ends with (the text between the last CALL[0] and CALL[1]; "" when
     CALL[0] is missing: the calculator calls that malformed), or None when the turn ends without a call."""
@@ -586,20 +616,21 @@ Rollout = collections.namedtuple(
 )
 
 
-def multi_turn_rollout(policy_turn, tokenizer, prompts, n, response_length, max_turns, stop_ids=()):
+def multi_turn_rollout(policy_turn, tokenizer, prompts, n, response_length, max_turns, stop_ids=(), tool=calculator):
     """n trajectories per prompt (consecutive), each the token ids after its prompt. policy_turn(contexts, max_tokens)
     -> [(ids, sampler log-probs or None)] continues each context (its prompt and its trajectory so far, as token
     ids) until a stop token, the token that completes a call (CALL[1]) or max_tokens. A turn that ends a call gets the
-    calculator's output appended as tool tokens (tool_text_after), while the trajectory has made at most max_turns
+    tool's output appended as tool tokens (tool_text_after), while the trajectory has made at most max_turns
     calls and has room (an output that does not fit is cut); any other turn ends it. Nothing is re-tokenised: the
     trainer sees the ids the sampler saw. Returns a Rollout: ids [N, R] (R = response_length, padded with the pad
     id), real [N, R] (1 on every token of the trajectory), policy [N, R] (1 on the policy's tokens: the loss mask),
     sampler_logprobs [N, R] (0 on tool tokens; None without vLLM), texts (whole trajectories), answers (the last
     policy turn, where the final answer is read; empty when it ends with a call that was not run or is cut inside a
-    call), calls [(expression, output: the calculator's answer, or the part of its text that fit)], turns (policy
+    call), calls [(expression, output: the tool's answer, or the part of its text that fit)], turns (policy
     turns), unrun_calls (the calls not run, past max_turns or at the budget: 0 or 1, such a call ends its
     trajectory) per trajectory, and truncated [N] (bool: cut at the budget, the trajectory ended at response_length
-    tokens other than by a stop token, one of stop_ids, or by a call past max_turns)."""
+    tokens other than by a stop token, one of stop_ids, or by a call past max_turns). tool(expression) -> text answers
+    a call: the calculator, or make_tool's."""
     N = len(prompts) * n
     ids, policy, logps = [[] for _ in range(N)], [[] for _ in range(N)], [[] for _ in range(N)]
     calls, turns, answers, has_logprobs = [[] for _ in range(N)], [0] * N, [""] * N, False
@@ -615,7 +646,7 @@ def multi_turn_rollout(policy_turn, tokenizer, prompts, n, response_length, max_
             # A turn that ends with a call (run or not), or is cut inside one ("<calc>874 * 40"), holds no answer.
             answers[i] = text if expression is None and CALL[0] not in text else ""
             past_max = expression is not None and len(calls[i]) >= max_turns
-            output = calculator(expression) if expression is not None and not past_max and room > 0 else None
+            output = tool(expression) if expression is not None and not past_max and room > 0 else None
             keep, tool_text = len(turn_ids), ""
             if output is not None:  # the call is run: the tool's text follows CALL[1] (tool_text_after)
                 keep, tool_text = tool_text_after(tokenizer, turn_ids, text, output)
@@ -717,11 +748,12 @@ def compute_rewards(completions, golds, format_reward):
 
 
 def trajectory_metrics(rewards, correct, formatted, rollout, group_size):
-    """What the trajectories scored and how they used the tool: calls per trajectory, the share with a call, the
-    share of calls the calculator refused (an error as its output), calls not run (past --max_turns or at the budget)
-    per trajectory, the share of trajectories cut at the budget, policy turns, the share of final answers that copy
-    one of the trajectory's tool outputs (among those with a call), the accuracy with and without a call (NaN without
-    such trajectories: the averages leave it out), and the tokens of each kind. rewards, correct, formatted [N]."""
+    """What the trajectories scored and how they used the tool: calls per trajectory, the share with a call and with
+    two or more (a chain, as --max_operations 1 asks of a product of 3), the share of calls the tool refused (an error
+    as its output), calls not run (past --max_turns or at the budget) per trajectory, the share of trajectories cut at
+    the budget, policy turns, the share of final answers that copy one of the trajectory's tool outputs (among those
+    with a call), the accuracy with and without a call (NaN without such trajectories: the averages leave it out), and
+    the tokens of each kind. rewards, correct, formatted [N]."""
     calls = torch.tensor([len(c) for c in rollout.calls], dtype=torch.float)
     called, nan = calls > 0, float("nan")
     outputs = [output for trajectory in rollout.calls for _, output in trajectory]
@@ -739,6 +771,7 @@ def trajectory_metrics(rewards, correct, formatted, rollout, group_size):
         "objective/accuracy_without_call": correct[~called].mean().item() if (~called).any() else nan,
         "tools/calls": calls.mean().item(),
         "tools/call_rate": called.float().mean().item(),
+        "tools/multi_call_rate": (calls >= 2).float().mean().item(),
         "tools/failed_calls": sum(o.startswith("error") for o in outputs) / len(outputs) if outputs else nan,
         "tools/unrun_calls": float(np.mean(rollout.unrun_calls)),
         "tools/truncated": rollout.truncated.float().mean().item(),
@@ -876,7 +909,7 @@ def check_args(args):
     require(args.num_generations >= 2, f"--num_generations must be >= 2 ({groups})")
     check_at_least(args, 1, "prompts_per_rank micro_batch_size num_minibatches num_iterations total_steps")
     check_at_least(args, 1, "response_length")
-    check_at_least(args, 0, "max_turns")
+    check_at_least(args, 0, "max_turns max_operations")
     batch = args.prompts_per_rank * args.num_generations
     if batch % args.num_minibatches:
         fail(f"--num_minibatches ({args.num_minibatches}) must divide prompts_per_rank * num_generations ({batch})")
@@ -1362,13 +1395,13 @@ def evaluate(sampler, eval_sets, args, accelerator, tokenizer, step):
     often the policy called the tool and its accuracy with and without a call (NaN without such problems).
     Returns ({name/metric: value}, sample rows for samples.jsonl)."""
     rank, world_size = accelerator.process_index, accelerator.num_processes
-    greedy = functools.partial(sampler.turn, temperature=0.0)
+    greedy, tool = functools.partial(sampler.turn, temperature=0.0), make_tool(args.tool, args.max_operations)
     results, samples = {}, []
     for name, (prompts, golds) in eval_sets.items():
         mine = list(range(rank, len(prompts), world_size))
         with sampler.awake():  # every process wakes and sleeps its engine once (it may be a collective)
             rollout = multi_turn_rollout(
-                greedy, tokenizer, [prompts[i] for i in mine], 1, args.response_length, args.max_turns
+                greedy, tokenizer, [prompts[i] for i in mine], 1, args.response_length, args.max_turns, tool=tool
             )
         rewards, correct, _ = compute_rewards(rollout.answers, [golds[i] for i in mine], args.format_reward)
         called = torch.tensor([float(len(calls) > 0) for calls in rollout.calls])

@@ -10,6 +10,121 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# ---------------------------------------------------------------------------------------------------------------------
+# Issue 57, items 3 and 4: prepared, NOT YET RUN (no result in docs/grpo_tools.md yet). Each runs only when named; the
+# published experiment below stays what `bash benchmark/grpo_tools.sh` runs:
+#   bash benchmark/grpo_tools.sh issue57_item3     # a tool task RL must learn: mul_2t3d, an addition example shown
+#   bash benchmark/grpo_tools.sh issue57_item4     # several calls: one operation per call, 2-3 terms, 4 held out
+# Seeds: 5 where a run costs <= 15 min (item 3's runs are the published run's size: 11-12 min on the 2 cores), else 3
+# (item 4: 128-token trajectories of up to 4 calls, 300 + 500 held-out prompts at each evaluation).
+# benchmark/tool_probe.py writes each probe's folder (probe.json, and a metrics.jsonl that benchmark.registry reads as
+# a run's evaluation) straight into $ISSUE57; the runs are copied there once finished. $'\n' is the examples' line
+# break. A run's example is written out in its command (tests/test_commands.py parses it); a probe's is Q/A below.
+ISSUE57=benchmark/results/grpo_tools_issue57
+if [[ ${1:-} == issue57_item3 ]]; then
+    Q="Calculate 23 + 41. Give the final answer after 'Answer:'."  # the addition example, shown instead of 23 * 41
+    A="<calc>23 + 41</calc><result>64</result>"$'\n'"Answer: 64"
+    # (0) The task must leave RL room: the step-0 policy's greedy accuracy on the 300 held-out products with the
+    # addition example is <= 0.5 (exit status 3 above it: stop here and choose another prompt).
+    python -m benchmark.tool_probe --exp_name add_greedy --temperature 0 --max_accuracy 0.5 --output_dir "$ISSUE57" \
+        --examples "$Q" "$A"
+    # (1) Two arms on the same prompt and budget (30 steps of 4 prompts x 8 samples at T 1, 96 tokens, 3 calls, greedy
+    # evaluation on the 300 held-out products every 10 steps), 5 seeds: the working calculator, and the tool disabled
+    # (every call answered `error: unavailable` through the same tokens path).
+    python -m benchmark.run --script grpo_tools.py --seeds 1 2 3 4 5 --resume_unfinished -- --exp_name add_tool \
+        --examples "Calculate 23 + 41. Give the final answer after 'Answer:'." \
+        "<calc>23 + 41</calc><result>64</result>"$'\n'"Answer: 64"
+    python -m benchmark.run --script grpo_tools.py --seeds 1 2 3 4 5 --resume_unfinished -- --tool unavailable \
+        --exp_name add_unavailable --examples "Calculate 23 + 41. Give the final answer after 'Answer:'." \
+        "<calc>23 + 41</calc><result>64</result>"$'\n'"Answer: 64"
+    # (2) Sharpening without RL: the step-0 policy sampled at T 0.5 on the same held-out products, 4 samples each, one
+    # probe per seed (paired with the runs' seeds). Its greedy limit, T 0, is each run's own step-0 evaluation.
+    for SEED in 1 2 3 4 5; do
+        python -m benchmark.tool_probe --exp_name add_sharpen_t05 --temperature 0.5 --samples_per_prompt 4 \
+            --seed "$SEED" --output_dir "$ISSUE57" --examples "$Q" "$A"
+    done
+    # (3) The claims: the tool arm's final greedy accuracy and call rate beat the disabled tool's, the sharpened
+    # policy's (T 0.5) and its own step 0 (T 0); held only when the 95% t interval over the 5 seeds clears 0.
+    python -m benchmark.registry copy --out "$ISSUE57" runs/mul_2t3d__add_tool__[1-5]__* \
+        runs/mul_2t3d__add_unavailable__[1-5]__*
+    TOOL="tool=$ISSUE57/mul_2t3d__add_tool__*"
+    OFF="unavailable=$ISSUE57/mul_2t3d__add_unavailable__*"
+    SHARP="sharpen=$ISSUE57/mul_2t3d__add_sharpen_t05__*"
+    python -m benchmark.registry table --experiments "$TOOL" "$OFF" "$SHARP" --metrics eval/accuracy eval/call_rate \
+        objective/accuracy tools/call_rate --out benchmark/results/grpo_tools_issue57_item3.md
+    python -m benchmark.registry paired --experiments "$TOOL" "$OFF" --baseline unavailable --metrics eval/accuracy \
+        eval/call_rate --at_least 0 --out benchmark/results/grpo_tools_issue57_item3_unavailable.md
+    python -m benchmark.registry paired --experiments "$TOOL" "$SHARP" --baseline sharpen --metrics eval/accuracy \
+        eval/call_rate --at_least 0 --out benchmark/results/grpo_tools_issue57_item3_sharpen.md
+    python -m benchmark.registry change --experiments "$TOOL" --metrics eval/accuracy eval/call_rate --window 1 \
+        --at_least 0 --out benchmark/results/grpo_tools_issue57_item3_step0.md
+    python -m benchmark.registry plot --experiments "$TOOL" "$OFF" --metric eval/accuracy eval/call_rate \
+        objective/accuracy tools/call_rate --smooth 5 --out benchmark/results/grpo_tools_issue57_item3.png
+    exit 0
+fi
+if [[ ${1:-} == issue57_item4 ]]; then
+    python -m benchmark.prepare_assets --only tasks  # adds mul_2t3t2d and mul_4t2d (the tasks already built are kept)
+    Q="Calculate 23 * 41. Give the final answer after 'Answer:'."  # grpo_tools' own example: one call
+    A="<calc>23 * 41</calc><result>943</result>"$'\n'"Answer: 943"
+    # (0) The gate: 64 samples at T 1 (the training temperature) of 3-term training products, one operation per call,
+    # the one-call example shown; >= 3% right, else (exit status 3) the same with a chained two-call example shown.
+    gate=0
+    python -m benchmark.tool_probe --exp_name chain_gate_example1 --prompts train --terms 3 --num_prompts 64 \
+        --dataset_path assets/data/mul_2t3t2d --max_operations 1 --max_turns 4 --response_length 128 \
+        --min_accuracy 0.03 --output_dir "$ISSUE57" --examples "$Q" "$A" || gate=$?
+    if [[ $gate == 0 ]]; then
+        EXAMPLE=example1
+        # (1) Trained on 2- and 3-term products, the 4-term ones held out (eval_extra), 3 seeds.
+        python -m benchmark.run --script grpo_tools.py --seeds 1 2 3 --resume_unfinished -- --exp_name chain_example1 \
+            --dataset_path assets/data/mul_2t3t2d --extra_eval_path assets/data/mul_4t2d --max_operations 1 \
+            --max_turns 4 --response_length 128
+    elif [[ $gate == 3 ]]; then
+        EXAMPLE=example2
+        Q="Calculate 12 * 34 * 5. Give the final answer after 'Answer:'."  # a chained two-call example
+        A="<calc>12 * 34</calc><result>408</result><calc>408 * 5</calc><result>2040</result>"$'\n'"Answer: 2040"
+        python -m benchmark.tool_probe --exp_name chain_gate_example2 --prompts train --terms 3 --num_prompts 64 \
+            --dataset_path assets/data/mul_2t3t2d --max_operations 1 --max_turns 4 --response_length 128 \
+            --min_accuracy 0.03 --output_dir "$ISSUE57" --examples "$Q" "$A"  # set -e: a second failure stops here
+        python -m benchmark.run --script grpo_tools.py --seeds 1 2 3 --resume_unfinished -- --exp_name chain_example2 \
+            --dataset_path assets/data/mul_2t3t2d --extra_eval_path assets/data/mul_4t2d --max_operations 1 \
+            --max_turns 4 --response_length 128 \
+            --examples "Calculate 12 * 34 * 5. Give the final answer after 'Answer:'." \
+            "<calc>12 * 34</calc><result>408</result><calc>408 * 5</calc><result>2040</result>"$'\n'"Answer: 2040"
+    else
+        exit "$gate"
+    fi
+    # (2) The held-out 2-3 term products by number of terms (accuracy, >= 2 calls), greedy, before and after
+    # training: the step-0 policy and each seed's trained policy (runs/.../model), with the runs' shown example.
+    for SEED in 1 2 3; do
+        python -m benchmark.tool_probe --exp_name "chain_${EXAMPLE}_step0" --temperature 0 --seed "$SEED" \
+            --dataset_path assets/data/mul_2t3t2d --max_operations 1 --max_turns 4 --response_length 128 \
+            --output_dir "$ISSUE57" --examples "$Q" "$A"
+        python -m benchmark.tool_probe --exp_name "chain_${EXAMPLE}_final" --temperature 0 --seed "$SEED" \
+            --model_name_or_path runs/mul_2t3t2d__chain_"$EXAMPLE"__"$SEED"__*/model \
+            --dataset_path assets/data/mul_2t3t2d --max_operations 1 --max_turns 4 --response_length 128 \
+            --output_dir "$ISSUE57" --examples "$Q" "$A"
+    done
+    # (3) The claims: the 3-term held-out accuracy and rate of >= 2 calls rise (trained minus step 0, greedy); on the
+    # training samples the rate of >= 2 calls rises (last 5 steps minus first 5); the 4-term held-out accuracy ends
+    # above its step-0 value (so above 0). Held only when the 95% t interval over the 3 seeds clears 0.
+    python -m benchmark.registry copy --out "$ISSUE57" runs/mul_2t3t2d__chain_"$EXAMPLE"__[1-3]__*
+    RUNS="chain=$ISSUE57/mul_2t3t2d__chain_${EXAMPLE}__*"
+    python -m benchmark.registry table --experiments "$RUNS" --metrics eval/accuracy eval_extra/accuracy \
+        eval/call_rate tools/multi_call_rate objective/accuracy --out benchmark/results/grpo_tools_issue57_item4.md
+    python -m benchmark.registry paired --experiments "final=$ISSUE57/mul_2t3t2d__chain_${EXAMPLE}_final__*" \
+        "step0=$ISSUE57/mul_2t3t2d__chain_${EXAMPLE}_step0__*" --baseline step0 --metrics eval/accuracy_3_terms \
+        eval/multi_call_rate_3_terms --at_least 0 --out benchmark/results/grpo_tools_issue57_item4_terms.md
+    python -m benchmark.registry change --experiments "$RUNS" --metrics tools/multi_call_rate objective/accuracy \
+        --window 5 --at_least 0 --out benchmark/results/grpo_tools_issue57_item4_change.md
+    python -m benchmark.registry change --experiments "$RUNS" --metrics eval_extra/accuracy eval/accuracy --window 1 \
+        --at_least 0 --out benchmark/results/grpo_tools_issue57_item4_heldout.md
+    python -m benchmark.registry plot --experiments "$RUNS" --metric eval/accuracy eval_extra/accuracy \
+        tools/multi_call_rate tools/calls --smooth 5 --out benchmark/results/grpo_tools_issue57_item4.png
+    exit 0
+fi
+
+# The published experiment (issue 48), what a plain `bash benchmark/grpo_tools.sh` runs.
+
 python -m benchmark.run --script grpo_tools.py --seeds 1 2 3 --resume_unfinished -- --exp_name tools
 python -m benchmark.run --script grpo_math.py --seeds 1 2 3 --resume_unfinished -- \
     --dataset_path assets/data/mul_2t3d --exp_name notool

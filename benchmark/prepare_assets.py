@@ -110,6 +110,39 @@ TASKS = {
             },
         )
     ],
+    # Issue 57 item 4, grpo_tools.py with --max_operations 1 (one operation per calculator call): products of 2 or 3
+    # numbers to train on ("Calculate 78 * 30 * 38.": two chained calls) and, held out, products of 4 ("Calculate 90
+    # * 15 * 6 * 75.": three calls), as --extra_eval_path. reasoning-gym draws "2 digits" from 0-100 and seeds item i
+    # with seed + i: the 4-term stream starts at TASK_SEEDS' offset (with seed 0 its first 3 factors would be a 3-term
+    # training question's), and products with a factor 0 are left out (KEEP: their answer, 0, takes no call).
+    "mul_2t3t2d": [
+        (
+            "basic_arithmetic",
+            {
+                "min_terms": 2,
+                "max_terms": 3,
+                "min_digits": 2,
+                "max_digits": 2,
+                "operators": ("*",),
+                "allow_parentheses": False,
+                "allow_negation": False,
+            },
+        )
+    ],
+    "mul_4t2d": [
+        (
+            "basic_arithmetic",
+            {
+                "min_terms": 4,
+                "max_terms": 4,
+                "min_digits": 2,
+                "max_digits": 2,
+                "operators": ("*",),
+                "allow_parentheses": False,
+                "allow_negation": False,
+            },
+        )
+    ],
     "chain_sum": [("chain_sum", {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1})],
     "chain_sum_2t1d": [("chain_sum", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1})],
     "chain_sum_2t2d": [("chain_sum", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2})],
@@ -117,6 +150,11 @@ TASKS = {
 }
 TRAIN_SIZE, TEST_SIZE = 4000, 500
 SEED = 0  # one stream per task; the train/test split comes from hashing the question text, not from the seed
+# A task whose stream must not share items with SEED's (reasoning-gym's item i is Random(seed + i); a pool draws at
+# most DRAWS_PER_QUESTION * (TRAIN_SIZE + TEST_SIZE) = 90,000 items, so 10**6 shares none).
+TASK_SEEDS = {"mul_4t2d": 10**6}
+# The rows a task keeps (reasoning-gym's entry -> bool), where it does not keep every one.
+KEEP = {"mul_2t3t2d": lambda entry: str(entry["answer"]) != "0", "mul_4t2d": lambda entry: str(entry["answer"]) != "0"}
 DRAWS_PER_QUESTION = 20  # draws allowed per wanted question before a config is deemed exhausted
 STAGES = ("model", "tasks", "gsm8k")
 
@@ -202,8 +240,9 @@ def prepare_model(assets: Path) -> None:
     log("model", f"{'saved' if won else 'another run saved'} {final} ({n_params / 1e6:.1f}M params, bf16)", t0)
 
 
-def distinct_questions(name: str, cfg: dict, seed: int, want: int) -> tuple[list[dict], int]:
-    """First `want` distinct questions of a seeded reasoning-gym stream; also returns draws used."""
+def distinct_questions(name: str, cfg: dict, seed: int, want: int, keep=None) -> tuple[list[dict], int]:
+    """First `want` distinct questions of a seeded reasoning-gym stream (those keep(entry) accepts, when given); also
+    returns draws used."""
     import reasoning_gym
 
     max_draws = DRAWS_PER_QUESTION * want
@@ -212,7 +251,7 @@ def distinct_questions(name: str, cfg: dict, seed: int, want: int) -> tuple[list
     for i in range(max_draws):
         entry = dataset[i]
         question = entry["question"]
-        if question not in rows:
+        if question not in rows and (keep is None or keep(entry)):
             rows[question] = {"question": question, "answer": str(entry["answer"]), "task": name}
             if len(rows) == want:
                 return list(rows.values()), i + 1
@@ -230,7 +269,9 @@ def prepare_tasks(assets: Path) -> None:
         # questions the config can produce at all.
         pool, draws = [], 0
         for name, cfg in sources:
-            rows, used = distinct_questions(name, cfg, SEED, TRAIN_SIZE + TEST_SIZE)
+            rows, used = distinct_questions(
+                name, cfg, TASK_SEEDS.get(key, SEED), TRAIN_SIZE + TEST_SIZE, KEEP.get(key)
+            )
             pool, draws = pool + rows, draws + used
         n_test = TEST_SIZE
         if len(pool) < TRAIN_SIZE + TEST_SIZE:

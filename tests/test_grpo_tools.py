@@ -18,6 +18,7 @@ import torch
 from conftest import (
     REPO_ROOT,
     SMOLLM2_DIR,
+    NoModelLoads,
     accelerate_command,
     assert_same_trajectory,
     assert_same_weights,
@@ -25,10 +26,12 @@ from conftest import (
     fast_cli_flags,
     free_port,
     launch_fixed_rollout,
+    one_line_error,
     read_metrics,
     require_vllm,
     run_checked,
     subprocess_env,
+    write_rows,
 )
 
 import grpo_tools
@@ -326,6 +329,7 @@ def test_trajectory_metrics_count_calls_failures_copies_and_accuracy_by_call(tok
     m = grpo_tools.trajectory_metrics(correct, correct, torch.ones(4), rollout, 2)
     assert m["tools/calls"] == 0.75 and m["tools/call_rate"] == 0.5 and m["tools/failed_calls"] == pytest.approx(1 / 3)
     assert m["tools/unrun_calls"] == 0.5 and m["tools/truncated"] == 0.25  # the calls not run are counted apart
+    assert m["tools/multi_call_rate"] == 0.25  # two calls or more (issue 57's chains)
     assert m["tools/answer_copies_result"] == 1.0 and m["tools/turns"] == 1.75
     assert m["objective/accuracy_with_call"] == 0.5 and m["objective/accuracy_without_call"] == 0.5
     assert m["tools/policy_tokens"] == 1.75 and m["tools/tool_tokens"] == 0.75
@@ -937,3 +941,298 @@ def test_hf_turns_find_the_end_of_a_call_in_linear_time(tokenizer):
     turns = grpo_tools.hf_turns(Generator(), Counting(), [[5, 6], [7]], limits, 1.0, 1.0, pad, [eos])
     assert turns == [(long_turn, None), (enc("Answer: 6") + [eos], None)]
     assert sum(decoded) <= 10 * len(rows[0]), sum(decoded)  # the old scan of every prefix: 80000 tokens
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Issue 57: the tool's arms (--tool unavailable), one operation per call (--max_operations), and the probe
+
+
+@pytest.mark.parametrize(
+    "expression, operations",
+    [
+        ("12", 0), ("-12", 0), ("+-+3", 0), ("(-12)", 0), ("((7))", 0),  # a sign or parentheses: no operation
+        ("-3 * 4", 1), ("3 * -4", 1), ("-(3 * 4)", 1), ("((12 * 34))", 1), ("(-3) * (4)", 1), ("1 - -1", 1),
+        ("2^3", 1), ("2**-3", 1), ("-2^2", 1), ("(2)^(3)", 1), ("7/2", 1), ("1.5 + .5", 1),
+        ("12 * 34 * 5", 2), ("(12 * 34) * 5", 2), ("12 * (34 * 5)", 2), ("2^3^2", 2), ("-(1 + 2) * -3", 2),
+        ("4 / 2 * 3", 2), ("1 + 2 - 3 + 4", 3), ("1 + 2 +", 2),
+    ],
+)  # fmt: skip
+def test_max_operations_counts_the_binary_operations_of_a_call(expression, operations):
+    """--max_operations 1: one operation per call; a sign before a term and parentheses are none, a power is one.
+    An expression with more gets a short error (before it is computed), one within the limit its value as without
+    a limit; 0 is no limit."""
+    assert grpo_tools.Arithmetic(expression).operations() == operations
+    unlimited = calculator(expression)
+    assert calculator(expression, max_operations=0) == unlimited
+    for limit in (1, 2):
+        expected = "error: at most " + ("one operation" if limit == 1 else "2 operations") + " per call"
+        assert calculator(expression, max_operations=limit) == (expected if operations > limit else unlimited)
+
+
+def test_the_unavailable_tool_answers_every_call_through_the_calculators_path(tokenizer):
+    """make_tool("unavailable") answers each call `error: unavailable` where the calculator would have answered: the
+    same calls, turns and policy tokens, the output in the same RESULT tags as tool tokens, the same budget; only
+    the output's text differs. make_tool("calculator", 1) is the calculator with one operation per call."""
+    prompts = [[900, 901], [902]]
+    script = {
+        (900, 0): "First <calc>12 * 34</calc>",
+        (900, 1): "then <calc>408 * 2 * 1</calc>",
+        (900, 2): "Answer: 816<eos>",
+        (902, 0): "Answer: 5<eos>",
+    }
+    rollouts = {}
+    for name, tool in [("calculator", calculator), ("one", grpo_tools.make_tool("calculator", 1)),
+                       ("unavailable", grpo_tools.make_tool("unavailable"))]:  # fmt: skip
+        policy_turn, seen = scripted_turns(tokenizer, script)
+        rollouts[name] = multi_turn_rollout(policy_turn, tokenizer, prompts, 1, 64, 3, (), tool)
+    assert rollouts["calculator"].calls[0] == [("12 * 34", "408"), ("408 * 2 * 1", "816")]
+    assert rollouts["one"].calls[0] == [("12 * 34", "408"), ("408 * 2 * 1", "error: at most one operation per call")]
+    unavailable = [("12 * 34", "error: unavailable"), ("408 * 2 * 1", "error: unavailable")]
+    assert rollouts["unavailable"].calls == [unavailable, []]
+    assert rollouts["unavailable"].texts[0] == (
+        "First <calc>12 * 34</calc><result>error: unavailable</result>then <calc>408 * 2 * 1</calc>"
+        "<result>error: unavailable</result>Answer: 816"
+    )
+    working, unavailable = rollouts["calculator"], rollouts["unavailable"]
+    assert unavailable.turns == working.turns and unavailable.answers == working.answers
+    assert unavailable.policy.sum(1).tolist() == working.policy.sum(1).tolist()  # the same policy tokens
+    policy_ids = [ids[mask > 0].tolist() for ids, mask in zip(working.ids, working.policy)]
+    assert policy_ids == [ids[mask > 0].tolist() for ids, mask in zip(unavailable.ids, unavailable.policy)]
+    tool_ids = (unavailable.ids[0][(unavailable.real[0] - unavailable.policy[0]) > 0]).tolist()
+    enc = tokenizer(f"{RESULT[0]}{grpo_tools.UNAVAILABLE}{RESULT[1]}", add_special_tokens=False).input_ids
+    assert tool_ids == enc * 2
+
+
+def test_the_tool_flags_parse_and_are_checked_in_one_line(tiny_model_dir, task_dir):
+    import tyro
+
+    args = tyro.cli(grpo_tools.Config, args=["--tool", "unavailable", "--max_operations", "1"])
+    assert (args.tool, args.max_operations) == ("unavailable", 1)
+    assert (grpo_tools.Config().tool, grpo_tools.Config().max_operations) == ("calculator", 0)
+    with pytest.raises(SystemExit):
+        tyro.cli(grpo_tools.Config, args=["--tool", "abacus"])
+    bad = grpo_tools.Config(model_name_or_path=tiny_model_dir, dataset_path=task_dir, max_operations=-1, vllm=False)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(grpo_tools, "AutoModelForCausalLM", NoModelLoads)
+        one_line_error(grpo_tools.main, bad, "--max_operations", ">= 0")
+
+
+def product_turns(record=None):
+    """Stands in for hf_turns (same signature and returns): a scripted policy of the products "Calculate a * b * ...":
+    with an even first factor it chains one call per operation, each on the last result (<calc>a * b</calc>, then
+    <calc>{result} * c</calc>, ...), and answers the last result; with an odd one it answers 0 without a call; a
+    question that is not a product is answered 2. record, a list, gets each call's temperature."""
+
+    def turns(model, tokenizer, contexts, max_tokens, temperature, top_p, pad_token_id, stop_ids):
+        if record is not None:
+            record.append(temperature)
+        out = []
+        for context, limit in zip(contexts, max_tokens):
+            text = tokenizer.decode(context)
+            question = text.rsplit("<|im_start|>user\n", 1)[1].split("<|im_end|>", 1)[0]
+            results = re.findall(r"<result>([^<]*)</result>", text.rsplit("<|im_start|>assistant\n", 1)[1])
+            product = re.match(r"Calculate ([\d *]+)\.", question)
+            factors = product[1].split(" * ") if product else None
+            if factors is None or int(factors[0]) % 2:
+                turn = "Answer: 0" if factors else "Answer: 2"
+            elif len(results) < len(factors) - 1:
+                turn = f"{CALL[0]}{results[-1] if results else factors[0]} * {factors[len(results) + 1]}{CALL[1]}"
+            else:
+                turn = f"Answer: {results[-1]}"
+            ids = tokenizer(turn, add_special_tokens=False).input_ids + [stop_ids[0]] * turn.startswith("Answer")
+            out.append((ids[:limit], None))
+        return out
+
+    return turns
+
+
+PRODUCT_ROWS = [
+    {"question": "Calculate 12 * 3.", "answer": "36"},  # right, one call
+    {"question": "Calculate 7 * 5.", "answer": "35"},  # wrong, no call
+    {"question": "Calculate 4 * 5 * 6.", "answer": "120"},  # right, two calls
+    {"question": "Calculate 9 * 2 * 3.", "answer": "54"},  # wrong, no call
+    {"question": "Calculate 2 * 2 * 2.", "answer": "8"},  # right, two calls
+    {"question": "Tom has 3 apples and eats 1. How many are left?", "answer": "2"},  # right, no call, no terms
+]
+
+
+@pytest.fixture
+def make_probe_args(tiny_model_dir, tmp_path):
+    data = write_rows(tmp_path / "products", PRODUCT_ROWS)
+
+    def make(**overrides):
+        from benchmark import tool_probe
+
+        values = dict(model_name_or_path=tiny_model_dir, dataset_path=data, output_dir=str(tmp_path / "probes"))
+        values |= dict(response_length=64, num_eval_prompts=0)
+        return tool_probe.ProbeConfig(**{**TOOL_ARGS, **values, **overrides})
+
+    return make
+
+
+def test_probe_reads_the_terms_of_a_question_and_sums_its_trajectories():
+    from benchmark.tool_probe import probe_results, question_terms
+
+    assert [question_terms(q["question"]) for q in PRODUCT_ROWS] == [2, 2, 3, 3, 3, None]
+    assert question_terms("What is 3 + 1?") == 2 and question_terms("Calculate 2.5 * (3 - 1).") == 3
+    assert question_terms("Calculate.") is None and question_terms("It costs 3 dollars and 4 cents.") is None
+    # Two prompts, K = 2: prompt 0 right once (2 calls, one failed), prompt 1 never (no call; cut at the budget).
+    records = [
+        dict(prompt=0, terms=3, correct=1.0, calls=2, failed=1, truncated=False),
+        dict(prompt=0, terms=3, correct=0.0, calls=1, failed=0, truncated=False),
+        dict(prompt=1, terms=2, correct=0.0, calls=0, failed=0, truncated=True),
+        dict(prompt=1, terms=2, correct=0.0, calls=0, failed=0, truncated=False),
+    ]
+    results = probe_results(records)
+    assert results["accuracy"] == 0.25 and results["accuracy_se"] == pytest.approx(0.25)  # std(0.5, 0) / sqrt(2)
+    assert (
+        results["prompts_with_success"] == 0.5 and results["call_rate"] == 0.5 and results["multi_call_rate"] == 0.25
+    )
+    assert (
+        results["calls"] == 0.75 and results["failed_calls"] == pytest.approx(1 / 3) and results["truncated"] == 0.25
+    )
+    assert results["by_terms"]["3"]["accuracy"] == 0.5 and results["by_terms"]["2"]["call_rate"] == 0.0
+    assert math.isnan(probe_results(records[2:])["failed_calls"])
+
+
+def test_probe_prompts_are_grpo_tools_own(make_probe_args, tmp_path):
+    """The probe's prompts are grpo_tools' (load_math_prompts): the held-out set the runs evaluate on (the first
+    --num_eval_prompts), the training set, with a prompt over --max_prompt_length dropped in both; then --terms and
+    --num_prompts choose among them, with the terms of each."""
+    from transformers import AutoTokenizer
+
+    from benchmark.tool_probe import check_probe_args, probe_prompts
+
+    add = (
+        "Calculate 23 + 41. Give the final answer after 'Answer:'.",
+        "<calc>23 + 41</calc><result>64</result>\nAnswer: 64",
+    )
+    args = make_probe_args(num_eval_prompts=4, examples=(add,))
+    check_probe_args(args)
+    tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
+    train, train_golds, sets = grpo_tools.load_math_prompts(args, tokenizer, 1)
+    assert probe_prompts(args, tokenizer) == (*sets["eval"], [2, 2, 3, 3])  # the first 4 held-out prompts
+    assert "<calc>23 + 41</calc>" in tokenizer.decode(sets["eval"][0][0])  # the shown example is --examples'
+    args.prompts = "train"
+    assert probe_prompts(args, tokenizer) == (train, train_golds, [2, 2, 3, 3, 3, None])
+    args.terms, args.num_prompts = 3, 2
+    prompts, golds, terms = probe_prompts(args, tokenizer)
+    assert (prompts, golds, terms) == ([train[2], train[3]], ["120", "54"], [3, 3])
+    # A long question is dropped by grpo_tools (--max_prompt_length), and the terms stay with their prompts.
+    long_rows = [{"question": "Calculate 2 * 3. " + "Think. " * 200, "answer": "6"}, *PRODUCT_ROWS]
+    args.terms, args.num_prompts = 0, 0
+    args.dataset_path = write_rows(tmp_path / "long", long_rows)
+    args.max_prompt_length = 200
+    prompts, golds, terms = probe_prompts(args, tokenizer)
+    assert golds == ["36", "35", "120", "54", "8", "2"] and terms == [2, 2, 3, 3, 3, None]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_probe_on_a_scripted_policy(make_probe_args, monkeypatch, capsys, temperature):
+    """The probe on a scripted policy whose trajectories are known (product_turns): accuracy, call rate, >= 2 calls
+    and each number of terms, counted by hand; every turn sampled at the probe's temperature (0: greedy); K samples
+    per prompt; a folder that benchmark.registry reads as a run's evaluation; the markdown row."""
+    from benchmark import registry, tool_probe
+
+    temperatures = []
+    monkeypatch.setattr(grpo_tools, "hf_turns", product_turns(temperatures))
+    folder = tool_probe.main(make_probe_args(temperature=temperature, samples_per_prompt=2, max_operations=1))
+    assert set(temperatures) == {temperature}
+    with open(os.path.join(folder, "probe.json")) as f:
+        results = json.load(f)
+    assert results["num_prompts"] == 6 and results["num_samples"] == 12
+    assert results["accuracy"] == pytest.approx(4 / 6) and results["call_rate"] == pytest.approx(3 / 6)
+    assert results["multi_call_rate"] == pytest.approx(2 / 6) and results["failed_calls"] == 0.0
+    assert results["calls"] == pytest.approx(5 / 6) and results["gate"]["passed"]
+    assert results["by_terms"]["2"] | {"accuracy_se": 0} == results["by_terms"]["2"] | dict(
+        num_prompts=2, num_samples=4, accuracy=0.5, accuracy_se=0, prompts_with_success=0.5, call_rate=0.5,
+        multi_call_rate=0.0, calls=0.5, failed_calls=0.0, truncated=0.0,
+    )  # fmt: skip
+    assert results["by_terms"]["3"]["multi_call_rate"] == pytest.approx(2 / 3)
+    assert "<result>20</result><calc>20 * 6</calc><result>120</result>" in results["samples"][4]["completion"]
+    run = registry.load_run(folder)
+    assert run["seed"] == 1 and run["exp_name"] == "probe" and run["lines"][0]["global_step"] == 0
+    assert run["lines"][0]["eval/accuracy"] == pytest.approx(4 / 6)
+    assert run["lines"][0]["eval/multi_call_rate_3_terms"] == pytest.approx(2 / 3)
+    row = capsys.readouterr().out.strip().splitlines()[-1]
+    assert row.startswith(f"| probe | eval, 6 x 2 at T {temperature:g} | 0.667 ± ") and "3 terms: 0.667 / 0.667" in row
+
+
+def test_probe_passes_the_tool_flags_and_its_gate_exits_3(make_probe_args, monkeypatch, capsys):
+    """--tool unavailable reaches the probe's rollout (every call answered with the error, the chain breaks: only
+    the word problem is right) and --max_operations too (a whole product in one call is refused); outside
+    --min_accuracy / --max_accuracy the probe exits with status 3 after writing its folder."""
+    from benchmark import tool_probe
+
+    monkeypatch.setattr(grpo_tools, "hf_turns", product_turns())
+    folder = tool_probe.main(make_probe_args(tool="unavailable", max_accuracy=0.5))
+    with open(os.path.join(folder, "probe.json")) as f:
+        results = json.load(f)
+    assert results["accuracy"] == pytest.approx(1 / 6) and results["failed_calls"] == 1.0
+    with pytest.raises(SystemExit) as exc:
+        tool_probe.main(make_probe_args(min_accuracy=0.9, prompts="train", terms=3, exp_name="gate"))
+    assert exc.value.code == 3 and "gate: accuracy 0.6667 outside [0.9, 1.0]" in capsys.readouterr().err
+    (gate,) = [d for d in os.listdir(make_probe_args().output_dir) if "__gate__" in d]
+    with open(os.path.join(make_probe_args().output_dir, gate, "probe.json")) as f:
+        assert json.load(f)["gate"] == dict(min_accuracy=0.9, max_accuracy=1.0, passed=False)
+
+
+def test_probe_refuses_bad_flags_in_one_line(make_probe_args):
+    from benchmark import tool_probe
+
+    one_line_error(tool_probe.main, make_probe_args(temperature=-1.0), "--temperature", ">= 0")
+    one_line_error(tool_probe.main, make_probe_args(samples_per_prompt=0), "--samples_per_prompt")
+    one_line_error(tool_probe.main, make_probe_args(prompts="eval_extra"), "--extra_eval_path")
+    one_line_error(tool_probe.main, make_probe_args(min_accuracy=0.5, max_accuracy=0.2), "--min_accuracy")
+    one_line_error(tool_probe.main, make_probe_args(terms=5), "--terms")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "tool, max_operations, output",
+    [("calculator", 0, "24"), ("calculator", 1, "error: at most one operation per call"),
+     ("unavailable", 0, "error: unavailable")],
+)  # fmt: skip
+def test_run_answers_calls_with_the_tool_the_flags_name(make_tool_args, monkeypatch, tool, max_operations, output):
+    """--tool and --max_operations reach the training rollout and the evaluation: a scripted policy that calls
+    <calc>2 * 3 * 4</calc> reads the calculator's 24, the one-operation error or `error: unavailable`."""
+
+    def turns(model, tokenizer, contexts, max_tokens, temperature, top_p, pad_token_id, stop_ids):
+        out = []
+        for context, limit in zip(contexts, max_tokens):
+            called = RESULT[0] in tokenizer.decode(context).rsplit("<|im_start|>assistant\n", 1)[1]
+            text = "Answer: 24" if called else f"{CALL[0]}2 * 3 * 4{CALL[1]}"
+            ids = tokenizer(text, add_special_tokens=False).input_ids + [stop_ids[0]] * called
+            out.append((ids[:limit], None))
+        return out
+
+    monkeypatch.setattr(grpo_tools, "hf_turns", turns)
+    run = grpo_tools.main(make_tool_args(total_steps=1, tool=tool, max_operations=max_operations))
+    lines = read_metrics(run)
+    assert lines[1]["tools/calls"] == 1.0 and lines[1]["tools/failed_calls"] == float(output.startswith("error"))
+    assert lines[1]["eval/call_rate"] == 1.0
+    with open(os.path.join(run, "samples.jsonl")) as f:  # the evaluation's trajectories
+        completions = [json.loads(line)["completion"] for line in f]
+    assert completions and all(f"{RESULT[0]}{output}{RESULT[1]}" in c for c in completions)
+
+
+def test_item4_tasks_hold_no_zero_product_and_no_3_term_training_question_starts_a_4_term_one():
+    """prepare_assets' mul_2t3t2d (train) and mul_4t2d (held out): no product with a factor 0 (KEEP), and the 4-term
+    stream starts at its own seed (TASK_SEEDS; reasoning-gym's item i is Random(seed + i), so with the same seed a
+    4-term question would begin with the 3 factors of a training one). The tasks built before are untouched."""
+    pytest.importorskip("reasoning_gym")
+    from benchmark import prepare_assets as pa
+
+    assert set(pa.TASK_SEEDS) | set(pa.KEEP) == {"mul_2t3t2d", "mul_4t2d"}
+    ((name, config),) = pa.TASKS["mul_4t2d"]
+    held_out, _ = pa.distinct_questions(name, config, pa.TASK_SEEDS["mul_4t2d"], 300, pa.KEEP["mul_4t2d"])
+    ((name, config),) = pa.TASKS["mul_2t3t2d"]
+    train, _ = pa.distinct_questions(name, config, pa.SEED, 300, pa.KEEP["mul_2t3t2d"])
+    assert all(row["answer"] != "0" for row in held_out + train)
+    assert {row["question"].count(" * ") for row in held_out} == {3} and {
+        r["question"].count(" * ") for r in train
+    } == {1, 2}
+    starts = {row["question"].rsplit(" * ", 1)[0] + "." for row in held_out}
+    assert not starts & {row["question"] for row in train}
+    same_seed, _ = pa.distinct_questions(*pa.TASKS["mul_4t2d"][0], pa.SEED, 300)
+    assert {row["question"].rsplit(" * ", 1)[0] + "." for row in same_seed} & {row["question"] for row in train}
