@@ -8,6 +8,20 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# The headline (issue 57): the default, `make train`'s run, over 5 seeds on one commit, one seed at a time with nothing
+# else training (~9-13 min a run on 2 cores); the runs' config.json and metrics.jsonl are committed under
+# benchmark/results/grpo_math_default/, and the table, the change from step 0 and the curves come from those copies.
+python -m benchmark.run --script grpo_math.py --seeds 1 2 3 4 5 --resume_unfinished "$@" -- --prompts_per_rank 4 \
+    --exp_name grpo_p4
+python -m benchmark.registry copy --out benchmark/results/grpo_math_default runs/add_2t2d__grpo_p4__[12345]__*
+python -m benchmark.registry table --experiments "default=benchmark/results/grpo_math_default/add_2t2d__grpo_p4__*" \
+    --metrics eval/accuracy objective/accuracy objective/kl --out benchmark/results/grpo_math_default.md
+python -m benchmark.registry change --experiments "default=benchmark/results/grpo_math_default/add_2t2d__grpo_p4__*" \
+    --metrics eval/accuracy --window 1 --at_least 0 --out benchmark/results/grpo_math_default_change.md
+python -m benchmark.registry plot --experiments "default=benchmark/results/grpo_math_default/add_2t2d__grpo_p4__*" \
+    --metric eval/accuracy objective/accuracy objective/entropy objective/kl --smooth 8 \
+    --out benchmark/results/grpo_math_default_step.png
+
 # The default (4 prompts a step) against the default before issue 19 (2 prompts a step, each completion with its own
 # copy of the prompt), 3 seeds each. The published runs were made one seed of each at a time, alternating, with
 # these exact flags (`--prompts_per_rank 4` is the default; it is spelled out for the run name). Those runs' folders
