@@ -16,10 +16,10 @@ dpo_online's own functions (left-padded prompt + completion up to its first EOS,
 token minus config.bias, and a completion without EOS scored missing_eos_penalty instead), so both sides rank every
 pair by the same numbers, but for one case: since issue 54 dpo_online ranks a finished completion above one without
 EOS whatever their scores, where TRL ranks by the numbers (they differ only when the finished one scores below the
-penalty, rare with one reward model). Not `--judge verifier`: on this task the two completions of a pair are mostly
-both right or both wrong, i.e. tied, and the two trainers treat ties differently (below), so that difference would
-dominate the comparison; the reward model's continuous scores tie only when both completions lack an EOS or are
-identical.
+penalty; with one reward model the default run had such a pair at step 2 of 4). Not `--judge verifier`: on this task
+the two completions of a pair are mostly both right or both wrong, i.e. tied, and the two trainers treat ties
+differently (below), so that difference would dominate the comparison; the reward model's continuous scores tie only
+when both completions lack an EOS or are identical.
 
 Matched: model (fp32, dropout off), train split and prompts (dpo_online's prompt builder: chat template + its
 default instruction; TRL gets their text, which its tokenizer turns back into the same ids), prompts per step x 2
