@@ -56,7 +56,7 @@ import warnings
 
 import numpy as np
 
-from benchmark.registry import holm, read_jsonl, write_text
+from benchmark.registry import holm, read_jsonl, verdict_inside, write_text
 
 SEED_STRIDE = 1_000_003  # chunk seed = seed * SEED_STRIDE + the chunk's first prompt's position
 
@@ -425,13 +425,8 @@ def p_above(boot, bound=0.0):
 def bootstrap_verdict(low, high, bound=0.0):
     """The registry's rule on a bootstrap interval for "statistic > bound": held when it lies wholly above the
     bound, not held when wholly below, inconclusive when it crosses it or has no spread (no interval)."""
-    if not (high - low > 1e-12 * max(1.0, abs(high))):
-        return "inconclusive"
-    if low > bound:
-        return "held"
-    if high < bound:
-        return "not held"
-    return "inconclusive"
+    spread = high - low > 1e-12 * max(1.0, abs(high))
+    return verdict_inside((low + high) / 2, (high - low) / 2 if spread else None, bound, math.inf)
 
 
 def family_verdict(boots, bound=0.0):
