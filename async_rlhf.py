@@ -155,28 +155,26 @@ class Args:
 
 def main(args: "Config"):
     # Setup: processes, data, models, the generator, run folder (the helpers are below the fence).
-    check_args(args)  # one-line errors; fills the batch sizes
-    n, staleness = args.num_completions, 0 if args.sync else args.max_staleness  # N: the largest lag of a batch
     # DeepSpeed's micro-batch is counted in rows (completions): micro_batch_size prompts with all their completions.
-    accelerator = make_accelerator(args.micro_batch_size * n, args.gradient_accumulation_steps, args.max_grad_norm)
-    rank, world_size, device = accelerator.process_index, accelerator.num_processes, accelerator.device
+    accelerator, tokenizer = setup(args, args.micro_batch_size * args.num_completions)  # one-line errors first
+    world_size, device = accelerator.num_processes, accelerator.device
+    n, staleness = args.num_completions, 0 if args.sync else args.max_staleness  # N: the largest lag of a batch
     # vLLM's CPU worker replaces torch.set_num_threads by a no-op once it starts: keep the real one.
     threads = (torch.set_num_threads, torch.get_num_threads())
-    tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code, args.prompt_template)
     train_prompts, train_golds, eval_prompts, eval_golds, has_gold = load_judged_prompts(args, tokenizer, world_size)
     run = Run(args, accelerator, RESUMABLE_ARGS)
-    set_seed(args.seed + rank)  # random, numpy and torch: a different sampling stream per process
     # The learner's policy; the generator's models on its own device (a spare GPU, else the learner's): a policy
     # copy for HF generate, the reference, the reward model. What depends on the batch only is computed while the
     # learner trains.
-    model, _ = load_policy_and_reference(args, accelerator, tokenizer.pad_token_id, with_reference=False)
-    gen_models = load_generator_models(args, accelerator, tokenizer.pad_token_id)
+    model, gen_models = load_async_models(args, accelerator, tokenizer.pad_token_id)
     trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay, eps=1e-8)
-    scheduler = make_scheduler(optimizer, args, args.total_steps * args.num_minibatches)
+    schedule = "constant_with_warmup" if args.lr_scheduler == "constant" else args.lr_scheduler  # after warmup_steps
+    scheduler = get_scheduler(schedule, optimizer, args.warmup_steps, args.total_steps * args.num_minibatches)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     generator = AsyncGenerator(args, accelerator, model, tokenizer, train_prompts, train_golds, gen_models, threads)
     evaluation = functools.partial(evaluate, generator, eval_prompts, eval_golds, has_gold, args, accelerator)
+    logprobs_fn = shared_prompt_logprobs if args.shared_prompt else response_logprobs  # the same log-probs
     start_step = run.start({"vllm": generator.gen_model is None})
     generator.publish(start_step)  # the generator's first weights: the initial ones, or those --resume restored
     if start_step == 0:
@@ -214,17 +212,9 @@ def main(args: "Config"):
 
             # 3. Update on the batch: online DPO on pairs, or PPO-clipped RLOO (each in its own function above).
             with run.timed("time/training"):
-                update = dpo_update if args.loss == "dpo" else rloo_update
-                step_metrics, everywhere = update(
-                    model,
-                    optimizer,
-                    scheduler,
-                    accelerator,
-                    args,
-                    batch,
-                    scores if args.loss == "dpo" else judged,
-                    run,
-                )
+                update, judge = (dpo_update, scores) if args.loss == "dpo" else (rloo_update, judged)
+                update_args = (model, optimizer, scheduler, accelerator, args, batch, judge, run, logprobs_fn)
+                step_metrics, everywhere = update(*update_args)
             metrics |= step_metrics | everywhere  # everywhere: the pair statistics, already over every process
             metrics["perf/train_tokens_per_second"] = int(batch["attention_mask"].sum()) * 2 / metrics["time/training"]
 
@@ -238,7 +228,7 @@ def main(args: "Config"):
     finally:
         generator.close()  # whatever happened (the last step, an error in either thread): no generator left behind
 
-    save_policy(accelerator, model, tokenizer, os.path.join(run.dir, "model"))
+    run.save_models(model, tokenizer)
     run.finish()
     return run.dir
 
@@ -409,14 +399,52 @@ def response_logprobs(model, input_ids, attention_mask, context_length, temperat
     return logprobs_from_logits(logits, input_ids[:, context_length:]), logits
 
 
-def batch_reference_logprobs(model, accelerator, args, batch, micro_rows):
+def last_real_index(attention_mask):
+    """[B] index of the last position where attention_mask is 1 (left, right or both-sided padding)."""
+    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+    return (positions * attention_mask).argmax(1)
+
+
+def token_scores(model, score_head, input_ids, attention_mask):
+    """The one-label head of a sequence-classification model (reward or value model) at every position: [B, T]
+    float32. `model` may be wrapped (DDP, DeepSpeed) so that gradients sync; `score_head` is its unwrapped `.score`
+    layer. The classifier's forward applies the head at every position and then keeps the last one: a hook takes
+    the head's output before that, so no layer's hidden states are kept (output_hidden_states would keep all).
+    Positions count from each sequence's first real token, so left and right padding give the same scores."""
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    scores = []
+    handle = score_head.register_forward_hook(lambda module, inputs, output: scores.append(output))
+    try:
+        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    finally:
+        handle.remove()
+    return scores[0].squeeze(-1).float()
+
+
+def training_batch(prompts, n, responses, mask, sampler_logprobs, pad_token_id, device):
+    """The rollout as the trainer's input: each prompt (left-padded) repeated for its n consecutive completions, then
+    the responses cut to the longest one (nothing after it is computed). responses, mask, sampler_logprobs [B, R].
+    Returns query_responses [B, P + R'], attention_mask [B, P + R'] (0 on padding and after the first EOS),
+    mask [B, R'], sampler_logprobs [B, R'] (or None) on `device`, and P, the prompts' padded length."""
+    width = max(1, int(mask.sum(1).max()))
+    responses, mask = responses[:, :width], mask[:, :width].to(device)
+    if sampler_logprobs is not None:
+        sampler_logprobs = sampler_logprobs[:, :width].to(device)
+    rows, P = [p for p in prompts for _ in range(n)], max(len(p) for p in prompts)  # left-padded to P
+    prompt_ids = torch.tensor([[pad_token_id] * (P - len(p)) + list(p) for p in rows], dtype=torch.long)
+    prompt_mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in rows], dtype=torch.long)
+    query_responses = torch.cat([prompt_ids, responses], 1).to(device)
+    attention_mask = torch.cat([prompt_mask.to(device), mask.long()], 1)
+    return query_responses, attention_mask, mask, sampler_logprobs, prompt_ids.shape[1]
+
+
+def batch_reference_logprobs(model, accelerator, args, batch, micro_rows, logprobs_fn):
     """The reference's log-probs of every completion of a batch [nP, R]: the generator's (a separate reference
     model), or with LoRA the learner's model with its adapters off, in the very micro-batches (micro_rows) that the
     update will use. Either way, before the first update the policy's log-probs equal them bit for bit."""
     if batch["ref_logprobs"] is not None:
         return batch["ref_logprobs"]
     ref_logprobs = torch.zeros(batch["mask"].shape, device=accelerator.device)
-    logprobs_fn = shared_prompt_logprobs if args.shared_prompt else response_logprobs
     model.eval()
     with torch.no_grad(), accelerator.unwrap_model(model).disable_adapter():
         for rows in micro_rows:
@@ -521,7 +549,7 @@ def staleness(step, version, num_minibatches, minibatch):
     return {"policy/staleness": updates_behind, "policy/staleness_max": updates_behind}
 
 
-def dpo_update(model, optimizer, scheduler, accelerator, args, batch, scores, run):
+def dpo_update(model, optimizer, scheduler, accelerator, args, batch, scores, run, logprobs_fn):
     """Online DPO on one batch: two completions per prompt (rows 2i and 2i + 1), the judge's higher score chosen, a
     tied pair weighing 0. One pass over the batch in minibatches (one optimizer step each) of micro-batches (gradient
     accumulation); each kept pair weighs the same whatever process it is on. scores [2P]: the judge's, before the
@@ -540,8 +568,7 @@ def dpo_update(model, optimizer, scheduler, accelerator, args, batch, scores, ru
     # Each forward/backward pass: the chosen rows then the rejected rows of micro_batch_size pairs.
     groups = [torch.arange(i, i + mb) for i in range(0, args.prompts_per_rank, mb)]  # the pairs of each micro-batch
     micro_rows = [torch.cat([chosen[group], rejected[group]]) for group in groups]
-    ref_logprobs = batch_reference_logprobs(model, accelerator, args, batch, micro_rows)  # [2P, R]
-    logprobs_fn = shared_prompt_logprobs if args.shared_prompt else response_logprobs  # a pair shares its prompt
+    ref_logprobs = batch_reference_logprobs(model, accelerator, args, batch, micro_rows, logprobs_fn)  # [2P, R]
     ref_sequence_logps = (ref_logprobs * mask).sum(1)  # [2P]
 
     model.train()
@@ -573,13 +600,13 @@ def dpo_update(model, optimizer, scheduler, accelerator, args, batch, scores, ru
                     logprobs.detach(), ref_logprobs[rows], sampled, m, args.kl_estimator
                 )
             run.add(micro_stats | more_stats)
-        optimizer_step(accelerator, model, optimizer, scheduler, run)
+        run.optimizer_step(model, optimizer, scheduler)
         run.add(staleness(run.step, batch["version"], args.num_minibatches, start // args.minibatch_size))
     metrics |= {"objective/kl": kl.mean().item(), "objective/entropy": entropy.mean().item()}
     return metrics, dpo_pair_metrics(accelerator.reduce(pair_sums, "sum").tolist())  # over every process's pairs
 
 
-def rloo_update(model, optimizer, scheduler, accelerator, args, batch, judged, run):
+def rloo_update(model, optimizer, scheduler, accelerator, args, batch, judged, run, logprobs_fn):
     """PPO-clipped RLOO on one batch: k completions per prompt (rows i * k .. i * k + k - 1), each one's advantage its
     reward (the judged score minus the KL penalty to the reference) minus the mean reward of the other k - 1, in
     PPO's clipped surrogate with the ratio pi / pi_generator per token. One pass over the batch in minibatches (one
@@ -591,8 +618,7 @@ def rloo_update(model, optimizer, scheduler, accelerator, args, batch, judged, r
     mask, sampler_logprobs, context_length = batch["mask"], batch["sampler_logprobs"], batch["context_length"]
     # Each forward/backward pass: the k completions of micro_batch_size prompts.
     micro_rows = [torch.arange(i * k, (i + mb) * k, device=device) for i in range(0, args.prompts_per_rank, mb)]
-    ref_logprobs = batch_reference_logprobs(model, accelerator, args, batch, micro_rows)  # [kP, R]
-    logprobs_fn = shared_prompt_logprobs if args.shared_prompt else response_logprobs  # k completions per prompt
+    ref_logprobs = batch_reference_logprobs(model, accelerator, args, batch, micro_rows, logprobs_fn)  # [kP, R]
     old_logprobs = batch["old_logprobs"]  # the generator's: its policy copy's, or vLLM's own
     rlhf_reward, non_score_reward = rloo_rewards(
         judged, old_logprobs, ref_logprobs, mask, args.kl_coef, args.kl_estimator
@@ -633,7 +659,7 @@ def rloo_update(model, optimizer, scheduler, accelerator, args, batch, judged, r
                     logprobs.detach(), ref_logprobs[rows], sampled, m, args.kl_estimator
                 )
             run.add(micro_stats | more_stats)
-        optimizer_step(accelerator, model, optimizer, scheduler, run)
+        run.optimizer_step(model, optimizer, scheduler)
         run.add(staleness(run.step, batch["version"], args.num_minibatches, start // args.minibatch_size))
     metrics["loss/policy"] = policy_loss
     # What the stalest update saw: the approximate KL of the policy to the generator's, on the last minibatch.
@@ -641,6 +667,60 @@ def rloo_update(model, optimizer, scheduler, accelerator, args, batch, judged, r
     metrics["policy/approxkl_last_minibatch"] = float(np.mean(last_minibatch))
     metrics |= {"objective/kl": kl.mean().item(), "objective/entropy": entropy.mean().item()}
     return metrics, {}
+
+
+def reference_perplexity(ref_logprobs, mask):
+    """The reference's perplexity of each completion, exp(-mean log-prob of its tokens) [B, R] -> [B] (log-probs at
+    temperature 1): how far the policy's completions have moved from what the reference writes, as the Asynchronous
+    RLHF paper measures it for its "KL (perplexity)" axis (it divides by the prompt's tokens too)."""
+    return torch.exp(-(ref_logprobs * mask).sum(1) / mask.sum(1).clamp(min=1))
+
+
+def evaluate(generator, prompts, golds, has_gold, args, accelerator, step):
+    """Greedy completions of the held-out prompts (sharded over processes) from the generation engine, with the
+    learner's latest weights: the judge's mean score (with the missing-EOS penalty), when the dataset has gold
+    answers the verifier's accuracy, and with a separate reference model (not with LoRA) the reference's mean
+    perplexity of the completions (reference_perplexity). After the last step, once every batch is made (the
+    generator joined), so that it gets all the threads. Returns ({eval/metric: value}, rows for samples.jsonl)."""
+    if step == args.total_steps:
+        generator.join()
+    rank, world_size, device = accelerator.process_index, accelerator.num_processes, accelerator.device
+    mine = list(range(rank, len(prompts), world_size))
+    results, samples, totals = {}, [], torch.zeros(6, dtype=torch.float64)
+    for start in range(0, len(mine), 64):  # chunks bound the memory of HF generate and of the reward model
+        chunk = mine[start : start + 64]
+        chunk_prompts, chunk_golds = [prompts[i] for i in chunk], [golds[i] for i in chunk]
+        with generator.engine_lock:
+            generator.refresh_engine()
+            responses, mask, _, texts = generator.generate(chunk_prompts, 1, 0.0)
+            query_responses, attention_mask, cut_mask, _, context_length = training_batch(
+                chunk_prompts, 1, responses, mask, None, generator.pad_id, device
+            )
+            scores = generator.judge(query_responses, attention_mask, texts, chunk_golds)
+            perplexity = torch.zeros(len(chunk))  # not measured with LoRA (see the docstring)
+            if generator.ref_policy is not None:
+                batch = query_responses.to(generator.device), attention_mask.to(generator.device), context_length, 1.0
+                perplexity = reference_perplexity(generator.score_rows(generator.ref_policy, *batch), cut_mask.cpu())
+        has_eos = (torch.isin(responses, torch.tensor(generator.stop_ids)) & (mask > 0)).any(1).to(device)
+        scores = penalize_missing_eos(scores, has_eos, args.missing_eos_penalty)
+        correct = verifier_scores(texts, chunk_golds)
+        sums = [scores.sum(), correct.sum(), mask.sum(), has_eos.sum(), len(chunk), perplexity.sum()]
+        totals += torch.tensor([float(x) for x in sums], dtype=torch.float64)
+        for i, text, score, ok in zip(chunk, texts, scores.tolist(), correct.tolist()):
+            if len(samples) < args.num_samples_logged:
+                prompt = generator.tokenizer.decode(prompts[i])
+                gold = {"gold": golds[i], "correct": ok} if has_gold else {}
+                samples.append({"global_step": step, "prompt": prompt, "completion": text, "score": score, **gold})
+    totals = accelerator.reduce(totals.to(device), "sum").cpu()
+    results["eval/score"] = (totals[0] / totals[4]).item()
+    if has_gold:
+        results["eval/accuracy"] = (totals[1] / totals[4]).item()
+    results["eval/response_length"] = (totals[2] / totals[4]).item()
+    results["eval/eos_fraction"] = (totals[3] / totals[4]).item()
+    results["eval/num_prompts"] = totals[4].item()
+    if generator.ref_policy is not None:
+        results["eval/ref_perplexity"] = (totals[5] / totals[4]).item()
+    return results, samples
 
 
 # =====================================================================================================================
@@ -758,6 +838,18 @@ RESUMABLE_ARGS = (
     "resume total_steps track wandb_project_name wandb_entity wandb_tags save_every keep_checkpoints eval_every "
     "num_samples_logged generator_threads run_name"
 ).split()
+
+
+def setup(args, micro_batch_rows=None):
+    """Before anything loads, the flags' one-line checks (check_args, which also fills the sizes computed from them);
+    then the Accelerator of this launch, the policy's tokenizer and the seeds (random, numpy and torch: a different
+    sampling stream per process). micro_batch_rows: DeepSpeed's micro-batch in rows, when not --micro_batch_size."""
+    check_args(args)
+    micro_batch_rows = micro_batch_rows or args.micro_batch_size
+    accelerator = make_accelerator(micro_batch_rows, args.gradient_accumulation_steps, args.max_grad_norm)
+    tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
+    set_seed(args.seed + accelerator.process_index)
+    return accelerator, tokenizer
 
 
 def check_args(args):
@@ -893,9 +985,8 @@ def make_accelerator(micro_batch_size, gradient_accumulation_steps, max_grad_nor
     return accelerator
 
 
-def load_tokenizer(model_name_or_path, trust_remote_code, prompt_template=None):
-    """The policy's tokenizer, with EOS as the padding token when it has none. Without --prompt_template the prompts
-    come from its chat template, which it must then have."""
+def load_tokenizer(model_name_or_path, trust_remote_code):
+    """The policy's tokenizer, with EOS as the padding token when it has none."""
     from huggingface_hub import constants
 
     try:
@@ -905,11 +996,6 @@ def load_tokenizer(model_name_or_path, trust_remote_code, prompt_template=None):
         fail(
             f"--model_name_or_path {model_name_or_path} is neither a local folder nor a reachable hub model "
             f"({str(error).splitlines()[0]}){offline if constants.HF_HUB_OFFLINE else ''}"
-        )
-    if prompt_template is None and not tokenizer.chat_template:
-        fail(
-            f"the tokenizer of {model_name_or_path} has no chat template; pass --prompt_template, "
-            "e.g. 'Question: {question}\\nAnswer:'"
         )
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -1040,7 +1126,11 @@ def check_same_vocabulary(path, name, policy_tokenizer, trust_remote_code):
 
 def build_prompts(tokenizer, rows, args):
     """Token ids of each row's prompt (chat template, after the system prompt and any shown examples, or
-    --prompt_template) and its gold answer; prompts longer than max_prompt_length are dropped."""
+    --prompt_template, which a tokenizer without a chat template needs) and its gold answer; prompts longer than
+    max_prompt_length are dropped."""
+    example = "e.g. 'Question: {question}\\nAnswer:'"
+    no_template = f"the tokenizer of {tokenizer.name_or_path} has no chat template; pass --prompt_template, {example}"
+    require(args.prompt_template is not None or tokenizer.chat_template, no_template)
     prompts, golds = [], []
     for row in rows:
         question = f"{row[args.question_column]} {args.instruction}".strip()
@@ -1148,6 +1238,11 @@ class Run:
         self.step, self.t_step, self.metrics, self.stats = step, time.time(), {}, collections.defaultdict(list)
         return self.metrics
 
+    def prompt_indices(self, step, per_rank, num_prompts):
+        """This process's prompts at `step`: step_prompt_indices, a function of (seed, step) that --resume repeats."""
+        rank, world_size = self.accelerator.process_index, self.accelerator.num_processes
+        return step_prompt_indices(step, per_rank, num_prompts, self.args.seed, rank, world_size)
+
     def add(self, stats):
         """One value per name for this step's averages (reduce_values: NaN left out, *_max / *_min the extreme)."""
         for name, value in stats.items():
@@ -1163,6 +1258,53 @@ class Run:
     def check(self, values, name):
         """Stop at a non-finite value, naming this step and the last good checkpoint (check_finite: a collective)."""
         check_finite(self.accelerator, values, name, self.step, self.last_checkpoint)
+
+    @staticmethod
+    def micro_batches(batch_size, minibatch_size, micro_batch_size, num_epochs, seed):
+        """The update's schedule, flat: num_epochs passes over a batch of batch_size rows (the first in rollout order,
+        the later ones shuffled by a generator seeded with `seed`), each split into minibatches (one optimizer step
+        each), each into micro-batches (gradient accumulation). Yields a MicroBatch per micro-batch: the update
+        (minibatch) it belongs to, counted from 0 in this step, the epoch (pass), the minibatch's rows and its own,
+        and whether it is the minibatch's first and last."""
+        rng, update = torch.Generator().manual_seed(seed), 0
+        for epoch in range(num_epochs):
+            order = torch.randperm(batch_size, generator=rng) if epoch else torch.arange(batch_size)
+            for start in range(0, batch_size, minibatch_size):
+                minibatch = order[start : start + minibatch_size]
+                for first in range(0, minibatch_size, micro_batch_size):
+                    rows, last = (
+                        minibatch[first : first + micro_batch_size],
+                        first + micro_batch_size >= minibatch_size,
+                    )
+                    yield MicroBatch(update, epoch, minibatch, rows, first == 0, last)
+                update += 1
+
+    def optimizer_step(self, model, optimizer, scheduler, prefix="policy/", max_skipped=30):
+        """One update: clip the gradients (clip_gradients), step the optimizer, then the learning-rate schedule when
+        the update was taken (it counts updates taken: fp16's loss scaler skips an overflowing one), and zero the
+        gradients. Adds prefix + grad_norm (NaN when skipped or unknown) and prefix + skipped_updates to the step's
+        stats; the step's lr is this update's (the step's last). max_skipped updates skipped in a row stop the run, as
+        DeepSpeed stops at its minimum scale, instead of saving untrained weights as a trained model: fp16's scale
+        starts at 2^16 and halves at each skip (DeepSpeed's at every other one at first), so 30 take it below 1, where
+        an overflow is the gradients' own, not the scale's."""
+        grad_norm = clip_gradients(self.accelerator, model, self.args.max_grad_norm, self.step, self.last_checkpoint)
+        self.metrics["lr"] = scheduler.get_last_lr()[0]
+        optimizer.step()
+        skipped = (
+            self.accelerator.optimizer_step_was_skipped
+        )  # the scaler's verdict (accelerate's GradScaler or DeepSpeed's)
+        self.add(
+            {f"{prefix}grad_norm": math.nan if skipped else grad_norm, f"{prefix}skipped_updates": float(skipped)}
+        )
+        if not skipped:
+            scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
+        if self.skipped_in_a_row >= max_skipped:  # the same on every process: the gradients are the synchronised ones
+            raise RuntimeError(
+                f"step {self.step + 1}: the fp16 loss scaler skipped {max_skipped} updates in a row (gradients that "
+                f"overflow at every scale); last good checkpoint: {self.last_checkpoint or 'none'}"
+            )
 
     def due(self, every):
         """Whether a periodic event (evaluation, checkpoint) happens after this step: every `every` steps and last."""
@@ -1217,6 +1359,20 @@ class Run:
         self.accelerator.wait_for_everyone()
         self.last_checkpoint = final
 
+    def save_models(self, model, tokenizer, parts=(("model", None),)):
+        """The trained model as a Hugging Face folder in the run folder (the LoRA adapter alone when --lora_r > 0); a
+        wrapper's parts (PPO's policy and value model) as a folder each: parts = ((folder, attribute), ...), each its
+        share of the wrapper's state dict. Under ZeRO-3 every process takes part in gathering the weights."""
+        self.accelerator.wait_for_everyone()
+        state_dict = self.accelerator.get_state_dict(model)
+        if self.accelerator.is_main_process:
+            unwrapped = self.accelerator.unwrap_model(model)
+            for folder, attribute in parts:
+                prefix, part = (f"{attribute}.", getattr(unwrapped, attribute)) if attribute else ("", unwrapped)
+                own = {key.removeprefix(prefix): t for key, t in state_dict.items() if key.startswith(prefix)}
+                part.save_pretrained(os.path.join(self.dir, folder), state_dict=own, safe_serialization=True)
+                tokenizer.save_pretrained(os.path.join(self.dir, folder))
+
     def finish(self):
         """Close the logs once every process is done (under DeepSpeed, a process that exited while the main one still
         wrote the final model was seen to abort it); a vLLM engine's shutdown may have destroyed the group already."""
@@ -1257,6 +1413,21 @@ def truncate_jsonl(path, last_step):
         os.replace(path + ".tmp", path)
 
 
+def step_prompt_indices(step, per_rank, num_prompts, seed, rank=0, world_size=1):
+    """Indices of the prompts process `rank` uses at `step`: its slice of the step's world_size * per_rank. The
+    dataset is walked in a fresh permutation every epoch, so the data order is a pure function of (seed, step) and
+    --resume repeats it."""
+    prompts_per_step = per_rank * world_size
+    start, end = step * prompts_per_step, (step + 1) * prompts_per_step
+    first_epoch, last_epoch = start // num_prompts, (end - 1) // num_prompts
+    epochs = range(first_epoch, last_epoch + 1)
+    order = torch.cat(
+        [torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed * 100_003 + e)) for e in epochs]
+    )
+    mine = start - first_epoch * num_prompts + rank * per_rank
+    return order[mine : mine + per_rank].tolist()
+
+
 def check_finite(accelerator, values, name, step, last_checkpoint):
     """Stop the run at the first non-finite reward, loss or gradient norm, saying where the last good checkpoint is.
     A collective (every process calls it as often): when one process sees it, every process stops, none is left
@@ -1267,6 +1438,26 @@ def check_finite(accelerator, values, name, step, last_checkpoint):
         raise RuntimeError(
             f"step {step + 1}: non-finite {name} ({seen}); last good checkpoint: {last_checkpoint or 'none'}"
         )
+
+
+MicroBatch = collections.namedtuple("MicroBatch", "update epoch minibatch rows first last")
+
+
+def clip_gradients(accelerator, model, max_grad_norm, step, last_checkpoint):
+    """Clip the gradients to max_grad_norm; returns their global norm, the same on every process, or NaN for an update
+    that fp16's loss scaler skips (accelerate's GradScaler or DeepSpeed's: an overflow is their signal to skip the
+    step and lower the scale, so the weights stay finite; the averages leave NaN out) and where DeepSpeed computes no
+    norm. Elsewhere a non-finite norm (a finite loss whose backward overflowed) stops the run before the optimizer
+    step, so that non-finite weights are never checkpointed (DeepSpeed steps inside accelerator.backward: there,
+    before the next checkpoint)."""
+    grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+    if grad_norm is None:  # DeepSpeed with zero_optimization.compute_grad_norm false computes none
+        return math.nan
+    grad_norm = float(grad_norm)
+    deepspeed_fp16 = accelerator.state.deepspeed_plugin is not None and accelerator.mixed_precision == "fp16"
+    if accelerator.scaler is None and not deepspeed_fp16:
+        check_finite(accelerator, grad_norm, "gradient norm", step, last_checkpoint)
+    return grad_norm if math.isfinite(grad_norm) else float("nan")
 
 
 def reduce_metrics(accelerator, metrics):
@@ -1294,75 +1485,27 @@ def average_stats(stats):
     return {name: reduce_values(name, values) for name, values in stats.items()}
 
 
-def evaluate(generator, prompts, golds, has_gold, args, accelerator, step):
-    """Greedy completions of the held-out prompts (sharded over processes) from the generation engine, with the
-    learner's latest weights: the judge's mean score (with the missing-EOS penalty), when the dataset has gold
-    answers the verifier's accuracy, and with a separate reference model (not with LoRA) the reference's mean
-    perplexity of the completions (reference_perplexity). After the last step, once every batch is made (the
-    generator joined), so that it gets all the threads. Returns ({eval/metric: value}, rows for samples.jsonl)."""
-    if step == args.total_steps:
-        generator.join()
-    rank, world_size, device = accelerator.process_index, accelerator.num_processes, accelerator.device
-    mine = list(range(rank, len(prompts), world_size))
-    results, samples, totals = {}, [], torch.zeros(6, dtype=torch.float64)
-    for start in range(0, len(mine), 64):  # chunks bound the memory of HF generate and of the reward model
-        chunk = mine[start : start + 64]
-        chunk_prompts, chunk_golds = [prompts[i] for i in chunk], [golds[i] for i in chunk]
-        with generator.engine_lock:
-            generator.refresh_engine()
-            responses, mask, _, texts = generator.generate(chunk_prompts, 1, 0.0)
-            query_responses, attention_mask, cut_mask, _, context_length = training_batch(
-                chunk_prompts, 1, responses, mask, None, generator.pad_id, device
-            )
-            scores = generator.judge(query_responses, attention_mask, texts, chunk_golds)
-            perplexity = torch.zeros(len(chunk))  # not measured with LoRA (see the docstring)
-            if generator.ref_policy is not None:
-                batch = query_responses.to(generator.device), attention_mask.to(generator.device), context_length, 1.0
-                perplexity = reference_perplexity(generator.score_rows(generator.ref_policy, *batch), cut_mask.cpu())
-        has_eos = (torch.isin(responses, torch.tensor(generator.stop_ids)) & (mask > 0)).any(1).to(device)
-        scores = penalize_missing_eos(scores, has_eos, args.missing_eos_penalty)
-        correct = verifier_scores(texts, chunk_golds)
-        sums = [scores.sum(), correct.sum(), mask.sum(), has_eos.sum(), len(chunk), perplexity.sum()]
-        totals += torch.tensor([float(x) for x in sums], dtype=torch.float64)
-        for i, text, score, ok in zip(chunk, texts, scores.tolist(), correct.tolist()):
-            if len(samples) < args.num_samples_logged:
-                prompt = generator.tokenizer.decode(prompts[i])
-                gold = {"gold": golds[i], "correct": ok} if has_gold else {}
-                samples.append({"global_step": step, "prompt": prompt, "completion": text, "score": score, **gold})
-    totals = accelerator.reduce(totals.to(device), "sum").cpu()
-    results["eval/score"] = (totals[0] / totals[4]).item()
-    if has_gold:
-        results["eval/accuracy"] = (totals[1] / totals[4]).item()
-    results["eval/response_length"] = (totals[2] / totals[4]).item()
-    results["eval/eos_fraction"] = (totals[3] / totals[4]).item()
-    results["eval/num_prompts"] = totals[4].item()
-    if generator.ref_policy is not None:
-        results["eval/ref_perplexity"] = (totals[5] / totals[4]).item()
-    return results, samples
-
-
-def training_batch(prompts, n, responses, mask, sampler_logprobs, pad_token_id, device):
-    """The rollout as the trainer's input: each prompt (left-padded) repeated for its n consecutive completions, then
-    the responses cut to the longest one (nothing after it is computed). responses, mask, sampler_logprobs [B, R].
-    Returns query_responses [B, P + R'], attention_mask [B, P + R'] (0 on padding and after the first EOS),
-    mask [B, R'], sampler_logprobs [B, R'] (or None) on `device`, and P, the prompts' padded length."""
-    width = max(1, int(mask.sum(1).max()))
-    responses, mask = responses[:, :width], mask[:, :width].to(device)
-    if sampler_logprobs is not None:
-        sampler_logprobs = sampler_logprobs[:, :width].to(device)
-    rows, P = [p for p in prompts for _ in range(n)], max(len(p) for p in prompts)  # left-padded to P
-    prompt_ids = torch.tensor([[pad_token_id] * (P - len(p)) + list(p) for p in rows], dtype=torch.long)
-    prompt_mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in rows], dtype=torch.long)
-    query_responses = torch.cat([prompt_ids, responses], 1).to(device)
-    attention_mask = torch.cat([prompt_mask.to(device), mask.long()], 1)
-    return query_responses, attention_mask, mask, sampler_logprobs, prompt_ids.shape[1]
-
-
-def reference_perplexity(ref_logprobs, mask):
-    """The reference's perplexity of each completion, exp(-mean log-prob of its tokens) [B, R] -> [B] (log-probs at
-    temperature 1): how far the policy's completions have moved from what the reference writes, as the Asynchronous
-    RLHF paper measures it for its "KL (perplexity)" axis (it divides by the prompt's tokens too)."""
-    return torch.exp(-(ref_logprobs * mask).sum(1) / mask.sum(1).clamp(min=1))
+def load_async_models(args, accelerator, pad_token_id):
+    """The learner's policy (load_policy_and_reference, without a reference), then the models the generator thread
+    runs, on its device: its own whole copy of the policy for HF generate (None with vLLM; it receives the policy's
+    gathered weights, see AsyncGenerator.publish), the frozen reference policy (None with LoRA: the reference is then
+    the learner's model with its adapters off) and the reward model (with --judge reward_model). They load whole on
+    every process (under ZeRO-3 they would be partitioned as they load): a thread must never take part in a
+    collective call. Returns (policy, (the generator's device, gen_model, ref_policy, reward_model))."""
+    policy, _ = load_policy_and_reference(args, accelerator, pad_token_id, with_reference=False)
+    use_vllm = vllm_usable(args, accelerator.num_processes)
+    device, gen_model, ref_policy, reward_model = generator_device(accelerator, use_vllm), None, None, None
+    with whole_on_every_process(accelerator):
+        if args.lora_r == 0:
+            ref_policy = load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_token_id)
+            ref_policy = frozen(ref_policy, accelerator, device)
+        if args.judge == "reward_model":
+            reward_model = load_model(args.reward_model_path, AutoModelForSequenceClassification, args, pad_token_id)
+            reward_model = frozen(reward_model, accelerator, device)
+        if not use_vllm:
+            gen_model = load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_token_id)
+            gen_model = frozen(gen_model, accelerator, device)
+    return policy, (device, gen_model, ref_policy, reward_model)
 
 
 def load_policy_and_reference(args, accelerator, pad_token_id, with_reference=True):
@@ -1453,28 +1596,6 @@ def frozen(model, accelerator, device):
     return model
 
 
-def load_generator_models(args, accelerator, pad_token_id):
-    """The models the generator thread runs, on its device: its own whole copy of the policy for HF generate (None
-    with vLLM; it receives the policy's gathered weights, see AsyncGenerator.publish), the frozen reference policy
-    (None with LoRA: the reference is then the learner's model with its adapters off) and the reward model (with
-    --judge reward_model). They load whole on every process (under ZeRO-3 they would be partitioned as they load): a
-    thread must never take part in a collective call. Returns (the generator's device, gen_model, ref_policy,
-    reward_model)."""
-    use_vllm = vllm_usable(args, accelerator.num_processes)
-    device, gen_model, ref_policy, reward_model = generator_device(accelerator, use_vllm), None, None, None
-    with whole_on_every_process(accelerator):
-        if args.lora_r == 0:
-            ref_policy = load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_token_id)
-            ref_policy = frozen(ref_policy, accelerator, device)
-        if args.judge == "reward_model":
-            reward_model = load_model(args.reward_model_path, AutoModelForSequenceClassification, args, pad_token_id)
-            reward_model = frozen(reward_model, accelerator, device)
-        if not use_vllm:
-            gen_model = load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_token_id)
-            gen_model = frozen(gen_model, accelerator, device)
-    return device, gen_model, ref_policy, reward_model
-
-
 def vllm_usable(args, world_size):
     """Whether the generator generates with a vLLM engine: --vllm, one process (vLLM's engines synchronise across
     processes, and a collective call from the generator thread would race the learner's) and vLLM importable; else
@@ -1515,12 +1636,6 @@ def generator_gpu(local_rank, local_processes, num_gpus):
     if spare < local_processes:
         return None
     return local_processes + local_rank % spare
-
-
-def make_scheduler(optimizer, args, num_updates):
-    """transformers' learning-rate schedule (--lr_scheduler after --warmup_steps) over num_updates optimizer steps."""
-    name = "constant_with_warmup" if args.lr_scheduler == "constant" else args.lr_scheduler
-    return get_scheduler(name, optimizer, num_warmup_steps=args.warmup_steps, num_training_steps=num_updates)
 
 
 class AsyncGenerator:
@@ -1809,21 +1924,6 @@ def policy_state_dict(model):
     return {name.removeprefix("base_model.model.").replace(".base_layer", ""): t.detach() for name, t in state.items()}
 
 
-def step_prompt_indices(step, per_rank, num_prompts, seed, rank=0, world_size=1):
-    """Indices of the prompts process `rank` uses at `step`: its slice of the step's world_size * per_rank. The
-    dataset is walked in a fresh permutation every epoch, so the data order is a pure function of (seed, step) and
-    --resume repeats it."""
-    prompts_per_step = per_rank * world_size
-    start, end = step * prompts_per_step, (step + 1) * prompts_per_step
-    first_epoch, last_epoch = start // num_prompts, (end - 1) // num_prompts
-    epochs = range(first_epoch, last_epoch + 1)
-    order = torch.cat(
-        [torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed * 100_003 + e)) for e in epochs]
-    )
-    mine = start - first_epoch * num_prompts + rank * per_rank
-    return order[mine : mine + per_rank].tolist()
-
-
 def vllm_sync_weights(llm, state_dict, dtype):
     """Load new policy weights (cast to the engine's dtype) into the vLLM engine in place, and drop its prefix
     cache, which holds keys and values computed with the old weights."""
@@ -2024,79 +2124,6 @@ def shared_prompt_inputs(input_ids, attention_mask, context_length, group, slot)
     mask |= torch.eye(length, dtype=torch.bool, device=device)
     columns = torch.where(real & (t > 0), offsets[:, None] - P + t, 0)  # token t >= 1 is predicted at offset + t - 1
     return ids, mask[:, None], positions, columns
-
-
-def token_scores(model, score_head, input_ids, attention_mask):
-    """The one-label head of a sequence-classification model (reward or value model) at every position: [B, T]
-    float32. `model` may be wrapped (DDP, DeepSpeed) so that gradients sync; `score_head` is its unwrapped `.score`
-    layer. The classifier's forward applies the head at every position and then keeps the last one: a hook takes
-    the head's output before that, so no layer's hidden states are kept (output_hidden_states would keep all).
-    Positions count from each sequence's first real token, so left and right padding give the same scores."""
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    scores = []
-    handle = score_head.register_forward_hook(lambda module, inputs, output: scores.append(output))
-    try:
-        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    finally:
-        handle.remove()
-    return scores[0].squeeze(-1).float()
-
-
-def last_real_index(attention_mask):
-    """[B] index of the last position where attention_mask is 1 (left, right or both-sided padding)."""
-    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
-    return (positions * attention_mask).argmax(1)
-
-
-def optimizer_step(accelerator, model, optimizer, scheduler, run, prefix="policy/", max_skipped=30):
-    """One update: clip the gradients (clip_gradients), step the optimizer, then the learning-rate schedule when the
-    update was taken (it counts updates taken: fp16's loss scaler skips an overflowing one), and zero the gradients.
-    Adds prefix + grad_norm (NaN when skipped or unknown) and prefix + skipped_updates to the step's stats; the step's
-    lr is this update's (the step's last). max_skipped updates skipped in a row stop the run, as DeepSpeed stops at
-    its minimum scale, instead of saving untrained weights as a trained model: fp16's scale starts at 2^16 and halves
-    at each skip (DeepSpeed's at every other one at first), so 30 take it below 1, where an overflow is the gradients'
-    own, not the scale's."""
-    grad_norm = clip_gradients(accelerator, model, run.args.max_grad_norm, run.step, run.last_checkpoint)
-    run.metrics["lr"] = scheduler.get_last_lr()[0]
-    optimizer.step()
-    skipped = accelerator.optimizer_step_was_skipped  # the scaler's verdict (accelerate's GradScaler or DeepSpeed's)
-    run.add({f"{prefix}grad_norm": math.nan if skipped else grad_norm, f"{prefix}skipped_updates": float(skipped)})
-    if not skipped:
-        scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    run.skipped_in_a_row = run.skipped_in_a_row + 1 if skipped else 0
-    if run.skipped_in_a_row >= max_skipped:  # the same on every process: the gradients are the synchronised ones
-        raise RuntimeError(
-            f"step {run.step + 1}: the fp16 loss scaler skipped {max_skipped} updates in a row (gradients that "
-            f"overflow at every scale); last good checkpoint: {run.last_checkpoint or 'none'}"
-        )
-
-
-def clip_gradients(accelerator, model, max_grad_norm, step, last_checkpoint):
-    """Clip the gradients to max_grad_norm; returns their global norm, the same on every process, or NaN for an update
-    that fp16's loss scaler skips (accelerate's GradScaler or DeepSpeed's: an overflow is their signal to skip the
-    step and lower the scale, so the weights stay finite; the averages leave NaN out) and where DeepSpeed computes no
-    norm. Elsewhere a non-finite norm (a finite loss whose backward overflowed) stops the run before the optimizer
-    step, so that non-finite weights are never checkpointed (DeepSpeed steps inside accelerator.backward: there,
-    before the next checkpoint)."""
-    grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
-    if grad_norm is None:  # DeepSpeed with zero_optimization.compute_grad_norm false computes none
-        return math.nan
-    grad_norm = float(grad_norm)
-    deepspeed_fp16 = accelerator.state.deepspeed_plugin is not None and accelerator.mixed_precision == "fp16"
-    if accelerator.scaler is None and not deepspeed_fp16:
-        check_finite(accelerator, grad_norm, "gradient norm", step, last_checkpoint)
-    return grad_norm if math.isfinite(grad_norm) else float("nan")
-
-
-def save_policy(accelerator, model, tokenizer, folder):
-    """The trained policy as a Hugging Face folder (the LoRA adapter alone when --lora_r > 0). Under ZeRO-3 every
-    process takes part in gathering the weights."""
-    accelerator.wait_for_everyone()
-    state_dict = accelerator.get_state_dict(model)
-    if accelerator.is_main_process:
-        accelerator.unwrap_model(model).save_pretrained(folder, state_dict=state_dict, safe_serialization=True)
-        tokenizer.save_pretrained(folder)
 
 
 def quiet_harmless_logs():

@@ -158,19 +158,18 @@ def resolve_defaults(args):
 
 
 def main(args: "Config"):
-    # Setup: processes, data, models, sampler, run folder (the helpers are below the fence).
-    check_args(args)  # one-line errors; fills the defaults that depend on other flags (GSPO's) and the batch sizes
-    G = args.num_generations  # the group size
-    accelerator = make_accelerator(args.micro_batch_size, args.gradient_accumulation_steps, args.max_grad_norm)
+    # Setup: flags checked, processes, data, models, sampler, run folder (the helpers are below the fence).
+    accelerator, tokenizer = setup(args)  # check_args also fills the defaults that depend on other flags (GSPO's)
     rank, world_size, device = accelerator.process_index, accelerator.num_processes, accelerator.device
-    tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code, args.prompt_template)
+    G = args.num_generations  # the group size
     train_prompts, train_golds, eval_sets = load_math_prompts(args, tokenizer, world_size)
     run = Run(args, accelerator, RESUMABLE_ARGS)
-    set_seed(args.seed + rank)  # random, numpy and torch: a different sampling stream per process
     model, ref_model = load_policy_and_reference(args, accelerator, tokenizer.pad_token_id, args.beta > 0)
     trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay, eps=1e-8)
-    scheduler = make_scheduler(optimizer, args, args.total_steps * args.num_iterations * args.num_minibatches)
+    schedule = "constant_with_warmup" if args.lr_scheduler == "constant" else args.lr_scheduler  # after warmup_steps
+    num_updates = args.total_steps * args.num_iterations * args.num_minibatches
+    scheduler = get_scheduler(schedule, optimizer, args.warmup_steps, num_updates)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     sampler = Sampler(args, accelerator, accelerator.unwrap_model(model), tokenizer)
     loss_flags = dict(  # grpo_loss's flags (it takes tensors and scalars, not args)
@@ -192,7 +191,7 @@ def main(args: "Config"):
         # 1. Prompts: each process takes its slice of a global order that is a function of (seed, step), so that
         # --resume repeats it (oversample times as many prompts with dynamic sampling).
         num_sampled = args.prompts_per_rank * args.oversample
-        indices = step_prompt_indices(step, num_sampled, len(train_prompts), args.seed, rank, world_size)
+        indices = run.prompt_indices(step, num_sampled, len(train_prompts))
         prompts, golds = [train_prompts[i] for i in indices], [train_golds[i] for i in indices for _ in range(G)]
 
         # 2. Rollout: G completions per prompt, consecutive. responses, mask [num_sampled * G, R].
@@ -239,7 +238,7 @@ def main(args: "Config"):
         # minibatches (one optimizer step each), each into micro-batches (gradient accumulation).
         model.train()
         sizes = (args.batch_size, args.minibatch_size, args.micro_batch_size)  # rows per batch, minibatch, micro-batch
-        for mb in micro_batches(*sizes, args.num_iterations, seed=args.seed * 7919 + step):
+        for mb in run.micro_batches(*sizes, args.num_iterations, seed=args.seed * 7919 + step):
             if mb.first:  # token_mean's count: the minibatch's tokens averaged over processes (DDP averages too)
                 mb_tokens = accelerator.reduce(mask[mb.minibatch].sum(), "mean").clamp(min=1)
                 minibatch_loss = 0.0
@@ -265,7 +264,7 @@ def main(args: "Config"):
             run.add(stats)
             del logits
             if mb.last:  # one optimizer step per minibatch
-                optimizer_step(accelerator, model, optimizer, scheduler, run)
+                run.optimizer_step(model, optimizer, scheduler)
                 run.add({"loss/policy": minibatch_loss})
         metrics["time/training"] = time.time() - t_train
         train_tokens = int(attention_mask.sum()) * args.num_iterations
@@ -278,7 +277,7 @@ def main(args: "Config"):
         # 8. Log (averaged over processes), evaluate, checkpoint.
         run.end_step(args.batch_size * world_size, evaluation)
 
-    save_policy(accelerator, model, tokenizer, os.path.join(run.dir, "model"))
+    run.save_models(model, tokenizer)
     sampler.close()
     run.finish()
     return run.dir
@@ -602,6 +601,31 @@ def rollout_metrics(rewards, correct, formatted, responses, mask, group_size, st
     }
 
 
+def evaluate(sampler, eval_sets, args, accelerator, tokenizer, step):
+    """Greedy pass@1 and mean reward on each held-out set ({name: (prompts, golds)}), sharded over processes.
+    Returns ({name/metric: value}, sample rows for samples.jsonl)."""
+    rank, world_size = accelerator.process_index, accelerator.num_processes
+    results, samples = {}, []
+    for name, (prompts, golds) in eval_sets.items():
+        mine = list(range(rank, len(prompts), world_size))
+        texts = sampler.generate([prompts[i] for i in mine], 1, 0.0)[3]
+        rewards, correct, _ = compute_rewards(texts, [golds[i] for i in mine], args.format_reward)
+        totals = torch.tensor(
+            [correct.sum(), rewards.sum(), len(mine)], dtype=torch.float64, device=accelerator.device
+        )
+        totals = accelerator.reduce(totals, "sum")
+        results[f"{name}/accuracy"] = (totals[0] / totals[2]).item()
+        results[f"{name}/mean_reward"] = (totals[1] / totals[2]).item()
+        results[f"{name}/num_problems"] = totals[2].item()
+        if name == "eval":
+            for i, text, r in list(zip(mine, texts, rewards.tolist()))[: args.num_samples_logged]:
+                prompt = tokenizer.decode(prompts[i])
+                samples.append(
+                    {"global_step": step, "prompt": prompt, "completion": text, "gold": golds[i], "reward": r}
+                )
+    return results, samples
+
+
 # =====================================================================================================================
 # PLUMBING: everything below serves main() and is not needed to follow the algorithm; a reader may stop here.
 # A definition with the same name is identical in every script that has it (tests/test_drift.py checks).
@@ -716,6 +740,18 @@ RESUMABLE_ARGS = (
 ).split()
 
 
+def setup(args, micro_batch_rows=None):
+    """Before anything loads, the flags' one-line checks (check_args, which also fills the sizes computed from them);
+    then the Accelerator of this launch, the policy's tokenizer and the seeds (random, numpy and torch: a different
+    sampling stream per process). micro_batch_rows: DeepSpeed's micro-batch in rows, when not --micro_batch_size."""
+    check_args(args)
+    micro_batch_rows = micro_batch_rows or args.micro_batch_size
+    accelerator = make_accelerator(micro_batch_rows, args.gradient_accumulation_steps, args.max_grad_norm)
+    tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
+    set_seed(args.seed + accelerator.process_index)
+    return accelerator, tokenizer
+
+
 def check_args(args):
     """Fill the defaults that depend on other flags (resolve_defaults), then reject bad input with one line naming the
     argument, before any model is loaded. Then the batch sizes, computed from the flags."""
@@ -828,9 +864,8 @@ def make_accelerator(micro_batch_size, gradient_accumulation_steps, max_grad_nor
     return accelerator
 
 
-def load_tokenizer(model_name_or_path, trust_remote_code, prompt_template=None):
-    """The policy's tokenizer, with EOS as the padding token when it has none. Without --prompt_template the prompts
-    come from its chat template, which it must then have."""
+def load_tokenizer(model_name_or_path, trust_remote_code):
+    """The policy's tokenizer, with EOS as the padding token when it has none."""
     from huggingface_hub import constants
 
     try:
@@ -840,11 +875,6 @@ def load_tokenizer(model_name_or_path, trust_remote_code, prompt_template=None):
         fail(
             f"--model_name_or_path {model_name_or_path} is neither a local folder nor a reachable hub model "
             f"({str(error).splitlines()[0]}){offline if constants.HF_HUB_OFFLINE else ''}"
-        )
-    if prompt_template is None and not tokenizer.chat_template:
-        fail(
-            f"the tokenizer of {model_name_or_path} has no chat template; pass --prompt_template, "
-            "e.g. 'Question: {question}\\nAnswer:'"
         )
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -959,7 +989,11 @@ def gold_answer(answer):
 
 def build_prompts(tokenizer, rows, args):
     """Token ids of each row's prompt (chat template, after the system prompt and any shown examples, or
-    --prompt_template) and its gold answer; prompts longer than max_prompt_length are dropped."""
+    --prompt_template, which a tokenizer without a chat template needs) and its gold answer; prompts longer than
+    max_prompt_length are dropped."""
+    example = "e.g. 'Question: {question}\\nAnswer:'"
+    no_template = f"the tokenizer of {tokenizer.name_or_path} has no chat template; pass --prompt_template, {example}"
+    require(args.prompt_template is not None or tokenizer.chat_template, no_template)
     prompts, golds = [], []
     for row in rows:
         question = f"{row[args.question_column]} {args.instruction}".strip()
@@ -1067,6 +1101,11 @@ class Run:
         self.step, self.t_step, self.metrics, self.stats = step, time.time(), {}, collections.defaultdict(list)
         return self.metrics
 
+    def prompt_indices(self, step, per_rank, num_prompts):
+        """This process's prompts at `step`: step_prompt_indices, a function of (seed, step) that --resume repeats."""
+        rank, world_size = self.accelerator.process_index, self.accelerator.num_processes
+        return step_prompt_indices(step, per_rank, num_prompts, self.args.seed, rank, world_size)
+
     def add(self, stats):
         """One value per name for this step's averages (reduce_values: NaN left out, *_max / *_min the extreme)."""
         for name, value in stats.items():
@@ -1082,6 +1121,53 @@ class Run:
     def check(self, values, name):
         """Stop at a non-finite value, naming this step and the last good checkpoint (check_finite: a collective)."""
         check_finite(self.accelerator, values, name, self.step, self.last_checkpoint)
+
+    @staticmethod
+    def micro_batches(batch_size, minibatch_size, micro_batch_size, num_epochs, seed):
+        """The update's schedule, flat: num_epochs passes over a batch of batch_size rows (the first in rollout order,
+        the later ones shuffled by a generator seeded with `seed`), each split into minibatches (one optimizer step
+        each), each into micro-batches (gradient accumulation). Yields a MicroBatch per micro-batch: the update
+        (minibatch) it belongs to, counted from 0 in this step, the epoch (pass), the minibatch's rows and its own,
+        and whether it is the minibatch's first and last."""
+        rng, update = torch.Generator().manual_seed(seed), 0
+        for epoch in range(num_epochs):
+            order = torch.randperm(batch_size, generator=rng) if epoch else torch.arange(batch_size)
+            for start in range(0, batch_size, minibatch_size):
+                minibatch = order[start : start + minibatch_size]
+                for first in range(0, minibatch_size, micro_batch_size):
+                    rows, last = (
+                        minibatch[first : first + micro_batch_size],
+                        first + micro_batch_size >= minibatch_size,
+                    )
+                    yield MicroBatch(update, epoch, minibatch, rows, first == 0, last)
+                update += 1
+
+    def optimizer_step(self, model, optimizer, scheduler, prefix="policy/", max_skipped=30):
+        """One update: clip the gradients (clip_gradients), step the optimizer, then the learning-rate schedule when
+        the update was taken (it counts updates taken: fp16's loss scaler skips an overflowing one), and zero the
+        gradients. Adds prefix + grad_norm (NaN when skipped or unknown) and prefix + skipped_updates to the step's
+        stats; the step's lr is this update's (the step's last). max_skipped updates skipped in a row stop the run, as
+        DeepSpeed stops at its minimum scale, instead of saving untrained weights as a trained model: fp16's scale
+        starts at 2^16 and halves at each skip (DeepSpeed's at every other one at first), so 30 take it below 1, where
+        an overflow is the gradients' own, not the scale's."""
+        grad_norm = clip_gradients(self.accelerator, model, self.args.max_grad_norm, self.step, self.last_checkpoint)
+        self.metrics["lr"] = scheduler.get_last_lr()[0]
+        optimizer.step()
+        skipped = (
+            self.accelerator.optimizer_step_was_skipped
+        )  # the scaler's verdict (accelerate's GradScaler or DeepSpeed's)
+        self.add(
+            {f"{prefix}grad_norm": math.nan if skipped else grad_norm, f"{prefix}skipped_updates": float(skipped)}
+        )
+        if not skipped:
+            scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
+        if self.skipped_in_a_row >= max_skipped:  # the same on every process: the gradients are the synchronised ones
+            raise RuntimeError(
+                f"step {self.step + 1}: the fp16 loss scaler skipped {max_skipped} updates in a row (gradients that "
+                f"overflow at every scale); last good checkpoint: {self.last_checkpoint or 'none'}"
+            )
 
     def due(self, every):
         """Whether a periodic event (evaluation, checkpoint) happens after this step: every `every` steps and last."""
@@ -1136,6 +1222,20 @@ class Run:
         self.accelerator.wait_for_everyone()
         self.last_checkpoint = final
 
+    def save_models(self, model, tokenizer, parts=(("model", None),)):
+        """The trained model as a Hugging Face folder in the run folder (the LoRA adapter alone when --lora_r > 0); a
+        wrapper's parts (PPO's policy and value model) as a folder each: parts = ((folder, attribute), ...), each its
+        share of the wrapper's state dict. Under ZeRO-3 every process takes part in gathering the weights."""
+        self.accelerator.wait_for_everyone()
+        state_dict = self.accelerator.get_state_dict(model)
+        if self.accelerator.is_main_process:
+            unwrapped = self.accelerator.unwrap_model(model)
+            for folder, attribute in parts:
+                prefix, part = (f"{attribute}.", getattr(unwrapped, attribute)) if attribute else ("", unwrapped)
+                own = {key.removeprefix(prefix): t for key, t in state_dict.items() if key.startswith(prefix)}
+                part.save_pretrained(os.path.join(self.dir, folder), state_dict=own, safe_serialization=True)
+                tokenizer.save_pretrained(os.path.join(self.dir, folder))
+
     def finish(self):
         """Close the logs once every process is done (under DeepSpeed, a process that exited while the main one still
         wrote the final model was seen to abort it); a vLLM engine's shutdown may have destroyed the group already."""
@@ -1176,6 +1276,21 @@ def truncate_jsonl(path, last_step):
         os.replace(path + ".tmp", path)
 
 
+def step_prompt_indices(step, per_rank, num_prompts, seed, rank=0, world_size=1):
+    """Indices of the prompts process `rank` uses at `step`: its slice of the step's world_size * per_rank. The
+    dataset is walked in a fresh permutation every epoch, so the data order is a pure function of (seed, step) and
+    --resume repeats it."""
+    prompts_per_step = per_rank * world_size
+    start, end = step * prompts_per_step, (step + 1) * prompts_per_step
+    first_epoch, last_epoch = start // num_prompts, (end - 1) // num_prompts
+    epochs = range(first_epoch, last_epoch + 1)
+    order = torch.cat(
+        [torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed * 100_003 + e)) for e in epochs]
+    )
+    mine = start - first_epoch * num_prompts + rank * per_rank
+    return order[mine : mine + per_rank].tolist()
+
+
 def check_finite(accelerator, values, name, step, last_checkpoint):
     """Stop the run at the first non-finite reward, loss or gradient norm, saying where the last good checkpoint is.
     A collective (every process calls it as often): when one process sees it, every process stops, none is left
@@ -1186,6 +1301,26 @@ def check_finite(accelerator, values, name, step, last_checkpoint):
         raise RuntimeError(
             f"step {step + 1}: non-finite {name} ({seen}); last good checkpoint: {last_checkpoint or 'none'}"
         )
+
+
+MicroBatch = collections.namedtuple("MicroBatch", "update epoch minibatch rows first last")
+
+
+def clip_gradients(accelerator, model, max_grad_norm, step, last_checkpoint):
+    """Clip the gradients to max_grad_norm; returns their global norm, the same on every process, or NaN for an update
+    that fp16's loss scaler skips (accelerate's GradScaler or DeepSpeed's: an overflow is their signal to skip the
+    step and lower the scale, so the weights stay finite; the averages leave NaN out) and where DeepSpeed computes no
+    norm. Elsewhere a non-finite norm (a finite loss whose backward overflowed) stops the run before the optimizer
+    step, so that non-finite weights are never checkpointed (DeepSpeed steps inside accelerator.backward: there,
+    before the next checkpoint)."""
+    grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+    if grad_norm is None:  # DeepSpeed with zero_optimization.compute_grad_norm false computes none
+        return math.nan
+    grad_norm = float(grad_norm)
+    deepspeed_fp16 = accelerator.state.deepspeed_plugin is not None and accelerator.mixed_precision == "fp16"
+    if accelerator.scaler is None and not deepspeed_fp16:
+        check_finite(accelerator, grad_norm, "gradient norm", step, last_checkpoint)
+    return grad_norm if math.isfinite(grad_norm) else float("nan")
 
 
 def reduce_metrics(accelerator, metrics):
@@ -1211,31 +1346,6 @@ def average_stats(stats):
     """{name: one float per micro-batch (or minibatch)} -> their mean, or for a name ending in _max (_min) the largest
     (smallest)."""
     return {name: reduce_values(name, values) for name, values in stats.items()}
-
-
-def evaluate(sampler, eval_sets, args, accelerator, tokenizer, step):
-    """Greedy pass@1 and mean reward on each held-out set ({name: (prompts, golds)}), sharded over processes.
-    Returns ({name/metric: value}, sample rows for samples.jsonl)."""
-    rank, world_size = accelerator.process_index, accelerator.num_processes
-    results, samples = {}, []
-    for name, (prompts, golds) in eval_sets.items():
-        mine = list(range(rank, len(prompts), world_size))
-        texts = sampler.generate([prompts[i] for i in mine], 1, 0.0)[3]
-        rewards, correct, _ = compute_rewards(texts, [golds[i] for i in mine], args.format_reward)
-        totals = torch.tensor(
-            [correct.sum(), rewards.sum(), len(mine)], dtype=torch.float64, device=accelerator.device
-        )
-        totals = accelerator.reduce(totals, "sum")
-        results[f"{name}/accuracy"] = (totals[0] / totals[2]).item()
-        results[f"{name}/mean_reward"] = (totals[1] / totals[2]).item()
-        results[f"{name}/num_problems"] = totals[2].item()
-        if name == "eval":
-            for i, text, r in list(zip(mine, texts, rewards.tolist()))[: args.num_samples_logged]:
-                prompt = tokenizer.decode(prompts[i])
-                samples.append(
-                    {"global_step": step, "prompt": prompt, "completion": text, "gold": golds[i], "reward": r}
-                )
-    return results, samples
 
 
 def load_policy_and_reference(args, accelerator, pad_token_id, with_reference=True):
@@ -1324,12 +1434,6 @@ def frozen(model, accelerator, device):
         for param in model.parameters():
             param.data = param.data.to(torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float16)
     return model
-
-
-def make_scheduler(optimizer, args, num_updates):
-    """transformers' learning-rate schedule (--lr_scheduler after --warmup_steps) over num_updates optimizer steps."""
-    name = "constant_with_warmup" if args.lr_scheduler == "constant" else args.lr_scheduler
-    return get_scheduler(name, optimizer, num_warmup_steps=args.warmup_steps, num_training_steps=num_updates)
 
 
 class Sampler:
@@ -1654,92 +1758,6 @@ def shared_prompt_inputs(input_ids, attention_mask, context_length, group, slot)
     mask |= torch.eye(length, dtype=torch.bool, device=device)
     columns = torch.where(real & (t > 0), offsets[:, None] - P + t, 0)  # token t >= 1 is predicted at offset + t - 1
     return ids, mask[:, None], positions, columns
-
-
-def step_prompt_indices(step, per_rank, num_prompts, seed, rank=0, world_size=1):
-    """Indices of the prompts process `rank` uses at `step`: its slice of the step's world_size * per_rank. The
-    dataset is walked in a fresh permutation every epoch, so the data order is a pure function of (seed, step) and
-    --resume repeats it."""
-    prompts_per_step = per_rank * world_size
-    start, end = step * prompts_per_step, (step + 1) * prompts_per_step
-    first_epoch, last_epoch = start // num_prompts, (end - 1) // num_prompts
-    epochs = range(first_epoch, last_epoch + 1)
-    order = torch.cat(
-        [torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed * 100_003 + e)) for e in epochs]
-    )
-    mine = start - first_epoch * num_prompts + rank * per_rank
-    return order[mine : mine + per_rank].tolist()
-
-
-def micro_batches(batch_size, minibatch_size, micro_batch_size, num_epochs, seed):
-    """The update's schedule, flat: num_epochs passes over a batch of batch_size rows (the first in rollout order, the
-    later ones shuffled by a generator seeded with `seed`), each split into minibatches (one optimizer step each),
-    each into micro-batches (gradient accumulation). Yields a MicroBatch per micro-batch: the update (minibatch) it
-    belongs to, counted from 0 in this step, the epoch (pass), the minibatch's rows and its own, and whether it is
-    the minibatch's first and last."""
-    rng, update = torch.Generator().manual_seed(seed), 0
-    for epoch in range(num_epochs):
-        order = torch.randperm(batch_size, generator=rng) if epoch else torch.arange(batch_size)
-        for start in range(0, batch_size, minibatch_size):
-            minibatch = order[start : start + minibatch_size]
-            for first in range(0, minibatch_size, micro_batch_size):
-                rows, last = minibatch[first : first + micro_batch_size], first + micro_batch_size >= minibatch_size
-                yield MicroBatch(update, epoch, minibatch, rows, first == 0, last)
-            update += 1
-
-
-MicroBatch = collections.namedtuple("MicroBatch", "update epoch minibatch rows first last")
-
-
-def optimizer_step(accelerator, model, optimizer, scheduler, run, prefix="policy/", max_skipped=30):
-    """One update: clip the gradients (clip_gradients), step the optimizer, then the learning-rate schedule when the
-    update was taken (it counts updates taken: fp16's loss scaler skips an overflowing one), and zero the gradients.
-    Adds prefix + grad_norm (NaN when skipped or unknown) and prefix + skipped_updates to the step's stats; the step's
-    lr is this update's (the step's last). max_skipped updates skipped in a row stop the run, as DeepSpeed stops at
-    its minimum scale, instead of saving untrained weights as a trained model: fp16's scale starts at 2^16 and halves
-    at each skip (DeepSpeed's at every other one at first), so 30 take it below 1, where an overflow is the gradients'
-    own, not the scale's."""
-    grad_norm = clip_gradients(accelerator, model, run.args.max_grad_norm, run.step, run.last_checkpoint)
-    run.metrics["lr"] = scheduler.get_last_lr()[0]
-    optimizer.step()
-    skipped = accelerator.optimizer_step_was_skipped  # the scaler's verdict (accelerate's GradScaler or DeepSpeed's)
-    run.add({f"{prefix}grad_norm": math.nan if skipped else grad_norm, f"{prefix}skipped_updates": float(skipped)})
-    if not skipped:
-        scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    run.skipped_in_a_row = run.skipped_in_a_row + 1 if skipped else 0
-    if run.skipped_in_a_row >= max_skipped:  # the same on every process: the gradients are the synchronised ones
-        raise RuntimeError(
-            f"step {run.step + 1}: the fp16 loss scaler skipped {max_skipped} updates in a row (gradients that "
-            f"overflow at every scale); last good checkpoint: {run.last_checkpoint or 'none'}"
-        )
-
-
-def clip_gradients(accelerator, model, max_grad_norm, step, last_checkpoint):
-    """Clip the gradients to max_grad_norm; returns their global norm, the same on every process, or NaN for an update
-    that fp16's loss scaler skips (accelerate's GradScaler or DeepSpeed's: an overflow is their signal to skip the
-    step and lower the scale, so the weights stay finite; the averages leave NaN out) and where DeepSpeed computes no
-    norm. Elsewhere a non-finite norm (a finite loss whose backward overflowed) stops the run before the optimizer
-    step, so that non-finite weights are never checkpointed (DeepSpeed steps inside accelerator.backward: there,
-    before the next checkpoint)."""
-    grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
-    if grad_norm is None:  # DeepSpeed with zero_optimization.compute_grad_norm false computes none
-        return math.nan
-    grad_norm = float(grad_norm)
-    deepspeed_fp16 = accelerator.state.deepspeed_plugin is not None and accelerator.mixed_precision == "fp16"
-    if accelerator.scaler is None and not deepspeed_fp16:
-        check_finite(accelerator, grad_norm, "gradient norm", step, last_checkpoint)
-    return grad_norm if math.isfinite(grad_norm) else float("nan")
-
-
-def save_policy(accelerator, model, tokenizer, folder):
-    """The trained policy as a Hugging Face folder (the LoRA adapter alone when --lora_r > 0). Under ZeRO-3 every
-    process takes part in gathering the weights."""
-    accelerator.wait_for_everyone()
-    state_dict = accelerator.get_state_dict(model)
-    if accelerator.is_main_process:
-        accelerator.unwrap_model(model).save_pretrained(folder, state_dict=state_dict, safe_serialization=True)
-        tokenizer.save_pretrained(folder)
 
 
 def quiet_harmless_logs():

@@ -153,20 +153,20 @@ class Args:
 def main(args: "Config"):
     # Setup: processes, data, the PRM (its kind checked before any model loads), models, sampler, run folder (the
     # helpers are below the fence).
-    check_args(args)  # one-line errors; fills the batch sizes
-    accelerator = make_accelerator(args.micro_batch_size, args.gradient_accumulation_steps, args.max_grad_norm)
-    rank, world_size, device = accelerator.process_index, accelerator.num_processes, accelerator.device
-    tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code, args.prompt_template)
+    accelerator, tokenizer = setup(args)  # the flags' one-line errors first (check_args)
+    world_size, device = accelerator.num_processes, accelerator.device
     (train_prompts, train_golds, train_questions), eval_set = load_prm_prompts(args, tokenizer, world_size)
     prm = ProcessRewardModel(args, accelerator, tokenizer)  # sets args.prm_kind: before Run compares the args
     run = Run(args, accelerator, RESUMABLE_ARGS)
-    set_seed(args.seed + rank)  # random, numpy and torch: a different sampling stream per process
     # The policy and the value model as one module: one optimizer, one DDP/DeepSpeed wrapper, one checkpoint.
     model, ref_policy = load_models_prm(args, accelerator, tokenizer.pad_token_id)
     # Adam's eps 1e-5 as in the N+ details (TensorFlow's default in the original OpenAI code).
     trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay, eps=1e-5)
-    scheduler = make_scheduler(optimizer, args, args.total_steps * args.num_ppo_epochs * args.num_minibatches)
+    schedule = "constant_with_warmup" if args.lr_scheduler == "constant" else args.lr_scheduler  # after warmup_steps
+    scheduler = get_scheduler(
+        schedule, optimizer, args.warmup_steps, args.total_steps * args.num_ppo_epochs * args.num_minibatches
+    )
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     policy = accelerator.unwrap_model(model).policy
     sampler = Sampler(args, accelerator, policy, tokenizer)
@@ -185,7 +185,7 @@ def main(args: "Config"):
         metrics = run.begin_step(step)
         # 1. Prompts: each process takes its slice of a global order that is a function of (seed, step), so that
         # --resume repeats it.
-        indices = step_prompt_indices(step, batch_size, len(train_prompts), args.seed, rank, world_size)
+        indices = run.prompt_indices(step, batch_size, len(train_prompts))
         prompts = [train_prompts[i] for i in indices]
 
         # 2. Rollout: one response per prompt, cut to the longest. responses, mask [B, R]; query_responses,
@@ -239,7 +239,7 @@ def main(args: "Config"):
         # minibatches (one optimizer step each), each into micro-batches (gradient accumulation).
         model.train()
         sizes = (batch_size, args.minibatch_size, args.micro_batch_size)  # rows per batch, minibatch, micro-batch
-        for mb in micro_batches(*sizes, args.num_ppo_epochs, seed=args.seed * 7919 + step):
+        for mb in run.micro_batches(*sizes, args.num_ppo_epochs, seed=args.seed * 7919 + step):
             if mb.first:  # the loss's count: the minibatch's tokens averaged over processes (DDP averages too)
                 mb_tokens = accelerator.reduce(mask[mb.minibatch].sum(), "mean").clamp(min=1)
             idx = mb.rows.to(device)
@@ -259,7 +259,7 @@ def main(args: "Config"):
             run.add(stats)
             del logits
             if mb.last:  # one optimizer step per minibatch
-                optimizer_step(accelerator, model, optimizer, scheduler, run)
+                run.optimizer_step(model, optimizer, scheduler)
         metrics["time/training"] = time.time() - t_train - metrics["time/reward"]
         metrics |= prm_update_metrics(run.stats, args.num_ppo_epochs * args.num_minibatches)
         train_tokens = int(attention_mask.sum()) * (args.num_ppo_epochs + 1)  # + the no-grad pass of step 3
@@ -272,7 +272,7 @@ def main(args: "Config"):
         # 9. Log (averaged over processes), evaluate, checkpoint.
         run.end_step(batch_size * world_size, evaluation)
 
-    save_policy_and_value_prm(accelerator, model, tokenizer, run.dir)
+    run.save_models(model, tokenizer, (("model", "policy"), ("value_model", "value_model")))
     sampler.close()
     run.finish()
     return run.dir
@@ -549,6 +549,154 @@ def verifier_step_scores(steps, correct=1.0, unchecked=0.8, wrong=0.0):
     return scores
 
 
+def step_arithmetic(step):
+    r"""The verdict on a step's equations: False when one of them is wrong, True when it has some and all hold,
+    None when it has none that can be checked. What cannot be read is left unchecked, never called wrong (a prefix
+    scores its worst step). An equation is a run of numbers, operators, parentheses and '=' ("3 + 4 = 7",
+    "2 * 3 = 6 = 12 / 2", "2^3 = 8", "√16 = 4"); it holds when all its sides that evaluate (see evaluate_arithmetic)
+    are equal, and is checkable when at least two do. A side that is a number written with d >= 1 decimals stands for
+    the values that round to it ("10 / 3 = 3.33": within 0.5 * 10^-d); a whole number is exact ("7 / 2 = 3" is
+    wrong). A side of percentages reads N% as N / 100, a lone one rounded to its digits ("20 / 80 = 25%",
+    "1/3 = 33%", "50% - 25% = 25%"), or as N where another side ends or starts with a product by 100
+    ("20 / 80 * 100 = 25%"); a side that mixes percentages and plain numbers ("100 + 20% = 120") or has a "%" between
+    numbers ("10 % 3") is not read.
+    A side is not read where it may continue the text around it. The first side: glued to what precedes it ("x^2",
+    "a_1", "3:4", "9:00", "1,00,000", "2,5"), begun by an operator ("x + 3"; in "-3 + 5" the sign is the number's), a
+    lone number after a word ("half of 20", "twice 5"), or after "of", "times", "twice", "thrice", "half", "double",
+    "triple", "than", "≈", "~" or a one-letter name other than "a" ("twice 5 + 2"). The last side: with something
+    glued to it ("2x", "8:30", "3,5", "0.666...") or followed by a remainder or a fraction ("2 R 2", "2 remainder 2",
+    "3 and a half", "3 and 1/2").
+    Between two numbers, "x", "times", "multiplied by", "plus", "minus", "divided by", "over", "equals" and "·" are
+    operators; a percentage or a fraction of a number ("50% of 10", "50 percent of 10", "10 x 50%", "1/2 of 20") is a
+    product. In an equation whose every number has a word after it, the words are units, dropped when the result's
+    is among the others and all are the same where there is a + or - ("3 hours * 60 minutes = 180 minutes",
+    "5 apples + 3 apples = 8 apples"; "1 hour + 30 minutes = 90 minutes" is not read). A period not between digits
+    ends a sentence; a comma before three digits groups thousands; "-" or "•" and a space starting a line are a list
+    bullet. LaTeX is read: \frac{a}{b} (also \dfrac, \tfrac) as (a)/(b), \sqrt{a}, a^{b}, \boxed{a}, \times, \cdot,
+    \div, 1{,}000, and \text{a} as a word; the delimiters \( \) \[ \] \left \right and $ (also \$), € and £ are
+    dropped (so "$12" is 12). "**" between two numbers is a power, anywhere else Markdown bold (dropped). A GSM8K
+    calculator annotation ("48/2 = <<48/2=24>>24") is an equation of its own, checked apart."""
+    text = step.replace("\u2212", "-").replace("\\%", "%")
+    annotations = re.findall(r"<<([^<>]*)>>", text)
+    text = re.sub(r"<<[^<>]*>>", "", text) + "".join(f"; {annotation}" for annotation in annotations)
+    text = re.sub(r"^[ \t]*[-•][ \t]+", "", text, flags=re.M)  # a list bullet, not a minus: "- 15 + 27 = 42"
+    braced = r"\{([^{}]*)\}"  # a LaTeX argument without braces: nested ones are read from the innermost out
+    latex = {
+        rf"\\[dt]?frac{braced}{braced}": r"((\1)/(\2))",
+        rf"\\sqrt{braced}": r"√(\1)",
+        rf"\^{braced}": r"^(\1)",
+        rf"\\boxed{braced}": r"(\1)",
+        rf"\\(?:text|mathrm){braced}": r" \1 ",  # a word: "12 \text{ apples}"
+        r"\{,\}": ",",  # "1{,}000"
+    }
+    while any(re.search(pattern, text) for pattern in latex):
+        for pattern, replacement in latex.items():
+            text = re.sub(pattern, replacement, text)
+    text = re.sub(r"\\[()\[\]]|\\left|\\right|\\?[$€£]", " ", text)
+    text = re.sub(r"\\?\bsqrt(?=[ \t]*\()", "√", text)
+    text = re.sub(r"(?<=[\d)])\*\*(?=[-\d(√.])|(?<=[\d)] )\*\*(?= [-\d(√.])", "^", text).replace("**", " ")
+    operand = r"[ \t]*(?=[(√]|-?\.?\d)"  # what follows an operator: "(", a root or a number
+    percent = r"[ \t]*(?:%|percent(?![a-z]))"
+    times = r"x|·|\\times|\\cdot|times|multiplied[ \t]+by"  # between two numbers, like * and ×
+    rules = [
+        (rf"(?<=\d){percent}[ \t]+of(?![a-z]){operand}", " / 100 * "),  # "50% of 10"
+        (rf"(?<=\d){percent}(?=[ \t]*(?:[*×]|{times}){operand})", " / 100"),  # "50% x 10"
+        (rf"((?<=[\d)])[ \t]*(?:[*×]|{times})[ \t]*\d[\d,]*(?:\.\d+)?){percent}", r"\1 / 100"),  # "10 x 50%"
+        (rf"(?<=\d){percent}", "%"),  # any other percentage: "25 percent" is a side "25%"
+        (rf"(/[ \t]*\(*\d+\)*)[ \t]+of(?![a-z]){operand}", r"\1 * "),  # "1/2 of 20", "\frac{1}{2} of 20"
+    ]
+    words = ("*", times), ("+", "plus"), ("-", "minus"), ("/", r"\\div|divided[ \t]+by|over"), ("=", "equals?")
+    for symbol, word in words:
+        rules.append((rf"(?<=[\d)])[ \t]*(?:{word})(?![a-z]){operand}", f" {symbol} "))  # "9 times 6"
+    for pattern, replacement in rules:
+        text = re.sub(pattern, replacement, text, flags=re.I)
+    text = re.sub(r"(?<!\d)\.|\.(?![\d(])", ";", text.replace("...", "…"))  # "3.(3)" is not a sentence
+    text = re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", text)
+
+    def without_units(match):  # "3 hours * 60 minutes = 180 minutes" -> "3 * 60 = 180"
+        *units, result = (unit.lower() for unit in re.findall(r"(?<=\d)[ \t]+([a-z]+)", match.group(), re.I))
+        if result in units and (len(set(units)) == 1 or not re.search(r"[a-z][ \t]*[-+]", match.group(), re.I)):
+            return re.sub(r"(?<=\d)[ \t]+[a-z]+", "", match.group(), flags=re.I)
+        return match.group()
+
+    with_unit = r"-?\d+(?:\.\d+)?[ \t]+[a-z]{2,}(?![a-z])"  # "3 hours"
+    unit_equation = rf"{with_unit}(?:[ \t]*[-+*/×÷][ \t]*{with_unit})+[ \t]*=[ \t]*{with_unit}(?![ \t]*=)"
+    text = re.sub(unit_equation, without_units, text, flags=re.I)
+    remainder = r"r(?![a-z])|(?:with[ \t]+)?(?:a[ \t]+)?remainder"  # "2 R 2", "2 remainder 2"
+    after_result = rf"[ \t]*(?:{remainder}|and[ \t]+(?:a[ \t]+(?:half|third|quarter)|\d+[ \t]*/))"  # "3 and a half"
+    verdict = None
+    for match in re.finditer(r"[0-9 \t.+\-*/×÷()=^√²³%]+", text):
+        chunk, head, tail = match.group(), text[: match.start()], text[match.end() :]
+        sides = chunk.split("=")
+        # The first side may continue the text before it: glued to it, begun by an operator, or after a word.
+        glued = not (head[-1:].isspace() or head[-1:] in "\"'[{`" or chunk[0].isspace())  # "x^2", "a_1", "3:4"
+        operator_first = re.match(r"[ \t]*(?:[+*/×÷^%]|-(?![\d.(√]))", sides[0])  # "x + 3"; "-3 + 5" is a number
+        word = re.search(r"([a-z]+|[≈~])[ \t]*$", head, re.I)
+        lone = re.fullmatch(r"[ \t]*-?\d*\.?\d+[ \t]*%?[ \t]*", sides[0])  # "half of 20", "twice 5"
+        takes_a_number = word and re.fullmatch(r"[b-z≈~]|of|times|twice|thrice|half|double|triple|than", word[1], re.I)
+        if glued or operator_first or word and (lone or takes_a_number):
+            sides = sides[1:]
+        # The last side may continue into the text after it: "2x", "8:30", "3,5", "0.666...", "2 R 2", "3 and a half".
+        if not chunk[-1].isspace() and re.match(r"[a-z_:…]|,\d", tail, re.I) or re.match(after_result, tail, re.I):
+            sides = sides[:-1]
+        hundred = any(re.search(r"[*×][ \t]*100[ \t]*$|^[ \t]*100[ \t]*[*×]", side) for side in sides)  # N% is N
+        intervals = []  # the values each side stands for
+        for side in sides:
+            if "%" in side and not re.fullmatch(r"(?:[ \t()+\-*/×÷]*\d*\.?\d+[ \t]*%)+[ \t()]*", side):
+                continue  # percentages beside plain numbers ("100 + 20%": 20% of 100?), "10 % 3"
+            scale = 100 if "%" in side and not hundred else 1
+            value = evaluate_arithmetic(re.sub(r"(\d*\.?\d+)[ \t]*%", rf"(\1 / {scale})", side))
+            written = re.fullmatch(r"\s*-?\d*\.?(\d*)\s*%?\s*", side)  # "3.33", "25%": the values that round to it
+            half = 0.5 * 10.0 ** -len(written[1]) / scale if written and ("." in side or "%" in side) else 0.0
+            if value is not None:
+                intervals.append((value - half, value + half))
+        if len(intervals) < 2:
+            continue
+        low, high = max(lo for lo, _ in intervals), min(hi for _, hi in intervals)
+        if low > high and not math.isclose(low, high, rel_tol=1e-6, abs_tol=1e-9):
+            return False
+        verdict = True
+    return verdict
+
+
+def evaluate_arithmetic(expression):
+    """The value of an arithmetic expression of numbers, + - * / (also × ÷), powers (** or ^, also ² ³), square
+    roots (√16, √(16), sqrt(16)) and parentheses, as a float; None when it is anything else, does not parse, divides
+    by zero, overflows, has an exponent beyond ±1000 (the text is model output) or the root or fractional power of a
+    negative number. Parsed with ast, never eval."""
+    for symbol, python in ("×", "*"), ("÷", "/"), ("^", "**"), ("²", "**2"), ("³", "**3"):
+        expression = expression.replace(symbol, python)
+    expression = re.sub(r"√[ \t]*(\d*\.?\d+)", r"sqrt(\1)", expression).replace("√", "sqrt").strip()
+    if not expression or len(expression) > 200:
+        return None
+
+    def power(base, exponent):
+        if abs(exponent) > 1000:
+            raise ValueError("exponent out of range")
+        return math.pow(base, exponent)  # ValueError for (-8) ** 0.5, OverflowError for 10 ** 400
+
+    ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+    ops[ast.Pow] = power
+
+    def value(node):
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            return float(node.value)
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
+            return value(node.operand) * (-1 if isinstance(node.op, ast.USub) else 1)
+        if isinstance(node, ast.BinOp) and type(node.op) in ops:
+            return ops[type(node.op)](value(node.left), value(node.right))
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "sqrt" and not node.keywords:
+            (argument,) = node.args  # ValueError unless exactly one
+            return math.sqrt(value(argument))
+        raise ValueError("not arithmetic")
+
+    try:
+        result = value(ast.parse(expression, mode="eval").body)
+    except (SyntaxError, ValueError, ZeroDivisionError, OverflowError, RecursionError):
+        return None
+    return result if math.isfinite(result) else None
+
+
 NUMBER = r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?"  # 12, -1,234.5, .5, 3/4
 
 
@@ -653,6 +801,50 @@ def prm_update_metrics(stats, num_updates):
     metrics = {"loss/policy_avg": sum(pg_loss) / num_updates, "loss/value_avg": sum(vf_loss) / num_updates}
     metrics["val/ratio_var"] = float(np.mean(ratio_sq)) - float(np.mean(stats["val/ratio"])) ** 2
     return metrics
+
+
+def process_chunks(items, rank, world_size, chunk_size):
+    """This process's share of `items` (every world_size-th, from rank) in chunks of chunk_size, as many chunks on
+    every process, the last ones possibly empty: under DeepSpeed ZeRO-3 a generation gathers the trained model's
+    parameters, a collective every process must enter as often as the others."""
+    mine = items[rank::world_size]
+    most = -(-len(items) // world_size)  # the share of rank 0, the largest
+    return [mine[start : start + chunk_size] for start in range(0, most, chunk_size)]
+
+
+def evaluate(sampler, prm, eval_set, args, accelerator, tokenizer, step):
+    """Greedy responses to the held-out prompts (eval_set: prompts, golds, questions), sharded over processes:
+    accuracy (pass@1), steps per response, the PRM's mean step score, and the mean reward (success + process rewards,
+    no KL). Returns ({eval/metric: value}, sample rows for samples.jsonl)."""
+    eval_prompts, eval_golds, eval_questions = eval_set
+    names = ("accuracy", "num_steps", "prm_score", "score", "response_length", "eos_fraction", "num_prompts")
+    totals, samples = torch.zeros(len(names), dtype=torch.float64), []
+    # Chunks bound the memory of HF generate and of the PRM.
+    for chunk in process_chunks(range(len(eval_prompts)), accelerator.process_index, accelerator.num_processes, 64):
+        if not chunk:
+            if sampler.llm is None:  # this process's part of the collective (HF generate gathers ZeRO-3 shards)
+                sampler.generate([], 1, 0.0)
+            continue
+        prompts, golds = [eval_prompts[i] for i in chunk], [eval_golds[i] for i in chunk]
+        responses, mask, _, texts = sampler.generate(prompts, 1, 0.0)
+        width = max(1, int(mask.sum(1).max()))
+        correct, success, has_eos, steps, scores, process = prm_rewards(
+            prm, prompts, [eval_questions[i] for i in chunk], golds, responses[:, :width], mask[:, :width], texts, args
+        )
+        reward = success + process.sum(1)
+        sums = [correct.sum(), sum(map(len, steps)), sum(map(sum, scores)), reward.sum()]
+        sums += [mask.sum(), has_eos.sum(), len(chunk)]  # in the order of `names`
+        totals += torch.tensor([float(v) for v in sums], dtype=torch.float64)
+        samples += [
+            {"global_step": step, "prompt": tokenizer.decode(eval_prompts[i]), "completion": text, "score": r}
+            | {"gold": gold, "correct": ok, "step_scores": [round(v, 4) for v in s.tolist()]}
+            for i, text, r, gold, ok, s in zip(chunk, texts, reward.tolist(), golds, correct.tolist(), scores)
+        ][: args.num_samples_logged - len(samples)]
+    totals = accelerator.reduce(totals.to(accelerator.device), "sum").cpu()
+    results = {f"eval/{name}": (totals[k] / totals[-1]).item() for k, name in enumerate(names[:-1])}
+    results["eval/prm_score"] = (totals[2] / totals[1].clamp(min=1)).item()  # per step, not per response
+    results["eval/num_prompts"] = totals[-1].item()
+    return results, samples
 
 
 # =====================================================================================================================
@@ -773,6 +965,18 @@ RESUMABLE_ARGS = (
 ).split()
 
 
+def setup(args, micro_batch_rows=None):
+    """Before anything loads, the flags' one-line checks (check_args, which also fills the sizes computed from them);
+    then the Accelerator of this launch, the policy's tokenizer and the seeds (random, numpy and torch: a different
+    sampling stream per process). micro_batch_rows: DeepSpeed's micro-batch in rows, when not --micro_batch_size."""
+    check_args(args)
+    micro_batch_rows = micro_batch_rows or args.micro_batch_size
+    accelerator = make_accelerator(micro_batch_rows, args.gradient_accumulation_steps, args.max_grad_norm)
+    tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
+    set_seed(args.seed + accelerator.process_index)
+    return accelerator, tokenizer
+
+
 def check_args(args):
     """Reject bad input with one line naming the argument, before any model is loaded. Then the batch sizes, computed
     from the flags."""
@@ -874,9 +1078,8 @@ def make_accelerator(micro_batch_size, gradient_accumulation_steps, max_grad_nor
     return accelerator
 
 
-def load_tokenizer(model_name_or_path, trust_remote_code, prompt_template=None):
-    """The policy's tokenizer, with EOS as the padding token when it has none. Without --prompt_template the prompts
-    come from its chat template, which it must then have."""
+def load_tokenizer(model_name_or_path, trust_remote_code):
+    """The policy's tokenizer, with EOS as the padding token when it has none."""
     from huggingface_hub import constants
 
     try:
@@ -886,11 +1089,6 @@ def load_tokenizer(model_name_or_path, trust_remote_code, prompt_template=None):
         fail(
             f"--model_name_or_path {model_name_or_path} is neither a local folder nor a reachable hub model "
             f"({str(error).splitlines()[0]}){offline if constants.HF_HUB_OFFLINE else ''}"
-        )
-    if prompt_template is None and not tokenizer.chat_template:
-        fail(
-            f"the tokenizer of {model_name_or_path} has no chat template; pass --prompt_template, "
-            "e.g. 'Question: {question}\\nAnswer:'"
         )
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -1003,7 +1201,11 @@ def gold_answer(answer):
 
 def build_prompts(tokenizer, rows, args):
     """Token ids of each row's prompt (chat template, after the system prompt and any shown examples, or
-    --prompt_template) and its gold answer; prompts longer than max_prompt_length are dropped."""
+    --prompt_template, which a tokenizer without a chat template needs) and its gold answer; prompts longer than
+    max_prompt_length are dropped."""
+    example = "e.g. 'Question: {question}\\nAnswer:'"
+    no_template = f"the tokenizer of {tokenizer.name_or_path} has no chat template; pass --prompt_template, {example}"
+    require(args.prompt_template is not None or tokenizer.chat_template, no_template)
     prompts, golds = [], []
     for row in rows:
         question = f"{row[args.question_column]} {args.instruction}".strip()
@@ -1177,154 +1379,6 @@ def check_same_vocabulary(path, name, policy_tokenizer, trust_remote_code):
         fail(f"--{name} {path} has no loadable tokenizer ({str(error).splitlines()[0]})")
     if tokenizer.get_vocab() != policy_tokenizer.get_vocab():
         fail(f"--{name} {path} has another vocabulary than --model_name_or_path; it must read the policy's tokens")
-
-
-def step_arithmetic(step):
-    r"""The verdict on a step's equations: False when one of them is wrong, True when it has some and all hold,
-    None when it has none that can be checked. What cannot be read is left unchecked, never called wrong (a prefix
-    scores its worst step). An equation is a run of numbers, operators, parentheses and '=' ("3 + 4 = 7",
-    "2 * 3 = 6 = 12 / 2", "2^3 = 8", "√16 = 4"); it holds when all its sides that evaluate (see evaluate_arithmetic)
-    are equal, and is checkable when at least two do. A side that is a number written with d >= 1 decimals stands for
-    the values that round to it ("10 / 3 = 3.33": within 0.5 * 10^-d); a whole number is exact ("7 / 2 = 3" is
-    wrong). A side of percentages reads N% as N / 100, a lone one rounded to its digits ("20 / 80 = 25%",
-    "1/3 = 33%", "50% - 25% = 25%"), or as N where another side ends or starts with a product by 100
-    ("20 / 80 * 100 = 25%"); a side that mixes percentages and plain numbers ("100 + 20% = 120") or has a "%" between
-    numbers ("10 % 3") is not read.
-    A side is not read where it may continue the text around it. The first side: glued to what precedes it ("x^2",
-    "a_1", "3:4", "9:00", "1,00,000", "2,5"), begun by an operator ("x + 3"; in "-3 + 5" the sign is the number's), a
-    lone number after a word ("half of 20", "twice 5"), or after "of", "times", "twice", "thrice", "half", "double",
-    "triple", "than", "≈", "~" or a one-letter name other than "a" ("twice 5 + 2"). The last side: with something
-    glued to it ("2x", "8:30", "3,5", "0.666...") or followed by a remainder or a fraction ("2 R 2", "2 remainder 2",
-    "3 and a half", "3 and 1/2").
-    Between two numbers, "x", "times", "multiplied by", "plus", "minus", "divided by", "over", "equals" and "·" are
-    operators; a percentage or a fraction of a number ("50% of 10", "50 percent of 10", "10 x 50%", "1/2 of 20") is a
-    product. In an equation whose every number has a word after it, the words are units, dropped when the result's
-    is among the others and all are the same where there is a + or - ("3 hours * 60 minutes = 180 minutes",
-    "5 apples + 3 apples = 8 apples"; "1 hour + 30 minutes = 90 minutes" is not read). A period not between digits
-    ends a sentence; a comma before three digits groups thousands; "-" or "•" and a space starting a line are a list
-    bullet. LaTeX is read: \frac{a}{b} (also \dfrac, \tfrac) as (a)/(b), \sqrt{a}, a^{b}, \boxed{a}, \times, \cdot,
-    \div, 1{,}000, and \text{a} as a word; the delimiters \( \) \[ \] \left \right and $ (also \$), € and £ are
-    dropped (so "$12" is 12). "**" between two numbers is a power, anywhere else Markdown bold (dropped). A GSM8K
-    calculator annotation ("48/2 = <<48/2=24>>24") is an equation of its own, checked apart."""
-    text = step.replace("\u2212", "-").replace("\\%", "%")
-    annotations = re.findall(r"<<([^<>]*)>>", text)
-    text = re.sub(r"<<[^<>]*>>", "", text) + "".join(f"; {annotation}" for annotation in annotations)
-    text = re.sub(r"^[ \t]*[-•][ \t]+", "", text, flags=re.M)  # a list bullet, not a minus: "- 15 + 27 = 42"
-    braced = r"\{([^{}]*)\}"  # a LaTeX argument without braces: nested ones are read from the innermost out
-    latex = {
-        rf"\\[dt]?frac{braced}{braced}": r"((\1)/(\2))",
-        rf"\\sqrt{braced}": r"√(\1)",
-        rf"\^{braced}": r"^(\1)",
-        rf"\\boxed{braced}": r"(\1)",
-        rf"\\(?:text|mathrm){braced}": r" \1 ",  # a word: "12 \text{ apples}"
-        r"\{,\}": ",",  # "1{,}000"
-    }
-    while any(re.search(pattern, text) for pattern in latex):
-        for pattern, replacement in latex.items():
-            text = re.sub(pattern, replacement, text)
-    text = re.sub(r"\\[()\[\]]|\\left|\\right|\\?[$€£]", " ", text)
-    text = re.sub(r"\\?\bsqrt(?=[ \t]*\()", "√", text)
-    text = re.sub(r"(?<=[\d)])\*\*(?=[-\d(√.])|(?<=[\d)] )\*\*(?= [-\d(√.])", "^", text).replace("**", " ")
-    operand = r"[ \t]*(?=[(√]|-?\.?\d)"  # what follows an operator: "(", a root or a number
-    percent = r"[ \t]*(?:%|percent(?![a-z]))"
-    times = r"x|·|\\times|\\cdot|times|multiplied[ \t]+by"  # between two numbers, like * and ×
-    rules = [
-        (rf"(?<=\d){percent}[ \t]+of(?![a-z]){operand}", " / 100 * "),  # "50% of 10"
-        (rf"(?<=\d){percent}(?=[ \t]*(?:[*×]|{times}){operand})", " / 100"),  # "50% x 10"
-        (rf"((?<=[\d)])[ \t]*(?:[*×]|{times})[ \t]*\d[\d,]*(?:\.\d+)?){percent}", r"\1 / 100"),  # "10 x 50%"
-        (rf"(?<=\d){percent}", "%"),  # any other percentage: "25 percent" is a side "25%"
-        (rf"(/[ \t]*\(*\d+\)*)[ \t]+of(?![a-z]){operand}", r"\1 * "),  # "1/2 of 20", "\frac{1}{2} of 20"
-    ]
-    words = ("*", times), ("+", "plus"), ("-", "minus"), ("/", r"\\div|divided[ \t]+by|over"), ("=", "equals?")
-    for symbol, word in words:
-        rules.append((rf"(?<=[\d)])[ \t]*(?:{word})(?![a-z]){operand}", f" {symbol} "))  # "9 times 6"
-    for pattern, replacement in rules:
-        text = re.sub(pattern, replacement, text, flags=re.I)
-    text = re.sub(r"(?<!\d)\.|\.(?![\d(])", ";", text.replace("...", "…"))  # "3.(3)" is not a sentence
-    text = re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", text)
-
-    def without_units(match):  # "3 hours * 60 minutes = 180 minutes" -> "3 * 60 = 180"
-        *units, result = (unit.lower() for unit in re.findall(r"(?<=\d)[ \t]+([a-z]+)", match.group(), re.I))
-        if result in units and (len(set(units)) == 1 or not re.search(r"[a-z][ \t]*[-+]", match.group(), re.I)):
-            return re.sub(r"(?<=\d)[ \t]+[a-z]+", "", match.group(), flags=re.I)
-        return match.group()
-
-    with_unit = r"-?\d+(?:\.\d+)?[ \t]+[a-z]{2,}(?![a-z])"  # "3 hours"
-    unit_equation = rf"{with_unit}(?:[ \t]*[-+*/×÷][ \t]*{with_unit})+[ \t]*=[ \t]*{with_unit}(?![ \t]*=)"
-    text = re.sub(unit_equation, without_units, text, flags=re.I)
-    remainder = r"r(?![a-z])|(?:with[ \t]+)?(?:a[ \t]+)?remainder"  # "2 R 2", "2 remainder 2"
-    after_result = rf"[ \t]*(?:{remainder}|and[ \t]+(?:a[ \t]+(?:half|third|quarter)|\d+[ \t]*/))"  # "3 and a half"
-    verdict = None
-    for match in re.finditer(r"[0-9 \t.+\-*/×÷()=^√²³%]+", text):
-        chunk, head, tail = match.group(), text[: match.start()], text[match.end() :]
-        sides = chunk.split("=")
-        # The first side may continue the text before it: glued to it, begun by an operator, or after a word.
-        glued = not (head[-1:].isspace() or head[-1:] in "\"'[{`" or chunk[0].isspace())  # "x^2", "a_1", "3:4"
-        operator_first = re.match(r"[ \t]*(?:[+*/×÷^%]|-(?![\d.(√]))", sides[0])  # "x + 3"; "-3 + 5" is a number
-        word = re.search(r"([a-z]+|[≈~])[ \t]*$", head, re.I)
-        lone = re.fullmatch(r"[ \t]*-?\d*\.?\d+[ \t]*%?[ \t]*", sides[0])  # "half of 20", "twice 5"
-        takes_a_number = word and re.fullmatch(r"[b-z≈~]|of|times|twice|thrice|half|double|triple|than", word[1], re.I)
-        if glued or operator_first or word and (lone or takes_a_number):
-            sides = sides[1:]
-        # The last side may continue into the text after it: "2x", "8:30", "3,5", "0.666...", "2 R 2", "3 and a half".
-        if not chunk[-1].isspace() and re.match(r"[a-z_:…]|,\d", tail, re.I) or re.match(after_result, tail, re.I):
-            sides = sides[:-1]
-        hundred = any(re.search(r"[*×][ \t]*100[ \t]*$|^[ \t]*100[ \t]*[*×]", side) for side in sides)  # N% is N
-        intervals = []  # the values each side stands for
-        for side in sides:
-            if "%" in side and not re.fullmatch(r"(?:[ \t()+\-*/×÷]*\d*\.?\d+[ \t]*%)+[ \t()]*", side):
-                continue  # percentages beside plain numbers ("100 + 20%": 20% of 100?), "10 % 3"
-            scale = 100 if "%" in side and not hundred else 1
-            value = evaluate_arithmetic(re.sub(r"(\d*\.?\d+)[ \t]*%", rf"(\1 / {scale})", side))
-            written = re.fullmatch(r"\s*-?\d*\.?(\d*)\s*%?\s*", side)  # "3.33", "25%": the values that round to it
-            half = 0.5 * 10.0 ** -len(written[1]) / scale if written and ("." in side or "%" in side) else 0.0
-            if value is not None:
-                intervals.append((value - half, value + half))
-        if len(intervals) < 2:
-            continue
-        low, high = max(lo for lo, _ in intervals), min(hi for _, hi in intervals)
-        if low > high and not math.isclose(low, high, rel_tol=1e-6, abs_tol=1e-9):
-            return False
-        verdict = True
-    return verdict
-
-
-def evaluate_arithmetic(expression):
-    """The value of an arithmetic expression of numbers, + - * / (also × ÷), powers (** or ^, also ² ³), square
-    roots (√16, √(16), sqrt(16)) and parentheses, as a float; None when it is anything else, does not parse, divides
-    by zero, overflows, has an exponent beyond ±1000 (the text is model output) or the root or fractional power of a
-    negative number. Parsed with ast, never eval."""
-    for symbol, python in ("×", "*"), ("÷", "/"), ("^", "**"), ("²", "**2"), ("³", "**3"):
-        expression = expression.replace(symbol, python)
-    expression = re.sub(r"√[ \t]*(\d*\.?\d+)", r"sqrt(\1)", expression).replace("√", "sqrt").strip()
-    if not expression or len(expression) > 200:
-        return None
-
-    def power(base, exponent):
-        if abs(exponent) > 1000:
-            raise ValueError("exponent out of range")
-        return math.pow(base, exponent)  # ValueError for (-8) ** 0.5, OverflowError for 10 ** 400
-
-    ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
-    ops[ast.Pow] = power
-
-    def value(node):
-        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-            return float(node.value)
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
-            return value(node.operand) * (-1 if isinstance(node.op, ast.USub) else 1)
-        if isinstance(node, ast.BinOp) and type(node.op) in ops:
-            return ops[type(node.op)](value(node.left), value(node.right))
-        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "sqrt" and not node.keywords:
-            (argument,) = node.args  # ValueError unless exactly one
-            return math.sqrt(value(argument))
-        raise ValueError("not arithmetic")
-
-    try:
-        result = value(ast.parse(expression, mode="eval").body)
-    except (SyntaxError, ValueError, ZeroDivisionError, OverflowError, RecursionError):
-        return None
-    return result if math.isfinite(result) else None
 
 
 def math_shepherd_text(question, steps, step_tag):
@@ -1537,6 +1591,11 @@ class Run:
         self.step, self.t_step, self.metrics, self.stats = step, time.time(), {}, collections.defaultdict(list)
         return self.metrics
 
+    def prompt_indices(self, step, per_rank, num_prompts):
+        """This process's prompts at `step`: step_prompt_indices, a function of (seed, step) that --resume repeats."""
+        rank, world_size = self.accelerator.process_index, self.accelerator.num_processes
+        return step_prompt_indices(step, per_rank, num_prompts, self.args.seed, rank, world_size)
+
     def add(self, stats):
         """One value per name for this step's averages (reduce_values: NaN left out, *_max / *_min the extreme)."""
         for name, value in stats.items():
@@ -1552,6 +1611,53 @@ class Run:
     def check(self, values, name):
         """Stop at a non-finite value, naming this step and the last good checkpoint (check_finite: a collective)."""
         check_finite(self.accelerator, values, name, self.step, self.last_checkpoint)
+
+    @staticmethod
+    def micro_batches(batch_size, minibatch_size, micro_batch_size, num_epochs, seed):
+        """The update's schedule, flat: num_epochs passes over a batch of batch_size rows (the first in rollout order,
+        the later ones shuffled by a generator seeded with `seed`), each split into minibatches (one optimizer step
+        each), each into micro-batches (gradient accumulation). Yields a MicroBatch per micro-batch: the update
+        (minibatch) it belongs to, counted from 0 in this step, the epoch (pass), the minibatch's rows and its own,
+        and whether it is the minibatch's first and last."""
+        rng, update = torch.Generator().manual_seed(seed), 0
+        for epoch in range(num_epochs):
+            order = torch.randperm(batch_size, generator=rng) if epoch else torch.arange(batch_size)
+            for start in range(0, batch_size, minibatch_size):
+                minibatch = order[start : start + minibatch_size]
+                for first in range(0, minibatch_size, micro_batch_size):
+                    rows, last = (
+                        minibatch[first : first + micro_batch_size],
+                        first + micro_batch_size >= minibatch_size,
+                    )
+                    yield MicroBatch(update, epoch, minibatch, rows, first == 0, last)
+                update += 1
+
+    def optimizer_step(self, model, optimizer, scheduler, prefix="policy/", max_skipped=30):
+        """One update: clip the gradients (clip_gradients), step the optimizer, then the learning-rate schedule when
+        the update was taken (it counts updates taken: fp16's loss scaler skips an overflowing one), and zero the
+        gradients. Adds prefix + grad_norm (NaN when skipped or unknown) and prefix + skipped_updates to the step's
+        stats; the step's lr is this update's (the step's last). max_skipped updates skipped in a row stop the run, as
+        DeepSpeed stops at its minimum scale, instead of saving untrained weights as a trained model: fp16's scale
+        starts at 2^16 and halves at each skip (DeepSpeed's at every other one at first), so 30 take it below 1, where
+        an overflow is the gradients' own, not the scale's."""
+        grad_norm = clip_gradients(self.accelerator, model, self.args.max_grad_norm, self.step, self.last_checkpoint)
+        self.metrics["lr"] = scheduler.get_last_lr()[0]
+        optimizer.step()
+        skipped = (
+            self.accelerator.optimizer_step_was_skipped
+        )  # the scaler's verdict (accelerate's GradScaler or DeepSpeed's)
+        self.add(
+            {f"{prefix}grad_norm": math.nan if skipped else grad_norm, f"{prefix}skipped_updates": float(skipped)}
+        )
+        if not skipped:
+            scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
+        if self.skipped_in_a_row >= max_skipped:  # the same on every process: the gradients are the synchronised ones
+            raise RuntimeError(
+                f"step {self.step + 1}: the fp16 loss scaler skipped {max_skipped} updates in a row (gradients that "
+                f"overflow at every scale); last good checkpoint: {self.last_checkpoint or 'none'}"
+            )
 
     def due(self, every):
         """Whether a periodic event (evaluation, checkpoint) happens after this step: every `every` steps and last."""
@@ -1606,6 +1712,20 @@ class Run:
         self.accelerator.wait_for_everyone()
         self.last_checkpoint = final
 
+    def save_models(self, model, tokenizer, parts=(("model", None),)):
+        """The trained model as a Hugging Face folder in the run folder (the LoRA adapter alone when --lora_r > 0); a
+        wrapper's parts (PPO's policy and value model) as a folder each: parts = ((folder, attribute), ...), each its
+        share of the wrapper's state dict. Under ZeRO-3 every process takes part in gathering the weights."""
+        self.accelerator.wait_for_everyone()
+        state_dict = self.accelerator.get_state_dict(model)
+        if self.accelerator.is_main_process:
+            unwrapped = self.accelerator.unwrap_model(model)
+            for folder, attribute in parts:
+                prefix, part = (f"{attribute}.", getattr(unwrapped, attribute)) if attribute else ("", unwrapped)
+                own = {key.removeprefix(prefix): t for key, t in state_dict.items() if key.startswith(prefix)}
+                part.save_pretrained(os.path.join(self.dir, folder), state_dict=own, safe_serialization=True)
+                tokenizer.save_pretrained(os.path.join(self.dir, folder))
+
     def finish(self):
         """Close the logs once every process is done (under DeepSpeed, a process that exited while the main one still
         wrote the final model was seen to abort it); a vLLM engine's shutdown may have destroyed the group already."""
@@ -1646,6 +1766,21 @@ def truncate_jsonl(path, last_step):
         os.replace(path + ".tmp", path)
 
 
+def step_prompt_indices(step, per_rank, num_prompts, seed, rank=0, world_size=1):
+    """Indices of the prompts process `rank` uses at `step`: its slice of the step's world_size * per_rank. The
+    dataset is walked in a fresh permutation every epoch, so the data order is a pure function of (seed, step) and
+    --resume repeats it."""
+    prompts_per_step = per_rank * world_size
+    start, end = step * prompts_per_step, (step + 1) * prompts_per_step
+    first_epoch, last_epoch = start // num_prompts, (end - 1) // num_prompts
+    epochs = range(first_epoch, last_epoch + 1)
+    order = torch.cat(
+        [torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed * 100_003 + e)) for e in epochs]
+    )
+    mine = start - first_epoch * num_prompts + rank * per_rank
+    return order[mine : mine + per_rank].tolist()
+
+
 def check_finite(accelerator, values, name, step, last_checkpoint):
     """Stop the run at the first non-finite reward, loss or gradient norm, saying where the last good checkpoint is.
     A collective (every process calls it as often): when one process sees it, every process stops, none is left
@@ -1656,6 +1791,26 @@ def check_finite(accelerator, values, name, step, last_checkpoint):
         raise RuntimeError(
             f"step {step + 1}: non-finite {name} ({seen}); last good checkpoint: {last_checkpoint or 'none'}"
         )
+
+
+MicroBatch = collections.namedtuple("MicroBatch", "update epoch minibatch rows first last")
+
+
+def clip_gradients(accelerator, model, max_grad_norm, step, last_checkpoint):
+    """Clip the gradients to max_grad_norm; returns their global norm, the same on every process, or NaN for an update
+    that fp16's loss scaler skips (accelerate's GradScaler or DeepSpeed's: an overflow is their signal to skip the
+    step and lower the scale, so the weights stay finite; the averages leave NaN out) and where DeepSpeed computes no
+    norm. Elsewhere a non-finite norm (a finite loss whose backward overflowed) stops the run before the optimizer
+    step, so that non-finite weights are never checkpointed (DeepSpeed steps inside accelerator.backward: there,
+    before the next checkpoint)."""
+    grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+    if grad_norm is None:  # DeepSpeed with zero_optimization.compute_grad_norm false computes none
+        return math.nan
+    grad_norm = float(grad_norm)
+    deepspeed_fp16 = accelerator.state.deepspeed_plugin is not None and accelerator.mixed_precision == "fp16"
+    if accelerator.scaler is None and not deepspeed_fp16:
+        check_finite(accelerator, grad_norm, "gradient norm", step, last_checkpoint)
+    return grad_norm if math.isfinite(grad_norm) else float("nan")
 
 
 def reduce_metrics(accelerator, metrics):
@@ -1681,50 +1836,6 @@ def average_stats(stats):
     """{name: one float per micro-batch (or minibatch)} -> their mean, or for a name ending in _max (_min) the largest
     (smallest)."""
     return {name: reduce_values(name, values) for name, values in stats.items()}
-
-
-def evaluate(sampler, prm, eval_set, args, accelerator, tokenizer, step):
-    """Greedy responses to the held-out prompts (eval_set: prompts, golds, questions), sharded over processes:
-    accuracy (pass@1), steps per response, the PRM's mean step score, and the mean reward (success + process rewards,
-    no KL). Returns ({eval/metric: value}, sample rows for samples.jsonl)."""
-    eval_prompts, eval_golds, eval_questions = eval_set
-    names = ("accuracy", "num_steps", "prm_score", "score", "response_length", "eos_fraction", "num_prompts")
-    totals, samples = torch.zeros(len(names), dtype=torch.float64), []
-    # Chunks bound the memory of HF generate and of the PRM.
-    for chunk in process_chunks(range(len(eval_prompts)), accelerator.process_index, accelerator.num_processes, 64):
-        if not chunk:
-            if sampler.llm is None:  # this process's part of the collective (HF generate gathers ZeRO-3 shards)
-                sampler.generate([], 1, 0.0)
-            continue
-        prompts, golds = [eval_prompts[i] for i in chunk], [eval_golds[i] for i in chunk]
-        responses, mask, _, texts = sampler.generate(prompts, 1, 0.0)
-        width = max(1, int(mask.sum(1).max()))
-        correct, success, has_eos, steps, scores, process = prm_rewards(
-            prm, prompts, [eval_questions[i] for i in chunk], golds, responses[:, :width], mask[:, :width], texts, args
-        )
-        reward = success + process.sum(1)
-        sums = [correct.sum(), sum(map(len, steps)), sum(map(sum, scores)), reward.sum()]
-        sums += [mask.sum(), has_eos.sum(), len(chunk)]  # in the order of `names`
-        totals += torch.tensor([float(v) for v in sums], dtype=torch.float64)
-        samples += [
-            {"global_step": step, "prompt": tokenizer.decode(eval_prompts[i]), "completion": text, "score": r}
-            | {"gold": gold, "correct": ok, "step_scores": [round(v, 4) for v in s.tolist()]}
-            for i, text, r, gold, ok, s in zip(chunk, texts, reward.tolist(), golds, correct.tolist(), scores)
-        ][: args.num_samples_logged - len(samples)]
-    totals = accelerator.reduce(totals.to(accelerator.device), "sum").cpu()
-    results = {f"eval/{name}": (totals[k] / totals[-1]).item() for k, name in enumerate(names[:-1])}
-    results["eval/prm_score"] = (totals[2] / totals[1].clamp(min=1)).item()  # per step, not per response
-    results["eval/num_prompts"] = totals[-1].item()
-    return results, samples
-
-
-def process_chunks(items, rank, world_size, chunk_size):
-    """This process's share of `items` (every world_size-th, from rank) in chunks of chunk_size, as many chunks on
-    every process, the last ones possibly empty: under DeepSpeed ZeRO-3 a generation gathers the trained model's
-    parameters, a collective every process must enter as often as the others."""
-    mine = items[rank::world_size]
-    most = -(-len(items) // world_size)  # the share of rank 0, the largest
-    return [mine[start : start + chunk_size] for start in range(0, most, chunk_size)]
 
 
 def load_models_prm(args, accelerator, pad_token_id):
@@ -1789,12 +1900,6 @@ def enable_gradient_checkpointing(models, args):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             if args.lora_r > 0:
                 model.enable_input_require_grads()
-
-
-def make_scheduler(optimizer, args, num_updates):
-    """transformers' learning-rate schedule (--lr_scheduler after --warmup_steps) over num_updates optimizer steps."""
-    name = "constant_with_warmup" if args.lr_scheduler == "constant" else args.lr_scheduler
-    return get_scheduler(name, optimizer, num_warmup_steps=args.warmup_steps, num_training_steps=num_updates)
 
 
 class Sampler:
@@ -1973,99 +2078,6 @@ def policy_state_dict(model):
             key = f"{name}.base_layer.weight"
             state[key] = state[key] + sum(module.get_delta_weight(a) for a in module.active_adapters)
     return {name.removeprefix("base_model.model.").replace(".base_layer", ""): t.detach() for name, t in state.items()}
-
-
-def step_prompt_indices(step, per_rank, num_prompts, seed, rank=0, world_size=1):
-    """Indices of the prompts process `rank` uses at `step`: its slice of the step's world_size * per_rank. The
-    dataset is walked in a fresh permutation every epoch, so the data order is a pure function of (seed, step) and
-    --resume repeats it."""
-    prompts_per_step = per_rank * world_size
-    start, end = step * prompts_per_step, (step + 1) * prompts_per_step
-    first_epoch, last_epoch = start // num_prompts, (end - 1) // num_prompts
-    epochs = range(first_epoch, last_epoch + 1)
-    order = torch.cat(
-        [torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed * 100_003 + e)) for e in epochs]
-    )
-    mine = start - first_epoch * num_prompts + rank * per_rank
-    return order[mine : mine + per_rank].tolist()
-
-
-def micro_batches(batch_size, minibatch_size, micro_batch_size, num_epochs, seed):
-    """The update's schedule, flat: num_epochs passes over a batch of batch_size rows (the first in rollout order, the
-    later ones shuffled by a generator seeded with `seed`), each split into minibatches (one optimizer step each),
-    each into micro-batches (gradient accumulation). Yields a MicroBatch per micro-batch: the update (minibatch) it
-    belongs to, counted from 0 in this step, the epoch (pass), the minibatch's rows and its own, and whether it is
-    the minibatch's first and last."""
-    rng, update = torch.Generator().manual_seed(seed), 0
-    for epoch in range(num_epochs):
-        order = torch.randperm(batch_size, generator=rng) if epoch else torch.arange(batch_size)
-        for start in range(0, batch_size, minibatch_size):
-            minibatch = order[start : start + minibatch_size]
-            for first in range(0, minibatch_size, micro_batch_size):
-                rows, last = minibatch[first : first + micro_batch_size], first + micro_batch_size >= minibatch_size
-                yield MicroBatch(update, epoch, minibatch, rows, first == 0, last)
-            update += 1
-
-
-MicroBatch = collections.namedtuple("MicroBatch", "update epoch minibatch rows first last")
-
-
-def optimizer_step(accelerator, model, optimizer, scheduler, run, prefix="policy/", max_skipped=30):
-    """One update: clip the gradients (clip_gradients), step the optimizer, then the learning-rate schedule when the
-    update was taken (it counts updates taken: fp16's loss scaler skips an overflowing one), and zero the gradients.
-    Adds prefix + grad_norm (NaN when skipped or unknown) and prefix + skipped_updates to the step's stats; the step's
-    lr is this update's (the step's last). max_skipped updates skipped in a row stop the run, as DeepSpeed stops at
-    its minimum scale, instead of saving untrained weights as a trained model: fp16's scale starts at 2^16 and halves
-    at each skip (DeepSpeed's at every other one at first), so 30 take it below 1, where an overflow is the gradients'
-    own, not the scale's."""
-    grad_norm = clip_gradients(accelerator, model, run.args.max_grad_norm, run.step, run.last_checkpoint)
-    run.metrics["lr"] = scheduler.get_last_lr()[0]
-    optimizer.step()
-    skipped = accelerator.optimizer_step_was_skipped  # the scaler's verdict (accelerate's GradScaler or DeepSpeed's)
-    run.add({f"{prefix}grad_norm": math.nan if skipped else grad_norm, f"{prefix}skipped_updates": float(skipped)})
-    if not skipped:
-        scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    run.skipped_in_a_row = run.skipped_in_a_row + 1 if skipped else 0
-    if run.skipped_in_a_row >= max_skipped:  # the same on every process: the gradients are the synchronised ones
-        raise RuntimeError(
-            f"step {run.step + 1}: the fp16 loss scaler skipped {max_skipped} updates in a row (gradients that "
-            f"overflow at every scale); last good checkpoint: {run.last_checkpoint or 'none'}"
-        )
-
-
-def clip_gradients(accelerator, model, max_grad_norm, step, last_checkpoint):
-    """Clip the gradients to max_grad_norm; returns their global norm, the same on every process, or NaN for an update
-    that fp16's loss scaler skips (accelerate's GradScaler or DeepSpeed's: an overflow is their signal to skip the
-    step and lower the scale, so the weights stay finite; the averages leave NaN out) and where DeepSpeed computes no
-    norm. Elsewhere a non-finite norm (a finite loss whose backward overflowed) stops the run before the optimizer
-    step, so that non-finite weights are never checkpointed (DeepSpeed steps inside accelerator.backward: there,
-    before the next checkpoint)."""
-    grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
-    if grad_norm is None:  # DeepSpeed with zero_optimization.compute_grad_norm false computes none
-        return math.nan
-    grad_norm = float(grad_norm)
-    deepspeed_fp16 = accelerator.state.deepspeed_plugin is not None and accelerator.mixed_precision == "fp16"
-    if accelerator.scaler is None and not deepspeed_fp16:
-        check_finite(accelerator, grad_norm, "gradient norm", step, last_checkpoint)
-    return grad_norm if math.isfinite(grad_norm) else float("nan")
-
-
-def save_policy_and_value_prm(accelerator, model, tokenizer, run_dir):
-    """The trained policy (the LoRA adapter alone when --lora_r > 0) and value model as Hugging Face folders
-    run_dir/model and run_dir/value_model, from the wrapper's state dict split by prefix. Under ZeRO-3 every process
-    takes part in gathering the weights."""
-    accelerator.wait_for_everyone()
-    state_dict = accelerator.get_state_dict(model)
-    if accelerator.is_main_process:
-        unwrapped = accelerator.unwrap_model(model)
-        for name, prefix, module in (
-            ("model", "policy.", unwrapped.policy),
-            ("value_model", "value_model.", unwrapped.value_model),
-        ):
-            state = {key.removeprefix(prefix): t for key, t in state_dict.items() if key.startswith(prefix)}
-            module.save_pretrained(os.path.join(run_dir, name), state_dict=state, safe_serialization=True)
-            tokenizer.save_pretrained(os.path.join(run_dir, name))
 
 
 def quiet_harmless_logs():

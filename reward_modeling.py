@@ -69,7 +69,7 @@ import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator
 from accelerate.tracking import TensorBoardTracker, WandBTracker
-from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list, gather_object
+from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list, gather_object, set_seed
 from tqdm.auto import tqdm
 from transformers import (
     AutoConfig,
@@ -129,19 +129,12 @@ class Args:
 
 def main(args: "Config"):
     # Setup: processes, data, the pairs (sampled from a task), the model (the helpers are below the fence).
-    check_args(
-        args
-    )  # one-line errors; fills the defaults --prm changes (ppo_prm_clip.py's task and prompt) and the batch sizes
-    accelerator = make_accelerator(args.micro_batch_size, args.gradient_accumulation_steps, args.max_grad_norm)
+    accelerator, tokenizer = setup(args)  # the flags' one-line errors first (check_args: --prm changes defaults)
     rank, world_size = accelerator.process_index, accelerator.num_processes
-    train_rows, eval_rows = load_reward_data(args)  # checked before any model is loaded
-    tokenizer = load_reward_tokenizer(args, train_rows)
+    train_rows, eval_rows = load_reward_data(args, tokenizer)  # checked before any model is loaded
     pad_id = tokenizer.pad_token_id
-    config = check_reward_config(args.model_name_or_path, args.trust_remote_code)
     run = Run(args, accelerator, RESUMABLE_ARGS)
-    random.seed(args.data_seed + rank)  # a different sampling stream per process (the model init below is reseeded)
-    np.random.seed(args.data_seed + rank)
-    torch.manual_seed(args.data_seed + rank)
+    set_seed(args.data_seed + rank)  # a different sampling stream per process (the model init below is reseeded)
     # Token ids: (chosen [L_c], rejected [L_r]), prompt included; --prm: (prompt + completion [L], positions of the
     # steps' last tokens [K], step labels [K]). From a task, completions sampled from the policy and labelled by the
     # verifier, a correct one paired with a wrong one of the same prompt (--prm: every completion, a label per step).
@@ -151,10 +144,11 @@ def main(args: "Config"):
     args.total_steps = max(1, round(args.num_train_epochs * len(train_pairs) / pairs_per_step))
 
     torch.manual_seed(args.seed)  # a new score head starts the same in every process
-    model = load_reward_model(args, config, pad_id)
+    model = load_reward_model(args, pad_id)
     trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters (and the new head)
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay, eps=1e-8)
-    scheduler = make_scheduler(optimizer, args, args.total_steps)
+    schedule = "constant_with_warmup" if args.lr_scheduler == "constant" else args.lr_scheduler  # after warmup_steps
+    scheduler = get_scheduler(schedule, optimizer, args.warmup_steps, args.total_steps)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     unwrapped = accelerator.unwrap_model(model)
     # The one-output head, read by token_scores at every position (peft wraps it in a trainable copy).
@@ -171,7 +165,7 @@ def main(args: "Config"):
         # 1. Pairs of this step (--prm: labelled completions): each process takes its slice of a global order that is
         # a function of (seed, step) (a fresh permutation each epoch), so that --resume repeats it. Pairs of similar
         # lengths share a micro-batch (less padding); the step's gradient is the same sum.
-        indices = step_prompt_indices(step, args.pairs_per_rank, len(train_pairs), args.seed, rank, world_size)
+        indices = run.prompt_indices(step, args.pairs_per_rank, len(train_pairs))
         batch = sorted((train_pairs[i] for i in indices), key=lambda pair: max(map(len, pair)))
 
         with run.timed("time/training"):
@@ -180,7 +174,7 @@ def main(args: "Config"):
             model.train()
             metrics |= backward(model, score_head, batch, args, accelerator, pad_id, run)
             # 3. Update: gradients clipped to max_grad_norm (by DeepSpeed itself under DeepSpeed), one optimizer step.
-            optimizer_step(accelerator, model, optimizer, scheduler, run, prefix="objective/")
+            run.optimizer_step(model, optimizer, scheduler, prefix="objective/")
         tokens = sum(len(pair[0]) if args.prm else len(pair[0]) + len(pair[1]) for pair in batch)
         metrics["perf/train_tokens_per_second"] = tokens / metrics["time/training"]
         metrics["perf/pairs_per_second"] = pairs_per_step / metrics["time/training"]
@@ -372,6 +366,258 @@ def verifier_step_scores(steps, correct=1.0, unchecked=0.8, wrong=0.0):
     return scores
 
 
+def step_arithmetic(step):
+    r"""The verdict on a step's equations: False when one of them is wrong, True when it has some and all hold,
+    None when it has none that can be checked. What cannot be read is left unchecked, never called wrong (a prefix
+    scores its worst step). An equation is a run of numbers, operators, parentheses and '=' ("3 + 4 = 7",
+    "2 * 3 = 6 = 12 / 2", "2^3 = 8", "√16 = 4"); it holds when all its sides that evaluate (see evaluate_arithmetic)
+    are equal, and is checkable when at least two do. A side that is a number written with d >= 1 decimals stands for
+    the values that round to it ("10 / 3 = 3.33": within 0.5 * 10^-d); a whole number is exact ("7 / 2 = 3" is
+    wrong). A side of percentages reads N% as N / 100, a lone one rounded to its digits ("20 / 80 = 25%",
+    "1/3 = 33%", "50% - 25% = 25%"), or as N where another side ends or starts with a product by 100
+    ("20 / 80 * 100 = 25%"); a side that mixes percentages and plain numbers ("100 + 20% = 120") or has a "%" between
+    numbers ("10 % 3") is not read.
+    A side is not read where it may continue the text around it. The first side: glued to what precedes it ("x^2",
+    "a_1", "3:4", "9:00", "1,00,000", "2,5"), begun by an operator ("x + 3"; in "-3 + 5" the sign is the number's), a
+    lone number after a word ("half of 20", "twice 5"), or after "of", "times", "twice", "thrice", "half", "double",
+    "triple", "than", "≈", "~" or a one-letter name other than "a" ("twice 5 + 2"). The last side: with something
+    glued to it ("2x", "8:30", "3,5", "0.666...") or followed by a remainder or a fraction ("2 R 2", "2 remainder 2",
+    "3 and a half", "3 and 1/2").
+    Between two numbers, "x", "times", "multiplied by", "plus", "minus", "divided by", "over", "equals" and "·" are
+    operators; a percentage or a fraction of a number ("50% of 10", "50 percent of 10", "10 x 50%", "1/2 of 20") is a
+    product. In an equation whose every number has a word after it, the words are units, dropped when the result's
+    is among the others and all are the same where there is a + or - ("3 hours * 60 minutes = 180 minutes",
+    "5 apples + 3 apples = 8 apples"; "1 hour + 30 minutes = 90 minutes" is not read). A period not between digits
+    ends a sentence; a comma before three digits groups thousands; "-" or "•" and a space starting a line are a list
+    bullet. LaTeX is read: \frac{a}{b} (also \dfrac, \tfrac) as (a)/(b), \sqrt{a}, a^{b}, \boxed{a}, \times, \cdot,
+    \div, 1{,}000, and \text{a} as a word; the delimiters \( \) \[ \] \left \right and $ (also \$), € and £ are
+    dropped (so "$12" is 12). "**" between two numbers is a power, anywhere else Markdown bold (dropped). A GSM8K
+    calculator annotation ("48/2 = <<48/2=24>>24") is an equation of its own, checked apart."""
+    text = step.replace("\u2212", "-").replace("\\%", "%")
+    annotations = re.findall(r"<<([^<>]*)>>", text)
+    text = re.sub(r"<<[^<>]*>>", "", text) + "".join(f"; {annotation}" for annotation in annotations)
+    text = re.sub(r"^[ \t]*[-•][ \t]+", "", text, flags=re.M)  # a list bullet, not a minus: "- 15 + 27 = 42"
+    braced = r"\{([^{}]*)\}"  # a LaTeX argument without braces: nested ones are read from the innermost out
+    latex = {
+        rf"\\[dt]?frac{braced}{braced}": r"((\1)/(\2))",
+        rf"\\sqrt{braced}": r"√(\1)",
+        rf"\^{braced}": r"^(\1)",
+        rf"\\boxed{braced}": r"(\1)",
+        rf"\\(?:text|mathrm){braced}": r" \1 ",  # a word: "12 \text{ apples}"
+        r"\{,\}": ",",  # "1{,}000"
+    }
+    while any(re.search(pattern, text) for pattern in latex):
+        for pattern, replacement in latex.items():
+            text = re.sub(pattern, replacement, text)
+    text = re.sub(r"\\[()\[\]]|\\left|\\right|\\?[$€£]", " ", text)
+    text = re.sub(r"\\?\bsqrt(?=[ \t]*\()", "√", text)
+    text = re.sub(r"(?<=[\d)])\*\*(?=[-\d(√.])|(?<=[\d)] )\*\*(?= [-\d(√.])", "^", text).replace("**", " ")
+    operand = r"[ \t]*(?=[(√]|-?\.?\d)"  # what follows an operator: "(", a root or a number
+    percent = r"[ \t]*(?:%|percent(?![a-z]))"
+    times = r"x|·|\\times|\\cdot|times|multiplied[ \t]+by"  # between two numbers, like * and ×
+    rules = [
+        (rf"(?<=\d){percent}[ \t]+of(?![a-z]){operand}", " / 100 * "),  # "50% of 10"
+        (rf"(?<=\d){percent}(?=[ \t]*(?:[*×]|{times}){operand})", " / 100"),  # "50% x 10"
+        (rf"((?<=[\d)])[ \t]*(?:[*×]|{times})[ \t]*\d[\d,]*(?:\.\d+)?){percent}", r"\1 / 100"),  # "10 x 50%"
+        (rf"(?<=\d){percent}", "%"),  # any other percentage: "25 percent" is a side "25%"
+        (rf"(/[ \t]*\(*\d+\)*)[ \t]+of(?![a-z]){operand}", r"\1 * "),  # "1/2 of 20", "\frac{1}{2} of 20"
+    ]
+    words = ("*", times), ("+", "plus"), ("-", "minus"), ("/", r"\\div|divided[ \t]+by|over"), ("=", "equals?")
+    for symbol, word in words:
+        rules.append((rf"(?<=[\d)])[ \t]*(?:{word})(?![a-z]){operand}", f" {symbol} "))  # "9 times 6"
+    for pattern, replacement in rules:
+        text = re.sub(pattern, replacement, text, flags=re.I)
+    text = re.sub(r"(?<!\d)\.|\.(?![\d(])", ";", text.replace("...", "…"))  # "3.(3)" is not a sentence
+    text = re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", text)
+
+    def without_units(match):  # "3 hours * 60 minutes = 180 minutes" -> "3 * 60 = 180"
+        *units, result = (unit.lower() for unit in re.findall(r"(?<=\d)[ \t]+([a-z]+)", match.group(), re.I))
+        if result in units and (len(set(units)) == 1 or not re.search(r"[a-z][ \t]*[-+]", match.group(), re.I)):
+            return re.sub(r"(?<=\d)[ \t]+[a-z]+", "", match.group(), flags=re.I)
+        return match.group()
+
+    with_unit = r"-?\d+(?:\.\d+)?[ \t]+[a-z]{2,}(?![a-z])"  # "3 hours"
+    unit_equation = rf"{with_unit}(?:[ \t]*[-+*/×÷][ \t]*{with_unit})+[ \t]*=[ \t]*{with_unit}(?![ \t]*=)"
+    text = re.sub(unit_equation, without_units, text, flags=re.I)
+    remainder = r"r(?![a-z])|(?:with[ \t]+)?(?:a[ \t]+)?remainder"  # "2 R 2", "2 remainder 2"
+    after_result = rf"[ \t]*(?:{remainder}|and[ \t]+(?:a[ \t]+(?:half|third|quarter)|\d+[ \t]*/))"  # "3 and a half"
+    verdict = None
+    for match in re.finditer(r"[0-9 \t.+\-*/×÷()=^√²³%]+", text):
+        chunk, head, tail = match.group(), text[: match.start()], text[match.end() :]
+        sides = chunk.split("=")
+        # The first side may continue the text before it: glued to it, begun by an operator, or after a word.
+        glued = not (head[-1:].isspace() or head[-1:] in "\"'[{`" or chunk[0].isspace())  # "x^2", "a_1", "3:4"
+        operator_first = re.match(r"[ \t]*(?:[+*/×÷^%]|-(?![\d.(√]))", sides[0])  # "x + 3"; "-3 + 5" is a number
+        word = re.search(r"([a-z]+|[≈~])[ \t]*$", head, re.I)
+        lone = re.fullmatch(r"[ \t]*-?\d*\.?\d+[ \t]*%?[ \t]*", sides[0])  # "half of 20", "twice 5"
+        takes_a_number = word and re.fullmatch(r"[b-z≈~]|of|times|twice|thrice|half|double|triple|than", word[1], re.I)
+        if glued or operator_first or word and (lone or takes_a_number):
+            sides = sides[1:]
+        # The last side may continue into the text after it: "2x", "8:30", "3,5", "0.666...", "2 R 2", "3 and a half".
+        if not chunk[-1].isspace() and re.match(r"[a-z_:…]|,\d", tail, re.I) or re.match(after_result, tail, re.I):
+            sides = sides[:-1]
+        hundred = any(re.search(r"[*×][ \t]*100[ \t]*$|^[ \t]*100[ \t]*[*×]", side) for side in sides)  # N% is N
+        intervals = []  # the values each side stands for
+        for side in sides:
+            if "%" in side and not re.fullmatch(r"(?:[ \t()+\-*/×÷]*\d*\.?\d+[ \t]*%)+[ \t()]*", side):
+                continue  # percentages beside plain numbers ("100 + 20%": 20% of 100?), "10 % 3"
+            scale = 100 if "%" in side and not hundred else 1
+            value = evaluate_arithmetic(re.sub(r"(\d*\.?\d+)[ \t]*%", rf"(\1 / {scale})", side))
+            written = re.fullmatch(r"\s*-?\d*\.?(\d*)\s*%?\s*", side)  # "3.33", "25%": the values that round to it
+            half = 0.5 * 10.0 ** -len(written[1]) / scale if written and ("." in side or "%" in side) else 0.0
+            if value is not None:
+                intervals.append((value - half, value + half))
+        if len(intervals) < 2:
+            continue
+        low, high = max(lo for lo, _ in intervals), min(hi for _, hi in intervals)
+        if low > high and not math.isclose(low, high, rel_tol=1e-6, abs_tol=1e-9):
+            return False
+        verdict = True
+    return verdict
+
+
+def evaluate_arithmetic(expression):
+    """The value of an arithmetic expression of numbers, + - * / (also × ÷), powers (** or ^, also ² ³), square
+    roots (√16, √(16), sqrt(16)) and parentheses, as a float; None when it is anything else, does not parse, divides
+    by zero, overflows, has an exponent beyond ±1000 (the text is model output) or the root or fractional power of a
+    negative number. Parsed with ast, never eval."""
+    for symbol, python in ("×", "*"), ("÷", "/"), ("^", "**"), ("²", "**2"), ("³", "**3"):
+        expression = expression.replace(symbol, python)
+    expression = re.sub(r"√[ \t]*(\d*\.?\d+)", r"sqrt(\1)", expression).replace("√", "sqrt").strip()
+    if not expression or len(expression) > 200:
+        return None
+
+    def power(base, exponent):
+        if abs(exponent) > 1000:
+            raise ValueError("exponent out of range")
+        return math.pow(base, exponent)  # ValueError for (-8) ** 0.5, OverflowError for 10 ** 400
+
+    ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+    ops[ast.Pow] = power
+
+    def value(node):
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            return float(node.value)
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
+            return value(node.operand) * (-1 if isinstance(node.op, ast.USub) else 1)
+        if isinstance(node, ast.BinOp) and type(node.op) in ops:
+            return ops[type(node.op)](value(node.left), value(node.right))
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "sqrt" and not node.keywords:
+            (argument,) = node.args  # ValueError unless exactly one
+            return math.sqrt(value(argument))
+        raise ValueError("not arithmetic")
+
+    try:
+        result = value(ast.parse(expression, mode="eval").body)
+    except (SyntaxError, ValueError, ZeroDivisionError, OverflowError, RecursionError):
+        return None
+    return result if math.isfinite(result) else None
+
+
+def evaluate(model, score_head, train_pairs, eval_pairs, args, accelerator, pad_token_id, step):
+    """Held-out accuracy, loss and scores (evaluate_pairs; --prm: evaluate_steps) and the seconds they took; after the
+    last step of a Bradley-Terry model also the bias stored with it and the training-set accuracy (centring_bias).
+    Before and after training, a line on the console. Returns (metrics, no samples)."""
+    t0, unit = time.time(), "steps" if args.prm else "pairs"
+    metrics = (evaluate_steps if args.prm else evaluate_pairs)(
+        model, score_head, eval_pairs, "eval", args, accelerator, pad_token_id
+    )
+    metrics["time/eval"] = time.time() - t0
+    if step == 0:
+        accelerator.print(
+            f"before training: held-out accuracy {metrics['eval/accuracy']:.3f} on {metrics[f'eval/num_{unit}']:.0f} "
+            f"{unit}; {len(train_pairs)} training {'completions' if args.prm else 'pairs'}, {args.total_steps} steps"
+        )
+    elif step == args.total_steps and args.prm:
+        accelerator.print(f"after training: held-out step accuracy {metrics['eval/accuracy']:.3f}")
+    elif step == args.total_steps:
+        bias, train_accuracy = centring_bias(model, score_head, train_pairs, args, accelerator, pad_token_id)
+        metrics |= {"objective/bias": bias, "objective/train_set_accuracy": train_accuracy}
+        accelerator.print(
+            f"after training: held-out accuracy {metrics['eval/accuracy']:.3f}, training-set accuracy "
+            f"{train_accuracy:.3f}, bias {bias:.4f}"
+        )
+    return metrics, []
+
+
+def evaluate_pairs(model, score_head, pairs, prefix, args, accelerator, pad_token_id):
+    """Accuracy (r_chosen > r_rejected; ties count as wrong), mean loss, margin and scores over `pairs`, sharded
+    over processes. `model` is the unwrapped one: a DDP forward outside the training step may sync buffers."""
+    rank, world_size = accelerator.process_index, accelerator.num_processes
+    mine = sorted(pairs[rank::world_size], key=lambda p: max(map(len, p)))  # similar lengths: less padding
+    totals = torch.zeros(6, dtype=torch.float64, device=accelerator.device)
+    model.eval()
+    with torch.no_grad():
+        # The same number of forwards in every process (DeepSpeed ZeRO-3 gathers the weights collectively in each):
+        # a process whose shard is used up scores a stand-in pair and counts nothing.
+        for start in range(0, math.ceil(len(pairs) / world_size), args.eval_batch_size):
+            batch = mine[start : start + args.eval_batch_size]
+            chosen, rejected = pair_scores(model, score_head, batch or pairs[:1], pad_token_id, accelerator.device)
+            if not batch:
+                continue
+            loss = bradley_terry_loss(chosen, rejected)
+            values = [(chosen > rejected).sum(), loss.sum(), (chosen - rejected).sum(), chosen.sum(), rejected.sum()]
+            totals += torch.tensor(
+                [float(v) for v in values] + [len(chosen)], dtype=torch.float64, device=totals.device
+            )
+    totals = accelerator.reduce(totals, "sum")
+    n = totals[5].clamp(min=1)
+    return {
+        f"{prefix}/accuracy": (totals[0] / n).item(),
+        f"{prefix}/loss": (totals[1] / n).item(),
+        f"{prefix}/margin": (totals[2] / n).item(),
+        f"{prefix}/chosen_score": (totals[3] / n).item(),
+        f"{prefix}/rejected_score": (totals[4] / n).item(),
+        f"{prefix}/num_pairs": totals[5].item(),
+    }
+
+
+def evaluate_steps(model, score_head, completions, prefix, args, accelerator, pad_token_id):
+    """--prm: step accuracy (sigmoid(logit) > 0.5 agrees with the label), mean loss, and the mean p of good and of
+    bad steps over `completions`, sharded over processes (the same number of forwards in each, as in
+    evaluate_pairs). `model` is the unwrapped one."""
+    rank, world_size = accelerator.process_index, accelerator.num_processes
+    mine = completions[rank::world_size]
+    totals = torch.zeros(7, dtype=torch.float64, device=accelerator.device)
+    model.eval()
+    with torch.no_grad():
+        for start in range(0, math.ceil(len(completions) / world_size), args.eval_batch_size):
+            batch = mine[start : start + args.eval_batch_size]
+            logits, labels = prm_step_logits(
+                model, score_head, batch or completions[:1], pad_token_id, accelerator.device
+            )
+            if not batch:
+                continue
+            p, good = torch.sigmoid(logits), labels > 0.5
+            values = [
+                ((p > 0.5) == good).sum(),
+                F.binary_cross_entropy_with_logits(logits, labels, reduction="sum"),
+                p[good].sum(),
+                good.sum(),
+                p[~good].sum(),
+                len(labels),
+                len(batch),
+            ]
+            totals += torch.tensor([float(v) for v in values], dtype=torch.float64, device=totals.device)
+    totals = accelerator.reduce(totals, "sum")
+    n = totals[5].clamp(min=1)
+    return {
+        f"{prefix}/accuracy": (totals[0] / n).item(),
+        f"{prefix}/loss": (totals[1] / n).item(),
+        f"{prefix}/good_step_score": (totals[2] / totals[3].clamp(min=1)).item(),
+        f"{prefix}/bad_step_score": (totals[4] / (totals[5] - totals[3]).clamp(min=1)).item(),
+        f"{prefix}/num_steps": totals[5].item(),
+        f"{prefix}/num_completions": totals[6].item(),
+    }
+
+
+def centring_bias(model, score_head, train_pairs, args, accelerator, pad_token_id):
+    """The bias stored with the model: its mean score over the training responses (as many chosen as rejected),
+    which consumers subtract so that scores are centred on 0. Returns (bias, training-set accuracy)."""
+    train = evaluate_pairs(model, score_head, train_pairs, "train", args, accelerator, pad_token_id)
+    return (train["train/chosen_score"] + train["train/rejected_score"]) / 2, train["train/accuracy"]
+
+
 # =====================================================================================================================
 # PLUMBING: everything below serves main() and is not needed to follow the algorithm; a reader may stop here.
 # A definition with the same name is identical in every script that has it (tests/test_drift.py checks).
@@ -518,6 +764,18 @@ RESUMABLE_ARGS = (
 ).split()
 
 
+def setup(args, micro_batch_rows=None):
+    """Before anything loads, the flags' one-line checks (check_args, which also fills the sizes computed from them);
+    then the Accelerator of this launch, the policy's tokenizer and the seeds (random, numpy and torch: a different
+    sampling stream per process). micro_batch_rows: DeepSpeed's micro-batch in rows, when not --micro_batch_size."""
+    check_args(args)
+    micro_batch_rows = micro_batch_rows or args.micro_batch_size
+    accelerator = make_accelerator(micro_batch_rows, args.gradient_accumulation_steps, args.max_grad_norm)
+    tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
+    set_seed(args.seed + accelerator.process_index)
+    return accelerator, tokenizer
+
+
 def check_args(args):
     """Fill the defaults --prm changes (ppo_prm_clip.py's task, and the prompt of the policy whose responses the PRM
     will judge), then reject bad input with one line naming the argument, before any model is loaded. Then the batch
@@ -631,10 +889,29 @@ def make_accelerator(micro_batch_size, gradient_accumulation_steps, max_grad_nor
     return accelerator
 
 
-def load_reward_data(args):
+def load_tokenizer(model_name_or_path, trust_remote_code):
+    """The policy's tokenizer, with EOS as the padding token when it has none."""
+    from huggingface_hub import constants
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code)
+    except OSError as error:
+        offline = "; offline (HF_HUB_OFFLINE=1): only cached models load"
+        fail(
+            f"--model_name_or_path {model_name_or_path} is neither a local folder nor a reachable hub model "
+            f"({str(error).splitlines()[0]}){offline if constants.HF_HUB_OFFLINE else ''}"
+        )
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_reward_data(args, tokenizer):
     """The rows of both splits, read and checked before any model is loaded. Sets args.data_kind: "preferences"
     (chosen/rejected columns) or "task" (question/answer columns; its rows cut to --num_train_prompts /
-    --num_eval_prompts); both splits must hold the same kind, and --prm needs a task."""
+    --num_eval_prompts); both splits must hold the same kind, and --prm needs a task. Conversations need the
+    tokenizer's chat template (a task's prompts too, without --prompt_template: build_prompts checks), and the
+    starting model must be one a reward model can start from (check_reward_config)."""
     splits = {}
     for name in ("train_split", "eval_split"):
         split = getattr(args, name)
@@ -651,9 +928,13 @@ def load_reward_data(args):
             f"--prm needs a task with --question_column/--answer_column (the verifier labels the steps); "
             f"--dataset_path {args.dataset_path} holds preference pairs"
         )
+    conversational = args.data_kind == "preferences" and not isinstance(train_rows[0][args.chosen_column], str)
+    no_template = f"the tokenizer of {args.model_name_or_path} has no chat template; the preference data are "
+    require(not conversational or tokenizer.chat_template, no_template + "conversations and need one")
     if args.data_kind == "task":
         train_rows = train_rows[: args.num_train_prompts or None]
         eval_rows = eval_rows[: args.num_eval_prompts or None]
+    check_reward_config(args.model_name_or_path, args.trust_remote_code)  # before the policy samples a task's pairs
     return train_rows, eval_rows
 
 
@@ -758,32 +1039,6 @@ def gold_answer(answer):
     return "" if answer is None else str(answer).split("####")[-1].strip().replace(",", "")
 
 
-def load_reward_tokenizer(args, train_rows):
-    """The starting model's tokenizer, with EOS as the padding token when it has none. Conversations need its chat
-    template, and so do a task's prompts without --prompt_template."""
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
-    except OSError as error:
-        fail(
-            f"--model_name_or_path {args.model_name_or_path} is neither a local folder nor a reachable hub model "
-            f"({str(error).splitlines()[0]})"
-        )
-    conversational = args.data_kind == "preferences" and not isinstance(train_rows[0][args.chosen_column], str)
-    needs_template = conversational or (args.data_kind == "task" and args.prompt_template is None)
-    if needs_template and not tokenizer.chat_template:
-        fail(
-            f"the tokenizer of {args.model_name_or_path} has no chat template; "
-            + (
-                "the preference data are conversations and need one"
-                if conversational
-                else "pass --prompt_template, e.g. 'Question: {question}\\nAnswer:'"
-            )
-        )
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
-
-
 def check_reward_config(path, trust_remote_code):
     """The starting model's config: a causal LM (a new one-output head is added), or a one-label sequence
     classifier (a reward model trained further)."""
@@ -882,6 +1137,11 @@ class Run:
         self.step, self.t_step, self.metrics, self.stats = step, time.time(), {}, collections.defaultdict(list)
         return self.metrics
 
+    def prompt_indices(self, step, per_rank, num_prompts):
+        """This process's prompts at `step`: step_prompt_indices, a function of (seed, step) that --resume repeats."""
+        rank, world_size = self.accelerator.process_index, self.accelerator.num_processes
+        return step_prompt_indices(step, per_rank, num_prompts, self.args.seed, rank, world_size)
+
     def add(self, stats):
         """One value per name for this step's averages (reduce_values: NaN left out, *_max / *_min the extreme)."""
         for name, value in stats.items():
@@ -897,6 +1157,53 @@ class Run:
     def check(self, values, name):
         """Stop at a non-finite value, naming this step and the last good checkpoint (check_finite: a collective)."""
         check_finite(self.accelerator, values, name, self.step, self.last_checkpoint)
+
+    @staticmethod
+    def micro_batches(batch_size, minibatch_size, micro_batch_size, num_epochs, seed):
+        """The update's schedule, flat: num_epochs passes over a batch of batch_size rows (the first in rollout order,
+        the later ones shuffled by a generator seeded with `seed`), each split into minibatches (one optimizer step
+        each), each into micro-batches (gradient accumulation). Yields a MicroBatch per micro-batch: the update
+        (minibatch) it belongs to, counted from 0 in this step, the epoch (pass), the minibatch's rows and its own,
+        and whether it is the minibatch's first and last."""
+        rng, update = torch.Generator().manual_seed(seed), 0
+        for epoch in range(num_epochs):
+            order = torch.randperm(batch_size, generator=rng) if epoch else torch.arange(batch_size)
+            for start in range(0, batch_size, minibatch_size):
+                minibatch = order[start : start + minibatch_size]
+                for first in range(0, minibatch_size, micro_batch_size):
+                    rows, last = (
+                        minibatch[first : first + micro_batch_size],
+                        first + micro_batch_size >= minibatch_size,
+                    )
+                    yield MicroBatch(update, epoch, minibatch, rows, first == 0, last)
+                update += 1
+
+    def optimizer_step(self, model, optimizer, scheduler, prefix="policy/", max_skipped=30):
+        """One update: clip the gradients (clip_gradients), step the optimizer, then the learning-rate schedule when
+        the update was taken (it counts updates taken: fp16's loss scaler skips an overflowing one), and zero the
+        gradients. Adds prefix + grad_norm (NaN when skipped or unknown) and prefix + skipped_updates to the step's
+        stats; the step's lr is this update's (the step's last). max_skipped updates skipped in a row stop the run, as
+        DeepSpeed stops at its minimum scale, instead of saving untrained weights as a trained model: fp16's scale
+        starts at 2^16 and halves at each skip (DeepSpeed's at every other one at first), so 30 take it below 1, where
+        an overflow is the gradients' own, not the scale's."""
+        grad_norm = clip_gradients(self.accelerator, model, self.args.max_grad_norm, self.step, self.last_checkpoint)
+        self.metrics["lr"] = scheduler.get_last_lr()[0]
+        optimizer.step()
+        skipped = (
+            self.accelerator.optimizer_step_was_skipped
+        )  # the scaler's verdict (accelerate's GradScaler or DeepSpeed's)
+        self.add(
+            {f"{prefix}grad_norm": math.nan if skipped else grad_norm, f"{prefix}skipped_updates": float(skipped)}
+        )
+        if not skipped:
+            scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
+        if self.skipped_in_a_row >= max_skipped:  # the same on every process: the gradients are the synchronised ones
+            raise RuntimeError(
+                f"step {self.step + 1}: the fp16 loss scaler skipped {max_skipped} updates in a row (gradients that "
+                f"overflow at every scale); last good checkpoint: {self.last_checkpoint or 'none'}"
+            )
 
     def due(self, every):
         """Whether a periodic event (evaluation, checkpoint) happens after this step: every `every` steps and last."""
@@ -951,6 +1258,20 @@ class Run:
         self.accelerator.wait_for_everyone()
         self.last_checkpoint = final
 
+    def save_models(self, model, tokenizer, parts=(("model", None),)):
+        """The trained model as a Hugging Face folder in the run folder (the LoRA adapter alone when --lora_r > 0); a
+        wrapper's parts (PPO's policy and value model) as a folder each: parts = ((folder, attribute), ...), each its
+        share of the wrapper's state dict. Under ZeRO-3 every process takes part in gathering the weights."""
+        self.accelerator.wait_for_everyone()
+        state_dict = self.accelerator.get_state_dict(model)
+        if self.accelerator.is_main_process:
+            unwrapped = self.accelerator.unwrap_model(model)
+            for folder, attribute in parts:
+                prefix, part = (f"{attribute}.", getattr(unwrapped, attribute)) if attribute else ("", unwrapped)
+                own = {key.removeprefix(prefix): t for key, t in state_dict.items() if key.startswith(prefix)}
+                part.save_pretrained(os.path.join(self.dir, folder), state_dict=own, safe_serialization=True)
+                tokenizer.save_pretrained(os.path.join(self.dir, folder))
+
     def finish(self):
         """Close the logs once every process is done (under DeepSpeed, a process that exited while the main one still
         wrote the final model was seen to abort it); a vLLM engine's shutdown may have destroyed the group already."""
@@ -991,6 +1312,21 @@ def truncate_jsonl(path, last_step):
         os.replace(path + ".tmp", path)
 
 
+def step_prompt_indices(step, per_rank, num_prompts, seed, rank=0, world_size=1):
+    """Indices of the prompts process `rank` uses at `step`: its slice of the step's world_size * per_rank. The
+    dataset is walked in a fresh permutation every epoch, so the data order is a pure function of (seed, step) and
+    --resume repeats it."""
+    prompts_per_step = per_rank * world_size
+    start, end = step * prompts_per_step, (step + 1) * prompts_per_step
+    first_epoch, last_epoch = start // num_prompts, (end - 1) // num_prompts
+    epochs = range(first_epoch, last_epoch + 1)
+    order = torch.cat(
+        [torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed * 100_003 + e)) for e in epochs]
+    )
+    mine = start - first_epoch * num_prompts + rank * per_rank
+    return order[mine : mine + per_rank].tolist()
+
+
 def check_finite(accelerator, values, name, step, last_checkpoint):
     """Stop the run at the first non-finite reward, loss or gradient norm, saying where the last good checkpoint is.
     A collective (every process calls it as often): when one process sees it, every process stops, none is left
@@ -1001,6 +1337,26 @@ def check_finite(accelerator, values, name, step, last_checkpoint):
         raise RuntimeError(
             f"step {step + 1}: non-finite {name} ({seen}); last good checkpoint: {last_checkpoint or 'none'}"
         )
+
+
+MicroBatch = collections.namedtuple("MicroBatch", "update epoch minibatch rows first last")
+
+
+def clip_gradients(accelerator, model, max_grad_norm, step, last_checkpoint):
+    """Clip the gradients to max_grad_norm; returns their global norm, the same on every process, or NaN for an update
+    that fp16's loss scaler skips (accelerate's GradScaler or DeepSpeed's: an overflow is their signal to skip the
+    step and lower the scale, so the weights stay finite; the averages leave NaN out) and where DeepSpeed computes no
+    norm. Elsewhere a non-finite norm (a finite loss whose backward overflowed) stops the run before the optimizer
+    step, so that non-finite weights are never checkpointed (DeepSpeed steps inside accelerator.backward: there,
+    before the next checkpoint)."""
+    grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+    if grad_norm is None:  # DeepSpeed with zero_optimization.compute_grad_norm false computes none
+        return math.nan
+    grad_norm = float(grad_norm)
+    deepspeed_fp16 = accelerator.state.deepspeed_plugin is not None and accelerator.mixed_precision == "fp16"
+    if accelerator.scaler is None and not deepspeed_fp16:
+        check_finite(accelerator, grad_norm, "gradient norm", step, last_checkpoint)
+    return grad_norm if math.isfinite(grad_norm) else float("nan")
 
 
 def reduce_metrics(accelerator, metrics):
@@ -1026,110 +1382,6 @@ def average_stats(stats):
     """{name: one float per micro-batch (or minibatch)} -> their mean, or for a name ending in _max (_min) the largest
     (smallest)."""
     return {name: reduce_values(name, values) for name, values in stats.items()}
-
-
-def evaluate(model, score_head, train_pairs, eval_pairs, args, accelerator, pad_token_id, step):
-    """Held-out accuracy, loss and scores (evaluate_pairs; --prm: evaluate_steps) and the seconds they took; after the
-    last step of a Bradley-Terry model also the bias stored with it and the training-set accuracy (centring_bias).
-    Before and after training, a line on the console. Returns (metrics, no samples)."""
-    t0, unit = time.time(), "steps" if args.prm else "pairs"
-    metrics = (evaluate_steps if args.prm else evaluate_pairs)(
-        model, score_head, eval_pairs, "eval", args, accelerator, pad_token_id
-    )
-    metrics["time/eval"] = time.time() - t0
-    if step == 0:
-        accelerator.print(
-            f"before training: held-out accuracy {metrics['eval/accuracy']:.3f} on {metrics[f'eval/num_{unit}']:.0f} "
-            f"{unit}; {len(train_pairs)} training {'completions' if args.prm else 'pairs'}, {args.total_steps} steps"
-        )
-    elif step == args.total_steps and args.prm:
-        accelerator.print(f"after training: held-out step accuracy {metrics['eval/accuracy']:.3f}")
-    elif step == args.total_steps:
-        bias, train_accuracy = centring_bias(model, score_head, train_pairs, args, accelerator, pad_token_id)
-        metrics |= {"objective/bias": bias, "objective/train_set_accuracy": train_accuracy}
-        accelerator.print(
-            f"after training: held-out accuracy {metrics['eval/accuracy']:.3f}, training-set accuracy "
-            f"{train_accuracy:.3f}, bias {bias:.4f}"
-        )
-    return metrics, []
-
-
-def evaluate_steps(model, score_head, completions, prefix, args, accelerator, pad_token_id):
-    """--prm: step accuracy (sigmoid(logit) > 0.5 agrees with the label), mean loss, and the mean p of good and of
-    bad steps over `completions`, sharded over processes (the same number of forwards in each, as in
-    evaluate_pairs). `model` is the unwrapped one."""
-    rank, world_size = accelerator.process_index, accelerator.num_processes
-    mine = completions[rank::world_size]
-    totals = torch.zeros(7, dtype=torch.float64, device=accelerator.device)
-    model.eval()
-    with torch.no_grad():
-        for start in range(0, math.ceil(len(completions) / world_size), args.eval_batch_size):
-            batch = mine[start : start + args.eval_batch_size]
-            logits, labels = prm_step_logits(
-                model, score_head, batch or completions[:1], pad_token_id, accelerator.device
-            )
-            if not batch:
-                continue
-            p, good = torch.sigmoid(logits), labels > 0.5
-            values = [
-                ((p > 0.5) == good).sum(),
-                F.binary_cross_entropy_with_logits(logits, labels, reduction="sum"),
-                p[good].sum(),
-                good.sum(),
-                p[~good].sum(),
-                len(labels),
-                len(batch),
-            ]
-            totals += torch.tensor([float(v) for v in values], dtype=torch.float64, device=totals.device)
-    totals = accelerator.reduce(totals, "sum")
-    n = totals[5].clamp(min=1)
-    return {
-        f"{prefix}/accuracy": (totals[0] / n).item(),
-        f"{prefix}/loss": (totals[1] / n).item(),
-        f"{prefix}/good_step_score": (totals[2] / totals[3].clamp(min=1)).item(),
-        f"{prefix}/bad_step_score": (totals[4] / (totals[5] - totals[3]).clamp(min=1)).item(),
-        f"{prefix}/num_steps": totals[5].item(),
-        f"{prefix}/num_completions": totals[6].item(),
-    }
-
-
-def evaluate_pairs(model, score_head, pairs, prefix, args, accelerator, pad_token_id):
-    """Accuracy (r_chosen > r_rejected; ties count as wrong), mean loss, margin and scores over `pairs`, sharded
-    over processes. `model` is the unwrapped one: a DDP forward outside the training step may sync buffers."""
-    rank, world_size = accelerator.process_index, accelerator.num_processes
-    mine = sorted(pairs[rank::world_size], key=lambda p: max(map(len, p)))  # similar lengths: less padding
-    totals = torch.zeros(6, dtype=torch.float64, device=accelerator.device)
-    model.eval()
-    with torch.no_grad():
-        # The same number of forwards in every process (DeepSpeed ZeRO-3 gathers the weights collectively in each):
-        # a process whose shard is used up scores a stand-in pair and counts nothing.
-        for start in range(0, math.ceil(len(pairs) / world_size), args.eval_batch_size):
-            batch = mine[start : start + args.eval_batch_size]
-            chosen, rejected = pair_scores(model, score_head, batch or pairs[:1], pad_token_id, accelerator.device)
-            if not batch:
-                continue
-            loss = bradley_terry_loss(chosen, rejected)
-            values = [(chosen > rejected).sum(), loss.sum(), (chosen - rejected).sum(), chosen.sum(), rejected.sum()]
-            totals += torch.tensor(
-                [float(v) for v in values] + [len(chosen)], dtype=torch.float64, device=totals.device
-            )
-    totals = accelerator.reduce(totals, "sum")
-    n = totals[5].clamp(min=1)
-    return {
-        f"{prefix}/accuracy": (totals[0] / n).item(),
-        f"{prefix}/loss": (totals[1] / n).item(),
-        f"{prefix}/margin": (totals[2] / n).item(),
-        f"{prefix}/chosen_score": (totals[3] / n).item(),
-        f"{prefix}/rejected_score": (totals[4] / n).item(),
-        f"{prefix}/num_pairs": totals[5].item(),
-    }
-
-
-def centring_bias(model, score_head, train_pairs, args, accelerator, pad_token_id):
-    """The bias stored with the model: its mean score over the training responses (as many chosen as rejected),
-    which consumers subtract so that scores are centred on 0. Returns (bias, training-set accuracy)."""
-    train = evaluate_pairs(model, score_head, train_pairs, "train", args, accelerator, pad_token_id)
-    return (train["train/chosen_score"] + train["train/rejected_score"]) / 2, train["train/accuracy"]
 
 
 def reward_pairs(args, accelerator, tokenizer, run, train_rows, eval_rows):
@@ -1189,7 +1441,11 @@ def sample_task_rows(args, accelerator, tokenizer, train_rows, eval_rows):
 
 def build_prompts(tokenizer, rows, args):
     """Token ids of each row's prompt (chat template, after the system prompt and any shown examples, or
-    --prompt_template) and its gold answer; prompts longer than max_prompt_length are dropped."""
+    --prompt_template, which a tokenizer without a chat template needs) and its gold answer; prompts longer than
+    max_prompt_length are dropped."""
+    example = "e.g. 'Question: {question}\\nAnswer:'"
+    no_template = f"the tokenizer of {tokenizer.name_or_path} has no chat template; pass --prompt_template, {example}"
+    require(args.prompt_template is not None or tokenizer.chat_template, no_template)
     prompts, golds = [], []
     for row in rows:
         question = f"{row[args.question_column]} {args.instruction}".strip()
@@ -1571,154 +1827,6 @@ def split_steps(text, separator):
     return steps
 
 
-def step_arithmetic(step):
-    r"""The verdict on a step's equations: False when one of them is wrong, True when it has some and all hold,
-    None when it has none that can be checked. What cannot be read is left unchecked, never called wrong (a prefix
-    scores its worst step). An equation is a run of numbers, operators, parentheses and '=' ("3 + 4 = 7",
-    "2 * 3 = 6 = 12 / 2", "2^3 = 8", "√16 = 4"); it holds when all its sides that evaluate (see evaluate_arithmetic)
-    are equal, and is checkable when at least two do. A side that is a number written with d >= 1 decimals stands for
-    the values that round to it ("10 / 3 = 3.33": within 0.5 * 10^-d); a whole number is exact ("7 / 2 = 3" is
-    wrong). A side of percentages reads N% as N / 100, a lone one rounded to its digits ("20 / 80 = 25%",
-    "1/3 = 33%", "50% - 25% = 25%"), or as N where another side ends or starts with a product by 100
-    ("20 / 80 * 100 = 25%"); a side that mixes percentages and plain numbers ("100 + 20% = 120") or has a "%" between
-    numbers ("10 % 3") is not read.
-    A side is not read where it may continue the text around it. The first side: glued to what precedes it ("x^2",
-    "a_1", "3:4", "9:00", "1,00,000", "2,5"), begun by an operator ("x + 3"; in "-3 + 5" the sign is the number's), a
-    lone number after a word ("half of 20", "twice 5"), or after "of", "times", "twice", "thrice", "half", "double",
-    "triple", "than", "≈", "~" or a one-letter name other than "a" ("twice 5 + 2"). The last side: with something
-    glued to it ("2x", "8:30", "3,5", "0.666...") or followed by a remainder or a fraction ("2 R 2", "2 remainder 2",
-    "3 and a half", "3 and 1/2").
-    Between two numbers, "x", "times", "multiplied by", "plus", "minus", "divided by", "over", "equals" and "·" are
-    operators; a percentage or a fraction of a number ("50% of 10", "50 percent of 10", "10 x 50%", "1/2 of 20") is a
-    product. In an equation whose every number has a word after it, the words are units, dropped when the result's
-    is among the others and all are the same where there is a + or - ("3 hours * 60 minutes = 180 minutes",
-    "5 apples + 3 apples = 8 apples"; "1 hour + 30 minutes = 90 minutes" is not read). A period not between digits
-    ends a sentence; a comma before three digits groups thousands; "-" or "•" and a space starting a line are a list
-    bullet. LaTeX is read: \frac{a}{b} (also \dfrac, \tfrac) as (a)/(b), \sqrt{a}, a^{b}, \boxed{a}, \times, \cdot,
-    \div, 1{,}000, and \text{a} as a word; the delimiters \( \) \[ \] \left \right and $ (also \$), € and £ are
-    dropped (so "$12" is 12). "**" between two numbers is a power, anywhere else Markdown bold (dropped). A GSM8K
-    calculator annotation ("48/2 = <<48/2=24>>24") is an equation of its own, checked apart."""
-    text = step.replace("\u2212", "-").replace("\\%", "%")
-    annotations = re.findall(r"<<([^<>]*)>>", text)
-    text = re.sub(r"<<[^<>]*>>", "", text) + "".join(f"; {annotation}" for annotation in annotations)
-    text = re.sub(r"^[ \t]*[-•][ \t]+", "", text, flags=re.M)  # a list bullet, not a minus: "- 15 + 27 = 42"
-    braced = r"\{([^{}]*)\}"  # a LaTeX argument without braces: nested ones are read from the innermost out
-    latex = {
-        rf"\\[dt]?frac{braced}{braced}": r"((\1)/(\2))",
-        rf"\\sqrt{braced}": r"√(\1)",
-        rf"\^{braced}": r"^(\1)",
-        rf"\\boxed{braced}": r"(\1)",
-        rf"\\(?:text|mathrm){braced}": r" \1 ",  # a word: "12 \text{ apples}"
-        r"\{,\}": ",",  # "1{,}000"
-    }
-    while any(re.search(pattern, text) for pattern in latex):
-        for pattern, replacement in latex.items():
-            text = re.sub(pattern, replacement, text)
-    text = re.sub(r"\\[()\[\]]|\\left|\\right|\\?[$€£]", " ", text)
-    text = re.sub(r"\\?\bsqrt(?=[ \t]*\()", "√", text)
-    text = re.sub(r"(?<=[\d)])\*\*(?=[-\d(√.])|(?<=[\d)] )\*\*(?= [-\d(√.])", "^", text).replace("**", " ")
-    operand = r"[ \t]*(?=[(√]|-?\.?\d)"  # what follows an operator: "(", a root or a number
-    percent = r"[ \t]*(?:%|percent(?![a-z]))"
-    times = r"x|·|\\times|\\cdot|times|multiplied[ \t]+by"  # between two numbers, like * and ×
-    rules = [
-        (rf"(?<=\d){percent}[ \t]+of(?![a-z]){operand}", " / 100 * "),  # "50% of 10"
-        (rf"(?<=\d){percent}(?=[ \t]*(?:[*×]|{times}){operand})", " / 100"),  # "50% x 10"
-        (rf"((?<=[\d)])[ \t]*(?:[*×]|{times})[ \t]*\d[\d,]*(?:\.\d+)?){percent}", r"\1 / 100"),  # "10 x 50%"
-        (rf"(?<=\d){percent}", "%"),  # any other percentage: "25 percent" is a side "25%"
-        (rf"(/[ \t]*\(*\d+\)*)[ \t]+of(?![a-z]){operand}", r"\1 * "),  # "1/2 of 20", "\frac{1}{2} of 20"
-    ]
-    words = ("*", times), ("+", "plus"), ("-", "minus"), ("/", r"\\div|divided[ \t]+by|over"), ("=", "equals?")
-    for symbol, word in words:
-        rules.append((rf"(?<=[\d)])[ \t]*(?:{word})(?![a-z]){operand}", f" {symbol} "))  # "9 times 6"
-    for pattern, replacement in rules:
-        text = re.sub(pattern, replacement, text, flags=re.I)
-    text = re.sub(r"(?<!\d)\.|\.(?![\d(])", ";", text.replace("...", "…"))  # "3.(3)" is not a sentence
-    text = re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", text)
-
-    def without_units(match):  # "3 hours * 60 minutes = 180 minutes" -> "3 * 60 = 180"
-        *units, result = (unit.lower() for unit in re.findall(r"(?<=\d)[ \t]+([a-z]+)", match.group(), re.I))
-        if result in units and (len(set(units)) == 1 or not re.search(r"[a-z][ \t]*[-+]", match.group(), re.I)):
-            return re.sub(r"(?<=\d)[ \t]+[a-z]+", "", match.group(), flags=re.I)
-        return match.group()
-
-    with_unit = r"-?\d+(?:\.\d+)?[ \t]+[a-z]{2,}(?![a-z])"  # "3 hours"
-    unit_equation = rf"{with_unit}(?:[ \t]*[-+*/×÷][ \t]*{with_unit})+[ \t]*=[ \t]*{with_unit}(?![ \t]*=)"
-    text = re.sub(unit_equation, without_units, text, flags=re.I)
-    remainder = r"r(?![a-z])|(?:with[ \t]+)?(?:a[ \t]+)?remainder"  # "2 R 2", "2 remainder 2"
-    after_result = rf"[ \t]*(?:{remainder}|and[ \t]+(?:a[ \t]+(?:half|third|quarter)|\d+[ \t]*/))"  # "3 and a half"
-    verdict = None
-    for match in re.finditer(r"[0-9 \t.+\-*/×÷()=^√²³%]+", text):
-        chunk, head, tail = match.group(), text[: match.start()], text[match.end() :]
-        sides = chunk.split("=")
-        # The first side may continue the text before it: glued to it, begun by an operator, or after a word.
-        glued = not (head[-1:].isspace() or head[-1:] in "\"'[{`" or chunk[0].isspace())  # "x^2", "a_1", "3:4"
-        operator_first = re.match(r"[ \t]*(?:[+*/×÷^%]|-(?![\d.(√]))", sides[0])  # "x + 3"; "-3 + 5" is a number
-        word = re.search(r"([a-z]+|[≈~])[ \t]*$", head, re.I)
-        lone = re.fullmatch(r"[ \t]*-?\d*\.?\d+[ \t]*%?[ \t]*", sides[0])  # "half of 20", "twice 5"
-        takes_a_number = word and re.fullmatch(r"[b-z≈~]|of|times|twice|thrice|half|double|triple|than", word[1], re.I)
-        if glued or operator_first or word and (lone or takes_a_number):
-            sides = sides[1:]
-        # The last side may continue into the text after it: "2x", "8:30", "3,5", "0.666...", "2 R 2", "3 and a half".
-        if not chunk[-1].isspace() and re.match(r"[a-z_:…]|,\d", tail, re.I) or re.match(after_result, tail, re.I):
-            sides = sides[:-1]
-        hundred = any(re.search(r"[*×][ \t]*100[ \t]*$|^[ \t]*100[ \t]*[*×]", side) for side in sides)  # N% is N
-        intervals = []  # the values each side stands for
-        for side in sides:
-            if "%" in side and not re.fullmatch(r"(?:[ \t()+\-*/×÷]*\d*\.?\d+[ \t]*%)+[ \t()]*", side):
-                continue  # percentages beside plain numbers ("100 + 20%": 20% of 100?), "10 % 3"
-            scale = 100 if "%" in side and not hundred else 1
-            value = evaluate_arithmetic(re.sub(r"(\d*\.?\d+)[ \t]*%", rf"(\1 / {scale})", side))
-            written = re.fullmatch(r"\s*-?\d*\.?(\d*)\s*%?\s*", side)  # "3.33", "25%": the values that round to it
-            half = 0.5 * 10.0 ** -len(written[1]) / scale if written and ("." in side or "%" in side) else 0.0
-            if value is not None:
-                intervals.append((value - half, value + half))
-        if len(intervals) < 2:
-            continue
-        low, high = max(lo for lo, _ in intervals), min(hi for _, hi in intervals)
-        if low > high and not math.isclose(low, high, rel_tol=1e-6, abs_tol=1e-9):
-            return False
-        verdict = True
-    return verdict
-
-
-def evaluate_arithmetic(expression):
-    """The value of an arithmetic expression of numbers, + - * / (also × ÷), powers (** or ^, also ² ³), square
-    roots (√16, √(16), sqrt(16)) and parentheses, as a float; None when it is anything else, does not parse, divides
-    by zero, overflows, has an exponent beyond ±1000 (the text is model output) or the root or fractional power of a
-    negative number. Parsed with ast, never eval."""
-    for symbol, python in ("×", "*"), ("÷", "/"), ("^", "**"), ("²", "**2"), ("³", "**3"):
-        expression = expression.replace(symbol, python)
-    expression = re.sub(r"√[ \t]*(\d*\.?\d+)", r"sqrt(\1)", expression).replace("√", "sqrt").strip()
-    if not expression or len(expression) > 200:
-        return None
-
-    def power(base, exponent):
-        if abs(exponent) > 1000:
-            raise ValueError("exponent out of range")
-        return math.pow(base, exponent)  # ValueError for (-8) ** 0.5, OverflowError for 10 ** 400
-
-    ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
-    ops[ast.Pow] = power
-
-    def value(node):
-        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-            return float(node.value)
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
-            return value(node.operand) * (-1 if isinstance(node.op, ast.USub) else 1)
-        if isinstance(node, ast.BinOp) and type(node.op) in ops:
-            return ops[type(node.op)](value(node.left), value(node.right))
-        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "sqrt" and not node.keywords:
-            (argument,) = node.args  # ValueError unless exactly one
-            return math.sqrt(value(argument))
-        raise ValueError("not arithmetic")
-
-    try:
-        result = value(ast.parse(expression, mode="eval").body)
-    except (SyntaxError, ValueError, ZeroDivisionError, OverflowError, RecursionError):
-        return None
-    return result if math.isfinite(result) else None
-
-
 def step_token_indices(char_ends, spans):
     """For each step span (start, end), the index of the token holding its last character (end - 1): the first
     token whose text ends after it. char_ends from token_char_ends."""
@@ -1861,11 +1969,12 @@ def encode_preference(tokenizer, row, prompt_key, chosen_key, rejected_key, appe
     return sequences[0], sequences[1]
 
 
-def load_reward_model(args, config, pad_token_id):
-    """The starting model (--model_name_or_path, its `config` from check_reward_config) as a sequence classifier with
-    one output, in --dtype; a causal LM gets a new head, drawn from torch's RNG. Dropout off (the config's dropout
+def load_reward_model(args, pad_token_id):
+    """The starting model (--model_name_or_path, its config read by check_reward_config) as a sequence classifier
+    with one output, in --dtype; a causal LM gets a new head, drawn from torch's RNG. Dropout off (the config's dropout
     attributes zeroed, then every nn.Dropout), so that a pair's scores do not depend on the pass that computes them.
     With --lora_r, LoRA adapters (peft trains the new head in full next to them); --gradient_checkpointing."""
+    config = check_reward_config(args.model_name_or_path, args.trust_remote_code)
     for key in ("dropout", "attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
         if hasattr(config, key):
             setattr(config, key, 0.0)
@@ -1905,68 +2014,6 @@ def enable_gradient_checkpointing(models, args):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             if args.lora_r > 0:
                 model.enable_input_require_grads()
-
-
-def make_scheduler(optimizer, args, num_updates):
-    """transformers' learning-rate schedule (--lr_scheduler after --warmup_steps) over num_updates optimizer steps."""
-    name = "constant_with_warmup" if args.lr_scheduler == "constant" else args.lr_scheduler
-    return get_scheduler(name, optimizer, num_warmup_steps=args.warmup_steps, num_training_steps=num_updates)
-
-
-def step_prompt_indices(step, per_rank, num_prompts, seed, rank=0, world_size=1):
-    """Indices of the prompts process `rank` uses at `step`: its slice of the step's world_size * per_rank. The
-    dataset is walked in a fresh permutation every epoch, so the data order is a pure function of (seed, step) and
-    --resume repeats it."""
-    prompts_per_step = per_rank * world_size
-    start, end = step * prompts_per_step, (step + 1) * prompts_per_step
-    first_epoch, last_epoch = start // num_prompts, (end - 1) // num_prompts
-    epochs = range(first_epoch, last_epoch + 1)
-    order = torch.cat(
-        [torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed * 100_003 + e)) for e in epochs]
-    )
-    mine = start - first_epoch * num_prompts + rank * per_rank
-    return order[mine : mine + per_rank].tolist()
-
-
-def optimizer_step(accelerator, model, optimizer, scheduler, run, prefix="policy/", max_skipped=30):
-    """One update: clip the gradients (clip_gradients), step the optimizer, then the learning-rate schedule when the
-    update was taken (it counts updates taken: fp16's loss scaler skips an overflowing one), and zero the gradients.
-    Adds prefix + grad_norm (NaN when skipped or unknown) and prefix + skipped_updates to the step's stats; the step's
-    lr is this update's (the step's last). max_skipped updates skipped in a row stop the run, as DeepSpeed stops at
-    its minimum scale, instead of saving untrained weights as a trained model: fp16's scale starts at 2^16 and halves
-    at each skip (DeepSpeed's at every other one at first), so 30 take it below 1, where an overflow is the gradients'
-    own, not the scale's."""
-    grad_norm = clip_gradients(accelerator, model, run.args.max_grad_norm, run.step, run.last_checkpoint)
-    run.metrics["lr"] = scheduler.get_last_lr()[0]
-    optimizer.step()
-    skipped = accelerator.optimizer_step_was_skipped  # the scaler's verdict (accelerate's GradScaler or DeepSpeed's)
-    run.add({f"{prefix}grad_norm": math.nan if skipped else grad_norm, f"{prefix}skipped_updates": float(skipped)})
-    if not skipped:
-        scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    run.skipped_in_a_row = run.skipped_in_a_row + 1 if skipped else 0
-    if run.skipped_in_a_row >= max_skipped:  # the same on every process: the gradients are the synchronised ones
-        raise RuntimeError(
-            f"step {run.step + 1}: the fp16 loss scaler skipped {max_skipped} updates in a row (gradients that "
-            f"overflow at every scale); last good checkpoint: {run.last_checkpoint or 'none'}"
-        )
-
-
-def clip_gradients(accelerator, model, max_grad_norm, step, last_checkpoint):
-    """Clip the gradients to max_grad_norm; returns their global norm, the same on every process, or NaN for an update
-    that fp16's loss scaler skips (accelerate's GradScaler or DeepSpeed's: an overflow is their signal to skip the
-    step and lower the scale, so the weights stay finite; the averages leave NaN out) and where DeepSpeed computes no
-    norm. Elsewhere a non-finite norm (a finite loss whose backward overflowed) stops the run before the optimizer
-    step, so that non-finite weights are never checkpointed (DeepSpeed steps inside accelerator.backward: there,
-    before the next checkpoint)."""
-    grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
-    if grad_norm is None:  # DeepSpeed with zero_optimization.compute_grad_norm false computes none
-        return math.nan
-    grad_norm = float(grad_norm)
-    deepspeed_fp16 = accelerator.state.deepspeed_plugin is not None and accelerator.mixed_precision == "fp16"
-    if accelerator.scaler is None and not deepspeed_fp16:
-        check_finite(accelerator, grad_norm, "gradient norm", step, last_checkpoint)
-    return grad_norm if math.isfinite(grad_norm) else float("nan")
 
 
 def save_reward_model(accelerator, model, tokenizer, run_dir, args, bias, train_pairs):

@@ -169,7 +169,7 @@ def main(args):
     """Probe, write the folder, print the JSON and the markdown row; exit 3 outside the gate. Returns the folder."""
     check_probe_args(args)
     start = time.time()
-    tokenizer = grpo_tools.load_tokenizer(args.model_name_or_path, args.trust_remote_code, args.prompt_template)
+    tokenizer = grpo_tools.load_tokenizer(args.model_name_or_path, args.trust_remote_code)
     prompts, golds, terms = probe_prompts(args, tokenizer)
     accelerator = grpo_tools.make_accelerator(1, 1, args.max_grad_norm)
     set_seed(args.seed)

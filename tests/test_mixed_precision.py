@@ -2,6 +2,7 @@
 and DeepSpeed is new enough for the reference to match the policy before the first update. The end-to-end fp16 run is
 in test_grpo_math_run.py; clip_gradients and make_accelerator are identical in every script (the drift test)."""
 
+import collections
 import math
 import os
 import re
@@ -82,17 +83,18 @@ def test_deepspeed_without_a_gradient_norm_is_not_an_error(script):
 
 @pytest.mark.parametrize("script", SCRIPTS + [grpo_tools], ids=lambda m: m.__name__)
 def test_updates_skipped_in_a_row_are_bounded(script):
-    """optimizer_step stops the run at max_skipped skipped updates in a row, naming the step and the last checkpoint;
-    a taken update starts the count again. The end-to-end run is in test_grpo_math_run.py."""
+    """Run.optimizer_step stops the run at max_skipped skipped updates in a row, naming the step and the last
+    checkpoint; a taken update starts the count again. The end-to-end run is in test_grpo_math_run.py."""
     stepped = []
-    run = SimpleNamespace(args=SimpleNamespace(max_grad_norm=1.0), step=9, last_checkpoint="runs/x/checkpoints/step_8")
-    run.metrics, run.add, run.skipped_in_a_row = {}, lambda stats: None, 0
+    run = object.__new__(script.Run)  # the attributes optimizer_step reads, without a run folder
+    run.args, run.step, run.last_checkpoint = SimpleNamespace(max_grad_norm=1.0), 9, "runs/x/checkpoints/step_8"
+    run.metrics, run.stats, run.skipped_in_a_row = {}, collections.defaultdict(list), 0
     optimizer = SimpleNamespace(step=lambda: None, zero_grad=lambda set_to_none: None)
     scheduler = SimpleNamespace(get_last_lr=lambda: [1e-5], step=lambda: stepped.append(1))
     for skipped in [True] * 29 + [False] + [True] * 29:
         accelerator = stand_in_accelerator(math.inf if skipped else 0.5, scaler=torch.amp.GradScaler("cpu"))
-        accelerator.optimizer_step_was_skipped = skipped
-        script.optimizer_step(accelerator, torch.nn.Linear(2, 2), optimizer, scheduler, run)
-    assert run.skipped_in_a_row == 29 and len(stepped) == 1
+        run.accelerator, accelerator.optimizer_step_was_skipped = accelerator, skipped
+        run.optimizer_step(torch.nn.Linear(2, 2), optimizer, scheduler)
+    assert run.skipped_in_a_row == 29 and len(stepped) == 1 and len(run.stats["policy/grad_norm"]) == 59
     with pytest.raises(RuntimeError, match=r"^step 10: the fp16 loss scaler skipped 30 updates in a row .*step_8$"):
-        script.optimizer_step(accelerator, torch.nn.Linear(2, 2), optimizer, scheduler, run)
+        run.optimizer_step(torch.nn.Linear(2, 2), optimizer, scheduler)
