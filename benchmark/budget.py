@@ -194,7 +194,9 @@ def main(argv=None):
         now = (row["loop"], row["depth"], len(row["below_reached"]), row["loop_start"], row["total"])
         cells = " | ".join(f"{value} ({target})" for value, target in zip(now, READING[name]))
         print(f"| {name}.py | {cells} |")
-    print("\nWhat main reaches below the fence (the kit's public face), and what the other functions above it reach:\n")
+    print(
+        "\nWhat main reaches below the fence (the kit's public face), and what the other functions above it reach:\n"
+    )
     for name, row in rows.items():
         print(f"- {name}.py: {', '.join(row['below_reached'])}; {row['math_reaches'] or 'nothing'}")
     return rows

@@ -93,10 +93,7 @@ def assets(folder):
         model.save_pretrained(paths["reward_model"])
         AutoTokenizer.from_pretrained(paths["model"]).save_pretrained(paths["reward_model"])
         conftest.write_task(paths["task"])
-        sys.path.insert(0, os.path.join(REPO_ROOT, "tests"))
-        from test_reward_modeling import write_preferences
-
-        write_preferences(paths["preferences"])
+        conftest.write_preferences(paths["preferences"])
     return paths
 
 

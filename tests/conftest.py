@@ -6,7 +6,9 @@ here at import time, before any test module imports transformers or the scripts.
 
 import atexit
 import contextlib
+import functools
 import glob
+import importlib
 import json
 import math
 import os
@@ -54,9 +56,31 @@ SMOLLM2_DIR = os.path.join(REPO_ROOT, "assets", "SmolLM2-135M-Instruct")
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
-# The tiny model: head_dim 32, the smallest head size vLLM's CPU attention accepts (16 is refused with
-# "Unsupported CPU attention configuration: head_dim=16").
-TINY_LAYERS, TINY_HIDDEN, TINY_HEADS, TINY_KV_HEADS, TINY_INTERMEDIATE = 2, 128, 4, 2, 256
+# The tiny model's LlamaConfig (build_tiny_model adds SmolLM2's vocabulary, special tokens, RoPE and norm epsilon):
+# head_dim 32, the smallest head size vLLM's CPU attention accepts (16 is refused with "Unsupported CPU attention
+# configuration: head_dim=16").
+TINY_CONFIG = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=512,
+    tie_word_embeddings=True,
+)
+# The in-memory random model of the unit tests of the log-prob code (test_grpo_math_math.py, test_model_families.py,
+# which passes it to other families' configs too): no tokenizer, never saved, smaller than TINY_CONFIG; those tests'
+# numbers come from this shape.
+MICRO_CONFIG = dict(
+    vocab_size=211,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
 
 # Keys whose values depend on the wall clock.
 TIMING_PREFIXES = ("time/", "perf/")
@@ -68,20 +92,13 @@ def build_tiny_model(path):
 
     real = AutoConfig.from_pretrained(SMOLLM2_DIR)
     config = LlamaConfig(
+        **TINY_CONFIG,
         vocab_size=real.vocab_size,
-        hidden_size=TINY_HIDDEN,
-        intermediate_size=TINY_INTERMEDIATE,
-        num_hidden_layers=TINY_LAYERS,
-        num_attention_heads=TINY_HEADS,
-        num_key_value_heads=TINY_KV_HEADS,
-        head_dim=TINY_HIDDEN // TINY_HEADS,
-        max_position_embeddings=512,
         rms_norm_eps=real.rms_norm_eps,
         rope_parameters=real.rope_parameters,
         bos_token_id=real.bos_token_id,
         eos_token_id=real.eos_token_id,
         pad_token_id=real.pad_token_id,
-        tie_word_embeddings=True,
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
@@ -129,25 +146,132 @@ def task_dir(tmp_path_factory):
     return write_task(tmp_path_factory.mktemp("task") / "arith")
 
 
-FAST_ARGS = dict(
-    num_eval_prompts=8,
-    vllm=False,
-    response_length=12,
-    prompts_per_rank=2,
-    num_generations=4,
-    micro_batch_size=4,
-    total_steps=2,
-    save_every=0,
-    max_prompt_length=128,
-    beta=0.0,  # no reference model: the beta > 0 paths have tests of their own
-    oversample=1,  # one group sampled per trained group: dynamic sampling has a test of its own
-)
+WORDS = "apple river stone cloud seven blue quiet table green window".split()
+
+
+def write_preferences(folder, num_train=64, num_test=32, seed=0):
+    """A preference dataset (TRL string format) with an obvious feature: chosen responses end in ' good', rejected
+    ones in ' bad', after a random filler of the same kind."""
+    os.makedirs(folder, exist_ok=True)
+    rng = random.Random(seed)
+    for split, n in (("train", num_train), ("test", num_test)):
+        with open(os.path.join(folder, f"{split}.jsonl"), "w") as f:
+            for _ in range(n):
+                filler = lambda: " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 6)))  # noqa: E731
+                prompt = f"What is {rng.randint(0, 9)} + {rng.randint(0, 9)}? "
+                f.write(json.dumps({"prompt": prompt, "chosen": filler() + " good", "rejected": filler() + " bad"}))
+                f.write("\n")
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def preference_dir(tmp_path_factory):
+    return write_preferences(tmp_path_factory.mktemp("preferences") / "good_bad")
+
+
+# Each script's fast settings on the tiny model (its defaults otherwise): make_config's, and the flags of the
+# subprocess runs.
+FAST = {
+    "grpo_math": dict(
+        num_eval_prompts=8,
+        vllm=False,
+        response_length=12,
+        prompts_per_rank=2,
+        num_generations=4,
+        micro_batch_size=4,
+        total_steps=2,
+        save_every=0,
+        max_prompt_length=128,
+        beta=0.0,  # no reference model: the beta > 0 paths have tests of their own
+        oversample=1,  # one group sampled per trained group: dynamic sampling has a test of its own
+    ),
+    "grpo_tools": dict(
+        num_eval_prompts=4,
+        vllm=False,
+        response_length=40,
+        prompts_per_rank=2,
+        num_generations=4,
+        micro_batch_size=4,
+        total_steps=2,
+        save_every=0,
+        beta=0.0,
+        max_turns=2,
+        max_prompt_length=256,  # the tool's description and example come before the question
+    ),
+    "dpo_online": dict(
+        num_eval_prompts=4,
+        vllm=False,
+        response_length=8,
+        prompts_per_rank=4,
+        micro_batch_size=2,
+        total_steps=2,
+        save_every=0,
+        max_prompt_length=128,
+        missing_eos_penalty=None,  # the random tiny policy never says EOS in 8 tokens: read the reward model instead
+    ),
+    "ppo_rlhf": dict(
+        num_eval_prompts=8,
+        vllm=False,
+        response_length=12,
+        prompts_per_rank=8,
+        micro_batch_size=4,
+        num_minibatches=2,
+        num_ppo_epochs=2,
+        total_steps=2,
+        save_every=0,
+        max_prompt_length=128,
+        missing_eos_penalty=None,  # the random tiny policy never says EOS in 12 tokens: read the reward model instead
+    ),
+    # The tiny random policy writes random tokens; a space as the step separator gives it many steps per response
+    # (most tokens start with a space).
+    "ppo_prm_clip": dict(
+        num_eval_prompts=4,
+        vllm=False,
+        response_length=12,
+        prompts_per_rank=4,
+        micro_batch_size=2,
+        num_minibatches=2,
+        num_ppo_epochs=1,
+        total_steps=2,
+        save_every=0,
+        max_prompt_length=128,
+        step_separator=" ",
+        kl_coef=0.0,
+    ),
+    "reward_modeling": dict(
+        vllm=False,
+        num_train_epochs=2.0,
+        pairs_per_rank=8,
+        micro_batch_size=4,
+        learning_rate=1e-3,
+        eval_batch_size=16,
+        response_length=8,
+        num_samples_per_prompt=4,
+        max_pairs_per_prompt=2,
+        generation_batch_prompts=8,
+        max_prompt_length=128,
+    ),
+    "async_rlhf": dict(
+        num_eval_prompts=4,
+        vllm=False,
+        response_length=8,
+        prompts_per_rank=4,
+        micro_batch_size=2,
+        total_steps=3,
+        save_every=0,
+        max_prompt_length=128,
+        learning_rate=1e-3,
+        missing_eos_penalty=None,  # the random tiny policy never says EOS in 8 tokens: read the reward model instead
+    ),
+}
+# The scripts whose runs read a reward model (--reward_model_path): make_config gives them the tiny one.
+REWARD_MODEL_SCRIPTS = ("dpo_online", "ppo_rlhf", "async_rlhf")
 
 
 def fast_cli_flags(model_dir, data_dir, output_dir, **overrides):
-    """The same fast settings as command-line flags, for subprocess runs of grpo_math.py."""
+    """grpo_math's fast settings as command-line flags, for subprocess runs of grpo_math.py."""
     values = {
-        **FAST_ARGS,
+        **FAST["grpo_math"],
         "model_name_or_path": model_dir,
         "dataset_path": data_dir,
         "output_dir": output_dir,
@@ -165,21 +289,35 @@ def fast_cli_flags(model_dir, data_dir, output_dir, **overrides):
 
 
 @pytest.fixture
-def make_args(tiny_model_dir, task_dir, tmp_path):
-    """make_args(**overrides) -> grpo_math.Config with small, fast settings on the tiny model and task."""
-    import grpo_math
+def make_config(request, tiny_model_dir, tmp_path):
+    """make(script, **overrides) -> script.Config (script: the module or its name) on the tiny model: the task
+    (reward_modeling: the good/bad preference pairs), outputs under tmp_path ("runs", reward_modeling's
+    "reward_model"), the tiny reward model for the REWARD_MODEL_SCRIPTS, then FAST[script], then `overrides`.
+    fast=False puts vllm=False alone in place of FAST[script] (the bad-input tests: the script's defaults);
+    config_class: a subclass of script.Config to build instead. The task, preference pairs and reward model are
+    built at the first call that needs them (with the torch RNG left as it was), as the test's module defines them."""
 
-    def _make(**overrides):
-        values = {
-            **FAST_ARGS,
-            "model_name_or_path": tiny_model_dir,
-            "dataset_path": task_dir,
-            "output_dir": str(tmp_path / "runs"),
-            **overrides,
-        }
-        return grpo_math.Config(**values)
+    def make(script, fast=True, config_class=None, **overrides):
+        module = importlib.import_module(script) if isinstance(script, str) else script
+        name = module.__name__
+        values = {"model_name_or_path": tiny_model_dir, "output_dir": str(tmp_path / "runs")}
+        fixtures = {"dataset_path": "preference_dir" if name == "reward_modeling" else "task_dir"}
+        if name in REWARD_MODEL_SCRIPTS:
+            fixtures["reward_model_path"] = "tiny_reward_model_dir"
+        if name == "reward_modeling":
+            values["reward_model_dir"] = str(tmp_path / "reward_model")
+        with torch.random.fork_rng(devices=[]):
+            values |= {key: request.getfixturevalue(f) for key, f in fixtures.items() if key not in overrides}
+        values |= FAST[name] if fast else {"vllm": False}
+        return (config_class or module.Config)(**{**values, **overrides})
 
-    return _make
+    return make
+
+
+@pytest.fixture
+def make_args(make_config):
+    """make_args(**overrides) -> grpo_math.Config: make_config's, for grpo_math's tests."""
+    return functools.partial(make_config, "grpo_math")
 
 
 def read_metrics(run_dir):

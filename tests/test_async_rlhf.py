@@ -6,6 +6,7 @@ ZeRO-3 = one process, gradient accumulation, staleness 0 = --sync, bf16 autocast
 import collections
 import contextlib
 import faulthandler
+import functools
 import inspect
 import json
 import math
@@ -19,6 +20,7 @@ import fixed_rollout
 import pytest
 import torch
 from conftest import (
+    FAST,
     REPO_ROOT,
     NoModelLoads,
     assert_eval_ref_perplexity_is_worked_out_here,
@@ -212,19 +214,6 @@ def test_rloo_loss_matches_a_loop(eps):
 
 # End-to-end runs of the tiny policy
 
-FAST_ARGS = dict(
-    num_eval_prompts=4,
-    vllm=False,
-    response_length=8,
-    prompts_per_rank=4,
-    micro_batch_size=2,
-    total_steps=3,
-    save_every=0,
-    max_prompt_length=128,
-    learning_rate=1e-3,
-    missing_eos_penalty=None,  # the random tiny policy never says EOS in 8 tokens: read the reward model instead
-)
-
 TIME_KEYS = (
     "time/generation",
     "time/training",
@@ -237,22 +226,6 @@ TIME_KEYS = (
 )
 
 LOG2 = torch.tensor(math.log(2)).item()
-
-
-@pytest.fixture
-def make_async_args(tiny_model_dir, tiny_reward_model_dir, task_dir, tmp_path):
-    def _make(**overrides):
-        values = {
-            **FAST_ARGS,
-            "model_name_or_path": tiny_model_dir,
-            "reward_model_path": tiny_reward_model_dir,
-            "dataset_path": task_dir,
-            "output_dir": str(tmp_path / "runs"),
-            **overrides,
-        }
-        return async_rlhf.Config(**values)
-
-    return _make
 
 
 def generator_threads():
@@ -280,8 +253,8 @@ def slowed(function, seconds):
 
 
 @pytest.mark.slow
-def test_sync_run_has_lag_zero_and_logs_the_pipeline(make_async_args):
-    run_dir = async_rlhf.main(make_async_args(sync=True))
+def test_sync_run_has_lag_zero_and_logs_the_pipeline(make_config):
+    run_dir = async_rlhf.main(make_config(async_rlhf, sync=True))
     with open(os.path.join(run_dir, "config.json")) as f:
         config = json.load(f)["args"]
     assert config["num_completions"] == 2 and config["gradient_accumulation_steps"] == 2 and config["sync"] is True
@@ -303,9 +276,7 @@ def test_sync_run_has_lag_zero_and_logs_the_pipeline(make_async_args):
 
 
 @pytest.mark.slow
-def test_one_step_off_policy_pipeline_and_the_generator_holds_the_learners_weights(
-    make_async_args, monkeypatch, tmp_path
-):
+def test_one_step_off_policy_pipeline_and_the_generator_holds_the_learners_weights(make_config, monkeypatch, tmp_path):
     """N = 1 with a slow learner (so that the lags are certain): batch 0 from the initial weights, batch 1 from the
     initial weights too (generated while the learner trains on batch 0), batch t + 1 from the weights after step t.
     The generator's model at every batch is exactly the learner's checkpoint of that version, and its greedy output
@@ -323,7 +294,9 @@ def test_one_step_off_policy_pipeline_and_the_generator_holds_the_learners_weigh
 
     monkeypatch.setattr(async_rlhf, "hf_generate", recording_generate)
     monkeypatch.setattr(async_rlhf, "dpo_loss", slowed(async_rlhf.dpo_loss, 0.3))
-    args = make_async_args(total_steps=4, max_staleness=1, save_every=1, keep_checkpoints=10, learning_rate=3e-2)
+    args = make_config(
+        async_rlhf, total_steps=4, max_staleness=1, save_every=1, keep_checkpoints=10, learning_rate=3e-2
+    )
     with hang_guard():
         run_dir = async_rlhf.main(args)
     lines = train_lines(read_metrics(run_dir))
@@ -345,11 +318,11 @@ def test_one_step_off_policy_pipeline_and_the_generator_holds_the_learners_weigh
 
 
 @pytest.mark.slow
-def test_rloo_lags_reach_but_never_pass_max_staleness(make_async_args, monkeypatch):
+def test_rloo_lags_reach_but_never_pass_max_staleness(make_config, monkeypatch):
     """N = 2 with a slow learner: the generator runs two batches ahead, each batch two updates old."""
     monkeypatch.setattr(async_rlhf, "clipped_surrogate", slowed(async_rlhf.clipped_surrogate, 0.15))
-    args = make_async_args(
-        loss="rloo", rloo_k=3, prompts_per_rank=2, micro_batch_size=1, total_steps=5, max_staleness=2
+    args = make_config(
+        async_rlhf, loss="rloo", rloo_k=3, prompts_per_rank=2, micro_batch_size=1, total_steps=5, max_staleness=2
     )
     with hang_guard():
         run_dir = async_rlhf.main(args)
@@ -368,7 +341,7 @@ def test_rloo_lags_reach_but_never_pass_max_staleness(make_async_args, monkeypat
 
 
 @pytest.mark.slow
-def test_sync_minibatch_i_is_i_updates_stale(make_async_args, tmp_path):
+def test_sync_minibatch_i_is_i_updates_stale(make_config, tmp_path):
     """--sync with N minibatches per batch (the paper's off-policyness N): minibatch i is trained i updates after the
     weights that generated it. With one minibatch the update is on-policy (the policy's log-probs are the
     generator's); with two the last minibatch sees a policy one update away from the generator's."""
@@ -376,7 +349,9 @@ def test_sync_minibatch_i_is_i_updates_stale(make_async_args, tmp_path):
     one, two = (
         train_lines(
             read_metrics(
-                async_rlhf.main(make_async_args(num_minibatches=n, output_dir=str(tmp_path / f"{n}"), **values))
+                async_rlhf.main(
+                    make_config(async_rlhf, num_minibatches=n, output_dir=str(tmp_path / f"{n}"), **values)
+                )
             )
         )
         for n in (1, 2)
@@ -388,18 +363,18 @@ def test_sync_minibatch_i_is_i_updates_stale(make_async_args, tmp_path):
 
 
 @pytest.mark.slow
-def test_eval_ref_perplexity_is_worked_out_here(make_async_args, tiny_model_dir, monkeypatch):
-    args = make_async_args(total_steps=1, num_eval_prompts=4, sync=True)
+def test_eval_ref_perplexity_is_worked_out_here(make_config, tiny_model_dir, monkeypatch):
+    args = make_config(async_rlhf, total_steps=1, num_eval_prompts=4, sync=True)
     assert_eval_ref_perplexity_is_worked_out_here(
         async_rlhf, async_rlhf.AsyncGenerator, args, tiny_model_dir, monkeypatch.setattr
     )
 
 
 @pytest.mark.slow
-def test_sync_rloo_with_lora_starts_on_policy(make_async_args):
+def test_sync_rloo_with_lora_starts_on_policy(make_config):
     """--sync RLOO: the generator's copy (LoRA merged into it) scores the samples as the learner does, so the first
     ratio is 1 and nothing is clipped; the reference is the adapters switched off, so the KL starts at 0."""
-    args = make_async_args(sync=True, loss="rloo", rloo_k=2, lora_r=4, total_steps=2, learning_rate=1e-2)
+    args = make_config(async_rlhf, sync=True, loss="rloo", rloo_k=2, lora_r=4, total_steps=2, learning_rate=1e-2)
     every_line = read_metrics(async_rlhf.main(args))
     assert not any("eval/ref_perplexity" in line for line in every_line)  # the reference is the adapters off
     lines = train_lines(every_line)
@@ -412,15 +387,15 @@ def test_sync_rloo_with_lora_starts_on_policy(make_async_args):
 
 
 @pytest.mark.slow
-def test_learner_error_stops_the_generator(make_async_args, monkeypatch):
+def test_learner_error_stops_the_generator(make_config, monkeypatch):
     monkeypatch.setattr(async_rlhf, "token_scores", lambda *args: torch.full(args[2].shape, float("nan")))
     with hang_guard(), pytest.raises(RuntimeError, match="objective/scores"):
-        async_rlhf.main(make_async_args(num_eval_prompts=1, total_steps=4, max_staleness=2))
+        async_rlhf.main(make_config(async_rlhf, num_eval_prompts=1, total_steps=4, max_staleness=2))
     assert not generator_threads()
 
 
 @pytest.mark.slow
-def test_generator_error_reaches_the_user(make_async_args, monkeypatch):
+def test_generator_error_reaches_the_user(make_config, monkeypatch):
     calls = []
     original = async_rlhf.hf_generate
 
@@ -433,14 +408,14 @@ def test_generator_error_reaches_the_user(make_async_args, monkeypatch):
 
     monkeypatch.setattr(async_rlhf, "hf_generate", failing_generate)
     with hang_guard(), pytest.raises(ValueError, match="generator broke at batch 1"):
-        async_rlhf.main(make_async_args(total_steps=4))
+        async_rlhf.main(make_config(async_rlhf, total_steps=4))
     assert not generator_threads()
 
 
 @pytest.mark.slow
-def test_invariant_sync_resume_after_interrupt_gives_the_uninterrupted_run(make_async_args, monkeypatch, tmp_path):
+def test_invariant_sync_resume_after_interrupt_gives_the_uninterrupted_run(make_config, monkeypatch, tmp_path):
     overrides = dict(sync=True, total_steps=4, save_every=2)
-    run_a = async_rlhf.main(make_async_args(output_dir=str(tmp_path / "a"), **overrides))
+    run_a = async_rlhf.main(make_config(async_rlhf, output_dir=str(tmp_path / "a"), **overrides))
 
     calls = []  # pairs are assigned once per learner step: interrupt step 3
     original = async_rlhf.assign_preferences
@@ -453,12 +428,12 @@ def test_invariant_sync_resume_after_interrupt_gives_the_uninterrupted_run(make_
 
     monkeypatch.setattr(async_rlhf, "assign_preferences", interrupting_assignment)
     with hang_guard(), pytest.raises(KeyboardInterrupt):
-        async_rlhf.main(make_async_args(output_dir=str(tmp_path / "b"), **overrides))
+        async_rlhf.main(make_config(async_rlhf, output_dir=str(tmp_path / "b"), **overrides))
     assert not generator_threads()
     monkeypatch.setattr(async_rlhf, "assign_preferences", original)
     run_b = only_run_dir(tmp_path / "b")
     assert [line["global_step"] for line in read_metrics(run_b)] == [0, 1, 2]
-    async_rlhf.main(make_async_args(output_dir=str(tmp_path / "b"), resume=run_b, **overrides))
+    async_rlhf.main(make_config(async_rlhf, output_dir=str(tmp_path / "b"), resume=run_b, **overrides))
     lines_a, lines_b = read_metrics(run_a), read_metrics(run_b)
     assert [line["global_step"] for line in lines_b] == [0, 1, 2, 3, 4]
     assert [line["policy/generator_version"] for line in train_lines(lines_b)] == [0, 1, 2, 3]
@@ -471,7 +446,7 @@ def test_vllm_run(tiny_model_dir, tiny_reward_model_dir, task_dir, tmp_path):
     """The generator thread generates with the vLLM engine and reloads the learner's weights into it."""
     require_vllm()
     out = str(tmp_path / "runs")
-    values = {**FAST_ARGS, "vllm": True, "tis_cap": 2.0, "sync": True, "total_steps": 2}
+    values = {**FAST["async_rlhf"], "vllm": True, "tis_cap": 2.0, "sync": True, "total_steps": 2}
     paths = dict(model_name_or_path=tiny_model_dir, reward_model_path=tiny_reward_model_dir, dataset_path=task_dir)
     run_checked([sys.executable, "async_rlhf.py", *cli_flags({**values, **paths, "output_dir": out})], vllm_env(), 300)
     run_dir = only_run_dir(out)
@@ -512,9 +487,9 @@ INVARIANT_KEYS = (
 )
 
 
-def fixed_rollout_run(monkeypatch, make_async_args, **overrides):
+def fixed_rollout_run(monkeypatch, make_config, **overrides):
     fixed_rollout.patch(async_rlhf, monkeypatch.setattr)
-    return async_rlhf.main(make_async_args(**{**INVARIANT_ARGS, **overrides}))
+    return async_rlhf.main(make_config(async_rlhf, **{**INVARIANT_ARGS, **overrides}))
 
 
 def final_weights(run_dir):
@@ -523,19 +498,17 @@ def final_weights(run_dir):
 
 @pytest.mark.slow
 def test_invariant_two_processes_equal_one_process(
-    tiny_model_dir, tiny_reward_model_dir, task_dir, tmp_path, make_async_args, monkeypatch
+    tiny_model_dir, tiny_reward_model_dir, task_dir, tmp_path, make_config, monkeypatch
 ):
     """2 processes with 2 prompts each = 1 process with the 4 prompts: the same loss, grad norm, lr and weights
     after 2 updates (failed before: the prepared scheduler stepped twice per update, so the updates ran at lr 0 and
     -lr, and RLOO divided its loss by each process's own token count). RLOO only, to keep one launch: DPO's pair
     count was already summed over processes, and the schedule is the same code."""
     loss = "rloo"
-    one = fixed_rollout_run(
-        monkeypatch, make_async_args, loss=loss, prompts_per_rank=4, output_dir=str(tmp_path / "1")
-    )
+    one = fixed_rollout_run(monkeypatch, make_config, loss=loss, prompts_per_rank=4, output_dir=str(tmp_path / "1"))
     out = str(tmp_path / "two")
     paths = dict(model_name_or_path=tiny_model_dir, reward_model_path=tiny_reward_model_dir, dataset_path=task_dir)
-    values = {**FAST_ARGS, **INVARIANT_ARGS, **paths, "loss": loss, "prompts_per_rank": 2, "output_dir": out}
+    values = {**FAST["async_rlhf"], **INVARIANT_ARGS, **paths, "loss": loss, "prompts_per_rank": 2, "output_dir": out}
     two = launch_fixed_rollout("async_rlhf.py", cli_flags(values), out)  # checks world_size 2 in config.json
     lines = read_metrics(two)
     assert [line["global_step"] for line in lines] == [0, 1, 2]
@@ -606,7 +579,7 @@ def parameter_sums(file):
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [3])
 def test_invariant_deepspeed_equals_one_process(
-    tiny_model_dir, tiny_reward_model_dir, task_dir, tmp_path, make_async_args, monkeypatch, stage
+    tiny_model_dir, tiny_reward_model_dir, task_dir, tmp_path, make_config, monkeypatch, stage
 ):
     """DeepSpeed ZeRO-3 with the shipped config, 2 CPU processes (gloo) with 2 prompts each = 1 process with the 4
     prompts, through the async pipeline (the generator thread, at max_staleness 0 so that every batch has lag 0
@@ -624,7 +597,9 @@ def test_invariant_deepspeed_equals_one_process(
     instrument(async_rlhf, monkeypatch.setattr, original, one_record)
     with hang_guard():
         one = async_rlhf.main(
-            make_async_args(**{**INVARIANT_ARGS, **values, "prompts_per_rank": 4, "output_dir": str(tmp_path / "1")})
+            make_config(
+                async_rlhf, **{**INVARIANT_ARGS, **values, "prompts_per_rank": 4, "output_dir": str(tmp_path / "1")}
+            )
         )
     out, probe_dir = str(tmp_path / f"zero{stage}"), tmp_path / "probe"
     probe_dir.mkdir()
@@ -632,7 +607,7 @@ def test_invariant_deepspeed_equals_one_process(
     monkeypatch.setenv("PYTHONPATH", str(probe_dir))
     monkeypatch.setenv("ZERO3_PROBE_DIR", str(probe_dir))
     paths = dict(model_name_or_path=tiny_model_dir, reward_model_path=tiny_reward_model_dir, dataset_path=task_dir)
-    flags = {**FAST_ARGS, **INVARIANT_ARGS, **paths, **values, "prompts_per_rank": 2, "micro_batch_size": 1}
+    flags = {**FAST["async_rlhf"], **INVARIANT_ARGS, **paths, **values, "prompts_per_rank": 2, "micro_batch_size": 1}
     config = os.path.join(REPO_ROOT, "benchmark", "accelerate_configs", f"deepspeed_zero{stage}.yaml")
     zero = launch_fixed_rollout("zero3_probe.py", cli_flags({**flags, "output_dir": out}), out, config_file=config)
     lines = read_metrics(zero)
@@ -679,29 +654,27 @@ def test_invariant_deepspeed_equals_one_process(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("loss", ["dpo", "rloo"])
-def test_invariant_gradient_accumulation_equals_one_micro_batch(make_async_args, monkeypatch, tmp_path, loss):
+def test_invariant_gradient_accumulation_equals_one_micro_batch(make_config, monkeypatch, tmp_path, loss):
     """micro-batches of 1 prompt accumulated = the 4 prompts in one micro-batch: same loss, grad norm, weights."""
     runs = [
-        fixed_rollout_run(
-            monkeypatch, make_async_args, loss=loss, micro_batch_size=m, output_dir=str(tmp_path / f"mb{m}")
-        )
+        fixed_rollout_run(monkeypatch, make_config, loss=loss, micro_batch_size=m, output_dir=str(tmp_path / f"mb{m}"))
         for m in (1, 4)
     ]
     # abs 1e-6: the KL (~0.03) is a mean of differences of log-probs of size ~10, whose float32 rounding is ~1e-6.
     assert_same_trajectory(*runs, INVARIANT_KEYS, abs_=1e-6)
-    initial = os.path.join(make_async_args().model_name_or_path, "model.safetensors")
+    initial = os.path.join(make_config(async_rlhf).model_name_or_path, "model.safetensors")
     assert_same_weights(*(final_weights(d) for d in runs), initial)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("loss", ["dpo", "rloo"])
-def test_invariant_staleness_zero_equals_sync(make_async_args, tmp_path, loss):
+def test_invariant_staleness_zero_equals_sync(make_config, tmp_path, loss):
     """The async pipeline with max_staleness 0 (the generator thread waits for the current weights) = --sync: the
     same metrics step by step, sampled completions included (failed before: max_staleness 0 was refused)."""
     values = dict(loss=loss, rloo_k=2, total_steps=3, eval_every=2)
-    sync = async_rlhf.main(make_async_args(sync=True, output_dir=str(tmp_path / "sync"), **values))
+    sync = async_rlhf.main(make_config(async_rlhf, sync=True, output_dir=str(tmp_path / "sync"), **values))
     with hang_guard():
-        zero = async_rlhf.main(make_async_args(max_staleness=0, output_dir=str(tmp_path / "zero"), **values))
+        zero = async_rlhf.main(make_config(async_rlhf, max_staleness=0, output_dir=str(tmp_path / "zero"), **values))
     lines = read_metrics(zero)
     assert [line["policy/lag"] for line in train_lines(lines)] == [0, 0, 0]
     assert without_timing(lines) == without_timing(read_metrics(sync))
@@ -711,13 +684,13 @@ def test_invariant_staleness_zero_equals_sync(make_async_args, tmp_path, loss):
 @pytest.mark.slow
 @pytest.mark.parametrize("loss", ["dpo", "rloo"])
 def test_invariant_bf16_autocast_lag_zero_starts_at_the_reference_and_ratio_one(
-    make_async_args, monkeypatch, bf16_autocast, loss
+    make_config, monkeypatch, bf16_autocast, loss
 ):
     """--mixed_precision bf16 autocasts the prepared policy; the generator thread's policy copy, reference and
     reward model run under the same autocast (entered in that thread: autocast is per thread), so at the first
     step DPO's h is exactly 0 (chosen and rejected rewards 0), the RLOO ratio exactly 1 and the KL exactly 0
     (failed before: they ran in fp32)."""
-    run_dir = fixed_rollout_run(monkeypatch, make_async_args, loss=loss, total_steps=1)
+    run_dir = fixed_rollout_run(monkeypatch, make_config, loss=loss, total_steps=1)
     (line,) = train_lines(read_metrics(run_dir))
     assert line["objective/kl"] == 0.0
     if loss == "dpo":
@@ -747,21 +720,10 @@ def test_generator_gpu_counts_the_gpus_of_this_machine():
 
 
 @pytest.fixture
-def args_for(tiny_model_dir, task_dir, tmp_path, monkeypatch):
+def args_for(make_config, monkeypatch):
     monkeypatch.setattr(async_rlhf, "AutoModelForCausalLM", NoModelLoads)
     monkeypatch.setattr(async_rlhf, "AutoModelForSequenceClassification", NoModelLoads)
-
-    def _make(**overrides):
-        values = dict(
-            model_name_or_path=tiny_model_dir,
-            judge="verifier",
-            dataset_path=task_dir,
-            output_dir=str(tmp_path / "runs"),
-            vllm=False,
-        )
-        return async_rlhf.Config(**{**values, **overrides})
-
-    return _make
+    return functools.partial(make_config, async_rlhf, fast=False, judge="verifier")
 
 
 @pytest.mark.parametrize(

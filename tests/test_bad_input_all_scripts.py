@@ -1,6 +1,7 @@
 """The faults of the shared data loading and run folder, tried on every script: one line naming the file, line or
 argument, before any model is loaded (issue 20). grpo_math.py has the same and more in test_grpo_math_bad_input.py."""
 
+import functools
 import json
 
 import pytest
@@ -24,22 +25,15 @@ SCRIPTS = {
 
 
 @pytest.fixture(params=sorted(SCRIPTS))
-def script_args(request, tiny_model_dir, tiny_reward_model_dir, tmp_path, monkeypatch):
-    """(module, make(**overrides) -> its Args on the tiny models, with every model load failing)."""
+def script_args(request, make_config, monkeypatch):
+    """(module, make(**overrides) -> its Config on the tiny models (make_config's, without the fast settings), with
+    every model load failing)."""
     module = SCRIPTS[request.param]
     for name in ("AutoModelForCausalLM", "AutoModelForSequenceClassification"):
         if hasattr(module, name):
             monkeypatch.setattr(module, name, NoModelLoads)
-
-    def make(**overrides):
-        values = dict(model_name_or_path=tiny_model_dir, output_dir=str(tmp_path / "runs"), vllm=False)
-        if hasattr(module.Config, "reward_model_path"):
-            values["reward_model_path"] = tiny_reward_model_dir
-        if module is reward_modeling:
-            values.update(reward_model_dir=str(tmp_path / "reward_model"), max_prompt_length=128)
-        return module.Config(**{**values, **overrides})
-
-    return module, make
+    values = dict(max_prompt_length=128) if module is reward_modeling else {}
+    return module, functools.partial(make_config, module, fast=False, **values)
 
 
 def test_malformed_json_line(script_args, tmp_path):

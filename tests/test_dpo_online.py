@@ -10,6 +10,7 @@ import fixed_rollout
 import pytest
 import torch
 from conftest import (
+    FAST,
     REPO_ROOT,
     SMOLLM2_DIR,
     assert_eval_ref_perplexity_is_worked_out_here,
@@ -379,18 +380,6 @@ def test_pair_metrics_average_over_kept_pairs_and_every_completion():
 # End-to-end runs
 
 
-FAST_DPO_ARGS = dict(
-    num_eval_prompts=4,
-    vllm=False,
-    response_length=8,
-    prompts_per_rank=4,
-    micro_batch_size=2,
-    total_steps=2,
-    save_every=0,
-    max_prompt_length=128,
-    missing_eos_penalty=None,  # the random tiny policy never says EOS in 8 tokens: read the reward model instead
-)
-
 REQUIRED_KEYS = (
     "rewards/chosen",
     "rewards/rejected",
@@ -412,28 +401,12 @@ REQUIRED_KEYS = (
 )
 
 
-@pytest.fixture
-def make_dpo_args(tiny_model_dir, tiny_reward_model_dir, task_dir, tmp_path):
-    def _make(**overrides):
-        values = {
-            **FAST_DPO_ARGS,
-            "model_name_or_path": tiny_model_dir,
-            "reward_model_path": tiny_reward_model_dir,
-            "dataset_path": task_dir,
-            "output_dir": str(tmp_path / "runs"),
-            **overrides,
-        }
-        return dpo_online.Config(**values)
-
-    return _make
-
-
 LOG2 = torch.tensor(math.log(2)).item()  # log 2 in float32, what -log sigmoid(0) gives
 
 
 @pytest.mark.slow
-def test_run_logs_the_dpo_metrics_and_starts_at_the_reference(make_dpo_args):
-    run_dir = dpo_online.main(make_dpo_args(total_steps=3, learning_rate=1e-3))
+def test_run_logs_the_dpo_metrics_and_starts_at_the_reference(make_config):
+    run_dir = dpo_online.main(make_config(dpo_online, total_steps=3, learning_rate=1e-3))
 
     with open(os.path.join(run_dir, "config.json")) as f:
         config = json.load(f)["args"]
@@ -475,14 +448,15 @@ def space_token_scores(sign):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sign", [1, -1])
-def test_policy_moves_towards_what_the_judge_prefers(make_dpo_args, monkeypatch, sign):
+def test_policy_moves_towards_what_the_judge_prefers(make_config, monkeypatch, sign):
     """At temperature 0.1 the tiny random policy samples among a handful of tokens per context, so a few DPO updates
     can move the mass. Observed (seed 1, 8 tokens per response): the judge's mean score of the samples goes from
     2.82 to its maximum 3.0 (every response token spaced) with sign 1, from -2.82 to -2.2 (none spaced) with sign
     -1, within 4 steps; after that the two completions of a pair are the same and every pair is a tie. The negated
     judge moves the policy the other way: the direction comes from the preferences, not from the entropy collapse."""
     monkeypatch.setattr(dpo_online, "token_scores", space_token_scores(sign))
-    args = make_dpo_args(
+    args = make_config(
+        dpo_online,
         total_steps=6,
         learning_rate=1e-3,
         temperature=0.1,
@@ -498,10 +472,12 @@ def test_policy_moves_towards_what_the_judge_prefers(make_dpo_args, monkeypatch,
 
 
 @pytest.mark.slow
-def test_verifier_judge_skips_and_counts_ties(make_dpo_args, tiny_model_dir):
+def test_verifier_judge_skips_and_counts_ties(make_config, tiny_model_dir):
     """The random tiny policy never answers right: every pair is a tie (both wrong), nothing is trained on, and
     the policy is exactly the initial one (Adam with zero gradients and no weight decay does not move)."""
-    run_dir = dpo_online.main(make_dpo_args(judge="verifier", reward_model_path="no/such/model", learning_rate=1e-3))
+    run_dir = dpo_online.main(
+        make_config(dpo_online, judge="verifier", reward_model_path="no/such/model", learning_rate=1e-3)
+    )
     lines = read_metrics(run_dir)
     assert lines[0]["eval/score"] == 0.0 and lines[0]["eval/accuracy"] == 0.0
     for line in train_lines(lines):
@@ -516,18 +492,18 @@ def test_verifier_judge_skips_and_counts_ties(make_dpo_args, tiny_model_dir):
 
 
 @pytest.mark.slow
-def test_eval_ref_perplexity_is_worked_out_here(make_dpo_args, tiny_model_dir, monkeypatch):
-    args = make_dpo_args(total_steps=1, num_eval_prompts=4)
+def test_eval_ref_perplexity_is_worked_out_here(make_config, tiny_model_dir, monkeypatch):
+    args = make_config(dpo_online, total_steps=1, num_eval_prompts=4)
     assert_eval_ref_perplexity_is_worked_out_here(
         dpo_online, dpo_online.Sampler, args, tiny_model_dir, monkeypatch.setattr
     )
 
 
 @pytest.mark.slow
-def test_lora_ipo_starts_at_the_reference(make_dpo_args):
+def test_lora_ipo_starts_at_the_reference(make_config):
     """With LoRA the reference is the policy with its adapters off; they start at zero, so the first step is at the
     reference exactly: IPO's loss is (1 / (2 beta))^2."""
-    every_line = read_metrics(dpo_online.main(make_dpo_args(lora_r=4, loss_type="ipo", learning_rate=1e-2)))
+    every_line = read_metrics(dpo_online.main(make_config(dpo_online, lora_r=4, loss_type="ipo", learning_rate=1e-2)))
     assert not any("eval/ref_perplexity" in line for line in every_line)  # the reference is the adapters off
     lines = train_lines(every_line)
     assert lines[0]["loss/dpo"] == pytest.approx(25.0, rel=1e-6)  # beta 0.1
@@ -536,10 +512,10 @@ def test_lora_ipo_starts_at_the_reference(make_dpo_args):
 
 
 @pytest.mark.slow
-def test_non_finite_score_stops_the_run(make_dpo_args, monkeypatch):
+def test_non_finite_score_stops_the_run(make_config, monkeypatch):
     monkeypatch.setattr(dpo_online, "token_scores", lambda *args: torch.full(args[2].shape, float("nan")))
     with pytest.raises(RuntimeError, match="objective/scores"):
-        dpo_online.main(make_dpo_args(num_eval_prompts=1, total_steps=1))
+        dpo_online.main(make_config(dpo_online, num_eval_prompts=1, total_steps=1))
 
 
 @pytest.mark.slow
@@ -548,7 +524,7 @@ def test_invariant_killed_at_random_points_and_resumed_gives_the_uninterrupted_r
 ):
     """SIGKILL inside a step, inside a checkpoint write and inside the final save, --resume after each: the same
     metrics, samples and weights as the uninterrupted run."""
-    values = {**FAST_DPO_ARGS, "total_steps": 3, "save_every": 1, "learning_rate": 1e-3}
+    values = {**FAST["dpo_online"], "total_steps": 3, "save_every": 1, "learning_rate": 1e-3}
     values.update(model_name_or_path=tiny_model_dir, reward_model_path=tiny_reward_model_dir, dataset_path=task_dir)
     assert_survives_kills(
         "dpo_online.py", cli_flags(values), lambda out: ["--output_dir", out], str(tmp_path), seed=22
@@ -562,7 +538,7 @@ def test_vllm_run(tiny_model_dir, tiny_reward_model_dir, task_dir, tmp_path):
     out = str(tmp_path / "runs")
     flags = cli_flags(
         {
-            **FAST_DPO_ARGS,
+            **FAST["dpo_online"],
             "model_name_or_path": tiny_model_dir,
             "reward_model_path": tiny_reward_model_dir,
             "dataset_path": task_dir,
@@ -616,9 +592,9 @@ def assert_same_dpo_trajectory(reference_dir, other_dir):
         assert_same_trajectory(reference_dir, other_dir, keys, abs_=tolerance)
 
 
-def fixed_rollout_run(monkeypatch, make_dpo_args, **overrides):
+def fixed_rollout_run(monkeypatch, make_config, **overrides):
     fixed_rollout.patch(dpo_online, monkeypatch.setattr)
-    return dpo_online.main(make_dpo_args(**{**INVARIANT_ARGS, **overrides}))
+    return dpo_online.main(make_config(dpo_online, **{**INVARIANT_ARGS, **overrides}))
 
 
 def final_weights(run_dir):
@@ -627,15 +603,15 @@ def final_weights(run_dir):
 
 @pytest.mark.slow
 def test_invariant_two_processes_equal_one_process(
-    tiny_model_dir, tiny_reward_model_dir, task_dir, tmp_path, make_dpo_args, monkeypatch
+    tiny_model_dir, tiny_reward_model_dir, task_dir, tmp_path, make_config, monkeypatch
 ):
     """2 processes with 4 pairs each = 1 process with the 8 pairs: the same loss, grad norm, lr, implicit rewards
     and weights after 3 updates (failed before: the prepared scheduler stepped twice per update, so the linear
     decay reached 0 after half the updates and the last one ran at a negative learning rate)."""
-    one = fixed_rollout_run(monkeypatch, make_dpo_args, prompts_per_rank=8, output_dir=str(tmp_path / "one"))
+    one = fixed_rollout_run(monkeypatch, make_config, prompts_per_rank=8, output_dir=str(tmp_path / "one"))
     out = str(tmp_path / "two")
     paths = dict(model_name_or_path=tiny_model_dir, reward_model_path=tiny_reward_model_dir, dataset_path=task_dir)
-    flags = cli_flags({**FAST_DPO_ARGS, **INVARIANT_ARGS, **paths, "output_dir": out, "prompts_per_rank": 4})
+    flags = cli_flags({**FAST["dpo_online"], **INVARIANT_ARGS, **paths, "output_dir": out, "prompts_per_rank": 4})
     two = launch_fixed_rollout("dpo_online.py", flags, out)
     lines = read_metrics(two)
     assert [line["global_step"] for line in lines] == [0, 1, 2, 3]
@@ -654,7 +630,7 @@ def test_invariant_two_processes_equal_one_process(
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [3])
 def test_invariant_deepspeed_equals_one_process(
-    tiny_model_dir, tiny_reward_model_dir, task_dir, tmp_path, make_dpo_args, monkeypatch, stage
+    tiny_model_dir, tiny_reward_model_dir, task_dir, tmp_path, make_config, monkeypatch, stage
 ):
     """DeepSpeed ZeRO-3 with the shipped config, 2 CPU processes (gloo) with 4 pairs each = 1 process with the 8
     pairs: same loss, grad norm, lr, implicit rewards and saved weights after 3 updates (micro-batches of 2 pairs:
@@ -664,12 +640,12 @@ def test_invariant_deepspeed_equals_one_process(
     the first one's generation. ZeRO-2 shares this code path (tested on grpo_math)."""
     require_deepspeed()
     one = fixed_rollout_run(
-        monkeypatch, make_dpo_args, prompts_per_rank=8, num_eval_prompts=1, output_dir=str(tmp_path / "one")
+        monkeypatch, make_config, prompts_per_rank=8, num_eval_prompts=1, output_dir=str(tmp_path / "one")
     )
     out = str(tmp_path / f"zero{stage}")
     paths = dict(model_name_or_path=tiny_model_dir, reward_model_path=tiny_reward_model_dir, dataset_path=task_dir)
     overrides = {**paths, "output_dir": out, "prompts_per_rank": 4, "num_eval_prompts": 1}
-    flags = cli_flags({**FAST_DPO_ARGS, **INVARIANT_ARGS, **overrides})
+    flags = cli_flags({**FAST["dpo_online"], **INVARIANT_ARGS, **overrides})
     config = os.path.join(REPO_ROOT, "benchmark", "accelerate_configs", f"deepspeed_zero{stage}.yaml")
     zero = launch_fixed_rollout("dpo_online.py", flags, out, config_file=config)
     lines = read_metrics(zero)
@@ -688,13 +664,13 @@ def test_invariant_deepspeed_equals_one_process(
 
 
 @pytest.mark.slow
-def test_invariant_gradient_accumulation_equals_one_micro_batch(make_dpo_args, monkeypatch, tmp_path, tiny_model_dir):
+def test_invariant_gradient_accumulation_equals_one_micro_batch(make_config, monkeypatch, tmp_path, tiny_model_dir):
     """Minibatches of 2 pairs as 2 accumulated micro-batches of 1 pair = as one micro-batch of 2: same loss, grad
     norm, metrics and weights after 4 updates (2 minibatches per step)."""
     runs = [
         fixed_rollout_run(
             monkeypatch,
-            make_dpo_args,
+            make_config,
             total_steps=2,
             num_minibatches=2,
             micro_batch_size=m,
@@ -707,11 +683,11 @@ def test_invariant_gradient_accumulation_equals_one_micro_batch(make_dpo_args, m
 
 
 @pytest.mark.slow
-def test_invariant_bf16_autocast_h_is_zero_before_the_first_update(make_dpo_args, monkeypatch, bf16_autocast):
+def test_invariant_bf16_autocast_h_is_zero_before_the_first_update(make_config, monkeypatch, bf16_autocast):
     """--mixed_precision bf16 autocasts the prepared policy; the reference runs under the same autocast, so DPO's
     h = (pi_c - ref_c) - (pi_r - ref_r), the implicit rewards and the KL of the first step are exactly 0 and the
     sigmoid loss is log 2 (failed before: the reference ran in fp32)."""
-    run_dir = fixed_rollout_run(monkeypatch, make_dpo_args, total_steps=1)
+    run_dir = fixed_rollout_run(monkeypatch, make_config, total_steps=1)
     (line,) = train_lines(read_metrics(run_dir))
     assert line["objective/skipped_ties"] < 4  # pairs were trained on: the zeros below are not empty sums
     assert line["rewards/chosen"] == line["rewards/rejected"] == line["rewards/margins"] == 0.0
@@ -722,7 +698,7 @@ def test_invariant_bf16_autocast_h_is_zero_before_the_first_update(make_dpo_args
 @pytest.mark.slow
 @pytest.mark.parametrize("ensemble", ["wco", "uwo"])
 def test_an_ensemble_of_identical_members_judges_as_the_single_model(
-    make_dpo_args, tiny_reward_model_dir, tmp_path, ensemble
+    make_config, tiny_reward_model_dir, tmp_path, ensemble
 ):
     """Two copies of the judge agree on every completion: WCO and UWO give its score, so the run is the single-model
     run number for number, each member's score logged beside it (in training and evaluation). ensemble_reward itself
@@ -732,9 +708,9 @@ def test_an_ensemble_of_identical_members_judges_as_the_single_model(
     folder = tmp_path / "ensemble"
     for k in range(2):
         shutil.copytree(tiny_reward_model_dir, folder / f"member_{k}")
-    single = read_metrics(dpo_online.main(make_dpo_args(seed=2)))
+    single = read_metrics(dpo_online.main(make_config(dpo_online, seed=2)))
     double = read_metrics(
-        dpo_online.main(make_dpo_args(seed=2, reward_model_path=str(folder), reward_ensemble=ensemble))
+        dpo_online.main(make_config(dpo_online, seed=2, reward_model_path=str(folder), reward_ensemble=ensemble))
     )
     strip = lambda line: {k: v for k, v in line.items() if k != "time" and not k.startswith(("time/", "perf/"))}  # noqa: E731
     for one, two in zip(single, double):

@@ -1,5 +1,6 @@
 """Bad input stops dpo_online.main with one clear line naming the argument, before any model is loaded."""
 
+import functools
 import json
 import os
 
@@ -21,22 +22,11 @@ def write_reward_config(folder, num_labels=1, architecture="LlamaForSequenceClas
 
 
 @pytest.fixture
-def args_for(tiny_model_dir, task_dir, tmp_path, monkeypatch):
+def args_for(make_config, tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(dpo_online, "AutoModelForCausalLM", NoModelLoads)
     monkeypatch.setattr(dpo_online, "AutoModelForSequenceClassification", NoModelLoads)
     reward_dir = write_reward_config(tmp_path / "rm", tokenizer=AutoTokenizer.from_pretrained(tiny_model_dir))
-
-    def _make(**overrides):
-        values = dict(
-            model_name_or_path=tiny_model_dir,
-            reward_model_path=reward_dir,
-            dataset_path=task_dir,
-            output_dir=str(tmp_path / "runs"),
-            vllm=False,
-        )
-        return dpo_online.Config(**{**values, **overrides})
-
-    return _make
+    return functools.partial(make_config, dpo_online, fast=False, reward_model_path=reward_dir)
 
 
 def assert_one_line_error(args, *names):

@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+from conftest import MICRO_CONFIG
 
 import grpo_math
 from grpo_math import (
@@ -654,21 +655,11 @@ def test_fixed_logprobs_by_micro_batch_equals_one_batch(tiny_model_dir):
 
 
 def random_tiny_llama(attention, seed=0):
-    """A 2-layer random Llama (vocabulary 211) in float32 with the given attention backend."""
+    """A random Llama of conftest.MICRO_CONFIG (2 layers, vocabulary 211), float32, the given attention backend."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=211,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        attn_implementation=attention,
-    )
-    return LlamaForCausalLM(config).float()
+    return LlamaForCausalLM(LlamaConfig(**MICRO_CONFIG, attn_implementation=attention)).float()
 
 
 def grouped_batch(group_sizes, width=6, seed=0):

@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 import torch
 from conftest import (
-    FAST_ARGS,
     REPO_ROOT,
     assert_same_trajectory,
     assert_same_weights,
@@ -136,7 +135,7 @@ def test_same_seed_same_metrics(make_args, monkeypatch, tmp_path):
 
 @pytest.mark.slow
 def test_invariant_killed_at_random_points_and_resumed_gives_the_uninterrupted_run(
-    tiny_model_dir, task_dir, tmp_path, monkeypatch
+    tiny_model_dir, task_dir, tmp_path, monkeypatch, make_args
 ):
     """SIGKILL inside a step, inside a checkpoint write and inside the final save, --resume after each: the same
     metrics, samples and weights as the uninterrupted run. Then a damaged latest checkpoint (a truncated file) stops
@@ -151,17 +150,15 @@ def test_invariant_killed_at_random_points_and_resumed_gives_the_uninterrupted_r
     with open(os.path.join(latest, "model.safetensors"), "r+b") as f:
         f.truncate(1000)
     fixed_rollout.patch(grpo_math, monkeypatch.setattr)
-    args = dict(
-        model_name_or_path=tiny_model_dir, dataset_path=task_dir, output_dir=str(tmp_path / "faulty"), **overrides
-    )
+    args = make_args(output_dir=str(tmp_path / "faulty"), resume=run_dir, **overrides)
     with pytest.raises(SystemExit) as exc:
-        grpo_math.main(grpo_math.Config(**{**FAST_ARGS, **args, "resume": run_dir}))
+        grpo_math.main(args)
     earlier = os.path.join(run_dir, "checkpoints", "step_000002")
     message = str(exc.value.code)
     assert message.startswith(f"error: checkpoint {latest} does not load") and "\n" not in message, message
     assert message.endswith(f"; if a file is damaged, delete it to resume from {earlier}"), message
     shutil.rmtree(latest)
-    grpo_math.main(grpo_math.Config(**{**FAST_ARGS, **args, "resume": run_dir}))
+    grpo_math.main(make_args(output_dir=str(tmp_path / "faulty"), resume=run_dir, **overrides))
     reference_dir = only_run_dir(tmp_path / "reference")
     assert without_timing(read_metrics(run_dir)) == without_timing(read_metrics(reference_dir))
     assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == ["step_000002", "step_000003"]
@@ -811,7 +808,8 @@ def test_fp16_updates_skipped_in_a_row_stop_the_run_instead_of_saving_it_as_trai
 
     monkeypatch.setattr(grpo_math, "make_accelerator", with_scaler)
     monkeypatch.setattr(grpo_math, "compute_rewards", space_reward)
-    monkeypatch.setattr(grpo_math, "optimizer_step", functools.partial(grpo_math.optimizer_step, max_skipped=3))
+    bounded = functools.partialmethod(grpo_math.Run.optimizer_step, max_skipped=3)
+    monkeypatch.setattr(grpo_math.Run, "optimizer_step", bounded)
     args = make_args(total_steps=8, save_every=2, learning_rate=4e-3, temperature=0.5)
     with pytest.raises(RuntimeError) as error:
         grpo_math.main(args)

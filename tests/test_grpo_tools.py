@@ -3,6 +3,7 @@ loss mask, the trainer's log-probs against a plain per-trajectory forward, and r
 ratio 1, KL 0, accumulation = one micro-batch, 2 processes = 1) with a scripted policy (tests/fixed_rollout.py)."""
 
 import decimal
+import functools
 import inspect
 import json
 import math
@@ -16,6 +17,7 @@ import fixed_rollout
 import pytest
 import torch
 from conftest import (
+    FAST,
     REPO_ROOT,
     SMOLLM2_DIR,
     NoModelLoads,
@@ -380,19 +382,6 @@ def test_trainer_logprobs_of_policy_tokens_equal_a_plain_forward_of_each_traject
 # Runs on the tiny model with the scripted policy
 
 
-TOOL_ARGS = dict(
-    num_eval_prompts=4,
-    vllm=False,
-    response_length=40,
-    prompts_per_rank=2,
-    num_generations=4,
-    micro_batch_size=4,
-    total_steps=2,
-    save_every=0,
-    beta=0.0,
-    max_turns=2,
-    max_prompt_length=256,  # the tool's description and example come before the question
-)
 INVARIANT_ARGS = dict(
     total_steps=2,
     num_iterations=2,  # 4 updates: the old-policy log-probs and the reused batch are in the comparison
@@ -406,28 +395,19 @@ INVARIANT_ARGS = dict(
 INVARIANT_KEYS = ("loss/policy", "policy/grad_norm", "lr", "objective/scores", "policy/ratio_first_minibatch")
 
 
-@pytest.fixture
-def make_tool_args(tiny_model_dir, task_dir, tmp_path):
-    def make(**overrides):
-        values = dict(model_name_or_path=tiny_model_dir, dataset_path=task_dir, output_dir=str(tmp_path / "runs"))
-        return grpo_tools.Config(**{**TOOL_ARGS, **values, **overrides})
-
-    return make
-
-
-def scripted_run(monkeypatch, make_tool_args, **overrides):
+def scripted_run(monkeypatch, make_config, **overrides):
     fixed_rollout.patch(grpo_tools, monkeypatch.setattr)
-    return grpo_tools.main(make_tool_args(**overrides))
+    return grpo_tools.main(make_config(grpo_tools, **overrides))
 
 
 @pytest.mark.slow
-def test_run_is_on_policy_with_kl_zero_and_logs_the_tool_metrics(make_tool_args, monkeypatch, tmp_path):
+def test_run_is_on_policy_with_kl_zero_and_logs_the_tool_metrics(make_config, monkeypatch, tmp_path):
     """The scripted policy calls the calculator (results of different lengths, failed calls) and answers. With the
     batch reused (2 passes of 2 minibatches) every step's first minibatch has ratio 1 and approxkl 0 and the later
     ones do not; with one minibatch the KL to the reference is exactly 0 on the first step (no update yet) and not
     after. The tool metrics and the held-out call rate are logged, the tool's example is in every prompt."""
     reuse = dict(num_minibatches=2, micro_batch_size=2, num_iterations=2, output_dir=str(tmp_path / "a"))
-    reused = scripted_run(monkeypatch, make_tool_args, total_steps=3, beta=0.04, learning_rate=1e-3, **reuse)
+    reused = scripted_run(monkeypatch, make_config, total_steps=3, beta=0.04, learning_rate=1e-3, **reuse)
     lines = read_metrics(reused)
     assert [line["global_step"] for line in lines] == [0, 1, 2, 3]
     assert {"eval/accuracy", "eval/call_rate", "eval/accuracy_with_call"} <= set(lines[0])
@@ -438,33 +418,35 @@ def test_run_is_on_policy_with_kl_zero_and_logs_the_tool_metrics(make_tool_args,
     assert max(line["policy/approxkl"] for line in lines[1:]) > 0
     with open(os.path.join(reused, "samples.jsonl")) as f:
         assert all(CALL[0] in json.loads(line)["prompt"] for line in f)  # the tool's example is in every prompt
-    lines = read_metrics(scripted_run(monkeypatch, make_tool_args, beta=0.04, learning_rate=1e-3,
+    lines = read_metrics(scripted_run(monkeypatch, make_config, beta=0.04, learning_rate=1e-3,
                                       output_dir=str(tmp_path / "b")))  # fmt: skip
     assert lines[1]["objective/kl"] == 0.0 and lines[2]["objective/kl"] != 0.0
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("loss_type", ["token_mean", "seq_mean_token_mean"])
-def test_invariant_gradient_accumulation_equals_one_micro_batch(make_tool_args, monkeypatch, tmp_path, loss_type):
+def test_invariant_gradient_accumulation_equals_one_micro_batch(make_config, monkeypatch, tmp_path, loss_type):
     """micro-batches of 2 accumulated = the batch of 8 trajectories in one micro-batch: same loss, grad norm, lr
     and weights (the token count of token_mean is the policy's tokens over the minibatch, not the micro-batch's)."""
     options = {**INVARIANT_ARGS, "loss_type": loss_type}
     runs = [
-        scripted_run(monkeypatch, make_tool_args, **options, micro_batch_size=m, output_dir=str(tmp_path / f"mb{m}"))
+        scripted_run(monkeypatch, make_config, **options, micro_batch_size=m, output_dir=str(tmp_path / f"mb{m}"))
         for m in (2, 8)
     ]
     assert_same_trajectory(*runs, INVARIANT_KEYS)
-    initial = os.path.join(make_tool_args().model_name_or_path, "model.safetensors")
+    initial = os.path.join(make_config(grpo_tools).model_name_or_path, "model.safetensors")
     assert_same_weights(*(os.path.join(d, "model", "model.safetensors") for d in runs), initial)
 
 
 @pytest.mark.slow
-def test_invariant_two_processes_equal_one_process(tiny_model_dir, task_dir, tmp_path, make_tool_args, monkeypatch):
+def test_invariant_two_processes_equal_one_process(tiny_model_dir, task_dir, tmp_path, make_config, monkeypatch):
     """2 processes with 2 prompts each = 1 process with the 4 prompts: same loss, grad norm, lr and weights, with
     multi-turn trajectories whose tool outputs differ in length."""
-    one = scripted_run(monkeypatch, make_tool_args, **INVARIANT_ARGS, prompts_per_rank=4)
+    one = scripted_run(monkeypatch, make_config, **INVARIANT_ARGS, prompts_per_rank=4)
     out = str(tmp_path / "two")
-    flags = fast_cli_flags(tiny_model_dir, task_dir, out, **{**TOOL_ARGS, **INVARIANT_ARGS, "prompts_per_rank": 2})
+    flags = fast_cli_flags(
+        tiny_model_dir, task_dir, out, **{**FAST["grpo_tools"], **INVARIANT_ARGS, "prompts_per_rank": 2}
+    )
     two = launch_fixed_rollout("grpo_tools.py", strip_flags(flags, "oversample"), out)
     assert [line["episode"] for line in read_metrics(two)] == [0, 16, 32]
     assert_same_trajectory(one, two, INVARIANT_KEYS)
@@ -473,7 +455,7 @@ def test_invariant_two_processes_equal_one_process(tiny_model_dir, task_dir, tmp
 
 
 def strip_flags(flags, *names):
-    """flags without --name value pairs (conftest's FAST_ARGS carry grpo_math's own)."""
+    """flags without --name value pairs (conftest's fast_cli_flags carry FAST["grpo_math"])."""
     out, skip = [], False
     for flag in flags:
         if skip:
@@ -618,7 +600,7 @@ def test_trajectory_loss_against_a_plain_loop_over_the_policy_tokens(loss_type):
 
 
 @pytest.mark.slow
-def test_the_loss_gets_the_policy_tokens_of_the_rollout_as_its_mask(make_tool_args, monkeypatch):
+def test_the_loss_gets_the_policy_tokens_of_the_rollout_as_its_mask(make_config, monkeypatch):
     """In a run, trajectory_loss's mask is the rollout's policy mask row for row: 0 on every tool token, 1 on every
     token the policy wrote; the attention mask the batch gets covers them all."""
     rollouts, masks = [], []
@@ -645,7 +627,7 @@ def test_the_loss_gets_the_policy_tokens_of_the_rollout_as_its_mask(make_tool_ar
     monkeypatch.setattr(grpo_tools, "multi_turn_rollout", spy_rollout)
     monkeypatch.setattr(grpo_tools, "trajectory_loss", spy_loss)
     monkeypatch.setattr(grpo_tools, "training_batch", spy_batch)
-    grpo_tools.main(make_tool_args(total_steps=1, eval_every=0, micro_batch_size=8))
+    grpo_tools.main(make_config(grpo_tools, total_steps=1, eval_every=0, micro_batch_size=8))
     train = rollouts[1]  # the first is the evaluation before training
     (mask,) = masks
     assert torch.equal(mask, train.policy[:, : mask.shape[1]])
@@ -659,7 +641,7 @@ def test_the_loss_gets_the_policy_tokens_of_the_rollout_as_its_mask(make_tool_ar
 @pytest.mark.slow
 @pytest.mark.parametrize("mask_truncated", [False, True])
 def test_mask_truncated_leaves_the_trajectories_cut_at_the_budget_out_of_the_loss(
-    make_tool_args, monkeypatch, mask_truncated
+    make_config, monkeypatch, mask_truncated
 ):
     """--mask_truncated (TRL's mask_truncated_completions): the loss mask of a trajectory cut at the budget is all
     0, the others' are their policy tokens; off by default, when every trajectory keeps its policy tokens."""
@@ -677,7 +659,7 @@ def test_mask_truncated_leaves_the_trajectories_cut_at_the_budget_out_of_the_los
     fixed_rollout.patch(grpo_tools, monkeypatch.setattr)
     monkeypatch.setattr(grpo_tools, "multi_turn_rollout", spy_rollout)
     monkeypatch.setattr(grpo_tools, "trajectory_loss", spy_loss)
-    args = make_tool_args(total_steps=1, eval_every=0, micro_batch_size=8, response_length=16)
+    args = make_config(grpo_tools, total_steps=1, eval_every=0, micro_batch_size=8, response_length=16)
     assert args.mask_truncated is False
     args.mask_truncated = mask_truncated
     grpo_tools.main(args)
@@ -690,11 +672,11 @@ def test_mask_truncated_leaves_the_trajectories_cut_at_the_budget_out_of_the_los
 
 
 @pytest.mark.slow
-def test_vllm_run(make_tool_args):
+def test_vllm_run(make_config):
     """The run with vLLM engines sampling the turns: the sampler's log-probs come back for the policy's tokens, and
     the trainer's are close to them (the gap and truncated IS weight are logged)."""
     require_vllm()
-    lines = read_metrics(grpo_tools.main(make_tool_args(vllm=True, total_steps=2, beta=0.04)))
+    lines = read_metrics(grpo_tools.main(make_config(grpo_tools, vllm=True, total_steps=2, beta=0.04)))
     for line in lines[1:]:
         assert line["objective/logprob_gap"] < 1e-3 and line["objective/tis_weight"] == pytest.approx(1, abs=1e-2)
         assert line["policy/ratio_first_minibatch"] == 1.0
@@ -705,7 +687,7 @@ def test_vllm_run(make_tool_args):
 def test_invariant_killed_at_random_points_and_resumed_gives_the_uninterrupted_run(tiny_model_dir, task_dir, tmp_path):
     """SIGKILL inside a step, inside a checkpoint write and inside the final save, --resume after each: the same
     metrics, samples and weights as the uninterrupted run (the scripted multi-turn policy)."""
-    overrides = {**TOOL_ARGS, "total_steps": 3, "save_every": 1, "beta": 0.04}
+    overrides = {**FAST["grpo_tools"], "total_steps": 3, "save_every": 1, "beta": 0.04}
     flags = strip_flags(fast_cli_flags(tiny_model_dir, task_dir, "", **overrides), "oversample", "output_dir")
     assert_survives_kills("grpo_tools.py", flags, lambda folder: ["--output_dir", folder], str(tmp_path), seed=48)
 
@@ -817,7 +799,7 @@ def install_stand_in_engine(monkeypatch, calls):
 
 
 @pytest.mark.slow
-def test_vllm_sleep_sleeps_once_per_rollout_not_once_per_turn(make_tool_args, monkeypatch):
+def test_vllm_sleep_sleeps_once_per_rollout_not_once_per_turn(make_config, monkeypatch):
     """With --vllm_sleep the engine sleeps after each rollout (training and evaluation), not after each of its turns
     (every turn would re-process its context after the caches were dropped), and wakes once before the next use."""
     engines = install_stand_in_engine(monkeypatch, calls={0: 2})
@@ -828,7 +810,7 @@ def test_vllm_sleep_sleeps_once_per_rollout_not_once_per_turn(make_tool_args, mo
         return rollouts[-1]
 
     monkeypatch.setattr(grpo_tools, "multi_turn_rollout", spy)
-    grpo_tools.main(make_tool_args(vllm=True, vllm_sleep=True, total_steps=2, eval_every=0))
+    grpo_tools.main(make_config(grpo_tools, vllm=True, vllm_sleep=True, total_steps=2, eval_every=0))
     (engine,) = engines
     assert all(turns == 3 for rollout in rollouts for turns in rollout.turns)  # 2 calls, then the answer
     assert engine.counts["generate"] == 3 * len(rollouts) and len(rollouts) == 4  # evaluation, 2 steps, evaluation
@@ -860,7 +842,7 @@ def test_two_processes_whose_trajectories_make_different_numbers_of_calls_do_not
     never joins)."""
     program, out = tmp_path / "two_processes.py", str(tmp_path / "runs")
     program.write_text(TWO_PROCESSES_PROGRAM)
-    values = {**TOOL_ARGS, "vllm": True, "vllm_sleep": True, "eval_every": 0}
+    values = {**FAST["grpo_tools"], "vllm": True, "vllm_sleep": True, "eval_every": 0}
     flags = strip_flags(fast_cli_flags(tiny_model_dir, task_dir, out, **values), "oversample")
     env = subprocess_env()
     env["PYTHONPATH"] = os.pathsep.join([REPO_ROOT, os.path.join(REPO_ROOT, "tests"), env["PYTHONPATH"]])
@@ -1057,17 +1039,12 @@ PRODUCT_ROWS = [
 
 
 @pytest.fixture
-def make_probe_args(tiny_model_dir, tmp_path):
-    data = write_rows(tmp_path / "products", PRODUCT_ROWS)
+def make_probe_args(make_config, tmp_path):
+    from benchmark import tool_probe
 
-    def make(**overrides):
-        from benchmark import tool_probe
-
-        values = dict(model_name_or_path=tiny_model_dir, dataset_path=data, output_dir=str(tmp_path / "probes"))
-        values |= dict(response_length=64, num_eval_prompts=0)
-        return tool_probe.ProbeConfig(**{**TOOL_ARGS, **values, **overrides})
-
-    return make
+    values = dict(dataset_path=write_rows(tmp_path / "products", PRODUCT_ROWS), output_dir=str(tmp_path / "probes"))
+    values |= dict(response_length=64, num_eval_prompts=0)
+    return functools.partial(make_config, grpo_tools, config_class=tool_probe.ProbeConfig, **values)
 
 
 def test_probe_reads_the_terms_of_a_question_and_sums_its_trajectories():
@@ -1193,7 +1170,7 @@ def test_probe_refuses_bad_flags_in_one_line(make_probe_args):
     [("calculator", 0, "24"), ("calculator", 1, "error: at most one operation per call"),
      ("unavailable", 0, "error: unavailable")],
 )  # fmt: skip
-def test_run_answers_calls_with_the_tool_the_flags_name(make_tool_args, monkeypatch, tool, max_operations, output):
+def test_run_answers_calls_with_the_tool_the_flags_name(make_config, monkeypatch, tool, max_operations, output):
     """--tool and --max_operations reach the training rollout and the evaluation: a scripted policy that calls
     <calc>2 * 3 * 4</calc> reads the calculator's 24, the one-operation error or `error: unavailable`."""
 
@@ -1207,7 +1184,7 @@ def test_run_answers_calls_with_the_tool_the_flags_name(make_tool_args, monkeypa
         return out
 
     monkeypatch.setattr(grpo_tools, "hf_turns", turns)
-    run = grpo_tools.main(make_tool_args(total_steps=1, tool=tool, max_operations=max_operations))
+    run = grpo_tools.main(make_config(grpo_tools, total_steps=1, tool=tool, max_operations=max_operations))
     lines = read_metrics(run)
     assert lines[1]["tools/calls"] == 1.0 and lines[1]["tools/failed_calls"] == float(output.startswith("error"))
     assert lines[1]["eval/call_rate"] == 1.0

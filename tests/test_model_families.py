@@ -12,20 +12,11 @@ import shutil
 
 import pytest
 import torch
+from conftest import MICRO_CONFIG
 from test_grpo_math_math import grouped_batch, logprobs_and_grads
 
 import grpo_math
 from grpo_math import shared_prompt_exact, shared_prompt_pays
-
-TINY = dict(
-    vocab_size=211,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-)
 
 
 def family_config(family, window):
@@ -33,18 +24,18 @@ def family_config(family, window):
     from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config
 
     if family == "llama":
-        return LlamaConfig(**TINY)
+        return LlamaConfig(**MICRO_CONFIG)
     if family == "qwen2":
         if window is None:
-            return Qwen2Config(**TINY)
-        return Qwen2Config(**TINY, use_sliding_window=True, sliding_window=window, max_window_layers=0)
+            return Qwen2Config(**MICRO_CONFIG)
+        return Qwen2Config(**MICRO_CONFIG, use_sliding_window=True, sliding_window=window, max_window_layers=0)
     if family == "mistral":
-        return MistralConfig(**TINY, sliding_window=window)
+        return MistralConfig(**MICRO_CONFIG, sliding_window=window)
     if family == "gemma3":  # one sliding layer, one full one, as gemma-3 alternates them (5:1)
         layer_types = ["sliding_attention", "full_attention"] if window else None
-        return Gemma3TextConfig(**TINY, head_dim=8, sliding_window=window or 4096, layer_types=layer_types)
+        return Gemma3TextConfig(**MICRO_CONFIG, head_dim=8, sliding_window=window or 4096, layer_types=layer_types)
     if family == "phi3":
-        return Phi3Config(**TINY, sliding_window=window, pad_token_id=0)
+        return Phi3Config(**MICRO_CONFIG, sliding_window=window, pad_token_id=0)
     raise ValueError(family)
 
 
@@ -135,7 +126,7 @@ def test_shared_prompt_exact_refuses_alibi_and_other_layer_types():
     from transformers import BloomConfig, LlamaConfig
 
     assert not shared_prompt_exact(BloomConfig(), 10)
-    config = LlamaConfig(**TINY)
+    config = LlamaConfig(**MICRO_CONFIG)
     config.layer_types = ["full_attention", "linear_attention"]
     assert not shared_prompt_exact(config, 10)
     config.layer_types = ["full_attention", "chunked_attention"]

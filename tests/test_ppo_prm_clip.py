@@ -2,6 +2,7 @@
 against float64 loops, step splitting, rewards on the right tokens, the verifier PRM, end-to-end tiny runs of every
 reward mode and PRM kind, and bad input."""
 
+import functools
 import importlib
 import inspect
 import json
@@ -17,6 +18,7 @@ import pytest
 import torch
 import tyro
 from conftest import (
+    FAST,
     REPO_ROOT,
     NoModelLoads,
     assert_same_trajectory,
@@ -553,37 +555,6 @@ def test_math_shepherd_text_has_one_tag_per_step():
 # gives it many steps per response (most tokens start with a space).
 
 
-FAST_ARGS = dict(
-    num_eval_prompts=4,
-    vllm=False,
-    response_length=12,
-    prompts_per_rank=4,
-    micro_batch_size=2,
-    num_minibatches=2,
-    num_ppo_epochs=1,
-    total_steps=2,
-    save_every=0,
-    max_prompt_length=128,
-    step_separator=" ",
-    kl_coef=0.0,
-)
-
-
-@pytest.fixture
-def make_args(tiny_model_dir, task_dir, tmp_path):
-    def _make(**overrides):
-        values = {
-            **FAST_ARGS,
-            "model_name_or_path": tiny_model_dir,
-            "dataset_path": task_dir,
-            "output_dir": str(tmp_path / "runs"),
-            **overrides,
-        }
-        return prm.Config(**values)
-
-    return _make
-
-
 RUN_METRICS = (
     "objective/success",
     "objective/num_steps",
@@ -621,8 +592,8 @@ def recorded_run(monkeypatch, args):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
-def test_run_of_every_reward_mode(make_args, monkeypatch, mode):
-    run_dir, gae_inputs, placed = recorded_run(monkeypatch, make_args(reward_mode=mode, eta=0.9))
+def test_run_of_every_reward_mode(make_config, monkeypatch, mode):
+    run_dir, gae_inputs, placed = recorded_run(monkeypatch, make_config(prm, reward_mode=mode, eta=0.9))
     lines = read_metrics(run_dir)
     assert [line["global_step"] for line in lines] == [0, 1, 2]
     for key in ("eval/accuracy", "eval/num_steps", "eval/prm_score", "eval/response_length"):
@@ -665,9 +636,9 @@ def test_run_of_every_reward_mode(make_args, monkeypatch, mode):
 
 
 @pytest.mark.slow
-def test_invariant_same_seed_same_metrics_and_resume(make_args, monkeypatch, tmp_path):
+def test_invariant_same_seed_same_metrics_and_resume(make_config, monkeypatch, tmp_path):
     overrides = dict(total_steps=3, save_every=2, reward_mode="raw")
-    run_a = prm.main(make_args(output_dir=str(tmp_path / "a"), **overrides))
+    run_a = prm.main(make_config(prm, output_dir=str(tmp_path / "a"), **overrides))
     calls, gae = [], prm.gae_advantages
 
     def interrupting_gae(*args):
@@ -678,16 +649,16 @@ def test_invariant_same_seed_same_metrics_and_resume(make_args, monkeypatch, tmp
 
     monkeypatch.setattr(prm, "gae_advantages", interrupting_gae)
     with pytest.raises(KeyboardInterrupt):
-        prm.main(make_args(output_dir=str(tmp_path / "b"), **overrides))
+        prm.main(make_config(prm, output_dir=str(tmp_path / "b"), **overrides))
     monkeypatch.setattr(prm, "gae_advantages", gae)
     run_b = only_run_dir(tmp_path / "b")
-    prm.main(make_args(output_dir=str(tmp_path / "b"), resume=run_b, **overrides))
+    prm.main(make_config(prm, output_dir=str(tmp_path / "b"), resume=run_b, **overrides))
     assert [line["global_step"] for line in read_metrics(run_b)] == [0, 1, 2, 3]
     assert without_timing(read_metrics(run_b)) == without_timing(read_metrics(run_a))
 
 
 @pytest.mark.slow
-def test_value_head_starts_at_zero(make_args, monkeypatch):
+def test_value_head_starts_at_zero(make_config, monkeypatch):
     values_seen, forward = [], prm.PolicyAndValueModel.forward
 
     def recording_forward(self, *args):
@@ -696,7 +667,7 @@ def test_value_head_starts_at_zero(make_args, monkeypatch):
         return out
 
     monkeypatch.setattr(prm.PolicyAndValueModel, "forward", recording_forward)
-    run_dir = prm.main(make_args(total_steps=1, reward_mode="raw"))  # non-zero returns to learn
+    run_dir = prm.main(make_config(prm, total_steps=1, reward_mode="raw"))  # non-zero returns to learn
     assert (values_seen[0] == 0).all()  # the first rollout's values: a zero head on the policy's weights
     assert not (values_seen[-1] == 0).all()  # it learns
     with open(os.path.join(run_dir, "value_model", "config.json")) as f:
@@ -707,14 +678,14 @@ def test_value_head_starts_at_zero(make_args, monkeypatch):
 
 
 @pytest.mark.slow
-def test_math_shepherd_prm_scores_the_tags(make_args, monkeypatch, tiny_model_dir):
+def test_math_shepherd_prm_scores_the_tags(make_config, monkeypatch, tiny_model_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     texts, scores = [], []
     text_of, refine = prm.math_shepherd_text, prm.refine_process_rewards
     monkeypatch.setattr(prm, "math_shepherd_text", lambda *a: texts.append(text_of(*a)) or texts[-1])
     monkeypatch.setattr(prm, "refine_process_rewards", lambda s, *a: scores.append(s) or refine(s, *a))
-    args = make_args(prm=tiny_model_dir, prm_step_tag="§", total_steps=1, reward_mode="raw")
+    args = make_config(prm, prm=tiny_model_dir, prm_step_tag="§", total_steps=1, reward_mode="raw")
     lines = read_metrics(prm.main(args))
     assert lines[1]["objective/prm_score"] > 0
     texts = texts[1:]  # the first is the probe that checks the tag before any model loads
@@ -737,10 +708,10 @@ def test_math_shepherd_prm_scores_the_tags(make_args, monkeypatch, tiny_model_di
 
 
 @pytest.fixture
-def bad_args(make_args, monkeypatch):
+def bad_args(make_config, monkeypatch):
     monkeypatch.setattr(prm, "AutoModelForCausalLM", NoModelLoads)
     monkeypatch.setattr(prm, "AutoModelForSequenceClassification", NoModelLoads)
-    return make_args
+    return functools.partial(make_config, prm)
 
 
 @pytest.mark.parametrize(
@@ -805,9 +776,9 @@ def test_a_whole_response_reward_model_is_not_a_prm(bad_args, tiny_reward_model_
 
 
 @pytest.mark.slow
-def test_lora_policy_starts_at_the_reference(make_args):
+def test_lora_policy_starts_at_the_reference(make_config):
     lines = train_lines(
-        read_metrics(prm.main(make_args(lora_r=4, learning_rate=1e-2, kl_coef=0.1, reward_mode="raw")))
+        read_metrics(prm.main(make_config(prm, lora_r=4, learning_rate=1e-2, kl_coef=0.1, reward_mode="raw")))
     )
     assert lines[0]["objective/kl"] == 0.0  # the adapters start at zero: policy == reference (adapters off)
     assert lines[-1]["objective/kl"] != 0.0
@@ -818,7 +789,7 @@ def test_lora_policy_starts_at_the_reference(make_args):
 def test_vllm_run(tiny_model_dir, task_dir, tmp_path):
     require_vllm()
     out = str(tmp_path / "runs")
-    values = {**FAST_ARGS, "model_name_or_path": tiny_model_dir, "dataset_path": task_dir, "output_dir": out}
+    values = dict(FAST["ppo_prm_clip"], model_name_or_path=tiny_model_dir, dataset_path=task_dir, output_dir=out)
     flags = cli_flags({**values, "vllm": True})
     run_checked([sys.executable, "ppo_prm_clip.py", *flags, "--reward_mode", "raw"], vllm_env(), timeout=300)
     run_dir = only_run_dir(out)
@@ -859,9 +830,9 @@ INVARIANT_KEYS = (
 )
 
 
-def fixed_rollout_run(monkeypatch, make_args, **overrides):
+def fixed_rollout_run(monkeypatch, make_config, **overrides):
     fixed_rollout.patch(prm, monkeypatch.setattr)
-    return prm.main(make_args(**{**INVARIANT_ARGS, **overrides}))
+    return prm.main(make_config(prm, **{**INVARIANT_ARGS, **overrides}))
 
 
 def initial_value_model_file(model_dir, folder):
@@ -884,13 +855,13 @@ def assert_same_models(one, two, model_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_invariant_two_processes_equal_one_process(tiny_model_dir, task_dir, tmp_path, make_args, monkeypatch):
+def test_invariant_two_processes_equal_one_process(tiny_model_dir, task_dir, tmp_path, make_config, monkeypatch):
     """2 processes with 4 prompts each = 1 process with the 8 prompts: the same losses, grad norm, lr and weights
     (policy and value model) after 4 updates (failed before: the prepared scheduler stepped twice per update, and
     the whitening and the losses' token counts were per process)."""
-    one = fixed_rollout_run(monkeypatch, make_args, prompts_per_rank=8, output_dir=str(tmp_path / "one"))
+    one = fixed_rollout_run(monkeypatch, make_config, prompts_per_rank=8, output_dir=str(tmp_path / "one"))
     out = str(tmp_path / "two")
-    values = {**FAST_ARGS, "model_name_or_path": tiny_model_dir, "dataset_path": task_dir, "output_dir": out}
+    values = dict(FAST["ppo_prm_clip"], model_name_or_path=tiny_model_dir, dataset_path=task_dir, output_dir=out)
     two = launch_fixed_rollout("ppo_prm_clip.py", cli_flags({**values, **INVARIANT_ARGS, "prompts_per_rank": 4}), out)
     lines = read_metrics(two)
     assert [line["global_step"] for line in lines] == [0, 1, 2]
@@ -907,7 +878,7 @@ def test_invariant_two_processes_equal_one_process(tiny_model_dir, task_dir, tmp
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [3])  # ZeRO-2 shares the code path (tested on grpo_math and ppo_rlhf)
-def test_invariant_deepspeed_equals_one_process(tiny_model_dir, task_dir, tmp_path, make_args, monkeypatch, stage):
+def test_invariant_deepspeed_equals_one_process(tiny_model_dir, task_dir, tmp_path, make_config, monkeypatch, stage):
     """DeepSpeed ZeRO-3 with the shipped config, 2 CPU processes (gloo) with 4 prompts each = 1 process with the 8
     prompts: same losses, grad norm, lr and saved policy and value model (micro-batches of 2: DeepSpeed accumulates
     2 per update, and clips by max_grad_norm itself). Under ZeRO-3 the value head, partitioned as it loads, is
@@ -915,9 +886,9 @@ def test_invariant_deepspeed_equals_one_process(tiny_model_dir, task_dir, tmp_pa
     reference loads whole on each process; HF generate gathers the policy, also on the process with no evaluation
     prompt (one prompt for two processes); the final save gathers both models."""
     require_deepspeed()
-    one = fixed_rollout_run(monkeypatch, make_args, prompts_per_rank=8, num_eval_prompts=1)
+    one = fixed_rollout_run(monkeypatch, make_config, prompts_per_rank=8, num_eval_prompts=1)
     out = str(tmp_path / f"zero{stage}")
-    values = {**FAST_ARGS, "model_name_or_path": tiny_model_dir, "dataset_path": task_dir, "output_dir": out}
+    values = dict(FAST["ppo_prm_clip"], model_name_or_path=tiny_model_dir, dataset_path=task_dir, output_dir=out)
     flags = cli_flags({**values, **INVARIANT_ARGS, "prompts_per_rank": 4, "num_eval_prompts": 1})
     config = os.path.join(REPO_ROOT, "benchmark", "accelerate_configs", f"deepspeed_zero{stage}.yaml")
     zero = launch_fixed_rollout("ppo_prm_clip.py", flags, out, config_file=config)
@@ -939,11 +910,11 @@ def test_invariant_deepspeed_equals_one_process(tiny_model_dir, task_dir, tmp_pa
 
 
 @pytest.mark.slow
-def test_invariant_gradient_accumulation_equals_one_micro_batch(make_args, monkeypatch, tmp_path, tiny_model_dir):
+def test_invariant_gradient_accumulation_equals_one_micro_batch(make_config, monkeypatch, tmp_path, tiny_model_dir):
     """4 micro-batches of 2 accumulated = the batch of 8 in one micro-batch: same losses, grad norm, weights."""
     runs = [
         fixed_rollout_run(
-            monkeypatch, make_args, prompts_per_rank=8, micro_batch_size=m, output_dir=str(tmp_path / f"mb{m}")
+            monkeypatch, make_config, prompts_per_rank=8, micro_batch_size=m, output_dir=str(tmp_path / f"mb{m}")
         )
         for m in (2, 8)
     ]
@@ -957,12 +928,12 @@ def test_invariant_gradient_accumulation_equals_one_micro_batch(make_args, monke
 @pytest.mark.slow
 @pytest.mark.parametrize("lora_r", [0, 4])
 def test_invariant_bf16_autocast_kl_is_zero_and_ratio_one_before_the_first_update(
-    make_args, monkeypatch, bf16_autocast, lora_r
+    make_config, monkeypatch, bf16_autocast, lora_r
 ):
     """--mixed_precision bf16 autocasts the prepared policy and value model; the reference (a copy, or the policy
     with its adapters off) runs under the same autocast, so the first step's KL is exactly 0 and the first
     minibatch's ratio exactly 1 (failed before: the reference ran in fp32)."""
-    run_dir = fixed_rollout_run(monkeypatch, make_args, total_steps=1, num_ppo_epochs=1, lora_r=lora_r)
+    run_dir = fixed_rollout_run(monkeypatch, make_config, total_steps=1, num_ppo_epochs=1, lora_r=lora_r)
     (line,) = train_lines(read_metrics(run_dir))
     assert line["objective/kl"] == 0.0
     assert line["policy/ratio_first_minibatch"] == 1.0 and line["policy/approxkl_first_minibatch"] == 0.0

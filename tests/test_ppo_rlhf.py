@@ -11,6 +11,7 @@ import fixed_rollout
 import pytest
 import torch
 from conftest import (
+    FAST,
     REPO_ROOT,
     SMOLLM2_DIR,
     assert_eval_ref_perplexity_is_worked_out_here,
@@ -313,7 +314,7 @@ def biased_reward_model_dir(tiny_reward_model_dir, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_initial_values_are_the_centred_reward_model_scores(make_ppo_args, biased_reward_model_dir, monkeypatch):
+def test_initial_values_are_the_centred_reward_model_scores(make_config, biased_reward_model_dir, monkeypatch):
     """The value model starts from the reward model, whose scores are centred by config.bias (0.7 here): its first
     values are the reward model's raw head output minus 0.7 at every position, on the scale of the centred scores
     and returns (failed before: the values were the raw output, 0.7 above)."""
@@ -333,7 +334,9 @@ def test_initial_values_are_the_centred_reward_model_scores(make_ppo_args, biase
     monkeypatch.setattr(ppo_rlhf, "token_scores", recording_scores)
     monkeypatch.setattr(ppo_rlhf, "gae_advantages", recording_gae)
     fixed_rollout.patch(ppo_rlhf, monkeypatch.setattr)
-    ppo_rlhf.main(make_ppo_args(reward_model_path=biased_reward_model_dir, total_steps=1, missing_eos_penalty=-1.0))
+    ppo_rlhf.main(
+        make_config(ppo_rlhf, reward_model_path=biased_reward_model_dir, total_steps=1, missing_eos_penalty=-1.0)
+    )
     ((values, mask, num_calls),) = gae_inputs
     input_ids, raw = calls[num_calls - 1]  # the reward model's pass over the step's batch, just before GAE
     context_length = input_ids.shape[1] - mask.shape[1]
@@ -345,39 +348,8 @@ def test_initial_values_are_the_centred_reward_model_scores(make_ppo_args, biase
 # End-to-end runs
 
 
-FAST_PPO_ARGS = dict(
-    num_eval_prompts=8,
-    vllm=False,
-    response_length=12,
-    prompts_per_rank=8,
-    micro_batch_size=4,
-    num_minibatches=2,
-    num_ppo_epochs=2,
-    total_steps=2,
-    save_every=0,
-    max_prompt_length=128,
-    missing_eos_penalty=None,  # the random tiny policy never says EOS in 12 tokens: read the reward model instead
-)
-
-
-@pytest.fixture
-def make_ppo_args(tiny_model_dir, tiny_reward_model_dir, task_dir, tmp_path):
-    def _make(**overrides):
-        values = {
-            **FAST_PPO_ARGS,
-            "model_name_or_path": tiny_model_dir,
-            "reward_model_path": tiny_reward_model_dir,
-            "dataset_path": task_dir,
-            "output_dir": str(tmp_path / "runs"),
-            **overrides,
-        }
-        return ppo_rlhf.Config(**values)
-
-    return _make
-
-
 @pytest.mark.slow
-def test_run_logs_the_n_plus_metrics_and_starts_on_policy(make_ppo_args, monkeypatch):
+def test_run_logs_the_n_plus_metrics_and_starts_on_policy(make_config, monkeypatch):
     seen, original = [], ppo_rlhf.gae_advantages  # GAE's input: the score on the last real token, and only there
 
     def recording_gae(rewards, values, mask, gamma, lam):
@@ -385,7 +357,7 @@ def test_run_logs_the_n_plus_metrics_and_starts_on_policy(make_ppo_args, monkeyp
         return original(rewards, values, mask, gamma, lam)
 
     monkeypatch.setattr(ppo_rlhf, "gae_advantages", recording_gae)
-    args = make_ppo_args(total_steps=3, kl_coef=0.0, learning_rate=1e-3)
+    args = make_config(ppo_rlhf, total_steps=3, kl_coef=0.0, learning_rate=1e-3)
     run_dir = ppo_rlhf.main(args)
 
     with open(os.path.join(run_dir, "config.json")) as f:
@@ -423,7 +395,7 @@ def test_run_logs_the_n_plus_metrics_and_starts_on_policy(make_ppo_args, monkeyp
 
 @pytest.mark.slow
 @pytest.mark.parametrize("whiten", [True, False])
-def test_the_loss_gets_gae_advantages_whitened_over_the_batch_or_as_they_are(make_ppo_args, monkeypatch, whiten):
+def test_the_loss_gets_gae_advantages_whitened_over_the_batch_or_as_they_are(make_config, monkeypatch, whiten):
     """--whiten_advantages (default): (A - mean) / std over every real token of the batch, unbiased variance, worked
     out here in float64; --no-whiten_advantages: GAE's advantages reach the loss unchanged."""
     gae_out, loss_in = [], []
@@ -441,7 +413,7 @@ def test_the_loss_gets_gae_advantages_whitened_over_the_batch_or_as_they_are(mak
     recording_loss.__signature__ = inspect.signature(original_loss)  # main reads the loss's flags from it
     monkeypatch.setattr(ppo_rlhf, "gae_advantages", recording_gae)
     monkeypatch.setattr(ppo_rlhf, "ppo_rlhf_loss", recording_loss)
-    ppo_rlhf.main(make_ppo_args(total_steps=1, num_ppo_epochs=1, num_eval_prompts=4, whiten_advantages=whiten))
+    ppo_rlhf.main(make_config(ppo_rlhf, total_steps=1, num_ppo_epochs=1, num_eval_prompts=4, whiten_advantages=whiten))
 
     ((advantages, mask),) = gae_out
     received = torch.cat(loss_in)  # 2 minibatches x 1 micro-batch of 4, in rollout order: the batch's 8 rows
@@ -476,13 +448,19 @@ def space_token_scores(original, sign):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sign", [1, -1])
-def test_policy_raises_a_learnable_score(make_ppo_args, monkeypatch, sign):
+def test_policy_raises_a_learnable_score(make_config, monkeypatch, sign):
     """At temperature 0.2 the tiny random policy samples a handful of tokens per context; PPO moves the mass to the
     rewarded ones. Observed (seed 1, sign 1): 2.87 -> 3.30 in 8 steps (all 12 response tokens spaced). The negated
     reward must move the other way: the direction comes from the reward, not from the entropy collapse."""
     monkeypatch.setattr(ppo_rlhf, "token_scores", space_token_scores(ppo_rlhf.token_scores, sign))
-    args = make_ppo_args(
-        total_steps=10, learning_rate=5e-3, temperature=0.2, kl_coef=0.0, prompts_per_rank=16, lr_scheduler="constant"
+    args = make_config(
+        ppo_rlhf,
+        total_steps=10,
+        learning_rate=5e-3,
+        temperature=0.2,
+        kl_coef=0.0,
+        prompts_per_rank=16,
+        lr_scheduler="constant",
     )
     scores = [line["objective/scores"] for line in train_lines(read_metrics(ppo_rlhf.main(args)))]
     first, last = sum(scores[:3]) / 3, sum(scores[-3:]) / 3
@@ -495,22 +473,22 @@ def test_invariant_killed_at_random_points_and_resumed_gives_the_uninterrupted_r
 ):
     """SIGKILL inside a step, inside a checkpoint write and inside the final save (policy and value), --resume after
     each: the same metrics, samples and weights as the uninterrupted run."""
-    values = {**FAST_PPO_ARGS, "total_steps": 3, "save_every": 1, "learning_rate": 1e-3}
+    values = {**FAST["ppo_rlhf"], "total_steps": 3, "save_every": 1, "learning_rate": 1e-3}
     values.update(model_name_or_path=tiny_model_dir, reward_model_path=tiny_reward_model_dir, dataset_path=task_dir)
     assert_survives_kills("ppo_rlhf.py", cli_flags(values), lambda out: ["--output_dir", out], str(tmp_path), seed=21)
 
 
 @pytest.mark.slow
-def test_eval_ref_perplexity_is_worked_out_here(make_ppo_args, tiny_model_dir, monkeypatch):
-    args = make_ppo_args(total_steps=1, num_eval_prompts=4)
+def test_eval_ref_perplexity_is_worked_out_here(make_config, tiny_model_dir, monkeypatch):
+    args = make_config(ppo_rlhf, total_steps=1, num_eval_prompts=4)
     assert_eval_ref_perplexity_is_worked_out_here(
         ppo_rlhf, ppo_rlhf.Sampler, args, tiny_model_dir, monkeypatch.setattr
     )
 
 
 @pytest.mark.slow
-def test_lora_policy_starts_at_the_reference(make_ppo_args):
-    every_line = read_metrics(ppo_rlhf.main(make_ppo_args(lora_r=4, learning_rate=1e-2, kl_coef=0.1)))
+def test_lora_policy_starts_at_the_reference(make_config):
+    every_line = read_metrics(ppo_rlhf.main(make_config(ppo_rlhf, lora_r=4, learning_rate=1e-2, kl_coef=0.1)))
     assert not any("eval/ref_perplexity" in line for line in every_line)  # the reference is the adapters off
     lines = train_lines(every_line)
     assert lines[0]["objective/kl"] == 0.0  # the adapters start at zero: policy == reference (adapters off)
@@ -524,7 +502,7 @@ def test_vllm_run(tiny_model_dir, tiny_reward_model_dir, task_dir, tmp_path):
     out = str(tmp_path / "runs")
     flags = cli_flags(
         {
-            **FAST_PPO_ARGS,
+            **FAST["ppo_rlhf"],
             "model_name_or_path": tiny_model_dir,
             "reward_model_path": tiny_reward_model_dir,
             "dataset_path": task_dir,
@@ -566,9 +544,9 @@ INVARIANT_KEYS = (
 )  # not objective/kl: a sum of differences of log-probs near -10, float32 noise of 1e-6 for a KL of 1e-2
 
 
-def fixed_rollout_run(monkeypatch, make_ppo_args, **overrides):
+def fixed_rollout_run(monkeypatch, make_config, **overrides):
     fixed_rollout.patch(ppo_rlhf, monkeypatch.setattr)
-    return ppo_rlhf.main(make_ppo_args(**{**INVARIANT_ARGS, **overrides}))
+    return ppo_rlhf.main(make_config(ppo_rlhf, **{**INVARIANT_ARGS, **overrides}))
 
 
 def assert_same_models(run_a, run_b, tiny_model_dir, tiny_reward_model_dir):
@@ -599,17 +577,19 @@ def distinct_ensemble(tiny_reward_model_dir, tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("ensemble", [None, "wco"])
 def test_invariant_two_processes_equal_one_process(
-    tiny_model_dir, tiny_reward_model_dir, task_dir, tmp_path, make_ppo_args, monkeypatch, distinct_ensemble, ensemble
+    tiny_model_dir, tiny_reward_model_dir, task_dir, tmp_path, make_config, monkeypatch, distinct_ensemble, ensemble
 ):
     """2 processes with 4 prompts each = 1 process with the 8 prompts: the same losses, grad norm, lr and weights
     (policy and value model) after 4 updates (failed before: the prepared scheduler stepped twice per update, and
     the advantage whitening and the losses' token counts were per process); with an ensemble of two reward models
     that disagree (WCO) too, each member's score included."""
     reward = {} if ensemble is None else dict(reward_model_path=distinct_ensemble, reward_ensemble=ensemble)
-    one = fixed_rollout_run(monkeypatch, make_ppo_args, output_dir=str(tmp_path / "one"), **reward)
+    one = fixed_rollout_run(monkeypatch, make_config, output_dir=str(tmp_path / "one"), **reward)
     out = str(tmp_path / "two")
     paths = dict(model_name_or_path=tiny_model_dir, reward_model_path=tiny_reward_model_dir, dataset_path=task_dir)
-    flags = cli_flags({**FAST_PPO_ARGS, **INVARIANT_ARGS, **paths, **reward, "prompts_per_rank": 4, "output_dir": out})
+    flags = cli_flags(
+        {**FAST["ppo_rlhf"], **INVARIANT_ARGS, **paths, **reward, "prompts_per_rank": 4, "output_dir": out}
+    )
     two = launch_fixed_rollout("ppo_rlhf.py", flags, out)
     lines = read_metrics(two)
     assert [line["global_step"] for line in lines] == [0, 1, 2]
@@ -627,7 +607,7 @@ def test_invariant_two_processes_equal_one_process(
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
 def test_invariant_deepspeed_equals_one_process(
-    tiny_model_dir, biased_reward_model_dir, task_dir, tmp_path, make_ppo_args, monkeypatch, stage
+    tiny_model_dir, biased_reward_model_dir, task_dir, tmp_path, make_config, monkeypatch, stage
 ):
     """DeepSpeed ZeRO-2 / ZeRO-3 with the shipped configs, 2 CPU processes (gloo) with 4 prompts each = 1 process
     with the 8 prompts: the same losses, grad norm, lr and saved weights of the policy and the value model, trained
@@ -638,11 +618,11 @@ def test_invariant_deepspeed_equals_one_process(
     bias (0.7) in both runs."""
     require_deepspeed()
     rm = biased_reward_model_dir
-    one = fixed_rollout_run(monkeypatch, make_ppo_args, reward_model_path=rm, output_dir=str(tmp_path / "one"))
+    one = fixed_rollout_run(monkeypatch, make_config, reward_model_path=rm, output_dir=str(tmp_path / "one"))
     out = str(tmp_path / f"zero{stage}")
     paths = dict(model_name_or_path=tiny_model_dir, reward_model_path=rm, dataset_path=task_dir)
     per_process = {"prompts_per_rank": 4, "micro_batch_size": 2, "num_eval_prompts": 1, "output_dir": out}
-    flags = cli_flags({**FAST_PPO_ARGS, **INVARIANT_ARGS, **paths, **per_process})
+    flags = cli_flags({**FAST["ppo_rlhf"], **INVARIANT_ARGS, **paths, **per_process})
     config = os.path.join(REPO_ROOT, "benchmark", "accelerate_configs", f"deepspeed_zero{stage}.yaml")
     zero = launch_fixed_rollout("ppo_rlhf.py", flags, out, config_file=config)
     with open(os.path.join(zero, "config.json")) as f:
@@ -667,11 +647,11 @@ def test_invariant_deepspeed_equals_one_process(
 
 @pytest.mark.slow
 def test_invariant_gradient_accumulation_equals_one_micro_batch(
-    make_ppo_args, monkeypatch, tmp_path, tiny_model_dir, tiny_reward_model_dir
+    make_config, monkeypatch, tmp_path, tiny_model_dir, tiny_reward_model_dir
 ):
     """micro-batches of 2 accumulated = the batch of 8 in one micro-batch: same losses, grad norm and weights."""
     runs = [
-        fixed_rollout_run(monkeypatch, make_ppo_args, micro_batch_size=m, output_dir=str(tmp_path / f"mb{m}"))
+        fixed_rollout_run(monkeypatch, make_config, micro_batch_size=m, output_dir=str(tmp_path / f"mb{m}"))
         for m in (2, 8)
     ]
     assert_same_trajectory(*runs, (*INVARIANT_KEYS, "eval/ref_perplexity"))
@@ -680,11 +660,11 @@ def test_invariant_gradient_accumulation_equals_one_micro_batch(
 
 @pytest.mark.slow
 def test_invariant_bf16_autocast_kl_is_zero_and_ratio_is_one_before_the_first_update(
-    make_ppo_args, monkeypatch, bf16_autocast
+    make_config, monkeypatch, bf16_autocast
 ):
     """--mixed_precision bf16 autocasts the prepared policy and value model; the reference runs under the same
     autocast, so the KL of the first step is exactly 0, and the first minibatch's ratio exactly 1."""
-    run_dir = fixed_rollout_run(monkeypatch, make_ppo_args, total_steps=1)
+    run_dir = fixed_rollout_run(monkeypatch, make_config, total_steps=1)
     (line,) = train_lines(read_metrics(run_dir))
     assert line["objective/kl"] == 0.0
     assert line["policy/ratio_first_minibatch"] == 1.0
@@ -896,13 +876,13 @@ def two_member_ensemble(tiny_reward_model_dir, tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ensemble", ["mean", "wco", "uwo"])
-def test_an_ensemble_of_identical_members_trains_as_the_single_model(make_ppo_args, two_member_ensemble, ensemble):
+def test_an_ensemble_of_identical_members_trains_as_the_single_model(make_config, two_member_ensemble, ensemble):
     """Two copies of one reward model agree on every response: mean, WCO and UWO all give that model's score, so the
     run is the single-model run number for number (KL 0 and ratio 1 before the first update included), with each
     member's score logged beside it, in training and in evaluation."""
-    single = read_metrics(ppo_rlhf.main(make_ppo_args(seed=3)))
+    single = read_metrics(ppo_rlhf.main(make_config(ppo_rlhf, seed=3)))
     double = read_metrics(
-        ppo_rlhf.main(make_ppo_args(seed=3, reward_model_path=two_member_ensemble, reward_ensemble=ensemble))
+        ppo_rlhf.main(make_config(ppo_rlhf, seed=3, reward_model_path=two_member_ensemble, reward_ensemble=ensemble))
     )
     members = [f"{prefix}_member_{k}" for prefix in ("objective/scores", "eval/score") for k in range(2)]
     for one, two in zip(without_timing(single), without_timing(double)):

