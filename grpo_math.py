@@ -293,7 +293,7 @@ def masked_mean(values, mask, dim=None):
 
 def token_mean(values, mask):
     """masked_mean over every element as a float; NaN without any token (a micro-batch whose completions all left the
-    loss), which the averages over micro-batches and processes then leave out (reduce_values)."""
+    loss), which the averages over micro-batches and processes then leave out (_reduce_values)."""
     return masked_mean(values, mask).item() if mask.any() else float("nan")
 
 
@@ -746,8 +746,8 @@ def setup(args, micro_batch_rows=None):
     sampling stream per process). micro_batch_rows: DeepSpeed's micro-batch in rows, when not --micro_batch_size."""
     check_args(args)
     micro_batch_rows = micro_batch_rows or args.micro_batch_size
-    accelerator = make_accelerator(micro_batch_rows, args.gradient_accumulation_steps, args.max_grad_norm)
-    tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
+    accelerator = _make_accelerator(micro_batch_rows, args.gradient_accumulation_steps, args.max_grad_norm)
+    tokenizer = _load_tokenizer(args.model_name_or_path, args.trust_remote_code)
     set_seed(args.seed + accelerator.process_index)
     return accelerator, tokenizer
 
@@ -759,36 +759,36 @@ def check_args(args):
     data = (
         "build the embedded tasks with `make assets`, or pass a folder with train.jsonl/test.jsonl or a hub dataset id"
     )
-    check_common_args(args, {"extra_eval_path": data})
+    _check_common_args(args, {"extra_eval_path": data})
     groups = f"GRPO compares completions within a group; got {args.num_generations}"
-    require(args.num_generations >= 2, f"--num_generations must be >= 2 ({groups})")
-    check_at_least(args, 1, "prompts_per_rank oversample micro_batch_size num_minibatches num_iterations total_steps")
-    check_at_least(args, 1, "response_length")
+    _require(args.num_generations >= 2, f"--num_generations must be >= 2 ({groups})")
+    _check_at_least(args, 1, "prompts_per_rank oversample micro_batch_size num_minibatches num_iterations total_steps")
+    _check_at_least(args, 1, "response_length")
     batch = args.prompts_per_rank * args.num_generations
     if batch % args.num_minibatches:
-        fail(f"--num_minibatches ({args.num_minibatches}) must divide prompts_per_rank * num_generations ({batch})")
+        _fail(f"--num_minibatches ({args.num_minibatches}) must divide prompts_per_rank * num_generations ({batch})")
     if (batch // args.num_minibatches) % args.micro_batch_size:
-        fail(
+        _fail(
             f"--micro_batch_size ({args.micro_batch_size}) must divide the minibatch "
             f"(prompts_per_rank * num_generations / num_minibatches = {batch // args.num_minibatches})"
         )
     clip = f"--clip_eps_low must be in [0, 1) and --clip_eps_high >= 0; got {args.clip_eps_low}, {args.clip_eps_high}"
-    require(0 <= args.clip_eps_low < 1 and args.clip_eps_high >= 0, clip)
-    require(args.beta >= 0, f"--beta must be >= 0; got {args.beta}")
+    _require(0 <= args.clip_eps_low < 1 and args.clip_eps_high >= 0, clip)
+    _require(args.beta >= 0, f"--beta must be >= 0; got {args.beta}")
     low, high = args.mis_range or (0, 1)
-    require(0 <= low < high, f"--mis_range must be two numbers 0 <= low < high; got {low} {high}")
-    require(args.cispo_cap is None or args.cispo_cap > 0, f"--cispo_cap must be > 0 (or None); got {args.cispo_cap}")
+    _require(0 <= low < high, f"--mis_range must be two numbers 0 <= low < high; got {low} {high}")
+    _require(args.cispo_cap is None or args.cispo_cap > 0, f"--cispo_cap must be > 0 (or None); got {args.cispo_cap}")
     overlong = (
         f"--overlong_buffer must be in [0, --response_length {args.response_length}); got {args.overlong_buffer}"
     )
-    require(0 <= args.overlong_buffer < args.response_length, overlong)
+    _require(0 <= args.overlong_buffer < args.response_length, overlong)
     # The sizes computed from the flags (config.json records them).
     args.batch_size = args.prompts_per_rank * args.num_generations
     args.minibatch_size = args.batch_size // args.num_minibatches
     args.gradient_accumulation_steps = args.minibatch_size // args.micro_batch_size
 
 
-def check_common_args(args, paths=(), compares_logprobs=True):
+def _check_common_args(args, paths=(), compares_logprobs=True):
     """The checks every script makes: sampling, --prompt_template, the run folder, and that each local path exists
     (the model, the dataset and `paths` {argument: how to get one}; an assets/ path missing here is taken from
     beside this script, and a hub id is checked when it loads). When the trainer compares its log-probs with vLLM's
@@ -807,40 +807,40 @@ def check_common_args(args, paths=(), compares_logprobs=True):
             setattr(args, name, path)
         # Hub ids look like "org/name": the folders this project writes (assets/, runs/) are local before they exist.
         local = path is not None and (os.path.exists(path) or path.startswith((".", "/", "~", "assets/", "runs/")))
-        require(not local or os.path.isdir(path), f"--{name} {path} does not exist; {hint}")
-    require(args.temperature > 0, f"--temperature must be > 0 (completions are sampled); got {args.temperature}")
-    require(0 < args.top_p <= 1, f"--top_p must be in (0, 1]; got {args.top_p}")
+        _require(not local or os.path.isdir(path), f"--{name} {path} does not exist; {hint}")
+    _require(args.temperature > 0, f"--temperature must be > 0 (completions are sampled); got {args.temperature}")
+    _require(0 < args.top_p <= 1, f"--top_p must be in (0, 1]; got {args.top_p}")
     vllm_top_p = f"--top_p {args.top_p} with vLLM: its log-probs would be over the nucleus, the trainer's over the "
-    require(not (compares_logprobs and args.vllm and args.top_p < 1), vllm_top_p + "vocabulary; use 1, or --no-vllm")
+    _require(not (compares_logprobs and args.vllm and args.top_p < 1), vllm_top_p + "vocabulary; use 1, or --no-vllm")
     if getattr(args, "tis_cap", None) is not None:
-        require(args.tis_cap >= 0, f"--tis_cap must be > 0 (0: off); got {args.tis_cap}")
+        _require(args.tis_cap >= 0, f"--tis_cap must be > 0 (0: off); got {args.tis_cap}")
     if getattr(args, "vllm_sleep", False):
-        require(not args.vllm or torch.cuda.is_available(), "--vllm_sleep needs vLLM on a GPU (CUDA / ROCm / XPU)")
+        _require(not args.vllm or torch.cuda.is_available(), "--vllm_sleep needs vLLM on a GPU (CUDA / ROCm / XPU)")
     template = args.prompt_template
-    require(template is None or "{question}" in template, "--prompt_template must contain {question}")
+    _require(template is None or "{question}" in template, "--prompt_template must contain {question}")
     output_is_file = f"--output_dir {args.output_dir} is a file; it must be a folder (each run makes its own in it)"
-    require(not os.path.isfile(args.output_dir), output_is_file)
-    check_at_least(args, 1, "keep_checkpoints")
+    _require(not os.path.isfile(args.output_dir), output_is_file)
+    _check_at_least(args, 1, "keep_checkpoints")
 
 
-def require(ok, message):
+def _require(ok, message):
     """fail(message) unless ok."""
     if not ok:
-        fail(message)
+        _fail(message)
 
 
-def fail(message):
+def _fail(message):
     """Stop before any heavy work with one clear line."""
     raise SystemExit(f"error: {message}")
 
 
-def check_at_least(args, minimum, names):
+def _check_at_least(args, minimum, names):
     """Each argument in `names` (space-separated) must be >= minimum."""
     for name in names.split():
-        require(getattr(args, name) >= minimum, f"--{name} must be >= {minimum}; got {getattr(args, name)}")
+        _require(getattr(args, name) >= minimum, f"--{name} must be >= {minimum}; got {getattr(args, name)}")
 
 
-def make_accelerator(micro_batch_size, gradient_accumulation_steps, max_grad_norm):
+def _make_accelerator(micro_batch_size, gradient_accumulation_steps, max_grad_norm):
     """The Accelerator of this launch: one process, DDP, or DeepSpeed (the config given to `accelerate launch
     --config_file`), on GPUs or on CPU. The scheduler is stepped by hand once per optimizer step (accelerate's
     default would step it once per process)."""
@@ -849,7 +849,9 @@ def make_accelerator(micro_batch_size, gradient_accumulation_steps, max_grad_nor
         from deepspeed import __version__ as version
         from packaging.version import Version
 
-        require(Version(version) >= Version("0.19.2"), f"DeepSpeed {version} is installed; the scripts need >= 0.19.2")
+        _require(
+            Version(version) >= Version("0.19.2"), f"DeepSpeed {version} is installed; the scripts need >= 0.19.2"
+        )
     no_gpu = not torch.cuda.is_available()
     # On CPU, cpu=True connects DDP processes (gloo); under DeepSpeed it would switch DeepSpeed off: gloo is named.
     gloo = [InitProcessGroupKwargs(backend="gloo")] if deepspeed and no_gpu else []
@@ -864,7 +866,7 @@ def make_accelerator(micro_batch_size, gradient_accumulation_steps, max_grad_nor
     return accelerator
 
 
-def load_tokenizer(model_name_or_path, trust_remote_code):
+def _load_tokenizer(model_name_or_path, trust_remote_code):
     """The policy's tokenizer, with EOS as the padding token when it has none."""
     from huggingface_hub import constants
 
@@ -872,7 +874,7 @@ def load_tokenizer(model_name_or_path, trust_remote_code):
         tokenizer = AutoTokenizer.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code)
     except OSError as error:
         offline = "; offline (HF_HUB_OFFLINE=1): only cached models load"
-        fail(
+        _fail(
             f"--model_name_or_path {model_name_or_path} is neither a local folder nor a reachable hub model "
             f"({str(error).splitlines()[0]}){offline if constants.HF_HUB_OFFLINE else ''}"
         )
@@ -894,19 +896,19 @@ def load_math_prompts(args, tokenizer, world_size):
     sets = {}
     for name, (path, config_name, split) in splits.items():
         where = f"{'--extra_eval_path' if name == 'eval_extra' else '--dataset_path'} {path} split {split}"
-        rows = load_split(path, config_name, split)
+        rows = _load_split(path, config_name, split)
         if name == "eval" and args.num_eval_prompts:
             rows = rows[: args.num_eval_prompts]
-        check_columns(rows, columns, where, text_columns=[args.question_column])
-        check_golds(rows, args.answer_column, where)
-        sets[name] = build_prompts(tokenizer, rows, args)
+        _check_columns(rows, columns, where, text_columns=[args.question_column])
+        _check_golds(rows, args.answer_column, where)
+        sets[name] = _build_prompts(tokenizer, rows, args)
         needed = args.prompts_per_rank * world_size if name == "train" else 1
-        require_prompts(sets[name][0], needed, where, args.max_prompt_length)
+        _require_prompts(sets[name][0], needed, where, args.max_prompt_length)
     train_prompts, train_golds = sets.pop("train")
     return train_prompts, train_golds, sets
 
 
-def load_split(path, config_name, split):
+def _load_split(path, config_name, split):
     """A list of row dicts from {path}/{split}.jsonl, or from a hub dataset (or a local folder datasets can read).
     A line that is not a JSON object, or a dataset that does not load, stops the run with one line."""
     local = os.path.join(path, f"{split}.jsonl")
@@ -919,9 +921,9 @@ def load_split(path, config_name, split):
                 try:
                     rows.append(json.loads(line))
                 except json.JSONDecodeError as error:
-                    fail(f"{local} line {number} is not valid JSON ({error.msg}, column {error.colno})")
+                    _fail(f"{local} line {number} is not valid JSON ({error.msg}, column {error.colno})")
                 if not isinstance(rows[-1], dict):
-                    fail(f"{local} line {number} is a JSON {type(rows[-1]).__name__}, not an object of columns")
+                    _fail(f"{local} line {number} is a JSON {type(rows[-1]).__name__}, not an object of columns")
         return rows
     import datasets
     from huggingface_hub import constants
@@ -930,40 +932,40 @@ def load_split(path, config_name, split):
         return list(datasets.load_dataset(path, config_name, split=split))
     except Exception as error:  # no network, no such dataset, split or config: one line instead of a traceback
         offline = " (offline, HF_HUB_OFFLINE=1, and not cached)"
-        fail(
+        _fail(
             f"dataset {path} split {split} did not load{offline if constants.HF_HUB_OFFLINE else ''}: "
             f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
         )
 
 
-def check_columns(rows, columns, where, text_columns=()):
+def _check_columns(rows, columns, where, text_columns=()):
     """Every row must have each of `columns` ({column: the argument that names it}), and the text_columns must hold
     non-empty text; else one line with the counts and the first bad row (1-based)."""
     if not rows:
-        fail(f"{where} is empty")
+        _fail(f"{where} is empty")
     missing = {c: [i for i, row in enumerate(rows) if c not in row] for c in columns}
     missing = {c: rows_without for c, rows_without in missing.items() if rows_without}
     if missing:
         first = min(i for rows_without in missing.values() for i in rows_without)
         counts = ", ".join(f"{c} ({len(rows_without)} of {len(rows)} rows)" for c, rows_without in missing.items())
-        fail(
+        _fail(
             f"{where} lacks column {counts}; row {first + 1} has {', '.join(rows[first]) or 'no columns'}; "
             f"set {' / '.join(columns[c] for c in missing)}"
         )
     for column in text_columns:
         bad = [i for i, row in enumerate(rows) if not isinstance(row[column], str) or not row[column].strip()]
         if bad:
-            fail(
+            _fail(
                 f"{where}: {len(bad)} of {len(rows)} rows have a {column} that is not text (the first is row "
                 f"{bad[0] + 1}: {json.dumps(rows[bad[0]][column])[:80]})"
             )
 
 
-def check_golds(rows, column, where, max_share=0.1):
+def _check_golds(rows, column, where, max_share=0.1):
     """The verifier must be able to check most gold answers: a split where more than max_share of them hold no
-    number or math expression (null, empty or plain words: see verifiable_gold) is refused with the counts, fewer
+    number or math expression (null, empty or plain words: see _verifiable_gold) is refused with the counts, fewer
     are reported (those prompts can only be matched as text)."""
-    bad = [i for i, row in enumerate(rows) if not verifiable_gold(gold_answer(row[column]))]
+    bad = [i for i, row in enumerate(rows) if not _verifiable_gold(_gold_answer(row[column]))]
     if not bad:
         return
     message = (
@@ -971,29 +973,29 @@ def check_golds(rows, column, where, max_share=0.1):
         f"the verifier can check (the first is row {bad[0] + 1}: {json.dumps(rows[bad[0]][column])[:80]})"
     )
     if len(bad) > max_share * len(rows):
-        fail(f"{message}; at most {max_share:.0%} may; set --answer_column or fix the data")
+        _fail(f"{message}; at most {max_share:.0%} may; set --answer_column or fix the data")
     warnings.warn(message, stacklevel=2)
 
 
-def verifiable_gold(gold):
+def _verifiable_gold(gold):
     """Whether the verifier can check answers against this gold: it holds a number or a LaTeX expression. Null,
     empty and plain-word golds do not (a completion could only match them as text, e.g. "Answer: None")."""
     return re.search(r"[0-9\\]", gold) is not None
 
 
-def gold_answer(answer):
+def _gold_answer(answer):
     """The gold final answer as a string; GSM8K style solutions keep what follows '####'. A null answer is the empty
     string, which nothing matches."""
     return "" if answer is None else str(answer).split("####")[-1].strip().replace(",", "")
 
 
-def build_prompts(tokenizer, rows, args):
+def _build_prompts(tokenizer, rows, args):
     """Token ids of each row's prompt (chat template, after the system prompt and any shown examples, or
     --prompt_template, which a tokenizer without a chat template needs) and its gold answer; prompts longer than
     max_prompt_length are dropped."""
     example = "e.g. 'Question: {question}\\nAnswer:'"
     no_template = f"the tokenizer of {tokenizer.name_or_path} has no chat template; pass --prompt_template, {example}"
-    require(args.prompt_template is not None or tokenizer.chat_template, no_template)
+    _require(args.prompt_template is not None or tokenizer.chat_template, no_template)
     prompts, golds = [], []
     for row in rows:
         question = f"{row[args.question_column]} {args.instruction}".strip()
@@ -1008,15 +1010,15 @@ def build_prompts(tokenizer, rows, args):
         ids = tokenizer(text, add_special_tokens=args.prompt_template is not None).input_ids
         if len(ids) <= args.max_prompt_length:
             prompts.append(ids)
-            golds.append(gold_answer(row[args.answer_column]))
+            golds.append(_gold_answer(row[args.answer_column]))
     return prompts, golds
 
 
-def require_prompts(prompts, needed, where, max_prompt_length):
+def _require_prompts(prompts, needed, where, max_prompt_length):
     """Stop with one line when fewer than `needed` prompts are left once those longer than --max_prompt_length
     are dropped."""
     if len(prompts) < needed:
-        fail(f"{where}: only {len(prompts)} prompts fit --max_prompt_length {max_prompt_length}; {needed} needed")
+        _fail(f"{where}: only {len(prompts)} prompts fit --max_prompt_length {max_prompt_length}; {needed} needed")
 
 
 class Run:
@@ -1033,18 +1035,18 @@ class Run:
             name = None
             if accelerator.is_main_process:
                 task = os.path.basename(os.path.normpath(args.dataset_path))
-                name = new_run_folder(args.output_dir, f"{task}__{args.exp_name}__{args.seed}__{int(time.time())}")
+                name = _new_run_folder(args.output_dir, f"{task}__{args.exp_name}__{args.seed}__{int(time.time())}")
             args.run_name = broadcast_object_list([name])[0]
             self.dir = os.path.join(args.output_dir, args.run_name)
             return
         self.dir = os.path.normpath(args.resume)  # the same run: every argument that changes the numbers must match
-        require(os.path.isfile(os.path.join(self.dir, "config.json")), f"--resume {self.dir} has no config.json")
-        require(self.checkpoints(), f"--resume {self.dir} has no finished checkpoint to continue from")
+        _require(os.path.isfile(os.path.join(self.dir, "config.json")), f"--resume {self.dir} has no config.json")
+        _require(self.checkpoints(), f"--resume {self.dir} has no finished checkpoint to continue from")
         with open(os.path.join(self.dir, "config.json")) as f:
             saved = json.load(f)["args"]
         for key, value in asdict(args).items():
             if key not in resumable_args and key in saved and json.loads(json.dumps(value)) != saved[key]:
-                fail(f"--{key} is {value!r} but the run being resumed used {saved[key]!r}")
+                _fail(f"--{key} is {value!r} but the run being resumed used {saved[key]!r}")
         args.run_name = saved["run_name"]
 
     def checkpoints(self):
@@ -1065,7 +1067,7 @@ class Run:
                     state = json.load(f)
             except Exception as error:
                 hint = f"; if a file is damaged, delete it to resume from {earlier[-1]}" if earlier else ""
-                fail(
+                _fail(
                     f"checkpoint {latest} does not load ({type(error).__name__}: {' '.join(str(error).split())}){hint}"
                 )
             step, self.episode, self.last_checkpoint = state["global_step"], state["episode"], latest
@@ -1073,15 +1075,17 @@ class Run:
         if self.accelerator.is_main_process:
             config = asdict(args)
             if args.resume is None:
-                info = dict(git_sha=git_sha(), distributed_type=self.accelerator.distributed_type.value, **launch_info)
+                info = dict(
+                    git_sha=_git_sha(), distributed_type=self.accelerator.distributed_type.value, **launch_info
+                )
                 with open(os.path.join(self.dir, "config.json"), "w") as f:
                     json.dump({"args": config, **info}, f, indent=2)
             for name in ("metrics.jsonl", "samples.jsonl"):  # drop what was logged after the checkpoint
-                truncate_jsonl(os.path.join(self.dir, name), step)
+                _truncate_jsonl(os.path.join(self.dir, name), step)
             self.metrics_file = open(os.path.join(self.dir, "metrics.jsonl"), "a")
             trackers = [TensorBoardTracker("tensorboard", self.dir)]  # accelerate's: accelerator.log, end_training
             if args.track:
-                tags = [*args.wandb_tags, git_sha()[:12] or "no-git"]
+                tags = [*args.wandb_tags, _git_sha()[:12] or "no-git"]
                 wandb = dict(entity=args.wandb_entity, id=args.run_name, name=args.run_name, resume="allow", tags=tags)
                 trackers.append(WandBTracker(args.wandb_project_name, dir=self.dir, **wandb))
             hparams = {k: v if isinstance(v, (int, float, str)) else str(v) for k, v in config.items()}  # TensorBoard
@@ -1102,12 +1106,12 @@ class Run:
         return self.metrics
 
     def prompt_indices(self, step, per_rank, num_prompts):
-        """This process's prompts at `step`: step_prompt_indices, a function of (seed, step) that --resume repeats."""
+        """This process's prompts at `step`: _step_prompt_indices, a function of (seed, step) that --resume repeats."""
         rank, world_size = self.accelerator.process_index, self.accelerator.num_processes
-        return step_prompt_indices(step, per_rank, num_prompts, self.args.seed, rank, world_size)
+        return _step_prompt_indices(step, per_rank, num_prompts, self.args.seed, rank, world_size)
 
     def add(self, stats):
-        """One value per name for this step's averages (reduce_values: NaN left out, *_max / *_min the extreme)."""
+        """One value per name for this step's averages (_reduce_values: NaN left out, *_max / *_min the extreme)."""
         for name, value in stats.items():
             self.stats[name].append(value)
 
@@ -1119,14 +1123,14 @@ class Run:
         self.metrics[name] = time.time() - start
 
     def check(self, values, name):
-        """Stop at a non-finite value, naming this step and the last good checkpoint (check_finite: a collective)."""
-        check_finite(self.accelerator, values, name, self.step, self.last_checkpoint)
+        """Stop at a non-finite value, naming this step and the last good checkpoint (_check_finite: a collective)."""
+        _check_finite(self.accelerator, values, name, self.step, self.last_checkpoint)
 
     @staticmethod
     def micro_batches(batch_size, minibatch_size, micro_batch_size, num_epochs, seed):
         """The update's schedule, flat: num_epochs passes over a batch of batch_size rows (the first in rollout order,
         the later ones shuffled by a generator seeded with `seed`), each split into minibatches (one optimizer step
-        each), each into micro-batches (gradient accumulation). Yields a MicroBatch per micro-batch: the update
+        each), each into micro-batches (gradient accumulation). Yields a _MicroBatch per micro-batch: the update
         (minibatch) it belongs to, counted from 0 in this step, the epoch (pass), the minibatch's rows and its own,
         and whether it is the minibatch's first and last."""
         rng, update = torch.Generator().manual_seed(seed), 0
@@ -1139,18 +1143,18 @@ class Run:
                         minibatch[first : first + micro_batch_size],
                         first + micro_batch_size >= minibatch_size,
                     )
-                    yield MicroBatch(update, epoch, minibatch, rows, first == 0, last)
+                    yield _MicroBatch(update, epoch, minibatch, rows, first == 0, last)
                 update += 1
 
     def optimizer_step(self, model, optimizer, scheduler, prefix="policy/", max_skipped=30):
-        """One update: clip the gradients (clip_gradients), step the optimizer, then the learning-rate schedule when
+        """One update: clip the gradients (_clip_gradients), step the optimizer, then the learning-rate schedule when
         the update was taken (it counts updates taken: fp16's loss scaler skips an overflowing one), and zero the
         gradients. Adds prefix + grad_norm (NaN when skipped or unknown) and prefix + skipped_updates to the step's
         stats; the step's lr is this update's (the step's last). max_skipped updates skipped in a row stop the run, as
         DeepSpeed stops at its minimum scale, instead of saving untrained weights as a trained model: fp16's scale
         starts at 2^16 and halves at each skip (DeepSpeed's at every other one at first), so 30 take it below 1, where
         an overflow is the gradients' own, not the scale's."""
-        grad_norm = clip_gradients(self.accelerator, model, self.args.max_grad_norm, self.step, self.last_checkpoint)
+        grad_norm = _clip_gradients(self.accelerator, model, self.args.max_grad_norm, self.step, self.last_checkpoint)
         self.metrics["lr"] = scheduler.get_last_lr()[0]
         optimizer.step()
         skipped = (
@@ -1178,7 +1182,7 @@ class Run:
         """Close the step: its metrics and averaged stats, reduced over processes (a collective), the episodes it
         trained on, then evaluate(step) -> (metrics, samples) when --eval_every is due, one log line, and a
         checkpoint when --save_every is due. Returns the metrics logged."""
-        metrics = reduce_metrics(self.accelerator, self.metrics | average_stats(self.stats))
+        metrics = _reduce_metrics(self.accelerator, self.metrics | _average_stats(self.stats))
         self.episode += episodes
         metrics["time/step"] = time.time() - self.t_step
         metrics["perf/episodes_per_second"] = episodes / metrics["time/step"]
@@ -1248,7 +1252,7 @@ class Run:
         self.accelerator.end_training()
 
 
-def new_run_folder(output_dir, name):
+def _new_run_folder(output_dir, name):
     """Create {output_dir}/{name}, or {name}_2, _3, ... when taken (two runs of one task, exp_name and seed started
     in the same second); returns the name."""
     os.makedirs(output_dir, exist_ok=True)
@@ -1258,7 +1262,7 @@ def new_run_folder(output_dir, name):
             return candidate
 
 
-def git_sha():
+def _git_sha():
     try:
         cwd = os.path.dirname(os.path.abspath(__file__))
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True).stdout.strip()
@@ -1266,7 +1270,7 @@ def git_sha():
         return ""
 
 
-def truncate_jsonl(path, last_step):
+def _truncate_jsonl(path, last_step):
     """Keep the lines of a JSONL log up to global_step last_step, and none cut short by a kill (no newline yet)."""
     if os.path.exists(path):
         with open(path) as f:
@@ -1276,7 +1280,7 @@ def truncate_jsonl(path, last_step):
         os.replace(path + ".tmp", path)
 
 
-def step_prompt_indices(step, per_rank, num_prompts, seed, rank=0, world_size=1):
+def _step_prompt_indices(step, per_rank, num_prompts, seed, rank=0, world_size=1):
     """Indices of the prompts process `rank` uses at `step`: its slice of the step's world_size * per_rank. The
     dataset is walked in a fresh permutation every epoch, so the data order is a pure function of (seed, step) and
     --resume repeats it."""
@@ -1291,7 +1295,7 @@ def step_prompt_indices(step, per_rank, num_prompts, seed, rank=0, world_size=1)
     return order[mine : mine + per_rank].tolist()
 
 
-def check_finite(accelerator, values, name, step, last_checkpoint):
+def _check_finite(accelerator, values, name, step, last_checkpoint):
     """Stop the run at the first non-finite reward, loss or gradient norm, saying where the last good checkpoint is.
     A collective (every process calls it as often): when one process sees it, every process stops, none is left
     waiting for the others in the next all-reduce."""
@@ -1303,10 +1307,10 @@ def check_finite(accelerator, values, name, step, last_checkpoint):
         )
 
 
-MicroBatch = collections.namedtuple("MicroBatch", "update epoch minibatch rows first last")
+_MicroBatch = collections.namedtuple("MicroBatch", "update epoch minibatch rows first last")
 
 
-def clip_gradients(accelerator, model, max_grad_norm, step, last_checkpoint):
+def _clip_gradients(accelerator, model, max_grad_norm, step, last_checkpoint):
     """Clip the gradients to max_grad_norm; returns their global norm, the same on every process, or NaN for an update
     that fp16's loss scaler skips (accelerate's GradScaler or DeepSpeed's: an overflow is their signal to skip the
     step and lower the scale, so the weights stay finite; the averages leave NaN out) and where DeepSpeed computes no
@@ -1319,20 +1323,20 @@ def clip_gradients(accelerator, model, max_grad_norm, step, last_checkpoint):
     grad_norm = float(grad_norm)
     deepspeed_fp16 = accelerator.state.deepspeed_plugin is not None and accelerator.mixed_precision == "fp16"
     if accelerator.scaler is None and not deepspeed_fp16:
-        check_finite(accelerator, grad_norm, "gradient norm", step, last_checkpoint)
+        _check_finite(accelerator, grad_norm, "gradient norm", step, last_checkpoint)
     return grad_norm if math.isfinite(grad_norm) else float("nan")
 
 
-def reduce_metrics(accelerator, metrics):
+def _reduce_metrics(accelerator, metrics):
     """Average a dict of floats over processes (a collective); a name ending in _max (_min) takes the largest
     (smallest) value."""
     keys = sorted(metrics)
     values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=accelerator.device)
     gathered = accelerator.gather(values.unsqueeze(0)).cpu()  # [world_size, K]
-    return {key: reduce_values(key, v.tolist()) for key, v in zip(keys, gathered.T)}
+    return {key: _reduce_values(key, v.tolist()) for key, v in zip(keys, gathered.T)}
 
 
-def reduce_values(name, values):
+def _reduce_values(name, values):
     """The largest of a list of floats for a metric named *_max, the smallest for *_min, else their mean (exactly the
     value when they are all equal: a metric already taken over every process stays as it is, on any number of
     processes); NaNs (a micro-batch with no token in the loss, see token_mean) are left out."""
@@ -1342,29 +1346,29 @@ def reduce_values(name, values):
     return float(np.mean(values))
 
 
-def average_stats(stats):
+def _average_stats(stats):
     """{name: one float per micro-batch (or minibatch)} -> their mean, or for a name ending in _max (_min) the largest
     (smallest)."""
-    return {name: reduce_values(name, values) for name, values in stats.items()}
+    return {name: _reduce_values(name, values) for name, values in stats.items()}
 
 
 def load_policy_and_reference(args, accelerator, pad_token_id, with_reference=True):
     """The policy (with LoRA adapters if --lora_r; sharded under ZeRO-3) and its frozen reference, whole on every
     process: None with LoRA (the policy with its adapters switched off is the reference) or without with_reference.
-    load_model turns dropout off: the rollout's log-probs must equal the first minibatch's, the policy's its
+    _load_model turns dropout off: the rollout's log-probs must equal the first minibatch's, the policy's its
     reference's."""
-    policy = load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_token_id)
+    policy = _load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_token_id)
     if args.lora_r > 0:
-        policy = add_lora(policy, args, "CAUSAL_LM")
-    enable_gradient_checkpointing([policy], args)
+        policy = _add_lora(policy, args, "CAUSAL_LM")
+    _enable_gradient_checkpointing([policy], args)
     if args.lora_r > 0 or not with_reference:
         return policy, None
-    with whole_on_every_process(accelerator):
-        reference = load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_token_id)
-    return policy, frozen(reference, accelerator, accelerator.device)
+    with _whole_on_every_process(accelerator):
+        reference = _load_model(args.model_name_or_path, AutoModelForCausalLM, args, pad_token_id)
+    return policy, _frozen(reference, accelerator, accelerator.device)
 
 
-def load_model(path, auto_class, args, pad_token_id):
+def _load_model(path, auto_class, args, pad_token_id):
     """A Hugging Face model in --dtype with dropout off (the config's dropout attributes zeroed before loading, then
     every nn.Dropout): the rollout's log-probs must equal the first minibatch's, and the policy's its reference's."""
     config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
@@ -1373,10 +1377,10 @@ def load_model(path, auto_class, args, pad_token_id):
             setattr(config, key, 0.0)
     config.pad_token_id = pad_token_id  # sequence-classification models need it for batches (not used for scores)
     kwargs = dict(config=config, dtype=getattr(torch, args.dtype), trust_remote_code=args.trust_remote_code)
-    return disable_dropout(auto_class.from_pretrained(path, use_safetensors=True, **kwargs))
+    return _disable_dropout(auto_class.from_pretrained(path, use_safetensors=True, **kwargs))
 
 
-def disable_dropout(model):
+def _disable_dropout(model):
     """Dropout off in every nn.Dropout (the config's dropout attributes are zeroed before loading too): the old and
     new log-probs of the first minibatch, and the policy and its reference, must be computed identically."""
     for module in model.modules():
@@ -1385,7 +1389,7 @@ def disable_dropout(model):
     return model
 
 
-def add_lora(model, args, task_type):
+def _add_lora(model, args, task_type):
     """LoRA adapters through peft on --lora_target_modules; only they are trained."""
     from peft import LoraConfig, get_peft_model
 
@@ -1395,7 +1399,7 @@ def add_lora(model, args, task_type):
     return get_peft_model(model, LoraConfig(task_type=task_type, **config))
 
 
-def enable_gradient_checkpointing(models, args):
+def _enable_gradient_checkpointing(models, args):
     """--gradient_checkpointing: the trained models recompute their activations in the backward pass (less memory,
     ~30% slower). Must precede accelerate's prepare."""
     if args.gradient_checkpointing:
@@ -1406,7 +1410,7 @@ def enable_gradient_checkpointing(models, args):
 
 
 @contextlib.contextmanager
-def whole_on_every_process(accelerator):
+def _whole_on_every_process(accelerator):
     """A context for loading a model that is not trained (reference, reward model, PRM, a sampler copy): under
     DeepSpeed ZeRO-3 a model loaded after the Accelerator is partitioned as it loads and would need collective
     calls in every forward; loaded here, every process holds it whole, as under DDP."""
@@ -1423,7 +1427,7 @@ def whole_on_every_process(accelerator):
         plugin.set_deepspeed_weakref()
 
 
-def frozen(model, accelerator, device):
+def _frozen(model, accelerator, device):
     """A model that is not trained (reference, reward model, PRM, a sampler's copy of the policy), in eval mode on
     `device`. Under DeepSpeed with --mixed_precision bf16 (or fp16), in that dtype: DeepSpeed runs the policy with
     bf16 weights and accelerate's autocast does nothing there, so a model compared with the policy (KL, DPO's h, a
@@ -1447,7 +1451,7 @@ class Sampler:
     def __init__(self, args, accelerator, policy, tokenizer, model_name_or_path=None):
         self.args, self.accelerator, self.policy, self.tokenizer = args, accelerator, policy, tokenizer
         model_name_or_path = model_name_or_path or args.model_name_or_path
-        self.stop_ids = stop_token_ids(tokenizer, model_name_or_path)
+        self.stop_ids = _stop_token_ids(tokenizer, model_name_or_path)
         self.llm, self.sleep, self.asleep = None, getattr(args, "vllm_sleep", False), False
         if not args.vllm:
             return
@@ -1462,15 +1466,15 @@ class Sampler:
         cores = sorted(os.sched_getaffinity(0))  # on CPU, each process's engine computes on its share of the cores
         share = max(1, len(cores) // world_size)
         cores = cores[rank * share : (rank + 1) * share] or cores
-        self.llm = start_vllm(args, model_name_or_path, rank, world_size, cores, self.sleep)
+        self.llm = _start_vllm(args, model_name_or_path, rank, world_size, cores, self.sleep)
 
     def generate(self, prompts, n, temperature):
-        """n completions per prompt, consecutive. Returns responses [N, R], their mask [N, R] (see response_mask),
+        """n completions per prompt, consecutive. Returns responses [N, R], their mask [N, R] (see _response_mask),
         the sampler's log-probs [N, R] (vLLM only, else None) and the texts up to the first EOS."""
         a, pad_id = self.args, self.tokenizer.pad_token_id
         if self.llm is not None:
             self.wake_up()
-            responses, lengths, logprobs = vllm_generate(
+            responses, lengths, logprobs = _vllm_generate(
                 self.llm, prompts, n, a.response_length, temperature, a.top_p, pad_id, self.stop_ids
             )
             if self.sleep:
@@ -1479,12 +1483,12 @@ class Sampler:
         else:
             self.policy.eval()
             # A collective under ZeRO-3 (the policy's shards are gathered): every process calls it as often.
-            with gathered_parameters(self.accelerator, self.policy):
-                responses, lengths = hf_generate(
+            with _gathered_parameters(self.accelerator, self.policy):
+                responses, lengths = _hf_generate(
                     self.policy, prompts, n, a.response_length, temperature, a.top_p, pad_id, self.stop_ids
                 )
             logprobs = None
-        mask = response_mask(responses, lengths, self.stop_ids)
+        mask = _response_mask(responses, lengths, self.stop_ids)
         texts = self.tokenizer.batch_decode(responses.masked_fill(mask == 0, pad_id), skip_special_tokens=True)
         return responses, mask, logprobs, texts
 
@@ -1492,9 +1496,9 @@ class Sampler:
         """Load the policy's current weights into the vLLM engine (HF generate uses them already)."""
         if self.llm is not None:
             self.wake_up()
-            with gathered_parameters(self.accelerator, self.policy):
+            with _gathered_parameters(self.accelerator, self.policy):
                 dtype = self.llm.llm_engine.model_config.dtype
-                vllm_sync_weights(self.llm, policy_state_dict(self.policy), dtype)
+                _vllm_sync_weights(self.llm, _policy_state_dict(self.policy), dtype)
 
     def wake_up(self):
         if self.asleep:
@@ -1506,7 +1510,7 @@ class Sampler:
             self.llm.llm_engine.engine_core.shutdown()
 
 
-def stop_token_ids(tokenizer, model_name_or_path):
+def _stop_token_ids(tokenizer, model_name_or_path):
     """Every id that ends a completion: the tokenizer's EOS and each id in the model's generation_config.json
     eos_token_id (Qwen2.5 has two, Llama-3.1 three), where vLLM stops too. Sorted list."""
     try:
@@ -1517,7 +1521,7 @@ def stop_token_ids(tokenizer, model_name_or_path):
     return sorted({tokenizer.eos_token_id, *eos} - {None})
 
 
-def start_vllm(args, model_name_or_path, rank, world_size, cores, sleep=False):
+def _start_vllm(args, model_name_or_path, rank, world_size, cores, sleep=False):
     """A vLLM engine in this process. The CPU build computes on `cores`, with 2 GiB of KV cache; with several
     processes each one owns an engine, inside the torch.distributed world accelerate started."""
     if not torch.cuda.is_available():
@@ -1535,14 +1539,14 @@ def start_vllm(args, model_name_or_path, rank, world_size, cores, sleep=False):
     return LLM(**engine, distributed_executor_backend="external_launcher" if world_size > 1 else "uni")
 
 
-def vllm_generate(llm, prompts, n, response_length, temperature, top_p, pad_token_id, stop_token_ids):
+def _vllm_generate(llm, prompts, n, response_length, temperature, top_p, pad_token_id, _stop_token_ids):
     """Sample n completions per prompt with vLLM. Returns (responses [N, response_length], lengths [N],
     logprobs [N, response_length]) where logprobs are the sampler's (after temperature) for the sampled tokens.
-    stop_token_ids are passed explicitly so that vLLM and HF generate stop on the same ids."""
+    _stop_token_ids are passed explicitly so that vLLM and HF generate stop on the same ids."""
     from vllm import SamplingParams
 
     params = dict(n=n, temperature=temperature, top_p=top_p, max_tokens=response_length, detokenize=False)
-    params = SamplingParams(**params, stop_token_ids=list(stop_token_ids), logprobs=0 if temperature > 0 else None)
+    params = SamplingParams(**params, stop_token_ids=list(_stop_token_ids), logprobs=0 if temperature > 0 else None)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     completions = [completion for output in outputs for completion in output.outputs]
     responses = torch.full((len(completions), response_length), pad_token_id, dtype=torch.long)
@@ -1555,7 +1559,7 @@ def vllm_generate(llm, prompts, n, response_length, temperature, top_p, pad_toke
     return responses, lengths, logprobs
 
 
-def gathered_parameters(accelerator, model):
+def _gathered_parameters(accelerator, model):
     """A context in which every process holds all parameters: DeepSpeed ZeRO-3 shards them, the rest do not."""
     plugin = accelerator.state.deepspeed_plugin
     if plugin is None or plugin.zero_stage != 3:
@@ -1565,16 +1569,16 @@ def gathered_parameters(accelerator, model):
     return deepspeed.zero.GatheredParameters(list(model.parameters()))
 
 
-def hf_generate(model, prompts, n, response_length, temperature, top_p, pad_token_id, stop_token_ids):
+def _hf_generate(model, prompts, n, response_length, temperature, top_p, pad_token_id, _stop_token_ids):
     """Sample n completions per prompt with Hugging Face generate, each ending at its first stop token (kept).
     Returns (responses [len(prompts) * n, response_length], lengths [len(prompts) * n]); completions of one prompt
     are consecutive. temperature 0 is greedy decoding. Each process generates on its own (synced_gpus=False): under
-    DeepSpeed ZeRO-3 the caller gathers the parameters first (gathered_parameters)."""
+    DeepSpeed ZeRO-3 the caller gathers the parameters first (_gathered_parameters)."""
     if not prompts:
         return torch.full((0, response_length), pad_token_id), torch.zeros(0, dtype=torch.long)
-    input_ids, attention_mask = left_pad([p for p in prompts for _ in range(n)], pad_token_id)
+    input_ids, attention_mask = _left_pad([p for p in prompts for _ in range(n)], pad_token_id)
     sampling = dict(temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else {}  # else greedy
-    ends = dict(max_new_tokens=response_length, eos_token_id=list(stop_token_ids), pad_token_id=pad_token_id)
+    ends = dict(max_new_tokens=response_length, eos_token_id=list(_stop_token_ids), pad_token_id=pad_token_id)
     config = GenerationConfig(do_sample=temperature > 0, **sampling, **ends, use_cache=True)
     device = next(model.parameters()).device
     # generate fills every field left unset here from the model's generation_config.json (Qwen2.5-Instruct ships a
@@ -1588,13 +1592,13 @@ def hf_generate(model, prompts, n, response_length, temperature, top_p, pad_toke
     finally:
         base.generation_config = saved
     responses = out[:, input_ids.shape[1] :].cpu()
-    is_eos = torch.isin(responses, torch.tensor(stop_token_ids))  # a finished sequence is padded after its EOS
+    is_eos = torch.isin(responses, torch.tensor(_stop_token_ids))  # a finished sequence is padded after its EOS
     lengths = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, responses.shape[1])
     responses = F.pad(responses, (0, response_length - responses.shape[1]), value=pad_token_id)
     return responses, lengths
 
 
-def left_pad(sequences, pad_token_id):
+def _left_pad(sequences, pad_token_id):
     """Left-pad lists of token ids. Returns (input_ids [B, L], attention_mask [B, L])."""
     width = max(len(s) for s in sequences)
     input_ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
@@ -1605,15 +1609,15 @@ def left_pad(sequences, pad_token_id):
     return input_ids, attention_mask
 
 
-def response_mask(responses, lengths, stop_token_ids):
+def _response_mask(responses, lengths, _stop_token_ids):
     """1 on the real response tokens: positions < length, up to the first stop token (any EOS id) included.
     responses [B, R], lengths [B]. Returns a float mask [B, R]."""
     mask = torch.arange(responses.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
-    is_eos = torch.isin(responses, torch.tensor(stop_token_ids)) & mask
+    is_eos = torch.isin(responses, torch.tensor(_stop_token_ids)) & mask
     return (mask & ~((is_eos.cumsum(1) - is_eos.long()) > 0)).float()
 
 
-def vllm_sync_weights(llm, state_dict, dtype):
+def _vllm_sync_weights(llm, state_dict, dtype):
     """Load new policy weights (cast to the engine's dtype) into the vLLM engine in place, and drop its prefix
     cache, which holds keys and values computed with the old weights."""
     state_dict = {name: tensor.to(dtype) for name, tensor in state_dict.items()}
@@ -1623,7 +1627,7 @@ def vllm_sync_weights(llm, state_dict, dtype):
     llm.reset_prefix_cache()
 
 
-def policy_state_dict(model):
+def _policy_state_dict(model):
     """Full weights of the policy with the names of a Hugging Face checkpoint; LoRA deltas are added out of place
     (merge_adapter/unmerge_adapter would round the frozen base weights a little on every call)."""
     if not hasattr(model, "peft_config"):
@@ -1638,25 +1642,25 @@ def policy_state_dict(model):
 
 def shared_prompt_logprobs(model, input_ids, attention_mask, context_length, temperature):
     """response_logprobs with each prompt computed once per group: the rows with the same prompt (a group's
-    completions) run as one sequence, the prompt then every response's real tokens (shared_prompt_inputs), in which
+    completions) run as one sequence, the prompt then every response's real tokens (_shared_prompt_inputs), in which
     a response attends to the prompt and to itself only and its positions continue from the prompt's real length.
     The log-probs are the same, the gradients reach the prompt summed over its group, and the model runs
     P + (the group's response tokens) instead of G * (P + R) positions, padding included (Prefix Grouper, arXiv
     2506.05433). It is response_logprobs without a shared prompt or a response token, with an attention backend
-    that ignores a 4D mask (flash-attention), where packing would change the numbers (shared_prompt_exact) or cost
-    more than it saves (shared_prompt_pays). Padding positions get the logits of the first token (masked everywhere).
+    that ignores a 4D mask (flash-attention), where packing would change the numbers (_shared_prompt_exact) or cost
+    more than it saves (_shared_prompt_pays). Padding positions get the logits of the first token (masked everywhere).
     Returns (logprobs [B, R], logits [B, R, V]) with logits divided by the sampling temperature."""
-    group, slot = prompt_groups(input_ids, attention_mask, context_length)
+    group, slot = _prompt_groups(input_ids, attention_mask, context_length)
     config, lengths = getattr(model, "module", model).config, attention_mask[:, context_length:].sum(1)
     if (
         int(slot.max()) == 0
         or int(lengths.sum()) == 0
         or config._attn_implementation not in ("sdpa", "eager")
-        or not shared_prompt_exact(config, int(attention_mask.sum(1).max()))
-        or not shared_prompt_pays(config, group, lengths, context_length, input_ids.shape[1])
+        or not _shared_prompt_exact(config, int(attention_mask.sum(1).max()))
+        or not _shared_prompt_pays(config, group, lengths, context_length, input_ids.shape[1])
     ):
         return response_logprobs(model, input_ids, attention_mask, context_length, temperature)
-    ids, mask, positions, columns = shared_prompt_inputs(input_ids, attention_mask, context_length, group, slot)
+    ids, mask, positions, columns = _shared_prompt_inputs(input_ids, attention_mask, context_length, group, slot)
     if config._attn_implementation == "eager":  # eager attention adds the mask to the scores
         mask = torch.zeros(mask.shape, device=ids.device).masked_fill(~mask, torch.finfo(torch.float32).min)
     # The logits at positions P - 1 .. L - 2, the only ones that predict response tokens. [K, L - P, V]
@@ -1668,10 +1672,10 @@ def shared_prompt_logprobs(model, input_ids, attention_mask, context_length, tem
     return logprobs_from_logits(logits, input_ids[:, context_length:]), logits
 
 
-def prompt_groups(input_ids, attention_mask, context_length):
+def _prompt_groups(input_ids, attention_mask, context_length):
     """The group of each row (the rows with the same prompt ids and padding, wherever they are in the batch) and its
     slot, its rank in the group by content (then by position, between identical rows). The packing of
-    shared_prompt_inputs then depends on the set of rows only, not on their order, and so does each row's result.
+    _shared_prompt_inputs then depends on the set of rows only, not on their order, and so does each row's result.
     input_ids, attention_mask [B, P + R] -> (group [B] in 0..K-1, slot [B])"""
     prompts = torch.cat([input_ids[:, :context_length], attention_mask[:, :context_length]], 1)
     group = torch.unique(prompts, dim=0, return_inverse=True)[1]
@@ -1682,7 +1686,7 @@ def prompt_groups(input_ids, attention_mask, context_length):
     return group, rank - first[group]
 
 
-def shared_prompt_exact(config, longest):
+def _shared_prompt_exact(config, longest):
     """Whether the packed forward gives this architecture's own log-probs for sequences of up to `longest` tokens.
     transformers takes a ready 4D mask as it is, so every layer must attend over the whole causal context: a sliding
     window or attention chunk (Mistral, Phi-3, Gemma-2/3, Qwen2 with use_sliding_window, Llama-4) counts only when it
@@ -1702,13 +1706,13 @@ def shared_prompt_exact(config, longest):
     return True
 
 
-def shared_prompt_pays(config, group, lengths, context_length, width):
+def _shared_prompt_pays(config, group, lengths, context_length, width):
     """Whether the packed forward costs fewer FLOPs than the unpacked one (it must never cost more than it saves).
     Packed: K sequences of L = P + (the longest group's response tokens) with a dense L x L mask. Unpacked: B rows of
     W = P + R, padding included, whose causal attention a kernel may halve. Per layer a token costs 2 x (the layer's
     weights) and a (query, key) pair 4 x heads x head_dim; a kept logit row costs 2 x hidden x vocab. The pairs win at
     long responses: for 8 completions of a 48-token prompt on SmolLM2-135M, from R ~ 350 (docs/launch_paths.md).
-    group [B] (prompt_groups), lengths [B] (real response tokens), context_length P, width W."""
+    group [B] (_prompt_groups), lengths [B] (real response tokens), context_length P, width W."""
     config = config.get_text_config()
     hidden, heads = config.hidden_size, config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
@@ -1723,10 +1727,10 @@ def shared_prompt_pays(config, group, lengths, context_length, width):
     return packed < unpacked
 
 
-def shared_prompt_inputs(input_ids, attention_mask, context_length, group, slot):
+def _shared_prompt_inputs(input_ids, attention_mask, context_length, group, slot):
     """The packed batch of shared_prompt_logprobs: one sequence per group of rows, its prompt then the real tokens of
     each row's response, back to back in slot order (no padding between them). input_ids, attention_mask [B, P + R]
-    (a response's real tokens are a prefix of its R); group, slot [B] (prompt_groups). Returns the ids [K, L] (L: the
+    (a response's real tokens are a prefix of its R); group, slot [B] (_prompt_groups). Returns the ids [K, L] (L: the
     longest group), the attention mask [K, 1, L, L] (True: the query row may attend to the key column; a response
     sees the real prompt tokens and itself, causally; every position sees itself, so no row of the softmax is
     empty), the position ids [K, L] (a response continues from its prompt's real length) and, for each row's R
@@ -1760,7 +1764,7 @@ def shared_prompt_inputs(input_ids, attention_mask, context_length, group, slot)
     return ids, mask[:, None], positions, columns
 
 
-def quiet_harmless_logs():
+def _quiet_harmless_logs():
     """Keep four harmless, alarming library messages out of the console; every other warning still shows.
     vLLM's weight reload warns for RoPE, which has no weights to load; its CPU worker warns that torch's thread count
     is fixed and that libiomp / libtcmalloc are not preloaded (only speed); accelerate warns that the tied lm_head
@@ -1775,5 +1779,5 @@ def quiet_harmless_logs():
 
 
 if __name__ == "__main__":
-    quiet_harmless_logs()
+    _quiet_harmless_logs()
     main(tyro.cli(Config))

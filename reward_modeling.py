@@ -770,8 +770,8 @@ def setup(args, micro_batch_rows=None):
     sampling stream per process). micro_batch_rows: DeepSpeed's micro-batch in rows, when not --micro_batch_size."""
     check_args(args)
     micro_batch_rows = micro_batch_rows or args.micro_batch_size
-    accelerator = make_accelerator(micro_batch_rows, args.gradient_accumulation_steps, args.max_grad_norm)
-    tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
+    accelerator = _make_accelerator(micro_batch_rows, args.gradient_accumulation_steps, args.max_grad_norm)
+    tokenizer = _load_tokenizer(args.model_name_or_path, args.trust_remote_code)
     set_seed(args.seed + accelerator.process_index)
     return accelerator, tokenizer
 
@@ -788,32 +788,32 @@ def check_args(args):
     for name, default in zip(("dataset_path", "instruction"), defaults):
         setattr(args, name, default if getattr(args, name) is None else getattr(args, name))
     policy = "build the embedded model with `make assets`, or pass a Hugging Face folder or hub id"
-    check_common_args(args, {"policy_name_or_path": policy}, compares_logprobs=False)
-    check_at_least(args, 1, "pairs_per_rank micro_batch_size eval_batch_size max_pairs_per_prompt response_length")
-    check_at_least(args, 1, "max_length generation_batch_prompts")
-    check_at_least(args, 0, "num_train_prompts num_eval_prompts num_eval_pairs eval_every save_every")
+    _check_common_args(args, {"policy_name_or_path": policy}, compares_logprobs=False)
+    _check_at_least(args, 1, "pairs_per_rank micro_batch_size eval_batch_size max_pairs_per_prompt response_length")
+    _check_at_least(args, 1, "max_length generation_batch_prompts")
+    _check_at_least(args, 0, "num_train_prompts num_eval_prompts num_eval_pairs eval_every save_every")
     if args.pairs_per_rank % args.micro_batch_size:
-        fail(f"--micro_batch_size ({args.micro_batch_size}) must divide --pairs_per_rank ({args.pairs_per_rank})")
+        _fail(f"--micro_batch_size ({args.micro_batch_size}) must divide --pairs_per_rank ({args.pairs_per_rank})")
     if args.num_samples_per_prompt < 2:
-        fail(
+        _fail(
             f"--num_samples_per_prompt must be >= 2 (a pair needs a correct and a wrong completion of the same "
             f"prompt); got {args.num_samples_per_prompt}"
         )
-    require(args.num_train_epochs > 0, f"--num_train_epochs must be > 0; got {args.num_train_epochs}")
-    require(args.learning_rate > 0, f"--learning_rate must be > 0; got {args.learning_rate}")
+    _require(args.num_train_epochs > 0, f"--num_train_epochs must be > 0; got {args.num_train_epochs}")
+    _require(args.learning_rate > 0, f"--learning_rate must be > 0; got {args.learning_rate}")
     if os.path.isdir(args.dataset_path):
         for name in ("train_split", "eval_split"):
             split = getattr(args, name)
             if not os.path.isfile(os.path.join(args.dataset_path, f"{split}.jsonl")):
-                fail(f"--dataset_path {args.dataset_path} has no {split}.jsonl; set --{name}")
+                _fail(f"--dataset_path {args.dataset_path} has no {split}.jsonl; set --{name}")
     if args.prm and not args.step_separator:
-        fail("--step_separator must not be empty (--prm splits completions into steps at it)")
+        _fail("--step_separator must not be empty (--prm splits completions into steps at it)")
     # The sizes computed from the flags (config.json records them), and the pairs' seed.
     args.gradient_accumulation_steps = args.pairs_per_rank // args.micro_batch_size
     args.data_seed = args.seed if args.data_seed is None else args.data_seed
 
 
-def check_common_args(args, paths=(), compares_logprobs=True):
+def _check_common_args(args, paths=(), compares_logprobs=True):
     """The checks every script makes: sampling, --prompt_template, the run folder, and that each local path exists
     (the model, the dataset and `paths` {argument: how to get one}; an assets/ path missing here is taken from
     beside this script, and a hub id is checked when it loads). When the trainer compares its log-probs with vLLM's
@@ -832,40 +832,40 @@ def check_common_args(args, paths=(), compares_logprobs=True):
             setattr(args, name, path)
         # Hub ids look like "org/name": the folders this project writes (assets/, runs/) are local before they exist.
         local = path is not None and (os.path.exists(path) or path.startswith((".", "/", "~", "assets/", "runs/")))
-        require(not local or os.path.isdir(path), f"--{name} {path} does not exist; {hint}")
-    require(args.temperature > 0, f"--temperature must be > 0 (completions are sampled); got {args.temperature}")
-    require(0 < args.top_p <= 1, f"--top_p must be in (0, 1]; got {args.top_p}")
+        _require(not local or os.path.isdir(path), f"--{name} {path} does not exist; {hint}")
+    _require(args.temperature > 0, f"--temperature must be > 0 (completions are sampled); got {args.temperature}")
+    _require(0 < args.top_p <= 1, f"--top_p must be in (0, 1]; got {args.top_p}")
     vllm_top_p = f"--top_p {args.top_p} with vLLM: its log-probs would be over the nucleus, the trainer's over the "
-    require(not (compares_logprobs and args.vllm and args.top_p < 1), vllm_top_p + "vocabulary; use 1, or --no-vllm")
+    _require(not (compares_logprobs and args.vllm and args.top_p < 1), vllm_top_p + "vocabulary; use 1, or --no-vllm")
     if getattr(args, "tis_cap", None) is not None:
-        require(args.tis_cap >= 0, f"--tis_cap must be > 0 (0: off); got {args.tis_cap}")
+        _require(args.tis_cap >= 0, f"--tis_cap must be > 0 (0: off); got {args.tis_cap}")
     if getattr(args, "vllm_sleep", False):
-        require(not args.vllm or torch.cuda.is_available(), "--vllm_sleep needs vLLM on a GPU (CUDA / ROCm / XPU)")
+        _require(not args.vllm or torch.cuda.is_available(), "--vllm_sleep needs vLLM on a GPU (CUDA / ROCm / XPU)")
     template = args.prompt_template
-    require(template is None or "{question}" in template, "--prompt_template must contain {question}")
+    _require(template is None or "{question}" in template, "--prompt_template must contain {question}")
     output_is_file = f"--output_dir {args.output_dir} is a file; it must be a folder (each run makes its own in it)"
-    require(not os.path.isfile(args.output_dir), output_is_file)
-    check_at_least(args, 1, "keep_checkpoints")
+    _require(not os.path.isfile(args.output_dir), output_is_file)
+    _check_at_least(args, 1, "keep_checkpoints")
 
 
-def require(ok, message):
+def _require(ok, message):
     """fail(message) unless ok."""
     if not ok:
-        fail(message)
+        _fail(message)
 
 
-def fail(message):
+def _fail(message):
     """Stop before any heavy work with one clear line."""
     raise SystemExit(f"error: {message}")
 
 
-def check_at_least(args, minimum, names):
+def _check_at_least(args, minimum, names):
     """Each argument in `names` (space-separated) must be >= minimum."""
     for name in names.split():
-        require(getattr(args, name) >= minimum, f"--{name} must be >= {minimum}; got {getattr(args, name)}")
+        _require(getattr(args, name) >= minimum, f"--{name} must be >= {minimum}; got {getattr(args, name)}")
 
 
-def make_accelerator(micro_batch_size, gradient_accumulation_steps, max_grad_norm):
+def _make_accelerator(micro_batch_size, gradient_accumulation_steps, max_grad_norm):
     """The Accelerator of this launch: one process, DDP, or DeepSpeed (the config given to `accelerate launch
     --config_file`), on GPUs or on CPU. The scheduler is stepped by hand once per optimizer step (accelerate's
     default would step it once per process)."""
@@ -874,7 +874,9 @@ def make_accelerator(micro_batch_size, gradient_accumulation_steps, max_grad_nor
         from deepspeed import __version__ as version
         from packaging.version import Version
 
-        require(Version(version) >= Version("0.19.2"), f"DeepSpeed {version} is installed; the scripts need >= 0.19.2")
+        _require(
+            Version(version) >= Version("0.19.2"), f"DeepSpeed {version} is installed; the scripts need >= 0.19.2"
+        )
     no_gpu = not torch.cuda.is_available()
     # On CPU, cpu=True connects DDP processes (gloo); under DeepSpeed it would switch DeepSpeed off: gloo is named.
     gloo = [InitProcessGroupKwargs(backend="gloo")] if deepspeed and no_gpu else []
@@ -889,7 +891,7 @@ def make_accelerator(micro_batch_size, gradient_accumulation_steps, max_grad_nor
     return accelerator
 
 
-def load_tokenizer(model_name_or_path, trust_remote_code):
+def _load_tokenizer(model_name_or_path, trust_remote_code):
     """The policy's tokenizer, with EOS as the padding token when it has none."""
     from huggingface_hub import constants
 
@@ -897,7 +899,7 @@ def load_tokenizer(model_name_or_path, trust_remote_code):
         tokenizer = AutoTokenizer.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code)
     except OSError as error:
         offline = "; offline (HF_HUB_OFFLINE=1): only cached models load"
-        fail(
+        _fail(
             f"--model_name_or_path {model_name_or_path} is neither a local folder nor a reachable hub model "
             f"({str(error).splitlines()[0]}){offline if constants.HF_HUB_OFFLINE else ''}"
         )
@@ -910,35 +912,35 @@ def load_reward_data(args, tokenizer):
     """The rows of both splits, read and checked before any model is loaded. Sets args.data_kind: "preferences"
     (chosen/rejected columns) or "task" (question/answer columns; its rows cut to --num_train_prompts /
     --num_eval_prompts); both splits must hold the same kind, and --prm needs a task. Conversations need the
-    tokenizer's chat template (a task's prompts too, without --prompt_template: build_prompts checks), and the
-    starting model must be one a reward model can start from (check_reward_config)."""
+    tokenizer's chat template (a task's prompts too, without --prompt_template: _build_prompts checks), and the
+    starting model must be one a reward model can start from (_check_reward_config)."""
     splits = {}
     for name in ("train_split", "eval_split"):
         split = getattr(args, name)
-        splits[name] = load_split(args.dataset_path, args.dataset_config, split)
-        kind = dataset_kind(splits[name], args, f"--dataset_path {args.dataset_path} split {split} (--{name})")
+        splits[name] = _load_split(args.dataset_path, args.dataset_config, split)
+        kind = _dataset_kind(splits[name], args, f"--dataset_path {args.dataset_path} split {split} (--{name})")
         if args.data_kind and kind != args.data_kind:
-            fail(
+            _fail(
                 f"--dataset_path {args.dataset_path}: split {split} holds {kind}, the training split {args.data_kind}"
             )
         args.data_kind = kind
     train_rows, eval_rows = splits["train_split"], splits["eval_split"]
     if args.prm and args.data_kind != "task":
-        fail(
+        _fail(
             f"--prm needs a task with --question_column/--answer_column (the verifier labels the steps); "
             f"--dataset_path {args.dataset_path} holds preference pairs"
         )
     conversational = args.data_kind == "preferences" and not isinstance(train_rows[0][args.chosen_column], str)
     no_template = f"the tokenizer of {args.model_name_or_path} has no chat template; the preference data are "
-    require(not conversational or tokenizer.chat_template, no_template + "conversations and need one")
+    _require(not conversational or tokenizer.chat_template, no_template + "conversations and need one")
     if args.data_kind == "task":
         train_rows = train_rows[: args.num_train_prompts or None]
         eval_rows = eval_rows[: args.num_eval_prompts or None]
-    check_reward_config(args.model_name_or_path, args.trust_remote_code)  # before the policy samples a task's pairs
+    _check_reward_config(args.model_name_or_path, args.trust_remote_code)  # before the policy samples a task's pairs
     return train_rows, eval_rows
 
 
-def load_split(path, config_name, split):
+def _load_split(path, config_name, split):
     """A list of row dicts from {path}/{split}.jsonl, or from a hub dataset (or a local folder datasets can read).
     A line that is not a JSON object, or a dataset that does not load, stops the run with one line."""
     local = os.path.join(path, f"{split}.jsonl")
@@ -951,9 +953,9 @@ def load_split(path, config_name, split):
                 try:
                     rows.append(json.loads(line))
                 except json.JSONDecodeError as error:
-                    fail(f"{local} line {number} is not valid JSON ({error.msg}, column {error.colno})")
+                    _fail(f"{local} line {number} is not valid JSON ({error.msg}, column {error.colno})")
                 if not isinstance(rows[-1], dict):
-                    fail(f"{local} line {number} is a JSON {type(rows[-1]).__name__}, not an object of columns")
+                    _fail(f"{local} line {number} is a JSON {type(rows[-1]).__name__}, not an object of columns")
         return rows
     import datasets
     from huggingface_hub import constants
@@ -962,60 +964,60 @@ def load_split(path, config_name, split):
         return list(datasets.load_dataset(path, config_name, split=split))
     except Exception as error:  # no network, no such dataset, split or config: one line instead of a traceback
         offline = " (offline, HF_HUB_OFFLINE=1, and not cached)"
-        fail(
+        _fail(
             f"dataset {path} split {split} did not load{offline if constants.HF_HUB_OFFLINE else ''}: "
             f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
         )
 
 
-def dataset_kind(rows, args, where):
+def _dataset_kind(rows, args, where):
     """ "preferences" when the rows have the chosen/rejected columns, "task" when they have question/answer (every
     row is checked, and a task's questions and gold answers too)."""
     if not rows:
-        fail(f"{where} is empty")
+        _fail(f"{where} is empty")
     if args.chosen_column in rows[0] and args.rejected_column in rows[0]:
-        check_columns(rows, {args.chosen_column: "--chosen_column", args.rejected_column: "--rejected_column"}, where)
+        _check_columns(rows, {args.chosen_column: "--chosen_column", args.rejected_column: "--rejected_column"}, where)
         return "preferences"
     if args.question_column in rows[0] and args.answer_column in rows[0]:
         columns = {args.question_column: "--question_column", args.answer_column: "--answer_column"}
-        check_columns(rows, columns, where, text_columns=[args.question_column])
-        check_golds(rows, args.answer_column, where)
+        _check_columns(rows, columns, where, text_columns=[args.question_column])
+        _check_golds(rows, args.answer_column, where)
         return "task"
-    fail(
+    _fail(
         f"{where} has neither preference columns {args.chosen_column}/{args.rejected_column} nor task columns "
         f"{args.question_column}/{args.answer_column} (columns: {', '.join(rows[0])}); set --chosen_column / "
         "--rejected_column (and --prompt_column), or --question_column / --answer_column"
     )
 
 
-def check_columns(rows, columns, where, text_columns=()):
+def _check_columns(rows, columns, where, text_columns=()):
     """Every row must have each of `columns` ({column: the argument that names it}), and the text_columns must hold
     non-empty text; else one line with the counts and the first bad row (1-based)."""
     if not rows:
-        fail(f"{where} is empty")
+        _fail(f"{where} is empty")
     missing = {c: [i for i, row in enumerate(rows) if c not in row] for c in columns}
     missing = {c: rows_without for c, rows_without in missing.items() if rows_without}
     if missing:
         first = min(i for rows_without in missing.values() for i in rows_without)
         counts = ", ".join(f"{c} ({len(rows_without)} of {len(rows)} rows)" for c, rows_without in missing.items())
-        fail(
+        _fail(
             f"{where} lacks column {counts}; row {first + 1} has {', '.join(rows[first]) or 'no columns'}; "
             f"set {' / '.join(columns[c] for c in missing)}"
         )
     for column in text_columns:
         bad = [i for i, row in enumerate(rows) if not isinstance(row[column], str) or not row[column].strip()]
         if bad:
-            fail(
+            _fail(
                 f"{where}: {len(bad)} of {len(rows)} rows have a {column} that is not text (the first is row "
                 f"{bad[0] + 1}: {json.dumps(rows[bad[0]][column])[:80]})"
             )
 
 
-def check_golds(rows, column, where, max_share=0.1):
+def _check_golds(rows, column, where, max_share=0.1):
     """The verifier must be able to check most gold answers: a split where more than max_share of them hold no
-    number or math expression (null, empty or plain words: see verifiable_gold) is refused with the counts, fewer
+    number or math expression (null, empty or plain words: see _verifiable_gold) is refused with the counts, fewer
     are reported (those prompts can only be matched as text)."""
-    bad = [i for i, row in enumerate(rows) if not verifiable_gold(gold_answer(row[column]))]
+    bad = [i for i, row in enumerate(rows) if not _verifiable_gold(_gold_answer(row[column]))]
     if not bad:
         return
     message = (
@@ -1023,32 +1025,32 @@ def check_golds(rows, column, where, max_share=0.1):
         f"the verifier can check (the first is row {bad[0] + 1}: {json.dumps(rows[bad[0]][column])[:80]})"
     )
     if len(bad) > max_share * len(rows):
-        fail(f"{message}; at most {max_share:.0%} may; set --answer_column or fix the data")
+        _fail(f"{message}; at most {max_share:.0%} may; set --answer_column or fix the data")
     warnings.warn(message, stacklevel=2)
 
 
-def verifiable_gold(gold):
+def _verifiable_gold(gold):
     """Whether the verifier can check answers against this gold: it holds a number or a LaTeX expression. Null,
     empty and plain-word golds do not (a completion could only match them as text, e.g. "Answer: None")."""
     return re.search(r"[0-9\\]", gold) is not None
 
 
-def gold_answer(answer):
+def _gold_answer(answer):
     """The gold final answer as a string; GSM8K style solutions keep what follows '####'. A null answer is the empty
     string, which nothing matches."""
     return "" if answer is None else str(answer).split("####")[-1].strip().replace(",", "")
 
 
-def check_reward_config(path, trust_remote_code):
+def _check_reward_config(path, trust_remote_code):
     """The starting model's config: a causal LM (a new one-output head is added), or a one-label sequence
     classifier (a reward model trained further)."""
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as error:
-        fail(f"--model_name_or_path {path} is not a loadable model ({str(error).splitlines()[0]})")
+        _fail(f"--model_name_or_path {path} is not a loadable model ({str(error).splitlines()[0]})")
     architectures = getattr(config, "architectures", None) or []
     if any(a.endswith("ForSequenceClassification") for a in architectures) and config.num_labels != 1:
-        fail(
+        _fail(
             f"--model_name_or_path {path} is a sequence-classification model with {config.num_labels} labels; a "
             "reward model has exactly one (a scalar score): start from its base causal LM or a one-label model"
         )
@@ -1069,18 +1071,18 @@ class Run:
             name = None
             if accelerator.is_main_process:
                 task = os.path.basename(os.path.normpath(args.dataset_path))
-                name = new_run_folder(args.output_dir, f"{task}__{args.exp_name}__{args.seed}__{int(time.time())}")
+                name = _new_run_folder(args.output_dir, f"{task}__{args.exp_name}__{args.seed}__{int(time.time())}")
             args.run_name = broadcast_object_list([name])[0]
             self.dir = os.path.join(args.output_dir, args.run_name)
             return
         self.dir = os.path.normpath(args.resume)  # the same run: every argument that changes the numbers must match
-        require(os.path.isfile(os.path.join(self.dir, "config.json")), f"--resume {self.dir} has no config.json")
-        require(self.checkpoints(), f"--resume {self.dir} has no finished checkpoint to continue from")
+        _require(os.path.isfile(os.path.join(self.dir, "config.json")), f"--resume {self.dir} has no config.json")
+        _require(self.checkpoints(), f"--resume {self.dir} has no finished checkpoint to continue from")
         with open(os.path.join(self.dir, "config.json")) as f:
             saved = json.load(f)["args"]
         for key, value in asdict(args).items():
             if key not in resumable_args and key in saved and json.loads(json.dumps(value)) != saved[key]:
-                fail(f"--{key} is {value!r} but the run being resumed used {saved[key]!r}")
+                _fail(f"--{key} is {value!r} but the run being resumed used {saved[key]!r}")
         args.run_name = saved["run_name"]
 
     def checkpoints(self):
@@ -1101,7 +1103,7 @@ class Run:
                     state = json.load(f)
             except Exception as error:
                 hint = f"; if a file is damaged, delete it to resume from {earlier[-1]}" if earlier else ""
-                fail(
+                _fail(
                     f"checkpoint {latest} does not load ({type(error).__name__}: {' '.join(str(error).split())}){hint}"
                 )
             step, self.episode, self.last_checkpoint = state["global_step"], state["episode"], latest
@@ -1109,15 +1111,17 @@ class Run:
         if self.accelerator.is_main_process:
             config = asdict(args)
             if args.resume is None:
-                info = dict(git_sha=git_sha(), distributed_type=self.accelerator.distributed_type.value, **launch_info)
+                info = dict(
+                    git_sha=_git_sha(), distributed_type=self.accelerator.distributed_type.value, **launch_info
+                )
                 with open(os.path.join(self.dir, "config.json"), "w") as f:
                     json.dump({"args": config, **info}, f, indent=2)
             for name in ("metrics.jsonl", "samples.jsonl"):  # drop what was logged after the checkpoint
-                truncate_jsonl(os.path.join(self.dir, name), step)
+                _truncate_jsonl(os.path.join(self.dir, name), step)
             self.metrics_file = open(os.path.join(self.dir, "metrics.jsonl"), "a")
             trackers = [TensorBoardTracker("tensorboard", self.dir)]  # accelerate's: accelerator.log, end_training
             if args.track:
-                tags = [*args.wandb_tags, git_sha()[:12] or "no-git"]
+                tags = [*args.wandb_tags, _git_sha()[:12] or "no-git"]
                 wandb = dict(entity=args.wandb_entity, id=args.run_name, name=args.run_name, resume="allow", tags=tags)
                 trackers.append(WandBTracker(args.wandb_project_name, dir=self.dir, **wandb))
             hparams = {k: v if isinstance(v, (int, float, str)) else str(v) for k, v in config.items()}  # TensorBoard
@@ -1138,12 +1142,12 @@ class Run:
         return self.metrics
 
     def prompt_indices(self, step, per_rank, num_prompts):
-        """This process's prompts at `step`: step_prompt_indices, a function of (seed, step) that --resume repeats."""
+        """This process's prompts at `step`: _step_prompt_indices, a function of (seed, step) that --resume repeats."""
         rank, world_size = self.accelerator.process_index, self.accelerator.num_processes
-        return step_prompt_indices(step, per_rank, num_prompts, self.args.seed, rank, world_size)
+        return _step_prompt_indices(step, per_rank, num_prompts, self.args.seed, rank, world_size)
 
     def add(self, stats):
-        """One value per name for this step's averages (reduce_values: NaN left out, *_max / *_min the extreme)."""
+        """One value per name for this step's averages (_reduce_values: NaN left out, *_max / *_min the extreme)."""
         for name, value in stats.items():
             self.stats[name].append(value)
 
@@ -1155,14 +1159,14 @@ class Run:
         self.metrics[name] = time.time() - start
 
     def check(self, values, name):
-        """Stop at a non-finite value, naming this step and the last good checkpoint (check_finite: a collective)."""
-        check_finite(self.accelerator, values, name, self.step, self.last_checkpoint)
+        """Stop at a non-finite value, naming this step and the last good checkpoint (_check_finite: a collective)."""
+        _check_finite(self.accelerator, values, name, self.step, self.last_checkpoint)
 
     @staticmethod
     def micro_batches(batch_size, minibatch_size, micro_batch_size, num_epochs, seed):
         """The update's schedule, flat: num_epochs passes over a batch of batch_size rows (the first in rollout order,
         the later ones shuffled by a generator seeded with `seed`), each split into minibatches (one optimizer step
-        each), each into micro-batches (gradient accumulation). Yields a MicroBatch per micro-batch: the update
+        each), each into micro-batches (gradient accumulation). Yields a _MicroBatch per micro-batch: the update
         (minibatch) it belongs to, counted from 0 in this step, the epoch (pass), the minibatch's rows and its own,
         and whether it is the minibatch's first and last."""
         rng, update = torch.Generator().manual_seed(seed), 0
@@ -1175,18 +1179,18 @@ class Run:
                         minibatch[first : first + micro_batch_size],
                         first + micro_batch_size >= minibatch_size,
                     )
-                    yield MicroBatch(update, epoch, minibatch, rows, first == 0, last)
+                    yield _MicroBatch(update, epoch, minibatch, rows, first == 0, last)
                 update += 1
 
     def optimizer_step(self, model, optimizer, scheduler, prefix="policy/", max_skipped=30):
-        """One update: clip the gradients (clip_gradients), step the optimizer, then the learning-rate schedule when
+        """One update: clip the gradients (_clip_gradients), step the optimizer, then the learning-rate schedule when
         the update was taken (it counts updates taken: fp16's loss scaler skips an overflowing one), and zero the
         gradients. Adds prefix + grad_norm (NaN when skipped or unknown) and prefix + skipped_updates to the step's
         stats; the step's lr is this update's (the step's last). max_skipped updates skipped in a row stop the run, as
         DeepSpeed stops at its minimum scale, instead of saving untrained weights as a trained model: fp16's scale
         starts at 2^16 and halves at each skip (DeepSpeed's at every other one at first), so 30 take it below 1, where
         an overflow is the gradients' own, not the scale's."""
-        grad_norm = clip_gradients(self.accelerator, model, self.args.max_grad_norm, self.step, self.last_checkpoint)
+        grad_norm = _clip_gradients(self.accelerator, model, self.args.max_grad_norm, self.step, self.last_checkpoint)
         self.metrics["lr"] = scheduler.get_last_lr()[0]
         optimizer.step()
         skipped = (
@@ -1214,7 +1218,7 @@ class Run:
         """Close the step: its metrics and averaged stats, reduced over processes (a collective), the episodes it
         trained on, then evaluate(step) -> (metrics, samples) when --eval_every is due, one log line, and a
         checkpoint when --save_every is due. Returns the metrics logged."""
-        metrics = reduce_metrics(self.accelerator, self.metrics | average_stats(self.stats))
+        metrics = _reduce_metrics(self.accelerator, self.metrics | _average_stats(self.stats))
         self.episode += episodes
         metrics["time/step"] = time.time() - self.t_step
         metrics["perf/episodes_per_second"] = episodes / metrics["time/step"]
@@ -1284,7 +1288,7 @@ class Run:
         self.accelerator.end_training()
 
 
-def new_run_folder(output_dir, name):
+def _new_run_folder(output_dir, name):
     """Create {output_dir}/{name}, or {name}_2, _3, ... when taken (two runs of one task, exp_name and seed started
     in the same second); returns the name."""
     os.makedirs(output_dir, exist_ok=True)
@@ -1294,7 +1298,7 @@ def new_run_folder(output_dir, name):
             return candidate
 
 
-def git_sha():
+def _git_sha():
     try:
         cwd = os.path.dirname(os.path.abspath(__file__))
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True).stdout.strip()
@@ -1302,7 +1306,7 @@ def git_sha():
         return ""
 
 
-def truncate_jsonl(path, last_step):
+def _truncate_jsonl(path, last_step):
     """Keep the lines of a JSONL log up to global_step last_step, and none cut short by a kill (no newline yet)."""
     if os.path.exists(path):
         with open(path) as f:
@@ -1312,7 +1316,7 @@ def truncate_jsonl(path, last_step):
         os.replace(path + ".tmp", path)
 
 
-def step_prompt_indices(step, per_rank, num_prompts, seed, rank=0, world_size=1):
+def _step_prompt_indices(step, per_rank, num_prompts, seed, rank=0, world_size=1):
     """Indices of the prompts process `rank` uses at `step`: its slice of the step's world_size * per_rank. The
     dataset is walked in a fresh permutation every epoch, so the data order is a pure function of (seed, step) and
     --resume repeats it."""
@@ -1327,7 +1331,7 @@ def step_prompt_indices(step, per_rank, num_prompts, seed, rank=0, world_size=1)
     return order[mine : mine + per_rank].tolist()
 
 
-def check_finite(accelerator, values, name, step, last_checkpoint):
+def _check_finite(accelerator, values, name, step, last_checkpoint):
     """Stop the run at the first non-finite reward, loss or gradient norm, saying where the last good checkpoint is.
     A collective (every process calls it as often): when one process sees it, every process stops, none is left
     waiting for the others in the next all-reduce."""
@@ -1339,10 +1343,10 @@ def check_finite(accelerator, values, name, step, last_checkpoint):
         )
 
 
-MicroBatch = collections.namedtuple("MicroBatch", "update epoch minibatch rows first last")
+_MicroBatch = collections.namedtuple("MicroBatch", "update epoch minibatch rows first last")
 
 
-def clip_gradients(accelerator, model, max_grad_norm, step, last_checkpoint):
+def _clip_gradients(accelerator, model, max_grad_norm, step, last_checkpoint):
     """Clip the gradients to max_grad_norm; returns their global norm, the same on every process, or NaN for an update
     that fp16's loss scaler skips (accelerate's GradScaler or DeepSpeed's: an overflow is their signal to skip the
     step and lower the scale, so the weights stay finite; the averages leave NaN out) and where DeepSpeed computes no
@@ -1355,20 +1359,20 @@ def clip_gradients(accelerator, model, max_grad_norm, step, last_checkpoint):
     grad_norm = float(grad_norm)
     deepspeed_fp16 = accelerator.state.deepspeed_plugin is not None and accelerator.mixed_precision == "fp16"
     if accelerator.scaler is None and not deepspeed_fp16:
-        check_finite(accelerator, grad_norm, "gradient norm", step, last_checkpoint)
+        _check_finite(accelerator, grad_norm, "gradient norm", step, last_checkpoint)
     return grad_norm if math.isfinite(grad_norm) else float("nan")
 
 
-def reduce_metrics(accelerator, metrics):
+def _reduce_metrics(accelerator, metrics):
     """Average a dict of floats over processes (a collective); a name ending in _max (_min) takes the largest
     (smallest) value."""
     keys = sorted(metrics)
     values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=accelerator.device)
     gathered = accelerator.gather(values.unsqueeze(0)).cpu()  # [world_size, K]
-    return {key: reduce_values(key, v.tolist()) for key, v in zip(keys, gathered.T)}
+    return {key: _reduce_values(key, v.tolist()) for key, v in zip(keys, gathered.T)}
 
 
-def reduce_values(name, values):
+def _reduce_values(name, values):
     """The largest of a list of floats for a metric named *_max, the smallest for *_min, else their mean (exactly the
     value when they are all equal: a metric already taken over every process stays as it is, on any number of
     processes); NaNs (a micro-batch with no token in the loss, see token_mean) are left out."""
@@ -1378,51 +1382,51 @@ def reduce_values(name, values):
     return float(np.mean(values))
 
 
-def average_stats(stats):
+def _average_stats(stats):
     """{name: one float per micro-batch (or minibatch)} -> their mean, or for a name ending in _max (_min) the largest
     (smallest)."""
-    return {name: reduce_values(name, values) for name, values in stats.items()}
+    return {name: _reduce_values(name, values) for name, values in stats.items()}
 
 
 def reward_pairs(args, accelerator, tokenizer, run, train_rows, eval_rows):
-    """The training and held-out pairs as token ids (encode_rows) and the metrics of how they were made. From a task,
-    the rows are sampled and labelled first (sample_task_rows) and written to the run folder (preferences/, --prm:
+    """The training and held-out pairs as token ids (_encode_rows) and the metrics of how they were made. From a task,
+    the rows are sampled and labelled first (_sample_task_rows) and written to the run folder (preferences/, --prm:
     steps/); a resumed run reads the rows it wrote instead of sampling again."""
     rows_dir, pair_metrics = os.path.join(run.dir, "steps" if args.prm else "preferences"), {}
     if args.data_kind == "task" and args.resume is not None:
-        train_rows, eval_rows = (load_split(rows_dir, None, split) for split in (args.train_split, args.eval_split))
+        train_rows, eval_rows = (_load_split(rows_dir, None, split) for split in (args.train_split, args.eval_split))
     elif args.data_kind == "task":
-        train_rows, eval_rows, pair_metrics = sample_task_rows(args, accelerator, tokenizer, train_rows, eval_rows)
+        train_rows, eval_rows, pair_metrics = _sample_task_rows(args, accelerator, tokenizer, train_rows, eval_rows)
         if accelerator.is_main_process:
-            write_jsonl(os.path.join(rows_dir, f"{args.train_split}.jsonl"), train_rows)
-            write_jsonl(os.path.join(rows_dir, f"{args.eval_split}.jsonl"), eval_rows)
-    return *encode_rows(train_rows, eval_rows, args, tokenizer, accelerator), pair_metrics
+            _write_jsonl(os.path.join(rows_dir, f"{args.train_split}.jsonl"), train_rows)
+            _write_jsonl(os.path.join(rows_dir, f"{args.eval_split}.jsonl"), eval_rows)
+    return *_encode_rows(train_rows, eval_rows, args, tokenizer, accelerator), pair_metrics
 
 
-def sample_task_rows(args, accelerator, tokenizer, train_rows, eval_rows):
+def _sample_task_rows(args, accelerator, tokenizer, train_rows, eval_rows):
     """The rows built from a task's two splits (preference pairs; --prm: completions with step labels): each row's
     prompt, num_samples_per_prompt completions sampled by the policy (vLLM or HF generate, freed before training),
     labelled by the verifier. Returns (train rows, eval rows, their metrics)."""
     prompts = {}
     for split, rows in (("train", train_rows), ("eval", eval_rows)):
-        prompts[split] = build_prompts(tokenizer, rows, args)  # (prompt ids, gold answers)
+        prompts[split] = _build_prompts(tokenizer, rows, args)  # (prompt ids, gold answers)
         where = f"--dataset_path {args.dataset_path} split {getattr(args, f'{split}_split')}"
-        require_prompts(prompts[split][0], 1, where, args.max_prompt_length)
-    sampler = policy_sampler(args, accelerator, tokenizer)
+        _require_prompts(prompts[split][0], 1, where, args.max_prompt_length)
+    sampler = _policy_sampler(args, accelerator, tokenizer)
     t0 = time.time()
     rows, metrics = {}, {}
     for split in ("train", "eval"):
-        groups, tokens = sample_labelled_groups(sampler, *prompts[split], split, args, accelerator)
+        groups, tokens = _sample_labelled_groups(sampler, *prompts[split], split, args, accelerator)
         if args.prm:
-            rows[split] = step_rows(groups, *prompts[split], args, tokenizer)
-            stats = step_row_stats(groups, rows[split], tokens)
+            rows[split] = _step_rows(groups, *prompts[split], args, tokenizer)
+            stats = _step_row_stats(groups, rows[split], tokens)
             accelerator.print(
                 f"{split}: {stats['prompts']} prompts -> {stats['completions']} completions with {stats['steps']} "
                 f"steps, {stats['good_step_fraction']:.3f} of them labelled good"
             )
         else:
-            rows[split] = preference_rows(groups, *prompts[split], split, args, tokenizer)
-            stats = preference_row_stats(groups, rows[split], tokens)
+            rows[split] = _preference_rows(groups, *prompts[split], split, args, tokenizer)
+            stats = _preference_row_stats(groups, rows[split], tokens)
             accelerator.print(
                 f"{split}: {stats['prompts']} prompts, {stats['mixed_prompts']} with both a correct and a wrong "
                 f"completion (sample accuracy {stats['sample_accuracy']:.3f}) -> {stats['pairs']} pairs"
@@ -1439,13 +1443,13 @@ def sample_task_rows(args, accelerator, tokenizer, train_rows, eval_rows):
     return rows["train"], rows["eval"], metrics
 
 
-def build_prompts(tokenizer, rows, args):
+def _build_prompts(tokenizer, rows, args):
     """Token ids of each row's prompt (chat template, after the system prompt and any shown examples, or
     --prompt_template, which a tokenizer without a chat template needs) and its gold answer; prompts longer than
     max_prompt_length are dropped."""
     example = "e.g. 'Question: {question}\\nAnswer:'"
     no_template = f"the tokenizer of {tokenizer.name_or_path} has no chat template; pass --prompt_template, {example}"
-    require(args.prompt_template is not None or tokenizer.chat_template, no_template)
+    _require(args.prompt_template is not None or tokenizer.chat_template, no_template)
     prompts, golds = [], []
     for row in rows:
         question = f"{row[args.question_column]} {args.instruction}".strip()
@@ -1460,26 +1464,26 @@ def build_prompts(tokenizer, rows, args):
         ids = tokenizer(text, add_special_tokens=args.prompt_template is not None).input_ids
         if len(ids) <= args.max_prompt_length:
             prompts.append(ids)
-            golds.append(gold_answer(row[args.answer_column]))
+            golds.append(_gold_answer(row[args.answer_column]))
     return prompts, golds
 
 
-def require_prompts(prompts, needed, where, max_prompt_length):
+def _require_prompts(prompts, needed, where, max_prompt_length):
     """Stop with one line when fewer than `needed` prompts are left once those longer than --max_prompt_length
     are dropped."""
     if len(prompts) < needed:
-        fail(f"{where}: only {len(prompts)} prompts fit --max_prompt_length {max_prompt_length}; {needed} needed")
+        _fail(f"{where}: only {len(prompts)} prompts fit --max_prompt_length {max_prompt_length}; {needed} needed")
 
 
-def policy_sampler(args, accelerator, tokenizer):
+def _policy_sampler(args, accelerator, tokenizer):
     """The Sampler of the policy (--policy_name_or_path, default --model_name_or_path) that samples a task's
     completions. For HF generate the policy, not trained, is loaded whole on every process, so that each samples
     on its own (no collective calls)."""
     path = args.policy_name_or_path or args.model_name_or_path
     sampler = Sampler(dataclasses.replace(args, seed=args.data_seed), accelerator, None, tokenizer, path)  # its engine
     if sampler.llm is None:
-        with whole_on_every_process(accelerator):
-            policy = load_model(path, AutoModelForCausalLM, args, tokenizer.pad_token_id)
+        with _whole_on_every_process(accelerator):
+            policy = _load_model(path, AutoModelForCausalLM, args, tokenizer.pad_token_id)
         sampler.policy = policy.eval().to(accelerator.device)
     return sampler
 
@@ -1495,7 +1499,7 @@ class Sampler:
     def __init__(self, args, accelerator, policy, tokenizer, model_name_or_path=None):
         self.args, self.accelerator, self.policy, self.tokenizer = args, accelerator, policy, tokenizer
         model_name_or_path = model_name_or_path or args.model_name_or_path
-        self.stop_ids = stop_token_ids(tokenizer, model_name_or_path)
+        self.stop_ids = _stop_token_ids(tokenizer, model_name_or_path)
         self.llm, self.sleep, self.asleep = None, getattr(args, "vllm_sleep", False), False
         if not args.vllm:
             return
@@ -1510,15 +1514,15 @@ class Sampler:
         cores = sorted(os.sched_getaffinity(0))  # on CPU, each process's engine computes on its share of the cores
         share = max(1, len(cores) // world_size)
         cores = cores[rank * share : (rank + 1) * share] or cores
-        self.llm = start_vllm(args, model_name_or_path, rank, world_size, cores, self.sleep)
+        self.llm = _start_vllm(args, model_name_or_path, rank, world_size, cores, self.sleep)
 
     def generate(self, prompts, n, temperature):
-        """n completions per prompt, consecutive. Returns responses [N, R], their mask [N, R] (see response_mask),
+        """n completions per prompt, consecutive. Returns responses [N, R], their mask [N, R] (see _response_mask),
         the sampler's log-probs [N, R] (vLLM only, else None) and the texts up to the first EOS."""
         a, pad_id = self.args, self.tokenizer.pad_token_id
         if self.llm is not None:
             self.wake_up()
-            responses, lengths, logprobs = vllm_generate(
+            responses, lengths, logprobs = _vllm_generate(
                 self.llm, prompts, n, a.response_length, temperature, a.top_p, pad_id, self.stop_ids
             )
             if self.sleep:
@@ -1527,12 +1531,12 @@ class Sampler:
         else:
             self.policy.eval()
             # A collective under ZeRO-3 (the policy's shards are gathered): every process calls it as often.
-            with gathered_parameters(self.accelerator, self.policy):
-                responses, lengths = hf_generate(
+            with _gathered_parameters(self.accelerator, self.policy):
+                responses, lengths = _hf_generate(
                     self.policy, prompts, n, a.response_length, temperature, a.top_p, pad_id, self.stop_ids
                 )
             logprobs = None
-        mask = response_mask(responses, lengths, self.stop_ids)
+        mask = _response_mask(responses, lengths, self.stop_ids)
         texts = self.tokenizer.batch_decode(responses.masked_fill(mask == 0, pad_id), skip_special_tokens=True)
         return responses, mask, logprobs, texts
 
@@ -1540,9 +1544,9 @@ class Sampler:
         """Load the policy's current weights into the vLLM engine (HF generate uses them already)."""
         if self.llm is not None:
             self.wake_up()
-            with gathered_parameters(self.accelerator, self.policy):
+            with _gathered_parameters(self.accelerator, self.policy):
                 dtype = self.llm.llm_engine.model_config.dtype
-                vllm_sync_weights(self.llm, policy_state_dict(self.policy), dtype)
+                _vllm_sync_weights(self.llm, _policy_state_dict(self.policy), dtype)
 
     def wake_up(self):
         if self.asleep:
@@ -1554,7 +1558,7 @@ class Sampler:
             self.llm.llm_engine.engine_core.shutdown()
 
 
-def stop_token_ids(tokenizer, model_name_or_path):
+def _stop_token_ids(tokenizer, model_name_or_path):
     """Every id that ends a completion: the tokenizer's EOS and each id in the model's generation_config.json
     eos_token_id (Qwen2.5 has two, Llama-3.1 three), where vLLM stops too. Sorted list."""
     try:
@@ -1565,7 +1569,7 @@ def stop_token_ids(tokenizer, model_name_or_path):
     return sorted({tokenizer.eos_token_id, *eos} - {None})
 
 
-def start_vllm(args, model_name_or_path, rank, world_size, cores, sleep=False):
+def _start_vllm(args, model_name_or_path, rank, world_size, cores, sleep=False):
     """A vLLM engine in this process. The CPU build computes on `cores`, with 2 GiB of KV cache; with several
     processes each one owns an engine, inside the torch.distributed world accelerate started."""
     if not torch.cuda.is_available():
@@ -1583,14 +1587,14 @@ def start_vllm(args, model_name_or_path, rank, world_size, cores, sleep=False):
     return LLM(**engine, distributed_executor_backend="external_launcher" if world_size > 1 else "uni")
 
 
-def vllm_generate(llm, prompts, n, response_length, temperature, top_p, pad_token_id, stop_token_ids):
+def _vllm_generate(llm, prompts, n, response_length, temperature, top_p, pad_token_id, _stop_token_ids):
     """Sample n completions per prompt with vLLM. Returns (responses [N, response_length], lengths [N],
     logprobs [N, response_length]) where logprobs are the sampler's (after temperature) for the sampled tokens.
-    stop_token_ids are passed explicitly so that vLLM and HF generate stop on the same ids."""
+    _stop_token_ids are passed explicitly so that vLLM and HF generate stop on the same ids."""
     from vllm import SamplingParams
 
     params = dict(n=n, temperature=temperature, top_p=top_p, max_tokens=response_length, detokenize=False)
-    params = SamplingParams(**params, stop_token_ids=list(stop_token_ids), logprobs=0 if temperature > 0 else None)
+    params = SamplingParams(**params, stop_token_ids=list(_stop_token_ids), logprobs=0 if temperature > 0 else None)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     completions = [completion for output in outputs for completion in output.outputs]
     responses = torch.full((len(completions), response_length), pad_token_id, dtype=torch.long)
@@ -1603,7 +1607,7 @@ def vllm_generate(llm, prompts, n, response_length, temperature, top_p, pad_toke
     return responses, lengths, logprobs
 
 
-def gathered_parameters(accelerator, model):
+def _gathered_parameters(accelerator, model):
     """A context in which every process holds all parameters: DeepSpeed ZeRO-3 shards them, the rest do not."""
     plugin = accelerator.state.deepspeed_plugin
     if plugin is None or plugin.zero_stage != 3:
@@ -1613,16 +1617,16 @@ def gathered_parameters(accelerator, model):
     return deepspeed.zero.GatheredParameters(list(model.parameters()))
 
 
-def hf_generate(model, prompts, n, response_length, temperature, top_p, pad_token_id, stop_token_ids):
+def _hf_generate(model, prompts, n, response_length, temperature, top_p, pad_token_id, _stop_token_ids):
     """Sample n completions per prompt with Hugging Face generate, each ending at its first stop token (kept).
     Returns (responses [len(prompts) * n, response_length], lengths [len(prompts) * n]); completions of one prompt
     are consecutive. temperature 0 is greedy decoding. Each process generates on its own (synced_gpus=False): under
-    DeepSpeed ZeRO-3 the caller gathers the parameters first (gathered_parameters)."""
+    DeepSpeed ZeRO-3 the caller gathers the parameters first (_gathered_parameters)."""
     if not prompts:
         return torch.full((0, response_length), pad_token_id), torch.zeros(0, dtype=torch.long)
-    input_ids, attention_mask = left_pad([p for p in prompts for _ in range(n)], pad_token_id)
+    input_ids, attention_mask = _left_pad([p for p in prompts for _ in range(n)], pad_token_id)
     sampling = dict(temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else {}  # else greedy
-    ends = dict(max_new_tokens=response_length, eos_token_id=list(stop_token_ids), pad_token_id=pad_token_id)
+    ends = dict(max_new_tokens=response_length, eos_token_id=list(_stop_token_ids), pad_token_id=pad_token_id)
     config = GenerationConfig(do_sample=temperature > 0, **sampling, **ends, use_cache=True)
     device = next(model.parameters()).device
     # generate fills every field left unset here from the model's generation_config.json (Qwen2.5-Instruct ships a
@@ -1636,13 +1640,13 @@ def hf_generate(model, prompts, n, response_length, temperature, top_p, pad_toke
     finally:
         base.generation_config = saved
     responses = out[:, input_ids.shape[1] :].cpu()
-    is_eos = torch.isin(responses, torch.tensor(stop_token_ids))  # a finished sequence is padded after its EOS
+    is_eos = torch.isin(responses, torch.tensor(_stop_token_ids))  # a finished sequence is padded after its EOS
     lengths = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, responses.shape[1])
     responses = F.pad(responses, (0, response_length - responses.shape[1]), value=pad_token_id)
     return responses, lengths
 
 
-def left_pad(sequences, pad_token_id):
+def _left_pad(sequences, pad_token_id):
     """Left-pad lists of token ids. Returns (input_ids [B, L], attention_mask [B, L])."""
     width = max(len(s) for s in sequences)
     input_ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
@@ -1653,15 +1657,15 @@ def left_pad(sequences, pad_token_id):
     return input_ids, attention_mask
 
 
-def response_mask(responses, lengths, stop_token_ids):
+def _response_mask(responses, lengths, _stop_token_ids):
     """1 on the real response tokens: positions < length, up to the first stop token (any EOS id) included.
     responses [B, R], lengths [B]. Returns a float mask [B, R]."""
     mask = torch.arange(responses.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
-    is_eos = torch.isin(responses, torch.tensor(stop_token_ids)) & mask
+    is_eos = torch.isin(responses, torch.tensor(_stop_token_ids)) & mask
     return (mask & ~((is_eos.cumsum(1) - is_eos.long()) > 0)).float()
 
 
-def vllm_sync_weights(llm, state_dict, dtype):
+def _vllm_sync_weights(llm, state_dict, dtype):
     """Load new policy weights (cast to the engine's dtype) into the vLLM engine in place, and drop its prefix
     cache, which holds keys and values computed with the old weights."""
     state_dict = {name: tensor.to(dtype) for name, tensor in state_dict.items()}
@@ -1671,7 +1675,7 @@ def vllm_sync_weights(llm, state_dict, dtype):
     llm.reset_prefix_cache()
 
 
-def policy_state_dict(model):
+def _policy_state_dict(model):
     """Full weights of the policy with the names of a Hugging Face checkpoint; LoRA deltas are added out of place
     (merge_adapter/unmerge_adapter would round the frozen base weights a little on every call)."""
     if not hasattr(model, "peft_config"):
@@ -1685,7 +1689,7 @@ def policy_state_dict(model):
 
 
 @contextlib.contextmanager
-def whole_on_every_process(accelerator):
+def _whole_on_every_process(accelerator):
     """A context for loading a model that is not trained (reference, reward model, PRM, a sampler copy): under
     DeepSpeed ZeRO-3 a model loaded after the Accelerator is partitioned as it loads and would need collective
     calls in every forward; loaded here, every process holds it whole, as under DDP."""
@@ -1702,7 +1706,7 @@ def whole_on_every_process(accelerator):
         plugin.set_deepspeed_weakref()
 
 
-def load_model(path, auto_class, args, pad_token_id):
+def _load_model(path, auto_class, args, pad_token_id):
     """A Hugging Face model in --dtype with dropout off (the config's dropout attributes zeroed before loading, then
     every nn.Dropout): the rollout's log-probs must equal the first minibatch's, and the policy's its reference's."""
     config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
@@ -1711,10 +1715,10 @@ def load_model(path, auto_class, args, pad_token_id):
             setattr(config, key, 0.0)
     config.pad_token_id = pad_token_id  # sequence-classification models need it for batches (not used for scores)
     kwargs = dict(config=config, dtype=getattr(torch, args.dtype), trust_remote_code=args.trust_remote_code)
-    return disable_dropout(auto_class.from_pretrained(path, use_safetensors=True, **kwargs))
+    return _disable_dropout(auto_class.from_pretrained(path, use_safetensors=True, **kwargs))
 
 
-def disable_dropout(model):
+def _disable_dropout(model):
     """Dropout off in every nn.Dropout (the config's dropout attributes are zeroed before loading too): the old and
     new log-probs of the first minibatch, and the policy and its reference, must be computed identically."""
     for module in model.modules():
@@ -1723,7 +1727,7 @@ def disable_dropout(model):
     return model
 
 
-def sample_labelled_groups(sampler, prompts, golds, split, args, accelerator):
+def _sample_labelled_groups(sampler, prompts, golds, split, args, accelerator):
     """num_samples_per_prompt completions of every prompt, each labelled by the verifier (1.0: right final answer).
     Each process samples its share of the prompts; the groups are gathered, in prompt order, on every process.
     Returns ([{index, ids, labels, texts}] (ids up to the first EOS included), tokens sampled by all processes)."""
@@ -1793,25 +1797,25 @@ def extract_answer(text):
     return numbers[-1].replace(",", "").replace(" ", "") if numbers else None
 
 
-def step_rows(groups, prompts, golds, args, tokenizer):
+def _step_rows(groups, prompts, golds, args, tokenizer):
     """--prm rows of one split: every completion with a step, its steps, the token ending each step and the step's
     label (1 while no equation so far is wrong: the label of the prefix ending at the step)."""
     rows = []
     for group in groups:
         i = group["index"]
         for ids, text in zip(group["ids"], group["texts"]):
-            found = split_steps(text, args.step_separator)  # [(step, (start, end))]
+            found = _split_steps(text, args.step_separator)  # [(step, (start, end))]
             if not found:
                 continue
             steps = [step for step, _ in found]
             labels = [float(p >= 0.5) for p in verifier_step_scores(steps)]
-            ends = step_token_indices(token_char_ends(tokenizer, ids), [span for _, span in found])
-            row = dict(prompt=decode(tokenizer, prompts[i]), completion=text, gold=golds[i], steps=steps)
+            ends = _step_token_indices(_token_char_ends(tokenizer, ids), [span for _, span in found])
+            row = dict(prompt=_decode(tokenizer, prompts[i]), completion=text, gold=golds[i], steps=steps)
             rows.append(row | dict(step_labels=labels, prompt_ids=prompts[i], completion_ids=ids, step_tokens=ends))
     return rows
 
 
-def split_steps(text, separator):
+def _split_steps(text, separator):
     """The reasoning steps of a response: the pieces of `text` between occurrences of `separator`, stripped of
     surrounding whitespace; pieces with nothing left (separators at the start or the end, runs of separators) are
     not steps. Returns [(step, (start, end))] with text[start:end] == step, in order; [] for a text without steps."""
@@ -1827,13 +1831,13 @@ def split_steps(text, separator):
     return steps
 
 
-def step_token_indices(char_ends, spans):
+def _step_token_indices(char_ends, spans):
     """For each step span (start, end), the index of the token holding its last character (end - 1): the first
-    token whose text ends after it. char_ends from token_char_ends."""
+    token whose text ends after it. char_ends from _token_char_ends."""
     return [min(bisect.bisect_right(char_ends, end - 1), len(char_ends) - 1) for _, end in spans]
 
 
-def token_char_ends(tokenizer, token_ids):
+def _token_char_ends(tokenizer, token_ids):
     """[len(token_ids)] character offset where each token's text ends in the decoded response: how much of the
     response text the decoded prefix up to that token gives (decoded as the response text is, without special
     tokens), made non-decreasing. A prefix that ends inside a multi-byte character (byte-level BPE splits some over
@@ -1849,12 +1853,12 @@ def token_char_ends(tokenizer, token_ids):
     return ends
 
 
-def decode(tokenizer, ids):
+def _decode(tokenizer, ids):
     """The text of token ids as they are (no clean-up of spaces)."""
     return tokenizer.decode(ids, clean_up_tokenization_spaces=False)
 
 
-def step_row_stats(groups, rows, tokens):
+def _step_row_stats(groups, rows, tokens):
     """How many completions and steps the rows hold, the fraction of good steps, and the sampled completions'
     accuracy."""
     labels = torch.tensor([group["labels"] for group in groups])  # [num_prompts, n]
@@ -1869,7 +1873,7 @@ def step_row_stats(groups, rows, tokens):
     }
 
 
-def preference_rows(groups, prompts, golds, split, args, tokenizer):
+def _preference_rows(groups, prompts, golds, split, args, tokenizer):
     """Preference rows of one split: in each prompt's group, correct completions paired with wrong ones."""
     rows = []
     for group in groups:
@@ -1879,7 +1883,7 @@ def preference_rows(groups, prompts, golds, split, args, tokenizer):
         rng = random.Random(f"{args.data_seed}/{split}/{i}")
         for c, r in preference_pairs(group["labels"], args.max_pairs_per_prompt, rng):
             chosen, rejected = group["ids"][c], group["ids"][r]
-            texts = [decode(tokenizer, ids) for ids in (prompts[i], chosen, rejected)]
+            texts = [_decode(tokenizer, ids) for ids in (prompts[i], chosen, rejected)]
             # The sampled tokens themselves too: decoding then re-tokenizing changes a few percent of sampled
             # sequences, and the reward model must see what the policy produces.
             ids = dict(prompt_ids=prompts[i], chosen_ids=chosen, rejected_ids=rejected)
@@ -1887,7 +1891,7 @@ def preference_rows(groups, prompts, golds, split, args, tokenizer):
     return rows
 
 
-def preference_row_stats(groups, rows, tokens):
+def _preference_row_stats(groups, rows, tokens):
     """How many prompts had both a correct and a wrong completion, how many pairs that gave, and the sampled
     completions' accuracy."""
     labels = torch.tensor([group["labels"] for group in groups])  # [num_prompts, n]
@@ -1901,7 +1905,7 @@ def preference_row_stats(groups, rows, tokens):
     }
 
 
-def write_jsonl(path, rows):
+def _write_jsonl(path, rows):
     """Write rows to a JSONL file atomically (a temporary file renamed into place)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".tmp", "w") as f:
@@ -1909,10 +1913,10 @@ def write_jsonl(path, rows):
     os.replace(path + ".tmp", path)
 
 
-def encode_rows(train_rows, eval_rows, args, tokenizer, accelerator):
-    """Token ids of the training and held-out rows (see encode_row), those longer than --max_length dropped, the
+def _encode_rows(train_rows, eval_rows, args, tokenizer, accelerator):
+    """Token ids of the training and held-out rows (see _encode_row), those longer than --max_length dropped, the
     held-out ones cut to --num_eval_pairs; fails when too few are left."""
-    train_pairs, eval_pairs = ([encode_row(row, args, tokenizer) for row in rows] for rows in (train_rows, eval_rows))
+    train_pairs, eval_pairs = ([_encode_row(row, args, tokenizer) for row in rows] for rows in (train_rows, eval_rows))
     train_pairs = [pair for pair in train_pairs if max(map(len, pair)) <= args.max_length]
     eval_pairs = [pair for pair in eval_pairs if max(map(len, pair)) <= args.max_length][: args.num_eval_pairs or None]
     dropped = len(train_rows) - len(train_pairs)
@@ -1920,17 +1924,17 @@ def encode_rows(train_rows, eval_rows, args, tokenizer, accelerator):
         accelerator.print(f"dropped {dropped} of {len(train_rows)} training pairs longer than --max_length")
     pairs_per_step = args.pairs_per_rank * accelerator.num_processes
     if len(train_pairs) < pairs_per_step:
-        fail(
+        _fail(
             f"only {len(train_pairs)} training pairs (of {len(train_rows)} built or read) for pairs_per_rank * "
             f"processes = {pairs_per_step} per step; lower --pairs_per_rank"
             + (", or raise --num_samples_per_prompt / --num_train_prompts" if args.data_kind == "task" else "")
         )
     if not eval_pairs:
-        fail(f"no held-out pair in --eval_split {args.eval_split} (within --max_length {args.max_length})")
+        _fail(f"no held-out pair in --eval_split {args.eval_split} (within --max_length {args.max_length})")
     return train_pairs, eval_pairs
 
 
-def encode_row(row, args, tokenizer):
+def _encode_row(row, args, tokenizer):
     """A row as token ids: (chosen [L_c], rejected [L_r]), prompt included (a task's rows keep the sampled ids, a
     preference dataset is tokenized); --prm: (prompt + completion [L], positions of the steps' last tokens [K],
     step labels [K])."""
@@ -1939,12 +1943,12 @@ def encode_row(row, args, tokenizer):
         return row["prompt_ids"] + row["completion_ids"], [offset + t for t in row["step_tokens"]], row["step_labels"]
     if args.data_kind == "task":
         return row["prompt_ids"] + row["chosen_ids"], row["prompt_ids"] + row["rejected_ids"]
-    return encode_preference(
+    return _encode_preference(
         tokenizer, row, args.prompt_column, args.chosen_column, args.rejected_column, args.append_eos
     )
 
 
-def encode_preference(tokenizer, row, prompt_key, chosen_key, rejected_key, append_eos):
+def _encode_preference(tokenizer, row, prompt_key, chosen_key, rejected_key, append_eos):
     """Token ids of the chosen and rejected sequences (prompt + response) of one preference row in a TRL format:
     strings (prompt + response, or whole texts without a prompt column), or lists of {role, content} messages
     through the chat template, cut after the last end-of-turn token (the template's trailing newline is not part
@@ -1970,11 +1974,11 @@ def encode_preference(tokenizer, row, prompt_key, chosen_key, rejected_key, appe
 
 
 def load_reward_model(args, pad_token_id):
-    """The starting model (--model_name_or_path, its config read by check_reward_config) as a sequence classifier
+    """The starting model (--model_name_or_path, its config read by _check_reward_config) as a sequence classifier
     with one output, in --dtype; a causal LM gets a new head, drawn from torch's RNG. Dropout off (the config's dropout
     attributes zeroed, then every nn.Dropout), so that a pair's scores do not depend on the pass that computes them.
     With --lora_r, LoRA adapters (peft trains the new head in full next to them); --gradient_checkpointing."""
-    config = check_reward_config(args.model_name_or_path, args.trust_remote_code)
+    config = _check_reward_config(args.model_name_or_path, args.trust_remote_code)
     for key in ("dropout", "attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
         if hasattr(config, key):
             setattr(config, key, 0.0)
@@ -1989,14 +1993,14 @@ def load_reward_model(args, pad_token_id):
         trust_remote_code=args.trust_remote_code,
         use_safetensors=True,
     )
-    model = disable_dropout(model)
+    model = _disable_dropout(model)
     if args.lora_r > 0:  # SEQ_CLS: peft trains the new score head in full next to the adapters
-        model = add_lora(model, args, "SEQ_CLS")
-    enable_gradient_checkpointing([model], args)
+        model = _add_lora(model, args, "SEQ_CLS")
+    _enable_gradient_checkpointing([model], args)
     return model
 
 
-def add_lora(model, args, task_type):
+def _add_lora(model, args, task_type):
     """LoRA adapters through peft on --lora_target_modules; only they are trained."""
     from peft import LoraConfig, get_peft_model
 
@@ -2006,7 +2010,7 @@ def add_lora(model, args, task_type):
     return get_peft_model(model, LoraConfig(task_type=task_type, **config))
 
 
-def enable_gradient_checkpointing(models, args):
+def _enable_gradient_checkpointing(models, args):
     """--gradient_checkpointing: the trained models recompute their activations in the backward pass (less memory,
     ~30% slower). Must precede accelerate's prepare."""
     if args.gradient_checkpointing:
@@ -2036,7 +2040,7 @@ def save_reward_model(accelerator, model, tokenizer, run_dir, args, bias, train_
     final_model, state_dict = unwrapped, None
     if hasattr(unwrapped, "peft_config"):
         # The merge needs whole weights: under ZeRO-3 they are gathered for it and the merged ones copied out.
-        with gathered_parameters(accelerator, model):
+        with _gathered_parameters(accelerator, model):
             if accelerator.is_main_process:
                 final_model = unwrapped.merge_and_unload()
                 state_dict = {name: t.detach().clone() for name, t in final_model.state_dict().items()}
@@ -2048,11 +2052,11 @@ def save_reward_model(accelerator, model, tokenizer, run_dir, args, bias, train_
         final_model.save_pretrained(folder, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(folder)
         if copy_to is not None:
-            replace_folder(folder, copy_to)
+            _replace_folder(folder, copy_to)
             print(f"saved to {copy_to}")
 
 
-def replace_folder(source, target):
+def _replace_folder(source, target):
     """Copy the folder `source` to `target`, replacing what was there: the copy is completed under a temporary name
     first, so `target` never holds a half-written model."""
     tmp, old = target.rstrip("/") + ".tmp", target.rstrip("/") + ".old"
@@ -2065,7 +2069,7 @@ def replace_folder(source, target):
     shutil.rmtree(old, ignore_errors=True)
 
 
-def quiet_harmless_logs():
+def _quiet_harmless_logs():
     """Keep four harmless, alarming library messages out of the console; every other warning still shows.
     vLLM's weight reload warns for RoPE, which has no weights to load; its CPU worker warns that torch's thread count
     is fixed and that libiomp / libtcmalloc are not preloaded (only speed); accelerate warns that the tied lm_head
@@ -2080,5 +2084,5 @@ def quiet_harmless_logs():
 
 
 if __name__ == "__main__":
-    quiet_harmless_logs()
+    _quiet_harmless_logs()
     main(tyro.cli(Config))

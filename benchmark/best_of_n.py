@@ -199,7 +199,7 @@ def sample(args):
     import ppo_rlhf
 
     config = script_config(args)
-    tokenizer = ppo_rlhf.load_tokenizer(config.model_name_or_path, config.trust_remote_code)
+    tokenizer = ppo_rlhf._load_tokenizer(config.model_name_or_path, config.trust_remote_code)
     _, _, (prompts, golds), has_gold = ppo_rlhf.load_rlhf_prompts(config, tokenizer, 1)
     if not has_gold:
         sys.exit(f"error: --dataset_path {args.dataset_path} split {args.eval_split} has no gold answers to verify")
@@ -210,10 +210,10 @@ def sample(args):
         seed=args.seed, dtype=args.dtype, prompts_per_chunk=args.prompts_per_chunk, prompt_indices=indices,
         pad_token_id=tokenizer.pad_token_id, prompts={str(i): prompts[i] for i in indices},
     )  # fmt: skip
-    meta["stop_ids"] = ppo_rlhf.stop_token_ids(tokenizer, config.model_name_or_path)  # the Sampler's
+    meta["stop_ids"] = ppo_rlhf._stop_token_ids(tokenizer, config.model_name_or_path)  # the Sampler's
     existing = check_meta(args.out_dir, meta)  # before any model loads: a resumed folder must have these settings
     accelerator = Accelerator()
-    policy = ppo_rlhf.load_model(config.model_name_or_path, AutoModelForCausalLM, config, tokenizer.pad_token_id)
+    policy = ppo_rlhf._load_model(config.model_name_or_path, AutoModelForCausalLM, config, tokenizer.pad_token_id)
     sampler = ppo_rlhf.Sampler(config, accelerator, policy.to(accelerator.device).eval(), tokenizer)
     kind = "vllm" if sampler.llm is not None else "hf_generate"
     meta["samplers"] = sorted({kind, *(existing or {}).get("samplers", [])})  # every sampler the file has rows of
@@ -275,18 +275,18 @@ def score(args):
     if not samples:
         sys.exit(f"error: no samples in {args.out_dir}/samples.jsonl; run the sample stage first")
     config = ppo_rlhf.Config(model_name_or_path=meta["model_name_or_path"], dtype=args.dtype)
-    tokenizer = ppo_rlhf.load_tokenizer(config.model_name_or_path, config.trust_remote_code)
-    members = ppo_rlhf.reward_model_members(args.ensemble)
+    tokenizer = ppo_rlhf._load_tokenizer(config.model_name_or_path, config.trust_remote_code)
+    members = ppo_rlhf._reward_model_members(args.ensemble)
     for member in members:
-        ppo_rlhf.check_score_model(member, "ensemble", config.trust_remote_code)
-        ppo_rlhf.check_same_vocabulary(member, "ensemble", tokenizer, config.trust_remote_code)
+        ppo_rlhf._check_score_model(member, "ensemble", config.trust_remote_code)
+        ppo_rlhf._check_same_vocabulary(member, "ensemble", tokenizer, config.trust_remote_code)
     accelerator, pad_id = Accelerator(), meta["pad_token_id"]
     response_length = meta["response_length"]
     os.makedirs(os.path.join(args.out_dir, "scores"), exist_ok=True)
     for member in members:
         path = os.path.join(args.out_dir, "scores", os.path.basename(os.path.normpath(member)) + ".jsonl")
-        model = ppo_rlhf.load_model(member, AutoModelForSequenceClassification, config, pad_id)
-        model = ppo_rlhf.frozen(model, accelerator, accelerator.device)
+        model = ppo_rlhf._load_model(member, AutoModelForSequenceClassification, config, pad_id)
+        model = ppo_rlhf._frozen(model, accelerator, accelerator.device)
 
         def score_fn(batch, model=model):
             responses = torch.full((len(batch), response_length), pad_id, dtype=torch.long)

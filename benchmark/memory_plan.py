@@ -244,7 +244,7 @@ def packs(module, c, rows, group, p, r):
 
     groups = torch.arange(rows) // min(rows, group)
     lengths = torch.full((rows,), r)
-    return module.shared_prompt_exact(c, p + r) and module.shared_prompt_pays(c, groups, lengths, p, p + r)
+    return module._shared_prompt_exact(c, p + r) and module._shared_prompt_pays(c, groups, lengths, p, p + r)
 
 
 def total(rows):

@@ -65,7 +65,7 @@ def grpo_prompts(tokenizer, rows):
     """Prompt token ids and gold answers, built by grpo_math.py itself with its default instruction."""
     import grpo_math
 
-    return grpo_math.build_prompts(tokenizer, rows, grpo_math.Config())
+    return grpo_math._build_prompts(tokenizer, rows, grpo_math.Config())
 
 
 def verifier_reward(completions, gold, **kwargs):
@@ -154,7 +154,7 @@ def greedy_correct(model_dir, prompts, golds, tokenizer, response_length, batch_
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     correct = []
     for i in range(0, len(prompts), batch_size):
-        responses, lengths = grpo_math.hf_generate(
+        responses, lengths = grpo_math._hf_generate(
             model,
             prompts[i : i + batch_size],
             1,
@@ -162,7 +162,7 @@ def greedy_correct(model_dir, prompts, golds, tokenizer, response_length, batch_
             0.0,
             1.0,
             tokenizer.pad_token_id,
-            grpo_math.stop_token_ids(tokenizer, model_dir),
+            grpo_math._stop_token_ids(tokenizer, model_dir),
         )
         for response, length, gold in zip(responses, lengths, golds[i : i + batch_size]):
             text = tokenizer.decode(response[: int(length)], skip_special_tokens=True)

@@ -95,7 +95,7 @@ def dpo_prompts(tokenizer, rows):
     """Prompt token ids and gold answers, built by dpo_online.py itself with its default instruction."""
     import dpo_online
 
-    return dpo_online.build_prompts(tokenizer, rows, dpo_online.Config())
+    return dpo_online._build_prompts(tokenizer, rows, dpo_online.Config())
 
 
 def load_reward_model(path, pad_token_id):
@@ -125,10 +125,10 @@ def judge_scores(reward_model, bias, prompts, responses, lengths, stop_ids, pad_
 
     import dpo_online
 
-    mask = dpo_online.response_mask(responses, lengths, stop_ids)
+    mask = dpo_online._response_mask(responses, lengths, stop_ids)
     width = max(1, int(mask.sum(1).max()))  # as dpo_online: nothing after the longest completion is scored
     responses, mask = responses[:, :width], mask[:, :width]
-    prompt_ids, prompt_mask = dpo_online.left_pad(prompts, pad_token_id)
+    prompt_ids, prompt_mask = dpo_online._left_pad(prompts, pad_token_id)
     query_responses = torch.cat([prompt_ids, responses], 1)
     attention_mask = torch.cat([prompt_mask, mask.long()], 1)
     with torch.no_grad():
@@ -223,7 +223,7 @@ def run_trl(args):
 
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     reward_model, bias = load_reward_model(args.reward_model, tokenizer.pad_token_id)
-    stop_ids = dpo_online.stop_token_ids(tokenizer, args.model)
+    stop_ids = dpo_online._stop_token_ids(tokenizer, args.model)
     judge = RewardModelJudge(reward_model, bias, tokenizer, stop_ids, args.missing_eos_penalty)
     trainer = OnlineDPOTrainer(
         model=model,
@@ -260,7 +260,7 @@ def evaluate(model_dir, args):
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    pad_id, stop_ids = tokenizer.pad_token_id, dpo_online.stop_token_ids(tokenizer, model_dir)
+    pad_id, stop_ids = tokenizer.pad_token_id, dpo_online._stop_token_ids(tokenizer, model_dir)
     rows = read_jsonl(os.path.join(args.dataset, "test.jsonl"))[: args.num_eval_prompts]
     prompts, golds = dpo_prompts(tokenizer, rows)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -268,7 +268,7 @@ def evaluate(model_dir, args):
     score, correct = 0.0, 0.0
     for i in range(0, len(prompts), args.eval_batch_size):
         batch = prompts[i : i + args.eval_batch_size]
-        responses, lengths = dpo_online.hf_generate(model, batch, 1, args.response_length, 0.0, 1.0, pad_id, stop_ids)
+        responses, lengths = dpo_online._hf_generate(model, batch, 1, args.response_length, 0.0, 1.0, pad_id, stop_ids)
         scores, _, mask = judge_scores(
             reward_model, bias, batch, responses, lengths, stop_ids, pad_id, args.missing_eos_penalty
         )

@@ -54,8 +54,8 @@ def measure(r, packed, layers, device="cpu", dtype="float32", config_dir=MODEL):
         model = AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype))
     ids, mask, p = (t.to(device) if torch.is_tensor(t) else t for t in batch(r))
     group = torch.zeros(len(ids), dtype=torch.long, device=device)
-    pays = grpo_math.shared_prompt_pays(config, group, mask[:, p:].sum(1), p, ids.shape[1])
-    grpo_math.shared_prompt_pays = lambda *a: True  # forced: the packed run measures packing whatever the rule says
+    pays = grpo_math._shared_prompt_pays(config, group, mask[:, p:].sum(1), p, ids.shape[1])
+    grpo_math._shared_prompt_pays = lambda *a: True  # forced: the packed run measures packing whatever the rule says
     fn = grpo_math.shared_prompt_logprobs if packed else grpo_math.response_logprobs
     saved = [0]
 

@@ -27,7 +27,7 @@ from benchmark.registry import read_jsonl
 def step_verdicts(text, separator):
     """The verifier's verdict on each step of a response: True (its equations hold), False (one is wrong), None
     (nothing to check)."""
-    return [prm.step_arithmetic(step) for step, _ in prm.split_steps(text, separator)]
+    return [prm.step_arithmetic(step) for step, _ in prm._split_steps(text, separator)]
 
 
 def kind_of(verdicts):
@@ -62,11 +62,11 @@ def sample(model, tokenizer, prompts, golds, n, temperature, args, stop_ids):
     records = []
     for i in range(0, len(prompts), args.batch_size):
         batch = prompts[i : i + args.batch_size]
-        responses, lengths = prm.hf_generate(
+        responses, lengths = prm._hf_generate(
             model, batch, n, args.response_length, temperature, 1.0,
             tokenizer.pad_token_id, stop_ids,
         )  # fmt: skip
-        mask = prm.response_mask(responses, lengths, stop_ids)
+        mask = prm._response_mask(responses, lengths, stop_ids)
         for j, (response, length) in enumerate(zip(responses, lengths)):
             gold = golds[i + j // n]
             text = tokenizer.decode(response[: int(length)], skip_special_tokens=True)
@@ -106,12 +106,12 @@ def main(argv=None):
     torch.manual_seed(args.seed)
 
     config = prm.Config(instruction=args.instruction)
-    tokenizer = prm.load_tokenizer(args.model, False)
+    tokenizer = prm._load_tokenizer(args.model, False)
     rows = read_jsonl(f"{args.dataset_path}/{args.split}.jsonl")
     rows = random.Random(args.seed).sample(rows, min(args.num_prompts, len(rows)))
-    prompts, golds = prm.build_prompts(tokenizer, rows, config)
+    prompts, golds = prm._build_prompts(tokenizer, rows, config)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
-    stop_ids = prm.stop_token_ids(tokenizer, args.model)
+    stop_ids = prm._stop_token_ids(tokenizer, args.model)
 
     sampled = sample(model, tokenizer, prompts, golds, args.samples, args.temperature, args, stop_ids)
     greedy = sample(model, tokenizer, prompts, golds, 1, 0.0, args, stop_ids)

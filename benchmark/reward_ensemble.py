@@ -64,7 +64,7 @@ def held_out_pairs(member, pairs_path=None):
 
 
 def report(ensemble, pairs_path=None, uwo_coefs=(1.0,)):
-    members = ppo_rlhf.reward_model_members(ensemble)
+    members = ppo_rlhf._reward_model_members(ensemble)
     pairs = held_out_pairs(members[0], pairs_path)
     scores = [member_scores(path, pairs) for path in members]
     chosen, rejected = torch.stack([c for c, _ in scores]), torch.stack([r for _, r in scores])  # [K, N]

@@ -81,16 +81,16 @@ def question_terms(question):
 def check_probe_args(args):
     """grpo_tools' checks (one line each, before any model loads), the probe's own, and the gate's bounds."""
     temperature = args.temperature
-    grpo_tools.require(temperature >= 0, f"--temperature must be >= 0 (0: greedy); got {temperature}")
+    grpo_tools._require(temperature >= 0, f"--temperature must be >= 0 (0: greedy); got {temperature}")
     args.temperature = temperature or 1.0  # grpo_tools' check wants a sampling temperature; greedy is the probe's
     grpo_tools.check_args(args)
     args.temperature = temperature
-    grpo_tools.check_at_least(args, 1, "samples_per_prompt chunk_prompts")
-    grpo_tools.check_at_least(args, 0, "num_prompts terms")
+    grpo_tools._check_at_least(args, 1, "samples_per_prompt chunk_prompts")
+    grpo_tools._check_at_least(args, 0, "num_prompts terms")
     extra = "--prompts eval_extra needs --extra_eval_path"
-    grpo_tools.require(args.prompts != "eval_extra" or args.extra_eval_path is not None, extra)
+    grpo_tools._require(args.prompts != "eval_extra" or args.extra_eval_path is not None, extra)
     gate = f"--min_accuracy and --max_accuracy: 0 <= min <= max <= 1; got {args.min_accuracy}, {args.max_accuracy}"
-    grpo_tools.require(0 <= args.min_accuracy <= args.max_accuracy <= 1, gate)
+    grpo_tools._require(0 <= args.min_accuracy <= args.max_accuracy <= 1, gate)
 
 
 def probe_prompts(args, tokenizer):
@@ -104,16 +104,16 @@ def probe_prompts(args, tokenizer):
         "eval": (args.dataset_path, args.dataset_config, args.eval_split),
         "eval_extra": (args.extra_eval_path, None, args.eval_split),
     }[args.prompts]
-    rows = grpo_tools.load_split(path, config_name, split)
+    rows = grpo_tools._load_split(path, config_name, split)
     if args.prompts == "eval" and args.num_eval_prompts:
         rows = rows[: args.num_eval_prompts]
     # load_math_prompts dropped the prompts over --max_prompt_length: the same rows, one at a time.
-    kept = [row for row in rows if grpo_tools.build_prompts(tokenizer, [row], args)[0]]
+    kept = [row for row in rows if grpo_tools._build_prompts(tokenizer, [row], args)[0]]
     assert len(kept) == len(prompts), (len(kept), len(prompts))
     terms = [question_terms(row[args.question_column]) for row in kept]
     chosen = [i for i, t in enumerate(terms) if not args.terms or t == args.terms][: args.num_prompts or None]
     where = f"--prompts {args.prompts} ({path} split {split})"
-    grpo_tools.require(chosen, f"{where} has no question of {args.terms} terms (--terms)")
+    grpo_tools._require(chosen, f"{where} has no question of {args.terms} terms (--terms)")
     return [prompts[i] for i in chosen], [golds[i] for i in chosen], [terms[i] for i in chosen]
 
 
@@ -169,13 +169,13 @@ def main(args):
     """Probe, write the folder, print the JSON and the markdown row; exit 3 outside the gate. Returns the folder."""
     check_probe_args(args)
     start = time.time()
-    tokenizer = grpo_tools.load_tokenizer(args.model_name_or_path, args.trust_remote_code)
+    tokenizer = grpo_tools._load_tokenizer(args.model_name_or_path, args.trust_remote_code)
     prompts, golds, terms = probe_prompts(args, tokenizer)
-    accelerator = grpo_tools.make_accelerator(1, 1, args.max_grad_norm)
+    accelerator = grpo_tools._make_accelerator(1, 1, args.max_grad_norm)
     set_seed(args.seed)
     sampler = grpo_tools.TurnSampler(args, accelerator, None, tokenizer)
     if sampler.llm is None:  # HF generate on the policy (with vLLM the engine loads the model itself)
-        policy = grpo_tools.load_model(
+        policy = grpo_tools._load_model(
             args.model_name_or_path, grpo_tools.AutoModelForCausalLM, args, tokenizer.pad_token_id
         )
         sampler.policy = policy.to(accelerator.device).eval()
@@ -221,12 +221,12 @@ def write_probe(args, results, samples, seconds):
     """{output_dir}/{task}__{exp_name}__{seed}__{unix_time}/: probe.json, config.json (args, git sha) and a one-line
     metrics.jsonl (global_step 0) that benchmark.registry reads as a run's evaluation. Returns the folder."""
     task = os.path.basename(os.path.normpath(args.dataset_path))
-    name = grpo_tools.new_run_folder(args.output_dir, f"{task}__{args.exp_name}__{args.seed}__{int(time.time())}")
+    name = grpo_tools._new_run_folder(args.output_dir, f"{task}__{args.exp_name}__{args.seed}__{int(time.time())}")
     folder = os.path.join(args.output_dir, name)
     with open(os.path.join(folder, "probe.json"), "w") as f:
         json.dump({**results, "samples": samples}, f, indent=2)
     with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump({"args": dataclasses.asdict(args), "git_sha": grpo_tools.git_sha(), "probe": True}, f, indent=2)
+        json.dump({"args": dataclasses.asdict(args), "git_sha": grpo_tools._git_sha(), "probe": True}, f, indent=2)
     names = ("accuracy", "call_rate", "multi_call_rate", "calls", "failed_calls", "truncated", "prompts_with_success")
     line = {"global_step": 0, "episode": 0, "time": seconds}
     line |= {f"{args.prompts}/{name}": results[name] for name in names}
@@ -239,5 +239,5 @@ def write_probe(args, results, samples, seconds):
 
 
 if __name__ == "__main__":
-    grpo_tools.quiet_harmless_logs()
+    grpo_tools._quiet_harmless_logs()
     main(tyro.cli(ProbeConfig))

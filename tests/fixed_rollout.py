@@ -83,7 +83,7 @@ PATCHES = {
 
 def patch(module, setter=setattr):
     """Replace the module's HF sampler (and its PATCHES) by the fixed rollout."""
-    setter(module, "hf_generate", fixed_generate)
+    setter(module, "_hf_generate", fixed_generate)
     for name, replacement in PATCHES.get(module.__name__, {}).items():
         setter(module, name, replacement)
 

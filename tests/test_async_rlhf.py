@@ -283,7 +283,7 @@ def test_one_step_off_policy_pipeline_and_the_generator_holds_the_learners_weigh
     changes as the weights change."""
     probe = [1, 2, 3, 4]  # a fixed prompt for the generator's greedy output
     seen = []  # per sampled batch: (generator's weights, its greedy answer to the probe)
-    original = async_rlhf.hf_generate
+    original = async_rlhf._hf_generate
 
     def recording_generate(model, prompts, n, response_length, temperature, *rest):
         if temperature > 0:  # a training batch (evaluation is greedy)
@@ -292,7 +292,7 @@ def test_one_step_off_policy_pipeline_and_the_generator_holds_the_learners_weigh
             seen.append((weights, greedy))
         return original(model, prompts, n, response_length, temperature, *rest)
 
-    monkeypatch.setattr(async_rlhf, "hf_generate", recording_generate)
+    monkeypatch.setattr(async_rlhf, "_hf_generate", recording_generate)
     monkeypatch.setattr(async_rlhf, "dpo_loss", slowed(async_rlhf.dpo_loss, 0.3))
     args = make_config(
         async_rlhf, total_steps=4, max_staleness=1, save_every=1, keep_checkpoints=10, learning_rate=3e-2
@@ -397,7 +397,7 @@ def test_learner_error_stops_the_generator(make_config, monkeypatch):
 @pytest.mark.slow
 def test_generator_error_reaches_the_user(make_config, monkeypatch):
     calls = []
-    original = async_rlhf.hf_generate
+    original = async_rlhf._hf_generate
 
     def failing_generate(model, prompts, n, response_length, temperature, *rest):
         if temperature > 0:
@@ -406,7 +406,7 @@ def test_generator_error_reaches_the_user(make_config, monkeypatch):
                 raise ValueError("generator broke at batch 1")
         return original(model, prompts, n, response_length, temperature, *rest)
 
-    monkeypatch.setattr(async_rlhf, "hf_generate", failing_generate)
+    monkeypatch.setattr(async_rlhf, "_hf_generate", failing_generate)
     with hang_guard(), pytest.raises(ValueError, match="generator broke at batch 1"):
         async_rlhf.main(make_config(async_rlhf, total_steps=4))
     assert not generator_threads()
@@ -529,7 +529,7 @@ def instrument(module, setter, real_generate, record):
     weight pushes to the generator's copy), and at every call of its sampler (the fixed rollout by now): the thread,
     whether the model's parameters are whole, a greedy answer to PROBE_PROMPT by the real HF generate, and the sum of
     each parameter (float64). `record` is {"gathered": Counter, "calls": list}."""
-    sampler, gathered = module.hf_generate, module.gathered_parameters
+    sampler, gathered = module._hf_generate, module._gathered_parameters
 
     def counting_gathered(accelerator, model):
         record["gathered"][threading.current_thread().name] += 1
@@ -543,8 +543,8 @@ def instrument(module, setter, real_generate, record):
         record["calls"].append({**call, "greedy": greedy, "sums": sums})
         return sampler(model, prompts, n, response_length, temperature, *rest)
 
-    setter(module, "gathered_parameters", counting_gathered)
-    setter(module, "hf_generate", recording_generate)
+    setter(module, "_gathered_parameters", counting_gathered)
+    setter(module, "_hf_generate", recording_generate)
 
 
 # The program that tests/fixed_rollout.py launches for the ZeRO-3 test (as a module on PYTHONPATH): async_rlhf's
@@ -591,7 +591,7 @@ def test_invariant_deepspeed_equals_one_process(
     the ratio."""
     require_deepspeed()
     values = dict(loss="rloo", sync=False, max_staleness=0)
-    original = async_rlhf.hf_generate
+    original = async_rlhf._hf_generate
     fixed_rollout.patch(async_rlhf, monkeypatch.setattr)
     one_record = {"gathered": collections.Counter(), "calls": []}
     instrument(async_rlhf, monkeypatch.setattr, original, one_record)
@@ -702,18 +702,18 @@ def test_invariant_bf16_autocast_lag_zero_starts_at_the_reference_and_ratio_one(
 def test_generator_gpu_counts_the_gpus_of_this_machine():
     # 7 learners and 1 spare GPU: 7 generators there would hold 7 copies of the policy, reference and reward model
     # (130 GB for a 1.5B model in fp32); each stays on its learner's GPU.
-    assert [async_rlhf.generator_gpu(r, 7, 8) for r in range(7)] == [None] * 7
+    assert [async_rlhf._generator_gpu(r, 7, 8) for r in range(7)] == [None] * 7
     # 4 learners and 4 spare GPUs: one each.
-    assert [async_rlhf.generator_gpu(r, 4, 8) for r in range(4)] == [4, 5, 6, 7]
+    assert [async_rlhf._generator_gpu(r, 4, 8) for r in range(4)] == [4, 5, 6, 7]
     # 2 learners per machine of 4 GPUs (on any machine of a multi-node run): GPUs 2 and 3 of each.
-    assert [async_rlhf.generator_gpu(r, 2, 4) for r in range(2)] == [2, 3]
+    assert [async_rlhf._generator_gpu(r, 2, 4) for r in range(2)] == [2, 3]
     # 3 learners, 2 spare GPUs: not one each, so on the learners' GPUs.
-    assert [async_rlhf.generator_gpu(r, 3, 5) for r in range(3)] == [None] * 3
+    assert [async_rlhf._generator_gpu(r, 3, 5) for r in range(3)] == [None] * 3
     # 1 learner, 7 spare GPUs: one of them.
-    assert async_rlhf.generator_gpu(0, 1, 8) == 1
+    assert async_rlhf._generator_gpu(0, 1, 8) == 1
     # No spare GPU: the learner's own.
-    assert async_rlhf.generator_gpu(0, 8, 8) is None
-    assert async_rlhf.generator_gpu(1, 2, 1) is None
+    assert async_rlhf._generator_gpu(0, 8, 8) is None
+    assert async_rlhf._generator_gpu(1, 2, 1) is None
 
 
 # Bad input: one clear line naming the argument, before any model is loaded

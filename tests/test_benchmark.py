@@ -756,7 +756,7 @@ def test_peer_evaluate_is_greedy_pass_at_1_with_grpo_maths_verifier(tiny_model_d
         responses = torch.tensor([row + [tokenizer.pad_token_id] * (width - len(row)) for row in ids])
         return responses, torch.tensor([len(row) for row in ids])
 
-    monkeypatch.setattr(grpo_math, "hf_generate", fake_generate)
+    monkeypatch.setattr(grpo_math, "_hf_generate", fake_generate)
     args = peer_trl.parse_args(["--model", tiny_model_dir, "--dataset", task_dir, "--eval_batch_size", "5"])
     accuracy, num_problems = peer_trl.evaluate(tiny_model_dir, args)
     assert num_problems == len(rows) == 16
@@ -888,7 +888,7 @@ def test_peer_dpo_evaluate_scores_and_accuracy(tiny_model_dir, biased_reward_mod
         responses = torch.tensor([row + [pad] * (width - len(row)) for row in ids])
         return responses, torch.tensor([len(row) for row in ids])
 
-    monkeypatch.setattr(dpo_online, "hf_generate", fake_generate)
+    monkeypatch.setattr(dpo_online, "_hf_generate", fake_generate)
     args = peer_trl_dpo.parse_args(
         ["--model", tiny_model_dir, "--dataset", task_dir, "--reward_model", biased_reward_model_dir]
         + ["--eval_batch_size", "5"]
@@ -1058,7 +1058,7 @@ def test_grpo_errors_table_counts_each_kind(tiny_model_dir, tmp_path, monkeypatc
         responses = torch.tensor([row + [tokenizer.pad_token_id] * (width - len(row)) for row in ids])
         return responses, torch.tensor([len(row) for row in ids])
 
-    monkeypatch.setattr(grpo_math, "hf_generate", fake_generate)
+    monkeypatch.setattr(grpo_math, "_hf_generate", fake_generate)
     out = tmp_path / "errors.md"
     grpo_errors.main(
         ["--models", tiny_model_dir, "--tokenizer", tiny_model_dir, "--dataset", str(data), "--batch_size", "3"]
@@ -1120,7 +1120,7 @@ def test_prm_preflight_counts_against_hand_made_responses(tiny_model_dir, tmp_pa
         responses = torch.tensor([r + [pad_token_id] * (width - len(r)) for r in rows])
         return responses, torch.tensor([len(r) for r in rows])
 
-    monkeypatch.setattr(ppo_prm_clip, "hf_generate", fake_generate)
+    monkeypatch.setattr(ppo_prm_clip, "_hf_generate", fake_generate)
     summary, _ = prm_preflight.main(
         ["--dataset_path", str(data), "--model", tiny_model_dir, "--samples", "2", "--step_separator", "\n"]
         + ["--temperature", "0.7", "--num_prompts", "2"]
@@ -1831,7 +1831,7 @@ def test_best_of_n_stages_on_the_tiny_model(tiny_model_dir, tiny_reward_model_di
     assert [(r["prompt_index"], r["sample"]) for r in a] == [(r["prompt_index"], r["sample"]) for r in rows]
     np.testing.assert_allclose([r["score"] - 0.5 for r in a], [r["score"] for r in b], atol=1e-5)
     args = ppo_rlhf.Config(model_name_or_path=tiny_model_dir)
-    model = ppo_rlhf.load_model(
+    model = ppo_rlhf._load_model(
         str(ensemble / "member_a"), ppo_rlhf.AutoModelForSequenceClassification, args, meta["pad_token_id"]
     )
     accelerator = ppo_rlhf.Accelerator()

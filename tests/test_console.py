@@ -85,7 +85,7 @@ def test_harmless_messages_are_silenced_and_real_warnings_are_not(script, logger
         logging.getLogger(name).warning(text)
     assert len(loggers.messages) == len(HARMLESS)
     loggers.messages.clear()
-    module.quiet_harmless_logs()
+    module._quiet_harmless_logs()
     for name, _, text in HARMLESS:
         logging.getLogger(name).warning(text)
     assert loggers.messages == []

@@ -224,8 +224,8 @@ def test_a_few_uncheckable_gold_answers_are_reported_not_refused(make_args, no_m
 def test_a_null_gold_rewards_nothing():
     """A null gold used to become the string "None", which "Answer: None" matched: a reward the policy could hack."""
     for completion in ("Answer: None", "Answer: ", "None", ""):
-        assert grpo_math.verify_answer(grpo_math.extract_answer(completion), grpo_math.gold_answer(None)) == 0.0
-    assert grpo_math.verify_answer(grpo_math.extract_answer("Answer: 7"), grpo_math.gold_answer(7)) == 1.0
+        assert grpo_math.verify_answer(grpo_math.extract_answer(completion), grpo_math._gold_answer(None)) == 0.0
+    assert grpo_math.verify_answer(grpo_math.extract_answer("Answer: 7"), grpo_math._gold_answer(7)) == 1.0
 
 
 @pytest.mark.parametrize("question", [3, ["What", "is", "1 + 1?"], None, "  "])
@@ -272,7 +272,7 @@ def test_hub_model_offline(make_args, no_model):
 
 
 def test_run_folders_are_never_shared(tmp_path):
-    names = [grpo_math.new_run_folder(str(tmp_path / "runs"), "task__exp__1__1700000000") for _ in range(3)]
+    names = [grpo_math._new_run_folder(str(tmp_path / "runs"), "task__exp__1__1700000000") for _ in range(3)]
     assert names == ["task__exp__1__1700000000", "task__exp__1__1700000000_2", "task__exp__1__1700000000_3"]
     assert sorted(os.listdir(tmp_path / "runs")) == sorted(names)
 

@@ -10,23 +10,23 @@ from conftest import MICRO_CONFIG
 
 import grpo_math
 from grpo_math import (
+    _gold_answer,
+    _left_pad,
+    _response_mask,
+    _step_prompt_indices,
     aggregate_loss,
     clipped_surrogate,
     compute_rewards,
     entropy_from_logits,
     extract_answer,
     fixed_logprobs,
-    gold_answer,
     group_advantages,
     grpo_loss,
     kl_estimate,
-    left_pad,
     logprobs_from_logits,
     masked_mean,
     response_logprobs,
-    response_mask,
     select_groups,
-    step_prompt_indices,
     truncated_importance_weights,
     verify_answer,
 )
@@ -382,8 +382,8 @@ EOS = 2
 )
 def test_response_mask_by_hand(tokens, length, expected):
     responses, lengths = torch.tensor([tokens]), torch.tensor([length])
-    assert response_mask(responses, lengths, [EOS]).tolist() == [[float(x) for x in expected]]
-    assert response_mask(responses, lengths, [EOS]).dtype == torch.float32
+    assert _response_mask(responses, lengths, [EOS]).tolist() == [[float(x) for x in expected]]
+    assert _response_mask(responses, lengths, [EOS]).dtype == torch.float32
 
 
 @pytest.mark.parametrize("stop_ids", [[EOS], [EOS, 4]])
@@ -393,7 +393,7 @@ def test_response_mask_random_matches_loop(stop_ids):
         g = torch.Generator().manual_seed(seed)
         responses = torch.randint(0, 5, (16, 9), generator=g)  # EOS (2) is frequent
         lengths = torch.randint(0, 10, (16,), generator=g)
-        got = response_mask(responses, lengths, stop_ids)
+        got = _response_mask(responses, lengths, stop_ids)
         for b in range(16):
             seen_eos = False
             for t in range(9):
@@ -407,7 +407,7 @@ def test_response_mask_random_matches_loop(stop_ids):
 
 
 def stream(num_steps, per_step, num_prompts, seed):
-    return [i for step in range(num_steps) for i in step_prompt_indices(step, per_step, num_prompts, seed)]
+    return [i for step in range(num_steps) for i in _step_prompt_indices(step, per_step, num_prompts, seed)]
 
 
 @pytest.mark.parametrize("num_prompts,per_step", [(10, 2), (10, 4), (7, 3), (4, 10), (5, 5), (1, 3)])
@@ -415,7 +415,7 @@ def test_step_prompt_indices_every_epoch_is_a_permutation(num_prompts, per_step)
     num_epochs = 4
     num_steps = num_epochs * num_prompts // per_step
     order = stream(num_steps, per_step, num_prompts, seed=3)
-    assert all(len(step_prompt_indices(s, per_step, num_prompts, 3)) == per_step for s in range(num_steps))
+    assert all(len(_step_prompt_indices(s, per_step, num_prompts, 3)) == per_step for s in range(num_steps))
     for epoch in range(len(order) // num_prompts):
         assert sorted(order[epoch * num_prompts : (epoch + 1) * num_prompts]) == list(range(num_prompts))
 
@@ -429,14 +429,14 @@ def test_step_prompt_indices_do_not_depend_on_batch_size_or_global_rng():
     torch.manual_seed(456)
     assert stream(6, 5, 10, seed=5) == reference
     # Step 3 with 3 per step covers stream positions 9, 10, 11: the last of epoch 0 and the first two of epoch 1.
-    straddling = step_prompt_indices(3, 3, 10, 5)
+    straddling = _step_prompt_indices(3, 3, 10, 5)
     assert straddling == reference[9:12]
     assert straddling[0] not in reference[:9]
     assert set(reference[:10]) == set(range(10)) and set(reference[10:20]) == set(range(10))
 
 
 def test_step_prompt_indices_deterministic_and_seed_dependent():
-    assert step_prompt_indices(7, 4, 50, 1) == step_prompt_indices(7, 4, 50, 1)
+    assert _step_prompt_indices(7, 4, 50, 1) == _step_prompt_indices(7, 4, 50, 1)
     assert stream(5, 4, 50, 1) != stream(5, 4, 50, 2)
     assert stream(5, 4, 50, 1) != list(range(20))  # shuffled
     # consecutive epochs use different permutations
@@ -551,7 +551,7 @@ def test_extract_answer_table(text, expected):
     [("42", "42"), (42, "42"), ("Some steps\n#### 1,234", "1234"), ("#### 19", "19"), (" 7 ", "7"), ("-3", "-3")],
 )
 def test_gold_answer(answer, expected):
-    assert gold_answer(answer) == expected
+    assert _gold_answer(answer) == expected
 
 
 @pytest.mark.parametrize(
@@ -561,7 +561,7 @@ def test_gold_answer(answer, expected):
         ("8", "7", 0.0),
         ("7.0", "7", 1.0),
         ("0.5", "1/2", 1.0),
-        ("1234", gold_answer("#### 1,234"), 1.0),
+        ("1234", _gold_answer("#### 1,234"), 1.0),
         ("-4", "-4", 1.0),
         ("4", "-4", 0.0),
         (None, "7", 0.0),
@@ -603,7 +603,7 @@ def test_compute_rewards_non_integer_answers(completion, gold, expected):
 
 
 def test_left_pad():
-    ids, mask = left_pad([[5, 6, 7], [8], [9, 10]], pad_token_id=0)
+    ids, mask = _left_pad([[5, 6, 7], [8], [9, 10]], pad_token_id=0)
     assert ids.tolist() == [[5, 6, 7], [0, 0, 8], [0, 9, 10]]
     assert mask.tolist() == [[1, 1, 1], [0, 0, 1], [0, 1, 1]]
     assert ids.dtype == mask.dtype == torch.long
@@ -619,7 +619,7 @@ def test_response_logprobs_left_padded_batch_matches_each_alone(tiny_model_dir, 
     prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in prompt_lengths]
     responses = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in response_lengths]
     pad = 2
-    prompt_ids, prompt_mask = left_pad(prompts, pad)
+    prompt_ids, prompt_mask = _left_pad(prompts, pad)
     response_ids = torch.full((4, width), pad)
     response_attention = torch.zeros((4, width), dtype=torch.long)
     for i, r in enumerate(responses):
@@ -644,7 +644,7 @@ def test_fixed_logprobs_by_micro_batch_equals_one_batch(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
-    ids, attention = left_pad([[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]], 0)
+    ids, attention = _left_pad([[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]], 0)
     ids = torch.cat([ids, torch.randint(20, 200, (4, 3), generator=torch.Generator().manual_seed(0))], 1)
     attention = torch.cat([attention, torch.ones(4, 3, dtype=torch.long)], 1)
     whole = response_logprobs(model, ids, attention, 4, 0.7)[0]
@@ -671,13 +671,13 @@ def grouped_batch(group_sizes, width=6, seed=0):
         for _ in group_sizes
     ]
     rows = [p for p, n in zip(prompts, group_sizes) for _ in range(n)]
-    prompt_ids, prompt_mask = left_pad(rows, 0)
+    prompt_ids, prompt_mask = _left_pad(rows, 0)
     lengths = torch.randint(1, width + 1, (len(rows),), generator=g)
     lengths[0] = width  # the longest response fills the width, as training_batch cuts it
     responses = torch.randint(3, 211, (len(rows), width), generator=g)
-    response_mask = (torch.arange(width)[None] < lengths[:, None]).long()
-    input_ids = torch.cat([prompt_ids, responses * response_mask], 1)
-    return input_ids, torch.cat([prompt_mask, response_mask], 1), prompt_ids.shape[1]
+    _response_mask = (torch.arange(width)[None] < lengths[:, None]).long()
+    input_ids = torch.cat([prompt_ids, responses * _response_mask], 1)
+    return input_ids, torch.cat([prompt_mask, _response_mask], 1), prompt_ids.shape[1]
 
 
 def logprobs_and_grads(model, input_ids, attention_mask, context_length, shared_prompt):
@@ -770,14 +770,14 @@ def test_prompt_groups_gather_the_rows_of_each_prompt_whatever_their_order():
         torch.tensor([p + r for p, r in zip(prompts, responses)]),
         torch.tensor([m + [1, 1] for m in prompt_mask]),
     )
-    group, slot = grpo_math.prompt_groups(ids, mask, 3)
+    group, slot = grpo_math._prompt_groups(ids, mask, 3)
     # rows 0, 1, 3 share a prompt; rows 4, 5 have the same ids with other padding (another prompt); row 2 is alone
     assert group[0] == group[1] == group[3] and group[4] == group[5] and len(set(group.tolist())) == 3
     assert slot[[3, 1, 0]].tolist() == [0, 1, 2]  # by content: [8, 0] < [8, 1] < [9, 9]
     assert slot[2] == 0 and sorted(slot[[4, 5]].tolist()) == [0, 1]
     for seed in range(5):  # the same rows in any order: the same group members in the same slots
         permutation = torch.randperm(6, generator=torch.Generator().manual_seed(seed))
-        permuted_group, permuted_slot = grpo_math.prompt_groups(ids[permutation], mask[permutation], 3)
+        permuted_group, permuted_slot = grpo_math._prompt_groups(ids[permutation], mask[permutation], 3)
         assert permuted_group.tolist() == group[permutation].tolist()
         assert permuted_slot[permutation.argsort()][:4].tolist() == slot[:4].tolist()
 
@@ -823,7 +823,7 @@ def test_average_stats_and_reduce_metrics_take_the_largest_of_a_max():
     """Per micro-batch statistics are averaged, a name ending in _max keeps the largest; over processes the same
     (reduce_metrics, one process here: the values come back as they are, in float64)."""
     stats = {"policy/ratio": [1.0, 2.0, 4.5], "objective/logprob_ratio_max": [1.5, 3.25, 2.0], "x_min": [2.0, 0.5]}
-    assert grpo_math.average_stats(stats) == {"policy/ratio": 2.5, "objective/logprob_ratio_max": 3.25, "x_min": 0.5}
+    assert grpo_math._average_stats(stats) == {"policy/ratio": 2.5, "objective/logprob_ratio_max": 3.25, "x_min": 0.5}
 
     class OneProcess:
         device = "cpu"
@@ -831,7 +831,9 @@ def test_average_stats_and_reduce_metrics_take_the_largest_of_a_max():
         def gather(self, tensor):
             return torch.cat([tensor, tensor * torch.tensor([[2.0, 0.5, 0.5]], dtype=tensor.dtype)])  # a 2nd process
 
-    reduced = grpo_math.reduce_metrics(OneProcess(), {"b_max": 1.0, "a": 3.0, "c_min": 4.0})  # sorted: a, b_max, c_min
+    reduced = grpo_math._reduce_metrics(
+        OneProcess(), {"b_max": 1.0, "a": 3.0, "c_min": 4.0}
+    )  # sorted: a, b_max, c_min
     assert reduced == {"a": (3.0 + 6.0) / 2, "b_max": 1.0, "c_min": 2.0}
 
 
@@ -1141,9 +1143,9 @@ def test_token_mean_is_nan_without_tokens_and_the_averages_leave_it_out():
     values, empty = rand((2, 3), 0), torch.zeros(2, 3, dtype=torch.float64)
     assert math.isnan(grpo_math.token_mean(values, empty))
     assert grpo_math.token_mean(values, torch.ones(2, 3)) == pytest.approx(values.mean().item(), rel=1e-12)
-    assert grpo_math.reduce_values("policy/ratio", [1.0, math.nan, 0.5]) == 0.75
-    assert grpo_math.reduce_values("x_max", [math.nan, 2.0]) == 2.0 and math.isnan(
-        grpo_math.reduce_values("x", [math.nan])
+    assert grpo_math._reduce_values("policy/ratio", [1.0, math.nan, 0.5]) == 0.75
+    assert grpo_math._reduce_values("x_max", [math.nan, 2.0]) == 2.0 and math.isnan(
+        grpo_math._reduce_values("x", [math.nan])
     )
 
 
@@ -1158,7 +1160,7 @@ def test_step_prompt_indices_split_one_order_between_processes(world_size):
         whole += torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
     for step in range(8):
         parts = [
-            grpo_math.step_prompt_indices(step, per_rank, num_prompts, seed, rank, world_size)
+            grpo_math._step_prompt_indices(step, per_rank, num_prompts, seed, rank, world_size)
             for rank in range(world_size)
         ]
         assert sum(parts, []) == whole[step * 6 : (step + 1) * 6]

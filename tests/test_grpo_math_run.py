@@ -352,7 +352,7 @@ def test_policy_state_dict_merges_lora(tiny_model_dir):
     ids = torch.tensor([[1, 5, 9, 200]])
     with torch.no_grad():
         before = model(ids).logits
-        state = grpo_math.policy_state_dict(model)
+        state = grpo_math._policy_state_dict(model)
         after = model(ids).logits
     assert set(state) == names
     torch.testing.assert_close(before, after, rtol=1e-5, atol=1e-5)  # unmerged again
@@ -361,7 +361,7 @@ def test_policy_state_dict_merges_lora(tiny_model_dir):
     with torch.no_grad():
         torch.testing.assert_close(merged(ids).logits, before, atol=1e-5, rtol=1e-5)
     plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    assert grpo_math.policy_state_dict(plain).keys() == names
+    assert grpo_math._policy_state_dict(plain).keys() == names
 
 
 def test_policy_state_dict_leaves_lora_base_weights_untouched(tiny_model_dir):
@@ -378,7 +378,7 @@ def test_policy_state_dict_leaves_lora_base_weights_untouched(tiny_model_dir):
                 p.normal_(0, 0.01)
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if "base_layer" in n}
     for _ in range(3):
-        grpo_math.policy_state_dict(model)
+        grpo_math._policy_state_dict(model)
     changed = [n for n, p in model.named_parameters() if n in frozen and not torch.equal(p, frozen[n])]
     assert not changed, f"frozen base weights changed: {changed}"
 
@@ -400,11 +400,11 @@ EOS_PROMPTS = [[1, 4093, 198, 2683, 314], [1, 9690, 198, 2683]]
 
 
 def test_hf_generate_stops_at_eos(eos_model):
-    responses, lengths = grpo_math.hf_generate(eos_model, EOS_PROMPTS, 2, 6, 0.0, 1.0, 2, [2])
+    responses, lengths = grpo_math._hf_generate(eos_model, EOS_PROMPTS, 2, 6, 0.0, 1.0, 2, [2])
     assert responses.shape == (4, 6)
     assert lengths.tolist() == [1, 1, 1, 1]
     assert (responses[:, 0] == 2).all()
-    mask = grpo_math.response_mask(responses, lengths, [2])
+    mask = grpo_math._response_mask(responses, lengths, [2])
     assert mask.sum(1).tolist() == [1.0] * 4
 
 
@@ -632,9 +632,9 @@ def test_stop_token_ids_reads_every_eos_of_the_generation_config(tiny_model_dir,
     tokenizer = AutoTokenizer.from_pretrained(folder)
     with open(folder / "generation_config.json", "w") as f:
         json.dump({"eos_token_id": [7, 2, 11]}, f)
-    assert grpo_math.stop_token_ids(tokenizer, str(folder)) == [2, 7, 11]
+    assert grpo_math._stop_token_ids(tokenizer, str(folder)) == [2, 7, 11]
     (folder / "generation_config.json").unlink()
-    assert grpo_math.stop_token_ids(tokenizer, str(folder)) == [tokenizer.eos_token_id] == [2]
+    assert grpo_math._stop_token_ids(tokenizer, str(folder)) == [tokenizer.eos_token_id] == [2]
 
 
 def test_hf_generate_stops_at_any_stop_id(tiny_model_dir):
@@ -644,17 +644,17 @@ def test_hf_generate_stops_at_any_stop_id(tiny_model_dir):
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     prompt = EOS_PROMPTS[:1]
-    assert grpo_math.hf_generate(model, prompt, 2, 4, 0.0, 1.0, 2, [2])[0].tolist() == [[22145] * 4] * 2
-    responses, lengths = grpo_math.hf_generate(model, prompt, 2, 4, 0.0, 1.0, 2, [2, 22145])
+    assert grpo_math._hf_generate(model, prompt, 2, 4, 0.0, 1.0, 2, [2])[0].tolist() == [[22145] * 4] * 2
+    responses, lengths = grpo_math._hf_generate(model, prompt, 2, 4, 0.0, 1.0, 2, [2, 22145])
     assert lengths.tolist() == [1, 1]
-    assert grpo_math.response_mask(responses, lengths, [2, 22145]).sum(1).tolist() == [1.0, 1.0]
+    assert grpo_math._response_mask(responses, lengths, [2, 22145]).sum(1).tolist() == [1.0, 1.0]
 
 
 def test_disable_dropout_zeroes_every_dropout_module():
     model = torch.nn.Sequential(
         torch.nn.Linear(4, 4), torch.nn.Dropout(0.3), torch.nn.Sequential(torch.nn.Dropout(0.1))
     )
-    grpo_math.disable_dropout(model).train()
+    grpo_math._disable_dropout(model).train()
     assert [m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)] == [0.0, 0.0]
     x = torch.randn(8, 4)
     assert torch.equal(model(x), model(x))
@@ -708,14 +708,14 @@ def test_non_finite_gradient_stops_before_the_update_and_is_never_checkpointed(m
     """A finite loss whose backward overflows: the gradient norm is non-finite, the run stops at step 1 before the
     optimizer step and names it; the checkpoint of step 0 does not exist and none holds NaN (failed before: the
     optimizer stepped, step_1 was checkpointed with NaN weights and the run stopped one step later on the loss)."""
-    load_model = grpo_math.load_model
+    load_model = grpo_math._load_model
 
     def overflowing(*args, **kwargs):
         model = load_model(*args, **kwargs)
         model.model.norm.weight.register_hook(lambda grad: grad * float("inf"))
         return model
 
-    monkeypatch.setattr(grpo_math, "load_model", overflowing)
+    monkeypatch.setattr(grpo_math, "_load_model", overflowing)
     fixed_rollout.patch(grpo_math, monkeypatch.setattr)
     args = make_args(total_steps=2, save_every=1, beta=0.0, output_dir=str(tmp_path / "runs"))
     with pytest.raises(RuntimeError, match="step 1: non-finite gradient norm") as error:
@@ -740,11 +740,11 @@ class FakeAccelerator:
 def test_check_finite_stops_every_process_when_one_sees_a_non_finite_value():
     """Collective: the process whose own loss is finite stops too when another's is not (else it would wait in the
     next all-reduce forever)."""
-    grpo_math.check_finite(FakeAccelerator(True), torch.tensor([1.0, 2.0]), "loss/policy", 3, None)
+    grpo_math._check_finite(FakeAccelerator(True), torch.tensor([1.0, 2.0]), "loss/policy", 3, None)
     with pytest.raises(RuntimeError, match="step 4: non-finite loss/policy \\(on another process\\)"):
-        grpo_math.check_finite(FakeAccelerator(False), torch.tensor([1.0, 2.0]), "loss/policy", 3, "ckpt")
+        grpo_math._check_finite(FakeAccelerator(False), torch.tensor([1.0, 2.0]), "loss/policy", 3, "ckpt")
     with pytest.raises(RuntimeError, match="nan"):
-        grpo_math.check_finite(FakeAccelerator(True), torch.tensor([float("nan")]), "loss/policy", 3, "ckpt")
+        grpo_math._check_finite(FakeAccelerator(True), torch.tensor([float("nan")]), "loss/policy", 3, "ckpt")
 
 
 @pytest.mark.slow
@@ -754,7 +754,7 @@ def test_fp16_loss_scaler_skips_an_overflowing_update_and_the_run_goes_on(make_a
     go on (bf16 and fp32 stop there), count the skipped updates, and keep its weights and its learning-rate
     schedule: KL to the reference stays exactly 0 until an update is taken. accelerate has no fp16 scaler on CPU: a
     CPU GradScaler stands in, and the first two updates' gradients are made inf (2 micro-batches an update)."""
-    make, scalers = grpo_math.make_accelerator, []
+    make, scalers = grpo_math._make_accelerator, []
 
     def with_scaler(*args, **kwargs):
         accelerator = make(*args, **kwargs)
@@ -771,7 +771,7 @@ def test_fp16_loss_scaler_skips_an_overflowing_update_and_the_run_goes_on(make_a
         scalers.append(accelerator.scaler)
         return accelerator
 
-    monkeypatch.setattr(grpo_math, "make_accelerator", with_scaler)
+    monkeypatch.setattr(grpo_math, "_make_accelerator", with_scaler)
     monkeypatch.setattr(grpo_math, "compute_rewards", space_reward)
     args = make_args(total_steps=4, beta=0.1, learning_rate=4e-3, temperature=0.5, lr_scheduler="linear")
     run_dir = grpo_math.main(args)
@@ -790,7 +790,7 @@ def test_fp16_updates_skipped_in_a_row_stop_the_run_instead_of_saving_it_as_trai
     """A gradient that overflows at every loss scale makes the scaler skip every update: after max_skipped (here 3)
     in a row the run stops with one line (the step, the last checkpoint) and writes no final model (issue 54). A
     taken update in between starts the count again."""
-    make, overflowing = grpo_math.make_accelerator, {"updates": {0, 1, 3, 4, 5}}
+    make, overflowing = grpo_math._make_accelerator, {"updates": {0, 1, 3, 4, 5}}
 
     def with_scaler(*args, **kwargs):
         accelerator = make(*args, **kwargs)
@@ -806,7 +806,7 @@ def test_fp16_updates_skipped_in_a_row_stop_the_run_instead_of_saving_it_as_trai
         accelerator.backward = overflowing_backward
         return accelerator
 
-    monkeypatch.setattr(grpo_math, "make_accelerator", with_scaler)
+    monkeypatch.setattr(grpo_math, "_make_accelerator", with_scaler)
     monkeypatch.setattr(grpo_math, "compute_rewards", space_reward)
     bounded = functools.partialmethod(grpo_math.Run.optimizer_step, max_skipped=3)
     monkeypatch.setattr(grpo_math.Run, "optimizer_step", bounded)

@@ -479,7 +479,7 @@ def smollm_prompts():
     tokenizer = AutoTokenizer.from_pretrained(SMOLLM2_DIR)
     args = grpo_tools.Config()
     rows = [{"question": f"Calculate {a} * {b}.", "answer": str(a * b)} for a, b in [(874, 404), (57, 912), (36, 41)]]
-    prompts, _ = grpo_tools.build_prompts(tokenizer, rows, args)
+    prompts, _ = grpo_tools._build_prompts(tokenizer, rows, args)
     return tokenizer, prompts
 
 
@@ -507,11 +507,11 @@ def test_hf_turns_stop_at_the_call_on_the_embedded_model(smollm_prompts):
 
     tokenizer, prompts = smollm_prompts
     model = AutoModelForCausalLM.from_pretrained(SMOLLM2_DIR, dtype=torch.float32).eval()
-    stop_ids = grpo_tools.stop_token_ids(tokenizer, SMOLLM2_DIR)
+    stop_ids = grpo_tools._stop_token_ids(tokenizer, SMOLLM2_DIR)
     torch.manual_seed(0)
 
     def turn(contexts, max_tokens):
-        return grpo_tools.hf_turns(model, tokenizer, contexts, max_tokens, 1.0, 1.0, tokenizer.pad_token_id, stop_ids)
+        return grpo_tools._hf_turns(model, tokenizer, contexts, max_tokens, 1.0, 1.0, tokenizer.pad_token_id, stop_ids)
 
     rollout = multi_turn_rollout(turn, tokenizer, prompts, 2, response_length=48, max_turns=2)
     check_turns_end_at_their_call(tokenizer, rollout)
@@ -527,12 +527,12 @@ def test_vllm_turns_stop_at_the_call_and_their_logprobs_are_the_trainers(smollm_
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     tokenizer, prompts = smollm_prompts
     args = grpo_tools.Config(vllm=True, seed=1)
-    llm = grpo_tools.start_vllm(args, SMOLLM2_DIR, 0, 1, sorted(os.sched_getaffinity(0)))
-    stop_ids = grpo_tools.stop_token_ids(tokenizer, SMOLLM2_DIR)
+    llm = grpo_tools._start_vllm(args, SMOLLM2_DIR, 0, 1, sorted(os.sched_getaffinity(0)))
+    stop_ids = grpo_tools._stop_token_ids(tokenizer, SMOLLM2_DIR)
     try:
 
         def turn(contexts, max_tokens):
-            return grpo_tools.vllm_turns(llm, tokenizer, contexts, max_tokens, 1.0, 1.0, stop_ids)
+            return grpo_tools._vllm_turns(llm, tokenizer, contexts, max_tokens, 1.0, 1.0, stop_ids)
 
         rollout = multi_turn_rollout(turn, tokenizer, prompts, 4, response_length=48, max_turns=2)
     finally:
@@ -781,7 +781,7 @@ def install_stand_in_engine(monkeypatch, calls):
     --vllm_sleep on CPU (refused there: vLLM's sleep mode needs a GPU). Returns the list of engines started."""
     from transformers import AutoTokenizer
 
-    engines, check = [], grpo_tools.check_common_args
+    engines, check = [], grpo_tools._check_common_args
 
     def start_vllm(args, model_name_or_path, rank, world_size, cores, sleep=False):
         engines.append(StandInEngine(AutoTokenizer.from_pretrained(model_name_or_path), calls[rank]))
@@ -793,8 +793,8 @@ def install_stand_in_engine(monkeypatch, calls):
         args.vllm_sleep = sleep
 
     monkeypatch.setitem(sys.modules, "vllm", fake_vllm())
-    monkeypatch.setattr(grpo_tools, "start_vllm", start_vllm)
-    monkeypatch.setattr(grpo_tools, "check_common_args", check_common_args)
+    monkeypatch.setattr(grpo_tools, "_start_vllm", start_vllm)
+    monkeypatch.setattr(grpo_tools, "_check_common_args", check_common_args)
     return engines
 
 
@@ -882,7 +882,7 @@ def test_vllm_turns_are_cut_at_the_token_that_completes_the_call(tokenizer, monk
                 outputs.append(SimpleNamespace(outputs=[SimpleNamespace(token_ids=ids, logprobs=logprobs)]))
             return outputs
 
-    turns = grpo_tools.vllm_turns(Engine(), tokenizer, [[7, 1], [8, 1]], [32, 32], 1.0, 1.0, [eos])
+    turns = grpo_tools._vllm_turns(Engine(), tokenizer, [[7, 1], [8, 1]], [32, 32], 1.0, 1.0, [eos])
     assert turns[0] == (call, pytest.approx([-0.1 * (k + 1) for k in range(len(call))]))
     assert turns[1] == (answer, pytest.approx([-0.1 * (k + 1) for k in range(len(answer))]))
 
@@ -920,7 +920,7 @@ def test_hf_turns_find_the_end_of_a_call_in_linear_time(tokenizer):
             return tokenizer.decode(ids, **kwargs)
 
     limits = [len(rows[0])] * 2
-    turns = grpo_tools.hf_turns(Generator(), Counting(), [[5, 6], [7]], limits, 1.0, 1.0, pad, [eos])
+    turns = grpo_tools._hf_turns(Generator(), Counting(), [[5, 6], [7]], limits, 1.0, 1.0, pad, [eos])
     assert turns == [(long_turn, None), (enc("Answer: 6") + [eos], None)]
     assert sum(decoded) <= 10 * len(rows[0]), sum(decoded)  # the old scan of every prefix: 80000 tokens
 
@@ -1112,7 +1112,7 @@ def test_probe_on_a_scripted_policy(make_probe_args, monkeypatch, capsys, temper
     from benchmark import registry, tool_probe
 
     temperatures = []
-    monkeypatch.setattr(grpo_tools, "hf_turns", product_turns(temperatures))
+    monkeypatch.setattr(grpo_tools, "_hf_turns", product_turns(temperatures))
     folder = tool_probe.main(make_probe_args(temperature=temperature, samples_per_prompt=2, max_operations=1))
     assert set(temperatures) == {temperature}
     with open(os.path.join(folder, "probe.json")) as f:
@@ -1141,7 +1141,7 @@ def test_probe_passes_the_tool_flags_and_its_gate_exits_3(make_probe_args, monke
     --min_accuracy / --max_accuracy the probe exits with status 3 after writing its folder."""
     from benchmark import tool_probe
 
-    monkeypatch.setattr(grpo_tools, "hf_turns", product_turns())
+    monkeypatch.setattr(grpo_tools, "_hf_turns", product_turns())
     folder = tool_probe.main(make_probe_args(tool="unavailable", max_accuracy=0.5))
     with open(os.path.join(folder, "probe.json")) as f:
         results = json.load(f)
@@ -1183,7 +1183,7 @@ def test_run_answers_calls_with_the_tool_the_flags_name(make_config, monkeypatch
             out.append((ids[:limit], None))
         return out
 
-    monkeypatch.setattr(grpo_tools, "hf_turns", turns)
+    monkeypatch.setattr(grpo_tools, "_hf_turns", turns)
     run = grpo_tools.main(make_config(grpo_tools, total_steps=1, tool=tool, max_operations=max_operations))
     lines = read_metrics(run)
     assert lines[1]["tools/calls"] == 1.0 and lines[1]["tools/failed_calls"] == float(output.startswith("error"))

@@ -44,15 +44,15 @@ def test_under_a_loss_scaler_an_overflow_skips_the_update_instead_of_stopping(sc
         # accelerate's GradScaler (fp16 on a GPU), or DeepSpeed's own scaler (its fp16 config): NaN, left out of the
         # averages, and the scaler skips the update.
         native = stand_in_accelerator(norm, scaler=torch.amp.GradScaler("cpu"))
-        assert math.isnan(script.clip_gradients(native, model, 1.0, 3, "runs/x/checkpoints/step_2"))
+        assert math.isnan(script._clip_gradients(native, model, 1.0, 3, "runs/x/checkpoints/step_2"))
         deepspeed = stand_in_accelerator(norm, mixed_precision="fp16", deepspeed_plugin=object())
-        assert math.isnan(script.clip_gradients(deepspeed, model, 1.0, 3, None))
+        assert math.isnan(script._clip_gradients(deepspeed, model, 1.0, 3, None))
         # Without a scaler (bf16, fp32, DeepSpeed bf16) nothing would skip it: the run stops, naming the checkpoint.
         for plain in (stand_in_accelerator(norm), stand_in_accelerator(norm, None, "bf16", object())):
             with pytest.raises(RuntimeError, match=r"step 4: non-finite gradient norm .*step_2"):
-                script.clip_gradients(plain, model, 1.0, 3, "runs/x/checkpoints/step_2")
+                script._clip_gradients(plain, model, 1.0, 3, "runs/x/checkpoints/step_2")
     assert (
-        script.clip_gradients(stand_in_accelerator(0.5, scaler=torch.amp.GradScaler("cpu")), model, 1, 0, None) == 0.5
+        script._clip_gradients(stand_in_accelerator(0.5, scaler=torch.amp.GradScaler("cpu")), model, 1, 0, None) == 0.5
     )
 
 
@@ -65,7 +65,7 @@ def test_deepspeed_older_than_0_19_2_is_refused_before_anything_starts(script, m
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     monkeypatch.setattr(deepspeed, "__version__", "0.18.3")
     with pytest.raises(SystemExit, match=r"^error: DeepSpeed 0\.18\.3 is installed; the scripts need >= 0\.19\.2$"):
-        script.make_accelerator(4, 1, 1.0)
+        script._make_accelerator(4, 1, 1.0)
     with open(os.path.join(REPO_ROOT, "pyproject.toml"), "rb") as f:
         extra = tomllib.load(f)["project"]["optional-dependencies"]["deepspeed"]
     assert Version(re.search(r">=([\d.]+)", extra[0]).group(1)) >= Version("0.19.2")
@@ -78,7 +78,7 @@ def test_deepspeed_without_a_gradient_norm_is_not_an_error(script):
     for mixed_precision in ("fp16", "bf16", "no"):
         accelerator = stand_in_accelerator(0.0, mixed_precision=mixed_precision, deepspeed_plugin=object())
         accelerator.clip_grad_norm_ = lambda parameters, max_norm: None
-        assert math.isnan(script.clip_gradients(accelerator, torch.nn.Linear(2, 2), 1.0, 3, None))
+        assert math.isnan(script._clip_gradients(accelerator, torch.nn.Linear(2, 2), 1.0, 3, None))
 
 
 @pytest.mark.parametrize("script", SCRIPTS + [grpo_tools], ids=lambda m: m.__name__)

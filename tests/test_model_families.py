@@ -16,7 +16,7 @@ from conftest import MICRO_CONFIG
 from test_grpo_math_math import grouped_batch, logprobs_and_grads
 
 import grpo_math
-from grpo_math import shared_prompt_exact, shared_prompt_pays
+from grpo_math import _shared_prompt_exact, _shared_prompt_pays
 
 
 def family_config(family, window):
@@ -97,7 +97,7 @@ def test_packing_is_used_exactly_where_no_window_binds(family, window):
     input_ids, attention_mask, context_length = grouped_batch([4, 1, 3], width=6, seed=1)
     longest = int(attention_mask.sum(1).max())
     binds = window is not None and window <= longest
-    assert shared_prompt_exact(model.config, longest) is not binds
+    assert _shared_prompt_exact(model.config, longest) is not binds
     shapes = []
     model.model.register_forward_hook(lambda m, a, kw, out: shapes.append(kw["input_ids"].shape), with_kwargs=True)
     with torch.no_grad():
@@ -111,7 +111,7 @@ def test_packing_across_a_sliding_window_would_change_the_logprobs(family, monke
     log-probs than each row alone."""
     model = family_model(family, 4).eval()
     input_ids, attention_mask, context_length = grouped_batch([4, 1, 3], width=6, seed=1)
-    monkeypatch.setattr(grpo_math, "shared_prompt_exact", lambda config, longest: True)
+    monkeypatch.setattr(grpo_math, "_shared_prompt_exact", lambda config, longest: True)
     with torch.no_grad():
         packed = grpo_math.shared_prompt_logprobs(model, input_ids, attention_mask, context_length, 0.7)[0]
     worst = max(
@@ -125,13 +125,13 @@ def test_packing_across_a_sliding_window_would_change_the_logprobs(family, monke
 def test_shared_prompt_exact_refuses_alibi_and_other_layer_types():
     from transformers import BloomConfig, LlamaConfig
 
-    assert not shared_prompt_exact(BloomConfig(), 10)
+    assert not _shared_prompt_exact(BloomConfig(), 10)
     config = LlamaConfig(**MICRO_CONFIG)
     config.layer_types = ["full_attention", "linear_attention"]
-    assert not shared_prompt_exact(config, 10)
+    assert not _shared_prompt_exact(config, 10)
     config.layer_types = ["full_attention", "chunked_attention"]
     config.attention_chunk_size = 8
-    assert not shared_prompt_exact(config, 8) and shared_prompt_exact(config, 7)
+    assert not _shared_prompt_exact(config, 8) and _shared_prompt_exact(config, 7)
 
 
 # The long-response rule: packing must never cost more than it saves.
@@ -181,7 +181,7 @@ def test_shared_prompt_pays_against_a_loop_count():
         packed, unpacked = flops_by_loop(
             config, list(zip(group.tolist(), lengths.tolist())), context, context + width_r
         )
-        assert shared_prompt_pays(config, group, lengths, context, context + width_r) == (packed < unpacked)
+        assert _shared_prompt_pays(config, group, lengths, context, context + width_r) == (packed < unpacked)
 
 
 def test_packing_stops_paying_at_long_responses():
@@ -200,7 +200,7 @@ def test_packing_stops_paying_at_long_responses():
     verdicts = {}
     for r in (64, 256, 512, 1024, 4096):
         lengths = torch.linspace(r // 2, r, 8).round().long()
-        verdicts[r] = shared_prompt_pays(config, torch.zeros(8, dtype=torch.long), lengths, 48, 48 + r)
+        verdicts[r] = _shared_prompt_pays(config, torch.zeros(8, dtype=torch.long), lengths, 48, 48 + r)
     assert verdicts == {64: True, 256: True, 512: False, 1024: False, 4096: False}
 
 
@@ -266,7 +266,7 @@ def test_hf_generate_greedy_ignores_the_checkpoints_sampling_fields(model_with_s
     model = model_with_sampling_config
     prompt = [1, 9690, 198, 2683, 359, 253, 5356, 3117]
     expected = argmax_decoding(model, prompt, 12)
-    responses, lengths = grpo_math.hf_generate(model, [prompt], 1, 12, 0.0, 1.0, 2, [2])
+    responses, lengths = grpo_math._hf_generate(model, [prompt], 1, 12, 0.0, 1.0, 2, [2])
     assert responses[0, : int(lengths[0])].tolist() == expected
     assert model.generation_config.repetition_penalty == 1.3  # the model's own config is left as it was
 
@@ -281,7 +281,7 @@ def test_hf_generate_sampling_uses_no_logits_processor_the_trainer_lacks(model_w
     built = []
     original = model._get_logits_processor
     model._get_logits_processor = lambda *a, **kw: built.append(original(*a, **kw)) or built[-1]
-    grpo_math.hf_generate(model, [[1, 9690, 198, 2683]], 2, 4, 0.8, top_p, 2, [2])
+    grpo_math._hf_generate(model, [[1, 9690, 198, 2683]], 2, 4, 0.8, top_p, 2, [2])
     kinds = {type(p) for p in built[0]}
     assert kinds == ({TemperatureLogitsWarper, TopPLogitsWarper} if top_p < 1 else {TemperatureLogitsWarper})
 
@@ -339,8 +339,8 @@ def test_vllm_sleeps_between_generations_and_wakes_before_it_generates_or_takes_
         rows = len(prompts) * n
         return torch.full((rows, 4), 5), torch.full((rows,), 4), torch.zeros(rows, 4)
 
-    monkeypatch.setattr(grpo_math, "vllm_generate", fake_generate)
-    monkeypatch.setattr(grpo_math, "vllm_sync_weights", lambda llm, state, dtype: llm.run("sync"))
+    monkeypatch.setattr(grpo_math, "_vllm_generate", fake_generate)
+    monkeypatch.setattr(grpo_math, "_vllm_sync_weights", lambda llm, state, dtype: llm.run("sync"))
     args = grpo_math.Config(model_name_or_path=tiny_model_dir, vllm=False, vllm_sleep=sleep)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     policy = torch.nn.Linear(2, 2)

@@ -138,17 +138,17 @@ def check_spans(text, steps):
     ],
 )
 def test_split_steps(text, expected):
-    steps = prm.split_steps(text, "\n\n")
+    steps = prm._split_steps(text, "\n\n")
     assert [s for s, _ in steps] == expected
     check_spans(text, steps)
 
 
 def test_split_steps_with_another_separator():
     text = "1 + 1 = 2\n2 + 2 = 4\n\nAnswer: 4\n"
-    steps = prm.split_steps(text, "\n")
+    steps = prm._split_steps(text, "\n")
     assert [s for s, _ in steps] == ["1 + 1 = 2", "2 + 2 = 4", "Answer: 4"]
     check_spans(text, steps)
-    assert [s for s, _ in prm.split_steps("a ## b ## ## c", "##")] == ["a", "b", "c"]
+    assert [s for s, _ in prm._split_steps("a ## b ## ## c", "##")] == ["a", "b", "c"]
 
 
 @pytest.mark.parametrize("seed", range(10))
@@ -157,7 +157,7 @@ def test_split_steps_on_random_texts(seed):
     rng = random.Random(seed)
     pieces = [rng.choice(["1 + 2 = 3", "ok", "", " ", "\n", "x\ny", "Answer: 3"]) for _ in range(rng.randint(0, 8))]
     text = "\n\n".join(pieces)
-    steps = prm.split_steps(text, "\n\n")
+    steps = prm._split_steps(text, "\n\n")
     check_spans(text, steps)
     inside = [i for _, (start, end) in steps for i in range(start, end)]
     assert len(inside) == len(set(inside))
@@ -190,10 +190,10 @@ def test_step_rewards_land_on_the_token_holding_the_last_character(tokenizer, te
     ids = tokenizer(text, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
     # An independent map from characters to tokens: the fast tokenizer's offsets (the ids re-tokenize the same).
     offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True).offset_mapping
-    steps = prm.split_steps(text, "\n\n")
-    ends = prm.token_char_ends(tokenizer, ids)
+    steps = prm._split_steps(text, "\n\n")
+    ends = prm._token_char_ends(tokenizer, ids)
     assert len(ends) == len(ids) and ends[-1] == len(text)  # the EOS adds no text
-    tokens = prm.step_token_indices(ends, [span for _, span in steps])
+    tokens = prm._step_token_indices(ends, [span for _, span in steps])
     for (step, (_start, end)), t in zip(steps, tokens):
         token_start, token_end = offsets[t]
         assert token_start <= end - 1 < token_end, (step, tokenizer.convert_ids_to_tokens([ids[t]]))
@@ -312,10 +312,10 @@ def test_ppo_prm_loss_matches_a_loop_and_micro_batches_sum_to_the_minibatch(seed
 def test_token_char_ends_follow_a_multi_byte_character(tokenizer):
     text = "café ✓ 2 + 2 = 4\n\nдалее"
     ids = tokenizer(text, add_special_tokens=False).input_ids
-    ends = prm.token_char_ends(tokenizer, ids)
+    ends = prm._token_char_ends(tokenizer, ids)
     assert ends == sorted(ends) and ends[-1] == len(text)
-    steps = prm.split_steps(text, "\n\n")
-    tokens = prm.step_token_indices(ends, [span for _, span in steps])
+    steps = prm._split_steps(text, "\n\n")
+    tokens = prm._step_token_indices(ends, [span for _, span in steps])
     assert tokenizer.decode(ids[: tokens[0] + 1]).endswith("4")
 
 
@@ -325,10 +325,10 @@ def test_a_step_ending_in_a_multi_byte_character_ends_at_the_token_that_complete
     text = "Done 🎉\n\nAnswer: 4"
     ids = tokenizer(text, add_special_tokens=False).input_ids
     assert tokenizer.decode(ids[:2]).endswith("\ufffd")  # the split this test is about
-    ends = prm.token_char_ends(tokenizer, ids)
+    ends = prm._token_char_ends(tokenizer, ids)
     assert ends == sorted(ends) and ends[-1] == len(text)
-    steps = prm.split_steps(text, "\n\n")
-    tokens = prm.step_token_indices(ends, [span for _, span in steps])
+    steps = prm._split_steps(text, "\n\n")
+    tokens = prm._step_token_indices(ends, [span for _, span in steps])
     assert tokenizer.decode(ids[: tokens[0] + 1]) == "Done 🎉"
     assert tokens[0] == 3 and tokens[1] == len(ids) - 1
 
@@ -546,9 +546,9 @@ def test_evaluate_arithmetic_refuses_anything_but_arithmetic():
 
 
 def test_math_shepherd_text_has_one_tag_per_step():
-    text = prm.math_shepherd_text("What is 2 + 2?", ["2 + 2 = 4 ки", "Answer: 4"], "ки")
+    text = prm._math_shepherd_text("What is 2 + 2?", ["2 + 2 = 4 ки", "Answer: 4"], "ки")
     assert text == "What is 2 + 2? 2 + 2 = 4 ки\nAnswer: 4 ки"
-    assert prm.math_shepherd_text("Q?", [], "ки") == "Q? "
+    assert prm._math_shepherd_text("Q?", [], "ки") == "Q? "
 
 
 # End-to-end runs on the tiny model. The tiny random policy writes random tokens; a space as the step separator
@@ -682,8 +682,8 @@ def test_math_shepherd_prm_scores_the_tags(make_config, monkeypatch, tiny_model_
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     texts, scores = [], []
-    text_of, refine = prm.math_shepherd_text, prm.refine_process_rewards
-    monkeypatch.setattr(prm, "math_shepherd_text", lambda *a: texts.append(text_of(*a)) or texts[-1])
+    text_of, refine = prm._math_shepherd_text, prm.refine_process_rewards
+    monkeypatch.setattr(prm, "_math_shepherd_text", lambda *a: texts.append(text_of(*a)) or texts[-1])
     monkeypatch.setattr(prm, "refine_process_rewards", lambda s, *a: scores.append(s) or refine(s, *a))
     args = make_config(prm, prm=tiny_model_dir, prm_step_tag="§", total_steps=1, reward_mode="raw")
     lines = read_metrics(prm.main(args))

@@ -263,7 +263,7 @@ def test_policy_and_value_gives_each_sequence_its_own_values(tiny_model_dir, tin
     value_model = AutoModelForSequenceClassification.from_pretrained(tiny_reward_model_dir).eval()
     model = ppo_rlhf.PolicyAndValue(policy, value_model)
     prompts, responses = [[1, 9690, 198, 5248, 314], [1, 4093]], torch.tensor([[11, 12, 13], [21, 22, 23]])
-    prompt_ids, prompt_mask = ppo_rlhf.left_pad(prompts, 2)
+    prompt_ids, prompt_mask = ppo_rlhf._left_pad(prompts, 2)
     input_ids = torch.cat([prompt_ids, responses], 1)
     attention_mask = torch.cat([prompt_mask, torch.ones_like(responses)], 1)
     with torch.no_grad():
@@ -284,7 +284,7 @@ def test_token_scores_equal_the_head_on_the_last_hidden_states(tiny_reward_model
     from transformers import AutoModelForSequenceClassification
 
     model = AutoModelForSequenceClassification.from_pretrained(tiny_reward_model_dir, dtype=torch.float64).eval()
-    input_ids, attention_mask = ppo_rlhf.left_pad([[1, 9690, 198, 5248, 314, 11], [1, 4093, 12]], 2)
+    input_ids, attention_mask = ppo_rlhf._left_pad([[1, 9690, 198, 5248, 314, 11], [1, 4093, 12]], 2)
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     with torch.no_grad():
         got = ppo_rlhf.token_scores(model, model.score, input_ids, attention_mask)
@@ -897,7 +897,7 @@ def test_an_ensemble_of_identical_members_trains_as_the_single_model(make_config
 
 
 def test_reward_model_members_reads_a_model_or_an_ensemble_folder(tiny_reward_model_dir, two_member_ensemble):
-    assert ppo_rlhf.reward_model_members(tiny_reward_model_dir) == [tiny_reward_model_dir]
-    members = ppo_rlhf.reward_model_members(two_member_ensemble)
+    assert ppo_rlhf._reward_model_members(tiny_reward_model_dir) == [tiny_reward_model_dir]
+    members = ppo_rlhf._reward_model_members(two_member_ensemble)
     assert [os.path.basename(m) for m in members] == ["member_0", "member_1"]
-    assert ppo_rlhf.reward_model_members("org/hub-model") == ["org/hub-model"]
+    assert ppo_rlhf._reward_model_members("org/hub-model") == ["org/hub-model"]

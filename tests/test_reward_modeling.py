@@ -162,7 +162,7 @@ def sequence_scores(model, sequences, pad):
 def test_scores_alone_left_padded_and_right_padded_agree(tiny_rm):
     alone = torch.cat([sequence_scores(tiny_rm, [s], rm.right_pad) for s in SEQUENCES])
     torch.testing.assert_close(sequence_scores(tiny_rm, SEQUENCES, rm.right_pad), alone, atol=1e-5, rtol=0)
-    torch.testing.assert_close(sequence_scores(tiny_rm, SEQUENCES, rm.left_pad), alone, atol=1e-5, rtol=0)
+    torch.testing.assert_close(sequence_scores(tiny_rm, SEQUENCES, rm._left_pad), alone, atol=1e-5, rtol=0)
     assert len(set(alone.tolist())) == len(SEQUENCES)  # not a constant head
 
 
@@ -237,15 +237,15 @@ def tokenizer(tiny_model_dir):
 
 def test_encode_string_pairs(tokenizer):
     row = {"prompt": "What is 2 + 2? ", "chosen": "4", "rejected": "5"}
-    chosen, rejected = rm.encode_preference(tokenizer, row, "prompt", "chosen", "rejected", True)
+    chosen, rejected = rm._encode_preference(tokenizer, row, "prompt", "chosen", "rejected", True)
     assert chosen == tokenizer("What is 2 + 2? 4<|im_end|>").input_ids
     assert rejected == tokenizer("What is 2 + 2? 5<|im_end|>").input_ids
     assert chosen[-1] == tokenizer.eos_token_id
-    chosen, _ = rm.encode_preference(tokenizer, row, "prompt", "chosen", "rejected", False)
+    chosen, _ = rm._encode_preference(tokenizer, row, "prompt", "chosen", "rejected", False)
     assert chosen == tokenizer("What is 2 + 2? 4").input_ids
     # No prompt column (Anthropic/hh-rlhf): chosen and rejected are whole texts; an EOS already there stays alone.
     whole = {"chosen": "\n\nHuman: hi\n\nAssistant: hello<|im_end|>", "rejected": "\n\nHuman: hi\n\nAssistant: go"}
-    chosen, rejected = rm.encode_preference(tokenizer, whole, "prompt", "chosen", "rejected", True)
+    chosen, rejected = rm._encode_preference(tokenizer, whole, "prompt", "chosen", "rejected", True)
     assert chosen == tokenizer(whole["chosen"]).input_ids
     assert rejected == tokenizer(whole["rejected"] + "<|im_end|>").input_ids
 
@@ -257,14 +257,14 @@ def test_encode_conversations_end_at_the_end_of_turn(tokenizer):
         "chosen": [{"role": "assistant", "content": "4"}],
         "rejected": [{"role": "assistant", "content": "5"}],
     }
-    chosen, rejected = rm.encode_preference(tokenizer, row, "prompt", "chosen", "rejected", True)
+    chosen, rejected = rm._encode_preference(tokenizer, row, "prompt", "chosen", "rejected", True)
     prefix = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
     prefix_ids = tokenizer(prefix, add_special_tokens=False).input_ids
     assert chosen[: len(prefix_ids)] == prefix_ids and rejected[: len(prefix_ids)] == prefix_ids
     assert chosen[len(prefix_ids) :] == tokenizer("4<|im_end|>", add_special_tokens=False).input_ids
     # The same conversation without a prompt column (the prompt turns inside chosen/rejected) gives the same ids.
     whole = {"chosen": prompt + row["chosen"], "rejected": prompt + row["rejected"]}
-    assert rm.encode_preference(tokenizer, whole, "prompt", "chosen", "rejected", True) == (chosen, rejected)
+    assert rm._encode_preference(tokenizer, whole, "prompt", "chosen", "rejected", True) == (chosen, rejected)
 
 
 # End-to-end runs on the tiny model
@@ -343,13 +343,13 @@ def test_preference_run_learns_and_saves_a_centred_model(make_config, tokenizer)
     assert not os.path.exists(args.reward_model_dir + ".tmp") and not os.path.exists(args.reward_model_dir + ".old")
 
     # Scores minus the bias average 0 over the training responses; the held-out accuracy is the logged one.
-    train_rows = rm.load_split(args.dataset_path, None, "train")
-    train_pairs = [rm.encode_preference(tokenizer, r, "prompt", "chosen", "rejected", True) for r in train_rows]
+    train_rows = rm._load_split(args.dataset_path, None, "train")
+    train_pairs = [rm._encode_preference(tokenizer, r, "prompt", "chosen", "rejected", True) for r in train_rows]
     chosen, rejected = scores_of(args.reward_model_dir, train_pairs)
     assert abs(torch.cat([chosen, rejected]).mean().item()) < 1e-3
     assert bias != 0.0
-    eval_rows = rm.load_split(args.dataset_path, None, "test")
-    eval_pairs = [rm.encode_preference(tokenizer, r, "prompt", "chosen", "rejected", True) for r in eval_rows]
+    eval_rows = rm._load_split(args.dataset_path, None, "test")
+    eval_pairs = [rm._encode_preference(tokenizer, r, "prompt", "chosen", "rejected", True) for r in eval_rows]
     chosen, rejected = scores_of(args.reward_model_dir, eval_pairs)
     assert (chosen > rejected).float().mean().item() == pytest.approx(lines[-1]["eval/accuracy"])
 
@@ -390,7 +390,7 @@ def check_task_pairs(run_dir, tokenizer, response_length, max_pairs_per_prompt):
     assert first["pairs/train_mixed_prompts"] > 0 and first["pairs/eval_mixed_prompts"] > 0
     assert first["time/pair_generation"] > 0 and first["perf/generation_tokens_per_second"] > 0
     for split, name in (("train", "train"), ("test", "eval")):
-        rows = rm.load_split(os.path.join(run_dir, "preferences"), None, split)
+        rows = rm._load_split(os.path.join(run_dir, "preferences"), None, split)
         assert len(rows) == first[f"pairs/{name}_pairs"] > 0
         per_prompt = {}
         for row in rows:
@@ -806,14 +806,14 @@ def test_prm_run_trains_on_step_labels_and_ppo_prm_clip_loads_it(make_config, to
 
     # The labelled completions: steps cut at the separator, labels from the (toy) verifier, and the token of each
     # step's last character.
-    rows = rm.load_split(os.path.join(run_dir, "steps"), None, "train")
+    rows = rm._load_split(os.path.join(run_dir, "steps"), None, "train")
     assert len(rows) == read_metrics(run_dir)[0]["pairs/train_completions"] > 0
     for row in rows:
-        assert row["steps"] == [s for s, _ in rm.split_steps(row["completion"], " ")]
+        assert row["steps"] == [s for s, _ in rm._split_steps(row["completion"], " ")]
         assert row["step_labels"] == toy_step_scores(row["steps"])
         assert ppo_prm_clip.Config().instruction in row["prompt"]  # the --prm default is ppo_prm_clip.py's
         for step, t, (_, (_start, end)) in zip(
-            row["steps"], row["step_tokens"], rm.split_steps(row["completion"], " ")
+            row["steps"], row["step_tokens"], rm._split_steps(row["completion"], " ")
         ):
             before = len(tokenizer.decode(row["completion_ids"][:t], skip_special_tokens=True))
             upto = len(tokenizer.decode(row["completion_ids"][: t + 1], skip_special_tokens=True))
