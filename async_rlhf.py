@@ -1126,8 +1126,8 @@ def _check_same_vocabulary(path, name, policy_tokenizer, trust_remote_code):
         _fail(f"--{name} {path} has another vocabulary than --model_name_or_path; it must read the policy's tokens")
 
 
-def _build_prompts(tokenizer, rows, args):
-    """Token ids of each row's prompt (chat template, after the system prompt and any shown examples, or
+def _build_prompts(tokenizer, rows, args, examples=()):
+    """Token ids of each row's prompt (chat template, after the system prompt and the exchanges `examples` shows, or
     --prompt_template, which a tokenizer without a chat template needs) and its gold answer; prompts longer than
     max_prompt_length are dropped."""
     example = "e.g. 'Question: {question}\\nAnswer:'"
@@ -1140,7 +1140,7 @@ def _build_prompts(tokenizer, rows, args):
             text = args.prompt_template.format(question=question)
         else:
             messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
-            for shown, answer in getattr(args, "examples", ()):  # exchanges shown before the question (grpo_tools)
+            for shown, answer in examples:  # (question, answer) exchanges shown before the question
                 messages += [{"role": "user", "content": shown}, {"role": "assistant", "content": answer}]
             messages.append({"role": "user", "content": question})
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

@@ -140,7 +140,7 @@ def main(args: "Config"):
     accelerator, tokenizer = setup(args)  # the flags' one-line errors first (check_args)
     rank, world_size, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     G = args.num_generations  # the group size
-    train_prompts, train_golds, eval_sets = load_math_prompts(args, tokenizer, world_size)  # with the tool's prompt
+    train_prompts, train_golds, eval_sets = load_math_prompts(args, tokenizer, world_size, args.examples)
     run = Run(args, accelerator, RESUMABLE_ARGS)
     model, ref_model = load_policy_and_reference(args, accelerator, tokenizer.pad_token_id, args.beta > 0)
     trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters
@@ -1069,9 +1069,10 @@ def _load_tokenizer(model_name_or_path, trust_remote_code):
     return tokenizer
 
 
-def load_math_prompts(args, tokenizer, world_size):
+def load_math_prompts(args, tokenizer, world_size, examples=()):
     """The training prompts and gold answers, and the held-out sets {name: (prompts, golds)}, from --dataset_path
-    (and --extra_eval_path). Columns, questions and gold answers are checked before any model is loaded."""
+    (and --extra_eval_path); `examples` are shown before each question (_build_prompts). Columns, questions and gold
+    answers are checked before any model is loaded."""
     splits = {
         "train": (args.dataset_path, args.dataset_config, args.train_split),
         "eval": (args.dataset_path, args.dataset_config, args.eval_split),
@@ -1087,7 +1088,7 @@ def load_math_prompts(args, tokenizer, world_size):
             rows = rows[: args.num_eval_prompts]
         _check_columns(rows, columns, where, text_columns=[args.question_column])
         _check_golds(rows, args.answer_column, where)
-        sets[name] = _build_prompts(tokenizer, rows, args)
+        sets[name] = _build_prompts(tokenizer, rows, args, examples)
         needed = args.prompts_per_rank * world_size if name == "train" else 1
         _require_prompts(sets[name][0], needed, where, args.max_prompt_length)
     train_prompts, train_golds = sets.pop("train")
@@ -1175,8 +1176,8 @@ def _gold_answer(answer):
     return "" if answer is None else str(answer).split("####")[-1].strip().replace(",", "")
 
 
-def _build_prompts(tokenizer, rows, args):
-    """Token ids of each row's prompt (chat template, after the system prompt and any shown examples, or
+def _build_prompts(tokenizer, rows, args, examples=()):
+    """Token ids of each row's prompt (chat template, after the system prompt and the exchanges `examples` shows, or
     --prompt_template, which a tokenizer without a chat template needs) and its gold answer; prompts longer than
     max_prompt_length are dropped."""
     example = "e.g. 'Question: {question}\\nAnswer:'"
@@ -1189,7 +1190,7 @@ def _build_prompts(tokenizer, rows, args):
             text = args.prompt_template.format(question=question)
         else:
             messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
-            for shown, answer in getattr(args, "examples", ()):  # exchanges shown before the question (grpo_tools)
+            for shown, answer in examples:  # (question, answer) exchanges shown before the question
                 messages += [{"role": "user", "content": shown}, {"role": "assistant", "content": answer}]
             messages.append({"role": "user", "content": question})
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

@@ -1056,8 +1056,8 @@ def _check_columns(rows, columns, where, text_columns=()):
             )
 
 
-def _build_prompts(tokenizer, rows, args):
-    """Token ids of each row's prompt (chat template, after the system prompt and any shown examples, or
+def _build_prompts(tokenizer, rows, args, examples=()):
+    """Token ids of each row's prompt (chat template, after the system prompt and the exchanges `examples` shows, or
     --prompt_template, which a tokenizer without a chat template needs) and its gold answer; prompts longer than
     max_prompt_length are dropped."""
     example = "e.g. 'Question: {question}\\nAnswer:'"
@@ -1070,7 +1070,7 @@ def _build_prompts(tokenizer, rows, args):
             text = args.prompt_template.format(question=question)
         else:
             messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
-            for shown, answer in getattr(args, "examples", ()):  # exchanges shown before the question (grpo_tools)
+            for shown, answer in examples:  # (question, answer) exchanges shown before the question
                 messages += [{"role": "user", "content": shown}, {"role": "assistant", "content": answer}]
             messages.append({"role": "user", "content": question})
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

@@ -97,7 +97,7 @@ def probe_prompts(args, tokenizer):
     """(prompts, golds, terms) of --prompts, as grpo_tools.py builds them (load_math_prompts: its checks, its
     prompts), then --terms and --num_prompts. terms: question_terms of each prompt's question (None: not one
     expression)."""
-    train_prompts, train_golds, sets = grpo_tools.load_math_prompts(args, tokenizer, world_size=1)
+    train_prompts, train_golds, sets = grpo_tools.load_math_prompts(args, tokenizer, 1, args.examples)
     prompts, golds = (train_prompts, train_golds) if args.prompts == "train" else sets[args.prompts]
     path, config_name, split = {
         "train": (args.dataset_path, args.dataset_config, args.train_split),
@@ -108,7 +108,7 @@ def probe_prompts(args, tokenizer):
     if args.prompts == "eval" and args.num_eval_prompts:
         rows = rows[: args.num_eval_prompts]
     # load_math_prompts dropped the prompts over --max_prompt_length: the same rows, one at a time.
-    kept = [row for row in rows if grpo_tools._build_prompts(tokenizer, [row], args)[0]]
+    kept = [row for row in rows if grpo_tools._build_prompts(tokenizer, [row], args, args.examples)[0]]
     assert len(kept) == len(prompts), (len(kept), len(prompts))
     terms = [question_terms(row[args.question_column]) for row in kept]
     chosen = [i for i, t in enumerate(terms) if not args.terms or t == args.terms][: args.num_prompts or None]

@@ -479,7 +479,7 @@ def smollm_prompts():
     tokenizer = AutoTokenizer.from_pretrained(SMOLLM2_DIR)
     args = grpo_tools.Config()
     rows = [{"question": f"Calculate {a} * {b}.", "answer": str(a * b)} for a, b in [(874, 404), (57, 912), (36, 41)]]
-    prompts, _ = grpo_tools._build_prompts(tokenizer, rows, args)
+    prompts, _ = grpo_tools._build_prompts(tokenizer, rows, args, args.examples)
     return tokenizer, prompts
 
 
@@ -1087,7 +1087,7 @@ def test_probe_prompts_are_grpo_tools_own(make_probe_args, tmp_path):
     args = make_probe_args(num_eval_prompts=4, examples=(add,))
     check_probe_args(args)
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
-    train, train_golds, sets = grpo_tools.load_math_prompts(args, tokenizer, 1)
+    train, train_golds, sets = grpo_tools.load_math_prompts(args, tokenizer, 1, args.examples)
     assert probe_prompts(args, tokenizer) == (*sets["eval"], [2, 2, 3, 3])  # the first 4 held-out prompts
     assert "<calc>23 + 41</calc>" in tokenizer.decode(sets["eval"][0][0])  # the shown example is --examples'
     args.prompts = "train"
