@@ -15,7 +15,7 @@ sampled in chunks of --prompts_per_chunk, each seeded from (--seed, its first pr
 keeps the complete chunks and samples the rest (with HF generate a resumed file is the uninterrupted one; with vLLM,
 only if its in-process sampler draws from the process's torch generator, which was not checked).
 
-`score`: each member of --ensemble (ppo_rlhf.reward_model_members) scores every response at its last real token,
+`score`: each member of --ensemble (ppo_rlhf._reward_model_members) scores every response at its last real token,
 centred by its config.bias (ppo_rlhf.member_scores_of on ppo_rlhf.training_batch, evaluation's path), appended to
 OUT_DIR/scores/<member>.jsonl --batch_size responses at a time; a rerun scores only what is missing. A response without
 EOS is scored like any other: the rule (finished first) is the analysis's.

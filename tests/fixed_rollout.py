@@ -74,10 +74,10 @@ def space_reward(completions, golds, format_reward):
     return rewards, (rewards > 0.5).float(), torch.zeros(len(completions))
 
 
-# Script module -> {attribute: replacement} on top of hf_generate.
+# Script module -> {attribute: replacement} on top of _hf_generate.
 PATCHES = {
     "grpo_math": {"compute_rewards": space_reward},
-    "grpo_tools": {"compute_rewards": space_reward, "hf_turns": fixed_turns},
+    "grpo_tools": {"compute_rewards": space_reward, "_hf_turns": fixed_turns},
 }
 
 

@@ -556,11 +556,11 @@ import async_rlhf
 
 PROBE_PROMPT = {PROBE_PROMPT!r}
 Config = async_rlhf.Config
-REAL_GENERATE = hf_generate = async_rlhf.hf_generate  # fixed_rollout.patch replaces hf_generate here
+REAL_GENERATE = _hf_generate = async_rlhf._hf_generate  # fixed_rollout.patch replaces _hf_generate here
 
 
 def main(args):
-    async_rlhf.hf_generate = hf_generate
+    async_rlhf._hf_generate = _hf_generate
     record = {{"gathered": collections.Counter(), "calls": []}}
     instrument(async_rlhf, setattr, REAL_GENERATE, record)
     run_dir = async_rlhf.main(args)

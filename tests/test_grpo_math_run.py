@@ -479,16 +479,16 @@ dtype = llm.llm_engine.model_config.dtype
 prompts = [[1, 9690, 198, 5248, 314, 216, 35, 1232, 216, 36, 47], [1, 4093, 198, 2683, 314]]
 
 def greedy():
-    responses, lengths, _ = grpo_math.vllm_generate(llm, prompts, 1, 12, 0.0, 1.0, 2, [2])
+    responses, lengths, _ = grpo_math._vllm_generate(llm, prompts, 1, 12, 0.0, 1.0, 2, [2])
     return responses.tolist()
 
 original_state = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
 torch.manual_seed(0)
 perturbed_state = {k: v + 0.05 * torch.randn_like(v) for k, v in original_state.items()}
 result = {"original": greedy()}
-grpo_math.vllm_sync_weights(llm, perturbed_state, dtype)
+grpo_math._vllm_sync_weights(llm, perturbed_state, dtype)
 result["perturbed"] = greedy()
-grpo_math.vllm_sync_weights(llm, original_state, dtype)
+grpo_math._vllm_sync_weights(llm, original_state, dtype)
 result["restored"] = greedy()
 print("RESULT " + json.dumps(result))
 llm.llm_engine.engine_core.shutdown()
