@@ -40,7 +40,7 @@ CONFIGS = {  # name: (script, flags)
     ),
     "grpo_math_dapo": (
         "grpo_math",
-        dict(GRPO, oversample=2, scale_rewards="batch", loss_type="seq_mean_token_mean", no_shared_prompt=True),
+        dict(GRPO, oversample=2, scale_rewards="batch", loss_type="seq_mean_token_mean", shared_prompt=False),
     ),
     "grpo_math_gspo": ("grpo_math", dict(GRPO, importance_sampling_level="sequence", num_iterations=2)),
     "grpo_tools": ("grpo_tools", dict(GRPO, response_length=40, max_turns=2, beta=0.04, num_iterations=2)),
@@ -63,35 +63,12 @@ CONFIGS = {  # name: (script, flags)
 }
 
 
-def flags(values):
-    out = []
-    for key, value in values.items():
-        if key.startswith("no_"):
-            out.append(f"--no-{key[3:]}")
-        elif isinstance(value, bool):
-            out.append(f"--{key}" if value else f"--no-{key}")
-        elif value is None:
-            out += [f"--{key}", "None"]
-        else:
-            out += [f"--{key}", str(value)]
-    return out
-
-
 def assets(folder):
     """The tiny model, its reward model, the addition task and the good/bad preference pairs, built once."""
-    import torch
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
     paths = {name: os.path.join(folder, name) for name in ("model", "reward_model", "task", "preferences")}
     if not os.path.isdir(paths["model"]):
         conftest.build_tiny_model(paths["model"])
-        model = AutoModelForSequenceClassification.from_pretrained(paths["model"], num_labels=1)
-        model.config.pad_token_id, model.config.bias = AutoTokenizer.from_pretrained(paths["model"]).pad_token_id, 0.0
-        torch.manual_seed(0)
-        with torch.no_grad():
-            model.score.weight.normal_(0, 1 / (model.config.hidden_size + 1) ** 0.5)
-        model.save_pretrained(paths["reward_model"])
-        AutoTokenizer.from_pretrained(paths["model"]).save_pretrained(paths["reward_model"])
+        conftest.build_tiny_reward_model(paths["model"], paths["reward_model"])
         conftest.write_task(paths["task"])
         conftest.write_preferences(paths["preferences"])
     return paths
@@ -108,7 +85,9 @@ def record(out, only=""):
         values |= {"output_dir": os.path.join(folder, "runs"), "seed": 1}
         fill = dict(reward_model=paths["reward_model"], preferences=paths["preferences"], out=folder)
         values = {k: v.format(**fill) if isinstance(v, str) else v for k, v in values.items()}
-        done = subprocess.run([sys.executable, f"{script}.py", *flags(values)], cwd=REPO_ROOT, capture_output=True)
+        done = subprocess.run(
+            [sys.executable, f"{script}.py", *conftest.cli_flags(values)], cwd=REPO_ROOT, capture_output=True
+        )
         if done.returncode:
             print(done.stderr.decode()[-3000:])
             raise SystemExit(f"{name}: exit {done.returncode}")

@@ -277,15 +277,7 @@ def fast_cli_flags(model_dir, data_dir, output_dir, **overrides):
         "output_dir": output_dir,
         **overrides,
     }
-    flags = []
-    for key, value in values.items():
-        if isinstance(value, bool):
-            flags.append(f"--{key}" if value else f"--no-{key}")
-        elif value is None:
-            flags += [f"--{key}", "None"]
-        else:
-            flags += [f"--{key}", str(value)]
-    return flags
+    return cli_flags(values)
 
 
 @pytest.fixture
@@ -349,18 +341,21 @@ def subprocess_env():
 
 @pytest.fixture(scope="session")
 def tiny_reward_model_dir(tiny_model_dir, tmp_path_factory):
-    """The tiny Llama as a one-label sequence classifier (a reward model as reward_modeling.py saves it): pad token
-    set, a seeded random score head, config.bias = 0.0, saved with the tokenizer."""
+    return build_tiny_reward_model(tiny_model_dir, str(tmp_path_factory.mktemp("tiny-reward-model")))
+
+
+def build_tiny_reward_model(model_dir, path):
+    """The tiny Llama at model_dir as a one-label sequence classifier (a reward model as reward_modeling.py saves
+    it): pad token set, a seeded random score head, config.bias = 0.0, saved with the tokenizer at `path`."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    model = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1)
     model.config.pad_token_id = tokenizer.pad_token_id
     torch.manual_seed(0)
     with torch.no_grad():
         model.score.weight.normal_(0, 1 / (model.config.hidden_size + 1) ** 0.5)
     model.config.bias = 0.0
-    path = str(tmp_path_factory.mktemp("tiny-reward-model"))
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path
