@@ -1621,14 +1621,14 @@ def _start_vllm(args, model_name_or_path, rank, world_size, cores, sleep=False):
     return LLM(**engine, distributed_executor_backend="external_launcher" if world_size > 1 else "uni")
 
 
-def _vllm_generate(llm, prompts, n, response_length, temperature, top_p, pad_token_id, _stop_token_ids):
+def _vllm_generate(llm, prompts, n, response_length, temperature, top_p, pad_token_id, stop_ids):
     """Sample n completions per prompt with vLLM. Returns (responses [N, response_length], lengths [N],
     logprobs [N, response_length]) where logprobs are the sampler's (after temperature) for the sampled tokens.
-    _stop_token_ids are passed explicitly so that vLLM and HF generate stop on the same ids."""
+    stop_ids are passed explicitly so that vLLM and HF generate stop on the same ids."""
     from vllm import SamplingParams
 
     params = dict(n=n, temperature=temperature, top_p=top_p, max_tokens=response_length, detokenize=False)
-    params = SamplingParams(**params, stop_token_ids=list(_stop_token_ids), logprobs=0 if temperature > 0 else None)
+    params = SamplingParams(**params, stop_token_ids=list(stop_ids), logprobs=0 if temperature > 0 else None)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     completions = [completion for output in outputs for completion in output.outputs]
     responses = torch.full((len(completions), response_length), pad_token_id, dtype=torch.long)
@@ -1651,7 +1651,7 @@ def _gathered_parameters(accelerator, model):
     return deepspeed.zero.GatheredParameters(list(model.parameters()))
 
 
-def _hf_generate(model, prompts, n, response_length, temperature, top_p, pad_token_id, _stop_token_ids):
+def _hf_generate(model, prompts, n, response_length, temperature, top_p, pad_token_id, stop_ids):
     """Sample n completions per prompt with Hugging Face generate, each ending at its first stop token (kept).
     Returns (responses [len(prompts) * n, response_length], lengths [len(prompts) * n]); completions of one prompt
     are consecutive. temperature 0 is greedy decoding. Each process generates on its own (synced_gpus=False): under
@@ -1660,7 +1660,7 @@ def _hf_generate(model, prompts, n, response_length, temperature, top_p, pad_tok
         return torch.full((0, response_length), pad_token_id), torch.zeros(0, dtype=torch.long)
     input_ids, attention_mask = _left_pad([p for p in prompts for _ in range(n)], pad_token_id)
     sampling = dict(temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else {}  # else greedy
-    ends = dict(max_new_tokens=response_length, eos_token_id=list(_stop_token_ids), pad_token_id=pad_token_id)
+    ends = dict(max_new_tokens=response_length, eos_token_id=list(stop_ids), pad_token_id=pad_token_id)
     config = GenerationConfig(do_sample=temperature > 0, **sampling, **ends, use_cache=True)
     device = next(model.parameters()).device
     # generate fills every field left unset here from the model's generation_config.json (Qwen2.5-Instruct ships a
@@ -1674,7 +1674,7 @@ def _hf_generate(model, prompts, n, response_length, temperature, top_p, pad_tok
     finally:
         base.generation_config = saved
     responses = out[:, input_ids.shape[1] :].cpu()
-    is_eos = torch.isin(responses, torch.tensor(_stop_token_ids))  # a finished sequence is padded after its EOS
+    is_eos = torch.isin(responses, torch.tensor(stop_ids))  # a finished sequence is padded after its EOS
     lengths = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, responses.shape[1])
     responses = F.pad(responses, (0, response_length - responses.shape[1]), value=pad_token_id)
     return responses, lengths
@@ -1691,11 +1691,11 @@ def _left_pad(sequences, pad_token_id):
     return input_ids, attention_mask
 
 
-def _response_mask(responses, lengths, _stop_token_ids):
+def _response_mask(responses, lengths, stop_ids):
     """1 on the real response tokens: positions < length, up to the first stop token (any EOS id) included.
     responses [B, R], lengths [B]. Returns a float mask [B, R]."""
     mask = torch.arange(responses.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
-    is_eos = torch.isin(responses, torch.tensor(_stop_token_ids)) & mask
+    is_eos = torch.isin(responses, torch.tensor(stop_ids)) & mask
     return (mask & ~((is_eos.cumsum(1) - is_eos.long()) > 0)).float()
 
 

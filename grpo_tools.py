@@ -1726,14 +1726,14 @@ def _start_vllm(args, model_name_or_path, rank, world_size, cores, sleep=False):
     return LLM(**engine, distributed_executor_backend="external_launcher" if world_size > 1 else "uni")
 
 
-def _vllm_generate(llm, prompts, n, response_length, temperature, top_p, pad_token_id, _stop_token_ids):
+def _vllm_generate(llm, prompts, n, response_length, temperature, top_p, pad_token_id, stop_ids):
     """Sample n completions per prompt with vLLM. Returns (responses [N, response_length], lengths [N],
     logprobs [N, response_length]) where logprobs are the sampler's (after temperature) for the sampled tokens.
-    _stop_token_ids are passed explicitly so that vLLM and HF generate stop on the same ids."""
+    stop_ids are passed explicitly so that vLLM and HF generate stop on the same ids."""
     from vllm import SamplingParams
 
     params = dict(n=n, temperature=temperature, top_p=top_p, max_tokens=response_length, detokenize=False)
-    params = SamplingParams(**params, stop_token_ids=list(_stop_token_ids), logprobs=0 if temperature > 0 else None)
+    params = SamplingParams(**params, stop_token_ids=list(stop_ids), logprobs=0 if temperature > 0 else None)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     completions = [completion for output in outputs for completion in output.outputs]
     responses = torch.full((len(completions), response_length), pad_token_id, dtype=torch.long)
@@ -1756,7 +1756,7 @@ def _gathered_parameters(accelerator, model):
     return deepspeed.zero.GatheredParameters(list(model.parameters()))
 
 
-def _hf_generate(model, prompts, n, response_length, temperature, top_p, pad_token_id, _stop_token_ids):
+def _hf_generate(model, prompts, n, response_length, temperature, top_p, pad_token_id, stop_ids):
     """Sample n completions per prompt with Hugging Face generate, each ending at its first stop token (kept).
     Returns (responses [len(prompts) * n, response_length], lengths [len(prompts) * n]); completions of one prompt
     are consecutive. temperature 0 is greedy decoding. Each process generates on its own (synced_gpus=False): under
@@ -1765,7 +1765,7 @@ def _hf_generate(model, prompts, n, response_length, temperature, top_p, pad_tok
         return torch.full((0, response_length), pad_token_id), torch.zeros(0, dtype=torch.long)
     input_ids, attention_mask = _left_pad([p for p in prompts for _ in range(n)], pad_token_id)
     sampling = dict(temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else {}  # else greedy
-    ends = dict(max_new_tokens=response_length, eos_token_id=list(_stop_token_ids), pad_token_id=pad_token_id)
+    ends = dict(max_new_tokens=response_length, eos_token_id=list(stop_ids), pad_token_id=pad_token_id)
     config = GenerationConfig(do_sample=temperature > 0, **sampling, **ends, use_cache=True)
     device = next(model.parameters()).device
     # generate fills every field left unset here from the model's generation_config.json (Qwen2.5-Instruct ships a
@@ -1779,7 +1779,7 @@ def _hf_generate(model, prompts, n, response_length, temperature, top_p, pad_tok
     finally:
         base.generation_config = saved
     responses = out[:, input_ids.shape[1] :].cpu()
-    is_eos = torch.isin(responses, torch.tensor(_stop_token_ids))  # a finished sequence is padded after its EOS
+    is_eos = torch.isin(responses, torch.tensor(stop_ids))  # a finished sequence is padded after its EOS
     lengths = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, responses.shape[1])
     responses = F.pad(responses, (0, response_length - responses.shape[1]), value=pad_token_id)
     return responses, lengths
@@ -1796,11 +1796,11 @@ def _left_pad(sequences, pad_token_id):
     return input_ids, attention_mask
 
 
-def _response_mask(responses, lengths, _stop_token_ids):
+def _response_mask(responses, lengths, stop_ids):
     """1 on the real response tokens: positions < length, up to the first stop token (any EOS id) included.
     responses [B, R], lengths [B]. Returns a float mask [B, R]."""
     mask = torch.arange(responses.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
-    is_eos = torch.isin(responses, torch.tensor(_stop_token_ids)) & mask
+    is_eos = torch.isin(responses, torch.tensor(stop_ids)) & mask
     return (mask & ~((is_eos.cumsum(1) - is_eos.long()) > 0)).float()
 
 
@@ -1868,8 +1868,8 @@ class TurnSampler(Sampler):
                             self.stop_ids)  # fmt: skip
 
 
-def _vllm_turns(llm, tokenizer, contexts, max_tokens, temperature, top_p, _stop_token_ids):
-    """vLLM's turns: one request per context with its own max_tokens, stopping at _stop_token_ids or once a token
+def _vllm_turns(llm, tokenizer, contexts, max_tokens, temperature, top_p, stop_ids):
+    """vLLM's turns: one request per context with its own max_tokens, stopping at stop_ids or once a token
     completes CALL[1] (a stop string, kept in the output). Each turn is then cut where HF's are (_turn_end): vLLM
     matches the stop string on its own incremental detokenisation, which may see a token's text only with a later
     token, and tokens past the one that completed CALL[1] would be trained as the policy's before the tool's
@@ -1877,14 +1877,14 @@ def _vllm_turns(llm, tokenizer, contexts, max_tokens, temperature, top_p, _stop_
     from vllm import SamplingParams
 
     common = dict(temperature=temperature, top_p=top_p, stop=[CALL[1]], include_stop_str_in_output=True)
-    common |= dict(stop_token_ids=list(_stop_token_ids), logprobs=0 if temperature > 0 else None)
+    common |= dict(stop_token_ids=list(stop_ids), logprobs=0 if temperature > 0 else None)
     params = [SamplingParams(n=1, max_tokens=m, **common) for m in max_tokens]
     outputs = llm.generate([{"prompt_token_ids": c} for c in contexts], params, use_tqdm=False)
     turns = []
     for output in outputs:
         completion = output.outputs[0]
         ids = list(completion.token_ids)
-        ids = ids[: _turn_end(tokenizer, ids, _stop_token_ids)]
+        ids = ids[: _turn_end(tokenizer, ids, stop_ids)]
         logprobs = None
         if completion.logprobs is not None:
             logprobs = [lp[t].logprob for lp, t in zip(completion.logprobs, ids)]
@@ -1892,11 +1892,11 @@ def _vllm_turns(llm, tokenizer, contexts, max_tokens, temperature, top_p, _stop_
     return turns
 
 
-def _turn_end(tokenizer, ids, _stop_token_ids):
+def _turn_end(tokenizer, ids, stop_ids):
     """The length of the turn that `ids` begin: up to its first stop id or the first token that completes CALL[1],
     whichever comes first (kept). Linear in len(ids): a token is decoded with the few before it (CALL[1] spans at
     most len(CALL[1]) tokens, each holding a character of it at least), and the whole prefix once, to confirm."""
-    end = next((k + 1 for k, t in enumerate(ids) if t in _stop_token_ids), len(ids))
+    end = next((k + 1 for k, t in enumerate(ids) if t in stop_ids), len(ids))
     if CALL[1] not in tokenizer.decode(ids[:end]):
         return end
     span = len(CALL[1])
@@ -1907,14 +1907,14 @@ def _turn_end(tokenizer, ids, _stop_token_ids):
     return end
 
 
-def _hf_turns(model, tokenizer, contexts, max_tokens, temperature, top_p, pad_token_id, _stop_token_ids):
+def _hf_turns(model, tokenizer, contexts, max_tokens, temperature, top_p, pad_token_id, stop_ids):
     """HF generate's turns: the contexts left-padded into one batch, sampled (greedy at temperature 0) up to the
     largest max_tokens; transformers stops a row once a token completes CALL[1] (stop_strings, as vLLM does) or at a
     stop id, which is kept. Each row is then cut at its own max_tokens and at its end: its first stop id, or the
     token that completed CALL[1] (_turn_end; the padding after it may be the EOS id). Returns [(ids, None)]."""
     input_ids, attention_mask = _left_pad(contexts, pad_token_id)
     sampling = dict(temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else {}  # else greedy
-    ends = dict(max_new_tokens=max(max_tokens), eos_token_id=list(_stop_token_ids), pad_token_id=pad_token_id)
+    ends = dict(max_new_tokens=max(max_tokens), eos_token_id=list(stop_ids), pad_token_id=pad_token_id)
     config = GenerationConfig(do_sample=temperature > 0, **sampling, **ends, stop_strings=[CALL[1]], use_cache=True)
     device = next(model.parameters()).device
     # generate fills every field left unset here from the model's generation_config.json: with a neutral one in its
@@ -1928,7 +1928,7 @@ def _hf_turns(model, tokenizer, contexts, max_tokens, temperature, top_p, pad_to
     finally:
         base.generation_config = saved
     rows = [row[:limit] for row, limit in zip(out[:, input_ids.shape[1] :].tolist(), max_tokens)]
-    return [(row[: _turn_end(tokenizer, row, _stop_token_ids)], None) for row in rows]
+    return [(row[: _turn_end(tokenizer, row, stop_ids)], None) for row in rows]
 
 
 def shared_prompt_logprobs(model, input_ids, attention_mask, context_length, temperature):
