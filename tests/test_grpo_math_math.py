@@ -1,4 +1,5 @@
-"""The math of grpo_math.py against independent references: plain Python loops in float64."""
+"""The math of grpo_math.py against independent references: plain Python loops in float64. The kit's functions below
+the fence are tested in test_kit.py."""
 
 import inspect
 import math
@@ -6,14 +7,11 @@ import random
 
 import pytest
 import torch
-from conftest import MICRO_CONFIG
 
 import grpo_math
 from grpo_math import (
     _gold_answer,
     _left_pad,
-    _response_mask,
-    _step_prompt_indices,
     aggregate_loss,
     clipped_surrogate,
     compute_rewards,
@@ -363,87 +361,6 @@ def test_logprobs_float32_large_logits_are_finite():
     assert entropy_from_logits(torch.zeros(1, 5)).item() == pytest.approx(math.log(5))
 
 
-# response_mask
-
-EOS = 2
-
-
-@pytest.mark.parametrize(
-    "tokens,length,expected",
-    [
-        ([2, 5, 6, 7], 4, [1, 0, 0, 0]),  # EOS first: only the EOS token is kept
-        ([5, 2, 6, 7], 4, [1, 1, 0, 0]),  # EOS in the middle, kept itself
-        ([5, 6, 7, 8], 3, [1, 1, 1, 0]),  # no EOS: the length decides
-        ([5, 6, 7, 2], 3, [1, 1, 1, 0]),  # EOS after the length: ignored
-        ([5, 2, 2, 7], 4, [1, 1, 0, 0]),  # two EOS: the first one ends it
-        ([5, 6, 7, 8], 0, [0, 0, 0, 0]),  # empty
-        ([5, 6, 7, 2], 4, [1, 1, 1, 1]),  # EOS last
-    ],
-)
-def test_response_mask_by_hand(tokens, length, expected):
-    responses, lengths = torch.tensor([tokens]), torch.tensor([length])
-    assert _response_mask(responses, lengths, [EOS]).tolist() == [[float(x) for x in expected]]
-    assert _response_mask(responses, lengths, [EOS]).dtype == torch.float32
-
-
-@pytest.mark.parametrize("stop_ids", [[EOS], [EOS, 4]])
-def test_response_mask_random_matches_loop(stop_ids):
-    """Any of the stop ids ends a response (models with several EOS ids, e.g. Llama-3.1's three)."""
-    for seed in SEEDS:
-        g = torch.Generator().manual_seed(seed)
-        responses = torch.randint(0, 5, (16, 9), generator=g)  # EOS (2) is frequent
-        lengths = torch.randint(0, 10, (16,), generator=g)
-        got = _response_mask(responses, lengths, stop_ids)
-        for b in range(16):
-            seen_eos = False
-            for t in range(9):
-                keep = t < lengths[b].item() and not seen_eos
-                assert got[b, t].item() == float(keep), (b, t)
-                if t < lengths[b].item() and responses[b, t].item() in stop_ids:
-                    seen_eos = True
-
-
-# step_prompt_indices
-
-
-def stream(num_steps, per_step, num_prompts, seed):
-    return [i for step in range(num_steps) for i in _step_prompt_indices(step, per_step, num_prompts, seed)]
-
-
-@pytest.mark.parametrize("num_prompts,per_step", [(10, 2), (10, 4), (7, 3), (4, 10), (5, 5), (1, 3)])
-def test_step_prompt_indices_every_epoch_is_a_permutation(num_prompts, per_step):
-    num_epochs = 4
-    num_steps = num_epochs * num_prompts // per_step
-    order = stream(num_steps, per_step, num_prompts, seed=3)
-    assert all(len(_step_prompt_indices(s, per_step, num_prompts, 3)) == per_step for s in range(num_steps))
-    for epoch in range(len(order) // num_prompts):
-        assert sorted(order[epoch * num_prompts : (epoch + 1) * num_prompts]) == list(range(num_prompts))
-
-
-def test_step_prompt_indices_do_not_depend_on_batch_size_or_global_rng():
-    """The steps cut one fixed stream (a fresh permutation per epoch); a step that straddles an epoch boundary
-    takes the end of one permutation and the start of the next."""
-    reference = stream(30, 1, 10, seed=5)
-    torch.manual_seed(123)
-    assert stream(10, 3, 10, seed=5) == reference
-    torch.manual_seed(456)
-    assert stream(6, 5, 10, seed=5) == reference
-    # Step 3 with 3 per step covers stream positions 9, 10, 11: the last of epoch 0 and the first two of epoch 1.
-    straddling = _step_prompt_indices(3, 3, 10, 5)
-    assert straddling == reference[9:12]
-    assert straddling[0] not in reference[:9]
-    assert set(reference[:10]) == set(range(10)) and set(reference[10:20]) == set(range(10))
-
-
-def test_step_prompt_indices_deterministic_and_seed_dependent():
-    assert _step_prompt_indices(7, 4, 50, 1) == _step_prompt_indices(7, 4, 50, 1)
-    assert stream(5, 4, 50, 1) != stream(5, 4, 50, 2)
-    assert stream(5, 4, 50, 1) != list(range(20))  # shuffled
-    # consecutive epochs use different permutations
-    two_epochs = stream(2, 50, 50, 1)
-    assert two_epochs[:50] != two_epochs[50:]
-
-
 # answers and rewards
 
 
@@ -599,14 +516,7 @@ def test_compute_rewards_non_integer_answers(completion, gold, expected):
     assert compute_rewards([completion], [gold], 0.0)[1].tolist() == [expected]
 
 
-# left_pad + response_logprobs
-
-
-def test_left_pad():
-    ids, mask = _left_pad([[5, 6, 7], [8], [9, 10]], pad_token_id=0)
-    assert ids.tolist() == [[5, 6, 7], [0, 0, 8], [0, 9, 10]]
-    assert mask.tolist() == [[1, 1, 1], [0, 0, 1], [0, 1, 1]]
-    assert ids.dtype == mask.dtype == torch.long
+# response_logprobs (the kit's _left_pad builds the batch)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -651,137 +561,6 @@ def test_fixed_logprobs_by_micro_batch_equals_one_batch(tiny_model_dir):
     assert torch.allclose(fixed_logprobs(response_logprobs, model, ids, attention, 4, 0.7, 3), whole, atol=1e-6)
 
 
-# The shared-prompt forward: the same log-probs and gradients as each completion with its own copy of the prompt.
-
-
-def random_tiny_llama(attention, seed=0):
-    """A random Llama of conftest.MICRO_CONFIG (2 layers, vocabulary 211), float32, the given attention backend."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(**MICRO_CONFIG, attn_implementation=attention)).float()
-
-
-def grouped_batch(group_sizes, width=6, seed=0):
-    """Left-padded prompts of different lengths, each repeated for its group's completions, and right-padded
-    responses of lengths 1..width: (input_ids [B, P + width], attention_mask, P)."""
-    g = torch.Generator().manual_seed(seed)
-    prompts = [
-        torch.randint(3, 211, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist()
-        for _ in group_sizes
-    ]
-    rows = [p for p, n in zip(prompts, group_sizes) for _ in range(n)]
-    prompt_ids, prompt_mask = _left_pad(rows, 0)
-    lengths = torch.randint(1, width + 1, (len(rows),), generator=g)
-    lengths[0] = width  # the longest response fills the width, as training_batch cuts it
-    responses = torch.randint(3, 211, (len(rows), width), generator=g)
-    _response_mask = (torch.arange(width)[None] < lengths[:, None]).long()
-    input_ids = torch.cat([prompt_ids, responses * _response_mask], 1)
-    return input_ids, torch.cat([prompt_mask, _response_mask], 1), prompt_ids.shape[1]
-
-
-def logprobs_and_grads(model, input_ids, attention_mask, context_length, shared_prompt):
-    """Log-probs of the responses and the parameter gradients of a random weighting of them."""
-    model.zero_grad()
-    logprobs_fn = grpo_math.shared_prompt_logprobs if shared_prompt else response_logprobs
-    logprobs, _ = logprobs_fn(model, input_ids, attention_mask, context_length, 0.7)
-    mask = attention_mask[:, context_length:].float()
-    weights = torch.randn(logprobs.shape, generator=torch.Generator().manual_seed(1))
-    (logprobs * weights * mask).sum().backward()
-    return logprobs.detach() * mask, {name: p.grad.clone() for name, p in model.named_parameters()}
-
-
-@pytest.mark.parametrize("attention", ["sdpa", "eager"])
-@pytest.mark.parametrize("group_sizes", [[8, 8], [4, 1, 3], [1, 1, 1], [5]])
-@pytest.mark.parametrize("order", ["grouped", "shuffled"])
-def test_shared_prompt_logprobs_and_gradients_equal_the_unshared(attention, group_sizes, order):
-    """Groups of G and of 1, prompts and responses of different lengths, fp32; "shuffled": a group's rows are not
-    consecutive (online DPO's micro-batches hold the chosen rows, then the rejected ones)."""
-    model = random_tiny_llama(attention)
-    input_ids, attention_mask, context_length = grouped_batch(group_sizes)
-    if order == "shuffled":
-        permutation = torch.randperm(len(input_ids), generator=torch.Generator().manual_seed(2))
-        input_ids, attention_mask = input_ids[permutation], attention_mask[permutation]
-    shared, shared_grads = logprobs_and_grads(model, input_ids, attention_mask, context_length, True)
-    alone, alone_grads = logprobs_and_grads(model, input_ids, attention_mask, context_length, False)
-    torch.testing.assert_close(shared, alone, atol=1e-5, rtol=0)
-    for name, grad in alone_grads.items():
-        scale = grad.abs().max().item() + 1e-12
-        assert (shared_grads[name] - grad).abs().max().item() <= 1e-4 * scale, name
-    # And against each row computed alone, without any padding (an independent reference).
-    for i in range(len(input_ids)):
-        real = attention_mask[i] > 0
-        row = input_ids[i][real].unsqueeze(0)
-        prompt_length = int(attention_mask[i, :context_length].sum())
-        with torch.no_grad():
-            plain = torch.log_softmax(model(row).logits[0, prompt_length - 1 : -1].double() / 0.7, -1)
-        expected = [plain[t, token].item() for t, token in enumerate(row[0, prompt_length:].tolist())]
-        assert shared[i, : len(expected)].tolist() == pytest.approx(expected, abs=1e-5)
-
-
-def test_shared_prompt_gradients_with_gradient_checkpointing():
-    model = random_tiny_llama("sdpa")
-    input_ids, attention_mask, context_length = grouped_batch([4, 3])
-    alone, alone_grads = logprobs_and_grads(model, input_ids, attention_mask, context_length, False)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.train()
-    shared, shared_grads = logprobs_and_grads(model, input_ids, attention_mask, context_length, True)
-    torch.testing.assert_close(shared, alone, atol=1e-5, rtol=0)
-    for name, grad in alone_grads.items():
-        assert (shared_grads[name] - grad).abs().max().item() <= 1e-4 * (grad.abs().max().item() + 1e-12), name
-
-
-@pytest.mark.parametrize("attention", ["sdpa", "eager"])
-def test_shared_prompt_logprobs_do_not_depend_on_the_order_of_the_rows(attention):
-    """Bit for bit: async_rlhf scores a batch in rollout order and trains on it chosen rows first, and the ratio
-    must be exactly 1 at lag 0."""
-    model = random_tiny_llama(attention).eval()
-    input_ids, attention_mask, context_length = grouped_batch([2, 2, 2, 2])
-    permutation = torch.randperm(len(input_ids), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        ordered = grpo_math.shared_prompt_logprobs(model, input_ids, attention_mask, context_length, 1.0)[0]
-        permuted = grpo_math.shared_prompt_logprobs(
-            model, input_ids[permutation], attention_mask[permutation], context_length, 1.0
-        )[0]
-    assert torch.equal(permuted, ordered[permutation])
-
-
-def test_shared_prompt_computes_each_prompt_once():
-    model = random_tiny_llama("sdpa")
-    seen = []
-    model.model.register_forward_hook(
-        lambda module, args, kwargs, out: seen.append(kwargs["input_ids"].shape), with_kwargs=True
-    )
-    input_ids, attention_mask, context_length = grouped_batch([8, 8], width=6)
-    with torch.no_grad():
-        grpo_math.shared_prompt_logprobs(model, input_ids, attention_mask, context_length, 1.0)
-        response_logprobs(model, input_ids, attention_mask, context_length, 1.0)
-    response_tokens = attention_mask[:, context_length:].sum(1).view(2, 8).sum(1)  # each group's real tokens
-    packed_length = context_length + int(response_tokens.max())  # no padding between a group's responses
-    assert seen == [torch.Size([2, packed_length]), torch.Size([16, context_length + 6])]
-    assert 2 * packed_length < 0.7 * 16 * (context_length + 6)
-
-
-def test_prompt_groups_gather_the_rows_of_each_prompt_whatever_their_order():
-    prompts = [[0, 5, 6], [0, 5, 6], [5, 6, 7], [0, 5, 6], [0, 5, 6], [0, 5, 6]]
-    prompt_mask = [[0, 1, 1], [0, 1, 1], [1, 1, 1], [0, 1, 1], [1, 1, 1], [1, 1, 1]]
-    responses = [[9, 9], [8, 1], [7, 7], [8, 0], [3, 3], [3, 3]]
-    ids, mask = (
-        torch.tensor([p + r for p, r in zip(prompts, responses)]),
-        torch.tensor([m + [1, 1] for m in prompt_mask]),
-    )
-    group, slot = grpo_math._prompt_groups(ids, mask, 3)
-    # rows 0, 1, 3 share a prompt; rows 4, 5 have the same ids with other padding (another prompt); row 2 is alone
-    assert group[0] == group[1] == group[3] and group[4] == group[5] and len(set(group.tolist())) == 3
-    assert slot[[3, 1, 0]].tolist() == [0, 1, 2]  # by content: [8, 0] < [8, 1] < [9, 9]
-    assert slot[2] == 0 and sorted(slot[[4, 5]].tolist()) == [0, 1]
-    for seed in range(5):  # the same rows in any order: the same group members in the same slots
-        permutation = torch.randperm(6, generator=torch.Generator().manual_seed(seed))
-        permuted_group, permuted_slot = grpo_math._prompt_groups(ids[permutation], mask[permutation], 3)
-        assert permuted_group.tolist() == group[permutation].tolist()
-        assert permuted_slot[permutation.argsort()][:4].tolist() == slot[:4].tolist()
-
-
 def test_module_exposes_main_and_args():
     assert callable(grpo_math.main)
     assert grpo_math.Config().num_generations >= 2
@@ -817,24 +596,6 @@ def test_select_groups_prefers_groups_with_a_signal_by_hand():
     assert select_groups(rewards, 2, 2).tolist() == [2, 3, 6, 7]
     # Three kept: the two with a signal, then the first all-equal group.
     assert select_groups(rewards, 2, 3).tolist() == [0, 1, 2, 3, 6, 7]
-
-
-def test_average_stats_and_reduce_metrics_take_the_largest_of_a_max():
-    """Per micro-batch statistics are averaged, a name ending in _max keeps the largest; over processes the same
-    (reduce_metrics, one process here: the values come back as they are, in float64)."""
-    stats = {"policy/ratio": [1.0, 2.0, 4.5], "objective/logprob_ratio_max": [1.5, 3.25, 2.0], "x_min": [2.0, 0.5]}
-    assert grpo_math._average_stats(stats) == {"policy/ratio": 2.5, "objective/logprob_ratio_max": 3.25, "x_min": 0.5}
-
-    class OneProcess:
-        device = "cpu"
-
-        def gather(self, tensor):
-            return torch.cat([tensor, tensor * torch.tensor([[2.0, 0.5, 0.5]], dtype=tensor.dtype)])  # a 2nd process
-
-    reduced = grpo_math._reduce_metrics(
-        OneProcess(), {"b_max": 1.0, "a": 3.0, "c_min": 4.0}
-    )  # sorted: a, b_max, c_min
-    assert reduced == {"a": (3.0 + 6.0) / 2, "b_max": 1.0, "c_min": 2.0}
 
 
 # The GRPO variants: GSPO (sequence_mean), CISPO, masked importance sampling, DAPO's overlong penalty, entropy bonus
@@ -1147,21 +908,3 @@ def test_token_mean_is_nan_without_tokens_and_the_averages_leave_it_out():
     assert grpo_math._reduce_values("x_max", [math.nan, 2.0]) == 2.0 and math.isnan(
         grpo_math._reduce_values("x", [math.nan])
     )
-
-
-@pytest.mark.parametrize("world_size", [1, 2, 3])
-def test_step_prompt_indices_split_one_order_between_processes(world_size):
-    """The processes' slices of a step, side by side, are the step's slice of one order over the dataset: a fresh
-    permutation every epoch (each index once per epoch, steps crossing an epoch's end included), the same for any
-    split of the same prompts per step, a pure function of (seed, step)."""
-    per_rank, num_prompts, seed = 6 // world_size, 10, 3
-    whole = []  # the order a single process with every prompt of the step walks, by a plain loop
-    for epoch in range(6):
-        whole += torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
-    for step in range(8):
-        parts = [
-            grpo_math._step_prompt_indices(step, per_rank, num_prompts, seed, rank, world_size)
-            for rank in range(world_size)
-        ]
-        assert sum(parts, []) == whole[step * 6 : (step + 1) * 6]
-    assert sorted(whole[:10]) == list(range(10)) and sorted(whole[10:20]) == list(range(10))
