@@ -1,6 +1,8 @@
 # Everything a fresh CPU machine needs, from the repo's own files:
 #   make train   set up, build the embedded assets, run grpo_math.py on its defaults
 #   make test    set up, build the embedded assets, run the test suite (one pytest worker per core)
+#   make tables  remake the tables and figures of benchmark/results/ and README's table of scripts from the committed
+#                runs (no training); fails if a committed one differs (ARGS="--write" remakes them in place)
 # ARGS="..." passes extra arguments to the script (make train ARGS="--seed 2").
 PYTHON ?= python3
 VENV ?= .venv
@@ -8,7 +10,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.cleanrlhf-installed
 
-.PHONY: setup assets train test lint format clean
+.PHONY: setup assets train test tables lint format clean
 
 setup: $(STAMP)
 
@@ -34,8 +36,11 @@ train: assets
 	$(PY) grpo_math.py $(ARGS)
 
 test: assets
-	@# One worker per core (pytest-xdist), each test file on one worker: the tests run single-threaded.
-	$(PY) -m pytest tests -n auto --dist loadfile $(ARGS)
+	@# One worker per core (pytest-xdist); an idle worker takes tests from the busy one. The tests run single-threaded.
+	$(PY) -m pytest tests -n auto --dist worksteal $(ARGS)
+
+tables: setup
+	$(PY) -m benchmark.tables $(ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

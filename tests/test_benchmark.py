@@ -616,25 +616,35 @@ def help_flags(program):
 _HELP_RUNS = {}
 
 
+# Every program's --help in one process: each script imports torch, a few seconds apiece in a process of its own.
+HELP_RUNNER = """
+import contextlib, io, json, runpy, sys
+runs = {}
+for program in json.loads(sys.argv[1]):
+    output, returncode = io.StringIO(), 0
+    with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
+        try:
+            if program[0] == "-m":
+                sys.argv = [program[1], *program[2:], "--help"]
+                runpy.run_module(program[1], run_name="__main__", alter_sys=True)
+            else:
+                sys.argv = [program[0], "--help"]
+                runpy.run_path(program[0], run_name="__main__")
+        except SystemExit as exit:
+            returncode = exit.code if isinstance(exit.code, int) else int(exit.code is not None)
+    runs[json.dumps(program)] = {"returncode": returncode, "output": output.getvalue()}
+print(json.dumps(runs))
+"""
+
+
 @pytest.fixture(scope="module")
 def help_runs():
-    """Every program's --help, run at the same time (each script imports torch: a few seconds apiece)."""
-    programs = {prog for path in SHELL_FILES for cmd in shell_commands(path) for prog, _ in script_invocations(cmd)}
+    programs = sorted({p for path in SHELL_FILES for cmd in shell_commands(path) for p, _ in script_invocations(cmd)})
     env = {**subprocess_env(), "COLUMNS": "300"}  # no wrapped help lines
-    procs = {
-        prog: subprocess.Popen(
-            [sys.executable, *prog, "--help"],
-            cwd=REPO_ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for prog in sorted(programs)
-    }
-    for prog, proc in procs.items():
-        output, _ = proc.communicate(timeout=300)
-        _HELP_RUNS[prog] = {"returncode": proc.returncode, "output": output}
+    cmd = [sys.executable, "-c", HELP_RUNNER, json.dumps(programs)]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _HELP_RUNS.update({tuple(json.loads(k)): v for k, v in json.loads(proc.stdout).items()})
     return _HELP_RUNS
 
 

@@ -473,10 +473,15 @@ def test_invariant_gradient_accumulation_equals_one_micro_batch(make_args, monke
 
 # The GRPO variants whose quantities are per sequence (GSPO's ratio, DAPO's overlong penalty and filtering) or add a
 # term (CISPO's weights, the entropy bonus): computed per sequence, not per process or micro-batch slice.
+# CISPO shares a run with DAPO's options and the entropy bonus (one launch fewer; they touch different terms).
 VARIANTS = {
     "gspo": dict(importance_sampling_level="sequence", loss_type="seq_mean_token_mean"),
-    "cispo": dict(cispo_cap=1.0),  # num_iterations 2: the second pass has ratios above the cap
-    "dapo_overlong_entropy": dict(overlong_buffer=4, overlong_filtering=True, entropy_coef=0.01),
+    "cispo_dapo_overlong_entropy": dict(
+        cispo_cap=1.0,  # num_iterations 2: the second pass has ratios above the cap
+        overlong_buffer=4,
+        overlong_filtering=True,
+        entropy_coef=0.01,
+    ),
 }
 
 
