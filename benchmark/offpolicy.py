@@ -19,13 +19,13 @@ async_rlhf.py's the mean over the last N updates' policies, on the batch the fir
 
 The check: online DPO's drop from N = 1 to the largest N (the mean over seeds of each seed's final accuracy at N = 1
 minus at the largest N) is the smallest of the objectives. Against each other objective, the paired difference of the
-drops over the seeds both ran at both ends, mean ± its standard error and its two-sided 95% t interval (mean ± t(0.975,
-n - 1) x standard error; t = 4.30 on 3 seeds), the rule of every check in benchmark/ (benchmark/registry.py): held when
-every interval lies above 0 (a conjunction: no correction), not held when some other objective's drop is below the
-subject's by Holm's procedure over the objectives' one-sided p-values at 0.025 a side (a disjunction: registry.holm),
-else inconclusive; fewer than 3 seeds is inconclusive. With --baseline LABEL (controls of one objective, e.g. PPO with
-and without advantage whitening), the check is replaced by each objective minus the baseline at each N both ran, seed
-by seed (mean ± standard error and the 95% interval; no verdict).
+drops over the seeds both ran at both ends, their mean (s.e.: its standard error) and its two-sided 95% t interval
+(mean ± t(0.975, n - 1) x s.e.; t = 4.30 on 3 seeds), the rule of every check in benchmark/ (benchmark/registry.py):
+held when every interval lies above 0 (a conjunction: no correction), not held when some other objective's drop is
+below the subject's by Holm's procedure over the objectives' one-sided p-values at 0.025 a side (a disjunction:
+registry.holm), else inconclusive; fewer than 3 seeds is inconclusive. With --baseline LABEL (controls of one
+objective, e.g. PPO with and without advantage whitening), the check is replaced by each objective minus the baseline
+at each N both ran, seed by seed (the mean (s.e.) and the 95% interval; no verdict).
 """
 
 import argparse
@@ -159,7 +159,7 @@ def report(values, subject, baseline=None):
     text = "\n".join("| " + " | ".join(r) + " |" for r in rows) + "\n\n"
     text += "Mean ± std over seeds (ddof 1):\n\n" + "\n".join("| " + " | ".join(r) + " |" for r in summary) + "\n\n"
     if baseline:
-        text += f"Each objective minus {baseline} at the same N, seed by seed (mean ± standard error; 95% t"
+        text += f"Each objective minus {baseline} at the same N, seed by seed (mean (s.e.); 95% t"
         text += " interval):\n\n"
         text += "| objective | N | seeds | " + " | ".join(f"{t} - {baseline}" for t in FINAL.values()) + " |\n"
         text += "| --- | --- | --- |" + " --- |" * len(FINAL) + "\n"

@@ -82,10 +82,10 @@ def conjunction(verdicts):
 
 def ratio_text(mean, se, half):
     if se is None:
-        return f"x{mean:.2f} ± –, no interval"
+        return f"x{mean:.2f} (s.e. –), no interval"
     if half is None:
-        return f"x{mean:.2f} ± {se:.2f}, no interval (no spread over seeds)"
-    return f"x{mean:.2f} ± {se:.2f}, 95% interval x{mean - half:.2f} to x{mean + half:.2f}"
+        return f"x{mean:.2f} (s.e. {se:.2f}), no interval (no spread over seeds)"
+    return f"x{mean:.2f} (s.e. {se:.2f}), 95% interval x{mean - half:.2f} to x{mean + half:.2f}"
 
 
 def checks(values, baseline, min_seeds=3):
@@ -160,7 +160,7 @@ def report(experiments, baseline, last):
     )
     text += (
         "\nA steps ratio (arm / success only, per seed) and an accuracy difference (arm - success only, per seed) are"
-        " the paired values' mean ± its standard error, then the two-sided 95% interval (mean ± t(0.975, n - 1) x"
+        " the paired values' mean (s.e.: standard error), then the two-sided 95% interval (mean ± t(0.975, n - 1) x"
         " standard error): a part is held or not held when that interval lies inside or wholly outside its bound,"
         " inconclusive when it crosses it, has no spread, or has fewer than 3 seeds; (a) and (b) hold when both parts"
         " do and are not held when one is not. (c) is held when Holm's procedure over the arms' one-sided p-values"

@@ -482,12 +482,13 @@ def verdict_inside(mean, half, low, high):
 
 
 def interval_text(mean, se, half):
-    """('+0.062 ± 0.044', '95% interval -0.127 to +0.251'): the mean ± its standard error, and the 95% interval."""
+    """('+0.062 (s.e. 0.044)', '95% interval -0.127 to +0.251'): the mean and its standard error, and the 95%
+    interval. ± is kept for a standard deviation (format_mean_std)."""
     if se is None:
-        return f"{mean:+.3f} ± –", "no interval"
+        return f"{mean:+.3f} (s.e. –)", "no interval"
     if half is None:
-        return f"{mean:+.3f} ± {se:.3f}", "no interval (no spread over seeds)"
-    return f"{mean:+.3f} ± {se:.3f}", f"95% interval {mean - half:+.3f} to {mean + half:+.3f}"
+        return f"{mean:+.3f} (s.e. {se:.3f})", "no interval (no spread over seeds)"
+    return f"{mean:+.3f} (s.e. {se:.3f})", f"95% interval {mean - half:+.3f} to {mean + half:+.3f}"
 
 
 def claim_verdict(mean, std, n, at_least, min_seeds=3):
@@ -550,7 +551,7 @@ def paired_table(experiments, metrics, baseline, digits=3, at_least=None, statis
     metric, the final values (or the peaks, or the falls from the peak: seed_values' statistic) of both on the seeds
     they share, the differences (experiment - baseline), their mean ±
     std (ddof=1) and the paired t statistic mean / (std / sqrt(n)) with n - 1 degrees of freedom. With at_least, two
-    more columns: the mean ± its standard error with the two-sided 95% interval, and the claim "difference >=
+    more columns: the mean and its standard error with the two-sided 95% interval, and the claim "difference >=
     at_least" checked on that interval (claim_verdict)."""
     runs_of = dict(experiments)
     if baseline not in runs_of:
@@ -558,7 +559,7 @@ def paired_table(experiments, metrics, baseline, digits=3, at_least=None, statis
     header = ["experiment", "metric", "seeds", f"{baseline} per seed", "experiment per seed", "difference per seed"]
     rows = [header + ["difference (mean ± std)", "paired t (df)"]]
     if at_least is not None:
-        rows[0] += ["difference (mean ± standard error; 95% t interval)", f"difference >= {at_least:g} (95% interval)"]
+        rows[0] += ["difference (mean (s.e.); 95% t interval)", f"difference >= {at_least:g} (95% interval)"]
     rows.append(["---"] * len(rows[0]))
     for label, runs in experiments:
         if label == baseline:
@@ -591,7 +592,7 @@ def change_table(experiments, metrics, window, digits=3, at_least=None):
     header = ["experiment", "metric", f"first {window} steps per seed", f"last {window} steps per seed"]
     header += ["change per seed", "change (mean ± std)"]
     if at_least is not None:
-        header += ["change (mean ± standard error; 95% t interval)", f"change >= {at_least:g} (95% interval)"]
+        header += ["change (mean (s.e.); 95% t interval)", f"change >= {at_least:g} (95% interval)"]
     rows = [header, ["---"] * len(header)]
     for label, runs in experiments:
         for metric in metrics:

@@ -153,14 +153,14 @@ def probe_results(records):
 
 
 def markdown_row(args, results):
-    """| exp_name | prompts (P x K at T) | accuracy ± se | call rate | >= 2 calls | by terms: accuracy / call rate /
+    """| exp_name | prompts (P x K at T) | accuracy (s.e.) | call rate | >= 2 calls | by terms: accuracy / call rate /
     >= 2 calls |"""
     setting = f"{args.prompts}, {results['num_prompts']} x {args.samples_per_prompt} at T {args.temperature:g}"
     by_terms = "; ".join(
         f"{t} terms: {s['accuracy']:.3f} / {s['call_rate']:.3f} / {s['multi_call_rate']:.3f}"
         for t, s in results.get("by_terms", {}).items()
     )
-    cells = [args.exp_name, setting, f"{results['accuracy']:.3f} ± {results['accuracy_se']:.3f}"]
+    cells = [args.exp_name, setting, f"{results['accuracy']:.3f} (s.e. {results['accuracy_se']:.3f})"]
     cells += [f"{results['call_rate']:.3f}", f"{results['multi_call_rate']:.3f}", by_terms or "-"]
     return "| " + " | ".join(cells) + " |"
 

@@ -345,10 +345,10 @@ def test_registry_paired_table_against_differences_worked_out_here(synthetic_run
     registry.main(["paired", "--experiments", *specs, "--baseline", "A", "--metrics", "eval/accuracy"]
                   + ["--at_least", "-0.02", "--out", out])  # fmt: skip
     rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in open(out).read().strip().splitlines()]
-    assert rows[0][-2:] == ["difference (mean ± standard error; 95% t interval)", "difference >= -0.02 (95% interval)"]
+    assert rows[0][-2:] == ["difference (mean (s.e.); 95% t interval)", "difference >= -0.02 (95% interval)"]
     se, half = std / 2**0.5, 12.706 * std / 2**0.5  # t(0.975) at 1 df
     span = f"95% interval {mean - half:+.3f} to {mean + half:+.3f}"
-    assert rows[2][-2:] == [f"{mean:+.3f} ± {se:.3f}; {span}", "**inconclusive**"]
+    assert rows[2][-2:] == [f"{mean:+.3f} (s.e. {se:.3f}); {span}", "**inconclusive**"]
 
 
 def test_registry_claim_verdicts_worked_out_here():
@@ -1201,9 +1201,9 @@ def test_prm_checks_verdicts_worked_out_here(tmp_path):
     # The per-seed table: the final held-out values, and the mean of the last 2 training steps (3 and 4 -> 3.5).
     assert "| raw | 1 | 0.300 | 2.000 | 20.000 | 3.500 |" in text
     se = np.std([0.05, -0.05, 0.0], ddof=1) / np.sqrt(3)
-    assert f"accuracy difference +0.000 ± {se:.3f}" in text
-    assert "steps x2.00 / x2.10 / x2.20: x2.10 ± 0.06, 95% interval x1.85 to x2.35 (held)" in text
-    assert "clip_delta +0.060 ± 0.006 (95% interval +0.035 to +0.085; one-sided p 0.005, above by Holm)" in text
+    assert f"accuracy difference +0.000 (s.e. {se:.3f})" in text
+    assert "steps x2.00 / x2.10 / x2.20: x2.10 (s.e. 0.06), 95% interval x1.85 to x2.35 (held)" in text
+    assert "clip_delta +0.060 (s.e. 0.006) (95% interval +0.035 to +0.085; one-sided p 0.005, above by Holm)" in text
 
     values = {
         label: {s: {"eval/accuracy": a, "eval/num_steps": n} for s, (a, n) in seeds.items()}
@@ -1305,8 +1305,8 @@ def test_offpolicy_check_verdicts_worked_out_here(tmp_path):
         "dpo's drop in eval/score from N = 1 to N = 16 is the smallest": "**inconclusive**",
     }
     se = np.std([0.03, 0.03, -0.03], ddof=1) / np.sqrt(3)
-    assert f"ppo - dpo: +0.010 ± {se:.3f} (seeds [1, 2, 3])" in text
-    assert "rloo - dpo: +0.080 ± 0.000 (seeds [1, 2, 3]), no interval (no spread over seeds)" in text
+    assert f"ppo - dpo: +0.010 (s.e. {se:.3f}) (seeds [1, 2, 3])" in text
+    assert "rloo - dpo: +0.080 (s.e. 0.000) (seeds [1, 2, 3]), no interval (no spread over seeds)" in text
     # Every seed's row (final values; KL, staleness at the last training step), and the mean ± std per N.
     assert "| dpo | 16 | 2 | 0.520 | 1.040 | 17.000 | 3.200 | 7.500 | 15.000 | – |" in text
     assert f"| dpo | 4 | 3 | 0.503 ± {np.std([0.49, 0.50, 0.52], ddof=1):.3f} |" in text
@@ -1367,10 +1367,10 @@ def test_offpolicy_baseline_compares_at_the_same_n_seed_by_seed(tmp_path):
     se = np.std([-0.10, 0.10], ddof=1) / np.sqrt(2)
     half = 12.706 * se  # t(0.975) at 1 df
     assert rows == [
-        f"| nowhiten | 1 | 1, 2 | +0.000 ± {se:.3f}; 95% interval {-half:+.3f} to {half:+.3f} | +0.000 ± {2 * se:.3f};"
-        f" 95% interval {-2 * half:+.3f} to {2 * half:+.3f} |",
-        "| nowhiten | 16 | 2 | +0.040 ± –; no interval | +0.080 ± –; no interval |",
-        "| batch8 | 1 | 1 | +0.200 ± –; no interval | +0.400 ± –; no interval |",
+        f"| nowhiten | 1 | 1, 2 | +0.000 (s.e. {se:.3f}); 95% interval {-half:+.3f} to {half:+.3f} | +0.000 "
+        f"(s.e. {2 * se:.3f}); 95% interval {-2 * half:+.3f} to {2 * half:+.3f} |",
+        "| nowhiten | 16 | 2 | +0.040 (s.e. –); no interval | +0.080 (s.e. –); no interval |",
+        "| batch8 | 1 | 1 | +0.200 (s.e. –); no interval | +0.400 (s.e. –); no interval |",
     ]
     assert not any(line.startswith("| other | 4 | 1 | +") for line in text.splitlines())
 
@@ -1400,7 +1400,7 @@ def test_one_verdict_rule_for_every_claim_check():
     rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in table.strip().splitlines()[2:]]
     assert [row[-1] for row in rows] == [f"**{verdict}**" for _, verdict in cases]
     se = np.std(weak, ddof=1) / np.sqrt(3)
-    assert rows[0][-2] == f"+0.063 ± {se:.3f}; 95% interval {np.mean(weak) - 4.303 * se:+.3f} to +0.151"
+    assert rows[0][-2] == f"+0.063 (s.e. {se:.3f}); 95% interval {np.mean(weak) - 4.303 * se:+.3f} to +0.151"
 
     # offpolicy: another objective's drop from N = 1 to 16 minus the subject's, seed by seed.
     for diffs, verdict in cases:

@@ -1132,7 +1132,8 @@ def test_probe_on_a_scripted_policy(make_probe_args, monkeypatch, capsys, temper
     assert run["lines"][0]["eval/accuracy"] == pytest.approx(4 / 6)
     assert run["lines"][0]["eval/multi_call_rate_3_terms"] == pytest.approx(2 / 3)
     row = capsys.readouterr().out.strip().splitlines()[-1]
-    assert row.startswith(f"| probe | eval, 6 x 2 at T {temperature:g} | 0.667 ± ") and "3 terms: 0.667 / 0.667" in row
+    assert row.startswith(f"| probe | eval, 6 x 2 at T {temperature:g} | 0.667 (s.e. ")
+    assert "3 terms: 0.667 / 0.667" in row
 
 
 def test_probe_passes_the_tool_flags_and_its_gate_exits_3(make_probe_args, monkeypatch, capsys):
