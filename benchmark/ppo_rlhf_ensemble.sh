@@ -8,7 +8,8 @@
 #   2. How the members do on their shared held-out pairs, alone and combined, and how often they agree.
 #   3. The experiment: PPO with the mean, WCO and UWO of the 5 members, online DPO with their WCO, 3 seeds each.
 #   (4. the checks and figures, 5. the cost of five members.) 6. Best-of-n with the 5 members (issue 57): no PPO.
-#   bash benchmark/ppo_rlhf_ensemble.sh   # one run at a time (a 2-core CPU machine): ~8 min a member, ~30 min a PPO run
+#   bash benchmark/ppo_rlhf_ensemble.sh   # one run at a time (a 2-core CPU machine): ~8 min a member, 23-26 min a
+#                                         # PPO run with five members (docs/ppo_rlhf.md)
 # Every command that runs a script is on its own line: tests/test_benchmark.py checks its flags against --help.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,0 +1,231 @@
+"""Every table and figure that the committed runs can remake, remade from them alone, without training.
+
+    python -m benchmark.tables            # remake each into a temporary folder; fail if a committed table differs
+    python -m benchmark.tables --write    # remake them in place
+    python -m benchmark.tables --list     # every output of benchmark/*.sh: remade here, or why not
+
+The commands are those of benchmark/*.sh (all but gpu_check.sh, a GPU measurement), found by running each file with
+`python` replaced by a shell function that records its arguments and runs nothing. A `python -m benchmark.registry
+table | change | paired | perf | plot | frontier` command is remade when every --experiments glob matches committed
+run folders (config.json and metrics.jsonl under benchmark/results/); the others need training (their runs are not
+committed) or are measurements (throughput, determinism, peer timings), whose raw JSON is committed beside the table.
+Markdown and JSON are compared byte for byte. A PNG is remade, not compared: its bytes depend on matplotlib's version.
+The README's scripts table is checked by tests/test_readme.py against the same committed runs.
+"""
+
+import argparse
+import contextlib
+import filecmp
+import glob
+import io
+import os
+import subprocess
+import sys
+import tempfile
+
+from benchmark import budget, registry
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COMMITTED = "benchmark/results/"
+REMADE = ("table", "change", "paired", "perf", "plot", "frontier")
+MEASUREMENTS = ("gpu_check.sh",)  # shell files that only measure on a GPU; nothing in them is remade here
+
+# `python` as a shell function: it appends its arguments (unit separators between, a record separator after) to
+# $RECORD and runs nothing, so a shell file's loops, variables and arrays expand as they would in a real run.
+RECORDER = r"""python() { printf '%s\037' "$@" >> "$RECORD"; printf '\036' >> "$RECORD"; }
+export -f python
+exec bash "$0" "$@"
+"""
+
+
+def shell_calls(path):
+    """The argument lists `python` is called with in one shell file, in order, with its variables expanded."""
+    with tempfile.NamedTemporaryFile(suffix=".calls") as record:
+        env = {**os.environ, "RECORD": record.name}
+        subprocess.run(["bash", "-c", RECORDER, path], cwd=REPO_ROOT, env=env, check=True, capture_output=True)
+        text = open(record.name).read()
+    return [call.split("\037")[:-1] for call in text.split("\036")[:-1]]
+
+
+def outputs(argv, command):
+    """The files one registry command writes."""
+    out = command.out
+    if out is None:
+        return []
+    return [out + ".md", out + ".json"] if command.command == "perf" else [out]
+
+
+def classify():
+    """[(shell file, argv, outputs, None or why it is not remade)] for every command of benchmark/*.sh that writes
+    into benchmark/results/; a registry command that writes an output a later one writes again is left out."""
+    rows = []
+    for path in sorted(glob.glob(os.path.join(REPO_ROOT, "benchmark", "*.sh"))):
+        name = os.path.basename(path)
+        if name in MEASUREMENTS:
+            continue
+        for argv in shell_calls(path):
+            if argv[:2] == ["-m", "benchmark.registry"] and argv[2] in REMADE:
+                command = registry.build_parser().parse_args(argv[2:])
+                files = outputs(argv, command)
+                patterns = [registry.parse_experiment(spec)[1] for spec in command.experiments]
+                uncommitted = [
+                    p for p in patterns if not p.startswith(COMMITTED) or not glob.glob(os.path.join(REPO_ROOT, p))
+                ]
+                why = f"its runs are not committed ({uncommitted[0]})" if uncommitted else None
+                rows.append((name, argv, files, why))
+            elif "--out" in argv and argv[argv.index("--out") + 1].startswith(COMMITTED):
+                module = argv[1] if argv[0] == "-m" else argv[0]
+                if module != "benchmark.registry":  # `copy` fills benchmark/results/ with the runs themselves
+                    why = f"a measurement or a run of trained models ({module})"
+                    rows.append((name, argv, [argv[argv.index("--out") + 1]], why))
+    last = {}
+    for i, (_, _, files, _) in enumerate(rows):
+        last.update({f: i for f in files})
+    return [row for i, row in enumerate(rows) if not row[2] or any(last[f] == i for f in row[2])]
+
+
+def remake(argv, files, folder):
+    """Run one registry command with its outputs placed in `folder` (None: where the shell file puts them)."""
+    if folder is not None:
+        argv = list(argv)
+        out = argv[argv.index("--out") + 1]
+        argv[argv.index("--out") + 1] = os.path.join(folder, out)
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        registry.main(argv[2:])
+
+
+# README's table of scripts: one result each, worked out from the committed runs ({name[initial]}: the mean step-0
+# value, {name[final]}: the final value as mean ± std over seeds, {name[seeds]}: their number, {name[time]}: the mean
+# wall-clock, {name[steps]}: the last step), with each script's lines (above the fence / total) read from the script.
+R = COMMITTED
+SCRIPTS = {
+    "grpo_math.py": (
+        "GRPO on math with verifiable rewards (+ DAPO, Dr. GRPO, GSPO, CISPO options)",
+        "held-out accuracy {a[initial]} → {a[final]} in {a[steps]} steps ({a[seeds]} seeds)",
+        dict(a=(R + "grpo_math_default/add_2t2d__grpo_p4__*", "eval/accuracy")),
+    ),
+    "reward_modeling.py": (
+        "a Bradley-Terry reward model, or a step-level PRM (`--prm`)",
+        "held-out pair accuracy {a[initial]} → {a[final]} ({a[seeds]} seed)",
+        dict(a=(R + "reward_modeling/arith_1d__reward_model__*", "eval/accuracy")),
+    ),
+    "ppo_rlhf.py": (
+        "PPO against a learned reward model",
+        "verifier accuracy {a[initial]} → {a[final]} ({a[seeds]} seeds)",
+        dict(a=(R + "ppo_vs_dpo/arith_1d__ppo_vs_dpo_ppo__*", "eval/accuracy")),
+    ),
+    "dpo_online.py": (
+        "online DPO judged by a reward model",
+        "verifier accuracy {a[initial]} → {a[final]} at PPO's number of samples ({a[seeds]} seeds)",
+        dict(a=(R + "ppo_vs_dpo/arith_1d__ppo_vs_dpo_dpo__*", "eval/accuracy")),
+    ),
+    "ppo_prm_clip.py": (
+        "PPO with process rewards refined by Clip / Delta",
+        "accuracy {clip[initial]} → {clip[final]} with Clip, {none[final]} with the final reward alone ({clip[seeds]} "
+        "seeds)",
+        dict(
+            clip=(R + "ppo_prm_clip/arith_2t3t1d__prm_clip__*", "eval/accuracy"),
+            none=(R + "ppo_prm_clip/arith_2t3t1d__prm_none__*", "eval/accuracy"),
+        ),
+    ),
+    "async_rlhf.py": (
+        "asynchronous off-policy RLHF (online DPO or RLOO) with bounded staleness",
+        "{a[time]} against `--sync`'s {s[time]} for 12 steps, accuracy {a[final]} against {s[final]} ({a[seeds]} "
+        "seeds)",
+        dict(
+            a=(R + "async_rlhf/arith_1d__async_bench_async__*", "eval/accuracy"),
+            s=(R + "async_rlhf/arith_1d__async_bench_sync__*", "eval/accuracy"),
+        ),
+    ),
+    "grpo_tools.py": (
+        "GRPO over multi-turn trajectories with a calculator tool",
+        "held-out accuracy {t[initial]} → {t[final]} with the tool, {n[initial]} → {n[final]} without ({t[seeds]} "
+        "seeds)",
+        dict(
+            t=(R + "grpo_tools/mul_2t3d__tools__*", "eval/accuracy"),
+            n=(R + "grpo_tools/mul_2t3d__notool__*", "eval/accuracy"),
+        ),
+    ),
+}
+README_BEGIN = "<!-- the table of scripts: python -m benchmark.tables --write remakes it -->"
+README_END = "<!-- end of the table of scripts -->"
+
+
+def figures(pattern, metric):
+    """{initial, final, seeds, time, steps} of the committed runs a glob matches, as README's table writes them."""
+    runs = registry.find_runs(os.path.join(REPO_ROOT, pattern))
+    summary = registry.summarize(runs, [metric])
+    return dict(
+        steps=max(registry.final_step(run["lines"]) for run in runs),
+        initial=registry.format_mean_std((*summary[metric]["initial"][:1], None, 1)),
+        final=registry.format_mean_std(summary[metric]["final"]),
+        seeds=summary["seeds"],
+        time=registry.format_seconds(summary["wall_clock"][0]),
+    )
+
+
+def readme_table():
+    """README's table of scripts, from the committed runs and the scripts."""
+    rows = ["| script | what it does | lines: above the fence / total | one result on CPU (details: docs) |"]
+    rows.append("| --- | --- | --- | --- |")
+    for script, (what, result, experiments) in SCRIPTS.items():
+        size = budget.measure(os.path.join(REPO_ROOT, script))
+        text = result.format(**{k: figures(*v) for k, v in experiments.items()})
+        docs = f"docs/{script.removesuffix('.py')}.md"
+        rows.append(
+            f"| [`{script}`]({script}) | {what} | {size['above']} / {size['total']} | {text}: [{docs}]({docs}) |"
+        )
+    return "\n".join(rows) + "\n"
+
+
+def readme_with_table(text):
+    """README.md's text with the table of scripts between its two markers made again."""
+    start, end = text.index(README_BEGIN) + len(README_BEGIN), text.index(README_END)
+    return text[:start] + "\n" + readme_table() + text[end:]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m benchmark.tables", description=__doc__.splitlines()[0])
+    parser.add_argument("--write", action="store_true", help="remake the committed tables and figures in place")
+    parser.add_argument("--list", action="store_true", help="list every output and whether it is remade here")
+    args = parser.parse_args(argv)
+    with contextlib.chdir(REPO_ROOT):
+        check(args)
+
+
+def check(args):
+    rows = classify()
+    if args.list:
+        for name, _, files, why in rows:
+            print(f"{name}: {', '.join(files)}: {why or 'remade from the committed runs'}")
+        written = {f for _, _, files, _ in rows for f in files}
+        for path in sorted(glob.glob(COMMITTED + "*.*")):
+            if path not in written and not any(path.startswith(f + "/") or path.startswith(f + ".") for f in written):
+                print(f"(no shell file): {path}: no command of benchmark/*.sh writes it; not remade")
+        return
+    remade = [(argv, files) for _, argv, files, why in rows if why is None]
+    differ = []
+    with tempfile.TemporaryDirectory() as folder:
+        for argv, files in remade:
+            remake(argv, files, None if args.write else folder)
+            for f in files:
+                if args.write or f.endswith(".png"):
+                    continue
+                if not os.path.exists(f) or not filecmp.cmp(f, os.path.join(folder, f), shallow=False):
+                    differ.append(f)
+    kept = sum(why is not None for *_, why in rows)
+    print(f"{len(remade)} commands remade ({sum(len(f) for _, f in remade)} files); {kept} outputs need training or")
+    print("a measurement (python -m benchmark.tables --list)")
+    readme = os.path.join(REPO_ROOT, "README.md")
+    text = open(readme).read()
+    if args.write:
+        with open(readme, "w") as f:
+            f.write(readme_with_table(text))
+    elif readme_with_table(text) != text:
+        differ.append("README.md (the table of scripts)")
+    if differ:
+        sys.exit("error: these committed tables differ from what their committed runs give:\n  " + "\n  ".join(differ))
+
+
+if __name__ == "__main__":
+    main()

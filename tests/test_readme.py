@@ -1,0 +1,81 @@
+"""README.md is the front door: its first screen says what, how and how long; every number in it that the repository
+can work out (the table of scripts, the run time of `make train`) is worked out here; every committed table that the
+committed runs give is remade from them (`make tables`); every link in README.md and docs/ leads to a file."""
+
+import glob
+import os
+import re
+
+import pytest
+from conftest import REPO_ROOT
+
+from benchmark import registry, tables
+
+
+def read(path):
+    with open(os.path.join(REPO_ROOT, path)) as f:
+        return f.read()
+
+
+def test_the_first_screen_says_what_how_and_how_long():
+    first_screen = "\n".join(read("README.md").splitlines()[:20])
+    assert "make train" in first_screen and "make test" in first_screen
+    assert re.search(r"\| `make train` \| \d+ min", first_screen) and re.search(
+        r"\| `make test` \| ~\d+ min", first_screen
+    )
+    assert "2-core" in first_screen and "Python 3.11" in first_screen and "GB of memory" in first_screen
+
+
+def test_the_table_of_scripts_is_made_from_the_committed_runs_and_the_scripts():
+    text = read("README.md")
+    assert tables.readme_with_table(text) == text, "python -m benchmark.tables --write makes the table again"
+    for script in tables.SCRIPTS:
+        assert f"[`{script}`]({script})" in text
+
+
+def test_the_make_train_time_is_the_mean_of_the_committed_runs():
+    runs = registry.find_runs(os.path.join(REPO_ROOT, tables.SCRIPTS["grpo_math.py"][2]["a"][0]))
+    mean = registry.summarize(runs, [])["wall_clock"][0]
+    row = next(line for line in read("README.md").splitlines() if line.startswith("| `make train` |"))
+    expected = f"| `make train` | {round(mean / 60)} min after set-up (the mean of the {len(runs)} committed runs: "
+    assert row.startswith(expected + f"{mean:.0f} s)"), row
+
+
+def test_plus_minus_and_the_verdicts_are_defined_once():
+    text = read("README.md")
+    assert text.count("**±** is the standard deviation over seeds") == 1
+    assert all(f"**{word}** when" in text for word in ("held", "not held")) and "**inconclusive** otherwise" in text
+
+
+@pytest.mark.slow
+def test_make_tables_remakes_the_committed_tables_from_the_committed_runs(capsys):
+    tables.main([])
+    assert re.search(r"^\d+ commands remade", capsys.readouterr().out)
+
+
+def test_make_tables_fails_when_a_committed_table_differs(monkeypatch):
+    """One committed table made again with other numbers: the check names it."""
+    made = []
+
+    def markdown_table(experiments, metrics, digits=3):
+        made.append(1)
+        return "| a table with other numbers |\n"
+
+    monkeypatch.setattr(registry, "markdown_table", markdown_table)
+    commands = [row for row in tables.classify() if row[3] is None and row[1][2] == "table"][:1]
+    monkeypatch.setattr(tables, "classify", lambda: commands)
+    with pytest.raises(SystemExit) as error:
+        tables.main([])
+    assert made and commands[0][2][0] in str(error.value.code)
+
+
+def test_every_relative_link_leads_to_a_file():
+    broken = []
+    for path in ["README.md", *sorted(os.path.relpath(p, REPO_ROOT) for p in glob.glob(f"{REPO_ROOT}/docs/*.md"))]:
+        for target in re.findall(r"\]\(([^)\s]+)\)", read(path)):
+            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+                continue
+            file = os.path.normpath(os.path.join(REPO_ROOT, os.path.dirname(path), target.split("#")[0]))
+            if not os.path.exists(file):
+                broken.append(f"{path}: {target}")
+    assert not broken, broken
