@@ -69,7 +69,7 @@ TINY_CONFIG = dict(
     max_position_embeddings=512,
     tie_word_embeddings=True,
 )
-# The in-memory random model of the unit tests of the log-prob code (test_grpo_math_math.py, test_model_families.py,
+# The in-memory random model of the unit tests of the log-prob code (test_kit.py, test_model_families.py,
 # which passes it to other families' configs too): no tokenizer, never saved, smaller than TINY_CONFIG; those tests'
 # numbers come from this shape.
 MICRO_CONFIG = dict(

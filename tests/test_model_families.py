@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 from conftest import MICRO_CONFIG
-from test_grpo_math_math import grouped_batch, logprobs_and_grads
+from test_kit import grouped_batch, logprobs_and_grads
 
 import grpo_math
 from grpo_math import _shared_prompt_exact, _shared_prompt_pays

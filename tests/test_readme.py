@@ -5,6 +5,7 @@ committed runs give is remade from them (`make tables`); every link in README.md
 import glob
 import os
 import re
+import sys
 
 import pytest
 from conftest import REPO_ROOT
@@ -79,3 +80,20 @@ def test_every_relative_link_leads_to_a_file():
             if not os.path.exists(file):
                 broken.append(f"{path}: {target}")
     assert not broken, broken
+
+
+def test_the_set_up_sizes_are_what_make_setup_and_make_assets_leave():
+    """README's 3.0 GB of .venv and 263 MB of assets/, within 10% of what this machine's set-up left (the tests run
+    from that .venv, after make assets)."""
+
+    def megabytes(folder):
+        sizes = (os.lstat(os.path.join(root, f)).st_size for root, _, files in os.walk(folder) for f in files)
+        return sum(sizes) / 2**20
+
+    row = next(line for line in read("README.md").splitlines() if line.startswith("| set-up"))
+    venv_gb, assets_mb = re.search(r"`\.venv/` of ([\d.]+) GB and `assets/` of (\d+) MB", row).groups()
+    assets = os.path.join(REPO_ROOT, "assets")
+    if not os.path.isdir(assets) or not os.path.isfile(os.path.join(sys.prefix, "pyvenv.cfg")):
+        pytest.skip("not run from make setup's .venv after make assets")
+    assert megabytes(assets) == pytest.approx(float(assets_mb), rel=0.1)
+    assert megabytes(sys.prefix) / 1024 == pytest.approx(float(venv_gb), rel=0.1)
