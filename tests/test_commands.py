@@ -406,7 +406,7 @@ def test_commands_are_found_everywhere():
     """The extraction cannot pass by finding nothing: every source has the commands it is known to have."""
     counts = {path: len(commands) for path, commands in COMMANDS.items()}
     by_script = {path: collections.Counter(c.script for c in commands) for path, commands in COMMANDS.items()}
-    assert counts["README.md"] >= 4 and counts["docs/running.md"] >= 12, counts  # README's detail is in running.md
+    assert counts["README.md"] >= 3 and counts["docs/running.md"] >= 12, counts  # README's detail is in running.md
     for script in SCRIPTS:
         name = script[: -len(".py")]
         # Each docstring: its CPU commands and its GPU (accelerate launch) ones.
