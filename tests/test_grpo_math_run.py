@@ -341,9 +341,10 @@ def test_kl_to_reference_starts_at_zero(make_args, monkeypatch, lora_r):
 
 @pytest.mark.slow
 @pytest.mark.vllm
-@pytest.mark.parametrize("variant", [(), ("--importance_sampling_level", "sequence", "--mis_range", "0.5", "2.0")])
+@pytest.mark.parametrize("variant", [("--importance_sampling_level", "sequence", "--mis_range", "0.5", "2.0")])
 def test_vllm_run(tiny_model_dir, task_dir, tmp_path, variant):
-    """vLLM samples, TIS (and with the variant GSPO's sequence-level ratios and MIS) correct for the sampler."""
+    """vLLM samples, TIS, GSPO's sequence-level ratios and MIS correct for the sampler (the default flags run with
+    vLLM in test_invariant_two_processes_with_vllm_engines)."""
     require_vllm()
     out = str(tmp_path / "runs")
     flags = fast_cli_flags(tiny_model_dir, task_dir, out, vllm=True, total_steps=2)
@@ -387,6 +388,11 @@ def test_invariant_two_processes_with_vllm_engines(tiny_model_dir, task_dir, tmp
     for line in lines:
         assert 0 <= line["objective/logprob_gap"] < 1e-3, line["global_step"]
         assert 1 / 1.01 < line["objective/logprob_ratio_max"] < 1.01, line["global_step"]
+        # The default flags: token-level TIS, no MIS; one pass over the batch is on-policy for the trainer.
+        assert math.isfinite(line["objective/tis_weight"]) and 0.5 < line["objective/tis_weight"] <= 2.0
+        assert 1 / 3 < line["objective/logprob_ratio_min"] <= 1 and line["objective/logprob_ratio_outside_0.5_2"] == 0
+        assert "time/weight_sync" in line and "objective/mis_masked_fraction" not in line
+        assert line["policy/ratio"] == 1.0
     assert lines[1]["policy/grad_norm"] > 0
 
 
