@@ -14,6 +14,7 @@ cd "$(dirname "$0")/.."
 # Issue 57, items 3 and 4: prepared, NOT YET RUN (no result in docs/grpo_tools.md yet). Each runs only when named; the
 # published experiment below stays what `bash benchmark/grpo_tools.sh` runs:
 #   bash benchmark/grpo_tools.sh issue57_item3     # a tool task RL must learn: mul_2t3d, an addition example shown
+#   bash benchmark/grpo_tools.sh issue57_item3_probes  # its replacement's probes: no example shown
 #   bash benchmark/grpo_tools.sh issue57_item4     # several calls: one operation per call, 2-3 terms, 4 held out
 # Seeds: 5 where a run costs <= 15 min (item 3's runs are the published run's size: 11-12 min on the 2 cores), else 3
 # (item 4: 128-token trajectories of up to 4 calls, 300 + 500 held-out prompts at each evaluation).
@@ -60,6 +61,27 @@ if [[ ${1:-} == issue57_item3 ]]; then
         --at_least 0 --out benchmark/results/grpo_tools_issue57_item3_step0.md
     python -m benchmark.registry plot --experiments "$TOOL" "$OFF" --metric eval/accuracy eval/call_rate \
         objective/accuracy tools/call_rate --smooth 5 --out benchmark/results/grpo_tools_issue57_item3.png
+    exit 0
+fi
+# Item 3's gate failed on 2026-11-28 (the add_greedy probe above: greedy accuracy 0.837, call rate 0.907 with the
+# addition example), so the prompt leaves RL no room. The probes of the replacement (issue 57's note): no example at
+# all, greedy on the held-out products, then sampled at T 1 on 64 training prompts x 8.
+if [[ ${1:-} == issue57_item3_probes ]]; then
+    python -m benchmark.tool_probe --exp_name noexample_greedy --temperature 0 --max_accuracy 0.5 \
+        --output_dir "$ISSUE57" --examples
+    python -m benchmark.tool_probe --exp_name noexample_t1 --temperature 1 --prompts train --num_prompts 64 \
+        --samples_per_prompt 8 --output_dir "$ISSUE57" --examples
+    # 3-term products (item 4's task) with the one-call example and no limit on the operations a call holds: does
+    # the policy put every factor in its call? (item 4's gates, with one operation a call, are in its block below)
+    python -m benchmark.prepare_assets --only tasks
+    python -m benchmark.tool_probe --exp_name terms3_example1 --prompts train --terms 3 --num_prompts 64 \
+        --samples_per_prompt 4 --dataset_path assets/data/mul_2t3t2d --max_turns 4 --response_length 128 \
+        --output_dir "$ISSUE57" --examples "Calculate 23 * 41. Give the final answer after 'Answer:'." \
+        "<calc>23 * 41</calc><result>943</result>"$'\n'"Answer: 943"
+    python -m benchmark.tool_probe --exp_name terms3_example1_greedy --temperature 0 --terms 3 \
+        --dataset_path assets/data/mul_2t3t2d --max_turns 4 --response_length 128 --max_accuracy 0.5 \
+        --output_dir "$ISSUE57" --examples "Calculate 23 * 41. Give the final answer after 'Answer:'." \
+        "<calc>23 * 41</calc><result>943</result>"$'\n'"Answer: 943"
     exit 0
 fi
 if [[ ${1:-} == issue57_item4 ]]; then

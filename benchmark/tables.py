@@ -201,7 +201,7 @@ def check(args):
         written = {f for _, _, files, _ in rows for f in files}
         for path in sorted(glob.glob(COMMITTED + "*.*")):
             if path not in written and not any(path.startswith(f + "/") or path.startswith(f + ".") for f in written):
-                print(f"(no shell file): {path}: no command of benchmark/*.sh writes it; not remade")
+                print(f"(no shell file): {path}: not remade (no command that ran writes it; a guard may skip one)")
         return
     remade = [(argv, files) for _, argv, files, why in rows if why is None]
     differ = []
