@@ -82,6 +82,12 @@ if [[ ${1:-} == issue57_item3_probes ]]; then
         --dataset_path assets/data/mul_2t3t2d --max_turns 4 --response_length 128 --max_accuracy 0.5 \
         --output_dir "$ISSUE57" --examples "Calculate 23 * 41. Give the final answer after 'Answer:'." \
         "<calc>23 * 41</calc><result>943</result>"$'\n'"Answer: 943"
+    # Item 4's second gate (one operation a call, the chained example) at 8 samples a prompt: a chain rate below 1/64?
+    python -m benchmark.tool_probe --exp_name chain_example2_x8 --prompts train --terms 3 --num_prompts 64 \
+        --samples_per_prompt 8 --dataset_path assets/data/mul_2t3t2d --max_operations 1 --max_turns 4 \
+        --response_length 128 --output_dir "$ISSUE57" \
+        --examples "Calculate 12 * 34 * 5. Give the final answer after 'Answer:'." \
+        "<calc>12 * 34</calc><result>408</result><calc>408 * 5</calc><result>2040</result>"$'\n'"Answer: 2040"
     exit 0
 fi
 if [[ ${1:-} == issue57_item4 ]]; then
