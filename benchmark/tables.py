@@ -47,7 +47,7 @@ def shell_calls(path):
     return [call.split("\037")[:-1] for call in text.split("\036")[:-1]]
 
 
-def outputs(argv, command):
+def outputs(command):
     """The files one registry command writes."""
     out = command.out
     if out is None:
@@ -66,13 +66,14 @@ def classify():
         for argv in shell_calls(path):
             if argv[:2] == ["-m", "benchmark.registry"] and argv[2] in REMADE:
                 command = registry.build_parser().parse_args(argv[2:])
-                files = outputs(argv, command)
+                files = outputs(command)
                 patterns = [registry.parse_experiment(spec)[1] for spec in command.experiments]
                 uncommitted = [
                     p for p in patterns if not p.startswith(COMMITTED) or not glob.glob(os.path.join(REPO_ROOT, p))
                 ]
                 why = f"its runs are not committed ({uncommitted[0]})" if uncommitted else None
-                rows.append((name, argv, files, why))
+                if files:  # a command without --out only prints
+                    rows.append((name, argv, files, why))
             elif "--out" in argv and argv[argv.index("--out") + 1].startswith(COMMITTED):
                 module = argv[1] if argv[0] == "-m" else argv[0]
                 if module != "benchmark.registry":  # `copy` fills benchmark/results/ with the runs themselves
@@ -81,10 +82,10 @@ def classify():
     last = {}
     for i, (_, _, files, _) in enumerate(rows):
         last.update({f: i for f in files})
-    return [row for i, row in enumerate(rows) if not row[2] or any(last[f] == i for f in row[2])]
+    return [row for i, row in enumerate(rows) if any(last[f] == i for f in row[2])]
 
 
-def remake(argv, files, folder):
+def remake(argv, folder):
     """Run one registry command with its outputs placed in `folder` (None: where the shell file puts them)."""
     if folder is not None:
         argv = list(argv)
@@ -157,7 +158,7 @@ def figures(pattern, metric):
     summary = registry.summarize(runs, [metric])
     return dict(
         steps=max(registry.final_step(run["lines"]) for run in runs),
-        initial=registry.format_mean_std((*summary[metric]["initial"][:1], None, 1)),
+        initial=f"{summary[metric]['initial'][0]:.3f}",  # the mean of the step-0 evaluations
         final=registry.format_mean_std(summary[metric]["final"]),
         seeds=summary["seeds"],
         time=registry.format_seconds(summary["wall_clock"][0]),
@@ -207,7 +208,7 @@ def check(args):
     differ = []
     with tempfile.TemporaryDirectory() as folder:
         for argv, files in remade:
-            remake(argv, files, None if args.write else folder)
+            remake(argv, None if args.write else folder)
             for f in files:
                 if args.write or f.endswith(".png"):
                     continue
