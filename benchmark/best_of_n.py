@@ -16,8 +16,10 @@ keeps the complete chunks and samples the rest (with HF generate a resumed file 
 only if its in-process sampler draws from the process's torch generator, which was not checked).
 
 `score`: each member of --ensemble (ppo_rlhf._reward_model_members) scores every response at its last real token,
-centred by its config.bias (ppo_rlhf.member_scores_of on ppo_rlhf.training_batch, evaluation's path), appended to
-OUT_DIR/scores/<member>.jsonl --batch_size responses at a time; a rerun scores only what is missing. A response without
+centred by its config.bias (what ppo_rlhf.member_scores_of, evaluation's path, gives on the prompt and the response, to
+float rounding; here each prompt's keys and values are computed once for its responses, --chunk_size responses a
+forward, by length), appended to OUT_DIR/scores/<member>.jsonl --batch_size responses at a time; a rerun scores only
+what is missing. A response without
 EOS is scored like any other: the rule (finished first) is the analysis's.
 
 `analyse`: for n = 1..N (N = --num_samples), the expected verifier accuracy of the response each rule picks from n of
@@ -264,7 +266,6 @@ def score_rows(path, samples, batch_size, score_fn):
 
 
 def score(args):
-    import torch
     from accelerate import Accelerator
     from transformers import AutoModelForSequenceClassification
 
@@ -281,7 +282,6 @@ def score(args):
         ppo_rlhf._check_score_model(member, "ensemble", config.trust_remote_code)
         ppo_rlhf._check_same_vocabulary(member, "ensemble", tokenizer, config.trust_remote_code)
     accelerator, pad_id = Accelerator(), meta["pad_token_id"]
-    response_length = meta["response_length"]
     os.makedirs(os.path.join(args.out_dir, "scores"), exist_ok=True)
     for member in members:
         path = os.path.join(args.out_dir, "scores", os.path.basename(os.path.normpath(member)) + ".jsonl")
@@ -289,20 +289,50 @@ def score(args):
         model = ppo_rlhf._frozen(model, accelerator, accelerator.device)
 
         def score_fn(batch, model=model):
-            responses = torch.full((len(batch), response_length), pad_id, dtype=torch.long)
-            mask = torch.zeros(responses.shape)
-            for row, r in enumerate(batch):
-                responses[row, : len(r["response_ids"])] = torch.tensor(r["response_ids"], dtype=torch.long)
-                mask[row, : len(r["response_ids"])] = 1
-            prompts = [meta["prompts"][str(r["prompt_index"])] for r in batch]
-            query_responses, attention_mask, *_ = ppo_rlhf.training_batch(
-                prompts, 1, responses, mask, None, pad_id, accelerator.device
-            )
-            return ppo_rlhf.member_scores_of([model], query_responses, attention_mask, accelerator)[0].tolist()
+            return prompt_cached_scores(model, batch, meta["prompts"], accelerator.device, args.chunk_size)
 
         scored = score_rows(path, samples, args.batch_size, score_fn)
         print(f"{member}: scored {scored} response(s) -> {path}")
         del model
+
+
+def prompt_cached_scores(model, rows, prompts, device, chunk_size):
+    """A sequence-classification model's score of each row's response (rows: prompt_index, response_ids) at its last
+    real token, centred by config.bias: what ppo_rlhf.member_scores_of gives on the prompt and the response alone
+    (equal to float rounding: a test checks it), but each prompt's keys and values computed once for its responses
+    (a 50-token prompt is most of the tokens of a 10-30-token response). A prompt's responses go in chunks of
+    chunk_size by length (short with short: less padding). Returns [len(rows)] floats in rows' order."""
+    import torch
+
+    backbone, bias = getattr(model, model.base_model_prefix), float(getattr(model.config, "bias", 0.0))
+    by_prompt, scores = {}, [0.0] * len(rows)
+    for i, row in enumerate(rows):
+        by_prompt.setdefault(row["prompt_index"], []).append(i)
+    for index, members in by_prompt.items():
+        prompt = torch.tensor([prompts[str(index)]], device=device)
+        members = sorted(members, key=lambda i: len(rows[i]["response_ids"]))
+        for start in range(0, len(members), chunk_size):
+            chunk = members[start : start + chunk_size]
+            lengths = torch.tensor([len(rows[i]["response_ids"]) for i in chunk], device=device)
+            if int(lengths.min()) < 1:
+                raise ValueError(f"prompt {index}: an empty response cannot be scored at its last token")
+            ids = torch.zeros(len(chunk), int(lengths.max()), dtype=torch.long, device=device)  # right-padded
+            for row, i in enumerate(chunk):
+                ids[row, : lengths[row]] = torch.tensor(rows[i]["response_ids"], device=device)
+            width, P = ids.shape[1], prompt.shape[1]
+            mask = torch.cat([torch.ones(len(chunk), P, dtype=torch.long, device=device),
+                              (torch.arange(width, device=device) < lengths[:, None]).long()], 1)  # fmt: skip
+            with torch.no_grad():
+                cache = backbone(input_ids=prompt, use_cache=True).past_key_values
+                cache.batch_repeat_interleave(len(chunk))
+                positions = torch.arange(P, P + width, device=device).expand(len(chunk), width)
+                hidden = backbone(
+                    input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True
+                ).last_hidden_state
+                last = model.score(hidden[torch.arange(len(chunk)), lengths - 1]).squeeze(-1).float()
+            for row, i in enumerate(chunk):
+                scores[i] = last[row].item() - bias
+    return scores
 
 
 def load_meta(out_dir):
@@ -706,7 +736,8 @@ def build_parser():
     group.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="models (sample, score)")
     group = parser.add_argument_group("score")
     group.add_argument("--ensemble", default="runs/reward_ensemble", help="a folder of reward models (or one)")
-    group.add_argument("--batch_size", type=int, default=32, help="responses per forward (and per saved batch)")
+    group.add_argument("--batch_size", type=int, default=64, help="responses scored (and saved) at a time")
+    group.add_argument("--chunk_size", type=int, default=16, help="a prompt's responses per forward, by length")
     group = parser.add_argument_group("analyse")
     group.add_argument("--uwo_coef", type=float, nargs="+", default=[0.25, 0.5, 1.0, 2.0, 4.0], help="UWO lambdas")
     group.add_argument("--bootstrap", type=int, default=2000, help="resamples of the prompts")
@@ -718,7 +749,7 @@ def build_parser():
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    for name in ("num_samples", "prompts_per_chunk", "batch_size", "bootstrap"):
+    for name in ("num_samples", "prompts_per_chunk", "batch_size", "chunk_size", "bootstrap"):
         if getattr(args, name) < 1:
             sys.exit(f"error: --{name} must be at least 1, got {getattr(args, name)}")
     if args.num_prompts is not None and args.num_prompts < 1:

@@ -1814,7 +1814,8 @@ def test_best_of_n_score_resumes_and_checks_the_settings(tmp_path):
 @pytest.mark.slow
 def test_best_of_n_stages_on_the_tiny_model(tiny_model_dir, tiny_reward_model_dir, task_dir, tmp_path):
     """sample (HF generate) -> score (two members: the same weights, biases 0 and 0.5) -> analyse on the tiny model:
-    the files line up, each score is member_scores_of's on the response alone, centred by the member's bias."""
+    the files line up, each score (the prompt's keys and values computed once, its responses in chunks of 3 by length)
+    is member_scores_of's on the prompt and the response alone, centred by the member's bias."""
     import shutil
 
     import ppo_rlhf
@@ -1829,7 +1830,7 @@ def test_best_of_n_stages_on_the_tiny_model(tiny_model_dir, tiny_reward_model_di
     sample = ["sample", "--out_dir", out, "--model_name_or_path", tiny_model_dir, "--dataset_path", task_dir]
     sample += ["--num_samples", "4", "--num_prompts", "3", "--response_length", "8", "--prompts_per_chunk", "2"]
     bon.main([*sample, "--no-vllm"])
-    bon.main(["score", "--out_dir", out, "--ensemble", str(ensemble), "--batch_size", "5"])
+    bon.main(["score", "--out_dir", out, "--ensemble", str(ensemble), "--batch_size", "5", "--chunk_size", "3"])
     meta = json.loads(open(os.path.join(out, "meta.json")).read())
     assert meta["samplers"] == ["hf_generate"] and len(meta["prompt_indices"]) == 3
     rows = registry.read_jsonl(os.path.join(out, "samples.jsonl"))
