@@ -12,7 +12,6 @@ import json
 import math
 import os
 import shutil
-import sys
 import threading
 import time
 
@@ -33,9 +32,7 @@ from conftest import (
     read_metrics,
     require_deepspeed,
     require_vllm,
-    run_checked,
     train_lines,
-    vllm_env,
     without_timing,
 )
 from safetensors.torch import load_file
@@ -442,14 +439,10 @@ def test_invariant_sync_resume_after_interrupt_gives_the_uninterrupted_run(make_
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_vllm_run(tiny_model_dir, tiny_reward_model_dir, task_dir, tmp_path):
-    """The generator thread generates with the vLLM engine and reloads the learner's weights into it."""
+def test_vllm_run(make_config):
+    """The generator thread generates with the vLLM engine (in this process) and reloads the learner's weights."""
     require_vllm()
-    out = str(tmp_path / "runs")
-    values = {**FAST["async_rlhf"], "vllm": True, "tis_cap": 2.0, "sync": True, "total_steps": 2}
-    paths = dict(model_name_or_path=tiny_model_dir, reward_model_path=tiny_reward_model_dir, dataset_path=task_dir)
-    run_checked([sys.executable, "async_rlhf.py", *cli_flags({**values, **paths, "output_dir": out})], vllm_env(), 300)
-    run_dir = only_run_dir(out)
+    run_dir = async_rlhf.main(make_config(async_rlhf, vllm=True, tis_cap=2.0, sync=True, total_steps=2))
     with open(os.path.join(run_dir, "config.json")) as f:
         assert json.load(f)["vllm"] is True
     lines = train_lines(read_metrics(run_dir))

@@ -4,7 +4,6 @@ a tiny reward model."""
 import json
 import math
 import os
-import sys
 
 import fixed_rollout
 import pytest
@@ -19,13 +18,10 @@ from conftest import (
     assert_survives_kills,
     cli_flags,
     launch_fixed_rollout,
-    only_run_dir,
     read_metrics,
     require_deepspeed,
     require_vllm,
-    run_checked,
     train_lines,
-    vllm_env,
 )
 from safetensors.torch import load_file
 
@@ -533,22 +529,10 @@ def test_invariant_killed_at_random_points_and_resumed_gives_the_uninterrupted_r
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_vllm_run(tiny_model_dir, tiny_reward_model_dir, task_dir, tmp_path):
+def test_vllm_run(make_config):
+    """vLLM samples in this process and takes the trainer's weights after each update."""
     require_vllm()
-    out = str(tmp_path / "runs")
-    flags = cli_flags(
-        {
-            **FAST["dpo_online"],
-            "model_name_or_path": tiny_model_dir,
-            "reward_model_path": tiny_reward_model_dir,
-            "dataset_path": task_dir,
-            "output_dir": out,
-            "vllm": True,
-            "tis_cap": 2.0,
-        }
-    )
-    run_checked([sys.executable, "dpo_online.py", *flags], vllm_env(), timeout=300)
-    run_dir = only_run_dir(out)
+    run_dir = dpo_online.main(make_config(dpo_online, vllm=True, tis_cap=2.0))
     with open(os.path.join(run_dir, "config.json")) as f:
         assert json.load(f)["vllm"] is True
     lines = train_lines(read_metrics(run_dir))

@@ -30,10 +30,8 @@ from conftest import (
     read_metrics,
     require_deepspeed,
     require_vllm,
-    run_checked,
     subprocess_env,
     train_lines,
-    vllm_env,
     without_timing,
 )
 
@@ -786,13 +784,10 @@ def test_lora_policy_starts_at_the_reference(make_config):
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_vllm_run(tiny_model_dir, task_dir, tmp_path):
+def test_vllm_run(make_config):
+    """vLLM samples in this process and takes the trainer's weights after each update."""
     require_vllm()
-    out = str(tmp_path / "runs")
-    values = dict(FAST["ppo_prm_clip"], model_name_or_path=tiny_model_dir, dataset_path=task_dir, output_dir=out)
-    flags = cli_flags({**values, "vllm": True})
-    run_checked([sys.executable, "ppo_prm_clip.py", *flags, "--reward_mode", "raw"], vllm_env(), timeout=300)
-    run_dir = only_run_dir(out)
+    run_dir = prm.main(make_config(prm, vllm=True, reward_mode="raw"))
     with open(os.path.join(run_dir, "config.json")) as f:
         assert json.load(f)["vllm"] is True
     lines = train_lines(read_metrics(run_dir))

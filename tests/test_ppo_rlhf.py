@@ -5,7 +5,6 @@ import json
 import math
 import os
 import shutil
-import sys
 
 import fixed_rollout
 import pytest
@@ -20,13 +19,10 @@ from conftest import (
     assert_survives_kills,
     cli_flags,
     launch_fixed_rollout,
-    only_run_dir,
     read_metrics,
     require_deepspeed,
     require_vllm,
-    run_checked,
     train_lines,
-    vllm_env,
     without_timing,
 )
 
@@ -497,21 +493,10 @@ def test_lora_policy_starts_at_the_reference(make_config):
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_vllm_run(tiny_model_dir, tiny_reward_model_dir, task_dir, tmp_path):
+def test_vllm_run(make_config):
+    """vLLM samples in this process and takes the trainer's weights after each update."""
     require_vllm()
-    out = str(tmp_path / "runs")
-    flags = cli_flags(
-        {
-            **FAST["ppo_rlhf"],
-            "model_name_or_path": tiny_model_dir,
-            "reward_model_path": tiny_reward_model_dir,
-            "dataset_path": task_dir,
-            "output_dir": out,
-            "vllm": True,
-        }
-    )
-    run_checked([sys.executable, "ppo_rlhf.py", *flags], vllm_env(), timeout=300)
-    lines = train_lines(read_metrics(only_run_dir(out)))
+    lines = train_lines(read_metrics(ppo_rlhf.main(make_config(ppo_rlhf, vllm=True))))
     assert [line["global_step"] for line in lines] == [1, 2]
     for line in lines:
         assert 0 <= line["objective/logprob_gap"] < 1e-3  # the engine has the trainer's weights after each update
