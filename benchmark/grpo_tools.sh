@@ -88,6 +88,12 @@ if [[ ${1:-} == issue57_item3_probes ]]; then
         --response_length 128 --output_dir "$ISSUE57" \
         --examples "Calculate 12 * 34 * 5. Give the final answer after 'Answer:'." \
         "<calc>12 * 34</calc><result>408</result><calc>408 * 5</calc><result>2040</result>"$'\n'"Answer: 2040"
+    # The replacement's room for RL: the step-0 policy's greedy accuracy on the held-out 3-term products with the
+    # chained example (<= 0.5 wanted: a greedy policy already right would leave only sharpening to learn).
+    python -m benchmark.tool_probe --exp_name chain_example2_greedy --temperature 0 --terms 3 \
+        --dataset_path assets/data/mul_2t3t2d --max_operations 1 --max_turns 4 --response_length 128 --max_accuracy 0.5 \
+        --output_dir "$ISSUE57" --examples "Calculate 12 * 34 * 5. Give the final answer after 'Answer:'." \
+        "<calc>12 * 34</calc><result>408</result><calc>408 * 5</calc><result>2040</result>"$'\n'"Answer: 2040"
     exit 0
 fi
 if [[ ${1:-} == issue57_item4 ]]; then
