@@ -15,12 +15,12 @@ sampled in chunks of --prompts_per_chunk, each seeded from (--seed, its first pr
 keeps the complete chunks and samples the rest (with HF generate a resumed file is the uninterrupted one; with vLLM,
 only if its in-process sampler draws from the process's torch generator, which was not checked).
 
-`score`: each member of --ensemble (ppo_rlhf._reward_model_members) scores every response at its last real token,
-centred by its config.bias (what ppo_rlhf.member_scores_of, evaluation's path, gives on the prompt and the response, to
-float rounding; here each prompt's keys and values are computed once for its responses, --chunk_size responses a
-forward, by length), appended to OUT_DIR/scores/<member>.jsonl --batch_size responses at a time; a rerun scores only
-what is missing. A response without
-EOS is scored like any other: the rule (finished first) is the analysis's.
+`score`: each member of --ensemble (ppo_rlhf._reward_model_members, all loaded at once) scores every response at its
+last real token, centred by its config.bias: what ppo_rlhf.member_scores_of (evaluation's path) gives on the prompt
+and the response, to float rounding, but with each prompt's keys and values computed once for its responses
+(--chunk_size responses a forward, by length). Scores go to OUT_DIR/scores/<member>.jsonl --batch_size responses at
+a time, every member on a batch before the next, so a stage stopped early leaves whole prompts; a rerun scores only
+what is missing. A response without EOS is scored like any other: the rule (finished first) is the analysis's.
 
 `analyse`: for n = 1..N (N = --num_samples), the expected verifier accuracy of the response each rule picks from n of
 the N samples, over all C(N, n) subsets (not one random draw): sorted by the rule's score, the i-th best of N is the
@@ -49,6 +49,7 @@ with no spread, inconclusive):
 """
 
 import argparse
+import functools
 import importlib.metadata
 import json
 import math
@@ -249,20 +250,26 @@ def version(package):
 # 2. score
 
 
-def score_rows(path, samples, batch_size, score_fn):
-    """Score the samples (rows with prompt_index, sample, response_ids) not yet in path (a JSONL of prompt_index,
-    sample, score), batch_size at a time, appending each batch. score_fn(rows) -> [len(rows)] floats. Returns the
-    number scored now."""
-    rows = read_rows(path)
-    rewrite_jsonl(path, rows)  # without a line a kill cut short
-    done = {(row["prompt_index"], row["sample"]) for row in rows}
-    todo = [row for row in samples if (row["prompt_index"], row["sample"]) not in done]
+def score_rows(scorers, samples, batch_size):
+    """Score the samples (rows with prompt_index, sample, response_ids) that each path of scorers {path: score_fn}
+    (a JSONL of prompt_index, sample, score) does not hold yet, batch_size samples at a time, every scorer on a batch
+    before the next batch (so that a stage stopped early leaves whole prompts scored by every member), appending
+    each scorer's scores to its path. score_fn(rows) -> [len(rows)] floats. Returns {path: number scored now}."""
+    done = {}
+    for path in scorers:
+        rows = read_rows(path)
+        rewrite_jsonl(path, rows)  # without a line a kill cut short
+        done[path] = {(row["prompt_index"], row["sample"]) for row in rows}
+    todo = [row for row in samples if any((row["prompt_index"], row["sample"]) not in d for d in done.values())]
+    scored = dict.fromkeys(scorers, 0)
     for start in range(0, len(todo), batch_size):
-        batch = todo[start : start + batch_size]
-        scores = score_fn(batch)
-        keys = [dict(prompt_index=r["prompt_index"], sample=r["sample"]) for r in batch]
-        append_jsonl(path, [key | dict(score=short_float(s)) for key, s in zip(keys, scores)])
-    return len(todo)
+        for path, score_fn in scorers.items():
+            batch = [r for r in todo[start : start + batch_size] if (r["prompt_index"], r["sample"]) not in done[path]]
+            if batch:
+                keys = [dict(prompt_index=r["prompt_index"], sample=r["sample"]) for r in batch]
+                append_jsonl(path, [key | dict(score=short_float(s)) for key, s in zip(keys, score_fn(batch))])
+                scored[path] += len(batch)
+    return scored
 
 
 def score(args):
@@ -283,17 +290,16 @@ def score(args):
         ppo_rlhf._check_same_vocabulary(member, "ensemble", tokenizer, config.trust_remote_code)
     accelerator, pad_id = Accelerator(), meta["pad_token_id"]
     os.makedirs(os.path.join(args.out_dir, "scores"), exist_ok=True)
-    for member in members:
+    scorers = {}
+    for member in members:  # all in memory at once (0.5 GB each for the 135M model in fp32)
         path = os.path.join(args.out_dir, "scores", os.path.basename(os.path.normpath(member)) + ".jsonl")
         model = ppo_rlhf._load_model(member, AutoModelForSequenceClassification, config, pad_id)
         model = ppo_rlhf._frozen(model, accelerator, accelerator.device)
-
-        def score_fn(batch, model=model):
-            return prompt_cached_scores(model, batch, meta["prompts"], accelerator.device, args.chunk_size)
-
-        scored = score_rows(path, samples, args.batch_size, score_fn)
-        print(f"{member}: scored {scored} response(s) -> {path}")
-        del model
+        scorers[path] = functools.partial(
+            prompt_cached_scores, model, prompts=meta["prompts"], device=accelerator.device, chunk_size=args.chunk_size
+        )
+    for path, count in score_rows(scorers, samples, args.batch_size).items():
+        print(f"scored {count} response(s) -> {path}")
 
 
 def prompt_cached_scores(model, rows, prompts, device, chunk_size):

@@ -96,17 +96,15 @@ python -m benchmark.registry perf --experiments "one reward model=benchmark/resu
     "five, WCO=benchmark/results/reward_ensemble_cost/arith_1d__k5_*" --out benchmark/results/reward_ensemble_cost
 
 # 6. Best-of-n with the five members (issue 57, item 1): Coste et al.'s cleanest setting, no PPO and so no seed noise.
-#    64 responses per held-out prompt (the 282 that ppo_rlhf.py evaluates on) from the initial policy at temperature 1,
-#    each scored once by every member of step 1's runs/reward_ensemble; then for n = 1..64 the verifier accuracy of
-#    what each rule picks (each member, the mean, WCO, WCO on standardised members, UWO at 5 lambdas) against the
-#    best-of-n KL, with prompt-bootstrap intervals, and the checks: does a member's curve turn down, do WCO / UWO
-#    flatten it, does the members' disagreement predict the verifier's errors among the picks (benchmark/best_of_n.py).
-#    Each stage resumes where it stopped (rerun the line): from the docs' figures on this 2-core host, sampling
-#    18,048 responses ~20 min (vLLM, 0.5 s a step of 8; longer at temperature 1 or beside another run), scoring them
-#    with 5 members ~3.4 h (1.1 s per 8 responses and member: 18,048 x 5 / 8 x 1.1 s; --num_prompts 128 in the
-#    sample line: ~1.6 h), the analysis seconds. OUT.jsonl (~2 MB, a line per prompt: verdicts, EOS, member scores)
-#    is committed with the table and figure: `analyse --from_responses benchmark/results/best_of_n.jsonl` remakes them.
-python -m benchmark.best_of_n sample --out_dir runs/best_of_n --num_samples 64 --temperature 1
+#    64 responses per held-out prompt from the initial policy at temperature 1, on a seeded subset of 128 of the 282
+#    prompts that ppo_rlhf.py evaluates on (all 282 would take ~2.2x the scoring time below), each response scored
+#    once by every member of step 1's runs/reward_ensemble; then for n = 1..64 the verifier accuracy of what each rule
+#    picks (each member, the mean, WCO, WCO on standardised members, UWO at 5 lambdas) against the best-of-n KL, with
+#    prompt-bootstrap intervals, and the checks: does a member's curve turn down, do WCO / UWO flatten it, does the
+#    members' disagreement predict the verifier's errors among the picks (benchmark/best_of_n.py). Each stage resumes
+#    where it stopped (rerun the line). OUT.jsonl (a line per prompt: verdicts, EOS, member scores) is committed with
+#    the table and figure: `analyse --from_responses benchmark/results/best_of_n.jsonl` remakes them.
+python -m benchmark.best_of_n sample --out_dir runs/best_of_n --num_samples 64 --temperature 1 --num_prompts 128
 python -m benchmark.best_of_n score --out_dir runs/best_of_n --ensemble runs/reward_ensemble
 python -m benchmark.best_of_n analyse --out_dir runs/best_of_n --uwo_coef 0.25 0.5 1 2 4 --bootstrap 2000 \
     --out benchmark/results/best_of_n

@@ -7,8 +7,9 @@
 The commands are those of benchmark/*.sh (all but gpu_check.sh, a GPU measurement), found by running each file with
 `python` replaced by a shell function that records its arguments and runs nothing. A `python -m benchmark.registry
 table | change | paired | perf | plot | frontier` command is remade when every --experiments glob matches committed
-run folders (config.json and metrics.jsonl under benchmark/results/); the others need training (their runs are not
-committed) or are measurements (throughput, determinism, peer timings), whose raw JSON is committed beside the table.
+run folders (config.json and metrics.jsonl under benchmark/results/), a `python -m benchmark.best_of_n analyse` from
+its committed OUT.jsonl (--from_responses); the others need training (their runs are not committed) or are
+measurements (throughput, determinism, peer timings), whose raw JSON is committed beside the table.
 Markdown and JSON are compared byte for byte. A PNG is remade, not compared: its bytes depend on matplotlib's version.
 The README's scripts table is checked by tests/test_readme.py against the same committed runs.
 """
@@ -74,6 +75,10 @@ def classify():
                 why = f"its runs are not committed ({uncommitted[0]})" if uncommitted else None
                 if files:  # a command without --out only prints
                     rows.append((name, argv, files, why))
+            elif argv[:3] == ["-m", "benchmark.best_of_n", "analyse"]:  # remade from its committed OUT.jsonl
+                out = argv[argv.index("--out") + 1]
+                why = None if os.path.isfile(out + ".jsonl") else f"its responses are not committed ({out}.jsonl)"
+                rows.append((name, from_responses(argv, out + ".jsonl"), [out + ".md", out + ".png"], why))
             elif "--out" in argv and argv[argv.index("--out") + 1].startswith(COMMITTED):
                 module = argv[1] if argv[0] == "-m" else argv[0]
                 if module != "benchmark.registry":  # `copy` fills benchmark/results/ with the runs themselves
@@ -85,14 +90,28 @@ def classify():
     return [row for i, row in enumerate(rows) if any(last[f] == i for f in row[2])]
 
 
+def from_responses(argv, responses):
+    """A best_of_n analyse command reading the committed per-prompt file instead of the run folder."""
+    argv = list(argv)
+    if "--out_dir" in argv:
+        del argv[argv.index("--out_dir") : argv.index("--out_dir") + 2]
+    return [*argv, "--from_responses", responses]
+
+
 def remake(argv, folder):
-    """Run one registry command with its outputs placed in `folder` (None: where the shell file puts them)."""
+    """Run one registry (or best_of_n analyse) command with its outputs placed in `folder` (None: where the shell
+    file puts them)."""
     if folder is not None:
         argv = list(argv)
         out = argv[argv.index("--out") + 1]
         argv[argv.index("--out") + 1] = os.path.join(folder, out)
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        registry.main(argv[2:])
+        if argv[1] == "benchmark.best_of_n":
+            from benchmark import best_of_n
+
+            best_of_n.main(argv[2:])
+        else:
+            registry.main(argv[2:])
 
 
 # README's table of scripts: one result each, worked out from the committed runs ({name[initial]}: the mean step-0

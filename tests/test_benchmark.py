@@ -1782,27 +1782,33 @@ def test_best_of_n_sample_resumes_to_the_uninterrupted_file(tmp_path):
 
 
 def test_best_of_n_score_resumes_and_checks_the_settings(tmp_path):
+    """Two members scored batch by batch, killed inside the second batch (the first member's scores of it written,
+    the second's not, and a line cut short): the rerun scores the rest and gives the uninterrupted files."""
     from benchmark import best_of_n as bon
 
     samples = [dict(prompt_index=p, sample=j, response_ids=[1] * (j + 1)) for p in range(3) for j in range(4)]
-    score_fn = lambda batch: [0.1 * len(r["response_ids"]) + r["prompt_index"] for r in batch]
-    whole, parts = str(tmp_path / "whole.jsonl"), str(tmp_path / "parts.jsonl")
-    assert bon.score_rows(whole, samples, 5, score_fn) == 12
+    score_a = lambda batch: [0.1 * len(r["response_ids"]) + r["prompt_index"] for r in batch]
+    score_b = lambda batch: [-0.1 * len(r["response_ids"]) for r in batch]
+    whole = {str(tmp_path / "whole_a.jsonl"): score_a, str(tmp_path / "whole_b.jsonl"): score_b}
+    assert list(bon.score_rows(whole, samples, 5).values()) == [12, 12]
     batches = []
 
     def dies_on_the_second_batch(batch):
         batches.append(1)
         if len(batches) == 2:
             raise KeyboardInterrupt
-        return score_fn(batch)
+        return score_b(batch)
 
+    parts_a, parts_b = str(tmp_path / "parts_a.jsonl"), str(tmp_path / "parts_b.jsonl")
     with pytest.raises(KeyboardInterrupt):
-        bon.score_rows(parts, samples, 5, dies_on_the_second_batch)
-    with open(parts, "a") as f:
+        bon.score_rows({parts_a: score_a, parts_b: dies_on_the_second_batch}, samples, 5)
+    assert len(registry.read_jsonl(parts_a)) == 10 and len(registry.read_jsonl(parts_b)) == 5
+    with open(parts_b, "a") as f:
         f.write('{"prompt_index": 1, "sample"')
-    assert bon.score_rows(parts, samples, 5, score_fn) == 7
-    assert open(parts).read() == open(whole).read()
-    assert [r["score"] for r in registry.read_jsonl(whole)][:2] == [0.1, 0.2]
+    assert list(bon.score_rows({parts_a: score_a, parts_b: score_b}, samples, 5).values()) == [2, 7]
+    for part, name in ((parts_a, "whole_a"), (parts_b, "whole_b")):
+        assert open(part).read() == open(str(tmp_path / name) + ".jsonl").read()
+    assert [r["score"] for r in registry.read_jsonl(str(tmp_path / "whole_a.jsonl"))][:2] == [0.1, 0.2]
     meta = {"num_samples": 4, "temperature": 1.0, "samplers": ["hf_generate"]}
     assert bon.check_meta(str(tmp_path / "run"), meta) is None
     bon.write_meta(str(tmp_path / "run"), meta)
