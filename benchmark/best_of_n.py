@@ -49,6 +49,7 @@ with no spread, inconclusive):
 """
 
 import argparse
+import copy
 import functools
 import importlib.metadata
 import json
@@ -306,8 +307,8 @@ def prompt_cached_scores(model, rows, prompts, device, chunk_size):
     """A sequence-classification model's score of each row's response (rows: prompt_index, response_ids) at its last
     real token, centred by config.bias: what ppo_rlhf.member_scores_of gives on the prompt and the response alone
     (equal to float rounding: a test checks it), but each prompt's keys and values computed once for its responses
-    (a 50-token prompt is most of the tokens of a 10-30-token response). A prompt's responses go in chunks of
-    chunk_size by length (short with short: less padding). Returns [len(rows)] floats in rows' order."""
+    (a 50-token prompt is most of the tokens of a 10-30-token response) and copied for each chunk. A prompt's responses
+    go in chunks of chunk_size by length (short with short: less padding). Returns [len(rows)] floats, rows' order."""
     import torch
 
     backbone, bias = getattr(model, model.base_model_prefix), float(getattr(model.config, "bias", 0.0))
@@ -317,6 +318,8 @@ def prompt_cached_scores(model, rows, prompts, device, chunk_size):
     for index, members in by_prompt.items():
         prompt = torch.tensor([prompts[str(index)]], device=device)
         members = sorted(members, key=lambda i: len(rows[i]["response_ids"]))
+        with torch.no_grad():
+            prompt_cache = backbone(input_ids=prompt, use_cache=True).past_key_values  # once per prompt
         for start in range(0, len(members), chunk_size):
             chunk = members[start : start + chunk_size]
             lengths = torch.tensor([len(rows[i]["response_ids"]) for i in chunk], device=device)
@@ -329,7 +332,7 @@ def prompt_cached_scores(model, rows, prompts, device, chunk_size):
             mask = torch.cat([torch.ones(len(chunk), P, dtype=torch.long, device=device),
                               (torch.arange(width, device=device) < lengths[:, None]).long()], 1)  # fmt: skip
             with torch.no_grad():
-                cache = backbone(input_ids=prompt, use_cache=True).past_key_values
+                cache = copy.deepcopy(prompt_cache)  # the forward below appends to it
                 cache.batch_repeat_interleave(len(chunk))
                 positions = torch.arange(P, P + width, device=device).expand(len(chunk), width)
                 hidden = backbone(

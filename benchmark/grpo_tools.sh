@@ -157,6 +157,46 @@ if [[ ${1:-} == issue57_item4 ]]; then
     exit 0
 fi
 
+# Item 4's gates both failed on 2026-11-28 (chain_gate_example1: 0 of 64; chain_gate_example2: 0 of 64; at 8 samples a
+# prompt chain_example2_x8: 2 of 512 right, 1.8% with >= 2 calls; greedy chain_example2_greedy: 0 of 150, never two
+# calls), so the block above stops at its second gate. The replacement (issue 57's note): the chained example and
+# groups of 16 (a success in 1/256 samples reaches a group 6% of the time instead of 3%), the same 32 trajectories a
+# step as the published run, over 60 steps; evaluations at steps 0, 20, 40 and 60 (300 held-out 2-3 term products,
+# all 500 held-out 4-term ones). 3 seeds.
+if [[ ${1:-} == issue57_item4_g16 ]]; then
+    python -m benchmark.prepare_assets --only tasks
+    Q="Calculate 12 * 34 * 5. Give the final answer after 'Answer:'."
+    A="<calc>12 * 34</calc><result>408</result><calc>408 * 5</calc><result>2040</result>"$'\n'"Answer: 2040"
+    python -m benchmark.run --script grpo_tools.py --seeds 1 2 3 --resume_unfinished -- --exp_name chain_g16 \
+        --dataset_path assets/data/mul_2t3t2d --extra_eval_path assets/data/mul_4t2d --max_operations 1 \
+        --max_turns 4 --response_length 128 --prompts_per_rank 2 --num_generations 16 --total_steps 60 --eval_every 20 \
+        --examples "Calculate 12 * 34 * 5. Give the final answer after 'Answer:'." \
+        "<calc>12 * 34</calc><result>408</result><calc>408 * 5</calc><result>2040</result>"$'\n'"Answer: 2040"
+    # The held-out 2-3 term products by number of terms, greedy, after training (each seed's runs/.../model); the
+    # step-0 policy's are the chain_example2_greedy probe above (3 terms: 0 right, never two calls) and each run's
+    # own step-0 evaluation.
+    for SEED in 1 2 3; do
+        python -m benchmark.tool_probe --exp_name chain_g16_final --temperature 0 --seed "$SEED" \
+            --model_name_or_path runs/mul_2t3t2d__chain_g16__"$SEED"__*/model \
+            --dataset_path assets/data/mul_2t3t2d --max_operations 1 --max_turns 4 --response_length 128 \
+            --output_dir "$ISSUE57" --examples "$Q" "$A"
+    done
+    # The claims, held only when the 95% t interval over the 3 seeds clears 0: the held-out accuracy (2-3 terms) and
+    # the 4-term held-out accuracy rise from step 0 (the runs' first and last evaluations); on the training samples
+    # the rate of >= 2 calls and the accuracy rise (last 5 steps minus first 5).
+    python -m benchmark.registry copy --out "$ISSUE57" runs/mul_2t3t2d__chain_g16__[1-3]__*
+    RUNS="chain_g16=$ISSUE57/mul_2t3t2d__chain_g16__*"
+    python -m benchmark.registry table --experiments "$RUNS" --metrics eval/accuracy eval_extra/accuracy \
+        eval/call_rate tools/multi_call_rate objective/accuracy --out benchmark/results/grpo_tools_issue57_item4.md
+    python -m benchmark.registry change --experiments "$RUNS" --metrics eval/accuracy eval_extra/accuracy --window 1 \
+        --at_least 0 --out benchmark/results/grpo_tools_issue57_item4_heldout.md
+    python -m benchmark.registry change --experiments "$RUNS" --metrics tools/multi_call_rate objective/accuracy \
+        --window 5 --at_least 0 --out benchmark/results/grpo_tools_issue57_item4_change.md
+    python -m benchmark.registry plot --experiments "$RUNS" --metric eval/accuracy eval_extra/accuracy \
+        tools/multi_call_rate objective/accuracy --smooth 5 --out benchmark/results/grpo_tools_issue57_item4.png
+    exit 0
+fi
+
 # The published experiment (issue 48), what a plain `bash benchmark/grpo_tools.sh` runs.
 
 python -m benchmark.run --script grpo_tools.py --seeds 1 2 3 --resume_unfinished -- --exp_name tools
