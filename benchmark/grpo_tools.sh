@@ -172,22 +172,29 @@ if [[ ${1:-} == issue57_item4_g16 ]]; then
         --max_turns 4 --response_length 128 --prompts_per_rank 2 --num_generations 16 --total_steps 60 --eval_every 20 \
         --examples "Calculate 12 * 34 * 5. Give the final answer after 'Answer:'." \
         "<calc>12 * 34</calc><result>408</result><calc>408 * 5</calc><result>2040</result>"$'\n'"Answer: 2040"
-    # The held-out 2-3 term products by number of terms, greedy, after training (each seed's runs/.../model); the
-    # step-0 policy's are the chain_example2_greedy probe above (3 terms: 0 right, never two calls) and each run's
-    # own step-0 evaluation.
+    # The 300 held-out 2-3 term products (the runs' eval set) by number of terms, greedy, before and after training
+    # (the step-0 policy, deterministic, probed once per seed so that the check pairs seeds; each seed's model).
     for SEED in 1 2 3; do
+        python -m benchmark.tool_probe --exp_name chain_g16_step0 --temperature 0 --seed "$SEED" \
+            --dataset_path assets/data/mul_2t3t2d --max_operations 1 --max_turns 4 --response_length 128 \
+            --output_dir "$ISSUE57" --examples "$Q" "$A"
         python -m benchmark.tool_probe --exp_name chain_g16_final --temperature 0 --seed "$SEED" \
             --model_name_or_path runs/mul_2t3t2d__chain_g16__"$SEED"__*/model \
             --dataset_path assets/data/mul_2t3t2d --max_operations 1 --max_turns 4 --response_length 128 \
             --output_dir "$ISSUE57" --examples "$Q" "$A"
     done
-    # The claims, held only when the 95% t interval over the 3 seeds clears 0: the held-out accuracy (2-3 terms) and
-    # the 4-term held-out accuracy rise from step 0 (the runs' first and last evaluations); on the training samples
-    # the rate of >= 2 calls and the accuracy rise (last 5 steps minus first 5).
+    # The claims, held only when the 95% t interval over the 3 seeds clears 0: the 3-term held-out accuracy and rate
+    # of >= 2 calls rise (the probes, trained minus step 0); the held-out accuracy (2-3 terms) and the 4-term one rise
+    # (the runs' first and last evaluations); on the training samples the rate of >= 2 calls and the accuracy rise
+    # (last 5 steps minus first 5).
     python -m benchmark.registry copy --out "$ISSUE57" runs/mul_2t3t2d__chain_g16__[1-3]__*
     RUNS="chain_g16=$ISSUE57/mul_2t3t2d__chain_g16__*"
     python -m benchmark.registry table --experiments "$RUNS" --metrics eval/accuracy eval_extra/accuracy \
         eval/call_rate tools/multi_call_rate objective/accuracy --out benchmark/results/grpo_tools_issue57_item4.md
+    python -m benchmark.registry paired --experiments "final=$ISSUE57/mul_2t3t2d__chain_g16_final__*" \
+        "step0=$ISSUE57/mul_2t3t2d__chain_g16_step0__*" --baseline step0 --metrics eval/accuracy_3_terms \
+        eval/multi_call_rate_3_terms eval/accuracy_2_terms --at_least 0 \
+        --out benchmark/results/grpo_tools_issue57_item4_terms.md
     python -m benchmark.registry change --experiments "$RUNS" --metrics eval/accuracy eval_extra/accuracy --window 1 \
         --at_least 0 --out benchmark/results/grpo_tools_issue57_item4_heldout.md
     python -m benchmark.registry change --experiments "$RUNS" --metrics tools/multi_call_rate objective/accuracy \
