@@ -11,11 +11,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Issue 57, items 3 and 4: prepared, NOT YET RUN (no result in docs/grpo_tools.md yet). Each runs only when named; the
-# published experiment below stays what `bash benchmark/grpo_tools.sh` runs:
+# Issue 57, items 3 and 4: their gates failed (docs/grpo_tools.md), so only their probes ran; item 4's replacement,
+# issue57_item4_g16, ran (2 seeds of 3 on 2026-11-28). Each runs only when named; the published experiment at the
+# end stays what `bash benchmark/grpo_tools.sh` runs:
 #   bash benchmark/grpo_tools.sh issue57_item3     # a tool task RL must learn: mul_2t3d, an addition example shown
 #   bash benchmark/grpo_tools.sh issue57_item3_probes  # its replacement's probes: no example shown
 #   bash benchmark/grpo_tools.sh issue57_item4     # several calls: one operation per call, 2-3 terms, 4 held out
+#   bash benchmark/grpo_tools.sh issue57_item4_g16  # its replacement: the chained example, groups of 16, 60 steps
 # Seeds: 5 where a run costs <= 15 min (item 3's runs are the published run's size: 11-12 min on the 2 cores), else 3
 # (item 4: 128-token trajectories of up to 4 calls, 300 + 500 held-out prompts at each evaluation).
 # benchmark/tool_probe.py writes each probe's folder (probe.json, and a metrics.jsonl that benchmark.registry reads as
