@@ -18,6 +18,7 @@ cd "$(dirname "$0")/.."
 #   bash benchmark/grpo_tools.sh issue57_item3_probes  # its replacement's probes: no example shown
 #   bash benchmark/grpo_tools.sh issue57_item4     # several calls: one operation per call, 2-3 terms, 4 held out
 #   bash benchmark/grpo_tools.sh issue57_item4_g16  # its replacement: the chained example, groups of 16, 60 steps
+#   bash benchmark/grpo_tools.sh issue57_item4_3t   # the same on 3-term products only
 # Seeds: 5 where a run costs <= 15 min (item 3's runs are the published run's size: 11-12 min on the 2 cores), else 3
 # (item 4: 128-token trajectories of up to 4 calls, 300 + 500 held-out prompts at each evaluation).
 # benchmark/tool_probe.py writes each probe's folder (probe.json, and a metrics.jsonl that benchmark.registry reads as
@@ -174,12 +175,13 @@ if [[ ${1:-} == issue57_item4_g16 ]]; then
         --max_turns 4 --response_length 128 --prompts_per_rank 2 --num_generations 16 --total_steps 60 --eval_every 20 \
         --examples "Calculate 12 * 34 * 5. Give the final answer after 'Answer:'." \
         "<calc>12 * 34</calc><result>408</result><calc>408 * 5</calc><result>2040</result>"$'\n'"Answer: 2040"
-    # The 300 held-out 2-3 term products (the runs' eval set) by number of terms, greedy, before and after training
-    # (the step-0 policy, deterministic, probed once per seed so that the check pairs seeds; each seed's model).
+    # The 300 held-out 2-3 term products (the runs' eval set) by number of terms, greedy, before and after training:
+    # the step-0 policy once (greedy decoding does not depend on the seed: the checks pair it with every seed, with
+    # --fixed_baseline), each seed's model.
+    python -m benchmark.tool_probe --exp_name chain_g16_step0 --temperature 0 --seed 1 \
+        --dataset_path assets/data/mul_2t3t2d --max_operations 1 --max_turns 4 --response_length 128 \
+        --output_dir "$ISSUE57" --examples "$Q" "$A"
     for SEED in 1 2 3; do
-        python -m benchmark.tool_probe --exp_name chain_g16_step0 --temperature 0 --seed "$SEED" \
-            --dataset_path assets/data/mul_2t3t2d --max_operations 1 --max_turns 4 --response_length 128 \
-            --output_dir "$ISSUE57" --examples "$Q" "$A"
         python -m benchmark.tool_probe --exp_name chain_g16_final --temperature 0 --seed "$SEED" \
             --model_name_or_path runs/mul_2t3t2d__chain_g16__"$SEED"__*/model \
             --dataset_path assets/data/mul_2t3t2d --max_operations 1 --max_turns 4 --response_length 128 \
@@ -194,8 +196,8 @@ if [[ ${1:-} == issue57_item4_g16 ]]; then
     python -m benchmark.registry table --experiments "$RUNS" --metrics eval/accuracy eval_extra/accuracy \
         eval/call_rate tools/multi_call_rate objective/accuracy --out benchmark/results/grpo_tools_issue57_item4.md
     python -m benchmark.registry paired --experiments "final=$ISSUE57/mul_2t3t2d__chain_g16_final__*" \
-        "step0=$ISSUE57/mul_2t3t2d__chain_g16_step0__*" --baseline step0 --metrics eval/accuracy_3_terms \
-        eval/multi_call_rate_3_terms eval/accuracy_2_terms --at_least 0 \
+        "step0=$ISSUE57/mul_2t3t2d__chain_g16_step0__*" --baseline step0 --fixed_baseline \
+        --metrics eval/accuracy_3_terms eval/multi_call_rate_3_terms eval/accuracy_2_terms --at_least 0 \
         --out benchmark/results/grpo_tools_issue57_item4_terms.md
     python -m benchmark.registry change --experiments "$RUNS" --metrics eval/accuracy eval_extra/accuracy --window 1 \
         --at_least 0 --out benchmark/results/grpo_tools_issue57_item4_heldout.md
@@ -203,6 +205,45 @@ if [[ ${1:-} == issue57_item4_g16 ]]; then
         --window 5 --at_least 0 --out benchmark/results/grpo_tools_issue57_item4_change.md
     python -m benchmark.registry plot --experiments "$RUNS" --metric eval/accuracy eval_extra/accuracy \
         tools/multi_call_rate objective/accuracy --smooth 5 --out benchmark/results/grpo_tools_issue57_item4.png
+    exit 0
+fi
+# The same runs on 3-term products only (mul_3t2d: mul_2t3t2d's 3-term rows, split for split): in issue57_item4_g16
+# one seed of three learned the chain. With no 2-term prompt, a 3-term group's rare right chain (2 in 512 samples at
+# step 0) comes twice as often a step, and no group rewards answering after one call. The same budget (60 steps of
+# 2 prompts x 16 samples); greedy evaluation at steps 0, 30 and 60 on the same 150 held-out 3-term products
+# (--num_eval_prompts 150: the first 150 of mul_3t2d's test split are issue57_item4_g16's) and the 500 4-term ones.
+if [[ ${1:-} == issue57_item4_3t ]]; then
+    python -m benchmark.prepare_assets --only tasks
+    Q="Calculate 12 * 34 * 5. Give the final answer after 'Answer:'."
+    A="<calc>12 * 34</calc><result>408</result><calc>408 * 5</calc><result>2040</result>"$'\n'"Answer: 2040"
+    python -m benchmark.run --script grpo_tools.py --seeds 1 2 3 --resume_unfinished -- --exp_name chain_3t \
+        --dataset_path assets/data/mul_3t2d --num_eval_prompts 150 --extra_eval_path assets/data/mul_4t2d \
+        --max_operations 1 --max_turns 4 --response_length 128 --prompts_per_rank 2 --num_generations 16 \
+        --total_steps 60 --eval_every 30 --examples "Calculate 12 * 34 * 5. Give the final answer after 'Answer:'." \
+        "<calc>12 * 34</calc><result>408</result><calc>408 * 5</calc><result>2040</result>"$'\n'"Answer: 2040"
+    # Each trained policy on issue57_item4_g16's 300 held-out 2-3 term products, greedy; its step-0 probe is the
+    # step-0 policy of these runs too (the same prompt, products and flags).
+    for SEED in 1 2 3; do
+        python -m benchmark.tool_probe --exp_name chain_3t_final --temperature 0 --seed "$SEED" \
+            --model_name_or_path runs/mul_3t2d__chain_3t__"$SEED"__*/model \
+            --dataset_path assets/data/mul_2t3t2d --max_operations 1 --max_turns 4 --response_length 128 \
+            --output_dir "$ISSUE57" --examples "$Q" "$A"
+    done
+    # The claims, as issue57_item4_g16's: held only when the 95% t interval over the 3 seeds clears 0.
+    python -m benchmark.registry copy --out "$ISSUE57" runs/mul_3t2d__chain_3t__[1-3]__*
+    RUNS="chain_3t=$ISSUE57/mul_3t2d__chain_3t__*"
+    python -m benchmark.registry table --experiments "$RUNS" --metrics eval/accuracy eval_extra/accuracy \
+        eval/call_rate tools/multi_call_rate objective/accuracy --out benchmark/results/grpo_tools_issue57_item4_3t.md
+    python -m benchmark.registry paired --experiments "final=$ISSUE57/mul_2t3t2d__chain_3t_final__*" \
+        "step0=$ISSUE57/mul_2t3t2d__chain_g16_step0__*" --baseline step0 --fixed_baseline \
+        --metrics eval/accuracy_3_terms eval/multi_call_rate_3_terms eval/accuracy_2_terms --at_least 0 \
+        --out benchmark/results/grpo_tools_issue57_item4_3t_terms.md
+    python -m benchmark.registry change --experiments "$RUNS" --metrics eval/accuracy eval_extra/accuracy --window 1 \
+        --at_least 0 --out benchmark/results/grpo_tools_issue57_item4_3t_heldout.md
+    python -m benchmark.registry change --experiments "$RUNS" --metrics tools/multi_call_rate objective/accuracy \
+        --window 5 --at_least 0 --out benchmark/results/grpo_tools_issue57_item4_3t_change.md
+    python -m benchmark.registry plot --experiments "$RUNS" --metric eval/accuracy eval_extra/accuracy \
+        tools/multi_call_rate objective/accuracy --smooth 5 --out benchmark/results/grpo_tools_issue57_item4_3t.png
     exit 0
 fi
 

@@ -155,6 +155,9 @@ SEED = 0  # one stream per task; the train/test split comes from hashing the que
 TASK_SEEDS = {"mul_4t2d": 10**6}
 # The rows a task keeps (reasoning-gym's entry -> bool), where it does not keep every one.
 KEEP = {"mul_2t3t2d": lambda entry: str(entry["answer"]) != "0", "mul_4t2d": lambda entry: str(entry["answer"]) != "0"}
+# Tasks made of another task's rows, split for split: name -> (source, row -> bool). mul_3t2d, the 3-term products of
+# mul_2t3t2d (issue 57's chaining runs trained on 3-term products only), keeps its held-out products held out.
+SUBSETS = {"mul_3t2d": ("mul_2t3t2d", lambda row: row["question"].count(" * ") == 2)}
 DRAWS_PER_QUESTION = 20  # draws allowed per wanted question before a config is deemed exhausted
 STAGES = ("model", "tasks", "gsm8k")
 
@@ -305,6 +308,17 @@ def prepare_tasks(assets: Path) -> None:
         write_jsonl(test, out / "test.jsonl")
         write_jsonl(train, out / "train.jsonl")
         log("tasks", f"wrote {out} (train {len(train)}, test {len(test)}; {sources})", t0)
+    prepare_subsets(assets)
+
+
+def prepare_subsets(assets: Path) -> None:
+    for key, (source, keep) in SUBSETS.items():
+        t0, out = time.time(), assets / "data" / key
+        for split in ("train", "test"):
+            lines = (assets / "data" / source / f"{split}.jsonl").read_text(encoding="utf-8").splitlines()
+            rows = map(json.loads, lines)
+            write_jsonl([row for row in rows if keep(row)], out / f"{split}.jsonl")
+        log("tasks", f"wrote {out} (the rows of {source} that SUBSETS keeps)", t0)
 
 
 def prepare_gsm8k(assets: Path) -> None:

@@ -546,16 +546,19 @@ def holm(p_values, alpha=0.025):
     return rejected
 
 
-def paired_table(experiments, metrics, baseline, digits=3, at_least=None, statistic="final"):
+def paired_table(experiments, metrics, baseline, digits=3, at_least=None, statistic="final", fixed_baseline=False):
     """A markdown table comparing each experiment with the baseline experiment (a label) seed by seed: for each
     metric, the final values (or the peaks, or the falls from the peak: seed_values' statistic) of both on the seeds
     they share, the differences (experiment - baseline), their mean ±
     std (ddof=1) and the paired t statistic mean / (std / sqrt(n)) with n - 1 degrees of freedom. With at_least, two
     more columns: the mean and its standard error with the two-sided 95% interval, and the claim "difference >=
-    at_least" checked on that interval (claim_verdict)."""
+    at_least" checked on that interval (claim_verdict). fixed_baseline: the baseline is one run whose values do not
+    depend on the seed (a greedy probe of the untrained policy), paired with every seed of the others."""
     runs_of = dict(experiments)
     if baseline not in runs_of:
         raise ValueError(f"--baseline {baseline!r} is not one of the experiments' labels {list(runs_of)}")
+    if fixed_baseline and len(runs_of[baseline]) != 1:
+        raise ValueError(f"--fixed_baseline needs one {baseline} run, not {len(runs_of[baseline])}")
     header = ["experiment", "metric", "seeds", f"{baseline} per seed", "experiment per seed", "difference per seed"]
     rows = [header + ["difference (mean ± std)", "paired t (df)"]]
     if at_least is not None:
@@ -566,6 +569,8 @@ def paired_table(experiments, metrics, baseline, digits=3, at_least=None, statis
             continue
         for metric in metrics:
             base, other = seed_values(runs_of[baseline], metric, statistic), seed_values(runs, metric, statistic)
+            if fixed_baseline:
+                base = dict.fromkeys(other, *base.values()) if base else {}
             seeds = sorted(set(base) & set(other))
             diffs = [other[seed] - base[seed] for seed in seeds]
             mean, std, n = mean_std(diffs)
@@ -812,6 +817,10 @@ def build_parser():
         "--statistic", choices=("final", "peak", "fall"), default="final",
         help="what is compared: the final value, the peak (largest logged), or the fall (peak - final)",
     )  # fmt: skip
+    p.add_argument(
+        "--fixed_baseline", action="store_true",
+        help="the baseline is one run that does not depend on the seed (greedy, untrained): paired with every seed",
+    )  # fmt: skip
 
     p = commands.add_parser("change", help="each run's metric, last steps minus first steps, over seeds")
     experiments_args(p)
@@ -854,7 +863,10 @@ def main(argv=None):
     elif args.command == "paired":
         experiments = load_experiments(args.experiments, args.all_runs)
         try:
-            table = paired_table(experiments, args.metrics, args.baseline, args.digits, args.at_least, args.statistic)
+            table = paired_table(
+                experiments, args.metrics, args.baseline, args.digits, args.at_least, args.statistic,
+                args.fixed_baseline,
+            )  # fmt: skip
         except ValueError as error:
             sys.exit(f"error: {error}")
         write_text(table, args.out)

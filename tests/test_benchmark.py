@@ -1577,6 +1577,32 @@ def test_registry_paired_peak_and_fall_worked_out_here(tmp_path):
     ]
 
 
+def test_registry_paired_fixed_baseline_pairs_one_run_with_every_seed(tmp_path):
+    """paired --fixed_baseline: the baseline's one run (seed 1, a greedy probe that any seed would repeat) is the
+    baseline of every seed of the other experiment; two baseline runs are refused."""
+
+    def run(name, seed, value):
+        lines = [{"global_step": 0, "eval/accuracy": value}]
+        return registry.load_run(write_run(str(tmp_path), f"t__{name}__{seed}__1", seed, lines))
+
+    finals = {1: 1.0, 2: 0.02, 3: 0.5}
+    experiments = [("step0", [run("step0", 1, 0.1)]), ("final", [run("final", s, v) for s, v in finals.items()])]
+    row = registry.paired_table(experiments, ["eval/accuracy"], "step0", at_least=0.0, fixed_baseline=True)
+    cells = [cell.strip() for cell in row.splitlines()[2].strip("|").split("|")]
+    diffs = [v - 0.1 for v in finals.values()]
+    mean, std = statistics.mean(diffs), statistics.stdev(diffs)
+    assert cells[2:7] == ["1 2 3", "0.100 / 0.100 / 0.100", "1.000 / 0.020 / 0.500"] + [
+        " / ".join(f"{d:.3f}" for d in diffs),
+        f"{mean:.3f} ± {std:.3f}",
+    ]
+    assert cells[7] == f"{mean / (std / 3**0.5):.2f} (2)" and cells[-1] == "**inconclusive**"  # t 1.6 < 4.30
+    plain = registry.paired_table(experiments, ["eval/accuracy"], "step0").splitlines()[2]
+    assert plain.split(" | ")[2] == "1"  # without the flag only seed 1 has a baseline
+    with pytest.raises(ValueError, match="needs one step0 run"):
+        registry.paired_table(experiments[1:] + [("step0", experiments[1][1])], ["eval/accuracy"], "step0",
+                              fixed_baseline=True)  # fmt: skip
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # benchmark.best_of_n (issue 57): the subset estimator, the rules, the bootstrap, the stages' files
 

@@ -1214,3 +1214,27 @@ def test_item4_tasks_hold_no_zero_product_and_no_3_term_training_question_starts
     assert not starts & {row["question"] for row in train}
     same_seed, _ = pa.distinct_questions(*pa.TASKS["mul_4t2d"][0], pa.SEED, 300)
     assert {row["question"].rsplit(" * ", 1)[0] + "." for row in same_seed} & {row["question"] for row in train}
+
+
+def test_mul_3t2d_is_the_3_term_rows_of_mul_2t3t2d_split_for_split(tmp_path):
+    """prepare_assets' SUBSETS: mul_3t2d's train and test are mul_2t3t2d's rows with 3 factors, in their order, so its
+    held-out products stay held out (the 3-term runs are probed on mul_2t3t2d's test split)."""
+    from benchmark import prepare_assets as pa
+
+    rng = random.Random(0)
+    source = {}
+    for split in ("train", "test"):
+        rows = []
+        for _ in range(40):
+            factors = [str(rng.randint(1, 99)) for _ in range(rng.choice((2, 3)))]
+            question = f"Calculate {' * '.join(factors)}."
+            rows.append({"question": question, "answer": str(math.prod(map(int, factors))), "task": "mul"})
+        source[split] = rows
+        (tmp_path / "data" / "mul_2t3t2d").mkdir(parents=True, exist_ok=True)
+        pa.write_jsonl(rows, tmp_path / "data" / "mul_2t3t2d" / f"{split}.jsonl")
+    pa.prepare_subsets(tmp_path)
+    for split, rows in source.items():
+        with open(tmp_path / "data" / "mul_3t2d" / f"{split}.jsonl") as f:
+            got = [json.loads(line) for line in f]
+        want = [row for row in rows if len(re.findall(r"\d+", row["question"])) == 3]
+        assert got == want and 0 < len(want) < len(rows)
