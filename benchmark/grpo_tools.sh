@@ -12,13 +12,15 @@ cd "$(dirname "$0")/.."
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Issue 57, items 3 and 4: their gates failed (docs/grpo_tools.md), so only their probes ran; item 4's replacement,
-# issue57_item4_g16, ran (2 seeds of 3 on 2026-11-28). Each runs only when named; the published experiment at the
-# end stays what `bash benchmark/grpo_tools.sh` runs:
+# issue57_item4_g16, ran (3 seeds, 2026-11-28/29), then issue57_item4_3t (1 seed). Each runs only when named; the published
+# experiment at the end stays what `bash benchmark/grpo_tools.sh` runs:
 #   bash benchmark/grpo_tools.sh issue57_item3     # a tool task RL must learn: mul_2t3d, an addition example shown
 #   bash benchmark/grpo_tools.sh issue57_item3_probes  # its replacement's probes: no example shown
 #   bash benchmark/grpo_tools.sh issue57_item4     # several calls: one operation per call, 2-3 terms, 4 held out
 #   bash benchmark/grpo_tools.sh issue57_item4_g16  # its replacement: the chained example, groups of 16, 60 steps
-#   bash benchmark/grpo_tools.sh issue57_item4_3t   # the same on 3-term products only
+#   bash benchmark/grpo_tools.sh issue57_item4_3t   # the same on 3-term products only (1 seed)
+#   bash benchmark/grpo_tools.sh issue57_item4_prompts  # item 4's gate on three more prompts
+#   bash benchmark/grpo_tools.sh issue57_item3_arms     # item 3's other arms on that task: probes of step 0
 # Seeds: 5 where a run costs <= 15 min (item 3's runs are the published run's size: 11-12 min on the 2 cores), else 3
 # (item 4: 128-token trajectories of up to 4 calls, 300 + 500 held-out prompts at each evaluation).
 # benchmark/tool_probe.py writes each probe's folder (probe.json, and a metrics.jsonl that benchmark.registry reads as
@@ -212,38 +214,80 @@ fi
 # step 0) comes twice as often a step, and no group rewards answering after one call. The same budget (60 steps of
 # 2 prompts x 16 samples); greedy evaluation at steps 0, 30 and 60 on the same 150 held-out 3-term products
 # (--num_eval_prompts 150: the first 150 of mul_3t2d's test split are issue57_item4_g16's) and the 500 4-term ones.
+# Seed 1 only (2026-11-29): its first right answer came at step 58 (1 in 1920 samples; until then every group had
+# no signal, so the policy stayed the step-0 one), so the design rests on a rarer event than the mixed runs, and
+# seeds 2-3 were not run; with one seed there is no check, only its table.
 if [[ ${1:-} == issue57_item4_3t ]]; then
     python -m benchmark.prepare_assets --only tasks
     Q="Calculate 12 * 34 * 5. Give the final answer after 'Answer:'."
     A="<calc>12 * 34</calc><result>408</result><calc>408 * 5</calc><result>2040</result>"$'\n'"Answer: 2040"
-    python -m benchmark.run --script grpo_tools.py --seeds 1 2 3 --resume_unfinished -- --exp_name chain_3t \
+    python -m benchmark.run --script grpo_tools.py --seeds 1 --resume_unfinished -- --exp_name chain_3t \
         --dataset_path assets/data/mul_3t2d --num_eval_prompts 150 --extra_eval_path assets/data/mul_4t2d \
         --max_operations 1 --max_turns 4 --response_length 128 --prompts_per_rank 2 --num_generations 16 \
         --total_steps 60 --eval_every 30 --examples "Calculate 12 * 34 * 5. Give the final answer after 'Answer:'." \
         "<calc>12 * 34</calc><result>408</result><calc>408 * 5</calc><result>2040</result>"$'\n'"Answer: 2040"
-    # Each trained policy on issue57_item4_g16's 300 held-out 2-3 term products, greedy; its step-0 probe is the
-    # step-0 policy of these runs too (the same prompt, products and flags).
-    for SEED in 1 2 3; do
-        python -m benchmark.tool_probe --exp_name chain_3t_final --temperature 0 --seed "$SEED" \
-            --model_name_or_path runs/mul_3t2d__chain_3t__"$SEED"__*/model \
-            --dataset_path assets/data/mul_2t3t2d --max_operations 1 --max_turns 4 --response_length 128 \
-            --output_dir "$ISSUE57" --examples "$Q" "$A"
-    done
-    # The claims, as issue57_item4_g16's: held only when the 95% t interval over the 3 seeds clears 0.
-    python -m benchmark.registry copy --out "$ISSUE57" runs/mul_3t2d__chain_3t__[1-3]__*
+    # The trained policy on issue57_item4_g16's 300 held-out 2-3 term products, greedy (its step-0 probe,
+    # chain_g16_step0, is these runs' step 0 too: the same prompt, products and flags).
+    python -m benchmark.tool_probe --exp_name chain_3t_final --temperature 0 --seed 1 \
+        --model_name_or_path runs/mul_3t2d__chain_3t__1__*/model \
+        --dataset_path assets/data/mul_2t3t2d --max_operations 1 --max_turns 4 --response_length 128 \
+        --output_dir "$ISSUE57" --examples "$Q" "$A"
+    python -m benchmark.registry copy --out "$ISSUE57" runs/mul_3t2d__chain_3t__1__*
     RUNS="chain_3t=$ISSUE57/mul_3t2d__chain_3t__*"
-    python -m benchmark.registry table --experiments "$RUNS" --metrics eval/accuracy eval_extra/accuracy \
-        eval/call_rate tools/multi_call_rate objective/accuracy --out benchmark/results/grpo_tools_issue57_item4_3t.md
-    python -m benchmark.registry paired --experiments "final=$ISSUE57/mul_2t3t2d__chain_3t_final__*" \
-        "step0=$ISSUE57/mul_2t3t2d__chain_g16_step0__*" --baseline step0 --fixed_baseline \
-        --metrics eval/accuracy_3_terms eval/multi_call_rate_3_terms eval/accuracy_2_terms --at_least 0 \
-        --out benchmark/results/grpo_tools_issue57_item4_3t_terms.md
-    python -m benchmark.registry change --experiments "$RUNS" --metrics eval/accuracy eval_extra/accuracy --window 1 \
-        --at_least 0 --out benchmark/results/grpo_tools_issue57_item4_3t_heldout.md
-    python -m benchmark.registry change --experiments "$RUNS" --metrics tools/multi_call_rate objective/accuracy \
-        --window 5 --at_least 0 --out benchmark/results/grpo_tools_issue57_item4_3t_change.md
-    python -m benchmark.registry plot --experiments "$RUNS" --metric eval/accuracy eval_extra/accuracy \
-        tools/multi_call_rate objective/accuracy --smooth 5 --out benchmark/results/grpo_tools_issue57_item4_3t.png
+    python -m benchmark.registry table --experiments "$RUNS" "final=$ISSUE57/mul_2t3t2d__chain_3t_final__*" \
+        "step0=$ISSUE57/mul_2t3t2d__chain_g16_step0__*" --metrics eval/accuracy eval_extra/accuracy \
+        tools/multi_call_rate objective/accuracy eval/accuracy_3_terms eval/accuracy_2_terms \
+        --out benchmark/results/grpo_tools_issue57_item4_3t.md
+    exit 0
+fi
+
+# A prompt the step-0 policy chains from: item 4's gate (>= 3% right at T 1 on 3-term training products, one
+# operation a call), probed on 128 prompts x 8 for three prompts beyond the chained example alone (2 in 512): two
+# chained examples; the chained example with a system prompt that says a call takes one operation; both. A prompt
+# that passes is then probed greedy on the 150 held-out 3-term products (<= 0.5: room for RL, not sharpening).
+if [[ ${1:-} == issue57_item4_prompts ]]; then
+    Q1="Calculate 12 * 34 * 5. Give the final answer after 'Answer:'."
+    A1="<calc>12 * 34</calc><result>408</result><calc>408 * 5</calc><result>2040</result>"$'\n'"Answer: 2040"
+    Q2="Calculate 26 * 3 * 47. Give the final answer after 'Answer:'."
+    A2="<calc>26 * 3</calc><result>78</result><calc>78 * 47</calc><result>3666</result>"$'\n'"Answer: 3666"
+    S="You can use a calculator: write <calc>expression</calc> and its result follows as <result>value</result>. A call"
+    S+=" takes one operation: for more, call it again on its result."
+    PROBE=(--prompts train --terms 3 --num_prompts 128 --samples_per_prompt 8 --dataset_path assets/data/mul_2t3t2d
+        --max_operations 1 --max_turns 4 --response_length 128 --min_accuracy 0.03 --output_dir "$ISSUE57")
+    GREEDY=(--temperature 0 --terms 3 --dataset_path assets/data/mul_2t3t2d --max_operations 1 --max_turns 4
+        --response_length 128 --max_accuracy 0.5 --output_dir "$ISSUE57")
+    python -m benchmark.tool_probe --exp_name gate_two_examples "${PROBE[@]}" --examples "$Q1" "$A1" "$Q2" "$A2" &&
+        python -m benchmark.tool_probe --exp_name greedy_two_examples "${GREEDY[@]}" \
+            --examples "$Q1" "$A1" "$Q2" "$A2" || true
+    python -m benchmark.tool_probe --exp_name gate_system "${PROBE[@]}" --system_prompt "$S" --examples "$Q1" "$A1" &&
+        python -m benchmark.tool_probe --exp_name greedy_system "${GREEDY[@]}" --system_prompt "$S" \
+            --examples "$Q1" "$A1" || true
+    python -m benchmark.tool_probe --exp_name gate_system_two "${PROBE[@]}" --system_prompt "$S" \
+        --examples "$Q1" "$A1" "$Q2" "$A2" &&
+        python -m benchmark.tool_probe --exp_name greedy_system_two "${GREEDY[@]}" --system_prompt "$S" \
+            --examples "$Q1" "$A1" "$Q2" "$A2" || true
+    exit 0
+fi
+
+# Item 3's other arms on the task that replaced it (issue57_item4_g16's: the chained example, 2-3 term products, one
+# operation a call), as probes of the step-0 policy: sharpening without RL (T 0.5, 4 samples on each of the 300
+# held-out products), and the signal a run with the tool disabled would get (every call answered `error:
+# unavailable`; T 1 on 128 x 8 training products of 2-3 terms): a group with no right answer has zero advantage.
+if [[ ${1:-} == issue57_item3_arms ]]; then
+    Q="Calculate 12 * 34 * 5. Give the final answer after 'Answer:'."
+    A="<calc>12 * 34</calc><result>408</result><calc>408 * 5</calc><result>2040</result>"$'\n'"Answer: 2040"
+    python -m benchmark.tool_probe --exp_name chain_sharpen_t05 --temperature 0.5 --samples_per_prompt 4 \
+        --dataset_path assets/data/mul_2t3t2d --max_operations 1 --max_turns 4 --response_length 128 \
+        --output_dir "$ISSUE57" --examples "$Q" "$A"
+    python -m benchmark.tool_probe --exp_name chain_unavailable_t1 --tool unavailable --prompts train \
+        --num_prompts 128 --samples_per_prompt 8 --dataset_path assets/data/mul_2t3t2d --max_operations 1 \
+        --max_turns 4 --response_length 128 --output_dir "$ISSUE57" --examples "$Q" "$A"
+    # The tool arm (each seed's trained policy, greedy) against the sharpened step-0 policy, paired with every seed
+    # (--fixed_baseline: the probe's own sampling error, s.e. 0.019 on 1200 samples, is left out of the interval).
+    python -m benchmark.registry paired --experiments "tool=$ISSUE57/mul_2t3t2d__chain_g16_final__*" \
+        "sharpen=$ISSUE57/mul_2t3t2d__chain_sharpen_t05__*" --baseline sharpen --fixed_baseline \
+        --metrics eval/accuracy eval/accuracy_3_terms eval/accuracy_2_terms --at_least 0 \
+        --out benchmark/results/grpo_tools_issue57_item3_chain_sharpen.md
     exit 0
 fi
 
