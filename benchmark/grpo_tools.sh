@@ -12,8 +12,8 @@ cd "$(dirname "$0")/.."
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Issue 57, items 3 and 4: their gates failed (docs/grpo_tools.md), so only their probes ran; item 4's replacement,
-# issue57_item4_g16, ran (3 seeds, 2026-11-28/29), then issue57_item4_3t (1 seed). Each runs only when named; the published
-# experiment at the end stays what `bash benchmark/grpo_tools.sh` runs:
+# issue57_item4_g16, ran (3 seeds, 2026-11-28/29), then issue57_item4_3t (1 seed). Each runs only when named; the
+# published experiment at the end stays what `bash benchmark/grpo_tools.sh` runs:
 #   bash benchmark/grpo_tools.sh issue57_item3     # a tool task RL must learn: mul_2t3d, an addition example shown
 #   bash benchmark/grpo_tools.sh issue57_item3_probes  # its replacement's probes: no example shown
 #   bash benchmark/grpo_tools.sh issue57_item4     # several calls: one operation per call, 2-3 terms, 4 held out
@@ -250,8 +250,8 @@ if [[ ${1:-} == issue57_item4_prompts ]]; then
     A1="<calc>12 * 34</calc><result>408</result><calc>408 * 5</calc><result>2040</result>"$'\n'"Answer: 2040"
     Q2="Calculate 26 * 3 * 47. Give the final answer after 'Answer:'."
     A2="<calc>26 * 3</calc><result>78</result><calc>78 * 47</calc><result>3666</result>"$'\n'"Answer: 3666"
-    S="You can use a calculator: write <calc>expression</calc> and its result follows as <result>value</result>. A call"
-    S+=" takes one operation: for more, call it again on its result."
+    S="You can use a calculator: write <calc>expression</calc> and its result follows as <result>value</result>."
+    S+=" A call takes one operation: for more, call it again on its result."
     PROBE=(--prompts train --terms 3 --num_prompts 128 --samples_per_prompt 8 --dataset_path assets/data/mul_2t3t2d
         --max_operations 1 --max_turns 4 --response_length 128 --min_accuracy 0.03 --output_dir "$ISSUE57")
     GREEDY=(--temperature 0 --terms 3 --dataset_path assets/data/mul_2t3t2d --max_operations 1 --max_turns 4

@@ -552,8 +552,9 @@ def paired_table(experiments, metrics, baseline, digits=3, at_least=None, statis
     they share, the differences (experiment - baseline), their mean ±
     std (ddof=1) and the paired t statistic mean / (std / sqrt(n)) with n - 1 degrees of freedom. With at_least, two
     more columns: the mean and its standard error with the two-sided 95% interval, and the claim "difference >=
-    at_least" checked on that interval (claim_verdict). fixed_baseline: the baseline is one run whose values do not
-    depend on the seed (a greedy probe of the untrained policy), paired with every seed of the others."""
+    at_least" checked on that interval (claim_verdict). fixed_baseline: the baseline is one run, paired with every
+    seed of the others: exact for a run no seed changes (a greedy probe of the untrained policy); for a sampled one
+    the interval leaves out its own sampling error."""
     runs_of = dict(experiments)
     if baseline not in runs_of:
         raise ValueError(f"--baseline {baseline!r} is not one of the experiments' labels {list(runs_of)}")
@@ -819,7 +820,8 @@ def build_parser():
     )  # fmt: skip
     p.add_argument(
         "--fixed_baseline", action="store_true",
-        help="the baseline is one run that does not depend on the seed (greedy, untrained): paired with every seed",
+        help="the baseline is one run, paired with every seed (exact for a greedy probe of the untrained policy; a "
+        "sampled one's own error is left out of the interval)",
     )  # fmt: skip
 
     p = commands.add_parser("change", help="each run's metric, last steps minus first steps, over seeds")
