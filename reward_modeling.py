@@ -1204,9 +1204,12 @@ class Run:
         optimizer.zero_grad(set_to_none=True)
         self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
         if self.skipped_in_a_row >= max_skipped:  # the same on every process: the gradients are the synchronised ones
+            precision = {"no": "fp32"}.get(self.accelerator.mixed_precision, self.accelerator.mixed_precision)
+            fp16 = self.accelerator.scaler is not None or precision == "fp16"
+            by = "the fp16 loss scaler" if fp16 else f"DeepSpeed's overflow check ({precision})"
             raise RuntimeError(
-                f"step {self.step + 1}: the fp16 loss scaler skipped {max_skipped} updates in a row (gradients that "
-                f"overflow at every scale); last good checkpoint: {self.last_checkpoint or 'none'}"
+                f"step {self.step + 1}: {by} skipped {max_skipped} updates in a row (gradients that overflow at every "
+                f"step); last good checkpoint: {self.last_checkpoint or 'none'}"
             )
 
     def due(self, every):
@@ -1352,9 +1355,15 @@ def _clip_gradients(accelerator, model, max_grad_norm, step, last_checkpoint):
     step and lower the scale, so the weights stay finite; the averages leave NaN out) and where DeepSpeed computes no
     norm. Elsewhere a non-finite norm (a finite loss whose backward overflowed) stops the run before the optimizer
     step, so that non-finite weights are never checkpointed (DeepSpeed steps inside accelerator.backward: there,
-    before the next checkpoint)."""
+    before the next checkpoint); without a norm, non-finite weights after the update stop it (one all-reduced
+    flag)."""
     grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
-    if grad_norm is None:  # DeepSpeed with zero_optimization.compute_grad_norm false computes none
+    if grad_norm is None:
+        # DeepSpeed with zero_optimization.compute_grad_norm false: no norm, and in fp32 (bf16 unless its
+        # check_grad_overflow is on) no overflow check either, so a non-finite gradient was applied in backward
+        finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+        unknown = "weights after an update with no gradient norm (DeepSpeed's compute_grad_norm false)"
+        _check_finite(accelerator, 0.0 if finite else math.nan, unknown, step, last_checkpoint)
         return math.nan
     grad_norm = float(grad_norm)
     deepspeed_fp16 = accelerator.state.deepspeed_plugin is not None and accelerator.mixed_precision == "fp16"

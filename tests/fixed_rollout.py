@@ -8,7 +8,10 @@ As a program it runs a script's main() with its HF sampler (and the rewards name
     accelerate launch --multi_gpu --num_processes 2 tests/fixed_rollout.py grpo_math.py --no-vllm ...
 In-process tests call patch(module, monkeypatch.setattr) and then module.main(args).
 
-For the fault-injection tests the program also kills itself (SIGKILL) at a chosen point, and counts the points:
+For the fault-injection tests the program can also overflow a gradient and turn off DeepSpeed's gradient norm:
+    INF_GRADIENT=1                     the final norm's gradient times inf in every backward (the loss stays finite)
+    DEEPSPEED_COMPUTE_GRAD_NORM=false  zero_optimization.compute_grad_norm false (ZeRO-1/2, --max_grad_norm 0)
+and kill itself (SIGKILL) at a chosen point, and count the points:
     KILL_AT=backward:7        before the 7th backward pass: inside a training step
     KILL_AT=save_state:2      once the 2nd checkpoint's files are written, before the checkpoint is finished
     KILL_AT=save_pretrained:1 once the first model folder of the final save is written
@@ -105,6 +108,26 @@ def counted_call(original, name, kill_before, kill_at, calls):
     return call
 
 
+def install_faults(script):
+    """The faults the environment asks for (INF_GRADIENT, DEEPSPEED_COMPUTE_GRAD_NORM), on the script's loaders."""
+    load_model, make_accelerator = script._load_model, script._make_accelerator
+
+    def overflowing(*args, **kwargs):
+        model = load_model(*args, **kwargs)
+        model.model.norm.weight.register_hook(lambda grad: grad * float("inf"))
+        return model
+
+    def without_norm(*args, **kwargs):
+        accelerator = make_accelerator(*args, **kwargs)
+        accelerator.state.deepspeed_plugin.deepspeed_config["zero_optimization"]["compute_grad_norm"] = False
+        return accelerator
+
+    if os.environ.get("INF_GRADIENT") == "1":
+        script._load_model = overflowing
+    if os.environ.get("DEEPSPEED_COMPUTE_GRAD_NORM") == "false":
+        script._make_accelerator = without_norm
+
+
 def install_kill_points(kill_at, calls):
     """Count the calls of each kill point in `calls` and SIGKILL this process at the one kill_at names (or None)."""
     import accelerate
@@ -130,6 +153,7 @@ if __name__ == "__main__":
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     script = importlib.import_module(os.path.basename(sys.argv.pop(1)).removesuffix(".py"))
     patch(script)
+    install_faults(script)
     calls = collections.Counter()
     install_kill_points(os.environ.get("KILL_AT"), calls)
     script.main(tyro.cli(script.Config))

@@ -26,6 +26,7 @@ from conftest import (
     require_deepspeed,
     require_vllm,
     space_reward,
+    subprocess_env,
     vllm_env,
     without_timing,
 )
@@ -573,6 +574,26 @@ def test_non_finite_gradient_stops_before_the_update_and_is_never_checkpointed(m
         grpo_math.main(args)
     assert "last good checkpoint: none" in str(error.value)
     assert not glob.glob(str(tmp_path / "runs" / "*" / "checkpoints" / "step_*"))
+
+
+@pytest.mark.slow
+def test_deepspeed_without_a_gradient_norm_stops_on_non_finite_weights_before_any_checkpoint(
+    tiny_model_dir, task_dir, tmp_path
+):
+    """Issue 65: DeepSpeed ZeRO-2 in fp32 with zero_optimization.compute_grad_norm false checks no overflow and
+    computes no norm, so a non-finite gradient from a finite loss is applied inside accelerator.backward. The run
+    stops at step 1 on the weights (one flag over both processes), naming it, and saves no checkpoint (failed before:
+    step_1 was saved with NaN weights as the last good checkpoint, and the run stopped at step 2 on the loss)."""
+    require_deepspeed()
+    out = str(tmp_path / "zero2-no-norm")
+    args = {**INVARIANT_ARGS, "prompts_per_rank": 2, "beta": 0.0, "max_grad_norm": 0.0, "save_every": 1}
+    flags = fast_cli_flags(tiny_model_dir, task_dir, out, **args)
+    config = os.path.join(REPO_ROOT, "benchmark", "accelerate_configs", "deepspeed_zero2.yaml")
+    env = {**subprocess_env(), "INF_GRADIENT": "1", "DEEPSPEED_COMPUTE_GRAD_NORM": "false"}
+    with pytest.raises(AssertionError) as error:
+        launch_fixed_rollout("grpo_math.py", flags, out, config_file=config, env=env)
+    assert re.search(r"step 1: non-finite weights after an update with no gradient norm .*none", str(error.value))
+    assert not glob.glob(os.path.join(out, "*", "checkpoints", "step_*"))
 
 
 @pytest.mark.slow

@@ -88,6 +88,13 @@ def test_deepspeed_without_a_gradient_norm_is_not_an_error(script):
         accelerator = stand_in_accelerator(0.0, mixed_precision=mixed_precision, deepspeed_plugin=object())
         accelerator.clip_grad_norm_ = lambda parameters, max_norm: None
         assert math.isnan(script._clip_gradients(accelerator, torch.nn.Linear(2, 2), 1.0, 3, None))
+        # Issue 65: in fp32 (and bf16 without check_grad_overflow) DeepSpeed then checks no overflow either, and a
+        # non-finite gradient was applied: non-finite weights stop the run (returned NaN before, and were saved).
+        broken = torch.nn.Linear(2, 2)
+        with torch.no_grad():
+            broken.weight[0, 1] = math.nan if mixed_precision != "bf16" else math.inf
+        with pytest.raises(RuntimeError, match=r"^step 4: non-finite weights after an update with no gradient norm"):
+            script._clip_gradients(accelerator, broken, 1.0, 3, "runs/x/checkpoints/step_2")
 
 
 @pytest.mark.parametrize("script", SCRIPTS + [grpo_tools], ids=lambda m: m.__name__)
@@ -106,6 +113,12 @@ def test_updates_skipped_in_a_row_are_bounded(script):
         run.optimizer_step(torch.nn.Linear(2, 2), optimizer, scheduler)
     assert run.skipped_in_a_row == 29 and len(stepped) == 1 and len(run.stats["policy/grad_norm"]) == 59
     with pytest.raises(RuntimeError, match=r"^step 10: the fp16 loss scaler skipped 30 updates in a row .*step_8$"):
+        run.optimizer_step(torch.nn.Linear(2, 2), optimizer, scheduler)
+    # DeepSpeed's bf16 check_grad_overflow skips updates too: the message names the precision (issue 65).
+    run.skipped_in_a_row = 29
+    run.accelerator = stand_in_accelerator(math.inf, mixed_precision="bf16", deepspeed_plugin=object())
+    run.accelerator.clip_grad_norm_, run.accelerator.optimizer_step_was_skipped = lambda *args: None, True
+    with pytest.raises(RuntimeError, match=r"^step 10: DeepSpeed's overflow check \(bf16\) skipped 30 updates"):
         run.optimizer_step(torch.nn.Linear(2, 2), optimizer, scheduler)
 
 
