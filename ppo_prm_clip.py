@@ -553,13 +553,15 @@ def step_arithmetic(step):
     r"""The verdict on a step's equations: False when one of them is wrong, True when it has some and all hold,
     None when it has none that can be checked. What cannot be read is left unchecked, never called wrong (a prefix
     scores its worst step). An equation is a run of numbers, operators, parentheses and '=' ("3 + 4 = 7",
-    "2 * 3 = 6 = 12 / 2", "2^3 = 8", "√16 = 4"); it holds when all its sides that evaluate (see evaluate_arithmetic)
-    are equal, and is checkable when at least two do. A side that is a number written with d >= 1 decimals stands for
-    the values that round to it ("10 / 3 = 3.33": within 0.5 * 10^-d); a whole number is exact ("7 / 2 = 3" is
-    wrong). A side of percentages reads N% as N / 100, a lone one rounded to its digits ("20 / 80 = 25%",
-    "1/3 = 33%", "50% - 25% = 25%"), or as N where another side ends or starts with a product by 100
-    ("20 / 80 * 100 = 25%"); a side that mixes percentages and plain numbers ("100 + 20% = 120") or has a "%" between
-    numbers ("10 % 3") is not read.
+    "2 * 3 = 6 = 12 / 2", "2^3 = 8", "√16 = 4"); it is checkable when at least two of its sides evaluate, and holds
+    when their values meet (arithmetic_interval: a number written with decimals, and a percentage, stands for the
+    values that round to it, through the whole side: "10 / 3 = 3.33", "0.67 * 30 = 20", "33.3% of 90 = 30"; a whole
+    number is exact: "7 / 2 = 3" is wrong) or when it is a running total ("20 + 5 = 25 + 10 = 35": each side equals
+    the next one or the number that starts it, and the last two are equal). A whole number after a division and
+    before a word may be a floor or a ceiling ("25 / 4 = 6 full bags"): it is not read. A side of percentages reads
+    N% as N / 100 ("20 / 80 = 25%", "1/3 = 33%", "50% - 25% = 25%"), or as N where another side ends or starts with
+    a product by 100 ("20 / 80 * 100 = 25%"); a side that mixes percentages and plain numbers other than by a
+    product ("100 + 20% = 120") or has a "%" between numbers ("10 % 3") is not read.
     A side is not read where it may continue the text around it. The first side: glued to what precedes it ("x^2",
     "a_1", "3:4", "9:00", "1,00,000", "2,5"), begun by an operator ("x + 3"; in "-3 + 5" the sign is the number's), a
     lone number after a word ("half of 20", "twice 5"), or after "of", "times", "twice", "thrice", "half", "double",
@@ -598,16 +600,16 @@ def step_arithmetic(step):
     operand = r"[ \t]*(?=[(√]|-?\.?\d)"  # what follows an operator: "(", a root or a number
     percent = r"[ \t]*(?:%|percent(?![a-z]))"
     times = r"x|·|\\times|\\cdot|times|multiplied[ \t]+by"  # between two numbers, like * and ×
-    rules = [
-        (rf"(?<=\d){percent}[ \t]+of(?![a-z]){operand}", " / 100 * "),  # "50% of 10"
-        (rf"(?<=\d){percent}(?=[ \t]*(?:[*×]|{times}){operand})", " / 100"),  # "50% x 10"
-        (rf"((?<=[\d)])[ \t]*(?:[*×]|{times})[ \t]*\d[\d,]*(?:\.\d+)?){percent}", r"\1 / 100"),  # "10 x 50%"
+    rules = [  # "%%": a percentage of a number (side_values)
+        (rf"(?<=\d){percent}[ \t]+of(?![a-z]){operand}", "%% * "),  # "50% of 10"
+        (rf"(?<=\d){percent}(?=[ \t]*(?:[*×]|{times}){operand})", "%%"),  # "50% x 10"
+        (rf"((?<=[\d)%])[ \t]*(?:[*×]|{times})[ \t]*\d[\d,]*(?:\.\d+)?){percent}", r"\1%%"),  # "10 x 50%"
         (rf"(?<=\d){percent}", "%"),  # any other percentage: "25 percent" is a side "25%"
         (rf"(/[ \t]*\(*\d+\)*)[ \t]+of(?![a-z]){operand}", r"\1 * "),  # "1/2 of 20", "\frac{1}{2} of 20"
     ]
     words = ("*", times), ("+", "plus"), ("-", "minus"), ("/", r"\\div|divided[ \t]+by|over"), ("=", "equals?")
     for symbol, word in words:
-        rules.append((rf"(?<=[\d)])[ \t]*(?:{word})(?![a-z]){operand}", f" {symbol} "))  # "9 times 6"
+        rules.append((rf"(?<=[\d)%])[ \t]*(?:{word})(?![a-z]){operand}", f" {symbol} "))  # "9 times 6"
     for pattern, replacement in rules:
         text = re.sub(pattern, replacement, text, flags=re.I)
     text = re.sub(r"(?<!\d)\.|\.(?![\d(])", ";", text.replace("...", "…"))  # "3.(3)" is not a sentence
@@ -624,6 +626,20 @@ def step_arithmetic(step):
     text = re.sub(unit_equation, without_units, text, flags=re.I)
     remainder = r"r(?![a-z])|(?:with[ \t]+)?(?:a[ \t]+)?remainder"  # "2 R 2", "2 remainder 2"
     after_result = rf"[ \t]*(?:{remainder}|and[ \t]+(?:a[ \t]+(?:half|third|quarter)|\d+[ \t]*/))"  # "3 and a half"
+
+    def side_values(side, hundred):  # the values a side stands for, an interval (None: not read)
+        side = re.sub(r"(\d*\.?\d+)%%", r"(rounded(\1) / 100)", side)  # a percentage of a number: "50% of 10"
+        if "%" in side and not re.fullmatch(r"(?:[ \t()+\-*/×÷]*\d*\.?\d+[ \t]*%)+[ \t()]*", side):
+            return None  # percentages beside plain numbers ("100 + 20%": 20% of 100?), "10 % 3"
+        scale = 100 if "%" in side and not hundred else 1
+        return arithmetic_interval(re.sub(r"(\d*\.?\d+)[ \t]*%", rf"(rounded(\1) / {scale})", side))
+
+    def meet(intervals):  # whether intervals (None: not read, never meets) have a value in common
+        if not all(intervals):
+            return False
+        low, high = max(lo for lo, _ in intervals), min(hi for _, hi in intervals)
+        return low <= high or math.isclose(low, high, rel_tol=1e-6, abs_tol=1e-9)
+
     verdict = None
     for match in re.finditer(r"[0-9 \t.+\-*/×÷()=^√²³%]+", text):
         chunk, head, tail = match.group(), text[: match.start()], text[match.end() :]
@@ -640,35 +656,50 @@ def step_arithmetic(step):
         if not chunk[-1].isspace() and re.match(r"[a-z_:…]|,\d", tail, re.I) or re.match(after_result, tail, re.I):
             sides = sides[:-1]
         hundred = any(re.search(r"[*×][ \t]*100[ \t]*$|^[ \t]*100[ \t]*[*×]", side) for side in sides)  # N% is N
-        intervals = []  # the values each side stands for
-        for side in sides:
-            if "%" in side and not re.fullmatch(r"(?:[ \t()+\-*/×÷]*\d*\.?\d+[ \t]*%)+[ \t()]*", side):
-                continue  # percentages beside plain numbers ("100 + 20%": 20% of 100?), "10 % 3"
-            scale = 100 if "%" in side and not hundred else 1
-            value = evaluate_arithmetic(re.sub(r"(\d*\.?\d+)[ \t]*%", rf"(\1 / {scale})", side))
-            written = re.fullmatch(r"\s*-?\d*\.?(\d*)\s*%?\s*", side)  # "3.33", "25%": the values that round to it
-            half = 0.5 * 10.0 ** -len(written[1]) / scale if written and ("." in side or "%" in side) else 0.0
-            if value is not None:
-                intervals.append((value - half, value + half))
-        if len(intervals) < 2:
+        intervals = [side_values(side, hundred) for side in sides]
+        # A whole number after a division, then a word: a floor or a ceiling in context ("25 / 4 = 6 full bags").
+        if len(sides) > 1 and re.search("[/÷]", sides[-2]) and re.fullmatch(r"[ \t]*\d+[ \t]*", sides[-1]):
+            whole, quotient = intervals[-1][0], intervals[-2]
+            floor_or_ceiling = quotient and math.floor(quotient[0]) <= whole <= math.ceil(quotient[1])
+            if floor_or_ceiling and not meet(intervals[-2:]) and re.match("[a-z]{2}", tail, re.I):
+                sides, intervals = sides[:-1], intervals[:-1]
+        known = [interval for interval in intervals if interval]
+        if len(known) < 2:
             continue
-        low, high = max(lo for lo, _ in intervals), min(hi for _, hi in intervals)
-        if low > high and not math.isclose(low, high, rel_tol=1e-6, abs_tol=1e-9):
-            return False
+        if not meet(known):
+            # A running total ("20 + 5 = 25 + 10 = 35"): each side equals the next one or the number that starts it,
+            # and the last two sides are equal.
+            heads = [re.match(r"[ \t]*-?\d*\.?\d+(?:[ \t]*%)?(?=[ \t]*[-+*/×÷])", side) for side in sides[1:]]
+            starts = [head and side_values(head.group(), hundred) for head in heads]
+            steps = zip(intervals, intervals[1:], starts)
+            if not (
+                all(intervals) and meet(intervals[-2:]) and all(meet([a, b]) or meet([a, s]) for a, b, s in steps)
+            ):
+                return False
         verdict = True
     return verdict
 
 
-def evaluate_arithmetic(expression):
-    """The value of an arithmetic expression of numbers, + - * / (also × ÷), powers (** or ^, also ² ³), square
-    roots (√16, √(16), sqrt(16)) and parentheses, as a float; None when it is anything else, does not parse, divides
-    by zero, overflows, has an exponent beyond ±1000 (the text is model output) or the root or fractional power of a
-    negative number. Parsed with ast, never eval."""
+def arithmetic_interval(expression):
+    """The values an arithmetic expression of numbers, + - * / (also × ÷), powers (** or ^, also ² ³), square roots
+    (√16, √(16), sqrt(16)) and parentheses stands for, as an interval (low, high) of floats: a number written with
+    d >= 1 decimals, or in rounded(...), stands for the values that round to it ("3.33": within 0.5 * 10^-d;
+    rounded(33): 32.5 to 33.5), a whole number for itself, and the interval goes through the whole expression.
+    None when it is anything else, does not parse, divides by an interval that holds zero, overflows, has an exponent
+    beyond ±1000 (the text is model output) or the root or fractional power of a negative number. Parsed with ast,
+    never eval."""
     for symbol, python in ("×", "*"), ("÷", "/"), ("^", "**"), ("²", "**2"), ("³", "**3"):
         expression = expression.replace(symbol, python)
     expression = re.sub(r"√[ \t]*(\d*\.?\d+)", r"sqrt(\1)", expression).replace("√", "sqrt").strip()
     if not expression or len(expression) > 200:
         return None
+
+    def number(node, rounded):
+        if not (isinstance(node, ast.Constant) and type(node.value) in (int, float)):
+            raise ValueError("not arithmetic")
+        written = ast.get_source_segment(expression, node)
+        half = 0.5 * 10.0 ** -len(written.partition(".")[2]) if rounded or "." in written else 0.0
+        return node.value - half, node.value + half
 
     def power(base, exponent):
         if abs(exponent) > 1000:
@@ -678,23 +709,35 @@ def evaluate_arithmetic(expression):
     ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
     ops[ast.Pow] = power
 
-    def value(node):
-        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-            return float(node.value)
+    def value(node):  # (low, high); every operation is monotonic in each operand between its ends
+        if isinstance(node, ast.Constant):
+            return number(node, rounded=False)
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
-            return value(node.operand) * (-1 if isinstance(node.op, ast.USub) else 1)
+            low, high = value(node.operand)
+            return (-high, -low) if isinstance(node.op, ast.USub) else (low, high)
         if isinstance(node, ast.BinOp) and type(node.op) in ops:
-            return ops[type(node.op)](value(node.left), value(node.right))
-        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "sqrt" and not node.keywords:
+            (a, b), (c, d) = value(node.left), value(node.right)
+            if isinstance(node.op, ast.Div) and c <= 0 <= d and c < d:
+                raise ZeroDivisionError  # an interval that holds zero
+            if isinstance(node.op, ast.Pow) and a < 0 and not (c == d and c == int(c)):
+                raise ValueError("a negative base to a fractional power")
+            ends = [ops[type(node.op)](x, y) for x in (a, b) for y in (c, d)]
+            if isinstance(node.op, ast.Pow) and a < 0 < b:  # x^2 over [-1, 2] reaches 0 inside; 1/x has a pole
+                ends.append(power(0.0, c))
+            return float(min(ends)), float(max(ends))
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") in ("sqrt", "rounded") and not node.keywords:
             (argument,) = node.args  # ValueError unless exactly one
-            return math.sqrt(value(argument))
+            if node.func.id == "rounded":
+                return number(argument, rounded=True)
+            low, high = value(argument)
+            return math.sqrt(low), math.sqrt(high)
         raise ValueError("not arithmetic")
 
     try:
-        result = value(ast.parse(expression, mode="eval").body)
+        low, high = value(ast.parse(expression, mode="eval").body)
     except (SyntaxError, ValueError, ZeroDivisionError, OverflowError, RecursionError):
         return None
-    return result if math.isfinite(result) else None
+    return (low, high) if math.isfinite(low) and math.isfinite(high) else None
 
 
 NUMBER = r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?"  # 12, -1,234.5, .5, 3/4

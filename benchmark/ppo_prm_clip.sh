@@ -3,7 +3,9 @@
 # Delta, Clip-Delta) at the script's defaults (arith_2t3t1d, one step per line, prm_coef 0.5, missing_eos_penalty -1,
 # T 0.5, 30 steps of 8 prompts, the whole 500-problem held-out split every 5 steps), seeds 1-3, first with the
 # verifier PRM, then with a PRM learned by reward_modeling.py --prm; then the curves, the tables and the paired
-# comparisons with success only.
+# comparisons with success only. The committed runs (benchmark/results/ppo_prm_clip/) were made at a1df256 with the
+# step verifier of 2026-11-26, before issues 45, 54 and 65 changed what it reads: run again, this makes a new set
+# (a new git sha in each config.json), to be compared with them, not pooled.
 #   bash benchmark/ppo_prm_clip.sh                  # one run at a time (2 cores: ~15 min a run, ~6 h in all)
 #   bash benchmark/ppo_prm_clip.sh --workers 2      # extra arguments go to benchmark.run
 # A run cut short resumes with `python ppo_prm_clip.py --resume runs/<its folder>` (checkpoints every 10 steps).
