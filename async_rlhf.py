@@ -123,8 +123,9 @@ class Args:
     reward_model_path: str = "runs/reward_model"
     """the judge: a one-label sequence classifier (what reward_modeling.py saves); score = logit - config.bias"""
     missing_eos_penalty: Optional[float] = -1.0
-    """the score of a completion with no EOS within response_length, instead of the judge's; in online DPO it loses
-    to a finished one whatever their scores (assign_preferences; None: the judge's score, the EOS plays no part)"""
+    """the score of a completion with no EOS within response_length, instead of the judge's, or in training the
+    step's lowest finished score where that is lower (step_missing_eos_scores); in online DPO it loses to a finished
+    one whatever their scores (assign_preferences; None: the judge's score, the EOS plays no part)"""
 
     # Generation
     response_length: int = 64
@@ -196,13 +197,13 @@ def main(args: "Config"):
             metrics |= generation_metrics | {"policy/lag": lag, "policy/generator_version": batch["version"]}
 
             # 2. Judge: one score per completion [nP]. The reward model's came with the batch; the verifier judges
-            # here, in the main thread. A completion without EOS scores missing_eos_penalty.
+            # here, in the main thread. A completion without EOS never scores above a finished one of the step.
             scores = batch["scores"]
             if scores is None:
                 with run.timed("time/reward"):
                     scores = verifier_scores(batch["texts"], batch["golds"]).to(device)
             run.check(scores, "objective/scores")
-            judged = penalize_missing_eos(scores, batch["has_eos"], args.missing_eos_penalty)
+            judged = step_missing_eos_scores(scores, batch["has_eos"], args.missing_eos_penalty, accelerator.gather)
             metrics["objective/scores"] = judged.mean().item()
             if has_gold:
                 correct = scores.cpu() if args.judge == "verifier" else verifier_scores(batch["texts"], batch["golds"])
@@ -251,6 +252,25 @@ def penalize_missing_eos(scores, has_eos, missing_eos_penalty):
     if missing_eos_penalty is None:
         return scores
     return torch.where(has_eos, scores, torch.full_like(scores, missing_eos_penalty))
+
+
+def missing_eos_scores(scores, has_eos, missing_eos_penalty, lowest_finished):
+    """The N+ details' missing-EOS rule (arXiv 2403.17031 scores a response without EOS -1) on the reward's own scale:
+    a response without an EOS scores missing_eos_penalty, or lowest_finished where that is lower, the lowest score
+    of a finished response among those it is ranked with (math.inf: none). So it never scores above a finished one,
+    the invariant the constant is there for: a centred reward model's finished responses mostly score above -1, an
+    ensemble's worst case (WCO) often does not. Where no finished response scores below the penalty, this is the
+    constant. scores, has_eos [B]; missing_eos_penalty None: the scores as they are. Returns [B]."""
+    if missing_eos_penalty is None:
+        return scores
+    return torch.where(has_eos, scores, torch.full_like(scores, min(missing_eos_penalty, lowest_finished)))
+
+
+def step_missing_eos_scores(scores, has_eos, missing_eos_penalty, gather):
+    """RLOO's reward: missing_eos_scores against the lowest finished score of the step on every process (gather:
+    accelerator.gather, a collective), so N processes judge as one with the whole batch. scores, has_eos [B]."""
+    lowest = scores.masked_fill(~has_eos, math.inf).amin(0, keepdim=True)  # [1]; inf: nothing finished here
+    return missing_eos_scores(scores, has_eos, missing_eos_penalty, gather(lowest).min().item())
 
 
 def assign_preferences(scores, has_eos, missing_eos_penalty):

@@ -164,6 +164,71 @@ def test_rloo_rewards_match_a_loop(kind):
     torch.testing.assert_close(async_rlhf.rloo_rewards(scores, logprobs, ref_logprobs, mask, 0.0, kind)[0], scores)
 
 
+def missing_eos_reference(scores, has_eos, penalty, others=()):
+    """RLOO's missing-EOS rule by a plain loop in float64: a completion without EOS scores the penalty, or the lowest
+    score of a finished completion of the step (this process's and the others') where that is lower."""
+    finished = [x for x, ends in zip(scores.double().tolist(), has_eos.tolist()) if ends]
+    floor = min([penalty, *finished, *others])
+    rule = [x if ends else floor for x, ends in zip(scores.double().tolist(), has_eos.tolist())]
+    return torch.tensor(rule, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("penalty", [-1.0, 0.0, None])
+def test_rloo_missing_eos_scores_match_a_loop(penalty):
+    """Issue 65: RLOO judged a completion without EOS missing_eos_penalty, above every finished one a centred reward
+    model scores below it. Now it never scores above a finished completion of the step, on any process."""
+    for seed in range(5):
+        g = torch.Generator().manual_seed(seed)
+        scores, has_eos = (torch.randn(24, generator=g) * 2).double(), torch.rand(24, generator=g) < 0.7
+        others = [scores.min().item() - 1.0] if seed % 2 else []  # another process's lowest finished score
+        gather = functools.partial(lambda t, more: torch.cat([t, torch.tensor(more, dtype=t.dtype)]), more=others)
+        got = async_rlhf.step_missing_eos_scores(scores, has_eos, penalty, gather)
+        if penalty is None:
+            assert torch.equal(got, scores)
+            continue
+        assert torch.equal(got, missing_eos_reference(scores, has_eos, penalty, others))
+        assert got[~has_eos].max() <= got[has_eos].min()
+    unfinished = async_rlhf.step_missing_eos_scores(
+        torch.tensor([0.5, -3.0]), torch.tensor([False, False]), -1.0, torch.clone
+    )
+    assert unfinished.tolist() == [-1.0, -1.0]  # nothing finished anywhere: the constant
+
+
+@pytest.mark.slow
+def test_rloo_trains_on_the_missing_eos_rule(make_config, monkeypatch):
+    """The loop: a batch whose finished completions score below the penalty (-1) reaches rloo_update with its
+    unfinished ones at the step's lowest finished score, not at -1; the logged objective/scores is their mean."""
+    scores = torch.tensor([-2.0, 0.5, -1.5, 0.3, -3.0, 1.0])
+    has_eos = torch.tensor([True, False, True, False, False, True])
+    next_batch, seen = async_rlhf.AsyncGenerator.next_batch, []
+
+    def fixed_judgement(self, step):
+        batch, metrics = next_batch(self, step)
+        return batch | {"scores": scores.to(batch["mask"].device), "has_eos": has_eos.clone()}, metrics
+
+    def recorded(*args):
+        seen.append(args[6].clone())
+        return rloo_update(*args)
+
+    rloo_update = async_rlhf.rloo_update
+    monkeypatch.setattr(async_rlhf.AsyncGenerator, "next_batch", fixed_judgement)
+    monkeypatch.setattr(async_rlhf, "rloo_update", recorded)
+    args = make_config(
+        async_rlhf,
+        loss="rloo",
+        rloo_k=3,
+        prompts_per_rank=2,
+        micro_batch_size=1,
+        total_steps=1,
+        missing_eos_penalty=-1.0,
+    )
+    with hang_guard():
+        lines = train_lines(read_metrics(async_rlhf.main(args)))
+    expected = missing_eos_reference(scores, has_eos, -1.0)
+    assert seen[0].tolist() == expected.tolist() == [-2.0, -2.0, -1.5, -2.0, -2.0, 1.0]
+    assert lines[0]["objective/scores"] == pytest.approx(expected.mean().item())
+
+
 @pytest.mark.parametrize("k", [2, 3, 5])
 def test_rloo_advantages_match_a_loop(k):
     generator = torch.Generator().manual_seed(k)
