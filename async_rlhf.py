@@ -115,7 +115,8 @@ class Args:
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
     """estimator of the KL to the reference: logged as objective/kl, and in the rloo reward"""
     tis_cap: Optional[float] = None
-    """dpo with vLLM: weight each pair's loss by min(pi_train / pi_vllm, cap) (None: off; rloo needs none)"""
+    """dpo with vLLM: weight each pair's loss by min(pi / pi_vllm, cap), pi the policy being updated (detached), not
+    pi_old as in TRL: DPO has no ratio to pi_old that would carry the rest (None: off; rloo needs none)"""
 
     # Judge
     judge: Literal["reward_model", "verifier"] = "reward_model"

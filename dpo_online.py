@@ -106,7 +106,8 @@ class Args:
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
     """estimator of the KL to the reference logged as objective/kl (measured only: DPO's KL term is beta)"""
     tis_cap: Optional[float] = None
-    """vLLM samples: weight each pair's loss by min(pi_train / pi_vllm, cap), both completions' (None: off)"""
+    """vLLM samples: weight each pair's loss by min(pi / pi_vllm, cap), both completions', pi the policy being
+    updated (detached), not pi_old as in TRL: DPO has no ratio to pi_old that would carry the rest (None: off)"""
 
     # Generation
     response_length: int = 64

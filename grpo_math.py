@@ -95,10 +95,11 @@ class Args:
     no cap with --mis_range: the kept tokens carry the ratio itself; 0: off)"""
     mis_range: Optional[tuple[float, float]] = None
     """masked importance sampling (IcePop) for vLLM samples: drop tokens whose pi_train / pi_vllm is outside it"""
-    mis_level: Literal["token", "sequence", "geometric"] = "token"
-    """the ratio --mis_range masks, at verl's rollout_is_level: each token's (IcePop; TRL's token_mask), its
-    sequence's likelihood ratio, the product of its token ratios (TRL's sequence_mask, verl's sequence), or their
-    geometric mean (verl's geometric; what sequence meant before issue 54)"""
+    mis_level: Optional[Literal["token", "sequence", "geometric"]] = None
+    """the ratio pi_old / pi_vllm that --mis_range masks (None: token; refused without --mis_range): each token's
+    (IcePop; TRL's token_mask), its sequence's likelihood ratio, the product of its token ratios (TRL's sequence_mask,
+    verl's rollout_is_level sequence), or their geometric mean (verl v0.6.0's rollout_is_level geometric; verl has
+    since made it a rejection rule, which also takes the tokens out of the loss's denominator: docs/grpo_math.md)"""
     importance_sampling_level: Literal["token", "sequence"] = "token"
     """sequence: every ratio is its sequence's geometric mean of token ratios, clipped per sequence (GSPO; brings
     GSPO's clip range and aggregation unless they are set)"""
@@ -143,15 +144,18 @@ def resolve_defaults(args):
     sequence level GSPO's clip range 3e-4 / 4e-4, its mean of sequence losses (arXiv 2507.18071, Sec. 5.1: with a
     token mean a sequence weighs by its length, and a 0.2 clip hardly ever binds on a geometric-mean ratio) and no KL
     term (beta 0, as in the paper's objective and TRL's GSPO recipe), else 0.2 / 0.2, the token mean and beta 0.04;
-    truncated IS at cap 2 unless a mask range is given (IcePop: the kept tokens carry their ratio)."""
+    truncated IS at cap 2 unless a mask range is given (IcePop: the kept tokens carry their ratio), and a mask range
+    at the token level."""
     gspo = args.importance_sampling_level == "sequence"
     defaults = dict(clip_eps_low=3e-4 if gspo else 0.2, clip_eps_high=4e-4 if gspo else 0.2)
     defaults |= dict(loss_type="seq_mean_token_mean" if gspo else "token_mean", beta=0.0 if gspo else 0.04)
-    defaults |= dict(tis_cap=2.0 if args.mis_range is None else 0.0)
+    defaults |= dict(
+        tis_cap=2.0 if args.mis_range is None else 0.0, mis_level=None if args.mis_range is None else "token"
+    )
     filled = {name: value for name, value in defaults.items() if getattr(args, name) is None}
     for name, value in filled.items():
         setattr(args, name, value)
-    gspo_filled = {name: value for name, value in filled.items() if gspo and name != "tis_cap"}
+    gspo_filled = {name: value for name, value in filled.items() if gspo and name not in ("tis_cap", "mis_level")}
     if gspo_filled:
         warnings.warn(f"GSPO's defaults at the sequence level: {gspo_filled}", stacklevel=2)
     return args
@@ -420,10 +424,10 @@ def sequence_mean(logprobs, mask):
 
 
 def importance_log_ratio(logprobs, sampler_logprobs, mask, level):
-    """log(pi / pi_sampler) on each token [B, R], at verl's rollout_is_level: token, each token's own; sequence, its
-    sequence's likelihood ratio, the sum of the token log-ratios (the product of the ratios: TRL's sequence_mask /
-    sequence_truncate, verl's sequence; a sum, as a product of 64 ratios could overflow); geometric, their mean (the
-    geometric mean of the ratios: verl's geometric)."""
+    """log(pi / pi_sampler) on each token [B, R], at verl v0.6.0's rollout_is_level: token, each token's own;
+    sequence, its sequence's likelihood ratio, the sum of the token log-ratios (the product of the ratios: TRL's
+    sequence_mask / sequence_truncate, verl's sequence; a sum, as a product of 64 ratios could overflow); geometric,
+    their mean (the geometric mean of the ratios: verl v0.6.0's geometric)."""
     log_ratio = logprobs - sampler_logprobs
     if level == "token":
         return log_ratio
@@ -777,6 +781,8 @@ def check_args(args):
     _require(args.beta >= 0, f"--beta must be >= 0; got {args.beta}")
     low, high = args.mis_range or (0, 1)
     _require(0 <= low < high, f"--mis_range must be two numbers 0 <= low < high; got {low} {high}")
+    level = f"--mis_level {args.mis_level} sets the level of the ratio --mis_range masks: pass --mis_range low high"
+    _require(args.mis_level is None or args.mis_range is not None, level)
     _require(args.cispo_cap is None or args.cispo_cap > 0, f"--cispo_cap must be > 0 (or None); got {args.cispo_cap}")
     overlong = (
         f"--overlong_buffer must be in [0, --response_length {args.response_length}); got {args.overlong_buffer}"

@@ -783,7 +783,8 @@ def trajectory_metrics(rewards, correct, formatted, rollout, group_size):
 
 def evaluate(sampler, eval_sets, args, accelerator, tokenizer, step):
     """Greedy multi-turn pass@1 on each held-out set ({name: (prompts, golds)}), sharded over processes, with how
-    often the policy called the tool and its accuracy with and without a call (NaN without such problems).
+    often the policy called the tool, its accuracy with and without a call (NaN without such problems) and the share
+    of trajectories cut at the budget.
     Returns ({name/metric: value}, sample rows for samples.jsonl)."""
     rank, world_size = accelerator.process_index, accelerator.num_processes
     greedy, tool = functools.partial(sampler.turn, temperature=0.0), make_tool(args.tool, args.max_operations)
@@ -792,14 +793,23 @@ def evaluate(sampler, eval_sets, args, accelerator, tokenizer, step):
         mine = list(range(rank, len(prompts), world_size))
         with sampler.awake():  # every process wakes and sleeps its engine once (it may be a collective)
             rollout = multi_turn_rollout(
-                greedy, tokenizer, [prompts[i] for i in mine], 1, args.response_length, args.max_turns, tool=tool
-            )
+                greedy, tokenizer, [prompts[i] for i in mine], 1, args.response_length, args.max_turns,
+                sampler.stop_ids, tool,
+            )  # fmt: skip
         rewards, correct, _ = compute_rewards(rollout.answers, [golds[i] for i in mine], args.format_reward)
         called = torch.tensor([float(len(calls) > 0) for calls in rollout.calls])
-        sums = [correct.sum(), called.sum(), (correct * called).sum(), rewards.sum(), len(mine)]
+        sums = [
+            correct.sum(),
+            called.sum(),
+            (correct * called).sum(),
+            rewards.sum(),
+            rollout.truncated.sum(),
+            len(mine),
+        ]
         sums = accelerator.reduce(torch.tensor(sums, dtype=torch.float64, device=accelerator.device), "sum").tolist()
-        right, with_call, right_with_call, reward, count = sums
+        right, with_call, right_with_call, reward, truncated, count = sums
         results[f"{name}/accuracy"] = right / count
+        results[f"{name}/truncated"] = truncated / count  # cut at the budget, other than by a stop token
         results[f"{name}/mean_reward"] = reward / count
         results[f"{name}/call_rate"] = with_call / count
         results[f"{name}/accuracy_with_call"] = right_with_call / with_call if with_call else float("nan")

@@ -115,6 +115,16 @@ def test_out_of_range_values(make_args, no_model, name, value):
     assert_one_line_error(make_args(**{name: value}), f"--{name}")
 
 
+@pytest.mark.parametrize("level", ["token", "sequence", "geometric"])
+def test_mis_level_without_mis_range_is_refused(make_args, no_model, level):
+    """Issue 65: --mis_level sets the level of the ratio --mis_range masks; without a range it was silently ignored."""
+    assert_one_line_error(make_args(mis_level=level), "--mis_level")
+    ranged, plain = make_args(mis_range=(0.5, 2.0)), make_args()
+    grpo_math.check_args(ranged)
+    grpo_math.check_args(plain)
+    assert ranged.mis_level == "token" and plain.mis_level is None  # a range alone masks at the token level
+
+
 def test_prompts_longer_than_max_prompt_length(make_args, no_model):
     assert_one_line_error(make_args(max_prompt_length=4), "--max_prompt_length")
 

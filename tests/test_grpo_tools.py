@@ -286,6 +286,37 @@ def test_a_turn_cut_inside_a_call_holds_no_answer_and_cut_trajectories_are_flagg
     assert rollout.truncated.tolist() == [True, False, True] and rollout.unrun_calls == [0, 0, 0]
 
 
+def test_evaluate_counts_a_trajectory_ended_by_eos_at_the_budget_as_finished(tokenizer):
+    """Issue 65: evaluate ran multi_turn_rollout without the sampler's stop ids, so a greedy answer whose EOS falls on
+    the budget's last token was counted cut. Of two held-out trajectories, one ends with EOS on the last token, one is
+    cut before its EOS: eval/truncated is 0.5 (the first was counted truncated before)."""
+    import contextlib
+    from types import SimpleNamespace
+
+    def enc(text):
+        return tokenizer(text, add_special_tokens=False).input_ids
+
+    eos, budget = tokenizer.eos_token_id, 8
+    answer = enc("Answer: 40") + enc(" ok") * budget
+    turns = {901: answer[: budget - 1] + [eos], 902: answer}
+    sampler = SimpleNamespace(
+        turn=lambda contexts, max_tokens, temperature: [(turns[c[0]][:m], None) for c, m in zip(contexts, max_tokens)],
+        awake=contextlib.nullcontext,
+        stop_ids=[eos],
+    )
+    accelerator = SimpleNamespace(
+        process_index=0, num_processes=1, device=torch.device("cpu"), reduce=lambda tensor, reduction: tensor
+    )
+    args = SimpleNamespace(
+        tool="calculator", max_operations=0, response_length=budget, max_turns=2, format_reward=0.0,
+        num_samples_logged=0,
+    )  # fmt: skip
+    results, _ = grpo_tools.evaluate(
+        sampler, {"eval": ([[901], [902]], ["40", "40"])}, args, accelerator, tokenizer, 0
+    )
+    assert results["eval/truncated"] == 0.5 and results["eval/accuracy"] == 1.0 and results["eval/call_rate"] == 0.0
+
+
 @pytest.mark.parametrize("run_on", ["></", ">>", ">.", ">,", ">)", '>"'])
 def test_a_closing_token_that_runs_on_past_the_call_leaves_the_turn(tokenizer, run_on):
     """SmolLM2 has single tokens that complete "</calc>" and run on into other text: "></", ">>", ">.", ... The
