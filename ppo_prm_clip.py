@@ -658,9 +658,10 @@ def step_arithmetic(step):
         hundred = any(re.search(r"[*×][ \t]*100[ \t]*$|^[ \t]*100[ \t]*[*×]", side) for side in sides)  # N% is N
         intervals = [side_values(side, hundred) for side in sides]
         # A whole number after a division, then a word: a floor or a ceiling in context ("25 / 4 = 6 full bags").
-        if len(sides) > 1 and re.search("[/÷]", sides[-2]) and re.fullmatch(r"[ \t]*\d+[ \t]*", sides[-1]):
-            whole, quotient = intervals[-1][0], intervals[-2]
-            floor_or_ceiling = quotient and math.floor(quotient[0]) <= whole <= math.ceil(quotient[1])
+        whole = len(sides) > 1 and re.fullmatch(r"[ \t]*\d+[ \t]*", sides[-1]) and intervals[-1]
+        if whole and re.search("[/÷]", sides[-2]) and intervals[-2]:
+            (low, high), (number, _) = intervals[-2], whole
+            floor_or_ceiling = math.floor(low) <= number <= math.ceil(high)
             if floor_or_ceiling and not meet(intervals[-2:]) and re.match("[a-z]{2}", tail, re.I):
                 sides, intervals = sides[:-1], intervals[:-1]
         known = [interval for interval in intervals if interval]

@@ -241,3 +241,10 @@ def test_arithmetic_interval_holds_every_value_its_numbers_allow():
     assert ppo_prm_clip.arithmetic_interval("0.67 * 30") == pytest.approx((19.95, 20.25))
     assert ppo_prm_clip.arithmetic_interval("(-1.5) ^ 2") == pytest.approx((2.1025, 2.4025))
     assert ppo_prm_clip.arithmetic_interval("(0.0 - 1) ^ 2") == pytest.approx((0.9025, 1.1025))
+
+
+@pytest.mark.parametrize("script", ["ppo_prm_clip", "reward_modeling"])
+def test_a_result_too_long_to_read_is_unchecked_not_an_error(script):
+    step_arithmetic = importlib.import_module(script).step_arithmetic
+    assert step_arithmetic("25 / 4 = " + "9" * 250 + " bags") is None  # arithmetic_interval reads at most 200 chars
+    assert step_arithmetic("25 / 4 = " + "9" * 250) is None
