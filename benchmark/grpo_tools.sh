@@ -200,7 +200,7 @@ if [[ ${1:-} == issue57_item4_g16 ]]; then
     python -m benchmark.registry paired --experiments "final=$ISSUE57/mul_2t3t2d__chain_g16_final__*" \
         "step0=$ISSUE57/mul_2t3t2d__chain_g16_step0__*" --baseline step0 --fixed_baseline \
         --metrics eval/accuracy_3_terms eval/multi_call_rate_3_terms eval/accuracy_2_terms --at_least 0 \
-        --out benchmark/results/grpo_tools_issue57_item4_terms.md
+        --count_above 0.5 --out benchmark/results/grpo_tools_issue57_item4_terms.md
     python -m benchmark.registry change --experiments "$RUNS" --metrics eval/accuracy eval_extra/accuracy --window 1 \
         --at_least 0 --out benchmark/results/grpo_tools_issue57_item4_heldout.md
     python -m benchmark.registry change --experiments "$RUNS" --metrics tools/multi_call_rate objective/accuracy \

@@ -546,7 +546,30 @@ def holm(p_values, alpha=0.025):
     return rejected
 
 
-def paired_table(experiments, metrics, baseline, digits=3, at_least=None, statistic="final", fixed_baseline=False):
+def clopper_pearson(k, n, level=0.95):
+    """The exact (Clopper-Pearson) two-sided interval of a binomial share, k of n: from the p at which
+    P(X >= k | p) = (1 - level) / 2 (0 when k = 0) to the p at which P(X <= k | p) = (1 - level) / 2 (1 when k = n),
+    found by bisection on the binomial tail sums. For an outcome that is all or nothing per seed (a seed learns the
+    task or does not), the share of seeds it happens on, where a t interval over the values would be meaningless:
+    1 of 3 gives 0.008 to 0.906."""
+    alpha = (1 - level) / 2
+
+    def at_least(j, p):  # P(X >= j | p), increasing in p
+        return sum(math.comb(n, i) * p**i * (1 - p) ** (n - i) for i in range(j, n + 1))
+
+    def solve(j, target):
+        low, high = 0.0, 1.0
+        for _ in range(100):
+            middle = (low + high) / 2
+            low, high = (middle, high) if at_least(j, middle) < target else (low, middle)
+        return (low + high) / 2
+
+    return 0.0 if k == 0 else solve(k, alpha), 1.0 if k == n else solve(k + 1, 1 - alpha)
+
+
+def paired_table(
+    experiments, metrics, baseline, digits=3, at_least=None, statistic="final", fixed_baseline=False, count_above=None
+):
     """A markdown table comparing each experiment with the baseline experiment (a label) seed by seed: for each
     metric, the final values (or the peaks, or the falls from the peak: seed_values' statistic) of both on the seeds
     they share, the differences (experiment - baseline), their mean ±
@@ -554,7 +577,9 @@ def paired_table(experiments, metrics, baseline, digits=3, at_least=None, statis
     more columns: the mean and its standard error with the two-sided 95% interval, and the claim "difference >=
     at_least" checked on that interval (claim_verdict). fixed_baseline: the baseline is one run, paired with every
     seed of the others: exact for a run no seed changes (a greedy probe of the untrained policy); for a sampled one
-    the interval leaves out its own sampling error."""
+    the interval leaves out its own sampling error. count_above: one more column, the seeds whose difference is at
+    least count_above, k of n, with the 95% Clopper-Pearson interval of that share (for an outcome that is bimodal
+    over seeds, where the t interval says little)."""
     runs_of = dict(experiments)
     if baseline not in runs_of:
         raise ValueError(f"--baseline {baseline!r} is not one of the experiments' labels {list(runs_of)}")
@@ -564,6 +589,8 @@ def paired_table(experiments, metrics, baseline, digits=3, at_least=None, statis
     rows = [header + ["difference (mean ± std)", "paired t (df)"]]
     if at_least is not None:
         rows[0] += ["difference (mean (s.e.); 95% t interval)", f"difference >= {at_least:g} (95% interval)"]
+    if count_above is not None:
+        rows[0] += [f"seeds with difference >= {count_above:g} (95% Clopper-Pearson interval of the share)"]
     rows.append(["---"] * len(rows[0]))
     for label, runs in experiments:
         if label == baseline:
@@ -585,6 +612,10 @@ def paired_table(experiments, metrics, baseline, digits=3, at_least=None, statis
             if at_least is not None:
                 row += ["; ".join(interval_text(*interval(diffs))) if diffs else "–"]
                 row.append(f"**{claim_verdict(mean, std, n, at_least)}**")
+            if count_above is not None:
+                k = sum(d >= count_above for d in diffs)
+                low, high = clopper_pearson(k, len(diffs)) if diffs else (0.0, 1.0)
+                row.append(f"{k} of {len(diffs)} ({low:.3f} to {high:.3f})")
             rows.append(row)
     return "\n".join("| " + " | ".join(row) + " |" for row in rows) + "\n"
 
@@ -823,6 +854,11 @@ def build_parser():
         help="the baseline is one run, paired with every seed (exact for a greedy probe of the untrained policy; a "
         "sampled one's own error is left out of the interval)",
     )  # fmt: skip
+    p.add_argument(
+        "--count_above", type=float, default=None,
+        help="also count the seeds whose difference is at least this, with the 95%% Clopper-Pearson interval of "
+        "their share (an outcome that is all or nothing per seed)",
+    )  # fmt: skip
 
     p = commands.add_parser("change", help="each run's metric, last steps minus first steps, over seeds")
     experiments_args(p)
@@ -867,7 +903,7 @@ def main(argv=None):
         try:
             table = paired_table(
                 experiments, args.metrics, args.baseline, args.digits, args.at_least, args.statistic,
-                args.fixed_baseline,
+                args.fixed_baseline, args.count_above,
             )  # fmt: skip
         except ValueError as error:
             sys.exit(f"error: {error}")

@@ -142,7 +142,7 @@ SCRIPTS = {
     "ppo_prm_clip.py": (
         "PPO with process rewards refined by Clip / Delta",
         "accuracy {clip[initial]} → {clip[final]} with Clip, {none[final]} with the final reward alone ({clip[seeds]} "
-        "seeds)",
+        "seeds; made with the step verifier of 2026-11-26, before issues 45, 54 and 65)",
         dict(
             clip=(R + "ppo_prm_clip/arith_2t3t1d__prm_clip__*", "eval/accuracy"),
             none=(R + "ppo_prm_clip/arith_2t3t1d__prm_none__*", "eval/accuracy"),
@@ -159,8 +159,8 @@ SCRIPTS = {
     ),
     "grpo_tools.py": (
         "GRPO over multi-turn trajectories with a calculator tool",
-        "held-out accuracy {t[initial]} → {t[final]} with the tool, {n[initial]} → {n[final]} without ({t[seeds]} "
-        "seeds)",
+        "held-out accuracy {t[initial]} → {t[final]} with the tool ({t[initial]} at step 0: the call its prompt "
+        "shows, imitated), {n[initial]} → {n[final]} without ({t[seeds]} seeds)",
         dict(
             t=(R + "grpo_tools/mul_2t3d__tools__*", "eval/accuracy"),
             n=(R + "grpo_tools/mul_2t3d__notool__*", "eval/accuracy"),

@@ -109,23 +109,29 @@ def counted_call(original, name, kill_before, kill_at, calls):
 
 
 def install_faults(script):
-    """The faults the environment asks for (INF_GRADIENT, DEEPSPEED_COMPUTE_GRAD_NORM), on the script's loaders."""
-    load_model, make_accelerator = script._load_model, script._make_accelerator
+    """The faults the environment asks for (INF_GRADIENT, DEEPSPEED_COMPUTE_GRAD_NORM), on the script's loaders
+    (a script that is not one of the seven, such as a test's probe, need not have them when none is asked for)."""
 
-    def overflowing(*args, **kwargs):
-        model = load_model(*args, **kwargs)
-        model.model.norm.weight.register_hook(lambda grad: grad * float("inf"))
-        return model
+    def overflowing(load_model):
+        def load(*args, **kwargs):
+            model = load_model(*args, **kwargs)
+            model.model.norm.weight.register_hook(lambda grad: grad * float("inf"))
+            return model
 
-    def without_norm(*args, **kwargs):
-        accelerator = make_accelerator(*args, **kwargs)
-        accelerator.state.deepspeed_plugin.deepspeed_config["zero_optimization"]["compute_grad_norm"] = False
-        return accelerator
+        return load
+
+    def without_norm(make_accelerator):
+        def make(*args, **kwargs):
+            accelerator = make_accelerator(*args, **kwargs)
+            accelerator.state.deepspeed_plugin.deepspeed_config["zero_optimization"]["compute_grad_norm"] = False
+            return accelerator
+
+        return make
 
     if os.environ.get("INF_GRADIENT") == "1":
-        script._load_model = overflowing
+        script._load_model = overflowing(script._load_model)
     if os.environ.get("DEEPSPEED_COMPUTE_GRAD_NORM") == "false":
-        script._make_accelerator = without_norm
+        script._make_accelerator = without_norm(script._make_accelerator)
 
 
 def install_kill_points(kill_at, calls):

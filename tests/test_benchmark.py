@@ -7,6 +7,7 @@ import itertools
 import json
 import math
 import os
+import random
 import re
 import shlex
 import statistics
@@ -1601,6 +1602,57 @@ def test_registry_paired_fixed_baseline_pairs_one_run_with_every_seed(tmp_path):
     with pytest.raises(ValueError, match="needs one step0 run"):
         registry.paired_table(experiments[1:] + [("step0", experiments[1][1])], ["eval/accuracy"], "step0",
                               fixed_baseline=True)  # fmt: skip
+
+
+def test_registry_clopper_pearson_against_its_definition():
+    """Issue 65: the exact binomial interval of k of n, checked by its definition with the tail sums written here as a
+    plain loop in float64 (P(X >= k | low) = 0.025, P(X <= k | high) = 0.025), by the closed forms at k = 0 and k = n,
+    and by a fine grid: no p between its ends is rejected by either tail, none just outside accepted."""
+
+    def tail(n, p, ks):
+        return sum(math.comb(n, i) * p**i * (1 - p) ** (n - i) for i in ks)
+
+    assert registry.clopper_pearson(1, 3) == pytest.approx(
+        (0.0084038, 0.9057007), abs=1e-6
+    )  # the issue's 0.01 to 0.91
+    rng = random.Random(65)
+    for _ in range(30):
+        n = rng.randint(1, 60)
+        k = rng.randint(0, n)
+        low, high = registry.clopper_pearson(k, n)
+        assert 0.0 <= low <= k / n <= high <= 1.0
+        if k == 0:
+            assert low == 0.0 and high == pytest.approx(1 - 0.025 ** (1 / n), abs=1e-9)
+        else:
+            assert tail(n, low, range(k, n + 1)) == pytest.approx(0.025, abs=1e-9)
+        if k == n:
+            assert high == 1.0 and low == pytest.approx(0.025 ** (1 / n), abs=1e-9)
+        else:
+            assert tail(n, high, range(0, k + 1)) == pytest.approx(0.025, abs=1e-9)
+        for p in (low - 1e-4, high + 1e-4):  # just outside: one tail is below 0.025
+            if 0 < p < 1:
+                assert min(tail(n, p, range(k, n + 1)), tail(n, p, range(0, k + 1))) < 0.025
+
+
+def test_registry_paired_counts_the_seeds_of_a_bimodal_outcome(tmp_path):
+    """paired --count_above: the seeds whose difference reaches the bound, k of n, with the Clopper-Pearson interval of
+    that share; grpo_tools' chaining (1 seed of 3 learns) reads 1 of 3 (0.008 to 0.906)."""
+
+    def run(name, seed, value):
+        lines = [{"global_step": 0, "eval/accuracy": value}]
+        return registry.load_run(write_run(str(tmp_path), f"t__{name}__{seed}__1", seed, lines))
+
+    experiments = [
+        ("step0", [run("step0", 1, 0.0)]),
+        ("final", [run("final", s, v) for s, v in ((1, 1.0), (2, 0.02), (3, 0.02))]),
+    ]
+    table = registry.paired_table(experiments, ["eval/accuracy"], "step0", fixed_baseline=True, count_above=0.5)
+    header, _, row = table.splitlines()
+    assert header.split(" | ")[-1].startswith("seeds with difference >= 0.5")
+    assert row.split(" | ")[-1] == "1 of 3 (0.008 to 0.906) |"
+    everyone = registry.paired_table(experiments, ["eval/accuracy"], "step0", fixed_baseline=True, count_above=0.0)
+    low, _ = registry.clopper_pearson(3, 3)
+    assert everyone.splitlines()[2].split(" | ")[-1] == f"3 of 3 ({low:.3f} to 1.000) |"
 
 
 # ---------------------------------------------------------------------------------------------------------------
