@@ -13,6 +13,33 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# Issue 66 (docs/power_plan.md): the verifier PRM's five arms again on today's step verifier (issue 65's), seeds 1-4,
+# a fresh set never pooled with the committed 2026-11-26 runs: exp_name prm65_*, copies in ppo_prm_clip_v65/.
+# Seed-major; a run a stop interrupted resumes (--resume_unfinished). ~2 h a seed on 2 cores.
+#   bash benchmark/ppo_prm_clip.sh verifier65
+if [[ ${1:-} == verifier65 ]]; then
+    shift
+    for seed in 1 2 3 4; do
+        for mode in none raw clip delta clip_delta; do
+            python -m benchmark.run --script ppo_prm_clip.py --seeds "$seed" --resume_unfinished "$@" -- \
+                --reward_mode "$mode" --save_every 10 --keep_checkpoints 1 --exp_name "prm65_$mode"
+        done
+    done
+    OUT=benchmark/results/ppo_prm_clip_v65
+    python -m benchmark.registry copy --out "$OUT" runs/arith_2t3t1d__prm65_*__[1-4]__*
+    EXPERIMENTS=()
+    for mode in none raw clip delta clip_delta; do
+        EXPERIMENTS+=("$mode=$OUT/arith_2t3t1d__prm65_${mode}__*")
+    done
+    python -m benchmark.registry table --experiments "${EXPERIMENTS[@]}" \
+        --metrics eval/accuracy eval/num_steps eval/response_length eval/eos_fraction objective/num_steps \
+        --out benchmark/results/ppo_prm_clip_v65.md
+    python -m benchmark.registry plot --experiments "${EXPERIMENTS[@]}" \
+        --metric eval/accuracy eval/num_steps objective/num_steps --out benchmark/results/ppo_prm_clip_v65_step.png
+    python -m benchmark.prm_checks --experiments "${EXPERIMENTS[@]}" --out benchmark/results/ppo_prm_clip_v65_checks.md
+    exit 0
+fi
+
 # 0. The task's preflight (docs/ppo_prm_clip.md "The task"): 4 sampled and 1 greedy response to each of 100 held-out
 # prompts, what the verifier finds in them (~5 min).
 python -m benchmark.prm_preflight --num_prompts 100 --out benchmark/results/prm_preflight.json
