@@ -296,8 +296,8 @@ def make_config(request, tiny_model_dir, tmp_path):
         fixtures = {"dataset_path": "preference_dir" if name == "reward_modeling" else "task_dir"}
         if name in REWARD_MODEL_SCRIPTS:
             fixtures["reward_model_path"] = "tiny_reward_model_dir"
-        if name == "reward_modeling":
-            values["reward_model_dir"] = str(tmp_path / "reward_model")
+        if name == "reward_modeling":  # its saved models too, never the repo's runs/ (--prm_dir's default: runs/prm)
+            values |= {"reward_model_dir": str(tmp_path / "reward_model"), "prm_dir": str(tmp_path / "prm")}
         with torch.random.fork_rng(devices=[]):
             values |= {key: request.getfixturevalue(f) for key, f in fixtures.items() if key not in overrides}
         values |= FAST[name] if fast else {"vllm": False}
