@@ -10,7 +10,9 @@ response (what raw would pay, before prm_coef) and the process reward this arm p
 (a) raw writes at least 1.5x the baseline's held-out steps per response and ends less accurate;
 (b) each bounded arm (clip, delta, clip_delta) stays within 20% of the baseline's held-out steps and within 2 points
     of its accuracy;
-(c) some arm ends above the baseline.
+(c) some arm ends above the baseline;
+(d) the fix against raw (issue 66), for each bounded arm: fewer held-out steps than raw (per-seed ratio arm / raw
+    below 1), and a higher accuracy (difference arm - raw above 0), each by Holm over the bounded arms.
 Every comparison is paired over the seeds both arms finished, by the one rule of every check in benchmark/
 (benchmark/registry.py): a step count as the per-seed ratio arm / baseline, an accuracy as the per-seed difference
 arm - baseline, and the two-sided 95% interval of their mean, mean ± t(0.975, n - 1) x standard error (std / sqrt(n);
@@ -20,6 +22,9 @@ when it crosses it, when the differences have no spread (no interval), and on fe
 "some arm of the k tried": held when Holm's step-down procedure over the arms' one-sided p-values (the paired t test
 of "difference > 0") rejects at 0.025 a side, the level of the interval's lower end (registry.holm), so that trying k
 arms does not raise the chance of a lucky one; not held when every arm's interval lies below 0; else inconclusive.
+(d)'s rows, one per arm and metric: held when Holm over the bounded arms rejects that arm (one-sided p-values of
+"1 - ratio > 0" for the steps, "difference > 0" for the accuracy, 0.025 a side), not held when the arm's interval lies
+wholly on the other side, else inconclusive.
 """
 
 import argparse
@@ -93,11 +98,11 @@ def checks(values, baseline, min_seeds=3):
     base = values[baseline]
     results = []
 
-    def shared(arm):  # the seeds both arms finished (a run still in progress has no final accuracy yet)
+    def shared(arm, other=baseline):  # the seeds both arms finished (a run in progress has no final accuracy yet)
         return sorted(
             seed
-            for seed in set(base) & set(values[arm])
-            if base[seed]["eval/accuracy"] is not None and values[arm][seed]["eval/accuracy"] is not None
+            for seed in set(values[other]) & set(values[arm])
+            if values[other][seed]["eval/accuracy"] is not None and values[arm][seed]["eval/accuracy"] is not None
         )
 
     def steps_and_accuracy(arm, steps_bounds, accuracy_bounds):
@@ -138,6 +143,37 @@ def checks(values, baseline, min_seeds=3):
             notes.append(f"{arm} {difference} ({span}; {test})")
         claim = f"(c) some arm above success only (Holm over {len(arms)} arms, 0.025 a side)"
         results.append((claim, verdict, "; ".join(notes)))
+
+    bounded = [a for a in BOUNDED if "raw" in values and a in values and shared(a, "raw")]
+    raw = values.get("raw")
+    for metric, claim in (
+        ("eval/num_steps", "fewer held-out steps than raw"),
+        ("eval/accuracy", "more accurate than raw"),
+    ):
+        # Per seed: 1 - ratio (steps) or the difference (accuracy), so that the claim is "above 0" for both.
+        gains = {
+            arm: [
+                1 - values[arm][s][metric] / max(raw[s][metric], 1e-9)
+                if metric == "eval/num_steps"
+                else values[arm][s][metric] - raw[s][metric]
+                for s in shared(arm, "raw")
+            ]
+            for arm in bounded
+        }
+        p_values = [p_above(gains[arm]) if len(gains[arm]) >= min_seeds else None for arm in bounded]
+        for arm, p, rejected in zip(bounded, p_values, holm(p_values)):
+            below = paired(gains[arm], 0.0, math.inf, min_seeds)[0] == "not held"
+            verdict = "held" if rejected else "not held" if below else "inconclusive"
+            mean, se, half = interval(gains[arm])
+            if metric == "eval/num_steps":  # as ratios arm / raw: 1 - gain
+                values_text = " / ".join(f"x{1 - g:.2f}" for g in gains[arm])
+                numbers = f"steps {values_text}: {ratio_text(1 - mean, se, half)}"
+            else:
+                difference, span = interval_text(mean, se, half)
+                numbers = f"accuracy difference {difference}, {span}"
+            test = "no test" if p is None else f"one-sided p {p:.4f}"
+            numbers += f" (seeds {shared(arm, 'raw')}; {test}, Holm over {len(bounded)} arms)"
+            results.append((f"(d) {arm}: {claim}", verdict, numbers))
     return results
 
 

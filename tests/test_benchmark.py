@@ -1198,6 +1198,10 @@ def test_prm_checks_verdicts_worked_out_here(tmp_path):
         "(b) delta: within 20% of the steps and 2 points of the accuracy": "**inconclusive**",
         "(b) clip_delta: within 20% of the steps and 2 points of the accuracy": "**not held**",
         "(c) some arm above success only (Holm over 4 arms, 0.025 a side)": "**held**",
+        # (d) against raw: every bounded arm writes about half raw's steps (x0.45-0.75 a seed) and is 0.07-0.19 more
+        # accurate on every seed (one-sided p <= 0.021, under Holm's thresholds 0.025 / 3, / 2, / 1 in turn)
+        **{f"(d) {arm}: fewer held-out steps than raw": "**held**" for arm in ("clip", "delta", "clip_delta")},
+        **{f"(d) {arm}: more accurate than raw": "**held**" for arm in ("clip", "delta", "clip_delta")},
     }
     # The per-seed table: the final held-out values, and the mean of the last 2 training steps (3 and 4 -> 3.5).
     assert "| raw | 1 | 0.300 | 2.000 | 20.000 | 3.500 |" in text
@@ -1248,6 +1252,33 @@ def test_prm_checks_verdicts_worked_out_here(tmp_path):
     below = {name: arm([-0.04, -0.06, -0.08]) for name in ("raw", "clip", "delta", "clip_delta")}
     assert verdict({"none": values["none"]} | below, "(c)") == "not held"
     assert verdict({"none": values["none"]} | below | {"clip": arm([0.01, -0.01, 0.0])}, "(c)") == "inconclusive"
+
+    # (d), the fix against raw, by Holm over the bounded arms (issue 66): the committed runs' accuracy differences
+    # (arm - raw per seed) have one-sided p 0.028 / 0.025 / 0.013, each above its Holm threshold (0.025 / 3 first):
+    # inconclusive, though clip_delta's own interval (+0.039 to +0.233) lies above 0. An arm below raw on every seed
+    # is not held; raw's steps x1 per seed (no spread) give no test.
+    raw = {s: {"eval/accuracy": 0.3, "eval/num_steps": 4.0} for s in (1, 2, 3)}
+
+    def against_raw(differences, ratios=(0.5, 0.4, 0.45)):
+        return {s: {"eval/accuracy": 0.3 + d, "eval/num_steps": 4.0 * r} for s, d, r in zip((1, 2, 3), differences,
+                ratios)}  # fmt: skip
+
+    fix = {"none": raw, "raw": raw, "clip": against_raw([0.056, 0.126, 0.144]),
+           "delta": against_raw([0.082, 0.094, 0.168]), "clip_delta": against_raw([0.166, 0.092, 0.150])}  # fmt: skip
+    for arm in ("clip", "delta", "clip_delta"):
+        assert verdict(fix, f"(d) {arm}: more accurate") == "inconclusive"
+        assert verdict(fix, f"(d) {arm}: fewer") == "held"  # x0.45 (s.e. 0.03): p 0.003, 0.005 and 0.008 in turn
+    fix["clip_delta"] = against_raw([0.166, 0.092, 0.150], ratios=(1.0, 1.0, 1.0))
+    fix["delta"] = against_raw([-0.05, -0.06, -0.07])
+    assert (
+        verdict(fix, "(d) delta: more accurate") == "not held"
+        and verdict(fix, "(d) clip_delta: fewer") == "inconclusive"
+    )
+    # delta far above raw: p 0.0045 clears Holm's first threshold (0.025 / 3); clip_delta's 0.0131 then meets
+    # 0.025 / 2 and stays above it (Holm steps down one arm at a time), and clip's 0.028 is not reached.
+    fix["delta"] = against_raw([0.5, 0.6, 0.7])
+    assert verdict(fix, "(d) delta: more accurate") == "held"
+    assert verdict(fix, "(d) clip_delta: more accurate") == verdict(fix, "(d) clip: more accurate") == "inconclusive"
 
     two = {label: {s: v for s, v in seeds.items() if s < 3} for label, seeds in values.items()}
     assert {verdict for _, verdict, _ in prm_checks.checks(two, "none")} == {"inconclusive"}
