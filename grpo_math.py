@@ -431,6 +431,8 @@ def importance_log_ratio(logprobs, sampler_logprobs, mask, level):
     log_ratio = logprobs - sampler_logprobs
     if level == "token":
         return log_ratio
+    if level not in ("sequence", "geometric"):
+        raise ValueError(f"unknown level {level!r}; expected token, sequence or geometric")
     per_sequence = (log_ratio * mask).sum(1) if level == "sequence" else masked_mean(log_ratio, mask, dim=1)
     return per_sequence.unsqueeze(1).expand_as(log_ratio)
 

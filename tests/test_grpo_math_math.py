@@ -908,3 +908,12 @@ def test_token_mean_is_nan_without_tokens_and_the_averages_leave_it_out():
     assert grpo_math._reduce_values("x_max", [math.nan, 2.0]) == 2.0 and math.isnan(
         grpo_math._reduce_values("x", [math.nan])
     )
+
+
+def test_an_unknown_importance_level_is_refused_not_read_as_geometric():
+    """Since --mis_level defaults to None (issue 65), a None reaching importance_log_ratio must not fall through to the
+    geometric mean, as any name but token and sequence did."""
+    lp, mask = torch.zeros(2, 3), torch.ones(2, 3)
+    for level in (None, "geo", "Sequence"):
+        with pytest.raises(ValueError, match="unknown level"):
+            grpo_math.importance_log_ratio(lp, lp, mask, level)
