@@ -102,3 +102,21 @@ def test_the_set_up_sizes_are_what_make_setup_and_make_assets_leave():
         pytest.skip("not run from make setup's .venv after make assets")
     assert megabytes(assets) == pytest.approx(float(assets_mb), rel=0.1)
     assert megabytes(sys.prefix) / 1024 == pytest.approx(float(venv_gb), rel=0.1)
+
+
+def test_the_rows_say_what_their_numbers_are():
+    """Issue 65: grpo_tools' step-0 accuracy is the call its prompt shows, imitated (not learned), and ppo_prm_clip's
+    committed runs were made with an earlier step verifier; the README's rows say so."""
+    rows = {
+        line.split("`]")[0].split("[`")[-1]: line for line in read("README.md").splitlines() if line.startswith("| [`")
+    }
+    assert "at step 0: the call its prompt shows, imitated" in rows["grpo_tools.py"]
+    assert "made with the step verifier of 2026-11-26" in rows["ppo_prm_clip.py"]
+
+
+def test_a_standard_error_is_never_written_with_plus_minus():
+    """± is a standard deviation over seeds (README); an interval's standard error is "(s.e. x)". Issue 65 found
+    "-0.079 ± 0.037, 95% interval ..." in docs/async_rlhf.md, a standard error written as ±."""
+    for path in ["README.md", *sorted(glob.glob(os.path.join(REPO_ROOT, "docs", "*.md")))]:
+        text = " ".join(read(os.path.relpath(path, REPO_ROOT)).split())
+        assert not re.search(r"\d ± \d+\.\d+\)?,? 95% interval", text), path
