@@ -377,9 +377,21 @@ def rloo_loss(logprobs, old_logprobs, advantages, mask, clip_eps, normalizer):
         stats = {
             "policy/ratio": masked_mean(ratio, mask).item(),
             "policy/clipfrac": masked_mean(((ratio - 1).abs() > clip_eps).float(), mask).item(),
-            "policy/approxkl": masked_mean(0.5 * (logprobs - old_logprobs) ** 2, mask).item(),
+            "policy/approxkl": approx_kl(logprobs, old_logprobs, mask),
         }
     return loss, stats
+
+
+def approx_kl(logprobs, old_logprobs, mask):
+    """The approximate KL of the policy to the generator's, mean over the completion tokens of 1/2 (log pi -
+    log pi_generator)^2 (Schulman's k2; what PPO implementations log as approxkl). [B, R] -> float"""
+    return masked_mean(0.5 * (logprobs - old_logprobs) ** 2, mask).item()
+
+
+def last_minibatch_mean(values, args):
+    """What the stalest update of a step saw: the mean of a per micro-batch statistic (e.g. policy/approxkl) over
+    the step's last minibatch, whose micro-batches are the last gradient_accumulation_steps added."""
+    return float(np.mean(values[-args.gradient_accumulation_steps :]))
 
 
 def masked_mean(values, mask, dim=None):
@@ -620,10 +632,14 @@ def dpo_update(model, optimizer, scheduler, accelerator, args, batch, scores, ru
                 kl[rows], entropy[rows], more_stats = completion_statistics(
                     logprobs.detach(), ref_logprobs[rows], sampled, m, args.kl_estimator
                 )
+                if batch["old_logprobs"] is not None:  # how far the policy is from the generator's (not in the loss)
+                    more_stats["policy/approxkl"] = approx_kl(logprobs.detach(), batch["old_logprobs"][rows], m)
             run.add(micro_stats | more_stats)
         run.optimizer_step(model, optimizer, scheduler)
         run.add(staleness(run.step, batch["version"], args.num_minibatches, start // args.minibatch_size))
     metrics |= {"objective/kl": kl.mean().item(), "objective/entropy": entropy.mean().item()}
+    if batch["old_logprobs"] is not None:
+        metrics["policy/approxkl_last_minibatch"] = last_minibatch_mean(run.stats["policy/approxkl"], args)
     return metrics, dpo_pair_metrics(accelerator.reduce(pair_sums, "sum").tolist())  # over every process's pairs
 
 
@@ -683,9 +699,7 @@ def rloo_update(model, optimizer, scheduler, accelerator, args, batch, judged, r
         run.optimizer_step(model, optimizer, scheduler)
         run.add(staleness(run.step, batch["version"], args.num_minibatches, start // args.minibatch_size))
     metrics["loss/policy"] = policy_loss
-    # What the stalest update saw: the approximate KL of the policy to the generator's, on the last minibatch.
-    last_minibatch = run.stats["policy/approxkl"][-args.gradient_accumulation_steps :]  # its micro-batches
-    metrics["policy/approxkl_last_minibatch"] = float(np.mean(last_minibatch))
+    metrics["policy/approxkl_last_minibatch"] = last_minibatch_mean(run.stats["policy/approxkl"], args)
     metrics |= {"objective/kl": kl.mean().item(), "objective/entropy": entropy.mean().item()}
     return metrics, {}
 
@@ -1779,9 +1793,10 @@ class AsyncGenerator:
             )
             old_logprobs = sampler_logprobs  # the log-probs of the policy that sampled: vLLM's own
             rows = (query_responses, attention_mask, context_length, a.temperature)  # for score_rows
-            if a.loss == "rloo" and self.llm is None:
-                # RLOO with HF generate: the generator's copy scores its samples, in the learner's micro-batches, so
-                # that with --sync the ratio pi / pi_generator starts at 1. old_logprobs [nP, R].
+            if self.llm is None and (a.loss == "rloo" or a.num_minibatches > 1):
+                # HF generate: the generator's copy scores its samples, in the learner's micro-batches, so that with
+                # --sync the ratio pi / pi_generator starts at 1 (RLOO's surrogate; DPO's staleness figure, logged
+                # only where a batch has several minibatches). old_logprobs [nP, R].
                 t0 = time.time()
                 old_logprobs = self.score_rows(self.gen_model, *rows)
                 timings["time/generator_logprobs"] = time.time() - t0

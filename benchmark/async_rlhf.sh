@@ -13,6 +13,31 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -d runs/reward_model ] || python reward_modeling.py
 
+# Issue 66 (docs/power_plan.md): part 2's sweep where staleness moves the policy. First a pilot: seed 1 of online DPO
+# and RLOO at N = 16 (part 2's flags) and raised learning rates, for the stalest minibatch's approximate KL to the
+# sampler (policy/approxkl_last_minibatch; part 2's largest at lr 1e-5: 0.010) and the accuracy. ~8 min a run.
+#   bash benchmark/async_rlhf.sh pilot66
+if [[ ${1:-} == pilot66 ]]; then
+    for lr in 3e-5 1e-4; do
+        python -m benchmark.run --script async_rlhf.py --seeds 1 --resume_unfinished -- --sync --no-vllm --loss dpo \
+            --num_minibatches 16 --prompts_per_rank 32 --micro_batch_size 2 --total_steps 2 --eval_every 0 \
+            --learning_rate "$lr" --exp_name "pilot66_dpo_lr${lr}_n16"
+        python -m benchmark.run --script async_rlhf.py --seeds 1 --resume_unfinished -- --sync --no-vllm --loss rloo \
+            --rloo_k 2 --num_minibatches 16 --prompts_per_rank 32 --micro_batch_size 2 --total_steps 2 \
+            --eval_every 0 --learning_rate "$lr" --exp_name "pilot66_rloo_lr${lr}_n16"
+    done
+    OUT=benchmark/results/async_rlhf_pilot66
+    python -m benchmark.registry copy --out "$OUT" runs/arith_1d__pilot66_*__1__*
+    EXPERIMENTS=()
+    for lr in 3e-5 1e-4; do
+        EXPERIMENTS+=("dpo lr $lr=$OUT/arith_1d__pilot66_dpo_lr${lr}_n16__*" "rloo lr $lr=$OUT/arith_1d__pilot66_rloo_lr${lr}_n16__*")
+    done
+    python -m benchmark.registry table --experiments "${EXPERIMENTS[@]}" \
+        --metrics policy/approxkl_last_minibatch eval/accuracy eval/score eval/ref_perplexity \
+        --out benchmark/results/async_rlhf_pilot66.md
+    exit 0
+fi
+
 # 1. Async against --sync: the same program, seed, prompts and number of learner steps; generation and learning in
 # turn (--sync) and at the same time (max_staleness 1). HF generate in the generator (on 2 CPU cores it gains
 # nothing from a second thread, while training does: the split that lets the two overlap).
