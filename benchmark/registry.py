@@ -491,14 +491,14 @@ def interval_text(mean, se, half):
     return f"{mean:+.3f} (s.e. {se:.3f})", f"95% interval {mean - half:+.3f} to {mean + half:+.3f}"
 
 
-def claim_verdict(mean, std, n, at_least, min_seeds=3):
-    """Whether paired differences support "difference >= at_least", by the rule above: held when the 95% interval
-    mean ± t(0.975, n - 1) x std / sqrt(n) lies at or above it, not held when it lies below it, else inconclusive;
-    inconclusive on fewer than min_seeds."""
+def claim_verdict(mean, std, n, at_least, min_seeds=3, at_most=math.inf):
+    """Whether paired differences support "difference >= at_least" (and <= at_most), by the rule above: held when
+    the 95% interval mean ± t(0.975, n - 1) x std / sqrt(n) lies inside the bounds, not held when it lies wholly
+    outside, else inconclusive; inconclusive on fewer than min_seeds."""
     if n < min_seeds or std is None or no_spread(mean, std):  # too few seeds, or no spread (no interval)
         return "inconclusive"
     se = std / math.sqrt(n)
-    return verdict_inside(mean, t_975(n - 1) * se, at_least, math.inf)
+    return verdict_inside(mean, t_975(n - 1) * se, at_least, at_most)
 
 
 def t_cdf(t, df):
@@ -568,15 +568,23 @@ def clopper_pearson(k, n, level=0.95):
 
 
 def paired_table(
-    experiments, metrics, baseline, digits=3, at_least=None, statistic="final", fixed_baseline=False, count_above=None
+    experiments,
+    metrics,
+    baseline,
+    digits=3,
+    at_least=None,
+    statistic="final",
+    fixed_baseline=False,
+    count_above=None,
+    at_most=None,
 ):
     """A markdown table comparing each experiment with the baseline experiment (a label) seed by seed: for each
     metric, the final values (or the peaks, or the falls from the peak: seed_values' statistic) of both on the seeds
-    they share, the differences (experiment - baseline), their mean ±
-    std (ddof=1) and the paired t statistic mean / (std / sqrt(n)) with n - 1 degrees of freedom. With at_least, two
-    more columns: the mean and its standard error with the two-sided 95% interval, and the claim "difference >=
-    at_least" checked on that interval (claim_verdict). fixed_baseline: the baseline is one run, paired with every
-    seed of the others: exact for a run no seed changes (a greedy probe of the untrained policy); for a sampled one
+    they share, the differences (experiment - baseline), their mean ± std (ddof=1) and the paired t statistic mean /
+    (std / sqrt(n)) with n - 1 degrees of freedom. With at_least (or at_most, or both), two more columns: the mean
+    and its standard error with the two-sided 95% interval, and the claim "difference >= at_least" ("<= at_most")
+    checked on that interval (claim_verdict). fixed_baseline: the baseline is one run, paired with every seed of the
+    others: exact for a run no seed changes (a greedy probe of the untrained policy); for a sampled one
     the interval leaves out its own sampling error. count_above: one more column, the seeds whose difference is at
     least count_above, k of n, with the 95% Clopper-Pearson interval of that share (for an outcome that is bimodal
     over seeds, where the t interval says little)."""
@@ -587,8 +595,10 @@ def paired_table(
         raise ValueError(f"--fixed_baseline needs one {baseline} run, not {len(runs_of[baseline])}")
     header = ["experiment", "metric", "seeds", f"{baseline} per seed", "experiment per seed", "difference per seed"]
     rows = [header + ["difference (mean ± std)", "paired t (df)"]]
-    if at_least is not None:
-        rows[0] += ["difference (mean (s.e.); 95% t interval)", f"difference >= {at_least:g} (95% interval)"]
+    low, high = -math.inf if at_least is None else at_least, math.inf if at_most is None else at_most
+    bounds = [f">= {low:g}"] * (at_least is not None) + [f"<= {high:g}"] * (at_most is not None)
+    if bounds:
+        rows[0] += ["difference (mean (s.e.); 95% t interval)", f"difference {' and '.join(bounds)} (95% interval)"]
     if count_above is not None:
         rows[0] += [f"seeds with difference >= {count_above:g} (95% Clopper-Pearson interval of the share)"]
     rows.append(["---"] * len(rows[0]))
@@ -609,9 +619,9 @@ def paired_table(
                 " / ".join(f"{v:.{digits}f}" for v in c) for c in columns
             ]
             row += [format_mean_std((mean, std, n), digits), t]
-            if at_least is not None:
+            if bounds:
                 row += ["; ".join(interval_text(*interval(diffs))) if diffs else "–"]
-                row.append(f"**{claim_verdict(mean, std, n, at_least)}**")
+                row.append(f"**{claim_verdict(mean, std, n, low, at_most=high)}**")
             if count_above is not None:
                 k = sum(d >= count_above for d in diffs)
                 low, high = clopper_pearson(k, len(diffs)) if diffs else (0.0, 1.0)
@@ -845,6 +855,7 @@ def build_parser():
     p.add_argument("--out", default=None, help="also write the table to this .md file")
     p.add_argument("--digits", type=int, default=3, help="decimals of the values")
     p.add_argument("--at_least", type=float, default=None, help="check the claim: difference >= this, per metric")
+    p.add_argument("--at_most", type=float, default=None, help="check the claim: difference <= this, per metric")
     p.add_argument(
         "--statistic", choices=("final", "peak", "fall"), default="final",
         help="what is compared: the final value, the peak (largest logged), or the fall (peak - final)",
@@ -903,7 +914,7 @@ def main(argv=None):
         try:
             table = paired_table(
                 experiments, args.metrics, args.baseline, args.digits, args.at_least, args.statistic,
-                args.fixed_baseline, args.count_above,
+                args.fixed_baseline, args.count_above, args.at_most,
             )  # fmt: skip
         except ValueError as error:
             sys.exit(f"error: {error}")

@@ -4,9 +4,10 @@
     python -m benchmark.tables --write    # remake them in place
     python -m benchmark.tables --list     # every output of benchmark/*.sh: remade here, or why not
 
-The commands are those of benchmark/*.sh (all but gpu_check.sh, a GPU measurement), found by running each file with
-`python` replaced by a shell function that records its arguments and runs nothing. A `python -m benchmark.registry
-table | change | paired | perf | plot | frontier` command is remade when every --experiments glob matches committed
+The commands are those of benchmark/*.sh (all but gpu_check.sh, a GPU measurement), its main part and each named
+block (`bash FILE NAME`), found by running each with `python` replaced by a shell function that records its arguments
+and runs nothing. A `python -m benchmark.registry table | change | paired | perf | plot | frontier` command, or a
+claim check (benchmark.prm_checks, benchmark.offpolicy), is remade when every --experiments glob matches committed
 run folders (config.json and metrics.jsonl under benchmark/results/), a `python -m benchmark.best_of_n analyse` from
 its committed OUT.jsonl (--from_responses); the others need training (their runs are not committed) or are
 measurements (throughput, determinism, peer timings), whose raw JSON is committed beside the table.
@@ -18,8 +19,10 @@ import argparse
 import contextlib
 import filecmp
 import glob
+import importlib
 import io
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -29,6 +32,7 @@ from benchmark import budget, registry
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMITTED = "benchmark/results/"
 REMADE = ("table", "change", "paired", "perf", "plot", "frontier")
+CHECKS = ("benchmark.prm_checks", "benchmark.offpolicy")  # claim checks from LABEL=GLOB --experiments, like table
 MEASUREMENTS = ("gpu_check.sh",)  # shell files that only measure on a GPU; nothing in them is remade here
 
 # `python` as a shell function: it appends its arguments (unit separators between, a record separator after) to
@@ -39,11 +43,13 @@ exec bash "$0" "$@"
 """
 
 
-def shell_calls(path):
-    """The argument lists `python` is called with in one shell file, in order, with its variables expanded."""
+def shell_calls(path, block=None):
+    """The argument lists `python` is called with in one shell file, in order, with its variables expanded: its main
+    part, or with `block` the part run by `bash FILE BLOCK` (an `if [[ ${1:-} == BLOCK ]]` ... `exit 0`)."""
     with tempfile.NamedTemporaryFile(suffix=".calls") as record:
         env = {**os.environ, "RECORD": record.name}
-        subprocess.run(["bash", "-c", RECORDER, path], cwd=REPO_ROOT, env=env, check=True, capture_output=True)
+        argv = ["bash", "-c", RECORDER, path] + ([block] if block else [])
+        subprocess.run(argv, cwd=REPO_ROOT, env=env, check=True, capture_output=True)
         text = open(record.name).read()
     return [call.split("\037")[:-1] for call in text.split("\036")[:-1]]
 
@@ -64,7 +70,8 @@ def classify():
         name = os.path.basename(path)
         if name in MEASUREMENTS:
             continue
-        for argv in shell_calls(path):
+        blocks = re.findall(r"^if \[\[ \$\{1:-\} == (\w+) \]\]", open(path).read(), re.MULTILINE)
+        for argv in [argv for block in [None, *blocks] for argv in shell_calls(path, block)]:
             if argv[:2] == ["-m", "benchmark.registry"] and argv[2] in REMADE:
                 command = registry.build_parser().parse_args(argv[2:])
                 files = outputs(command)
@@ -75,6 +82,15 @@ def classify():
                 why = f"its runs are not committed ({uncommitted[0]})" if uncommitted else None
                 if files:  # a command without --out only prints
                     rows.append((name, argv, files, why))
+            elif argv[:2] in (["-m", module] for module in CHECKS):  # claim checks read committed runs too
+                out = argv[argv.index("--out") + 1]
+                files = [out] if out.endswith(".md") else [out + ".md", out + ".png"]
+                start = argv.index("--experiments") + 1
+                specs = argv[start : next((i for i in range(start, len(argv)) if argv[i].startswith("--")), None)]
+                patterns = [registry.parse_experiment(spec)[1] for spec in specs]
+                uncommitted = [p for p in patterns if not glob.glob(os.path.join(REPO_ROOT, p))]
+                why = f"its runs are not committed ({uncommitted[0]})" if uncommitted else None
+                rows.append((name, argv, files, why))
             elif argv[:3] == ["-m", "benchmark.best_of_n", "analyse"]:  # remade from its committed OUT.jsonl
                 out = argv[argv.index("--out") + 1]
                 why = None if os.path.isfile(out + ".jsonl") else f"its responses are not committed ({out}.jsonl)"
@@ -106,12 +122,7 @@ def remake(argv, folder):
         out = argv[argv.index("--out") + 1]
         argv[argv.index("--out") + 1] = os.path.join(folder, out)
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        if argv[1] == "benchmark.best_of_n":
-            from benchmark import best_of_n
-
-            best_of_n.main(argv[2:])
-        else:
-            registry.main(argv[2:])
+        importlib.import_module(argv[1]).main(argv[2:])  # registry, best_of_n analyse, or a claim check
 
 
 # README's table of scripts: one result each, worked out from the committed runs ({name[initial]}: the mean step-0

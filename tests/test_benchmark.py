@@ -350,6 +350,8 @@ def test_registry_paired_table_against_differences_worked_out_here(synthetic_run
     se, half = std / 2**0.5, 12.706 * std / 2**0.5  # t(0.975) at 1 df
     span = f"95% interval {mean - half:+.3f} to {mean + half:+.3f}"
     assert rows[2][-2:] == [f"{mean:+.3f} (s.e. {se:.3f}); {span}", "**inconclusive**"]
+    table = registry.paired_table(registry.load_experiments(specs), ["eval/accuracy"], "A", at_least=-1, at_most=0)
+    assert table.splitlines()[0].endswith("| difference >= -1 and <= 0 (95% interval) |")
 
 
 def test_registry_claim_verdicts_worked_out_here():
@@ -369,6 +371,15 @@ def test_registry_claim_verdicts_worked_out_here():
     ]:
         mean, std, n = registry.mean_std(diffs)
         assert registry.claim_verdict(mean, std, n, at_least) == verdict, (diffs, at_least)
+    # "difference <= at_most" (async faster than sync: seconds <= 0), the mirror image.
+    for diffs, at_most, verdict in [
+        ([-35.4, -18.2, -20.8], 0.0, "held"),  # -24.8 + 4.303 x 5.37 = -1.7 <= 0
+        ([35.4, 18.2, 20.8], 0.0, "not held"),
+        ([-35.4, 18.2, -20.8], 0.0, "inconclusive"),
+    ]:
+        mean, std, n = registry.mean_std(diffs)
+        assert registry.claim_verdict(mean, std, n, -math.inf, at_most=at_most) == verdict, (diffs, at_most)
+    assert registry.claim_verdict(*registry.mean_std([0.01, 0.02, 0.03]), -0.02, at_most=0.025) == "inconclusive"
     assert registry.t_975(2) == 4.303 and registry.t_975(1) == 12.706 and registry.t_975(100) == registry.t_975(30)
 
 

@@ -59,6 +59,17 @@ def test_make_tables_remakes_the_committed_tables_from_the_committed_runs(capsys
     assert re.search(r"^\d+ commands remade", capsys.readouterr().out)
 
 
+def test_make_tables_reads_the_named_blocks_and_remakes_the_claim_checks():
+    """A shell file's named blocks (`bash benchmark/X.sh NAME`) are read as its main part is, and the claim checks
+    (prm_checks, offpolicy) are remade from their committed runs like a registry table."""
+    remade = {f: (name, argv) for name, argv, files, why in tables.classify() if why is None for f in files}
+    assert remade["benchmark/results/ppo_prm_clip_verifier_checks.md"][1][1] == "benchmark.prm_checks"
+    assert remade["benchmark/results/offpolicy.md"][1][1] == "benchmark.offpolicy"
+    assert remade["benchmark/results/async_vs_sync_faster.md"][1][-4:-2] == ["--at_most", "0"]
+    # grpo_tools.sh issue57_item4_3t: a named block's table.
+    assert remade["benchmark/results/grpo_tools_issue57_item4_3t.md"][0] == "grpo_tools.sh"
+
+
 def test_make_tables_fails_when_a_committed_table_differs(monkeypatch):
     """One committed table made again with other numbers: the check names it."""
     made = []
