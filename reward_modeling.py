@@ -115,6 +115,9 @@ class Args:
     data_seed: Optional[int] = None
     """seed of the sampled completions and pairs alone (None: --seed): an ensemble's members share it and differ in
     --seed, their score head's init and data order (Coste et al., arXiv 2310.02743)"""
+    label_noise: float = 0.0
+    """each training pair's preference flipped with this probability, drawn from --data_seed (Coste et al.'s noisy
+    setting: 0.25, AlpacaFarm's simulated annotators); the held-out pairs keep the verifier's labels"""
 
     # Computed from the flags and the data (check_args, the data loader and main), recorded in config.json (not flags)
     data_kind: tyro.conf.Suppress[str] = ""
@@ -139,6 +142,10 @@ def main(args: "Config"):
     # steps' last tokens [K], step labels [K]). From a task, completions sampled from the policy and labelled by the
     # verifier, a correct one paired with a wrong one of the same prompt (--prm: every completion, a label per step).
     train_pairs, eval_pairs, pair_metrics = reward_pairs(args, accelerator, tokenizer, run, train_rows, eval_rows)
+    if args.label_noise:
+        train_pairs, pair_metrics["pairs/train_flipped"] = flip_preferences(
+            train_pairs, args.label_noise, args.data_seed
+        )
     pairs_per_step = args.pairs_per_rank * world_size
     args.num_train_pairs = len(train_pairs)
     args.total_steps = max(1, round(args.num_train_epochs * len(train_pairs) / pairs_per_step))
@@ -191,6 +198,13 @@ def main(args: "Config"):
 
 
 # The Bradley-Terry reward model
+
+
+def flip_preferences(pairs, probability, seed):
+    """Label noise: each pair's chosen and rejected swapped with `probability`, drawn per pair from (seed, its index),
+    so every process and a resumed run flip the same pairs. Returns (pairs, the number flipped)."""
+    flips = [random.Random(f"{seed}/label_noise/{i}").random() < probability for i in range(len(pairs))]
+    return [(pair[1], pair[0]) if flip else pair for pair, flip in zip(pairs, flips)], sum(flips)
 
 
 def bradley_terry_loss(chosen_scores, rejected_scores):
@@ -852,6 +866,8 @@ def check_args(args):
                 _fail(f"--dataset_path {args.dataset_path} has no {split}.jsonl; set --{name}")
     if args.prm and not args.step_separator:
         _fail("--step_separator must not be empty (--prm splits completions into steps at it)")
+    _require(0 <= args.label_noise < 0.5, f"--label_noise must be in [0, 0.5); got {args.label_noise}")
+    _require(not (args.prm and args.label_noise), "--label_noise flips preference pairs: a --prm has none")
     # The sizes computed from the flags (config.json records them), and the pairs' seed.
     args.gradient_accumulation_steps = args.pairs_per_rank // args.micro_batch_size
     args.data_seed = args.seed if args.data_seed is None else args.data_seed

@@ -37,12 +37,17 @@ OUT.png, and OUT.jsonl, a line per prompt with what the analysis reads (verdicts
 The checks, each held / not held / inconclusive by the rule of benchmark/registry.py applied to the bootstrap's 95%
 interval (held when it lies wholly on the claim's side of the bound, not held when wholly on the other side, else, or
 with no spread, inconclusive):
-(1) a rule's curve turns down: its accuracy at its peak n (the full sample's argmax) minus at n = N, > 0 (not held
-    when the peak is at n = N, or the curve is back at its maximum there: it saturates); asked of each member. The
-    peak is chosen on the same prompts, so the interval is a little optimistic.
-(2) WCO / UWO flatten it: the --single member's drop minus the rule's own drop, > 0, paired over prompts; "UWO (some
-    lambda)" and "WCO (raw or standardised)" are disjunctions, held by Holm's procedure over the one-sided bootstrap
-    p-values at 0.025 (registry.holm), not held when every interval lies below 0.
+(1) a rule's curve turns down: its accuracy at its peak n minus at n = N, > 0, per prompt with the peak chosen on the
+    other half of the prompts (two-fold cross-fitting over a seeded split; a peak chosen on the prompts it is
+    measured on makes the drop >= 0 by construction), the bootstrap resampling the prompts with the two peaks fixed;
+    not held when both halves peak at n = N (or the curve is back at its maximum there: it saturates). Asked of each
+    member, held only under Holm's procedure over the members (one-sided bootstrap p-values, 0.025), and "some member
+    turns down" by Holm over them.
+(2) WCO / UWO flatten it: the members' average drop (each member's own drop, averaged per prompt) minus the rule's
+    own, > 0, paired over prompts (the mean of the members beside them, in no family); "UWO (some lambda)" and "WCO
+    (raw or standardised)" are disjunctions, held by Holm's procedure over the one-sided bootstrap p-values at 0.025
+    (registry.holm), not held when every interval lies below 0. Each member's drop minus each rule's is shown
+    beside it (intervals, no verdict).
 (3) the members' disagreement predicts verifier errors: among each rule's picks at n = N, the error rate of the prompts
     whose pick has a members' score std (over K, the centred scores UWO penalises; and on standardised members) above
     the median, minus that of the rest, > 0.
@@ -523,7 +528,7 @@ def arrays(rows, names):
     return C, E, S
 
 
-def analysis(rows, names, uwo_coefs, num_resamples, seed, single=None):
+def analysis(rows, names, uwo_coefs, num_resamples, seed):
     """Everything the table, the checks and the figure show, from per-prompt rows (load_responses). Returns a dict."""
     C, E, S = arrays(rows, names)
     P, K, N = S.shape
@@ -541,28 +546,47 @@ def analysis(rows, names, uwo_coefs, num_resamples, seed, single=None):
     out["n"], out["kl"] = np.arange(1, N + 1), kl_best_of_n(np.arange(1, N + 1))
     out["accuracy"] = {name: c.mean(0) for name, c in curves.items()}
     out["interval"] = {name: percentile_interval(bootstrap_means(counts, c)) for name, c in curves.items()}
-    # (1) the drop from the peak (the full sample's argmax, the smallest n among equals; N where the accuracy at N
-    # is the maximum up to rounding: a curve that saturates does not turn down) to n = N, per prompt
-    peak = {name: peak_index(out["accuracy"][name]) for name in rules}
-    drops = {name: curves[name][:, peak[name]] - curves[name][:, N - 1] for name in rules}
+    out["members_average"] = np.mean([out["accuracy"][name] for name in names], 0)
+    # (1) the drop from the peak to n = N, per prompt, the peak chosen on the other half of the prompts (two-fold
+    # cross-fitting over a seeded split): a peak chosen on the prompts it is measured on makes the drop >= 0 by
+    # construction. The bootstrap resamples the prompts with the two peaks held fixed.
+    half = prompt_halves(P, seed)
+    drops = {}
+    out["peak_n"], out["drop"] = {}, {}
+    for name in rules:
+        drops[name], peaks = cross_fitted_drops(curves[name], half)
+        out["peak_n"][name] = (peaks[0] + 1, peaks[1] + 1)
     boot_drop = {name: bootstrap_means(counts, d) for name, d in drops.items()}
-    out["peak_n"] = {name: peak[name] + 1 for name in rules}
-    out["drop"] = {}
+    # Each member's "turns down" is one of K tries: held only where Holm's procedure over the members rejects.
+    member_holm = dict(zip(names, holm([p_above(boot_drop[name]) for name in names])))
     for name in rules:
         low, high = percentile_interval(boot_drop[name])
-        verdict = "not held (peak at n = N)" if peak[name] == N - 1 else bootstrap_verdict(low, high)
+        verdict = bootstrap_verdict(low, high)
+        if out["peak_n"][name] == (N, N):
+            verdict = "not held (peak at n = N)"
+        elif name in member_holm and verdict == "held" and not member_holm[name]:
+            verdict = "inconclusive (not under Holm)"
         out["drop"][name] = (float(drops[name].mean()), float(low), float(high), verdict)
-    # (2) the single member's drop minus each conservative rule's, paired over prompts
-    single = single or names[0]
-    if single not in names:
-        raise ValueError(f"--single {single!r} is not one of the members {names}")
-    out["single"], out["flatten"], out["flatten_family"] = single, {}, {}
-    conservative = [name for name in rules if name.startswith(("wco", "uwo_"))]
-    boot_flat = {name: boot_drop[single] - boot_drop[name] for name in conservative}
+    out["members_turn_down"] = family_verdict([boot_drop[name] for name in names])
+    # (2) the members' average drop (each member's own, per prompt, averaged) minus each conservative rule's, paired
+    # over prompts; and each member's drop minus each rule's (no verdict)
+    conservative = [name for name in rules if name.startswith(("mean", "wco", "uwo_"))]  # the mean: no family
+    average = np.mean([drops[name] for name in names], 0)
+    boot_average = bootstrap_means(counts, average)
+    out["average_drop"] = (float(average.mean()), *map(float, percentile_interval(boot_average)))
+    out["flatten"], out["flatten_family"], out["flatten_each"] = {}, {}, {}
+    boot_flat = {name: boot_average - boot_drop[name] for name in conservative}
     for name in conservative:
         low, high = percentile_interval(boot_flat[name])
-        diff = float((drops[single] - drops[name]).mean())
+        diff = float((average - drops[name]).mean())
         out["flatten"][name] = (diff, float(low), float(high), bootstrap_verdict(low, high), p_above(boot_flat[name]))
+        out["flatten_each"][name] = {
+            member: (
+                float((drops[member] - drops[name]).mean()),
+                *map(float, percentile_interval(boot_drop[member] - boot_drop[name])),
+            )
+            for member in names
+        }
     for family, members in (("WCO (raw or standardised)", ["wco", "wco_std"]), ("UWO (some lambda)", None)):
         members = members or [name for name in conservative if name.startswith("uwo_")]
         members = [name for name in members if name in boot_flat]
@@ -587,6 +611,22 @@ def analysis(rows, names, uwo_coefs, num_resamples, seed, single=None):
     return out
 
 
+def cross_fitted_drops(curve, half):
+    """curve [P, N] (a prompt's accuracy by n), half [P] 0 or 1. Each prompt's drop from the peak to n = N, the peak
+    (peak_index of the mean curve) chosen on the other half's prompts. Returns ([P] drops, (half 0's peak index,
+    half 1's))."""
+    peaks = tuple(peak_index(curve[half == h].mean(0)) for h in (0, 1))
+    at_peak = curve[np.arange(len(curve)), np.where(half == 0, peaks[1], peaks[0])]
+    return at_peak - curve[:, -1], peaks
+
+
+def prompt_halves(num_prompts, seed):
+    """[P] 0 or 1: a seeded random split of the prompts into two halves (sizes differing by at most one)."""
+    half = np.zeros(num_prompts, int)
+    half[np.random.default_rng([seed, 2]).permutation(num_prompts)[num_prompts // 2 :]] = 1
+    return half
+
+
 def peak_index(accuracy):
     """The index of a curve's peak: its first maximum, or the last index where the last value is the maximum up to
     float rounding (1e-12)."""
@@ -605,7 +645,7 @@ def signed_interval(mean, low, high):
 
 def markdown(result, meta_line=""):
     """The tables and the checks of analysis()."""
-    N, single = result["num_samples"], result["single"]
+    N, members = result["num_samples"], result["members"]
     ns = shown_ns(N)
     lines = [
         f"Best-of-n on {result['num_prompts']} held-out prompts x {N} samples, {len(result['members'])} members "
@@ -614,35 +654,42 @@ def markdown(result, meta_line=""):
         f"{result['seed']}. Responses with EOS: {result['eos_fraction']:.3f}; prompts with no finished response: "
         f"{result['prompts_without_finished']}. A response without EOS is never picked over a finished one.",
         "",
-        "| rule | " + " | ".join(f"n={n} (KL {kl_best_of_n(n):.2f})" for n in ns) + " | peak n | drop peak → N | "
-        "turns down? |",
+        "| rule | " + " | ".join(f"n={n} (KL {kl_best_of_n(n):.2f})" for n in ns) + " | peak n (half 1 / half 2) | "
+        "drop, other half's peak → N | turns down? |",
         "| --- | " + " | ".join("---" for _ in ns) + " | --- | --- | --- |",
     ]
     for name in result["rules"]:
         acc = result["accuracy"][name]
         mean, low, high, verdict = result["drop"][name]
         cells = " | ".join(f"{acc[n - 1]:.3f}" for n in ns)
-        lines.append(
-            f"| {rule_label(name)} | {cells} | {result['peak_n'][name]} | {signed_interval(mean, low, high)} | "
-            f"{verdict} |"
-        )
+        peaks = " / ".join(map(str, result["peak_n"][name]))
+        lines.append(f"| {rule_label(name)} | {cells} | {peaks} | {signed_interval(mean, low, high)} | {verdict} |")
+    lines += [
+        "",
+        "Each drop is measured at the peak chosen on the other half of the prompts (a seeded split), per prompt; a "
+        "member's \"turns down\" is held only under Holm's procedure over the members (0.025 a side).",
+        f"- Some member turns down (Holm over the {len(members)} members): **{result['members_turn_down']}**",
+    ]
     if result["flatten"]:
         lines += [
             "",
-            f"Do the conservative rules flatten the single member's curve? {single}'s drop from its peak minus the "
-            f"rule's own, paired over prompts (claim: > 0; {single}'s own drop: "
-            f"{result['drop'][single][3]}).",
+            "Do the conservative rules flatten the members' curves? The members' average drop (each member's own, "
+            f"{signed_interval(*result['average_drop'])}) minus the rule's own, paired over prompts (claim: > 0); "
+            "then each member's drop minus the rule's (no verdict).",
             "",
-            "| rule | drop peak → N | single's drop − rule's | one-sided p | verdict |",
-            "| --- | --- | --- | --- | --- |",
+            "| rule | drop → N | average member's drop − rule's | one-sided p | verdict | "
+            + " | ".join(f"{member}'s − rule's" for member in members)
+            + " |",
+            "| --- | --- | --- | --- | --- | " + " | ".join("---" for _ in members) + " |",
         ]
         for name, (diff, low, high, verdict, p) in result["flatten"].items():
+            each = " | ".join(signed_interval(*result["flatten_each"][name][member]) for member in members)
             lines.append(
                 f"| {rule_label(name)} | {result['drop'][name][0]:+.3f} | {signed_interval(diff, low, high)} | "
-                f"{p:.4f} | {verdict} |"
+                f"{p:.4f} | {verdict} | {each} |"
             )
         lines += [""] + [
-            f"- {family} flattens it (Holm over the family at 0.025): **{verdict}**"
+            f"- {family} flattens them (Holm over the family at 0.025): **{verdict}**"
             for family, verdict in result["flatten_family"].items()
         ]
     lines += [
@@ -665,7 +712,7 @@ def markdown(result, meta_line=""):
 
 def plot(result, out):
     """Accuracy of the pick against the best-of-n KL, 95% bootstrap bands: the members and their mean on the left,
-    the conservative rules (with the single member, dashed) on the right. Writes a PNG, returns its path."""
+    the conservative rules (with the members' average, dashed) on the right. Writes a PNG, returns its path."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -674,13 +721,13 @@ def plot(result, out):
     members, rules, kl = result["members"], result["rules"], result["kl"]
     panels = [
         ("members alone and their mean", [*members, *(["mean"] if "mean" in rules else [])]),
-        (f"conservative rules ({result['single']} dashed)", [r for r in rules if r.startswith(("wco", "uwo_"))]),
+        ("conservative rules (the members' average dashed)", [r for r in rules if r.startswith(("wco", "uwo_"))]),
     ]
     panels = [(title, names) for title, names in panels if names]
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False, sharey=True)
     for ax, (title, names) in zip(axes.flat, panels):
         if not title.startswith("members"):
-            ax.plot(kl, result["accuracy"][result["single"]], color="gray", linestyle="--", label=result["single"])
+            ax.plot(kl, result["members_average"], color="gray", linestyle="--", label="members' average")
         for i, name in enumerate(names):
             low, high = result["interval"][name]
             ax.plot(kl, result["accuracy"][name], color=f"C{i % 10}", label=rule_label(name))
@@ -713,7 +760,7 @@ def analyse(args):
             print(f"warning: {left_out} prompt(s) lack samples or scores and are left out", file=sys.stderr)
     if not rows:
         sys.exit("error: no prompt has all its samples scored by every member")
-    result = analysis(rows, names, args.uwo_coef, args.bootstrap, args.seed, args.single)
+    result = analysis(rows, names, args.uwo_coef, args.bootstrap, args.seed)
     note = f"; {left_out} prompt(s) left out (not yet sampled or scored)" if left_out else ""
     write_text(markdown(result, note), args.out + ".md")
     print(f"wrote {plot(result, args.out + '.png')}", file=sys.stderr)
@@ -750,7 +797,6 @@ def build_parser():
     group = parser.add_argument_group("analyse")
     group.add_argument("--uwo_coef", type=float, nargs="+", default=[0.25, 0.5, 1.0, 2.0, 4.0], help="UWO lambdas")
     group.add_argument("--bootstrap", type=int, default=2000, help="resamples of the prompts")
-    group.add_argument("--single", default=None, help="the member the flattening is checked against (default: first)")
     group.add_argument("--out", default="benchmark/results/best_of_n", help="writes OUT.md, OUT.png, OUT.jsonl")
     group.add_argument("--from_responses", default=None, help="analyse an OUT.jsonl (committed) instead of --out_dir")
     return parser

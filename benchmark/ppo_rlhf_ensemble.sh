@@ -14,6 +14,26 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# Issue 66 item 4: best-of-n (step 6) in Coste et al.'s noisy setting: five members that differ in their pairs
+# (--data_seed k: each samples its own completions and pairs) and their seed, each trained with every training
+# label flipped with probability 0.25 (--label_noise; the held-out pairs keep the verifier's labels); step 6's
+# sampling command into its own folder (the same prompts and seed), scored by these members and analysed as step 6.
+#   bash benchmark/ppo_rlhf_ensemble.sh noisy66    # ~11 min a member, ~18 min sampling, ~32 min scoring (2 cores)
+if [[ ${1:-} == noisy66 ]]; then
+    for k in 0 1 2 3 4; do
+        [ -f "runs/reward_ensemble_noisy/member_$k/config.json" ] ||
+            python reward_modeling.py --seed $((k + 1)) --data_seed $((k + 1)) --label_noise 0.25 \
+                --exp_name rm_noisy_member --reward_model_dir "runs/reward_ensemble_noisy/member_$k"
+    done
+    python -m benchmark.registry copy --out benchmark/results/reward_ensemble_noisy \
+        runs/arith_1d__rm_noisy_member__[12345]__*
+    python -m benchmark.best_of_n sample --out_dir runs/best_of_n_noisy --num_samples 64 --temperature 1 --num_prompts 128
+    python -m benchmark.best_of_n score --out_dir runs/best_of_n_noisy --ensemble runs/reward_ensemble_noisy
+    python -m benchmark.best_of_n analyse --out_dir runs/best_of_n_noisy --uwo_coef 0.25 0.5 1 2 4 --bootstrap 2000 \
+        --out benchmark/results/best_of_n_noisy
+    exit 0
+fi
+
 [ -f runs/reward_ensemble/member_0/config.json ] ||
     python reward_modeling.py --seed 1 --data_seed 1 --exp_name rm_member --reward_model_dir runs/reward_ensemble/member_0
 [ -f runs/reward_ensemble/member_1/config.json ] ||

@@ -1786,6 +1786,31 @@ def test_best_of_n_bootstrap_is_deterministic_and_the_verdict_rule():
     assert bon.peak_index(np.array([0.5, 0.7, 0.7 - 1e-15])) == 2  # saturated: it does not turn down
 
 
+def test_best_of_n_drops_are_measured_at_the_other_halfs_peak():
+    """Cross-fitting against a loop (float64, random curves): a prompt's drop is its accuracy at the peak of the mean
+    curve of the other half's prompts minus its accuracy at n = N; the halves split the prompts evenly, by seed."""
+    from benchmark import best_of_n as bon
+
+    rng = np.random.default_rng(5)
+    for P, N in [(9, 6), (40, 12)]:
+        curve, half = rng.uniform(size=(P, N)), bon.prompt_halves(P, seed=3)
+        assert sorted(np.bincount(half)) == [P // 2, P - P // 2]
+        assert (half == bon.prompt_halves(P, seed=3)).all() and (half != bon.prompt_halves(P, seed=4)).any()
+        drops, peaks = bon.cross_fitted_drops(curve, half)
+        for p in range(P):
+            others = [q for q in range(P) if half[q] != half[p]]
+            mean = [sum(curve[q, n] for q in others) / len(others) for n in range(N)]
+            peak = max(range(N), key=lambda n: (mean[n], -n))  # the first maximum
+            if mean[-1] >= mean[peak] - 1e-12:
+                peak = N - 1
+            assert drops[p] == pytest.approx(curve[p, peak] - curve[p, -1], abs=1e-12)
+            assert peaks[1 - half[p]] == peak
+    # A curve that rises on one half and falls on the other: the drops need not be >= 0.
+    curve = np.array([[0.0, 1.0, 0.5], [0.0, 0.2, 0.9]])
+    drops, peaks = bon.cross_fitted_drops(curve, np.array([0, 1]))
+    assert peaks == (1, 2) and drops.tolist() == pytest.approx([0.0, 0.2 - 0.9])
+
+
 def write_best_of_n_files(folder, P=60, N=16, seed=0):
     """A synthetic sample file and score files: member_0 is over-optimised (a planted hack: one or two wrong responses
     of every odd prompt score 3 above the rest), member_1 and member_2 rank correct above wrong (noise 0.1); every
@@ -1825,11 +1850,14 @@ def test_best_of_n_analyse_finds_the_planted_over_optimisation(tmp_path):
     acc = result["accuracy"]
     assert acc["member_0"][0] == acc["member_1"][0] == acc["wco"][0]  # n = 1: a random response, whatever the rule
     assert result["drop"]["member_0"][3] == "held" and result["drop"]["member_0"][0] > 0.15
-    assert result["peak_n"]["member_0"] < 8
+    assert max(result["peak_n"]["member_0"]) < 8 and result["members_turn_down"] == "held"
     for name in ("member_1", "member_2", "wco", "uwo_1"):
         assert result["drop"][name][3] == "not held (peak at n = N)", name
+    # The baseline is the members' average drop: member_0's planted one over 3, the others' 0.
+    assert result["average_drop"][0] == pytest.approx(result["drop"]["member_0"][0] / 3)
     for name in ("wco", "wco_std", "uwo_0.5", "uwo_1"):
         assert result["flatten"][name][3] == "held", name
+        assert result["flatten_each"][name]["member_1"][0] == 0.0  # each member paired too
     assert result["flatten_family"] == {"WCO (raw or standardised)": "held", "UWO (some lambda)": "held"}
     # member_0's picks at n = N are the hacks on the hackable prompts: wrong, and the members disagree on them
     above, below, diff, *_, verdict = result["disagreement"]["member_0"][0]

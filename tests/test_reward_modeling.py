@@ -853,6 +853,51 @@ def test_prm_needs_a_task(make_config, no_model):
     assert_one_line_error(make_config(rm, prm=True), "--prm", "--question_column")
 
 
+def test_flip_preferences_flips_about_the_share_asked_and_the_same_pairs_every_time():
+    """Label noise: a flipped pair is the same pair reversed, about `probability` of them are (within 5 binomial
+    standard deviations of 20,000 x 0.25), the same ones for a seed (every process, a resumed run), others for
+    another; 0 flips none."""
+    pairs = [([i], [-i - 1]) for i in range(20_000)]
+    noisy, flipped = rm.flip_preferences(pairs, 0.25, seed=7)
+    swapped = [(a, b) != (c, d) for (a, b), (c, d) in zip(pairs, noisy)]
+    assert all((c, d) == (b, a) for (a, b), (c, d), s in zip(pairs, noisy, swapped) if s)
+    assert flipped == sum(swapped) and abs(flipped - 5_000) < 5 * (20_000 * 0.25 * 0.75) ** 0.5
+    assert rm.flip_preferences(pairs, 0.25, seed=7) == (noisy, flipped)
+    assert rm.flip_preferences(pairs, 0.25, seed=8)[0] != noisy
+    assert rm.flip_preferences(pairs, 0.0, seed=7) == (pairs, 0)
+
+
+@pytest.mark.slow
+def test_label_noise_trains_on_the_flipped_pairs_and_evaluates_on_the_true_ones(make_config, monkeypatch, tmp_path):
+    """--label_noise 0.4 against none, same seeds: every batch holds the same pairs, some reversed (counted in
+    pairs/train_flipped), and the held-out pairs and scores before training are the same."""
+    monkeypatch.setattr(rm, "extract_answer", toy_extract_answer)
+    task = write_ones_task(tmp_path / "ones")
+    batches, backward = [], rm.bradley_terry_backward
+
+    def recording(model, score_head, pairs, *args):
+        batches.append([(tuple(c), tuple(r)) for c, r in pairs])
+        return backward(model, score_head, pairs, *args)
+
+    monkeypatch.setattr(rm, "bradley_terry_backward", recording)
+    small = dict(dataset_path=task, num_train_epochs=1.0, pairs_per_rank=4, micro_batch_size=2)
+    runs = [rm.main(make_config(rm, output_dir=str(tmp_path / f"{n}"), label_noise=n, **small)) for n in (0.0, 0.4)]
+    clean, noisy = batches[: len(batches) // 2], batches[len(batches) // 2 :]
+    reversed_pairs = 0
+    for a, b in zip(clean, noisy):
+        assert sorted(map(sorted, a)) == sorted(map(sorted, b))  # the same pairs, in either order
+        reversed_pairs += len(set(b) - set(a))
+    first = [read_metrics(run_dir)[0] for run_dir in runs]
+    assert "pairs/train_flipped" not in first[0] and 0 < reversed_pairs <= first[1]["pairs/train_flipped"]
+    for key in ("eval/num_pairs", "eval/accuracy", "eval/chosen_score", "eval/rejected_score"):
+        assert first[0][key] == first[1][key]
+
+
+def test_label_noise_is_a_probability_below_one_half_and_not_for_a_prm(make_config, no_model, task_dir):
+    assert_one_line_error(make_config(rm, dataset_path=task_dir, label_noise=0.5), "--label_noise")
+    assert_one_line_error(make_config(rm, prm=True, dataset_path=task_dir, label_noise=0.25), "--label_noise")
+
+
 def test_prm_needs_a_step_separator(make_config, no_model, task_dir):
     assert_one_line_error(make_config(rm, prm=True, dataset_path=task_dir, step_separator=""), "--step_separator")
 
