@@ -51,6 +51,7 @@ from accelerate.tracking import TensorBoardTracker, WandBTracker
 from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list, set_seed
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, get_scheduler
+from transformers.utils import get_json_schema
 
 
 @dataclass
@@ -611,29 +612,34 @@ def tool_call(turn_text):
 
 
 Rollout = collections.namedtuple(
-    "Rollout", "ids real policy sampler_logprobs texts answers calls turns unrun_calls truncated"
+    "Rollout",
+    "ids real policy sampler_logprobs texts answers calls turns unrun_calls truncated errors",
+    defaults=({},),
 )
 
 
 def multi_turn_rollout(policy_turn, tokenizer, prompts, n, response_length, max_turns, stop_ids=(), tool=calculator):
     """n trajectories per prompt (consecutive), each the token ids after its prompt. policy_turn(contexts, max_tokens)
     -> [(ids, sampler log-probs or None)] continues each context (its prompt and its trajectory so far, as token
-    ids) until a stop token, the token that completes a call (CALL[1]) or max_tokens. A turn that ends a call gets the
-    tool's output appended as tool tokens (tool_text_after), while the trajectory has made at most max_turns
-    calls and has room (an output that does not fit is cut); any other turn ends it. Nothing is re-tokenised: the
-    trainer sees the ids the sampler saw. Returns a Rollout: ids [N, R] (R = response_length, padded with the pad
-    id), real [N, R] (1 on every token of the trajectory), policy [N, R] (1 on the policy's tokens: the loss mask),
-    sampler_logprobs [N, R] (0 on tool tokens; None without vLLM), texts (whole trajectories), answers (the last
-    policy turn, where the final answer is read; empty when it ends with a call that was not run or is cut inside a
-    call), calls [(expression, output: the tool's answer, or the part of its text that fit)], turns (policy
-    turns), unrun_calls (the calls not run, past max_turns or at the budget: 0 or 1, such a call ends its
-    trajectory) per trajectory, and truncated [N] (bool: cut at the budget, the trajectory ended at response_length
-    tokens other than by a stop token, one of stop_ids, or by a call past max_turns). tool(expression) -> text answers
-    a call: the calculator, or make_tool's."""
+    ids) until a stop token, the token that completes a call (the format's stop_strings) or max_tokens. A turn that
+    makes calls gets the tool's output appended as tool tokens (the format's respond), while the trajectory has made
+    at most max_turns turns with calls and has room (an output that does not fit is cut); any other turn ends it.
+    Nothing is re-tokenised: the trainer sees the ids the sampler saw. `tool` is the format (CalcTags, NativeTools)
+    or a function (expression) -> text, the calculator or make_tool's, for CalcTags. Returns a Rollout: ids [N, R]
+    (R = response_length, padded with the pad id), real [N, R] (1 on every token of the trajectory), policy [N, R]
+    (1 on the policy's tokens: the loss mask), sampler_logprobs [N, R] (0 on tool tokens; None without vLLM), texts
+    (whole trajectories), answers (the last policy turn, where the final answer is read; empty when it makes a call
+    that was not run or is cut inside one), calls [(call, output: the tool's answer, or the part of its text that
+    fit)], turns (policy turns), unrun_calls (turns with calls not run, past max_turns or at the budget: 0 or 1, such
+    a turn ends its trajectory), truncated [N] (bool: cut at the budget, the trajectory ended at response_length
+    tokens other than by a stop token, one of stop_ids, or by a call past max_turns), and errors {kind: [N] failed
+    calls of that kind} for the format's error_kinds (none for CalcTags, whose tool answers every call)."""
+    tools = tool if hasattr(tool, "respond") else CalcTags(tokenizer, tool)
     N = len(prompts) * n
+    tools.begin(N)
     ids, policy, logps = [[] for _ in range(N)], [[] for _ in range(N)], [[] for _ in range(N)]
     calls, turns, answers, has_logprobs = [[] for _ in range(N)], [0] * N, [""] * N, False
-    unrun, truncated = [0] * N, [False] * N
+    unrun, truncated, errors, call_turns = [0] * N, [False] * N, [[] for _ in range(N)], [0] * N
     active = list(range(N))
     while active:
         contexts = [prompts[i // n] + ids[i] for i in active]
@@ -641,27 +647,29 @@ def multi_turn_rollout(policy_turn, tokenizer, prompts, n, response_length, max_
         still = []
         for i, (turn_ids, turn_logps) in zip(active, outputs):
             text = tokenizer.decode(turn_ids, skip_special_tokens=True)
-            expression, room, turns[i] = tool_call(text), response_length - len(ids[i]) - len(turn_ids), turns[i] + 1
-            # A turn that ends with a call (run or not), or is cut inside one ("<calc>874 * 40"), holds no answer.
-            answers[i] = text if expression is None and CALL[0] not in text else ""
-            past_max = expression is not None and len(calls[i]) >= max_turns
-            output = tool(expression) if expression is not None and not past_max and room > 0 else None
-            keep, tool_text = len(turn_ids), ""
-            if output is not None:  # the call is run: the tool's text follows CALL[1] (tool_text_after)
-                keep, tool_text = tool_text_after(tokenizer, turn_ids, text, output)
+            made, room, turns[i] = tools.calls(text), response_length - len(ids[i]) - len(turn_ids), turns[i] + 1
+            # A turn that makes a call (run or not), or is cut inside one ("<calc>874 * 40"), holds no answer.
+            answers[i] = text if not made and not tools.opened(text) else ""
+            past_max = bool(made) and call_turns[i] >= max_turns
+            run = bool(made) and not past_max and room > 0
+            keep, tool_ids = len(turn_ids), None
+            if run:  # the calls are run: the tool's tokens follow the turn (its first `keep` tokens)
+                keep, tool_ids, records, failed = tools.respond(i, turn_ids, text, made)
+                call_turns[i], errors[i] = call_turns[i] + 1, errors[i] + failed
             has_logprobs |= turn_logps is not None
             logps[i] += [0.0] * keep if turn_logps is None else list(turn_logps[:keep])
             ids[i], policy[i] = ids[i] + turn_ids[:keep], policy[i] + [1] * keep
-            if output is None:  # the trajectory ends: no call, or a call not run (past max_turns, or at the budget)
-                unrun[i] = int(expression is not None)
-                stopped = past_max or (expression is None and any(t in stop_ids for t in turn_ids[-1:]))
+            if not run:  # the trajectory ends: no call, or calls not run (past max_turns, or at the budget)
+                unrun[i] = int(bool(made))
+                stopped = past_max or (not made and any(t in stop_ids for t in turn_ids[-1:]))
                 truncated[i] = room <= 0 and not stopped
                 continue
-            full = tokenizer(tool_text, add_special_tokens=False).input_ids
-            tool_ids = full[: response_length - len(ids[i])]
-            ids[i], policy[i] = ids[i] + tool_ids, policy[i] + [0] * len(tool_ids)
-            logps[i] += [0.0] * len(tool_ids)
-            calls[i].append((expression, output if len(tool_ids) == len(full) else tokenizer.decode(tool_ids)))
+            fit = tool_ids[: response_length - len(ids[i])]
+            ids[i], policy[i] = ids[i] + fit, policy[i] + [0] * len(fit)
+            logps[i] += [0.0] * len(fit)
+            if len(fit) < len(tool_ids):  # the last output: the part of the tool's text that fit
+                records[-1] = (records[-1][0], tokenizer.decode(fit))
+            calls[i] += records
             truncated[i] = len(ids[i]) >= response_length  # no room left for the policy's next turn
             if not truncated[i]:
                 still.append(i)
@@ -674,7 +682,10 @@ def multi_turn_rollout(policy_turn, tokenizer, prompts, n, response_length, max_
     texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
     sampler_logprobs = padded(logps, 0.0, torch.float) if has_logprobs else None
     ids, policy = padded(ids, tokenizer.pad_token_id, torch.long), padded(policy, 0, torch.float)
-    return Rollout(ids, real, policy, sampler_logprobs, texts, answers, calls, turns, unrun, torch.tensor(truncated))
+    errors = {kind: [failed.count(kind) for failed in errors] for kind in tools.error_kinds}
+    return Rollout(
+        ids, real, policy, sampler_logprobs, texts, answers, calls, turns, unrun, torch.tensor(truncated), errors
+    )
 
 
 def tool_text_after(tokenizer, turn_ids, text, output):
@@ -693,6 +704,215 @@ def tool_text_after(tokenizer, turn_ids, text, output):
     if head.startswith(kept):
         return len(turn_ids) - 1, head[len(kept) :] + tool_text
     return len(turn_ids), tool_text  # a decoding that is not prefix-stable: the token stays, the text runs on
+
+
+class CalcTags:
+    """--tool_format calc, what multi_turn_rollout asks of a tool format: the calls a turn makes (CALL tags, one
+    expression), whether it opened one it did not close, and the tokens the tool writes after a call it runs."""
+
+    stop_strings, error_kinds = (CALL[1],), ()  # a turn ends once a token completes a call
+
+    def __init__(self, tokenizer, tool=calculator):
+        self.tokenizer, self.tool = tokenizer, tool
+
+    def begin(self, num_trajectories):
+        pass  # the calculator keeps no state
+
+    def calls(self, text):
+        expression = tool_call(text)
+        return [] if expression is None else [expression]
+
+    def opened(self, text):
+        return CALL[0] in text
+
+    def respond(self, i, turn_ids, text, calls):
+        """(turn tokens kept, the tool's tokens, [(expression, output)], [error kinds: none here])"""
+        output = self.tool(calls[0])
+        keep, tool_text = tool_text_after(self.tokenizer, turn_ids, text, output)
+        return keep, self.tokenizer(tool_text, add_special_tokens=False).input_ids, [(calls[0], output)], []
+
+
+# --tool_format native: the model's own tool calls. The tools are an environment's methods, described to the model by
+# its chat template (apply_chat_template(tools=...)), called in the template's format (Hermes <tool_call> JSON, or
+# Llama 3.1's JSON) and answered as the template renders `tool` messages. A policy turn runs to the model's end of
+# turn (a stop token, trained as the policy's), so one turn may make several calls, run in order.
+TOOL_CALL = ("<tool_call>", "</tool_call>")
+ERROR_KINDS = ("bad_json", "unknown_tool", "bad_arguments", "raised")  # logged as tools/errors/<kind>
+
+
+class Calculator:
+    """The calculator as an environment: one instance per trajectory; its public methods but reset and reward are
+    the tools, each described to the model by its type hints and docstring (tool_schemas)."""
+
+    def __init__(self, max_operations=0, unavailable=False):
+        self.max_operations, self.unavailable = max_operations, unavailable
+
+    def reset(self, question):
+        """Called before a trajectory's first turn with its question (no state to reset here)."""
+
+    def calculate(self, expression: str) -> str:
+        """Compute an arithmetic expression exactly.
+
+        Args:
+            expression: numbers with + - * / and ^ (a power) and parentheses, e.g. "874 * 404"
+        """
+        return UNAVAILABLE if self.unavailable else calculator(expression, max_operations=self.max_operations)
+
+
+# SmolLM2-135M-Instruct's own chat template ignores tools= (its prompt has no tool section): under --tool_format
+# native it is replaced by this one, its ChatML turns with Hermes tool calls as Qwen2.5 renders them: the tools'
+# schemas in the system turn, each call a <tool_call> JSON block in the assistant's turn, the results of consecutive
+# tool messages in one user turn as <tool_response> blocks.
+HERMES_TEMPLATE = """\
+{%- set tool_intro = '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are \
+provided with function signatures within <tools></tools> XML tags:\\n<tools>' -%}
+{%- set tool_outro = '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments \
+within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": <function-name>, "arguments": <args-json-object>}\\n\
+</tool_call>' -%}
+{%- if messages[0].role == 'system' -%}{%- set system = messages[0].content -%}
+{%- else -%}{%- set system = 'You are a helpful AI assistant named SmolLM, trained by Hugging Face' -%}{%- endif -%}
+{{- '<|im_start|>system\\n' + system -}}
+{%- if tools -%}
+  {{- '\\n\\n' + tool_intro -}}{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}{{- tool_outro -}}
+{%- endif -%}
+{{- '<|im_end|>\\n' -}}
+{%- for message in messages -%}
+  {%- if message.role == 'user' or (message.role == 'system' and not loop.first) -%}
+    {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' -}}
+  {%- elif message.role == 'assistant' -%}
+    {{- '<|im_start|>assistant\\n' + (message.content or '') -}}
+    {%- for call in message.tool_calls or [] -%}
+      {%- set call = call.function or call -%}
+      {%- if message.content or not loop.first -%}{{- '\\n' -}}{%- endif -%}
+      {%- set arguments = call.arguments if call.arguments is string else (call.arguments | tojson) -%}
+      {{- '<tool_call>\\n{"name": "' + call.name + '", "arguments": ' + arguments + '}\\n</tool_call>' -}}
+    {%- endfor -%}
+    {{- '<|im_end|>\\n' -}}
+  {%- elif message.role == 'tool' -%}
+    {%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}
+    {{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' -}}
+    {%- if loop.last or messages[loop.index0 + 1].role != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}
+  {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"""
+
+
+ENVIRONMENTS = {"calculator": Calculator}  # --environment's choices: each (max_operations, unavailable) -> instance
+
+
+def tool_schemas(environment):
+    """The JSON schemas of an environment's tools (its public methods but reset and reward), from their type hints
+    and docstrings by transformers' get_json_schema: what apply_chat_template(tools=...) renders for the model."""
+    names = [name for name in dir(environment) if not name.startswith("_") and name not in ("reset", "reward")]
+    return [get_json_schema(getattr(environment, name)) for name in names if callable(getattr(environment, name))]
+
+
+def parse_tool_calls(text):
+    """The calls a policy turn makes, in order: each Hermes block <tool_call>{"name": ..., "arguments": {...}}
+    </tool_call> (Qwen2.5, Qwen3, HERMES_TEMPLATE), or, in a turn with none, the turn itself as one Llama 3.1 JSON
+    call {"name": ..., "parameters": {...}}. Returns [(name, arguments)], (None, "bad_json") for a block that is not a
+    JSON object with a string name and an object of arguments; [] when the turn calls nothing."""
+    blocks = re.findall(rf"{TOOL_CALL[0]}(.*?){TOOL_CALL[1]}", text, re.S)
+    if not blocks:
+        body = text.strip().removeprefix("<|python_tag|>").strip()
+        if not (body.startswith("{") and '"name"' in body):
+            return []
+        blocks = [body]
+    calls = []
+    for block in blocks:
+        try:
+            call = json.loads(block)
+        except json.JSONDecodeError:
+            call = None
+        arguments = call.get("arguments", call.get("parameters")) if isinstance(call, dict) else None
+        ok = isinstance(call, dict) and isinstance(call.get("name"), str) and isinstance(arguments, dict)
+        calls.append((call["name"], arguments) if ok else (None, "bad_json"))
+    return calls
+
+
+JSON_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "array": list, "object": dict}
+
+
+def run_tool_call(environment, schemas, name, arguments):
+    """One call's result text and what went wrong (None, or the kind logged as tools/errors/<kind>): a block that is
+    no call (bad_json, from parse_tool_calls), a tool the environment does not have (unknown_tool), arguments missing,
+    unexpected or not of their schema's JSON type (bad_arguments), a tool that raised (raised). A failed call gets an
+    error text as its result, as the calculator's own errors do; the tool's value is sent as str()."""
+    if name is None:
+        return 'error: a call is {"name": <tool>, "arguments": {...}} in JSON', arguments
+    schema = next((s["function"] for s in schemas if s["function"]["name"] == name), None)
+    if schema is None:
+        return f"error: no tool named {name!r}", "unknown_tool"
+    properties, required = schema["parameters"].get("properties", {}), schema["parameters"].get("required", [])
+
+    def fits(value, kind):  # a JSON type, or a list of them ("null": None); a bool is not a number here
+        kinds = kind if isinstance(kind, list) else [kind]
+        if value is None or isinstance(value, bool):
+            return ("null" if value is None else "boolean") in kinds
+        return any(k not in ("null", "boolean") and isinstance(value, JSON_TYPES.get(k, object)) for k in kinds)
+
+    wrong = [k for k in required if k not in arguments] + [k for k in arguments if k not in properties]
+    wrong += [k for k, v in arguments.items() if k in properties and not fits(v, properties[k].get("type"))]
+    if wrong:
+        return f"error: bad arguments for {name}: {', '.join(wrong)}", "bad_arguments"
+    try:
+        return str(getattr(environment, name)(**arguments)), None
+    except Exception as error:  # the tool's own failure is the policy's to read
+        return f"error: {type(error).__name__}: {error}", "raised"
+
+
+def tool_response_ids(tokenizer, tool_messages, end_id, template_kwargs):
+    """The tokens the chat template writes between a policy turn that ended with the token end_id and the policy's
+    next turn: the rest of the assistant's message, the `tool` messages, the next assistant header. Rendered from a
+    dummy conversation (a user turn, an assistant turn calling these tools) with the tool messages and the next
+    assistant header, and cut after the end_id that ends the dummy assistant turn (the last one when rendered
+    alone): never from the conversation so far, which a template may render differently once later messages exist
+    (Qwen3's drops the empty <think> block of an assistant turn that is no longer the last, its dummy turn's too)."""
+    calls = [{"type": "function", "function": {"name": m["name"], "arguments": {}}} for m in tool_messages]
+    dummy = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": calls}]
+    render = functools.partial(tokenizer.apply_chat_template, tokenize=True, return_dict=False, **template_kwargs)
+    alone, full = list(render(dummy)), list(render(dummy + tool_messages, add_generation_prompt=True))
+    turns = alone.count(end_id)  # the turns up to the dummy assistant's end, each closed by end_id
+    if turns == 0:  # the turn ended with a token that closes no turn of this template: after the whole message
+        if full[: len(alone)] != alone:
+            raise ValueError("the chat template renders an assistant turn differently once tool messages follow it")
+        return full[len(alone) :]
+    return full[[k for k, token in enumerate(full) if token == end_id][turns - 1] + 1 :]
+
+
+class NativeTools:
+    """--tool_format native, what multi_turn_rollout asks of a tool format (as CalcTags): one environment per
+    trajectory (make_environment()), the calls a turn makes in the template's format, and the tokens the template
+    writes after them. template_kwargs go to every apply_chat_template: tools= and the chat_template."""
+
+    stop_strings, error_kinds = (), ERROR_KINDS  # a turn runs to the model's end of turn
+
+    def __init__(self, tokenizer, make_environment, chat_template=None):
+        self.tokenizer, self.make_environment = tokenizer, make_environment
+        self.schemas = tool_schemas(make_environment())
+        self.template_kwargs = dict(tools=self.schemas, chat_template=chat_template)
+        self.environments = []
+
+    def begin(self, num_trajectories):
+        self.environments = [self.make_environment() for _ in range(num_trajectories)]
+
+    def calls(self, text):
+        return parse_tool_calls(text)
+
+    def opened(self, text):
+        return TOOL_CALL[0] in text
+
+    def respond(self, i, turn_ids, text, calls):
+        """(turn tokens kept: all, the template's tokens for the results, [(the call as text, result)], [error
+        kinds]); turn_ids end with the stop token that ended the turn."""
+        results = [run_tool_call(self.environments[i], self.schemas, name, args) for name, args in calls]
+        messages = [
+            {"role": "tool", "name": name or "error", "content": output}
+            for (name, _), (output, _) in zip(calls, results)
+        ]
+        ids = tool_response_ids(self.tokenizer, messages, turn_ids[-1], self.template_kwargs)
+        shown = [f"{name}({json.dumps(args)})" if name else "(not a call)" for name, args in calls]
+        return len(turn_ids), ids, list(zip(shown, [r for r, _ in results])), [k for _, k in results if k]
 
 
 NUMBER = r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?"  # 12, -1,234.5, .5, 3/4
@@ -778,7 +998,7 @@ def trajectory_metrics(rewards, correct, formatted, rollout, group_size):
         "tools/turns": float(np.mean(rollout.turns)),
         "tools/policy_tokens": rollout.policy.sum(1).mean().item(),
         "tools/tool_tokens": (rollout.real - rollout.policy).sum(1).mean().item(),
-    }
+    } | {f"tools/errors/{kind}": float(np.mean(counts)) for kind, counts in rollout.errors.items()}
 
 
 def evaluate(sampler, eval_sets, args, accelerator, tokenizer, step):
@@ -1872,30 +2092,32 @@ class TurnSampler(Sampler):
             self.llm.sleep(level=1)
             self.asleep = True
 
-    def turn(self, contexts, max_tokens, temperature):
+    def turn(self, contexts, max_tokens, temperature, stop_strings=(CALL[1],)):
         """One policy turn for each context (prompt and trajectory so far, token ids): sampled until a stop token, the
-        token that completes a tool call (CALL[1], kept) or max_tokens[i] tokens. Called inside awake(). Returns
-        [(ids, the sampler's log-probs of them (vLLM) or None)]."""
-        a, pad_id = self.args, self.tokenizer.pad_token_id
+        token that completes one of stop_strings (a tool call's end, kept) or max_tokens[i] tokens. Called inside
+        awake(). Returns [(ids, the sampler's log-probs of them (vLLM) or None)]."""
+        a, pad_id, stops = self.args, self.tokenizer.pad_token_id, self.stop_ids
         if self.llm is not None:
             self.wake_up()  # asleep only when called outside awake()
-            return _vllm_turns(self.llm, self.tokenizer, contexts, max_tokens, temperature, a.top_p, self.stop_ids)
+            return _vllm_turns(
+                self.llm, self.tokenizer, contexts, max_tokens, temperature, a.top_p, stops, stop_strings
+            )
         self.policy.eval()
         # A collective under ZeRO-3 (the policy's shards are gathered): every process calls it as often.
         with _gathered_parameters(self.accelerator, self.policy):
-            return _hf_turns(self.policy, self.tokenizer, contexts, max_tokens, temperature, a.top_p, pad_id,
-                            self.stop_ids)  # fmt: skip
+            return _hf_turns(self.policy, self.tokenizer, contexts, max_tokens, temperature, a.top_p, pad_id, stops,
+                             stop_strings)  # fmt: skip
 
 
-def _vllm_turns(llm, tokenizer, contexts, max_tokens, temperature, top_p, stop_ids):
+def _vllm_turns(llm, tokenizer, contexts, max_tokens, temperature, top_p, stop_ids, stop_strings=(CALL[1],)):
     """vLLM's turns: one request per context with its own max_tokens, stopping at stop_ids or once a token
-    completes CALL[1] (a stop string, kept in the output). Each turn is then cut where HF's are (_turn_end): vLLM
+    completes one of stop_strings (kept in the output). Each turn is then cut where HF's are (_turn_end): vLLM
     matches the stop string on its own incremental detokenisation, which may see a token's text only with a later
-    token, and tokens past the one that completed CALL[1] would be trained as the policy's before the tool's
+    token, and tokens past the one that completed a stop string would be trained as the policy's before the tool's
     output. The sampler's log-probs are after temperature, for the sampled tokens."""
     from vllm import SamplingParams
 
-    common = dict(temperature=temperature, top_p=top_p, stop=[CALL[1]], include_stop_str_in_output=True)
+    common = dict(temperature=temperature, top_p=top_p, stop=list(stop_strings), include_stop_str_in_output=True)
     common |= dict(stop_token_ids=list(stop_ids), logprobs=0 if temperature > 0 else None)
     params = [SamplingParams(n=1, max_tokens=m, **common) for m in max_tokens]
     outputs = llm.generate([{"prompt_token_ids": c} for c in contexts], params, use_tqdm=False)
@@ -1903,7 +2125,7 @@ def _vllm_turns(llm, tokenizer, contexts, max_tokens, temperature, top_p, stop_i
     for output in outputs:
         completion = output.outputs[0]
         ids = list(completion.token_ids)
-        ids = ids[: _turn_end(tokenizer, ids, stop_ids)]
+        ids = ids[: _turn_end(tokenizer, ids, stop_ids, stop_strings)]
         logprobs = None
         if completion.logprobs is not None:
             logprobs = [lp[t].logprob for lp, t in zip(completion.logprobs, ids)]
@@ -1911,30 +2133,34 @@ def _vllm_turns(llm, tokenizer, contexts, max_tokens, temperature, top_p, stop_i
     return turns
 
 
-def _turn_end(tokenizer, ids, stop_ids):
-    """The length of the turn that `ids` begin: up to its first stop id or the first token that completes CALL[1],
-    whichever comes first (kept). Linear in len(ids): a token is decoded with the few before it (CALL[1] spans at
-    most len(CALL[1]) tokens, each holding a character of it at least), and the whole prefix once, to confirm."""
+def _turn_end(tokenizer, ids, stop_ids, stop_strings=(CALL[1],)):
+    """The length of the turn that `ids` begin: up to its first stop id or the first token that completes one of
+    stop_strings, whichever comes first (kept). Linear in len(ids): a token is decoded with the few before it (a stop
+    string spans at most as many tokens as it has characters), and the whole prefix once, to confirm."""
     end = next((k + 1 for k, t in enumerate(ids) if t in stop_ids), len(ids))
-    if CALL[1] not in tokenizer.decode(ids[:end]):
+    text = tokenizer.decode(ids[:end]) if stop_strings else ""
+    if not any(stop in text for stop in stop_strings):
         return end
-    span = len(CALL[1])
+    span = max(map(len, stop_strings))
     for k in range(end):
         window = tokenizer.decode(ids[max(0, k + 1 - span) : k + 1])
-        if CALL[1] in window and CALL[1] in tokenizer.decode(ids[: k + 1]):
+        if any(stop in window and stop in tokenizer.decode(ids[: k + 1]) for stop in stop_strings):
             return k + 1
     return end
 
 
-def _hf_turns(model, tokenizer, contexts, max_tokens, temperature, top_p, pad_token_id, stop_ids):
+def _hf_turns(
+    model, tokenizer, contexts, max_tokens, temperature, top_p, pad_token_id, stop_ids, stop_strings=(CALL[1],)
+):
     """HF generate's turns: the contexts left-padded into one batch, sampled (greedy at temperature 0) up to the
-    largest max_tokens; transformers stops a row once a token completes CALL[1] (stop_strings, as vLLM does) or at a
+    largest max_tokens; transformers stops a row once a token completes one of stop_strings (as vLLM does) or at a
     stop id, which is kept. Each row is then cut at its own max_tokens and at its end: its first stop id, or the
-    token that completed CALL[1] (_turn_end; the padding after it may be the EOS id). Returns [(ids, None)]."""
+    token that completed a stop string (_turn_end; the padding after it may be the EOS id). Returns [(ids, None)]."""
     input_ids, attention_mask = _left_pad(contexts, pad_token_id)
     sampling = dict(temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else {}  # else greedy
     ends = dict(max_new_tokens=max(max_tokens), eos_token_id=list(stop_ids), pad_token_id=pad_token_id)
-    config = GenerationConfig(do_sample=temperature > 0, **sampling, **ends, stop_strings=[CALL[1]], use_cache=True)
+    stops = dict(stop_strings=list(stop_strings)) if stop_strings else {}
+    config = GenerationConfig(do_sample=temperature > 0, **sampling, **ends, **stops, use_cache=True)
     device = next(model.parameters()).device
     # generate fills every field left unset here from the model's generation_config.json: with a neutral one in its
     # place, nothing but these fields applies.
@@ -1947,7 +2173,7 @@ def _hf_turns(model, tokenizer, contexts, max_tokens, temperature, top_p, pad_to
     finally:
         base.generation_config = saved
     rows = [row[:limit] for row, limit in zip(out[:, input_ids.shape[1] :].tolist(), max_tokens)]
-    return [(row[: _turn_end(tokenizer, row, stop_ids)], None) for row in rows]
+    return [(row[: _turn_end(tokenizer, row, stop_ids, stop_strings)], None) for row in rows]
 
 
 def shared_prompt_logprobs(model, input_ids, attention_mask, context_length, temperature):

@@ -48,7 +48,7 @@ def fixed_generate(model, prompts, n, response_length, temperature, top_p, pad_t
     return responses, lengths
 
 
-def fixed_turns(model, tokenizer, contexts, max_tokens, temperature, top_p, pad_token_id, stop_ids):
+def fixed_turns(model, tokenizer, contexts, max_tokens, temperature, top_p, pad_token_id, stop_ids, stop_strings=()):
     """Stands in for grpo_tools' hf_turns (same signature and returns): a scripted policy whose turn is a seeded
     function of (the context's tokens, how many earlier contexts of this call were the same: the sample's index in
     its group on the first turn). A turn is a few ordinary word pieces then, at random, a tool call of a product of

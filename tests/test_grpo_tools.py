@@ -1036,7 +1036,7 @@ def product_turns(record=None):
     <calc>{result} * c</calc>, ...), and answers the last result; with an odd one it answers 0 without a call; a
     question that is not a product is answered 2. record, a list, gets each call's temperature."""
 
-    def turns(model, tokenizer, contexts, max_tokens, temperature, top_p, pad_token_id, stop_ids):
+    def turns(model, tokenizer, contexts, max_tokens, temperature, top_p, pad_token_id, stop_ids, stop_strings=()):
         if record is not None:
             record.append(temperature)
         out = []
@@ -1206,7 +1206,7 @@ def test_run_answers_calls_with_the_tool_the_flags_name(make_config, monkeypatch
     """--tool and --max_operations reach the training rollout and the evaluation: a scripted policy that calls
     <calc>2 * 3 * 4</calc> reads the calculator's 24, the one-operation error or `error: unavailable`."""
 
-    def turns(model, tokenizer, contexts, max_tokens, temperature, top_p, pad_token_id, stop_ids):
+    def turns(model, tokenizer, contexts, max_tokens, temperature, top_p, pad_token_id, stop_ids, stop_strings=()):
         out = []
         for context, limit in zip(contexts, max_tokens):
             called = RESULT[0] in tokenizer.decode(context).rsplit("<|im_start|>assistant\n", 1)[1]
