@@ -845,14 +845,16 @@ def run_tool_call(environment, schemas, name, arguments):
         return f"error: no tool named {name!r}", "unknown_tool"
     properties, required = schema["parameters"].get("properties", {}), schema["parameters"].get("required", [])
 
-    def fits(value, kind):  # a JSON type, or a list of them ("null": None); a bool is not a number here
-        kinds = kind if isinstance(kind, list) else [kind]
-        if value is None or isinstance(value, bool):
-            return ("null" if value is None else "boolean") in kinds
+    def fits(value, schema):  # its JSON type, or one of a list of them; None where "null" or nullable
+        kinds = schema.get("type") if isinstance(schema.get("type"), list) else [schema.get("type")]
+        if value is None:
+            return "null" in kinds or schema.get("nullable", False)
+        if isinstance(value, bool):  # not an integer nor a number here
+            return "boolean" in kinds
         return any(k not in ("null", "boolean") and isinstance(value, JSON_TYPES.get(k, object)) for k in kinds)
 
     wrong = [k for k in required if k not in arguments] + [k for k in arguments if k not in properties]
-    wrong += [k for k, v in arguments.items() if k in properties and not fits(v, properties[k].get("type"))]
+    wrong += [k for k, v in arguments.items() if k in properties and not fits(v, properties[k])]
     if wrong:
         return f"error: bad arguments for {name}: {', '.join(wrong)}", "bad_arguments"
     try:

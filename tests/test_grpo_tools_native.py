@@ -1,0 +1,265 @@
+"""grpo_tools' native tool calls (--tool_format native): the environment's tools as JSON schemas, the calls parsed in
+the Hermes and Llama 3.1 formats and run with their errors by kind, the tokens between turns as the chat template
+renders tool messages (SmolLM2's Hermes template, and fixtures of Qwen2.5's and Qwen3's: tests/chat_templates.py),
+and rollouts of a scripted policy: the trained tokens are exactly the sampled ones, tool tokens stay out of the loss,
+and a template that renders earlier turns again differently changes nothing that is trained."""
+
+import chat_templates
+import pytest
+import torch
+
+import grpo_tools
+from grpo_tools import HERMES_TEMPLATE, Calculator, NativeTools, multi_turn_rollout, parse_tool_calls, run_tool_call
+
+TEMPLATES = {"hermes": HERMES_TEMPLATE, "qwen2.5": chat_templates.QWEN25, "qwen3": chat_templates.QWEN3}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+class Shop:
+    """A test environment: two tools with several typed arguments, one that raises."""
+
+    def reset(self, question):
+        pass
+
+    def price(self, item: str, quantity: int, discount: float | None = None) -> float:
+        """The price of some items.
+
+        Args:
+            item: the item's name
+            quantity: how many
+            discount: a fraction taken off, if any
+        """
+        if item not in ("pen", "book"):
+            raise KeyError(item)
+        return {"pen": 1.5, "book": 12.0}[item] * quantity * (1 - (discount or 0))
+
+    def pay(self, amount: float, card: bool) -> str:
+        """Pay an amount.
+
+        Args:
+            amount: what to pay
+            card: by card, else cash
+        """
+        return f"paid {amount} by {'card' if card else 'cash'}"
+
+
+def test_tool_schemas_are_the_public_methods_but_reset_and_reward():
+    schemas = {s["function"]["name"]: s["function"] for s in grpo_tools.tool_schemas(Shop())}
+    assert sorted(schemas) == ["pay", "price"]
+    price = schemas["price"]["parameters"]
+    assert price["required"] == ["item", "quantity"]
+    assert price["properties"]["quantity"]["type"] == "integer"
+    assert price["properties"]["item"]["description"] == "the item's name"
+    assert [s["function"]["name"] for s in grpo_tools.tool_schemas(Calculator())] == ["calculate"]
+
+
+@pytest.mark.parametrize(
+    "text, calls",
+    [
+        ("Answer: 12", []),
+        ('<tool_call>\n{"name": "calculate", "arguments": {"expression": "2 * 3"}}\n</tool_call>',
+         [("calculate", {"expression": "2 * 3"})]),
+        ('I will compute.\n<tool_call>\n{"name": "price", "arguments": {"item": "pen", "quantity": 3}}\n</tool_call>\n'
+         '<tool_call>\n{"name": "pay", "arguments": {"amount": 4.5, "card": true}}\n</tool_call>',
+         [("price", {"item": "pen", "quantity": 3}), ("pay", {"amount": 4.5, "card": True})]),
+        ("<tool_call>\n{name: calculate}\n</tool_call>", [(None, "bad_json")]),  # not JSON
+        ('<tool_call>{"arguments": {}}</tool_call>', [(None, "bad_json")]),  # no name
+        ('<tool_call>{"name": "calculate", "arguments": "2 * 3"}</tool_call>', [(None, "bad_json")]),  # not an object
+        ('<tool_call>{"name": "a", "arguments": {}}</tool_call> then <tool_call>[1]</tool_call>',
+         [("a", {}), (None, "bad_json")]),
+        # Llama 3.1: the turn is the call, its arguments under "parameters", maybe after <|python_tag|>
+        ('{"name": "calculate", "parameters": {"expression": "7 - 1"}}', [("calculate", {"expression": "7 - 1"})]),
+        ('<|python_tag|>{"name": "pay", "parameters": {"amount": 1, "card": false}}',
+         [("pay", {"amount": 1, "card": False})]),
+        ('{"name": "calculate", "parameters": {"expression": }', [(None, "bad_json")]),
+        ("{1, 2} is a set", []),  # JSON-like text that names no tool is no call
+        ("<tool_call>\n{\"name\": \"calculate\", \"arguments\": {\"expression\": \"1", []),  # opened, not closed
+    ],
+)  # fmt: skip
+def test_parse_tool_calls(text, calls):
+    assert parse_tool_calls(text) == calls
+
+
+def test_run_tool_call_returns_errors_as_results_and_counts_them_by_kind():
+    env = Shop()
+    schemas = grpo_tools.tool_schemas(env)
+    assert run_tool_call(env, schemas, "price", {"item": "pen", "quantity": 3}) == ("4.5", None)
+    assert run_tool_call(env, schemas, "price", {"item": "book", "quantity": 1, "discount": 0.5}) == ("6.0", None)
+    assert run_tool_call(env, schemas, "price", {"item": "book", "quantity": 2, "discount": None}) == ("24.0", None)
+    assert run_tool_call(env, schemas, "pay", {"amount": 3, "card": False}) == ("paid 3 by cash", None)
+    cases = [
+        ((None, "bad_json"), "bad_json"),
+        (("refund", {"amount": 1}), "unknown_tool"),
+        (("price", {"item": "pen"}), "bad_arguments"),  # quantity missing
+        (("price", {"item": "pen", "quantity": 1, "colour": "red"}), "bad_arguments"),  # unexpected
+        (("price", {"item": "pen", "quantity": "3"}), "bad_arguments"),  # a string for an integer
+        (("price", {"item": "pen", "quantity": 2.5}), "bad_arguments"),  # a number for an integer
+        (("price", {"item": "pen", "quantity": True}), "bad_arguments"),  # a bool is not an integer here
+        (("pay", {"amount": "4", "card": True}), "bad_arguments"),
+        (("pay", {"amount": 4, "card": 1}), "bad_arguments"),  # an integer for a boolean
+        (("price", {"item": "lamp", "quantity": 1}), "raised"),
+    ]
+    for (name, arguments), kind in cases:
+        text, got = run_tool_call(env, schemas, name, arguments)
+        assert got == kind and text.startswith("error: "), (name, arguments, text)
+    assert "KeyError" in run_tool_call(env, schemas, "price", {"item": "lamp", "quantity": 1})[0]
+
+
+@pytest.mark.parametrize("name", TEMPLATES)
+def test_tool_response_tokens_are_what_the_template_writes_after_the_call(tokenizer, name):
+    """The tokens after the policy's end of turn: the rest of the assistant's message, one user turn with every
+    result in <tool_response> blocks, the next assistant header (Qwen3, thinking off: its empty think block); worked
+    out here as text, in the format the published templates write."""
+    kwargs = dict(tools=grpo_tools.tool_schemas(Shop()), chat_template=TEMPLATES[name], enable_thinking=False)
+    messages = [{"role": "tool", "name": "price", "content": "4.5"}, {"role": "tool", "name": "pay", "content": "ok"}]
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ids = grpo_tools.tool_response_ids(tokenizer, messages, end, kwargs)
+    expected = "\n<|im_start|>user\n<tool_response>\n4.5\n</tool_response>\n<tool_response>\nok\n</tool_response>"
+    expected += "<|im_end|>\n<|im_start|>assistant\n" + ("<think>\n\n</think>\n\n" if name == "qwen3" else "")
+    assert tokenizer.decode(ids) == expected
+    assert ids == tokenizer(expected, add_special_tokens=False).input_ids  # special tokens as themselves
+
+
+def scripted_turns(tokenizer, script):
+    """A policy turn function (contexts, max_tokens) -> [(ids, None)] that writes, for each context, the next text of
+    `script` (by the number of turns in the context so far, counted by "<|im_start|>assistant" headers after the
+    prompt's), ending it with <|im_end|>, and records the contexts it saw."""
+    seen, header = [], "<|im_start|>assistant"
+
+    def turn(contexts, max_tokens):
+        out = []
+        for context, limit in zip(contexts, max_tokens):
+            seen.append(list(context))
+            k = tokenizer.decode(context).count(header) - turn.prompt_headers
+            ids = tokenizer(script[k], add_special_tokens=False).input_ids + [
+                tokenizer.convert_tokens_to_ids("<|im_end|>")
+            ]
+            out.append((ids[:limit], None))
+        return out
+
+    turn.seen = seen
+    return turn
+
+
+def native_prompt(tokenizer, tools, question="What do 3 pens cost, paid by card?"):
+    messages = [{"role": "user", "content": question}]
+    return tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False, **tools.template_kwargs
+    )
+
+
+@pytest.mark.parametrize("name", TEMPLATES)
+def test_native_rollout_trains_exactly_the_sampled_tokens(tokenizer, name):
+    """Two calls in one turn, then the answer: the trajectory is the first turn's sampled ids, the template's tokens
+    for the two results, the second turn's sampled ids; the loss mask is 1 on the sampled ids alone, and the second
+    turn was sampled on exactly the trajectory so far."""
+    tools = NativeTools(tokenizer, Shop, TEMPLATES[name])
+    tools.template_kwargs["enable_thinking"] = False
+    first = (
+        '<tool_call>\n{"name": "price", "arguments": {"item": "pen", "quantity": 3}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "pay", "arguments": {"amount": 4.5, "card": true}}\n</tool_call>'
+    )
+    script = [first, "Answer: 4.5"]
+    prompt = native_prompt(tokenizer, tools)
+    turn = scripted_turns(tokenizer, script)
+    turn.prompt_headers = tokenizer.decode(prompt).count("<|im_start|>assistant")
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    rollout = multi_turn_rollout(turn, tokenizer, [prompt], 1, 200, 3, [end], tools)
+    turn_ids = [tokenizer(t, add_special_tokens=False).input_ids + [end] for t in script]
+    results = [
+        {"role": "tool", "name": "price", "content": "4.5"},
+        {"role": "tool", "name": "pay", "content": "paid 4.5 by card"},
+    ]
+    between = grpo_tools.tool_response_ids(tokenizer, results, end, tools.template_kwargs)
+    expected = turn_ids[0] + between + turn_ids[1]
+    length = len(expected)
+    assert rollout.ids[0, :length].tolist() == expected and rollout.real[0].sum() == length
+    assert rollout.policy[0, :length].tolist() == [1.0] * len(turn_ids[0]) + [0.0] * len(between) + [1.0] * len(
+        turn_ids[1]
+    )
+    assert turn.seen[1] == prompt + turn_ids[0] + between  # token in, token out
+    assert rollout.calls[0] == [
+        ('price({"item": "pen", "quantity": 3})', "4.5"),
+        ('pay({"amount": 4.5, "card": true})', "paid 4.5 by card"),
+    ]
+    assert rollout.answers == ["Answer: 4.5"] and rollout.turns == [2] and not rollout.truncated[0]
+    assert rollout.errors == {kind: [0] for kind in grpo_tools.ERROR_KINDS}
+
+
+@pytest.mark.filterwarnings("ignore:std\\(\\)")  # one trajectory: its group's std is undefined
+def test_native_rollout_counts_failed_calls_and_answers_with_the_error(tokenizer):
+    """Each failed call is answered with its error text (the policy reads it) and counted by kind."""
+    tools = NativeTools(tokenizer, Shop, HERMES_TEMPLATE)
+    script = [
+        '<tool_call>{"name": "price", "arguments": {"item": "lamp", "quantity": 1}}</tool_call>\n'
+        '<tool_call>{"name": "refund", "arguments": {}}</tool_call>',  # a tool that raises; no such tool
+        '<tool_call>{"name": "price", "arguments": {"item": "pen", "quantity": "2"}}</tool_call>\n'
+        "<tool_call>oops</tool_call>",  # a string for an integer; not JSON
+        "Answer: 3",
+    ]
+    prompt = native_prompt(tokenizer, tools)
+    turn = scripted_turns(tokenizer, script)
+    turn.prompt_headers = tokenizer.decode(prompt).count("<|im_start|>assistant")
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    rollout = multi_turn_rollout(turn, tokenizer, [prompt], 1, 400, 3, [end], tools)
+    assert rollout.errors == {"bad_json": [1], "unknown_tool": [1], "bad_arguments": [1], "raised": [1]}
+    assert [output.split(":")[0] for _, output in rollout.calls[0]] == ["error"] * 4
+    assert "<tool_response>\nerror: KeyError: 'lamp'\n</tool_response>" in rollout.texts[0]
+    assert rollout.answers == ["Answer: 3"] and rollout.turns == [3]
+    metrics = grpo_tools.trajectory_metrics(torch.ones(1), torch.ones(1), torch.ones(1), rollout, 1)
+    assert all(metrics[f"tools/errors/{kind}"] == 1.0 for kind in grpo_tools.ERROR_KINDS)
+
+
+def test_native_rollout_stops_at_max_turns_and_at_the_budget(tokenizer):
+    tools = NativeTools(tokenizer, Shop, HERMES_TEMPLATE)
+    call = '<tool_call>{"name": "pay", "arguments": {"amount": 1, "card": true}}</tool_call>'
+    prompt = native_prompt(tokenizer, tools)
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    turn = scripted_turns(tokenizer, [call] * 5)
+    turn.prompt_headers = tokenizer.decode(prompt).count("<|im_start|>assistant")
+    rollout = multi_turn_rollout(turn, tokenizer, [prompt], 1, 400, 2, [end], tools)
+    assert rollout.turns == [3] and len(rollout.calls[0]) == 2 and rollout.unrun_calls == [1]
+    assert rollout.answers == [""] and not rollout.truncated[0]  # ended by a call past max_turns
+    turn = scripted_turns(tokenizer, [call] * 5)
+    turn.prompt_headers = tokenizer.decode(prompt).count("<|im_start|>assistant")
+    short = multi_turn_rollout(turn, tokenizer, [prompt], 1, 30, 2, [end], tools)  # the first results do not fit
+    assert short.truncated[0] and short.real[0].sum() == 30 and short.turns == [1]
+
+
+def test_a_template_that_renders_earlier_turns_again_changes_nothing_trained(tokenizer):
+    """Qwen3 (thinking off): the generation prompt holds an empty <think> block, which the template drops from that
+    turn once it is no longer the last. Rendering the conversation again would put other tokens where the policy's
+    were; the rollout keeps the sampled ones and the prompt's, and only appends the template's tokens for the tool
+    turn."""
+    tools = NativeTools(tokenizer, Shop, chat_templates.QWEN3)
+    tools.template_kwargs["enable_thinking"] = False
+    script = [
+        '<tool_call>\n{"name": "price", "arguments": {"item": "book", "quantity": 2}}\n</tool_call>',
+        "Answer: 24",
+    ]
+    prompt = native_prompt(tokenizer, tools)
+    assert tokenizer.decode(prompt).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    turn = scripted_turns(tokenizer, script)
+    turn.prompt_headers = tokenizer.decode(prompt).count("<|im_start|>assistant")
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    rollout = multi_turn_rollout(turn, tokenizer, [prompt], 1, 200, 3, [end], tools)
+    ours = prompt + rollout.ids[0, : int(rollout.real[0].sum())].tolist()
+    call = {"type": "function", "function": {"name": "price", "arguments": {"item": "book", "quantity": 2}}}
+    conversation = [
+        {"role": "user", "content": "What do 3 pens cost, paid by card?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "name": "price", "content": "24.0"},
+        {"role": "assistant", "content": "Answer: 24"},
+    ]
+    again = tokenizer.apply_chat_template(conversation, tokenize=True, return_dict=False, **tools.template_kwargs)
+    assert again != ours  # rendered again, the first assistant turn loses its <think> block
+    assert tokenizer.decode(ours).count("<think>") == 2 and tokenizer.decode(again).count("<think>") == 1
+    mask = rollout.policy[0, : int(rollout.real[0].sum())]
+    trained = [t for t, m in zip(rollout.ids[0].tolist(), mask.tolist()) if m]
+    assert trained == [t for s in script for t in tokenizer(s, add_special_tokens=False).input_ids + [end]]
