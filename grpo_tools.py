@@ -108,6 +108,14 @@ class Args:
     max_operations: int = 0
     """operations (+ - * / ^) the calculator computes per call; an expression with more gets an error instead
     (0: any number; 1: a product of three numbers takes two calls)"""
+    tool_format: Literal["calc", "native"] = "calc"
+    """how the policy calls tools: calc, the script's <calc> tags inside one assistant message; native, the chat
+    template's own tool calls (Hermes <tool_call> JSON, Llama 3.1 JSON) answered as its `tool` messages"""
+    environment: str = "calculator"
+    """native: the environment (ENVIRONMENTS) whose methods are the tools, one instance per trajectory"""
+    chat_template: Optional[str] = None
+    """native: a Jinja chat template file to use (None: the tokenizer's own, or HERMES_TEMPLATE where that one
+    ignores tools=, as SmolLM2's does)"""
 
     # Generation
     response_length: int = 96
@@ -141,7 +149,10 @@ def main(args: "Config"):
     accelerator, tokenizer = setup(args)  # the flags' one-line errors first (check_args)
     rank, world_size, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     G = args.num_generations  # the group size
-    train_prompts, train_golds, eval_sets = load_math_prompts(args, tokenizer, world_size, args.examples)
+    tools = make_tool_format(args, tokenizer)  # how calls are written, run and answered: CalcTags or NativeTools
+    train_prompts, train_golds, eval_sets = load_math_prompts(
+        args, tokenizer, world_size, tools.examples, tools.template
+    )
     run = Run(args, accelerator, RESUMABLE_ARGS)
     model, ref_model = load_policy_and_reference(args, accelerator, tokenizer.pad_token_id, args.beta > 0)
     trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters
@@ -151,15 +162,15 @@ def main(args: "Config"):
     scheduler = get_scheduler(schedule, optimizer, args.warmup_steps, num_updates)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     sampler = TurnSampler(args, accelerator, accelerator.unwrap_model(model), tokenizer)
-    policy_turn = functools.partial(sampler.turn, temperature=args.temperature)  # (contexts, max_tokens) -> turns
-    tool = make_tool(args.tool, args.max_operations)  # (expression) -> the text the tool answers a call with
+    # (contexts, max_tokens) -> turns, each ended by a stop token or the token that completes a call (calc)
+    policy_turn = functools.partial(sampler.turn, temperature=args.temperature, stop_strings=tools.stop_strings)
     loss_flags = dict(  # trajectory_loss's flags (it takes tensors and scalars, not args)
         clip_eps_low=args.clip_eps_low, clip_eps_high=args.clip_eps_high, tis_cap=args.tis_cap,
         entropy_coef=args.entropy_coef, beta=args.beta, kl_estimator=args.kl_estimator, loss_type=args.loss_type,
         response_length=args.response_length,
     )  # fmt: skip
     logprobs_fn = shared_prompt_logprobs if args.shared_prompt else response_logprobs  # the same log-probs
-    evaluation = functools.partial(evaluate, sampler, eval_sets, args, accelerator, tokenizer)  # (step) -> metrics
+    evaluation = functools.partial(evaluate, sampler, eval_sets, args, accelerator, tokenizer, tools)  # (step) ->
     start_step = run.start({"vllm": sampler.llm is not None})
     if start_step > 0:
         sampler.sync_weights()
@@ -173,11 +184,11 @@ def main(args: "Config"):
         indices = run.prompt_indices(step, args.prompts_per_rank, len(train_prompts))
         prompts, golds = [train_prompts[i] for i in indices], [train_golds[i] for i in indices for _ in range(G)]
 
-        # 2. Rollout: G conversations per prompt, consecutive, the policy's turns and the calculator's outputs in
-        # turn (multi_turn_rollout). ids, real, policy [B, R]. The engine sleeps after it (--vllm_sleep), not per turn.
+        # 2. Rollout: G conversations per prompt, consecutive, the policy's turns and the tools' outputs in turn
+        # (multi_turn_rollout). ids, real, policy [B, R]. The engine sleeps after it (--vllm_sleep), not per turn.
         with run.timed("time/generation"), sampler.awake():
             rollout = multi_turn_rollout(
-                policy_turn, tokenizer, prompts, G, args.response_length, args.max_turns, sampler.stop_ids, tool
+                policy_turn, tokenizer, prompts, G, args.response_length, args.max_turns, sampler.stop_ids, tools
             )
         metrics["perf/generation_tokens_per_second"] = rollout.policy.sum().item() / metrics["time/generation"]
 
@@ -712,8 +723,8 @@ class CalcTags:
 
     stop_strings, error_kinds = (CALL[1],), ()  # a turn ends once a token completes a call
 
-    def __init__(self, tokenizer, tool=calculator):
-        self.tokenizer, self.tool = tokenizer, tool
+    def __init__(self, tokenizer, tool=calculator, examples=(EXAMPLE,)):
+        self.tokenizer, self.tool, self.examples, self.template = tokenizer, tool, examples, {}
 
     def begin(self, num_trajectories):
         pass  # the calculator keeps no state
@@ -797,7 +808,32 @@ within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": <function-name
 {%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"""
 
 
-ENVIRONMENTS = {"calculator": Calculator}  # --environment's choices: each (max_operations, unavailable) -> instance
+# --environment's choices: each makes one environment from the flags (args).
+ENVIRONMENTS = {"calculator": lambda args: Calculator(args.max_operations, args.tool == "unavailable")}
+# The exchange the prompt shows before the question under --tool_format native: one call of the calculator, its
+# result and the answer (the messages the chat template renders; calc shows EXAMPLE).
+NATIVE_EXAMPLE = [
+    {"role": "user", "content": "Calculate 23 * 41. Give the final answer after 'Answer:'."},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "calculate", "arguments": {"expression": "23 * 41"}}}]},
+    {"role": "tool", "name": "calculate", "content": "943"},
+    {"role": "assistant", "content": "Answer: 943"},
+]  # fmt: skip
+
+
+def make_tool_format(args, tokenizer):
+    """--tool_format's object for multi_turn_rollout: CalcTags with make_tool's tool and --examples, or NativeTools
+    over a fresh --environment per trajectory, shown NATIVE_EXAMPLE, with the chat template --chat_template names,
+    else the tokenizer's own, or HERMES_TEMPLATE where the tokenizer's renders no tools (SmolLM2's)."""
+    if args.tool_format == "calc":
+        return CalcTags(tokenizer, make_tool(args.tool, args.max_operations), args.examples)
+    make_environment = functools.partial(ENVIRONMENTS[args.environment], args)
+    template = open(args.chat_template).read() if args.chat_template else None
+    if template is None:
+        schemas = tool_schemas(make_environment())
+        shown = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tools=schemas, tokenize=False)
+        template = None if schemas[0]["function"]["name"] in shown else HERMES_TEMPLATE
+    return NativeTools(tokenizer, make_environment, template, [NATIVE_EXAMPLE] if args.examples else [])
 
 
 def tool_schemas(environment):
@@ -889,10 +925,10 @@ class NativeTools:
 
     stop_strings, error_kinds = (), ERROR_KINDS  # a turn runs to the model's end of turn
 
-    def __init__(self, tokenizer, make_environment, chat_template=None):
-        self.tokenizer, self.make_environment = tokenizer, make_environment
+    def __init__(self, tokenizer, make_environment, chat_template=None, examples=()):
+        self.tokenizer, self.make_environment, self.examples = tokenizer, make_environment, examples
         self.schemas = tool_schemas(make_environment())
-        self.template_kwargs = dict(tools=self.schemas, chat_template=chat_template)
+        self.template = self.template_kwargs = dict(tools=self.schemas, chat_template=chat_template)
         self.environments = []
 
     def begin(self, num_trajectories):
@@ -1003,20 +1039,20 @@ def trajectory_metrics(rewards, correct, formatted, rollout, group_size):
     } | {f"tools/errors/{kind}": float(np.mean(counts)) for kind, counts in rollout.errors.items()}
 
 
-def evaluate(sampler, eval_sets, args, accelerator, tokenizer, step):
+def evaluate(sampler, eval_sets, args, accelerator, tokenizer, tools, step):
     """Greedy multi-turn pass@1 on each held-out set ({name: (prompts, golds)}), sharded over processes, with how
     often the policy called the tool, its accuracy with and without a call (NaN without such problems) and the share
     of trajectories cut at the budget.
     Returns ({name/metric: value}, sample rows for samples.jsonl)."""
     rank, world_size = accelerator.process_index, accelerator.num_processes
-    greedy, tool = functools.partial(sampler.turn, temperature=0.0), make_tool(args.tool, args.max_operations)
+    greedy = functools.partial(sampler.turn, temperature=0.0, stop_strings=tools.stop_strings)
     results, samples = {}, []
     for name, (prompts, golds) in eval_sets.items():
         mine = list(range(rank, len(prompts), world_size))
         with sampler.awake():  # every process wakes and sleeps its engine once (it may be a collective)
             rollout = multi_turn_rollout(
                 greedy, tokenizer, [prompts[i] for i in mine], 1, args.response_length, args.max_turns,
-                sampler.stop_ids, tool,
+                sampler.stop_ids, tools,
             )  # fmt: skip
         rewards, correct, _ = compute_rewards(rollout.answers, [golds[i] for i in mine], args.format_reward)
         called = torch.tensor([float(len(calls) > 0) for calls in rollout.calls])
@@ -1117,8 +1153,8 @@ class RunArgs:
     """(question, answer) exchanges before the question: one call of the tool, shown (the chat template's prompts)"""
     prompt_template: Optional[str] = None
     """used instead of the chat template, with {question} in it (needed when the tokenizer has no chat template)"""
-    max_prompt_length: int = 256
-    """prompts longer than this (in tokens) are dropped"""
+    max_prompt_length: int = 512
+    """prompts longer than this (in tokens) are dropped (the native format's tool section and example: ~350)"""
 
     # Experiment
     exp_name: str = "grpo_tools"
@@ -1198,8 +1234,18 @@ def check_args(args):
     clip = f"--clip_eps_low must be in [0, 1) and --clip_eps_high >= 0; got {args.clip_eps_low}, {args.clip_eps_high}"
     _require(0 <= args.clip_eps_low < 1 and args.clip_eps_high >= 0, clip)
     _require(args.beta >= 0, f"--beta must be >= 0; got {args.beta}")
-    for _, answer in args.examples:
-        _require(CALL[0] in answer, f"--examples: the answer {answer!r} shows no call of the tool ({CALL[0]}...)")
+    if args.tool_format == "native":  # the calc defaults mean nothing here: the template describes the tools
+        args.system_prompt = None if args.system_prompt == SYSTEM_PROMPT else args.system_prompt
+        shown = "under --tool_format native the exchange shown is NATIVE_EXAMPLE (or none: --examples with no value)"
+        _require(args.examples in ((EXAMPLE,), ()), f"--examples: {shown}")
+        _require(args.environment in ENVIRONMENTS, f"--environment must be one of {sorted(ENVIRONMENTS)}")
+        _require(args.prompt_template is None, "--prompt_template: --tool_format native needs the chat template")
+        missing = args.chat_template is not None and not os.path.isfile(args.chat_template)
+        _require(not missing, f"--chat_template {args.chat_template}: no such file")
+    else:
+        for _, answer in args.examples:
+            _require(CALL[0] in answer, f"--examples: the answer {answer!r} shows no call of the tool ({CALL[0]}...)")
+        _require(args.chat_template is None, "--chat_template is for --tool_format native")
     # The sizes computed from the flags (config.json records them).
     args.batch_size = args.prompts_per_rank * args.num_generations
     args.minibatch_size = args.batch_size // args.num_minibatches
@@ -1301,9 +1347,10 @@ def _load_tokenizer(model_name_or_path, trust_remote_code):
     return tokenizer
 
 
-def load_math_prompts(args, tokenizer, world_size, examples=()):
+def load_math_prompts(args, tokenizer, world_size, examples=(), template=None):
     """The training prompts and gold answers, and the held-out sets {name: (prompts, golds)}, from --dataset_path
-    (and --extra_eval_path); `examples` are shown before each question (_build_prompts). Columns, questions and gold
+    (and --extra_eval_path); `examples` are shown before each question and `template` ({} or the chat template's
+    tools= and chat_template=) goes to apply_chat_template (_build_prompts). Columns, questions and gold
     answers are checked before any model is loaded."""
     splits = {
         "train": (args.dataset_path, args.dataset_config, args.train_split),
@@ -1320,7 +1367,7 @@ def load_math_prompts(args, tokenizer, world_size, examples=()):
             rows = rows[: args.num_eval_prompts]
         _check_columns(rows, columns, where, text_columns=[args.question_column])
         _check_golds(rows, args.answer_column, where)
-        sets[name] = _build_prompts(tokenizer, rows, args, examples)
+        sets[name] = _build_prompts(tokenizer, rows, args, examples, template)
         needed = args.prompts_per_rank * world_size if name == "train" else 1
         _require_prompts(sets[name][0], needed, where, args.max_prompt_length)
     train_prompts, train_golds = sets.pop("train")
@@ -1408,8 +1455,9 @@ def _gold_answer(answer):
     return "" if answer is None else str(answer).split("####")[-1].strip().replace(",", "")
 
 
-def _build_prompts(tokenizer, rows, args, examples=()):
-    """Token ids of each row's prompt (chat template, after the system prompt and the exchanges `examples` shows, or
+def _build_prompts(tokenizer, rows, args, examples=(), template=None):
+    """Token ids of each row's prompt (chat template, after the system prompt and the exchanges `examples` shows:
+    (question, answer) pairs or lists of messages; `template`: more apply_chat_template arguments; or
     --prompt_template, which a tokenizer without a chat template needs) and its gold answer; prompts longer than
     max_prompt_length are dropped."""
     example = "e.g. 'Question: {question}\\nAnswer:'"
@@ -1422,10 +1470,15 @@ def _build_prompts(tokenizer, rows, args, examples=()):
             text = args.prompt_template.format(question=question)
         else:
             messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
-            for shown, answer in examples:  # (question, answer) exchanges shown before the question
-                messages += [{"role": "user", "content": shown}, {"role": "assistant", "content": answer}]
+            for example in examples:  # exchanges shown before the question
+                if isinstance(example[0], dict):  # messages
+                    messages += example
+                else:  # (question, answer)
+                    messages += [{"role": "user", "content": example[0]}, {"role": "assistant", "content": example[1]}]
             messages.append({"role": "user", "content": question})
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False, **(template or {})
+            )
         ids = tokenizer(text, add_special_tokens=args.prompt_template is not None).input_ids
         if len(ids) <= args.max_prompt_length:
             prompts.append(ids)

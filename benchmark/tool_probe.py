@@ -97,7 +97,8 @@ def probe_prompts(args, tokenizer):
     """(prompts, golds, terms) of --prompts, as grpo_tools.py builds them (load_math_prompts: its checks, its
     prompts), then --terms and --num_prompts. terms: question_terms of each prompt's question (None: not one
     expression)."""
-    train_prompts, train_golds, sets = grpo_tools.load_math_prompts(args, tokenizer, 1, args.examples)
+    tools = grpo_tools.make_tool_format(args, tokenizer)  # the format's example and template
+    train_prompts, train_golds, sets = grpo_tools.load_math_prompts(args, tokenizer, 1, tools.examples, tools.template)
     prompts, golds = (train_prompts, train_golds) if args.prompts == "train" else sets[args.prompts]
     path, config_name, split = {
         "train": (args.dataset_path, args.dataset_config, args.train_split),
@@ -108,7 +109,9 @@ def probe_prompts(args, tokenizer):
     if args.prompts == "eval" and args.num_eval_prompts:
         rows = rows[: args.num_eval_prompts]
     # load_math_prompts dropped the prompts over --max_prompt_length: the same rows, one at a time.
-    kept = [row for row in rows if grpo_tools._build_prompts(tokenizer, [row], args, args.examples)[0]]
+    kept = [
+        row for row in rows if grpo_tools._build_prompts(tokenizer, [row], args, tools.examples, tools.template)[0]
+    ]
     assert len(kept) == len(prompts), (len(kept), len(prompts))
     terms = [question_terms(row[args.question_column]) for row in kept]
     chosen = [i for i, t in enumerate(terms) if not args.terms or t == args.terms][: args.num_prompts or None]
@@ -179,15 +182,16 @@ def main(args):
             args.model_name_or_path, grpo_tools.AutoModelForCausalLM, args, tokenizer.pad_token_id
         )
         sampler.policy = policy.to(accelerator.device).eval()
-    turn = functools.partial(sampler.turn, temperature=args.temperature)  # (contexts, max_tokens) -> turns
-    tool, K = grpo_tools.make_tool(args.tool, args.max_operations), args.samples_per_prompt
+    tools, K = grpo_tools.make_tool_format(args, tokenizer), args.samples_per_prompt
+    # (contexts, max_tokens) -> turns
+    turn = functools.partial(sampler.turn, temperature=args.temperature, stop_strings=tools.stop_strings)
     records, samples = [], []
     for first in tqdm(range(0, len(prompts), args.chunk_prompts), desc=args.exp_name):
         chunk = range(first, min(first + args.chunk_prompts, len(prompts)))
         with sampler.awake():
             rollout = grpo_tools.multi_turn_rollout(
                 turn, tokenizer, [prompts[i] for i in chunk], K, args.response_length, args.max_turns,
-                sampler.stop_ids, tool,
+                sampler.stop_ids, tools,
             )  # fmt: skip
         chunk_golds = [golds[i] for i in chunk for _ in range(K)]
         _, correct, _ = grpo_tools.compute_rewards(rollout.answers, chunk_golds, args.format_reward)

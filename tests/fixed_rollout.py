@@ -48,12 +48,16 @@ def fixed_generate(model, prompts, n, response_length, temperature, top_p, pad_t
     return responses, lengths
 
 
-def fixed_turns(model, tokenizer, contexts, max_tokens, temperature, top_p, pad_token_id, stop_ids, stop_strings=()):
+def fixed_turns(
+    model, tokenizer, contexts, max_tokens, temperature, top_p, pad_token_id, stop_ids, stop_strings=("</calc>",)
+):
     """Stands in for grpo_tools' hf_turns (same signature and returns): a scripted policy whose turn is a seeded
     function of (the context's tokens, how many earlier contexts of this call were the same: the sample's index in
     its group on the first turn). A turn is a few ordinary word pieces then, at random, a tool call of a product of
     two numbers of 1-3 digits (results of different lengths), a call the calculator refuses (malformed, or a
-    division by zero), or an answer ending with the first stop id; cut at max_tokens."""
+    division by zero), or an answer ending with the first stop id; cut at max_tokens. Without stop_strings (grpo_tools
+    --tool_format native) a call is a Hermes <tool_call> (a malformed one is not JSON) and its turn ends with the
+    first stop id, the model's end of turn."""
     stop_ids = [stop_ids] if isinstance(stop_ids, int) else list(stop_ids)
     seen, turns = collections.Counter(), []
     for context, limit in zip(contexts, max_tokens):
@@ -63,9 +67,16 @@ def fixed_turns(model, tokenizer, contexts, max_tokens, temperature, top_p, pad_
         words = torch.randint(300, 3000, (int(torch.randint(0, 4, (1,), generator=g)),), generator=g).tolist()
         kind = int(torch.randint(0, 4, (1,), generator=g))
         a, b = (int(torch.randint(1, 10**3, (1,), generator=g)) for _ in range(2))
-        refused = "<calc>(1 +</calc>" if a % 2 else f"<calc>{a}/0</calc>"
-        ending = [f"<calc>{a} * {b}</calc>", refused, f"Answer: {a}", f"Answer: {a * b}"][kind]
-        ids = words + tokenizer(ending, add_special_tokens=False).input_ids + ([stop_ids[0]] if kind >= 2 else [])
+        if stop_strings:
+            refused = "<calc>(1 +</calc>" if a % 2 else f"<calc>{a}/0</calc>"
+            call = f"<calc>{a} * {b}</calc>"
+        else:
+            native = '<tool_call>{"name": "calculate", "arguments": {"expression": "%s"}}</tool_call>'
+            refused = "<tool_call>{(1 +}</tool_call>" if a % 2 else native % f"{a}/0"
+            call = native % f"{a} * {b}"
+        ending = [call, refused, f"Answer: {a}", f"Answer: {a * b}"][kind]
+        ended = kind >= 2 or not stop_strings
+        ids = words + tokenizer(ending, add_special_tokens=False).input_ids + ([stop_ids[0]] if ended else [])
         turns.append((ids[:limit], None))
     return turns
 

@@ -300,7 +300,9 @@ def test_evaluate_counts_a_trajectory_ended_by_eos_at_the_budget_as_finished(tok
     answer = enc("Answer: 40") + enc(" ok") * budget
     turns = {901: answer[: budget - 1] + [eos], 902: answer}
     sampler = SimpleNamespace(
-        turn=lambda contexts, max_tokens, temperature: [(turns[c[0]][:m], None) for c, m in zip(contexts, max_tokens)],
+        turn=lambda contexts, max_tokens, temperature, stop_strings: [
+            (turns[c[0]][:m], None) for c, m in zip(contexts, max_tokens)
+        ],
         awake=contextlib.nullcontext,
         stop_ids=[eos],
     )
@@ -311,9 +313,8 @@ def test_evaluate_counts_a_trajectory_ended_by_eos_at_the_budget_as_finished(tok
         tool="calculator", max_operations=0, response_length=budget, max_turns=2, format_reward=0.0,
         num_samples_logged=0,
     )  # fmt: skip
-    results, _ = grpo_tools.evaluate(
-        sampler, {"eval": ([[901], [902]], ["40", "40"])}, args, accelerator, tokenizer, 0
-    )
+    sets, tools = {"eval": ([[901], [902]], ["40", "40"])}, grpo_tools.CalcTags(tokenizer)
+    results, _ = grpo_tools.evaluate(sampler, sets, args, accelerator, tokenizer, tools, 0)
     assert results["eval/truncated"] == 0.5 and results["eval/accuracy"] == 1.0 and results["eval/call_rate"] == 0.0
 
 
@@ -424,6 +425,8 @@ INVARIANT_ARGS = dict(
     eval_every=0,
 )
 INVARIANT_KEYS = ("loss/policy", "policy/grad_norm", "lr", "objective/scores", "policy/ratio_first_minibatch")
+# --tool_format native: its prompts hold the tools' schemas (~350 tokens), its calls are JSON (~25 tokens).
+FORMATS = {"calc": {}, "native": dict(tool_format="native", max_prompt_length=512, response_length=64)}
 
 
 def scripted_run(monkeypatch, make_config, **overrides):
@@ -455,11 +458,14 @@ def test_run_is_on_policy_with_kl_zero_and_logs_the_tool_metrics(make_config, mo
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("loss_type", ["token_mean", "seq_mean_token_mean"])
-def test_invariant_gradient_accumulation_equals_one_micro_batch(make_config, monkeypatch, tmp_path, loss_type):
+@pytest.mark.parametrize("loss_type, tool_format", [("token_mean", "calc"), ("seq_mean_token_mean", "calc"),
+                                                    ("token_mean", "native")])  # fmt: skip
+def test_invariant_gradient_accumulation_equals_one_micro_batch(
+    make_config, monkeypatch, tmp_path, loss_type, tool_format
+):
     """micro-batches of 2 accumulated = the batch of 8 trajectories in one micro-batch: same loss, grad norm, lr
     and weights (the token count of token_mean is the policy's tokens over the minibatch, not the micro-batch's)."""
-    options = {**INVARIANT_ARGS, "loss_type": loss_type}
+    options = {**INVARIANT_ARGS, "loss_type": loss_type, **FORMATS[tool_format]}
     runs = [
         scripted_run(monkeypatch, make_config, **options, micro_batch_size=m, output_dir=str(tmp_path / f"mb{m}"))
         for m in (2, 8)
@@ -470,14 +476,16 @@ def test_invariant_gradient_accumulation_equals_one_micro_batch(make_config, mon
 
 
 @pytest.mark.slow
-def test_invariant_two_processes_equal_one_process(tiny_model_dir, task_dir, tmp_path, make_config, monkeypatch):
+@pytest.mark.parametrize("tool_format", ["calc", "native"])
+def test_invariant_two_processes_equal_one_process(
+    tiny_model_dir, task_dir, tmp_path, make_config, monkeypatch, tool_format
+):
     """2 processes with 2 prompts each = 1 process with the 4 prompts: same loss, grad norm, lr and weights, with
     multi-turn trajectories whose tool outputs differ in length."""
-    one = scripted_run(monkeypatch, make_config, **INVARIANT_ARGS, prompts_per_rank=4)
+    options = {**INVARIANT_ARGS, **FORMATS[tool_format]}
+    one = scripted_run(monkeypatch, make_config, **options, prompts_per_rank=4)
     out = str(tmp_path / "two")
-    flags = fast_cli_flags(
-        tiny_model_dir, task_dir, out, **{**FAST["grpo_tools"], **INVARIANT_ARGS, "prompts_per_rank": 2}
-    )
+    flags = fast_cli_flags(tiny_model_dir, task_dir, out, **{**FAST["grpo_tools"], **options, "prompts_per_rank": 2})
     two = launch_fixed_rollout("grpo_tools.py", strip_flags(flags, "oversample"), out)
     assert [line["episode"] for line in read_metrics(two)] == [0, 16, 32]
     assert_same_trajectory(one, two, INVARIANT_KEYS)

@@ -4,9 +4,13 @@ renders tool messages (SmolLM2's Hermes template, and fixtures of Qwen2.5's and 
 and rollouts of a scripted policy: the trained tokens are exactly the sampled ones, tool tokens stay out of the loss,
 and a template that renders earlier turns again differently changes nothing that is trained."""
 
+import json
+import os
+
 import chat_templates
 import pytest
 import torch
+from conftest import read_metrics
 
 import grpo_tools
 from grpo_tools import HERMES_TEMPLATE, Calculator, NativeTools, multi_turn_rollout, parse_tool_calls, run_tool_call
@@ -263,3 +267,29 @@ def test_a_template_that_renders_earlier_turns_again_changes_nothing_trained(tok
     mask = rollout.policy[0, : int(rollout.real[0].sum())]
     trained = [t for t, m in zip(rollout.ids[0].tolist(), mask.tolist()) if m]
     assert trained == [t for s in script for t in tokenizer(s, add_special_tokens=False).input_ids + [end]]
+
+
+NATIVE = dict(tool_format="native", max_prompt_length=512, response_length=64)
+
+
+@pytest.mark.slow
+def test_native_run_is_on_policy_with_kl_zero_and_logs_the_errors_by_kind(make_config, monkeypatch, tmp_path):
+    """A run under --tool_format native with the scripted policy (tests/fixed_rollout.py: Hermes calls, some not
+    JSON, some the calculator refuses): ratio 1 and approxkl 0 on each step's first minibatch, KL 0 before the first
+    update, the tool and error metrics logged, and every prompt renders the calculator's schema and the example's
+    call in the Hermes template (SmolLM2's own ignores tools=)."""
+    import fixed_rollout
+
+    fixed_rollout.patch(grpo_tools, monkeypatch.setattr)
+    args = make_config(grpo_tools, **NATIVE, total_steps=2, beta=0.04, learning_rate=1e-3, micro_batch_size=2)
+    lines = read_metrics(grpo_tools.main(args))
+    for line in lines[1:]:
+        assert line["policy/ratio_first_minibatch"] == 1.0 and line["policy/approxkl_first_minibatch"] == 0.0
+        assert line["tools/calls"] > 0 and line["tools/tool_tokens"] > 0
+        assert {f"tools/errors/{kind}" for kind in grpo_tools.ERROR_KINDS} <= set(line)
+    assert lines[1]["objective/kl"] == 0.0 and lines[2]["objective/kl"] != 0.0
+    assert sum(line["tools/errors/bad_json"] for line in lines[1:]) > 0
+    with open(os.path.join(args.output_dir, args.run_name, "samples.jsonl")) as f:
+        prompts = [json.loads(line)["prompt"] for line in f]
+    assert prompts and all('"name": "calculate"' in p and "<tool_call>" in p for p in prompts)
+    assert args.system_prompt is None and args.max_prompt_length == 512
