@@ -751,9 +751,27 @@ TOOL_CALL = ("<tool_call>", "</tool_call>")
 ERROR_KINDS = ("bad_json", "unknown_tool", "bad_arguments", "raised")  # logged as tools/errors/<kind>
 
 
+def call_message(*calls):
+    """An assistant message making these calls, (name, arguments) each, for an example exchange."""
+    calls = [{"type": "function", "function": {"name": name, "arguments": arguments}} for name, arguments in calls]
+    return {"role": "assistant", "content": "", "tool_calls": calls}
+
+
+def tool_message(name, content):
+    return {"role": "tool", "name": name, "content": content}
+
+
 class Calculator:
     """The calculator as an environment: one instance per trajectory; its public methods but reset and reward are
     the tools, each described to the model by its type hints and docstring (tool_schemas)."""
+
+    # The exchange shown before the question (native; calc shows EXAMPLE): one call, its result, the answer.
+    EXAMPLE = [
+        {"role": "user", "content": "Calculate 23 * 41. Give the final answer after 'Answer:'."},
+        call_message(("calculate", {"expression": "23 * 41"})),
+        tool_message("calculate", "943"),
+        {"role": "assistant", "content": "Answer: 943"},
+    ]
 
     def __init__(self, max_operations=0, unavailable=False):
         self.max_operations, self.unavailable = max_operations, unavailable
@@ -808,22 +826,77 @@ within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": <function-name
 {%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"""
 
 
-# --environment's choices: each makes one environment from the flags (args).
-ENVIRONMENTS = {"calculator": lambda args: Calculator(args.max_operations, args.tool == "unavailable")}
-# The exchange the prompt shows before the question under --tool_format native: one call of the calculator, its
-# result and the answer (the messages the chat template renders; calc shows EXAMPLE).
-NATIVE_EXAMPLE = [
-    {"role": "user", "content": "Calculate 23 * 41. Give the final answer after 'Answer:'."},
-    {"role": "assistant", "content": "", "tool_calls": [
-        {"type": "function", "function": {"name": "calculate", "arguments": {"expression": "23 * 41"}}}]},
-    {"role": "tool", "name": "calculate", "content": "943"},
-    {"role": "assistant", "content": "Answer: 943"},
-]  # fmt: skip
+class PriceList:
+    """The price_list task's environment (its questions: make assets): what a few items cost together at one of three
+    shops, whose prices the policy looks up (no prompt holds them) and adds. Two tools of several typed arguments."""
+
+    PRICES = {  # cents
+        "north": {"pencil": 35, "notebook": 240, "eraser": 55, "ruler": 120, "stapler": 890, "marker": 145},
+        "south": {"pencil": 40, "notebook": 215, "eraser": 60, "ruler": 105, "stapler": 935, "marker": 130},
+        "east": {"pencil": 30, "notebook": 260, "eraser": 45, "ruler": 135, "stapler": 860, "marker": 155},
+    }
+    EXAMPLE = [
+        {"role": "user", "content": "At the east shop, what do 2 rulers and 5 erasers cost together, in cents? Give "
+         "the final answer after 'Answer:'."},
+        call_message(("price", {"shop": "east", "item": "ruler", "quantity": 2}),
+                     ("price", {"shop": "east", "item": "eraser", "quantity": 5})),
+        tool_message("price", "270"),
+        tool_message("price", "225"),
+        call_message(("add", {"a": 270, "b": 225})),
+        tool_message("add", "495"),
+        {"role": "assistant", "content": "Answer: 495"},
+    ]  # fmt: skip
+
+    def reset(self, question):
+        """Called before a trajectory's first turn with its question (the prices do not change)."""
+
+    def price(self, shop: str, item: str, quantity: int) -> int:
+        """The price in cents of some items at a shop.
+
+        Args:
+            shop: the shop: north, south or east
+            item: pencil, notebook, eraser, ruler, stapler or marker
+            quantity: how many
+        """
+        if shop not in self.PRICES or item not in self.PRICES[shop]:
+            raise KeyError(f"no {item!r} at a shop {shop!r}")
+        return self.PRICES[shop][item] * quantity
+
+    def add(self, a: int, b: int) -> int:
+        """The sum of two whole numbers.
+
+        Args:
+            a: the first
+            b: the second
+        """
+        return a + b
+
+
+def price_list_rows(seed, count):
+    """The price_list task: `count` distinct questions "At the {shop} shop, what do {q1} {item1}s and {q2} {item2}s
+    cost together, in cents?" (quantities 2-9, two different items in PRICES' order) with their answers, from a
+    seeded stream."""
+    rng, rows = np.random.default_rng(seed), {}
+    shops, items = list(PriceList.PRICES), list(PriceList.PRICES["north"])
+    while len(rows) < count:
+        shop, (q1, q2) = rng.choice(shops), rng.integers(2, 10, 2)
+        one, two = sorted(rng.choice(items, 2, replace=False), key=items.index)  # one order: no fact in both splits
+        question = f"At the {shop} shop, what do {q1} {one}s and {q2} {two}s cost together, in cents?"
+        prices = PriceList.PRICES[str(shop)]
+        rows.setdefault(question, {"question": question, "answer": str(q1 * prices[one] + q2 * prices[two])})
+    return list(rows.values())
+
+
+# --environment's choices: each makes one environment from the flags (args); its EXAMPLE is shown before the question.
+ENVIRONMENTS = {
+    "calculator": lambda args: Calculator(args.max_operations, args.tool == "unavailable"),
+    "price_list": lambda args: PriceList(),
+}
 
 
 def make_tool_format(args, tokenizer):
     """--tool_format's object for multi_turn_rollout: CalcTags with make_tool's tool and --examples, or NativeTools
-    over a fresh --environment per trajectory, shown NATIVE_EXAMPLE, with the chat template --chat_template names,
+    over a fresh --environment per trajectory, shown its EXAMPLE, with the chat template --chat_template names,
     else the tokenizer's own, or HERMES_TEMPLATE where the tokenizer's renders no tools (SmolLM2's)."""
     if args.tool_format == "calc":
         return CalcTags(tokenizer, make_tool(args.tool, args.max_operations), args.examples)
@@ -833,7 +906,8 @@ def make_tool_format(args, tokenizer):
         schemas = tool_schemas(make_environment())
         shown = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tools=schemas, tokenize=False)
         template = None if schemas[0]["function"]["name"] in shown else HERMES_TEMPLATE
-    return NativeTools(tokenizer, make_environment, template, [NATIVE_EXAMPLE] if args.examples else [])
+    example = make_environment().EXAMPLE
+    return NativeTools(tokenizer, make_environment, template, [example] if args.examples else [])
 
 
 def tool_schemas(environment):
@@ -1153,8 +1227,9 @@ class RunArgs:
     """(question, answer) exchanges before the question: one call of the tool, shown (the chat template's prompts)"""
     prompt_template: Optional[str] = None
     """used instead of the chat template, with {question} in it (needed when the tokenizer has no chat template)"""
-    max_prompt_length: int = 512
-    """prompts longer than this (in tokens) are dropped (the native format's tool section and example: ~350)"""
+    max_prompt_length: int = 1024
+    """prompts longer than this (in tokens) are dropped (native: the tools' schemas and the example, 352 tokens with
+    the calculator, 628 with price_list)"""
 
     # Experiment
     exp_name: str = "grpo_tools"
@@ -1236,7 +1311,7 @@ def check_args(args):
     _require(args.beta >= 0, f"--beta must be >= 0; got {args.beta}")
     if args.tool_format == "native":  # the calc defaults mean nothing here: the template describes the tools
         args.system_prompt = None if args.system_prompt == SYSTEM_PROMPT else args.system_prompt
-        shown = "under --tool_format native the exchange shown is NATIVE_EXAMPLE (or none: --examples with no value)"
+        shown = "under --tool_format native the exchange shown is the environment's EXAMPLE (or none: --examples)"
         _require(args.examples in ((EXAMPLE,), ()), f"--examples: {shown}")
         _require(args.environment in ENVIRONMENTS, f"--environment must be one of {sorted(ENVIRONMENTS)}")
         _require(args.prompt_template is None, "--prompt_template: --tool_format native needs the chat template")

@@ -309,6 +309,24 @@ def prepare_tasks(assets: Path) -> None:
         write_jsonl(train, out / "train.jsonl")
         log("tasks", f"wrote {out} (train {len(train)}, test {len(test)}; {sources})", t0)
     prepare_subsets(assets)
+    prepare_price_list(assets)
+
+
+def prepare_price_list(assets: Path) -> None:
+    """grpo_tools.py's second environment's task (--environment price_list --tool_format native): questions about
+    what two kinds of items cost together at one of three shops, whose prices only the environment's tools know
+    (grpo_tools.price_list_rows); split by (shop, items, quantities) as the questions are distinct, 500 held out."""
+    t0, out = time.time(), assets / "data" / "price_list"
+    if (out / "train.jsonl").exists() and (out / "test.jsonl").exists():
+        log("tasks", f"{out} exists, skipped", t0)
+        return
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from grpo_tools import price_list_rows
+
+    rows = price_list_rows(SEED, 2000 + TEST_SIZE)
+    write_jsonl(rows[:TEST_SIZE], out / "test.jsonl")
+    write_jsonl(rows[TEST_SIZE:], out / "train.jsonl")
+    log("tasks", f"wrote {out} (train {len(rows) - TEST_SIZE}, test {TEST_SIZE})", t0)
 
 
 def prepare_subsets(assets: Path) -> None:

@@ -6,6 +6,7 @@ and a template that renders earlier turns again differently changes nothing that
 
 import json
 import os
+import re
 
 import chat_templates
 import pytest
@@ -293,3 +294,46 @@ def test_native_run_is_on_policy_with_kl_zero_and_logs_the_errors_by_kind(make_c
         prompts = [json.loads(line)["prompt"] for line in f]
     assert prompts and all('"name": "calculate"' in p and "<tool_call>" in p for p in prompts)
     assert args.system_prompt is None and args.max_prompt_length == 512
+
+
+def test_price_list_task_and_environment_agree_with_prices_written_here():
+    """The second environment's task: each answer is the two items' prices (written here from the shops' lists)
+    times their quantities, the questions distinct and each pair of items in one order; its tools answer the same."""
+    prices = {
+        ("north", "pencil"): 35, ("north", "notebook"): 240, ("north", "eraser"): 55, ("north", "ruler"): 120,
+        ("north", "stapler"): 890, ("north", "marker"): 145, ("south", "pencil"): 40, ("south", "notebook"): 215,
+        ("south", "eraser"): 60, ("south", "ruler"): 105, ("south", "stapler"): 935, ("south", "marker"): 130,
+        ("east", "pencil"): 30, ("east", "notebook"): 260, ("east", "eraser"): 45, ("east", "ruler"): 135,
+        ("east", "stapler"): 860, ("east", "marker"): 155,
+    }  # fmt: skip
+    rows = grpo_tools.price_list_rows(seed=3, count=300)
+    assert len({row["question"] for row in rows}) == 300 and rows == grpo_tools.price_list_rows(seed=3, count=300)
+    env, pattern = grpo_tools.PriceList(), re.compile(r"At the (\w+) shop, what do (\d) (\w+)s and (\d) (\w+)s cost")
+    for row in rows:
+        shop, q1, one, q2, two = pattern.match(row["question"]).groups()
+        assert one != two and int(row["answer"]) == int(q1) * prices[shop, one] + int(q2) * prices[shop, two]
+        assert env.add(env.price(shop, one, int(q1)), env.price(shop, two, int(q2))) == int(row["answer"])
+    schemas = grpo_tools.tool_schemas(env)
+    assert run_tool_call(env, schemas, "price", {"shop": "west", "item": "pen", "quantity": 1})[1] == "raised"
+    assert run_tool_call(env, schemas, "add", {"a": 2, "b": "3"})[1] == "bad_arguments"
+
+
+@pytest.mark.slow
+def test_native_run_on_the_price_list_environment(make_config, monkeypatch, tmp_path):
+    """--environment price_list: its example (two price calls in one turn, then add) is shown in the Hermes
+    template, its tools are described; the scripted policy's calculator calls are unknown tools there, counted."""
+    import fixed_rollout
+
+    rows = grpo_tools.price_list_rows(seed=0, count=40)
+    task = tmp_path / "price_list"
+    task.mkdir()
+    for split, part in (("train", rows[:30]), ("test", rows[30:])):
+        (task / f"{split}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in part))
+    fixed_rollout.patch(grpo_tools, monkeypatch.setattr)
+    options = {**NATIVE, "max_prompt_length": 900}  # two tools, an example of three calls
+    args = make_config(grpo_tools, **options, environment="price_list", dataset_path=str(task))
+    lines = read_metrics(grpo_tools.main(args))
+    assert sum(line["tools/errors/unknown_tool"] for line in lines[1:]) > 0
+    with open(os.path.join(args.output_dir, args.run_name, "samples.jsonl")) as f:
+        prompt = json.loads(f.readline())["prompt"]
+    assert '"name": "price"' in prompt and '"name": "add"' in prompt and prompt.count("<tool_call>") >= 4
