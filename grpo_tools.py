@@ -776,8 +776,8 @@ class Calculator:
     def __init__(self, max_operations=0, unavailable=False):
         self.max_operations, self.unavailable = max_operations, unavailable
 
-    def reset(self, question):
-        """Called before a trajectory's first turn with its question (no state to reset here)."""
+    def reset(self):
+        """Called before a trajectory's first turn (no state to reset here)."""
 
     def calculate(self, expression: str) -> str:
         """Compute an arithmetic expression exactly.
@@ -847,8 +847,8 @@ class PriceList:
         {"role": "assistant", "content": "Answer: 495"},
     ]  # fmt: skip
 
-    def reset(self, question):
-        """Called before a trajectory's first turn with its question (the prices do not change)."""
+    def reset(self):
+        """Called before a trajectory's first turn (the prices do not change)."""
 
     def price(self, shop: str, item: str, quantity: int) -> int:
         """The price in cents of some items at a shop.
@@ -899,7 +899,17 @@ def make_tool_format(args, tokenizer):
     over a fresh --environment per trajectory, shown its EXAMPLE, with the chat template --chat_template names,
     else the tokenizer's own, or HERMES_TEMPLATE where the tokenizer's renders no tools (SmolLM2's)."""
     if args.tool_format == "calc":
+        _require(args.chat_template is None, "--chat_template is for --tool_format native")
         return CalcTags(tokenizer, make_tool(args.tool, args.max_operations), args.examples)
+    # The flags' checks (before any model loads); calc's system prompt means nothing here: the template describes
+    # the tools.
+    args.system_prompt = None if args.system_prompt == SYSTEM_PROMPT else args.system_prompt
+    shown = "under --tool_format native the exchange shown is the environment's EXAMPLE (or none: --examples)"
+    _require(args.examples in ((EXAMPLE,), ()), f"--examples: {shown}")
+    _require(args.environment in ENVIRONMENTS, f"--environment must be one of {sorted(ENVIRONMENTS)}")
+    _require(args.prompt_template is None, "--prompt_template: --tool_format native needs the chat template")
+    missing = args.chat_template is not None and not os.path.isfile(args.chat_template)
+    _require(not missing, f"--chat_template {args.chat_template}: no such file")
     make_environment = functools.partial(ENVIRONMENTS[args.environment], args)
     template = open(args.chat_template).read() if args.chat_template else None
     if template is None:
@@ -1007,6 +1017,8 @@ class NativeTools:
 
     def begin(self, num_trajectories):
         self.environments = [self.make_environment() for _ in range(num_trajectories)]
+        for environment in self.environments:
+            environment.reset()
 
     def calls(self, text):
         return parse_tool_calls(text)
@@ -1309,18 +1321,8 @@ def check_args(args):
     clip = f"--clip_eps_low must be in [0, 1) and --clip_eps_high >= 0; got {args.clip_eps_low}, {args.clip_eps_high}"
     _require(0 <= args.clip_eps_low < 1 and args.clip_eps_high >= 0, clip)
     _require(args.beta >= 0, f"--beta must be >= 0; got {args.beta}")
-    if args.tool_format == "native":  # the calc defaults mean nothing here: the template describes the tools
-        args.system_prompt = None if args.system_prompt == SYSTEM_PROMPT else args.system_prompt
-        shown = "under --tool_format native the exchange shown is the environment's EXAMPLE (or none: --examples)"
-        _require(args.examples in ((EXAMPLE,), ()), f"--examples: {shown}")
-        _require(args.environment in ENVIRONMENTS, f"--environment must be one of {sorted(ENVIRONMENTS)}")
-        _require(args.prompt_template is None, "--prompt_template: --tool_format native needs the chat template")
-        missing = args.chat_template is not None and not os.path.isfile(args.chat_template)
-        _require(not missing, f"--chat_template {args.chat_template}: no such file")
-    else:
-        for _, answer in args.examples:
-            _require(CALL[0] in answer, f"--examples: the answer {answer!r} shows no call of the tool ({CALL[0]}...)")
-        _require(args.chat_template is None, "--chat_template is for --tool_format native")
+    for _, answer in args.examples if args.tool_format == "calc" else ():
+        _require(CALL[0] in answer, f"--examples: the answer {answer!r} shows no call of the tool ({CALL[0]}...)")
     # The sizes computed from the flags (config.json records them).
     args.batch_size = args.prompts_per_rank * args.num_generations
     args.minibatch_size = args.batch_size // args.num_minibatches

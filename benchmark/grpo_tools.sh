@@ -27,6 +27,28 @@ cd "$(dirname "$0")/.."
 # a run's evaluation) straight into $ISSUE57; the runs are copied there once finished. $'\n' is the examples' line
 # break. A run's example is written out in its command (tests/test_commands.py parses it); a probe's is Q/A below.
 ISSUE57=benchmark/results/grpo_tools_issue57
+# Issue 67: the untrained policy under --tool_format native (SmolLM2 with grpo_tools' HERMES_TEMPLATE, its own
+# ignoring tools=) beside calc, greedy and at T 1 (4 samples a prompt), on the first 100 held-out prompts; and the
+# second environment, price_list (its task from make assets). The probes' folders go to benchmark/results/.
+#   bash benchmark/grpo_tools.sh issue67_probes      # ~2-6 min a probe (vLLM, 2 cores)
+if [[ ${1:-} == issue67_probes ]]; then
+    for format in calc native; do
+        python -m benchmark.tool_probe --exp_name "${format}_greedy" --tool_format "$format" --temperature 0 \
+            --num_prompts 100 --output_dir runs/issue67
+        python -m benchmark.tool_probe --exp_name "${format}_t1" --tool_format "$format" --temperature 1 \
+            --samples_per_prompt 4 --num_prompts 100 --output_dir runs/issue67
+    done
+    for temperature in 0 1; do
+        python -m benchmark.tool_probe --exp_name "price_list_t$temperature" --tool_format native \
+            --environment price_list --dataset_path assets/data/price_list --response_length 192 \
+            --temperature "$temperature" --samples_per_prompt $((temperature == 0 ? 1 : 4)) --num_prompts 100 \
+            --output_dir runs/issue67
+    done
+    OUT=benchmark/results/grpo_tools_issue67
+    python -m benchmark.registry copy --out "$OUT" runs/issue67/*
+    exit 0
+fi
+
 if [[ ${1:-} == issue57_item3 ]]; then
     Q="Calculate 23 + 41. Give the final answer after 'Answer:'."  # the addition example, shown instead of 23 * 41
     A="<calc>23 + 41</calc><result>64</result>"$'\n'"Answer: 64"

@@ -127,3 +127,18 @@ def test_reading_figures_of_the_scripts_against_the_files():
             assert f"def {reached}(" in below or f"class {reached}" in below
             assert re.search(rf"\b{reached}\b", above), (name, reached)
         assert 1 <= row["depth"] <= 8 and set(budget.READING) == set(budget.BUDGET)
+
+
+def test_a_new_tool_or_environment_needs_no_edit_below_the_fence():
+    """grpo_tools.py: the environments (their tools are their methods), the tool formats and the Hermes template are
+    above the fence and nothing below it names them, so a new tool (a method) or environment (a class and its
+    ENVIRONMENTS entry) is written above the fence alone."""
+    import grpo_tools
+
+    above, below = open(os.path.join(REPO_ROOT, "grpo_tools.py")).read().split(budget.FENCE)
+    environments = [type(make(grpo_tools.Config())).__name__ for make in grpo_tools.ENVIRONMENTS.values()]
+    names = ["ENVIRONMENTS", "CalcTags", "NativeTools", "make_tool_format", "tool_schemas", "parse_tool_calls"]
+    names += ["run_tool_call", "tool_response_ids", "HERMES_TEMPLATE", *environments]
+    for name in names:
+        assert re.search(rf"\b{name}\b", above) and not re.search(rf"\b{name}\b", below), name
+    assert environments == ["Calculator", "PriceList"]

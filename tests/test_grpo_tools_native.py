@@ -29,8 +29,11 @@ def tokenizer(tiny_model_dir):
 class Shop:
     """A test environment: two tools with several typed arguments, one that raises."""
 
-    def reset(self, question):
-        pass
+    def __init__(self):
+        self.resets = 0
+
+    def reset(self):
+        self.resets += 1
 
     def price(self, item: str, quantity: int, discount: float | None = None) -> float:
         """The price of some items.
@@ -195,6 +198,7 @@ def test_native_rollout_trains_exactly_the_sampled_tokens(tokenizer, name):
     ]
     assert rollout.answers == ["Answer: 4.5"] and rollout.turns == [2] and not rollout.truncated[0]
     assert rollout.errors == {kind: [0] for kind in grpo_tools.ERROR_KINDS}
+    assert [env.resets for env in tools.environments] == [1]  # one environment per trajectory, reset once
 
 
 @pytest.mark.filterwarnings("ignore:std\\(\\)")  # one trajectory: its group's std is undefined
@@ -337,3 +341,20 @@ def test_native_run_on_the_price_list_environment(make_config, monkeypatch, tmp_
     with open(os.path.join(args.output_dir, args.run_name, "samples.jsonl")) as f:
         prompt = json.loads(f.readline())["prompt"]
     assert '"name": "price"' in prompt and '"name": "add"' in prompt and prompt.count("<tool_call>") >= 4
+
+
+@pytest.mark.parametrize(
+    "overrides, names",
+    [
+        (dict(environment="weather"), ["--environment", "calculator", "price_list"]),
+        (dict(chat_template="no/such/template.jinja"), ["--chat_template", "no such file"]),
+        (dict(examples=(("Calculate 1 * 2.", "<tool_call>..."),)), ["--examples", "EXAMPLE"]),
+        (dict(prompt_template="Q: {question}\nA:"), ["--prompt_template", "chat template"]),
+        (dict(tool_format="calc", chat_template="x.jinja"), ["--chat_template", "native"]),
+    ],
+)
+def test_bad_native_flags_stop_in_one_line_before_any_model_loads(make_config, monkeypatch, overrides, names):
+    from conftest import NoModelLoads, one_line_error
+
+    monkeypatch.setattr(grpo_tools, "AutoModelForCausalLM", NoModelLoads)
+    one_line_error(grpo_tools.main, make_config(grpo_tools, **{**NATIVE, **overrides}), *names)
