@@ -358,3 +358,32 @@ def test_bad_native_flags_stop_in_one_line_before_any_model_loads(make_config, m
 
     monkeypatch.setattr(grpo_tools, "AutoModelForCausalLM", NoModelLoads)
     one_line_error(grpo_tools.main, make_config(grpo_tools, **{**NATIVE, **overrides}), *names)
+
+
+@pytest.mark.slow
+def test_vllm_and_hf_turns_stop_at_the_end_of_turn_alike_under_native(monkeypatch):
+    """The embedded model under --tool_format native (no stop string): vLLM's and HF generate's greedy turns end at
+    the same place, the end-of-turn token or the budget, with nothing after it, and are the same tokens."""
+    from conftest import SMOLLM2_DIR, require_vllm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    require_vllm()
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    tokenizer = AutoTokenizer.from_pretrained(SMOLLM2_DIR)
+    args = grpo_tools.Config(tool_format="native", vllm=True, seed=1)
+    tools = grpo_tools.make_tool_format(args, tokenizer)
+    rows = [{"question": f"Calculate {a} * {b}.", "answer": str(a * b)} for a, b in [(874, 404), (57, 912), (36, 41)]]
+    prompts, _ = grpo_tools._build_prompts(tokenizer, rows, args, tools.examples, tools.template)
+    stop_ids = grpo_tools._stop_token_ids(tokenizer, SMOLLM2_DIR)
+    model = AutoModelForCausalLM.from_pretrained(SMOLLM2_DIR, dtype=torch.float32).eval()
+    hf = grpo_tools._hf_turns(model, tokenizer, prompts, [40] * 3, 0.0, 1.0, tokenizer.pad_token_id, stop_ids, ())
+    llm = grpo_tools._start_vllm(args, SMOLLM2_DIR, 0, 1, sorted(os.sched_getaffinity(0)))
+    try:
+        vllm = grpo_tools._vllm_turns(llm, tokenizer, prompts, [40] * 3, 0.0, 1.0, stop_ids, ())
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    for (a, _), (b, _) in zip(hf, vllm):
+        for ids in (a, b):
+            assert len(ids) == 40 or ids[-1] in stop_ids
+            assert not any(t in stop_ids for t in ids[:-1])
+        assert a == b, (tokenizer.decode(a), tokenizer.decode(b))
