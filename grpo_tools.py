@@ -13,9 +13,15 @@ The loss mask is the heart of it: every token the policy wrote is trained; the c
 trainer scores the very token ids the sampler produced and was fed (token in, token out: the conversation is never
 re-tokenised from text), so the first on-policy minibatch has ratio exactly 1 and KL exactly 0.
 
+With --tool_format native the tools are an environment's methods, described to the model by its chat template and
+called in its own format (Hermes <tool_call> JSON, as Qwen2.5 and Qwen3 write them, or Llama 3.1's JSON); their
+results come back as the template renders `tool` messages, still token in, token out.
+
 Run on CPU with the embedded defaults (SmolLM2-135M-Instruct, products of 2-3 digit numbers from reasoning-gym):
     python grpo_tools.py
     python grpo_tools.py --no-vllm                 # Hugging Face generate instead of vLLM
+    python grpo_tools.py --tool_format native      # the chat template's tool calls (SmolLM2: HERMES_TEMPLATE)
+    python grpo_tools.py --tool_format native --environment price_list --dataset_path assets/data/price_list
 Run on GPUs (one vLLM engine per process, colocated with the trainer):
     accelerate launch --num_processes 8 grpo_tools.py --model_name_or_path Qwen/Qwen2.5-1.5B-Instruct \
         --dtype bfloat16 --response_length 512
