@@ -904,18 +904,22 @@ def make_tool_format(args, tokenizer):
     """--tool_format's object for multi_turn_rollout: CalcTags with make_tool's tool and --examples, or NativeTools
     over a fresh --environment per trajectory, shown its EXAMPLE, with the chat template --chat_template names,
     else the tokenizer's own, or HERMES_TEMPLATE where the tokenizer's renders no tools (SmolLM2's)."""
-    if args.tool_format == "calc":
-        _require(args.chat_template is None, "--chat_template is for --tool_format native")
+    native = args.tool_format == "native"
+    problems = [  # the flags' checks, before any model loads: the first stops the run in one line
+        (not native and args.chat_template is not None, "--chat_template is for --tool_format native"),
+        (native and args.examples not in ((EXAMPLE,), ()), "--examples: under --tool_format native the exchange "
+         "shown is the environment's EXAMPLE (or none: --examples)"),
+        (native and args.environment not in ENVIRONMENTS, f"--environment must be one of {sorted(ENVIRONMENTS)}"),
+        (native and args.prompt_template is not None, "--prompt_template: --tool_format native needs a chat template"),
+        (native and args.chat_template is not None and not os.path.isfile(args.chat_template),
+         f"--chat_template {args.chat_template}: no such file"),
+    ]  # fmt: skip
+    for bad, message in problems:
+        if bad:
+            raise SystemExit(f"error: {message}")
+    if not native:
         return CalcTags(tokenizer, make_tool(args.tool, args.max_operations), args.examples)
-    # The flags' checks (before any model loads); calc's system prompt means nothing here: the template describes
-    # the tools.
-    args.system_prompt = None if args.system_prompt == SYSTEM_PROMPT else args.system_prompt
-    shown = "under --tool_format native the exchange shown is the environment's EXAMPLE (or none: --examples)"
-    _require(args.examples in ((EXAMPLE,), ()), f"--examples: {shown}")
-    _require(args.environment in ENVIRONMENTS, f"--environment must be one of {sorted(ENVIRONMENTS)}")
-    _require(args.prompt_template is None, "--prompt_template: --tool_format native needs the chat template")
-    missing = args.chat_template is not None and not os.path.isfile(args.chat_template)
-    _require(not missing, f"--chat_template {args.chat_template}: no such file")
+    args.system_prompt = None if args.system_prompt == SYSTEM_PROMPT else args.system_prompt  # calc's: the template
     make_environment = functools.partial(ENVIRONMENTS[args.environment], args)
     template = open(args.chat_template).read() if args.chat_template else None
     if template is None:
