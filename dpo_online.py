@@ -1060,8 +1060,9 @@ def _check_same_vocabulary(path, name, policy_tokenizer, trust_remote_code):
         _fail(f"--{name} {path} has another vocabulary than --model_name_or_path; it must read the policy's tokens")
 
 
-def _build_prompts(tokenizer, rows, args, examples=()):
-    """Token ids of each row's prompt (chat template, after the system prompt and the exchanges `examples` shows, or
+def _build_prompts(tokenizer, rows, args, examples=(), template=None):
+    """Token ids of each row's prompt (chat template, after the system prompt and the exchanges `examples` shows:
+    (question, answer) pairs or lists of messages; `template`: more apply_chat_template arguments; or
     --prompt_template, which a tokenizer without a chat template needs) and its gold answer; prompts longer than
     max_prompt_length are dropped."""
     example = "e.g. 'Question: {question}\\nAnswer:'"
@@ -1074,10 +1075,15 @@ def _build_prompts(tokenizer, rows, args, examples=()):
             text = args.prompt_template.format(question=question)
         else:
             messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
-            for shown, answer in examples:  # (question, answer) exchanges shown before the question
-                messages += [{"role": "user", "content": shown}, {"role": "assistant", "content": answer}]
+            for example in examples:  # exchanges shown before the question
+                if isinstance(example[0], dict):  # messages
+                    messages += example
+                else:  # (question, answer)
+                    messages += [{"role": "user", "content": example[0]}, {"role": "assistant", "content": example[1]}]
             messages.append({"role": "user", "content": question})
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False, **(template or {})
+            )
         ids = tokenizer(text, add_special_tokens=args.prompt_template is not None).input_ids
         if len(ids) <= args.max_prompt_length:
             prompts.append(ids)

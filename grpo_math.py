@@ -891,9 +891,10 @@ def _load_tokenizer(model_name_or_path, trust_remote_code):
     return tokenizer
 
 
-def load_math_prompts(args, tokenizer, world_size, examples=()):
+def load_math_prompts(args, tokenizer, world_size, examples=(), template=None):
     """The training prompts and gold answers, and the held-out sets {name: (prompts, golds)}, from --dataset_path
-    (and --extra_eval_path); `examples` are shown before each question (_build_prompts). Columns, questions and gold
+    (and --extra_eval_path); `examples` are shown before each question and `template` ({} or the chat template's
+    tools= and chat_template=) goes to apply_chat_template (_build_prompts). Columns, questions and gold
     answers are checked before any model is loaded."""
     splits = {
         "train": (args.dataset_path, args.dataset_config, args.train_split),
@@ -910,7 +911,7 @@ def load_math_prompts(args, tokenizer, world_size, examples=()):
             rows = rows[: args.num_eval_prompts]
         _check_columns(rows, columns, where, text_columns=[args.question_column])
         _check_golds(rows, args.answer_column, where)
-        sets[name] = _build_prompts(tokenizer, rows, args, examples)
+        sets[name] = _build_prompts(tokenizer, rows, args, examples, template)
         needed = args.prompts_per_rank * world_size if name == "train" else 1
         _require_prompts(sets[name][0], needed, where, args.max_prompt_length)
     train_prompts, train_golds = sets.pop("train")
@@ -998,8 +999,9 @@ def _gold_answer(answer):
     return "" if answer is None else str(answer).split("####")[-1].strip().replace(",", "")
 
 
-def _build_prompts(tokenizer, rows, args, examples=()):
-    """Token ids of each row's prompt (chat template, after the system prompt and the exchanges `examples` shows, or
+def _build_prompts(tokenizer, rows, args, examples=(), template=None):
+    """Token ids of each row's prompt (chat template, after the system prompt and the exchanges `examples` shows:
+    (question, answer) pairs or lists of messages; `template`: more apply_chat_template arguments; or
     --prompt_template, which a tokenizer without a chat template needs) and its gold answer; prompts longer than
     max_prompt_length are dropped."""
     example = "e.g. 'Question: {question}\\nAnswer:'"
@@ -1012,10 +1014,15 @@ def _build_prompts(tokenizer, rows, args, examples=()):
             text = args.prompt_template.format(question=question)
         else:
             messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
-            for shown, answer in examples:  # (question, answer) exchanges shown before the question
-                messages += [{"role": "user", "content": shown}, {"role": "assistant", "content": answer}]
+            for example in examples:  # exchanges shown before the question
+                if isinstance(example[0], dict):  # messages
+                    messages += example
+                else:  # (question, answer)
+                    messages += [{"role": "user", "content": example[0]}, {"role": "assistant", "content": example[1]}]
             messages.append({"role": "user", "content": question})
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False, **(template or {})
+            )
         ids = tokenizer(text, add_special_tokens=args.prompt_template is not None).input_ids
         if len(ids) <= args.max_prompt_length:
             prompts.append(ids)
