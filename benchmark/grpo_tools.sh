@@ -29,23 +29,23 @@ cd "$(dirname "$0")/.."
 ISSUE57=benchmark/results/grpo_tools_issue57
 # Issue 67: the untrained policy under --tool_format native (SmolLM2 with grpo_tools' HERMES_TEMPLATE, its own
 # ignoring tools=) beside calc, greedy and at T 1 (4 samples a prompt), on the first 100 held-out prompts; and the
-# second environment, price_list (its task from make assets). The probes' folders go to benchmark/results/.
+# second environment, price_list (its task from make assets). Each probe's folder (probe.json, config.json,
+# metrics.jsonl) goes to benchmark/results/grpo_tools_issue67/.
 #   bash benchmark/grpo_tools.sh issue67_probes      # ~2-6 min a probe (vLLM, 2 cores)
 if [[ ${1:-} == issue67_probes ]]; then
+    ISSUE67=benchmark/results/grpo_tools_issue67
     for format in calc native; do
         python -m benchmark.tool_probe --exp_name "${format}_greedy" --tool_format "$format" --temperature 0 \
-            --num_prompts 100 --output_dir runs/issue67
+            --num_prompts 100 --output_dir "$ISSUE67"
         python -m benchmark.tool_probe --exp_name "${format}_t1" --tool_format "$format" --temperature 1 \
-            --samples_per_prompt 4 --num_prompts 100 --output_dir runs/issue67
+            --samples_per_prompt 4 --num_prompts 100 --output_dir "$ISSUE67"
     done
     for temperature in 0 1; do
         python -m benchmark.tool_probe --exp_name "price_list_t$temperature" --tool_format native \
             --environment price_list --dataset_path assets/data/price_list --response_length 192 \
             --temperature "$temperature" --samples_per_prompt $((temperature == 0 ? 1 : 4)) --num_prompts 100 \
-            --output_dir runs/issue67
+            --output_dir "$ISSUE67"
     done
-    OUT=benchmark/results/grpo_tools_issue67
-    python -m benchmark.registry copy --out "$OUT" runs/issue67/*
     exit 0
 fi
 
