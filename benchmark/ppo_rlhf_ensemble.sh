@@ -22,7 +22,7 @@ cd "$(dirname "$0")/.."
 if [[ ${1:-} == noisy66 ]]; then
     for k in 0 1 2 3 4; do
         [ -f "runs/reward_ensemble_noisy/member_$k/config.json" ] ||
-            python reward_modeling.py --seed $((k + 1)) --data_seed $((k + 1)) --label_noise 0.25 \
+            python reward_modeling.py --seed $(($k+1)) --data_seed $(($k+1)) --label_noise 0.25 \
                 --exp_name rm_noisy_member --reward_model_dir "runs/reward_ensemble_noisy/member_$k"
     done
     python -m benchmark.registry copy --out benchmark/results/reward_ensemble_noisy \
