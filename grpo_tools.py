@@ -157,7 +157,7 @@ def main(args: "Config"):
     G = args.num_generations  # the group size
     tools = make_tool_format(args, tokenizer)  # how calls are written, run and answered: CalcTags or NativeTools
     train_prompts, train_golds, eval_sets = load_math_prompts(
-        args, tokenizer, world_size, tools.examples, tools.template
+        args, tokenizer, world_size, tools.examples, tools.template_kwargs
     )
     run = Run(args, accelerator, RESUMABLE_ARGS)
     model, ref_model = load_policy_and_reference(args, accelerator, tokenizer.pad_token_id, args.beta > 0)
@@ -730,7 +730,7 @@ class CalcTags:
     stop_strings, error_kinds = (CALL[1],), ()  # a turn ends once a token completes a call
 
     def __init__(self, tokenizer, tool=calculator, examples=(EXAMPLE,)):
-        self.tokenizer, self.tool, self.examples, self.template = tokenizer, tool, examples, {}
+        self.tokenizer, self.tool, self.examples, self.template_kwargs = tokenizer, tool, examples, {}
 
     def begin(self, num_trajectories):
         pass  # the calculator keeps no state
@@ -922,12 +922,11 @@ def make_tool_format(args, tokenizer):
     args.system_prompt = None if args.system_prompt == SYSTEM_PROMPT else args.system_prompt  # calc's: the template
     make_environment = functools.partial(ENVIRONMENTS[args.environment], args)
     template = open(args.chat_template).read() if args.chat_template else None
-    if template is None:
-        schemas = tool_schemas(make_environment())
-        shown = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tools=schemas, tokenize=False)
-        template = None if schemas[0]["function"]["name"] in shown else HERMES_TEMPLATE
-    example = make_environment().EXAMPLE
-    return NativeTools(tokenizer, make_environment, template, [example] if args.examples else [])
+    tools = NativeTools(tokenizer, make_environment, template, [make_environment().EXAMPLE] if args.examples else [])
+    shown = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False, **tools.template_kwargs)
+    if template is None and tools.schemas[0]["function"]["name"] not in shown:  # the tokenizer's ignores tools=
+        tools.template_kwargs["chat_template"] = HERMES_TEMPLATE
+    return tools
 
 
 def tool_schemas(environment):
@@ -1022,7 +1021,7 @@ class NativeTools:
     def __init__(self, tokenizer, make_environment, chat_template=None, examples=()):
         self.tokenizer, self.make_environment, self.examples = tokenizer, make_environment, examples
         self.schemas = tool_schemas(make_environment())
-        self.template = self.template_kwargs = dict(tools=self.schemas, chat_template=chat_template)
+        self.template_kwargs = dict(tools=self.schemas, chat_template=chat_template)
         self.environments = []
 
     def begin(self, num_trajectories):

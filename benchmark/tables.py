@@ -62,6 +62,14 @@ def outputs(command):
     return [out + ".md", out + ".json"] if command.command == "perf" else [out]
 
 
+def not_committed(specs):
+    """None when every LABEL=GLOB of --experiments matches committed run folders (under benchmark/results/), else why
+    the command is not remade: runs elsewhere (runs/) are a machine's own, not the repository's."""
+    patterns = [registry.parse_experiment(spec)[1] for spec in specs]
+    missing = [p for p in patterns if not p.startswith(COMMITTED) or not glob.glob(os.path.join(REPO_ROOT, p))]
+    return f"its runs are not committed ({missing[0]})" if missing else None
+
+
 def classify():
     """[(shell file, argv, outputs, None or why it is not remade)] for every command of benchmark/*.sh that writes
     into benchmark/results/; a registry command that writes an output a later one writes again is left out."""
@@ -75,22 +83,14 @@ def classify():
             if argv[:2] == ["-m", "benchmark.registry"] and argv[2] in REMADE:
                 command = registry.build_parser().parse_args(argv[2:])
                 files = outputs(command)
-                patterns = [registry.parse_experiment(spec)[1] for spec in command.experiments]
-                uncommitted = [
-                    p for p in patterns if not p.startswith(COMMITTED) or not glob.glob(os.path.join(REPO_ROOT, p))
-                ]
-                why = f"its runs are not committed ({uncommitted[0]})" if uncommitted else None
                 if files:  # a command without --out only prints
-                    rows.append((name, argv, files, why))
+                    rows.append((name, argv, files, not_committed(command.experiments)))
             elif argv[:2] in (["-m", module] for module in CHECKS):  # claim checks read committed runs too
                 out = argv[argv.index("--out") + 1]
                 files = [out] if out.endswith(".md") else [out + ".md", out + ".png"]
                 start = argv.index("--experiments") + 1
                 specs = argv[start : next((i for i in range(start, len(argv)) if argv[i].startswith("--")), None)]
-                patterns = [registry.parse_experiment(spec)[1] for spec in specs]
-                uncommitted = [p for p in patterns if not glob.glob(os.path.join(REPO_ROOT, p))]
-                why = f"its runs are not committed ({uncommitted[0]})" if uncommitted else None
-                rows.append((name, argv, files, why))
+                rows.append((name, argv, files, not_committed(specs)))
             elif argv[:3] == ["-m", "benchmark.best_of_n", "analyse"]:  # remade from its committed OUT.jsonl
                 out = argv[argv.index("--out") + 1]
                 why = None if os.path.isfile(out + ".jsonl") else f"its responses are not committed ({out}.jsonl)"

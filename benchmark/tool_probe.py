@@ -98,7 +98,9 @@ def probe_prompts(args, tokenizer):
     prompts), then --terms and --num_prompts. terms: question_terms of each prompt's question (None: not one
     expression)."""
     tools = grpo_tools.make_tool_format(args, tokenizer)  # the format's example and template
-    train_prompts, train_golds, sets = grpo_tools.load_math_prompts(args, tokenizer, 1, tools.examples, tools.template)
+    train_prompts, train_golds, sets = grpo_tools.load_math_prompts(
+        args, tokenizer, 1, tools.examples, tools.template_kwargs
+    )
     prompts, golds = (train_prompts, train_golds) if args.prompts == "train" else sets[args.prompts]
     path, config_name, split = {
         "train": (args.dataset_path, args.dataset_config, args.train_split),
@@ -110,7 +112,9 @@ def probe_prompts(args, tokenizer):
         rows = rows[: args.num_eval_prompts]
     # load_math_prompts dropped the prompts over --max_prompt_length: the same rows, one at a time.
     kept = [
-        row for row in rows if grpo_tools._build_prompts(tokenizer, [row], args, tools.examples, tools.template)[0]
+        row
+        for row in rows
+        if grpo_tools._build_prompts(tokenizer, [row], args, tools.examples, tools.template_kwargs)[0]
     ]
     assert len(kept) == len(prompts), (len(kept), len(prompts))
     terms = [question_terms(row[args.question_column]) for row in kept]

@@ -373,7 +373,7 @@ def test_vllm_and_hf_turns_stop_at_the_end_of_turn_alike_under_native(monkeypatc
     args = grpo_tools.Config(tool_format="native", vllm=True, seed=1)
     tools = grpo_tools.make_tool_format(args, tokenizer)
     rows = [{"question": f"Calculate {a} * {b}.", "answer": str(a * b)} for a, b in [(874, 404), (57, 912), (36, 41)]]
-    prompts, _ = grpo_tools._build_prompts(tokenizer, rows, args, tools.examples, tools.template)
+    prompts, _ = grpo_tools._build_prompts(tokenizer, rows, args, tools.examples, tools.template_kwargs)
     stop_ids = grpo_tools._stop_token_ids(tokenizer, SMOLLM2_DIR)
     model = AutoModelForCausalLM.from_pretrained(SMOLLM2_DIR, dtype=torch.float32).eval()
     hf = grpo_tools._hf_turns(model, tokenizer, prompts, [40] * 3, 0.0, 1.0, tokenizer.pad_token_id, stop_ids, ())
