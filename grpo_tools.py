@@ -156,9 +156,7 @@ def main(args: "Config"):
     rank, world_size, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     G = args.num_generations  # the group size
     tools = make_tool_format(args, tokenizer)  # how calls are written, run and answered: CalcTags or NativeTools
-    train_prompts, train_golds, eval_sets = load_math_prompts(
-        args, tokenizer, world_size, tools.examples, tools.template_kwargs
-    )
+    train_prompts, train_golds, eval_sets = load_math_prompts(args, tokenizer, world_size, tools)
     run = Run(args, accelerator, RESUMABLE_ARGS)
     model, ref_model = load_policy_and_reference(args, accelerator, tokenizer.pad_token_id, args.beta > 0)
     trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters
@@ -653,7 +651,7 @@ def multi_turn_rollout(policy_turn, tokenizer, prompts, n, response_length, max_
     calls of that kind} for the format's error_kinds (none for CalcTags, whose tool answers every call)."""
     tools = tool if hasattr(tool, "respond") else CalcTags(tokenizer, tool)
     N = len(prompts) * n
-    tools.begin(N)
+    tools.begin(prompts, n)
     ids, policy, logps = [[] for _ in range(N)], [[] for _ in range(N)], [[] for _ in range(N)]
     calls, turns, answers, has_logprobs = [[] for _ in range(N)], [0] * N, [""] * N, False
     unrun, truncated, errors, call_turns = [0] * N, [False] * N, [[] for _ in range(N)], [0] * N
@@ -731,8 +729,12 @@ class CalcTags:
 
     def __init__(self, tokenizer, tool=calculator, examples=(EXAMPLE,)):
         self.tokenizer, self.tool, self.examples, self.template_kwargs = tokenizer, tool, examples, {}
+        self.questions = {}  # {prompt ids: its question} (load_math_prompts)
 
-    def begin(self, num_trajectories):
+    def ask(self, question):
+        return question  # the question as the prompt shows it
+
+    def begin(self, prompts, n):
         pass  # the calculator keeps no state
 
     def calls(self, text):
@@ -771,19 +773,25 @@ class Calculator:
     """The calculator as an environment: one instance per trajectory; its public methods but reset and reward are
     the tools, each described to the model by its type hints and docstring (tool_schemas)."""
 
-    # The exchange shown before the question (native; calc shows EXAMPLE): one call, its result, the answer.
-    EXAMPLE = [
-        {"role": "user", "content": "Calculate 23 * 41. Give the final answer after 'Answer:'."},
-        call_message(("calculate", {"expression": "23 * 41"})),
-        tool_message("calculate", "943"),
-        {"role": "assistant", "content": "Answer: 943"},
+    # The exchanges shown before the question (native; calc shows EXAMPLE): a call, its result, the answer. Three,
+    # since SmolLM2-135M does not imitate one (its first-token probability of the call: 0.29 after one exchange, 0.98
+    # after three; docs/grpo_tools.md).
+    EXAMPLES = [
+        [
+            {"role": "user", "content": f"Calculate {a} * {b}. Give the final answer after 'Answer:'."},
+            call_message(("calculate", {"expression": f"{a} * {b}"})),
+            tool_message("calculate", str(a * b)),
+            {"role": "assistant", "content": f"Answer: {a * b}"},
+        ]
+        for a, b in ((23, 41), (57, 208), (612, 38))
     ]
 
     def __init__(self, max_operations=0, unavailable=False):
         self.max_operations, self.unavailable = max_operations, unavailable
 
-    def reset(self):
-        """Called before a trajectory's first turn (no state to reset here)."""
+    def reset(self, question):
+        """Called with its question before a trajectory's first turn; what it returns (text or None) follows the
+        question in the prompt. The calculator keeps no state and adds nothing."""
 
     def calculate(self, expression: str) -> str:
         """Compute an arithmetic expression exactly.
@@ -841,7 +849,7 @@ class PriceList:
         "south": {"pencil": 40, "notebook": 215, "eraser": 60, "ruler": 105, "stapler": 935, "marker": 130},
         "east": {"pencil": 30, "notebook": 260, "eraser": 45, "ruler": 135, "stapler": 860, "marker": 155},
     }
-    EXAMPLE = [
+    EXAMPLES = [[
         {"role": "user", "content": "At the east shop, what do 2 rulers and 5 erasers cost together, in cents? Give "
          "the final answer after 'Answer:'."},
         call_message(("price", {"shop": "east", "item": "ruler", "quantity": 2}),
@@ -851,10 +859,10 @@ class PriceList:
         call_message(("add", {"a": 270, "b": 225})),
         tool_message("add", "495"),
         {"role": "assistant", "content": "Answer: 495"},
-    ]  # fmt: skip
+    ]]  # fmt: skip
 
-    def reset(self):
-        """Called before a trajectory's first turn (the prices do not change)."""
+    def reset(self, question):
+        """Called with its question before a trajectory's first turn (the prices do not change; nothing added)."""
 
     def price(self, shop: str, item: str, quantity: int) -> int:
         """The price in cents of some items at a shop.
@@ -893,7 +901,7 @@ def price_list_rows(seed, count):
     return list(rows.values())
 
 
-# --environment's choices: each makes one environment from the flags (args); its EXAMPLE is shown before the question.
+# --environment's choices: each makes one environment from the flags (args), shown its EXAMPLES before the question.
 ENVIRONMENTS = {
     "calculator": lambda args: Calculator(args.max_operations, args.tool == "unavailable"),
     "price_list": lambda args: PriceList(),
@@ -902,13 +910,13 @@ ENVIRONMENTS = {
 
 def make_tool_format(args, tokenizer):
     """--tool_format's object for multi_turn_rollout: CalcTags with make_tool's tool and --examples, or NativeTools
-    over a fresh --environment per trajectory, shown its EXAMPLE, with the chat template --chat_template names,
+    over a fresh --environment per trajectory, shown its EXAMPLES, with the chat template --chat_template names,
     else the tokenizer's own, or HERMES_TEMPLATE where the tokenizer's renders no tools (SmolLM2's)."""
     native = args.tool_format == "native"
     problems = [  # the flags' checks, before any model loads: the first stops the run in one line
         (not native and args.chat_template is not None, "--chat_template is for --tool_format native"),
-        (native and args.examples not in ((EXAMPLE,), ()), "--examples: under --tool_format native the exchange "
-         "shown is the environment's EXAMPLE (or none: --examples)"),
+        (native and args.examples not in ((EXAMPLE,), ()), "--examples: under --tool_format native the exchanges "
+         "shown are the environment's EXAMPLES (or none: --examples)"),
         (native and args.environment not in ENVIRONMENTS, f"--environment must be one of {sorted(ENVIRONMENTS)}"),
         (native and args.prompt_template is not None, "--prompt_template: --tool_format native needs a chat template"),
         (native and args.chat_template is not None and not os.path.isfile(args.chat_template),
@@ -922,7 +930,8 @@ def make_tool_format(args, tokenizer):
     args.system_prompt = None if args.system_prompt == SYSTEM_PROMPT else args.system_prompt  # calc's: the template
     make_environment = functools.partial(ENVIRONMENTS[args.environment], args)
     template = open(args.chat_template).read() if args.chat_template else None
-    tools = NativeTools(tokenizer, make_environment, template, [make_environment().EXAMPLE] if args.examples else [])
+    examples = getattr(make_environment(), "EXAMPLES", []) if args.examples else []  # exchanges: lists of messages
+    tools = NativeTools(tokenizer, make_environment, template, examples)
     shown = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False, **tools.template_kwargs)
     if template is None and tools.schemas[0]["function"]["name"] not in shown:  # the tokenizer's ignores tools=
         tools.template_kwargs["chat_template"] = HERMES_TEMPLATE
@@ -1022,12 +1031,19 @@ class NativeTools:
         self.tokenizer, self.make_environment, self.examples = tokenizer, make_environment, examples
         self.schemas = tool_schemas(make_environment())
         self.template_kwargs = dict(tools=self.schemas, chat_template=chat_template)
-        self.environments = []
+        self.environments, self.questions = [], {}  # questions: {prompt ids: its question} (load_math_prompts)
 
-    def begin(self, num_trajectories):
-        self.environments = [self.make_environment() for _ in range(num_trajectories)]
-        for environment in self.environments:
-            environment.reset()
+    def ask(self, question):
+        """The question as the prompt shows it: followed by the text its environment's reset returns, if any."""
+        extra = self.make_environment().reset(question)
+        return f"{question}\n\n{extra}" if extra else question
+
+    def begin(self, prompts, n):
+        """A fresh environment for each of the n trajectories of each prompt, reset with its question (None for a
+        prompt that load_math_prompts did not build)."""
+        self.environments = [self.make_environment() for _ in range(len(prompts) * n)]
+        for i, environment in enumerate(self.environments):
+            environment.reset(self.questions.get(tuple(prompts[i // n])))
 
     def calls(self, text):
         return parse_tool_calls(text)
@@ -1433,11 +1449,12 @@ def _load_tokenizer(model_name_or_path, trust_remote_code):
     return tokenizer
 
 
-def load_math_prompts(args, tokenizer, world_size, examples=(), template=None):
+def load_math_prompts(args, tokenizer, world_size, tools):
     """The training prompts and gold answers, and the held-out sets {name: (prompts, golds)}, from --dataset_path
-    (and --extra_eval_path); `examples` are shown before each question and `template` ({} or the chat template's
-    tools= and chat_template=) goes to apply_chat_template (_build_prompts). Columns, questions and gold
-    answers are checked before any model is loaded."""
+    (and --extra_eval_path), each question as the tool format asks it (tools.ask) after its examples, with its
+    apply_chat_template arguments (tools.template_kwargs: the chat template's tools= and chat_template=); each kept
+    prompt's question goes to tools.questions. Columns, questions and gold answers are checked before any model is
+    loaded."""
     splits = {
         "train": (args.dataset_path, args.dataset_config, args.train_split),
         "eval": (args.dataset_path, args.dataset_config, args.eval_split),
@@ -1453,7 +1470,14 @@ def load_math_prompts(args, tokenizer, world_size, examples=(), template=None):
             rows = rows[: args.num_eval_prompts]
         _check_columns(rows, columns, where, text_columns=[args.question_column])
         _check_golds(rows, args.answer_column, where)
-        sets[name] = _build_prompts(tokenizer, rows, args, examples, template)
+        prompts, golds = sets[name] = [], []
+        for row in rows:  # one at a time, to know each kept prompt's question (those over --max_prompt_length go)
+            question = row[args.question_column]
+            asked = {**row, args.question_column: tools.ask(question)}
+            kept, gold = _build_prompts(tokenizer, [asked], args, tools.examples, tools.template_kwargs)
+            tools.questions.update({tuple(prompt): question for prompt in kept})
+            prompts += kept
+            golds += gold
         needed = args.prompts_per_rank * world_size if name == "train" else 1
         _require_prompts(sets[name][0], needed, where, args.max_prompt_length)
     train_prompts, train_golds = sets.pop("train")

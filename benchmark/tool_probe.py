@@ -93,31 +93,18 @@ def check_probe_args(args):
     grpo_tools._require(0 <= args.min_accuracy <= args.max_accuracy <= 1, gate)
 
 
-def probe_prompts(args, tokenizer):
-    """(prompts, golds, terms) of --prompts, as grpo_tools.py builds them (load_math_prompts: its checks, its
-    prompts), then --terms and --num_prompts. terms: question_terms of each prompt's question (None: not one
-    expression)."""
-    tools = grpo_tools.make_tool_format(args, tokenizer)  # the format's example and template
-    train_prompts, train_golds, sets = grpo_tools.load_math_prompts(
-        args, tokenizer, 1, tools.examples, tools.template_kwargs
-    )
+def probe_prompts(args, tokenizer, tools):
+    """(prompts, golds, terms) of --prompts, as grpo_tools.py builds them for the tool format `tools`
+    (load_math_prompts: its checks, its prompts), then --terms and --num_prompts. terms: question_terms of each
+    prompt's question (None: not one expression)."""
+    train_prompts, train_golds, sets = grpo_tools.load_math_prompts(args, tokenizer, 1, tools)
     prompts, golds = (train_prompts, train_golds) if args.prompts == "train" else sets[args.prompts]
-    path, config_name, split = {
-        "train": (args.dataset_path, args.dataset_config, args.train_split),
-        "eval": (args.dataset_path, args.dataset_config, args.eval_split),
-        "eval_extra": (args.extra_eval_path, None, args.eval_split),
+    path, split = {
+        "train": (args.dataset_path, args.train_split),
+        "eval": (args.dataset_path, args.eval_split),
+        "eval_extra": (args.extra_eval_path, args.eval_split),
     }[args.prompts]
-    rows = grpo_tools._load_split(path, config_name, split)
-    if args.prompts == "eval" and args.num_eval_prompts:
-        rows = rows[: args.num_eval_prompts]
-    # load_math_prompts dropped the prompts over --max_prompt_length: the same rows, one at a time.
-    kept = [
-        row
-        for row in rows
-        if grpo_tools._build_prompts(tokenizer, [row], args, tools.examples, tools.template_kwargs)[0]
-    ]
-    assert len(kept) == len(prompts), (len(kept), len(prompts))
-    terms = [question_terms(row[args.question_column]) for row in kept]
+    terms = [question_terms(tools.questions[tuple(prompt)]) for prompt in prompts]
     chosen = [i for i, t in enumerate(terms) if not args.terms or t == args.terms][: args.num_prompts or None]
     where = f"--prompts {args.prompts} ({path} split {split})"
     grpo_tools._require(chosen, f"{where} has no question of {args.terms} terms (--terms)")
@@ -177,7 +164,8 @@ def main(args):
     check_probe_args(args)
     start = time.time()
     tokenizer = grpo_tools._load_tokenizer(args.model_name_or_path, args.trust_remote_code)
-    prompts, golds, terms = probe_prompts(args, tokenizer)
+    tools, K = grpo_tools.make_tool_format(args, tokenizer), args.samples_per_prompt
+    prompts, golds, terms = probe_prompts(args, tokenizer, tools)
     accelerator = grpo_tools._make_accelerator(1, 1, args.max_grad_norm)
     set_seed(args.seed)
     sampler = grpo_tools.TurnSampler(args, accelerator, None, tokenizer)
@@ -186,7 +174,6 @@ def main(args):
             args.model_name_or_path, grpo_tools.AutoModelForCausalLM, args, tokenizer.pad_token_id
         )
         sampler.policy = policy.to(accelerator.device).eval()
-    tools, K = grpo_tools.make_tool_format(args, tokenizer), args.samples_per_prompt
     # (contexts, max_tokens) -> turns
     turn = functools.partial(sampler.turn, temperature=args.temperature, stop_strings=tools.stop_strings)
     records, samples = [], []

@@ -1151,20 +1151,21 @@ def test_probe_prompts_are_grpo_tools_own(make_probe_args, tmp_path):
     args = make_probe_args(num_eval_prompts=4, examples=(add,))
     check_probe_args(args)
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
-    train, train_golds, sets = grpo_tools.load_math_prompts(args, tokenizer, 1, args.examples)
-    assert probe_prompts(args, tokenizer) == (*sets["eval"], [2, 2, 3, 3])  # the first 4 held-out prompts
+    tools = grpo_tools.make_tool_format(args, tokenizer)
+    train, train_golds, sets = grpo_tools.load_math_prompts(args, tokenizer, 1, tools)
+    assert probe_prompts(args, tokenizer, tools) == (*sets["eval"], [2, 2, 3, 3])  # the first 4 held-out prompts
     assert "<calc>23 + 41</calc>" in tokenizer.decode(sets["eval"][0][0])  # the shown example is --examples'
     args.prompts = "train"
-    assert probe_prompts(args, tokenizer) == (train, train_golds, [2, 2, 3, 3, 3, None])
+    assert probe_prompts(args, tokenizer, tools) == (train, train_golds, [2, 2, 3, 3, 3, None])
     args.terms, args.num_prompts = 3, 2
-    prompts, golds, terms = probe_prompts(args, tokenizer)
+    prompts, golds, terms = probe_prompts(args, tokenizer, tools)
     assert (prompts, golds, terms) == ([train[2], train[3]], ["120", "54"], [3, 3])
     # A long question is dropped by grpo_tools (--max_prompt_length), and the terms stay with their prompts.
     long_rows = [{"question": "Calculate 2 * 3. " + "Think. " * 200, "answer": "6"}, *PRODUCT_ROWS]
     args.terms, args.num_prompts = 0, 0
     args.dataset_path = write_rows(tmp_path / "long", long_rows)
     args.max_prompt_length = 200
-    prompts, golds, terms = probe_prompts(args, tokenizer)
+    prompts, golds, terms = probe_prompts(args, tokenizer, tools)
     assert golds == ["36", "35", "120", "54", "8", "2"] and terms == [2, 2, 3, 3, 3, None]
 
 

@@ -30,10 +30,10 @@ class Shop:
     """A test environment: two tools with several typed arguments, one that raises."""
 
     def __init__(self):
-        self.resets = 0
+        self.questions = []
 
-    def reset(self):
-        self.resets += 1
+    def reset(self, question):
+        self.questions.append(question)
 
     def price(self, item: str, quantity: int, discount: float | None = None) -> float:
         """The price of some items.
@@ -198,7 +198,35 @@ def test_native_rollout_trains_exactly_the_sampled_tokens(tokenizer, name):
     ]
     assert rollout.answers == ["Answer: 4.5"] and rollout.turns == [2] and not rollout.truncated[0]
     assert rollout.errors == {kind: [0] for kind in grpo_tools.ERROR_KINDS}
-    assert [env.resets for env in tools.environments] == [1]  # one environment per trajectory, reset once
+    assert [env.questions for env in tools.environments] == [[None]]  # one per trajectory, reset once (no question:
+    # the prompt was not built by load_math_prompts)
+
+
+class Quiz(Shop):
+    """Shop, whose reset adds a line to the prompt after the question."""
+
+    def reset(self, question):
+        super().reset(question)
+        return f"(Prices for: {question.split()[1]})"
+
+
+def test_reset_gets_each_trajectorys_question_and_its_text_follows_the_question(make_config, monkeypatch, tokenizer):
+    """An environment a user adds above the fence (here by ENVIRONMENTS): reset(question)'s text follows the question
+    in every prompt, and each trajectory's own environment is reset with its prompt's question."""
+    monkeypatch.setitem(grpo_tools.ENVIRONMENTS, "quiz", lambda args: Quiz())
+    args = make_config(grpo_tools, **NATIVE, environment="quiz")
+    tools = grpo_tools.make_tool_format(args, tokenizer)
+    train_prompts, _, sets = grpo_tools.load_math_prompts(args, tokenizer, 1, tools)
+    with open(os.path.join(args.dataset_path, "train.jsonl")) as f:
+        questions = [json.loads(line)["question"] for line in f]
+    assert [tools.questions[tuple(p)] for p in train_prompts] == questions
+    for prompt, question in zip(train_prompts, questions):
+        asked = f"{question}\n\n(Prices for: {question.split()[1]}) {args.instruction}<|im_end|>"
+        assert tokenizer.decode(prompt).endswith(f"{asked}\n<|im_start|>assistant\n")
+    turn = scripted_turns(tokenizer, ["Answer: 1"])
+    turn.prompt_headers = tokenizer.decode(train_prompts[0]).count("<|im_start|>assistant")
+    multi_turn_rollout(turn, tokenizer, train_prompts[:2], 2, 64, 2, [], tools)
+    assert [env.questions for env in tools.environments] == [[q] for q in questions[:2] for _ in range(2)]
 
 
 @pytest.mark.filterwarnings("ignore:std\\(\\)")  # one trajectory: its group's std is undefined
