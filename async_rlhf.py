@@ -157,8 +157,9 @@ class Args:
 
 def main(args: "Config"):
     # Setup: processes, data, models, the generator, run folder (the helpers are below the fence).
-    # DeepSpeed's micro-batch is counted in rows (completions): micro_batch_size prompts with all their completions.
-    accelerator, tokenizer = setup(args, args.micro_batch_size * args.num_completions)  # one-line errors first
+    # The flags' one-line errors first (check_args also sets num_completions; it runs before the next argument is
+    # read). DeepSpeed's micro-batch is in rows (completions): micro_batch_size prompts with all their completions.
+    accelerator, tokenizer = setup(args, check_args(args), args.micro_batch_size * args.num_completions)
     world_size, device = accelerator.num_processes, accelerator.device
     n, staleness = args.num_completions, 0 if args.sync else args.max_staleness  # N: the largest lag of a batch
     # vLLM's CPU worker replaces torch.set_num_threads by a no-op once it starts: keep the real one.
@@ -233,6 +234,42 @@ def main(args: "Config"):
     run.save_models(model, tokenizer)
     run.finish()
     return run.dir
+
+
+def check_args(args):
+    """The algorithm's flags, checked before anything loads (setup then makes the checks every script makes): stop
+    at the first bad one with one line naming it, and set the sizes computed from them (config.json records them)
+    and the completions per prompt. Returns the local paths for setup to check besides the model and the dataset:
+    {argument: how to get one}. A new flag of the algorithm is checked here."""
+    minibatch = args.prompts_per_rank // max(args.num_minibatches, 1)
+    at_least = {
+        1: "prompts_per_rank micro_batch_size num_minibatches total_steps response_length",
+        0: "max_staleness generator_threads kl_coef",
+    }
+    problems = [
+        (getattr(args, n) < k, f"--{n} must be >= {k}; got {getattr(args, n)}")
+        for k in at_least
+        for n in at_least[k].split()
+    ]
+    problems += [
+        (args.prompts_per_rank % max(args.num_minibatches, 1), f"--num_minibatches ({args.num_minibatches}) must "
+         f"divide --prompts_per_rank ({args.prompts_per_rank})"),
+        (minibatch % max(args.micro_batch_size, 1), f"--micro_batch_size ({args.micro_batch_size} prompts) must "
+         f"divide the minibatch (prompts_per_rank / num_minibatches = {minibatch} prompts)"),
+        (args.loss == "rloo" and args.rloo_k < 2, "--rloo_k must be >= 2 with --loss rloo (the baseline is the mean "
+         f"of the other k - 1; got {args.rloo_k})"),
+        (args.clip_eps <= 0, f"--clip_eps must be > 0; got {args.clip_eps}"),
+        (args.beta <= 0, "--beta must be > 0 (DPO's log-ratios are scaled by it, IPO's target is 1 / (2 beta)); got "
+         f"{args.beta}"),
+    ]  # fmt: skip
+    for bad, message in problems:
+        if bad:
+            raise SystemExit(f"error: {message}")
+    args.num_completions = 2 if args.loss == "dpo" else args.rloo_k
+    args.minibatch_size, args.gradient_accumulation_steps = minibatch, minibatch // args.micro_batch_size
+    judge = "run `python reward_modeling.py` first (it saves runs/reward_model), pass a one-label sequence-"
+    judge += "classification folder or hub id, or use --judge verifier"
+    return {"reward_model_path": judge} if args.judge == "reward_model" else {}
 
 
 def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta, loss_type):
@@ -875,11 +912,12 @@ RESUMABLE_ARGS = (
 ).split()
 
 
-def setup(args, micro_batch_rows=None):
-    """Before anything loads, the flags' one-line checks (check_args, which also fills the sizes computed from them);
-    then the Accelerator of this launch, the policy's tokenizer and the seeds (random, numpy and torch: a different
-    sampling stream per process). micro_batch_rows: DeepSpeed's micro-batch in rows, when not --micro_batch_size."""
-    check_args(args)
+def setup(args, paths, micro_batch_rows=None):
+    """After the script's own checks (check_args, which returns `paths`), the one-line checks every script makes
+    (_check_common_args), before anything loads; then the Accelerator of this launch, the policy's tokenizer and the
+    seeds (random, numpy and torch: a different sampling stream per process). micro_batch_rows: DeepSpeed's
+    micro-batch in rows, when not --micro_batch_size."""
+    _check_common_args(args, paths)
     micro_batch_rows = micro_batch_rows or args.micro_batch_size
     accelerator = _make_accelerator(micro_batch_rows, args.gradient_accumulation_steps, args.max_grad_norm)
     tokenizer = _load_tokenizer(args.model_name_or_path, args.trust_remote_code)
@@ -887,42 +925,12 @@ def setup(args, micro_batch_rows=None):
     return accelerator, tokenizer
 
 
-def check_args(args):
-    """Reject bad input with one line naming the argument (and a reward model that is not one), before any model is
-    loaded. Then the batch sizes, computed from the flags."""
-    judge = "run `python reward_modeling.py` first (it saves runs/reward_model), pass a one-label sequence-"
-    judge += "classification folder or hub id, or use --judge verifier"
-    _check_common_args(args, {"reward_model_path": judge} if args.judge == "reward_model" else {})
-    _check_at_least(args, 1, "prompts_per_rank micro_batch_size num_minibatches total_steps response_length")
-    _check_at_least(args, 0, "max_staleness generator_threads kl_coef")
-    if args.prompts_per_rank % args.num_minibatches:
-        _fail(f"--num_minibatches ({args.num_minibatches}) must divide --prompts_per_rank ({args.prompts_per_rank})")
-    if (args.prompts_per_rank // args.num_minibatches) % args.micro_batch_size:
-        _fail(
-            f"--micro_batch_size ({args.micro_batch_size} prompts) must divide the minibatch "
-            f"(prompts_per_rank / num_minibatches = {args.prompts_per_rank // args.num_minibatches} prompts)"
-        )
-    rloo = f"the baseline is the mean of the other k - 1; got {args.rloo_k}"
-    _require(args.loss != "rloo" or args.rloo_k >= 2, f"--rloo_k must be >= 2 with --loss rloo ({rloo})")
-    _require(args.clip_eps > 0, f"--clip_eps must be > 0; got {args.clip_eps}")
-    if args.beta <= 0:
-        _fail(f"--beta must be > 0 (DPO's log-ratios are scaled by it, IPO's target is 1 / (2 beta)); got {args.beta}")
-    if args.judge == "reward_model":
-        members = len(_reward_model_members(args.reward_model_path))
-        ensemble = f"--reward_model_path {args.reward_model_path} holds {members} reward models: async_rlhf.py judges"
-        _require(members == 1, ensemble + " with one (ensembles: ppo_rlhf.py, dpo_online.py)")
-        _check_score_model(args.reward_model_path, "reward_model_path", args.trust_remote_code)
-    # The sizes computed from the flags (config.json records them).
-    args.num_completions = 2 if args.loss == "dpo" else args.rloo_k
-    args.minibatch_size = args.prompts_per_rank // args.num_minibatches
-    args.gradient_accumulation_steps = args.minibatch_size // args.micro_batch_size
-
-
-def _check_common_args(args, paths=(), compares_logprobs=True):
+def _check_common_args(args, paths):
     """The checks every script makes: sampling, --prompt_template, the run folder, and that each local path exists
     (the model, the dataset and `paths` {argument: how to get one}; an assets/ path missing here is taken from
-    beside this script, and a hub id is checked when it loads). When the trainer compares its log-probs with vLLM's
-    (compares_logprobs), --top_p must be 1: vLLM's are renormalised over the nucleus, the trainer's are not."""
+    beside this script, and a hub id is checked when it loads). Where the trainer compares its log-probs with vLLM's
+    (the scripts with --tis_cap), --top_p must be 1: vLLM's are renormalised over the nucleus, the trainer's not."""
+    compares_logprobs = hasattr(args, "tis_cap")
     paths = {
         "model_name_or_path": "build the embedded model with `make assets`, or pass a Hugging Face folder or hub id",
         "dataset_path": "build the embedded tasks with `make assets`, or pass a folder with train.jsonl/test.jsonl or "
@@ -968,32 +976,6 @@ def _check_at_least(args, minimum, names):
     """Each argument in `names` (space-separated) must be >= minimum."""
     for name in names.split():
         _require(getattr(args, name) >= minimum, f"--{name} must be >= {minimum}; got {getattr(args, name)}")
-
-
-def _reward_model_members(path):
-    """The reward models at --reward_model_path: the folder itself when it holds a model (a config.json), else its
-    subfolders that do, in name order (an ensemble: K runs of `reward_modeling.py --seed k --data_seed 1
-    --reward_model_dir DIR/member_k`, k = 1..K, as benchmark/ppo_rlhf_ensemble.sh trains them)."""
-    if os.path.isfile(os.path.join(path, "config.json")) or not os.path.isdir(path):  # a model, or a hub id
-        return [path]
-    members = sorted(os.path.join(path, name) for name in os.listdir(path))
-    return [member for member in members if os.path.isfile(os.path.join(member, "config.json"))] or [path]
-
-
-def _check_score_model(path, name, trust_remote_code):
-    """A reward or value model must be a sequence-classification model with exactly one label."""
-    try:
-        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as error:
-        _fail(f"--{name} {path} is not a loadable model ({str(error).splitlines()[0]})")
-    architectures = getattr(config, "architectures", None) or []
-    if not any(a.endswith("ForSequenceClassification") for a in architectures):
-        _fail(
-            f"--{name} {path} is a {', '.join(architectures) or 'model without architectures'}, not a "
-            "sequence-classification (reward) model; train one with `python reward_modeling.py`"
-        )
-    if config.num_labels != 1:
-        _fail(f"--{name} {path} has {config.num_labels} labels; a reward model has exactly one (a scalar score)")
 
 
 def _make_accelerator(micro_batch_size, gradient_accumulation_steps, max_grad_norm):
@@ -1058,6 +1040,7 @@ def load_judged_prompts(args, tokenizer, world_size):
             _check_golds(rows, args.answer_column, where)
     has_gold = all(args.answer_column in row for row in eval_rows)
     for path in _reward_model_members(args.reward_model_path) if args.judge == "reward_model" else []:
+        _check_score_model(path, "reward_model_path", args.trust_remote_code)  # before any model is loaded
         _check_same_vocabulary(path, "reward_model_path", tokenizer, args.trust_remote_code)
     train_prompts, train_golds = _build_prompts(tokenizer, [{args.answer_column: "", **r} for r in train_rows], args)
     eval_prompts, eval_golds = _build_prompts(tokenizer, [{args.answer_column: "", **r} for r in eval_rows], args)
@@ -1148,6 +1131,32 @@ def _gold_answer(answer):
     """The gold final answer as a string; GSM8K style solutions keep what follows '####'. A null answer is the empty
     string, which nothing matches."""
     return "" if answer is None else str(answer).split("####")[-1].strip().replace(",", "")
+
+
+def _reward_model_members(path):
+    """The reward models at --reward_model_path: the folder itself when it holds a model (a config.json), else its
+    subfolders that do, in name order (an ensemble: K runs of `reward_modeling.py --seed k --data_seed 1
+    --reward_model_dir DIR/member_k`, k = 1..K, as benchmark/ppo_rlhf_ensemble.sh trains them)."""
+    if os.path.isfile(os.path.join(path, "config.json")) or not os.path.isdir(path):  # a model, or a hub id
+        return [path]
+    members = sorted(os.path.join(path, name) for name in os.listdir(path))
+    return [member for member in members if os.path.isfile(os.path.join(member, "config.json"))] or [path]
+
+
+def _check_score_model(path, name, trust_remote_code):
+    """A reward or value model must be a sequence-classification model with exactly one label."""
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as error:
+        _fail(f"--{name} {path} is not a loadable model ({str(error).splitlines()[0]})")
+    architectures = getattr(config, "architectures", None) or []
+    if not any(a.endswith("ForSequenceClassification") for a in architectures):
+        _fail(
+            f"--{name} {path} is a {', '.join(architectures) or 'model without architectures'}, not a "
+            "sequence-classification (reward) model; train one with `python reward_modeling.py`"
+        )
+    if config.num_labels != 1:
+        _fail(f"--{name} {path} has {config.num_labels} labels; a reward model has exactly one (a scalar score)")
 
 
 def _check_same_vocabulary(path, name, policy_tokenizer, trust_remote_code):
@@ -1546,6 +1555,9 @@ def load_async_models(args, accelerator, pad_token_id):
     the learner's model with its adapters off) and the reward model (with --judge reward_model). They load whole on
     every process (under ZeRO-3 they would be partitioned as they load): a thread must never take part in a
     collective call. Returns (policy, (the generator's device, gen_model, ref_policy, reward_model))."""
+    members = len(_reward_model_members(args.reward_model_path)) if args.judge == "reward_model" else 1
+    ensemble = f"--reward_model_path {args.reward_model_path} holds {members} reward models: async_rlhf.py judges"
+    _require(members == 1, ensemble + " with one (ensembles: ppo_rlhf.py, dpo_online.py)")
     policy, _ = load_policy_and_reference(args, accelerator, pad_token_id, with_reference=False)
     use_vllm = _vllm_usable(args, accelerator.num_processes)
     device, gen_model, ref_policy, reward_model = _generator_device(accelerator, use_vllm), None, None, None

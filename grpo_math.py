@@ -163,7 +163,7 @@ def resolve_defaults(args):
 
 def main(args: "Config"):
     # Setup: flags checked, processes, data, models, sampler, run folder (the helpers are below the fence).
-    accelerator, tokenizer = setup(args)  # check_args also fills the defaults that depend on other flags (GSPO's)
+    accelerator, tokenizer = setup(args, check_args(args))  # one-line errors first (check_args fills GSPO's defaults)
     rank, world_size, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     G = args.num_generations  # the group size
     train_prompts, train_golds, eval_sets = load_math_prompts(args, tokenizer, world_size)
@@ -285,6 +285,51 @@ def main(args: "Config"):
     sampler.close()
     run.finish()
     return run.dir
+
+
+def check_args(args):
+    """The algorithm's flags, checked before anything loads (setup then makes the checks every script makes): fill
+    the defaults that depend on other flags (resolve_defaults), stop at the first bad one with one line naming it,
+    and set the sizes computed from them (config.json records them). Returns the local paths for setup to check
+    besides the model and the dataset: {argument: how to get one}. A new flag of the algorithm is checked here."""
+    resolve_defaults(args)
+    batch, low, high = args.prompts_per_rank * args.num_generations, *(args.mis_range or (0, 1))
+    minibatch = batch // max(args.num_minibatches, 1)
+    at_least = {
+        1: "prompts_per_rank oversample micro_batch_size num_minibatches num_iterations total_steps response_length"
+    }
+    problems = [
+        (getattr(args, n) < k, f"--{n} must be >= {k}; got {getattr(args, n)}")
+        for k in at_least
+        for n in at_least[k].split()
+    ]
+    problems += [
+        (args.num_generations < 2, "--num_generations must be >= 2 (GRPO compares completions within a group; got "
+         f"{args.num_generations})"),
+        (batch % max(args.num_minibatches, 1), f"--num_minibatches ({args.num_minibatches}) must divide "
+         f"prompts_per_rank * num_generations ({batch})"),
+        (minibatch % max(args.micro_batch_size, 1), f"--micro_batch_size ({args.micro_batch_size}) must divide the "
+         f"minibatch (prompts_per_rank * num_generations / num_minibatches = {minibatch})"),
+        (not (0 <= args.clip_eps_low < 1 and args.clip_eps_high >= 0), "--clip_eps_low must be in [0, 1) and "
+         f"--clip_eps_high >= 0; got {args.clip_eps_low}, {args.clip_eps_high}"),
+        (args.beta < 0, f"--beta must be >= 0; got {args.beta}"),
+        (not 0 <= low < high, f"--mis_range must be two numbers 0 <= low < high; got {low} {high}"),
+        (args.mis_level is not None and args.mis_range is None, f"--mis_level {args.mis_level} sets the level of the "
+         "ratio --mis_range masks: pass --mis_range low high"),
+        (args.cispo_cap is not None and args.cispo_cap <= 0, "--cispo_cap must be > 0 (or None); got "
+         f"{args.cispo_cap}"),
+        (not 0 <= args.overlong_buffer < args.response_length, "--overlong_buffer must be in [0, --response_length "
+         f"{args.response_length}); got {args.overlong_buffer}"),
+    ]  # fmt: skip
+    for bad, message in problems:
+        if bad:
+            raise SystemExit(f"error: {message}")
+    args.batch_size, args.minibatch_size = batch, minibatch
+    args.gradient_accumulation_steps = minibatch // args.micro_batch_size
+    data = (
+        "build the embedded tasks with `make assets`, or pass a folder with train.jsonl/test.jsonl or a hub dataset id"
+    )
+    return {"extra_eval_path": data}
 
 
 def masked_mean(values, mask, dim=None):
@@ -746,11 +791,12 @@ RESUMABLE_ARGS = (
 ).split()
 
 
-def setup(args, micro_batch_rows=None):
-    """Before anything loads, the flags' one-line checks (check_args, which also fills the sizes computed from them);
-    then the Accelerator of this launch, the policy's tokenizer and the seeds (random, numpy and torch: a different
-    sampling stream per process). micro_batch_rows: DeepSpeed's micro-batch in rows, when not --micro_batch_size."""
-    check_args(args)
+def setup(args, paths, micro_batch_rows=None):
+    """After the script's own checks (check_args, which returns `paths`), the one-line checks every script makes
+    (_check_common_args), before anything loads; then the Accelerator of this launch, the policy's tokenizer and the
+    seeds (random, numpy and torch: a different sampling stream per process). micro_batch_rows: DeepSpeed's
+    micro-batch in rows, when not --micro_batch_size."""
+    _check_common_args(args, paths)
     micro_batch_rows = micro_batch_rows or args.micro_batch_size
     accelerator = _make_accelerator(micro_batch_rows, args.gradient_accumulation_steps, args.max_grad_norm)
     tokenizer = _load_tokenizer(args.model_name_or_path, args.trust_remote_code)
@@ -758,49 +804,12 @@ def setup(args, micro_batch_rows=None):
     return accelerator, tokenizer
 
 
-def check_args(args):
-    """Fill the defaults that depend on other flags (resolve_defaults), then reject bad input with one line naming the
-    argument, before any model is loaded. Then the batch sizes, computed from the flags."""
-    resolve_defaults(args)
-    data = (
-        "build the embedded tasks with `make assets`, or pass a folder with train.jsonl/test.jsonl or a hub dataset id"
-    )
-    _check_common_args(args, {"extra_eval_path": data})
-    groups = f"GRPO compares completions within a group; got {args.num_generations}"
-    _require(args.num_generations >= 2, f"--num_generations must be >= 2 ({groups})")
-    _check_at_least(args, 1, "prompts_per_rank oversample micro_batch_size num_minibatches num_iterations total_steps")
-    _check_at_least(args, 1, "response_length")
-    batch = args.prompts_per_rank * args.num_generations
-    if batch % args.num_minibatches:
-        _fail(f"--num_minibatches ({args.num_minibatches}) must divide prompts_per_rank * num_generations ({batch})")
-    if (batch // args.num_minibatches) % args.micro_batch_size:
-        _fail(
-            f"--micro_batch_size ({args.micro_batch_size}) must divide the minibatch "
-            f"(prompts_per_rank * num_generations / num_minibatches = {batch // args.num_minibatches})"
-        )
-    clip = f"--clip_eps_low must be in [0, 1) and --clip_eps_high >= 0; got {args.clip_eps_low}, {args.clip_eps_high}"
-    _require(0 <= args.clip_eps_low < 1 and args.clip_eps_high >= 0, clip)
-    _require(args.beta >= 0, f"--beta must be >= 0; got {args.beta}")
-    low, high = args.mis_range or (0, 1)
-    _require(0 <= low < high, f"--mis_range must be two numbers 0 <= low < high; got {low} {high}")
-    level = f"--mis_level {args.mis_level} sets the level of the ratio --mis_range masks: pass --mis_range low high"
-    _require(args.mis_level is None or args.mis_range is not None, level)
-    _require(args.cispo_cap is None or args.cispo_cap > 0, f"--cispo_cap must be > 0 (or None); got {args.cispo_cap}")
-    overlong = (
-        f"--overlong_buffer must be in [0, --response_length {args.response_length}); got {args.overlong_buffer}"
-    )
-    _require(0 <= args.overlong_buffer < args.response_length, overlong)
-    # The sizes computed from the flags (config.json records them).
-    args.batch_size = args.prompts_per_rank * args.num_generations
-    args.minibatch_size = args.batch_size // args.num_minibatches
-    args.gradient_accumulation_steps = args.minibatch_size // args.micro_batch_size
-
-
-def _check_common_args(args, paths=(), compares_logprobs=True):
+def _check_common_args(args, paths):
     """The checks every script makes: sampling, --prompt_template, the run folder, and that each local path exists
     (the model, the dataset and `paths` {argument: how to get one}; an assets/ path missing here is taken from
-    beside this script, and a hub id is checked when it loads). When the trainer compares its log-probs with vLLM's
-    (compares_logprobs), --top_p must be 1: vLLM's are renormalised over the nucleus, the trainer's are not."""
+    beside this script, and a hub id is checked when it loads). Where the trainer compares its log-probs with vLLM's
+    (the scripts with --tis_cap), --top_p must be 1: vLLM's are renormalised over the nucleus, the trainer's not."""
+    compares_logprobs = hasattr(args, "tis_cap")
     paths = {
         "model_name_or_path": "build the embedded model with `make assets`, or pass a Hugging Face folder or hub id",
         "dataset_path": "build the embedded tasks with `make assets`, or pass a folder with train.jsonl/test.jsonl or "

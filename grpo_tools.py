@@ -122,6 +122,12 @@ class Args:
     chat_template: Optional[str] = None
     """native: a Jinja chat template file to use (None: the tokenizer's own, or HERMES_TEMPLATE where that one
     ignores tools=, as SmolLM2's does)"""
+    system_prompt: Optional[str] = None
+    """the system message (None: the format's; calc: SYSTEM_PROMPT, which describes the tags; native: the chat
+    template's, whose tool section describes the tools)"""
+    examples: Optional[tuple[tuple[str, str], ...]] = None
+    """(question, answer) exchanges shown before the question (None: the format's; calc: EXAMPLE, one call; native:
+    the environment's EXAMPLES; (): none)"""
 
     # Generation
     response_length: int = 96
@@ -152,11 +158,11 @@ class Args:
 
 def main(args: "Config"):
     # Setup: processes, data, models, sampler, run folder (the helpers are below the fence).
-    accelerator, tokenizer = setup(args)  # the flags' one-line errors first (check_args)
+    accelerator, tokenizer = setup(args, check_args(args))  # the flags' one-line errors first
     rank, world_size, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     G = args.num_generations  # the group size
     tools = make_tool_format(args, tokenizer)  # how calls are written, run and answered: CalcTags or NativeTools
-    train_prompts, train_golds, eval_sets = load_math_prompts(args, tokenizer, world_size, tools)
+    train_prompts, train_golds, eval_sets = load_tool_prompts(args, tokenizer, world_size, tools)
     run = Run(args, accelerator, RESUMABLE_ARGS)
     model, ref_model = load_policy_and_reference(args, accelerator, tokenizer.pad_token_id, args.beta > 0)
     trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters
@@ -275,6 +281,61 @@ def main(args: "Config"):
     sampler.close()
     run.finish()
     return run.dir
+
+
+def check_args(args):
+    """The algorithm's flags, checked before anything loads (setup then makes the checks every script makes): fill
+    calc's prompt (--system_prompt, --examples) where None, stop at the first bad flag with one line naming it, and
+    set the sizes computed from the flags (config.json records them). Returns the local paths for setup to check
+    besides the model and the dataset: {argument: how to get one}. A new flag of the algorithm is checked here."""
+    batch = args.prompts_per_rank * args.num_generations
+    minibatch = batch // max(args.num_minibatches, 1)
+    at_least = {
+        1: "prompts_per_rank micro_batch_size num_minibatches num_iterations total_steps response_length",
+        0: "max_turns max_operations",
+    }
+    problems = [
+        (getattr(args, n) < k, f"--{n} must be >= {k}; got {getattr(args, n)}")
+        for k in at_least
+        for n in at_least[k].split()
+    ]
+    problems += [
+        (args.num_generations < 2, "--num_generations must be >= 2 (GRPO compares trajectories within a group; got "
+         f"{args.num_generations})"),
+        (batch % max(args.num_minibatches, 1), f"--num_minibatches ({args.num_minibatches}) must divide "
+         f"prompts_per_rank * num_generations ({batch})"),
+        (minibatch % max(args.micro_batch_size, 1), f"--micro_batch_size ({args.micro_batch_size}) must divide the "
+         f"minibatch (prompts_per_rank * num_generations / num_minibatches = {minibatch})"),
+        (not (0 <= args.clip_eps_low < 1 and args.clip_eps_high >= 0), "--clip_eps_low must be in [0, 1) and "
+         f"--clip_eps_high >= 0; got {args.clip_eps_low}, {args.clip_eps_high}"),
+        (args.beta < 0, f"--beta must be >= 0; got {args.beta}"),
+    ]  # fmt: skip
+    native = args.tool_format == "native"
+    if not native:  # calc's prompt describes its tags and shows one call
+        args.system_prompt = SYSTEM_PROMPT if args.system_prompt is None else args.system_prompt
+        args.examples = (EXAMPLE,) if args.examples is None else args.examples
+    problems += [
+        (CALL[0] not in answer, f"--examples: the answer {answer!r} shows no call of the tool ({CALL[0]}...)")
+        for _, answer in (args.examples if not native else ())
+    ]
+    problems += [
+        (not native and args.chat_template is not None, "--chat_template is for --tool_format native"),
+        (native and args.examples not in (None, ()), "--examples: under --tool_format native the exchanges shown "
+         "are the environment's EXAMPLES (or none: --examples)"),
+        (native and args.environment not in ENVIRONMENTS, f"--environment must be one of {sorted(ENVIRONMENTS)}"),
+        (native and args.prompt_template is not None, "--prompt_template: --tool_format native needs a chat template"),
+        (native and args.chat_template is not None and not os.path.isfile(args.chat_template),
+         f"--chat_template {args.chat_template}: no such file"),
+    ]  # fmt: skip
+    for bad, message in problems:
+        if bad:
+            raise SystemExit(f"error: {message}")
+    args.batch_size, args.minibatch_size = batch, minibatch
+    args.gradient_accumulation_steps = minibatch // args.micro_batch_size
+    data = (
+        "build the embedded tasks with `make assets`, or pass a folder with train.jsonl/test.jsonl or a hub dataset id"
+    )
+    return {"extra_eval_path": data}
 
 
 def masked_mean(values, mask, dim=None):
@@ -729,7 +790,7 @@ class CalcTags:
 
     def __init__(self, tokenizer, tool=calculator, examples=(EXAMPLE,)):
         self.tokenizer, self.tool, self.examples, self.template_kwargs = tokenizer, tool, examples, {}
-        self.questions = {}  # {prompt ids: its question} (load_math_prompts)
+        self.questions = {}  # {prompt ids: its question} (load_tool_prompts)
 
     def ask(self, question):
         return question  # the question as the prompt shows it
@@ -773,9 +834,8 @@ class Calculator:
     """The calculator as an environment: one instance per trajectory; its public methods but reset and reward are
     the tools, each described to the model by its type hints and docstring (tool_schemas)."""
 
-    # The exchanges shown before the question (native; calc shows EXAMPLE): a call, its result, the answer. Three,
-    # since SmolLM2-135M does not imitate one (its first-token probability of the call: 0.29 after one exchange, 0.98
-    # after three; docs/grpo_tools.md).
+    # The exchanges shown before the question (native; calc shows EXAMPLE): a call, its result, the answer. Three:
+    # SmolLM2-135M does not imitate one (docs/grpo_tools.md).
     EXAMPLES = [
         [
             {"role": "user", "content": f"Calculate {a} * {b}. Give the final answer after 'Answer:'."},
@@ -849,17 +909,25 @@ class PriceList:
         "south": {"pencil": 40, "notebook": 215, "eraser": 60, "ruler": 105, "stapler": 935, "marker": 130},
         "east": {"pencil": 30, "notebook": 260, "eraser": 45, "ruler": 135, "stapler": 860, "marker": 155},
     }
-    EXAMPLES = [[
-        {"role": "user", "content": "At the east shop, what do 2 rulers and 5 erasers cost together, in cents? Give "
-         "the final answer after 'Answer:'."},
-        call_message(("price", {"shop": "east", "item": "ruler", "quantity": 2}),
-                     ("price", {"shop": "east", "item": "eraser", "quantity": 5})),
-        tool_message("price", "270"),
-        tool_message("price", "225"),
-        call_message(("add", {"a": 270, "b": 225})),
-        tool_message("add", "495"),
-        {"role": "assistant", "content": "Answer: 495"},
-    ]]  # fmt: skip
+    # Three exchanges, as the calculator's: after one, SmolLM2-135M writes a <tool_response> itself, never a call.
+    EXAMPLES = [
+        [
+            {"role": "user", "content": f"At the {shop} shop, what do {q1} {one}s and {q2} {two}s cost together, in "
+             "cents? Give the final answer after 'Answer:'."},
+            call_message(("price", {"shop": shop, "item": one, "quantity": q1}),
+                         ("price", {"shop": shop, "item": two, "quantity": q2})),
+            tool_message("price", str(a)),
+            tool_message("price", str(b)),
+            call_message(("add", {"a": a, "b": b})),
+            tool_message("add", str(a + b)),
+            {"role": "assistant", "content": f"Answer: {a + b}"},
+        ]
+        for shop, q1, one, a, q2, two, b in (
+            ("east", 2, "ruler", 270, 5, "eraser", 225),
+            ("north", 3, "pencil", 105, 4, "marker", 580),
+            ("south", 6, "notebook", 1290, 2, "stapler", 1870),
+        )
+    ]  # fmt: skip
 
     def reset(self, question):
         """Called with its question before a trajectory's first turn (the prices do not change; nothing added)."""
@@ -909,28 +977,15 @@ ENVIRONMENTS = {
 
 
 def make_tool_format(args, tokenizer):
-    """--tool_format's object for multi_turn_rollout: CalcTags with make_tool's tool and --examples, or NativeTools
-    over a fresh --environment per trajectory, shown its EXAMPLES, with the chat template --chat_template names,
-    else the tokenizer's own, or HERMES_TEMPLATE where the tokenizer's renders no tools (SmolLM2's)."""
-    native = args.tool_format == "native"
-    problems = [  # the flags' checks, before any model loads: the first stops the run in one line
-        (not native and args.chat_template is not None, "--chat_template is for --tool_format native"),
-        (native and args.examples not in ((EXAMPLE,), ()), "--examples: under --tool_format native the exchanges "
-         "shown are the environment's EXAMPLES (or none: --examples)"),
-        (native and args.environment not in ENVIRONMENTS, f"--environment must be one of {sorted(ENVIRONMENTS)}"),
-        (native and args.prompt_template is not None, "--prompt_template: --tool_format native needs a chat template"),
-        (native and args.chat_template is not None and not os.path.isfile(args.chat_template),
-         f"--chat_template {args.chat_template}: no such file"),
-    ]  # fmt: skip
-    for bad, message in problems:
-        if bad:
-            raise SystemExit(f"error: {message}")
-    if not native:
+    """--tool_format's object for multi_turn_rollout (after check_args): CalcTags with make_tool's tool and --examples,
+    or NativeTools over a fresh --environment per trajectory, shown its EXAMPLES (unless --examples ()), with the chat
+    template --chat_template names, else the tokenizer's own, or HERMES_TEMPLATE where the tokenizer's renders no
+    tools (SmolLM2's)."""
+    if args.tool_format == "calc":
         return CalcTags(tokenizer, make_tool(args.tool, args.max_operations), args.examples)
-    args.system_prompt = None if args.system_prompt == SYSTEM_PROMPT else args.system_prompt  # calc's: the template
     make_environment = functools.partial(ENVIRONMENTS[args.environment], args)
     template = open(args.chat_template).read() if args.chat_template else None
-    examples = getattr(make_environment(), "EXAMPLES", []) if args.examples else []  # exchanges: lists of messages
+    examples = getattr(make_environment(), "EXAMPLES", []) if args.examples is None else []  # lists of messages
     tools = NativeTools(tokenizer, make_environment, template, examples)
     shown = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False, **tools.template_kwargs)
     if template is None and tools.schemas[0]["function"]["name"] not in shown:  # the tokenizer's ignores tools=
@@ -1031,7 +1086,7 @@ class NativeTools:
         self.tokenizer, self.make_environment, self.examples = tokenizer, make_environment, examples
         self.schemas = tool_schemas(make_environment())
         self.template_kwargs = dict(tools=self.schemas, chat_template=chat_template)
-        self.environments, self.questions = [], {}  # questions: {prompt ids: its question} (load_math_prompts)
+        self.environments, self.questions = [], {}  # questions: {prompt ids: its question} (load_tool_prompts)
 
     def ask(self, question):
         """The question as the prompt shows it: followed by the text its environment's reset returns, if any."""
@@ -1040,7 +1095,7 @@ class NativeTools:
 
     def begin(self, prompts, n):
         """A fresh environment for each of the n trajectories of each prompt, reset with its question (None for a
-        prompt that load_math_prompts did not build)."""
+        prompt that load_tool_prompts did not build)."""
         self.environments = [self.make_environment() for _ in range(len(prompts) * n)]
         for i, environment in enumerate(self.environments):
             environment.reset(self.questions.get(tuple(prompts[i // n])))
@@ -1258,15 +1313,11 @@ class RunArgs:
     """a second held-out set"""
     instruction: str = "Give the final answer after 'Answer:'."
     """appended to every question"""
-    system_prompt: Optional[str] = SYSTEM_PROMPT
-    """the system message: the tool's description"""
-    examples: tuple[tuple[str, str], ...] = (EXAMPLE,)
-    """(question, answer) exchanges before the question: one call of the tool, shown (the chat template's prompts)"""
     prompt_template: Optional[str] = None
     """used instead of the chat template, with {question} in it (needed when the tokenizer has no chat template)"""
-    max_prompt_length: int = 1024
-    """prompts longer than this (in tokens) are dropped (native: the tools' schemas and the example, 352 tokens with
-    the calculator, 628 with price_list)"""
+    max_prompt_length: int = 1280
+    """prompts longer than this (in tokens) are dropped (native: the tools' schemas and three exchanges, 549-552
+    tokens with the calculator, 1096-1099 with price_list)"""
 
     # Experiment
     exp_name: str = "grpo_tools"
@@ -1311,11 +1362,12 @@ RESUMABLE_ARGS = (
 ).split()
 
 
-def setup(args, micro_batch_rows=None):
-    """Before anything loads, the flags' one-line checks (check_args, which also fills the sizes computed from them);
-    then the Accelerator of this launch, the policy's tokenizer and the seeds (random, numpy and torch: a different
-    sampling stream per process). micro_batch_rows: DeepSpeed's micro-batch in rows, when not --micro_batch_size."""
-    check_args(args)
+def setup(args, paths, micro_batch_rows=None):
+    """After the script's own checks (check_args, which returns `paths`), the one-line checks every script makes
+    (_check_common_args), before anything loads; then the Accelerator of this launch, the policy's tokenizer and the
+    seeds (random, numpy and torch: a different sampling stream per process). micro_batch_rows: DeepSpeed's
+    micro-batch in rows, when not --micro_batch_size."""
+    _check_common_args(args, paths)
     micro_batch_rows = micro_batch_rows or args.micro_batch_size
     accelerator = _make_accelerator(micro_batch_rows, args.gradient_accumulation_steps, args.max_grad_norm)
     tokenizer = _load_tokenizer(args.model_name_or_path, args.trust_remote_code)
@@ -1323,42 +1375,12 @@ def setup(args, micro_batch_rows=None):
     return accelerator, tokenizer
 
 
-def check_args(args):
-    """Reject bad input with one line naming the argument, before any model is loaded; then the batch sizes,
-    computed from the flags."""
-    data = (
-        "build the embedded tasks with `make assets`, or pass a folder with train.jsonl/test.jsonl or a hub dataset id"
-    )
-    _check_common_args(args, {"extra_eval_path": data})
-    groups = f"GRPO compares trajectories within a group; got {args.num_generations}"
-    _require(args.num_generations >= 2, f"--num_generations must be >= 2 ({groups})")
-    _check_at_least(args, 1, "prompts_per_rank micro_batch_size num_minibatches num_iterations total_steps")
-    _check_at_least(args, 1, "response_length")
-    _check_at_least(args, 0, "max_turns max_operations")
-    batch = args.prompts_per_rank * args.num_generations
-    if batch % args.num_minibatches:
-        _fail(f"--num_minibatches ({args.num_minibatches}) must divide prompts_per_rank * num_generations ({batch})")
-    if (batch // args.num_minibatches) % args.micro_batch_size:
-        _fail(
-            f"--micro_batch_size ({args.micro_batch_size}) must divide the minibatch "
-            f"(prompts_per_rank * num_generations / num_minibatches = {batch // args.num_minibatches})"
-        )
-    clip = f"--clip_eps_low must be in [0, 1) and --clip_eps_high >= 0; got {args.clip_eps_low}, {args.clip_eps_high}"
-    _require(0 <= args.clip_eps_low < 1 and args.clip_eps_high >= 0, clip)
-    _require(args.beta >= 0, f"--beta must be >= 0; got {args.beta}")
-    for _, answer in args.examples if args.tool_format == "calc" else ():
-        _require(CALL[0] in answer, f"--examples: the answer {answer!r} shows no call of the tool ({CALL[0]}...)")
-    # The sizes computed from the flags (config.json records them).
-    args.batch_size = args.prompts_per_rank * args.num_generations
-    args.minibatch_size = args.batch_size // args.num_minibatches
-    args.gradient_accumulation_steps = args.minibatch_size // args.micro_batch_size
-
-
-def _check_common_args(args, paths=(), compares_logprobs=True):
+def _check_common_args(args, paths):
     """The checks every script makes: sampling, --prompt_template, the run folder, and that each local path exists
     (the model, the dataset and `paths` {argument: how to get one}; an assets/ path missing here is taken from
-    beside this script, and a hub id is checked when it loads). When the trainer compares its log-probs with vLLM's
-    (compares_logprobs), --top_p must be 1: vLLM's are renormalised over the nucleus, the trainer's are not."""
+    beside this script, and a hub id is checked when it loads). Where the trainer compares its log-probs with vLLM's
+    (the scripts with --tis_cap), --top_p must be 1: vLLM's are renormalised over the nucleus, the trainer's not."""
+    compares_logprobs = hasattr(args, "tis_cap")
     paths = {
         "model_name_or_path": "build the embedded model with `make assets`, or pass a Hugging Face folder or hub id",
         "dataset_path": "build the embedded tasks with `make assets`, or pass a folder with train.jsonl/test.jsonl or "
@@ -1449,7 +1471,7 @@ def _load_tokenizer(model_name_or_path, trust_remote_code):
     return tokenizer
 
 
-def load_math_prompts(args, tokenizer, world_size, tools):
+def load_tool_prompts(args, tokenizer, world_size, tools):
     """The training prompts and gold answers, and the held-out sets {name: (prompts, golds)}, from --dataset_path
     (and --extra_eval_path), each question as the tool format asks it (tools.ask) after its examples, with its
     apply_chat_template arguments (tools.template_kwargs: the chat template's tools= and chat_template=); each kept

@@ -141,7 +141,7 @@ class Args:
 
 def main(args: "Config"):
     # Setup: processes, data, the four models, sampler, run folder (the helpers are below the fence).
-    accelerator, tokenizer = setup(args)  # the flags' one-line errors first (check_args)
+    accelerator, tokenizer = setup(args, check_args(args))  # the flags' one-line errors first
     world_size, device = accelerator.num_processes, accelerator.device
     B = args.prompts_per_rank  # responses per process per step
     train_prompts, train_golds, eval_set, has_gold = load_rlhf_prompts(args, tokenizer, world_size)
@@ -267,6 +267,39 @@ def main(args: "Config"):
     sampler.close()
     run.finish()
     return run.dir
+
+
+def check_args(args):
+    """The algorithm's flags, checked before anything loads (setup then makes the checks every script makes): stop
+    at the first bad one with one line naming it, and set the sizes computed from them (config.json records them).
+    Returns the local paths for setup to check besides the model and the dataset: {argument: how to get one}. A new
+    flag of the algorithm is checked here."""
+    minibatch = args.prompts_per_rank // max(args.num_minibatches, 1)
+    at_least = {
+        1: "prompts_per_rank micro_batch_size num_minibatches num_ppo_epochs total_steps response_length",
+        0: "cliprange cliprange_value kl_coef vf_coef",
+    }
+    problems = [
+        (getattr(args, n) < k, f"--{n} must be >= {k}; got {getattr(args, n)}")
+        for k in at_least
+        for n in at_least[k].split()
+    ]
+    problems += [
+        (args.prompts_per_rank % max(args.num_minibatches, 1), f"--num_minibatches ({args.num_minibatches}) must "
+         f"divide --prompts_per_rank ({args.prompts_per_rank})"),
+        (minibatch % max(args.micro_batch_size, 1), f"--micro_batch_size ({args.micro_batch_size}) must divide the "
+         f"minibatch (prompts_per_rank / num_minibatches = {minibatch})"),
+        (not (0 <= args.gamma <= 1 and 0 <= args.lam <= 1), f"--gamma and --lam must be in [0, 1]; got {args.gamma}, "
+         f"{args.lam}"),
+        (args.uwo_coef < 0, f"--uwo_coef must be >= 0 (UWO subtracts the members' variance); got {args.uwo_coef}"),
+    ]  # fmt: skip
+    for bad, message in problems:
+        if bad:
+            raise SystemExit(f"error: {message}")
+    args.minibatch_size, args.gradient_accumulation_steps = minibatch, minibatch // args.micro_batch_size
+    score_model = "train the default reward model first with `python reward_modeling.py`, or pass a one-label "
+    score_model += "sequence-classification folder or hub id"
+    return {"reward_model_path": score_model, "value_model_path": score_model}
 
 
 def masked_mean(values, mask, dim=None):
@@ -851,11 +884,12 @@ RESUMABLE_ARGS = (
 ).split()
 
 
-def setup(args, micro_batch_rows=None):
-    """Before anything loads, the flags' one-line checks (check_args, which also fills the sizes computed from them);
-    then the Accelerator of this launch, the policy's tokenizer and the seeds (random, numpy and torch: a different
-    sampling stream per process). micro_batch_rows: DeepSpeed's micro-batch in rows, when not --micro_batch_size."""
-    check_args(args)
+def setup(args, paths, micro_batch_rows=None):
+    """After the script's own checks (check_args, which returns `paths`), the one-line checks every script makes
+    (_check_common_args), before anything loads; then the Accelerator of this launch, the policy's tokenizer and the
+    seeds (random, numpy and torch: a different sampling stream per process). micro_batch_rows: DeepSpeed's
+    micro-batch in rows, when not --micro_batch_size."""
+    _check_common_args(args, paths)
     micro_batch_rows = micro_batch_rows or args.micro_batch_size
     accelerator = _make_accelerator(micro_batch_rows, args.gradient_accumulation_steps, args.max_grad_norm)
     tokenizer = _load_tokenizer(args.model_name_or_path, args.trust_remote_code)
@@ -863,35 +897,12 @@ def setup(args, micro_batch_rows=None):
     return accelerator, tokenizer
 
 
-def check_args(args):
-    """Reject bad input with one line naming the argument, before any model is loaded. Then the batch sizes, computed
-    from the flags."""
-    score_model = "train the default reward model first with `python reward_modeling.py`, or pass a one-label "
-    score_model += "sequence-classification folder or hub id"
-    _check_common_args(args, {"reward_model_path": score_model, "value_model_path": score_model})
-    _check_at_least(args, 1, "prompts_per_rank micro_batch_size num_minibatches num_ppo_epochs total_steps")
-    _check_at_least(args, 1, "response_length")
-    _check_at_least(args, 0, "cliprange cliprange_value kl_coef vf_coef")
-    if args.prompts_per_rank % args.num_minibatches:
-        _fail(f"--num_minibatches ({args.num_minibatches}) must divide --prompts_per_rank ({args.prompts_per_rank})")
-    if (args.prompts_per_rank // args.num_minibatches) % args.micro_batch_size:
-        _fail(
-            f"--micro_batch_size ({args.micro_batch_size}) must divide the minibatch "
-            f"(prompts_per_rank / num_minibatches = {args.prompts_per_rank // args.num_minibatches})"
-        )
-    gae = f"--gamma and --lam must be in [0, 1]; got {args.gamma}, {args.lam}"
-    _require(0 <= args.gamma <= 1 and 0 <= args.lam <= 1, gae)
-    _require(args.uwo_coef >= 0, f"--uwo_coef must be >= 0 (UWO subtracts the members' variance); got {args.uwo_coef}")
-    # The sizes computed from the flags (config.json records them).
-    args.minibatch_size = args.prompts_per_rank // args.num_minibatches
-    args.gradient_accumulation_steps = args.minibatch_size // args.micro_batch_size
-
-
-def _check_common_args(args, paths=(), compares_logprobs=True):
+def _check_common_args(args, paths):
     """The checks every script makes: sampling, --prompt_template, the run folder, and that each local path exists
     (the model, the dataset and `paths` {argument: how to get one}; an assets/ path missing here is taken from
-    beside this script, and a hub id is checked when it loads). When the trainer compares its log-probs with vLLM's
-    (compares_logprobs), --top_p must be 1: vLLM's are renormalised over the nucleus, the trainer's are not."""
+    beside this script, and a hub id is checked when it loads). Where the trainer compares its log-probs with vLLM's
+    (the scripts with --tis_cap), --top_p must be 1: vLLM's are renormalised over the nucleus, the trainer's not."""
+    compares_logprobs = hasattr(args, "tis_cap")
     paths = {
         "model_name_or_path": "build the embedded model with `make assets`, or pass a Hugging Face folder or hub id",
         "dataset_path": "build the embedded tasks with `make assets`, or pass a folder with train.jsonl/test.jsonl or "

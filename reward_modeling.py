@@ -132,7 +132,7 @@ class Args:
 
 def main(args: "Config"):
     # Setup: processes, data, the pairs (sampled from a task), the model (the helpers are below the fence).
-    accelerator, tokenizer = setup(args)  # the flags' one-line errors first (check_args: --prm changes defaults)
+    accelerator, tokenizer = setup(args, check_args(args))  # one-line errors first (--prm changes defaults)
     rank, world_size = accelerator.process_index, accelerator.num_processes
     train_rows, eval_rows = load_reward_data(args, tokenizer)  # checked before any model is loaded
     pad_id = tokenizer.pad_token_id
@@ -195,6 +195,56 @@ def main(args: "Config"):
     save_reward_model(accelerator, model, tokenizer, run.dir, args, logged.get("objective/bias"), train_pairs)
     run.finish()
     return run.dir
+
+
+def check_args(args):
+    """The algorithm's flags, checked before anything loads (setup then makes the checks every script makes): fill
+    the defaults --prm changes (ppo_prm_clip.py's task, and the prompt of the policy whose responses the PRM will
+    judge), stop at the first bad one with one line naming it, and set the sizes computed from them (config.json
+    records them) and the pairs' seed. Returns the local paths for setup to check besides the model and the
+    dataset: {argument: how to get one}. A new flag of the algorithm is checked here."""
+    prm_defaults = (
+        "assets/data/arith_2t3t1d",
+        "Solve it step by step, one step per line, and end with 'Answer: <number>'.",
+    )
+    defaults = prm_defaults if args.prm else ("assets/data/arith_1d", "Give only the final answer after 'Answer:'.")
+    for name, default in zip(("dataset_path", "instruction"), defaults):
+        setattr(args, name, default if getattr(args, name) is None else getattr(args, name))
+    at_least = {
+        1: "pairs_per_rank micro_batch_size eval_batch_size max_pairs_per_prompt "
+        "response_length max_length generation_batch_prompts",
+        0: "num_train_prompts num_eval_prompts num_eval_pairs eval_every save_every",
+    }
+    problems = [
+        (getattr(args, n) < k, f"--{n} must be >= {k}; got {getattr(args, n)}")
+        for k in at_least
+        for n in at_least[k].split()
+    ]
+    problems += [
+        (args.pairs_per_rank % max(args.micro_batch_size, 1), f"--micro_batch_size ({args.micro_batch_size}) must "
+         f"divide --pairs_per_rank ({args.pairs_per_rank})"),
+        (args.num_samples_per_prompt < 2, "--num_samples_per_prompt must be >= 2 (a pair needs a correct and a wrong "
+         f"completion of the same prompt); got {args.num_samples_per_prompt}"),
+        (args.num_train_epochs <= 0, f"--num_train_epochs must be > 0; got {args.num_train_epochs}"),
+        (args.learning_rate <= 0, f"--learning_rate must be > 0; got {args.learning_rate}"),
+    ]  # fmt: skip
+    for name in ("train_split", "eval_split") if os.path.isdir(args.dataset_path) else ():
+        split = getattr(args, name)
+        missing = not os.path.isfile(os.path.join(args.dataset_path, f"{split}.jsonl"))
+        problems.append((missing, f"--dataset_path {args.dataset_path} has no {split}.jsonl; set --{name}"))
+    problems += [
+        (args.prm and not args.step_separator, "--step_separator must not be empty (--prm splits completions into "
+         "steps at it)"),
+        (not 0 <= args.label_noise < 0.5, f"--label_noise must be in [0, 0.5); got {args.label_noise}"),
+        (args.prm and args.label_noise, "--label_noise flips preference pairs: a --prm has none"),
+    ]  # fmt: skip
+    for bad, message in problems:
+        if bad:
+            raise SystemExit(f"error: {message}")
+    args.gradient_accumulation_steps = args.pairs_per_rank // args.micro_batch_size
+    args.data_seed = args.seed if args.data_seed is None else args.data_seed
+    policy = "build the embedded model with `make assets`, or pass a Hugging Face folder or hub id"
+    return {"policy_name_or_path": policy}
 
 
 # The Bradley-Terry reward model
@@ -822,11 +872,12 @@ RESUMABLE_ARGS = (
 ).split()
 
 
-def setup(args, micro_batch_rows=None):
-    """Before anything loads, the flags' one-line checks (check_args, which also fills the sizes computed from them);
-    then the Accelerator of this launch, the policy's tokenizer and the seeds (random, numpy and torch: a different
-    sampling stream per process). micro_batch_rows: DeepSpeed's micro-batch in rows, when not --micro_batch_size."""
-    check_args(args)
+def setup(args, paths, micro_batch_rows=None):
+    """After the script's own checks (check_args, which returns `paths`), the one-line checks every script makes
+    (_check_common_args), before anything loads; then the Accelerator of this launch, the policy's tokenizer and the
+    seeds (random, numpy and torch: a different sampling stream per process). micro_batch_rows: DeepSpeed's
+    micro-batch in rows, when not --micro_batch_size."""
+    _check_common_args(args, paths)
     micro_batch_rows = micro_batch_rows or args.micro_batch_size
     accelerator = _make_accelerator(micro_batch_rows, args.gradient_accumulation_steps, args.max_grad_norm)
     tokenizer = _load_tokenizer(args.model_name_or_path, args.trust_remote_code)
@@ -834,50 +885,12 @@ def setup(args, micro_batch_rows=None):
     return accelerator, tokenizer
 
 
-def check_args(args):
-    """Fill the defaults --prm changes (ppo_prm_clip.py's task, and the prompt of the policy whose responses the PRM
-    will judge), then reject bad input with one line naming the argument, before any model is loaded. Then the batch
-    sizes, computed from the flags."""
-    prm_defaults = (
-        "assets/data/arith_2t3t1d",
-        "Solve it step by step, one step per line, and end with 'Answer: <number>'.",
-    )
-    defaults = prm_defaults if args.prm else ("assets/data/arith_1d", "Give only the final answer after 'Answer:'.")
-    for name, default in zip(("dataset_path", "instruction"), defaults):
-        setattr(args, name, default if getattr(args, name) is None else getattr(args, name))
-    policy = "build the embedded model with `make assets`, or pass a Hugging Face folder or hub id"
-    _check_common_args(args, {"policy_name_or_path": policy}, compares_logprobs=False)
-    _check_at_least(args, 1, "pairs_per_rank micro_batch_size eval_batch_size max_pairs_per_prompt response_length")
-    _check_at_least(args, 1, "max_length generation_batch_prompts")
-    _check_at_least(args, 0, "num_train_prompts num_eval_prompts num_eval_pairs eval_every save_every")
-    if args.pairs_per_rank % args.micro_batch_size:
-        _fail(f"--micro_batch_size ({args.micro_batch_size}) must divide --pairs_per_rank ({args.pairs_per_rank})")
-    if args.num_samples_per_prompt < 2:
-        _fail(
-            f"--num_samples_per_prompt must be >= 2 (a pair needs a correct and a wrong completion of the same "
-            f"prompt); got {args.num_samples_per_prompt}"
-        )
-    _require(args.num_train_epochs > 0, f"--num_train_epochs must be > 0; got {args.num_train_epochs}")
-    _require(args.learning_rate > 0, f"--learning_rate must be > 0; got {args.learning_rate}")
-    if os.path.isdir(args.dataset_path):
-        for name in ("train_split", "eval_split"):
-            split = getattr(args, name)
-            if not os.path.isfile(os.path.join(args.dataset_path, f"{split}.jsonl")):
-                _fail(f"--dataset_path {args.dataset_path} has no {split}.jsonl; set --{name}")
-    if args.prm and not args.step_separator:
-        _fail("--step_separator must not be empty (--prm splits completions into steps at it)")
-    _require(0 <= args.label_noise < 0.5, f"--label_noise must be in [0, 0.5); got {args.label_noise}")
-    _require(not (args.prm and args.label_noise), "--label_noise flips preference pairs: a --prm has none")
-    # The sizes computed from the flags (config.json records them), and the pairs' seed.
-    args.gradient_accumulation_steps = args.pairs_per_rank // args.micro_batch_size
-    args.data_seed = args.seed if args.data_seed is None else args.data_seed
-
-
-def _check_common_args(args, paths=(), compares_logprobs=True):
+def _check_common_args(args, paths):
     """The checks every script makes: sampling, --prompt_template, the run folder, and that each local path exists
     (the model, the dataset and `paths` {argument: how to get one}; an assets/ path missing here is taken from
-    beside this script, and a hub id is checked when it loads). When the trainer compares its log-probs with vLLM's
-    (compares_logprobs), --top_p must be 1: vLLM's are renormalised over the nucleus, the trainer's are not."""
+    beside this script, and a hub id is checked when it loads). Where the trainer compares its log-probs with vLLM's
+    (the scripts with --tis_cap), --top_p must be 1: vLLM's are renormalised over the nucleus, the trainer's not."""
+    compares_logprobs = hasattr(args, "tis_cap")
     paths = {
         "model_name_or_path": "build the embedded model with `make assets`, or pass a Hugging Face folder or hub id",
         "dataset_path": "build the embedded tasks with `make assets`, or pass a folder with train.jsonl/test.jsonl or "

@@ -87,6 +87,39 @@ def math_reaches_below(tree, fence_line):
     return found
 
 
+def below_reaches_above(tree, fence_line):
+    """{definition below the fence: [names above it that it uses]} (issue 68: none but Args, which Config joins):
+    the kit is given what it needs from the algorithm (a function or a value passed in), never reaches up for it.
+    A definition's own names (its parameters, locals, nested definitions, imports) do not count."""
+    above = set()
+    for node in tree.body:
+        if node.lineno < fence_line and isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            above.add(node.name)
+        elif node.lineno < fence_line and isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            above |= {t.id for t in targets if isinstance(t, ast.Name)}
+    above -= {"Args", "main"}
+    found = {}
+    for node in tree.body:
+        if node.lineno < fence_line or isinstance(node, ast.If):  # not `if __name__ == "__main__": main(...)`
+            continue
+        own = set()
+        for x in ast.walk(node):
+            if isinstance(x, ast.arg):
+                own.add(x.arg)
+            elif isinstance(x, ast.Name) and not isinstance(x.ctx, ast.Load):
+                own.add(x.id)
+            elif isinstance(x, (ast.FunctionDef, ast.ClassDef)) and x is not node:
+                own.add(x.name)
+            elif isinstance(x, (ast.Import, ast.ImportFrom)):
+                own |= {(a.asname or a.name).split(".")[0] for a in x.names}
+        used = {x.id for x in ast.walk(node) if isinstance(x, ast.Name) and isinstance(x.ctx, ast.Load)}
+        if used & above - own:
+            name = node.name if hasattr(node, "name") else ast.unparse(node).split("=")[0].strip()
+            found[name] = sorted(used & above - own)
+    return found
+
+
 def plumbing_order(tree, fence_line):
     """The order issue 46 gives the definitions below the fence: RunArgs, Config and RESUMABLE_ARGS, then each one
     in the order main() first uses it (directly or through a function above the fence), followed at once by what it

@@ -10,7 +10,7 @@ Two uses:
 
 Every grpo_tools.py flag is accepted and means what it means there (the model, --dataset_path, --examples,
 --system_prompt, --tool, --max_operations, --max_turns, --response_length, --vllm, --seed, ...): the prompts are built
-by grpo_tools' load_math_prompts (its checks, its prompts), the trajectories by its multi_turn_rollout with its
+by grpo_tools' load_tool_prompts (its checks, its prompts), the trajectories by its multi_turn_rollout with its
 TurnSampler and make_tool, the rewards by its compute_rewards. Run from the repository root:
 
     python -m benchmark.tool_probe --no-vllm --temperature 0                  # greedy on the held-out prompts
@@ -83,7 +83,7 @@ def check_probe_args(args):
     temperature = args.temperature
     grpo_tools._require(temperature >= 0, f"--temperature must be >= 0 (0: greedy); got {temperature}")
     args.temperature = temperature or 1.0  # grpo_tools' check wants a sampling temperature; greedy is the probe's
-    grpo_tools.check_args(args)
+    grpo_tools._check_common_args(args, grpo_tools.check_args(args))
     args.temperature = temperature
     grpo_tools._check_at_least(args, 1, "samples_per_prompt chunk_prompts")
     grpo_tools._check_at_least(args, 0, "num_prompts terms")
@@ -95,9 +95,9 @@ def check_probe_args(args):
 
 def probe_prompts(args, tokenizer, tools):
     """(prompts, golds, terms) of --prompts, as grpo_tools.py builds them for the tool format `tools`
-    (load_math_prompts: its checks, its prompts), then --terms and --num_prompts. terms: question_terms of each
+    (load_tool_prompts: its checks, its prompts), then --terms and --num_prompts. terms: question_terms of each
     prompt's question (None: not one expression)."""
-    train_prompts, train_golds, sets = grpo_tools.load_math_prompts(args, tokenizer, 1, tools)
+    train_prompts, train_golds, sets = grpo_tools.load_tool_prompts(args, tokenizer, 1, tools)
     prompts, golds = (train_prompts, train_golds) if args.prompts == "train" else sets[args.prompts]
     path, split = {
         "train": (args.dataset_path, args.train_split),

@@ -539,6 +539,7 @@ def smollm_prompts():
 
     tokenizer = AutoTokenizer.from_pretrained(SMOLLM2_DIR)
     args = grpo_tools.Config()
+    grpo_tools.check_args(args)  # calc's system prompt and example
     rows = [{"question": f"Calculate {a} * {b}.", "answer": str(a * b)} for a, b in [(874, 404), (57, 912), (36, 41)]]
     prompts, _ = grpo_tools._build_prompts(tokenizer, rows, args, args.examples)
     return tokenizer, prompts
@@ -1137,7 +1138,7 @@ def test_probe_reads_the_terms_of_a_question_and_sums_its_trajectories():
 
 
 def test_probe_prompts_are_grpo_tools_own(make_probe_args, tmp_path):
-    """The probe's prompts are grpo_tools' (load_math_prompts): the held-out set the runs evaluate on (the first
+    """The probe's prompts are grpo_tools' (load_tool_prompts): the held-out set the runs evaluate on (the first
     --num_eval_prompts), the training set, with a prompt over --max_prompt_length dropped in both; then --terms and
     --num_prompts choose among them, with the terms of each."""
     from transformers import AutoTokenizer
@@ -1152,7 +1153,7 @@ def test_probe_prompts_are_grpo_tools_own(make_probe_args, tmp_path):
     check_probe_args(args)
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
     tools = grpo_tools.make_tool_format(args, tokenizer)
-    train, train_golds, sets = grpo_tools.load_math_prompts(args, tokenizer, 1, tools)
+    train, train_golds, sets = grpo_tools.load_tool_prompts(args, tokenizer, 1, tools)
     assert probe_prompts(args, tokenizer, tools) == (*sets["eval"], [2, 2, 3, 3])  # the first 4 held-out prompts
     assert "<calc>23 + 41</calc>" in tokenizer.decode(sets["eval"][0][0])  # the shown example is --examples'
     args.prompts = "train"

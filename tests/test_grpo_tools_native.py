@@ -199,7 +199,7 @@ def test_native_rollout_trains_exactly_the_sampled_tokens(tokenizer, name):
     assert rollout.answers == ["Answer: 4.5"] and rollout.turns == [2] and not rollout.truncated[0]
     assert rollout.errors == {kind: [0] for kind in grpo_tools.ERROR_KINDS}
     assert [env.questions for env in tools.environments] == [[None]]  # one per trajectory, reset once (no question:
-    # the prompt was not built by load_math_prompts)
+    # the prompt was not built by load_tool_prompts)
 
 
 class Quiz(Shop):
@@ -216,7 +216,7 @@ def test_reset_gets_each_trajectorys_question_and_its_text_follows_the_question(
     monkeypatch.setitem(grpo_tools.ENVIRONMENTS, "quiz", lambda args: Quiz())
     args = make_config(grpo_tools, **NATIVE, environment="quiz")
     tools = grpo_tools.make_tool_format(args, tokenizer)
-    train_prompts, _, sets = grpo_tools.load_math_prompts(args, tokenizer, 1, tools)
+    train_prompts, _, sets = grpo_tools.load_tool_prompts(args, tokenizer, 1, tools)
     with open(os.path.join(args.dataset_path, "train.jsonl")) as f:
         questions = [json.loads(line)["question"] for line in f]
     assert [tools.questions[tuple(p)] for p in train_prompts] == questions
