@@ -877,32 +877,6 @@ def _check_at_least(args, minimum, names):
         _require(getattr(args, name) >= minimum, f"--{name} must be >= {minimum}; got {getattr(args, name)}")
 
 
-def _reward_model_members(path):
-    """The reward models at --reward_model_path: the folder itself when it holds a model (a config.json), else its
-    subfolders that do, in name order (an ensemble: K runs of `reward_modeling.py --seed k --data_seed 1
-    --reward_model_dir DIR/member_k`, k = 1..K, as benchmark/ppo_rlhf_ensemble.sh trains them)."""
-    if os.path.isfile(os.path.join(path, "config.json")) or not os.path.isdir(path):  # a model, or a hub id
-        return [path]
-    members = sorted(os.path.join(path, name) for name in os.listdir(path))
-    return [member for member in members if os.path.isfile(os.path.join(member, "config.json"))] or [path]
-
-
-def _check_score_model(path, name, trust_remote_code):
-    """A reward or value model must be a sequence-classification model with exactly one label."""
-    try:
-        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as error:
-        _fail(f"--{name} {path} is not a loadable model ({str(error).splitlines()[0]})")
-    architectures = getattr(config, "architectures", None) or []
-    if not any(a.endswith("ForSequenceClassification") for a in architectures):
-        _fail(
-            f"--{name} {path} is a {', '.join(architectures) or 'model without architectures'}, not a "
-            "sequence-classification (reward) model; train one with `python reward_modeling.py`"
-        )
-    if config.num_labels != 1:
-        _fail(f"--{name} {path} has {config.num_labels} labels; a reward model has exactly one (a scalar score)")
-
-
 def _make_accelerator(micro_batch_size, gradient_accumulation_steps, max_grad_norm):
     """The Accelerator of this launch: one process, DDP, or DeepSpeed (the config given to `accelerate launch
     --config_file`), on GPUs or on CPU. The scheduler is stepped by hand once per optimizer step (accelerate's
@@ -1056,6 +1030,32 @@ def _gold_answer(answer):
     """The gold final answer as a string; GSM8K style solutions keep what follows '####'. A null answer is the empty
     string, which nothing matches."""
     return "" if answer is None else str(answer).split("####")[-1].strip().replace(",", "")
+
+
+def _reward_model_members(path):
+    """The reward models at --reward_model_path: the folder itself when it holds a model (a config.json), else its
+    subfolders that do, in name order (an ensemble: K runs of `reward_modeling.py --seed k --data_seed 1
+    --reward_model_dir DIR/member_k`, k = 1..K, as benchmark/ppo_rlhf_ensemble.sh trains them)."""
+    if os.path.isfile(os.path.join(path, "config.json")) or not os.path.isdir(path):  # a model, or a hub id
+        return [path]
+    members = sorted(os.path.join(path, name) for name in os.listdir(path))
+    return [member for member in members if os.path.isfile(os.path.join(member, "config.json"))] or [path]
+
+
+def _check_score_model(path, name, trust_remote_code):
+    """A reward or value model must be a sequence-classification model with exactly one label."""
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as error:
+        _fail(f"--{name} {path} is not a loadable model ({str(error).splitlines()[0]})")
+    architectures = getattr(config, "architectures", None) or []
+    if not any(a.endswith("ForSequenceClassification") for a in architectures):
+        _fail(
+            f"--{name} {path} is a {', '.join(architectures) or 'model without architectures'}, not a "
+            "sequence-classification (reward) model; train one with `python reward_modeling.py`"
+        )
+    if config.num_labels != 1:
+        _fail(f"--{name} {path} has {config.num_labels} labels; a reward model has exactly one (a scalar score)")
 
 
 def _check_same_vocabulary(path, name, policy_tokenizer, trust_remote_code):
