@@ -177,7 +177,8 @@ def main(args: "Config"):
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     generator = AsyncGenerator(args, accelerator, model, tokenizer, train_prompts, train_golds, gen_models, threads)
     evaluation = functools.partial(evaluate, generator, eval_prompts, eval_golds, has_gold, args, accelerator)
-    logprobs_fn = shared_prompt_logprobs if args.shared_prompt else response_logprobs  # the same log-probs
+    packed = shared_prompt_logits if args.shared_prompt else None  # the same log-probs, each prompt once per group
+    logprobs_fn = functools.partial(response_logprobs, packed=packed)
     start_step = run.start({"vllm": generator.gen_model is None})
     generator.publish(start_step)  # the generator's first weights: the initial ones, or those --resume restored
     if start_step == 0:
@@ -457,15 +458,18 @@ def logprobs_from_logits(logits, labels):
     return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
-def response_logprobs(model, input_ids, attention_mask, context_length, temperature):
+def response_logprobs(model, input_ids, attention_mask, context_length, temperature, packed=None):
     """Log-probs of the response tokens input_ids[:, context_length:] under `model`, and the logits that gave them.
-    Prompts are left-padded, so positions are counted from each sequence's first real token.
-    Returns (logprobs [B, R], logits [B, R, V]) with logits divided by the sampling temperature."""
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    # The logits at position t predict token t + 1: the LM head (a [hidden, vocab] matmul) skips the prompt.
-    logits = model(**inputs, logits_to_keep=input_ids.shape[1] - context_length + 1).logits
-    logits = logits[:, :-1].float() / temperature
+    Prompts are left-padded, so positions are counted from each sequence's first real token. packed (--shared_prompt:
+    shared_prompt_logits) computes the same logits with each prompt once per group, or returns None where it does not
+    apply. Returns (logprobs [B, R], logits [B, R, V]) with logits divided by the sampling temperature."""
+    logits = packed(model, input_ids, attention_mask, context_length) if packed else None
+    if logits is None:
+        position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+        inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+        # The logits at position t predict token t + 1: the LM head (a [hidden, vocab] matmul) skips the prompt.
+        logits = model(**inputs, logits_to_keep=input_ids.shape[1] - context_length + 1).logits[:, :-1]
+    logits = logits.float() / temperature
     return logprobs_from_logits(logits, input_ids[:, context_length:]), logits
 
 
@@ -1873,9 +1877,10 @@ class AsyncGenerator:
         Under --mixed_precision bf16 accelerate autocasts the prepared policy's forward only: the generator's models
         (its policy copy, the reference, the reward model) run under the same autocast, so that at lag 0 the ratio
         is exactly 1 and the KL and DPO's h exactly 0. Autocast is per thread: each forward enters it itself.
-        shared_prompt_logprobs packs a micro-batch the same whatever the order of its rows."""
+        shared_prompt_logits packs a micro-batch the same whatever the order of its rows."""
         k = self.args.micro_batch_size * self.args.num_completions
-        logprobs_fn = shared_prompt_logprobs if self.args.shared_prompt else response_logprobs
+        packed = shared_prompt_logits if self.args.shared_prompt else None
+        logprobs_fn = functools.partial(response_logprobs, packed=packed)
         rows = [slice(i, i + k) for i in range(0, len(query_responses), k)]
         with torch.no_grad(), self.accelerator.autocast():
             parts = [
@@ -2069,16 +2074,17 @@ def _response_mask(responses, lengths, stop_ids):
     return (mask & ~((is_eos.cumsum(1) - is_eos.long()) > 0)).float()
 
 
-def shared_prompt_logprobs(model, input_ids, attention_mask, context_length, temperature):
-    """response_logprobs with each prompt computed once per group: the rows with the same prompt (a group's
-    completions) run as one sequence, the prompt then every response's real tokens (_shared_prompt_inputs), in which
-    a response attends to the prompt and to itself only and its positions continue from the prompt's real length.
-    The log-probs are the same, the gradients reach the prompt summed over its group, and the model runs
-    P + (the group's response tokens) instead of G * (P + R) positions, padding included (Prefix Grouper, arXiv
-    2506.05433). It is response_logprobs without a shared prompt or a response token, with an attention backend
-    that ignores a 4D mask (flash-attention), where packing would change the numbers (_shared_prompt_exact) or cost
-    more than it saves (_shared_prompt_pays). Padding positions get the logits of the first token (masked everywhere).
-    Returns (logprobs [B, R], logits [B, R, V]) with logits divided by the sampling temperature."""
+def shared_prompt_logits(model, input_ids, attention_mask, context_length):
+    """The response positions' logits (response_logprobs' packed=, --shared_prompt) with each prompt computed once
+    per group: the rows with the same prompt (a group's completions) run as one sequence, the prompt then every
+    response's real tokens (_shared_prompt_inputs), in which a response attends to the prompt and to itself only
+    and its positions continue from the prompt's real length. The logits are the same, the gradients reach the
+    prompt summed over its group, and the model runs P + (the group's response tokens) instead of G * (P + R)
+    positions, padding included (Prefix Grouper, arXiv 2506.05433). None (the caller's plain forward pass) without
+    a shared prompt or a response token, with an attention backend that ignores a 4D mask (flash-attention), where
+    packing would change the numbers (_shared_prompt_exact) or cost more than it saves (_shared_prompt_pays).
+    Padding positions get the logits of the first token (masked everywhere). Returns logits [B, R, V] in the
+    model's dtype, or None."""
     group, slot = _prompt_groups(input_ids, attention_mask, context_length)
     config, lengths = getattr(model, "module", model).config, attention_mask[:, context_length:].sum(1)
     if (
@@ -2088,7 +2094,7 @@ def shared_prompt_logprobs(model, input_ids, attention_mask, context_length, tem
         or not _shared_prompt_exact(config, int(attention_mask.sum(1).max()))
         or not _shared_prompt_pays(config, group, lengths, context_length, input_ids.shape[1])
     ):
-        return response_logprobs(model, input_ids, attention_mask, context_length, temperature)
+        return None
     ids, mask, positions, columns = _shared_prompt_inputs(input_ids, attention_mask, context_length, group, slot)
     if config._attn_implementation == "eager":  # eager attention adds the mask to the scores
         mask = torch.zeros(mask.shape, device=ids.device).masked_fill(~mask, torch.finfo(torch.float32).min)
@@ -2097,8 +2103,7 @@ def shared_prompt_logprobs(model, input_ids, attention_mask, context_length, tem
     packed = model(
         input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, logits_to_keep=logits_to_keep
     ).logits[:, :-1]
-    logits = packed[group[:, None], columns].float() / temperature  # [B, R, V]
-    return logprobs_from_logits(logits, input_ids[:, context_length:]), logits
+    return packed[group[:, None], columns]  # [B, R, V]
 
 
 def _prompt_groups(input_ids, attention_mask, context_length):
@@ -2157,7 +2162,7 @@ def _shared_prompt_pays(config, group, lengths, context_length, width):
 
 
 def _shared_prompt_inputs(input_ids, attention_mask, context_length, group, slot):
-    """The packed batch of shared_prompt_logprobs: one sequence per group of rows, its prompt then the real tokens of
+    """The packed batch of shared_prompt_logits: one sequence per group of rows, its prompt then the real tokens of
     each row's response, back to back in slot order (no padding between them). input_ids, attention_mask [B, P + R]
     (a response's real tokens are a prefix of its R); group, slot [B] (_prompt_groups). Returns the ids [K, L] (L: the
     longest group), the attention mask [K, 1, L, L] (True: the query row may attend to the key column; a response

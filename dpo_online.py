@@ -152,7 +152,10 @@ def main(args: "Config"):
     loss_flags = dict(  # online_dpo_loss's flags (it takes tensors and scalars, not args)
         beta=args.beta, loss_type=args.loss_type, tis_cap=args.tis_cap, kl_estimator=args.kl_estimator
     )
-    logprobs_fn = shared_prompt_logprobs if args.shared_prompt else response_logprobs  # a pair shares its prompt
+    packed = (
+        shared_prompt_logits if args.shared_prompt else None
+    )  # a pair shares its prompt, each prompt once per group
+    logprobs_fn = functools.partial(response_logprobs, packed=packed)
     eval_set = (eval_prompts, eval_golds)
     evaluation = functools.partial(evaluate, sampler, eval_set, has_gold, reward_models, ref_model, args, accelerator)
     ensemble = (args.reward_ensemble, args.uwo_coef)  # how several reward models' scores combine
@@ -432,24 +435,27 @@ def logprobs_from_logits(logits, labels):
     return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
-def response_logprobs(model, input_ids, attention_mask, context_length, temperature):
+def response_logprobs(model, input_ids, attention_mask, context_length, temperature, packed=None):
     """Log-probs of the response tokens input_ids[:, context_length:] under `model`, and the logits that gave them.
-    Prompts are left-padded, so positions are counted from each sequence's first real token.
-    Returns (logprobs [B, R], logits [B, R, V]) with logits divided by the sampling temperature."""
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    # The logits at position t predict token t + 1: the LM head (a [hidden, vocab] matmul) skips the prompt.
-    logits = model(**inputs, logits_to_keep=input_ids.shape[1] - context_length + 1).logits
-    logits = logits[:, :-1].float() / temperature
+    Prompts are left-padded, so positions are counted from each sequence's first real token. packed (--shared_prompt:
+    shared_prompt_logits) computes the same logits with each prompt once per group, or returns None where it does not
+    apply. Returns (logprobs [B, R], logits [B, R, V]) with logits divided by the sampling temperature."""
+    logits = packed(model, input_ids, attention_mask, context_length) if packed else None
+    if logits is None:
+        position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+        inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+        # The logits at position t predict token t + 1: the LM head (a [hidden, vocab] matmul) skips the prompt.
+        logits = model(**inputs, logits_to_keep=input_ids.shape[1] - context_length + 1).logits[:, :-1]
+    logits = logits.float() / temperature
     return logprobs_from_logits(logits, input_ids[:, context_length:]), logits
 
 
 def fixed_logprobs_of_rows(
     logprobs_fn, model, query_responses, attention_mask, context_length, temperature, row_batches
 ):
-    """logprobs_fn (response_logprobs or shared_prompt_logprobs) without gradients, computed batch by batch on the
-    given rows (the update's micro-batches, so that the policy's log-probs before its first update equal them bit for
-    bit); every row must be in one batch. [B, P + R] -> [B, R]"""
+    """logprobs_fn (response_logprobs, with packed= under --shared_prompt) without gradients, computed batch by batch
+    on the given rows (the update's micro-batches, so that the policy's log-probs before its first update equal them
+    bit for bit); every row must be in one batch. [B, P + R] -> [B, R]"""
     shape = (query_responses.shape[0], query_responses.shape[1] - context_length)
     logprobs = torch.zeros(shape, device=query_responses.device)
     with torch.no_grad():
@@ -1747,16 +1753,17 @@ def _policy_state_dict(model):
     return {name.removeprefix("base_model.model.").replace(".base_layer", ""): t.detach() for name, t in state.items()}
 
 
-def shared_prompt_logprobs(model, input_ids, attention_mask, context_length, temperature):
-    """response_logprobs with each prompt computed once per group: the rows with the same prompt (a group's
-    completions) run as one sequence, the prompt then every response's real tokens (_shared_prompt_inputs), in which
-    a response attends to the prompt and to itself only and its positions continue from the prompt's real length.
-    The log-probs are the same, the gradients reach the prompt summed over its group, and the model runs
-    P + (the group's response tokens) instead of G * (P + R) positions, padding included (Prefix Grouper, arXiv
-    2506.05433). It is response_logprobs without a shared prompt or a response token, with an attention backend
-    that ignores a 4D mask (flash-attention), where packing would change the numbers (_shared_prompt_exact) or cost
-    more than it saves (_shared_prompt_pays). Padding positions get the logits of the first token (masked everywhere).
-    Returns (logprobs [B, R], logits [B, R, V]) with logits divided by the sampling temperature."""
+def shared_prompt_logits(model, input_ids, attention_mask, context_length):
+    """The response positions' logits (response_logprobs' packed=, --shared_prompt) with each prompt computed once
+    per group: the rows with the same prompt (a group's completions) run as one sequence, the prompt then every
+    response's real tokens (_shared_prompt_inputs), in which a response attends to the prompt and to itself only
+    and its positions continue from the prompt's real length. The logits are the same, the gradients reach the
+    prompt summed over its group, and the model runs P + (the group's response tokens) instead of G * (P + R)
+    positions, padding included (Prefix Grouper, arXiv 2506.05433). None (the caller's plain forward pass) without
+    a shared prompt or a response token, with an attention backend that ignores a 4D mask (flash-attention), where
+    packing would change the numbers (_shared_prompt_exact) or cost more than it saves (_shared_prompt_pays).
+    Padding positions get the logits of the first token (masked everywhere). Returns logits [B, R, V] in the
+    model's dtype, or None."""
     group, slot = _prompt_groups(input_ids, attention_mask, context_length)
     config, lengths = getattr(model, "module", model).config, attention_mask[:, context_length:].sum(1)
     if (
@@ -1766,7 +1773,7 @@ def shared_prompt_logprobs(model, input_ids, attention_mask, context_length, tem
         or not _shared_prompt_exact(config, int(attention_mask.sum(1).max()))
         or not _shared_prompt_pays(config, group, lengths, context_length, input_ids.shape[1])
     ):
-        return response_logprobs(model, input_ids, attention_mask, context_length, temperature)
+        return None
     ids, mask, positions, columns = _shared_prompt_inputs(input_ids, attention_mask, context_length, group, slot)
     if config._attn_implementation == "eager":  # eager attention adds the mask to the scores
         mask = torch.zeros(mask.shape, device=ids.device).masked_fill(~mask, torch.finfo(torch.float32).min)
@@ -1775,8 +1782,7 @@ def shared_prompt_logprobs(model, input_ids, attention_mask, context_length, tem
     packed = model(
         input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, logits_to_keep=logits_to_keep
     ).logits[:, :-1]
-    logits = packed[group[:, None], columns].float() / temperature  # [B, R, V]
-    return logprobs_from_logits(logits, input_ids[:, context_length:]), logits
+    return packed[group[:, None], columns]  # [B, R, V]
 
 
 def _prompt_groups(input_ids, attention_mask, context_length):
@@ -1835,7 +1841,7 @@ def _shared_prompt_pays(config, group, lengths, context_length, width):
 
 
 def _shared_prompt_inputs(input_ids, attention_mask, context_length, group, slot):
-    """The packed batch of shared_prompt_logprobs: one sequence per group of rows, its prompt then the real tokens of
+    """The packed batch of shared_prompt_logits: one sequence per group of rows, its prompt then the real tokens of
     each row's response, back to back in slot order (no padding between them). input_ids, attention_mask [B, P + R]
     (a response's real tokens are a prefix of its R); group, slot [B] (_prompt_groups). Returns the ids [K, L] (L: the
     longest group), the attention mask [K, 1, L, L] (True: the query row may attend to the key column; a response

@@ -343,15 +343,18 @@ def entropy_from_logits(logits):
     return torch.logsumexp(logits, dim=-1) - (F.softmax(logits, dim=-1) * logits).sum(-1)
 
 
-def response_logprobs(model, input_ids, attention_mask, context_length, temperature):
+def response_logprobs(model, input_ids, attention_mask, context_length, temperature, packed=None):
     """Log-probs of the response tokens input_ids[:, context_length:] under `model`, and the logits that gave them.
-    Prompts are left-padded, so positions are counted from each sequence's first real token.
-    Returns (logprobs [B, R], logits [B, R, V]) with logits divided by the sampling temperature."""
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    # The logits at position t predict token t + 1: the LM head (a [hidden, vocab] matmul) skips the prompt.
-    logits = model(**inputs, logits_to_keep=input_ids.shape[1] - context_length + 1).logits
-    logits = logits[:, :-1].float() / temperature
+    Prompts are left-padded, so positions are counted from each sequence's first real token. packed (--shared_prompt:
+    shared_prompt_logits) computes the same logits with each prompt once per group, or returns None where it does not
+    apply. Returns (logprobs [B, R], logits [B, R, V]) with logits divided by the sampling temperature."""
+    logits = packed(model, input_ids, attention_mask, context_length) if packed else None
+    if logits is None:
+        position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+        inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+        # The logits at position t predict token t + 1: the LM head (a [hidden, vocab] matmul) skips the prompt.
+        logits = model(**inputs, logits_to_keep=input_ids.shape[1] - context_length + 1).logits[:, :-1]
+    logits = logits.float() / temperature
     return logprobs_from_logits(logits, input_ids[:, context_length:]), logits
 
 
@@ -389,7 +392,7 @@ class PolicyAndValueModel(torch.nn.Module):
 
 
 def fixed_logprobs(logprobs_fn, model, query_responses, attention_mask, context_length, temperature, micro_batch_size):
-    """logprobs_fn (response_logprobs, or shared_prompt_logprobs where a script has it) without gradients, by
+    """logprobs_fn (response_logprobs, with packed= where a script has --shared_prompt) without gradients, by
     micro-batch: the old policy's and the reference's log-probs, which stay fixed during the update.
     [B, P + R] -> [B, R]"""
     parts = [slice(i, i + micro_batch_size) for i in range(0, len(query_responses), micro_batch_size)]

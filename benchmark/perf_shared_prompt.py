@@ -4,7 +4,7 @@
     python -m benchmark.perf_shared_prompt --steps 3 --scripts grpo_math
 
 Each script runs its default command for --steps steps twice, with `--shared_prompt` (each prompt computed once per
-group: shared_prompt_logprobs) and with `--no-shared_prompt` (each completion with its own copy of the prompt),
+group: shared_prompt_logits) and with `--no-shared_prompt` (each completion with its own copy of the prompt),
 the order of the two alternating from one script to the next. Only what the comparison needs changes: HF generate
 instead of vLLM (the sampler is not what is timed), 8 held-out prompts, no checkpoints; the seed is the same, so
 both runs train on the same first batch. The first step is a warm-up and is left out: the medians are over the

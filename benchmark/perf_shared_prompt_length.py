@@ -5,7 +5,7 @@
 
 One group of 8 completions of a 48-token prompt, response lengths spread evenly over [R/2, R], SmolLM2-135M's shape
 (random weights: the time does not depend on them), fp32, the policy's log-probs forward + backward, as the training
-step computes them: packed (grpo_math.shared_prompt_logprobs forced to pack) and unpacked (response_logprobs). Each
+step computes them: packed (grpo_math.shared_prompt_logits forced to pack) and unpacked (response_logprobs). Each
 measurement runs in its own process, packed and unpacked alternating, best of --repeats; reported per R: seconds,
 the bytes autograd saved for the backward pass, the process's peak RSS (with --device cuda: the CUDA allocator's
 peak, and the time of a second forward + backward after a warm-up), and whether shared_prompt_pays packs.
@@ -13,6 +13,7 @@ Results go to benchmark/results/shared_prompt_length.{json,md}.
 """
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -56,7 +57,11 @@ def measure(r, packed, layers, device="cpu", dtype="float32", config_dir=MODEL):
     group = torch.zeros(len(ids), dtype=torch.long, device=device)
     pays = grpo_math._shared_prompt_pays(config, group, mask[:, p:].sum(1), p, ids.shape[1])
     grpo_math._shared_prompt_pays = lambda *a: True  # forced: the packed run measures packing whatever the rule says
-    fn = grpo_math.shared_prompt_logprobs if packed else grpo_math.response_logprobs
+    fn = (
+        functools.partial(grpo_math.response_logprobs, packed=grpo_math.shared_prompt_logits)
+        if packed
+        else grpo_math.response_logprobs
+    )
     saved = [0]
 
     def pack(tensor):

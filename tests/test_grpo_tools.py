@@ -398,7 +398,11 @@ def test_trainer_logprobs_of_policy_tokens_equal_a_plain_forward_of_each_traject
         prompts, 1, rollout.ids, rollout.real, None, tokenizer.pad_token_id, "cpu"
     )
     mask = rollout.policy[:, : real.shape[1]]
-    fn = grpo_tools.shared_prompt_logprobs if shared_prompt else grpo_tools.response_logprobs
+    fn = (
+        functools.partial(grpo_tools.response_logprobs, packed=grpo_tools.shared_prompt_logits)
+        if shared_prompt
+        else grpo_tools.response_logprobs
+    )
     with torch.no_grad():
         logprobs, _ = fn(model, query_responses, attention_mask, P, 0.7)
         for i, prompt in enumerate(prompts):

@@ -6,6 +6,7 @@ optimizer step's checks), the models, the Sampler (stop ids, HF generate, the re
 the shared-prompt forward. End-to-end runs that use the kit are in each script's test file."""
 
 import collections
+import functools
 import json
 import math
 import os
@@ -29,6 +30,12 @@ import ppo_prm_clip
 import ppo_rlhf
 import reward_modeling
 from grpo_math import _left_pad, _response_mask, _step_prompt_indices, response_logprobs
+
+
+def shared_prompt_logprobs(*args):
+    """grpo_math's response_logprobs with --shared_prompt's packing."""
+    return grpo_math.response_logprobs(*args, packed=grpo_math.shared_prompt_logits)
+
 
 SCRIPTS = [grpo_math, dpo_online, ppo_rlhf, reward_modeling, ppo_prm_clip, async_rlhf]
 SEEDS = [0, 1, 2]
@@ -459,7 +466,11 @@ def grouped_batch(group_sizes, width=6, seed=0):
 def logprobs_and_grads(model, input_ids, attention_mask, context_length, shared_prompt):
     """Log-probs of the responses and the parameter gradients of a random weighting of them."""
     model.zero_grad()
-    logprobs_fn = grpo_math.shared_prompt_logprobs if shared_prompt else response_logprobs
+    logprobs_fn = (
+        functools.partial(grpo_math.response_logprobs, packed=grpo_math.shared_prompt_logits)
+        if shared_prompt
+        else response_logprobs
+    )
     logprobs, _ = logprobs_fn(model, input_ids, attention_mask, context_length, 0.7)
     mask = attention_mask[:, context_length:].float()
     weights = torch.randn(logprobs.shape, generator=torch.Generator().manual_seed(1))
@@ -515,8 +526,8 @@ def test_shared_prompt_logprobs_do_not_depend_on_the_order_of_the_rows(attention
     input_ids, attention_mask, context_length = grouped_batch([2, 2, 2, 2])
     permutation = torch.randperm(len(input_ids), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        ordered = grpo_math.shared_prompt_logprobs(model, input_ids, attention_mask, context_length, 1.0)[0]
-        permuted = grpo_math.shared_prompt_logprobs(
+        ordered = shared_prompt_logprobs(model, input_ids, attention_mask, context_length, 1.0)[0]
+        permuted = shared_prompt_logprobs(
             model, input_ids[permutation], attention_mask[permutation], context_length, 1.0
         )[0]
     assert torch.equal(permuted, ordered[permutation])
@@ -530,7 +541,7 @@ def test_shared_prompt_computes_each_prompt_once():
     )
     input_ids, attention_mask, context_length = grouped_batch([8, 8], width=6)
     with torch.no_grad():
-        grpo_math.shared_prompt_logprobs(model, input_ids, attention_mask, context_length, 1.0)
+        shared_prompt_logprobs(model, input_ids, attention_mask, context_length, 1.0)
         response_logprobs(model, input_ids, attention_mask, context_length, 1.0)
     response_tokens = attention_mask[:, context_length:].sum(1).view(2, 8).sum(1)  # each group's real tokens
     packed_length = context_length + int(response_tokens.max())  # no padding between a group's responses

@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 from conftest import MICRO_CONFIG
-from test_kit import grouped_batch, logprobs_and_grads
+from test_kit import grouped_batch, logprobs_and_grads, shared_prompt_logprobs
 
 import grpo_math
 from grpo_math import _shared_prompt_exact, _shared_prompt_pays
@@ -101,7 +101,7 @@ def test_packing_is_used_exactly_where_no_window_binds(family, window):
     shapes = []
     model.model.register_forward_hook(lambda m, a, kw, out: shapes.append(kw["input_ids"].shape), with_kwargs=True)
     with torch.no_grad():
-        grpo_math.shared_prompt_logprobs(model, input_ids, attention_mask, context_length, 1.0)
+        shared_prompt_logprobs(model, input_ids, attention_mask, context_length, 1.0)
     assert shapes[0][0] == (len(input_ids) if binds else 3)
 
 
@@ -113,7 +113,7 @@ def test_packing_across_a_sliding_window_would_change_the_logprobs(family, monke
     input_ids, attention_mask, context_length = grouped_batch([4, 1, 3], width=6, seed=1)
     monkeypatch.setattr(grpo_math, "_shared_prompt_exact", lambda config, longest: True)
     with torch.no_grad():
-        packed = grpo_math.shared_prompt_logprobs(model, input_ids, attention_mask, context_length, 0.7)[0]
+        packed = shared_prompt_logprobs(model, input_ids, attention_mask, context_length, 0.7)[0]
     worst = max(
         abs(packed[i, t].item() - value)
         for i, row in enumerate(rows_alone(model, input_ids, attention_mask, context_length))
@@ -211,7 +211,7 @@ def test_all_empty_responses_do_not_raise():
     input_ids, attention_mask, context_length = grouped_batch([4, 4], width=3)
     attention_mask[:, context_length:] = 0
     with torch.no_grad():
-        logprobs, _ = grpo_math.shared_prompt_logprobs(model, input_ids, attention_mask, context_length, 1.0)
+        logprobs, _ = shared_prompt_logprobs(model, input_ids, attention_mask, context_length, 1.0)
     assert logprobs.shape == (8, 3) and torch.isfinite(logprobs).all()
 
 
