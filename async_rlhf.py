@@ -175,10 +175,13 @@ def main(args: "Config"):
     schedule = "constant_with_warmup" if args.lr_scheduler == "constant" else args.lr_scheduler  # after warmup_steps
     scheduler = get_scheduler(schedule, optimizer, args.warmup_steps, args.total_steps * args.num_minibatches)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    generator = AsyncGenerator(args, accelerator, model, tokenizer, train_prompts, train_golds, gen_models, threads)
-    evaluation = functools.partial(evaluate, generator, eval_prompts, eval_golds, has_gold, args, accelerator)
     packed = shared_prompt_logits if args.shared_prompt else None  # the same log-probs, each prompt once per group
     logprobs_fn = functools.partial(response_logprobs, packed=packed)
+    scoring = (training_batch, logprobs_fn, judge_scores)  # the algorithm's part of what the generator computes
+    generator = AsyncGenerator(
+        args, accelerator, model, tokenizer, train_prompts, train_golds, gen_models, threads, scoring
+    )
+    evaluation = functools.partial(evaluate, generator, eval_prompts, eval_golds, has_gold, args, accelerator)
     start_step = run.start({"vllm": generator.gen_model is None})
     generator.publish(start_step)  # the generator's first weights: the initial ones, or those --resume restored
     if start_step == 0:
@@ -574,6 +577,14 @@ def verify_answer(prediction, gold):
 def verifier_scores(texts, golds):
     """The verifier judge: 1.0 for a completion whose final answer is right, 0.0 otherwise. Returns [N]."""
     return torch.tensor([verify_answer(extract_answer(t), g) for t, g in zip(texts, golds)])
+
+
+def judge_scores(reward_model, reward_bias, query_responses, attention_mask, texts, golds):
+    """The judge's score of each completion [B] (higher is better): the reward model's (reward_model_judge), or
+    without one (--judge verifier) the verifier's (verifier_scores)."""
+    if reward_model is None:
+        return verifier_scores(texts, golds)
+    return reward_model_judge(reward_model, reward_bias, query_responses, attention_mask)
 
 
 def reward_model_judge(reward_model, reward_bias, query_responses, attention_mask):
@@ -1708,6 +1719,130 @@ def _generator_gpu(local_rank, local_processes, num_gpus):
     return local_processes + local_rank % spare
 
 
+def shared_prompt_logits(model, input_ids, attention_mask, context_length):
+    """The response positions' logits (response_logprobs' packed=, --shared_prompt) with each prompt computed once
+    per group: the rows with the same prompt (a group's completions) run as one sequence, the prompt then every
+    response's real tokens (_shared_prompt_inputs), in which a response attends to the prompt and to itself only
+    and its positions continue from the prompt's real length. The logits are the same, the gradients reach the
+    prompt summed over its group, and the model runs P + (the group's response tokens) instead of G * (P + R)
+    positions, padding included (Prefix Grouper, arXiv 2506.05433). None (the caller's plain forward pass) without
+    a shared prompt or a response token, with an attention backend that ignores a 4D mask (flash-attention), where
+    packing would change the numbers (_shared_prompt_exact) or cost more than it saves (_shared_prompt_pays).
+    Padding positions get the logits of the first token (masked everywhere). Returns logits [B, R, V] in the
+    model's dtype, or None."""
+    group, slot = _prompt_groups(input_ids, attention_mask, context_length)
+    config, lengths = getattr(model, "module", model).config, attention_mask[:, context_length:].sum(1)
+    if (
+        int(slot.max()) == 0
+        or int(lengths.sum()) == 0
+        or config._attn_implementation not in ("sdpa", "eager")
+        or not _shared_prompt_exact(config, int(attention_mask.sum(1).max()))
+        or not _shared_prompt_pays(config, group, lengths, context_length, input_ids.shape[1])
+    ):
+        return None
+    ids, mask, positions, columns = _shared_prompt_inputs(input_ids, attention_mask, context_length, group, slot)
+    if config._attn_implementation == "eager":  # eager attention adds the mask to the scores
+        mask = torch.zeros(mask.shape, device=ids.device).masked_fill(~mask, torch.finfo(torch.float32).min)
+    # The logits at positions P - 1 .. L - 2, the only ones that predict response tokens. [K, L - P, V]
+    logits_to_keep = ids.shape[1] - context_length + 1
+    packed = model(
+        input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, logits_to_keep=logits_to_keep
+    ).logits[:, :-1]
+    return packed[group[:, None], columns]  # [B, R, V]
+
+
+def _prompt_groups(input_ids, attention_mask, context_length):
+    """The group of each row (the rows with the same prompt ids and padding, wherever they are in the batch) and its
+    slot, its rank in the group by content (then by position, between identical rows). The packing of
+    _shared_prompt_inputs then depends on the set of rows only, not on their order, and so does each row's result.
+    input_ids, attention_mask [B, P + R] -> (group [B] in 0..K-1, slot [B])"""
+    prompts = torch.cat([input_ids[:, :context_length], attention_mask[:, :context_length]], 1)
+    group = torch.unique(prompts, dim=0, return_inverse=True)[1]
+    content = torch.unique(torch.cat([input_ids, attention_mask], 1), dim=0, return_inverse=True)[1]
+    rank = torch.empty_like(group)
+    rank[torch.sort(group * len(group) + content, stable=True).indices] = torch.arange(len(group), device=group.device)
+    first = torch.full((int(group.max()) + 1,), len(group), device=group.device).scatter_reduce(0, group, rank, "amin")
+    return group, rank - first[group]
+
+
+def _shared_prompt_exact(config, longest):
+    """Whether the packed forward gives this architecture's own log-probs for sequences of up to `longest` tokens.
+    transformers takes a ready 4D mask as it is, so every layer must attend over the whole causal context: a sliding
+    window or attention chunk (Mistral, Phi-3, Gemma-2/3, Qwen2 with use_sliding_window, Llama-4) counts only when it
+    is wider than the longest sequence (then it masks nothing), and other layer types (linear attention, state
+    spaces) or positions taken from the mask (ALiBi: Bloom, MPT, Falcon) are not packed."""
+    config = config.get_text_config()
+    if config.model_type in ("bloom", "mpt") or getattr(config, "alibi", False):
+        return False
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:  # Mistral, Phi-3: one window for every layer
+        layer_types = ["sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"]
+    spans = {"sliding_attention": "sliding_window", "chunked_attention": "attention_chunk_size"}
+    for kind in set(layer_types) - {"full_attention"}:
+        span = getattr(config, spans.get(kind, "-"), None)
+        if span is None or longest >= span:
+            return False
+    return True
+
+
+def _shared_prompt_pays(config, group, lengths, context_length, width):
+    """Whether the packed forward costs fewer FLOPs than the unpacked one (it must never cost more than it saves).
+    Packed: K sequences of L = P + (the longest group's response tokens) with a dense L x L mask. Unpacked: B rows of
+    W = P + R, padding included, whose causal attention a kernel may halve. Per layer a token costs 2 x (the layer's
+    weights) and a (query, key) pair 4 x heads x head_dim; a kept logit row costs 2 x hidden x vocab. The pairs win at
+    long responses: for 8 completions of a 48-token prompt on SmolLM2-135M, from R ~ 350 (docs/launch_paths.md).
+    group [B] (_prompt_groups), lengths [B] (real response tokens), context_length P, width W."""
+    config = config.get_text_config()
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    mlp = 3 * hidden * (getattr(config, "intermediate_size", None) or 4 * hidden)
+    per_token, per_pair = 2 * (hidden * head_dim * (2 * heads + 2 * kv_heads) + mlp), 4 * heads * head_dim
+    per_logit, layers = 2 * hidden * config.vocab_size, config.num_hidden_layers
+    K, B, W, P = int(group.max()) + 1, len(group), width, context_length
+    L = P + int(torch.bincount(group, weights=lengths.float()).max())
+    packed = layers * K * (L * per_token + L**2 * per_pair) + K * (L - P) * per_logit
+    unpacked = layers * B * (W * per_token + W**2 / 2 * per_pair) + B * (W - P) * per_logit
+    return packed < unpacked
+
+
+def _shared_prompt_inputs(input_ids, attention_mask, context_length, group, slot):
+    """The packed batch of shared_prompt_logits: one sequence per group of rows, its prompt then the real tokens of
+    each row's response, back to back in slot order (no padding between them). input_ids, attention_mask [B, P + R]
+    (a response's real tokens are a prefix of its R); group, slot [B] (_prompt_groups). Returns the ids [K, L] (L: the
+    longest group), the attention mask [K, 1, L, L] (True: the query row may attend to the key column; a response
+    sees the real prompt tokens and itself, causally; every position sees itself, so no row of the softmax is
+    empty), the position ids [K, L] (a response continues from its prompt's real length) and, for each row's R
+    tokens, the index in positions P - 1 .. L - 2 of the logit that predicts it [B, R] (0 for padding)."""
+    P, R, device = context_length, input_ids.shape[1] - context_length, input_ids.device
+    num_groups, slots = int(group.max()) + 1, int(slot.max()) + 1
+    lengths = attention_mask[:, P:].sum(1)  # [B]
+    by_slot = torch.zeros((num_groups, slots), dtype=torch.long, device=device).index_put_((group, slot), lengths)
+    offsets = P + (by_slot.cumsum(1) - by_slot)[group, slot]  # where each row's response starts [B]
+    length = int((P + by_slot.sum(1)).max())
+    first_row = torch.zeros(num_groups, dtype=torch.long, device=device).index_put_(
+        (group[slot == 0],), torch.nonzero(slot == 0).squeeze(1)
+    )
+    prompt_valid = attention_mask[first_row, :P] > 0  # [K, P]
+    ids = torch.zeros((num_groups, length), dtype=input_ids.dtype, device=device)
+    segment = torch.full((num_groups, length), -2, device=device)  # -1 prompt, s response in slot s, -2 padding
+    positions = torch.zeros((num_groups, length), dtype=torch.long, device=device)
+    ids[:, :P], positions[:, :P] = input_ids[first_row, :P], (prompt_valid.long().cumsum(1) - 1).clamp(min=0)
+    segment[:, :P] = torch.where(prompt_valid, -1, -2)
+    t = torch.arange(R, device=device)
+    real = t[None] < lengths[:, None]  # [B, R]
+    where = (group[:, None].expand(-1, R)[real], (offsets[:, None] + t)[real])
+    ids[where] = input_ids[:, P:][real]
+    segment[where] = slot[:, None].expand(-1, R)[real]
+    positions[where] = (prompt_valid.sum(1)[group][:, None] + t)[real]
+    query, key = segment[:, :, None], segment[:, None, :]
+    causal = torch.ones((length, length), dtype=torch.bool, device=device).tril()
+    mask = causal & (key >= -1) & ((key == -1) | (key == query))  # [K, L, L]
+    mask |= torch.eye(length, dtype=torch.bool, device=device)
+    columns = torch.where(real & (t > 0), offsets[:, None] - P + t, 0)  # token t >= 1 is predicted at offset + t - 1
+    return ids, mask[:, None], positions, columns
+
+
 class AsyncGenerator:
     """The generator thread and what it shares with the learner (see the module docstring for the invariant). It owns
     the generation engine (vLLM, or a whole copy of the policy for HF generate) and makes batch t, the prompts of step
@@ -1718,10 +1853,12 @@ class AsyncGenerator:
       reward model by engine_lock (the generator and the learner's evaluation both use them);
     - batches: at most N generated batches waiting for the learner; failure: the generator's exception, if any.
     The learner (the main thread) calls publish, start, next_batch, join and close; evaluation takes engine_lock.
-    `threads`: (the real torch.set_num_threads, this process's torch threads), read before vLLM started."""
+    `threads`: (the real torch.set_num_threads, this process's torch threads), read before vLLM started. `scoring`:
+    the algorithm's functions it computes a batch with, (training_batch, logprobs_fn, judge_scores)."""
 
-    def __init__(self, args, accelerator, model, tokenizer, prompts, golds, gen_models, threads):
+    def __init__(self, args, accelerator, model, tokenizer, prompts, golds, gen_models, threads, scoring):
         self.args, self.accelerator, self.model, self.tokenizer = args, accelerator, model, tokenizer
+        self.training_batch, self.logprobs_fn, self.judge_scores = scoring
         self.policy = accelerator.unwrap_model(model)
         self.prompts, self.golds = prompts, golds  # the training prompts and their gold answers
         self.device, self.gen_model, self.ref_policy, self.reward_model = gen_models
@@ -1810,7 +1947,7 @@ class AsyncGenerator:
             timings["time/generation"] = time.time() - t0
             has_eos = (torch.isin(responses, torch.tensor(self.stop_ids)) & (mask > 0)).any(1)
             # The response columns that no completion uses are cut: nothing after the longest one is computed.
-            query_responses, attention_mask, mask, sampler_logprobs, context_length = training_batch(
+            query_responses, attention_mask, mask, sampler_logprobs, context_length = self.training_batch(
                 prompts, n, responses, mask, sampler_logprobs, self.pad_id, self.device
             )
             old_logprobs = sampler_logprobs  # the log-probs of the policy that sampled: vLLM's own
@@ -1879,12 +2016,10 @@ class AsyncGenerator:
         is exactly 1 and the KL and DPO's h exactly 0. Autocast is per thread: each forward enters it itself.
         shared_prompt_logits packs a micro-batch the same whatever the order of its rows."""
         k = self.args.micro_batch_size * self.args.num_completions
-        packed = shared_prompt_logits if self.args.shared_prompt else None
-        logprobs_fn = functools.partial(response_logprobs, packed=packed)
         rows = [slice(i, i + k) for i in range(0, len(query_responses), k)]
         with torch.no_grad(), self.accelerator.autocast():
             parts = [
-                logprobs_fn(scorer, query_responses[r], attention_mask[r], context_length, temperature)[0]
+                self.logprobs_fn(scorer, query_responses[r], attention_mask[r], context_length, temperature)[0]
                 for r in rows
             ]
         return torch.cat([part.cpu() for part in parts])
@@ -1893,11 +2028,12 @@ class AsyncGenerator:
         """The judge's score of each completion [B] on the learner's device (higher is better): the reward model's,
         computed on the generator's device (with engine_lock held, so that the two threads never share it at once),
         or the verifier's."""
-        if self.reward_model is None:
-            return verifier_scores(texts, golds).to(self.accelerator.device)
-        query_responses, attention_mask = query_responses.to(self.device), attention_mask.to(self.device)
+        if self.reward_model is not None:  # on the generator's device
+            query_responses, attention_mask = query_responses.to(self.device), attention_mask.to(self.device)
         with self.accelerator.autocast():  # the policy's mixed precision (see score_rows)
-            scores = reward_model_judge(self.reward_model, self.reward_bias, query_responses, attention_mask)
+            scores = self.judge_scores(
+                self.reward_model, self.reward_bias, query_responses, attention_mask, texts, golds
+            )
         return scores.to(self.accelerator.device)
 
     def next_batch(self, step):
@@ -2072,130 +2208,6 @@ def _response_mask(responses, lengths, stop_ids):
     mask = torch.arange(responses.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
     is_eos = torch.isin(responses, torch.tensor(stop_ids)) & mask
     return (mask & ~((is_eos.cumsum(1) - is_eos.long()) > 0)).float()
-
-
-def shared_prompt_logits(model, input_ids, attention_mask, context_length):
-    """The response positions' logits (response_logprobs' packed=, --shared_prompt) with each prompt computed once
-    per group: the rows with the same prompt (a group's completions) run as one sequence, the prompt then every
-    response's real tokens (_shared_prompt_inputs), in which a response attends to the prompt and to itself only
-    and its positions continue from the prompt's real length. The logits are the same, the gradients reach the
-    prompt summed over its group, and the model runs P + (the group's response tokens) instead of G * (P + R)
-    positions, padding included (Prefix Grouper, arXiv 2506.05433). None (the caller's plain forward pass) without
-    a shared prompt or a response token, with an attention backend that ignores a 4D mask (flash-attention), where
-    packing would change the numbers (_shared_prompt_exact) or cost more than it saves (_shared_prompt_pays).
-    Padding positions get the logits of the first token (masked everywhere). Returns logits [B, R, V] in the
-    model's dtype, or None."""
-    group, slot = _prompt_groups(input_ids, attention_mask, context_length)
-    config, lengths = getattr(model, "module", model).config, attention_mask[:, context_length:].sum(1)
-    if (
-        int(slot.max()) == 0
-        or int(lengths.sum()) == 0
-        or config._attn_implementation not in ("sdpa", "eager")
-        or not _shared_prompt_exact(config, int(attention_mask.sum(1).max()))
-        or not _shared_prompt_pays(config, group, lengths, context_length, input_ids.shape[1])
-    ):
-        return None
-    ids, mask, positions, columns = _shared_prompt_inputs(input_ids, attention_mask, context_length, group, slot)
-    if config._attn_implementation == "eager":  # eager attention adds the mask to the scores
-        mask = torch.zeros(mask.shape, device=ids.device).masked_fill(~mask, torch.finfo(torch.float32).min)
-    # The logits at positions P - 1 .. L - 2, the only ones that predict response tokens. [K, L - P, V]
-    logits_to_keep = ids.shape[1] - context_length + 1
-    packed = model(
-        input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, logits_to_keep=logits_to_keep
-    ).logits[:, :-1]
-    return packed[group[:, None], columns]  # [B, R, V]
-
-
-def _prompt_groups(input_ids, attention_mask, context_length):
-    """The group of each row (the rows with the same prompt ids and padding, wherever they are in the batch) and its
-    slot, its rank in the group by content (then by position, between identical rows). The packing of
-    _shared_prompt_inputs then depends on the set of rows only, not on their order, and so does each row's result.
-    input_ids, attention_mask [B, P + R] -> (group [B] in 0..K-1, slot [B])"""
-    prompts = torch.cat([input_ids[:, :context_length], attention_mask[:, :context_length]], 1)
-    group = torch.unique(prompts, dim=0, return_inverse=True)[1]
-    content = torch.unique(torch.cat([input_ids, attention_mask], 1), dim=0, return_inverse=True)[1]
-    rank = torch.empty_like(group)
-    rank[torch.sort(group * len(group) + content, stable=True).indices] = torch.arange(len(group), device=group.device)
-    first = torch.full((int(group.max()) + 1,), len(group), device=group.device).scatter_reduce(0, group, rank, "amin")
-    return group, rank - first[group]
-
-
-def _shared_prompt_exact(config, longest):
-    """Whether the packed forward gives this architecture's own log-probs for sequences of up to `longest` tokens.
-    transformers takes a ready 4D mask as it is, so every layer must attend over the whole causal context: a sliding
-    window or attention chunk (Mistral, Phi-3, Gemma-2/3, Qwen2 with use_sliding_window, Llama-4) counts only when it
-    is wider than the longest sequence (then it masks nothing), and other layer types (linear attention, state
-    spaces) or positions taken from the mask (ALiBi: Bloom, MPT, Falcon) are not packed."""
-    config = config.get_text_config()
-    if config.model_type in ("bloom", "mpt") or getattr(config, "alibi", False):
-        return False
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is None:  # Mistral, Phi-3: one window for every layer
-        layer_types = ["sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"]
-    spans = {"sliding_attention": "sliding_window", "chunked_attention": "attention_chunk_size"}
-    for kind in set(layer_types) - {"full_attention"}:
-        span = getattr(config, spans.get(kind, "-"), None)
-        if span is None or longest >= span:
-            return False
-    return True
-
-
-def _shared_prompt_pays(config, group, lengths, context_length, width):
-    """Whether the packed forward costs fewer FLOPs than the unpacked one (it must never cost more than it saves).
-    Packed: K sequences of L = P + (the longest group's response tokens) with a dense L x L mask. Unpacked: B rows of
-    W = P + R, padding included, whose causal attention a kernel may halve. Per layer a token costs 2 x (the layer's
-    weights) and a (query, key) pair 4 x heads x head_dim; a kept logit row costs 2 x hidden x vocab. The pairs win at
-    long responses: for 8 completions of a 48-token prompt on SmolLM2-135M, from R ~ 350 (docs/launch_paths.md).
-    group [B] (_prompt_groups), lengths [B] (real response tokens), context_length P, width W."""
-    config = config.get_text_config()
-    hidden, heads = config.hidden_size, config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    mlp = 3 * hidden * (getattr(config, "intermediate_size", None) or 4 * hidden)
-    per_token, per_pair = 2 * (hidden * head_dim * (2 * heads + 2 * kv_heads) + mlp), 4 * heads * head_dim
-    per_logit, layers = 2 * hidden * config.vocab_size, config.num_hidden_layers
-    K, B, W, P = int(group.max()) + 1, len(group), width, context_length
-    L = P + int(torch.bincount(group, weights=lengths.float()).max())
-    packed = layers * K * (L * per_token + L**2 * per_pair) + K * (L - P) * per_logit
-    unpacked = layers * B * (W * per_token + W**2 / 2 * per_pair) + B * (W - P) * per_logit
-    return packed < unpacked
-
-
-def _shared_prompt_inputs(input_ids, attention_mask, context_length, group, slot):
-    """The packed batch of shared_prompt_logits: one sequence per group of rows, its prompt then the real tokens of
-    each row's response, back to back in slot order (no padding between them). input_ids, attention_mask [B, P + R]
-    (a response's real tokens are a prefix of its R); group, slot [B] (_prompt_groups). Returns the ids [K, L] (L: the
-    longest group), the attention mask [K, 1, L, L] (True: the query row may attend to the key column; a response
-    sees the real prompt tokens and itself, causally; every position sees itself, so no row of the softmax is
-    empty), the position ids [K, L] (a response continues from its prompt's real length) and, for each row's R
-    tokens, the index in positions P - 1 .. L - 2 of the logit that predicts it [B, R] (0 for padding)."""
-    P, R, device = context_length, input_ids.shape[1] - context_length, input_ids.device
-    num_groups, slots = int(group.max()) + 1, int(slot.max()) + 1
-    lengths = attention_mask[:, P:].sum(1)  # [B]
-    by_slot = torch.zeros((num_groups, slots), dtype=torch.long, device=device).index_put_((group, slot), lengths)
-    offsets = P + (by_slot.cumsum(1) - by_slot)[group, slot]  # where each row's response starts [B]
-    length = int((P + by_slot.sum(1)).max())
-    first_row = torch.zeros(num_groups, dtype=torch.long, device=device).index_put_(
-        (group[slot == 0],), torch.nonzero(slot == 0).squeeze(1)
-    )
-    prompt_valid = attention_mask[first_row, :P] > 0  # [K, P]
-    ids = torch.zeros((num_groups, length), dtype=input_ids.dtype, device=device)
-    segment = torch.full((num_groups, length), -2, device=device)  # -1 prompt, s response in slot s, -2 padding
-    positions = torch.zeros((num_groups, length), dtype=torch.long, device=device)
-    ids[:, :P], positions[:, :P] = input_ids[first_row, :P], (prompt_valid.long().cumsum(1) - 1).clamp(min=0)
-    segment[:, :P] = torch.where(prompt_valid, -1, -2)
-    t = torch.arange(R, device=device)
-    real = t[None] < lengths[:, None]  # [B, R]
-    where = (group[:, None].expand(-1, R)[real], (offsets[:, None] + t)[real])
-    ids[where] = input_ids[:, P:][real]
-    segment[where] = slot[:, None].expand(-1, R)[real]
-    positions[where] = (prompt_valid.sum(1)[group][:, None] + t)[real]
-    query, key = segment[:, :, None], segment[:, None, :]
-    causal = torch.ones((length, length), dtype=torch.bool, device=device).tril()
-    mask = causal & (key >= -1) & ((key == -1) | (key == query))  # [K, L, L]
-    mask |= torch.eye(length, dtype=torch.bool, device=device)
-    columns = torch.where(real & (t > 0), offsets[:, None] - P + t, 0)  # token t >= 1 is predicted at offset + t - 1
-    return ids, mask[:, None], positions, columns
 
 
 def _quiet_harmless_logs():

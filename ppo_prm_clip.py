@@ -159,7 +159,8 @@ def main(args: "Config"):
     prm = ProcessRewardModel(args, accelerator, tokenizer)  # sets args.prm_kind: before Run compares the args
     run = Run(args, accelerator, RESUMABLE_ARGS)
     # The policy and the value model as one module: one optimizer, one DDP/DeepSpeed wrapper, one checkpoint.
-    model, ref_policy = load_models_prm(args, accelerator, tokenizer.pad_token_id)
+    policy, value_model, ref_policy = load_models_prm(args, accelerator, tokenizer.pad_token_id)
+    model = PolicyAndValueModel(policy, value_model)
     # Adam's eps 1e-5 as in the N+ details (TensorFlow's default in the original OpenAI code).
     trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay, eps=1e-5)
@@ -303,6 +304,12 @@ def check_args(args):
         (not (0 <= args.gamma <= 1 and 0 <= args.lam <= 1), f"--gamma and --lam must be in [0, 1]; got {args.gamma}, "
          f"{args.lam}"),
     ]  # fmt: skip
+    probe = ["1 + 1 = 2", "2 + 2 = 5", "Answer: 4"]  # the verifier PRM: one score in [0, 1] per step
+    scores = verifier_step_scores(probe) if args.prm == "verifier" else [0.5] * len(probe)
+    bad_prm = len(scores) != len(probe) or not all(0 <= p <= 1 for p in scores)
+    problems.append(
+        (bad_prm, f"--prm verifier gave {len(scores)} scores {scores} for the {len(probe)} steps of a probe")
+    )
     for bad, message in problems:
         if bad:
             raise SystemExit(f"error: {message}")
@@ -822,6 +829,36 @@ def verify_answer(prediction, gold):
         return float(prediction.strip() == gold.strip())
 
 
+def prm_step_scores(prm, prompts, questions, responses, mask, steps, step_tokens, args):
+    """The PRM's p_k in [0, 1] for every step prefix: B float tensors [K_i]. The verifier checks each step's
+    arithmetic; a learned PRM (reward_modeling.py --prm) reads the policy's own tokens, p_k = sigmoid(score) at the
+    last token of step k, which sees the prompt and steps 1..k only (causal attention); a Math-Shepherd PRM its own
+    (ProcessRewardModel). One score per step, or the run stops: a step without one would get no process reward."""
+    if args.prm_kind == "verifier":
+        scores = [torch.tensor(verifier_step_scores(s), dtype=torch.float32) for s in steps]
+    elif args.prm_kind == "learned":
+        query_responses, attention_mask, _, _, context_length = training_batch(
+            prompts, 1, responses, mask, None, prm.tokenizer.pad_token_id, mask.device
+        )  # [B, P + R]
+        with torch.no_grad(), prm.accelerator.autocast():
+            logits = torch.cat(
+                [
+                    token_scores(prm.model, prm.model.score, query_responses[i : i + 16], attention_mask[i : i + 16])
+                    for i in range(0, len(query_responses), 16)
+                ]
+            )
+        scores = [
+            torch.sigmoid(logits[i, [context_length + t for t in tokens]]).cpu()
+            for i, tokens in enumerate(step_tokens)
+        ]
+    else:
+        scores = prm.math_shepherd_scores(questions, steps)
+    for s, k in zip(scores, steps):
+        if len(s) != len(k) or not torch.isfinite(s).all():
+            raise RuntimeError(f"--prm {args.prm} gave {s.tolist()} for the {len(k)} steps of a response: {k}")
+    return scores
+
+
 def prm_rewards(prm, prompts, questions, golds, responses, mask, texts, args):
     """Rewards of right-padded responses [B, R] (mask [B, R]): the verifier's verdict correct [B] (1 / 0), the
     success reward [B] (correct, or --missing_eos_penalty without EOS), has_eos [B], the steps (B lists), the PRM's
@@ -833,7 +870,7 @@ def prm_rewards(prm, prompts, questions, golds, responses, mask, texts, args):
     if args.missing_eos_penalty is not None:
         success = torch.where(has_eos, correct, torch.full_like(correct, args.missing_eos_penalty))
     steps, step_tokens = prm.steps(responses, mask.cpu(), texts)
-    scores = prm.scores(prompts, questions, responses, mask, steps, step_tokens)
+    scores = prm_step_scores(prm, prompts, questions, responses, mask, steps, step_tokens, args)
     step_rewards = [args.prm_coef * refine_process_rewards(s, args.reward_mode, args.eta) for s in scores]
     process = place_process_rewards(step_rewards, step_tokens, responses.shape[1])
     return correct, success, has_eos, steps, scores, process
@@ -1298,12 +1335,10 @@ def _require_prompts(prompts, needed, where, max_prompt_length):
 
 
 class ProcessRewardModel:
-    """The PRM of --prm: p_k in [0, 1] for the prefix of a response that ends with step k, its kind found and checked
-    by _check_prm (which sets args.prm_kind) before it loads any model. The verifier checks each step's arithmetic; a
-    learned PRM (reward_modeling.py --prm) reads the policy's own tokens, p_k = sigmoid(score) at the last token of
-    step k; a Math-Shepherd PRM reads the question and the steps re-tokenized with its own tokenizer, a tag after each
-    step, p_k = P(good) / (P(good) + P(bad)) for the token after the k-th tag. A PRM model is frozen and whole on every
-    process. It reads the policy's responses: it holds the policy's tokenizer and stop ids too."""
+    """The PRM of --prm, whose kind _check_prm finds and checks (it sets args.prm_kind) before any model loads: the
+    verifier, a learned PRM (reward_modeling.py --prm) or a Math-Shepherd PRM, loaded frozen and whole on every
+    process; what prm_step_scores reads of it (the model, the policy's tokenizer and stop ids, the step split at
+    --step_separator), and a Math-Shepherd PRM's scores, read from its own re-tokenized text."""
 
     def __init__(self, args, accelerator, tokenizer):
         self.args, self.accelerator, self.tokenizer = args, accelerator, tokenizer
@@ -1328,51 +1363,25 @@ class ProcessRewardModel:
             step_tokens.append(_step_token_indices(_token_char_ends(self.tokenizer, real), spans) if spans else [])
         return steps, step_tokens
 
-    def scores(self, prompts, questions, responses, mask, steps, step_tokens):
-        """The PRM's p_k in [0, 1] for every step prefix: B float tensors [K_i]. One score per step, or the run
-        stops: a step without a score would silently get no process reward."""
-        args, accelerator, model = self.args, self.accelerator, self.model
-        if args.prm_kind == "verifier":
-            scores = [torch.tensor(verifier_step_scores(s), dtype=torch.float32) for s in steps]
-        elif args.prm_kind == "learned":
-            # The PRM reads the policy's own tokens: p_k = sigmoid(head) at the last token of step k, which sees
-            # the prompt and steps 1..k only (causal attention). [B, P + R]
-            query_responses, attention_mask, _, _, context_length = training_batch(
-                prompts, 1, responses, mask, None, self.tokenizer.pad_token_id, accelerator.device
-            )
-            with torch.no_grad(), accelerator.autocast():
-                logits = torch.cat(
-                    [
-                        token_scores(model, model.score, query_responses[i : i + 16], attention_mask[i : i + 16])
-                        for i in range(0, len(query_responses), 16)
-                    ]
-                )
-            scores = [
-                torch.sigmoid(logits[i, [context_length + t for t in tokens]]).cpu()
-                for i, tokens in enumerate(step_tokens)
-            ]
-        else:
-            # Math-Shepherd: question and steps re-tokenized with the PRM's tokenizer, a tag after every step;
-            # p_k = P(good) / (P(good) + P(bad)) for the token after the k-th tag.
-            tag_id, good_id, bad_id = self.prm_token_ids
-            texts = [_math_shepherd_text(q, s, args.prm_step_tag) for q, s in zip(questions, steps)]
-            scores = []
-            for start in range(0, len(texts), 16):
-                tokenized = [self.prm_tokenizer(t).input_ids for t in texts[start : start + 16]]
-                input_ids, prm_mask = _left_pad(tokenized, 0)
-                input_ids, prm_mask = input_ids.to(accelerator.device), prm_mask.to(accelerator.device)
-                with torch.no_grad(), accelerator.autocast():
-                    logits = model(
-                        input_ids=input_ids,
-                        attention_mask=prm_mask,
-                        position_ids=(prm_mask.cumsum(1) - 1).clamp(min=0),
-                        use_cache=False,
-                    ).logits[..., [good_id, bad_id]]
-                good = logits.float().softmax(-1)[..., 0]  # [b, T]
-                scores += [good[i][(input_ids[i] == tag_id) & (prm_mask[i] > 0)].cpu() for i in range(len(good))]
-        for s, k in zip(scores, steps):
-            if len(s) != len(k) or not torch.isfinite(s).all():
-                raise RuntimeError(f"--prm {args.prm} gave {s.tolist()} for the {len(k)} steps of a response: {k}")
+    def math_shepherd_scores(self, questions, steps):
+        """A Math-Shepherd PRM's p_k (B float tensors [K_i]): question and steps re-tokenized with the PRM's
+        tokenizer, a tag after every step; p_k = P(good) / (P(good) + P(bad)) for the token after the k-th tag."""
+        tag_id, good_id, bad_id = self.prm_token_ids
+        texts = [_math_shepherd_text(q, s, self.args.prm_step_tag) for q, s in zip(questions, steps)]
+        scores, device = [], self.accelerator.device
+        for start in range(0, len(texts), 16):
+            tokenized = [self.prm_tokenizer(t).input_ids for t in texts[start : start + 16]]
+            input_ids, prm_mask = _left_pad(tokenized, 0)
+            input_ids, prm_mask = input_ids.to(device), prm_mask.to(device)
+            with torch.no_grad(), self.accelerator.autocast():
+                logits = self.model(
+                    input_ids=input_ids,
+                    attention_mask=prm_mask,
+                    position_ids=(prm_mask.cumsum(1) - 1).clamp(min=0),
+                    use_cache=False,
+                ).logits[..., [good_id, bad_id]]
+            good = logits.float().softmax(-1)[..., 0]  # [b, T]
+            scores += [good[i][(input_ids[i] == tag_id) & (prm_mask[i] > 0)].cpu() for i in range(len(good))]
         return scores
 
 
@@ -1385,12 +1394,9 @@ def _check_prm(args, policy_tokenizer):
     Returns (kind, the PRM's tokenizer or None, (tag id, good id, bad id) or None)."""
     if args.value_model_path is not None:  # here, as a check that needs the policy's tokenizer
         _check_same_vocabulary(args.value_model_path, "value_model_path", policy_tokenizer, args.trust_remote_code)
-    probe = ["1 + 1 = 2", "2 + 2 = 5", "Answer: 4"]
-    if args.prm == "verifier":
-        scores = verifier_step_scores(probe)
-        if len(scores) != len(probe) or not all(0 <= s <= 1 for s in scores):
-            _fail(f"--prm verifier gave {len(scores)} scores {scores} for the {len(probe)} steps of a probe response")
+    if args.prm == "verifier":  # its probe: check_args
         return "verifier", None, None
+    probe = ["1 + 1 = 2", "2 + 2 = 5", "Answer: 4"]
     try:
         config = AutoConfig.from_pretrained(args.prm, trust_remote_code=args.trust_remote_code)
         tokenizer = AutoTokenizer.from_pretrained(args.prm, trust_remote_code=args.trust_remote_code)
@@ -1916,7 +1922,7 @@ def _average_stats(stats):
 
 
 def load_models_prm(args, accelerator, pad_token_id):
-    """The policy and the value model as one PolicyAndValueModel, and the policy's frozen reference (see
+    """The policy, the value model (main joins them in one PolicyAndValueModel) and the policy's frozen reference (see
     load_policy_and_reference); the value model with gradient checkpointing if asked, as the policy. The value model:
     --value_model_path (default: the policy's weights) as a one-label sequence classifier. A new head (a causal LM's
     checkpoint has none) is set to zero: a random one would start at random values, a random baseline the first
@@ -1940,7 +1946,7 @@ def load_models_prm(args, accelerator, pad_token_id):
         else:
             torch.nn.init.zeros_(head)
     _enable_gradient_checkpointing([value_model], args)
-    return PolicyAndValueModel(policy, value_model), ref_policy
+    return policy, value_model, ref_policy
 
 
 def load_policy_and_reference(args, accelerator, pad_token_id, with_reference=True):

@@ -141,7 +141,10 @@ def main(args: "Config"):
     # Token ids: (chosen [L_c], rejected [L_r]), prompt included; --prm: (prompt + completion [L], positions of the
     # steps' last tokens [K], step labels [K]). From a task, completions sampled from the policy and labelled by the
     # verifier, a correct one paired with a wrong one of the same prompt (--prm: every completion, a label per step).
-    train_pairs, eval_pairs, pair_metrics = reward_pairs(args, accelerator, tokenizer, run, train_rows, eval_rows)
+    label = verifier_step_scores if args.prm else preference_pairs  # each step's score; a prompt's pairs
+    train_pairs, eval_pairs, pair_metrics = reward_pairs(
+        args, accelerator, tokenizer, run, train_rows, eval_rows, label
+    )
     if args.label_noise:
         train_pairs, pair_metrics["pairs/train_flipped"] = flip_preferences(
             train_pairs, args.label_noise, args.data_seed
@@ -192,7 +195,10 @@ def main(args: "Config"):
 
     # The final model, LoRA merged in, in the run folder and in reward_model_dir (--prm: prm_dir), with the bias (a
     # finished run resumed has none logged: it is measured again) or what ppo_prm_clip.py checks of a PRM.
-    save_reward_model(accelerator, model, tokenizer, run.dir, args, logged.get("objective/bias"), train_pairs)
+    bias = logged.get("objective/bias")
+    if bias is None and not args.prm:
+        bias = centring_bias(unwrapped, score_head, train_pairs, args, accelerator, pad_id)[0]
+    save_reward_model(accelerator, model, tokenizer, run.dir, args, bias)
     run.finish()
     return run.dir
 
@@ -414,9 +420,6 @@ def prm_backward(model, score_head, completions, args, accelerator, pad_token_id
 
 
 # The labels: the verifier of a task's final answers (pairs), and of each step's arithmetic (--prm)
-
-
-NUMBER = r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?"  # 12, -1,234.5, .5, 3/4
 
 
 def verifier_step_scores(steps, correct=1.0, unchecked=0.8, wrong=0.0):
@@ -1470,25 +1473,29 @@ def _average_stats(stats):
     return {name: _reduce_values(name, values) for name, values in stats.items()}
 
 
-def reward_pairs(args, accelerator, tokenizer, run, train_rows, eval_rows):
+def reward_pairs(args, accelerator, tokenizer, run, train_rows, eval_rows, label):
     """The training and held-out pairs as token ids (_encode_rows) and the metrics of how they were made. From a task,
-    the rows are sampled and labelled first (_sample_task_rows) and written to the run folder (preferences/, --prm:
-    steps/); a resumed run reads the rows it wrote instead of sampling again."""
+    the rows are sampled and labelled first (_sample_task_rows; `label`: preference_pairs, --prm verifier_step_scores)
+    and written to the run folder (preferences/, --prm: steps/); a resumed run reads the rows it wrote instead of
+    sampling again."""
     rows_dir, pair_metrics = os.path.join(run.dir, "steps" if args.prm else "preferences"), {}
     if args.data_kind == "task" and args.resume is not None:
         train_rows, eval_rows = (_load_split(rows_dir, None, split) for split in (args.train_split, args.eval_split))
     elif args.data_kind == "task":
-        train_rows, eval_rows, pair_metrics = _sample_task_rows(args, accelerator, tokenizer, train_rows, eval_rows)
+        train_rows, eval_rows, pair_metrics = _sample_task_rows(
+            args, accelerator, tokenizer, train_rows, eval_rows, label
+        )
         if accelerator.is_main_process:
             _write_jsonl(os.path.join(rows_dir, f"{args.train_split}.jsonl"), train_rows)
             _write_jsonl(os.path.join(rows_dir, f"{args.eval_split}.jsonl"), eval_rows)
     return *_encode_rows(train_rows, eval_rows, args, tokenizer, accelerator), pair_metrics
 
 
-def _sample_task_rows(args, accelerator, tokenizer, train_rows, eval_rows):
+def _sample_task_rows(args, accelerator, tokenizer, train_rows, eval_rows, label):
     """The rows built from a task's two splits (preference pairs; --prm: completions with step labels): each row's
     prompt, num_samples_per_prompt completions sampled by the policy (vLLM or HF generate, freed before training),
-    labelled by the verifier. Returns (train rows, eval rows, their metrics)."""
+    labelled by the verifier, paired or scored by step with `label` (reward_pairs). Returns (train rows, eval rows,
+    their metrics)."""
     prompts = {}
     for split, rows in (("train", train_rows), ("eval", eval_rows)):
         prompts[split] = _build_prompts(tokenizer, rows, args)  # (prompt ids, gold answers)
@@ -1500,14 +1507,14 @@ def _sample_task_rows(args, accelerator, tokenizer, train_rows, eval_rows):
     for split in ("train", "eval"):
         groups, tokens = _sample_labelled_groups(sampler, *prompts[split], split, args, accelerator)
         if args.prm:
-            rows[split] = _step_rows(groups, *prompts[split], args, tokenizer)
+            rows[split] = _step_rows(groups, *prompts[split], args, tokenizer, label)
             stats = _step_row_stats(groups, rows[split], tokens)
             accelerator.print(
                 f"{split}: {stats['prompts']} prompts -> {stats['completions']} completions with {stats['steps']} "
                 f"steps, {stats['good_step_fraction']:.3f} of them labelled good"
             )
         else:
-            rows[split] = _preference_rows(groups, *prompts[split], split, args, tokenizer)
+            rows[split] = _preference_rows(groups, *prompts[split], split, args, tokenizer, label)
             stats = _preference_row_stats(groups, rows[split], tokens)
             accelerator.print(
                 f"{split}: {stats['prompts']} prompts, {stats['mixed_prompts']} with both a correct and a wrong "
@@ -1885,9 +1892,12 @@ def extract_answer(text):
     return numbers[-1].replace(",", "").replace(" ", "") if numbers else None
 
 
-def _step_rows(groups, prompts, golds, args, tokenizer):
+NUMBER = r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?"  # 12, -1,234.5, .5, 3/4
+
+
+def _step_rows(groups, prompts, golds, args, tokenizer, step_scores):
     """--prm rows of one split: every completion with a step, its steps, the token ending each step and the step's
-    label (1 while no equation so far is wrong: the label of the prefix ending at the step)."""
+    label (step_scores >= 0.5: with the verifier's, 1 while no equation so far is wrong)."""
     rows = []
     for group in groups:
         i = group["index"]
@@ -1896,7 +1906,7 @@ def _step_rows(groups, prompts, golds, args, tokenizer):
             if not found:
                 continue
             steps = [step for step, _ in found]
-            labels = [float(p >= 0.5) for p in verifier_step_scores(steps)]
+            labels = [float(p >= 0.5) for p in step_scores(steps)]
             ends = _step_token_indices(_token_char_ends(tokenizer, ids), [span for _, span in found])
             row = dict(prompt=_decode(tokenizer, prompts[i]), completion=text, gold=golds[i], steps=steps)
             rows.append(row | dict(step_labels=labels, prompt_ids=prompts[i], completion_ids=ids, step_tokens=ends))
@@ -1961,15 +1971,16 @@ def _step_row_stats(groups, rows, tokens):
     }
 
 
-def _preference_rows(groups, prompts, golds, split, args, tokenizer):
-    """Preference rows of one split: in each prompt's group, correct completions paired with wrong ones."""
+def _preference_rows(groups, prompts, golds, split, args, tokenizer, pairs):
+    """Preference rows of one split: in each prompt's group, correct completions paired with wrong ones (`pairs`:
+    preference_pairs)."""
     rows = []
     for group in groups:
         i = group["index"]
         # A generator per prompt, seeded by (seed, split, prompt): the pairs do not depend on the order in which
         # processes finished.
         rng = random.Random(f"{args.data_seed}/{split}/{i}")
-        for c, r in preference_pairs(group["labels"], args.max_pairs_per_prompt, rng):
+        for c, r in pairs(group["labels"], args.max_pairs_per_prompt, rng):
             chosen, rejected = group["ids"][c], group["ids"][r]
             texts = [_decode(tokenizer, ids) for ids in (prompts[i], chosen, rejected)]
             # The sampled tokens themselves too: decoding then re-tokenizing changes a few percent of sampled
@@ -2108,19 +2119,14 @@ def _enable_gradient_checkpointing(models, args):
                 model.enable_input_require_grads()
 
 
-def save_reward_model(accelerator, model, tokenizer, run_dir, args, bias, train_pairs):
+def save_reward_model(accelerator, model, tokenizer, run_dir, args, bias):
     """The trained model as a Hugging Face folder in {run_dir}/model, LoRA merged in (consumers load a plain sequence
-    classifier), with in its config.json the bias (centring_bias; None: measured here) or --prm's `prm` (how its
+    classifier), with in its config.json the bias (centring_bias) or --prm's `prm` (how its
     steps were cut and prompted, which ppo_prm_clip.py checks); then copied to --reward_model_dir (--prm: --prm_dir;
     None: not copied), replacing what was there. Under ZeRO-3 every process takes part in gathering the weights."""
     if args.prm:
         config_entries = {"prm": {"step_separator": args.step_separator, "instruction": args.instruction}}
     else:
-        unwrapped = accelerator.unwrap_model(model)
-        score_head = (unwrapped.base_model.model if args.lora_r > 0 else unwrapped).score
-        pad_id = tokenizer.pad_token_id
-        if bias is None:
-            bias = centring_bias(unwrapped, score_head, train_pairs, args, accelerator, pad_id)[0]
         config_entries = {"bias": bias}
     folder, copy_to = os.path.join(run_dir, "model"), args.prm_dir if args.prm else args.reward_model_dir
     accelerator.wait_for_everyone()

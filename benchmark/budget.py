@@ -182,6 +182,7 @@ def measure(path):
         depth=block_depth(main),
         below_reached=below_fence_reached(tree, above + 2),
         math_reaches=math_reaches_below(tree, above + 2),
+        kit_reaches=below_reaches_above(tree, above + 2),
         total=len(lines),
         above=above,
         below=len(lines) - above,

@@ -98,6 +98,55 @@ def test_reading_figures_on_a_small_file(tmp_path):
     assert row["below_reached"] == ["parse", "step"] and row["math_reaches"] == {"helper": ["parse"]}
 
 
+def test_the_kit_on_a_small_file(tmp_path):
+    """below_reaches_above on a file whose answer is known: below the fence `load` uses LIMIT and `score` (above),
+    `Plumbing` uses `helper` in a method; `ok` uses only its own names (a parameter and a local named like functions
+    above, an import, a nested function) and Args; the `__main__` block may call main."""
+    source = [
+        "import os",
+        "LIMIT = 3",
+        "class Args:",
+        "    x: int = 1",
+        "def helper(x):",
+        "    return x",
+        "def score(x):",
+        "    return x",
+        "def main(args):",
+        "    return helper(args)",
+        "# " + "=" * 117,
+        budget.FENCE,
+        "# " + "=" * 117,
+        "def load(path):",
+        "    return score(path)[:LIMIT]",
+        "class Plumbing:",
+        "    def run(self):",
+        "        return helper(1)",
+        "def ok(score, args=Args):",
+        "    from os import path as helper",
+        "    LIMIT = 2",
+        "    def main():",
+        "        return LIMIT",
+        "    return score(helper, main())",
+        "if __name__ == '__main__':",
+        "    main(Args())",
+    ]
+    (tmp_path / "k.py").write_text("\n".join(source) + "\n")
+    row = budget.measure(str(tmp_path / "k.py"))
+    assert row["kit_reaches"] == {"load": ["LIMIT", "score"], "Plumbing": ["helper"]}
+
+
+def test_the_fence_holds_both_ways():
+    """Issue 68: in every script, check_args (its own flags' checks) is above the fence, and nothing below the fence
+    uses a name defined above it but Args (which Config joins): what the kit needs from the algorithm it is given, a
+    function or a value passed in; the functions above reach nothing below but through main (the reading test)."""
+    rows, _ = budget.report()
+    for name, row in rows.items():
+        with open(os.path.join(REPO_ROOT, f"{name}.py")) as f:
+            above, below = f.read().split(budget.FENCE)
+        assert "\ndef check_args(args):" in above and "def check_args(" not in below, name
+        assert row["kit_reaches"] == {}, f"{name}: below the fence, {row['kit_reaches']} use names from above it"
+
+
 def test_every_script_reads_in_one_sitting():
     """The reading targets every script meets, kept: main's training loop fits a screen (budget.READING's lines) and
     starts near the top (main right after Args, issue 55), its blocks nest no deeper than the target, main (directly or
