@@ -30,7 +30,8 @@ ISSUE57=benchmark/results/grpo_tools_issue57
 # Issue 67: the untrained policy under --tool_format native (SmolLM2 with grpo_tools' HERMES_TEMPLATE, its own
 # ignoring tools=) beside calc, greedy and at T 1 (4 samples a prompt), on the first 100 held-out prompts; and the
 # second environment, price_list (its task from make assets). Each probe's folder (probe.json, config.json,
-# metrics.jsonl) goes to benchmark/results/grpo_tools_issue67/.
+# metrics.jsonl) goes to benchmark/results/grpo_tools_issue67/. Native shows each environment's three exchanges; the
+# native probes with one exchange shown (code before 9d0a0cc) are in its one_exchange/.
 #   bash benchmark/grpo_tools.sh issue67_probes      # ~2-6 min a probe (vLLM, 2 cores)
 if [[ ${1:-} == issue67_probes ]]; then
     ISSUE67=benchmark/results/grpo_tools_issue67
@@ -60,18 +61,19 @@ if [[ ${1:-} == issue67_runs ]]; then
             --tool_format native --exp_name issue67_native
         python -m benchmark.run --script grpo_tools.py --seeds "$seed" --resume_unfinished "$@" -- \
             --tool_format native --environment price_list --dataset_path assets/data/price_list \
-            --response_length 192 --exp_name issue67_price_list
+            --response_length 256 --exp_name issue67_price_list
     done
     OUT=benchmark/results/grpo_tools_issue67_runs
     python -m benchmark.registry copy --out "$OUT" runs/mul_2t3d__issue67_native__[123]__* \
         runs/price_list__issue67_price_list__[123]__*
     ARMS=("calc=benchmark/results/grpo_tools/mul_2t3d__tools__*" "native=$OUT/mul_2t3d__issue67_native__*")
     python -m benchmark.registry table --experiments "${ARMS[@]}" "price_list=$OUT/price_list__issue67_price_list__*" \
-        --metrics eval/accuracy eval/call_rate tools/calls tools/failed_calls --out benchmark/results/grpo_tools_issue67.md
+        --metrics eval/accuracy eval/call_rate objective/accuracy tools/calls tools/failed_calls tools/truncated \
+        --out benchmark/results/grpo_tools_issue67.md
     python -m benchmark.registry paired --experiments "${ARMS[@]}" --baseline calc --metrics eval/accuracy \
-        eval/call_rate --out benchmark/results/grpo_tools_issue67_paired.md
+        eval/call_rate objective/accuracy --out benchmark/results/grpo_tools_issue67_paired.md
     python -m benchmark.registry plot --experiments "${ARMS[@]}" "price_list=$OUT/price_list__issue67_price_list__*" \
-        --metric eval/accuracy eval/call_rate --out benchmark/results/grpo_tools_issue67.png
+        --metric eval/accuracy objective/accuracy eval/call_rate --out benchmark/results/grpo_tools_issue67.png
     exit 0
 fi
 
