@@ -304,12 +304,11 @@ def check_args(args):
         (not (0 <= args.gamma <= 1 and 0 <= args.lam <= 1), f"--gamma and --lam must be in [0, 1]; got {args.gamma}, "
          f"{args.lam}"),
     ]  # fmt: skip
-    probe = ["1 + 1 = 2", "2 + 2 = 5", "Answer: 4"]  # the verifier PRM: one score in [0, 1] per step
-    scores = verifier_step_scores(probe) if args.prm == "verifier" else [0.5] * len(probe)
-    bad_prm = len(scores) != len(probe) or not all(0 <= p <= 1 for p in scores)
-    problems.append(
-        (bad_prm, f"--prm verifier gave {len(scores)} scores {scores} for the {len(probe)} steps of a probe")
-    )
+    if args.prm == "verifier":  # one score in [0, 1] per step of a probe response
+        probe = ["1 + 1 = 2", "2 + 2 = 5", "Answer: 4"]
+        scores = verifier_step_scores(probe)
+        bad_prm = len(scores) != len(probe) or not all(0 <= p <= 1 for p in scores)
+        problems.append((bad_prm, f"--prm verifier gave {len(scores)} scores {scores} for the {len(probe)} steps"))
     for bad, message in problems:
         if bad:
             raise SystemExit(f"error: {message}")
@@ -838,7 +837,7 @@ def prm_step_scores(prm, prompts, questions, responses, mask, steps, step_tokens
         scores = [torch.tensor(verifier_step_scores(s), dtype=torch.float32) for s in steps]
     elif args.prm_kind == "learned":
         query_responses, attention_mask, _, _, context_length = training_batch(
-            prompts, 1, responses, mask, None, prm.tokenizer.pad_token_id, mask.device
+            prompts, 1, responses, mask, None, prm.tokenizer.pad_token_id, prm.accelerator.device
         )  # [B, P + R]
         with torch.no_grad(), prm.accelerator.autocast():
             logits = torch.cat(
