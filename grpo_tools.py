@@ -122,6 +122,8 @@ class Args:
     chat_template: Optional[str] = None
     """native: a Jinja chat template file to use (None: the tokenizer's own, or HERMES_TEMPLATE where that one
     ignores tools=, as SmolLM2's does)"""
+    chat_template_kwargs: str = "{}"
+    """more arguments of apply_chat_template, a JSON object (Qwen3 without thinking: '{"enable_thinking": false}')"""
     system_prompt: Optional[str] = None
     """the system message (None: the format's; calc: SYSTEM_PROMPT, which describes the tags; native: the chat
     template's, whose tool section describes the tools)"""
@@ -328,6 +330,12 @@ def check_args(args):
         (native and args.chat_template is not None and not os.path.isfile(args.chat_template),
          f"--chat_template {args.chat_template}: no such file"),
     ]  # fmt: skip
+    try:
+        template_kwargs = json.loads(args.chat_template_kwargs)
+    except json.JSONDecodeError:
+        template_kwargs = None
+    kwargs = f"--chat_template_kwargs must be a JSON object; got {args.chat_template_kwargs!r}"
+    problems.append((not isinstance(template_kwargs, dict), kwargs))
     for bad, message in problems:
         if bad:
             raise SystemExit(f"error: {message}")
@@ -986,11 +994,14 @@ def make_tool_format(args, tokenizer):
     template --chat_template names, else the tokenizer's own, or HERMES_TEMPLATE where the tokenizer's renders no
     tools (SmolLM2's)."""
     if args.tool_format == "calc":
-        return CalcTags(tokenizer, make_tool(args.tool, args.max_operations), args.examples)
+        tools = CalcTags(tokenizer, make_tool(args.tool, args.max_operations), args.examples)
+        tools.template_kwargs = json.loads(args.chat_template_kwargs)
+        return tools
     make_environment = functools.partial(ENVIRONMENTS[args.environment], args)
     template = open(args.chat_template).read() if args.chat_template else None
     examples = getattr(make_environment(), "EXAMPLES", []) if args.examples is None else []  # lists of messages
     tools = NativeTools(tokenizer, make_environment, template, examples)
+    tools.template_kwargs |= json.loads(args.chat_template_kwargs)
     shown = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False, **tools.template_kwargs)
     if template is None and tools.schemas[0]["function"]["name"] not in shown:  # the tokenizer's ignores tools=
         tools.template_kwargs["chat_template"] = HERMES_TEMPLATE

@@ -431,7 +431,7 @@ INVARIANT_ARGS = dict(
 )
 INVARIANT_KEYS = ("loss/policy", "policy/grad_norm", "lr", "objective/scores", "policy/ratio_first_minibatch")
 # --tool_format native: its prompts hold the tools' schemas (~350 tokens), its calls are JSON (~25 tokens).
-FORMATS = {"calc": {}, "native": dict(tool_format="native", max_prompt_length=512, response_length=64)}
+FORMATS = {"calc": {}, "native": dict(tool_format="native", max_prompt_length=640, response_length=64)}
 
 
 def scripted_run(monkeypatch, make_config, **overrides):

@@ -202,6 +202,22 @@ def test_native_rollout_trains_exactly_the_sampled_tokens(tokenizer, name):
     # the prompt was not built by load_tool_prompts)
 
 
+def test_chat_template_kwargs_reach_every_prompt(make_config, tokenizer, tmp_path):
+    """--chat_template_kwargs go to apply_chat_template with the tools: Qwen3's template (the fixture) writes the
+    empty think block of thinking-off after the generation prompt only with enable_thinking false."""
+    template = tmp_path / "qwen3.jinja"
+    template.write_text(chat_templates.QWEN3)
+    prompts = {}
+    for kwargs in ("{}", '{"enable_thinking": false}'):
+        options = dict(chat_template=str(template), chat_template_kwargs=kwargs, max_prompt_length=1280)
+        args = make_config(grpo_tools, **{**NATIVE, **options})
+        grpo_tools.check_args(args)
+        tools = grpo_tools.make_tool_format(args, tokenizer)
+        prompts[kwargs] = tokenizer.decode(grpo_tools.load_tool_prompts(args, tokenizer, 1, tools)[0][0])
+    assert not prompts["{}"].endswith("<think>\n\n</think>\n\n")
+    assert prompts['{"enable_thinking": false}'] == prompts["{}"] + "<think>\n\n</think>\n\n"
+
+
 class Quiz(Shop):
     """Shop, whose reset adds a line to the prompt after the question."""
 
@@ -302,7 +318,7 @@ def test_a_template_that_renders_earlier_turns_again_changes_nothing_trained(tok
     assert trained == [t for s in script for t in tokenizer(s, add_special_tokens=False).input_ids + [end]]
 
 
-NATIVE = dict(tool_format="native", max_prompt_length=512, response_length=64)
+NATIVE = dict(tool_format="native", max_prompt_length=640, response_length=64)
 
 
 @pytest.mark.slow
@@ -325,7 +341,7 @@ def test_native_run_is_on_policy_with_kl_zero_and_logs_the_errors_by_kind(make_c
     with open(os.path.join(args.output_dir, args.run_name, "samples.jsonl")) as f:
         prompts = [json.loads(line)["prompt"] for line in f]
     assert prompts and all('"name": "calculate"' in p and "<tool_call>" in p for p in prompts)
-    assert args.system_prompt is None and args.max_prompt_length == 512
+    assert args.system_prompt is None and args.max_prompt_length == 640
 
 
 def test_price_list_task_and_environment_agree_with_prices_written_here():
@@ -362,7 +378,7 @@ def test_native_run_on_the_price_list_environment(make_config, monkeypatch, tmp_
     for split, part in (("train", rows[:30]), ("test", rows[30:])):
         (task / f"{split}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in part))
     fixed_rollout.patch(grpo_tools, monkeypatch.setattr)
-    options = {**NATIVE, "max_prompt_length": 900}  # two tools, an example of three calls
+    options = {**NATIVE, "max_prompt_length": 1152}  # two tools, three exchanges of three calls each
     args = make_config(grpo_tools, **options, environment="price_list", dataset_path=str(task))
     lines = read_metrics(grpo_tools.main(args))
     assert sum(line["tools/errors/unknown_tool"] for line in lines[1:]) > 0
@@ -379,6 +395,8 @@ def test_native_run_on_the_price_list_environment(make_config, monkeypatch, tmp_
         (dict(examples=(("Calculate 1 * 2.", "<tool_call>..."),)), ["--examples", "EXAMPLE"]),
         (dict(prompt_template="Q: {question}\nA:"), ["--prompt_template", "chat template"]),
         (dict(tool_format="calc", chat_template="x.jinja"), ["--chat_template", "native"]),
+        (dict(chat_template_kwargs='{"enable_thinking": false'), ["--chat_template_kwargs", "JSON object"]),
+        (dict(chat_template_kwargs="[1]"), ["--chat_template_kwargs", "JSON object"]),
     ],
 )
 def test_bad_native_flags_stop_in_one_line_before_any_model_loads(make_config, monkeypatch, overrides, names):
