@@ -52,7 +52,8 @@ fi
 
 # Issue 67: the native format against calc on the same task, budget (30 steps, --response_length 96) and seeds; the
 # calc arm is the committed runs of the main part (benchmark/results/grpo_tools/, the same code path: issue 67 left
-# calc's trajectories unchanged); and 3 seeds on the second environment, price_list. Not run yet (2026-11-29).
+# calc's trajectories unchanged); and 3 seeds on the second environment, price_list. Not run yet (2026-11-29): the
+# price_list probes found no success in 400 samples at T 1 (docs/grpo_tools.md), so its runs would learn nothing.
 #   bash benchmark/grpo_tools.sh issue67_runs      # ~15-25 min a run on 2 cores
 if [[ ${1:-} == issue67_runs ]]; then
     shift
