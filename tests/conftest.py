@@ -361,6 +361,37 @@ def build_tiny_reward_model(model_dir, path):
     return path
 
 
+@pytest.fixture(scope="session")
+def biased_reward_model_dir(tiny_reward_model_dir, tmp_path_factory):
+    """The tiny reward model with config.bias = 0.7, as reward_modeling.py stores a mean training score of 0.7."""
+    path = tmp_path_factory.mktemp("biased-rm") / "rm"
+    shutil.copytree(tiny_reward_model_dir, path)
+    with open(path / "config.json") as f:
+        config = json.load(f)
+    with open(path / "config.json", "w") as f:
+        json.dump({**config, "bias": 0.7}, f)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def distinct_ensemble(tiny_reward_model_dir, tmp_path_factory):
+    """An ensemble of two reward models that disagree: the tiny reward model, and a copy with another score head
+    (seed 1) and config.bias 0.2."""
+    from transformers import AutoModelForSequenceClassification
+
+    folder = tmp_path_factory.mktemp("distinct-ensemble")
+    shutil.copytree(tiny_reward_model_dir, folder / "member_0")
+    shutil.copytree(tiny_reward_model_dir, folder / "member_1")
+    model = AutoModelForSequenceClassification.from_pretrained(folder / "member_1")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        with torch.no_grad():
+            model.score.weight.normal_(0, 1 / (model.config.hidden_size + 1) ** 0.5)
+    model.config.bias = 0.2
+    model.save_pretrained(folder / "member_1", safe_serialization=True)
+    return str(folder)
+
+
 class NoModelLoads:
     """Stands in for the Auto* model classes in bad-input tests: a check that comes after a model load fails."""
 
@@ -593,74 +624,3 @@ def bf16_autocast(monkeypatch):
 
 
 # Fault injection: a run killed (SIGKILL) at random points and resumed each time must end as the uninterrupted run.
-
-
-def launch_killable(script, flags, kill_at=None, count_file=None, timeout=300):
-    """One process of tests/fixed_rollout.py running `script` on the fixed rollout, killing itself at kill_at (see
-    that file). Returns the CompletedProcess (returncode -9 when it was killed)."""
-    env = subprocess_env()
-    env.update({"KILL_AT": kill_at} if kill_at else {})
-    env.update({"COUNT_FILE": count_file} if count_file else {})
-    cmd = [sys.executable, os.path.join(REPO_ROOT, "tests", "fixed_rollout.py"), script, *flags]
-    return subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def saved_tensors(folder, run_name):
-    """{path/tensor name: tensor} of every safetensors file under `folder` outside checkpoints/, the run folder's
-    name in the path written as RUN."""
-    from safetensors.torch import load_file
-
-    tensors = {}
-    for path in glob.glob(os.path.join(folder, "**", "*.safetensors"), recursive=True):
-        relative = os.path.relpath(path, folder).replace(run_name, "RUN")
-        if "checkpoints" not in relative.split(os.sep):
-            tensors.update({f"{relative}/{k}": v for k, v in load_file(path).items()})
-    return tensors
-
-
-def assert_survives_kills(script, flags, output_flags, folder, seed):
-    """The fault-injection check of one script: an uninterrupted run (`flags`, --save_every 1), then the same run
-    killed at three points drawn with `seed`: inside a training step after the first checkpoint, inside a later
-    checkpoint write, inside the final save; resumed with --resume after each kill. Its metrics, samples and final
-    weights must equal the uninterrupted run's. output_flags(folder) gives the flags that place a run's outputs.
-    Returns the faulty run's folder and the kill points."""
-    counts_file = os.path.join(folder, "counts.json")
-    reference_out, faulty_out = os.path.join(folder, "reference"), os.path.join(folder, "faulty")
-    proc = launch_killable(script, [*flags, *output_flags(reference_out)], count_file=counts_file)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    with open(counts_file) as f:
-        counts = json.load(f)
-    total_steps = counts["save_state"]  # one checkpoint a step
-    assert total_steps >= 2 and counts["save_pretrained"] >= 1, counts
-
-    rng = random.Random(seed)
-    kills = [f"backward:{rng.randint(counts['backward'] // total_steps + 1, counts['backward'])}"]
-    proc = launch_killable(script, [*flags, *output_flags(faulty_out)], kill_at=kills[0])
-    assert proc.returncode == -signal.SIGKILL, f"{kills[0]}: {proc.returncode}\n{proc.stderr[-5000:]}"
-    (run_dir,) = glob.glob(os.path.join(faulty_out, "*", "metrics.jsonl"))  # the run folder, not a model folder
-    run_dir = os.path.dirname(run_dir)
-    checkpoints = os.path.join(run_dir, "checkpoints")
-    resume = [*flags, *output_flags(faulty_out), "--resume", run_dir]
-    finished = max(int(d.removeprefix("step_")) for d in os.listdir(checkpoints) if "." not in d)
-    kills.append(f"save_state:{rng.randint(1, total_steps - finished)}")
-    kills.append("save_pretrained:1")
-    for kill_at in kills[1:]:
-        proc = launch_killable(script, resume, kill_at=kill_at)
-        assert proc.returncode == -signal.SIGKILL, f"{kill_at}: {proc.returncode}\n{proc.stderr[-5000:]}"
-        if kill_at.startswith("save_state"):  # the checkpoint being written was left unfinished
-            assert any(d.endswith(".tmp") for d in os.listdir(checkpoints)), os.listdir(checkpoints)
-    proc = launch_killable(script, resume)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-
-    reference_dir = os.path.dirname(glob.glob(os.path.join(reference_out, "*", "metrics.jsonl"))[0])
-    assert without_timing(read_metrics(run_dir)) == without_timing(read_metrics(reference_dir)), kills
-    for name in ("samples.jsonl",):
-        if os.path.exists(os.path.join(reference_dir, name)):
-            with open(os.path.join(reference_dir, name)) as a, open(os.path.join(run_dir, name)) as b:
-                assert a.read() == b.read(), (name, kills)
-    expected = saved_tensors(reference_out, os.path.basename(reference_dir))
-    found = saved_tensors(faulty_out, os.path.basename(run_dir))
-    assert expected and sorted(expected) == sorted(found), (sorted(expected), sorted(found))
-    assert all(torch.equal(expected[k], found[k]) for k in expected), kills
-    assert not any(d.endswith(".tmp") for d in os.listdir(checkpoints)), os.listdir(checkpoints)
-    return run_dir, kills

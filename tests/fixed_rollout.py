@@ -145,7 +145,7 @@ def install_faults(script):
         script._make_accelerator = without_norm(script._make_accelerator)
 
 
-def install_kill_points(kill_at, calls):
+def install_kill_points(kill_at, calls, setter=setattr):
     """Count the calls of each kill point in `calls` and SIGKILL this process at the one kill_at names (or None)."""
     import accelerate
     import transformers
@@ -155,7 +155,7 @@ def install_kill_points(kill_at, calls):
         (accelerate.Accelerator, "save_state", False),
         (transformers.PreTrainedModel, "save_pretrained", False),
     ):
-        setattr(owner, name, counted_call(getattr(owner, name), name, kill_before, kill_at, calls))
+        setter(owner, name, counted_call(getattr(owner, name), name, kill_before, kill_at, calls))
 
 
 if __name__ == "__main__":

@@ -109,3 +109,79 @@ def test_vllm_sleep_needs_a_gpu(script_args, task_dir):
     one_line_error(module.main, make(dataset_path=task_dir, vllm=True, vllm_sleep=True), "--vllm_sleep", "GPU")
     with pytest.raises(AssertionError, match="model loaded"):
         module.main(make(dataset_path=task_dir, vllm=False, vllm_sleep=True))
+
+
+# The reward model's checks, on the three scripts that read one (--reward_model_path): one line, before any load.
+
+JUDGED = {"dpo_online": dpo_online, "ppo_rlhf": ppo_rlhf, "async_rlhf": async_rlhf}
+
+
+def write_score_model_config(folder, num_labels=1, architecture="LlamaForSequenceClassification", tokenizer=None):
+    """A score model's folder without weights (bad-input runs stop before any load): its config.json, and
+    `tokenizer` saved next to it when given."""
+    folder.mkdir()
+    config = {"model_type": "llama", "architectures": [architecture], "num_labels": num_labels}
+    (folder / "config.json").write_text(json.dumps(config))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(params=sorted(JUDGED))
+def judged_args(request, make_config, tiny_model_dir, tmp_path, monkeypatch):
+    """(module, make(**overrides) -> its Config judged by a reward model folder that looks loadable; every model
+    load fails)."""
+    from transformers import AutoTokenizer
+
+    module = JUDGED[request.param]
+    for name in ("AutoModelForCausalLM", "AutoModelForSequenceClassification"):
+        monkeypatch.setattr(module, name, NoModelLoads)
+    reward_dir = write_score_model_config(tmp_path / "rm", tokenizer=AutoTokenizer.from_pretrained(tiny_model_dir))
+    values = dict(fast=False, reward_model_path=reward_dir)
+    values |= {"judge": "reward_model"} if hasattr(module.Config, "judge") else {}
+    return module, functools.partial(make_config, module, **values)
+
+
+def test_missing_reward_model_says_how_to_make_it(judged_args, tmp_path):
+    module, make = judged_args
+    message = one_line_error(module.main, make(reward_model_path=str(tmp_path / "nope")), "--reward_model_path")
+    assert "python reward_modeling.py" in message
+    assert "--judge verifier" in message or not hasattr(module.Config, "judge")  # the run without one
+
+
+def test_default_reward_model_not_trained_yet(judged_args, tmp_path, monkeypatch):
+    """The default, runs/reward_model, is relative and looks like a hub id ("org/name"): before
+    `python reward_modeling.py` has made it, the run says so and does not try the hub."""
+    module, make = judged_args
+    monkeypatch.chdir(tmp_path)
+    assert module.Config.reward_model_path == "runs/reward_model"
+    message = one_line_error(module.main, make(reward_model_path="runs/reward_model"), "--reward_model_path")
+    assert "runs/reward_model" in message and "python reward_modeling.py" in message
+
+
+@pytest.mark.parametrize(
+    "num_labels, architecture, words",
+    [(2, "LlamaForSequenceClassification", "2 labels"), (1, "LlamaForCausalLM", "LlamaForCausalLM")],
+)
+def test_reward_model_that_is_not_a_one_label_classifier(judged_args, tmp_path, num_labels, architecture, words):
+    module, make = judged_args
+    folder = write_score_model_config(tmp_path / "other", num_labels, architecture)
+    one_line_error(module.main, make(reward_model_path=folder), "--reward_model_path", words)
+
+
+def test_reward_model_with_another_vocabulary(judged_args, tiny_model_dir, tmp_path):
+    """A reward model whose tokenizer has one token more than the policy's would read the policy's token ids as other
+    tokens: its scores garbage without any error."""
+    from transformers import AutoTokenizer
+
+    module, make = judged_args
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert tokenizer.add_tokens(["<only_the_judge_knows>"]) == 1
+    folder = write_score_model_config(tmp_path / "other_vocab", tokenizer=tokenizer)
+    one_line_error(module.main, make(reward_model_path=folder), "--reward_model_path", "another vocabulary")
+
+
+def test_reward_model_without_a_tokenizer(judged_args, tmp_path):
+    module, make = judged_args
+    folder = write_score_model_config(tmp_path / "no_tokenizer")
+    one_line_error(module.main, make(reward_model_path=folder), "--reward_model_path", "no loadable tokenizer")

@@ -2,7 +2,6 @@
 
 import functools
 import json
-import os
 
 import pytest
 from conftest import NoModelLoads, one_line_error, write_task
@@ -33,48 +32,10 @@ def assert_one_line_error(args, *names):
     return one_line_error(dpo_online.main, args, *names)
 
 
-def test_missing_reward_model_says_how_to_make_it(args_for, tmp_path):
-    message = assert_one_line_error(args_for(reward_model_path=str(tmp_path / "nope")), "--reward_model_path")
-    assert "python reward_modeling.py" in message and "--judge verifier" in message
-
-
-def test_default_reward_model_not_built_yet(args_for, tmp_path, monkeypatch):
-    """The no-argument run before `python reward_modeling.py`: runs/reward_model does not exist yet."""
-    monkeypatch.chdir(tmp_path)
-    args = args_for()
-    args.reward_model_path = dpo_online.Config().reward_model_path
-    assert args.reward_model_path == "runs/reward_model"
-    message = assert_one_line_error(args, "--reward_model_path runs/reward_model")
-    assert "run `python reward_modeling.py` first" in message
-
-
 def test_verifier_judge_needs_no_reward_model(args_for, tmp_path):
     """With --judge verifier a missing reward model is no error: the run goes on to load the policy."""
     with pytest.raises(AssertionError, match="model loaded"):
         dpo_online.main(args_for(judge="verifier", reward_model_path=str(tmp_path / "nope")))
-
-
-def test_reward_model_with_two_labels(args_for, tmp_path):
-    folder = write_reward_config(tmp_path / "two_labels", num_labels=2)
-    assert_one_line_error(args_for(reward_model_path=folder), "--reward_model_path", "2 labels")
-
-
-def test_reward_model_with_another_vocabulary(args_for, tiny_model_dir, tmp_path):
-    """A reward model whose tokenizer has one token more than the policy's: it would read the policy's token ids
-    as other tokens, and its scores would be garbage without any error."""
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    assert tokenizer.add_tokens(["<only_the_judge_knows>"]) == 1
-    folder = write_reward_config(tmp_path / "other_vocab", tokenizer=tokenizer)
-    assert_one_line_error(args_for(reward_model_path=folder), "--reward_model_path", "another vocabulary")
-
-
-def test_reward_model_without_a_tokenizer(args_for, tmp_path):
-    folder = write_reward_config(tmp_path / "no_tokenizer")
-    assert_one_line_error(args_for(reward_model_path=folder), "--reward_model_path", "no loadable tokenizer")
-
-
-def test_causal_lm_given_as_reward_model(args_for, tiny_model_dir):
-    assert_one_line_error(args_for(reward_model_path=tiny_model_dir), "--reward_model_path", "LlamaForCausalLM")
 
 
 def test_verifier_judge_on_a_dataset_without_answers(args_for, tmp_path):
@@ -108,14 +69,6 @@ def test_dataset_without_the_prompt_column(args_for, tmp_path):
 )
 def test_bad_numbers_and_paths(args_for, overrides, name):
     assert_one_line_error(args_for(**overrides), name)
-
-
-def test_resume_of_a_folder_without_checkpoint(args_for, tmp_path):
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "config.json").write_text("{}")
-    assert_one_line_error(args_for(resume=str(run)), "--resume")
-    assert os.path.isdir(run)
 
 
 def test_resume_refuses_changed_args(args_for, tmp_path):

