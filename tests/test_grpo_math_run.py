@@ -130,9 +130,7 @@ def test_same_seed_same_metrics(make_args, monkeypatch, tmp_path):
 
 
 @pytest.mark.slow
-def test_damaged_latest_checkpoint_stops_the_resume_and_the_one_before_it_resumes_exactly(
-    make_args, monkeypatch, tmp_path
-):
+def test_damaged_latest_checkpoint_stops_the_resume_and_the_one_before_it_resumes_exactly(make_args, monkeypatch):
     """A damaged latest checkpoint (a truncated file) stops --resume with one line naming the one before it; once it
     is deleted, --resume ends as the uninterrupted run (kill -9 at random points: tests/test_launch_paths.py)."""
     fixed_rollout.patch(grpo_math, monkeypatch.setattr)
@@ -142,7 +140,7 @@ def test_damaged_latest_checkpoint_stops_the_resume_and_the_one_before_it_resume
     latest = os.path.join(run_dir, "checkpoints", "step_000003")
     with open(os.path.join(latest, "model.safetensors"), "r+b") as f:
         f.truncate(1000)
-    args = make_args(output_dir=str(tmp_path / "resumed"), resume=run_dir, **overrides)
+    args = make_args(resume=run_dir, **overrides)
     with pytest.raises(SystemExit) as exc:
         grpo_math.main(args)
     earlier = os.path.join(run_dir, "checkpoints", "step_000002")
@@ -150,7 +148,7 @@ def test_damaged_latest_checkpoint_stops_the_resume_and_the_one_before_it_resume
     assert message.startswith(f"error: checkpoint {latest} does not load") and "\n" not in message, message
     assert message.endswith(f"; if a file is damaged, delete it to resume from {earlier}"), message
     shutil.rmtree(latest)
-    grpo_math.main(make_args(output_dir=str(tmp_path / "resumed"), resume=run_dir, **overrides))
+    grpo_math.main(make_args(resume=run_dir, **overrides))
     assert without_timing(read_metrics(run_dir)) == uninterrupted
     assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == ["step_000002", "step_000003"]
 
