@@ -86,6 +86,12 @@ MICRO_CONFIG = dict(
 TIMING_PREFIXES = ("time/", "perf/")
 
 
+def pytest_collection_modifyitems(items):
+    """The longest tests (marked launches) first: with a worker per core, one of them started last would leave the
+    other core idle for minutes at the end."""
+    items.sort(key=lambda item: item.get_closest_marker("launches") is None)
+
+
 def build_tiny_model(path):
     """A 2-layer random Llama with the SmolLM2 vocabulary, special tokens and chat template, saved at `path`."""
     from transformers import AutoConfig, AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -521,24 +527,33 @@ def accelerate_command():
     return accelerate
 
 
-def launch_fixed_rollout(script, flags, output_dir, num_processes=2, config_file=None, mixed_precision="no", env=None):
-    """`accelerate launch` of `script` on tests/fixed_rollout.py (the same completions whatever the launch; with
-    --vllm the engines sample and only the PATCHES apply) with num_processes CPU processes; returns the run folder
-    after checking the world size and the kind of launch the run got."""
+def launch_fixed_rollouts(runs, num_processes=2, config_file=None, mixed_precision="no", env=None):
+    """One `accelerate launch` of tests/fixed_rollout.py with num_processes CPU processes running each of `runs`,
+    (script, flags, output_dir), one after the other on the fixed rollout (the same completions whatever the launch;
+    with --vllm the engines sample and only the PATCHES apply); returns their run folders after checking the world
+    size and the kind of launch each run got."""
     cmd = [accelerate_command(), "launch"]
     cmd += ["--config_file", config_file] if config_file else ["--multi_gpu", "--dynamo_backend", "no"]
     cmd += ["--num_processes", str(num_processes), "--num_machines", "1", "--mixed_precision", mixed_precision]
-    cmd += ["--main_process_port", str(free_port())]
-    cmd += [os.path.join(REPO_ROOT, "tests", "fixed_rollout.py"), script, *flags]
-    run_checked(cmd, env or subprocess_env(), timeout=400)
-    run_dir = only_run_dir(output_dir)
-    with open(os.path.join(run_dir, "config.json")) as f:
-        config = json.load(f)
-    # --multi_gpu without Accelerator(cpu=True) starts unconnected rank-0 processes with no error, and cpu=True
-    # under a DeepSpeed config silently runs DDP instead.
-    assert config["args"]["world_size"] == num_processes
-    assert config["distributed_type"] == ("DEEPSPEED" if config_file else "MULTI_CPU")
-    return run_dir
+    cmd += ["--main_process_port", str(free_port()), os.path.join(REPO_ROOT, "tests", "fixed_rollout.py")]
+    for i, (script, flags, _) in enumerate(runs):
+        cmd += [*(["---"] if i else []), script, *flags]
+    run_checked(cmd, env or subprocess_env(), timeout=300 + 150 * len(runs))
+    run_dirs = []
+    for _, _, output_dir in runs:
+        run_dirs.append(only_run_dir(output_dir))
+        with open(os.path.join(run_dirs[-1], "config.json")) as f:
+            config = json.load(f)
+        # --multi_gpu without Accelerator(cpu=True) starts unconnected rank-0 processes with no error, and cpu=True
+        # under a DeepSpeed config silently runs DDP instead.
+        assert config["args"]["world_size"] == num_processes
+        assert config["distributed_type"] == ("DEEPSPEED" if config_file else "MULTI_CPU")
+    return run_dirs
+
+
+def launch_fixed_rollout(script, flags, output_dir, **launch):
+    """launch_fixed_rollouts of one run: its run folder."""
+    return launch_fixed_rollouts([(script, flags, output_dir)], **launch)[0]
 
 
 def assert_same_trajectory(reference_dir, other_dir, keys, rel=1e-5, abs_=1e-7):

@@ -6,6 +6,8 @@ DeepSpeed) then train on exactly the same data and must compute the same numbers
 
 As a program it runs a script's main() with its HF sampler (and the rewards named in PATCHES) replaced:
     accelerate launch --multi_gpu --num_processes 2 tests/fixed_rollout.py grpo_math.py --no-vllm ...
+several runs one after the other in one launch (one process group, the imports paid once), separated by ---:
+    accelerate launch ... tests/fixed_rollout.py grpo_math.py --output_dir a ... --- ppo_rlhf.py --output_dir b ...
 In-process tests call patch(module, monkeypatch.setattr) and then module.main(args).
 
 For the fault-injection tests the program can also overflow a gradient and turn off DeepSpeed's gradient norm:
@@ -15,12 +17,10 @@ and kill itself (SIGKILL) at a chosen point, and count the points:
     KILL_AT=backward:7        before the 7th backward pass: inside a training step
     KILL_AT=save_state:2      once the 2nd checkpoint's files are written, before the checkpoint is finished
     KILL_AT=save_pretrained:1 once the first model folder of the final save is written
-    COUNT_FILE=path           {point: number of calls} written there when the run ends
 """
 
 import collections
 import importlib
-import json
 import os
 import signal
 import sys
@@ -160,6 +160,7 @@ def install_kill_points(kill_at, calls, setter=setattr):
 
 if __name__ == "__main__":
     import tyro
+    from accelerate.state import AcceleratorState, GradientState, PartialState
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true":
@@ -168,12 +169,21 @@ if __name__ == "__main__":
         # DeepSpeed inference's tensor-parallel all-reduce uses: training reduces with torch.distributed.
         # (`deepspeed.comm.torch` as an attribute is the torch package, which deepspeed.comm imports: go by name.)
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
-    script = importlib.import_module(os.path.basename(sys.argv.pop(1)).removesuffix(".py"))
-    patch(script)
-    install_faults(script)
-    calls = collections.Counter()
-    install_kill_points(os.environ.get("KILL_AT"), calls)
-    script.main(tyro.cli(script.Config))
-    if os.environ.get("COUNT_FILE"):
-        with open(os.environ["COUNT_FILE"], "w") as f:
-            json.dump(calls, f)
+    install_kill_points(os.environ.get("KILL_AT"), collections.Counter())
+    runs = [[]]
+    for arg in sys.argv[1:]:
+        runs.append([]) if arg == "---" else runs[-1].append(arg)
+    for i, (name, *flags) in enumerate(runs):
+        script = importlib.import_module(os.path.basename(name).removesuffix(".py"))
+        originals = dict(vars(script))  # put back after the run, so that the next one patches afresh
+        patch(script)
+        install_faults(script)
+        destroy = PartialState.destroy_process_group  # end_training's; the next run needs the process group
+        if i < len(runs) - 1:
+            PartialState.destroy_process_group = lambda self, group=None: None
+        script.main(tyro.cli(script.Config, args=flags))
+        PartialState.destroy_process_group = destroy
+        vars(script).update(originals)
+        # The next run builds its own Accelerator (and DeepSpeed config) in the same process group.
+        AcceleratorState._reset_state()
+        GradientState._reset_state()

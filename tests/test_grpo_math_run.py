@@ -18,6 +18,7 @@ from conftest import (
     REPO_ROOT,
     fast_cli_flags,
     launch_fixed_rollout,
+    launch_fixed_rollouts,
     only_run_dir,
     read_metrics,
     require_deepspeed,
@@ -398,28 +399,26 @@ def test_invariant_bf16_autocast_ratio_is_one_on_the_first_minibatch(make_args, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("num_iterations", [1, 2])
-def test_invariant_deepspeed_bf16_kl_is_zero_and_ratio_one_before_the_first_update(
-    num_iterations, tiny_model_dir, task_dir, tmp_path
-):
+def test_invariant_deepspeed_bf16_kl_is_zero_and_ratio_one_before_the_first_update(tiny_model_dir, task_dir, tmp_path):
     """DeepSpeed ZeRO-2 with --mixed_precision bf16 on 2 CPU processes: DeepSpeed runs the policy with bf16 weights
     and accelerate's autocast is off there, so the reference is cast to bf16 too (frozen). One update: the step's KL
     is exactly 0 (failed before: 7e-7 with a reference cast by model.to(bf16), which also rounds the RoPE inv_freq
     buffer that DeepSpeed leaves in fp32). Two passes over the batch: the old log-probs, taken before the first
     update, give ratio exactly 1 and approxkl exactly 0 on the first minibatch (the step's KL then includes the pass
-    after the update)."""
+    after the update). Both runs in one launch."""
     require_deepspeed()
-    out = str(tmp_path / "zero2-bf16")
-    args = {**INVARIANT_ARGS, "prompts_per_rank": 2, "total_steps": 1, "num_iterations": num_iterations}
+    runs = []
+    for num_iterations in (1, 2):
+        out = str(tmp_path / f"zero2-bf16-{num_iterations}")
+        args = {**INVARIANT_ARGS, "prompts_per_rank": 2, "total_steps": 1, "num_iterations": num_iterations}
+        runs.append(("grpo_math.py", fast_cli_flags(tiny_model_dir, task_dir, out, **args), out))
     config = os.path.join(REPO_ROOT, "benchmark", "accelerate_configs", "deepspeed_zero2.yaml")
-    flags = fast_cli_flags(tiny_model_dir, task_dir, out, **args)
-    run_dir = launch_fixed_rollout("grpo_math.py", flags, out, config_file=config, mixed_precision="bf16")
-    (line,) = train_lines(read_metrics(run_dir))
-    if num_iterations == 1:
-        assert line["objective/kl"] == 0.0
-    else:
-        assert line["policy/ratio_first_minibatch"] == 1.0 and line["policy/approxkl_first_minibatch"] == 0.0
-        assert line["policy/ratio"] != 1.0  # the second pass ran after an update: the check above could fail
+    one_pass, two_passes = launch_fixed_rollouts(runs, config_file=config, mixed_precision="bf16")
+    (line,) = train_lines(read_metrics(one_pass))
+    assert line["objective/kl"] == 0.0
+    (line,) = train_lines(read_metrics(two_passes))
+    assert line["policy/ratio_first_minibatch"] == 1.0 and line["policy/approxkl_first_minibatch"] == 0.0
+    assert line["policy/ratio"] != 1.0  # the second pass ran after an update: the check above could fail
 
 
 @pytest.mark.slow

@@ -43,7 +43,7 @@ from conftest import (
     assert_same_trajectory,
     assert_same_weights,
     cli_flags,
-    launch_fixed_rollout,
+    launch_fixed_rollouts,
     read_metrics,
     require_deepspeed,
     require_vllm,
@@ -455,9 +455,12 @@ SETUPS = {
         check=check_async,
     ),
 }
-PATHS = ("two_processes", "accumulation", "zero2", "zero3", "kill_resume")
-TABLE = [
-    pytest.param(name, path, id=f"{name}-{path}") for name in SETUPS for path in PATHS if path in SETUPS[name].paths
+LAUNCHED = ("two_processes", "zero2", "zero3")  # 2 processes: every row's run in one launch
+IN_ONE_PROCESS = [
+    pytest.param(name, path, id=f"{name}-{path}")
+    for name in SETUPS
+    for path in ("accumulation", "kill_resume")
+    if path in SETUPS[name].paths
 ]
 
 
@@ -530,31 +533,53 @@ def assert_equals_reference(setup, path, reference_dir, run_dir, values, folder)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, path", TABLE)
+@pytest.mark.parametrize("name, path", IN_ONE_PROCESS)
 def test_invariant_launch_path_equals_one_process(name, path, request, tmp_path, tmp_path_factory):
+    """accumulation (in this process) and kill_resume (one launched process a kill) of one row."""
     setup = SETUPS[name]
+    reference_run = reference(name, path, request, tmp_path_factory)
+    folder = str(tmp_path / path)
+    if path == "kill_resume":
+        return assert_survives_kills(setup, request, reference_run, folder)
+    values = run_values(setup, request, folder, {**setup.shared.get(path, {}), **setup.paths[path]})
+    run_dir = in_process(setup.script, values)
+    assert_equals_reference(setup, path, reference_run[1], run_dir, values, folder)
+
+
+@pytest.mark.slow
+@pytest.mark.launches
+@pytest.mark.parametrize("path", LAUNCHED)
+def test_invariant_launched_path_equals_one_process(path, request, tmp_path, tmp_path_factory):
+    """two_processes, zero2 or zero3 of every row that has it, all in one `accelerate launch` of 2 processes (the
+    runs one after the other: the imports and the process group paid once, not once a row), each against its row's
+    reference. A row's failure names the row; a run that fails stops the launch, whose output names the run."""
     if path.startswith("zero"):
         require_deepspeed()
-    _, reference_dir, counts = reference(name, path, request, tmp_path_factory)
-    overrides = {**setup.shared.get(path, {}), **setup.paths[path]}
-    folder = str(tmp_path / path)
-    values = run_values(setup, request, folder, overrides)
-    if path == "kill_resume":
-        return assert_survives_kills(setup, request, reference(name, path, request, tmp_path_factory), folder)
-    if path == "accumulation":
-        run_dir = in_process(setup.script, values)
-    else:
-        config = None
-        if path.startswith("zero"):
-            config = os.path.join(REPO_ROOT, "benchmark", "accelerate_configs", f"deepspeed_{path}.yaml")
-        run_dir = launch_fixed_rollout(
-            f"{setup.script}.py", cli_flags(values), values["output_dir"], config_file=config
+    names = [name for name in SETUPS if path in SETUPS[name].paths]
+    values = {}
+    for name in names:
+        setup = SETUPS[name]
+        values[name] = run_values(
+            setup, request, str(tmp_path / name), {**setup.shared.get(path, {}), **setup.paths[path]}
         )
-    assert_equals_reference(setup, path, reference_dir, run_dir, values, folder)
+    runs = [(f"{SETUPS[name].script}.py", cli_flags(values[name]), values[name]["output_dir"]) for name in names]
+    config = None
     if path.startswith("zero"):
-        with open(os.path.join(run_dir, "config.json")) as f:
-            assert json.load(f)["args"]["gradient_accumulation_steps"] == 2  # DeepSpeed accumulates 2 micro-batches
-        assert_saved_folders_load(setup, run_dir)
+        config = os.path.join(REPO_ROOT, "benchmark", "accelerate_configs", f"deepspeed_{path}.yaml")
+    run_dirs = launch_fixed_rollouts(runs, config_file=config)
+    failures = []
+    for name, run_dir in zip(names, run_dirs):
+        setup = SETUPS[name]
+        try:
+            reference_dir = reference(name, path, request, tmp_path_factory)[1]
+            assert_equals_reference(setup, path, reference_dir, run_dir, values[name], str(tmp_path / name))
+            if path.startswith("zero"):
+                with open(os.path.join(run_dir, "config.json")) as f:
+                    assert json.load(f)["args"]["gradient_accumulation_steps"] == 2  # DeepSpeed accumulates 2
+                assert_saved_folders_load(setup, run_dir)
+        except AssertionError as error:
+            failures.append(f"{name}-{path}: {error}")
+    assert not failures, "\n".join(failures)
 
 
 def assert_saved_folders_load(setup, run_dir):
