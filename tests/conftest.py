@@ -398,6 +398,17 @@ def distinct_ensemble(tiny_reward_model_dir, tmp_path_factory):
     return str(folder)
 
 
+def write_score_model_config(folder, num_labels=1, architecture="LlamaForSequenceClassification", tokenizer=None):
+    """A score model's folder without weights (bad-input runs stop before any load): its config.json, and
+    `tokenizer` saved next to it when given."""
+    folder.mkdir()
+    config = {"model_type": "llama", "architectures": [architecture], "num_labels": num_labels}
+    (folder / "config.json").write_text(json.dumps(config))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
 class NoModelLoads:
     """Stands in for the Auto* model classes in bad-input tests: a check that comes after a model load fails."""
 

@@ -5,7 +5,7 @@ import functools
 import json
 
 import pytest
-from conftest import GOOD_ROWS, NoModelLoads, one_line_error, write_rows
+from conftest import GOOD_ROWS, NoModelLoads, one_line_error, write_rows, write_score_model_config
 
 import async_rlhf
 import dpo_online
@@ -114,17 +114,6 @@ def test_vllm_sleep_needs_a_gpu(script_args, task_dir):
 # The reward model's checks, on the three scripts that read one (--reward_model_path): one line, before any load.
 
 JUDGED = {"dpo_online": dpo_online, "ppo_rlhf": ppo_rlhf, "async_rlhf": async_rlhf}
-
-
-def write_score_model_config(folder, num_labels=1, architecture="LlamaForSequenceClassification", tokenizer=None):
-    """A score model's folder without weights (bad-input runs stop before any load): its config.json, and
-    `tokenizer` saved next to it when given."""
-    folder.mkdir()
-    config = {"model_type": "llama", "architectures": [architecture], "num_labels": num_labels}
-    (folder / "config.json").write_text(json.dumps(config))
-    if tokenizer is not None:
-        tokenizer.save_pretrained(folder)
-    return str(folder)
 
 
 @pytest.fixture(params=sorted(JUDGED))

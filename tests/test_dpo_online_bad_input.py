@@ -4,27 +4,17 @@ import functools
 import json
 
 import pytest
-from conftest import NoModelLoads, one_line_error, write_task
+from conftest import NoModelLoads, one_line_error, write_score_model_config, write_task
 from transformers import AutoTokenizer
 
 import dpo_online
-
-
-def write_reward_config(folder, num_labels=1, architecture="LlamaForSequenceClassification", tokenizer=None):
-    """A reward model folder without weights: its config.json, and `tokenizer` saved next to it if given."""
-    folder.mkdir()
-    config = {"model_type": "llama", "architectures": [architecture], "num_labels": num_labels}
-    (folder / "config.json").write_text(json.dumps(config))
-    if tokenizer is not None:
-        tokenizer.save_pretrained(folder)
-    return str(folder)
 
 
 @pytest.fixture
 def args_for(make_config, tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(dpo_online, "AutoModelForCausalLM", NoModelLoads)
     monkeypatch.setattr(dpo_online, "AutoModelForSequenceClassification", NoModelLoads)
-    reward_dir = write_reward_config(tmp_path / "rm", tokenizer=AutoTokenizer.from_pretrained(tiny_model_dir))
+    reward_dir = write_score_model_config(tmp_path / "rm", tokenizer=AutoTokenizer.from_pretrained(tiny_model_dir))
     return functools.partial(make_config, dpo_online, fast=False, reward_model_path=reward_dir)
 
 

@@ -1,25 +1,12 @@
 """Bad input stops ppo_rlhf.main with one clear line naming the argument, before any model is loaded."""
 
 import functools
-import json
 
 import pytest
-from conftest import NoModelLoads, one_line_error, write_task
+from conftest import NoModelLoads, one_line_error, write_score_model_config, write_task
 from transformers import AutoTokenizer
 
 import ppo_rlhf
-
-
-def write_score_model_config(folder, tokenizer=None):
-    """A one-label sequence-classification config (no weights: bad-input runs stop before any load), with
-    `tokenizer` saved next to it when given."""
-    folder.mkdir()
-    (folder / "config.json").write_text(
-        json.dumps({"model_type": "llama", "architectures": ["LlamaForSequenceClassification"], "num_labels": 1})
-    )
-    if tokenizer is not None:
-        tokenizer.save_pretrained(folder)
-    return str(folder)
 
 
 @pytest.fixture
@@ -34,7 +21,7 @@ def other_vocabulary_tokenizer(tiny_model_dir):
 def args_for(make_config, tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(ppo_rlhf, "AutoModelForCausalLM", NoModelLoads)
     monkeypatch.setattr(ppo_rlhf, "AutoModelForSequenceClassification", NoModelLoads)
-    reward_dir = write_score_model_config(tmp_path / "rm", AutoTokenizer.from_pretrained(tiny_model_dir))
+    reward_dir = write_score_model_config(tmp_path / "rm", tokenizer=AutoTokenizer.from_pretrained(tiny_model_dir))
     return functools.partial(make_config, ppo_rlhf, fast=False, reward_model_path=reward_dir)
 
 
@@ -47,7 +34,7 @@ def test_value_model_is_checked_too(args_for, tiny_model_dir):
 
 
 def test_value_model_with_another_vocabulary(args_for, other_vocabulary_tokenizer, tmp_path):
-    folder = write_score_model_config(tmp_path / "other_vocab", other_vocabulary_tokenizer)
+    folder = write_score_model_config(tmp_path / "other_vocab", tokenizer=other_vocabulary_tokenizer)
     assert_one_line_error(args_for(value_model_path=folder), "--value_model_path", "another vocabulary")
 
 
