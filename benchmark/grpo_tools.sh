@@ -52,29 +52,22 @@ fi
 
 # Issue 67: the native format against calc on the same task, budget (30 steps, --response_length 96) and seeds; the
 # calc arm is the committed runs of the main part (benchmark/results/grpo_tools/, the same code path: issue 67 left
-# calc's trajectories unchanged); and 3 seeds on the second environment, price_list. Not run yet (2026-11-29): the
-# price_list probes found no success in 400 samples at T 1 (docs/grpo_tools.md), so its runs would learn nothing.
+# calc's trajectories unchanged).
 #   bash benchmark/grpo_tools.sh issue67_runs      # ~15-25 min a run on 2 cores
 if [[ ${1:-} == issue67_runs ]]; then
     shift
-    for seed in 1 2 3; do
-        python -m benchmark.run --script grpo_tools.py --seeds "$seed" --resume_unfinished "$@" -- \
-            --tool_format native --exp_name issue67_native
-        python -m benchmark.run --script grpo_tools.py --seeds "$seed" --resume_unfinished "$@" -- \
-            --tool_format native --environment price_list --dataset_path assets/data/price_list \
-            --response_length 256 --exp_name issue67_price_list
-    done
+    python -m benchmark.run --script grpo_tools.py --seeds 1 2 3 --resume_unfinished "$@" -- \
+        --tool_format native --exp_name issue67_native
     OUT=benchmark/results/grpo_tools_issue67_runs
-    python -m benchmark.registry copy --out "$OUT" runs/mul_2t3d__issue67_native__[123]__* \
-        runs/price_list__issue67_price_list__[123]__*
+    python -m benchmark.registry copy --out "$OUT" runs/mul_2t3d__issue67_native__[123]__*
     ARMS=("calc=benchmark/results/grpo_tools/mul_2t3d__tools__*" "native=$OUT/mul_2t3d__issue67_native__*")
-    python -m benchmark.registry table --experiments "${ARMS[@]}" "price_list=$OUT/price_list__issue67_price_list__*" \
+    python -m benchmark.registry table --experiments "${ARMS[@]}" \
         --metrics eval/accuracy eval/call_rate objective/accuracy tools/calls tools/failed_calls tools/truncated \
         --out benchmark/results/grpo_tools_issue67.md
     python -m benchmark.registry paired --experiments "${ARMS[@]}" --baseline calc --metrics eval/accuracy \
         eval/call_rate objective/accuracy --out benchmark/results/grpo_tools_issue67_paired.md
-    python -m benchmark.registry plot --experiments "${ARMS[@]}" "price_list=$OUT/price_list__issue67_price_list__*" \
-        --metric eval/accuracy objective/accuracy eval/call_rate --out benchmark/results/grpo_tools_issue67.png
+    python -m benchmark.registry plot --experiments "${ARMS[@]}" --metric eval/accuracy objective/accuracy \
+        eval/call_rate --out benchmark/results/grpo_tools_issue67.png
     exit 0
 fi
 
