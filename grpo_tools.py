@@ -912,34 +912,36 @@ within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": <function-name
 {%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"""
 
 
+def price_exchange(shop, *items):
+    """One exchange of the price_list task, as EXAMPLES shows it: the question about (quantity, item) pairs at a shop,
+    a `price` call for each item in one turn, their results, for two items an `add` call and its result, the answer."""
+    costs = [quantity * PriceList.PRICES[shop][item] for quantity, item in items]
+    messages = [
+        {"role": "user", "content": f"{price_question(shop, items)} Give the final answer after 'Answer:'."},
+        call_message(*[("price", {"shop": shop, "item": item, "quantity": quantity}) for quantity, item in items]),
+        *[tool_message("price", str(cost)) for cost in costs],
+    ]
+    if len(costs) == 2:
+        messages += [call_message(("add", {"a": costs[0], "b": costs[1]})), tool_message("add", str(sum(costs)))]
+    return messages + [{"role": "assistant", "content": f"Answer: {sum(costs)}"}]
+
+
+def price_question(shop, items):
+    """ "At the east shop, what do 2 rulers cost, in cents?", or "... 2 rulers and 5 erasers cost together, ..." """
+    listed = " and ".join(f"{quantity} {item}s" for quantity, item in items)
+    return f"At the {shop} shop, what do {listed} cost{' together' if len(items) > 1 else ''}, in cents?"
+
+
 class PriceList:
-    """The price_list task's environment (its questions: make assets): what a few items cost together at one of three
-    shops, whose prices the policy looks up (no prompt holds them) and adds. Two tools of several typed arguments."""
+    """The price_list tasks' environment (their questions: make assets): what one or two kinds of items cost at one of
+    three shops, whose prices the policy looks up (no prompt holds them) and adds. Two tools of several typed
+    arguments."""
 
     PRICES = {  # cents
         "north": {"pencil": 35, "notebook": 240, "eraser": 55, "ruler": 120, "stapler": 890, "marker": 145},
         "south": {"pencil": 40, "notebook": 215, "eraser": 60, "ruler": 105, "stapler": 935, "marker": 130},
         "east": {"pencil": 30, "notebook": 260, "eraser": 45, "ruler": 135, "stapler": 860, "marker": 155},
     }
-    # Three exchanges, as the calculator's: after one, SmolLM2-135M writes a <tool_response> itself, never a call.
-    EXAMPLES = [
-        [
-            {"role": "user", "content": f"At the {shop} shop, what do {q1} {one}s and {q2} {two}s cost together, in "
-             "cents? Give the final answer after 'Answer:'."},
-            call_message(("price", {"shop": shop, "item": one, "quantity": q1}),
-                         ("price", {"shop": shop, "item": two, "quantity": q2})),
-            tool_message("price", str(a)),
-            tool_message("price", str(b)),
-            call_message(("add", {"a": a, "b": b})),
-            tool_message("add", str(a + b)),
-            {"role": "assistant", "content": f"Answer: {a + b}"},
-        ]
-        for shop, q1, one, a, q2, two, b in (
-            ("east", 2, "ruler", 270, 5, "eraser", 225),
-            ("north", 3, "pencil", 105, 4, "marker", 580),
-            ("south", 6, "notebook", 1290, 2, "stapler", 1870),
-        )
-    ]  # fmt: skip
 
     def reset(self, question):
         """Called with its question before a trajectory's first turn (the prices do not change; nothing added)."""
@@ -966,18 +968,25 @@ class PriceList:
         return a + b
 
 
-def price_list_rows(seed, count):
-    """The price_list task: `count` distinct questions "At the {shop} shop, what do {q1} {item1}s and {q2} {item2}s
-    cost together, in cents?" (quantities 2-9, two different items in PRICES' order) with their answers, from a
-    seeded stream."""
+# Three exchanges, as the calculator's: after one, SmolLM2-135M writes a <tool_response> itself, never a call.
+PriceList.EXAMPLES = [
+    price_exchange("east", (2, "ruler"), (5, "eraser")),
+    price_exchange("north", (3, "pencil"), (4, "marker")),
+    price_exchange("south", (6, "notebook"), (2, "stapler")),
+]
+
+
+def price_list_rows(seed, count, items=2):
+    """`count` distinct questions of the price_list tasks about `items` (1 or 2) kinds of items at a shop
+    (price_question; quantities 2-9, two items in PRICES' order) with their answers, from a seeded stream."""
     rng, rows = np.random.default_rng(seed), {}
-    shops, items = list(PriceList.PRICES), list(PriceList.PRICES["north"])
+    shops, names = list(PriceList.PRICES), list(PriceList.PRICES["north"])
     while len(rows) < count:
-        shop, (q1, q2) = rng.choice(shops), rng.integers(2, 10, 2)
-        one, two = sorted(rng.choice(items, 2, replace=False), key=items.index)  # one order: no fact in both splits
-        question = f"At the {shop} shop, what do {q1} {one}s and {q2} {two}s cost together, in cents?"
-        prices = PriceList.PRICES[str(shop)]
-        rows.setdefault(question, {"question": question, "answer": str(q1 * prices[one] + q2 * prices[two])})
+        shop, quantities = str(rng.choice(shops)), rng.integers(2, 10, items)
+        chosen = sorted(rng.choice(names, items, replace=False), key=names.index)  # one order: no fact in both splits
+        pairs = [(int(q), str(item)) for q, item in zip(quantities, chosen)]
+        answer = sum(quantity * PriceList.PRICES[shop][item] for quantity, item in pairs)
+        rows.setdefault(price_question(shop, pairs), {"question": price_question(shop, pairs), "answer": str(answer)})
     return list(rows.values())
 
 

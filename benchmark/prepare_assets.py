@@ -313,20 +313,26 @@ def prepare_tasks(assets: Path) -> None:
 
 
 def prepare_price_list(assets: Path) -> None:
-    """grpo_tools.py's second environment's task (--environment price_list --tool_format native): questions about
-    what two kinds of items cost together at one of three shops, whose prices only the environment's tools know
-    (grpo_tools.price_list_rows); split by (shop, items, quantities) as the questions are distinct, 500 held out."""
-    t0, out = time.time(), assets / "data" / "price_list"
-    if (out / "train.jsonl").exists() and (out / "test.jsonl").exists():
-        log("tasks", f"{out} exists, skipped", t0)
-        return
+    """grpo_tools.py's second environment's tasks (--environment price_list --tool_format native): questions about
+    what items cost at one of three shops, whose prices only the environment's tools know (grpo_tools.price_list_rows).
+    price_list: two kinds of items, 500 held out of 2,500; price_list_mixed: every one-item question there is (144)
+    and as many two-item ones, a third of each held out, one-item and two-item rows alternating."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from grpo_tools import price_list_rows
 
-    rows = price_list_rows(SEED, 2000 + TEST_SIZE)
-    write_jsonl(rows[:TEST_SIZE], out / "test.jsonl")
-    write_jsonl(rows[TEST_SIZE:], out / "train.jsonl")
-    log("tasks", f"wrote {out} (train {len(rows) - TEST_SIZE}, test {TEST_SIZE})", t0)
+    one, two = price_list_rows(SEED, 144, items=1), price_list_rows(SEED, 144, items=2)
+    tasks = {
+        "price_list": (price_list_rows(SEED, 2000 + TEST_SIZE), TEST_SIZE),
+        "price_list_mixed": ([row for pair in zip(one, two) for row in pair], 96),
+    }
+    for name, (rows, test_size) in tasks.items():
+        t0, out = time.time(), assets / "data" / name
+        if (out / "train.jsonl").exists() and (out / "test.jsonl").exists():
+            log("tasks", f"{out} exists, skipped", t0)
+            continue
+        write_jsonl(rows[:test_size], out / "test.jsonl")
+        write_jsonl(rows[test_size:], out / "train.jsonl")
+        log("tasks", f"wrote {out} (train {len(rows) - test_size}, test {test_size})", t0)
 
 
 def prepare_subsets(assets: Path) -> None:

@@ -344,9 +344,11 @@ def test_native_run_is_on_policy_with_kl_zero_and_logs_the_errors_by_kind(make_c
     assert args.system_prompt is None and args.max_prompt_length == 640
 
 
-def test_price_list_task_and_environment_agree_with_prices_written_here():
-    """The second environment's task: each answer is the two items' prices (written here from the shops' lists)
-    times their quantities, the questions distinct and each pair of items in one order; its tools answer the same."""
+def test_price_list_tasks_and_environment_agree_with_prices_written_here(tmp_path, monkeypatch):
+    """The second environment's tasks: each answer is the items' prices (written here from the shops' lists) times
+    their quantities, the questions distinct and each pair of items in one order; its tools answer the same, and its
+    shown exchanges call them as a policy must. make assets' mixed task alternates one- and two-item questions, each
+    one-item question there is, a third of each held out."""
     prices = {
         ("north", "pencil"): 35, ("north", "notebook"): 240, ("north", "eraser"): 55, ("north", "ruler"): 120,
         ("north", "stapler"): 890, ("north", "marker"): 145, ("south", "pencil"): 40, ("south", "notebook"): 215,
@@ -354,16 +356,45 @@ def test_price_list_task_and_environment_agree_with_prices_written_here():
         ("east", "pencil"): 30, ("east", "notebook"): 260, ("east", "eraser"): 45, ("east", "ruler"): 135,
         ("east", "stapler"): 860, ("east", "marker"): 155,
     }  # fmt: skip
+    env = grpo_tools.PriceList()
+    two = re.compile(r"At the (\w+) shop, what do (\d) (\w+)s and (\d) (\w+)s cost together, in cents\?")
+    one = re.compile(r"At the (\w+) shop, what do (\d) (\w+)s cost, in cents\?")
     rows = grpo_tools.price_list_rows(seed=3, count=300)
     assert len({row["question"] for row in rows}) == 300 and rows == grpo_tools.price_list_rows(seed=3, count=300)
-    env, pattern = grpo_tools.PriceList(), re.compile(r"At the (\w+) shop, what do (\d) (\w+)s and (\d) (\w+)s cost")
     for row in rows:
-        shop, q1, one, q2, two = pattern.match(row["question"]).groups()
-        assert one != two and int(row["answer"]) == int(q1) * prices[shop, one] + int(q2) * prices[shop, two]
-        assert env.add(env.price(shop, one, int(q1)), env.price(shop, two, int(q2))) == int(row["answer"])
+        shop, q1, item1, q2, item2 = two.fullmatch(row["question"]).groups()
+        assert item1 != item2 and int(row["answer"]) == int(q1) * prices[shop, item1] + int(q2) * prices[shop, item2]
+        assert env.add(env.price(shop, item1, int(q1)), env.price(shop, item2, int(q2))) == int(row["answer"])
+    singles = grpo_tools.price_list_rows(seed=3, count=144, items=1)  # 3 shops x 6 items x quantities 2-9: all
+    assert len({row["question"] for row in singles}) == 144
+    for row in singles:
+        shop, q, item = one.fullmatch(row["question"]).groups()
+        assert int(row["answer"]) == int(q) * prices[shop, item] == env.price(shop, item, int(q))
     schemas = grpo_tools.tool_schemas(env)
     assert run_tool_call(env, schemas, "price", {"shop": "west", "item": "pen", "quantity": 1})[1] == "raised"
     assert run_tool_call(env, schemas, "add", {"a": 2, "b": "3"})[1] == "bad_arguments"
+    for shop, items in (("north", [(4, "marker")]), ("east", [(2, "ruler"), (5, "eraser")])):
+        messages = grpo_tools.price_exchange(shop, *items)
+        question, gold = messages[0]["content"], sum(q * prices[shop, item] for q, item in items)
+        assert (one if len(items) == 1 else two).match(question) and messages[-1]["content"] == f"Answer: {gold}"
+        env_calls = [c["function"] for m in messages if m["role"] == "assistant" for c in m.get("tool_calls", [])]
+        results = [m["content"] for m in messages if m["role"] == "tool"]
+        assert [str(getattr(env, c["name"])(**c["arguments"])) for c in env_calls] == results
+        assert [c["name"] for c in env_calls] == ["price"] * len(items) + ["add"] * (len(items) - 1)
+
+    from benchmark import prepare_assets
+
+    monkeypatch.setattr(prepare_assets, "TEST_SIZE", 5)
+    fake = lambda seed, count, items=2: [{"question": f"{items}-{k}", "answer": str(k)} for k in range(count)]  # noqa: E731
+    monkeypatch.setattr(grpo_tools, "price_list_rows", fake)
+    prepare_assets.prepare_price_list(tmp_path)
+    lines = {
+        (name, split): [json.loads(line)["question"] for line in open(tmp_path / "data" / name / f"{split}.jsonl")]
+        for name in ("price_list", "price_list_mixed") for split in ("train", "test")
+    }  # fmt: skip
+    assert len(lines["price_list", "test"]) == 5 and len(lines["price_list", "train"]) == 2000
+    mixed = lines["price_list_mixed", "test"] + lines["price_list_mixed", "train"]
+    assert len(lines["price_list_mixed", "test"]) == 96 and mixed == [f"{i}-{k}" for k in range(144) for i in (1, 2)]
 
 
 @pytest.mark.slow
