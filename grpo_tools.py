@@ -985,8 +985,8 @@ def price_list_rows(seed, count, items=2):
         shop, quantities = str(rng.choice(shops)), rng.integers(2, 10, items)
         chosen = sorted(rng.choice(names, items, replace=False), key=names.index)  # one order: no fact in both splits
         pairs = [(int(q), str(item)) for q, item in zip(quantities, chosen)]
-        answer = sum(quantity * PriceList.PRICES[shop][item] for quantity, item in pairs)
-        rows.setdefault(price_question(shop, pairs), {"question": price_question(shop, pairs), "answer": str(answer)})
+        question, answer = price_question(shop, pairs), sum(q * PriceList.PRICES[shop][item] for q, item in pairs)
+        rows.setdefault(question, {"question": question, "answer": str(answer)})
     return list(rows.values())
 
 
