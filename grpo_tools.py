@@ -21,7 +21,7 @@ Run on CPU with the embedded defaults (SmolLM2-135M-Instruct, products of 2-3 di
     python grpo_tools.py
     python grpo_tools.py --no-vllm                 # Hugging Face generate instead of vLLM
     python grpo_tools.py --tool_format native      # the chat template's tool calls (SmolLM2: HERMES_TEMPLATE)
-    python grpo_tools.py --tool_format native --environment price_list --dataset_path assets/data/price_list
+    python grpo_tools.py --tool_format native --environment price_list_one --dataset_path assets/data/price_list_one
 Run on GPUs (one vLLM engine per process, colocated with the trainer):
     accelerate launch --num_processes 8 grpo_tools.py --model_name_or_path Qwen/Qwen2.5-1.5B-Instruct \
         --dtype bfloat16 --response_length 512
@@ -935,13 +935,24 @@ def price_question(shop, items):
 class PriceList:
     """The price_list tasks' environment (their questions: make assets): what one or two kinds of items cost at one of
     three shops, whose prices the policy looks up (no prompt holds them) and adds. Two tools of several typed
-    arguments."""
+    arguments; `items`: the kind of question its EXAMPLES show (two items: two `price` calls, then `add`; one item:
+    one `price` call, `add` offered and not needed)."""
 
     PRICES = {  # cents
         "north": {"pencil": 35, "notebook": 240, "eraser": 55, "ruler": 120, "stapler": 890, "marker": 145},
         "south": {"pencil": 40, "notebook": 215, "eraser": 60, "ruler": 105, "stapler": 935, "marker": 130},
         "east": {"pencil": 30, "notebook": 260, "eraser": 45, "ruler": 135, "stapler": 860, "marker": 155},
     }
+    # Three exchanges, as the calculator's: after one, SmolLM2-135M writes a <tool_response> itself, never a call;
+    # shown two-item exchanges, it makes two calls for a one-item question too (docs/grpo_tools.md).
+    SHOWN = {
+        2: [("east", (2, "ruler"), (5, "eraser")), ("north", (3, "pencil"), (4, "marker")),
+            ("south", (6, "notebook"), (2, "stapler"))],
+        1: [("east", (2, "ruler")), ("north", (4, "marker")), ("south", (6, "notebook"))],
+    }  # fmt: skip
+
+    def __init__(self, items=2):
+        self.EXAMPLES = [price_exchange(shop, *pairs) for shop, *pairs in self.SHOWN[items]]
 
     def reset(self, question):
         """Called with its question before a trajectory's first turn (the prices do not change; nothing added)."""
@@ -968,14 +979,6 @@ class PriceList:
         return a + b
 
 
-# Three exchanges, as the calculator's: after one, SmolLM2-135M writes a <tool_response> itself, never a call.
-PriceList.EXAMPLES = [
-    price_exchange("east", (2, "ruler"), (5, "eraser")),
-    price_exchange("north", (3, "pencil"), (4, "marker")),
-    price_exchange("south", (6, "notebook"), (2, "stapler")),
-]
-
-
 def price_list_rows(seed, count, items=2):
     """`count` distinct questions of the price_list tasks about `items` (1 or 2) kinds of items at a shop
     (price_question; quantities 2-9, two items in PRICES' order) with their answers, from a seeded stream."""
@@ -993,7 +996,8 @@ def price_list_rows(seed, count, items=2):
 # --environment's choices: each makes one environment from the flags (args), shown its EXAMPLES before the question.
 ENVIRONMENTS = {
     "calculator": lambda args: Calculator(args.max_operations, args.tool == "unavailable"),
-    "price_list": lambda args: PriceList(),
+    "price_list": lambda args: PriceList(items=2),
+    "price_list_one": lambda args: PriceList(items=1),
 }
 
 

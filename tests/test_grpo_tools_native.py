@@ -347,8 +347,8 @@ def test_native_run_is_on_policy_with_kl_zero_and_logs_the_errors_by_kind(make_c
 def test_price_list_tasks_and_environment_agree_with_prices_written_here(tmp_path, monkeypatch):
     """The second environment's tasks: each answer is the items' prices (written here from the shops' lists) times
     their quantities, the questions distinct and each pair of items in one order; its tools answer the same, and its
-    shown exchanges call them as a policy must. make assets' mixed task alternates one- and two-item questions, each
-    one-item question there is, a third of each held out."""
+    shown exchanges (two-item ones for price_list, one-item ones for price_list_one) call them as a policy must.
+    make assets' one-item task holds each one-item question there is, a third of them held out."""
     prices = {
         ("north", "pencil"): 35, ("north", "notebook"): 240, ("north", "eraser"): 55, ("north", "ruler"): 120,
         ("north", "stapler"): 890, ("north", "marker"): 145, ("south", "pencil"): 40, ("south", "notebook"): 215,
@@ -373,14 +373,17 @@ def test_price_list_tasks_and_environment_agree_with_prices_written_here(tmp_pat
     schemas = grpo_tools.tool_schemas(env)
     assert run_tool_call(env, schemas, "price", {"shop": "west", "item": "pen", "quantity": 1})[1] == "raised"
     assert run_tool_call(env, schemas, "add", {"a": 2, "b": "3"})[1] == "bad_arguments"
-    for shop, items in (("north", [(4, "marker")]), ("east", [(2, "ruler"), (5, "eraser")])):
-        messages = grpo_tools.price_exchange(shop, *items)
-        question, gold = messages[0]["content"], sum(q * prices[shop, item] for q, item in items)
-        assert (one if len(items) == 1 else two).match(question) and messages[-1]["content"] == f"Answer: {gold}"
-        env_calls = [c["function"] for m in messages if m["role"] == "assistant" for c in m.get("tool_calls", [])]
-        results = [m["content"] for m in messages if m["role"] == "tool"]
-        assert [str(getattr(env, c["name"])(**c["arguments"])) for c in env_calls] == results
-        assert [c["name"] for c in env_calls] == ["price"] * len(items) + ["add"] * (len(items) - 1)
+    for name, items in (("price_list", 2), ("price_list_one", 1)):  # each environment shows its kind of question
+        shown = grpo_tools.ENVIRONMENTS[name](None).EXAMPLES
+        assert len(shown) == 3
+        for messages in shown:
+            shop, *pairs = (one if items == 1 else two).match(messages[0]["content"]).groups()
+            gold = sum(int(q) * prices[shop, item] for q, item in zip(pairs[::2], pairs[1::2]))
+            assert messages[-1] == {"role": "assistant", "content": f"Answer: {gold}"}
+            env_calls = [c["function"] for m in messages if m["role"] == "assistant" for c in m.get("tool_calls", [])]
+            results = [m["content"] for m in messages if m["role"] == "tool"]
+            assert [str(getattr(env, c["name"])(**c["arguments"])) for c in env_calls] == results
+            assert [c["name"] for c in env_calls] == ["price"] * items + ["add"] * (items - 1)
 
     from benchmark import prepare_assets
 
@@ -390,11 +393,11 @@ def test_price_list_tasks_and_environment_agree_with_prices_written_here(tmp_pat
     prepare_assets.prepare_price_list(tmp_path)
     lines = {
         (name, split): [json.loads(line)["question"] for line in open(tmp_path / "data" / name / f"{split}.jsonl")]
-        for name in ("price_list", "price_list_mixed") for split in ("train", "test")
+        for name in ("price_list", "price_list_one") for split in ("train", "test")
     }  # fmt: skip
     assert len(lines["price_list", "test"]) == 5 and len(lines["price_list", "train"]) == 2000
-    mixed = lines["price_list_mixed", "test"] + lines["price_list_mixed", "train"]
-    assert len(lines["price_list_mixed", "test"]) == 96 and mixed == [f"{i}-{k}" for k in range(144) for i in (1, 2)]
+    assert lines["price_list_one", "test"] + lines["price_list_one", "train"] == [f"1-{k}" for k in range(144)]
+    assert len(lines["price_list_one", "test"]) == 48
 
 
 @pytest.mark.slow
