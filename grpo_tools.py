@@ -915,7 +915,7 @@ within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": <function-name
 def price_exchange(shop, *items):
     """One exchange of the price_list task, as EXAMPLES shows it: the question about (quantity, item) pairs at a shop,
     a `price` call for each item in one turn, their results, for two items an `add` call and its result, the answer."""
-    costs = [quantity * PriceList.PRICES[shop][item] for quantity, item in items]
+    costs = [PriceList.price(shop, item, quantity) for quantity, item in items]
     messages = [
         {"role": "user", "content": f"{price_question(shop, items)} Give the final answer after 'Answer:'."},
         call_message(*[("price", {"shop": shop, "item": item, "quantity": quantity}) for quantity, item in items]),
@@ -957,7 +957,8 @@ class PriceList:
     def reset(self, question):
         """Called with its question before a trajectory's first turn (the prices do not change; nothing added)."""
 
-    def price(self, shop: str, item: str, quantity: int) -> int:
+    @classmethod  # so that price_exchange and price_list_rows price with the tool itself
+    def price(cls, shop: str, item: str, quantity: int) -> int:
         """The price in cents of some items at a shop.
 
         Args:
@@ -965,9 +966,9 @@ class PriceList:
             item: pencil, notebook, eraser, ruler, stapler or marker
             quantity: how many
         """
-        if shop not in self.PRICES or item not in self.PRICES[shop]:
+        if shop not in cls.PRICES or item not in cls.PRICES[shop]:
             raise KeyError(f"no {item!r} at a shop {shop!r}")
-        return self.PRICES[shop][item] * quantity
+        return cls.PRICES[shop][item] * quantity
 
     def add(self, a: int, b: int) -> int:
         """The sum of two whole numbers.
@@ -988,7 +989,7 @@ def price_list_rows(seed, count, items=2):
         shop, quantities = str(rng.choice(shops)), rng.integers(2, 10, items)
         chosen = sorted(rng.choice(names, items, replace=False), key=names.index)  # one order: no fact in both splits
         pairs = [(int(q), str(item)) for q, item in zip(quantities, chosen)]
-        question, answer = price_question(shop, pairs), sum(q * PriceList.PRICES[shop][item] for q, item in pairs)
+        question, answer = price_question(shop, pairs), sum(PriceList.price(shop, item, q) for q, item in pairs)
         rows.setdefault(question, {"question": question, "answer": str(answer)})
     return list(rows.values())
 

@@ -15,7 +15,8 @@ cd "$(dirname "$0")/.."
 
 # Issue 66 (docs/power_plan.md): part 2's sweep where staleness moves the policy. First a pilot: seed 1 of online DPO
 # and RLOO at N = 16 (part 2's flags) and raised learning rates, for the stalest minibatch's approximate KL to the
-# sampler (policy/approxkl_last_minibatch; part 2's largest at lr 1e-5: 0.010) and the accuracy. ~8 min a run.
+# sampler (policy/approxkl_last_minibatch; part 2's largest at lr 1e-5: 0.010) and the accuracy. 17-26 min a run
+# (one core of two, 2026-11-29/30).
 #   bash benchmark/async_rlhf.sh pilot66
 if [[ ${1:-} == pilot66 ]]; then
     # Round 1: both objectives at 3e-5 and 1e-4. At 1e-4 both collapse (held-out accuracy 0.096 and 0.245 from

@@ -77,7 +77,7 @@ fi
 # policy's probes on all 48 held-out questions (greedy and T 1, 4 samples), to benchmark/results/grpo_tools_issue67/;
 # then 3 seeds at the calc runs' budget (30 steps of 4 prompts x 8), 128 tokens a trajectory (one call and its
 # answer take ~60), evaluated on all 48 every 10 steps.
-#   bash benchmark/grpo_tools.sh issue67_price_one      # ~5 min a probe, ~1 h a run (2 cores)
+#   bash benchmark/grpo_tools.sh issue67_price_one      # probes done (skipped when their folder exists); runs untimed
 if [[ ${1:-} == issue67_price_one ]]; then
     shift
     ISSUE67=benchmark/results/grpo_tools_issue67
