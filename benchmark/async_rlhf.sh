@@ -46,6 +46,33 @@ if [[ ${1:-} == pilot66 ]]; then
     exit 0
 fi
 
+# Issue 66, the sweep the pilot chose: part 2's design (N = 1 and 16, the same 32 updates on the same prompts) at one
+# learning rate per objective, each where its own stalest minibatch KL is >= 10x part 2's at lr 1e-5 (RLOO 0.0024,
+# the largest 0.010) and it still learns: online DPO at 3e-5 (pilot KL 0.284), RLOO at 6e-5 (0.146 at step 1, 0.029
+# at step 2). Seeds 1-4, seed-major; seed 1 at N = 16 is the pilot's run of the same flags (run pilot66 first),
+# copied beside the others. The claim's check: benchmark.offpolicy (online DPO's drop from N = 1 to 16 the smaller).
+# ~20 min a run on one core of two.
+#   bash benchmark/async_rlhf.sh stale66
+if [[ ${1:-} == stale66 ]]; then
+    for seed in 1 2 3 4; do
+        for n in 1 16; do
+            [[ $seed == 1 && $n == 16 ]] && continue
+            python -m benchmark.run --script async_rlhf.py --seeds "$seed" --resume_unfinished -- --sync --no-vllm \
+                --loss dpo --num_minibatches "$n" --prompts_per_rank $((2*n)) --micro_batch_size 2 \
+                --total_steps $((32/n)) --eval_every 0 --learning_rate 3e-5 --exp_name "stale66_dpo_lr3e-5_n$n"
+            python -m benchmark.run --script async_rlhf.py --seeds "$seed" --resume_unfinished -- --sync --no-vllm \
+                --loss rloo --rloo_k 2 --num_minibatches "$n" --prompts_per_rank $((2*n)) --micro_batch_size 2 \
+                --total_steps $((32/n)) --eval_every 0 --learning_rate 6e-5 --exp_name "stale66_rloo_lr6e-5_n$n"
+        done
+    done
+    OUT=benchmark/results/async_rlhf_stale66
+    python -m benchmark.registry copy --out "$OUT" runs/arith_1d__stale66_*__[1-4]__* \
+        runs/arith_1d__pilot66_dpo_lr3e-5_n16__1__* runs/arith_1d__pilot66_rloo_lr6e-5_n16__1__*
+    python -m benchmark.offpolicy --experiments "online DPO=$OUT/arith_1d__*66_dpo_lr3e-5_n*" \
+        "RLOO=$OUT/arith_1d__*66_rloo_lr6e-5_n*" --out benchmark/results/offpolicy66
+    exit 0
+fi
+
 # 1. Async against --sync: the same program, seed, prompts and number of learner steps; generation and learning in
 # turn (--sync) and at the same time (max_staleness 1). HF generate in the generator (on 2 CPU cores it gains
 # nothing from a second thread, while training does: the split that lets the two overlap).
