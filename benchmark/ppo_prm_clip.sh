@@ -40,6 +40,34 @@ if [[ ${1:-} == verifier65 ]]; then
     exit 0
 fi
 
+# Issue 66's power plan for the PRM claims (docs/power_plan.md), remade from the committed runs: for each claim, the
+# per-seed paired values, the seeds the one verdict rule needs for 80% power at the observed mean and std, and the
+# minimum detectable effect at the seeds there are (benchmark/power.py); the 2026-11-26 set and today's (v65) set,
+# never pooled. The fix against raw is one Holm family of three arms, as prm_checks' (d).
+#   bash benchmark/ppo_prm_clip.sh power66
+if [[ ${1:-} == power66 ]]; then
+    for set in verifier v65; do
+        [ "$set" = verifier ] && RUNS=benchmark/results/ppo_prm_clip/arith_2t3t1d__prm_ ||
+            RUNS=benchmark/results/ppo_prm_clip_v65/arith_2t3t1d__prm65_
+        OUT=benchmark/results/power66/prm_$set
+        python -m benchmark.power --experiments "none=${RUNS}none__*" "raw=${RUNS}raw__*" --baseline none \
+            --metric eval/num_steps --ratio --at_least 1.5 --out "${OUT}_a_steps.md"
+        python -m benchmark.power --experiments "none=${RUNS}none__*" "raw=${RUNS}raw__*" --baseline none \
+            --metric eval/accuracy --at_most 0 --out "${OUT}_a_accuracy.md"
+        ARMS=("raw=${RUNS}raw__*" "clip=${RUNS}clip__*" "delta=${RUNS}delta__*" "clip_delta=${RUNS}clip_delta__*")
+        python -m benchmark.power --experiments "${ARMS[@]}" --baseline raw --metric eval/num_steps --ratio \
+            --at_most 1 --holm --out "${OUT}_d_steps.md"
+        python -m benchmark.power --experiments "${ARMS[@]}" --baseline raw --metric eval/accuracy --at_least 0 \
+            --holm --out "${OUT}_d_accuracy.md"
+        ARMS=("none=${RUNS}none__*" "${ARMS[@]:1}")
+        python -m benchmark.power --experiments "${ARMS[@]}" --baseline none --metric eval/num_steps --ratio \
+            --at_least 0.8 --at_most 1.2 --out "${OUT}_b_steps.md"
+        python -m benchmark.power --experiments "${ARMS[@]}" --baseline none --metric eval/accuracy \
+            --at_least -0.02 --at_most 0.02 --out "${OUT}_b_accuracy.md"
+    done
+    exit 0
+fi
+
 # 0. The task's preflight (docs/ppo_prm_clip.md "The task"): 4 sampled and 1 greedy response to each of 100 held-out
 # prompts, what the verifier finds in them (~5 min).
 python -m benchmark.prm_preflight --num_prompts 100 --out benchmark/results/prm_preflight.json

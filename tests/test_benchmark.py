@@ -2010,3 +2010,85 @@ def test_best_of_n_stages_on_the_tiny_model(tiny_model_dir, tiny_reward_model_di
     result = bon.main(["analyse", "--out_dir", out, "--out", str(tmp_path / "bon"), "--bootstrap", "50"])
     assert result["num_prompts"] == 3 and result["rules"][:2] == ["member_a", "member_b"]
     assert bon.main([*sample, "--no-vllm"]) is None  # complete: resumes to nothing
+
+
+# benchmark/power.py: the seeds a paired check needs (issue 66's power plan).
+# Student's t quantiles from printed tables (independent of registry's): t(0.8, df) and t(0.975, df).
+T_80 = {2: 1.0607, 3: 0.9785, 4: 0.9410, 9: 0.8834, 29: 0.8542}
+T_975_PRINTED = {2: 4.3027, 4: 2.7764, 9: 2.2622}
+
+
+def test_power_t_quantile_against_printed_tables():
+    from benchmark import power
+
+    for df, t in T_80.items():
+        assert power.t_quantile(0.8, df) == pytest.approx(t, abs=5e-5)
+        assert power.t_quantile(0.2, df) == pytest.approx(-t, abs=5e-5)
+    for df, t in T_975_PRINTED.items():
+        assert power.t_quantile(0.975, df) == pytest.approx(t, abs=5e-5)
+
+
+def test_power_seeds_needed_is_the_first_n_whose_mde_reaches_the_bound():
+    from benchmark import power
+
+    # MDE by hand at n = 3 and 10 with the printed quantiles: (t975 + t80) x std / sqrt(n).
+    assert power.mde(0.074, 3) == pytest.approx((4.3027 + 1.0607) * 0.074 / math.sqrt(3), abs=1e-3)
+    assert power.mde(0.074, 10) == pytest.approx((2.2622 + 0.8834) * 0.074 / math.sqrt(10), abs=1e-4)
+    for mean, std, low, high in [
+        (-0.074, 0.074, -math.inf, 0.0),
+        (2.27, 0.33, 1.5, math.inf),
+        (0.05, 0.1, -0.02, 0.02),
+    ]:
+        gap = min(abs(mean - b) for b in (low, high) if math.isfinite(b))
+        n = power.seeds_needed(mean, std, low, high)
+        assert power.mde(std, n) <= gap and (n == 3 or power.mde(std, n - 1) > gap)
+    assert power.seeds_needed(0.0, 0.1, -math.inf, 0.0) is None  # on the bound: no number of seeds decides it
+
+
+def test_power_simulated_share_decided_against_a_plain_loop():
+    from benchmark import power
+
+    # The rule written out here: a one-sided claim "difference <= 0" is decided when the 95% interval
+    # mean ± t975 x s / sqrt(n) lies wholly below or wholly above 0; draws from a generator of its own.
+    mean, std, n, draws = -0.074, 0.074, 6, 4000
+    rng, decided = random.Random(3), 0
+    for _ in range(draws):
+        xs = [rng.gauss(mean, std) for _ in range(n)]
+        m = sum(xs) / n
+        s = math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1))
+        half = 2.5706 * s / math.sqrt(n)
+        decided += m + half < 0 or m - half > 0
+    share = power.simulated_decided(mean, std, n, -math.inf, 0.0, draws=draws)
+    assert share == pytest.approx(decided / draws, abs=0.04)  # two Monte Carlo estimates (s.e. ~0.008 each)
+    # And the formula's 80% point lands where the simulation says about 80%.
+    need = power.seeds_needed(mean, std, -math.inf, 0.0)
+    assert 0.75 <= power.simulated_decided(mean, std, need, -math.inf, 0.0, draws=draws) <= 0.9
+
+
+def test_power_holm_rejects_less_often_than_one_arm_alone():
+    from benchmark import power
+
+    alone = power.simulated_holm([0.1], [0.05], 4, 0.0, draws=2000)[0]
+    three = power.simulated_holm([0.1, 0.0, 0.0], [0.05, 0.05, 0.05], 4, 0.0, draws=2000)
+    assert three[0] < alone  # a family of three: the first step at 0.025 / 3
+    assert max(three[1:]) < 0.05  # arms at the bound are rarely rejected
+
+
+def test_power_table_from_runs(tmp_path):
+    from benchmark import power
+
+    root = str(tmp_path / "runs")
+    finals = {"none": {1: 0.39, 2: 0.33, 3: 0.24}, "raw": {1: 0.24, 2: 0.25, 3: 0.24}, "one": {1: 0.3}}
+    for arm, seeds in finals.items():
+        for seed, value in seeds.items():
+            write_run(
+                root, f"t__{arm}__{seed}__{seed}", seed, [{"global_step": 30, "time": 1.0, "eval/accuracy": value}]
+            )
+    out = str(tmp_path / "power.md")
+    specs = [f"{arm}={root}/t__{arm}__*" for arm in finals]
+    power.main(["--experiments", *specs, "--baseline", "none", "--at_most", "0", "--draws", "500", "--out", out])
+    rows = {row[0]: row for row in ([c.strip() for c in line.strip("|").split("|")] for line in open(out)) if row}
+    diffs = [finals["raw"][s] - finals["none"][s] for s in (1, 2, 3)]
+    assert rows["raw"][3] == f"{statistics.mean(diffs):+.3f} ± {statistics.stdev(diffs):.3f}"
+    assert rows["raw"][6] == str(power.seeds_needed(statistics.mean(diffs), statistics.stdev(diffs), -math.inf, 0))
+    assert rows["one"][6] == "– (no spread yet)"  # one seed: no std to plan with
