@@ -994,6 +994,20 @@ def price_list_rows(seed, count, items=2):
     return list(rows.values())
 
 
+class Tools:
+    """An environment of plain functions, as TRL's `tools=[...]`: Tools(f, g) offers each typed, documented function
+    as a tool (no state to reset); `examples`: its EXAMPLES. A line in ENVIRONMENTS makes it a choice:
+    `"units": lambda args: Tools(convert_units)`."""
+
+    def __init__(self, *functions, examples=()):
+        for function in functions:
+            setattr(self, function.__name__, function)
+        self.EXAMPLES = list(examples)
+
+    def reset(self, question):
+        """Nothing to reset: the functions keep no state."""
+
+
 # --environment's choices: each makes one environment from the flags (args), shown its EXAMPLES before the question.
 ENVIRONMENTS = {
     "calculator": lambda args: Calculator(args.max_operations, args.tool == "unavailable"),

@@ -245,6 +245,35 @@ def test_reset_gets_each_trajectorys_question_and_its_text_follows_the_question(
     assert [env.questions for env in tools.environments] == [[q] for q in questions[:2] for _ in range(2)]
 
 
+def convert(value: float, unit: str, to: str) -> float:
+    """Convert a length.
+
+    Args:
+        value: the length
+        unit: its unit, m or ft
+        to: the unit wanted, m or ft
+    """
+    return value * {"m": 1.0, "ft": 0.3048}[unit] / {"m": 1.0, "ft": 0.3048}[to]
+
+
+def test_a_plain_function_becomes_a_tool_by_passing_it(make_config, monkeypatch, tokenizer):
+    """Tools(f): a user's typed, documented function is the environment's one tool, its schema transformers' own
+    (get_json_schema), in every prompt the template renders, and called by name like a method; added above the fence
+    by a line in ENVIRONMENTS."""
+    from transformers.utils import get_json_schema
+
+    monkeypatch.setitem(grpo_tools.ENVIRONMENTS, "units", lambda args: grpo_tools.Tools(convert))
+    args = make_config(grpo_tools, **NATIVE, environment="units", examples=())
+    grpo_tools.check_args(args)
+    tools = grpo_tools.make_tool_format(args, tokenizer)
+    assert tools.schemas == [get_json_schema(convert)]
+    prompt = tokenizer.decode(grpo_tools.load_tool_prompts(args, tokenizer, 1, tools)[0][0])
+    assert json.dumps(get_json_schema(convert)) in prompt
+    env = tools.make_environment()
+    assert run_tool_call(env, tools.schemas, "convert", {"value": 10, "unit": "ft", "to": "m"}) == ("3.048", None)
+    assert run_tool_call(env, tools.schemas, "convert", {"value": 10, "unit": "ft"})[1] == "bad_arguments"
+
+
 @pytest.mark.filterwarnings("ignore:std\\(\\)")  # one trajectory: its group's std is undefined
 def test_native_rollout_counts_failed_calls_and_answers_with_the_error(tokenizer):
     """Each failed call is answered with its error text (the policy reads it) and counted by kind."""
