@@ -137,22 +137,36 @@ def report(values, metric, baseline, low, high, ratio, power=0.8, holm_family=Fa
     lines = ["| " + " | ".join(row) + " |" for row in rows]
     text = f"Paired {kind}; claim: the {'ratio' if ratio else 'difference'} {bound}.\n\n" + "\n".join(lines) + "\n"
     if holm_family and plans and all(plans):
-        above = math.isfinite(low)
-        means, stds = [m for m, _, _ in plans], [s for _, s, _ in plans]
-        for n in range(3, HOLM_MAX_SEEDS + 1):
-            shares = simulated_holm(means, stds, n, low if above else high, above, draws)
-            if min(shares) >= power:
-                break
-        reached = (
-            f"every arm rejected in >= {power:.0%} of draws at {n} seeds each"
-            if min(shares) >= power
-            else (f"not every arm rejected in {power:.0%} of draws by {n} seeds")
-        )
-        shown = ", ".join(f"{label} {share:.2f}" for label, share in zip(values, shares))
-        text += (
-            f"\nHolm over the {len(plans)} arms (one-sided, 0.025; {draws} simulated draws): {reached} ({shown}).\n"
-        )
+        text += "\n" + holm_plan(list(values), plans, low, high, power, draws) + "\n"
     return text
+
+
+def holm_plan(labels, plans, low, high, power, draws):
+    """The seeds at which Holm's procedure over the arms rejects every arm in >= power of the simulated draws: from the
+    most any arm needs alone (Holm's first step is stricter than one arm's test), up to HOLM_MAX_SEEDS; not simulated
+    when some arm's mean is not beyond the bound (then no number of seeds rejects it) or it needs more alone."""
+    above = math.isfinite(low)
+    bound = low if above else high
+    means, stds, needs = zip(*plans)
+    beyond = [m > bound if above else m < bound for m in means]
+    head = f"Holm over the {len(plans)} arms (one-sided, 0.025; {draws} simulated draws): "
+    if not all(beyond) or None in needs or max(needs) > HOLM_MAX_SEEDS:
+        stuck = [
+            label for label, b, need in zip(labels, beyond, needs) if not b or need is None or need > HOLM_MAX_SEEDS
+        ]
+        return (
+            head + f"not simulated: {', '.join(stuck)} not beyond the bound or needing > {HOLM_MAX_SEEDS} seeds alone."
+        )
+    for n in range(max(needs), HOLM_MAX_SEEDS + 1):
+        shares = simulated_holm(means, stds, n, bound, above, draws)
+        if min(shares) >= power:
+            break
+    reached = (
+        f"every arm rejected in >= {power:.0%} of draws at {n} seeds each"
+        if min(shares) >= power
+        else (f"not every arm rejected in {power:.0%} of draws by {n} seeds")
+    )
+    return head + reached + f" ({', '.join(f'{label} {share:.2f}' for label, share in zip(labels, shares))})."
 
 
 def main(argv=None):

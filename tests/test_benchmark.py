@@ -2092,3 +2092,16 @@ def test_power_table_from_runs(tmp_path):
     assert rows["raw"][3] == f"{statistics.mean(diffs):+.3f} ± {statistics.stdev(diffs):.3f}"
     assert rows["raw"][6] == str(power.seeds_needed(statistics.mean(diffs), statistics.stdev(diffs), -math.inf, 0))
     assert rows["one"][6] == "– (no spread yet)"  # one seed: no std to plan with
+
+
+def test_power_holm_plan_is_not_simulated_when_an_arm_cannot_be_rejected():
+    from benchmark import power
+
+    # clip's mean is on the wrong side of "> 0": no number of seeds rejects it, so no search over seeds is run.
+    values = {"clip": {1: -0.08, 2: -0.05, 3: -0.02}, "delta": {1: 0.08, 2: 0.1, 3: 0.12}}
+    text = power.report(values, "eval/accuracy", "raw", 0.0, math.inf, False, holm_family=True, draws=200)
+    assert "not simulated: clip" in text and "delta" not in text.split("not simulated:")[1]
+    values["clip"] = {1: 0.1, 2: 0.12, 3: 0.14}
+    assert "every arm rejected in >= 80% of draws at" in power.report(
+        values, "eval/accuracy", "raw", 0.0, math.inf, False, holm_family=True, draws=200
+    )
