@@ -58,11 +58,11 @@ if [[ ${1:-} == stale66 ]]; then
         for n in 1 16; do
             [[ $seed == 1 && $n == 16 ]] && continue
             python -m benchmark.run --script async_rlhf.py --seeds "$seed" --resume_unfinished -- --sync --no-vllm \
-                --loss dpo --num_minibatches "$n" --prompts_per_rank $((2*n)) --micro_batch_size 2 \
-                --total_steps $((32/n)) --eval_every 0 --learning_rate 3e-5 --exp_name "stale66_dpo_lr3e-5_n$n"
+                --loss dpo --num_minibatches "$n" --prompts_per_rank $((2*$n)) --micro_batch_size 2 \
+                --total_steps $((32/$n)) --eval_every 0 --learning_rate 3e-5 --exp_name "stale66_dpo_lr3e-5_n$n"
             python -m benchmark.run --script async_rlhf.py --seeds "$seed" --resume_unfinished -- --sync --no-vllm \
-                --loss rloo --rloo_k 2 --num_minibatches "$n" --prompts_per_rank $((2*n)) --micro_batch_size 2 \
-                --total_steps $((32/n)) --eval_every 0 --learning_rate 6e-5 --exp_name "stale66_rloo_lr6e-5_n$n"
+                --loss rloo --rloo_k 2 --num_minibatches "$n" --prompts_per_rank $((2*$n)) --micro_batch_size 2 \
+                --total_steps $((32/$n)) --eval_every 0 --learning_rate 6e-5 --exp_name "stale66_rloo_lr6e-5_n$n"
         done
     done
     OUT=benchmark/results/async_rlhf_stale66
