@@ -206,9 +206,9 @@ def main(args: "Config"):
         metrics["perf/generation_tokens_per_second"] = rollout.policy.sum().item() / metrics["time/generation"]
 
         # 3. Rewards: the verifier on the final answer, read from the policy's last turn (a tool output is not an
-        # answer).
+        # answer), or the environment's own reward where it has one (--tool_format native).
         with run.timed("time/reward"):
-            rewards, correct, formatted = compute_rewards(rollout.answers, golds, args.format_reward)
+            rewards, correct, formatted = tools.rewards(rollout.answers, golds, args.format_reward)
         run.check(rewards, "objective/scores")
         metrics |= trajectory_metrics(rewards, correct, formatted, rollout, G)
         # The trainer's input: the prompts, then every token of each trajectory (the attention mask covers them
@@ -718,10 +718,11 @@ def multi_turn_rollout(policy_turn, tokenizer, prompts, n, response_length, max_
     (1 on the policy's tokens: the loss mask), sampler_logprobs [N, R] (0 on tool tokens; None without vLLM), texts
     (whole trajectories), answers (the last policy turn, where the final answer is read; empty when it makes a call
     that was not run or is cut inside one), calls [(call, output: the tool's answer, or the part of its text that
-    fit)], turns (policy turns), unrun_calls (turns with calls not run, past max_turns or at the budget: 0 or 1, such
-    a turn ends its trajectory), truncated [N] (bool: cut at the budget, the trajectory ended at response_length
-    tokens other than by a stop token, one of stop_ids, or by a call past max_turns), and errors {kind: [N] failed
-    calls of that kind} for the format's error_kinds (none for CalcTags, whose tool answers every call)."""
+    fit)], turns (policy turns), unrun_calls (turns with calls not run, past max_turns, at the budget or refused by
+    the format's respond returning None: 0 or 1, such a turn ends its trajectory), truncated [N] (bool: cut at the
+    budget, the trajectory ended at response_length tokens other than by a stop token, one of stop_ids, or by a call
+    past max_turns), and errors {kind: [N] failed calls of that kind} for the format's error_kinds (none for
+    CalcTags, whose tool answers every call)."""
     tools = tool if hasattr(tool, "respond") else CalcTags(tokenizer, tool)
     N = len(prompts) * n
     tools.begin(prompts, n)
@@ -741,13 +742,15 @@ def multi_turn_rollout(policy_turn, tokenizer, prompts, n, response_length, max_
             past_max = bool(made) and call_turns[i] >= max_turns
             run = bool(made) and not past_max and room > 0
             keep, tool_ids = len(turn_ids), None
+            response = tools.respond(i, turn_ids, text, made) if run else None  # None: the format runs nothing
+            run = response is not None
             if run:  # the calls are run: the tool's tokens follow the turn (its first `keep` tokens)
-                keep, tool_ids, records, failed = tools.respond(i, turn_ids, text, made)
+                keep, tool_ids, records, failed = response
                 call_turns[i], errors[i] = call_turns[i] + 1, errors[i] + failed
             has_logprobs |= turn_logps is not None
             logps[i] += [0.0] * keep if turn_logps is None else list(turn_logps[:keep])
             ids[i], policy[i] = ids[i] + turn_ids[:keep], policy[i] + [1] * keep
-            if not run:  # the trajectory ends: no call, or calls not run (past max_turns, or at the budget)
+            if not run:  # the trajectory ends: no call, or calls not run (past max_turns, at the budget, or refused)
                 unrun[i] = int(bool(made))
                 stopped = past_max or (not made and any(t in stop_ids for t in turn_ids[-1:]))
                 truncated[i] = room <= 0 and not stopped
@@ -817,6 +820,9 @@ class CalcTags:
     def opened(self, text):
         return CALL[0] in text
 
+    def rewards(self, answers, golds, format_reward):
+        return compute_rewards(answers, golds, format_reward)  # the verifier on each final answer
+
     def respond(self, i, turn_ids, text, calls):
         """(turn tokens kept, the tool's tokens, [(expression, output)], [error kinds: none here])"""
         output = self.tool(calls[0])
@@ -844,7 +850,8 @@ def tool_message(name, content):
 
 class Calculator:
     """The calculator as an environment: one instance per trajectory; its public methods but reset and reward are
-    the tools, each described to the model by its type hints and docstring (tool_schemas)."""
+    the tools, each described to the model by its type hints and docstring (tool_schemas). With no reward method,
+    the verifier scores the final answer (an environment's reward(answer, gold) would: NativeTools.rewards)."""
 
     # The exchanges shown before the question (native; calc shows EXAMPLE): a call, its result, the answer. Three:
     # SmolLM2-135M does not imitate one (docs/grpo_tools.md).
@@ -1105,16 +1112,16 @@ def tool_response_ids(tokenizer, tool_messages, end_id, template_kwargs):
     dummy conversation (a user turn, an assistant turn calling these tools) with the tool messages and the next
     assistant header, and cut after the end_id that ends the dummy assistant turn (the last one when rendered
     alone): never from the conversation so far, which a template may render differently once later messages exist
-    (Qwen3's drops the empty <think> block of an assistant turn that is no longer the last, its dummy turn's too)."""
+    (Qwen3's drops the empty <think> block of an assistant turn that is no longer the last, its dummy turn's too).
+    None when end_id closes no turn of the template (Qwen's <|endoftext|>, a stop id beside its <|im_end|>): the
+    model ended its text, and the template has no tool turn to follow that."""
     calls = [{"type": "function", "function": {"name": m["name"], "arguments": {}}} for m in tool_messages]
     dummy = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": calls}]
     render = functools.partial(tokenizer.apply_chat_template, tokenize=True, return_dict=False, **template_kwargs)
-    alone, full = list(render(dummy)), list(render(dummy + tool_messages, add_generation_prompt=True))
-    turns = alone.count(end_id)  # the turns up to the dummy assistant's end, each closed by end_id
-    if turns == 0:  # the turn ended with a token that closes no turn of this template: after the whole message
-        if full[: len(alone)] != alone:
-            raise ValueError("the chat template renders an assistant turn differently once tool messages follow it")
-        return full[len(alone) :]
+    turns = list(render(dummy)).count(end_id)  # the turns up to the dummy assistant's end, each closed by end_id
+    if turns == 0:
+        return None
+    full = list(render(dummy + tool_messages, add_generation_prompt=True))
     return full[[k for k, token in enumerate(full) if token == end_id][turns - 1] + 1 :]
 
 
@@ -1146,18 +1153,32 @@ class NativeTools:
     def calls(self, text):
         return parse_tool_calls(text)
 
+    def rewards(self, answers, golds, format_reward):
+        """compute_rewards', but a trajectory whose environment has a reward method is scored by it instead of the
+        verifier: reward(answer, gold) -> a float in [0, 1], 1 when right (the environment after the trajectory)."""
+        rewards, correct, formatted = compute_rewards(answers, golds, format_reward)
+        own = [getattr(environment, "reward", None) for environment in self.environments]
+        if any(own):
+            scores = zip(own, answers, golds, correct.tolist())
+            correct = torch.tensor([float(f(a, g)) if f else c for f, a, g, c in scores])
+            rewards = correct + format_reward * formatted
+        return rewards, correct, formatted
+
     def opened(self, text):
         return TOOL_CALL[0] in text
 
     def respond(self, i, turn_ids, text, calls):
         """(turn tokens kept: all, the template's tokens for the results, [(the call as text, result)], [error
-        kinds]); turn_ids end with the stop token that ended the turn."""
+        kinds]); turn_ids end with the stop token that ended the turn. None (the calls not run, the trajectory ends)
+        after a stop token that closes no turn of the template (tool_response_ids)."""
         results = [run_tool_call(self.environments[i], self.schemas, name, args) for name, args in calls]
         messages = [
             {"role": "tool", "name": name or "error", "content": output}
             for (name, _), (output, _) in zip(calls, results)
         ]
         ids = tool_response_ids(self.tokenizer, messages, turn_ids[-1], self.template_kwargs)
+        if ids is None:
+            return None
         shown = [f"{name}({json.dumps(args)})" if name else "(not a call)" for name, args in calls]
         return len(turn_ids), ids, list(zip(shown, [r for r, _ in results])), [k for _, k in results if k]
 
@@ -1263,7 +1284,7 @@ def evaluate(sampler, eval_sets, args, accelerator, tokenizer, tools, step):
                 greedy, tokenizer, [prompts[i] for i in mine], 1, args.response_length, args.max_turns,
                 sampler.stop_ids, tools,
             )  # fmt: skip
-        rewards, correct, _ = compute_rewards(rollout.answers, [golds[i] for i in mine], args.format_reward)
+        rewards, correct, _ = tools.rewards(rollout.answers, [golds[i] for i in mine], args.format_reward)
         called = torch.tensor([float(len(calls) > 0) for calls in rollout.calls])
         sums = [
             correct.sum(),

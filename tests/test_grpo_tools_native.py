@@ -340,11 +340,66 @@ def test_a_template_that_renders_earlier_turns_again_changes_nothing_trained(tok
         {"role": "assistant", "content": "Answer: 24"},
     ]
     again = tokenizer.apply_chat_template(conversation, tokenize=True, return_dict=False, **tools.template_kwargs)
-    assert again != ours  # rendered again, the first assistant turn loses its <think> block
+    assert again[: len(ours)] != ours  # rendered again, the first assistant turn loses its <think> block
     assert tokenizer.decode(ours).count("<think>") == 2 and tokenizer.decode(again).count("<think>") == 1
     mask = rollout.policy[0, : int(rollout.real[0].sum())]
     trained = [t for t, m in zip(rollout.ids[0].tolist(), mask.tolist()) if m]
     assert trained == [t for s in script for t in tokenizer(s, add_special_tokens=False).input_ids + [end]]
+
+
+@pytest.mark.parametrize("name", TEMPLATES)
+def test_a_call_ended_by_a_stop_token_that_closes_no_turn_ends_the_trajectory(tokenizer, name):
+    """Qwen's generation config stops at <|endoftext|> beside <|im_end|>; no turn of the template ends with it, so
+    the template writes no tool turn after it (Qwen3's would have had to render the turn again): the calls are not
+    run, the trajectory is the sampled turn alone, trained, and counted as a turn with calls not run."""
+    tools = NativeTools(tokenizer, Shop, TEMPLATES[name])
+    tools.template_kwargs["enable_thinking"] = False
+    end, text_end = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    messages = [{"role": "tool", "name": "price", "content": "4.5"}]
+    assert grpo_tools.tool_response_ids(tokenizer, messages, text_end, tools.template_kwargs) is None
+    assert grpo_tools.tool_response_ids(tokenizer, messages, end, tools.template_kwargs)  # <|im_end|> closes a turn
+    sampled = tokenizer('<tool_call>{"name": "price", "arguments": {"item": "pen", "quantity": 3}}</tool_call>',
+                        add_special_tokens=False).input_ids + [text_end]  # fmt: skip
+    prompt = native_prompt(tokenizer, tools)
+    rollout = multi_turn_rollout(
+        lambda c, m: [(sampled, None)], tokenizer, [prompt], 1, 200, 3, [end, text_end], tools
+    )
+    assert rollout.ids[0, : len(sampled)].tolist() == sampled and rollout.real[0].sum() == len(sampled)
+    assert rollout.policy[0].sum() == len(sampled) and rollout.turns == [1] and rollout.unrun_calls == [1]
+    assert rollout.calls == [[]] and rollout.answers == [""] and not rollout.truncated[0]
+
+
+class Ticker:
+    """A test environment with its own reward: right when its tool was called as often as the question says."""
+
+    def reset(self, question):
+        self.wanted, self.ticks = question.count("tick"), 0
+
+    def tick(self) -> int:
+        """Count one more."""
+        self.ticks += 1
+        return self.ticks
+
+    def reward(self, answer, gold):
+        return float(self.ticks == self.wanted)
+
+
+def test_an_environment_with_a_reward_scores_its_own_trajectory(tokenizer):
+    """An environment's reward(answer, gold) replaces the verifier for its trajectory, read from that trajectory's
+    own environment after the rollout: both trajectories call once and answer the gold answer, only the one whose
+    question asks one tick is right. Without the method, the verifier's score (1 for both)."""
+    tools = NativeTools(tokenizer, Ticker, HERMES_TEMPLATE)
+    prompts = [native_prompt(tokenizer, tools, q) for q in ("Say tick.", "Say tick tick.")]
+    tools.questions = {tuple(p): q for p, q in zip(prompts, ("Say tick.", "Say tick tick."))}
+    turn = scripted_turns(tokenizer, ['<tool_call>{"name": "tick", "arguments": {}}</tool_call>', "Answer: 1"])
+    turn.prompt_headers = tokenizer.decode(prompts[0]).count("<|im_start|>assistant")
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    rollout = multi_turn_rollout(turn, tokenizer, prompts, 1, 200, 3, [end], tools)
+    assert rollout.answers == ["Answer: 1"] * 2 and [len(c) for c in rollout.calls] == [1, 1]
+    rewards, correct, formatted = tools.rewards(rollout.answers, ["1", "1"], 0.5)
+    assert correct.tolist() == [1.0, 0.0] and rewards.tolist() == [1.5, 0.5] and formatted.tolist() == [1.0, 1.0]
+    tools.environments = [Shop(), Shop()]  # no reward method: the verifier's
+    assert tools.rewards(rollout.answers, ["1", "1"], 0.0)[1].tolist() == [1.0, 1.0]
 
 
 NATIVE = dict(tool_format="native", max_prompt_length=640, response_length=64)
