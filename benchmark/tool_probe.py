@@ -11,7 +11,8 @@ Two uses:
 Every grpo_tools.py flag is accepted and means what it means there (the model, --dataset_path, --examples,
 --system_prompt, --tool, --max_operations, --max_turns, --response_length, --vllm, --seed, ...): the prompts are built
 by grpo_tools' load_tool_prompts (its checks, its prompts), the trajectories by its multi_turn_rollout with its
-TurnSampler and make_tool, the rewards by its compute_rewards. Run from the repository root:
+TurnSampler and make_tool, the rewards by its tool format's (compute_rewards, or an environment's own reward). Run
+from the repository root:
 
     python -m benchmark.tool_probe --no-vllm --temperature 0                  # greedy on the held-out prompts
     python -m benchmark.tool_probe --prompts train --terms 3 --num_prompts 64 --max_operations 1 \\
@@ -185,7 +186,7 @@ def main(args):
                 sampler.stop_ids, tools,
             )  # fmt: skip
         chunk_golds = [golds[i] for i in chunk for _ in range(K)]
-        _, correct, _ = grpo_tools.compute_rewards(rollout.answers, chunk_golds, args.format_reward)
+        _, correct, _ = tools.rewards(rollout.answers, chunk_golds, args.format_reward)
         for j, calls in enumerate(rollout.calls):
             i = chunk[j // K]
             failed = sum(output.startswith("error") for _, output in calls)
