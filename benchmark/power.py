@@ -148,12 +148,13 @@ def holm_plan(labels, plans, low, high, power, draws):
     above = math.isfinite(low)
     bound = low if above else high
     means, stds, needs = zip(*plans)
-    beyond = [m > bound if above else m < bound for m in means]
     head = f"Holm over the {len(plans)} arms (one-sided, 0.025; {draws} simulated draws): "
-    if not all(beyond) or None in needs or max(needs) > HOLM_MAX_SEEDS:
-        stuck = [
-            label for label, b, need in zip(labels, beyond, needs) if not b or need is None or need > HOLM_MAX_SEEDS
-        ]
+    stuck = [
+        label
+        for label, mean, need in zip(labels, means, needs)
+        if not (mean > bound if above else mean < bound) or need is None or need > HOLM_MAX_SEEDS
+    ]
+    if stuck:
         return (
             head + f"not simulated: {', '.join(stuck)} not beyond the bound or needing > {HOLM_MAX_SEEDS} seeds alone."
         )
