@@ -1050,17 +1050,20 @@ def tool_schemas(environment):
     return [get_json_schema(getattr(environment, name)) for name in names if callable(getattr(environment, name))]
 
 
-def parse_tool_calls(text):
-    """The calls a policy turn makes, in order: each Hermes block <tool_call>{"name": ..., "arguments": {...}}
-    </tool_call> (Qwen2.5, Qwen3, HERMES_TEMPLATE), or, in a turn with none, the turn itself as one Llama 3.1 JSON
-    call {"name": ..., "parameters": {...}}. Returns [(name, arguments)], (None, "bad_json") for a block that is not a
-    JSON object with a string name and an object of arguments; [] when the turn calls nothing."""
-    blocks = re.findall(rf"{TOOL_CALL[0]}(.*?){TOOL_CALL[1]}", text, re.S)
-    if not blocks:
+def parse_tool_calls(text, call_format="hermes"):
+    """The calls a policy turn makes, in order, in the template's format: Hermes blocks <tool_call>{"name": ...,
+    "arguments": {...}}</tool_call> (Qwen2.5, Qwen3, HERMES_TEMPLATE), the last maybe unclosed (read to the end of the
+    turn, as vLLM's Hermes parser does), or ("json") the turn itself as one Llama 3.1 JSON call {"name": ...,
+    "parameters": {...}}. Reasoning (<think>...</think>, or an unclosed <think> to the end) is not read: a call there
+    is a thought, as vLLM's reasoning parsers leave it out of the content. Returns [(name, arguments)], (None,
+    "bad_json") for a block that is not a JSON object with a string name and an object of arguments; [] when the turn
+    calls nothing."""
+    text = re.sub(r"<think>.*?(?:</think>|$)", "", text, flags=re.S)
+    if call_format == "hermes":
+        blocks = [a or b for a, b in re.findall(rf"{TOOL_CALL[0]}(.*?){TOOL_CALL[1]}|{TOOL_CALL[0]}(.*)", text, re.S)]
+    else:
         body = text.strip().removeprefix("<|python_tag|>").strip()
-        if not (body.startswith("{") and '"name"' in body):
-            return []
-        blocks = [body]
+        blocks = [body] if body.startswith("{") and '"name"' in body else []
     calls = []
     for block in blocks:
         try:
@@ -1150,8 +1153,17 @@ class NativeTools:
         for i, environment in enumerate(self.environments):
             environment.reset(self.questions.get(tuple(prompts[i // n])))
 
+    @functools.cached_property
+    def call_format(self):
+        """How the template writes an assistant's call: "hermes" (<tool_call> blocks) or "json" (Llama 3.1's turn
+        that is the call), read from a dummy call rendered after the generation prompt (hermes where it is neither)."""
+        render = functools.partial(self.tokenizer.apply_chat_template, tokenize=False, **self.template_kwargs)
+        ask, name = [{"role": "user", "content": "x"}], self.schemas[0]["function"]["name"]
+        call = render(ask + [call_message((name, {}))]).removeprefix(render(ask, add_generation_prompt=True))
+        return "json" if TOOL_CALL[0] not in call and f'"{name}"' in call else "hermes"
+
     def calls(self, text):
-        return parse_tool_calls(text)
+        return parse_tool_calls(text, self.call_format)
 
     def rewards(self, answers, golds, format_reward):
         """compute_rewards', but a trajectory whose environment has a reward method is scored by it instead of the
@@ -1165,7 +1177,7 @@ class NativeTools:
         return rewards, correct, formatted
 
     def opened(self, text):
-        return TOOL_CALL[0] in text
+        return False  # a call opened and not closed is a call (parse_tool_calls)
 
     def respond(self, i, turn_ids, text, calls):
         """(turn tokens kept: all, the template's tokens for the results, [(the call as text, result)], [error
