@@ -1054,15 +1054,16 @@ def parse_tool_calls(text, call_format="hermes"):
     """The calls a policy turn makes, in order, in the template's format: Hermes blocks <tool_call>{"name": ...,
     "arguments": {...}}</tool_call> (Qwen2.5, Qwen3, HERMES_TEMPLATE), the last maybe unclosed (read to the end of the
     turn, as vLLM's Hermes parser does), or ("json") the turn itself as one Llama 3.1 JSON call {"name": ...,
-    "parameters": {...}}. Reasoning (<think>...</think>, or an unclosed <think> to the end) is not read: a call there
-    is a thought, as vLLM's reasoning parsers leave it out of the content. Returns [(name, arguments)], (None,
-    "bad_json") for a block that is not a JSON object with a string name and an object of arguments; [] when the turn
-    calls nothing."""
-    text = re.sub(r"<think>.*?(?:</think>|$)", "", text, flags=re.S)
-    if call_format == "hermes":
-        blocks = [a or b for a, b in re.findall(rf"{TOOL_CALL[0]}(.*?){TOOL_CALL[1]}|{TOOL_CALL[0]}(.*)", text, re.S)]
+    "parameters": {...}}. Reasoning, <think>...</think>, is not read: a call inside it is a thought (as TRL's Qwen3
+    response schema reads it; vLLM's qwen3 reasoning parser would end the reasoning there). Returns [(name,
+    arguments)], (None, "bad_json") for a block that is not a JSON object with a string name and an object of
+    arguments; [] when the turn calls nothing."""
+    think = r"<think>.*?</think>"
+    if call_format == "hermes":  # left to right: a <think> inside a call's arguments is the call's
+        found = re.finditer(rf"{think}|{TOOL_CALL[0]}(.*?){TOOL_CALL[1]}|{TOOL_CALL[0]}(.*)", text, re.S)
+        blocks = [m[1] if m[1] is not None else m[2] for m in found if m[0].startswith(TOOL_CALL[0])]
     else:
-        body = text.strip().removeprefix("<|python_tag|>").strip()
+        body = re.sub(think, "", text, flags=re.S).strip().removeprefix("<|python_tag|>").strip()
         blocks = [body] if body.startswith("{") and '"name"' in body else []
     calls = []
     for block in blocks:
@@ -1154,16 +1155,21 @@ class NativeTools:
             environment.reset(self.questions.get(tuple(prompts[i // n])))
 
     @functools.cached_property
-    def call_format(self):
-        """How the template writes an assistant's call: "hermes" (<tool_call> blocks) or "json" (Llama 3.1's turn
-        that is the call), read from a dummy call rendered after the generation prompt (hermes where it is neither)."""
+    def reading(self):
+        """How the template writes an assistant's call, from a dummy call rendered after the generation prompt:
+        "hermes" (<tool_call> blocks; also where the call shows neither way) or "json" (Llama 3.1's turn that is the
+        call); and whether the generation prompt leaves a <think> open (Qwen3-Thinking-2507, QwQ: a turn starts in
+        its reasoning)."""
         render = functools.partial(self.tokenizer.apply_chat_template, tokenize=False, **self.template_kwargs)
         ask, name = [{"role": "user", "content": "x"}], self.schemas[0]["function"]["name"]
-        call = render(ask + [call_message((name, {}))]).removeprefix(render(ask, add_generation_prompt=True))
-        return "json" if TOOL_CALL[0] not in call and f'"{name}"' in call else "hermes"
+        prompt, full = render(ask, add_generation_prompt=True), render(ask + [call_message((name, {}))])
+        call = full.removeprefix(prompt) if full.startswith(prompt) else ""
+        json_call = TOOL_CALL[0] not in call and f'"{name}"' in call
+        return "json" if json_call else "hermes", prompt.rfind("<think>") > prompt.rfind("</think>")
 
     def calls(self, text):
-        return parse_tool_calls(text, self.call_format)
+        call_format, in_reasoning = self.reading
+        return parse_tool_calls("<think>" * in_reasoning + text, call_format)
 
     def rewards(self, answers, golds, format_reward):
         """compute_rewards', but a trajectory whose environment has a reward method is scored by it instead of the

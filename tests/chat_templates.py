@@ -12,6 +12,7 @@ special tokens. What the tests rely on, as the published templates do:
   when it is the last message or has reasoning, and the generation prompt with enable_thinking false is followed by
   an empty `<think>\\n\\n</think>\\n\\n`; earlier assistant turns lose theirs (the case where rendering a conversation
   again changes its earlier turns).
+QWEN3_THINKING, Qwen3-Thinking-2507's: QWEN3 whose generation prompt opens the reasoning, `<think>\\n`.
 LLAMA31, from Llama-3.1-Instruct's template with custom tools (tools_in_user_message, its default): the tools' JSON
 schemas and how to call them open the first user turn; an assistant turn's call is the turn itself, `{"name": ...,
 "parameters": ...}` (one call a turn); a tool message is an `ipython` turn. Its headers are text here and its
@@ -140,3 +141,10 @@ argument name and its value}.Do not use variables.\\n\\n' -}}
 {{- '<|im_end|>' -}}
 {%- endfor -%}
 {%- if add_generation_prompt -%}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}{%- endif -%}"""
+
+QWEN3_THINKING = QWEN3.replace(
+    "{{- '<|im_start|>assistant\\n' -}}\n{%- if enable_thinking is defined and enable_thinking is false -%}"
+    "{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}",
+    "{{- '<|im_start|>assistant\\n<think>\\n' -}}",
+)
+assert QWEN3_THINKING != QWEN3

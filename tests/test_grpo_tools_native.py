@@ -87,10 +87,14 @@ CALL = '{"name": "calculate", "arguments": {"expression": "2 * 3"}}'
         (f"<tool_call>\n{CALL}\n", "hermes", [("calculate", {"expression": "2 * 3"})]),
         (f"<tool_call>{CALL}</tool_call><tool_call>{CALL}", "hermes", [("calculate", {"expression": "2 * 3"})] * 2),
         ('<tool_call>\n{"name": "calculate", "arguments": {"expression": "1', "hermes", [(None, "bad_json")]),
-        # reasoning is not read: a call inside <think> is a thought
+        # reasoning is not read: a call inside <think>...</think> is a thought
         (f"<think>\nmaybe <tool_call>{CALL}</tool_call>\n</think>\n\nAnswer: 6", "hermes", []),
         (f"<think>\nno</think>\n<tool_call>{CALL}</tool_call>", "hermes", [("calculate", {"expression": "2 * 3"})]),
-        (f"<think>\nmaybe <tool_call>{CALL}", "hermes", []),  # a thought cut short
+        # ... but an unclosed <think> is no reasoning (TRL's Qwen3 schema; vLLM's qwen3 parser ends it at the call)
+        (f"<think>\nmaybe <tool_call>{CALL}</tool_call>", "hermes", [("calculate", {"expression": "2 * 3"})]),
+        ('<tool_call>{"name": "f", "arguments": {"s": "<think>x</think>"}}</tool_call>', "hermes",
+         [("f", {"s": "<think>x</think>"})]),  # tags inside a call's arguments are the call's
+        ("<tool_call></tool_call>", "hermes", [(None, "bad_json")]),
         (CALL, "hermes", []),  # a bare JSON object is no call in the Hermes format
         # Llama 3.1 ("json"): the turn is the call, its arguments under "parameters", maybe after <|python_tag|>
         ('{"name": "calculate", "parameters": {"expression": "7 - 1"}}', "json",
@@ -106,10 +110,24 @@ def test_parse_tool_calls(text, call_format, calls):
     assert parse_tool_calls(text, call_format) == calls
 
 
-@pytest.mark.parametrize("name", [*TEMPLATES, "llama3.1"])
-def test_the_call_format_is_read_from_the_template(tokenizer, name):
-    template = chat_templates.LLAMA31 if name == "llama3.1" else TEMPLATES[name]
-    assert NativeTools(tokenizer, Shop, template).call_format == ("json" if name == "llama3.1" else "hermes")
+@pytest.mark.parametrize("name", [*TEMPLATES, "llama3.1", "qwen3-thinking"])
+def test_the_call_format_and_open_reasoning_are_read_from_the_template(tokenizer, name):
+    templates = {**TEMPLATES, "llama3.1": chat_templates.LLAMA31, "qwen3-thinking": chat_templates.QWEN3_THINKING}
+    expected = {"llama3.1": ("json", False), "qwen3-thinking": ("hermes", True)}.get(name, ("hermes", False))
+    assert NativeTools(tokenizer, Shop, templates[name]).reading == expected
+
+
+def test_a_turn_that_starts_in_reasoning_has_its_reasoning_not_read(tokenizer):
+    """Qwen3-Thinking-2507's generation prompt opens <think>: the turn's text up to its </think> is reasoning."""
+    tools = NativeTools(tokenizer, Shop, chat_templates.QWEN3_THINKING)
+    assert tokenizer.decode(native_prompt(tokenizer, tools)).endswith("<|im_start|>assistant\n<think>\n")
+    pay = '{"name": "pay", "arguments": {"amount": 1, "card": true}}'
+    assert tools.calls(f"maybe <tool_call>{CALL}</tool_call>\n</think>\n\n<tool_call>{pay}</tool_call>") == [
+        ("pay", {"amount": 1, "card": True})
+    ]
+    assert NativeTools(tokenizer, Shop, chat_templates.QWEN3).calls(f"x</think><tool_call>{pay}</tool_call>") == [
+        ("pay", {"amount": 1, "card": True})
+    ]
 
 
 def test_run_tool_call_returns_errors_as_results_and_counts_them_by_kind():
