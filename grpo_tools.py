@@ -1050,17 +1050,21 @@ def tool_schemas(environment):
     return [get_json_schema(getattr(environment, name)) for name in names if callable(getattr(environment, name))]
 
 
-def parse_tool_calls(text):
-    """The calls a policy turn makes, in order: each Hermes block <tool_call>{"name": ..., "arguments": {...}}
-    </tool_call> (Qwen2.5, Qwen3, HERMES_TEMPLATE), or, in a turn with none, the turn itself as one Llama 3.1 JSON
-    call {"name": ..., "parameters": {...}}. Returns [(name, arguments)], (None, "bad_json") for a block that is not a
-    JSON object with a string name and an object of arguments; [] when the turn calls nothing."""
-    blocks = re.findall(rf"{TOOL_CALL[0]}(.*?){TOOL_CALL[1]}", text, re.S)
-    if not blocks:
-        body = text.strip().removeprefix("<|python_tag|>").strip()
-        if not (body.startswith("{") and '"name"' in body):
-            return []
-        blocks = [body]
+def parse_tool_calls(text, call_format="hermes"):
+    """The calls a policy turn makes, in order, in the template's format: Hermes blocks <tool_call>{"name": ...,
+    "arguments": {...}}</tool_call> (Qwen2.5, Qwen3, HERMES_TEMPLATE), the last maybe unclosed (read to the end of the
+    turn, as vLLM's Hermes parser does), or ("json") the turn itself as one Llama 3.1 JSON call {"name": ...,
+    "parameters": {...}}. Reasoning, <think>...</think>, is not read: a call inside it is a thought (as TRL's Qwen3
+    response schema reads it; vLLM's qwen3 reasoning parser would end the reasoning there). Returns [(name,
+    arguments)], (None, "bad_json") for a block that is not a JSON object with a string name and an object of
+    arguments; [] when the turn calls nothing."""
+    think = r"<think>.*?</think>"
+    if call_format == "hermes":  # left to right: a <think> inside a call's arguments is the call's
+        found = re.finditer(rf"{think}|{TOOL_CALL[0]}(.*?){TOOL_CALL[1]}|{TOOL_CALL[0]}(.*)", text, re.S)
+        blocks = [m[1] if m[1] is not None else m[2] for m in found if m[0].startswith(TOOL_CALL[0])]
+    else:
+        body = re.sub(think, "", text, flags=re.S).strip().removeprefix("<|python_tag|>").strip()
+        blocks = [body] if body.startswith("{") and '"name"' in body else []
     calls = []
     for block in blocks:
         try:
@@ -1150,8 +1154,22 @@ class NativeTools:
         for i, environment in enumerate(self.environments):
             environment.reset(self.questions.get(tuple(prompts[i // n])))
 
+    @functools.cached_property
+    def reading(self):
+        """How the template writes an assistant's call, from a dummy call rendered after the generation prompt:
+        "hermes" (<tool_call> blocks; also where the call shows neither way) or "json" (Llama 3.1's turn that is the
+        call); and whether the generation prompt leaves a <think> open (Qwen3-Thinking-2507, QwQ: a turn starts in
+        its reasoning)."""
+        render = functools.partial(self.tokenizer.apply_chat_template, tokenize=False, **self.template_kwargs)
+        ask, name = [{"role": "user", "content": "x"}], self.schemas[0]["function"]["name"]
+        prompt, full = render(ask, add_generation_prompt=True), render(ask + [call_message((name, {}))])
+        call = full.removeprefix(prompt) if full.startswith(prompt) else ""
+        json_call = TOOL_CALL[0] not in call and f'"{name}"' in call
+        return "json" if json_call else "hermes", prompt.rfind("<think>") > prompt.rfind("</think>")
+
     def calls(self, text):
-        return parse_tool_calls(text)
+        call_format, in_reasoning = self.reading
+        return parse_tool_calls("<think>" * in_reasoning + text, call_format)
 
     def rewards(self, answers, golds, format_reward):
         """compute_rewards', but a trajectory whose environment has a reward method is scored by it instead of the
@@ -1165,7 +1183,7 @@ class NativeTools:
         return rewards, correct, formatted
 
     def opened(self, text):
-        return TOOL_CALL[0] in text
+        return False  # a call opened and not closed is a call (parse_tool_calls)
 
     def respond(self, i, turn_ids, text, calls):
         """(turn tokens kept: all, the template's tokens for the results, [(the call as text, result)], [error

@@ -1,5 +1,6 @@
 """Chat templates of two model families that call tools in the Hermes format, written here from the formats their
-published templates render (Qwen2.5-Instruct's and Qwen3's tokenizer_config.json, 2024-2025), for the tests of
+published templates render (Qwen2.5-Instruct's and Qwen3's tokenizer_config.json, 2024-2025), and one of Llama 3.1's
+JSON calls (LLAMA31, its own paragraph below), for the tests of
 grpo_tools' native tool calls: they render with SmolLM2's tokenizer, whose <|im_start|> and <|im_end|> are the same
 special tokens. What the tests rely on, as the published templates do:
 - with tools: a system turn (the given system message, or the family's default for Qwen2.5) followed by "# Tools" and
@@ -10,7 +11,13 @@ special tokens. What the tests rely on, as the published templates do:
 - Qwen3 alone: an assistant turn after the last real user query shows its reasoning as `<think>\\n...\\n</think>\\n\\n`
   when it is the last message or has reasoning, and the generation prompt with enable_thinking false is followed by
   an empty `<think>\\n\\n</think>\\n\\n`; earlier assistant turns lose theirs (the case where rendering a conversation
-  again changes its earlier turns)."""
+  again changes its earlier turns).
+QWEN3_THINKING, Qwen3-Thinking-2507's: QWEN3 whose generation prompt opens the reasoning, `<think>\\n`.
+LLAMA31, from Llama-3.1-Instruct's template with custom tools (tools_in_user_message, its default): the tools' JSON
+schemas and how to call them open the first user turn; an assistant turn's call is the turn itself, `{"name": ...,
+"parameters": ...}` (one call a turn); a tool message is an `ipython` turn. Its headers are text here and its
+<|eot_id|> is SmolLM2's <|im_end|>, so that it renders with SmolLM2's tokenizer; the system turn of dates is left
+out."""
 
 TOOLS_SECTION = """\
 {%- macro tools_section(tools) -%}
@@ -113,3 +120,31 @@ message.content.endswith('</tool_response>')) -%}
 {%- if enable_thinking is defined and enable_thinking is false -%}{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}
 {%- endif -%}"""
 )
+
+LLAMA31 = """\
+{%- set ns = namespace(tools_shown=not tools) -%}
+{%- for message in messages -%}
+{{- '<|start_header_id|>' + ('ipython' if message.role == 'tool' else message.role) + '<|end_header_id|>\\n\\n' -}}
+{%- if message.role == 'user' and not ns.tools_shown -%}
+{%- set ns.tools_shown = true -%}
+{{- 'Given the following functions, please respond with a JSON for a function call with its proper arguments that \
+best answers the given prompt.\\n\\nRespond in the format {"name": function name, "parameters": dictionary of \
+argument name and its value}.Do not use variables.\\n\\n' -}}
+{%- for tool in tools -%}{{- (tool | tojson(indent=4)) + '\\n\\n' -}}{%- endfor -%}
+{%- endif -%}
+{%- if message.tool_calls -%}
+{%- set call = message.tool_calls[0].function -%}
+{{- '{"name": "' + call.name + '", "parameters": ' + (call.arguments | tojson) + '}' -}}
+{%- else -%}
+{{- message.content -}}
+{%- endif -%}
+{{- '<|im_end|>' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}{%- endif -%}"""
+
+QWEN3_THINKING = QWEN3.replace(
+    "{{- '<|im_start|>assistant\\n' -}}\n{%- if enable_thinking is defined and enable_thinking is false -%}"
+    "{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}",
+    "{{- '<|im_start|>assistant\\n<think>\\n' -}}",
+)
+assert QWEN3_THINKING != QWEN3

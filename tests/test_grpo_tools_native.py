@@ -67,31 +67,67 @@ def test_tool_schemas_are_the_public_methods_but_reset_and_reward():
     assert [s["function"]["name"] for s in grpo_tools.tool_schemas(Calculator())] == ["calculate"]
 
 
+CALL = '{"name": "calculate", "arguments": {"expression": "2 * 3"}}'
+
+
 @pytest.mark.parametrize(
-    "text, calls",
+    "text, call_format, calls",
     [
-        ("Answer: 12", []),
-        ('<tool_call>\n{"name": "calculate", "arguments": {"expression": "2 * 3"}}\n</tool_call>',
-         [("calculate", {"expression": "2 * 3"})]),
+        ("Answer: 12", "hermes", []),
+        (f"<tool_call>\n{CALL}\n</tool_call>", "hermes", [("calculate", {"expression": "2 * 3"})]),
         ('I will compute.\n<tool_call>\n{"name": "price", "arguments": {"item": "pen", "quantity": 3}}\n</tool_call>\n'
-         '<tool_call>\n{"name": "pay", "arguments": {"amount": 4.5, "card": true}}\n</tool_call>',
+         '<tool_call>\n{"name": "pay", "arguments": {"amount": 4.5, "card": true}}\n</tool_call>', "hermes",
          [("price", {"item": "pen", "quantity": 3}), ("pay", {"amount": 4.5, "card": True})]),
-        ("<tool_call>\n{name: calculate}\n</tool_call>", [(None, "bad_json")]),  # not JSON
-        ('<tool_call>{"arguments": {}}</tool_call>', [(None, "bad_json")]),  # no name
-        ('<tool_call>{"name": "calculate", "arguments": "2 * 3"}</tool_call>', [(None, "bad_json")]),  # not an object
-        ('<tool_call>{"name": "a", "arguments": {}}</tool_call> then <tool_call>[1]</tool_call>',
+        ("<tool_call>\n{name: calculate}\n</tool_call>", "hermes", [(None, "bad_json")]),  # not JSON
+        ('<tool_call>{"arguments": {}}</tool_call>', "hermes", [(None, "bad_json")]),  # no name
+        ('<tool_call>{"name": "calculate", "arguments": "2 * 3"}</tool_call>', "hermes", [(None, "bad_json")]),
+        ('<tool_call>{"name": "a", "arguments": {}}</tool_call> then <tool_call>[1]</tool_call>', "hermes",
          [("a", {}), (None, "bad_json")]),
-        # Llama 3.1: the turn is the call, its arguments under "parameters", maybe after <|python_tag|>
-        ('{"name": "calculate", "parameters": {"expression": "7 - 1"}}', [("calculate", {"expression": "7 - 1"})]),
-        ('<|python_tag|>{"name": "pay", "parameters": {"amount": 1, "card": false}}',
+        # opened, not closed: read to the end of the turn (vLLM's Hermes parser), a call if its JSON is whole
+        (f"<tool_call>\n{CALL}\n", "hermes", [("calculate", {"expression": "2 * 3"})]),
+        (f"<tool_call>{CALL}</tool_call><tool_call>{CALL}", "hermes", [("calculate", {"expression": "2 * 3"})] * 2),
+        ('<tool_call>\n{"name": "calculate", "arguments": {"expression": "1', "hermes", [(None, "bad_json")]),
+        # reasoning is not read: a call inside <think>...</think> is a thought
+        (f"<think>\nmaybe <tool_call>{CALL}</tool_call>\n</think>\n\nAnswer: 6", "hermes", []),
+        (f"<think>\nno</think>\n<tool_call>{CALL}</tool_call>", "hermes", [("calculate", {"expression": "2 * 3"})]),
+        # ... but an unclosed <think> is no reasoning (TRL's Qwen3 schema; vLLM's qwen3 parser ends it at the call)
+        (f"<think>\nmaybe <tool_call>{CALL}</tool_call>", "hermes", [("calculate", {"expression": "2 * 3"})]),
+        ('<tool_call>{"name": "f", "arguments": {"s": "<think>x</think>"}}</tool_call>', "hermes",
+         [("f", {"s": "<think>x</think>"})]),  # tags inside a call's arguments are the call's
+        ("<tool_call></tool_call>", "hermes", [(None, "bad_json")]),
+        (CALL, "hermes", []),  # a bare JSON object is no call in the Hermes format
+        # Llama 3.1 ("json"): the turn is the call, its arguments under "parameters", maybe after <|python_tag|>
+        ('{"name": "calculate", "parameters": {"expression": "7 - 1"}}', "json",
+         [("calculate", {"expression": "7 - 1"})]),
+        ('<|python_tag|>{"name": "pay", "parameters": {"amount": 1, "card": false}}', "json",
          [("pay", {"amount": 1, "card": False})]),
-        ('{"name": "calculate", "parameters": {"expression": }', [(None, "bad_json")]),
-        ("{1, 2} is a set", []),  # JSON-like text that names no tool is no call
-        ("<tool_call>\n{\"name\": \"calculate\", \"arguments\": {\"expression\": \"1", []),  # opened, not closed
+        ('{"name": "calculate", "parameters": {"expression": }', "json", [(None, "bad_json")]),
+        ("{1, 2} is a set", "json", []),  # JSON-like text that names no tool is no call
+        (f"<tool_call>{CALL}</tool_call>", "json", []),  # Hermes blocks are text to a Llama template
     ],
 )  # fmt: skip
-def test_parse_tool_calls(text, calls):
-    assert parse_tool_calls(text) == calls
+def test_parse_tool_calls(text, call_format, calls):
+    assert parse_tool_calls(text, call_format) == calls
+
+
+@pytest.mark.parametrize("name", [*TEMPLATES, "llama3.1", "qwen3-thinking"])
+def test_the_call_format_and_open_reasoning_are_read_from_the_template(tokenizer, name):
+    templates = {**TEMPLATES, "llama3.1": chat_templates.LLAMA31, "qwen3-thinking": chat_templates.QWEN3_THINKING}
+    expected = {"llama3.1": ("json", False), "qwen3-thinking": ("hermes", True)}.get(name, ("hermes", False))
+    assert NativeTools(tokenizer, Shop, templates[name]).reading == expected
+
+
+def test_a_turn_that_starts_in_reasoning_has_its_reasoning_not_read(tokenizer):
+    """Qwen3-Thinking-2507's generation prompt opens <think>: the turn's text up to its </think> is reasoning."""
+    tools = NativeTools(tokenizer, Shop, chat_templates.QWEN3_THINKING)
+    assert tokenizer.decode(native_prompt(tokenizer, tools)).endswith("<|im_start|>assistant\n<think>\n")
+    pay = '{"name": "pay", "arguments": {"amount": 1, "card": true}}'
+    assert tools.calls(f"maybe <tool_call>{CALL}</tool_call>\n</think>\n\n<tool_call>{pay}</tool_call>") == [
+        ("pay", {"amount": 1, "card": True})
+    ]
+    assert NativeTools(tokenizer, Shop, chat_templates.QWEN3).calls(f"x</think><tool_call>{pay}</tool_call>") == [
+        ("pay", {"amount": 1, "card": True})
+    ]
 
 
 def test_run_tool_call_returns_errors_as_results_and_counts_them_by_kind():
@@ -134,11 +170,11 @@ def test_tool_response_tokens_are_what_the_template_writes_after_the_call(tokeni
     assert ids == tokenizer(expected, add_special_tokens=False).input_ids  # special tokens as themselves
 
 
-def scripted_turns(tokenizer, script):
+def scripted_turns(tokenizer, script, header="<|im_start|>assistant"):
     """A policy turn function (contexts, max_tokens) -> [(ids, None)] that writes, for each context, the next text of
-    `script` (by the number of turns in the context so far, counted by "<|im_start|>assistant" headers after the
-    prompt's), ending it with <|im_end|>, and records the contexts it saw."""
-    seen, header = [], "<|im_start|>assistant"
+    `script` (by the number of turns in the context so far, counted by assistant headers after the prompt's),
+    ending it with <|im_end|>, and records the contexts it saw."""
+    seen = []
 
     def turn(contexts, max_tokens):
         out = []
@@ -312,6 +348,51 @@ def test_native_rollout_stops_at_max_turns_and_at_the_budget(tokenizer):
     turn.prompt_headers = tokenizer.decode(prompt).count("<|im_start|>assistant")
     short = multi_turn_rollout(turn, tokenizer, [prompt], 1, 30, 2, [end], tools)  # the first results do not fit
     assert short.truncated[0] and short.real[0].sum() == 30 and short.turns == [1]
+
+
+def test_llama_json_rollout_answers_the_turn_that_is_the_call_with_an_ipython_turn(tokenizer):
+    """Llama 3.1's format (the fixture): the turn is the call; its result is the template's ipython turn, then the
+    next assistant header; trained tokens are the sampled ones."""
+    tools = NativeTools(tokenizer, Shop, chat_templates.LLAMA31)
+    header = "<|start_header_id|>assistant"
+    script = ['{"name": "price", "parameters": {"item": "pen", "quantity": 3}}', "Answer: 4.5"]
+    prompt = native_prompt(tokenizer, tools)
+    turn = scripted_turns(tokenizer, script, header)
+    turn.prompt_headers = tokenizer.decode(prompt).count(header)
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    rollout = multi_turn_rollout(turn, tokenizer, [prompt], 1, 200, 3, [end], tools)
+    turn_ids = [tokenizer(t, add_special_tokens=False).input_ids + [end] for t in script]
+    between = (
+        "<|start_header_id|>ipython<|end_header_id|>\n\n4.5<|im_end|><|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
+    between = tokenizer(between, add_special_tokens=False).input_ids
+    length = len(turn_ids[0] + between + turn_ids[1])
+    assert rollout.ids[0, :length].tolist() == turn_ids[0] + between + turn_ids[1] and rollout.real[0].sum() == length
+    assert rollout.policy[0, :length].tolist() == [1.0] * len(turn_ids[0]) + [0.0] * len(between) + [1.0] * len(
+        turn_ids[1]
+    )
+    assert rollout.calls[0] == [('price({"item": "pen", "quantity": 3})', "4.5")] and rollout.answers == [
+        "Answer: 4.5"
+    ]
+
+
+def test_an_unclosed_call_runs_and_a_call_in_reasoning_does_not(tokenizer):
+    """Hermes: a call whose </tool_call> the turn never writes is run (vLLM's parser reads it to the end of the
+    turn); a call inside <think> is a thought: the turn is the answer."""
+    tools = NativeTools(tokenizer, Shop, HERMES_TEMPLATE)
+    call = '{"name": "pay", "arguments": {"amount": 1, "card": true}}'
+    script = [f"<tool_call>\n{call}\n", "Answer: 1"]
+    prompt = native_prompt(tokenizer, tools)
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    turn = scripted_turns(tokenizer, script)
+    turn.prompt_headers = tokenizer.decode(prompt).count("<|im_start|>assistant")
+    rollout = multi_turn_rollout(turn, tokenizer, [prompt], 1, 200, 2, [end], tools)
+    assert rollout.calls[0] == [('pay({"amount": 1, "card": true})', "paid 1 by card")] and rollout.turns == [2]
+    thought = f"<think>\n<tool_call>{call}</tool_call>\n</think>\nAnswer: 1"
+    turn = scripted_turns(tokenizer, [thought])
+    turn.prompt_headers = tokenizer.decode(prompt).count("<|im_start|>assistant")
+    rollout = multi_turn_rollout(turn, tokenizer, [prompt], 1, 200, 2, [end], tools)
+    assert rollout.calls[0] == [] and rollout.turns == [1] and rollout.answers == [thought]
 
 
 def test_a_template_that_renders_earlier_turns_again_changes_nothing_trained(tokenizer):
