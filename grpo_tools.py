@@ -839,7 +839,7 @@ ERROR_KINDS = ("bad_json", "unknown_tool", "bad_arguments", "raised")  # logged 
 
 
 def call_message(*calls):
-    """An assistant message making these calls, (name, arguments) each, for an example exchange."""
+    """An assistant message making these calls, (name, arguments) each: an example's, tool_response_ids' dummy."""
     calls = [{"type": "function", "function": {"name": name, "arguments": arguments}} for name, arguments in calls]
     return {"role": "assistant", "content": "", "tool_calls": calls}
 
@@ -1119,8 +1119,7 @@ def tool_response_ids(tokenizer, tool_messages, end_id, template_kwargs):
     (Qwen3's drops the empty <think> block of an assistant turn that is no longer the last, its dummy turn's too).
     None when end_id closes no turn of the template (Qwen's <|endoftext|>, a stop id beside its <|im_end|>): the
     model ended its text, and the template has no tool turn to follow that."""
-    calls = [{"type": "function", "function": {"name": m["name"], "arguments": {}}} for m in tool_messages]
-    dummy = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": calls}]
+    dummy = [{"role": "user", "content": "x"}, call_message(*[(m["name"], {}) for m in tool_messages])]
     render = functools.partial(tokenizer.apply_chat_template, tokenize=True, return_dict=False, **template_kwargs)
     turns = list(render(dummy)).count(end_id)  # the turns up to the dummy assistant's end, each closed by end_id
     if turns == 0:
