@@ -31,7 +31,8 @@ ISSUE57=benchmark/results/grpo_tools_issue57
 # ignoring tools=) beside calc, greedy and at T 1 (4 samples a prompt), on the first 100 held-out prompts; and the
 # second environment, price_list (its task from make assets). Each probe's folder (probe.json, config.json,
 # metrics.jsonl) goes to benchmark/results/grpo_tools_issue67/. Native shows each environment's three exchanges; the
-# native probes with one exchange shown (code before 9d0a0cc) are in its one_exchange/.
+# native probes with one exchange shown (code before 9d0a0cc) are in its one_exchange/, and the native and price_list
+# probes made before the tool-call parse of bfd07e5 (unclosed calls, <think>, Llama's bare JSON) in its before_parse/.
 #   bash benchmark/grpo_tools.sh issue67_probes      # ~2-6 min a probe (vLLM, 2 cores)
 if [[ ${1:-} == issue67_probes ]]; then
     ISSUE67=benchmark/results/grpo_tools_issue67
