@@ -717,12 +717,12 @@ def multi_turn_rollout(policy_turn, tokenizer, prompts, n, response_length, max_
     (R = response_length, padded with the pad id), real [N, R] (1 on every token of the trajectory), policy [N, R]
     (1 on the policy's tokens: the loss mask), sampler_logprobs [N, R] (0 on tool tokens; None without vLLM), texts
     (whole trajectories), answers (the last policy turn, where the final answer is read; empty when it makes a call
-    that was not run or is cut inside one), calls [(call, output: the tool's answer, or the part of its text that
-    fit)], turns (policy turns), unrun_calls (turns with calls not run, past max_turns, at the budget or refused by
-    the format's respond returning None: 0 or 1, such a turn ends its trajectory), truncated [N] (bool: cut at the
-    budget, the trajectory ended at response_length tokens other than by a stop token, one of stop_ids, or by a call
-    past max_turns), and errors {kind: [N] failed calls of that kind} for the format's error_kinds (none for
-    CalcTags, whose tool answers every call)."""
+    that was not run or is cut inside one), calls [(call, output: the tool's whole answer, though the budget may
+    cut the tokens that follow the turn)], turns (policy turns), unrun_calls (turns with calls not run, past
+    max_turns, at the budget or refused by the format's respond returning None: 0 or 1, such a turn ends its
+    trajectory), truncated [N] (bool: cut at the budget, the trajectory ended at response_length tokens other than
+    by a stop token, one of stop_ids, or by a call past max_turns), and errors {kind: [N] failed calls of that kind}
+    for the format's error_kinds (none for CalcTags, whose tool answers every call)."""
     tools = tool if hasattr(tool, "respond") else CalcTags(tokenizer, tool)
     N = len(prompts) * n
     tools.begin(prompts, n)
@@ -758,8 +758,6 @@ def multi_turn_rollout(policy_turn, tokenizer, prompts, n, response_length, max_
             fit = tool_ids[: response_length - len(ids[i])]
             ids[i], policy[i] = ids[i] + fit, policy[i] + [0] * len(fit)
             logps[i] += [0.0] * len(fit)
-            if len(fit) < len(tool_ids):  # the last output: the part of the tool's text that fit
-                records[-1] = (records[-1][0], tokenizer.decode(fit))
             calls[i] += records
             truncated[i] = len(ids[i]) >= response_length  # no room left for the policy's next turn
             if not truncated[i]:
@@ -1037,9 +1035,10 @@ def make_tool_format(args, tokenizer):
     examples = getattr(make_environment(), "EXAMPLES", []) if args.examples is None else []  # lists of messages
     tools = NativeTools(tokenizer, make_environment, template, examples)
     tools.template_kwargs |= json.loads(args.chat_template_kwargs)
-    shown = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False, **tools.template_kwargs)
-    if template is None and tools.schemas[0]["function"]["name"] not in shown:  # the tokenizer's ignores tools=
-        tools.template_kwargs["chat_template"] = HERMES_TEMPLATE
+    render = functools.partial(tokenizer.apply_chat_template, [{"role": "user", "content": "x"}], tokenize=False)
+    if template is None and render(**tools.template_kwargs) == render(**tools.template_kwargs | {"tools": None}):
+        tools.template_kwargs["chat_template"] = HERMES_TEMPLATE  # the tokenizer's ignores tools=
+    _ = tools.reading  # read now: a template whose calls neither format reads stops before the model loads
     return tools
 
 
@@ -1069,9 +1068,9 @@ def parse_tool_calls(text, call_format="hermes"):
     for block in blocks:
         try:
             call = json.loads(block)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON; an integer over 4300 digits; nesting past the stack
             call = None
-        arguments = call.get("arguments", call.get("parameters")) if isinstance(call, dict) else None
+        arguments = call.get("arguments", call.get("parameters", {})) if isinstance(call, dict) else None
         ok = isinstance(call, dict) and isinstance(call.get("name"), str) and isinstance(arguments, dict)
         calls.append((call["name"], arguments) if ok else (None, "bad_json"))
     return calls
@@ -1083,7 +1082,8 @@ JSON_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": 
 def run_tool_call(environment, schemas, name, arguments):
     """One call's result text and what went wrong (None, or the kind logged as tools/errors/<kind>): a block that is
     no call (bad_json, from parse_tool_calls), a tool the environment does not have (unknown_tool), arguments missing,
-    unexpected or not of their schema's JSON type (bad_arguments), a tool that raised (raised). A failed call gets an
+    unexpected, not of their schema's JSON type or not one of its enum (bad_arguments; an integral number is an
+    integer, as JSON Schema has it; array items are not checked), a tool that raised (raised). A failed call gets an
     error text as its result, as the calculator's own errors do; the tool's value is sent as str()."""
     if name is None:
         return 'error: a call is {"name": <tool>, "arguments": {...}} in JSON', arguments
@@ -1092,14 +1092,23 @@ def run_tool_call(environment, schemas, name, arguments):
         return f"error: no tool named {name!r}", "unknown_tool"
     properties, required = schema["parameters"].get("properties", {}), schema["parameters"].get("required", [])
 
-    def fits(value, schema):  # its JSON type, or one of a list of them; None where "null" or nullable
-        kinds = schema.get("type") if isinstance(schema.get("type"), list) else [schema.get("type")]
+    def types(schema):  # its JSON type, or a list of them
+        return schema.get("type") if isinstance(schema.get("type"), list) else [schema.get("type")]
+
+    def fits(value, schema):  # of one of its types (None where "null" or nullable), one of its enum if any
+        kinds = types(schema)
         if value is None:
             return "null" in kinds or schema.get("nullable", False)
+        if value not in schema.get("enum", [value]):  # a Literal's values, or a docstring's (choices: ...)
+            return False
         if isinstance(value, bool):  # not an integer nor a number here
             return "boolean" in kinds
         return any(k not in ("null", "boolean") and isinstance(value, JSON_TYPES.get(k, object)) for k in kinds)
 
+    def integral(k, v):  # 2.0 is an integer to JSON Schema: the tool gets 2
+        return isinstance(v, float) and v.is_integer() and "integer" in types(properties.get(k, {}))
+
+    arguments = {k: int(v) if integral(k, v) else v for k, v in arguments.items()}
     wrong = [k for k in required if k not in arguments] + [k for k in arguments if k not in properties]
     wrong += [k for k, v in arguments.items() if k in properties and not fits(v, properties[k])]
     if wrong:
@@ -1156,15 +1165,23 @@ class NativeTools:
     @functools.cached_property
     def reading(self):
         """How the template writes an assistant's call, from a dummy call rendered after the generation prompt:
-        "hermes" (<tool_call> blocks; also where the call shows neither way) or "json" (Llama 3.1's turn that is the
-        call); and whether the generation prompt leaves a <think> open (Qwen3-Thinking-2507, QwQ: a turn starts in
-        its reasoning)."""
+        "hermes" (<tool_call> blocks) or "json" (Llama 3.1's turn that is the call), checked by parsing it back (a
+        template that writes calls otherwise, Qwen3.5's XML, GLM-4.5's, Gemma's, stops the run); and whether the
+        generation prompt leaves a <think> open (Qwen3-Thinking-2507, QwQ: a turn starts in its reasoning)."""
         render = functools.partial(self.tokenizer.apply_chat_template, tokenize=False, **self.template_kwargs)
         ask, name = [{"role": "user", "content": "x"}], self.schemas[0]["function"]["name"]
         prompt, full = render(ask, add_generation_prompt=True), render(ask + [call_message((name, {}))])
-        call = full.removeprefix(prompt) if full.startswith(prompt) else ""
-        json_call = TOOL_CALL[0] not in call and f'"{name}"' in call
-        return "json" if json_call else "hermes", prompt.rfind("<think>") > prompt.rfind("</think>")
+        call = full.removeprefix(prompt) if full.startswith(prompt) else full[len(render(ask)) :]
+        call_format = "hermes" if TOOL_CALL[0] in call or f'"{name}"' not in call else "json"
+        text = self.tokenizer.decode(
+            self.tokenizer(call, add_special_tokens=False).input_ids, skip_special_tokens=True
+        )
+        if (name, {}) not in parse_tool_calls(text, call_format):  # as the policy's turn would read
+            raise SystemExit(
+                f"error: the chat template writes a call as {call!r}: neither a Hermes <tool_call> block nor "
+                "Llama 3.1's JSON, the formats grpo_tools reads (parse_tool_calls); --chat_template FILE gives another"
+            )
+        return call_format, prompt.rfind("<think>") > prompt.rfind("</think>")
 
     def calls(self, text):
         call_format, in_reasoning = self.reading

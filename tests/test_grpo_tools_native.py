@@ -7,6 +7,7 @@ and a template that renders earlier turns again differently changes nothing that
 import json
 import os
 import re
+from typing import Literal
 
 import chat_templates
 import pytest
@@ -57,6 +58,15 @@ class Shop:
         return f"paid {amount} by {'card' if card else 'cash'}"
 
 
+def paint(colour: Literal["red", "blue"]) -> str:
+    """Paint the wall.
+
+    Args:
+        colour: which paint
+    """
+    return f"painted {colour}"
+
+
 def test_tool_schemas_are_the_public_methods_but_reset_and_reward():
     schemas = {s["function"]["name"]: s["function"] for s in grpo_tools.tool_schemas(Shop())}
     assert sorted(schemas) == ["pay", "price"]
@@ -95,6 +105,12 @@ CALL = '{"name": "calculate", "arguments": {"expression": "2 * 3"}}'
         ('<tool_call>{"name": "f", "arguments": {"s": "<think>x</think>"}}</tool_call>', "hermes",
          [("f", {"s": "<think>x</think>"})]),  # tags inside a call's arguments are the call's
         ("<tool_call></tool_call>", "hermes", [(None, "bad_json")]),
+        ('<tool_call>{"name": "tick"}</tool_call>', "hermes", [("tick", {})]),  # no arguments: none
+        ('<tool_call>{"name": "tick", "arguments": null}</tool_call>', "hermes", [(None, "bad_json")]),
+        # JSON that Python's parser refuses other than by JSONDecodeError: a bad call, not a crash
+        ('<tool_call>{"name": "f", "arguments": {"n": ' + "1" * 4301 + "}}</tool_call>", "hermes",
+         [(None, "bad_json")]),
+        ("<tool_call>" + "[" * 5000 + "</tool_call>", "hermes", [(None, "bad_json")]),
         (CALL, "hermes", []),  # a bare JSON object is no call in the Hermes format
         # Llama 3.1 ("json"): the turn is the call, its arguments under "parameters", maybe after <|python_tag|>
         ('{"name": "calculate", "parameters": {"expression": "7 - 1"}}', "json",
@@ -117,6 +133,56 @@ def test_the_call_format_and_open_reasoning_are_read_from_the_template(tokenizer
     assert NativeTools(tokenizer, Shop, templates[name]).reading == expected
 
 
+# Calls written in formats that parse_tool_calls does not read (Qwen3.5's XML, Gemma's `call:`), ChatML otherwise.
+OTHER_FORMATS = {
+    "xml": "<tool_call>\n<function={{ c.function.name }}>\n</function>\n</tool_call>",
+    "gemma": "<|tool_call>call:{{ c.function.name }}{}<tool_call|>",
+}
+CHATML = (
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{%- if m.tool_calls %}{%- for c in m.tool_calls %}CALL"
+    "{%- endfor %}{%- else %}{{ m.content }}{%- endif %}<|im_end|>\n{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
+
+
+@pytest.mark.parametrize("name", OTHER_FORMATS)
+def test_a_template_whose_calls_are_read_neither_way_stops_in_one_line(tokenizer, name):
+    with pytest.raises(SystemExit, match="neither a Hermes <tool_call> block nor Llama 3.1's JSON"):
+        _ = NativeTools(tokenizer, Shop, CHATML.replace("CALL", OTHER_FORMATS[name])).reading
+    assert NativeTools(tokenizer, Shop, CHATML.replace("CALL", TOOL_CALL_BLOCK)).reading == ("hermes", False)
+
+
+TOOL_CALL_BLOCK = (
+    '<tool_call>\n{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}\n</tool_call>'
+)
+
+
+def help(topic: str) -> str:
+    """Help on a topic.
+
+    Args:
+        topic: what to explain
+    """
+    return f"help on {topic}"
+
+
+def test_hermes_template_replaces_a_template_that_ignores_tools_whatever_the_tools_names(
+    make_config, monkeypatch, tokenizer
+):
+    """SmolLM2's template ignores tools=; its system prompt holds "help" (a "helpful AI assistant"), so a tool named
+    help is no sign that the tools were rendered: the renders with and without tools= are compared."""
+    from transformers.utils import get_json_schema
+
+    assert "help" in tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False)
+    monkeypatch.setitem(grpo_tools.ENVIRONMENTS, "help", lambda args: grpo_tools.Tools(help))
+    args = make_config(grpo_tools, **NATIVE, environment="help", examples=())
+    grpo_tools.check_args(args)
+    tools = grpo_tools.make_tool_format(args, tokenizer)
+    assert tools.template_kwargs["chat_template"] == HERMES_TEMPLATE
+    prompt = tokenizer.decode(grpo_tools.load_tool_prompts(args, tokenizer, 1, tools)[0][0])
+    assert json.dumps(get_json_schema(help)) in prompt
+
+
 def test_a_turn_that_starts_in_reasoning_has_its_reasoning_not_read(tokenizer):
     """Qwen3-Thinking-2507's generation prompt opens <think>: the turn's text up to its </think> is reasoning."""
     tools = NativeTools(tokenizer, Shop, chat_templates.QWEN3_THINKING)
@@ -137,6 +203,11 @@ def test_run_tool_call_returns_errors_as_results_and_counts_them_by_kind():
     assert run_tool_call(env, schemas, "price", {"item": "book", "quantity": 1, "discount": 0.5}) == ("6.0", None)
     assert run_tool_call(env, schemas, "price", {"item": "book", "quantity": 2, "discount": None}) == ("24.0", None)
     assert run_tool_call(env, schemas, "pay", {"amount": 3, "card": False}) == ("paid 3 by cash", None)
+    assert run_tool_call(env, schemas, "price", {"item": "pen", "quantity": 2.0}) == ("3.0", None)  # 2.0 is 2
+    env = grpo_tools.Tools(paint)
+    env.price, env.pay = Shop().price, Shop().pay
+    schemas = grpo_tools.tool_schemas(env)
+    assert run_tool_call(env, schemas, "paint", {"colour": "red"}) == ("painted red", None)
     cases = [
         ((None, "bad_json"), "bad_json"),
         (("refund", {"amount": 1}), "unknown_tool"),
@@ -144,6 +215,7 @@ def test_run_tool_call_returns_errors_as_results_and_counts_them_by_kind():
         (("price", {"item": "pen", "quantity": 1, "colour": "red"}), "bad_arguments"),  # unexpected
         (("price", {"item": "pen", "quantity": "3"}), "bad_arguments"),  # a string for an integer
         (("price", {"item": "pen", "quantity": 2.5}), "bad_arguments"),  # a number for an integer
+        (("paint", {"colour": "green"}), "bad_arguments"),  # not one of its enum
         (("price", {"item": "pen", "quantity": True}), "bad_arguments"),  # a bool is not an integer here
         (("pay", {"amount": "4", "card": True}), "bad_arguments"),
         (("pay", {"amount": 4, "card": 1}), "bad_arguments"),  # an integer for a boolean
@@ -348,6 +420,13 @@ def test_native_rollout_stops_at_max_turns_and_at_the_budget(tokenizer):
     turn.prompt_headers = tokenizer.decode(prompt).count("<|im_start|>assistant")
     short = multi_turn_rollout(turn, tokenizer, [prompt], 1, 30, 2, [end], tools)  # the first results do not fit
     assert short.truncated[0] and short.real[0].sum() == 30 and short.turns == [1]
+    assert short.unrun_calls == [1] and short.calls == [[]]  # its turn is cut before the end of turn: not run
+    sampled = len(tokenizer(call, add_special_tokens=False).input_ids) + 1  # the turn and its <|im_end|>
+    turn = scripted_turns(tokenizer, [call] * 5)
+    turn.prompt_headers = tokenizer.decode(prompt).count("<|im_start|>assistant")
+    cut = multi_turn_rollout(turn, tokenizer, [prompt], 1, sampled + 5, 2, [end], tools)  # 5 of the results fit
+    assert cut.truncated[0] and cut.policy[0].tolist() == [1.0] * sampled + [0.0] * 5  # the tool's: not trained
+    assert cut.calls[0] == [('pay({"amount": 1, "card": true})', "paid 1 by card")]  # what the tool answered
 
 
 def test_llama_json_rollout_answers_the_turn_that_is_the_call_with_an_ipython_turn(tokenizer):
