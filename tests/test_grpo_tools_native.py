@@ -4,6 +4,7 @@ renders tool messages (SmolLM2's Hermes template, and fixtures of Qwen2.5's and 
 and rollouts of a scripted policy: the trained tokens are exactly the sampled ones, tool tokens stay out of the loss,
 and a template that renders earlier turns again differently changes nothing that is trained."""
 
+import functools
 import json
 import os
 import re
@@ -155,6 +156,55 @@ def test_a_template_whose_calls_are_read_neither_way_stops_in_one_line(tokenizer
 TOOL_CALL_BLOCK = (
     '<tool_call>\n{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}\n</tool_call>'
 )
+
+
+def published_template(name):
+    """A model's published chat template, as TRL ships it (trl/chat_templates/: the bench extra that `make test`
+    installs)."""
+    trl = pytest.importorskip("trl")
+    return open(os.path.join(os.path.dirname(trl.__file__), "chat_templates", f"{name}.jinja")).read()
+
+
+@pytest.mark.parametrize("ours, published", [("qwen2.5", "qwen2_5"), ("qwen3", "qwen3"), ("hermes", "qwen2_5")])
+def test_the_fixtures_and_hermes_template_render_a_tool_conversation_as_the_published_templates(
+    tokenizer, ours, published
+):
+    """tests/chat_templates.py's Qwen fixtures and HERMES_TEMPLATE against the templates the models publish: a
+    conversation with a system turn, a call, two tool results and the answer renders the same."""
+    conversation = [
+        {"role": "system", "content": "You are a shop's assistant."},
+        {"role": "user", "content": "What do 3 pens cost, paid by card?"},
+        grpo_tools.call_message(("price", {"item": "pen", "quantity": 3}), ("pay", {"amount": 4.5, "card": True})),
+        grpo_tools.tool_message("price", "4.5"),
+        grpo_tools.tool_message("pay", "paid 4.5 by card"),
+        {"role": "assistant", "content": "Answer: 4.5"},
+    ]
+    render = functools.partial(tokenizer.apply_chat_template, conversation, tokenize=False)
+    tools = grpo_tools.tool_schemas(Shop())
+    assert render(tools=tools, chat_template=TEMPLATES[ours]) == render(
+        tools=tools, chat_template=published_template(published)
+    )
+
+
+@pytest.mark.parametrize(
+    "published, expected",
+    [("qwen2_5", "hermes"), ("qwen3", "hermes"), ("qwen3_instruct_2507", "hermes"), ("llama3_1", "json"),
+     ("llama3_2", "json"), ("qwen3_5_think", None), ("glm4moe", None), ("gemma4", None), ("gptoss", None)],
+)  # fmt: skip
+def test_published_templates_calls_are_read_or_stop_the_run(tiny_model_dir, published, expected):
+    """Hermes (Qwen2.5, Qwen3) and Llama 3.1/3.2's JSON are read; Qwen3.5's XML, GLM-4.5's, Gemma 4's and
+    GPT-OSS's formats stop the run in one line. Llama's header and end tokens, special to its tokenizer, are here."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    llama = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>"]
+    tokenizer.add_special_tokens({"additional_special_tokens": llama + ["<|python_tag|>"]})
+    tools = NativeTools(tokenizer, Shop, published_template(published))
+    if expected is None:
+        with pytest.raises(SystemExit, match="neither a Hermes <tool_call> block nor Llama 3.1's JSON"):
+            _ = tools.reading
+    else:
+        assert tools.reading == (expected, False)
 
 
 def help(topic: str) -> str:
