@@ -146,16 +146,16 @@ CHATML = (
 )
 
 
+TOOL_CALL_BLOCK = (
+    '<tool_call>\n{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}\n</tool_call>'
+)
+
+
 @pytest.mark.parametrize("name", OTHER_FORMATS)
 def test_a_template_whose_calls_are_read_neither_way_stops_in_one_line(tokenizer, name):
     with pytest.raises(SystemExit, match="neither a Hermes <tool_call> block nor Llama 3.1's JSON"):
         _ = NativeTools(tokenizer, Shop, CHATML.replace("CALL", OTHER_FORMATS[name])).reading
     assert NativeTools(tokenizer, Shop, CHATML.replace("CALL", TOOL_CALL_BLOCK)).reading == ("hermes", False)
-
-
-TOOL_CALL_BLOCK = (
-    '<tool_call>\n{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}\n</tool_call>'
-)
 
 
 def published_template(name):
@@ -254,8 +254,7 @@ def test_run_tool_call_returns_errors_as_results_and_counts_them_by_kind():
     assert run_tool_call(env, schemas, "price", {"item": "book", "quantity": 2, "discount": None}) == ("24.0", None)
     assert run_tool_call(env, schemas, "pay", {"amount": 3, "card": False}) == ("paid 3 by cash", None)
     assert run_tool_call(env, schemas, "price", {"item": "pen", "quantity": 2.0}) == ("3.0", None)  # 2.0 is 2
-    env = grpo_tools.Tools(paint)
-    env.price, env.pay = Shop().price, Shop().pay
+    env = grpo_tools.Tools(paint, Shop().price, Shop().pay)  # the cases below call all three
     schemas = grpo_tools.tool_schemas(env)
     assert run_tool_call(env, schemas, "paint", {"colour": "red"}) == ("painted red", None)
     cases = [
@@ -468,7 +467,7 @@ def test_native_rollout_stops_at_max_turns_and_at_the_budget(tokenizer):
     assert rollout.answers == [""] and not rollout.truncated[0]  # ended by a call past max_turns
     turn = scripted_turns(tokenizer, [call] * 5)
     turn.prompt_headers = tokenizer.decode(prompt).count("<|im_start|>assistant")
-    short = multi_turn_rollout(turn, tokenizer, [prompt], 1, 30, 2, [end], tools)  # the first results do not fit
+    short = multi_turn_rollout(turn, tokenizer, [prompt], 1, 30, 2, [end], tools)  # the first turn does not fit
     assert short.truncated[0] and short.real[0].sum() == 30 and short.turns == [1]
     assert short.unrun_calls == [1] and short.calls == [[]]  # its turn is cut before the end of turn: not run
     sampled = len(tokenizer(call, add_special_tokens=False).input_ids) + 1  # the turn and its <|im_end|>
