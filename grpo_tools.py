@@ -48,6 +48,7 @@ from dataclasses import asdict, dataclass
 from fractions import Fraction
 from typing import Literal, Optional
 
+import jinja2
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -1170,7 +1171,11 @@ class NativeTools:
         generation prompt leaves a <think> open (Qwen3-Thinking-2507, QwQ: a turn starts in its reasoning)."""
         render = functools.partial(self.tokenizer.apply_chat_template, tokenize=False, **self.template_kwargs)
         ask, name = [{"role": "user", "content": "x"}], self.schemas[0]["function"]["name"]
-        prompt, full = render(ask, add_generation_prompt=True), render(ask + [call_message((name, {}))])
+        try:
+            prompt, full = render(ask, add_generation_prompt=True), render(ask + [call_message((name, {}))])
+        except (TypeError, jinja2.TemplateError) as error:  # DeepSeek-V3's wants the arguments as a JSON string
+            message = f"error: the chat template cannot render a tool call ({type(error).__name__}: {error})"
+            raise SystemExit(message) from None
         call = full.removeprefix(prompt) if full.startswith(prompt) else full[len(render(ask)) :]
         call_format = "hermes" if TOOL_CALL[0] in call or f'"{name}"' not in call else "json"
         text = self.tokenizer.decode(

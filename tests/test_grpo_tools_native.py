@@ -139,6 +139,7 @@ OTHER_FORMATS = {
     "xml": "<tool_call>\n<function={{ c.function.name }}>\n</function>\n</tool_call>",
     "gemma": "<|tool_call>call:{{ c.function.name }}{}<tool_call|>",
 }
+NEITHER = "neither a Hermes <tool_call> block nor Llama 3.1's JSON"  # the stop's message
 CHATML = (
     "{%- for m in messages %}<|im_start|>{{ m.role }}\n{%- if m.tool_calls %}{%- for c in m.tool_calls %}CALL"
     "{%- endfor %}{%- else %}{{ m.content }}{%- endif %}<|im_end|>\n{%- endfor %}"
@@ -153,7 +154,7 @@ TOOL_CALL_BLOCK = (
 
 @pytest.mark.parametrize("name", OTHER_FORMATS)
 def test_a_template_whose_calls_are_read_neither_way_stops_in_one_line(tokenizer, name):
-    with pytest.raises(SystemExit, match="neither a Hermes <tool_call> block nor Llama 3.1's JSON"):
+    with pytest.raises(SystemExit, match=NEITHER):
         _ = NativeTools(tokenizer, Shop, CHATML.replace("CALL", OTHER_FORMATS[name])).reading
     assert NativeTools(tokenizer, Shop, CHATML.replace("CALL", TOOL_CALL_BLOCK)).reading == ("hermes", False)
 
@@ -189,22 +190,24 @@ def test_the_fixtures_and_hermes_template_render_a_tool_conversation_as_the_publ
 @pytest.mark.parametrize(
     "published, expected",
     [("qwen2_5", "hermes"), ("qwen3", "hermes"), ("qwen3_instruct_2507", "hermes"), ("llama3_1", "json"),
-     ("llama3_2", "json"), ("qwen3_5_think", None), ("glm4moe", None), ("gemma4", None), ("gptoss", None)],
+     ("llama3_2", "json"), ("qwen3_5_think", NEITHER), ("glm4moe", NEITHER), ("gemma4", NEITHER),
+     ("gptoss", NEITHER), ("deepseekv3", "cannot render a tool call \\(TypeError")],
 )  # fmt: skip
 def test_published_templates_calls_are_read_or_stop_the_run(tiny_model_dir, published, expected):
     """Hermes (Qwen2.5, Qwen3) and Llama 3.1/3.2's JSON are read; Qwen3.5's XML, GLM-4.5's, Gemma 4's and
-    GPT-OSS's formats stop the run in one line. Llama's header and end tokens, special to its tokenizer, are here."""
+    GPT-OSS's formats stop the run in one line, as does DeepSeek-V3's, which raises on arguments that are not a
+    string. Llama's header and end tokens, special to its tokenizer, are here."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     llama = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>"]
     tokenizer.add_special_tokens({"additional_special_tokens": llama + ["<|python_tag|>"]})
     tools = NativeTools(tokenizer, Shop, published_template(published))
-    if expected is None:
-        with pytest.raises(SystemExit, match="neither a Hermes <tool_call> block nor Llama 3.1's JSON"):
-            _ = tools.reading
-    else:
+    if expected in ("hermes", "json"):
         assert tools.reading == (expected, False)
+    else:
+        with pytest.raises(SystemExit, match=expected):
+            _ = tools.reading
 
 
 def help(topic: str) -> str:
