@@ -170,12 +170,14 @@ SCRIPTS = {
         ),
     ),
     "grpo_tools.py": (
-        "GRPO over multi-turn trajectories with a calculator tool",
-        "held-out accuracy {t[initial]} → {t[final]} with the tool ({t[initial]} at step 0: the call its prompt "
-        "shows, imitated), {n[initial]} → {n[final]} without ({t[seeds]} seeds)",
+        "GRPO over multi-turn trajectories with tools, called in the model's chat-template format or `<calc>` tags",
+        "held-out accuracy {t[initial]} → {t[final]} with the calculator ({t[initial]} at step 0: the call its prompt "
+        "shows, imitated), {n[initial]} → {n[final]} without ({t[seeds]} seeds); a price look-up through native "
+        "calls {p[initial]} → {p[final]} ({p[seeds]} seeds)",
         dict(
             t=(R + "grpo_tools/mul_2t3d__tools__*", "eval/accuracy"),
             n=(R + "grpo_tools/mul_2t3d__notool__*", "eval/accuracy"),
+            p=(R + "grpo_tools_issue67_price_one/price_list_one__issue67_price_one__*", "eval/accuracy"),
         ),
     ),
 }
