@@ -434,34 +434,12 @@ def verifier_step_scores(steps, correct=1.0, unchecked=0.8, wrong=0.0):
 
 
 def step_arithmetic(step):
-    r"""The verdict on a step's equations: False when one of them is wrong, True when it has some and all hold,
-    None when it has none that can be checked. What cannot be read is left unchecked, never called wrong (a prefix
-    scores its worst step). An equation is a run of numbers, operators, parentheses and '=' ("3 + 4 = 7",
-    "2 * 3 = 6 = 12 / 2", "2^3 = 8", "√16 = 4"); it is checkable when at least two of its sides evaluate, and holds
-    when their values meet (arithmetic_interval: a number written with decimals, and a percentage, stands for the
-    values that round to it, through the whole side: "10 / 3 = 3.33", "0.67 * 30 = 20", "33.3% of 90 = 30"; a whole
-    number is exact: "7 / 2 = 3" is wrong) or when it is a running total ("20 + 5 = 25 + 10 = 35": each side equals
-    the next one or the number that starts it, and the last two are equal). A whole number after a division and
-    before a word may be a floor or a ceiling ("25 / 4 = 6 full bags"): it is not read. A side of percentages reads
-    N% as N / 100 ("20 / 80 = 25%", "1/3 = 33%", "50% - 25% = 25%"), or as N where another side ends or starts with
-    a product by 100 ("20 / 80 * 100 = 25%"); a side that mixes percentages and plain numbers other than by a
-    product ("100 + 20% = 120") or has a "%" between numbers ("10 % 3") is not read.
-    A side is not read where it may continue the text around it. The first side: glued to what precedes it ("x^2",
-    "a_1", "3:4", "9:00", "1,00,000", "2,5"), begun by an operator ("x + 3"; in "-3 + 5" the sign is the number's), a
-    lone number after a word ("half of 20", "twice 5"), or after "of", "times", "twice", "thrice", "half", "double",
-    "triple", "than", "≈", "~" or a one-letter name other than "a" ("twice 5 + 2"). The last side: with something
-    glued to it ("2x", "8:30", "3,5", "0.666...") or followed by a remainder or a fraction ("2 R 2", "2 remainder 2",
-    "3 and a half", "3 and 1/2").
-    Between two numbers, "x", "times", "multiplied by", "plus", "minus", "divided by", "over", "equals" and "·" are
-    operators; a percentage or a fraction of a number ("50% of 10", "50 percent of 10", "10 x 50%", "1/2 of 20") is a
-    product. In an equation whose every number has a word after it, the words are units, dropped when the result's
-    is among the others and all are the same where there is a + or - ("3 hours * 60 minutes = 180 minutes",
-    "5 apples + 3 apples = 8 apples"; "1 hour + 30 minutes = 90 minutes" is not read). A period not between digits
-    ends a sentence; a comma before three digits groups thousands; "-" or "•" and a space starting a line are a list
-    bullet. LaTeX is read: \frac{a}{b} (also \dfrac, \tfrac) as (a)/(b), \sqrt{a}, a^{b}, \boxed{a}, \times, \cdot,
-    \div, 1{,}000, and \text{a} as a word; the delimiters \( \) \[ \] \left \right and $ (also \$), € and £ are
-    dropped (so "$12" is 12). "**" between two numbers is a power, anywhere else Markdown bold (dropped). A GSM8K
-    calculator annotation ("48/2 = <<48/2=24>>24") is an equation of its own, checked apart."""
+    r"""The verdict on a step's equations: False when one is wrong, True when it has some and all hold, None when it
+    has none that can be read. An equation is a run of numbers, operators, parentheses and '=' ("3 + 4 = 7",
+    "9 times 6 = 54", "50% of 10 = 5", "\frac{6}{3} = 2"); it holds when its sides are equal or form a running total
+    ("20 + 5 = 25 + 10 = 35"). A written number is exact. An equation that fails so, whose result is a lone number
+    written to fewer digits than its value needs, is read once more as rounded (`rounded_operand`): "10 / 3 = 3.33",
+    "0.67 * 30 = 20". What cannot be read is unchecked, never wrong. docs/ppo_prm_clip.md lists what is read."""
     text = step.replace("\u2212", "-").replace("\\%", "%")
     annotations = re.findall(r"<<([^<>]*)>>", text)
     text = re.sub(r"<<[^<>]*>>", "", text) + "".join(f"; {annotation}" for annotation in annotations)
@@ -484,7 +462,7 @@ def step_arithmetic(step):
     operand = r"[ \t]*(?=[(√]|-?\.?\d)"  # what follows an operator: "(", a root or a number
     percent = r"[ \t]*(?:%|percent(?![a-z]))"
     times = r"x|·|\\times|\\cdot|times|multiplied[ \t]+by"  # between two numbers, like * and ×
-    rules = [  # "%%": a percentage of a number (side_values)
+    rules = [  # "%%": a percentage of a number (side_value)
         (rf"(?<=\d){percent}[ \t]+of(?![a-z]){operand}", "%% * "),  # "50% of 10"
         (rf"(?<=\d){percent}(?=[ \t]*(?:[*×]|{times}){operand})", "%%"),  # "50% x 10"
         (rf"((?<=[\d)%])[ \t]*(?:[*×]|{times})[ \t]*\d[\d,]*(?:\.\d+)?){percent}", r"\1%%"),  # "10 x 50%"
@@ -510,19 +488,46 @@ def step_arithmetic(step):
     text = re.sub(unit_equation, without_units, text, flags=re.I)
     remainder = r"r(?![a-z])|(?:with[ \t]+)?(?:a[ \t]+)?remainder"  # "2 R 2", "2 remainder 2"
     after_result = rf"[ \t]*(?:{remainder}|and[ \t]+(?:a[ \t]+(?:half|third|quarter)|\d+[ \t]*/))"  # "3 and a half"
+    lone = r"[ \t(]*-?(\d*\.?\d+)[ \t]*(%?)[ \t)]*"  # a side that is one written number: a result
 
-    def side_values(side, hundred):  # the values a side stands for, an interval (None: not read)
-        side = re.sub(r"(\d*\.?\d+)%%", r"(rounded(\1) / 100)", side)  # a percentage of a number: "50% of 10"
+    def side_value(side, hundred, rounded=False):  # a side's value, None where it is not read
+        side = re.sub(r"(\d*\.?\d+)%%", r"\1#", side)  # a percentage of a number: "50% of 10"
         if "%" in side and not re.fullmatch(r"(?:[ \t()+\-*/×÷]*\d*\.?\d+[ \t]*%)+[ \t()]*", side):
             return None  # percentages beside plain numbers ("100 + 20%": 20% of 100?), "10 % 3"
-        scale = 100 if "%" in side and not hundred else 1
-        return arithmetic_interval(re.sub(r"(\d*\.?\d+)[ \t]*%", rf"(rounded(\1) / {scale})", side))
+
+        def number(match):  # N% is N / 100, or N where a side is a product by 100 ("20 / 80 * 100 = 25%")
+            scale = 100 if match[2] == "#" or match[2] == "%" and not hundred else 1
+            fraction = rounded and rounded_operand(match[1], scale)
+            return f"({fraction})" if fraction else f"({match[1]} / {scale})" if scale > 1 else match[1]
+
+        return arithmetic_value(re.sub(r"(\d*\.?\d+)(?:[ \t]*([#%]))?", number, side))
+
+    def multiple(value, unit):  # whether a value is written in full to the unit's digits
+        ratio = value / unit
+        return ratio.denominator == 1 if isinstance(ratio, Fraction) else math.isclose(ratio, round(ratio))
+
+    def rounded_result(side, value, others, rounded_operands, hundred):  # a lone number as a rounding, or None
+        result = re.fullmatch(lone, side)
+        if not result or value is None:
+            return None
+        digits = result[1].partition(".")[2]
+        unit = Fraction(1, 10 ** len(digits) * (100 if result[2] and not hundred else 1))
+        if not (digits or result[2] or rounded_operands) or all(v is None or multiple(v, unit) for v in others):
+            return None  # a whole number is exact unless an operand is rounded; a result to its full digits is exact
+        return value - unit / 2, value + unit / 2
 
     def meet(intervals):  # whether intervals (None: not read, never meets) have a value in common
         if not all(intervals):
             return False
         low, high = max(lo for lo, _ in intervals), min(hi for _, hi in intervals)
-        return low <= high or math.isclose(low, high, rel_tol=1e-6, abs_tol=1e-9)
+        inexact = any(isinstance(end, float) for interval in intervals for end in interval)  # a root
+        return low <= high or inexact and math.isclose(low, high, rel_tol=1e-9, abs_tol=1e-12)
+
+    def holds(intervals, starts):  # the sides are equal, or a running total ("20 + 5 = 25 + 10 = 35")
+        if meet([interval for interval in intervals if interval]):
+            return True
+        steps = zip(intervals, intervals[1:], starts)  # each side equals the next one or the number that starts it
+        return all(intervals) and meet(intervals[-2:]) and all(meet([a, b]) or meet([a, s]) for a, b, s in steps)
 
     verdict = None
     for match in re.finditer(r"[0-9 \t.+\-*/×÷()=^√²³%]+", text):
@@ -532,97 +537,109 @@ def step_arithmetic(step):
         glued = not (head[-1:].isspace() or head[-1:] in "\"'[{`" or chunk[0].isspace())  # "x^2", "a_1", "3:4"
         operator_first = re.match(r"[ \t]*(?:[+*/×÷^%]|-(?![\d.(√]))", sides[0])  # "x + 3"; "-3 + 5" is a number
         word = re.search(r"([a-z]+|[≈~])[ \t]*$", head, re.I)
-        lone = re.fullmatch(r"[ \t]*-?\d*\.?\d+[ \t]*%?[ \t]*", sides[0])  # "half of 20", "twice 5"
+        lone_first = re.fullmatch(r"[ \t]*-?\d*\.?\d+[ \t]*%?[ \t]*", sides[0])  # "half of 20", "twice 5"
         takes_a_number = word and re.fullmatch(r"[b-z≈~]|of|times|twice|thrice|half|double|triple|than", word[1], re.I)
-        if glued or operator_first or word and (lone or takes_a_number):
+        if glued or operator_first or word and (lone_first or takes_a_number):
             sides = sides[1:]
         # The last side may continue into the text after it: "2x", "8:30", "3,5", "0.666...", "2 R 2", "3 and a half".
         if not chunk[-1].isspace() and re.match(r"[a-z_:…]|,\d", tail, re.I) or re.match(after_result, tail, re.I):
             sides = sides[:-1]
         hundred = any(re.search(r"[*×][ \t]*100[ \t]*$|^[ \t]*100[ \t]*[*×]", side) for side in sides)  # N% is N
-        intervals = [side_values(side, hundred) for side in sides]
+        values = [side_value(side, hundred) for side in sides]
         # A whole number after a division, then a word: a floor or a ceiling in context ("25 / 4 = 6 full bags").
-        whole = len(sides) > 1 and re.fullmatch(r"[ \t]*\d+[ \t]*", sides[-1]) and intervals[-1]
-        if whole and re.search("[/÷]", sides[-2]) and intervals[-2]:
-            (low, high), (number, _) = intervals[-2], whole
-            floor_or_ceiling = math.floor(low) <= number <= math.ceil(high)
-            if floor_or_ceiling and not meet(intervals[-2:]) and re.match("[a-z]{2}", tail, re.I):
-                sides, intervals = sides[:-1], intervals[:-1]
-        known = [interval for interval in intervals if interval]
-        if len(known) < 2:
+        whole = len(sides) > 1 and re.fullmatch(r"[ \t]*\d+[ \t]*", sides[-1]) and values[-1] is not None
+        if whole and re.search("[/÷]", sides[-2]) and values[-2] is not None and values[-2] != values[-1]:
+            if math.floor(values[-2]) <= values[-1] <= math.ceil(values[-2]) and re.match("[a-z]{2}", tail, re.I):
+                sides, values = sides[:-1], values[:-1]
+        if sum(value is not None for value in values) < 2:
             continue
-        if not meet(known):
-            # A running total ("20 + 5 = 25 + 10 = 35"): each side equals the next one or the number that starts it,
-            # and the last two sides are equal.
-            heads = [re.match(r"[ \t]*-?\d*\.?\d+(?:[ \t]*%)?(?=[ \t]*[-+*/×÷])", side) for side in sides[1:]]
-            starts = [head and side_values(head.group(), hundred) for head in heads]
-            steps = zip(intervals, intervals[1:], starts)
-            if not (
-                all(intervals) and meet(intervals[-2:]) and all(meet([a, b]) or meet([a, s]) for a, b, s in steps)
-            ):
+        heads = [re.match(r"[ \t]*-?\d*\.?\d+(?:[ \t]*%)?(?=[ \t]*[-+*/×÷])", side) for side in sides[1:]]
+        starts = [head and side_value(head.group(), hundred) for head in heads]
+        if not holds([None if v is None else (v, v) for v in values], [None if s is None else (s, s) for s in starts]):
+            # Read once more: each decimal operand as the fraction it rounds, each rounded result as an interval.
+            operands = [
+                v if re.fullmatch(lone, side) else side_value(side, hundred, True) for side, v in zip(sides, values)
+            ]
+            rounded_operands = operands != values
+            results = [
+                rounded_result(s, v, values[:i] + values[i + 1 :], rounded_operands, hundred)
+                for i, (s, v) in enumerate(zip(sides, values))
+            ]
+            if not any(results):
+                return False
+            intervals = [r or (None if v is None else (v, v)) for r, v in zip(results, operands)]
+            starts = [head and side_value(head.group(), hundred, True) for head in heads]
+            if not holds(intervals, [None if s is None else (s, s) for s in starts]):
                 return False
         verdict = True
     return verdict
 
 
-def arithmetic_interval(expression):
-    """The values an arithmetic expression of numbers, + - * / (also × ÷), powers (** or ^, also ² ³), square roots
-    (√16, √(16), sqrt(16)) and parentheses stands for, as an interval (low, high) of floats: a number written with
-    d >= 1 decimals, or in rounded(...), stands for the values that round to it ("3.33": within 0.5 * 10^-d;
-    rounded(33): 32.5 to 33.5), a whole number for itself, and the interval goes through the whole expression.
-    None when it is anything else, does not parse, divides by an interval that holds zero, overflows, has an exponent
-    beyond ±1000 (the text is model output) or the root or fractional power of a negative number. Parsed with ast,
-    never eval."""
+def rounded_operand(written, scale=1):
+    """The value a decimal written rounded stands for: the simplest fraction p/q (q <= 12) within half a unit of its
+    last digit, when q is not of the form 2^a 5^b and the number has at least two decimals (a percentage, scale 100,
+    two more): "0.67" -> 2/3, "3.33" -> 10/3, "16.67" % -> 1/6; "0.5", "0.1", "2.5", "0.25", "20" % -> None."""
+    decimals = len(written.partition(".")[2]) + (2 if scale == 100 else 0)
+    if decimals < 2:
+        return None
+    value, half = Fraction(written) / scale, Fraction(1, 2 * 10**decimals)
+    for q in range(1, 13):
+        p = round(value * q)
+        if abs(Fraction(p, q) - value) <= half:  # the first q is the simplest, in lowest terms
+            return None if q // math.gcd(q, 10**4) == 1 else Fraction(p, q)  # 2^a 5^b: exact as written
+    return None
+
+
+def arithmetic_value(expression):
+    """The exact value of an arithmetic expression of numbers, + - * / (also × ÷), powers (** or ^, also ² ³), square
+    roots (√16, √(16), sqrt(16)) and parentheses: a Fraction, or a float through an irrational root or power. None
+    for anything else, what does not parse, a division by zero, a value beyond 1e308, an exponent beyond ±1000 (the
+    text is model output) or the root or fractional power of a negative number. Parsed with ast, never eval."""
     for symbol, python in ("×", "*"), ("÷", "/"), ("^", "**"), ("²", "**2"), ("³", "**3"):
         expression = expression.replace(symbol, python)
     expression = re.sub(r"√[ \t]*(\d*\.?\d+)", r"sqrt(\1)", expression).replace("√", "sqrt").strip()
     if not expression or len(expression) > 200:
         return None
 
-    def number(node, rounded):
-        if not (isinstance(node, ast.Constant) and type(node.value) in (int, float)):
-            raise ValueError("not arithmetic")
-        written = ast.get_source_segment(expression, node)
-        half = 0.5 * 10.0 ** -len(written.partition(".")[2]) if rounded or "." in written else 0.0
-        return node.value - half, node.value + half
-
     def power(base, exponent):
         if abs(exponent) > 1000:
             raise ValueError("exponent out of range")
-        return math.pow(base, exponent)  # ValueError for (-8) ** 0.5, OverflowError for 10 ** 400
+        if isinstance(base, Fraction) and isinstance(exponent, Fraction) and exponent.denominator == 1:
+            if (base.numerator.bit_length() + base.denominator.bit_length()) * abs(exponent) > 4096:
+                raise OverflowError  # beyond 1e308 either way; not computed
+            return base ** int(exponent)
+        return math.pow(base, exponent)  # ValueError for (-8) ** 0.5, OverflowError for 10 ** 400.5
+
+    def square_root(x):
+        if isinstance(x, Fraction) and x >= 0:
+            root = Fraction(math.isqrt(x.numerator), math.isqrt(x.denominator))
+            if root * root == x:
+                return root
+        return math.sqrt(x)
 
     ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
     ops[ast.Pow] = power
 
-    def value(node):  # (low, high); every operation is monotonic in each operand between its ends
-        if isinstance(node, ast.Constant):
-            return number(node, rounded=False)
+    def value(node):
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            return Fraction(ast.get_source_segment(expression, node))  # as written: 0.1 is 1/10
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
-            low, high = value(node.operand)
-            return (-high, -low) if isinstance(node.op, ast.USub) else (low, high)
+            return -value(node.operand) if isinstance(node.op, ast.USub) else value(node.operand)
         if isinstance(node, ast.BinOp) and type(node.op) in ops:
-            (a, b), (c, d) = value(node.left), value(node.right)
-            if isinstance(node.op, ast.Div) and c <= 0 <= d and c < d:
-                raise ZeroDivisionError  # an interval that holds zero
-            if isinstance(node.op, ast.Pow) and a < 0 and not (c == d and c == int(c)):
-                raise ValueError("a negative base to a fractional power")
-            ends = [ops[type(node.op)](x, y) for x in (a, b) for y in (c, d)]
-            if isinstance(node.op, ast.Pow) and a < 0 < b:  # x^2 over [-1, 2] reaches 0 inside; 1/x has a pole
-                ends.append(power(0.0, c))
-            return float(min(ends)), float(max(ends))
-        if isinstance(node, ast.Call) and getattr(node.func, "id", "") in ("sqrt", "rounded") and not node.keywords:
+            result = ops[type(node.op)](value(node.left), value(node.right))
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", "") == "sqrt" and not node.keywords:
             (argument,) = node.args  # ValueError unless exactly one
-            if node.func.id == "rounded":
-                return number(argument, rounded=True)
-            low, high = value(argument)
-            return math.sqrt(low), math.sqrt(high)
-        raise ValueError("not arithmetic")
+            result = square_root(value(argument))
+        else:
+            raise ValueError("not arithmetic")
+        if not abs(result) <= 1e308:  # also NaN
+            raise OverflowError
+        return result
 
     try:
-        low, high = value(ast.parse(expression, mode="eval").body)
-    except (SyntaxError, ValueError, ZeroDivisionError, OverflowError, RecursionError):
+        return value(ast.parse(expression, mode="eval").body)
+    except (SyntaxError, ValueError, ZeroDivisionError, OverflowError, RecursionError, TypeError):
         return None
-    return (low, high) if math.isfinite(low) and math.isfinite(high) else None
 
 
 def evaluate(model, score_head, train_pairs, eval_pairs, args, accelerator, pad_token_id, step):

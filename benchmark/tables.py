@@ -153,11 +153,13 @@ SCRIPTS = {
     ),
     "ppo_prm_clip.py": (
         "PPO with process rewards refined by Clip / Delta",
-        "accuracy {clip[initial]} → {clip[final]} with Clip, {none[final]} with the final reward alone ({clip[seeds]} "
-        "seeds; made with the step verifier of 2026-11-26, before issues 45, 54 and 65)",
+        "accuracy {clip[initial]} → {clip[final]} with Clip, {none[final]} with the final reward alone, {raw[final]} "
+        "with raw process rewards ({clip[seeds]} seeds; the claims' set, made with the step verifier of 2026-11-29, "
+        "which read every decimal as rounded)",
         dict(
-            clip=(R + "ppo_prm_clip/arith_2t3t1d__prm_clip__*", "eval/accuracy"),
-            none=(R + "ppo_prm_clip/arith_2t3t1d__prm_none__*", "eval/accuracy"),
+            clip=(R + "ppo_prm_clip_v65/arith_2t3t1d__prm65_clip__*", "eval/accuracy"),
+            none=(R + "ppo_prm_clip_v65/arith_2t3t1d__prm65_none__*", "eval/accuracy"),
+            raw=(R + "ppo_prm_clip_v65/arith_2t3t1d__prm65_raw__*", "eval/accuracy"),
         ),
     ),
     "async_rlhf.py": (

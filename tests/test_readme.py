@@ -116,13 +116,15 @@ def test_the_set_up_sizes_are_what_make_setup_and_make_assets_leave():
 
 
 def test_the_rows_say_what_their_numbers_are():
-    """Issue 65: grpo_tools' step-0 accuracy is the call its prompt shows, imitated (not learned), and ppo_prm_clip's
-    committed runs were made with an earlier step verifier; the README's rows say so."""
+    """grpo_tools' step-0 accuracy is the call its prompt shows, imitated (not learned), and ppo_prm_clip's row gives
+    the claims' set, named by the step verifier it was made with; the README's rows say so."""
     rows = {
         line.split("`]")[0].split("[`")[-1]: line for line in read("README.md").splitlines() if line.startswith("| [`")
     }
     assert "at step 0: the call its prompt shows, imitated" in rows["grpo_tools.py"]
-    assert "made with the step verifier of 2026-11-26" in rows["ppo_prm_clip.py"]
+    assert "the claims' set, made with the step verifier of 2026-11-29" in rows["ppo_prm_clip.py"]
+    claims = [line for line in read("README.md").splitlines() if line.startswith("| PRM Clip / Delta")]
+    assert claims and "the step verifier of 2026-11-29" in claims[0]
 
 
 def test_a_standard_error_is_never_written_with_plus_minus():
