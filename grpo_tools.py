@@ -31,9 +31,11 @@ Read down to the line "PLUMBING": the arguments, main() with the training loop, 
 it calls are the algorithm.
 """
 
+import asyncio
 import collections
 import contextlib
 import functools
+import inspect
 import itertools
 import json
 import logging
@@ -702,8 +704,8 @@ def tool_call(turn_text):
 
 Rollout = collections.namedtuple(
     "Rollout",
-    "ids real policy sampler_logprobs texts answers calls turns unrun_calls truncated errors",
-    defaults=({},),
+    "ids real policy sampler_logprobs texts answers calls turns unrun_calls truncated errors failed_calls",
+    defaults=({}, None),
 )
 
 
@@ -722,8 +724,9 @@ def multi_turn_rollout(policy_turn, tokenizer, prompts, n, response_length, max_
     cut the tokens that follow the turn)], turns (policy turns), unrun_calls (turns with calls not run, past
     max_turns, at the budget or refused by the format's respond returning None: 0 or 1, such a turn ends its
     trajectory), truncated [N] (bool: cut at the budget, the trajectory ended at response_length tokens other than
-    by a stop token, one of stop_ids, or by a call past max_turns), and errors {kind: [N] failed calls of that kind}
-    for the format's error_kinds (none for CalcTags, whose tool answers every call)."""
+    by a stop token, one of stop_ids, or by a call past max_turns), errors {kind: [N] failed calls of that kind}
+    for the format's error_kinds (none for CalcTags), and failed_calls [N] (the calls that failed, as the format's
+    respond reports them: not read from their text)."""
     tools = tool if hasattr(tool, "respond") else CalcTags(tokenizer, tool)
     N = len(prompts) * n
     tools.begin(prompts, n)
@@ -772,9 +775,21 @@ def multi_turn_rollout(policy_turn, tokenizer, prompts, n, response_length, max_
     texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
     sampler_logprobs = padded(logps, 0.0, torch.float) if has_logprobs else None
     ids, policy = padded(ids, tokenizer.pad_token_id, torch.long), padded(policy, 0, torch.float)
+    failed_calls = [len(failed) for failed in errors]
     errors = {kind: [failed.count(kind) for failed in errors] for kind in tools.error_kinds}
     return Rollout(
-        ids, real, policy, sampler_logprobs, texts, answers, calls, turns, unrun, torch.tensor(truncated), errors
+        ids,
+        real,
+        policy,
+        sampler_logprobs,
+        texts,
+        answers,
+        calls,
+        turns,
+        unrun,
+        torch.tensor(truncated),
+        errors,
+        failed_calls,
     )
 
 
@@ -823,10 +838,12 @@ class CalcTags:
         return compute_rewards(answers, golds, format_reward)  # the verifier on each final answer
 
     def respond(self, i, turn_ids, text, calls):
-        """(turn tokens kept, the tool's tokens, [(expression, output)], [error kinds: none here])"""
+        """(turn tokens kept, the tool's tokens, [(expression, output)], ["refused"] when the calculator refused the
+        expression: its answer then begins "error", by its contract)"""
         output = self.tool(calls[0])
         keep, tool_text = tool_text_after(self.tokenizer, turn_ids, text, output)
-        return keep, self.tokenizer(tool_text, add_special_tokens=False).input_ids, [(calls[0], output)], []
+        refused = ["refused"] if output.startswith("error") else []
+        return keep, self.tokenizer(tool_text, add_special_tokens=False).input_ids, [(calls[0], output)], refused
 
 
 # --tool_format native: the model's own tool calls. The tools are an environment's methods, described to the model by
@@ -1033,6 +1050,10 @@ def make_tool_format(args, tokenizer):
         return tools
     make_environment = functools.partial(ENVIRONMENTS[args.environment], args)
     template = open(args.chat_template).read() if args.chat_template else None
+    if template is None and not tokenizer.chat_template:
+        raise SystemExit(
+            f"error: the tokenizer of {args.model_name_or_path} has no chat template: --chat_template FILE"
+        )
     examples = getattr(make_environment(), "EXAMPLES", []) if args.examples is None else []  # lists of messages
     tools = NativeTools(tokenizer, make_environment, template, examples)
     tools.template_kwargs |= json.loads(args.chat_template_kwargs)
@@ -1047,28 +1068,46 @@ def tool_schemas(environment):
     """The JSON schemas of an environment's tools (its public methods but reset and reward), from their type hints
     and docstrings by transformers' get_json_schema: what apply_chat_template(tools=...) renders for the model."""
     names = [name for name in dir(environment) if not name.startswith("_") and name not in ("reset", "reward")]
-    return [get_json_schema(getattr(environment, name)) for name in names if callable(getattr(environment, name))]
+    schemas = []
+    for name in [name for name in names if callable(getattr(environment, name))]:
+        try:
+            schemas.append(get_json_schema(getattr(environment, name)))
+        except Exception as error:  # transformers' DocstringParsingException, TypeHintParsingException
+            raise SystemExit(
+                f"error: the environment's tool {name!r} cannot be described to the model: it needs type hints and a "
+                f"docstring with an Args: section ({type(error).__name__}: {error})"
+            ) from None
+    return schemas
 
 
 def parse_tool_calls(text, call_format="hermes"):
     """The calls a policy turn makes, in order, in the template's format: Hermes blocks <tool_call>{"name": ...,
     "arguments": {...}}</tool_call> (Qwen2.5, Qwen3, HERMES_TEMPLATE), the last maybe unclosed (read to the end of the
-    turn, as vLLM's Hermes parser does), or ("json") the turn itself as one Llama 3.1 JSON call {"name": ...,
-    "parameters": {...}}. Reasoning, <think>...</think>, is not read: a call inside it is a thought (as TRL's Qwen3
-    response schema reads it; vLLM's qwen3 reasoning parser would end the reasoning there). Returns [(name,
-    arguments)], (None, "bad_json") for a block that is not a JSON object with a string name and an object of
-    arguments; [] when the turn calls nothing."""
+    turn, as vLLM's Hermes parser does), or ("json") Llama 3.1 JSON calls {"name": ...,
+    "parameters": {...}}, as vLLM's llama3_json parser reads it: the JSON objects of the turn, left to right, after
+    any text, several separated by ';'. Reasoning, <think>...</think>, is not read: a call inside it is a thought (as
+    TRL's Qwen3 response schema reads it; vLLM's qwen3 reasoning parser would end the reasoning there). Returns
+    [(name, arguments)], (None, "bad_json") for a block that is not a JSON object with a string name and an object
+    of arguments; [] when the turn calls nothing."""
     think = r"<think>.*?</think>"
     if call_format == "hermes":  # left to right: a <think> inside a call's arguments is the call's
         found = re.finditer(rf"{think}|{TOOL_CALL[0]}(.*?){TOOL_CALL[1]}|{TOOL_CALL[0]}(.*)", text, re.S)
         blocks = [m[1] if m[1] is not None else m[2] for m in found if m[0].startswith(TOOL_CALL[0])]
     else:
-        body = re.sub(think, "", text, flags=re.S).strip().removeprefix("<|python_tag|>").strip()
-        blocks = [body] if body.startswith("{") and '"name"' in body else []
+        body, blocks, end = re.sub(think, "", text, flags=re.S).replace("<|python_tag|>", ""), [], 0
+        for brace in re.finditer(r"\{", body if '"name"' in body else ""):
+            if brace.start() < end:
+                continue  # inside the object before
+            try:
+                call, end = json.JSONDecoder().raw_decode(body, brace.start())
+            except (ValueError, RecursionError):
+                blocks.append(body[brace.start() :])  # read as far as it goes: bad_json
+                break
+            blocks.append(call)
     calls = []
     for block in blocks:
         try:
-            call = json.loads(block)
+            call = json.loads(block) if isinstance(block, str) else block
         except (ValueError, RecursionError):  # not JSON; an integer over 4300 digits; nesting past the stack
             call = None
         arguments = call.get("arguments", call.get("parameters", {})) if isinstance(call, dict) else None
@@ -1085,7 +1124,8 @@ def run_tool_call(environment, schemas, name, arguments):
     no call (bad_json, from parse_tool_calls), a tool the environment does not have (unknown_tool), arguments missing,
     unexpected, not of their schema's JSON type or not one of its enum (bad_arguments; an integral number is an
     integer, as JSON Schema has it; array items are not checked), a tool that raised (raised). A failed call gets an
-    error text as its result, as the calculator's own errors do; the tool's value is sent as str()."""
+    error text as its result, as the calculator's own errors do. The tool's value is sent as JSON where it is a dict
+    or a list, else as str(); an `async def` tool is awaited."""
     if name is None:
         return 'error: a call is {"name": <tool>, "arguments": {...}} in JSON', arguments
     schema = next((s["function"] for s in schemas if s["function"]["name"] == name), None)
@@ -1110,14 +1150,22 @@ def run_tool_call(environment, schemas, name, arguments):
         return isinstance(v, float) and v.is_integer() and "integer" in types(properties.get(k, {}))
 
     arguments = {k: int(v) if integral(k, v) else v for k, v in arguments.items()}
-    wrong = [k for k in required if k not in arguments] + [k for k in arguments if k not in properties]
-    wrong += [k for k, v in arguments.items() if k in properties and not fits(v, properties[k])]
+    missing, unexpected = [k for k in required if k not in arguments], [k for k in arguments if k not in properties]
+    mistyped = [k for k, v in arguments.items() if k in properties and not fits(v, properties[k])]
+    wrong = [f"missing {', '.join(missing)}"] if missing else []
+    wrong += [f"unexpected {', '.join(unexpected)}"] if unexpected else []
+    for k in mistyped:
+        allowed = properties[k].get("enum") or " or ".join(str(kind) for kind in types(properties[k]))
+        wrong.append(f"{k} must be {'one of ' if properties[k].get('enum') else ''}{allowed}")
     if wrong:
-        return f"error: bad arguments for {name}: {', '.join(wrong)}", "bad_arguments"
+        return f"error: bad arguments for {name}: {'; '.join(wrong)}", "bad_arguments"
     try:
-        return str(getattr(environment, name)(**arguments)), None
+        value = getattr(environment, name)(**arguments)
+        if inspect.iscoroutine(value):  # an async def tool
+            value = asyncio.run(value)
     except Exception as error:  # the tool's own failure is the policy's to read
         return f"error: {type(error).__name__}: {error}", "raised"
+    return (json.dumps(value, default=str) if isinstance(value, (dict, list)) else str(value)), None
 
 
 def tool_response_ids(tokenizer, tool_messages, end_id, template_kwargs):
@@ -1127,13 +1175,19 @@ def tool_response_ids(tokenizer, tool_messages, end_id, template_kwargs):
     assistant header, and cut after the end_id that ends the dummy assistant turn (the last one when rendered
     alone): never from the conversation so far, which a template may render differently once later messages exist
     (Qwen3's drops the empty <think> block of an assistant turn that is no longer the last, its dummy turn's too).
-    None when end_id closes no turn of the template (Qwen's <|endoftext|>, a stop id beside its <|im_end|>): the
-    model ended its text, and the template has no tool turn to follow that."""
+    An end_id that the template writes elsewhere (Llama 3.1's <|eom_id|>, which ends a call in its ipython
+    environment) ends the turn as the dummy's own end token does. None when end_id is no end the template knows
+    (Qwen's <|endoftext|>, a stop id beside its <|im_end|>): the model ended its text, and no tool turn follows."""
     dummy = [{"role": "user", "content": "x"}, call_message(*[(m["name"], {}) for m in tool_messages])]
     render = functools.partial(tokenizer.apply_chat_template, tokenize=True, return_dict=False, **template_kwargs)
-    turns = list(render(dummy)).count(end_id)  # the turns up to the dummy assistant's end, each closed by end_id
+    rendered = list(render(dummy))
+    turns = rendered.count(end_id)  # the turns up to the dummy assistant's end, each closed by end_id
     if turns == 0:
-        return None
+        template = template_kwargs.get("chat_template") or tokenizer.chat_template
+        if not isinstance(template, str) or tokenizer.convert_ids_to_tokens(end_id) not in template:
+            return None
+        end_id = next(token for token in reversed(rendered) if token in tokenizer.all_special_ids)
+        turns = rendered.count(end_id)
     full = list(render(dummy + tool_messages, add_generation_prompt=True))
     return full[[k for k, token in enumerate(full) if token == end_id][turns - 1] + 1 :]
 
@@ -1150,10 +1204,18 @@ class NativeTools:
         self.schemas = tool_schemas(make_environment())
         self.template_kwargs = dict(tools=self.schemas, chat_template=chat_template)
         self.environments, self.questions = [], {}  # questions: {prompt ids: its question} (load_tool_prompts)
+        self.shown = {}  # {question: the text its reset returned for the prompt}
 
     def ask(self, question):
-        """The question as the prompt shows it: followed by the text its environment's reset returns, if any."""
+        """The question as the prompt shows it: followed by the text its environment's reset returns, if any. The
+        n trajectories of a prompt share its text, so reset must return the same text for the same question."""
         extra = self.make_environment().reset(question)
+        if extra != self.make_environment().reset(question):
+            raise SystemExit(
+                "error: the environment's reset returned two texts for one question: the prompt would show one state "
+                "and train on another; draw its state from the question (e.g. seed by it)"
+            )
+        self.shown[question] = extra
         return f"{question}\n\n{extra}" if extra else question
 
     def begin(self, prompts, n):
@@ -1161,7 +1223,12 @@ class NativeTools:
         prompt that load_tool_prompts did not build)."""
         self.environments = [self.make_environment() for _ in range(len(prompts) * n)]
         for i, environment in enumerate(self.environments):
-            environment.reset(self.questions.get(tuple(prompts[i // n])))
+            question = self.questions.get(tuple(prompts[i // n]))
+            extra = environment.reset(question)
+            if question in self.shown and extra != self.shown[question]:
+                raise SystemExit(
+                    f"error: the environment's reset returned another text for {question!r} than its prompt shows"
+                )
 
     @functools.cached_property
     def reading(self):
@@ -1190,6 +1257,8 @@ class NativeTools:
 
     def calls(self, text):
         call_format, in_reasoning = self.reading
+        if in_reasoning and "</think>" not in text:
+            return []  # a turn that starts in its reasoning and never ends it is all reasoning
         return parse_tool_calls("<think>" * in_reasoning + text, call_format)
 
     def rewards(self, answers, golds, format_reward):
@@ -1275,11 +1344,10 @@ def compute_rewards(completions, golds, format_reward):
 
 def trajectory_metrics(rewards, correct, formatted, rollout, group_size):
     """What the trajectories scored and how they used the tool: calls per trajectory, the share with a call and with
-    two or more (a chain, as --max_operations 1 asks of a product of 3), the share of calls the tool refused (an error
-    as its output), calls not run (past --max_turns or at the budget) per trajectory, the share of trajectories cut at
-    the budget, policy turns, the share of final answers that copy one of the trajectory's tool outputs (among those
-    with a call), the accuracy with and without a call (NaN without such trajectories: the averages leave it out), and
-    the tokens of each kind. rewards, correct, formatted [N]."""
+    two or more (a chain), the share of calls that failed (as the tool format reports them), calls not run per
+    trajectory, the share cut at the budget, policy turns, the share of final answers that copy a tool output (among
+    those with a call), the accuracy with and without a call (NaN without such trajectories), and the tokens of each
+    kind. rewards, correct, formatted [N]."""
     calls = torch.tensor([len(c) for c in rollout.calls], dtype=torch.float)
     called, nan = calls > 0, float("nan")
     outputs = [output for trajectory in rollout.calls for _, output in trajectory]
@@ -1298,7 +1366,7 @@ def trajectory_metrics(rewards, correct, formatted, rollout, group_size):
         "tools/calls": calls.mean().item(),
         "tools/call_rate": called.float().mean().item(),
         "tools/multi_call_rate": (calls >= 2).float().mean().item(),
-        "tools/failed_calls": sum(o.startswith("error") for o in outputs) / len(outputs) if outputs else nan,
+        "tools/failed_calls": sum(rollout.failed_calls) / len(outputs) if outputs else nan,
         "tools/unrun_calls": float(np.mean(rollout.unrun_calls)),
         "tools/truncated": rollout.truncated.float().mean().item(),
         "tools/answer_copies_result": float(np.mean(copies)) if copies else nan,

@@ -189,7 +189,7 @@ def main(args):
         _, correct, _ = tools.rewards(rollout.answers, chunk_golds, args.format_reward)
         for j, calls in enumerate(rollout.calls):
             i = chunk[j // K]
-            failed = sum(output.startswith("error") for _, output in calls)
+            failed = rollout.failed_calls[j]  # as the tool format reports them
             right, cut = correct[j].item(), bool(rollout.truncated[j])
             records.append(
                 dict(prompt=i, terms=terms[i], correct=right, calls=len(calls), failed=failed, truncated=cut)

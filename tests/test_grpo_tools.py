@@ -353,12 +353,13 @@ def test_trajectory_metrics_count_calls_failures_copies_and_accuracy_by_call(tok
         turns=[2, 1, 3, 1],
         unrun_calls=[1, 0, 0, 1],
         truncated=torch.tensor([False, False, True, False]),
+        failed_calls=[0, 0, 1, 0],  # as the format reports them (multi_turn_rollout), not read from the outputs
     )
     correct = torch.tensor([1.0, 0.0, 0.0, 1.0])
     m = grpo_tools.trajectory_metrics(correct, correct, torch.ones(4), rollout, 2)
     assert m["tools/calls"] == 0.75 and m["tools/call_rate"] == 0.5 and m["tools/failed_calls"] == pytest.approx(1 / 3)
     assert m["tools/unrun_calls"] == 0.5 and m["tools/truncated"] == 0.25  # the calls not run are counted apart
-    assert m["tools/multi_call_rate"] == 0.25  # two calls or more (issue 57's chains)
+    assert m["tools/multi_call_rate"] == 0.25  # two calls or more (chains)
     assert m["tools/answer_copies_result"] == 1.0 and m["tools/turns"] == 1.75
     assert m["objective/accuracy_with_call"] == 0.5 and m["objective/accuracy_without_call"] == 0.5
     assert m["tools/policy_tokens"] == 1.75 and m["tools/tool_tokens"] == 0.75

@@ -120,7 +120,13 @@ CALL = '{"name": "calculate", "arguments": {"expression": "2 * 3"}}'
          [("pay", {"amount": 1, "card": False})]),
         ('{"name": "calculate", "parameters": {"expression": }', "json", [(None, "bad_json")]),
         ("{1, 2} is a set", "json", []),  # JSON-like text that names no tool is no call
-        (f"<tool_call>{CALL}</tool_call>", "json", []),  # Hermes blocks are text to a Llama template
+        # as vLLM's llama3_json parser: text before the call, several calls separated by ';'
+        ('I will look it up. {"name": "calculate", "parameters": {"expression": "7 - 1"}}', "json",
+         [("calculate", {"expression": "7 - 1"})]),
+        ('{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"x": {"y": 1}}}', "json",
+         [("a", {}), ("b", {"x": {"y": 1}})]),
+        ('{"name": "a", "parameters": {}}; {"name": "b", "parameters": ', "json", [("a", {}), (None, "bad_json")]),
+        (f"<tool_call>{CALL}</tool_call>", "json", [("calculate", {"expression": "2 * 3"})]),  # text around JSON
     ],
 )  # fmt: skip
 def test_parse_tool_calls(text, call_format, calls):
@@ -247,6 +253,21 @@ def test_a_turn_that_starts_in_reasoning_has_its_reasoning_not_read(tokenizer):
     assert NativeTools(tokenizer, Shop, chat_templates.QWEN3).calls(f"x</think><tool_call>{pay}</tool_call>") == [
         ("pay", {"amount": 1, "card": True})
     ]
+    assert tools.calls(f"maybe <tool_call>{pay}</tool_call>") == []  # the reasoning never ends: all of it is
+
+
+@pytest.mark.filterwarnings("ignore:std\\(\\)")
+def test_a_turn_that_never_leaves_its_reasoning_runs_no_call(tokenizer):
+    """Under a template whose generation prompt opens <think>, a turn that never writes </think> is reasoning to its
+    end: the call in it is a thought, not run, and the turn is the trajectory's last."""
+    tools = NativeTools(tokenizer, Shop, chat_templates.QWEN3_THINKING)
+    thought = '<tool_call>{"name": "pay", "arguments": {"amount": 1, "card": true}}</tool_call>'
+    prompt = native_prompt(tokenizer, tools)
+    turn = scripted_turns(tokenizer, [thought, "Answer: 1"])
+    turn.prompt_headers = tokenizer.decode(prompt).count("<|im_start|>assistant")
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    rollout = multi_turn_rollout(turn, tokenizer, [prompt], 1, 200, 2, [end], tools)
+    assert rollout.calls == [[]] and rollout.turns == [1] and rollout.unrun_calls == [0]
 
 
 def test_run_tool_call_returns_errors_as_results_and_counts_them_by_kind():
@@ -277,6 +298,115 @@ def test_run_tool_call_returns_errors_as_results_and_counts_them_by_kind():
         text, got = run_tool_call(env, schemas, name, arguments)
         assert got == kind and text.startswith("error: "), (name, arguments, text)
     assert "KeyError" in run_tool_call(env, schemas, "price", {"item": "lamp", "quantity": 1})[0]
+    text = run_tool_call(env, schemas, "price", {"quantity": "3", "colour": "red", "size": 1})[0]
+    assert text == "error: bad arguments for price: missing item; unexpected colour, size; quantity must be integer"
+    assert run_tool_call(env, schemas, "paint", {"colour": "green"})[0] == (
+        "error: bad arguments for paint: colour must be one of ['red', 'blue']"
+    )
+
+
+class Lab:
+    """A test environment whose tools succeed with text that reads like an error, fail with text that does not,
+    return a dict, and are written with async def."""
+
+    def reset(self, question):
+        pass
+
+    def measure(self, what: str) -> str:
+        """Measure something.
+
+        Args:
+            what: the quantity
+        """
+        if what == "nothing":
+            raise ValueError("nothing to measure")
+        return "errors in measurement: 3" if what == "noise" else "Error: 12 (the name of a band)"
+
+    def weigh(self, item: str) -> dict:
+        """Weigh an item.
+
+        Args:
+            item: what to weigh
+        """
+        return {"item": item, "grams": 12.5}
+
+    async def fetch(self, key: str) -> str:
+        """Fetch a value.
+
+        Args:
+            key: its key
+        """
+        return f"value of {key}"
+
+
+def test_a_calls_outcome_is_what_it_did_not_what_its_text_says(tokenizer):
+    """A tool that succeeds with "errors in measurement: 3" or "Error: ..." is a success; one that raises with a
+    message that looks like none is a failure; tools/failed_calls counts the calls that failed."""
+    schemas = grpo_tools.tool_schemas(Lab())
+    assert run_tool_call(Lab(), schemas, "measure", {"what": "noise"}) == ("errors in measurement: 3", None)
+    assert run_tool_call(Lab(), schemas, "measure", {"what": "x"}) == ("Error: 12 (the name of a band)", None)
+    assert run_tool_call(Lab(), schemas, "measure", {"what": "nothing"})[1] == "raised"
+    tools = NativeTools(tokenizer, Lab, HERMES_TEMPLATE)
+    calls = [f'<tool_call>{{"name": "measure", "arguments": {{"what": "{w}"}}}}</tool_call>' for w in ("noise", "x")]
+    script = ["\n".join(calls + ['<tool_call>{"name": "measure", "arguments": {"what": "nothing"}}</tool_call>']), "6"]
+    prompt = native_prompt(tokenizer, tools)
+    turn = scripted_turns(tokenizer, script)
+    turn.prompt_headers = tokenizer.decode(prompt).count("<|im_start|>assistant")
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    rollout = multi_turn_rollout(turn, tokenizer, [prompt], 1, 400, 2, [end], tools)
+    assert len(rollout.calls[0]) == 3 and rollout.failed_calls == [1] and rollout.errors["raised"] == [1]
+    metrics = grpo_tools.trajectory_metrics(torch.ones(1), torch.ones(1), torch.ones(1), rollout, 1)
+    assert metrics["tools/failed_calls"] == pytest.approx(1 / 3)
+
+
+def test_a_dict_result_is_sent_as_json_and_an_async_tool_is_awaited():
+    schemas = grpo_tools.tool_schemas(Lab())
+    text, kind = run_tool_call(Lab(), schemas, "weigh", {"item": "pen"})
+    assert kind is None and json.loads(text) == {"item": "pen", "grams": 12.5}
+    assert run_tool_call(Lab(), schemas, "fetch", {"key": "k"}) == ("value of k", None)
+
+
+def test_a_tool_without_a_docstring_and_a_tokenizer_without_a_template_stop_in_one_line(
+    make_config, monkeypatch, tiny_model_dir
+):
+    from transformers import AutoTokenizer
+
+    class Bare:
+        def reset(self, question):
+            pass
+
+        def look(self, x: int) -> int:
+            return x
+
+    with pytest.raises(SystemExit, match="tool 'look' cannot be described to the model: it needs type hints"):
+        grpo_tools.tool_schemas(Bare())
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.chat_template = None
+    args = make_config(grpo_tools, **NATIVE)
+    with pytest.raises(
+        SystemExit, match=f"the tokenizer of {re.escape(args.model_name_or_path)} has no chat template"
+    ):
+        grpo_tools.make_tool_format(args, tokenizer)
+
+
+class Dice:
+    """A test environment whose reset draws its state at random and shows it."""
+
+    def reset(self, question):
+        import random
+
+        self.face = random.randint(1, 10**9)
+        return f"You rolled {self.face}."
+
+    def roll(self) -> int:
+        """The face rolled."""
+        return self.face
+
+
+def test_a_reset_that_shows_another_state_each_time_stops_in_one_line(tokenizer):
+    tools = NativeTools(tokenizer, Dice, HERMES_TEMPLATE)
+    with pytest.raises(SystemExit, match="reset returned two texts for one question"):
+        tools.ask("Which face?")
 
 
 @pytest.mark.parametrize("name", TEMPLATES)
@@ -505,6 +635,50 @@ def test_llama_json_rollout_answers_the_turn_that_is_the_call_with_an_ipython_tu
     assert rollout.calls[0] == [('price({"item": "pen", "quantity": 3})', "4.5")] and rollout.answers == [
         "Answer: 4.5"
     ]
+
+
+@pytest.fixture(scope="module")
+def llama_tokenizer(tiny_model_dir):
+    """SmolLM2's tokenizer with Llama 3's header and end tokens as special tokens, to render its published template."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    llama = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>"]
+    tokenizer.add_special_tokens({"additional_special_tokens": llama + ["<|python_tag|>"]})
+    return tokenizer
+
+
+@pytest.mark.parametrize("end_token", ["<|eom_id|>", "<|eot_id|>"])
+def test_a_llama_call_ended_by_eom_runs_on_the_published_template(llama_tokenizer, end_token):
+    """Llama 3.1's published template with tools= puts the model in "Environment: ipython", where a call ends with
+    <|eom_id|> (the template itself writes <|eot_id|> after a custom tool's call): either way the call runs, its
+    result is the template's ipython turn, then the next assistant header; the trained tokens are the sampled ones."""
+    tokenizer = llama_tokenizer
+    tools = NativeTools(tokenizer, Shop, published_template("llama3_1"))
+    prompt = native_prompt(tokenizer, tools)
+    assert "Environment: ipython" in tokenizer.decode(prompt)
+    end, eot = tokenizer.convert_tokens_to_ids(end_token), tokenizer.convert_tokens_to_ids("<|eot_id|>")
+    script = [
+        tokenizer(
+            '{"name": "price", "parameters": {"item": "pen", "quantity": 3}}', add_special_tokens=False
+        ).input_ids
+        + [end],
+        tokenizer("Answer: 4.5", add_special_tokens=False).input_ids + [eot],
+    ]
+    turns = iter(script)
+    stops = [tokenizer.convert_tokens_to_ids(t) for t in ("<|eom_id|>", "<|eot_id|>")]
+    rollout = multi_turn_rollout(lambda c, m: [(next(turns), None)], tokenizer, [prompt], 1, 200, 3, stops, tools)
+    # The template writes a tool's content through tojson (a string is iterable to Jinja): "4.5", quoted.
+    between = '<|start_header_id|>ipython<|end_header_id|>\n\n"4.5"<|eot_id|>'
+    between += "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    between = tokenizer(between, add_special_tokens=False).input_ids
+    expected = script[0] + between + script[1]
+    assert rollout.ids[0, : len(expected)].tolist() == expected and rollout.real[0].sum() == len(expected)
+    assert rollout.policy[0, : len(expected)].tolist() == [1.0] * len(script[0]) + [0.0] * len(between) + [1.0] * len(
+        script[1]
+    )
+    assert rollout.calls[0] == [('price({"item": "pen", "quantity": 3})', "4.5")] and rollout.unrun_calls == [0]
+    assert rollout.answers == ["Answer: 4.5"]
 
 
 def test_an_unclosed_call_runs_and_a_call_in_reasoning_does_not(tokenizer):
