@@ -13,7 +13,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# Issue 66 (docs/power_plan.md): the verifier PRM's five arms again on today's step verifier (issue 65's), seeds 1-4,
+# The claims' set (docs/power_plan.md): the verifier PRM's five arms on the step verifier of 2026-11-29, seeds 1-4,
 # a fresh set never pooled with the committed 2026-11-26 runs: exp_name prm65_*, copies in ppo_prm_clip_v65/.
 # Seed-major; a run a stop interrupted resumes (--resume_unfinished). ~2 h a seed on 2 cores.
 #   bash benchmark/ppo_prm_clip.sh verifier65
