@@ -23,9 +23,10 @@ drops over the seeds both ran at both ends, their mean (s.e.: its standard error
 (mean ± t(0.975, n - 1) x s.e.; t = 4.30 on 3 seeds), the rule of every check in benchmark/ (benchmark/registry.py):
 held when every interval lies above 0 (a conjunction: no correction), not held when some other objective's drop is
 below the subject's by Holm's procedure over the objectives' one-sided p-values at 0.025 a side (a disjunction:
-registry.holm), else inconclusive; fewer than 3 seeds is inconclusive. With --baseline LABEL (controls of one
-objective, e.g. PPO with and without advantage whitening), the check is replaced by each objective minus the baseline
-at each N both ran, seed by seed (the mean (s.e.) and the 95% interval; no verdict).
+registry.holm), else inconclusive; fewer than 3 seeds is inconclusive. Each difference is printed with its exact
+sign-flip p (registry.sign_flip_p: one-sided, their drop - the subject's >= 0, no normality assumed). With --baseline
+LABEL (controls of one objective, e.g. PPO with and without advantage whitening), the check is replaced by each
+objective minus the baseline at each N both ran, seed by seed (the mean (s.e.) and the 95% interval; no verdict).
 """
 
 import argparse
@@ -45,6 +46,7 @@ from benchmark.registry import (
     p_above,
     parse_experiment,
     shared_seeds,
+    sign_flip_text,
     write_text,
 )
 
@@ -110,7 +112,8 @@ def check(values, subject, metric="eval/accuracy", min_seeds=3):
         verdicts.append(claim_verdict(mean, std, n, 0.0, min_seeds))
         p_below.append(p_above([-d for d in diffs]) if n >= min_seeds else None)
         difference, span = interval_text(*interval(diffs))
-        notes.append(f"{label} - {subject}: {difference} (seeds {seeds}), {span}")
+        flip = sign_flip_text(diffs, 0.0, what=f"{label} - {subject}")
+        notes.append(f"{label} - {subject}: {difference} (seeds {seeds}), {span}; {flip}")
     verdict = "held" if set(verdicts) == {"held"} else "not held" if any(holm(p_below)) else "inconclusive"
     return (
         f"{subject}'s drop in {metric} from N = {ends[0]} to N = {ends[1]} is the smallest",

@@ -16,6 +16,8 @@ observed mean and std, as if they were the truth:
   that the rule decides, held or not held (the formula is approximate, the simulation is the rule itself);
 - the minimum detectable effect (MDE) at the seeds there are: the distance from the bound that the formula's power
   needs at that n.
+Beside the verdict now, the claim's exact sign-flip p (registry.sign_flip_p: one-sided, no normality assumed; never
+below 1 / 2^n, so no number of seeds under 6 brings it under 0.025).
 With --holm (a family "every arm beyond the bound", one-sided, the arms tried together), the simulation applies Holm's
 procedure over the arms' one-sided p-values at 0.025 a side (registry.holm) to independent draws of every arm, and
 reports each arm's share rejected at its seeds needed. Every std rests on the seeds there are: with 3 seeds (2
@@ -34,6 +36,7 @@ from benchmark.registry import (
     mean_std,
     p_above,
     seed_values,
+    sign_flip_p,
     t_975,
     t_cdf,
     write_text,
@@ -113,7 +116,9 @@ def report(values, metric, baseline, low, high, ratio, power=0.8, holm_family=Fa
     kind = f"{metric}, arm / {baseline}" if ratio else f"{metric}, arm - {baseline}"
     bound = " and ".join([f">= {low:g}"] * math.isfinite(low) + [f"<= {high:g}"] * math.isfinite(high))
     verdict_now = "verdict now (this arm alone)" if holm_family else "verdict now"
-    head = ["arm", "seeds", "per seed", "mean ± std", "claim", verdict_now, f"seeds for {power:.0%} power"]
+    side = "the larger one-sided" if math.isfinite(low) and math.isfinite(high) else "one-sided"
+    head = ["arm", "seeds", "per seed", "mean ± std", "claim", verdict_now, f"exact sign-flip p now ({side})"]
+    head += [f"seeds for {power:.0%} power"]
     head += ["simulated power there", "MDE at the seeds there are"]
     rows = [head, ["---"] * len(head)]
     plans = []
@@ -122,7 +127,8 @@ def report(values, metric, baseline, low, high, ratio, power=0.8, holm_family=Fa
         verdict = claim_verdict(mean, std, n, low, at_most=high) if n else "inconclusive"
         row = [label, " ".join(map(str, per_seed)), " / ".join(f"{v:.3f}" for v in per_seed.values())]
         shown = "–" if not n else f"{mean:.3f}" if ratio else f"{mean:+.3f}"
-        row += [shown if std is None else f"{shown} ± {std:.3f}", bound, verdict]
+        p = sign_flip_p(list(per_seed.values()), low, high)
+        row += [shown if std is None else f"{shown} ± {std:.3f}", bound, verdict, "–" if p is None else f"{p:.4f}"]
         if std is None or std == 0 or n < 2:
             row += ["– (no spread yet)", "–", "–"]
             plans.append(None)

@@ -24,7 +24,9 @@ of "difference > 0") rejects at 0.025 a side, the level of the interval's lower 
 arms does not raise the chance of a lucky one; not held when every arm's interval lies below 0; else inconclusive.
 (d)'s rows, one per arm and metric: held when Holm over the bounded arms rejects that arm (one-sided p-values of
 "1 - ratio > 0" for the steps, "difference > 0" for the accuracy, 0.025 a side), not held when the arm's interval lies
-wholly on the other side, else inconclusive.
+wholly on the other side, else inconclusive. Every part is printed with its exact sign-flip p (registry.sign_flip_p:
+one-sided in the claim's direction over all 2^n sign assignments, no normality assumed; for a "within" part the larger
+of its two sides), which on 3-4 seeds cannot go below 1/8 or 1/16.
 """
 
 import argparse
@@ -40,6 +42,7 @@ from benchmark.registry import (
     load_experiments,
     p_above,
     shared_seeds,
+    sign_flip_text,
     verdict_inside,
     write_text,
 )
@@ -114,8 +117,9 @@ def checks(values, baseline, min_seeds=3):
         accuracy, *difference = paired(diffs, *accuracy_bounds, min_seeds)
         text, span = interval_text(*difference)
         numbers = (
-            f"steps {' / '.join(f'x{r:.2f}' for r in ratios)}: {ratio_text(*ratio)} ({steps}); accuracy difference"
-            f" {text} (seeds {seeds}), {span} ({accuracy})"
+            f"steps {' / '.join(f'x{r:.2f}' for r in ratios)}: {ratio_text(*ratio)} ({steps};"
+            f" {sign_flip_text(ratios, *steps_bounds, what='ratio')}); accuracy difference {text} (seeds {seeds}),"
+            f" {span} ({accuracy}; {sign_flip_text(diffs, *accuracy_bounds)})"
         )
         return conjunction([steps, accuracy]), numbers
 
@@ -140,7 +144,7 @@ def checks(values, baseline, min_seeds=3):
         for arm, p, above in zip(arms, p_values, rejected):
             difference, span = interval_text(*interval(diffs[arm]))
             test = "no test" if p is None else f"one-sided p {p:.3f}{', above by Holm' if above else ''}"
-            notes.append(f"{arm} {difference} ({span}; {test})")
+            notes.append(f"{arm} {difference} ({span}; {test}; {sign_flip_text(diffs[arm], 0.0)})")
         claim = f"(c) some arm above success only (Holm over {len(arms)} arms, 0.025 a side)"
         results.append((claim, verdict, "; ".join(notes)))
 
@@ -172,7 +176,11 @@ def checks(values, baseline, min_seeds=3):
                 difference, span = interval_text(mean, se, half)
                 numbers = f"accuracy difference {difference}, {span}"
             test = "no test" if p is None else f"one-sided p {p:.4f}"
-            numbers += f" (seeds {shared(arm, 'raw')}; {test}, Holm over {len(bounded)} arms)"
+            if metric == "eval/num_steps":  # 1 - ratio >= 0 is ratio <= 1: the same signed values
+                flip = sign_flip_text([1 - g for g in gains[arm]], high=1.0, what="ratio")
+            else:
+                flip = sign_flip_text(gains[arm], 0.0)
+            numbers += f" (seeds {shared(arm, 'raw')}; {test}, Holm over {len(bounded)} arms; {flip})"
             results.append((f"(d) {arm}: {claim}", verdict, numbers))
     return results
 
@@ -201,7 +209,9 @@ def report(experiments, baseline, last):
         " inconclusive when it crosses it, has no spread, or has fewer than 3 seeds; (a) and (b) hold when both parts"
         " do and are not held when one is not. (c) is held when Holm's procedure over the arms' one-sided p-values"
         " (paired t, difference > 0) rejects for some arm at 0.025 a side, not held when every arm's interval lies"
-        " below 0.\n"
+        " below 0. Beside each part, its exact sign-flip p: over all 2^n assignments of signs to the n paired values"
+        " minus the bound, the share whose mean is at least the observed one, one-sided in the claim's direction (for"
+        ' a "within" part the larger of its two sides); no normality assumed, and never below 1 / 2^n.\n'
     )
     return text
 

@@ -443,6 +443,9 @@ def seed_values(runs, metric, statistic="final"):
 # correction (each must clear its own bound); "some arm ..." (a disjunction) holds only when Holm's step-down
 # procedure over the arms' one-sided p-values rejects at the interval's own level, 0.025 a side (holm below), since
 # trying several arms raises the chance that one clears the bound by luck. With one arm Holm is the rule above.
+# Every verdict is printed with the claim's exact paired sign-flip p (sign_flip_p below: one-sided, all 2^n sign
+# assignments), which assumes no normality: its smallest value is 1 / 2^n (1/8 on 3 seeds, 1/16 on 4), so on 3-4 seeds
+# no normality-free test reaches 0.025 (or 0.05), and a t verdict there leans on the differences being normal.
 # Student's t: the 0.975 quantile by degrees of freedom, 1-30 (beyond 30 the value at 30, a little wider than exact).
 T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131)
 T_975 += (2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
@@ -532,6 +535,39 @@ def p_above(diffs, bound=0.0):
     return 1.0 - t_cdf((mean - bound) / se, len([d for d in diffs if d is not None]) - 1)
 
 
+SIGN_FLIP_MAX = 20  # 2^20 sign assignments at most (~1M): enumerated exactly, never sampled
+
+
+def sign_flip_p(diffs, low=-math.inf, high=math.inf):
+    """The exact paired sign-flip (permutation) p-value of a claim about paired differences (None values left out),
+    one-sided in the claim's direction and free of any normality assumption: for "difference >= low", over all 2^n
+    assignments of signs to the n values d - low, the share whose mean is at least the observed mean of d - low (the
+    observed assignment among them, so p >= 1 / 2^n: 1/8 at n = 3, 1/16 at 4, 1/256 at 8); "<= high" likewise on
+    high - d; a claim with both bounds ("within") takes the larger of the two (both sides must be shown). Means
+    within 1e-12 of the observed one (relative to the values' size) count as equal. None for no values, or for more
+    than SIGN_FLIP_MAX (too many assignments to enumerate)."""
+    values = np.asarray([d for d in diffs if d is not None], dtype=np.float64)
+    n = len(values)
+    if n == 0 or n > SIGN_FLIP_MAX:
+        return None
+    # signs [2^n, n]: row k's bit j set -> the j-th value's sign flipped
+    signs = 1.0 - 2.0 * ((np.arange(2**n)[:, None] >> np.arange(n)[None, :]) & 1)
+    p = []
+    for shifted in ([values - low] if math.isfinite(low) else []) + ([high - values] if math.isfinite(high) else []):
+        sums, observed = signs @ shifted, shifted.sum()
+        tolerance = 1e-12 * max(1.0, float(np.abs(shifted).sum()))
+        p.append(float(np.mean(sums >= observed - tolerance)))
+    return max(p) if p else None
+
+
+def sign_flip_text(diffs, low=-math.inf, high=math.inf, what="difference"):
+    """'exact sign-flip p 0.0625 (one-sided, difference >= -0.02)': sign_flip_p with the claim it is one-sided for."""
+    p = sign_flip_p(diffs, low, high)
+    bounds = [f">= {low:g}"] * math.isfinite(low) + [f"<= {high:g}"] * math.isfinite(high)
+    side = "the larger of the two one-sided" if len(bounds) == 2 else "one-sided"
+    return "exact sign-flip p –" if p is None else f"exact sign-flip p {p:.4f} ({side}, {what} {' and '.join(bounds)})"
+
+
 def holm(p_values, alpha=0.025):
     """Holm's step-down procedure: [rejected] for p-values (None: no test, never rejected), the family-wise error rate
     held at alpha. The i-th smallest p (i = 0, 1, ...) is rejected when it and every smaller one is at most
@@ -583,7 +619,8 @@ def paired_table(
     they share, the differences (experiment - baseline), their mean ± std (ddof=1) and the paired t statistic mean /
     (std / sqrt(n)) with n - 1 degrees of freedom. With at_least (or at_most, or both), two more columns: the mean
     and its standard error with the two-sided 95% interval, and the claim "difference >= at_least" ("<= at_most")
-    checked on that interval (claim_verdict). fixed_baseline: the baseline is one run, paired with every seed of the
+    checked on that interval (claim_verdict); then the exact sign-flip p of the claim (sign_flip_p: one-sided in the
+    claim's direction, no normality assumed). fixed_baseline: the baseline is one run, paired with every seed of the
     others: exact for a run no seed changes (a greedy probe of the untrained policy); for a sampled one
     the interval leaves out its own sampling error. count_above: one more column, the seeds whose difference is at
     least count_above, k of n, with the 95% Clopper-Pearson interval of that share (for an outcome that is bimodal
@@ -599,6 +636,8 @@ def paired_table(
     bounds = [f">= {low:g}"] * (at_least is not None) + [f"<= {high:g}"] * (at_most is not None)
     if bounds:
         rows[0] += ["difference (mean (s.e.); 95% t interval)", f"difference {' and '.join(bounds)} (95% interval)"]
+        side = "the larger one-sided" if len(bounds) == 2 else "one-sided"
+        rows[0] += [f"exact sign-flip p ({side}: difference {' and '.join(bounds)})"]
     if count_above is not None:
         rows[0] += [f"seeds with difference >= {count_above:g} (95% Clopper-Pearson interval of the share)"]
     rows.append(["---"] * len(rows[0]))
@@ -622,10 +661,12 @@ def paired_table(
             if bounds:
                 row += ["; ".join(interval_text(*interval(diffs))) if diffs else "–"]
                 row.append(f"**{claim_verdict(mean, std, n, low, at_most=high)}**")
+                p = sign_flip_p(diffs, low, high)
+                row.append("–" if p is None else f"{p:.4f}")
             if count_above is not None:
                 k = sum(d >= count_above for d in diffs)
-                low, high = clopper_pearson(k, len(diffs)) if diffs else (0.0, 1.0)
-                row.append(f"{k} of {len(diffs)} ({low:.3f} to {high:.3f})")
+                share_low, share_high = clopper_pearson(k, len(diffs)) if diffs else (0.0, 1.0)
+                row.append(f"{k} of {len(diffs)} ({share_low:.3f} to {share_high:.3f})")
             rows.append(row)
     return "\n".join("| " + " | ".join(row) + " |" for row in rows) + "\n"
 
@@ -634,12 +675,13 @@ def change_table(experiments, metrics, window, digits=3, at_least=None):
     """A markdown table of each experiment's within-run change per metric: for each seed, the mean of the last
     `window` logged values minus the mean of the first `window` (a per-step metric of a few samples is noisy), their
     mean ± std over seeds (ddof=1), and with at_least the claim "change >= at_least" checked on the 95% t interval of
-    the mean (claim_verdict): does the metric rise from the start of training to its end? A run with fewer than
-    2 x window values is left out."""
+    the mean (claim_verdict), with its exact one-sided sign-flip p (sign_flip_p): does the metric rise from the start
+    of training to its end? A run with fewer than 2 x window values is left out."""
     header = ["experiment", "metric", f"first {window} steps per seed", f"last {window} steps per seed"]
     header += ["change per seed", "change (mean ± std)"]
     if at_least is not None:
         header += ["change (mean (s.e.); 95% t interval)", f"change >= {at_least:g} (95% interval)"]
+        header += [f"exact sign-flip p (one-sided: change >= {at_least:g})"]
     rows = [header, ["---"] * len(header)]
     for label, runs in experiments:
         for metric in metrics:
@@ -654,6 +696,8 @@ def change_table(experiments, metrics, window, digits=3, at_least=None):
                 mean, std, n = mean_std(changes)
                 row += ["; ".join(interval_text(*interval(changes))) if changes else "–"]
                 row.append(f"**{claim_verdict(mean, std, n, at_least)}**")
+                p = sign_flip_p(changes, at_least)
+                row.append("–" if p is None else f"{p:.4f}")
             rows.append(row)
     return "\n".join("| " + " | ".join(row) + " |" for row in rows) + "\n"
 

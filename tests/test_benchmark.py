@@ -346,12 +346,21 @@ def test_registry_paired_table_against_differences_worked_out_here(synthetic_run
     registry.main(["paired", "--experiments", *specs, "--baseline", "A", "--metrics", "eval/accuracy"]
                   + ["--at_least", "-0.02", "--out", out])  # fmt: skip
     rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in open(out).read().strip().splitlines()]
-    assert rows[0][-2:] == ["difference (mean (s.e.); 95% t interval)", "difference >= -0.02 (95% interval)"]
+    assert rows[0][-3:] == [
+        "difference (mean (s.e.); 95% t interval)",
+        "difference >= -0.02 (95% interval)",
+        "exact sign-flip p (one-sided: difference >= -0.02)",
+    ]
     se, half = std / 2**0.5, 12.706 * std / 2**0.5  # t(0.975) at 1 df
     span = f"95% interval {mean - half:+.3f} to {mean + half:+.3f}"
-    assert rows[2][-2:] == [f"{mean:+.3f} (s.e. {se:.3f}); {span}", "**inconclusive**"]
+    # Beside the verdict, the sign-flip p: of the 4 assignments of signs to +0.12 and -0.03 (the differences + 0.02),
+    # the sums +0.09 (observed), +0.15, -0.15 and -0.09: 2 of 4 at least the observed one.
+    assert rows[2][-3:] == [f"{mean:+.3f} (s.e. {se:.3f}); {span}", "**inconclusive**", "0.5000"]
     table = registry.paired_table(registry.load_experiments(specs), ["eval/accuracy"], "A", at_least=-1, at_most=0)
-    assert table.splitlines()[0].endswith("| difference >= -1 and <= 0 (95% interval) |")
+    assert table.splitlines()[0].endswith(
+        "| difference >= -1 and <= 0 (95% interval) | exact sign-flip p (the larger one-sided: difference >= -1 and "
+        "<= 0) |"
+    )
 
 
 def test_registry_claim_verdicts_worked_out_here():
@@ -381,6 +390,40 @@ def test_registry_claim_verdicts_worked_out_here():
         assert registry.claim_verdict(mean, std, n, -math.inf, at_most=at_most) == verdict, (diffs, at_most)
     assert registry.claim_verdict(*registry.mean_std([0.01, 0.02, 0.03]), -0.02, at_most=0.025) == "inconclusive"
     assert registry.t_975(2) == 4.303 and registry.t_975(1) == 12.706 and registry.t_975(100) == registry.t_975(30)
+
+
+def sign_flip_reference(diffs, bound, above=True):
+    """The one-sided exact sign-flip p written plainly: every assignment of signs to the values minus the bound (or the
+    bound minus the values, for "<= bound"), one at a time, counting those whose sum is at least the observed one."""
+    values = [(d - bound) if above else (bound - d) for d in diffs]
+    observed = sum(values)
+    signs = list(itertools.product((1, -1), repeat=len(values)))
+    at_least = sum(1 for s in signs if sum(x * v for x, v in zip(s, values)) >= observed - 1e-9)
+    return at_least / len(signs)
+
+
+def test_sign_flip_p_against_every_assignment_written_out():
+    """registry.sign_flip_p against a loop over itertools.product of signs, and the known values: n values all on the
+    claim's side give 1 / 2^n, the smallest there is (1/16 at n = 4, 1/256 at 8); ties count as at least as extreme."""
+    rng = random.Random(3)
+    for _ in range(200):
+        n = rng.randint(1, 9)
+        diffs = [round(rng.uniform(-0.2, 0.2), rng.choice((2, 3))) for _ in range(n)]
+        bound = rng.choice((0.0, -0.02, 0.02))
+        assert registry.sign_flip_p(diffs, bound) == pytest.approx(sign_flip_reference(diffs, bound)), diffs
+        assert registry.sign_flip_p(diffs, high=bound) == pytest.approx(sign_flip_reference(diffs, bound, False))
+        within = max(sign_flip_reference(diffs, -0.05), sign_flip_reference(diffs, 0.05, False))
+        assert registry.sign_flip_p(diffs, -0.05, 0.05) == pytest.approx(within)
+    assert registry.sign_flip_p([0.01, 0.03, 0.02, 0.05], 0.0) == 1 / 16
+    assert registry.sign_flip_p([0.1 * k for k in range(1, 9)], 0.0) == 1 / 256
+    assert registry.sign_flip_p([-35.4, -18.2, -20.8], high=0.0) == 1 / 8  # async's wall-clock: 3 seeds, 1/8 at best
+    assert registry.sign_flip_p([1.0, -1.0], 0.0) == 3 / 4  # sums 0 (observed), 0, +2, -2: the tie counts
+    assert registry.sign_flip_p([0.1, 0.2, -0.3], 0.0) == 5 / 8  # observed 5.6e-17: -5.6e-17 is a tie, counted
+    assert registry.sign_flip_p([0.04, 0.06, 0.08], 0.05) == sign_flip_reference([0.04, 0.06, 0.08], 0.05) == 3 / 8
+    assert registry.sign_flip_p([]) is None and registry.sign_flip_p([0.1]) is None  # no bound: no claim
+    assert registry.sign_flip_p([0.1] * (registry.SIGN_FLIP_MAX + 1), 0.0) is None  # too many to enumerate
+    assert registry.sign_flip_p([None, 0.1, 0.2], 0.0) == 1 / 4
+    assert registry.sign_flip_text([0.1, 0.2], 0.0) == "exact sign-flip p 0.2500 (one-sided, difference >= 0)"
 
 
 def test_registry_list(synthetic_runs, capsys):
@@ -1218,8 +1261,19 @@ def test_prm_checks_verdicts_worked_out_here(tmp_path):
     assert "| raw | 1 | 0.300 | 2.000 | 20.000 | 3.500 |" in text
     se = np.std([0.05, -0.05, 0.0], ddof=1) / np.sqrt(3)
     assert f"accuracy difference +0.000 (s.e. {se:.3f})" in text
-    assert "steps x2.00 / x2.10 / x2.20: x2.10 (s.e. 0.06), 95% interval x1.85 to x2.35 (held)" in text
-    assert "clip_delta +0.060 (s.e. 0.006) (95% interval +0.035 to +0.085; one-sided p 0.005, above by Holm)" in text
+    assert (
+        "steps x2.00 / x2.10 / x2.20: x2.10 (s.e. 0.06), 95% interval x1.85 to x2.35 (held; exact sign-flip p 0.1250"
+        " (one-sided, ratio >= 1.5))" in text
+    )
+    assert (
+        "clip_delta +0.060 (s.e. 0.006) (95% interval +0.035 to +0.085; one-sided p 0.005, above by Holm; exact "
+        "sign-flip p 0.1250 (one-sided, difference >= 0))" in text
+    )
+    # (b) clip's accuracy, +0.005 / -0.005 / 0 within ±0.02: each side's values (0.025 / 0.015 / 0.02 above -0.02,
+    # 0.015 / 0.025 / 0.02 below 0.02) all positive, 1/8 each, the larger 1/8.
+    assert "exact sign-flip p 0.1250 (the larger of the two one-sided, difference >= -0.02 and <= 0.02)" in text
+    # (d) steps against raw: ratios below 1 on every seed.
+    assert "exact sign-flip p 0.1250 (one-sided, ratio <= 1))" in text
 
     values = {
         label: {s: {"eval/accuracy": a, "eval/num_steps": n} for s, (a, n) in seeds.items()}
@@ -1441,9 +1495,12 @@ def test_one_verdict_rule_for_every_claim_check():
     experiments += [(f"arm{i}", runs([0.5 + d for d in diffs])) for i, (diffs, _) in enumerate(cases)]
     table = registry.paired_table(experiments, ["eval/accuracy"], "base", at_least=0.0)
     rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in table.strip().splitlines()[2:]]
-    assert [row[-1] for row in rows] == [f"**{verdict}**" for _, verdict in cases]
+    assert [row[-2] for row in rows] == [f"**{verdict}**" for _, verdict in cases]
     se = np.std(weak, ddof=1) / np.sqrt(3)
-    assert rows[0][-2] == f"+0.063 (s.e. {se:.3f}); 95% interval {np.mean(weak) - 4.303 * se:+.3f} to +0.151"
+    assert rows[0][-3] == f"+0.063 (s.e. {se:.3f}); 95% interval {np.mean(weak) - 4.303 * se:+.3f} to +0.151"
+    # The exact sign-flip p beside each: held on 3 seeds by t, yet 1/8 at best without normality (all three above 0);
+    # the negatives' 8/8.
+    assert [row[-1] for row in rows] == ["0.1250", "1.0000", "0.1250", "1.0000"]
 
     # offpolicy: another objective's drop from N = 1 to 16 minus the subject's, seed by seed.
     for diffs, verdict in cases:
@@ -1459,6 +1516,8 @@ def test_one_verdict_rule_for_every_claim_check():
         }
         claim, got, numbers = offpolicy.check(values, "dpo")
         assert got == verdict, (diffs, numbers)
+        flip = "0.1250" if diffs[0] > 0 else "1.0000"
+        assert numbers.endswith(f"; exact sign-flip p {flip} (one-sided, rloo - dpo >= 0)"), numbers
     assert "95% interval" in numbers
 
     # prm_checks (c): an arm above success only.
@@ -1585,7 +1644,8 @@ def test_registry_change_is_each_runs_last_steps_minus_its_first_worked_out_here
     assert row[4] == " / ".join(f"{c:.3f}" for c in changes)
     assert row[5] == f"{statistics.mean(changes):.3f} ± {statistics.stdev(changes):.3f}"
     half = 4.303 * statistics.stdev(changes) / 3**0.5
-    assert statistics.mean(changes) - half > 0 and row[-1] == "**held** |"
+    assert statistics.mean(changes) - half > 0 and row[-2] == "**held**"
+    assert row[-1] == "0.1250 |"  # every change above 0: 1 of the 2^3 sign assignments
 
 
 def test_registry_paired_peak_and_fall_worked_out_here(tmp_path):
@@ -1638,7 +1698,8 @@ def test_registry_paired_fixed_baseline_pairs_one_run_with_every_seed(tmp_path):
         " / ".join(f"{d:.3f}" for d in diffs),
         f"{mean:.3f} ± {std:.3f}",
     ]
-    assert cells[7] == f"{mean / (std / 3**0.5):.2f} (2)" and cells[-1] == "**inconclusive**"  # t 1.6 < 4.30
+    assert cells[7] == f"{mean / (std / 3**0.5):.2f} (2)" and cells[-2] == "**inconclusive**"  # t 1.6 < 4.30
+    assert cells[-1] == "0.2500"  # +0.90 / -0.08 / +0.40: sums >= +1.22 by (+ + +) and (+ - +), 2 of 8
     plain = registry.paired_table(experiments, ["eval/accuracy"], "step0").splitlines()[2]
     assert plain.split(" | ")[2] == "1"  # without the flag only seed 1 has a baseline
     with pytest.raises(ValueError, match="needs one step0 run"):
@@ -2090,8 +2151,10 @@ def test_power_table_from_runs(tmp_path):
     rows = {row[0]: row for row in ([c.strip() for c in line.strip("|").split("|")] for line in open(out)) if row}
     diffs = [finals["raw"][s] - finals["none"][s] for s in (1, 2, 3)]
     assert rows["raw"][3] == f"{statistics.mean(diffs):+.3f} ± {statistics.stdev(diffs):.3f}"
-    assert rows["raw"][6] == str(power.seeds_needed(statistics.mean(diffs), statistics.stdev(diffs), -math.inf, 0))
-    assert rows["one"][6] == "– (no spread yet)"  # one seed: no std to plan with
+    assert rows["raw"][7] == str(power.seeds_needed(statistics.mean(diffs), statistics.stdev(diffs), -math.inf, 0))
+    assert rows["one"][7] == "– (no spread yet)"  # one seed: no std to plan with
+    # Beside the verdict, the exact sign-flip p of "<= 0": -0.15, -0.08, 0 (the zero's two signs tie): 2 of 8.
+    assert rows["arm"][6] == "exact sign-flip p now (one-sided)" and rows["raw"][6] == "0.2500"
 
 
 def test_power_holm_plan_is_not_simulated_when_an_arm_cannot_be_rejected():

@@ -53,6 +53,28 @@ def test_plus_minus_and_the_verdicts_are_defined_once():
     assert all(f"**{word}** when" in text for word in ("held", "not held")) and "**inconclusive** otherwise" in text
 
 
+def test_every_committed_t_verdict_has_its_exact_sign_flip_p():
+    """Each claim check on paired seeds (registry paired / change with a bound, prm_checks, offpolicy's claim, power's
+    verdict now) prints the exact sign-flip p beside its t verdict, and README says what it is and that 1/16 is its
+    smallest value at n = 4."""
+    text = " ".join(read("README.md").split())
+    assert "exact paired sign-flip p" in text and "1/16 at n = 4 paired seeds" in text
+    checked = []
+    for _, argv, files, why in tables.classify():
+        bounded = any(flag in argv for flag in ("--at_least", "--at_most"))
+        claim = argv[:2] in (["-m", "benchmark.prm_checks"], ["-m", "benchmark.power"]) or (
+            argv[:2] == ["-m", "benchmark.offpolicy"] and "--baseline" not in argv
+        )
+        if why is None and (bounded or claim):
+            for path in [f for f in files if f.endswith(".md")]:
+                table = read(path)
+                if "held**" in table or "inconclusive" in table:
+                    assert "sign-flip p" in table, path
+                    checked.append(path)
+    assert "benchmark/results/async_vs_sync_faster.md" in checked and "benchmark/results/offpolicy66.md" in checked
+    assert "benchmark/results/ppo_prm_clip_v65_checks.md" in checked and len(checked) > 20
+
+
 @pytest.mark.slow
 def test_make_tables_remakes_the_committed_tables_from_the_committed_runs(capsys):
     tables.main([])
