@@ -38,16 +38,22 @@ The checks, each held / not held / inconclusive by the rule of benchmark/registr
 interval (held when it lies wholly on the claim's side of the bound, not held when wholly on the other side, else, or
 with no spread, inconclusive):
 (1) a rule's curve turns down: its accuracy at its peak n minus at n = N, > 0, per prompt with the peak chosen on the
-    other half of the prompts (two-fold cross-fitting over a seeded split; a peak chosen on the prompts it is
-    measured on makes the drop >= 0 by construction), the bootstrap resampling the prompts with the two peaks fixed;
-    not held when both halves peak at n = N (or the curve is back at its maximum there: it saturates). Asked of each
-    member, held only under Holm's procedure over the members (one-sided bootstrap p-values, 0.025), and "some member
-    turns down" by Holm over them.
+    other half of the prompts (two-fold cross-fitting; a peak chosen on the prompts it is measured on makes the drop
+    >= 0 by construction), averaged over --splits seeded random splits into halves (one split is one draw from a
+    spread of estimates: a verdict can flip with it); not held when every half of every split peaks at n = N (or the
+    curve is back at its maximum there: it saturates). Asked of each member, held only under Holm's procedure over the
+    members (one-sided bootstrap p-values, 0.025), and "some member turns down" by Holm over them.
 (2) WCO / UWO flatten it: the members' average drop (each member's own drop, averaged per prompt) minus the rule's
     own, > 0, paired over prompts (the mean of the members beside them, in no family); "UWO (some lambda)" and "WCO
     (raw or standardised)" are disjunctions, held by Holm's procedure over the one-sided bootstrap p-values at 0.025
     (registry.holm), not held when every interval lies below 0. Each member's drop minus each rule's is shown
     beside it (intervals, no verdict).
+The interval of a cross-fitted statistic, (1) and (2): each prompt's drop is averaged over the splits first (on
+every split it is measured at a peak chosen without that prompt, so the average keeps that property), then the
+percentile bootstrap resamples the prompts' averaged values, every split's peaks held fixed: the prompts' sampling is
+in the interval, the peak choice's own variability is not (as with one split); averaging removes the one split's luck
+from the estimate. Each verdict is shown with the share of the splits on which that split alone would have held it
+(each split's drops bootstrapped with the same resamples): descriptive, not a test.
 (3) the members' disagreement predicts verifier errors: among each rule's picks at n = N, the error rate of the prompts
     whose pick has a members' score std (over K, the centred scores UWO penalises; and on standardised members) above
     the median, minus that of the rest, > 0.
@@ -528,7 +534,7 @@ def arrays(rows, names):
     return C, E, S
 
 
-def analysis(rows, names, uwo_coefs, num_resamples, seed):
+def analysis(rows, names, uwo_coefs, num_resamples, seed, num_splits=200):
     """Everything the table, the checks and the figure show, from per-prompt rows (load_responses). Returns a dict."""
     C, E, S = arrays(rows, names)
     P, K, N = S.shape
@@ -544,54 +550,42 @@ def analysis(rows, names, uwo_coefs, num_resamples, seed):
     out = dict(num_prompts=P, num_samples=N, members=names, rules=list(rules), eos_fraction=float(E.mean()))
     out["prompts_without_finished"] = int((~E.any(1)).sum())
     out["n"], out["kl"] = np.arange(1, N + 1), kl_best_of_n(np.arange(1, N + 1))
+    out["curves"] = curves  # [P, N] per rule: each prompt's expected accuracy by n
     out["accuracy"] = {name: c.mean(0) for name, c in curves.items()}
     out["interval"] = {name: percentile_interval(bootstrap_means(counts, c)) for name, c in curves.items()}
     out["members_average"] = np.mean([out["accuracy"][name] for name in names], 0)
-    # (1) the drop from the peak to n = N, per prompt, the peak chosen on the other half of the prompts (two-fold
-    # cross-fitting over a seeded split): a peak chosen on the prompts it is measured on makes the drop >= 0 by
-    # construction. The bootstrap resamples the prompts with the two peaks held fixed.
-    half = prompt_halves(P, seed)
-    drops = {}
-    out["peak_n"], out["drop"] = {}, {}
+    # (1) and (2) on the drop from the peak to n = N, per prompt, the peak chosen on the other half of the prompts
+    # (two-fold cross-fitting): a peak chosen on the prompts it is measured on makes the drop >= 0 by construction. One
+    # split is one draw: the estimate is each prompt's drop averaged over num_splits seeded splits (a prompt's drop is
+    # measured at a peak chosen without it on every split), bootstrapped over prompts with every split's peaks fixed.
+    halves = prompt_splits(P, seed, num_splits)
+    per_split, peaks = {}, {}  # [S, P] drops; [(half 1's peak n, half 2's)] * S
     for name in rules:
-        drops[name], peaks = cross_fitted_drops(curves[name], half)
-        out["peak_n"][name] = (peaks[0] + 1, peaks[1] + 1)
-    boot_drop = {name: bootstrap_means(counts, d) for name, d in drops.items()}
-    # Each member's "turns down" is one of K tries: held only where Holm's procedure over the members rejects.
-    member_holm = dict(zip(names, holm([p_above(boot_drop[name]) for name in names])))
-    for name in rules:
-        low, high = percentile_interval(boot_drop[name])
-        verdict = bootstrap_verdict(low, high)
-        if out["peak_n"][name] == (N, N):
-            verdict = "not held (peak at n = N)"
-        elif name in member_holm and verdict == "held" and not member_holm[name]:
-            verdict = "inconclusive (not under Holm)"
-        out["drop"][name] = (float(drops[name].mean()), float(low), float(high), verdict)
-    out["members_turn_down"] = family_verdict([boot_drop[name] for name in names])
-    # (2) the members' average drop (each member's own, per prompt, averaged) minus each conservative rule's, paired
-    # over prompts; and each member's drop minus each rule's (no verdict)
-    conservative = [name for name in rules if name.startswith(("mean", "wco", "uwo_"))]  # the mean: no family
-    average = np.mean([drops[name] for name in names], 0)
-    boot_average = bootstrap_means(counts, average)
-    out["average_drop"] = (float(average.mean()), *map(float, percentile_interval(boot_average)))
-    out["flatten"], out["flatten_family"], out["flatten_each"] = {}, {}, {}
-    boot_flat = {name: boot_average - boot_drop[name] for name in conservative}
-    for name in conservative:
-        low, high = percentile_interval(boot_flat[name])
-        diff = float((average - drops[name]).mean())
-        out["flatten"][name] = (diff, float(low), float(high), bootstrap_verdict(low, high), p_above(boot_flat[name]))
-        out["flatten_each"][name] = {
-            member: (
-                float((drops[member] - drops[name]).mean()),
-                *map(float, percentile_interval(boot_drop[member] - boot_drop[name])),
-            )
-            for member in names
-        }
-    for family, members in (("WCO (raw or standardised)", ["wco", "wco_std"]), ("UWO (some lambda)", None)):
-        members = members or [name for name in conservative if name.startswith("uwo_")]
-        members = [name for name in members if name in boot_flat]
-        if members:
-            out["flatten_family"][family] = family_verdict([boot_flat[name] for name in members])
+        per_split[name], peaks[name] = split_drops(curves[name], halves)
+    averaged = {name: d.mean(0) for name, d in per_split.items()}
+    out |= cross_fitted_checks(averaged, [peak for peak in zip(*peaks.values())], counts, names, N)
+    out["peak_n"] = {name: tuple(n for pair in p for n in pair) for name, p in peaks.items()}
+    # What would decide each flattening: the prompts its interval needs for 80% power at the per-prompt values seen
+    # here, alone and, for a family's arm of smallest p, at Holm's first step (0.025 / the family's size).
+    average = np.mean([averaged[name] for name in names], 0)
+    flat = {name: average - averaged[name] for name in out["flatten"]}
+    out["flatten_prompts"] = {name: prompts_needed(values) for name, values in flat.items()}
+    out["family_prompts"] = {}
+    for family, members in families(list(out["flatten"])).items():
+        best = min(members, key=lambda name: out["flatten"][name][4])
+        out["family_prompts"][family] = (best, prompts_needed(flat[best], 0.025 / len(members)))
+    # What one split alone would have said, split by split (descriptive: the share of splits with each verdict held).
+    singles = [
+        cross_fitted_checks({name: d[s] for name, d in per_split.items()}, [[p[s] for p in peaks.values()]], counts,
+                            names, N)
+        for s in range(num_splits)
+    ]  # fmt: skip
+    out["split_held"] = dict(
+        drop={name: share(c["drop"][name][3] == "held" for c in singles) for name in rules},
+        members_turn_down=share(c["members_turn_down"] == "held" for c in singles),
+        flatten={name: share(c["flatten"][name][3] == "held" for c in singles) for name in out["flatten"]},
+        flatten_family={f: share(c["flatten_family"][f] == "held" for c in singles) for f in out["flatten_family"]},
+    )
     # (3) the n = N pick's error rate above against at or below the median disagreement
     out["disagreement"] = {}
     for name in rules:
@@ -607,8 +601,74 @@ def analysis(rows, names, uwo_coefs, num_resamples, seed):
             rates = (float((err * top).sum() / max(top.sum(), 1)), float((err * bottom).sum() / max(bottom.sum(), 1)))
             results.append((*rates, rates[0] - rates[1], float(low), float(high), bootstrap_verdict(low, high)))
         out["disagreement"][name] = results
-    out["bootstrap"], out["seed"] = num_resamples, seed
+    out["bootstrap"], out["seed"], out["splits"] = num_resamples, seed, num_splits
     return out
+
+
+def share(flags):
+    flags = list(flags)
+    return sum(flags) / len(flags)
+
+
+def cross_fitted_checks(drops, split_peaks, counts, names, N):
+    """Checks (1) and (2) from per-prompt drops {rule: [P]} (one split's, or averaged over splits) and the peaks they
+    were measured at (split_peaks: per split, per rule in drops' order, (half 1's peak n, half 2's)), the bootstrap
+    resamples counts [B, P] shared by every statistic. Returns {drop, members_turn_down, average_drop, flatten,
+    flatten_each, flatten_family}."""
+    rules = list(drops)
+    out = dict(drop={}, flatten={}, flatten_family={}, flatten_each={})
+    boot_drop = {name: bootstrap_means(counts, d) for name, d in drops.items()}
+    # Each member's "turns down" is one of K tries: held only where Holm's procedure over the members rejects.
+    member_holm = dict(zip(names, holm([p_above(boot_drop[name]) for name in names])))
+    for i, name in enumerate(rules):
+        low, high = percentile_interval(boot_drop[name])
+        verdict = bootstrap_verdict(low, high)
+        if all(split[i] == (N, N) for split in split_peaks):
+            verdict = "not held (peak at n = N)"
+        elif name in member_holm and verdict == "held" and not member_holm[name]:
+            verdict = "inconclusive (not under Holm)"
+        out["drop"][name] = (float(drops[name].mean()), float(low), float(high), verdict)
+    out["members_turn_down"] = family_verdict([boot_drop[name] for name in names])
+    # (2) the members' average drop (each member's own, per prompt, averaged) minus each conservative rule's, paired
+    # over prompts; and each member's drop minus each rule's (no verdict)
+    conservative = [name for name in rules if name.startswith(("mean", "wco", "uwo_"))]  # the mean: no family
+    average = np.mean([drops[name] for name in names], 0)
+    boot_average = bootstrap_means(counts, average)
+    out["average_drop"] = (float(average.mean()), *map(float, percentile_interval(boot_average)))
+    boot_flat = {name: boot_average - boot_drop[name] for name in conservative}
+    for name in conservative:
+        low, high = percentile_interval(boot_flat[name])
+        diff = float((average - drops[name]).mean())
+        out["flatten"][name] = (diff, float(low), float(high), bootstrap_verdict(low, high), p_above(boot_flat[name]))
+        out["flatten_each"][name] = {
+            member: (
+                float((drops[member] - drops[name]).mean()),
+                *map(float, percentile_interval(boot_drop[member] - boot_drop[name])),
+            )
+            for member in names
+        }
+    for family, members in families(conservative).items():
+        out["flatten_family"][family] = family_verdict([boot_flat[name] for name in members])
+    return out
+
+
+def families(conservative):
+    """{family: its rules} of the disjunctions "WCO (raw or standardised)" and "UWO (some lambda)" among the
+    conservative rules there are."""
+    found = {
+        "WCO (raw or standardised)": [name for name in ("wco", "wco_std") if name in conservative],
+        "UWO (some lambda)": [name for name in conservative if name.startswith("uwo_")],
+    }
+    return {family: members for family, members in found.items() if members}
+
+
+def prompts_needed(values, alpha=0.025):
+    """The prompts at which the rule's interval decides "mean > 0" with 80% power, at these per-prompt values' mean and
+    std as if they were the truth (benchmark.power.seeds_needed: normal theory, one-sided level alpha); None beyond
+    10,000."""
+    from benchmark import power
+
+    return power.seeds_needed(float(np.mean(values)), float(np.std(values, ddof=1)), 0.0, math.inf, alpha=alpha)
 
 
 def cross_fitted_drops(curve, half):
@@ -620,11 +680,26 @@ def cross_fitted_drops(curve, half):
     return at_peak - curve[:, -1], peaks
 
 
+def split_drops(curve, halves):
+    """curve [P, N], halves [S, P]: each prompt's cross-fitted drop (cross_fitted_drops) on each split, [S, P], and
+    each split's (half 1's peak n, half 2's peak n), counted from 1."""
+    fitted = [cross_fitted_drops(curve, half) for half in halves]
+    return np.stack([d for d, _ in fitted]), [tuple(int(i) + 1 for i in peak) for _, peak in fitted]
+
+
 def prompt_halves(num_prompts, seed):
     """[P] 0 or 1: a seeded random split of the prompts into two halves (sizes differing by at most one)."""
-    half = np.zeros(num_prompts, int)
-    half[np.random.default_rng([seed, 2]).permutation(num_prompts)[num_prompts // 2 :]] = 1
-    return half
+    return prompt_splits(num_prompts, seed, 1)[0]
+
+
+def prompt_splits(num_prompts, seed, num_splits):
+    """[S, P] 0 or 1: num_splits seeded random splits of the prompts into two halves (sizes differing by at most one),
+    drawn one after another from one generator, so that the first is prompt_halves(num_prompts, seed)."""
+    rng = np.random.default_rng([seed, 2])
+    halves = np.zeros((num_splits, num_prompts), int)
+    for split in halves:
+        split[rng.permutation(num_prompts)[num_prompts // 2 :]] = 1
+    return halves
 
 
 def peak_index(accuracy):
@@ -639,13 +714,17 @@ def shown_ns(N):
     return ns + [N]
 
 
+def count(n):
+    return "> 10,000" if n is None else f"{n:,}"
+
+
 def signed_interval(mean, low, high):
     return f"{mean:+.3f} [{low:+.3f}, {high:+.3f}]"
 
 
 def markdown(result, meta_line=""):
     """The tables and the checks of analysis()."""
-    N, members = result["num_samples"], result["members"]
+    N, members, splits = result["num_samples"], result["members"], result["splits"]
     ns = shown_ns(N)
     lines = [
         f"Best-of-n on {result['num_prompts']} held-out prompts x {N} samples, {len(result['members'])} members "
@@ -654,21 +733,30 @@ def markdown(result, meta_line=""):
         f"{result['seed']}. Responses with EOS: {result['eos_fraction']:.3f}; prompts with no finished response: "
         f"{result['prompts_without_finished']}. A response without EOS is never picked over a finished one.",
         "",
-        "| rule | " + " | ".join(f"n={n} (KL {kl_best_of_n(n):.2f})" for n in ns) + " | peak n (half 1 / half 2) | "
-        "drop, other half's peak → N | turns down? |",
-        "| --- | " + " | ".join("---" for _ in ns) + " | --- | --- | --- |",
+        "| rule | " + " | ".join(f"n={n} (KL {kl_best_of_n(n):.2f})" for n in ns) + " | peak n, median (min-max)"
+        " over the halves | drop, other half's peak → N | turns down? | held on single splits |",
+        "| --- | " + " | ".join("---" for _ in ns) + " | --- | --- | --- | --- |",
     ]
+    held = result["split_held"]
     for name in result["rules"]:
         acc = result["accuracy"][name]
         mean, low, high, verdict = result["drop"][name]
         cells = " | ".join(f"{acc[n - 1]:.3f}" for n in ns)
-        peaks = " / ".join(map(str, result["peak_n"][name]))
-        lines.append(f"| {rule_label(name)} | {cells} | {peaks} | {signed_interval(mean, low, high)} | {verdict} |")
+        peak_n = result["peak_n"][name]
+        peaks = f"{np.median(peak_n):g} ({min(peak_n)}-{max(peak_n)})"
+        lines.append(
+            f"| {rule_label(name)} | {cells} | {peaks} | {signed_interval(mean, low, high)} | {verdict} | "
+            f"{held['drop'][name]:.0%} |"
+        )
     lines += [
         "",
-        "Each drop is measured at the peak chosen on the other half of the prompts (a seeded split), per prompt; a "
-        "member's \"turns down\" is held only under Holm's procedure over the members (0.025 a side).",
-        f"- Some member turns down (Holm over the {len(members)} members): **{result['members_turn_down']}**",
+        f"Each prompt's drop is measured at the peak chosen on the other half of the prompts, and averaged over "
+        f"{splits} seeded random splits into halves (the registered estimate; its interval bootstraps the prompts' "
+        'split-averaged drops, every split\'s peaks held fixed); "held on single splits": the share of the splits '
+        'on which that split alone would have held it (descriptive, not a test). A member\'s "turns down" is held '
+        "only under Holm's procedure over the members (0.025 a side).",
+        f"- Some member turns down (Holm over the {len(members)} members): **{result['members_turn_down']}** (held on "
+        f"{held['members_turn_down']:.0%} of single splits)",
     ]
     if result["flatten"]:
         lines += [
@@ -677,20 +765,41 @@ def markdown(result, meta_line=""):
             f"{signed_interval(*result['average_drop'])}) minus the rule's own, paired over prompts (claim: > 0); "
             "then each member's drop minus the rule's (no verdict).",
             "",
-            "| rule | drop → N | average member's drop − rule's | one-sided p | verdict | "
+            "| rule | drop → N | average member's drop − rule's | one-sided p | verdict | held on single splits | "
+            "prompts to decide it (80% power, alone) | "
             + " | ".join(f"{member}'s − rule's" for member in members)
             + " |",
-            "| --- | --- | --- | --- | --- | " + " | ".join("---" for _ in members) + " |",
+            "| --- | --- | --- | --- | --- | --- | --- | " + " | ".join("---" for _ in members) + " |",
         ]
         for name, (diff, low, high, verdict, p) in result["flatten"].items():
             each = " | ".join(signed_interval(*result["flatten_each"][name][member]) for member in members)
             lines.append(
                 f"| {rule_label(name)} | {result['drop'][name][0]:+.3f} | {signed_interval(diff, low, high)} | "
-                f"{p:.4f} | {verdict} | {each} |"
+                f"{p:.4f} | {verdict} | {held['flatten'][name]:.0%} | "
+                f"{count(result['flatten_prompts'][name]) if verdict == 'inconclusive' else '– (decided)'} | "
+                f"{each} |"
             )
-        lines += [""] + [
-            f"- {family} flattens them (Holm over the family at 0.025): **{verdict}**"
-            for family, verdict in result["flatten_family"].items()
+        lines += [""]
+        for family, verdict in result["flatten_family"].items():
+            best, prompts = result["family_prompts"][family]
+            size = len(families(list(result["flatten"]))[family])
+            needs = (
+                ""
+                if verdict != "inconclusive"
+                else f"; its arm of smallest p, {rule_label(best)}, needs {count(prompts)} prompts for 80% power at "
+                f"Holm's first step (0.025 / {size})"
+                if result["flatten"][best][0] > 0
+                else "; no arm's difference is above 0"
+            )
+            lines.append(
+                f"- {family} flattens them (Holm over the family at 0.025): **{verdict}** (held on "
+                f"{held['flatten_family'][family]:.0%} of single splits{needs})"
+            )
+        lines += [
+            "",
+            "Prompts to decide: where the rule's interval decides the claim with 80% power, at the per-prompt "
+            f"(split-averaged) differences' mean and std seen on these {result['num_prompts']} as if they were the "
+            "truth (benchmark.power.seeds_needed, normal theory).",
         ]
     lines += [
         "",
@@ -760,7 +869,7 @@ def analyse(args):
             print(f"warning: {left_out} prompt(s) lack samples or scores and are left out", file=sys.stderr)
     if not rows:
         sys.exit("error: no prompt has all its samples scored by every member")
-    result = analysis(rows, names, args.uwo_coef, args.bootstrap, args.seed)
+    result = analysis(rows, names, args.uwo_coef, args.bootstrap, args.seed, args.splits)
     note = f"; {left_out} prompt(s) left out (not yet sampled or scored)" if left_out else ""
     write_text(markdown(result, note), args.out + ".md")
     print(f"wrote {plot(result, args.out + '.png')}", file=sys.stderr)
@@ -797,6 +906,12 @@ def build_parser():
     group = parser.add_argument_group("analyse")
     group.add_argument("--uwo_coef", type=float, nargs="+", default=[0.25, 0.5, 1.0, 2.0, 4.0], help="UWO lambdas")
     group.add_argument("--bootstrap", type=int, default=2000, help="resamples of the prompts")
+    group.add_argument(
+        "--splits",
+        type=int,
+        default=200,
+        help="random halvings of the prompts the cross-fitted drops are averaged over",
+    )
     group.add_argument("--out", default="benchmark/results/best_of_n", help="writes OUT.md, OUT.png, OUT.jsonl")
     group.add_argument("--from_responses", default=None, help="analyse an OUT.jsonl (committed) instead of --out_dir")
     return parser
@@ -804,7 +919,7 @@ def build_parser():
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    for name in ("num_samples", "prompts_per_chunk", "batch_size", "chunk_size", "bootstrap"):
+    for name in ("num_samples", "prompts_per_chunk", "batch_size", "chunk_size", "bootstrap", "splits"):
         if getattr(args, name) < 1:
             sys.exit(f"error: --{name} must be at least 1, got {getattr(args, name)}")
     if args.num_prompts is not None and args.num_prompts < 1:

@@ -54,10 +54,12 @@ def t_quantile(q, df):
     return (low + high) / 2
 
 
-def mde(std, n, power=0.8):
+def mde(std, n, power=0.8, alpha=0.025):
     """The distance from the bound at which a two-sided 95% interval on n paired differences of this std decides the
-    claim with this power (normal theory, the rule's t(0.975) as registry.t_975 gives it)."""
-    return (t_975(n - 1) + t_quantile(power, n - 1)) * std / math.sqrt(n)
+    claim with this power (normal theory, the rule's t(0.975) as registry.t_975 gives it). alpha: the one-sided level
+    of the interval's end, 0.025 for the rule; another (Holm's first step over k arms, 0.025 / k) by t_quantile."""
+    critical = t_975(n - 1) if alpha == 0.025 else t_quantile(1 - alpha, n - 1)
+    return (critical + t_quantile(power, n - 1)) * std / math.sqrt(n)
 
 
 def gap_to_bound(mean, low, high):
@@ -65,11 +67,12 @@ def gap_to_bound(mean, low, high):
     return min(abs(mean - bound) for bound in (low, high) if math.isfinite(bound))
 
 
-def seeds_needed(mean, std, low, high, power=0.8, n_max=10000):
-    """The smallest n >= 3 with mde(std, n, power) <= the mean's distance to its nearest bound; None beyond n_max."""
+def seeds_needed(mean, std, low, high, power=0.8, n_max=10000, alpha=0.025):
+    """The smallest n >= 3 with mde(std, n, power, alpha) <= the mean's distance to its nearest bound; None beyond
+    n_max."""
     gap = gap_to_bound(mean, low, high)
     n = 3
-    while mde(std, n, power) > gap:
+    while mde(std, n, power, alpha) > gap:
         if n >= n_max:
             return None
         n = n + 1 if n < 100 else int(n * 1.05) + 1

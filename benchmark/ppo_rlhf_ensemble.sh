@@ -30,7 +30,7 @@ if [[ ${1:-} == noisy66 ]]; then
     python -m benchmark.best_of_n sample --out_dir runs/best_of_n_noisy --num_samples 64 --temperature 1 --num_prompts 128
     python -m benchmark.best_of_n score --out_dir runs/best_of_n_noisy --ensemble runs/reward_ensemble_noisy
     python -m benchmark.best_of_n analyse --out_dir runs/best_of_n_noisy --uwo_coef 0.25 0.5 1 2 4 --bootstrap 2000 \
-        --out benchmark/results/best_of_n_noisy
+        --splits 200 --out benchmark/results/best_of_n_noisy
     exit 0
 fi
 
@@ -121,10 +121,12 @@ python -m benchmark.registry perf --experiments "one reward model=benchmark/resu
 #    once by every member of step 1's runs/reward_ensemble; then for n = 1..64 the verifier accuracy of what each rule
 #    picks (each member, the mean, WCO, WCO on standardised members, UWO at 5 lambdas) against the best-of-n KL, with
 #    prompt-bootstrap intervals, and the checks: does a member's curve turn down, do WCO / UWO flatten it, does the
-#    members' disagreement predict the verifier's errors among the picks (benchmark/best_of_n.py). Each stage resumes
+#    members' disagreement predict the verifier's errors among the picks (benchmark/best_of_n.py). The first two
+#    measure each drop at the peak the other half of the prompts chose, averaged over 200 seeded random halvings
+#    (--splits: one halving is one draw, and a verdict can flip with it; --splits 1 gives the one-split table). Each stage resumes
 #    where it stopped (rerun the line). OUT.jsonl (a line per prompt: verdicts, EOS, member scores) is committed with
 #    the table and figure: `analyse --from_responses benchmark/results/best_of_n.jsonl` remakes them.
 python -m benchmark.best_of_n sample --out_dir runs/best_of_n --num_samples 64 --temperature 1 --num_prompts 128
 python -m benchmark.best_of_n score --out_dir runs/best_of_n --ensemble runs/reward_ensemble
 python -m benchmark.best_of_n analyse --out_dir runs/best_of_n --uwo_coef 0.25 0.5 1 2 4 --bootstrap 2000 \
-    --out benchmark/results/best_of_n
+    --splits 200 --out benchmark/results/best_of_n

@@ -1872,6 +1872,58 @@ def test_best_of_n_drops_are_measured_at_the_other_halfs_peak():
     assert peaks == (1, 2) and drops.tolist() == pytest.approx([0.0, 0.2 - 0.9])
 
 
+def test_best_of_n_splits_are_seeded_halvings_the_first_the_one_split():
+    from benchmark import best_of_n as bon
+
+    for P in (9, 40):
+        halves = bon.prompt_splits(P, seed=3, num_splits=50)
+        assert halves.shape == (50, P) and (halves == bon.prompt_splits(P, seed=3, num_splits=50)).all()
+        assert (halves[0] == bon.prompt_halves(P, seed=3)).all()  # --splits 1 is the one-split analysis
+        assert all(sorted(np.bincount(row)) == [P // 2, P - P // 2] for row in halves)
+        assert len({tuple(row) for row in halves}) > 30  # different halvings (126 exist at P = 9), not one repeated
+    rng = np.random.default_rng(6)
+    curve, halves = rng.uniform(size=(12, 5)), bon.prompt_splits(12, seed=1, num_splits=7)
+    drops, peaks = bon.split_drops(curve, halves)
+    for s, half in enumerate(halves):
+        one, peak = bon.cross_fitted_drops(curve, half)
+        assert (drops[s] == one).all() and peaks[s] == (peak[0] + 1, peak[1] + 1)
+
+
+def test_best_of_n_cross_fitted_estimate_is_the_average_over_the_splits(tmp_path):
+    """The registered drop of each rule is each prompt's cross-fitted drop averaged over --splits halvings (worked out
+    here from the per-prompt curves, split by split); the flattening is the members' average of those minus the rule's.
+    With one split the analysis is the one-split one, and "held on single splits" is that split's own verdict."""
+    from benchmark import best_of_n as bon
+
+    write_best_of_n_files(str(tmp_path / "run"), P=30, N=8)
+    rows, names, _ = bon.load_responses(str(tmp_path / "run"))
+    result = bon.analysis(rows, names, [1.0], 200, seed=2, num_splits=25)
+    halves = bon.prompt_splits(30, seed=2, num_splits=25)
+    averaged = {}
+    for name, curve in result["curves"].items():
+        per_prompt = np.zeros(30)
+        for half in halves:
+            per_prompt += bon.cross_fitted_drops(curve, half)[0] / 25
+        averaged[name] = per_prompt
+        assert result["drop"][name][0] == pytest.approx(per_prompt.mean(), abs=1e-12), name
+        assert len(result["peak_n"][name]) == 50
+    members_average = np.mean([averaged[name] for name in names], 0)
+    for name in ("mean", "wco", "uwo_1"):
+        assert result["flatten"][name][0] == pytest.approx((members_average - averaged[name]).mean(), abs=1e-12)
+    assert result["splits"] == 25 and all(0 <= v <= 1 for v in result["split_held"]["flatten"].values())
+    one = bon.analysis(rows, names, [1.0], 200, seed=2, num_splits=1)
+    half = bon.prompt_halves(30, seed=2)
+    for name, curve in one["curves"].items():
+        drops, peaks = bon.cross_fitted_drops(curve, half)
+        assert one["drop"][name][0] == pytest.approx(drops.mean(), abs=1e-12)
+        assert one["peak_n"][name] == (peaks[0] + 1, peaks[1] + 1)
+        assert one["split_held"]["drop"][name] == (one["drop"][name][3] == "held")
+    for name, (*_, verdict, _) in one["flatten"].items():
+        assert one["split_held"]["flatten"][name] == (verdict == "held")
+    with pytest.raises(SystemExit, match="--splits must be at least 1"):
+        bon.main(["analyse", "--out_dir", str(tmp_path / "run"), "--splits", "0"])
+
+
 def write_best_of_n_files(folder, P=60, N=16, seed=0):
     """A synthetic sample file and score files: member_0 is over-optimised (a planted hack: one or two wrong responses
     of every odd prompt score 3 above the rest), member_1 and member_2 rank correct above wrong (noise 0.1); every
@@ -2087,6 +2139,24 @@ def test_power_t_quantile_against_printed_tables():
         assert power.t_quantile(0.2, df) == pytest.approx(-t, abs=5e-5)
     for df, t in T_975_PRINTED.items():
         assert power.t_quantile(0.975, df) == pytest.approx(t, abs=5e-5)
+
+
+def test_power_at_holms_first_step_and_the_prompts_best_of_n_needs():
+    """mde and seeds_needed at another one-sided level (Holm's first step over k arms, 0.025 / k): t(0.995, df) from
+    printed tables (3.169 at 10 df, 2.845 at 20); best_of_n's prompts to decide a flattening are seeds_needed on the
+    per-prompt values."""
+    from benchmark import best_of_n as bon
+    from benchmark import power
+
+    assert power.mde(0.3, 8) == power.mde(0.3, 8, alpha=0.025)
+    for df, t in ((10, 3.169), (20, 2.845)):
+        want = (t + power.t_quantile(0.8, df)) * 0.3 / math.sqrt(df + 1)
+        assert power.mde(0.3, df + 1, alpha=0.005) == pytest.approx(want, abs=2e-4)
+    alone, holm5 = power.seeds_needed(0.2, 0.3, 0, math.inf), power.seeds_needed(0.2, 0.3, 0, math.inf, alpha=0.005)
+    assert holm5 > alone and power.mde(0.3, holm5, alpha=0.005) <= 0.2 < power.mde(0.3, holm5 - 1, alpha=0.005)
+    values = np.random.default_rng(2).normal(0.05, 0.2, 128)
+    want = power.seeds_needed(values.mean(), values.std(ddof=1), 0, math.inf, alpha=0.005)
+    assert bon.prompts_needed(values, 0.005) == want and bon.prompts_needed(values) < want
 
 
 def test_power_seeds_needed_is_the_first_n_whose_mde_reaches_the_bound():
