@@ -594,11 +594,11 @@ def verifier_step_scores(steps, correct=1.0, unchecked=0.8, wrong=0.0):
 
 def step_arithmetic(step):
     r"""The verdict on a step's equations: False when one is wrong, True when it has some and all hold, None when it
-    has none that can be read. An equation is a run of numbers, operators, parentheses and '=' ("3 + 4 = 7",
-    "9 times 6 = 54", "50% of 10 = 5", "\frac{6}{3} = 2"); it holds when its sides are equal or form a running total
-    ("20 + 5 = 25 + 10 = 35"). A written number is exact. An equation that fails so, whose result is a lone number
-    written to fewer digits than its value needs, is read once more as rounded (`rounded_operand`): "10 / 3 = 3.33",
-    "0.67 * 30 = 20". What cannot be read is unchecked, never wrong. docs/ppo_prm_clip.md lists what is read."""
+    has none that can be read. An equation is a run of numbers, operators, parentheses and '=' ("9 times 6 = 54",
+    "50% of 10 = 5", "\frac{6}{3} = 2"); it holds when its sides are equal or form a running total. A written number
+    is exact; an equation that fails so, whose result is a lone number written to fewer digits than its value needs,
+    is read once more as rounded (`rounded_operand`): "10 / 3 = 3.33", "0.67 * 30 = 20". What cannot be read is
+    unchecked, never wrong. docs/ppo_prm_clip.md gives the rules."""
     text = step.replace("\u2212", "-").replace("\\%", "%")
     annotations = re.findall(r"<<([^<>]*)>>", text)
     text = re.sub(r"<<[^<>]*>>", "", text) + "".join(f"; {annotation}" for annotation in annotations)

@@ -13,8 +13,12 @@ the fence it calls reach (what a reader must open below the fence to follow the 
 
 import argparse
 import ast
+import io
 import json
 import os
+import re
+import subprocess
+import tokenize
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The fence's text line and the names each script has its own version of (not copies); tests/test_drift.py uses both.
@@ -163,6 +167,77 @@ def fields(tree, name):
     return [s.target.id for s in body if isinstance(s, ast.AnnAssign) and "ClassVar" not in ast.unparse(s.annotation)]
 
 
+# The spring cleaning's targets: characters above the fence (up to the fence's text line, the `# ====` line
+# included) at most 0.75x these, 0.55x for grpo_tools; comments and docstrings at most 25% of them; no function
+# docstring over 120 words; no history mention outside a changelog.
+ABOVE_CHARS_BEFORE = {
+    "grpo_math": 41491,
+    "reward_modeling": 45475,
+    "ppo_rlhf": 47494,
+    "dpo_online": 43114,
+    "ppo_prm_clip": 60232,
+    "async_rlhf": 51508,
+    "grpo_tools": 80084,
+}
+PROSE_TARGETS = dict(chars={k: 0.55 if k == "grpo_tools" else 0.75 for k in ABOVE_CHARS_BEFORE}, share=0.25, words=120)
+# A mention of how the tree was built: an issue or item number, "failed before", or a results name that carries one.
+HISTORY = re.compile(
+    r"\bissues? #?\d+|\bitem \d+\b|failed before|issue\d+|(?:pilot|power|stale|noisy|verifier|prm|offpolicy|_v)6\d\b",
+    re.I,
+)
+
+
+def prose(path):
+    """What a reader meets above the fence: its characters (up to the fence's text line), the share of them that is
+    comments and module, class and function docstrings (Args' field docstrings are --help text: code), and the
+    longest function docstring in words, with its name."""
+    with open(path) as f:
+        source = f.read()
+    head = source[: source.index(FENCE)]
+    tree = ast.parse(source)
+    docstrings = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            first = node.body[0] if node.body else None
+            if (
+                isinstance(first, ast.Expr)
+                and isinstance(first.value, ast.Constant)
+                and isinstance(first.value.value, str)
+            ):
+                docstrings.append((getattr(node, "name", None), node, ast.get_source_segment(source, first)))
+    above = [(name, node, text) for name, node, text in docstrings if source.index(text) < len(head)]
+    comments = [t.string for t in tokenize.generate_tokens(io.StringIO(head).readline) if t.type == tokenize.COMMENT]
+    functions = [
+        (len(node.body[0].value.value.split()), name)
+        for name, node, _ in above
+        if name and not isinstance(node, ast.ClassDef)
+    ]
+    words, longest = max(functions, default=(0, None))
+    return dict(
+        chars=len(head),
+        prose_share=(sum(map(len, comments)) + sum(len(text) for _, _, text in above)) / len(head),
+        docstring_words=words,
+        longest_docstring=longest,
+    )
+
+
+def history_mentions(root=REPO_ROOT, changelog=("CHANGELOG.md",)):
+    """{file: count} of HISTORY mentions (names of files and folders included) in the tracked text files outside a
+    changelog."""
+    files = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True, check=True).stdout.split()
+    found = {}
+    for name in files:
+        if os.path.basename(name) in changelog or not name.endswith(
+            (".py", ".md", ".sh", ".toml", ".txt", "Makefile")
+        ):
+            continue
+        with open(os.path.join(root, name), errors="replace") as f:
+            count = len(HISTORY.findall(f.read())) + len(HISTORY.findall(name))
+        if count:
+            found[name] = count
+    return found
+
+
 def measure(path):
     with open(path) as f:
         source = f.read()
@@ -233,6 +308,22 @@ def main(argv=None):
     )
     for name, row in rows.items():
         print(f"- {name}.py: {', '.join(row['below_reached'])}; {row['math_reaches'] or 'nothing'}")
+    print(
+        "\nAbove the fence: characters (x of before; target), comments and docstrings, the longest function "
+        "docstring\n"
+    )
+    print("| script | characters | x before (target) | prose share (target) | longest docstring, words (target) |")
+    print("| --- | --- | --- | --- | --- |")
+    for name in rows:
+        row = prose(os.path.join(args.root, f"{name}.py"))
+        ratio, target = row["chars"] / ABOVE_CHARS_BEFORE[name], PROSE_TARGETS["chars"][name]
+        print(
+            f"| {name}.py | {row['chars']} | {ratio:.2f} ({target}) | {row['prose_share']:.2f} "
+            f"({PROSE_TARGETS['share']}) | {row['docstring_words']} `{row['longest_docstring']}` "
+            f"({PROSE_TARGETS['words']}) |"
+        )
+    mentions = history_mentions(args.root)
+    print(f"\nHistory mentions outside a changelog: {sum(mentions.values())} in {len(mentions)} files (target 0)")
     return rows
 
 

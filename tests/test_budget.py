@@ -8,6 +8,7 @@ import inspect
 import os
 import re
 
+import pytest
 from conftest import REPO_ROOT
 
 from benchmark import budget
@@ -191,3 +192,54 @@ def test_a_new_tool_or_environment_needs_no_edit_below_the_fence():
     for name in names:
         assert re.search(rf"\b{name}\b", above) and not re.search(rf"\b{name}\b", below), name
     assert environments == ["Calculator", "PriceList", "PriceList"]
+
+
+def test_prose_counts_the_characters_comments_and_docstrings_above_the_fence(tmp_path):
+    """prose() against counts written here: the characters before the fence's text line, the comments and the
+    module / class / function docstrings among them (an Args field's docstring is --help text: code), and the
+    longest function docstring in words; what is below the fence is not counted."""
+    module_doc, class_doc, field_doc = '"""A module."""', '"""The flags."""', '    """the learning rate"""'
+    function_doc, comment = '    """Five words in this one."""', "# why: a comment"
+    source = [
+        module_doc,
+        "from dataclasses import dataclass",
+        "@dataclass",
+        "class Args:",
+        "    " + class_doc,
+        "    lr: float = 1.0",
+        field_doc,
+        "def main(args):",
+        function_doc,
+        "    return args.lr  " + comment,
+        "# " + "=" * 117,
+        budget.FENCE,
+        "def below():",
+        '    """Not counted at all, however long it is: one two three four five six seven eight."""',
+    ]
+    text = "\n".join(source) + "\n"
+    (tmp_path / "a.py").write_text(text)
+    row = budget.prose(str(tmp_path / "a.py"))
+    head = text[: text.index(budget.FENCE)]
+    assert row["chars"] == len(head)
+    prose = len(module_doc) + len(class_doc) + len(function_doc.strip()) + len(comment) + len("# " + "=" * 117)
+    assert row["prose_share"] == pytest.approx(prose / len(head))
+    assert (row["docstring_words"], row["longest_docstring"]) == (5, "main")
+
+
+def test_prose_of_the_scripts_before_the_cleaning_is_what_the_targets_start_from():
+    """ABOVE_CHARS_BEFORE are the figures the targets are set against: grpo_math's, unchanged since, still reads so."""
+    assert (
+        budget.prose(os.path.join(budget.REPO_ROOT, "grpo_math.py"))["chars"] <= budget.ABOVE_CHARS_BEFORE["grpo_math"]
+    )
+
+
+def test_history_mentions_finds_issue_numbers_items_and_named_results(tmp_path):
+    import subprocess
+
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / "a.py").write_text("# since issue 54 (item 3); failed before\nx = 1  # the issues 12 and 13\n")
+    (tmp_path / "b.md").write_text("see results/async_rlhf_pilot66 and power66; v0.65 and 1966 are not history\n")
+    (tmp_path / "CHANGELOG.md").write_text("issue 1, issue 2\n")
+    (tmp_path / "grpo_tools_issue57.md").write_text("clean\n")
+    subprocess.run(["git", "-C", str(tmp_path), "add", "."], check=True)
+    assert budget.history_mentions(str(tmp_path)) == {"a.py": 4, "b.md": 2, "grpo_tools_issue57.md": 1}
