@@ -174,7 +174,7 @@ def missing_eos_reference(scores, has_eos, penalty, others=()):
 
 @pytest.mark.parametrize("penalty", [-1.0, 0.0, None])
 def test_rloo_missing_eos_scores_match_a_loop(penalty):
-    """Issue 65: RLOO judged a completion without EOS missing_eos_penalty, above every finished one a centred reward
+    """RLOO judged a completion without EOS missing_eos_penalty, above every finished one a centred reward
     model scores below it. Now it never scores above a finished completion of the step, on any process."""
     for seed in range(5):
         g = torch.Generator().manual_seed(seed)
@@ -677,7 +677,7 @@ def test_invariant_deepspeed_equals_one_process(
 @pytest.mark.parametrize("loss", ["dpo", "rloo"])
 def test_invariant_staleness_zero_equals_sync(make_config, tmp_path, loss):
     """The async pipeline with max_staleness 0 (the generator thread waits for the current weights) = --sync: the
-    same metrics step by step, sampled completions included (failed before: max_staleness 0 was refused)."""
+    same metrics step by step, sampled completions included (a fault: max_staleness 0 was refused)."""
     values = dict(loss=loss, rloo_k=2, total_steps=3, eval_every=2)
     sync = async_rlhf.main(make_config(async_rlhf, sync=True, output_dir=str(tmp_path / "sync"), **values))
     with hang_guard():
@@ -696,7 +696,7 @@ def test_invariant_bf16_autocast_lag_zero_starts_at_the_reference_and_ratio_one(
     """--mixed_precision bf16 autocasts the prepared policy; the generator thread's policy copy, reference and
     reward model run under the same autocast (entered in that thread: autocast is per thread), so at the first
     step DPO's h is exactly 0 (chosen and rejected rewards 0), the RLOO ratio exactly 1 and the KL exactly 0
-    (failed before: they ran in fp32)."""
+    (a fault: they ran in fp32)."""
     run_dir = fixed_rollout_run(monkeypatch, make_config, loss=loss, total_steps=1)
     (line,) = train_lines(read_metrics(run_dir))
     assert line["objective/kl"] == 0.0

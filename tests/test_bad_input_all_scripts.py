@@ -1,5 +1,5 @@
 """The faults of the shared data loading and run folder, tried on every script: one line naming the file, line or
-argument, before any model is loaded (issue 20). grpo_math.py has the same and more in test_grpo_math_bad_input.py."""
+argument, before any model is loaded. grpo_math.py has the same and more in test_grpo_math_bad_input.py."""
 
 import functools
 import json

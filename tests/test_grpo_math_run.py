@@ -383,7 +383,7 @@ def fixed_rollout_run(monkeypatch, make_args, **overrides):
 @pytest.mark.slow
 def test_invariant_bf16_autocast_kl_is_zero_before_the_first_update(make_args, monkeypatch, bf16_autocast):
     """--mixed_precision bf16 autocasts the prepared policy; the reference runs under the same autocast, so the KL
-    of the first step (one update) is exactly 0 (failed before: the reference ran in fp32, KL 5e-7 here)."""
+    of the first step (one update) is exactly 0 (a fault: the reference ran in fp32, KL 5e-7 here)."""
     run_dir = fixed_rollout_run(monkeypatch, make_args, total_steps=1, num_iterations=1)
     (line,) = train_lines(read_metrics(run_dir))
     assert line["objective/kl"] == 0.0
@@ -402,7 +402,7 @@ def test_invariant_bf16_autocast_ratio_is_one_on_the_first_minibatch(make_args, 
 def test_invariant_deepspeed_bf16_kl_is_zero_and_ratio_one_before_the_first_update(tiny_model_dir, task_dir, tmp_path):
     """DeepSpeed ZeRO-2 with --mixed_precision bf16 on 2 CPU processes: DeepSpeed runs the policy with bf16 weights
     and accelerate's autocast is off there, so the reference is cast to bf16 too (frozen). One update: the step's KL
-    is exactly 0 (failed before: 7e-7 with a reference cast by model.to(bf16), which also rounds the RoPE inv_freq
+    is exactly 0 (a fault: 7e-7 with a reference cast by model.to(bf16), which also rounds the RoPE inv_freq
     buffer that DeepSpeed leaves in fp32). Two passes over the batch: the old log-probs, taken before the first
     update, give ratio exactly 1 and approxkl exactly 0 on the first minibatch (the step's KL then includes the pass
     after the update). Both runs in one launch."""
@@ -424,7 +424,7 @@ def test_invariant_deepspeed_bf16_kl_is_zero_and_ratio_one_before_the_first_upda
 @pytest.mark.slow
 def test_non_finite_gradient_stops_before_the_update_and_is_never_checkpointed(make_args, monkeypatch, tmp_path):
     """A finite loss whose backward overflows: the gradient norm is non-finite, the run stops at step 1 before the
-    optimizer step and names it; the checkpoint of step 0 does not exist and none holds NaN (failed before: the
+    optimizer step and names it; the checkpoint of step 0 does not exist and none holds NaN (a fault: the
     optimizer stepped, step_1 was checkpointed with NaN weights and the run stopped one step later on the loss)."""
     load_model = grpo_math._load_model
 
@@ -446,9 +446,9 @@ def test_non_finite_gradient_stops_before_the_update_and_is_never_checkpointed(m
 def test_deepspeed_without_a_gradient_norm_stops_on_non_finite_weights_before_any_checkpoint(
     tiny_model_dir, task_dir, tmp_path
 ):
-    """Issue 65: DeepSpeed ZeRO-2 in fp32 with zero_optimization.compute_grad_norm false checks no overflow and
+    """DeepSpeed ZeRO-2 in fp32 with zero_optimization.compute_grad_norm false checks no overflow and
     computes no norm, so a non-finite gradient from a finite loss is applied inside accelerator.backward. The run
-    stops at step 1 on the weights (one flag over both processes), naming it, and saves no checkpoint (failed before:
+    stops at step 1 on the weights (one flag over both processes), naming it, and saves no checkpoint (a fault:
     step_1 was saved with NaN weights as the last good checkpoint, and the run stopped at step 2 on the loss)."""
     require_deepspeed()
     out = str(tmp_path / "zero2-no-norm")
@@ -503,7 +503,7 @@ def test_fp16_loss_scaler_skips_an_overflowing_update_and_the_run_goes_on(make_a
 
 def test_fp16_updates_skipped_in_a_row_stop_the_run_instead_of_saving_it_as_trained(make_args, monkeypatch, tmp_path):
     """A gradient that overflows at every loss scale makes the scaler skip every update: after max_skipped (here 3)
-    in a row the run stops with one line (the step, the last checkpoint) and writes no final model (issue 54). A
+    in a row the run stops with one line (the step, the last checkpoint) and writes no final model. A
     taken update in between starts the count again."""
     make, overflowing = grpo_math._make_accelerator, {"updates": {0, 1, 3, 4, 5}}
 

@@ -282,7 +282,7 @@ def test_a_turn_cut_inside_a_call_holds_no_answer_and_cut_trajectories_are_flagg
 
 
 def test_evaluate_counts_a_trajectory_ended_by_eos_at_the_budget_as_finished(tokenizer):
-    """Issue 65: evaluate ran multi_turn_rollout without the sampler's stop ids, so a greedy answer whose EOS falls on
+    """Evaluate ran multi_turn_rollout without the sampler's stop ids, so a greedy answer whose EOS falls on
     the budget's last token was counted cut. Of two held-out trajectories, one ends with EOS on the last token, one is
     cut before its EOS: eval/truncated is 0.5 (the first was counted truncated before)."""
     import contextlib
@@ -895,7 +895,7 @@ def test_hf_turns_find_the_end_of_a_call_in_linear_time(tokenizer):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Issue 57: the tool's arms (--tool unavailable), one operation per call (--max_operations), and the probe
+# The tool's arms (--tool unavailable), one operation per call (--max_operations), and the probe
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,6 @@
 """The kit below the fence, tested once: it is identical in every script that has it (tests/test_drift.py), so its
 tests use grpo_math's copy, except where a test runs every script's (the gradient checks). In the kit's order: the
-Accelerator and the precisions a user picks on a GPU (issue 45: fp16's loss scaler owns overflow, DeepSpeed is new
+Accelerator and the precisions a user picks on a GPU (fp16's loss scaler owns overflow, DeepSpeed is new
 enough for the reference to match the policy before the first update), Run (the data order, the averages, the
 optimizer step's checks), the models, the Sampler (stop ids, HF generate, the response mask, vLLM's weight sync) and
 the shared-prompt forward. End-to-end runs that use the kit are in each script's test file."""
@@ -95,7 +95,7 @@ def test_deepspeed_without_a_gradient_norm_is_not_an_error(script):
         accelerator = stand_in_accelerator(0.0, mixed_precision=mixed_precision, deepspeed_plugin=object())
         accelerator.clip_grad_norm_ = lambda parameters, max_norm: None
         assert math.isnan(script._clip_gradients(accelerator, torch.nn.Linear(2, 2), 1.0, 3, None))
-        # Issue 65: in fp32 (and bf16 without check_grad_overflow) DeepSpeed then checks no overflow either, and a
+        # In fp32 (and bf16 without check_grad_overflow) DeepSpeed then checks no overflow either, and a
         # non-finite gradient was applied: non-finite weights stop the run (returned NaN before, and were saved).
         broken = torch.nn.Linear(2, 2)
         with torch.no_grad():
@@ -121,7 +121,7 @@ def test_updates_skipped_in_a_row_are_bounded(script):
     assert run.skipped_in_a_row == 29 and len(stepped) == 1 and len(run.stats["policy/grad_norm"]) == 59
     with pytest.raises(RuntimeError, match=r"^step 10: the fp16 loss scaler skipped 30 updates in a row .*step_8$"):
         run.optimizer_step(torch.nn.Linear(2, 2), optimizer, scheduler)
-    # DeepSpeed's bf16 check_grad_overflow skips updates too: the message names the precision (issue 65).
+    # DeepSpeed's bf16 check_grad_overflow skips updates too: the message names the precision.
     run.skipped_in_a_row = 29
     run.accelerator = stand_in_accelerator(math.inf, mixed_precision="bf16", deepspeed_plugin=object())
     run.accelerator.clip_grad_norm_, run.accelerator.optimizer_step_was_skipped = lambda *args: None, True

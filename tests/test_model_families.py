@@ -1,4 +1,4 @@
-"""Exact on the model families and lengths users launch, not only on the embedded Llama (issue 27, items 1-3).
+"""Exact on the model families and lengths users launch, not only on the embedded Llama.
 
 Tiny random configs of Qwen2 (with and without a sliding window), Mistral, Gemma-3-style mixed layer types and
 Phi-3: the shared-prompt forward gives each row's own log-probs and gradients (or falls back where packing would
@@ -261,7 +261,7 @@ def argmax_decoding(model, prompt, steps):
 
 
 def test_hf_generate_greedy_ignores_the_checkpoints_sampling_fields(model_with_sampling_config):
-    """Greedy hf_generate equals plain argmax decoding (failed before: transformers filled the repetition penalty in
+    """Greedy hf_generate equals plain argmax decoding (a fault: transformers filled the repetition penalty in
     from generation_config.json, and the tiny model's greedy tokens changed)."""
     model = model_with_sampling_config
     prompt = [1, 9690, 198, 2683, 359, 253, 5356, 3117]

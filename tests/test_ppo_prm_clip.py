@@ -312,7 +312,7 @@ def test_token_char_ends_follow_a_multi_byte_character(tokenizer):
 
 def test_a_step_ending_in_a_multi_byte_character_ends_at_the_token_that_completes_it(tokenizer):
     """Byte-level BPE splits the emoji over 3 tokens; the prefixes ending in its first two decode to a trailing
-    U+FFFD, which is no character of the text (failed before: the step was mapped to the first of the 3 tokens)."""
+    U+FFFD, which is no character of the text: the step ends at the third token, not the first."""
     text = "Done 🎉\n\nAnswer: 4"
     ids = tokenizer(text, add_special_tokens=False).input_ids
     assert tokenizer.decode(ids[:2]).endswith("\ufffd")  # the split this test is about
@@ -352,32 +352,31 @@ def test_step_arithmetic(step, verdict):
     assert prm.step_arithmetic(step) is verdict
 
 
-# Issue 8: operators in words or other symbols between numbers are arithmetic. Each row's verdict was written by
-# hand. "failed before" marks the rows the verifier got wrong (its verdict in parentheses): it compared the number
-# after the word with the result ("9 minus 6 = 3": 6 = 3, wrong). The "real" rows are steps (blank-line separated,
-# as --step_separator splits them) of completions of the embedded model (SmolLM2-135M-Instruct, the scripts' default
-# prompts on assets/data arith_1d and gsm8k_100, sampled with HF generate), whole.
+# Operators in words or other symbols between numbers are arithmetic. Each row's verdict was written by hand. The
+# "real" rows are steps (blank-line separated, as --step_separator splits them) of completions of the embedded model
+# (SmolLM2-135M-Instruct, the scripts' default prompts on assets/data arith_1d and gsm8k_100, sampled with HF
+# generate), whole.
 STEP_TABLE = [
-    ("9 x 6 = 54", True),  # failed before (False)
-    ("9 X 6 = 54", True),  # failed before (False)
-    ("9x6=54", True),  # failed before (None)
-    ("9 times 6 = 54", True),  # failed before (False)
-    ("9 Times 6 = 54", True),  # failed before (False)
-    ("9 multiplied by 6 = 54", True),  # failed before (False)
-    ("9 · 6 = 54", True),  # failed before (False)
-    ("$9 \\times 6 = 54$", True),  # failed before (False)
-    ("9 plus 6 = 15", True),  # failed before (False)
-    ("9 minus 6 = 3", True),  # failed before (False)
-    ("54 divided by 6 = 9", True),  # failed before (False)
-    ("3 over 4 = 0.75", True),  # failed before (False)
-    ("50% of 10 = 5", True),  # failed before (False)
-    ("50 percent of 10 = 5", True),  # failed before (False)
-    ("10 + 20% of 50 = 20", True),  # failed before (False)
-    ("50% x 10 = 5", True),  # failed before (False)
-    ("10 x 50% = 5", True),  # failed before (None)
-    ("9 times -3 = -27", True),  # failed before (None)
-    ("1,000 plus 234 = 1,234", True),  # failed before (False)
-    ("x = 2 x 3 = 6", True),  # failed before (False)
+    ("9 x 6 = 54", True),
+    ("9 X 6 = 54", True),
+    ("9x6=54", True),
+    ("9 times 6 = 54", True),
+    ("9 Times 6 = 54", True),
+    ("9 multiplied by 6 = 54", True),
+    ("9 · 6 = 54", True),
+    ("$9 \\times 6 = 54$", True),
+    ("9 plus 6 = 15", True),
+    ("9 minus 6 = 3", True),
+    ("54 divided by 6 = 9", True),
+    ("3 over 4 = 0.75", True),
+    ("50% of 10 = 5", True),
+    ("50 percent of 10 = 5", True),
+    ("10 + 20% of 50 = 20", True),
+    ("50% x 10 = 5", True),
+    ("10 x 50% = 5", True),
+    ("9 times -3 = -27", True),
+    ("1,000 plus 234 = 1,234", True),
+    ("x = 2 x 3 = 6", True),
     ("Multiply 9 by 6: 9 * 6 = 54", True),
     ("9 − 6 = 3", True),
     ("9 x 6 = 56", False),
@@ -387,11 +386,11 @@ STEP_TABLE = [
     ("2x + 3 = 7", None),
     ("2 x + 3 = 7", None),
     ("3x = 12", None),
-    ("50% = 0.5", True),  # was None (a percentage alone was not read); read since issue 54
+    ("50% = 0.5", True),
     ("A 3 x 4 grid has 12 cells", None),
     ("5 times 2 apples = 10 apples", None),
     ("1. 9 * 1 = 9 \n2. 9 * 1 = 9 ", True),  # real
-    ("1. 9 x 1 = 9", True),  # real, failed before (False)
+    ("1. 9 x 1 = 9", True),  # real
     ("A: 9 + 1 = 10", True),  # real
     ("2. 9 + 1 = 2", False),  # real
     ("Multiplication: 3 * 3 = 9", True),  # real
@@ -450,60 +449,60 @@ def test_step_arithmetic_table(step, verdict):
     assert prm.step_arithmetic(step) is verdict
 
 
-# Issue 45: steps as Qwen2.5-Math (LaTeX, powers, roots, rounded decimals, Markdown bold) and GSM8K solutions
-# (calculator annotations, dollar signs) write them. Each row's verdict was written by hand; "failed before" marks the
-# rows the verifier got wrong (its verdict in parentheses). "GSM8K" rows are whole lines of GSM8K gold solutions.
+# Steps as Qwen2.5-Math (LaTeX, powers, roots, rounded decimals, Markdown bold) and GSM8K solutions (calculator
+# annotations, dollar signs) write them. Each row's verdict was written by hand. "GSM8K" rows are whole lines of GSM8K
+# gold solutions.
 NOTATION_TABLE = [
-    ("2^3 = 8", True),  # failed before (False): the exponent was compared with the result
-    ("5^2 = 25", True),  # failed before (False)
-    ("2**10 = 1024", True),  # failed before (None)
-    ("(2 + 3)**2 = 25", True),  # failed before (None)
-    ("5² = 25", True),  # failed before (None)
-    ("2^{10} = 1024", True),  # failed before (None)
-    ("10^{-3} = 0.001", True),  # failed before (None)
-    ("\\( 3^2 + 4^2 = 9 + 16 = 25 \\)", True),  # failed before (False)
-    ("√16 = 4", True),  # failed before (False)
-    ("√(16) = 4", True),  # failed before (False)
-    ("\\sqrt{16} = 4", True),  # failed before (None)
-    ("sqrt(16) = 4", True),  # failed before (None)
-    ("3 \\times \\sqrt{4} = 6", True),  # failed before (None)
-    ("\\( 3 \\times 4 = 12 \\)", True),  # failed before (None)
+    ("2^3 = 8", True),  # the exponent was compared with the result
+    ("5^2 = 25", True),
+    ("2**10 = 1024", True),
+    ("(2 + 3)**2 = 25", True),
+    ("5² = 25", True),
+    ("2^{10} = 1024", True),
+    ("10^{-3} = 0.001", True),
+    ("\\( 3^2 + 4^2 = 9 + 16 = 25 \\)", True),
+    ("√16 = 4", True),
+    ("√(16) = 4", True),
+    ("\\sqrt{16} = 4", True),
+    ("sqrt(16) = 4", True),
+    ("3 \\times \\sqrt{4} = 6", True),
+    ("\\( 3 \\times 4 = 12 \\)", True),
     ("$3 \\cdot 4 = 12$", True),
     ("\\[ 12 \\div 4 = 3 \\]", True),
     ("$10 \\times 12 = 120$", True),
-    ("\\frac{6}{3} = 2", True),  # failed before (None)
-    ("\\dfrac{10}{4} = 2.5", True),  # failed before (None)
-    ("\\frac{\\sqrt{16}}{2} = 2", True),  # failed before (None)
-    ("\\left( \\frac{1}{2} \\right) \\times 8 = 4", True),  # failed before (None)
-    ("The area is \\( \\pi r^2 = 3.14 \\times 5^2 = 78.5 \\).", True),  # failed before (False)
-    ("10 / 3 = 3.33", True),  # failed before (False): a decimal stands for the values that round to it
-    ("10 / 3 = 3.3", True),  # failed before (False)
-    ("2/3 = 0.67", True),  # failed before (False)
-    ("√2 = 1.41", True),  # failed before (False)
-    ("**Step 1:** 2 + 3 = 5", True),  # failed before (None): Markdown bold, not a power
-    ("2 + 3 = **5**", True),  # failed before (None)
-    ("x_1 = 2 + 3 = 5", True),  # failed before (False)
+    ("\\frac{6}{3} = 2", True),
+    ("\\dfrac{10}{4} = 2.5", True),
+    ("\\frac{\\sqrt{16}}{2} = 2", True),
+    ("\\left( \\frac{1}{2} \\right) \\times 8 = 4", True),
+    ("The area is \\( \\pi r^2 = 3.14 \\times 5^2 = 78.5 \\).", True),
+    ("10 / 3 = 3.33", True),  # a decimal stands for the values that round to it
+    ("10 / 3 = 3.3", True),
+    ("2/3 = 0.67", True),
+    ("√2 = 1.41", True),
+    ("**Step 1:** 2 + 3 = 5", True),  # Markdown bold, not a power
+    ("2 + 3 = **5**", True),
+    ("x_1 = 2 + 3 = 5", True),
     ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.", True),  # GSM8K
     ("Natalia sold 48/2 = 24 clips in May.", True),
     ("Weng earns 12/60 = $<<12/60=0.2>>0.2 per minute.", True),  # GSM8K
-    ("The total price of the house is $350,000 + $17,500 + $42,000 = $409,500.", True),  # GSM8K, failed before (None)
-    ("Her tennis shoes were half the original $48 price, so they cost $48*1/2=$24.", True),  # failed before (None)
+    ("The total price of the house is $350,000 + $17,500 + $42,000 = $409,500.", True),  # GSM8K
+    ("Her tennis shoes were half the original $48 price, so they cost $48*1/2=$24.", True),
     ("2^3 = 9", False),
-    ("\\sqrt{16} = 5", False),  # failed before (None)
-    ("\\frac{6}{3} = 3", False),  # failed before (None)
-    ("\\( 3 \\times 4 = 13 \\)", False),  # failed before (None)
+    ("\\sqrt{16} = 5", False),
+    ("\\frac{6}{3} = 3", False),
+    ("\\( 3 \\times 4 = 13 \\)", False),
     ("10 / 3 = 3.4", False),
     ("10 / 3 = 3", False),  # a whole number is exact
     ("7 / 2 = 3", False),
-    ("48/2 = <<48/2=24>>25", False),  # failed before (True): the written result is checked, not only the annotation
+    ("48/2 = <<48/2=24>>25", False),  # the written result is checked, not only the annotation
     ("48/2 = <<48/2=25>>25", False),  # a wrong annotation
-    ("x^2 = 9", None),  # failed before (False): a variable
-    ("x ^ 2 = 9", None),  # failed before (False)
-    ("a_1 = 5", None),  # failed before (False)
+    ("x^2 = 9", None),  # a variable
+    ("x ^ 2 = 9", None),
+    ("a_1 = 5", None),
     ("\\frac{x}{2} = 3", None),
-    ("2^2^2^2^2^2 = 1", None),  # failed before (False): 2^65536 is not read (exponents beyond 1000), a side alone
-    ("10^400 = 1", None),  # failed before (False): overflows
-    ("(-8)^(1/3) = -2", None),  # failed before (False): a fractional power of a negative number is not read
+    ("2^2^2^2^2^2 = 1", None),  # 2^65536 is not read (exponents beyond 1000), a side alone
+    ("10^400 = 1", None),  # overflows
+    ("(-8)^(1/3) = -2", None),  # a fractional power of a negative number is not read
 ]
 
 
@@ -807,7 +806,7 @@ def test_invariant_bf16_autocast_kl_is_zero_and_ratio_one_before_the_first_updat
 ):
     """--mixed_precision bf16 autocasts the prepared policy and value model; the reference (a copy, or the policy
     with its adapters off) runs under the same autocast, so the first step's KL is exactly 0 and the first
-    minibatch's ratio exactly 1 (failed before: the reference ran in fp32)."""
+    minibatch's ratio exactly 1 (a reference run in fp32 would not give them)."""
     run_dir = fixed_rollout_run(monkeypatch, make_config, total_steps=1, num_ppo_epochs=1, lora_r=lora_r)
     (line,) = train_lines(read_metrics(run_dir))
     assert line["objective/kl"] == 0.0

@@ -292,7 +292,7 @@ def test_token_scores_equal_the_head_on_the_last_hidden_states(tiny_reward_model
 def test_initial_values_are_the_centred_reward_model_scores(make_config, biased_reward_model_dir, monkeypatch):
     """The value model starts from the reward model, whose scores are centred by config.bias (0.7 here): its first
     values are the reward model's raw head output minus 0.7 at every position, on the scale of the centred scores
-    and returns (failed before: the values were the raw output, 0.7 above)."""
+    and returns (a fault: the values were the raw output, 0.7 above)."""
     calls, gae_inputs = [], []
     original_scores, original_gae = ppo_rlhf.token_scores, ppo_rlhf.gae_advantages
 
@@ -651,7 +651,7 @@ def test_missing_eos_scores_matches_a_float64_loop(penalty):
 @pytest.mark.parametrize("K", [1, 5])
 @pytest.mark.parametrize("penalty", [-1.0, 0.0])
 def test_a_response_without_eos_never_scores_above_a_finished_one(monkeypatch, ensemble, K, penalty):
-    """Issue 54: under an ensemble, whose reward sits below a member's score (WCO most of all: 0.378 against the
+    """Under an ensemble, whose reward sits below a member's score (WCO most of all: 0.378 against the
     members' 0.84-1.57), the fixed penalty scored truncated responses above finished ones of the batch. The training
     reward keeps them at or below every finished response of the batch, over every process's batch."""
     g = torch.Generator().manual_seed(K * 10 + len(ensemble))
