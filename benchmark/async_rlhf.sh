@@ -11,6 +11,7 @@
 # Every command that runs a script is on its own line: tests/test_benchmark.py checks its flags against --help.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source benchmark/python.sh  # `python` is the venv's
 [ -d runs/reward_model ] || python reward_modeling.py
 
 # Issue 66 (docs/power_plan.md): part 2's sweep where staleness moves the policy. First a pilot: seed 1 of online DPO

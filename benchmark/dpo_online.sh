@@ -7,6 +7,7 @@
 # Every command that runs a script is on its own line: tests/test_benchmark.py checks its flags against --help.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source benchmark/python.sh  # `python` is the venv's
 
 [ -d runs/reward_model ] || python reward_modeling.py
 python -m benchmark.run --script dpo_online.py --seeds 1 "$@"

@@ -7,6 +7,7 @@
 # Every command that runs a script is on its own line: tests/test_benchmark.py checks its flags against --help.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source benchmark/python.sh  # `python` is the venv's
 
 # The headline (issue 57): the default, `make train`'s run, over 5 seeds on one commit, one seed at a time with nothing
 # else training (~9-13 min a run on 2 cores); the runs' config.json and metrics.jsonl are committed under

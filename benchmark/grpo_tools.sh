@@ -9,6 +9,7 @@
 # Every command that runs a script is on its own line: tests/test_benchmark.py checks its flags against --help.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source benchmark/python.sh  # `python` is the venv's
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Issue 57, items 3 and 4: their gates failed (docs/grpo_tools.md), so only their probes ran; item 4's replacement,

@@ -12,6 +12,7 @@
 # Every command that runs a script is on its own line: tests/test_benchmark.py checks its flags against --help.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source benchmark/python.sh  # `python` is the venv's
 
 # The claims' set (docs/power_plan.md): the verifier PRM's five arms on the step verifier of 2026-11-29, seeds 1-4,
 # a fresh set never pooled with the committed 2026-11-26 runs: exp_name prm65_*, copies in ppo_prm_clip_v65/.

@@ -13,6 +13,7 @@
 # Every command that runs a script is on its own line: tests/test_benchmark.py checks its flags against --help.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source benchmark/python.sh  # `python` is the venv's
 
 # Issue 66 item 4: best-of-n (step 6) in Coste et al.'s noisy setting: five members that differ in their pairs
 # (--data_seed k: each samples its own completions and pairs) and their seed, each trained with every training

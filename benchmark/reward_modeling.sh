@@ -8,6 +8,7 @@
 # Every command that runs a script is on its own line: tests/test_benchmark.py checks its flags against --help.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source benchmark/python.sh  # `python` is the venv's
 
 python -m benchmark.run --script reward_modeling.py --seeds 1 "$@"
 

@@ -614,7 +614,36 @@ def test_registry_t_cdf_and_holm_against_independent_computations():
 # benchmark/*.sh: every flag given to a script (or to benchmark.run / benchmark.registry) exists in its --help
 
 
-SHELL_FILES = sorted(glob.glob(os.path.join(REPO_ROOT, "benchmark", "*.sh")))
+PYTHON_SH = os.path.join(REPO_ROOT, "benchmark", "python.sh")
+# benchmark/python.sh is sourced by the others: it runs no command of its own.
+SHELL_FILES = sorted(set(glob.glob(os.path.join(REPO_ROOT, "benchmark", "*.sh"))) - {PYTHON_SH})
+
+
+def test_every_benchmark_script_runs_the_venvs_python_or_stops_in_one_line(tmp_path):
+    """Each benchmark/*.sh sources benchmark/python.sh right after it changes to the repository root (gpu_check.sh runs
+    on the GPU machine's own python3): with make setup's .venv, `python` is its interpreter whatever PATH holds;
+    without one, and no python with torch on PATH, the script stops with one line naming the fix; a `python` shell
+    function the caller defined (benchmark.tables records the commands with one) is kept, so nothing runs."""
+    for path in SHELL_FILES:
+        if os.path.basename(path) != "gpu_check.sh":
+            assert 'cd "$(dirname "$0")/.."\nsource benchmark/python.sh' in open(path).read(), path
+    bare = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    probe = "source benchmark/python.sh && python -c 'import sys, torch; print(sys.prefix)'"
+    if os.path.isfile(os.path.join(REPO_ROOT, ".venv", "bin", "python")):
+        done = subprocess.run(["bash", "-c", probe], cwd=REPO_ROOT, env=bare, capture_output=True, text=True)
+        assert done.returncode == 0 and os.path.realpath(done.stdout.strip()) == os.path.realpath(
+            os.path.join(REPO_ROOT, ".venv")
+        ), done.stderr
+    os.makedirs(tmp_path / "benchmark")
+    with open(PYTHON_SH) as f:
+        (tmp_path / "benchmark" / "python.sh").write_text(f.read())
+    done = subprocess.run(["bash", "-c", probe], cwd=tmp_path, env=bare, capture_output=True, text=True)
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.strip().splitlines() == ["error: no .venv/bin/python here and no python with torch on PATH: "
+                                                "run 'make setup' first"]  # fmt: skip
+    recorder = 'python() { echo recorded "$@"; }; source benchmark/python.sh && python -m x'  # benchmark.tables'
+    done = subprocess.run(["bash", "-c", recorder], cwd=tmp_path, env=bare, capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout == "recorded -m x\n"
 
 
 def shell_commands(path):
