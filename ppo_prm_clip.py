@@ -663,7 +663,9 @@ def step_arithmetic(step):
 
     def multiple(value, unit):  # whether a value is written in full to the unit's digits
         ratio = value / unit
-        return ratio.denominator == 1 if isinstance(ratio, Fraction) else math.isclose(ratio, round(ratio))
+        if isinstance(ratio, Fraction):
+            return ratio.denominator == 1
+        return math.isfinite(ratio) and math.isclose(ratio, round(ratio))
 
     def rounded_result(side, value, others, rounded_operands, hundred):  # a lone number as a rounding, or None
         result = re.fullmatch(lone, side)

@@ -336,3 +336,4 @@ def test_a_result_too_long_to_read_is_unchecked_not_an_error(script):
     step_arithmetic = importlib.import_module(script).step_arithmetic
     assert step_arithmetic("25 / 4 = " + "9" * 250 + " bags") is None  # arithmetic_value reads at most 200 chars
     assert step_arithmetic("25 / 4 = " + "9" * 250) is None
+    assert step_arithmetic("10^306.5 = 1.0001") is False  # a float near the largest, divided by the result's unit
