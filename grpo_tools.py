@@ -710,23 +710,13 @@ Rollout = collections.namedtuple(
 
 
 def multi_turn_rollout(policy_turn, tokenizer, prompts, n, response_length, max_turns, stop_ids=(), tool=calculator):
-    """n trajectories per prompt (consecutive), each the token ids after its prompt. policy_turn(contexts, max_tokens)
-    -> [(ids, sampler log-probs or None)] continues each context (its prompt and its trajectory so far, as token
-    ids) until a stop token, the token that completes a call (the format's stop_strings) or max_tokens. A turn that
-    makes calls gets the tool's output appended as tool tokens (the format's respond), while the trajectory has made
-    at most max_turns turns with calls and has room (an output that does not fit is cut); any other turn ends it.
-    Nothing is re-tokenised: the trainer sees the ids the sampler saw. `tool` is the format (CalcTags, NativeTools)
-    or a function (expression) -> text, the calculator or make_tool's, for CalcTags. Returns a Rollout: ids [N, R]
-    (R = response_length, padded with the pad id), real [N, R] (1 on every token of the trajectory), policy [N, R]
-    (1 on the policy's tokens: the loss mask), sampler_logprobs [N, R] (0 on tool tokens; None without vLLM), texts
-    (whole trajectories), answers (the last policy turn, where the final answer is read; empty when it makes a call
-    that was not run or is cut inside one), calls [(call, output: the tool's whole answer, though the budget may
-    cut the tokens that follow the turn)], turns (policy turns), unrun_calls (turns with calls not run, past
-    max_turns, at the budget or refused by the format's respond returning None: 0 or 1, such a turn ends its
-    trajectory), truncated [N] (bool: cut at the budget, the trajectory ended at response_length tokens other than
-    by a stop token, one of stop_ids, or by a call past max_turns), errors {kind: [N] failed calls of that kind}
-    for the format's error_kinds (none for CalcTags), and failed_calls [N] (the calls that failed, as the format's
-    respond reports them: not read from their text)."""
+    """n trajectories per prompt (consecutive), each the token ids after its prompt, sampled turn by turn:
+    policy_turn(contexts, max_tokens) -> [(ids, sampler log-probs or None)] continues each context (prompt and
+    trajectory so far, as ids). A turn that makes calls gets the tool's tokens appended (`tool`: a format, CalcTags
+    or NativeTools, or a function for CalcTags), up to max_turns turns with calls and the budget; any other turn ends
+    the trajectory. Nothing is re-tokenised. Returns a Rollout of ids, real, policy (the loss mask) and
+    sampler_logprobs [N, R]; texts, answers (the last policy turn), calls [(call, output)], turns, unrun_calls,
+    truncated [N], errors {kind: [N]} and failed_calls [N] (docs/grpo_tools.md, "The rollout")."""
     tools = tool if hasattr(tool, "respond") else CalcTags(tokenizer, tool)
     N = len(prompts) * n
     tools.begin(prompts, n)
