@@ -41,6 +41,39 @@ if [[ ${1:-} == verifier65 ]]; then
     exit 0
 fi
 
+# The pilot (docs/ppo_prm_clip.md, "The pilot: is raw hacked anywhere here?"): raw process rewards only, at
+# prm_coef 3 and 1.5, with the verifier PRM and with a PRM learned on the verifier's labels (reward_modeling.py --prm,
+# retrained with the verifier of 2026-12-07), seeds 101-102, every run from one commit (a worktree pinned for the
+# whole pilot); then the registered criterion per cell. One run at a time; a run cut short resumes (--resume_unfinished).
+#   bash benchmark/ppo_prm_clip.sh pilot
+if [[ ${1:-} == pilot ]]; then
+    shift
+    for prm in verifier learned; do
+        if [ "$prm" = learned ] && [ ! -f runs/prm_pilot/config.json ]; then
+            python reward_modeling.py --prm --temperature 0.5 --response_length 96 --num_train_prompts 500 \
+                --num_eval_prompts 100 --exp_name pilot_learned_prm --prm_dir runs/prm_pilot
+        fi
+        PRM=$([ "$prm" = verifier ] && echo verifier || echo runs/prm_pilot)
+        for coef in 3 1.5; do
+            for seed in 101 102; do
+                python -m benchmark.run --script ppo_prm_clip.py --seeds "$seed" --resume_unfinished "$@" -- \
+                    --reward_mode raw --prm "$PRM" --prm_coef "$coef" --save_every 10 --keep_checkpoints 1 \
+                    --exp_name "pilot_${prm}_$coef"
+            done
+        done
+    done
+    OUT=benchmark/results/prm_pilot
+    python -m benchmark.registry copy --out "$OUT" runs/arith_2t3t1d__pilot_*
+    CELLS=()
+    for prm in verifier learned; do
+        for coef in 3 1.5; do CELLS+=("${prm}_$coef=$OUT/arith_2t3t1d__pilot_${prm}_${coef}__*"); done
+    done
+    python -m benchmark.prm_pilot --experiments "${CELLS[@]}" --out benchmark/results/prm_pilot.md
+    python -m benchmark.registry plot --experiments "${CELLS[@]}" --metric eval/accuracy eval/num_steps \
+        --out benchmark/results/prm_pilot_step.png
+    exit 0
+fi
+
 # Issue 66's power plan for the PRM claims (docs/power_plan.md), remade from the committed runs: for each claim, the
 # per-seed paired values, the seeds the one verdict rule needs for 80% power at the observed mean and std, and the
 # minimum detectable effect at the seeds there are (benchmark/power.py); the 2026-11-26 set and today's (v65) set,

@@ -33,7 +33,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMITTED = "benchmark/results/"
 REMADE = ("table", "change", "paired", "perf", "plot", "frontier")
 # Claim checks and power plans from LABEL=GLOB --experiments, like table.
-CHECKS = ("benchmark.prm_checks", "benchmark.offpolicy", "benchmark.power")
+CHECKS = ("benchmark.prm_checks", "benchmark.prm_pilot", "benchmark.offpolicy", "benchmark.power")
 MEASUREMENTS = ("gpu_check.sh",)  # shell files that only measure on a GPU; nothing in them is remade here
 
 # `python` as a shell function: it appends its arguments (unit separators between, a record separator after) to
