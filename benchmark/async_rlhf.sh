@@ -18,8 +18,8 @@ source benchmark/python.sh  # `python` is the venv's
 # and RLOO at N = 16 (part 2's flags) and raised learning rates, for the stalest minibatch's approximate KL to the
 # sampler (policy/approxkl_last_minibatch; part 2's largest at lr 1e-5: 0.010) and the accuracy. 17-26 min a run
 # (one core of two, 2026-11-29/30).
-#   bash benchmark/async_rlhf.sh pilot66
-if [[ ${1:-} == pilot66 ]]; then
+#   bash benchmark/async_rlhf.sh stale_pilot
+if [[ ${1:-} == stale_pilot ]]; then
     # Round 1: both objectives at 3e-5 and 1e-4. At 1e-4 both collapse (held-out accuracy 0.096 and 0.245 from
     # 0.496); at 3e-5 online DPO's stalest KL is 0.284, RLOO's 0.022. Round 2: RLOO between the two.
     for lr in 3e-5 1e-4; do
@@ -32,7 +32,7 @@ if [[ ${1:-} == pilot66 ]]; then
             --rloo_k 2 --num_minibatches 16 --prompts_per_rank 32 --micro_batch_size 2 --total_steps 2 \
             --eval_every 0 --learning_rate "$lr" --exp_name "pilot66_rloo_lr${lr}_n16"
     done
-    OUT=benchmark/results/async_rlhf_pilot66
+    OUT=benchmark/results/async_rlhf_stale_pilot
     python -m benchmark.registry copy --out "$OUT" runs/arith_1d__pilot66_*__1__*
     EXPERIMENTS=()
     for lr in 3e-5 1e-4; do
@@ -43,18 +43,18 @@ if [[ ${1:-} == pilot66 ]]; then
     done
     python -m benchmark.registry table --experiments "${EXPERIMENTS[@]}" \
         --metrics policy/approxkl_last_minibatch eval/accuracy eval/score eval/ref_perplexity \
-        --out benchmark/results/async_rlhf_pilot66.md
+        --out benchmark/results/async_rlhf_stale_pilot.md
     exit 0
 fi
 
 # Issue 66, the sweep the pilot chose: part 2's design (N = 1 and 16, the same 32 updates on the same prompts) at one
 # learning rate per objective, each where its own stalest minibatch KL is >= 10x part 2's at lr 1e-5 (RLOO 0.0024,
 # the largest 0.010) and it still learns: online DPO at 3e-5 (pilot KL 0.284), RLOO at 6e-5 (0.146 at step 1, 0.029
-# at step 2). Seeds 1-4, seed-major; seed 1 at N = 16 is the pilot's run of the same flags (run pilot66 first),
+# at step 2). Seeds 1-4, seed-major; seed 1 at N = 16 is the pilot's run of the same flags (run stale_pilot first),
 # copied beside the others. The claim's check: benchmark.offpolicy (online DPO's drop from N = 1 to 16 the smaller).
 # ~20 min a run on one core of two.
-#   bash benchmark/async_rlhf.sh stale66
-if [[ ${1:-} == stale66 ]]; then
+#   bash benchmark/async_rlhf.sh stale
+if [[ ${1:-} == stale ]]; then
     for seed in 1 2 3 4; do
         for n in 1 16; do
             [[ $seed == 1 && $n == 16 ]] && continue
@@ -66,11 +66,11 @@ if [[ ${1:-} == stale66 ]]; then
                 --total_steps $((32/$n)) --eval_every 0 --learning_rate 6e-5 --exp_name "stale66_rloo_lr6e-5_n$n"
         done
     done
-    OUT=benchmark/results/async_rlhf_stale66
+    OUT=benchmark/results/async_rlhf_stale
     python -m benchmark.registry copy --out "$OUT" runs/arith_1d__stale66_*__[1-4]__* \
         runs/arith_1d__pilot66_dpo_lr3e-5_n16__1__* runs/arith_1d__pilot66_rloo_lr6e-5_n16__1__*
     python -m benchmark.offpolicy --experiments "online DPO=$OUT/arith_1d__*66_dpo_lr3e-5_n*" \
-        "RLOO=$OUT/arith_1d__*66_rloo_lr6e-5_n*" --out benchmark/results/offpolicy66
+        "RLOO=$OUT/arith_1d__*66_rloo_lr6e-5_n*" --out benchmark/results/offpolicy_stale
     exit 0
 fi
 

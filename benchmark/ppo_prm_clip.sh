@@ -15,10 +15,10 @@ cd "$(dirname "$0")/.."
 source benchmark/python.sh  # `python` is the venv's
 
 # The claims' set (docs/power_plan.md): the verifier PRM's five arms on the step verifier of 2026-11-29, seeds 1-4,
-# a fresh set never pooled with the committed 2026-11-26 runs: exp_name prm65_*, copies in ppo_prm_clip_v65/.
+# a fresh set never pooled with the committed 2026-11-26 runs: exp_name prm65_*, copies in ppo_prm_clip_claims/.
 # Seed-major; a run a stop interrupted resumes (--resume_unfinished). ~2 h a seed on 2 cores.
-#   bash benchmark/ppo_prm_clip.sh verifier65
-if [[ ${1:-} == verifier65 ]]; then
+#   bash benchmark/ppo_prm_clip.sh claims
+if [[ ${1:-} == claims ]]; then
     shift
     for seed in 1 2 3 4; do
         for mode in none raw clip delta clip_delta; do
@@ -26,7 +26,7 @@ if [[ ${1:-} == verifier65 ]]; then
                 --reward_mode "$mode" --save_every 10 --keep_checkpoints 1 --exp_name "prm65_$mode"
         done
     done
-    OUT=benchmark/results/ppo_prm_clip_v65
+    OUT=benchmark/results/ppo_prm_clip_claims
     python -m benchmark.registry copy --out "$OUT" runs/arith_2t3t1d__prm65_*__[1-4]__*
     EXPERIMENTS=()
     for mode in none raw clip delta clip_delta; do
@@ -34,10 +34,11 @@ if [[ ${1:-} == verifier65 ]]; then
     done
     python -m benchmark.registry table --experiments "${EXPERIMENTS[@]}" \
         --metrics eval/accuracy eval/num_steps eval/response_length eval/eos_fraction objective/num_steps \
-        --out benchmark/results/ppo_prm_clip_v65.md
+        --out benchmark/results/ppo_prm_clip_claims.md
     python -m benchmark.registry plot --experiments "${EXPERIMENTS[@]}" \
-        --metric eval/accuracy eval/num_steps objective/num_steps --out benchmark/results/ppo_prm_clip_v65_step.png
-    python -m benchmark.prm_checks --experiments "${EXPERIMENTS[@]}" --out benchmark/results/ppo_prm_clip_v65_checks.md
+        --metric eval/accuracy eval/num_steps objective/num_steps --out benchmark/results/ppo_prm_clip_claims_step.png
+    python -m benchmark.prm_checks --experiments "${EXPERIMENTS[@]}" \
+        --out benchmark/results/ppo_prm_clip_claims_checks.md
     exit 0
 fi
 
@@ -74,16 +75,16 @@ if [[ ${1:-} == pilot ]]; then
     exit 0
 fi
 
-# Issue 66's power plan for the PRM claims (docs/power_plan.md), remade from the committed runs: for each claim, the
+# The power plan for the PRM claims (docs/power_plan.md), remade from the committed runs: for each claim, the
 # per-seed paired values, the seeds the one verdict rule needs for 80% power at the observed mean and std, and the
-# minimum detectable effect at the seeds there are (benchmark/power.py); the 2026-11-26 set and today's (v65) set,
+# minimum detectable effect at the seeds there are (benchmark/power.py); the 2026-11-26 set and the claims' set,
 # never pooled. The fix against raw is one Holm family of three arms, as prm_checks' (d).
-#   bash benchmark/ppo_prm_clip.sh power66
-if [[ ${1:-} == power66 ]]; then
-    for set in verifier v65; do
+#   bash benchmark/ppo_prm_clip.sh power_plan
+if [[ ${1:-} == power_plan ]]; then
+    for set in verifier claims; do
         [ "$set" = verifier ] && RUNS=benchmark/results/ppo_prm_clip/arith_2t3t1d__prm_ ||
-            RUNS=benchmark/results/ppo_prm_clip_v65/arith_2t3t1d__prm65_
-        OUT=benchmark/results/power66/prm_$set
+            RUNS=benchmark/results/ppo_prm_clip_claims/arith_2t3t1d__prm65_
+        OUT=benchmark/results/power_plan/prm_$set
         python -m benchmark.power --experiments "none=${RUNS}none__*" "raw=${RUNS}raw__*" --baseline none \
             --metric eval/num_steps --ratio --at_least 1.5 --out "${OUT}_a_steps.md"
         python -m benchmark.power --experiments "none=${RUNS}none__*" "raw=${RUNS}raw__*" --baseline none \

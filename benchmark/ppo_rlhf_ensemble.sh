@@ -19,8 +19,8 @@ source benchmark/python.sh  # `python` is the venv's
 # (--data_seed k: each samples its own completions and pairs) and their seed, each trained with every training
 # label flipped with probability 0.25 (--label_noise; the held-out pairs keep the verifier's labels); step 6's
 # sampling command into its own folder (the same prompts and seed), scored by these members and analysed as step 6.
-#   bash benchmark/ppo_rlhf_ensemble.sh noisy66    # ~11 min a member, ~18 min sampling, ~32 min scoring (2 cores)
-if [[ ${1:-} == noisy66 ]]; then
+#   bash benchmark/ppo_rlhf_ensemble.sh noisy      # ~11 min a member, ~18 min sampling, ~32 min scoring (2 cores)
+if [[ ${1:-} == noisy ]]; then
     for k in 0 1 2 3 4; do
         [ -f "runs/reward_ensemble_noisy/member_$k/config.json" ] ||
             python reward_modeling.py --seed $(($k+1)) --data_seed $(($k+1)) --label_noise 0.25 \

@@ -157,9 +157,9 @@ SCRIPTS = {
         "with raw process rewards ({clip[seeds]} seeds; the claims' set, made with the step verifier of 2026-11-29, "
         "which read every decimal as rounded)",
         dict(
-            clip=(R + "ppo_prm_clip_v65/arith_2t3t1d__prm65_clip__*", "eval/accuracy"),
-            none=(R + "ppo_prm_clip_v65/arith_2t3t1d__prm65_none__*", "eval/accuracy"),
-            raw=(R + "ppo_prm_clip_v65/arith_2t3t1d__prm65_raw__*", "eval/accuracy"),
+            clip=(R + "ppo_prm_clip_claims/arith_2t3t1d__prm65_clip__*", "eval/accuracy"),
+            none=(R + "ppo_prm_clip_claims/arith_2t3t1d__prm65_none__*", "eval/accuracy"),
+            raw=(R + "ppo_prm_clip_claims/arith_2t3t1d__prm65_raw__*", "eval/accuracy"),
         ),
     ),
     "async_rlhf.py": (
@@ -179,7 +179,7 @@ SCRIPTS = {
         dict(
             t=(R + "grpo_tools/mul_2t3d__tools__*", "eval/accuracy"),
             n=(R + "grpo_tools/mul_2t3d__notool__*", "eval/accuracy"),
-            p=(R + "grpo_tools_issue67_price_one/price_list_one__issue67_price_one__*", "eval/accuracy"),
+            p=(R + "grpo_tools_price_list_one/price_list_one__issue67_price_one__*", "eval/accuracy"),
         ),
     ),
 }

@@ -1164,7 +1164,7 @@ def test_run_answers_calls_with_the_tool_the_flags_name(make_config, monkeypatch
     assert completions and all(f"{RESULT[0]}{output}{RESULT[1]}" in c for c in completions)
 
 
-def test_item4_tasks_hold_no_zero_product_and_no_3_term_training_question_starts_a_4_term_one():
+def test_chain_tasks_hold_no_zero_product_and_no_3_term_training_question_starts_a_4_term_one():
     """prepare_assets' mul_2t3t2d (train) and mul_4t2d (held out): no product with a factor 0 (KEEP), and the 4-term
     stream starts at its own seed (TASK_SEEDS; reasoning-gym's item i is Random(seed + i), so with the same seed a
     4-term question would begin with the 3 factors of a training one). The tasks built before are untouched."""

@@ -79,8 +79,8 @@ def test_every_committed_t_verdict_has_its_exact_sign_flip_p():
                 if "held**" in table or "inconclusive" in table:
                     assert "sign-flip p" in table, path
                     checked.append(path)
-    assert "benchmark/results/async_vs_sync_faster.md" in checked and "benchmark/results/offpolicy66.md" in checked
-    assert "benchmark/results/ppo_prm_clip_v65_checks.md" in checked and len(checked) > 20
+    assert "benchmark/results/async_vs_sync_faster.md" in checked and "benchmark/results/offpolicy_stale.md" in checked
+    assert "benchmark/results/ppo_prm_clip_claims_checks.md" in checked and len(checked) > 20
 
 
 @pytest.mark.slow
@@ -96,8 +96,8 @@ def test_make_tables_reads_the_named_blocks_and_remakes_the_claim_checks():
     assert remade["benchmark/results/ppo_prm_clip_verifier_checks.md"][1][1] == "benchmark.prm_checks"
     assert remade["benchmark/results/offpolicy.md"][1][1] == "benchmark.offpolicy"
     assert remade["benchmark/results/async_vs_sync_faster.md"][1][-4:-2] == ["--at_most", "0"]
-    # grpo_tools.sh issue57_item4_3t: a named block's table.
-    assert remade["benchmark/results/grpo_tools_issue57_item4_3t.md"][0] == "grpo_tools.sh"
+    # grpo_tools.sh chain_3t: a named block's table.
+    assert remade["benchmark/results/grpo_tools_chain_3t.md"][0] == "grpo_tools.sh"
 
 
 def test_make_tables_fails_when_a_committed_table_differs(monkeypatch):
@@ -175,7 +175,7 @@ def test_the_async_verdicts_carry_their_caveats_and_the_caveats_hold():
         ("online DPO, lr 3e-5", "*66_dpo_lr3e-5_n16__*"),
         ("RLOO, lr 6e-5", "*66_rloo_lr6e-5_n16__*"),
     ):
-        found = registry.find_runs(os.path.join(REPO_ROOT, "benchmark/results/async_rlhf_stale66", pattern))
+        found = registry.find_runs(os.path.join(REPO_ROOT, "benchmark/results/async_rlhf_stale", pattern))
         cells = []
         for run in found:
             kl = registry.metric_series(run["lines"], "policy/approxkl_last_minibatch")[1]
