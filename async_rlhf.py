@@ -377,8 +377,8 @@ def async_dpo_loss(logprobs, mask, ref_sequence_logps, sampler_logprobs, keep, n
 
 
 def truncated_importance_weights(logprobs, sampler_logprobs, cap):
-    """Truncated importance sampling (Yao et al., "Your Efficient RL Framework Secretly Brings You Off-Policy RL
-    Training", 2025): a token the inference engine sampled weighs min(pi / pi_sampler, cap). [B, R] -> [B, R]"""
+    """Truncated importance sampling (Yao et al., 2025): a token the inference engine sampled weighs min(pi /
+    pi_sampler, cap). [B, R] -> [B, R]"""
     return torch.clamp(torch.exp(logprobs - sampler_logprobs), max=cap)
 
 
@@ -400,9 +400,8 @@ def rloo_advantages(rewards, k):
 
 
 def clipped_surrogate(logprobs, old_logprobs, advantages, clip_eps_low, clip_eps_high):
-    """Per-token PPO/GRPO policy loss -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A).
-    logprobs, old_logprobs: [B, R]; advantages: [B] (one per completion, shared by its tokens).
-    Returns (loss [B, R], ratio [B, R])."""
+    """PPO's per-token loss -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A). logprobs, old_logprobs [B, R],
+    advantages [B]. Returns (loss, ratio), each [B, R]."""
     ratio, adv = torch.exp(logprobs - old_logprobs), advantages.unsqueeze(1)
     return -torch.min(ratio * adv, torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high) * adv), ratio
 
@@ -444,8 +443,8 @@ def masked_mean(values, mask, dim=None):
 
 
 def kl_estimate(logprobs, ref_logprobs, kind):
-    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman, "Approximating KL divergence").
-    k1 = log r, k2 = (log r)^2 / 2, k3 = exp(-log r) + log r - 1, with log r = logprobs - ref_logprobs."""
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman, "Approximating KL divergence"), with log r
+    = logprobs - ref_logprobs: k1 = log r, k2 = (log r)^2 / 2, k3 = exp(-log r) + log r - 1."""
     log_ratio = logprobs - ref_logprobs
     if kind == "k1":
         return log_ratio
@@ -462,10 +461,9 @@ def logprobs_from_logits(logits, labels):
 
 
 def response_logprobs(model, input_ids, attention_mask, context_length, temperature, packed=None):
-    """Log-probs of the response tokens input_ids[:, context_length:] under `model`, and the logits that gave them.
-    Prompts are left-padded, so positions are counted from each sequence's first real token. packed (--shared_prompt:
-    shared_prompt_logits) computes the same logits with each prompt once per group, or returns None where it does not
-    apply. Returns (logprobs [B, R], logits [B, R, V]) with logits divided by the sampling temperature."""
+    """Log-probs of the response tokens input_ids[:, context_length:] and the logits, divided by the temperature, that
+    gave them: [B, P + R] -> ([B, R], [B, R, V]). Prompts are left-padded: positions count from each row's first real
+    token. packed (--shared_prompt) computes the same logits with each prompt once per group."""
     logits = packed(model, input_ids, attention_mask, context_length) if packed else None
     if logits is None:
         position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
@@ -499,10 +497,9 @@ def token_scores(model, score_head, input_ids, attention_mask):
 
 
 def training_batch(prompts, n, responses, mask, sampler_logprobs, pad_token_id, device):
-    """The rollout as the trainer's input: each prompt (left-padded) repeated for its n consecutive completions, then
-    the responses cut to the longest one (nothing after it is computed). responses, mask, sampler_logprobs [B, R].
-    Returns query_responses [B, P + R'], attention_mask [B, P + R'] (0 on padding and after the first EOS),
-    mask [B, R'], sampler_logprobs [B, R'] (or None) on `device`, and P, the prompts' padded length."""
+    """The rollout as the trainer's input: each prompt left-padded to P and repeated for its n completions, the
+    responses cut to the longest one. responses, mask, sampler_logprobs [B, R] -> query_responses, attention_mask [B, P
+    + R'] (0 on padding and after EOS), mask, sampler_logprobs [B, R'] on `device`, and P."""
     width = max(1, int(mask.sum(1).max()))
     responses, mask = responses[:, :width], mask[:, :width].to(device)
     if sampler_logprobs is not None:
@@ -534,10 +531,9 @@ NUMBER = r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?"  # 12, -1,234.5, .5, 3
 
 
 def extract_answer(text):
-    """The final answer of a completion: the first number after the last 'Answer:' (its whole line if it has
-    none), else the last number in the text, else None. When that number starts an equation on its line (numbers
-    and operators, then '=': "9 * 6 = 54", "9 x 6 = 54 = 50 + 4"), the answer is the last side of the equation that
-    is a lone number (54 in both). LaTeX fractions are read as a/b, a Unicode minus as '-'."""
+    """The final answer of a completion: the first number after the last 'Answer:' (its whole line if none), else the
+    last number, else None. A number that starts an equation ("9 * 6 = 54") gives the equation's last lone number.
+    LaTeX fractions read as a/b, a Unicode minus as '-'."""
     text = re.sub(r"\\d?frac\{(-?\d+)\}\{(\d+)\}", r"\1/\2", text).replace("\u2212", "-")
     if "Answer:" in text:
         tail = text.rsplit("Answer:", 1)[1]
@@ -1224,8 +1220,8 @@ def _require_prompts(prompts, needed, where, max_prompt_length):
 
 
 class Run:
-    """The run folder {output_dir}/{run_name}: config.json, metrics.jsonl, samples.jsonl, accelerate's TensorBoard and
-    wandb trackers, checkpoints (written to step_N.tmp, renamed step_N once complete), and --resume from the latest.
+    """A run: its folder {output_dir}/{run_name} with config.json (--resume continues one: every flag that changes the
+    numbers must match), its Logs and Checkpoints, each step's metrics and statistics, and the checks that stop it.
     Made on every process, written by the main one. Sets args.run_name ({task}__{exp_name}__{seed}__{unix_time}, the
     time from rank 0, with a suffix if that folder exists) and args.world_size."""
 
@@ -1240,10 +1236,13 @@ class Run:
                 name = _new_run_folder(args.output_dir, f"{task}__{args.exp_name}__{args.seed}__{int(time.time())}")
             args.run_name = broadcast_object_list([name])[0]
             self.dir = os.path.join(args.output_dir, args.run_name)
+        else:
+            self.dir = os.path.normpath(args.resume)
+        self.checkpoints = Checkpoints(accelerator, os.path.join(self.dir, "checkpoints"), args.keep_checkpoints)
+        if args.resume is None:
             return
-        self.dir = os.path.normpath(args.resume)  # the same run: every argument that changes the numbers must match
         _require(os.path.isfile(os.path.join(self.dir, "config.json")), f"--resume {self.dir} has no config.json")
-        _require(self.checkpoints(), f"--resume {self.dir} has no finished checkpoint to continue from")
+        _require(self.checkpoints.finished(), f"--resume {self.dir} has no finished checkpoint to continue from")
         with open(os.path.join(self.dir, "config.json")) as f:
             saved = json.load(f)["args"]
         for key, value in asdict(args).items():
@@ -1251,54 +1250,19 @@ class Run:
                 _fail(f"--{key} is {value!r} but the run being resumed used {saved[key]!r}")
         args.run_name = saved["run_name"]
 
-    def checkpoints(self):
-        """The finished checkpoints (step_N, not step_N.tmp), oldest first."""
-        folder = os.path.join(self.dir, "checkpoints")
-        names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
-        return [os.path.join(folder, name) for name in names if name.startswith("step_") and "." not in name]
-
     def start(self, launch_info):
-        """Load --resume's latest checkpoint (weights, optimizer, scheduler, every process's RNG state) and drop the
-        log lines written after it; open the logs; launch_info goes to config.json. Returns the first step."""
-        step, args = 0, self.args
+        """Load --resume's latest checkpoint, write config.json (with launch_info) on a new run, and open the logs
+        (dropping lines written after the checkpoint). Returns the first step."""
+        step, args, config = 0, self.args, asdict(self.args)
         if args.resume is not None:
-            *earlier, latest = self.checkpoints()
-            try:  # a checkpoint is complete once renamed; a file damaged since gives one line, not a traceback
-                self.accelerator.load_state(latest)
-                with open(os.path.join(latest, "trainer_state.json")) as f:
-                    state = json.load(f)
-            except Exception as error:
-                hint = f"; if a file is damaged, delete it to resume from {earlier[-1]}" if earlier else ""
-                _fail(
-                    f"checkpoint {latest} does not load ({type(error).__name__}: {' '.join(str(error).split())}){hint}"
-                )
-            step, self.episode, self.last_checkpoint = state["global_step"], state["episode"], latest
-            self.accelerator.print(f"resumed {self.dir} from {latest} at step {step}")
-        if self.accelerator.is_main_process:
-            config = asdict(args)
-            if args.resume is None:
-                info = dict(
-                    git_sha=_git_sha(), distributed_type=self.accelerator.distributed_type.value, **launch_info
-                )
-                with open(os.path.join(self.dir, "config.json"), "w") as f:
-                    json.dump({"args": config, **info}, f, indent=2)
-            for name in ("metrics.jsonl", "samples.jsonl"):  # drop what was logged after the checkpoint
-                _truncate_jsonl(os.path.join(self.dir, name), step)
-            self.metrics_file = open(os.path.join(self.dir, "metrics.jsonl"), "a")
-            trackers = [TensorBoardTracker("tensorboard", self.dir)]  # accelerate's: accelerator.log, end_training
-            if args.track:
-                tags = [*args.wandb_tags, _git_sha()[:12] or "no-git"]
-                wandb = dict(entity=args.wandb_entity, id=args.run_name, name=args.run_name, resume="allow", tags=tags)
-                trackers.append(WandBTracker(args.wandb_project_name, dir=self.dir, **wandb))
-            hparams = {k: v if isinstance(v, (int, float, str)) else str(v) for k, v in config.items()}  # TensorBoard
-            for tracker in trackers:
-                tracker.start()
-                tracker.store_init_configuration(config if tracker.name == "wandb" else hparams)
-            self.accelerator.trackers = trackers
-        self.t_start = time.time()
-        self.progress = tqdm(
-            total=args.total_steps, initial=step, desc=args.exp_name, disable=not self.accelerator.is_main_process
-        )
+            state, self.last_checkpoint = self.checkpoints.load_latest()
+            step, self.episode = state["global_step"], state["episode"]
+            self.accelerator.print(f"resumed {self.dir} from {self.last_checkpoint} at step {step}")
+        if self.accelerator.is_main_process and args.resume is None:
+            info = dict(git_sha=_git_sha(), distributed_type=self.accelerator.distributed_type.value, **launch_info)
+            with open(os.path.join(self.dir, "config.json"), "w") as f:
+                json.dump({"args": config, **info}, f, indent=2)
+        self.logs = Logs(args, self.accelerator, self.dir, config, step)
         return step
 
     def begin_step(self, step):
@@ -1348,26 +1312,31 @@ class Run:
                     yield _MicroBatch(update, epoch, minibatch, rows, first == 0, last)
                 update += 1
 
-    def optimizer_step(self, model, optimizer, scheduler, prefix="policy/", max_skipped=30):
-        """One update: clip the gradients (_clip_gradients), step the optimizer, then the learning-rate schedule when
-        the update was taken (it counts updates taken: fp16's loss scaler skips an overflowing one), and zero the
-        gradients. Adds prefix + grad_norm (NaN when skipped or unknown) and prefix + skipped_updates to the step's
-        stats; the step's lr is this update's (the step's last). max_skipped updates skipped in a row stop the run, as
-        DeepSpeed stops at its minimum scale, instead of saving untrained weights as a trained model: fp16's scale
-        starts at 2^16 and halves at each skip (DeepSpeed's at every other one at first), so 30 take it below 1, where
-        an overflow is the gradients' own, not the scale's."""
-        grad_norm = _clip_gradients(self.accelerator, model, self.args.max_grad_norm, self.step, self.last_checkpoint)
-        self.metrics["lr"] = scheduler.get_last_lr()[0]
+    def optimizer_step(self, model, optimizer, scheduler, prefix="policy/"):
+        """One update, for a loop that does not write its own: clip_gradients, the optimizer's step, the schedule's
+        (when the update was taken), zero the gradients, count_update."""
+        grad_norm, lr = self.clip_gradients(model), scheduler.get_last_lr()[0]
         optimizer.step()
-        skipped = (
-            self.accelerator.optimizer_step_was_skipped
-        )  # the scaler's verdict (accelerate's GradScaler or DeepSpeed's)
+        if not self.accelerator.optimizer_step_was_skipped:
+            scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        self.count_update(grad_norm, lr, prefix)
+
+    def clip_gradients(self, model):
+        """Clip the gradients to --max_grad_norm; returns their global norm (_clip_gradients: NaN for an update that
+        fp16's loss scaler will skip; a non-finite norm elsewhere stops the run)."""
+        return _clip_gradients(self.accelerator, model, self.args.max_grad_norm, self.step, self.last_checkpoint)
+
+    def count_update(self, grad_norm, lr, prefix="policy/", max_skipped=30):
+        """After optimizer.step(): the step's lr (the update's), prefix + grad_norm (NaN when skipped) and prefix +
+        skipped_updates. max_skipped updates skipped in a row stop the run, as DeepSpeed stops at its minimum scale:
+        fp16's scale starts at 2^16 and halves at each skip, so 30 take it below 1, where an overflow is the
+        gradients' own."""
+        skipped = self.accelerator.optimizer_step_was_skipped  # the scaler's verdict (accelerate's or DeepSpeed's)
+        self.metrics["lr"] = lr
         self.add(
             {f"{prefix}grad_norm": math.nan if skipped else grad_norm, f"{prefix}skipped_updates": float(skipped)}
         )
-        if not skipped:
-            scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
         self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
         if self.skipped_in_a_row >= max_skipped:  # the same on every process: the gradients are the synchronised ones
             precision = {"no": "fp32"}.get(self.accelerator.mixed_precision, self.accelerator.mixed_precision)
@@ -1395,41 +1364,16 @@ class Run:
         self.log(self.step + 1, metrics | evaluation, samples)
         if self.due(self.args.save_every):
             self.save_checkpoint(self.step + 1)
-        self.progress.update()
+        self.logs.progress.update()
         return metrics | evaluation
 
     def log(self, step, metrics, samples=()):
         """One line of metrics.jsonl (and TensorBoard, wandb) for this step; samples go to samples.jsonl."""
-        if not self.accelerator.is_main_process:
-            return
-        if step == 0:  # the evaluation before training, on the console too
-            print(" | ".join(f"{name} {value:.4g}" for name, value in metrics.items()))
-        line = {"global_step": step, "episode": self.episode, "time": time.time() - self.t_start, **metrics}
-        self.metrics_file.write(json.dumps(line) + "\n")
-        self.metrics_file.flush()
-        self.accelerator.log(metrics, step=step)
-        if samples:
-            with open(os.path.join(self.dir, "samples.jsonl"), "a") as f:
-                f.writelines(json.dumps(s) + "\n" for s in samples)
+        self.logs.write(step, self.episode, metrics, samples)
 
     def save_checkpoint(self, step):
-        """accelerate's state of every process and trainer_state.json go to step_N.tmp, renamed step_N once complete;
-        the newest keep_checkpoints stay."""
-        final = os.path.join(self.dir, "checkpoints", f"step_{step:06d}")
-        if self.accelerator.is_main_process:
-            shutil.rmtree(final + ".tmp", ignore_errors=True)
-        self.accelerator.wait_for_everyone()
-        self.accelerator.save_state(final + ".tmp")
-        self.accelerator.wait_for_everyone()  # every process has written its RNG state
-        if self.accelerator.is_main_process:
-            with open(os.path.join(final + ".tmp", "trainer_state.json"), "w") as f:
-                json.dump({"global_step": step, "episode": self.episode}, f)
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(final + ".tmp", final)
-            for old in self.checkpoints()[: -self.args.keep_checkpoints]:
-                shutil.rmtree(old)
-        self.accelerator.wait_for_everyone()
-        self.last_checkpoint = final
+        """Checkpoints.save at this step, with the episode count to resume from."""
+        self.last_checkpoint = self.checkpoints.save(step, {"global_step": step, "episode": self.episode})
 
     def save_models(self, model, tokenizer, parts=(("model", None),)):
         """The trained model as a Hugging Face folder in the run folder (the LoRA adapter alone when --lora_r > 0); a
@@ -1450,10 +1394,8 @@ class Run:
         wrote the final model was seen to abort it); a vLLM engine's shutdown may have destroyed the group already."""
         if torch.distributed.is_initialized():
             self.accelerator.wait_for_everyone()
-        if self.accelerator.is_main_process:
-            self.metrics_file.close()
-        self.progress.close()
-        self.accelerator.print(f"done in {time.time() - self.t_start:.0f}s: {self.dir}")
+        self.logs.close()
+        self.accelerator.print(f"done in {time.time() - self.logs.t_start:.0f}s: {self.dir}")
         self.accelerator.end_training()
 
 
@@ -1467,12 +1409,97 @@ def _new_run_folder(output_dir, name):
             return candidate
 
 
+class Checkpoints:
+    """A run's checkpoints, {folder}/step_N: accelerate's state of every process (weights, optimizer, scheduler, RNG
+    states) and trainer_state.json, written to step_N.tmp and renamed step_N once complete; the newest `keep` stay."""
+
+    def __init__(self, accelerator, folder, keep):
+        self.accelerator, self.folder, self.keep = accelerator, folder, keep
+
+    def finished(self):
+        """The finished checkpoints (step_N, not step_N.tmp), oldest first."""
+        names = sorted(os.listdir(self.folder)) if os.path.isdir(self.folder) else []
+        return [os.path.join(self.folder, name) for name in names if name.startswith("step_") and "." not in name]
+
+    def load_latest(self):
+        """Load the latest finished checkpoint on every process. Returns (its trainer_state.json, its path)."""
+        *earlier, latest = self.finished()
+        try:  # a checkpoint is complete once renamed; a file damaged since gives one line, not a traceback
+            self.accelerator.load_state(latest)
+            with open(os.path.join(latest, "trainer_state.json")) as f:
+                return json.load(f), latest
+        except Exception as error:
+            hint = f"; if a file is damaged, delete it to resume from {earlier[-1]}" if earlier else ""
+            _fail(f"checkpoint {latest} does not load ({type(error).__name__}: {' '.join(str(error).split())}){hint}")
+
+    def save(self, step, state):
+        """Write step_N (state: trainer_state.json) from every process; returns its path."""
+        final = os.path.join(self.folder, f"step_{step:06d}")
+        if self.accelerator.is_main_process:
+            shutil.rmtree(final + ".tmp", ignore_errors=True)
+        self.accelerator.wait_for_everyone()
+        self.accelerator.save_state(final + ".tmp")
+        self.accelerator.wait_for_everyone()  # every process has written its RNG state
+        if self.accelerator.is_main_process:
+            with open(os.path.join(final + ".tmp", "trainer_state.json"), "w") as f:
+                json.dump(state, f)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(final + ".tmp", final)
+            for old in self.finished()[: -self.keep]:
+                shutil.rmtree(old)
+        self.accelerator.wait_for_everyone()
+        return final
+
+
 def _git_sha():
     try:
         cwd = os.path.dirname(os.path.abspath(__file__))
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True).stdout.strip()
     except OSError:
         return ""
+
+
+class Logs:
+    """A run's logs, written by the main process from `step` on (later lines of an earlier launch dropped):
+    metrics.jsonl, samples.jsonl, accelerate's TensorBoard and wandb trackers; and the progress bar."""
+
+    def __init__(self, args, accelerator, folder, config, step):
+        self.accelerator, self.folder, self.main = accelerator, folder, accelerator.is_main_process
+        if self.main:
+            for name in ("metrics.jsonl", "samples.jsonl"):
+                _truncate_jsonl(os.path.join(folder, name), step)
+            self.metrics_file = open(os.path.join(folder, "metrics.jsonl"), "a")
+            trackers = [TensorBoardTracker("tensorboard", folder)]  # accelerate's: accelerator.log, end_training
+            if args.track:
+                tags = [*args.wandb_tags, _git_sha()[:12] or "no-git"]
+                wandb = dict(entity=args.wandb_entity, id=args.run_name, name=args.run_name, resume="allow", tags=tags)
+                trackers.append(WandBTracker(args.wandb_project_name, dir=folder, **wandb))
+            hparams = {k: v if isinstance(v, (int, float, str)) else str(v) for k, v in config.items()}  # TensorBoard
+            for tracker in trackers:
+                tracker.start()
+                tracker.store_init_configuration(config if tracker.name == "wandb" else hparams)
+            accelerator.trackers = trackers
+        self.t_start = time.time()
+        self.progress = tqdm(total=args.total_steps, initial=step, desc=args.exp_name, disable=not self.main)
+
+    def write(self, step, episode, metrics, samples=()):
+        """One line of metrics.jsonl (and the trackers); samples go to samples.jsonl."""
+        if not self.main:
+            return
+        if step == 0:  # the evaluation before training, on the console too
+            print(" | ".join(f"{name} {value:.4g}" for name, value in metrics.items()))
+        line = {"global_step": step, "episode": episode, "time": time.time() - self.t_start, **metrics}
+        self.metrics_file.write(json.dumps(line) + "\n")
+        self.metrics_file.flush()
+        self.accelerator.log(metrics, step=step)
+        if samples:
+            with open(os.path.join(self.folder, "samples.jsonl"), "a") as f:
+                f.writelines(json.dumps(sample) + "\n" for sample in samples)
+
+    def close(self):
+        if self.main:
+            self.metrics_file.close()
+        self.progress.close()
 
 
 def _truncate_jsonl(path, last_step):

@@ -1,26 +1,16 @@
-"""GRPO on math with verifiable rewards: a single-file reference implementation.
+"""GRPO on math with verifiable rewards, in one file.
 
-Group Relative Policy Optimization (Shao et al., "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in
-Open Language Models", arXiv 2402.03300), with the options of DAPO (Yu et al., arXiv 2503.14476: clip-higher,
-token-mean loss, dynamic sampling, overlong shaping), Dr. GRPO (Liu et al., arXiv 2503.20783: no std scaling,
-constant normalizer), GSPO (sequence-level ratios, arXiv 2507.18071) and CISPO (clipped IS weights, 2506.13585).
+Group Relative Policy Optimization (Shao et al., arXiv 2402.03300) with the options of DAPO (arXiv 2503.14476), Dr.
+GRPO (2503.20783), GSPO (2507.18071) and CISPO (2506.13585). For each prompt the policy samples a group of G
+completions; a verifier gives each a reward (1 for the right final answer, else 0); a completion's advantage is its
+reward minus its group's mean, optionally over a std, on each of its tokens in a PPO-style clipped surrogate.
 
-For every prompt the policy samples a group of G completions. A verifier gives each one a reward (1 if its final
-answer is right, else 0). The advantage of a completion is its reward relative to its group, A_i = r_i - mean(r),
-optionally divided by a std; every token of the completion gets that advantage in a PPO-style clipped surrogate.
-No value model, no learned reward.
-
-Run on CPU with the embedded defaults (SmolLM2-135M-Instruct, a reasoning-gym task; `make train` runs this):
-    python grpo_math.py
+    python grpo_math.py                            # CPU: the embedded SmolLM2-135M-Instruct and task (`make train`)
     python grpo_math.py --no-vllm                  # Hugging Face generate instead of vLLM
-Run on GPUs (one vLLM engine per process, colocated with the trainer):
     accelerate launch --num_processes 8 grpo_math.py --model_name_or_path Qwen/Qwen2.5-Math-1.5B-Instruct \
         --dataset_path openai/gsm8k --dataset_config main --dtype bfloat16 --response_length 512
-    accelerate launch --config_file benchmark/accelerate_configs/deepspeed_zero2.yaml grpo_math.py ...
-Two processes on CPU (gloo): accelerate launch --multi_gpu --num_processes 2 grpo_math.py --no-vllm
 
-Read down to the line "PLUMBING": the arguments, main() with the training loop, then the math and the reward it calls
-are the algorithm.
+Above the PLUMBING line: the flags, main() with the loop, the math and the reward. docs/grpo_math.md explains them.
 """
 
 import collections
@@ -57,11 +47,11 @@ class Args:
     total_steps: int = 30
     """number of rollout + update steps"""
     prompts_per_rank: int = 4
-    """prompts sampled per step by each process (4 rather than 2: docs/grpo_math.md)"""
+    """prompts sampled per step by each process"""
     num_generations: int = 8
     """G, completions per prompt (the group)"""
     oversample: int = 1
-    """DAPO dynamic sampling: sample oversample x the prompts, train on groups whose rewards differ first (1: off)"""
+    """DAPO dynamic sampling: sample oversample x the prompts, train on the groups whose rewards differ first"""
     micro_batch_size: int = 8
     """completions per forward/backward pass"""
     num_minibatches: int = 1
@@ -79,30 +69,26 @@ class Args:
     clip_eps_high: Optional[float] = None
     """ratio clip above 1 + eps_high (None: 0.2, GSPO's 4e-4 at the sequence level; DAPO clip-higher: 0.28)"""
     beta: Optional[float] = None
-    """coefficient of the KL to the reference in the loss (0: no reference is loaded; None: 0.04 as in the GRPO paper,
-    0 at the sequence level: GSPO's objective has no KL term)"""
+    """coefficient of the KL to the reference in the loss (0: no reference is loaded; None: 0.04, 0 with GSPO)"""
     kl_estimator: Literal["k2", "k3"] = "k3"
     """per-token KL estimator in the loss: k3's gradient is that of KL(pi_ref || pi), k2's of KL(pi || pi_ref)"""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """divide centred rewards by the group std (GRPO), the batch std, or nothing (Dr. GRPO)"""
     loss_type: Optional[Literal["token_mean", "seq_mean_token_mean", "constant"]] = None
-    """loss aggregation: mean over all tokens (DAPO), mean of per-sequence means (GRPO), or sum / (B * L) (Dr. GRPO)
-    (None: token_mean; seq_mean_token_mean, GSPO's, at the sequence level)"""
+    """mean over all tokens (DAPO), of per-sequence means (GRPO, GSPO), or sum / (B * L) (Dr. GRPO); None: token_mean,
+    or GSPO's at the sequence level"""
     format_reward: float = 0.0
     """added to the reward of a completion that states its answer after 'Answer:'"""
     tis_cap: Optional[float] = None
-    """truncated importance sampling for vLLM samples: weight tokens by min(pi_train / pi_vllm, cap) (None: 2.0, or
-    no cap with --mis_range: the kept tokens carry the ratio itself; 0: off)"""
+    """truncated IS for vLLM samples: weight tokens by min(pi_train / pi_vllm, cap) (None: 2, or no cap with
+    --mis_range; 0: off)"""
     mis_range: Optional[tuple[float, float]] = None
     """masked importance sampling (IcePop) for vLLM samples: drop tokens whose pi_train / pi_vllm is outside it"""
     mis_level: Optional[Literal["token", "sequence", "geometric"]] = None
-    """the ratio pi_old / pi_vllm that --mis_range masks (None: token; refused without --mis_range): each token's
-    (IcePop; TRL's token_mask), its sequence's likelihood ratio, the product of its token ratios (TRL's sequence_mask,
-    verl's rollout_is_level sequence), or their geometric mean (verl v0.6.0's rollout_is_level geometric; verl has
-    since made it a rejection rule, which also takes the tokens out of the loss's denominator: docs/grpo_math.md)"""
+    """the ratio pi_old / pi_vllm that --mis_range masks: each token's (None), its sequence's likelihood ratio, or the
+    geometric mean of its token ratios"""
     importance_sampling_level: Literal["token", "sequence"] = "token"
-    """sequence: every ratio is its sequence's geometric mean of token ratios, clipped per sequence (GSPO; brings
-    GSPO's clip range and aggregation unless they are set)"""
+    """sequence: each ratio is its sequence's geometric mean of token ratios (GSPO, with its clip range and loss)"""
     cispo_cap: Optional[float] = None
     """CISPO (MiniMax-M1): weight each token's log-prob gradient by min(ratio, cap), detached; None: PPO's clip"""
     overlong_buffer: int = 0
@@ -140,12 +126,9 @@ class Args:
 
 
 def resolve_defaults(args):
-    """What None means for the flags whose default depends on another (config.json records the result): at the
-    sequence level GSPO's clip range 3e-4 / 4e-4, its mean of sequence losses (arXiv 2507.18071, Sec. 5.1: with a
-    token mean a sequence weighs by its length, and a 0.2 clip hardly ever binds on a geometric-mean ratio) and no KL
-    term (beta 0, as in the paper's objective and TRL's GSPO recipe), else 0.2 / 0.2, the token mean and beta 0.04;
-    truncated IS at cap 2 unless a mask range is given (IcePop: the kept tokens carry their ratio), and a mask range
-    at the token level."""
+    """Fill the flags whose None depends on another (config.json records the result): at the sequence level GSPO's clip
+    range 3e-4 / 4e-4, its mean of sequence losses and no KL term (arXiv 2507.18071, Sec. 5.1), else 0.2 / 0.2, the
+    token mean and beta 0.04; truncated IS at cap 2, or with --mis_range no cap and the token level."""
     gspo = args.importance_sampling_level == "sequence"
     defaults = dict(clip_eps_low=3e-4 if gspo else 0.2, clip_eps_high=4e-4 if gspo else 0.2)
     defaults |= dict(loss_type="seq_mean_token_mean" if gspo else "token_mean", beta=0.0 if gspo else 0.04)
@@ -162,8 +145,8 @@ def resolve_defaults(args):
 
 
 def main(args: "Config"):
-    # Setup: flags checked, processes, data, models, sampler, run folder (the helpers are below the fence).
-    accelerator, tokenizer = setup(args, check_args(args))  # one-line errors first (check_args fills GSPO's defaults)
+    # Setup (the helpers are below the fence): the flags' one-line errors first, then processes, data and models.
+    accelerator, tokenizer = setup(args, check_args(args))
     rank, world_size, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     G = args.num_generations  # the group size
     train_prompts, train_golds, eval_sets = load_math_prompts(args, tokenizer, world_size)
@@ -171,12 +154,12 @@ def main(args: "Config"):
     model, ref_model = load_policy_and_reference(args, accelerator, tokenizer.pad_token_id, args.beta > 0)
     trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay, eps=1e-8)
-    schedule = "constant_with_warmup" if args.lr_scheduler == "constant" else args.lr_scheduler  # after warmup_steps
+    schedule = "constant_with_warmup" if args.lr_scheduler == "constant" else args.lr_scheduler
     num_updates = args.total_steps * args.num_iterations * args.num_minibatches
     scheduler = get_scheduler(schedule, optimizer, args.warmup_steps, num_updates)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     sampler = Sampler(args, accelerator, accelerator.unwrap_model(model), tokenizer)
-    loss_flags = dict(  # grpo_loss's flags (it takes tensors and scalars, not args)
+    loss_flags = dict(
         importance_sampling_level=args.importance_sampling_level, clip_eps_low=args.clip_eps_low,
         clip_eps_high=args.clip_eps_high, cispo_cap=args.cispo_cap, mis_range=args.mis_range, mis_level=args.mis_level,
         tis_cap=args.tis_cap, entropy_coef=args.entropy_coef, beta=args.beta, kl_estimator=args.kl_estimator,
@@ -193,8 +176,7 @@ def main(args: "Config"):
 
     for step in range(start_step, args.total_steps):
         metrics = run.begin_step(step)
-        # 1. Prompts: each process takes its slice of a global order that is a function of (seed, step), so that
-        # --resume repeats it (oversample times as many prompts with dynamic sampling).
+        # 1. Prompts: this process's slice of an order that is a function of (seed, step), so --resume repeats it.
         num_sampled = args.prompts_per_rank * args.oversample
         indices = run.prompt_indices(step, num_sampled, len(train_prompts))
         prompts, golds = [train_prompts[i] for i in indices], [train_golds[i] for i in indices for _ in range(G)]
@@ -204,15 +186,14 @@ def main(args: "Config"):
             responses, mask, sampler_logprobs, texts = sampler.generate(prompts, G, args.temperature)
         metrics["perf/generation_tokens_per_second"] = mask.sum().item() / metrics["time/generation"]
 
-        # 3. Rewards from the verifier. The objective/ metrics describe everything sampled.
+        # 3. Rewards from the verifier.
         with run.timed("time/reward"):
             rewards, correct, formatted = compute_rewards(texts, golds, args.format_reward)
-        if args.overlong_buffer:  # DAPO's soft overlong punishment
+        if args.overlong_buffer:
             rewards = rewards + overlong_penalty(mask.sum(1), args.response_length, args.overlong_buffer)
         run.check(rewards, "objective/scores")
         metrics |= rollout_metrics(rewards, correct, formatted, responses, mask, G, sampler.stop_ids)
-        if args.oversample > 1:  # dynamic sampling: train on prompts_per_rank groups, those with a signal first; the
-            # signal is accuracy (DAPO), not the length shaping, which separates completions of any group [B]
+        if args.oversample > 1:  # dynamic sampling keeps groups with a signal in accuracy, not in length shaping
             keep = select_groups(correct, G, args.prompts_per_rank)
             responses, mask, rewards, correct = responses[keep], mask[keep], rewards[keep], correct[keep]
             sampler_logprobs = take(sampler_logprobs, keep)
@@ -222,16 +203,15 @@ def main(args: "Config"):
             prompts, G, responses, mask, sampler_logprobs, tokenizer.pad_token_id, device
         )
         sampled_mask = mask  # every sampled token, for the diagnostics
-        if args.overlong_filtering:  # DAPO: completions cut at response_length (no stop token) leave the loss
+        if args.overlong_filtering:
             mask = mask * stopped(query_responses[:, context_length:], mask, sampler.stop_ids)
 
-        # 4. Advantages, each completion against its own group, on every process's rewards together (gather keeps
-        # rank order) so that scale_rewards="batch" uses the whole batch's std. [B]
+        # 4. Advantages, each completion against its group; gathered over processes (rank order) for "batch". [B]
         all_rewards = accelerator.gather(rewards.to(device))  # [world_size * B]
         advantages = group_advantages(all_rewards, G, args.scale_rewards).view(world_size, -1)[rank]
 
-        # 5. Log-probs that stay fixed during the update [B, R]: the old policy's (only when the batch is reused, else
-        # the first pass is exactly on-policy); the reference's under the policy's autocast (KL 0 before any update).
+        # 5. Log-probs fixed during the update [B, R]: the old policy's, needed only when the batch is reused (else the
+        # first pass is exactly on-policy), and the reference's under the policy's autocast (KL 0 before any update).
         t_train = time.time()
         batch = (query_responses, attention_mask, context_length, args.temperature, args.micro_batch_size)
         reuse = args.num_iterations > 1 or args.num_minibatches > 1
@@ -239,37 +219,46 @@ def main(args: "Config"):
         old_logprobs = fixed_logprobs(logprobs_fn, model, *batch) if reuse else None
         ref_logprobs = reference_logprobs(logprobs_fn, model, ref_model, accelerator, batch) if args.beta > 0 else None
 
-        # 6. Policy update: num_iterations passes over the batch (the first in rollout order), each split into
-        # minibatches (one optimizer step each), each into micro-batches (gradient accumulation).
+        # 6. Policy update: num_iterations passes over the batch (the first in rollout order), each in minibatches of
+        # one optimizer step, each in micro-batches of gradient accumulation.
         model.train()
-        sizes = (args.batch_size, args.minibatch_size, args.micro_batch_size)  # rows per batch, minibatch, micro-batch
-        for mb in run.micro_batches(*sizes, args.num_iterations, seed=args.seed * 7919 + step):
-            if mb.first:  # token_mean's count: the minibatch's tokens averaged over processes (DDP averages too)
-                mb_tokens = accelerator.reduce(mask[mb.minibatch].sum(), "mean").clamp(min=1)
+        generator = torch.Generator().manual_seed(args.seed * 7919 + step)
+        for epoch in range(args.num_iterations):
+            order = torch.randperm(args.batch_size, generator=generator) if epoch else torch.arange(args.batch_size)
+            for start in range(0, args.batch_size, args.minibatch_size):
+                minibatch = order[start : start + args.minibatch_size]
+                first_minibatch = epoch == 0 and start == 0  # on-policy: ratio 1, approxkl 0
+                mb_tokens = accelerator.reduce(mask[minibatch].sum(), "mean").clamp(min=1)  # DDP averages too
                 minibatch_loss = 0.0
-            idx = mb.rows.to(device)
-            # Gradients sync over processes on the minibatch's last micro-batch (where DeepSpeed also steps).
-            with accelerator.accumulate(model):
-                logprobs, logits = logprobs_fn(
-                    model, query_responses[idx], attention_mask[idx], context_length, args.temperature
-                )
-                old = old_logprobs[idx] if reuse else logprobs.detach()
-                ref, sampled, adv = take(ref_logprobs, idx), take(sampler_logprobs, idx), advantages[idx]
-                loss, stats = grpo_loss(
-                    logprobs, old, ref, sampled, adv, mask[idx], logits, mb_tokens, len(mb.minibatch), **loss_flags
-                )
-                run.check(loss, "loss/policy")
-                # The loss is this micro-batch's share of the minibatch's (aggregate_loss): undo accelerate's / steps.
-                accelerator.backward(loss * args.gradient_accumulation_steps)
-            minibatch_loss += loss.item()
-            if mb.update == 0:  # ratio 1, approxkl 0 on a fresh batch's first minibatch
-                run.add({f"{name}_first_minibatch": stats[name] for name in ("policy/ratio", "policy/approxkl")})
-            if mb.epoch == 0:  # the policy's entropy (first minibatch) and its gap to the sampler's
-                stats |= first_pass_stats(logits, old, sampled, sampled_mask[idx], mb.update == 0)
-            run.add(stats)
-            del logits
-            if mb.last:  # one optimizer step per minibatch
-                run.optimizer_step(model, optimizer, scheduler)
+                for micro in range(0, args.minibatch_size, args.micro_batch_size):
+                    idx = minibatch[micro : micro + args.micro_batch_size].to(device)
+                    with accelerator.accumulate(model):  # syncs gradients on the minibatch's last micro-batch
+                        logprobs, logits = logprobs_fn(
+                            model, query_responses[idx], attention_mask[idx], context_length, args.temperature
+                        )
+                        old = old_logprobs[idx] if reuse else logprobs.detach()
+                        sampled = take(sampler_logprobs, idx)
+                        loss, stats = grpo_loss(
+                            logprobs, old, take(ref_logprobs, idx), sampled, advantages[idx], mask[idx], logits,
+                            mb_tokens, len(minibatch), **loss_flags
+                        )  # fmt: skip
+                        run.check(loss, "loss/policy")
+                        # loss is this micro-batch's share of the minibatch's: undo accelerate's division by the steps
+                        accelerator.backward(loss * args.gradient_accumulation_steps)
+                    minibatch_loss += loss.item()
+                    if first_minibatch:
+                        run.add({f"{k}_first_minibatch": stats[k] for k in ("policy/ratio", "policy/approxkl")})
+                    if epoch == 0:
+                        stats |= first_pass_stats(logits, old, sampled, sampled_mask[idx], first_minibatch)
+                    run.add(stats)
+                    del logits
+                grad_norm = run.clip_gradients(model)  # stops at a non-finite norm; NaN when fp16 skips the update
+                lr = scheduler.get_last_lr()[0]
+                optimizer.step()
+                if not accelerator.optimizer_step_was_skipped:  # the schedule counts updates taken
+                    scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                run.count_update(grad_norm, lr)
                 run.add({"loss/policy": minibatch_loss})
         metrics["time/training"] = time.time() - t_train
         train_tokens = int(attention_mask.sum()) * args.num_iterations
@@ -289,10 +278,8 @@ def main(args: "Config"):
 
 
 def check_args(args):
-    """The algorithm's flags, checked before anything loads (setup then makes the checks every script makes): fill
-    the defaults that depend on other flags (resolve_defaults), stop at the first bad one with one line naming it,
-    and set the sizes computed from them (config.json records them). Returns the local paths for setup to check
-    besides the model and the dataset: {argument: how to get one}. A new flag of the algorithm is checked here."""
+    """The algorithm's flags, checked before anything loads: stop at the first bad one with one line naming it, fill
+    resolve_defaults and the sizes computed from the flags. Returns {local path flag: how to get one} for setup."""
     resolve_defaults(args)
     batch, low, high = args.prompts_per_rank * args.num_generations, *(args.mis_range or (0, 1))
     minibatch = batch // max(args.num_minibatches, 1)
@@ -342,8 +329,7 @@ def masked_mean(values, mask, dim=None):
 
 
 def token_mean(values, mask):
-    """masked_mean over every element as a float; NaN without any token (a micro-batch whose completions all left the
-    loss), which the averages over micro-batches and processes then leave out (_reduce_values)."""
+    """masked_mean as a float; NaN where no token is in the mask (the step's averages leave it out)."""
     return masked_mean(values, mask).item() if mask.any() else float("nan")
 
 
@@ -358,10 +344,9 @@ def entropy_from_logits(logits):
 
 
 def response_logprobs(model, input_ids, attention_mask, context_length, temperature, packed=None):
-    """Log-probs of the response tokens input_ids[:, context_length:] under `model`, and the logits that gave them.
-    Prompts are left-padded, so positions are counted from each sequence's first real token. packed (--shared_prompt:
-    shared_prompt_logits) computes the same logits with each prompt once per group, or returns None where it does not
-    apply. Returns (logprobs [B, R], logits [B, R, V]) with logits divided by the sampling temperature."""
+    """Log-probs of the response tokens input_ids[:, context_length:] and the logits, divided by the temperature, that
+    gave them: [B, P + R] -> ([B, R], [B, R, V]). Prompts are left-padded: positions count from each row's first real
+    token. packed (--shared_prompt) computes the same logits with each prompt once per group."""
     logits = packed(model, input_ids, attention_mask, context_length) if packed else None
     if logits is None:
         position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
@@ -373,9 +358,8 @@ def response_logprobs(model, input_ids, attention_mask, context_length, temperat
 
 
 def fixed_logprobs(logprobs_fn, model, query_responses, attention_mask, context_length, temperature, micro_batch_size):
-    """logprobs_fn (response_logprobs, with packed= where a script has --shared_prompt) without gradients, by
-    micro-batch: the old policy's and the reference's log-probs, which stay fixed during the update.
-    [B, P + R] -> [B, R]"""
+    """logprobs_fn without gradients, micro-batch by micro-batch: log-probs that stay fixed during the update. [B, P +
+    R] -> [B, R]"""
     parts = [slice(i, i + micro_batch_size) for i in range(0, len(query_responses), micro_batch_size)]
     with torch.no_grad():
         return torch.cat(
@@ -384,23 +368,22 @@ def fixed_logprobs(logprobs_fn, model, query_responses, attention_mask, context_
 
 
 def reference_logprobs(logprobs_fn, model, ref_model, accelerator, batch):
-    """fixed_logprobs of the reference: ref_model, or with LoRA (ref_model None) the policy with its adapters off,
-    under the policy's autocast (--mixed_precision), so that KL is exactly 0 before the first update. [B, R]"""
+    """fixed_logprobs of the reference (with LoRA, ref_model None: the policy with its adapters off) under the policy's
+    autocast, so that KL is 0 before the first update. [B, R]"""
     adapters_off = accelerator.unwrap_model(model).disable_adapter() if ref_model is None else contextlib.nullcontext()
     with adapters_off, accelerator.autocast():
         return fixed_logprobs(logprobs_fn, ref_model or model, *batch)
 
 
 def take(values, rows):
-    """values[rows], or None for a tensor the run does not have (no reference model, no sampler log-probs)."""
+    """values[rows], or None for a tensor the run does not have."""
     return None if values is None else values[rows]
 
 
 def training_batch(prompts, n, responses, mask, sampler_logprobs, pad_token_id, device):
-    """The rollout as the trainer's input: each prompt (left-padded) repeated for its n consecutive completions, then
-    the responses cut to the longest one (nothing after it is computed). responses, mask, sampler_logprobs [B, R].
-    Returns query_responses [B, P + R'], attention_mask [B, P + R'] (0 on padding and after the first EOS),
-    mask [B, R'], sampler_logprobs [B, R'] (or None) on `device`, and P, the prompts' padded length."""
+    """The rollout as the trainer's input: each prompt left-padded to P and repeated for its n completions, the
+    responses cut to the longest one. responses, mask, sampler_logprobs [B, R] -> query_responses, attention_mask [B, P
+    + R'] (0 on padding and after EOS), mask, sampler_logprobs [B, R'] on `device`, and P."""
     width = max(1, int(mask.sum(1).max()))
     responses, mask = responses[:, :width], mask[:, :width].to(device)
     if sampler_logprobs is not None:
@@ -414,8 +397,8 @@ def training_batch(prompts, n, responses, mask, sampler_logprobs, pad_token_id, 
 
 
 def kl_estimate(logprobs, ref_logprobs, kind):
-    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman, "Approximating KL divergence").
-    k1 = log r, k2 = (log r)^2 / 2, k3 = exp(-log r) + log r - 1, with log r = logprobs - ref_logprobs."""
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman, "Approximating KL divergence"), with log r
+    = logprobs - ref_logprobs: k1 = log r, k2 = (log r)^2 / 2, k3 = exp(-log r) + log r - 1."""
     log_ratio = logprobs - ref_logprobs
     if kind == "k1":
         return log_ratio
@@ -427,9 +410,9 @@ def kl_estimate(logprobs, ref_logprobs, kind):
 
 
 def group_advantages(rewards, group_size, scale_rewards, eps=1e-4):
-    """GRPO advantages. rewards: [num_prompts * group_size], each consecutive block of group_size is one prompt.
-    A_i = r_i - mean_group(r), divided by the group std ("group"), the batch std ("batch") or nothing ("none").
-    Stds are unbiased (n - 1); eps keeps groups where every completion got the same reward at A = 0."""
+    """GRPO advantages of rewards [num_prompts * group_size], each group consecutive: r_i minus its group's mean,
+    divided by the group's std ("group"), the batch's ("batch") or nothing ("none"). Stds are unbiased; eps keeps a
+    group of equal rewards at 0."""
     grouped = rewards.view(-1, group_size)  # [num_prompts, G]
     centred = (grouped - grouped.mean(dim=1, keepdim=True)).view(-1)
     if scale_rewards == "group":
@@ -442,8 +425,8 @@ def group_advantages(rewards, group_size, scale_rewards, eps=1e-4):
 
 
 def select_groups(rewards, group_size, num_groups):
-    """DAPO dynamic sampling: num_groups of the groups (consecutive blocks of rewards [M * group_size]), those whose
-    rewards differ first, then equal-reward ones. Returns the kept completions' indices, sorted [num_groups * G]."""
+    """DAPO dynamic sampling: the completions of num_groups groups of rewards [M * group_size], groups whose rewards
+    differ first. Returns their indices, sorted [num_groups * group_size]."""
     grouped = rewards.view(-1, group_size)
     informative = (grouped != grouped[:, :1]).any(dim=1)  # [M]
     order = torch.cat([torch.nonzero(informative).flatten(), torch.nonzero(~informative).flatten()])
@@ -452,31 +435,28 @@ def select_groups(rewards, group_size, num_groups):
 
 
 def clipped_surrogate(logprobs, old_logprobs, advantages, clip_eps_low, clip_eps_high):
-    """Per-token PPO/GRPO policy loss -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A).
-    logprobs, old_logprobs: [B, R]; advantages: [B] (one per completion, shared by its tokens).
-    Returns (loss [B, R], ratio [B, R])."""
+    """PPO's per-token loss -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A). logprobs, old_logprobs [B, R],
+    advantages [B]. Returns (loss, ratio), each [B, R]."""
     ratio, adv = torch.exp(logprobs - old_logprobs), advantages.unsqueeze(1)
     return -torch.min(ratio * adv, torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high) * adv), ratio
 
 
 def cispo_surrogate(ratio_logprobs, ratio_old_logprobs, logprobs, advantages, cap):
-    """CISPO (MiniMax-M1, arXiv 2506.13585): -sg(min(ratio, cap)) * A * log pi per token [B, R], a clipped weight: no
-    token loses its gradient (cap = inf: REINFORCE, -ratio * A). ratio = exp(ratio_logprobs - ratio_old_logprobs)."""
+    """CISPO (arXiv 2506.13585): -sg(min(ratio, cap)) * A * log pi per token, a clipped weight that leaves every token
+    its gradient; ratio = exp(ratio_logprobs - ratio_old_logprobs). Returns (loss, ratio), [B, R]."""
     ratio = torch.exp(ratio_logprobs - ratio_old_logprobs)
     return -torch.clamp(ratio, max=cap).detach() * advantages.unsqueeze(1) * logprobs, ratio
 
 
 def sequence_mean(logprobs, mask):
-    """GSPO (Zheng et al., arXiv 2507.18071): each sequence's mean token log-prob, on each of its tokens, so that a
-    ratio of two of them is the sequence's geometric mean of token ratios. [B, R] -> [B, R]"""
+    """GSPO: each sequence's mean token log-prob on each of its tokens, so that the ratio of two is the sequence's
+    geometric mean of token ratios. [B, R] -> [B, R]"""
     return masked_mean(logprobs, mask, dim=1).unsqueeze(1).expand_as(logprobs)
 
 
 def importance_log_ratio(logprobs, sampler_logprobs, mask, level):
-    """log(pi / pi_sampler) on each token [B, R], at verl v0.6.0's rollout_is_level: token, each token's own;
-    sequence, its sequence's likelihood ratio, the sum of the token log-ratios (the product of the ratios: TRL's
-    sequence_mask / sequence_truncate, verl's sequence; a sum, as a product of 64 ratios could overflow); geometric,
-    their mean (the geometric mean of the ratios: verl v0.6.0's geometric)."""
+    """log(pi / pi_sampler) on each token [B, R], at one level: token (its own), sequence (the sum over its sequence:
+    the likelihood ratio) or geometric (the mean over its sequence)."""
     log_ratio = logprobs - sampler_logprobs
     if level == "token":
         return log_ratio
@@ -487,9 +467,8 @@ def importance_log_ratio(logprobs, sampler_logprobs, mask, level):
 
 
 def masked_importance_weights(log_ratio, low, high, cap=None):
-    """Masked importance sampling (IcePop; the TIS note's follow-ups; TRL's *_mask, verl's mask mode): a token whose
-    ratio exp(log_ratio) is within [low, high] weighs that ratio (or min(ratio, cap): with [0, inf), TRL's
-    *_truncate), any other weighs 0: it leaves the loss instead of being reweighted. [B, R] -> [B, R]"""
+    """Masked importance sampling (IcePop): a token whose ratio exp(log_ratio) is in [low, high] weighs that ratio
+    (capped at cap), any other 0, so it leaves the loss. [B, R] -> [B, R]"""
     ratio = torch.exp(log_ratio)
     kept = ratio if cap is None else torch.clamp(ratio, max=cap)
     return torch.where((ratio >= low) & (ratio <= high), kept, torch.zeros_like(ratio))
@@ -501,16 +480,16 @@ def overlong_penalty(lengths, response_length, buffer):
 
 
 def truncated_importance_weights(logprobs, sampler_logprobs, cap):
-    """Truncated importance sampling (Yao et al., "Your Efficient RL Framework Secretly Brings You Off-Policy RL
-    Training", 2025): a token the inference engine sampled weighs min(pi / pi_sampler, cap). [B, R] -> [B, R]"""
+    """Truncated importance sampling (Yao et al., 2025): a token the inference engine sampled weighs min(pi /
+    pi_sampler, cap). [B, R] -> [B, R]"""
     return torch.clamp(torch.exp(logprobs - sampler_logprobs), max=cap)
 
 
 def aggregate_loss(token_loss, mask, loss_type, minibatch_tokens, minibatch_seqs, max_response_length):
-    """This micro-batch's share of the minibatch loss (the shares sum to it). token_mean: sum / the minibatch's tokens;
-    seq_mean_token_mean: mean over sequences of their token means; constant: sum / (sequences * max_response_length)
-    (Dr. GRPO). With several processes, pass the token count averaged over processes and this process's sequence
-    count: DDP's mean of the processes' gradients is then the gradient of the whole minibatch's loss."""
+    """This micro-batch's share of the minibatch's loss (the shares sum to it). token_mean: sum / the minibatch's
+    tokens; seq_mean_token_mean: the mean of the sequences' token means; constant: sum / (sequences *
+    max_response_length) (Dr. GRPO). Under DDP pass the token count averaged over processes and this process's
+    sequences: the mean of the processes' gradients is then the whole minibatch's."""
     masked = token_loss * mask
     if loss_type == "token_mean":
         return masked.sum() / minibatch_tokens
@@ -526,10 +505,10 @@ def grpo_loss(
     importance_sampling_level, clip_eps_low, clip_eps_high, cispo_cap, mis_range, mis_level, tis_cap, entropy_coef,
     beta, kl_estimator, loss_type, response_length,
 ):  # fmt: skip
-    """One micro-batch's share of the minibatch's loss (aggregate_loss: divided by the minibatch's `tokens` averaged
-    over processes, or its `seqs`) and its statistics. logprobs [b, R] (with gradients), old, ref (None when beta = 0),
-    sampler (None unless vLLM sampled) log-probs, mask [b, R], advantages [b], logits [b, R, V] (read by the entropy
-    bonus only); the rest: the flags of the same names. Returns (loss, {name: float})."""
+    """One micro-batch's share of the minibatch's loss, and its statistics. logprobs [b, R] (with gradients), the old,
+    reference (None at beta 0) and sampler (None without vLLM) log-probs and mask [b, R], advantages [b], logits [b, R,
+    V] (for the entropy bonus), the minibatch's tokens and seqs (aggregate_loss); the rest are the flags. Returns
+    (loss, {name: float})."""
     lp, old, sampled = logprobs, old_logprobs, sampler_logprobs  # what the importance ratios compare
     if importance_sampling_level == "sequence":  # GSPO: one ratio per sequence, for the sampler's too
         lp, old, sampled = (None if x is None else sequence_mean(x, mask) for x in (lp, old, sampled))
@@ -568,10 +547,8 @@ def grpo_loss(
 
 @torch.no_grad()
 def first_pass_stats(logits, logprobs, sampler_logprobs, mask, first_minibatch):
-    """Diagnostics of a micro-batch on the first pass, over every sampled token (mask): the entropy of the policy (on
-    the first minibatch only: it needs the full softmax) and, with vLLM, how far the sampler's log-probs are from the
-    trainer's, before any truncation or masking: the mean |log(pi_train / pi_sampler)|, the extreme ratios and the
-    fraction of tokens whose ratio is outside [0.5, 2]."""
+    """Diagnostics of the first pass over every sampled token (mask): the policy's entropy (first minibatch only) and,
+    with vLLM, how far the sampler's log-probs are from the trainer's before any truncation."""
     stats = {}
     if first_minibatch:
         stats["objective/entropy"] = masked_mean(entropy_from_logits(logits), mask).item()
@@ -583,32 +560,6 @@ def first_pass_stats(logits, logprobs, sampler_logprobs, mask, first_minibatch):
         stats["objective/logprob_ratio_min"] = ratios.min().item()
         stats["objective/logprob_ratio_outside_0.5_2"] = ((ratios < 0.5) | (ratios > 2)).float().mean().item()
     return stats
-
-
-NUMBER = r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?"  # 12, -1,234.5, .5, 3/4
-
-
-def extract_answer(text):
-    """The final answer of a completion: the first number after the last 'Answer:' (its whole line if it has
-    none), else the last number in the text, else None. When that number starts an equation on its line (numbers
-    and operators, then '=': "9 * 6 = 54", "9 x 6 = 54 = 50 + 4"), the answer is the last side of the equation that
-    is a lone number (54 in both). LaTeX fractions are read as a/b, a Unicode minus as '-'."""
-    text = re.sub(r"\\d?frac\{(-?\d+)\}\{(\d+)\}", r"\1/\2", text).replace("\u2212", "-")
-    if "Answer:" in text:
-        tail = text.rsplit("Answer:", 1)[1]
-        found = re.search(NUMBER, tail)
-        if found:
-            term = r"(?:\([ \t]*)*-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:[ \t]*\))*"  # a number, maybe in parentheses
-            words = r"x|·|\\times|\\cdot|\\div|times|multiplied by|plus|minus|divided by|over|%[ \t]*of|percent of"
-            operation = rf"[ \t]*(?:[-+*/×÷]|(?:{words})(?![a-z]))[ \t]*"
-            side = rf"{term}(?:{operation}{term})*"
-            last = rf"[ \t]*=[ \t]*({NUMBER})(?![.,]?\d|{operation}\(*\.?\d)"  # a lone number
-            equation = re.compile(rf"{term}(?:{operation}{term})+(?:[ \t]*=[ \t]*{side})*{last}", re.I)
-            equation = equation.match(tail, found.start())
-            return (equation.group(1) if equation else found.group(0)).replace(",", "").replace(" ", "")
-        return tail.strip().split("\n")[0].strip().rstrip(".") or None
-    numbers = re.findall(NUMBER, text)
-    return numbers[-1].replace(",", "").replace(" ", "") if numbers else None
 
 
 def verify_answer(prediction, gold):
@@ -637,15 +588,15 @@ def compute_rewards(completions, golds, format_reward):
 
 
 def stopped(responses, mask, stop_ids):
-    """1 for each completion that ends at a stop token within its mask, 0 for one cut at the length limit.
-    responses, mask [B, R] -> [B, 1]"""
+    """1 for a completion that ends at a stop token within its mask, 0 for one cut at the length limit. responses, mask
+    [B, R] -> [B, 1]"""
     is_stop = torch.isin(responses, torch.tensor(stop_ids, device=responses.device)) & (mask > 0)
     return is_stop.any(1, keepdim=True).to(mask.dtype)
 
 
 def rollout_metrics(rewards, correct, formatted, responses, mask, group_size, stop_ids):
-    """What the sampled completions scored, and how long they were. All [N] or [N, R]. A zero-std group is one whose
-    completions are all right or all wrong (DAPO's groups without a signal), whatever the format and length shaping."""
+    """What the sampled completions scored and their length. A zero-std group is all right or all wrong (no signal),
+    whatever the shaping."""
     return {
         "objective/scores": rewards.mean().item(),
         "objective/accuracy": correct.mean().item(),
@@ -657,8 +608,8 @@ def rollout_metrics(rewards, correct, formatted, responses, mask, group_size, st
 
 
 def evaluate(sampler, eval_sets, args, accelerator, tokenizer, step):
-    """Greedy pass@1 and mean reward on each held-out set ({name: (prompts, golds)}), sharded over processes.
-    Returns ({name/metric: value}, sample rows for samples.jsonl)."""
+    """Greedy pass@1 and mean reward on each held-out set ({name: (prompts, golds)}), sharded over processes. Returns
+    ({name/metric: value}, rows for samples.jsonl)."""
     rank, world_size = accelerator.process_index, accelerator.num_processes
     results, samples = {}, []
     for name, (prompts, golds) in eval_sets.items():
@@ -1051,8 +1002,8 @@ def _require_prompts(prompts, needed, where, max_prompt_length):
 
 
 class Run:
-    """The run folder {output_dir}/{run_name}: config.json, metrics.jsonl, samples.jsonl, accelerate's TensorBoard and
-    wandb trackers, checkpoints (written to step_N.tmp, renamed step_N once complete), and --resume from the latest.
+    """A run: its folder {output_dir}/{run_name} with config.json (--resume continues one: every flag that changes the
+    numbers must match), its Logs and Checkpoints, each step's metrics and statistics, and the checks that stop it.
     Made on every process, written by the main one. Sets args.run_name ({task}__{exp_name}__{seed}__{unix_time}, the
     time from rank 0, with a suffix if that folder exists) and args.world_size."""
 
@@ -1067,10 +1018,13 @@ class Run:
                 name = _new_run_folder(args.output_dir, f"{task}__{args.exp_name}__{args.seed}__{int(time.time())}")
             args.run_name = broadcast_object_list([name])[0]
             self.dir = os.path.join(args.output_dir, args.run_name)
+        else:
+            self.dir = os.path.normpath(args.resume)
+        self.checkpoints = Checkpoints(accelerator, os.path.join(self.dir, "checkpoints"), args.keep_checkpoints)
+        if args.resume is None:
             return
-        self.dir = os.path.normpath(args.resume)  # the same run: every argument that changes the numbers must match
         _require(os.path.isfile(os.path.join(self.dir, "config.json")), f"--resume {self.dir} has no config.json")
-        _require(self.checkpoints(), f"--resume {self.dir} has no finished checkpoint to continue from")
+        _require(self.checkpoints.finished(), f"--resume {self.dir} has no finished checkpoint to continue from")
         with open(os.path.join(self.dir, "config.json")) as f:
             saved = json.load(f)["args"]
         for key, value in asdict(args).items():
@@ -1078,54 +1032,19 @@ class Run:
                 _fail(f"--{key} is {value!r} but the run being resumed used {saved[key]!r}")
         args.run_name = saved["run_name"]
 
-    def checkpoints(self):
-        """The finished checkpoints (step_N, not step_N.tmp), oldest first."""
-        folder = os.path.join(self.dir, "checkpoints")
-        names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
-        return [os.path.join(folder, name) for name in names if name.startswith("step_") and "." not in name]
-
     def start(self, launch_info):
-        """Load --resume's latest checkpoint (weights, optimizer, scheduler, every process's RNG state) and drop the
-        log lines written after it; open the logs; launch_info goes to config.json. Returns the first step."""
-        step, args = 0, self.args
+        """Load --resume's latest checkpoint, write config.json (with launch_info) on a new run, and open the logs
+        (dropping lines written after the checkpoint). Returns the first step."""
+        step, args, config = 0, self.args, asdict(self.args)
         if args.resume is not None:
-            *earlier, latest = self.checkpoints()
-            try:  # a checkpoint is complete once renamed; a file damaged since gives one line, not a traceback
-                self.accelerator.load_state(latest)
-                with open(os.path.join(latest, "trainer_state.json")) as f:
-                    state = json.load(f)
-            except Exception as error:
-                hint = f"; if a file is damaged, delete it to resume from {earlier[-1]}" if earlier else ""
-                _fail(
-                    f"checkpoint {latest} does not load ({type(error).__name__}: {' '.join(str(error).split())}){hint}"
-                )
-            step, self.episode, self.last_checkpoint = state["global_step"], state["episode"], latest
-            self.accelerator.print(f"resumed {self.dir} from {latest} at step {step}")
-        if self.accelerator.is_main_process:
-            config = asdict(args)
-            if args.resume is None:
-                info = dict(
-                    git_sha=_git_sha(), distributed_type=self.accelerator.distributed_type.value, **launch_info
-                )
-                with open(os.path.join(self.dir, "config.json"), "w") as f:
-                    json.dump({"args": config, **info}, f, indent=2)
-            for name in ("metrics.jsonl", "samples.jsonl"):  # drop what was logged after the checkpoint
-                _truncate_jsonl(os.path.join(self.dir, name), step)
-            self.metrics_file = open(os.path.join(self.dir, "metrics.jsonl"), "a")
-            trackers = [TensorBoardTracker("tensorboard", self.dir)]  # accelerate's: accelerator.log, end_training
-            if args.track:
-                tags = [*args.wandb_tags, _git_sha()[:12] or "no-git"]
-                wandb = dict(entity=args.wandb_entity, id=args.run_name, name=args.run_name, resume="allow", tags=tags)
-                trackers.append(WandBTracker(args.wandb_project_name, dir=self.dir, **wandb))
-            hparams = {k: v if isinstance(v, (int, float, str)) else str(v) for k, v in config.items()}  # TensorBoard
-            for tracker in trackers:
-                tracker.start()
-                tracker.store_init_configuration(config if tracker.name == "wandb" else hparams)
-            self.accelerator.trackers = trackers
-        self.t_start = time.time()
-        self.progress = tqdm(
-            total=args.total_steps, initial=step, desc=args.exp_name, disable=not self.accelerator.is_main_process
-        )
+            state, self.last_checkpoint = self.checkpoints.load_latest()
+            step, self.episode = state["global_step"], state["episode"]
+            self.accelerator.print(f"resumed {self.dir} from {self.last_checkpoint} at step {step}")
+        if self.accelerator.is_main_process and args.resume is None:
+            info = dict(git_sha=_git_sha(), distributed_type=self.accelerator.distributed_type.value, **launch_info)
+            with open(os.path.join(self.dir, "config.json"), "w") as f:
+                json.dump({"args": config, **info}, f, indent=2)
+        self.logs = Logs(args, self.accelerator, self.dir, config, step)
         return step
 
     def begin_step(self, step):
@@ -1175,26 +1094,31 @@ class Run:
                     yield _MicroBatch(update, epoch, minibatch, rows, first == 0, last)
                 update += 1
 
-    def optimizer_step(self, model, optimizer, scheduler, prefix="policy/", max_skipped=30):
-        """One update: clip the gradients (_clip_gradients), step the optimizer, then the learning-rate schedule when
-        the update was taken (it counts updates taken: fp16's loss scaler skips an overflowing one), and zero the
-        gradients. Adds prefix + grad_norm (NaN when skipped or unknown) and prefix + skipped_updates to the step's
-        stats; the step's lr is this update's (the step's last). max_skipped updates skipped in a row stop the run, as
-        DeepSpeed stops at its minimum scale, instead of saving untrained weights as a trained model: fp16's scale
-        starts at 2^16 and halves at each skip (DeepSpeed's at every other one at first), so 30 take it below 1, where
-        an overflow is the gradients' own, not the scale's."""
-        grad_norm = _clip_gradients(self.accelerator, model, self.args.max_grad_norm, self.step, self.last_checkpoint)
-        self.metrics["lr"] = scheduler.get_last_lr()[0]
+    def optimizer_step(self, model, optimizer, scheduler, prefix="policy/"):
+        """One update, for a loop that does not write its own: clip_gradients, the optimizer's step, the schedule's
+        (when the update was taken), zero the gradients, count_update."""
+        grad_norm, lr = self.clip_gradients(model), scheduler.get_last_lr()[0]
         optimizer.step()
-        skipped = (
-            self.accelerator.optimizer_step_was_skipped
-        )  # the scaler's verdict (accelerate's GradScaler or DeepSpeed's)
+        if not self.accelerator.optimizer_step_was_skipped:
+            scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        self.count_update(grad_norm, lr, prefix)
+
+    def clip_gradients(self, model):
+        """Clip the gradients to --max_grad_norm; returns their global norm (_clip_gradients: NaN for an update that
+        fp16's loss scaler will skip; a non-finite norm elsewhere stops the run)."""
+        return _clip_gradients(self.accelerator, model, self.args.max_grad_norm, self.step, self.last_checkpoint)
+
+    def count_update(self, grad_norm, lr, prefix="policy/", max_skipped=30):
+        """After optimizer.step(): the step's lr (the update's), prefix + grad_norm (NaN when skipped) and prefix +
+        skipped_updates. max_skipped updates skipped in a row stop the run, as DeepSpeed stops at its minimum scale:
+        fp16's scale starts at 2^16 and halves at each skip, so 30 take it below 1, where an overflow is the
+        gradients' own."""
+        skipped = self.accelerator.optimizer_step_was_skipped  # the scaler's verdict (accelerate's or DeepSpeed's)
+        self.metrics["lr"] = lr
         self.add(
             {f"{prefix}grad_norm": math.nan if skipped else grad_norm, f"{prefix}skipped_updates": float(skipped)}
         )
-        if not skipped:
-            scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
         self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
         if self.skipped_in_a_row >= max_skipped:  # the same on every process: the gradients are the synchronised ones
             precision = {"no": "fp32"}.get(self.accelerator.mixed_precision, self.accelerator.mixed_precision)
@@ -1222,41 +1146,16 @@ class Run:
         self.log(self.step + 1, metrics | evaluation, samples)
         if self.due(self.args.save_every):
             self.save_checkpoint(self.step + 1)
-        self.progress.update()
+        self.logs.progress.update()
         return metrics | evaluation
 
     def log(self, step, metrics, samples=()):
         """One line of metrics.jsonl (and TensorBoard, wandb) for this step; samples go to samples.jsonl."""
-        if not self.accelerator.is_main_process:
-            return
-        if step == 0:  # the evaluation before training, on the console too
-            print(" | ".join(f"{name} {value:.4g}" for name, value in metrics.items()))
-        line = {"global_step": step, "episode": self.episode, "time": time.time() - self.t_start, **metrics}
-        self.metrics_file.write(json.dumps(line) + "\n")
-        self.metrics_file.flush()
-        self.accelerator.log(metrics, step=step)
-        if samples:
-            with open(os.path.join(self.dir, "samples.jsonl"), "a") as f:
-                f.writelines(json.dumps(s) + "\n" for s in samples)
+        self.logs.write(step, self.episode, metrics, samples)
 
     def save_checkpoint(self, step):
-        """accelerate's state of every process and trainer_state.json go to step_N.tmp, renamed step_N once complete;
-        the newest keep_checkpoints stay."""
-        final = os.path.join(self.dir, "checkpoints", f"step_{step:06d}")
-        if self.accelerator.is_main_process:
-            shutil.rmtree(final + ".tmp", ignore_errors=True)
-        self.accelerator.wait_for_everyone()
-        self.accelerator.save_state(final + ".tmp")
-        self.accelerator.wait_for_everyone()  # every process has written its RNG state
-        if self.accelerator.is_main_process:
-            with open(os.path.join(final + ".tmp", "trainer_state.json"), "w") as f:
-                json.dump({"global_step": step, "episode": self.episode}, f)
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(final + ".tmp", final)
-            for old in self.checkpoints()[: -self.args.keep_checkpoints]:
-                shutil.rmtree(old)
-        self.accelerator.wait_for_everyone()
-        self.last_checkpoint = final
+        """Checkpoints.save at this step, with the episode count to resume from."""
+        self.last_checkpoint = self.checkpoints.save(step, {"global_step": step, "episode": self.episode})
 
     def save_models(self, model, tokenizer, parts=(("model", None),)):
         """The trained model as a Hugging Face folder in the run folder (the LoRA adapter alone when --lora_r > 0); a
@@ -1277,10 +1176,8 @@ class Run:
         wrote the final model was seen to abort it); a vLLM engine's shutdown may have destroyed the group already."""
         if torch.distributed.is_initialized():
             self.accelerator.wait_for_everyone()
-        if self.accelerator.is_main_process:
-            self.metrics_file.close()
-        self.progress.close()
-        self.accelerator.print(f"done in {time.time() - self.t_start:.0f}s: {self.dir}")
+        self.logs.close()
+        self.accelerator.print(f"done in {time.time() - self.logs.t_start:.0f}s: {self.dir}")
         self.accelerator.end_training()
 
 
@@ -1294,12 +1191,97 @@ def _new_run_folder(output_dir, name):
             return candidate
 
 
+class Checkpoints:
+    """A run's checkpoints, {folder}/step_N: accelerate's state of every process (weights, optimizer, scheduler, RNG
+    states) and trainer_state.json, written to step_N.tmp and renamed step_N once complete; the newest `keep` stay."""
+
+    def __init__(self, accelerator, folder, keep):
+        self.accelerator, self.folder, self.keep = accelerator, folder, keep
+
+    def finished(self):
+        """The finished checkpoints (step_N, not step_N.tmp), oldest first."""
+        names = sorted(os.listdir(self.folder)) if os.path.isdir(self.folder) else []
+        return [os.path.join(self.folder, name) for name in names if name.startswith("step_") and "." not in name]
+
+    def load_latest(self):
+        """Load the latest finished checkpoint on every process. Returns (its trainer_state.json, its path)."""
+        *earlier, latest = self.finished()
+        try:  # a checkpoint is complete once renamed; a file damaged since gives one line, not a traceback
+            self.accelerator.load_state(latest)
+            with open(os.path.join(latest, "trainer_state.json")) as f:
+                return json.load(f), latest
+        except Exception as error:
+            hint = f"; if a file is damaged, delete it to resume from {earlier[-1]}" if earlier else ""
+            _fail(f"checkpoint {latest} does not load ({type(error).__name__}: {' '.join(str(error).split())}){hint}")
+
+    def save(self, step, state):
+        """Write step_N (state: trainer_state.json) from every process; returns its path."""
+        final = os.path.join(self.folder, f"step_{step:06d}")
+        if self.accelerator.is_main_process:
+            shutil.rmtree(final + ".tmp", ignore_errors=True)
+        self.accelerator.wait_for_everyone()
+        self.accelerator.save_state(final + ".tmp")
+        self.accelerator.wait_for_everyone()  # every process has written its RNG state
+        if self.accelerator.is_main_process:
+            with open(os.path.join(final + ".tmp", "trainer_state.json"), "w") as f:
+                json.dump(state, f)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(final + ".tmp", final)
+            for old in self.finished()[: -self.keep]:
+                shutil.rmtree(old)
+        self.accelerator.wait_for_everyone()
+        return final
+
+
 def _git_sha():
     try:
         cwd = os.path.dirname(os.path.abspath(__file__))
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True).stdout.strip()
     except OSError:
         return ""
+
+
+class Logs:
+    """A run's logs, written by the main process from `step` on (later lines of an earlier launch dropped):
+    metrics.jsonl, samples.jsonl, accelerate's TensorBoard and wandb trackers; and the progress bar."""
+
+    def __init__(self, args, accelerator, folder, config, step):
+        self.accelerator, self.folder, self.main = accelerator, folder, accelerator.is_main_process
+        if self.main:
+            for name in ("metrics.jsonl", "samples.jsonl"):
+                _truncate_jsonl(os.path.join(folder, name), step)
+            self.metrics_file = open(os.path.join(folder, "metrics.jsonl"), "a")
+            trackers = [TensorBoardTracker("tensorboard", folder)]  # accelerate's: accelerator.log, end_training
+            if args.track:
+                tags = [*args.wandb_tags, _git_sha()[:12] or "no-git"]
+                wandb = dict(entity=args.wandb_entity, id=args.run_name, name=args.run_name, resume="allow", tags=tags)
+                trackers.append(WandBTracker(args.wandb_project_name, dir=folder, **wandb))
+            hparams = {k: v if isinstance(v, (int, float, str)) else str(v) for k, v in config.items()}  # TensorBoard
+            for tracker in trackers:
+                tracker.start()
+                tracker.store_init_configuration(config if tracker.name == "wandb" else hparams)
+            accelerator.trackers = trackers
+        self.t_start = time.time()
+        self.progress = tqdm(total=args.total_steps, initial=step, desc=args.exp_name, disable=not self.main)
+
+    def write(self, step, episode, metrics, samples=()):
+        """One line of metrics.jsonl (and the trackers); samples go to samples.jsonl."""
+        if not self.main:
+            return
+        if step == 0:  # the evaluation before training, on the console too
+            print(" | ".join(f"{name} {value:.4g}" for name, value in metrics.items()))
+        line = {"global_step": step, "episode": episode, "time": time.time() - self.t_start, **metrics}
+        self.metrics_file.write(json.dumps(line) + "\n")
+        self.metrics_file.flush()
+        self.accelerator.log(metrics, step=step)
+        if samples:
+            with open(os.path.join(self.folder, "samples.jsonl"), "a") as f:
+                f.writelines(json.dumps(sample) + "\n" for sample in samples)
+
+    def close(self):
+        if self.main:
+            self.metrics_file.close()
+        self.progress.close()
 
 
 def _truncate_jsonl(path, last_step):
@@ -1388,6 +1370,31 @@ def _average_stats(stats):
     """{name: one float per micro-batch (or minibatch)} -> their mean, or for a name ending in _max (_min) the largest
     (smallest)."""
     return {name: _reduce_values(name, values) for name, values in stats.items()}
+
+
+def extract_answer(text):
+    """The final answer of a completion: the first number after the last 'Answer:' (its whole line if none), else the
+    last number, else None. A number that starts an equation ("9 * 6 = 54") gives the equation's last lone number.
+    LaTeX fractions read as a/b, a Unicode minus as '-'."""
+    text = re.sub(r"\\d?frac\{(-?\d+)\}\{(\d+)\}", r"\1/\2", text).replace("\u2212", "-")
+    if "Answer:" in text:
+        tail = text.rsplit("Answer:", 1)[1]
+        found = re.search(NUMBER, tail)
+        if found:
+            term = r"(?:\([ \t]*)*-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:[ \t]*\))*"  # a number, maybe in parentheses
+            words = r"x|·|\\times|\\cdot|\\div|times|multiplied by|plus|minus|divided by|over|%[ \t]*of|percent of"
+            operation = rf"[ \t]*(?:[-+*/×÷]|(?:{words})(?![a-z]))[ \t]*"
+            side = rf"{term}(?:{operation}{term})*"
+            last = rf"[ \t]*=[ \t]*({NUMBER})(?![.,]?\d|{operation}\(*\.?\d)"  # a lone number
+            equation = re.compile(rf"{term}(?:{operation}{term})+(?:[ \t]*=[ \t]*{side})*{last}", re.I)
+            equation = equation.match(tail, found.start())
+            return (equation.group(1) if equation else found.group(0)).replace(",", "").replace(" ", "")
+        return tail.strip().split("\n")[0].strip().rstrip(".") or None
+    numbers = re.findall(NUMBER, text)
+    return numbers[-1].replace(",", "").replace(" ", "") if numbers else None
+
+
+NUMBER = r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?"  # 12, -1,234.5, .5, 3/4
 
 
 def load_policy_and_reference(args, accelerator, pad_token_id, with_reference=True):

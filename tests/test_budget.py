@@ -1,6 +1,7 @@
 """benchmark/budget.py (python -m benchmark.budget): its counts against the modules themselves, and the fence on a
 small file whose numbers are known."""
 
+import ast
 import dataclasses
 import glob
 import importlib
@@ -245,3 +246,44 @@ def test_history_mentions_finds_issue_numbers_items_and_named_results(tmp_path):
     (tmp_path / f"grpo_tools_{issue}57.md").write_text("clean\n")
     subprocess.run(["git", "-C", str(tmp_path), "add", "."], check=True)
     assert budget.history_mentions(str(tmp_path)) == {"a.py": 4, "b.md": 2, f"grpo_tools_{issue}57.md": 1}
+
+
+def test_what_the_cleaning_may_not_move_stays_above_the_fence():
+    """Each script's committed list (benchmark/above_fence.json): every loss, advantage, reward and importance weight,
+    the verifier's scoring rule and check_args are defined above the fence, and Args keeps every field it had."""
+    assert set(budget.ABOVE_FENCE) == set(budget.BUDGET)
+    for name, kept in budget.ABOVE_FENCE.items():
+        with open(os.path.join(REPO_ROOT, f"{name}.py")) as f:
+            source = f.read()
+        tree, fence_line = ast.parse(source), source[: source.index(budget.FENCE)].count("\n") + 1
+        above = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.lineno < fence_line}
+        assert "Args" in above and "check_args" in kept["kept"], name
+        assert set(kept["kept"]) | set(kept["task"]) <= above, (name, set(kept["kept"]) - above)
+        assert set(kept["args"]) <= set(budget.fields(tree, "Args")), (
+            name,
+            set(kept["args"]) - set(budget.fields(tree, "Args")),
+        )
+
+
+def test_the_task_may_reach_a_parser_below_the_fence_the_math_may_not(tmp_path):
+    """A function listed as the task's may call a definition below the fence, and what it reaches there is not
+    counted as main's; any other function above the fence that does is reported."""
+    source = [
+        "def main(args):",
+        "    return reward(args) + loss(args)",
+        "def reward(x):",
+        "    return parse(x)",
+        "def loss(x):",
+        "    return helper(x)",
+        "# " + "=" * 117,
+        budget.FENCE,
+        "def parse(x):",
+        "    return x",
+        "def helper(x):",
+        "    return x",
+    ]
+    tree = ast.parse("\n".join(source))
+    assert budget.math_reaches_below(tree, 8, task=("reward",)) == {"loss": ["helper"]}
+    assert budget.math_reaches_below(tree, 8) == {"loss": ["helper"], "reward": ["parse"]}
+    assert budget.below_fence_reached(tree, 8, task=("reward",)) == ["helper"]
+    assert budget.below_fence_reached(tree, 8) == ["helper", "parse"]

@@ -65,6 +65,8 @@ SHELL_VALUES = {
     "SLURM_NNODES": "2",
     "SLURM_NODEID": "0",
     "HEAD": "10.0.0.1",
+    # benchmark/ppo_prm_clip.sh's pilot: the PRM of the loop's cell (the verifier, or the learned PRM's folder)
+    "PRM": "verifier",
 }
 
 # Where a command starts: a Python interpreter (any path, e.g. .venv/bin/python), accelerate launch, torchrun or

@@ -523,8 +523,8 @@ def test_fp16_updates_skipped_in_a_row_stop_the_run_instead_of_saving_it_as_trai
 
     monkeypatch.setattr(grpo_math, "_make_accelerator", with_scaler)
     monkeypatch.setattr(grpo_math, "compute_rewards", space_reward)
-    bounded = functools.partialmethod(grpo_math.Run.optimizer_step, max_skipped=3)
-    monkeypatch.setattr(grpo_math.Run, "optimizer_step", bounded)
+    bounded = functools.partialmethod(grpo_math.Run.count_update, max_skipped=3)
+    monkeypatch.setattr(grpo_math.Run, "count_update", bounded)
     args = make_args(total_steps=8, save_every=2, learning_rate=4e-3, temperature=0.5)
     with pytest.raises(RuntimeError) as error:
         grpo_math.main(args)
