@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The published figures of async_rlhf.py (issue 31), on the embedded task (arith_1d) with the default reward model
+# The published figures of async_rlhf.py, on the embedded task (arith_1d) with the default reward model
 # (`python reward_modeling.py` first, saved to runs/reward_model; the verifier's accuracy is the gold score):
 #   1. async against --sync at equal learner steps, seeds 1-3, one run at a time on an otherwise idle machine;
 #   2. the off-policyness sweep of Noukhovitch et al.: N minibatches (optimizer updates) per generated batch, so
@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 source benchmark/python.sh  # `python` is the venv's
 [ -d runs/reward_model ] || python reward_modeling.py
 
-# Issue 66 (docs/power_plan.md): part 2's sweep where staleness moves the policy. First a pilot: seed 1 of online DPO
+# Part 2's sweep where staleness moves the policy (docs/power_plan.md). First a pilot: seed 1 of online DPO
 # and RLOO at N = 16 (part 2's flags) and raised learning rates, for the stalest minibatch's approximate KL to the
 # sampler (policy/approxkl_last_minibatch; part 2's largest at lr 1e-5: 0.010) and the accuracy. 17-26 min a run
 # (one core of two, 2026-11-29/30).
@@ -47,7 +47,7 @@ if [[ ${1:-} == stale_pilot ]]; then
     exit 0
 fi
 
-# Issue 66, the sweep the pilot chose: part 2's design (N = 1 and 16, the same 32 updates on the same prompts) at one
+# The sweep the pilot chose: part 2's design (N = 1 and 16, the same 32 updates on the same prompts) at one
 # learning rate per objective, each where its own stalest minibatch KL is >= 10x part 2's at lr 1e-5 (RLOO 0.0024,
 # the largest 0.010) and it still learns: online DPO at 3e-5 (pilot KL 0.284), RLOO at 6e-5 (0.146 at step 1, 0.029
 # at step 2). Seeds 1-4, seed-major; seed 1 at N = 16 is the pilot's run of the same flags (run stale_pilot first),
@@ -123,7 +123,7 @@ python -m benchmark.registry table --experiments "${SPEED[@]}" \
     --metrics eval/score eval/accuracy objective/scores --out benchmark/results/async_vs_sync.md
 python -m benchmark.registry paired --experiments "${SPEED[@]}" --baseline sync \
     --metrics eval/score eval/accuracy wall_clock --out benchmark/results/async_vs_sync_paired.md
-# The paper's two claims for async against --sync as checks (issue 66): faster (async - sync wall-clock seconds <= 0;
+# The paper's two claims for async against --sync as checks: faster (async - sync wall-clock seconds <= 0;
 # the runs made one at a time on an otherwise idle machine) and no accuracy loss (async - sync >= -0.02).
 python -m benchmark.registry paired --experiments "${SPEED[@]}" --baseline sync --metrics wall_clock --at_most 0 \
     --out benchmark/results/async_vs_sync_faster.md

@@ -1,4 +1,4 @@
-"""Best-of-n with the committed reward-model members (issue 57, item 1): Coste et al.'s cleanest over-optimisation
+"""Best-of-n with the committed reward-model members: Coste et al.'s cleanest over-optimisation
 setting (arXiv 2310.02743), no PPO and so no seed noise. Three stages, each resumable from its files:
 
     python -m benchmark.best_of_n sample --out_dir runs/best_of_n              # 64 responses per held-out prompt
@@ -25,7 +25,7 @@ what is missing. A response without EOS is scored like any other: the rule (fini
 `analyse`: for n = 1..N (N = --num_samples), the expected verifier accuracy of the response each rule picks from n of
 the N samples, over all C(N, n) subsets (not one random draw): sorted by the rule's score, the i-th best of N is the
 best of a random n-subset with probability C(N - i, n - 1) / C(N, n); equal keys share their positions' weights (a
-random tie-break). A response without EOS is never picked over a finished one (issue 54's invariant): the key is
+random tie-break). A response without EOS is never picked over a finished one (ppo_rlhf's invariant): the key is
 (has_eos, score). The rules: each member alone; the mean, WCO (min) and UWO (mean - lambda x variance over the K
 members, each --uwo_coef) by ppo_rlhf.ensemble_reward; and WCO on standardised members (each member's score minus its
 mean, over its std, both over every sampled response: one scale for all, the zero of this sample). The x-axis is the

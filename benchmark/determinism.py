@@ -1,4 +1,4 @@
-"""Which CPU setting makes a training step bit-identical from run to run, and what it costs (issue 45, item 7).
+"""Which CPU setting makes a training step bit-identical from run to run, and what it costs.
 
 The scripts' CPU runs with 2 threads were not always bit-identical (docs/launch_paths.md): one run in four differed
 by a float32 ulp in a grad norm. The suspect is MKL, which picks a kernel path by buffer alignment and thread

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The published figures of dpo_online.py: the reward model (`python reward_modeling.py`, saved to runs/reward_model,
 # skipped when it is there), the default online DPO run, then online DPO against PPO over 3 seeds on the same
-# reward model, prompts and number of completions (issue 31), by step and by wall-clock time.
+# reward model, prompts and number of completions, by step and by wall-clock time.
 #   bash benchmark/dpo_online.sh                    # one seed at a time (a 2-core CPU machine)
 #   bash benchmark/dpo_online.sh --workers 2        # extra arguments go to benchmark.run
 # Every command that runs a script is on its own line: tests/test_benchmark.py checks its flags against --help.

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The published figures of grpo_math.py: 3 seeds of the default run (`python grpo_math.py`) and of the default before
-# issue 19, then the learning curves (mean ± std over seeds, by step and by wall-clock time) and the table of final
-# metrics.
+# The published figures of grpo_math.py: 3 seeds of the default run (`python grpo_math.py`) and of the earlier
+# 2-prompt default, then the learning curves (mean ± std over seeds, by step and by wall-clock time) and the table
+# of final metrics.
 #   bash benchmark/grpo_math.sh                     # one seed at a time (a 2-core CPU machine)
 #   bash benchmark/grpo_math.sh --workers 3 --track # extra arguments go to benchmark.run
 # Every command that runs a script is on its own line: tests/test_benchmark.py checks its flags against --help.
@@ -16,7 +16,7 @@ if [[ ${1:-} == make_train ]]; then
     exit 0
 fi
 
-# The headline (issue 57): the default, `make train`'s run, over 5 seeds on one commit, one seed at a time with nothing
+# The headline: the default, `make train`'s run, over 5 seeds on one commit, one seed at a time with nothing
 # else training (~9-13 min a run on 2 cores); the runs' config.json and metrics.jsonl are committed under
 # benchmark/results/grpo_math_default/, and the table, the change from step 0 and the curves come from those copies.
 python -m benchmark.run --script grpo_math.py --seeds 1 2 3 4 5 --resume_unfinished "$@" -- --prompts_per_rank 4 \
@@ -30,10 +30,10 @@ python -m benchmark.registry plot --experiments "default=benchmark/results/grpo_
     --metric eval/accuracy objective/accuracy objective/entropy objective/kl --smooth 8 \
     --out benchmark/results/grpo_math_default_step.png
 
-# The default (4 prompts a step) against the default before issue 19 (2 prompts a step, each completion with its own
+# The default (4 prompts a step) against the earlier default (2 prompts a step, each completion with its own
 # copy of the prompt), 3 seeds each. The published runs were made one seed of each at a time, alternating, with
 # these exact flags (`--prompts_per_rank 4` is the default; it is spelled out for the run name). Those runs' folders
-# were lost before runs were committed (issue 30): the plots and tables below need the runs made again.
+# were lost, never committed: the plots and tables below need the runs made again.
 python -m benchmark.run --script grpo_math.py --seeds 1 2 3 "$@" -- --prompts_per_rank 4 --exp_name grpo_p4
 python -m benchmark.run --script grpo_math.py --seeds 1 2 3 "$@" -- --prompts_per_rank 2 --no-shared_prompt \
     --exp_name grpo_base
@@ -52,8 +52,8 @@ python -m benchmark.registry table --experiments "4 prompts (default)=runs/add_2
 python -m benchmark.grpo_errors --models assets/SmolLM2-135M-Instruct runs/add_2t2d__grpo_p4__[123]__*/model \
     --out benchmark/results/grpo_math_errors.md
 
-# The 2-prompt default as an earlier sitting measured it (2026-11-22, docs/grpo_math.md "Before issue 19": the code
-# before the issue-17 refactor, whose default also evaluated GSM8K-100, then `eval_gsm8k/`, now `eval_extra/`, and
+# The 2-prompt default as an earlier sitting measured it (2026-11-22, docs/grpo_math.md "The earlier default": the
+# code of that day, whose default also evaluated GSM8K-100, then `eval_gsm8k/`, now `eval_extra/`, and
 # timed HF generate against vLLM at the first step, since removed), and dynamic sampling (DAPO) against it
 # (2026-11-23), 3 seeds: 6 prompts sampled a step, the 2 groups with a reward signal trained (17 min a run on 2 cores
 # against 13-14; not the default: +29.6 mean gain against +28.6). The defaults of those days are spelled out; their
@@ -69,9 +69,9 @@ python -m benchmark.registry table --experiments "grpo=runs/add_2t2d__grpo_2p__[
     "oversample 3=runs/add_2t2d__grpo_os3__[123]__*" --metrics eval/accuracy eval_extra/accuracy objective/kl \
     --out benchmark/results/grpo_math_oversample.md
 
-# The GRPO variants (issue 29, docs/grpo_math.md): token clip, GSPO, CISPO, each with 4 minibatches a batch (at one
+# The GRPO variants (docs/grpo_math.md): token clip, GSPO, CISPO, each with 4 minibatches a batch (at one
 # minibatch the three give the same gradient), 3 seeds; run one seed of each arm at a time, seed by seed. Every arm
-# has beta 0.04 (GSPO's by --beta: since issue 54 the sequence level alone brings GSPO's beta 0).
+# has beta 0.04 (GSPO's by --beta: the sequence level alone brings GSPO's beta 0).
 python -m benchmark.run --script grpo_math.py --seeds 1 2 3 "$@" -- --num_minibatches 4 --exp_name grpo_mb4
 python -m benchmark.run --script grpo_math.py --seeds 1 2 3 "$@" -- --num_minibatches 4 \
     --importance_sampling_level sequence --loss_type seq_mean_token_mean --clip_eps_low 3e-4 --clip_eps_high 4e-4 \
@@ -120,8 +120,8 @@ python -m benchmark.perf_shared_prompt
 python -m benchmark.perf_shared_prompt --scripts grpo_math --out benchmark/results/shared_prompt_grpo_4prompts
 # Where a step's time goes, per script (training_throughput.md), from the seed-1 default runs that
 # benchmark/ppo_rlhf.sh, dpo_online.sh and async_rlhf.sh part 1 make (run them first) and two runs of grpo_math: the
-# default above and arith_1d with beta 0 and T 1.2. The published rows are runs of 2026-11-22 (the code before the
-# issue-17 refactor; grpo_math's default then was 2 prompts a step), which were not committed.
+# default above and arith_1d with beta 0 and T 1.2. The published rows are runs of 2026-11-22 (the code of that
+# day; grpo_math's default then was 2 prompts a step), which were not committed.
 python -m benchmark.run --script grpo_math.py --seeds 1 "$@" -- --dataset_path assets/data/arith_1d --beta 0 \
     --temperature 1.2 --total_steps 80 --exp_name grpo_t1.2
 python -m benchmark.registry perf --experiments "grpo_math=runs/add_2t2d__grpo_p4__1__*" \
@@ -130,7 +130,7 @@ python -m benchmark.registry perf --experiments "grpo_math=runs/add_2t2d__grpo_p
     "async_rlhf --sync (HF generate)=runs/arith_1d__async_bench_sync__1__*" \
     "async_rlhf (HF generate)=runs/arith_1d__async_bench_async__1__*" --out benchmark/results/training_throughput
 
-# Bit-identical reruns on CPU (issue 45; docs/launch_paths.md "Reruns"), 2026-11-27: forward + backward passes of a
+# Bit-identical reruns on CPU (docs/launch_paths.md "Reruns"), 2026-11-27: forward + backward passes of a
 # fixed batch across fresh processes with a busy process beside them (determinism.md), then the script itself, 3 runs
 # per setting with a busy process beside it (determinism_runs.md) and 2 alone (determinism_runs_unloaded.md).
 python -m benchmark.determinism --repeats 6 --processes 2 --load 1 --variants default

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The published figures of grpo_tools.py (issue 48): the tool policy against GRPO without a tool on the same
+# The published figures of grpo_tools.py: the tool policy against GRPO without a tool on the same
 # problems (assets/data/mul_2t3d: products of two numbers of 2-3 digits), same steps and batch (30 steps of 4 prompts
 # x 8 samples), 3 seeds each. grpo_math.py keeps its own defaults otherwise (its instruction, 64 response tokens);
 # grpo_tools.py gives a trajectory 96 tokens, the policy's and the calculator's together.
@@ -12,23 +12,23 @@ cd "$(dirname "$0")/.."
 source benchmark/python.sh  # `python` is the venv's
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Issue 57, items 3 (add_example) and 4 (chain): their gates failed (docs/grpo_tools.md), so only their probes ran;
-# item 4's replacement, chain_g16, ran (3 seeds, 2026-11-28/29), then chain_3t (1 seed). Each runs only when named;
+# add_example and chain: their gates failed (docs/grpo_tools.md), so only their probes ran; chain's replacement,
+# chain_g16, ran (3 seeds, 2026-11-28/29), then chain_3t (1 seed). Each runs only when named;
 # the published experiment at the end stays what `bash benchmark/grpo_tools.sh` runs:
 #   bash benchmark/grpo_tools.sh add_example    # a tool task RL must learn: mul_2t3d, an addition example shown
 #   bash benchmark/grpo_tools.sh prompt_probes  # its replacement's probes: no example shown
 #   bash benchmark/grpo_tools.sh chain          # several calls: one operation per call, 2-3 terms, 4 held out
 #   bash benchmark/grpo_tools.sh chain_g16      # its replacement: the chained example, groups of 16, 60 steps
 #   bash benchmark/grpo_tools.sh chain_3t       # the same on 3-term products only (1 seed)
-#   bash benchmark/grpo_tools.sh chain_prompts  # item 4's gate on three more prompts
-#   bash benchmark/grpo_tools.sh chain_arms     # item 3's other arms on that task: probes of step 0
-# Seeds: 5 where a run costs <= 15 min (item 3's runs are the published run's size: 11-12 min on the 2 cores), else 3
-# (item 4: 128-token trajectories of up to 4 calls, 300 + 500 held-out prompts at each evaluation).
+#   bash benchmark/grpo_tools.sh chain_prompts  # chain's gate on three more prompts
+#   bash benchmark/grpo_tools.sh chain_arms     # add_example's other arms on that task: probes of step 0
+# Seeds: 5 where a run costs <= 15 min (add_example's runs are the published run's size: 11-12 min on the 2 cores),
+# else 3 (chain: 128-token trajectories of up to 4 calls, 300 + 500 held-out prompts at each evaluation).
 # benchmark/tool_probe.py writes each probe's folder (probe.json, and a metrics.jsonl that benchmark.registry reads as
 # a run's evaluation) straight into $CHAIN; the runs are copied there once finished. $'\n' is the examples' line
 # break. A run's example is written out in its command (tests/test_commands.py parses it); a probe's is Q/A below.
 CHAIN=benchmark/results/grpo_tools_chain
-# Issue 67: the untrained policy under --tool_format native (SmolLM2 with grpo_tools' HERMES_TEMPLATE, its own
+# The untrained policy under --tool_format native (SmolLM2 with grpo_tools' HERMES_TEMPLATE, its own
 # ignoring tools=) beside calc, greedy and at T 1 (4 samples a prompt), on the first 100 held-out prompts; and the
 # second environment, price_list (its task from make assets). Each probe's folder (probe.json, config.json,
 # metrics.jsonl) goes to benchmark/results/grpo_tools_native_probes/. Native shows each environment's three
@@ -53,9 +53,9 @@ if [[ ${1:-} == native_probes ]]; then
     exit 0
 fi
 
-# Issue 67: the native format against calc on the same task, budget (30 steps, --response_length 96) and seeds; the
-# calc arm is the committed runs of the main part (benchmark/results/grpo_tools/, the same code path: issue 67 left
-# calc's trajectories unchanged).
+# The native format against calc on the same task, budget (30 steps, --response_length 96) and seeds; the calc arm
+# is the committed runs of the main part (benchmark/results/grpo_tools/: today's calc code path gives the same
+# trajectories).
 #   bash benchmark/grpo_tools.sh native  # ~15-25 min a run on 2 cores
 if [[ ${1:-} == native ]]; then
     shift
@@ -74,7 +74,7 @@ if [[ ${1:-} == native ]]; then
     exit 0
 fi
 
-# Issue 67: the two-tool environment on a task the 135M policy can start on: price_list_one (one item at a shop: one
+# The two-tool environment on a task the 135M policy can start on: price_list_one (one item at a shop: one
 # `price` call of three typed arguments, `add` offered and not needed; each of the 144 questions there is, 48 held
 # out), its three one-item exchanges shown (price_list's two-item task: 0 of 400 right at T 1). First the untrained
 # policy's probes on all 48 held-out questions (greedy and T 1, 4 samples), to
@@ -144,16 +144,16 @@ if [[ ${1:-} == add_example ]]; then
         objective/accuracy tools/call_rate --smooth 5 --out benchmark/results/grpo_tools_add_example.png
     exit 0
 fi
-# Item 3's gate failed on 2026-11-28 (the add_greedy probe above: greedy accuracy 0.837, call rate 0.907 with the
-# addition example), so the prompt leaves RL no room. The probes of the replacement (issue 57's note): no example at
-# all, greedy on the held-out products, then sampled at T 1 on 64 training prompts x 8.
+# add_example's gate failed on 2026-11-28 (the add_greedy probe above: greedy accuracy 0.837, call rate 0.907 with
+# the addition example), so the prompt leaves RL no room. The probes of the replacement: no example at all,
+# greedy on the held-out products, then sampled at T 1 on 64 training prompts x 8.
 if [[ ${1:-} == prompt_probes ]]; then
     python -m benchmark.tool_probe --exp_name noexample_greedy --temperature 0 --max_accuracy 0.5 \
         --output_dir "$CHAIN" --examples
     python -m benchmark.tool_probe --exp_name noexample_t1 --temperature 1 --prompts train --num_prompts 64 \
         --samples_per_prompt 8 --output_dir "$CHAIN" --examples
-    # 3-term products (item 4's task) with the one-call example and no limit on the operations a call holds: does
-    # the policy put every factor in its call? (item 4's gates, with one operation a call, are in its block below)
+    # 3-term products (chain's task) with the one-call example and no limit on the operations a call holds: does
+    # the policy put every factor in its call? (chain's gates, with one operation a call, are in its block below)
     python -m benchmark.prepare_assets --only tasks
     python -m benchmark.tool_probe --exp_name terms3_example1 --prompts train --terms 3 --num_prompts 64 \
         --samples_per_prompt 4 --dataset_path assets/data/mul_2t3t2d --max_turns 4 --response_length 128 \
@@ -163,7 +163,7 @@ if [[ ${1:-} == prompt_probes ]]; then
         --dataset_path assets/data/mul_2t3t2d --max_turns 4 --response_length 128 --max_accuracy 0.5 \
         --output_dir "$CHAIN" --examples "Calculate 23 * 41. Give the final answer after 'Answer:'." \
         "<calc>23 * 41</calc><result>943</result>"$'\n'"Answer: 943"
-    # Item 4's second gate (one operation a call, the chained example) at 8 samples a prompt: a chain rate below 1/64?
+    # chain's second gate (one operation a call, the chained example) at 8 samples a prompt: a chain rate below 1/64?
     python -m benchmark.tool_probe --exp_name chain_example2_x8 --prompts train --terms 3 --num_prompts 64 \
         --samples_per_prompt 8 --dataset_path assets/data/mul_2t3t2d --max_operations 1 --max_turns 4 \
         --response_length 128 --output_dir "$CHAIN" \
@@ -238,9 +238,9 @@ if [[ ${1:-} == chain ]]; then
     exit 0
 fi
 
-# Item 4's gates both failed on 2026-11-28 (chain_gate_example1: 0 of 64; chain_gate_example2: 0 of 64; at 8 samples a
+# chain's gates both failed on 2026-11-28 (chain_gate_example1: 0 of 64; chain_gate_example2: 0 of 64; at 8 samples a
 # prompt chain_example2_x8: 2 of 512 right, 1.8% with >= 2 calls; greedy chain_example2_greedy: 0 of 150, never two
-# calls), so the block above stops at its second gate. The replacement (issue 57's note): the chained example and
+# calls), so the block above stops at its second gate. The replacement: the chained example and
 # groups of 16 (a success in 1/256 samples reaches a group 6% of the time instead of 3%), the same 32 trajectories a
 # step as the published run, over 60 steps; evaluations at steps 0, 20, 40 and 60 (300 held-out 2-3 term products,
 # all 500 held-out 4-term ones). 3 seeds.
@@ -317,7 +317,7 @@ if [[ ${1:-} == chain_3t ]]; then
     exit 0
 fi
 
-# A prompt the step-0 policy chains from: item 4's gate (>= 3% right at T 1 on 3-term training products, one
+# A prompt the step-0 policy chains from: chain's gate (>= 3% right at T 1 on 3-term training products, one
 # operation a call), probed on 128 prompts x 8 for three prompts beyond the chained example alone (2 in 512): two
 # chained examples; the chained example with a system prompt that says a call takes one operation; both. A prompt
 # that passes is then probed greedy on the 150 held-out 3-term products (<= 0.5: room for RL, not sharpening).
@@ -345,7 +345,7 @@ if [[ ${1:-} == chain_prompts ]]; then
     exit 0
 fi
 
-# Item 3's other arms on the task that replaced it (chain_g16's: the chained example, 2-3 term products, one
+# add_example's other arms on the task that replaced it (chain_g16's: the chained example, 2-3 term products, one
 # operation a call), as probes of the step-0 policy: sharpening without RL (T 0.5, 4 samples on each of the 300
 # held-out products), and the signal a run with the tool disabled would get (every call answered `error:
 # unavailable`; T 1 on 128 x 8 training products of 2-3 terms): a group with no right answer has zero advantage.
@@ -367,7 +367,7 @@ if [[ ${1:-} == chain_arms ]]; then
     exit 0
 fi
 
-# The published experiment (issue 48), what a plain `bash benchmark/grpo_tools.sh` runs.
+# The published experiment, what a plain `bash benchmark/grpo_tools.sh` runs.
 
 python -m benchmark.run --script grpo_tools.py --seeds 1 2 3 --resume_unfinished -- --exp_name tools
 python -m benchmark.run --script grpo_math.py --seeds 1 2 3 --resume_unfinished -- \

@@ -1,4 +1,4 @@
-"""The Asynchronous RLHF paper's off-policyness figure (issue 31) from runs' config.json and metrics.jsonl.
+"""The Asynchronous RLHF paper's off-policyness figure from runs' config.json and metrics.jsonl.
 
     python -m benchmark.offpolicy --experiments "online DPO=benchmark/results/async_rlhf/arith_1d__offpolicy_dpo_n*" \
         "RLOO=benchmark/results/async_rlhf/arith_1d__offpolicy_rloo_n*" "PPO=..." --out benchmark/results/offpolicy

@@ -14,7 +14,7 @@ one after the other, each in its own subprocess with the same thread count:
 The judge: the learned reward model on both sides, dpo_online's default. For TRL it is a reward callable that calls
 dpo_online's own functions (left-padded prompt + completion up to its first EOS, the one-label head at the last real
 token minus config.bias, and a completion without EOS scored missing_eos_penalty instead), so both sides rank every
-pair by the same numbers, but for one case: since issue 54 dpo_online ranks a finished completion above one without
+pair by the same numbers, but for one case: dpo_online ranks a finished completion above one without
 EOS whatever their scores, where TRL ranks by the numbers (they differ only when the finished one scores below the
 penalty; with one reward model the default run had such a pair at step 2 of 4). Not `--judge verifier`: on this task
 the two completions of a pair are mostly both right or both wrong, i.e. tied, and the two trainers treat ties

@@ -1,4 +1,4 @@
-"""The seeds a paired claim check needs (issue 66's power plan, docs/power_plan.md), from runs' config.json and
+"""The seeds a paired claim check needs (the power plan, docs/power_plan.md), from runs' config.json and
 metrics.jsonl.
 
     python -m benchmark.power --experiments "none=benchmark/results/ppo_prm_clip/arith_2t3t1d__prm_none__*" \

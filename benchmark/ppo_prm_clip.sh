@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The published figures of ppo_prm_clip.py (issue 30): the reward arms (success only, raw process rewards, Clip,
+# The published figures of ppo_prm_clip.py: the reward arms (success only, raw process rewards, Clip,
 # Delta, Clip-Delta) at the script's defaults (arith_2t3t1d, one step per line, prm_coef 0.5, missing_eos_penalty -1,
 # T 0.5, 30 steps of 8 prompts, the whole 500-problem held-out split every 5 steps), seeds 1-3, first with the
 # verifier PRM, then with a PRM learned by reward_modeling.py --prm; then the curves, the tables and the paired
 # comparisons with success only. The committed runs (benchmark/results/ppo_prm_clip/) were made at a1df256 with the
-# step verifier of 2026-11-26, before issues 45, 54 and 65 changed what it reads: run again, this makes a new set
+# step verifier of 2026-11-26, whose rules differ from today's: run again, this makes a new set
 # (a new git sha in each config.json), to be compared with them, not pooled.
 #   bash benchmark/ppo_prm_clip.sh                  # one run at a time (2 cores: ~15 min a run, ~6 h in all)
 #   bash benchmark/ppo_prm_clip.sh --workers 2      # extra arguments go to benchmark.run
@@ -152,10 +152,10 @@ for kind in verifier learned; do
 done
 
 # 4. Superseded (EARLIER=1 bash benchmark/ppo_prm_clip.sh): the tables of docs/ppo_prm_clip.md's two "Earlier"
-# sections, on arith_1d, 2026-11-22 and 2026-11-23, whose runs were not kept: the five arms of issue 5 (seeds 1-2,
+# sections, on arith_1d, 2026-11-22 and 2026-11-23, whose runs were not kept: the five arms (seeds 1-2,
 # prm_coef 1.5, T 1.0, 20 steps; benchmark/results/ppo_prm_clip.md) and three arms at the defaults of then (seed 1,
 # prm_coef 0.5, T 0.7, 30 steps; ppo_prm_clip_defaults.md). The defaults of then are spelled out (arith_1d, steps at
-# a blank line, no missing-EOS penalty, 100 held-out problems every 10 steps); the code has changed since (issue 8's
+# a blank line, no missing-EOS penalty, 100 held-out problems every 10 steps); the code has changed since (the
 # verifier and answer parser among others), so the figures will not repeat to the digit.
 if [ "${EARLIER:-0}" = 1 ]; then
     for seed in 1 2; do

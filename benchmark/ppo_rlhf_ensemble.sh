@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 47: reward-model ensembles against over-optimisation (Coste et al., arXiv 2310.02743) on the arithmetic
+# Reward-model ensembles against over-optimisation (Coste et al., arXiv 2310.02743) on the arithmetic
 # pipeline, the verifier's accuracy as the gold score (results: docs/ppo_rlhf.md, "Reward-model ensembles").
 #   1. The ensemble: 5 reward models that share their pairs (--data_seed 1: the default reward model's) and differ
 #      in --seed (score-head init and data order), the paper's setting; member k goes to runs/reward_ensemble/member_k,
@@ -7,7 +7,7 @@
 #      (an interrupted one: `python reward_modeling.py --resume runs/<its run folder> ...` with the same flags).
 #   2. How the members do on their shared held-out pairs, alone and combined, and how often they agree.
 #   3. The experiment: PPO with the mean, WCO and UWO of the 5 members, online DPO with their WCO, 3 seeds each.
-#   (4. the checks and figures, 5. the cost of five members.) 6. Best-of-n with the 5 members (issue 57): no PPO.
+#   (4. the checks and figures, 5. the cost of five members.) 6. Best-of-n with the 5 members: no PPO.
 #   bash benchmark/ppo_rlhf_ensemble.sh   # one run at a time (a 2-core CPU machine): ~8 min a member, 23-26 min a
 #                                         # PPO run with five members (docs/ppo_rlhf.md)
 # Every command that runs a script is on its own line: tests/test_benchmark.py checks its flags against --help.
@@ -15,7 +15,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source benchmark/python.sh  # `python` is the venv's
 
-# Issue 66 item 4: best-of-n (step 6) in Coste et al.'s noisy setting: five members that differ in their pairs
+# Best-of-n (step 6) in Coste et al.'s noisy setting: five members that differ in their pairs
 # (--data_seed k: each samples its own completions and pairs) and their seed, each trained with every training
 # label flipped with probability 0.25 (--label_noise; the held-out pairs keep the verifier's labels); step 6's
 # sampling command into its own folder (the same prompts and seed), scored by these members and analysed as step 6.
@@ -49,10 +49,10 @@ python -m benchmark.registry copy --out benchmark/results/reward_ensemble runs/a
 [ -f benchmark/results/reward_ensemble.md ] ||  # ~7 min: remove the file to make it again
     python -m benchmark.reward_ensemble --ensemble runs/reward_ensemble --uwo_coef 0.25 0.5 1 2 4 --out benchmark/results/reward_ensemble.md
 
-# 3. The experiment: 40 steps, 3 seeds, the issue-31 budget (PPO at its defaults; online DPO with 4 prompts x 2
-#    completions a step, the same 8 completions). The single-reward-model arms are issue 31's runs (member_0 is the
-#    default reward model; benchmark/dpo_online.sh made them, committed under benchmark/results/ppo_vs_dpo/), whose first
-#    steps today's code repeats (docs/ppo_rlhf.md: `python ppo_rlhf.py --seed 3 --exp_name repro_ppo
+# 3. The experiment: 40 steps, 3 seeds, the budget of PPO against online DPO (PPO at its defaults; online DPO with 4
+#    prompts x 2 completions a step, the same 8 completions). The single-reward-model arms are those runs (member_0
+#    is the default reward model; benchmark/dpo_online.sh made them, committed under benchmark/results/ppo_vs_dpo/),
+#    whose first steps today's code repeats (docs/ppo_rlhf.md: `python ppo_rlhf.py --seed 3 --exp_name repro_ppo
 #    --reward_model_path runs/reward_ensemble/member_0` and `python dpo_online.py --seed 1 --prompts_per_rank 4
 #    --total_steps 40 --exp_name repro_dpo --reward_model_path runs/reward_ensemble/member_0`, each stopped after step
 #    3; their logs are in benchmark/results/ensemble_repro/). UWO's lambda 1 is chosen from the members'
@@ -116,7 +116,7 @@ fi
 python -m benchmark.registry perf --experiments "one reward model=benchmark/results/reward_ensemble_cost/arith_1d__k1_*" \
     "five, WCO=benchmark/results/reward_ensemble_cost/arith_1d__k5_*" --out benchmark/results/reward_ensemble_cost
 
-# 6. Best-of-n with the five members (issue 57, item 1): Coste et al.'s cleanest setting, no PPO and so no seed noise.
+# 6. Best-of-n with the five members: Coste et al.'s cleanest setting, no PPO and so no seed noise.
 #    64 responses per held-out prompt from the initial policy at temperature 1, on a seeded subset of 128 of the 282
 #    prompts that ppo_rlhf.py evaluates on (all 282 would take ~2.2x the scoring time below), each response scored
 #    once by every member of step 1's runs/reward_ensemble; then for n = 1..64 the verifier accuracy of what each rule

@@ -110,7 +110,7 @@ TASKS = {
             },
         )
     ],
-    # Issue 57 item 4, grpo_tools.py with --max_operations 1 (one operation per calculator call): products of 2 or 3
+    # grpo_tools.py's chain experiment, with --max_operations 1 (one operation per calculator call): products of 2 or 3
     # numbers to train on ("Calculate 78 * 30 * 38.": two chained calls) and, held out, products of 4 ("Calculate 90
     # * 15 * 6 * 75.": three calls), as --extra_eval_path. reasoning-gym draws "2 digits" from 0-100 and seeds item i
     # with seed + i: the 4-term stream starts at TASK_SEEDS' offset (with seed 0 its first 3 factors would be a 3-term
@@ -156,7 +156,7 @@ TASK_SEEDS = {"mul_4t2d": 10**6}
 # The rows a task keeps (reasoning-gym's entry -> bool), where it does not keep every one.
 KEEP = {"mul_2t3t2d": lambda entry: str(entry["answer"]) != "0", "mul_4t2d": lambda entry: str(entry["answer"]) != "0"}
 # Tasks made of another task's rows, split for split: name -> (source, row -> bool). mul_3t2d, the 3-term products of
-# mul_2t3t2d (issue 57's chaining runs trained on 3-term products only), keeps its held-out products held out.
+# mul_2t3t2d (the grpo_tools chaining run trained on 3-term products only), keeps its held-out products held out.
 SUBSETS = {"mul_3t2d": ("mul_2t3t2d", lambda row: row["question"].count(" * ") == 2)}
 DRAWS_PER_QUESTION = 20  # draws allowed per wanted question before a config is deemed exhausted
 STAGES = ("model", "tasks", "gsm8k")

@@ -1,4 +1,4 @@
-"""The PRM paper's claims as checks on runs of ppo_prm_clip.py (issue 30), from their config.json and metrics.jsonl.
+"""The PRM paper's claims as checks on runs of ppo_prm_clip.py, from their config.json and metrics.jsonl.
 
     python -m benchmark.prm_checks --experiments "none=benchmark/results/ppo_prm_clip/arith_2t3t1d__prm_none__*" \
         "raw=benchmark/results/ppo_prm_clip/arith_2t3t1d__prm_raw__*" ... --out benchmark/results/ppo_prm_checks.md
@@ -11,7 +11,7 @@ response (what raw would pay, before prm_coef) and the process reward this arm p
 (b) each bounded arm (clip, delta, clip_delta) stays within 20% of the baseline's held-out steps and within 2 points
     of its accuracy;
 (c) some arm ends above the baseline;
-(d) the fix against raw (issue 66), for each bounded arm: fewer held-out steps than raw (per-seed ratio arm / raw
+(d) the fix against raw, for each bounded arm: fewer held-out steps than raw (per-seed ratio arm / raw
     below 1), and a higher accuracy (difference arm - raw above 0), each by Holm over the bounded arms.
 Every comparison is paired over the seeds both arms finished, by the one rule of every check in benchmark/
 (benchmark/registry.py): a step count as the per-seed ratio arm / baseline, an accuracy as the per-seed difference

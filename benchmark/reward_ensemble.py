@@ -1,4 +1,4 @@
-"""The members of a reward-model ensemble on their shared held-out pairs (issue 47): each member's pair accuracy, how
+"""The members of a reward-model ensemble on their shared held-out pairs: each member's pair accuracy, how
 often the members agree, and the accuracy of the ensemble's combinations (ppo_rlhf.ensemble_reward):
 
     python -m benchmark.reward_ensemble --ensemble runs/reward_ensemble --out benchmark/results/reward_ensemble.md

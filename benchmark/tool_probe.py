@@ -1,6 +1,6 @@
 """A policy of grpo_tools.py (the untrained one, or a run's saved model/) on grpo_tools' own prompts: K trajectories
 per prompt at a temperature (greedy at 0), through its multi-turn rollout and tool, scored by its verifier; no
-training (issue 57).
+training.
 
 Two uses:
 - the gate before a tool experiment: does the policy succeed at all? (--min_accuracy / --max_accuracy: the exit

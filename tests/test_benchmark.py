@@ -507,9 +507,9 @@ def test_registry_perf_medians_and_step_seconds(tmp_path):
 
 
 def test_registry_runs_of_one_seed_are_all_used_or_refused(synthetic_runs, tmp_path):
-    """Issue 54: a repeat or an older launch of a seed is never dropped without a word (find_runs kept the newest run
-    of a seed silently). Several runs of one seed are refused, naming them; --all_runs uses every one (the table
-    counts each); a paired comparison needs one run per seed and refuses them even then."""
+    """A repeat or an older launch of a seed is never dropped without a word. Several runs of one seed are refused,
+    naming them; --all_runs uses every one (the table counts each); a paired comparison needs one run per seed and
+    refuses them even then."""
     write_run(synthetic_runs, "arith__grpo__1__900", 1, synthetic_lines(1)[:3])  # an older launch of seed 1
     pattern = os.path.join(synthetic_runs, "arith__grpo__*")
     with pytest.raises(ValueError, match=r"seed 1: arith__grpo__1__1001, arith__grpo__1__900\).*--all_runs"):
@@ -529,8 +529,8 @@ def test_registry_runs_of_one_seed_are_all_used_or_refused(synthetic_runs, tmp_p
 
 
 def test_registry_perf_shows_every_run_and_the_scripts_step_time(tmp_path):
-    """perf shows every run, repeats of a seed included (issue 54: the reward-ensemble cost table kept one of two
-    repeats), the median of the script's own time/step next to s/step (which leaves out the steps that ran an
+    """perf shows every run, repeats of a seed included (the reward-ensemble cost table shows two runs of seed 1
+    an experiment), the median of the script's own time/step next to s/step (which leaves out the steps that ran an
     evaluation: the last one always does), and per experiment the median over all its runs' steps of both, time/step
     against the first experiment's."""
     root = str(tmp_path / "runs")
@@ -1347,7 +1347,7 @@ def test_prm_checks_verdicts_worked_out_here(tmp_path):
     assert verdict({"none": values["none"]} | below, "(c)") == "not held"
     assert verdict({"none": values["none"]} | below | {"clip": arm([0.01, -0.01, 0.0])}, "(c)") == "inconclusive"
 
-    # (d), the fix against raw, by Holm over the bounded arms (issue 66): the committed runs' accuracy differences
+    # (d), the fix against raw, by Holm over the bounded arms: the committed runs' accuracy differences
     # (arm - raw per seed) have one-sided p 0.028 / 0.025 / 0.013, each above its Holm threshold (0.025 / 3 first):
     # inconclusive, though clip_delta's own interval (+0.039 to +0.233) lies above 0. An arm below raw on every seed
     # is not held; raw's steps x1 per seed (no spread) give no test.
@@ -1737,7 +1737,7 @@ def test_registry_paired_fixed_baseline_pairs_one_run_with_every_seed(tmp_path):
 
 
 def test_registry_clopper_pearson_against_its_definition():
-    """Issue 65: the exact binomial interval of k of n, checked by its definition with the tail sums written here as a
+    """The exact binomial interval of k of n, checked by its definition with the tail sums written here as a
     plain loop in float64 (P(X >= k | low) = 0.025, P(X <= k | high) = 0.025), by the closed forms at k = 0 and k = n,
     and by a fine grid: no p between its ends is rejected by either tail, none just outside accepted."""
 
@@ -1746,7 +1746,7 @@ def test_registry_clopper_pearson_against_its_definition():
 
     assert registry.clopper_pearson(1, 3) == pytest.approx(
         (0.0084038, 0.9057007), abs=1e-6
-    )  # the issue's 0.01 to 0.91
+    )  # docs/grpo_tools.md's 1 of 3 seeds: 0.01 to 0.91
     rng = random.Random(65)
     for _ in range(30):
         n = rng.randint(1, 60)
@@ -1788,7 +1788,7 @@ def test_registry_paired_counts_the_seeds_of_a_bimodal_outcome(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# benchmark.best_of_n (issue 57): the subset estimator, the rules, the bootstrap, the stages' files
+# benchmark.best_of_n: the subset estimator, the rules, the bootstrap, the stages' files
 
 
 def brute_force_best_of_n(score, has_eos, values, n):
@@ -2154,7 +2154,7 @@ def test_best_of_n_stages_on_the_tiny_model(tiny_model_dir, tiny_reward_model_di
     assert bon.main([*sample, "--no-vllm"]) is None  # complete: resumes to nothing
 
 
-# benchmark/power.py: the seeds a paired check needs (issue 66's power plan).
+# benchmark/power.py: the seeds a paired check needs (docs/power_plan.md).
 # Student's t quantiles from printed tables (independent of registry's): t(0.8, df) and t(0.975, df).
 T_80 = {2: 1.0607, 3: 0.9785, 4: 0.9410, 9: 0.8834, 29: 0.8542}
 T_975_PRINTED = {2: 4.3027, 4: 2.7764, 9: 2.2622}

@@ -187,8 +187,8 @@ def test_the_async_verdicts_carry_their_caveats_and_the_caveats_hold():
 
 
 def test_a_standard_error_is_never_written_with_plus_minus():
-    """± is a standard deviation over seeds (README); an interval's standard error is "(s.e. x)". Issue 65 found
-    "-0.079 ± 0.037, 95% interval ..." in docs/async_rlhf.md, a standard error written as ±."""
+    """± is a standard deviation over seeds (README); an interval's standard error is "(s.e. x)", never
+    "-0.079 ± 0.037, 95% interval ...", a standard error written as ±."""
     for path in ["README.md", *sorted(glob.glob(os.path.join(REPO_ROOT, "docs", "*.md")))]:
         text = " ".join(read(os.path.relpath(path, REPO_ROOT)).split())
         assert not re.search(r"\d ± \d+\.\d+\)?,? 95% interval", text), path
