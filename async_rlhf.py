@@ -683,7 +683,13 @@ def dpo_update(model, optimizer, scheduler, accelerator, args, batch, scores, ru
                 if batch["old_logprobs"] is not None:  # how far the policy is from the generator's (not in the loss)
                     more_stats["policy/approxkl"] = approx_kl(logprobs.detach(), batch["old_logprobs"][rows], m)
             run.add(micro_stats | more_stats)
-        run.optimizer_step(model, optimizer, scheduler)
+        grad_norm = run.clip_gradients(model)  # stops at a non-finite norm; NaN when fp16 skips the update
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        if not accelerator.optimizer_step_was_skipped:  # the schedule counts updates taken
+            scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        run.count_update(grad_norm, lr)
         run.add(staleness(run.step, batch["version"], args.num_minibatches, start // args.minibatch_size))
     metrics |= {"objective/kl": kl.mean().item(), "objective/entropy": entropy.mean().item()}
     if batch["old_logprobs"] is not None:
@@ -744,7 +750,13 @@ def rloo_update(model, optimizer, scheduler, accelerator, args, batch, judged, r
                     logprobs.detach(), ref_logprobs[rows], sampled, m, args.kl_estimator
                 )
             run.add(micro_stats | more_stats)
-        run.optimizer_step(model, optimizer, scheduler)
+        grad_norm = run.clip_gradients(model)  # stops at a non-finite norm; NaN when fp16 skips the update
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        if not accelerator.optimizer_step_was_skipped:  # the schedule counts updates taken
+            scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        run.count_update(grad_norm, lr)
         run.add(staleness(run.step, batch["version"], args.num_minibatches, start // args.minibatch_size))
     metrics["loss/policy"] = policy_loss
     metrics["policy/approxkl_last_minibatch"] = last_minibatch_mean(run.stats["policy/approxkl"], args)
@@ -1292,36 +1304,6 @@ class Run:
         """Stop at a non-finite value, naming this step and the last good checkpoint (_check_finite: a collective)."""
         _check_finite(self.accelerator, values, name, self.step, self.last_checkpoint)
 
-    @staticmethod
-    def micro_batches(batch_size, minibatch_size, micro_batch_size, num_epochs, seed):
-        """The update's schedule, flat: num_epochs passes over a batch of batch_size rows (the first in rollout order,
-        the later ones shuffled by a generator seeded with `seed`), each split into minibatches (one optimizer step
-        each), each into micro-batches (gradient accumulation). Yields a _MicroBatch per micro-batch: the update
-        (minibatch) it belongs to, counted from 0 in this step, the epoch (pass), the minibatch's rows and its own,
-        and whether it is the minibatch's first and last."""
-        rng, update = torch.Generator().manual_seed(seed), 0
-        for epoch in range(num_epochs):
-            order = torch.randperm(batch_size, generator=rng) if epoch else torch.arange(batch_size)
-            for start in range(0, batch_size, minibatch_size):
-                minibatch = order[start : start + minibatch_size]
-                for first in range(0, minibatch_size, micro_batch_size):
-                    rows, last = (
-                        minibatch[first : first + micro_batch_size],
-                        first + micro_batch_size >= minibatch_size,
-                    )
-                    yield _MicroBatch(update, epoch, minibatch, rows, first == 0, last)
-                update += 1
-
-    def optimizer_step(self, model, optimizer, scheduler, prefix="policy/"):
-        """One update, for a loop that does not write its own: clip_gradients, the optimizer's step, the schedule's
-        (when the update was taken), zero the gradients, count_update."""
-        grad_norm, lr = self.clip_gradients(model), scheduler.get_last_lr()[0]
-        optimizer.step()
-        if not self.accelerator.optimizer_step_was_skipped:
-            scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        self.count_update(grad_norm, lr, prefix)
-
     def clip_gradients(self, model):
         """Clip the gradients to --max_grad_norm; returns their global norm (_clip_gradients: NaN for an update that
         fp16's loss scaler will skip; a non-finite norm elsewhere stops the run)."""
@@ -1537,9 +1519,6 @@ def _check_finite(accelerator, values, name, step, last_checkpoint):
         raise RuntimeError(
             f"step {step + 1}: non-finite {name} ({seen}); last good checkpoint: {last_checkpoint or 'none'}"
         )
-
-
-_MicroBatch = collections.namedtuple("MicroBatch", "update epoch minibatch rows first last")
 
 
 def _clip_gradients(accelerator, model, max_grad_norm, step, last_checkpoint):

@@ -206,38 +206,44 @@ def main(args: "Config"):
         # chosen rows, then their rejected rows) and under the policy's autocast (accelerate autocasts the prepared
         # model only): before the first update the policy's equal them bit for bit, and h is exactly 0.
         t_train = time.time()
-        schedule = list(run.micro_batches(P, args.minibatch_size, args.micro_batch_size, num_epochs=1, seed=args.seed))
-        row_batches = [torch.cat([chosen[mb.rows], rejected[mb.rows]]) for mb in schedule]
+        micro_pairs = [torch.arange(i, i + args.micro_batch_size) for i in range(0, P, args.micro_batch_size)]
+        row_batches = [torch.cat([chosen[pairs], rejected[pairs]]) for pairs in micro_pairs]  # in update order
         batch = (query_responses, attention_mask, context_length, args.temperature)
         ref_context = unwrapped.disable_adapter() if args.lora_r > 0 else contextlib.nullcontext()
         model.eval()
         with ref_context, accelerator.autocast():
             ref_logprobs = fixed_logprobs_of_rows(logprobs_fn, ref_model or model, *batch, row_batches)
 
-        # 5. DPO update: one pass over the pairs in rollout order, in minibatches (one optimizer step each) of
-        # micro-batches (gradient accumulation).
+        # 5. DPO update: one pass over the pairs in rollout order, in minibatches of one optimizer step, each in
+        # micro-batches of gradient accumulation.
         model.train()
         pair_stats = []  # (pairs, rows, their stats) of each micro-batch
-        for mb, rows in zip(schedule, row_batches):
-            if mb.first:  # the minibatch's kept pairs, their mean count per process
-                normalizer = accelerator.reduce(keep[mb.minibatch].sum().double(), "sum").clamp(min=1) / world_size
-            # Gradients sync over processes on the minibatch's last micro-batch (where DeepSpeed also steps).
-            with accelerator.accumulate(model):
-                logprobs = logprobs_fn(
-                    model, query_responses[rows], attention_mask[rows], context_length, args.temperature
-                )[0]
-                sampled = take(sampler_logprobs, rows)  # vLLM's, or None
-                loss, stats, per_pair = online_dpo_loss(
-                    logprobs, ref_logprobs[rows], sampled, mask[rows], keep[mb.rows], normalizer, **loss_flags
-                )
-                run.check(loss, "loss/dpo")
-                # accelerate (and DeepSpeed) divide a micro-batch's loss by gradient_accumulation_steps, to average
-                # micro-batch means; these losses are shares that already sum to the minibatch's.
-                accelerator.backward(loss * args.gradient_accumulation_steps)
-            run.add(stats)
-            pair_stats.append((mb.rows, rows, per_pair))
-            if mb.last:  # one optimizer step per minibatch
-                run.optimizer_step(model, optimizer, scheduler)
+        for start in range(0, P, args.minibatch_size):
+            minibatch = torch.arange(start, start + args.minibatch_size)
+            # the minibatch's kept pairs, their mean count per process
+            normalizer = accelerator.reduce(keep[minibatch].sum().double(), "sum").clamp(min=1) / world_size
+            for micro in range(start, start + args.minibatch_size, args.micro_batch_size):
+                pairs, rows = micro_pairs[micro // args.micro_batch_size], row_batches[micro // args.micro_batch_size]
+                with accelerator.accumulate(model):  # syncs gradients on the minibatch's last micro-batch
+                    logprobs = logprobs_fn(
+                        model, query_responses[rows], attention_mask[rows], context_length, args.temperature
+                    )[0]
+                    sampled = take(sampler_logprobs, rows)  # vLLM's, or None
+                    loss, stats, per_pair = online_dpo_loss(
+                        logprobs, ref_logprobs[rows], sampled, mask[rows], keep[pairs], normalizer, **loss_flags
+                    )
+                    run.check(loss, "loss/dpo")
+                    # loss is this micro-batch's share of the minibatch's: undo accelerate's division by the steps
+                    accelerator.backward(loss * args.gradient_accumulation_steps)
+                run.add(stats)
+                pair_stats.append((pairs, rows, per_pair))
+            grad_norm = run.clip_gradients(model)  # stops at a non-finite norm; NaN when fp16 skips the update
+            lr = scheduler.get_last_lr()[0]
+            optimizer.step()
+            if not accelerator.optimizer_step_was_skipped:  # the schedule counts updates taken
+                scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            run.count_update(grad_norm, lr)
         metrics["time/training"] = time.time() - t_train
         metrics |= pair_metrics(pair_stats, keep, accelerator)  # over all kept pairs (a collective)
         train_tokens = int(attention_mask.sum()) * 2  # the reference's pass and the policy's
@@ -1183,36 +1189,6 @@ class Run:
         """Stop at a non-finite value, naming this step and the last good checkpoint (_check_finite: a collective)."""
         _check_finite(self.accelerator, values, name, self.step, self.last_checkpoint)
 
-    @staticmethod
-    def micro_batches(batch_size, minibatch_size, micro_batch_size, num_epochs, seed):
-        """The update's schedule, flat: num_epochs passes over a batch of batch_size rows (the first in rollout order,
-        the later ones shuffled by a generator seeded with `seed`), each split into minibatches (one optimizer step
-        each), each into micro-batches (gradient accumulation). Yields a _MicroBatch per micro-batch: the update
-        (minibatch) it belongs to, counted from 0 in this step, the epoch (pass), the minibatch's rows and its own,
-        and whether it is the minibatch's first and last."""
-        rng, update = torch.Generator().manual_seed(seed), 0
-        for epoch in range(num_epochs):
-            order = torch.randperm(batch_size, generator=rng) if epoch else torch.arange(batch_size)
-            for start in range(0, batch_size, minibatch_size):
-                minibatch = order[start : start + minibatch_size]
-                for first in range(0, minibatch_size, micro_batch_size):
-                    rows, last = (
-                        minibatch[first : first + micro_batch_size],
-                        first + micro_batch_size >= minibatch_size,
-                    )
-                    yield _MicroBatch(update, epoch, minibatch, rows, first == 0, last)
-                update += 1
-
-    def optimizer_step(self, model, optimizer, scheduler, prefix="policy/"):
-        """One update, for a loop that does not write its own: clip_gradients, the optimizer's step, the schedule's
-        (when the update was taken), zero the gradients, count_update."""
-        grad_norm, lr = self.clip_gradients(model), scheduler.get_last_lr()[0]
-        optimizer.step()
-        if not self.accelerator.optimizer_step_was_skipped:
-            scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        self.count_update(grad_norm, lr, prefix)
-
     def clip_gradients(self, model):
         """Clip the gradients to --max_grad_norm; returns their global norm (_clip_gradients: NaN for an update that
         fp16's loss scaler will skip; a non-finite norm elsewhere stops the run)."""
@@ -1428,9 +1404,6 @@ def _check_finite(accelerator, values, name, step, last_checkpoint):
         raise RuntimeError(
             f"step {step + 1}: non-finite {name} ({seen}); last good checkpoint: {last_checkpoint or 'none'}"
         )
-
-
-_MicroBatch = collections.namedtuple("MicroBatch", "update epoch minibatch rows first last")
 
 
 def _clip_gradients(accelerator, model, max_grad_norm, step, last_checkpoint):

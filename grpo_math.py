@@ -1074,36 +1074,6 @@ class Run:
         """Stop at a non-finite value, naming this step and the last good checkpoint (_check_finite: a collective)."""
         _check_finite(self.accelerator, values, name, self.step, self.last_checkpoint)
 
-    @staticmethod
-    def micro_batches(batch_size, minibatch_size, micro_batch_size, num_epochs, seed):
-        """The update's schedule, flat: num_epochs passes over a batch of batch_size rows (the first in rollout order,
-        the later ones shuffled by a generator seeded with `seed`), each split into minibatches (one optimizer step
-        each), each into micro-batches (gradient accumulation). Yields a _MicroBatch per micro-batch: the update
-        (minibatch) it belongs to, counted from 0 in this step, the epoch (pass), the minibatch's rows and its own,
-        and whether it is the minibatch's first and last."""
-        rng, update = torch.Generator().manual_seed(seed), 0
-        for epoch in range(num_epochs):
-            order = torch.randperm(batch_size, generator=rng) if epoch else torch.arange(batch_size)
-            for start in range(0, batch_size, minibatch_size):
-                minibatch = order[start : start + minibatch_size]
-                for first in range(0, minibatch_size, micro_batch_size):
-                    rows, last = (
-                        minibatch[first : first + micro_batch_size],
-                        first + micro_batch_size >= minibatch_size,
-                    )
-                    yield _MicroBatch(update, epoch, minibatch, rows, first == 0, last)
-                update += 1
-
-    def optimizer_step(self, model, optimizer, scheduler, prefix="policy/"):
-        """One update, for a loop that does not write its own: clip_gradients, the optimizer's step, the schedule's
-        (when the update was taken), zero the gradients, count_update."""
-        grad_norm, lr = self.clip_gradients(model), scheduler.get_last_lr()[0]
-        optimizer.step()
-        if not self.accelerator.optimizer_step_was_skipped:
-            scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        self.count_update(grad_norm, lr, prefix)
-
     def clip_gradients(self, model):
         """Clip the gradients to --max_grad_norm; returns their global norm (_clip_gradients: NaN for an update that
         fp16's loss scaler will skip; a non-finite norm elsewhere stops the run)."""
@@ -1319,9 +1289,6 @@ def _check_finite(accelerator, values, name, step, last_checkpoint):
         raise RuntimeError(
             f"step {step + 1}: non-finite {name} ({seen}); last good checkpoint: {last_checkpoint or 'none'}"
         )
-
-
-_MicroBatch = collections.namedtuple("MicroBatch", "update epoch minibatch rows first last")
 
 
 def _clip_gradients(accelerator, model, max_grad_norm, step, last_checkpoint):

@@ -238,39 +238,46 @@ def main(args: "Config"):
         old_logprobs = fixed_logprobs(logprobs_fn, model, *batch) if reuse else None
         ref_logprobs = reference_logprobs(logprobs_fn, model, ref_model, accelerator, batch) if args.beta > 0 else None
 
-        # 6. Policy update: num_iterations passes over the batch (the first in rollout order), each split into
-        # minibatches (one optimizer step each), each into micro-batches (gradient accumulation).
+        # 6. Policy update: num_iterations passes over the batch (the first in rollout order), each in minibatches of
+        # one optimizer step, each in micro-batches of gradient accumulation.
         model.train()
-        sizes = (args.batch_size, args.minibatch_size, args.micro_batch_size)  # rows per batch, minibatch, micro-batch
-        for mb in run.micro_batches(*sizes, args.num_iterations, seed=args.seed * 7919 + step):
-            if (
-                mb.first
-            ):  # token_mean's count: the minibatch's policy tokens averaged over processes (DDP averages too)
-                mb_tokens = accelerator.reduce(mask[mb.minibatch].sum(), "mean").clamp(min=1)
+        generator = torch.Generator().manual_seed(args.seed * 7919 + step)
+        for epoch in range(args.num_iterations):
+            order = torch.randperm(args.batch_size, generator=generator) if epoch else torch.arange(args.batch_size)
+            for start in range(0, args.batch_size, args.minibatch_size):
+                minibatch = order[start : start + args.minibatch_size]
+                first_minibatch = epoch == 0 and start == 0  # on-policy: ratio 1, approxkl 0
+                mb_tokens = accelerator.reduce(mask[minibatch].sum(), "mean").clamp(min=1)  # DDP averages too
                 minibatch_loss = 0.0
-            idx = mb.rows.to(device)
-            # Gradients sync over processes on the minibatch's last micro-batch (where DeepSpeed also steps).
-            with accelerator.accumulate(model):
-                logprobs, logits = logprobs_fn(
-                    model, query_responses[idx], attention_mask[idx], context_length, args.temperature
-                )
-                old = old_logprobs[idx] if reuse else logprobs.detach()
-                ref, sampled, adv = take(ref_logprobs, idx), take(sampler_logprobs, idx), advantages[idx]
-                loss, stats = trajectory_loss(
-                    logprobs, old, ref, sampled, adv, mask[idx], logits, mb_tokens, len(mb.minibatch), **loss_flags
-                )
-                run.check(loss, "loss/policy")
-                # The loss is this micro-batch's share of the minibatch's (aggregate_loss): undo accelerate's / steps.
-                accelerator.backward(loss * args.gradient_accumulation_steps)
-            minibatch_loss += loss.item()
-            if mb.update == 0:  # ratio 1, approxkl 0 on a fresh batch's first minibatch
-                run.add({f"{name}_first_minibatch": stats[name] for name in ("policy/ratio", "policy/approxkl")})
-            if mb.epoch == 0:  # the policy's entropy (first minibatch) and its gap to the sampler's, on its tokens
-                stats |= first_pass_stats(logits, old, sampled, mask[idx], mb.update == 0)
-            run.add(stats)
-            del logits
-            if mb.last:  # one optimizer step per minibatch
-                run.optimizer_step(model, optimizer, scheduler)
+                for micro in range(0, args.minibatch_size, args.micro_batch_size):
+                    idx = minibatch[micro : micro + args.micro_batch_size].to(device)
+                    with accelerator.accumulate(model):  # syncs gradients on the minibatch's last micro-batch
+                        logprobs, logits = logprobs_fn(
+                            model, query_responses[idx], attention_mask[idx], context_length, args.temperature
+                        )
+                        old = old_logprobs[idx] if reuse else logprobs.detach()
+                        sampled = take(sampler_logprobs, idx)
+                        loss, stats = trajectory_loss(
+                            logprobs, old, take(ref_logprobs, idx), sampled, advantages[idx], mask[idx], logits,
+                            mb_tokens, len(minibatch), **loss_flags
+                        )  # fmt: skip
+                        run.check(loss, "loss/policy")
+                        # loss is this micro-batch's share of the minibatch's: undo accelerate's division by the steps
+                        accelerator.backward(loss * args.gradient_accumulation_steps)
+                    minibatch_loss += loss.item()
+                    if first_minibatch:
+                        run.add({f"{k}_first_minibatch": stats[k] for k in ("policy/ratio", "policy/approxkl")})
+                    if epoch == 0:  # the policy's entropy and its gap to the sampler's, on the policy's tokens
+                        stats |= first_pass_stats(logits, old, sampled, mask[idx], first_minibatch)
+                    run.add(stats)
+                    del logits
+                grad_norm = run.clip_gradients(model)  # stops at a non-finite norm; NaN when fp16 skips the update
+                lr = scheduler.get_last_lr()[0]
+                optimizer.step()
+                if not accelerator.optimizer_step_was_skipped:  # the schedule counts updates taken
+                    scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                run.count_update(grad_norm, lr)
                 run.add({"loss/policy": minibatch_loss})
         metrics["time/training"] = time.time() - t_train
         train_tokens = int(attention_mask.sum()) * args.num_iterations
@@ -1851,36 +1858,6 @@ class Run:
         """Stop at a non-finite value, naming this step and the last good checkpoint (_check_finite: a collective)."""
         _check_finite(self.accelerator, values, name, self.step, self.last_checkpoint)
 
-    @staticmethod
-    def micro_batches(batch_size, minibatch_size, micro_batch_size, num_epochs, seed):
-        """The update's schedule, flat: num_epochs passes over a batch of batch_size rows (the first in rollout order,
-        the later ones shuffled by a generator seeded with `seed`), each split into minibatches (one optimizer step
-        each), each into micro-batches (gradient accumulation). Yields a _MicroBatch per micro-batch: the update
-        (minibatch) it belongs to, counted from 0 in this step, the epoch (pass), the minibatch's rows and its own,
-        and whether it is the minibatch's first and last."""
-        rng, update = torch.Generator().manual_seed(seed), 0
-        for epoch in range(num_epochs):
-            order = torch.randperm(batch_size, generator=rng) if epoch else torch.arange(batch_size)
-            for start in range(0, batch_size, minibatch_size):
-                minibatch = order[start : start + minibatch_size]
-                for first in range(0, minibatch_size, micro_batch_size):
-                    rows, last = (
-                        minibatch[first : first + micro_batch_size],
-                        first + micro_batch_size >= minibatch_size,
-                    )
-                    yield _MicroBatch(update, epoch, minibatch, rows, first == 0, last)
-                update += 1
-
-    def optimizer_step(self, model, optimizer, scheduler, prefix="policy/"):
-        """One update, for a loop that does not write its own: clip_gradients, the optimizer's step, the schedule's
-        (when the update was taken), zero the gradients, count_update."""
-        grad_norm, lr = self.clip_gradients(model), scheduler.get_last_lr()[0]
-        optimizer.step()
-        if not self.accelerator.optimizer_step_was_skipped:
-            scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        self.count_update(grad_norm, lr, prefix)
-
     def clip_gradients(self, model):
         """Clip the gradients to --max_grad_norm; returns their global norm (_clip_gradients: NaN for an update that
         fp16's loss scaler will skip; a non-finite norm elsewhere stops the run)."""
@@ -2096,9 +2073,6 @@ def _check_finite(accelerator, values, name, step, last_checkpoint):
         raise RuntimeError(
             f"step {step + 1}: non-finite {name} ({seen}); last good checkpoint: {last_checkpoint or 'none'}"
         )
-
-
-_MicroBatch = collections.namedtuple("MicroBatch", "update epoch minibatch rows first last")
 
 
 def _clip_gradients(accelerator, model, max_grad_norm, step, last_checkpoint):

@@ -223,34 +223,44 @@ def main(args: "Config"):
         rollout = dict(old_logprobs=old_logprobs, old_values=old_values, returns=returns, advantages=advantages)
         rollout |= dict(sampler_logprobs=sampler_logprobs, mask=mask)  # [B, R] each; sampler_logprobs may be None
 
-        # 7. PPO update: num_ppo_epochs passes over the batch (the first in rollout order), each split into
-        # minibatches (one optimizer step each), each into micro-batches (gradient accumulation).
+        # 7. PPO update: num_ppo_epochs passes over the batch (the first in rollout order), each in minibatches of one
+        # optimizer step, each in micro-batches of gradient accumulation.
         model.train()
-        sizes = (B, args.minibatch_size, args.micro_batch_size)  # rows per batch, minibatch, micro-batch
-        for mb in run.micro_batches(*sizes, args.num_ppo_epochs, seed=args.seed * 7919 + step):
-            if mb.first:  # the losses' count: the minibatch's tokens averaged over processes (DDP averages too)
-                mb_tokens = accelerator.reduce(mask[mb.minibatch].sum(), "mean").clamp(min=1)
-            idx = mb.rows.to(device)
-            # Gradients sync over processes on the minibatch's last micro-batch (where DeepSpeed also steps).
-            with accelerator.accumulate(model):
-                logprobs, logits, values = model(
-                    query_responses[idx], attention_mask[idx], context_length, args.temperature
-                )
-                micro = {name: take(tensor, idx) for name, tensor in rollout.items()}
-                loss, stats = ppo_rlhf_loss(logprobs, logits, values, **micro, num_tokens=mb_tokens, **loss_flags)
-                run.check(torch.tensor([stats["pg_loss"], stats["vf_loss"]]), "loss (policy, value)")
-                # The loss is this micro-batch's share of the minibatch's: undo accelerate's / accumulation steps.
-                accelerator.backward(loss * args.gradient_accumulation_steps)
-            if mb.update == 0:  # ratio 1, approxkl 0: a fresh batch's first minibatch is exactly on-policy
-                run.add({"policy/ratio_first_minibatch": stats["val/ratio"]})
-                run.add({"policy/approxkl_first_minibatch": stats["policy/approxkl_avg"]})
-            if mb.update == num_updates - 1:  # what the stalest update saw: the policy's KL to the rollout's
-                run.add({"policy/approxkl_last_minibatch": stats["policy/approxkl_avg"]})
-            run.add(stats)
-            del logits
-            if mb.last:  # one optimizer step per minibatch, mb.update updates after the rollout's weights
-                record_staleness(run.stats, mb.update)
-                run.optimizer_step(model, optimizer, scheduler)
+        generator = torch.Generator().manual_seed(args.seed * 7919 + step)
+        for epoch in range(args.num_ppo_epochs):
+            order = torch.randperm(B, generator=generator) if epoch else torch.arange(B)
+            for start in range(0, B, args.minibatch_size):
+                minibatch = order[start : start + args.minibatch_size]
+                update = epoch * args.num_minibatches + start // args.minibatch_size  # updates since the rollout
+                mb_tokens = accelerator.reduce(mask[minibatch].sum(), "mean").clamp(min=1)  # DDP averages too
+                for micro in range(0, args.minibatch_size, args.micro_batch_size):
+                    idx = minibatch[micro : micro + args.micro_batch_size].to(device)
+                    with accelerator.accumulate(model):  # syncs gradients on the minibatch's last micro-batch
+                        logprobs, logits, values = model(
+                            query_responses[idx], attention_mask[idx], context_length, args.temperature
+                        )
+                        micro_batch = {name: take(tensor, idx) for name, tensor in rollout.items()}
+                        loss, stats = ppo_rlhf_loss(
+                            logprobs, logits, values, **micro_batch, num_tokens=mb_tokens, **loss_flags
+                        )
+                        run.check(torch.tensor([stats["pg_loss"], stats["vf_loss"]]), "loss (policy, value)")
+                        # loss is this micro-batch's share of the minibatch's: undo accelerate's division by the steps
+                        accelerator.backward(loss * args.gradient_accumulation_steps)
+                    if update == 0:  # ratio 1, approxkl 0: a fresh batch's first minibatch is exactly on-policy
+                        run.add({"policy/ratio_first_minibatch": stats["val/ratio"]})
+                        run.add({"policy/approxkl_first_minibatch": stats["policy/approxkl_avg"]})
+                    if update == num_updates - 1:  # what the stalest update saw: the policy's KL to the rollout's
+                        run.add({"policy/approxkl_last_minibatch": stats["policy/approxkl_avg"]})
+                    run.add(stats)
+                    del logits
+                record_staleness(run.stats, update)
+                grad_norm = run.clip_gradients(model)  # stops at a non-finite norm; NaN when fp16 skips the update
+                lr = scheduler.get_last_lr()[0]
+                optimizer.step()
+                if not accelerator.optimizer_step_was_skipped:  # the schedule counts updates taken
+                    scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                run.count_update(grad_norm, lr)
         metrics |= rlhf_update_metrics(run.stats, num_updates)  # the losses and val/ratio_var
         metrics["time/training"] = time.time() - t_train - metrics["time/reward"]
         train_tokens = int(attention_mask.sum()) * (args.num_ppo_epochs + 1)  # + the no-grad pass of step 3
@@ -1183,36 +1193,6 @@ class Run:
         """Stop at a non-finite value, naming this step and the last good checkpoint (_check_finite: a collective)."""
         _check_finite(self.accelerator, values, name, self.step, self.last_checkpoint)
 
-    @staticmethod
-    def micro_batches(batch_size, minibatch_size, micro_batch_size, num_epochs, seed):
-        """The update's schedule, flat: num_epochs passes over a batch of batch_size rows (the first in rollout order,
-        the later ones shuffled by a generator seeded with `seed`), each split into minibatches (one optimizer step
-        each), each into micro-batches (gradient accumulation). Yields a _MicroBatch per micro-batch: the update
-        (minibatch) it belongs to, counted from 0 in this step, the epoch (pass), the minibatch's rows and its own,
-        and whether it is the minibatch's first and last."""
-        rng, update = torch.Generator().manual_seed(seed), 0
-        for epoch in range(num_epochs):
-            order = torch.randperm(batch_size, generator=rng) if epoch else torch.arange(batch_size)
-            for start in range(0, batch_size, minibatch_size):
-                minibatch = order[start : start + minibatch_size]
-                for first in range(0, minibatch_size, micro_batch_size):
-                    rows, last = (
-                        minibatch[first : first + micro_batch_size],
-                        first + micro_batch_size >= minibatch_size,
-                    )
-                    yield _MicroBatch(update, epoch, minibatch, rows, first == 0, last)
-                update += 1
-
-    def optimizer_step(self, model, optimizer, scheduler, prefix="policy/"):
-        """One update, for a loop that does not write its own: clip_gradients, the optimizer's step, the schedule's
-        (when the update was taken), zero the gradients, count_update."""
-        grad_norm, lr = self.clip_gradients(model), scheduler.get_last_lr()[0]
-        optimizer.step()
-        if not self.accelerator.optimizer_step_was_skipped:
-            scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        self.count_update(grad_norm, lr, prefix)
-
     def clip_gradients(self, model):
         """Clip the gradients to --max_grad_norm; returns their global norm (_clip_gradients: NaN for an update that
         fp16's loss scaler will skip; a non-finite norm elsewhere stops the run)."""
@@ -1428,9 +1408,6 @@ def _check_finite(accelerator, values, name, step, last_checkpoint):
         raise RuntimeError(
             f"step {step + 1}: non-finite {name} ({seen}); last good checkpoint: {last_checkpoint or 'none'}"
         )
-
-
-_MicroBatch = collections.namedtuple("MicroBatch", "update epoch minibatch rows first last")
 
 
 def _clip_gradients(accelerator, model, max_grad_norm, step, last_checkpoint):

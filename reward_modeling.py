@@ -184,7 +184,13 @@ def main(args: "Config"):
             model.train()
             metrics |= backward(model, score_head, batch, args, accelerator, pad_id, run)
             # 3. Update: gradients clipped to max_grad_norm (by DeepSpeed itself under DeepSpeed), one optimizer step.
-            run.optimizer_step(model, optimizer, scheduler, prefix="objective/")
+            grad_norm = run.clip_gradients(model)  # stops at a non-finite norm; NaN when fp16 skips the update
+            lr = scheduler.get_last_lr()[0]
+            optimizer.step()
+            if not accelerator.optimizer_step_was_skipped:  # the schedule counts updates taken
+                scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            run.count_update(grad_norm, lr, prefix="objective/")
         tokens = sum(len(pair[0]) if args.prm else len(pair[0]) + len(pair[1]) for pair in batch)
         metrics["perf/train_tokens_per_second"] = tokens / metrics["time/training"]
         metrics["perf/pairs_per_second"] = pairs_per_step / metrics["time/training"]
@@ -1227,36 +1233,6 @@ class Run:
         """Stop at a non-finite value, naming this step and the last good checkpoint (_check_finite: a collective)."""
         _check_finite(self.accelerator, values, name, self.step, self.last_checkpoint)
 
-    @staticmethod
-    def micro_batches(batch_size, minibatch_size, micro_batch_size, num_epochs, seed):
-        """The update's schedule, flat: num_epochs passes over a batch of batch_size rows (the first in rollout order,
-        the later ones shuffled by a generator seeded with `seed`), each split into minibatches (one optimizer step
-        each), each into micro-batches (gradient accumulation). Yields a _MicroBatch per micro-batch: the update
-        (minibatch) it belongs to, counted from 0 in this step, the epoch (pass), the minibatch's rows and its own,
-        and whether it is the minibatch's first and last."""
-        rng, update = torch.Generator().manual_seed(seed), 0
-        for epoch in range(num_epochs):
-            order = torch.randperm(batch_size, generator=rng) if epoch else torch.arange(batch_size)
-            for start in range(0, batch_size, minibatch_size):
-                minibatch = order[start : start + minibatch_size]
-                for first in range(0, minibatch_size, micro_batch_size):
-                    rows, last = (
-                        minibatch[first : first + micro_batch_size],
-                        first + micro_batch_size >= minibatch_size,
-                    )
-                    yield _MicroBatch(update, epoch, minibatch, rows, first == 0, last)
-                update += 1
-
-    def optimizer_step(self, model, optimizer, scheduler, prefix="policy/"):
-        """One update, for a loop that does not write its own: clip_gradients, the optimizer's step, the schedule's
-        (when the update was taken), zero the gradients, count_update."""
-        grad_norm, lr = self.clip_gradients(model), scheduler.get_last_lr()[0]
-        optimizer.step()
-        if not self.accelerator.optimizer_step_was_skipped:
-            scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        self.count_update(grad_norm, lr, prefix)
-
     def clip_gradients(self, model):
         """Clip the gradients to --max_grad_norm; returns their global norm (_clip_gradients: NaN for an update that
         fp16's loss scaler will skip; a non-finite norm elsewhere stops the run)."""
@@ -1472,9 +1448,6 @@ def _check_finite(accelerator, values, name, step, last_checkpoint):
         raise RuntimeError(
             f"step {step + 1}: non-finite {name} ({seen}); last good checkpoint: {last_checkpoint or 'none'}"
         )
-
-
-_MicroBatch = collections.namedtuple("MicroBatch", "update epoch minibatch rows first last")
 
 
 def _clip_gradients(accelerator, model, max_grad_norm, step, last_checkpoint):

@@ -46,12 +46,12 @@ BUDGET = {
 # micro-batch schedule and its optimizer calls may take 130 lines, 5 blocks deep (CleanRL's ppo.py loop is 125).
 READING = {
     "grpo_math": (130, 5, 6, 200, 1470),
-    "dpo_online": (90, 4, 6, 200, 1545),
-    "ppo_rlhf": (90, 4, 6, 200, 1500),
-    "reward_modeling": (90, 4, 6, 200, 1680),
-    "ppo_prm_clip": (90, 4, 6, 220, 1720),
-    "async_rlhf": (90, 4, 6, 260, 1780),
-    "grpo_tools": (90, 4, 6, 260, 1650),
+    "dpo_online": (130, 5, 6, 200, 1545),
+    "ppo_rlhf": (130, 5, 6, 200, 1500),
+    "reward_modeling": (130, 5, 6, 200, 1680),
+    "ppo_prm_clip": (130, 5, 6, 220, 1720),
+    "async_rlhf": (130, 5, 6, 260, 1780),
+    "grpo_tools": (130, 5, 6, 260, 1650),
 }
 
 

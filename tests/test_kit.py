@@ -106,27 +106,37 @@ def test_deepspeed_without_a_gradient_norm_is_not_an_error(script):
 
 @pytest.mark.parametrize("script", SCRIPTS + [grpo_tools], ids=lambda m: m.__name__)
 def test_updates_skipped_in_a_row_are_bounded(script):
-    """Run.optimizer_step stops the run at max_skipped skipped updates in a row, naming the step and the last
-    checkpoint; a taken update starts the count again. The end-to-end run is in test_grpo_math_run.py."""
+    """The loop's optimizer calls (Run.clip_gradients, the optimizer's step, the schedule's only on a taken update,
+    Run.count_update) stop the run at max_skipped skipped updates in a row, naming the step and the last checkpoint; a
+    taken update starts the count again. The end-to-end run is in test_grpo_math_run.py."""
     stepped = []
-    run = object.__new__(script.Run)  # the attributes optimizer_step reads, without a run folder
+    run = object.__new__(script.Run)  # the attributes the update reads, without a run folder
     run.args, run.step, run.last_checkpoint = SimpleNamespace(max_grad_norm=1.0), 9, "runs/x/checkpoints/step_8"
     run.metrics, run.stats, run.skipped_in_a_row = {}, collections.defaultdict(list), 0
     optimizer = SimpleNamespace(step=lambda: None, zero_grad=lambda set_to_none: None)
     scheduler = SimpleNamespace(get_last_lr=lambda: [1e-5], step=lambda: stepped.append(1))
+
+    def update(model):  # as the scripts' loops write it
+        grad_norm, lr = run.clip_gradients(model), scheduler.get_last_lr()[0]
+        optimizer.step()
+        if not run.accelerator.optimizer_step_was_skipped:
+            scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        run.count_update(grad_norm, lr)
+
     for skipped in [True] * 29 + [False] + [True] * 29:
         accelerator = stand_in_accelerator(math.inf if skipped else 0.5, scaler=torch.amp.GradScaler("cpu"))
         run.accelerator, accelerator.optimizer_step_was_skipped = accelerator, skipped
-        run.optimizer_step(torch.nn.Linear(2, 2), optimizer, scheduler)
+        update(torch.nn.Linear(2, 2))
     assert run.skipped_in_a_row == 29 and len(stepped) == 1 and len(run.stats["policy/grad_norm"]) == 59
     with pytest.raises(RuntimeError, match=r"^step 10: the fp16 loss scaler skipped 30 updates in a row .*step_8$"):
-        run.optimizer_step(torch.nn.Linear(2, 2), optimizer, scheduler)
+        update(torch.nn.Linear(2, 2))
     # DeepSpeed's bf16 check_grad_overflow skips updates too: the message names the precision.
     run.skipped_in_a_row = 29
     run.accelerator = stand_in_accelerator(math.inf, mixed_precision="bf16", deepspeed_plugin=object())
     run.accelerator.clip_grad_norm_, run.accelerator.optimizer_step_was_skipped = lambda *args: None, True
     with pytest.raises(RuntimeError, match=r"^step 10: DeepSpeed's overflow check \(bf16\) skipped 30 updates"):
-        run.optimizer_step(torch.nn.Linear(2, 2), optimizer, scheduler)
+        update(torch.nn.Linear(2, 2))
 
 
 # Run: each step's prompts, the averages of a step's statistics, the finite checks
