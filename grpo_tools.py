@@ -51,6 +51,7 @@ from fractions import Fraction
 from typing import Literal, Optional
 
 import jinja2
+import jsonschema
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -1106,49 +1107,38 @@ def parse_tool_calls(text, call_format="hermes"):
     return calls
 
 
-JSON_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "array": list, "object": dict}
-
-
 def run_tool_call(environment, schemas, name, arguments):
     """One call's result text and what went wrong (None, or the kind logged as tools/errors/<kind>): a block that is
-    no call (bad_json, from parse_tool_calls), a tool the environment does not have (unknown_tool), arguments missing,
-    unexpected, not of their schema's JSON type or not one of its enum (bad_arguments; an integral number is an
-    integer, as JSON Schema has it; array items are not checked), a tool that raised (raised). A failed call gets an
-    error text as its result, as the calculator's own errors do. The tool's value is sent as JSON where it is a dict
-    or a list, else as str(); an `async def` tool is awaited."""
+    no call (bad_json, from parse_tool_calls), a tool the environment does not have (unknown_tool), arguments that
+    the tool's JSON schema refuses (bad_arguments: missing, unexpected, of another type or not one of its enum;
+    checked by jsonschema, an Optional argument's None allowed), a tool that raised (raised). A failed call gets an
+    error text as its result. The tool's value is sent as JSON where it is a dict or a list, else as str(); an
+    `async def` tool is awaited."""
     if name is None:
         return 'error: a call is {"name": <tool>, "arguments": {...}} in JSON', arguments
-    schema = next((s["function"] for s in schemas if s["function"]["name"] == name), None)
+    schema = next((s["function"]["parameters"] for s in schemas if s["function"]["name"] == name), None)
     if schema is None:
         return f"error: no tool named {name!r}", "unknown_tool"
-    properties, required = schema["parameters"].get("properties", {}), schema["parameters"].get("required", [])
-
-    def types(schema):  # its JSON type, or a list of them
-        return schema.get("type") if isinstance(schema.get("type"), list) else [schema.get("type")]
-
-    def fits(value, schema):  # of one of its types (None where "null" or nullable), one of its enum if any
-        kinds = types(schema)
-        if value is None:
-            return "null" in kinds or schema.get("nullable", False)
-        if value not in schema.get("enum", [value]):  # a Literal's values, or a docstring's (choices: ...)
-            return False
-        if isinstance(value, bool):  # not an integer nor a number here
-            return "boolean" in kinds
-        return any(k not in ("null", "boolean") and isinstance(value, JSON_TYPES.get(k, object)) for k in kinds)
-
-    def integral(k, v):  # 2.0 is an integer to JSON Schema: the tool gets 2
-        return isinstance(v, float) and v.is_integer() and "integer" in types(properties.get(k, {}))
-
-    arguments = {k: int(v) if integral(k, v) else v for k, v in arguments.items()}
-    missing, unexpected = [k for k in required if k not in arguments], [k for k in arguments if k not in properties]
-    mistyped = [k for k, v in arguments.items() if k in properties and not fits(v, properties[k])]
-    wrong = [f"missing {', '.join(missing)}"] if missing else []
-    wrong += [f"unexpected {', '.join(unexpected)}"] if unexpected else []
-    for k in mistyped:
-        allowed = properties[k].get("enum") or " or ".join(str(kind) for kind in types(properties[k]))
-        wrong.append(f"{k} must be {'one of ' if properties[k].get('enum') else ''}{allowed}")
-    if wrong:
+    properties, required = schema.get("properties", {}), schema.get("required", [])
+    errors = list(jsonschema.Draft202012Validator(_strict_schema(schema)).iter_errors(arguments))
+    if errors:
+        failed = {error.validator for error in errors}
+        wrong = [f"missing {', '.join(k for k in required if k not in arguments)}"] if "required" in failed else []
+        if "additionalProperties" in failed:
+            wrong.append(f"unexpected {', '.join(k for k in arguments if k not in properties)}")
+        mistyped = {error.path[0] for error in errors if error.path}
+        for k in [k for k in arguments if k in mistyped]:
+            kinds = (
+                properties[k].get("type")
+                if isinstance(properties[k].get("type"), list)
+                else [properties[k].get("type")]
+            )
+            allowed = properties[k].get("enum") or " or ".join(str(kind) for kind in kinds)
+            wrong.append(f"{k} must be {'one of ' if properties[k].get('enum') else ''}{allowed}")
         return f"error: bad arguments for {name}: {'; '.join(wrong)}", "bad_arguments"
+    # 2.0 is an integer to JSON Schema: the tool gets 2
+    integral = {k for k, p in properties.items() if "integer" in str(p.get("type"))}
+    arguments = {k: int(v) if k in integral and isinstance(v, float) else v for k, v in arguments.items()}
     try:
         value = getattr(environment, name)(**arguments)
         if inspect.iscoroutine(value):  # an async def tool
@@ -1156,6 +1146,18 @@ def run_tool_call(environment, schemas, name, arguments):
     except Exception as error:  # the tool's own failure is the policy's to read
         return f"error: {type(error).__name__}: {error}", "raised"
     return (json.dumps(value, default=str) if isinstance(value, (dict, list)) else str(value)), None
+
+
+def _strict_schema(parameters):
+    """A tool's parameters as JSON Schema proper: no argument it does not name, and "null" allowed where transformers'
+    get_json_schema marks an Optional argument nullable (an OpenAPI keyword jsonschema does not read)."""
+    properties = {}
+    for k, p in parameters.get("properties", {}).items():
+        if p.get("nullable"):
+            kinds = p.get("type") if isinstance(p.get("type"), list) else [p.get("type")]
+            p = {**p, "type": [*kinds, "null"]} | ({"enum": [*p["enum"], None]} if "enum" in p else {})
+        properties[k] = p
+    return {**parameters, "properties": properties, "additionalProperties": False}
 
 
 def tool_response_ids(tokenizer, tool_messages, end_id, template_kwargs):

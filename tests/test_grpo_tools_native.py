@@ -298,6 +298,12 @@ def test_run_tool_call_returns_errors_as_results_and_counts_them_by_kind():
         text, got = run_tool_call(env, schemas, name, arguments)
         assert got == kind and text.startswith("error: "), (name, arguments, text)
     assert "KeyError" in run_tool_call(env, schemas, "price", {"item": "lamp", "quantity": 1})[0]
+    # get_json_schema marks an Optional argument "nullable" (OpenAPI's word), which JSON Schema does not read: None
+    # is still accepted for it, and for no other argument
+    discount = next(s for s in schemas if s["function"]["name"] == "price")["function"]["parameters"]
+    assert discount["properties"]["discount"].get("nullable") is True
+    assert run_tool_call(env, schemas, "price", {"item": "pen", "quantity": 2, "discount": None}) == ("3.0", None)
+    assert run_tool_call(env, schemas, "price", {"item": "pen", "quantity": None})[1] == "bad_arguments"
     text = run_tool_call(env, schemas, "price", {"quantity": "3", "colour": "red", "size": 1})[0]
     assert text == "error: bad arguments for price: missing item; unexpected colour, size; quantity must be integer"
     assert run_tool_call(env, schemas, "paint", {"colour": "green"})[0] == (
