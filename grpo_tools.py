@@ -35,6 +35,7 @@ import asyncio
 import collections
 import contextlib
 import functools
+import importlib.util
 import inspect
 import itertools
 import json
@@ -122,7 +123,8 @@ class Args:
     """how the policy calls tools: calc, the script's <calc> tags inside one assistant message; native, the chat
     template's own tool calls (Hermes <tool_call> JSON, Llama 3.1 JSON) answered as its `tool` messages"""
     environment: str = "calculator"
-    """native: the environment (ENVIRONMENTS) whose methods are the tools, one instance per trajectory"""
+    """native: the environment whose methods are the tools, one per trajectory: a name in ENVIRONMENTS, or
+    FILE.py:CLASS (a class made with no arguments)"""
     chat_template: Optional[str] = None
     """native: a Jinja chat template file to use (None: the tokenizer's own, or HERMES_TEMPLATE where that one
     ignores tools=, as SmolLM2's does)"""
@@ -332,11 +334,15 @@ def check_args(args):
         (CALL[0] not in answer, f"--examples: the answer {answer!r} shows no call of the tool ({CALL[0]}...)")
         for _, answer in (args.examples if not native else ())
     ]
+    environment_file = args.environment.partition(":")[0]  # FILE.py:CLASS
     problems += [
         (not native and args.chat_template is not None, "--chat_template is for --tool_format native"),
         (native and args.examples not in (None, ()), "--examples: under --tool_format native the exchanges shown "
          "are the environment's EXAMPLES (or none: --examples)"),
-        (native and args.environment not in ENVIRONMENTS, f"--environment must be one of {sorted(ENVIRONMENTS)}"),
+        (native and args.environment not in ENVIRONMENTS and not environment_file.endswith(".py"),
+         f"--environment must be one of {sorted(ENVIRONMENTS)} or FILE.py:CLASS"),
+        (native and environment_file.endswith(".py") and not os.path.isfile(environment_file),
+         f"--environment {args.environment}: no such file"),
         (native and args.prompt_template is not None, "--prompt_template: --tool_format native needs a chat template"),
         (native and args.chat_template is not None and not os.path.isfile(args.chat_template),
          f"--chat_template {args.chat_template}: no such file"),
@@ -1039,7 +1045,17 @@ def make_tool_format(args, tokenizer):
         tools = CalcTags(tokenizer, make_tool(args.tool, args.max_operations), args.examples)
         tools.template_kwargs = json.loads(args.chat_template_kwargs)
         return tools
-    make_environment = functools.partial(ENVIRONMENTS[args.environment], args)
+    make_environment = (
+        functools.partial(ENVIRONMENTS[args.environment], args) if args.environment in ENVIRONMENTS else None
+    )
+    if make_environment is None:  # FILE.py:CLASS, loaded only when named
+        path, _, name = args.environment.partition(":")
+        spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        if not isinstance(getattr(module, name, None), type):
+            raise SystemExit(f"error: --environment {args.environment}: {path} defines no class {name!r}")
+        make_environment = getattr(module, name)
     template = open(args.chat_template).read() if args.chat_template else None
     if template is None and not tokenizer.chat_template:
         raise SystemExit(

@@ -943,3 +943,62 @@ def test_vllm_and_hf_turns_stop_at_the_end_of_turn_alike_under_native(monkeypatc
             assert len(ids) == 40 or ids[-1] in stop_ids
             assert not any(t in stop_ids for t in ids[:-1])
         assert a == b, (tokenizer.decode(a), tokenizer.decode(b))
+
+
+UNITS = '''
+class Units:
+    """Lengths in metres: an environment of one tool with two typed arguments."""
+
+    def reset(self, question):
+        pass
+
+    def to_metres(self, value: float, unit: Literal["cm", "km"]) -> float:
+        """A length in metres.
+
+        Args:
+            value: the length
+            unit: its unit
+        """
+        return value / 100 if unit == "cm" else value * 1000
+
+
+'''
+
+
+def test_a_new_tool_and_environment_are_written_above_the_fence_alone(make_config, tmp_path, tokenizer):
+    """A copy of grpo_tools.py gains an environment with a new tool of two typed arguments: a class and its
+    ENVIRONMENTS line, both above the fence, nothing below it edited. The copy offers the tool to the model and runs a
+    call to it; the same class in a file of its own runs by --environment FILE.py:CLASS, the script unedited."""
+    import importlib.util
+
+    from benchmark.budget import FENCE
+
+    with open(grpo_tools.__file__) as f:
+        above, below = f.read().split(FENCE)
+    entry = 'ENVIRONMENTS = {\n    "units": lambda args: Units(),\n'
+    (tmp_path / "copy_of_grpo_tools.py").write_text(
+        above.replace("ENVIRONMENTS = {\n", UNITS + entry, 1) + FENCE + below
+    )
+    (tmp_path / "units.py").write_text("from typing import Literal\n\n" + UNITS)
+    spec = importlib.util.spec_from_file_location("copy_of_grpo_tools", tmp_path / "copy_of_grpo_tools.py")
+    copy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(copy)
+    for module, environment in ((copy, "units"), (grpo_tools, f"{tmp_path / 'units.py'}:Units")):
+        args = make_config(grpo_tools, config_class=module.Config, **NATIVE, environment=environment, examples=())
+        module.check_args(args)
+        tools = module.make_tool_format(args, tokenizer)
+        (schema,) = [s["function"] for s in tools.schemas]
+        assert schema["name"] == "to_metres" and schema["parameters"]["required"] == ["value", "unit"]
+        assert schema["parameters"]["properties"]["unit"]["enum"] == ["cm", "km"]
+        prompt = tokenizer.decode(module.load_tool_prompts(args, tokenizer, 1, tools)[0][0])
+        assert json.dumps(schema["parameters"]["properties"]["unit"]) in prompt  # described to the model
+        tools.begin([[0]], 1)
+        turn = '<tool_call>{"name": "to_metres", "arguments": {"value": 250, "unit": "cm"}}</tool_call>'
+        assert tools.calls(turn) == [("to_metres", {"value": 250, "unit": "cm"})]
+        assert module.run_tool_call(tools.environments[0], tools.schemas, *tools.calls(turn)[0]) == ("2.5", None)
+    with pytest.raises(SystemExit, match="^error: --environment .*units.py:Meters: .* defines no class 'Meters'$"):
+        args = make_config(grpo_tools, **NATIVE, environment=f"{tmp_path / 'units.py'}:Meters", examples=())
+        grpo_tools.check_args(args)
+        grpo_tools.make_tool_format(args, tokenizer)
+    with pytest.raises(SystemExit, match="^error: --environment nowhere.py:Units: no such file$"):
+        grpo_tools.check_args(make_config(grpo_tools, **NATIVE, environment="nowhere.py:Units", examples=()))
