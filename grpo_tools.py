@@ -20,7 +20,7 @@ results come back as the template renders `tool` messages, still token in, token
 Run on CPU with the embedded defaults (SmolLM2-135M-Instruct, products of 2-3 digit numbers from reasoning-gym):
     python grpo_tools.py
     python grpo_tools.py --no-vllm                 # Hugging Face generate instead of vLLM
-    python grpo_tools.py --tool_format native      # the chat template's tool calls (SmolLM2: HERMES_TEMPLATE)
+    python grpo_tools.py --tool_format native      # the chat template's tool calls (SmolLM2: Hermes, make assets)
     python grpo_tools.py --tool_format native --environment price_list_one --dataset_path assets/data/price_list_one
 Run on GPUs (one vLLM engine per process, colocated with the trainer):
     accelerate launch --num_processes 8 grpo_tools.py --model_name_or_path Qwen/Qwen2.5-1.5B-Instruct \
@@ -126,8 +126,8 @@ class Args:
     """native: the environment whose methods are the tools, one per trajectory: a name in ENVIRONMENTS, or
     FILE.py:CLASS (a class made with no arguments)"""
     chat_template: Optional[str] = None
-    """native: a Jinja chat template file to use (None: the tokenizer's own, or HERMES_TEMPLATE where that one
-    ignores tools=, as SmolLM2's does)"""
+    """native: a Jinja chat template file to use (None: the tokenizer's own, or where that one ignores tools=, as
+    SmolLM2's does, the model folder's tool_chat_template.jinja)"""
     chat_template_kwargs: str = "{}"
     """more arguments of apply_chat_template, a JSON object (Qwen3 without thinking: '{"enable_thinking": false}')"""
     system_prompt: Optional[str] = None
@@ -848,6 +848,9 @@ class CalcTags:
 # Llama 3.1's JSON) and answered as the template renders `tool` messages. A policy turn runs to the model's end of
 # turn (a stop token, trained as the policy's), so one turn may make several calls, run in order.
 TOOL_CALL = ("<tool_call>", "</tool_call>")
+TOOL_TEMPLATE = (
+    "tool_chat_template.jinja"  # in a model folder: the chat template for tools, where its own ignores them
+)
 ERROR_KINDS = ("bad_json", "unknown_tool", "bad_arguments", "raised")  # logged as tools/errors/<kind>
 
 
@@ -892,44 +895,6 @@ class Calculator:
             expression: numbers with + - * / and ^ (a power) and parentheses, e.g. "874 * 404"
         """
         return UNAVAILABLE if self.unavailable else calculator(expression, max_operations=self.max_operations)
-
-
-# SmolLM2-135M-Instruct's own chat template ignores tools= (its prompt has no tool section): under --tool_format
-# native it is replaced by this one, its ChatML turns with Hermes tool calls as Qwen2.5 renders them: the tools'
-# schemas in the system turn, each call a <tool_call> JSON block in the assistant's turn, the results of consecutive
-# tool messages in one user turn as <tool_response> blocks.
-HERMES_TEMPLATE = """\
-{%- set tool_intro = '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are \
-provided with function signatures within <tools></tools> XML tags:\\n<tools>' -%}
-{%- set tool_outro = '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments \
-within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": <function-name>, "arguments": <args-json-object>}\\n\
-</tool_call>' -%}
-{%- if messages[0].role == 'system' -%}{%- set system = messages[0].content -%}
-{%- else -%}{%- set system = 'You are a helpful AI assistant named SmolLM, trained by Hugging Face' -%}{%- endif -%}
-{{- '<|im_start|>system\\n' + system -}}
-{%- if tools -%}
-  {{- '\\n\\n' + tool_intro -}}{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}{{- tool_outro -}}
-{%- endif -%}
-{{- '<|im_end|>\\n' -}}
-{%- for message in messages -%}
-  {%- if message.role == 'user' or (message.role == 'system' and not loop.first) -%}
-    {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' -}}
-  {%- elif message.role == 'assistant' -%}
-    {{- '<|im_start|>assistant\\n' + (message.content or '') -}}
-    {%- for call in message.tool_calls or [] -%}
-      {%- set call = call.function or call -%}
-      {%- if message.content or not loop.first -%}{{- '\\n' -}}{%- endif -%}
-      {%- set arguments = call.arguments if call.arguments is string else (call.arguments | tojson) -%}
-      {{- '<tool_call>\\n{"name": "' + call.name + '", "arguments": ' + arguments + '}\\n</tool_call>' -}}
-    {%- endfor -%}
-    {{- '<|im_end|>\\n' -}}
-  {%- elif message.role == 'tool' -%}
-    {%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}
-    {{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' -}}
-    {%- if loop.last or messages[loop.index0 + 1].role != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}
-  {%- endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"""
 
 
 def price_exchange(shop, *items):
@@ -1039,8 +1004,8 @@ ENVIRONMENTS = {
 def make_tool_format(args, tokenizer):
     """--tool_format's object for multi_turn_rollout (after check_args): CalcTags with make_tool's tool and --examples,
     or NativeTools over a fresh --environment per trajectory, shown its EXAMPLES (unless --examples ()), with the chat
-    template --chat_template names, else the tokenizer's own, or HERMES_TEMPLATE where the tokenizer's renders no
-    tools (SmolLM2's)."""
+    template --chat_template names, else the tokenizer's own, or the model folder's TOOL_TEMPLATE where the
+    tokenizer's renders no tools (SmolLM2's)."""
     if args.tool_format == "calc":
         tools = CalcTags(tokenizer, make_tool(args.tool, args.max_operations), args.examples)
         tools.template_kwargs = json.loads(args.chat_template_kwargs)
@@ -1066,7 +1031,14 @@ def make_tool_format(args, tokenizer):
     tools.template_kwargs |= json.loads(args.chat_template_kwargs)
     render = functools.partial(tokenizer.apply_chat_template, [{"role": "user", "content": "x"}], tokenize=False)
     if template is None and render(**tools.template_kwargs) == render(**tools.template_kwargs | {"tools": None}):
-        tools.template_kwargs["chat_template"] = HERMES_TEMPLATE  # the tokenizer's ignores tools=
+        # the tokenizer's template ignores tools= (SmolLM2's): the model folder's tool template, as make assets writes
+        path = os.path.join(args.model_name_or_path, TOOL_TEMPLATE)
+        if not os.path.isfile(path):
+            raise SystemExit(
+                f"error: the chat template of {args.model_name_or_path} renders no tools: --chat_template FILE (make "
+                f"assets writes a Hermes one for the embedded SmolLM2, {TOOL_TEMPLATE} in its folder)"
+            )
+        tools.template_kwargs["chat_template"] = open(path).read()
     _ = tools.reading  # read now: a template whose calls neither format reads stops before the model loads
     return tools
 
@@ -1089,9 +1061,9 @@ def tool_schemas(environment):
 
 def parse_tool_calls(text, call_format="hermes"):
     """The calls a policy turn makes, in order, in the template's format: Hermes blocks <tool_call>{"name": ...,
-    "arguments": {...}}</tool_call> (Qwen2.5, Qwen3, HERMES_TEMPLATE), the last maybe unclosed (read to the end of the
-    turn, as vLLM's Hermes parser does), or ("json") Llama 3.1 JSON calls {"name": ...,
-    "parameters": {...}}, as vLLM's llama3_json parser reads it: the JSON objects of the turn, left to right, after
+    "arguments": {...}}</tool_call> (Qwen2.5, Qwen3, SmolLM2's tool template), the last maybe unclosed (read to the
+    end of the turn, as vLLM's Hermes parser does), or ("json") Llama 3.1 JSON calls {"name": ..., "parameters":
+    {...}}, as vLLM's llama3_json parser reads it: the JSON objects of the turn, left to right, after
     any text, several separated by ';'. Reasoning, <think>...</think>, is not read: a call inside it is a thought (as
     TRL's Qwen3 response schema reads it; vLLM's qwen3 reasoning parser would end the reasoning there). Returns
     [(name, arguments)], (None, "bad_json") for a block that is not a JSON object with a string name and an object

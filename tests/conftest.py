@@ -53,6 +53,7 @@ torch.set_num_threads(1)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOLLM2_DIR = os.path.join(REPO_ROOT, "assets", "SmolLM2-135M-Instruct")
+TOOL_TEMPLATE = "tool_chat_template.jinja"  # grpo_tools reads it in a model folder whose template ignores tools=
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
@@ -110,6 +111,7 @@ def build_tiny_model(path):
     model = LlamaForCausalLM(config)
     model.save_pretrained(path, safe_serialization=True)
     AutoTokenizer.from_pretrained(SMOLLM2_DIR).save_pretrained(path)
+    shutil.copyfile(os.path.join(REPO_ROOT, "benchmark", "smollm2_tools.jinja"), os.path.join(path, TOOL_TEMPLATE))
     return path
 
 

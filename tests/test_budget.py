@@ -189,7 +189,7 @@ def test_nothing_below_the_fence_names_the_tools_or_environments():
     above, below = open(os.path.join(REPO_ROOT, "grpo_tools.py")).read().split(budget.FENCE)
     environments = [type(make(grpo_tools.Config())).__name__ for make in grpo_tools.ENVIRONMENTS.values()]
     names = ["ENVIRONMENTS", "CalcTags", "NativeTools", "make_tool_format", "tool_schemas", "parse_tool_calls"]
-    names += ["run_tool_call", "tool_response_ids", "HERMES_TEMPLATE", *environments]
+    names += ["run_tool_call", "tool_response_ids", "TOOL_TEMPLATE", *environments]
     for name in names:
         assert re.search(rf"\b{name}\b", above) and not re.search(rf"\b{name}\b", below), name
 

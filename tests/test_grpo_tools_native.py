@@ -8,16 +8,19 @@ import functools
 import json
 import os
 import re
+import shutil
 from typing import Literal
 
 import chat_templates
 import pytest
 import torch
-from conftest import read_metrics
+from conftest import REPO_ROOT, read_metrics
 
 import grpo_tools
-from grpo_tools import HERMES_TEMPLATE, Calculator, NativeTools, multi_turn_rollout, parse_tool_calls, run_tool_call
+from grpo_tools import Calculator, NativeTools, multi_turn_rollout, parse_tool_calls, run_tool_call
 
+# SmolLM2's tool template, as make assets writes it beside the model (its own template ignores tools=)
+HERMES_TEMPLATE = open(os.path.join(REPO_ROOT, "benchmark", "smollm2_tools.jinja")).read()
 TEMPLATES = {"hermes": HERMES_TEMPLATE, "qwen2.5": chat_templates.QWEN25, "qwen3": chat_templates.QWEN3}
 
 
@@ -1002,3 +1005,23 @@ def test_a_new_tool_and_environment_are_written_above_the_fence_alone(make_confi
         grpo_tools.make_tool_format(args, tokenizer)
     with pytest.raises(SystemExit, match="^error: --environment nowhere.py:Units: no such file$"):
         grpo_tools.check_args(make_config(grpo_tools, **NATIVE, environment="nowhere.py:Units", examples=()))
+
+
+def test_a_template_that_ignores_tools_takes_the_model_folders_tool_template_or_stops(
+    make_config, tmp_path, tiny_model_dir, tokenizer
+):
+    """SmolLM2's template ignores tools=: native calls use the tool template in the model's folder (make assets writes
+    it for the embedded model), and a folder without one stops in one line naming --chat_template."""
+    from conftest import TOOL_TEMPLATE
+
+    args = make_config(grpo_tools, **NATIVE, examples=())
+    grpo_tools.check_args(args)
+    assert grpo_tools.make_tool_format(args, tokenizer).template_kwargs["chat_template"] == HERMES_TEMPLATE
+    bare = shutil.copytree(tiny_model_dir, tmp_path / "bare")
+    os.remove(bare / TOOL_TEMPLATE)
+    args = make_config(grpo_tools, **NATIVE, examples=(), model_name_or_path=str(bare))
+    grpo_tools.check_args(args)
+    with pytest.raises(
+        SystemExit, match=r"^error: the chat template of .*bare renders no tools: --chat_template FILE"
+    ):
+        grpo_tools.make_tool_format(args, tokenizer)
