@@ -331,7 +331,7 @@ def check_args(args):
         args.system_prompt = SYSTEM_PROMPT if args.system_prompt is None else args.system_prompt
         args.examples = (EXAMPLE,) if args.examples is None else args.examples
     problems += [
-        (CALL[0] not in answer, f"--examples: the answer {answer!r} shows no call of the tool ({CALL[0]}...)")
+        ("<calc>" not in answer, f"--examples: the answer {answer!r} shows no call of the tool (<calc>...)")
         for _, answer in (args.examples if not native else ())
     ]
     environment_file = args.environment.partition(":")[0]  # FILE.py:CLASS
@@ -550,9 +550,8 @@ def first_pass_stats(logits, logprobs, sampler_logprobs, mask, first_minibatch):
     return stats
 
 
-# The tool. The policy calls it by writing CALL[0] expression CALL[1]; its answer comes back as RESULT[0] value
-# RESULT[1]. The prompt describes it and shows one call (_build_prompts puts EXAMPLE before the question).
-CALL, RESULT = ("<calc>", "</calc>"), ("<result>", "</result>")
+# --tool_format calc: the prompt describes the calculator's tags and shows one call (_build_prompts puts EXAMPLE
+# before the question).
 SYSTEM_PROMPT = (
     "You can use a calculator: write <calc>expression</calc> and its result follows as <result>value</result>."
 )
@@ -562,153 +561,6 @@ EXAMPLE = (
 )
 
 
-def calculator(expression, max_length=24, max_operations=0):
-    """The tool: the value of an arithmetic expression (numbers, + - * / and ^ or ** for powers, parentheses, a sign
-    before a term) computed exactly with fractions by the parser below, never by eval or a shell. It is total: a
-    malformed expression, a division by zero, a power too large, more than max_operations operations (when > 0; a
-    sign and parentheses are none: Arithmetic.operations) or a result longer than max_length characters gives a
-    short error string, which the policy reads as the tool's output; nothing raises. A result that is not an integer
-    is rounded to 6 decimals."""
-    try:
-        parsed = Arithmetic(expression)
-        if max_operations and parsed.operations() > max_operations:
-            allowed = "one operation" if max_operations == 1 else f"{max_operations} operations"
-            raise ValueError(f"at most {allowed} per call")
-        value = parsed.value()
-    except ValueError as error:
-        return f"error: {error}"
-    if abs(value) >= 10**max_length:  # before formatting: Python refuses str() of an integer over 4300 digits
-        return "error: result too long"
-    value = round(value, 6)
-    sign, whole, rest = "-" * (value < 0), *divmod(abs(value), 1)
-    text = f"{sign}{whole}" + (f".{int(rest * 10**6):06d}".rstrip("0") if rest else "")
-    return text if len(text) <= max_length else "error: result too long"
-
-
-class Arithmetic:
-    """A recursive-descent parser and evaluator over Fractions: expr = term {(+|-) term}; term = unary {(*|/) unary};
-    unary = (+|-) unary | power; power = atom [(^|**) unary] (right-associative, above the sign: -2^2 = -4);
-    atom = number | ( expr ). Every failure is a ValueError with a message for the policy."""
-
-    TOKEN = re.compile(r"\s*(?:([0-9]+(?:\.[0-9]*)?|\.[0-9]+)|(\*\*|[-+*/^()]))")  # ASCII digits only
-    MAX_CHARS, MAX_DEPTH, MAX_BITS = 200, 30, 1400  # 1400 bits: 421 digits
-
-    def __init__(self, expression):
-        if len(expression) > self.MAX_CHARS:
-            raise ValueError(f"expression longer than {self.MAX_CHARS} characters")
-        self.tokens, position, expression = [], 0, expression.strip()
-        while position < len(expression):
-            match = self.TOKEN.match(expression, position)
-            if match is None or match.end() == position:
-                raise ValueError(f"unexpected {expression[position:].strip()[:10]!r}")
-            self.tokens.append(Fraction(match[1]) if match[1] else match[2])
-            position = match.end()
-        self.next, self.depth = 0, 0
-
-    def operations(self):
-        """The binary operations (+ - * / ^ **): an operator right after a number or ")". A sign before a term
-        ("-3 * 4", "3 * -4", "-(3 * 4)": one each) and parentheses ("((12 * 34))": one) are not operations."""
-        pairs = zip(self.tokens, self.tokens[1:])
-        return sum(op in ("+", "-", "*", "/", "^", "**") and (isinstance(a, Fraction) or a == ")") for a, op in pairs)
-
-    def value(self):
-        if not self.tokens:
-            raise ValueError("empty expression")
-        value = self.expr()
-        if self.next < len(self.tokens):
-            raise ValueError(f"unexpected {self.tokens[self.next]!s}")
-        return value
-
-    def peek(self):
-        return self.tokens[self.next] if self.next < len(self.tokens) else None
-
-    def take(self):
-        token = self.peek()
-        if token is None:
-            raise ValueError("incomplete expression")
-        self.next += 1
-        return token
-
-    def expr(self):
-        value = self.term()
-        while self.peek() in ("+", "-"):
-            value = self.bounded(value + self.term() if self.take() == "+" else value - self.term())
-        return value
-
-    def term(self):
-        value = self.unary()
-        while self.peek() in ("*", "/"):
-            op, right = self.take(), self.unary()
-            if op == "/" and right == 0:
-                raise ValueError("division by zero")
-            value = self.bounded(value * right if op == "*" else value / right)
-        return value
-
-    def unary(self):
-        if self.peek() in ("+", "-"):
-            return -self.unary() if self.take() == "-" else self.unary()
-        return self.power()
-
-    def power(self):
-        base = self.atom()
-        if self.peek() not in ("^", "**"):
-            return base
-        self.take()
-        exponent = self.unary()
-        if exponent.denominator != 1:
-            raise ValueError("only whole powers")
-        if base == 0 and exponent < 0:
-            raise ValueError("division by zero")
-        bits = abs(exponent) * max(base.numerator.bit_length(), base.denominator.bit_length())
-        if abs(base) != 1 and base != 0 and bits > self.MAX_BITS:
-            raise ValueError("power too large")
-        return base ** int(exponent)
-
-    def bounded(self, value):
-        """Every intermediate result stays under MAX_BITS in its numerator and denominator (time and memory are then
-        bounded, whatever the expression)."""
-        if max(value.numerator.bit_length(), value.denominator.bit_length()) > self.MAX_BITS:
-            raise ValueError("number too large")
-        return value
-
-    def atom(self):
-        token = self.take()
-        if isinstance(token, Fraction):
-            return token
-        if token != "(":
-            raise ValueError(f"unexpected {token}")
-        self.depth += 1
-        if self.depth > self.MAX_DEPTH:
-            raise ValueError("too many parentheses")
-        value = self.expr()
-        if self.peek() != ")":
-            raise ValueError("missing )")
-        self.take()
-        self.depth -= 1
-        return value
-
-
-UNAVAILABLE = "error: unavailable"  # --tool unavailable's answer to every call
-
-
-def make_tool(name, max_operations=0):
-    """The tool that answers a call, (expression) -> text: the calculator (at most max_operations operations a call,
-    0: any number), or for "unavailable" UNAVAILABLE whatever the call. Its answer takes the calculator's path
-    (RESULT tags, tool tokens, the same budget), so that ablation differs from the working tool by the result alone."""
-    if name == "unavailable":
-        return lambda expression: UNAVAILABLE
-    return functools.partial(calculator, max_operations=max_operations)
-
-
-def tool_call(turn_text):
-    """The expression of the call a policy turn ends with (the text between the last CALL[0] and CALL[1]; "" when
-    CALL[0] is missing: the calculator calls that malformed), or None when the turn ends without a call."""
-    if CALL[1] not in turn_text:
-        return None
-    before = turn_text.split(CALL[1], 1)[0]
-    return before.rsplit(CALL[0], 1)[1] if CALL[0] in before else ""
-
-
 Rollout = collections.namedtuple(
     "Rollout",
     "ids real policy sampler_logprobs texts answers calls turns unrun_calls truncated errors failed_calls",
@@ -716,15 +568,14 @@ Rollout = collections.namedtuple(
 )
 
 
-def multi_turn_rollout(policy_turn, tokenizer, prompts, n, response_length, max_turns, stop_ids=(), tool=calculator):
+def multi_turn_rollout(policy_turn, tokenizer, prompts, n, response_length, max_turns, stop_ids, tools):
     """n trajectories per prompt (consecutive), each the token ids after its prompt, sampled turn by turn:
     policy_turn(contexts, max_tokens) -> [(ids, sampler log-probs or None)] continues each context (prompt and
-    trajectory so far, as ids). A turn that makes calls gets the tool's tokens appended (`tool`: a format, CalcTags
-    or NativeTools, or a function for CalcTags), up to max_turns turns with calls and the budget; any other turn ends
+    trajectory so far, as ids). A turn that makes calls gets the tool's tokens appended (`tools`: a tool format,
+    CalcTags or NativeTools), up to max_turns turns with calls and the budget; any other turn ends
     the trajectory. Nothing is re-tokenised. Returns a Rollout of ids, real, policy (the loss mask) and
     sampler_logprobs [N, R]; texts, answers (the last policy turn), calls [(call, output)], turns, unrun_calls,
     truncated [N], errors {kind: [N]} and failed_calls [N] (docs/grpo_tools.md, "The rollout")."""
-    tools = tool if hasattr(tool, "respond") else CalcTags(tokenizer, tool)
     N = len(prompts) * n
     tools.begin(prompts, n)
     ids, policy, logps = [[] for _ in range(N)], [[] for _ in range(N)], [[] for _ in range(N)]
@@ -790,99 +641,24 @@ def multi_turn_rollout(policy_turn, tokenizer, prompts, n, response_length, max_
     )
 
 
-def tool_text_after(tokenizer, turn_ids, text, output):
-    """How many of a call's turn tokens stay, and the text the tool writes after them: the calculator's `output` in
-    RESULT tags. turn_ids (decoded: text) end with the token that completes CALL[1], which may run on past it, while
-    the context must read CALL[1] then RESULT[0], as the prompt's example does. Run on into the tool's own text
-    (SmolLM2's "><" ends "</calc>" and starts "<result>"), the token stays and the tool's text continues from it. Run
-    on into other text ("></", ">>", ">."), it cannot stay: no cut of a token is a token, and a policy token is a
-    sampled one, which the trainer scores in the very context that holds it (token in, token out). So the turn ends
-    before it (its sampled text past CALL[1] is never in the conversation, and is not trained) and the tool's text
-    begins with the rest of CALL[1], as context. Returns (tokens kept, the tool's text)."""
-    tool_text, overhang = f"{RESULT[0]}{output}{RESULT[1]}", text.split(CALL[1], 1)[1]
-    if tool_text.startswith(overhang):
-        return len(turn_ids), tool_text[len(overhang) :]
-    head, kept = text[: len(text) - len(overhang)], tokenizer.decode(turn_ids[:-1], skip_special_tokens=True)
-    if head.startswith(kept):
-        return len(turn_ids) - 1, head[len(kept) :] + tool_text
-    return len(turn_ids), tool_text  # a decoding that is not prefix-stable: the token stays, the text runs on
-
-
-class CalcTags:
-    """--tool_format calc, what multi_turn_rollout asks of a tool format: the calls a turn makes (CALL tags, one
-    expression), whether it opened one it did not close, and the tokens the tool writes after a call it runs."""
-
-    stop_strings, error_kinds = (CALL[1],), ()  # a turn ends once a token completes a call
-
-    def __init__(self, tokenizer, tool=calculator, examples=(EXAMPLE,)):
-        self.tokenizer, self.tool, self.examples, self.template_kwargs = tokenizer, tool, examples, {}
-        self.questions = {}  # {prompt ids: its question} (load_tool_prompts)
-
-    def ask(self, question):
-        return question  # the question as the prompt shows it
-
-    def begin(self, prompts, n):
-        pass  # the calculator keeps no state
-
-    def calls(self, text):
-        expression = tool_call(text)
-        return [] if expression is None else [expression]
-
-    def opened(self, text):
-        return CALL[0] in text
-
-    def rewards(self, answers, golds, format_reward):
-        return compute_rewards(answers, golds, format_reward)  # the verifier on each final answer
-
-    def respond(self, i, turn_ids, text, calls):
-        """(turn tokens kept, the tool's tokens, [(expression, output)], ["refused"] when the calculator refused the
-        expression: its answer then begins "error", by its contract)"""
-        output = self.tool(calls[0])
-        keep, tool_text = tool_text_after(self.tokenizer, turn_ids, text, output)
-        refused = ["refused"] if output.startswith("error") else []
-        return keep, self.tokenizer(tool_text, add_special_tokens=False).input_ids, [(calls[0], output)], refused
-
-
-# --tool_format native: the model's own tool calls. The tools are an environment's methods, described to the model by
-# its chat template (apply_chat_template(tools=...)), called in the template's format (Hermes <tool_call> JSON, or
-# Llama 3.1's JSON) and answered as the template renders `tool` messages. A policy turn runs to the model's end of
-# turn (a stop token, trained as the policy's), so one turn may make several calls, run in order.
-TOOL_CALL = ("<tool_call>", "</tool_call>")
-TOOL_TEMPLATE = (
-    "tool_chat_template.jinja"  # in a model folder: the chat template for tools, where its own ignores them
-)
-ERROR_KINDS = ("bad_json", "unknown_tool", "bad_arguments", "raised")  # logged as tools/errors/<kind>
-
-
-def call_message(*calls):
-    """An assistant message making these calls, (name, arguments) each: an example's, tool_response_ids' dummy."""
-    calls = [{"type": "function", "function": {"name": name, "arguments": arguments}} for name, arguments in calls]
-    return {"role": "assistant", "content": "", "tool_calls": calls}
-
-
-def tool_message(name, content):
-    return {"role": "tool", "name": name, "content": content}
-
-
 class Calculator:
     """The calculator as an environment: one instance per trajectory; its public methods but reset and reward are
     the tools, each described to the model by its type hints and docstring (tool_schemas). With no reward method,
     the verifier scores the final answer (an environment's reward(answer, gold) would: NativeTools.rewards)."""
 
-    # The exchanges shown before the question (native; calc shows EXAMPLE): a call, its result, the answer. Three:
-    # SmolLM2-135M does not imitate one (docs/grpo_tools.md).
-    EXAMPLES = [
-        [
-            {"role": "user", "content": f"Calculate {a} * {b}. Give the final answer after 'Answer:'."},
-            call_message(("calculate", {"expression": f"{a} * {b}"})),
-            tool_message("calculate", str(a * b)),
-            {"role": "assistant", "content": f"Answer: {a * b}"},
-        ]
-        for a, b in ((23, 41), (57, 208), (612, 38))
-    ]
-
     def __init__(self, max_operations=0, unavailable=False):
         self.max_operations, self.unavailable = max_operations, unavailable
+        # The exchanges shown before the question (native; calc shows EXAMPLE): a call, its result, the answer.
+        # Three: SmolLM2-135M does not imitate one (docs/grpo_tools.md).
+        self.EXAMPLES = [
+            [
+                {"role": "user", "content": f"Calculate {a} * {b}. Give the final answer after 'Answer:'."},
+                call_message(("calculate", {"expression": f"{a} * {b}"})),
+                tool_message("calculate", str(a * b)),
+                {"role": "assistant", "content": f"Answer: {a * b}"},
+            ]
+            for a, b in ((23, 41), (57, 208), (612, 38))
+        ]
 
     def reset(self, question):
         """Called with its question before a trajectory's first turn; what it returns (text or None) follows the
@@ -1002,273 +778,21 @@ ENVIRONMENTS = {
 
 
 def make_tool_format(args, tokenizer):
-    """--tool_format's object for multi_turn_rollout (after check_args): CalcTags with make_tool's tool and --examples,
-    or NativeTools over a fresh --environment per trajectory, shown its EXAMPLES (unless --examples ()), with the chat
-    template --chat_template names, else the tokenizer's own, or the model folder's TOOL_TEMPLATE where the
-    tokenizer's renders no tools (SmolLM2's)."""
+    """--tool_format's object for multi_turn_rollout (after check_args): CalcTags answering with make_tool's tool,
+    shown --examples, or NativeTools over a fresh --environment per trajectory (a name in ENVIRONMENTS, or
+    FILE.py:CLASS) shown its EXAMPLES (unless --examples ()); both score answers with compute_rewards."""
+    template_kwargs = json.loads(args.chat_template_kwargs)
     if args.tool_format == "calc":
-        tools = CalcTags(tokenizer, make_tool(args.tool, args.max_operations), args.examples)
-        tools.template_kwargs = json.loads(args.chat_template_kwargs)
-        return tools
-    make_environment = (
-        functools.partial(ENVIRONMENTS[args.environment], args) if args.environment in ENVIRONMENTS else None
-    )
-    if make_environment is None:  # FILE.py:CLASS, loaded only when named
-        path, _, name = args.environment.partition(":")
-        spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        if not isinstance(getattr(module, name, None), type):
-            raise SystemExit(f"error: --environment {args.environment}: {path} defines no class {name!r}")
-        make_environment = getattr(module, name)
-    template = open(args.chat_template).read() if args.chat_template else None
-    if template is None and not tokenizer.chat_template:
-        raise SystemExit(
-            f"error: the tokenizer of {args.model_name_or_path} has no chat template: --chat_template FILE"
-        )
-    examples = getattr(make_environment(), "EXAMPLES", []) if args.examples is None else []  # lists of messages
-    tools = NativeTools(tokenizer, make_environment, template, examples)
-    tools.template_kwargs |= json.loads(args.chat_template_kwargs)
-    render = functools.partial(tokenizer.apply_chat_template, [{"role": "user", "content": "x"}], tokenize=False)
-    if template is None and render(**tools.template_kwargs) == render(**tools.template_kwargs | {"tools": None}):
-        # the tokenizer's template ignores tools= (SmolLM2's): the model folder's tool template, as make assets writes
-        path = os.path.join(args.model_name_or_path, TOOL_TEMPLATE)
-        if not os.path.isfile(path):
-            raise SystemExit(
-                f"error: the chat template of {args.model_name_or_path} renders no tools: --chat_template FILE (make "
-                f"assets writes a Hermes one for the embedded SmolLM2, {TOOL_TEMPLATE} in its folder)"
-            )
-        tools.template_kwargs["chat_template"] = open(path).read()
-    _ = tools.reading  # read now: a template whose calls neither format reads stops before the model loads
-    return tools
-
-
-def tool_schemas(environment):
-    """The JSON schemas of an environment's tools (its public methods but reset and reward), from their type hints
-    and docstrings by transformers' get_json_schema: what apply_chat_template(tools=...) renders for the model."""
-    names = [name for name in dir(environment) if not name.startswith("_") and name not in ("reset", "reward")]
-    schemas = []
-    for name in [name for name in names if callable(getattr(environment, name))]:
-        try:
-            schemas.append(get_json_schema(getattr(environment, name)))
-        except Exception as error:  # transformers' DocstringParsingException, TypeHintParsingException
-            raise SystemExit(
-                f"error: the environment's tool {name!r} cannot be described to the model: it needs type hints and a "
-                f"docstring with an Args: section ({type(error).__name__}: {error})"
-            ) from None
-    return schemas
-
-
-def parse_tool_calls(text, call_format="hermes"):
-    """The calls a policy turn makes, in order, in the template's format: Hermes blocks <tool_call>{"name": ...,
-    "arguments": {...}}</tool_call> (Qwen2.5, Qwen3, SmolLM2's tool template), the last maybe unclosed (read to the
-    end of the turn, as vLLM's Hermes parser does), or ("json") Llama 3.1 JSON calls {"name": ..., "parameters":
-    {...}}, as vLLM's llama3_json parser reads it: the JSON objects of the turn, left to right, after
-    any text, several separated by ';'. Reasoning, <think>...</think>, is not read: a call inside it is a thought (as
-    TRL's Qwen3 response schema reads it; vLLM's qwen3 reasoning parser would end the reasoning there). Returns
-    [(name, arguments)], (None, "bad_json") for a block that is not a JSON object with a string name and an object
-    of arguments; [] when the turn calls nothing."""
-    think = r"<think>.*?</think>"
-    if call_format == "hermes":  # left to right: a <think> inside a call's arguments is the call's
-        found = re.finditer(rf"{think}|{TOOL_CALL[0]}(.*?){TOOL_CALL[1]}|{TOOL_CALL[0]}(.*)", text, re.S)
-        blocks = [m[1] if m[1] is not None else m[2] for m in found if m[0].startswith(TOOL_CALL[0])]
+        tool = make_tool(args.tool, args.max_operations)
+        return CalcTags(tokenizer, tool, args.examples, compute_rewards, template_kwargs)
+    if args.environment in ENVIRONMENTS:
+        make_environment = functools.partial(ENVIRONMENTS[args.environment], args)
     else:
-        body, blocks, end = re.sub(think, "", text, flags=re.S).replace("<|python_tag|>", ""), [], 0
-        for brace in re.finditer(r"\{", body if '"name"' in body else ""):
-            if brace.start() < end:
-                continue  # inside the object before
-            try:
-                call, end = json.JSONDecoder().raw_decode(body, brace.start())
-            except (ValueError, RecursionError):
-                blocks.append(body[brace.start() :])  # read as far as it goes: bad_json
-                break
-            blocks.append(call)
-    calls = []
-    for block in blocks:
-        try:
-            call = json.loads(block) if isinstance(block, str) else block
-        except (ValueError, RecursionError):  # not JSON; an integer over 4300 digits; nesting past the stack
-            call = None
-        arguments = call.get("arguments", call.get("parameters", {})) if isinstance(call, dict) else None
-        ok = isinstance(call, dict) and isinstance(call.get("name"), str) and isinstance(arguments, dict)
-        calls.append((call["name"], arguments) if ok else (None, "bad_json"))
-    return calls
-
-
-def run_tool_call(environment, schemas, name, arguments):
-    """One call's result text and what went wrong (None, or the kind logged as tools/errors/<kind>): a block that is
-    no call (bad_json, from parse_tool_calls), a tool the environment does not have (unknown_tool), arguments that
-    the tool's JSON schema refuses (bad_arguments: missing, unexpected, of another type or not one of its enum;
-    checked by jsonschema, an Optional argument's None allowed), a tool that raised (raised). A failed call gets an
-    error text as its result. The tool's value is sent as JSON where it is a dict or a list, else as str(); an
-    `async def` tool is awaited."""
-    if name is None:
-        return 'error: a call is {"name": <tool>, "arguments": {...}} in JSON', arguments
-    schema = next((s["function"]["parameters"] for s in schemas if s["function"]["name"] == name), None)
-    if schema is None:
-        return f"error: no tool named {name!r}", "unknown_tool"
-    properties, required = schema.get("properties", {}), schema.get("required", [])
-    errors = list(jsonschema.Draft202012Validator(_strict_schema(schema)).iter_errors(arguments))
-    if errors:
-        failed = {error.validator for error in errors}
-        wrong = [f"missing {', '.join(k for k in required if k not in arguments)}"] if "required" in failed else []
-        if "additionalProperties" in failed:
-            wrong.append(f"unexpected {', '.join(k for k in arguments if k not in properties)}")
-        mistyped = {error.path[0] for error in errors if error.path}
-        for k in [k for k in arguments if k in mistyped]:
-            kinds = (
-                properties[k].get("type")
-                if isinstance(properties[k].get("type"), list)
-                else [properties[k].get("type")]
-            )
-            allowed = properties[k].get("enum") or " or ".join(str(kind) for kind in kinds)
-            wrong.append(f"{k} must be {'one of ' if properties[k].get('enum') else ''}{allowed}")
-        return f"error: bad arguments for {name}: {'; '.join(wrong)}", "bad_arguments"
-    # 2.0 is an integer to JSON Schema: the tool gets 2
-    integral = {k for k, p in properties.items() if "integer" in str(p.get("type"))}
-    arguments = {k: int(v) if k in integral and isinstance(v, float) else v for k, v in arguments.items()}
-    try:
-        value = getattr(environment, name)(**arguments)
-        if inspect.iscoroutine(value):  # an async def tool
-            value = asyncio.run(value)
-    except Exception as error:  # the tool's own failure is the policy's to read
-        return f"error: {type(error).__name__}: {error}", "raised"
-    return (json.dumps(value, default=str) if isinstance(value, (dict, list)) else str(value)), None
-
-
-def _strict_schema(parameters):
-    """A tool's parameters as JSON Schema proper: no argument it does not name, and "null" allowed where transformers'
-    get_json_schema marks an Optional argument nullable (an OpenAPI keyword jsonschema does not read)."""
-    properties = {}
-    for k, p in parameters.get("properties", {}).items():
-        if p.get("nullable"):
-            kinds = p.get("type") if isinstance(p.get("type"), list) else [p.get("type")]
-            p = {**p, "type": [*kinds, "null"]} | ({"enum": [*p["enum"], None]} if "enum" in p else {})
-        properties[k] = p
-    return {**parameters, "properties": properties, "additionalProperties": False}
-
-
-def tool_response_ids(tokenizer, tool_messages, end_id, template_kwargs):
-    """The tokens the chat template writes between a policy turn that ended with the token end_id and the policy's
-    next turn: the rest of the assistant's message, the `tool` messages, the next assistant header. Rendered from a
-    dummy conversation (a user turn, an assistant turn calling these tools) with the tool messages and the next
-    assistant header, and cut after the end_id that ends the dummy assistant turn (the last one when rendered
-    alone): never from the conversation so far, which a template may render differently once later messages exist
-    (Qwen3's drops the empty <think> block of an assistant turn that is no longer the last, its dummy turn's too).
-    An end_id that the template writes elsewhere (Llama 3.1's <|eom_id|>, which ends a call in its ipython
-    environment) ends the turn as the dummy's own end token does. None when end_id is no end the template knows
-    (Qwen's <|endoftext|>, a stop id beside its <|im_end|>): the model ended its text, and no tool turn follows."""
-    dummy = [{"role": "user", "content": "x"}, call_message(*[(m["name"], {}) for m in tool_messages])]
-    render = functools.partial(tokenizer.apply_chat_template, tokenize=True, return_dict=False, **template_kwargs)
-    rendered = list(render(dummy))
-    turns = rendered.count(end_id)  # the turns up to the dummy assistant's end, each closed by end_id
-    if turns == 0:
-        template = template_kwargs.get("chat_template") or tokenizer.chat_template
-        if not isinstance(template, str) or tokenizer.convert_ids_to_tokens(end_id) not in template:
-            return None
-        end_id = next(token for token in reversed(rendered) if token in tokenizer.all_special_ids)
-        turns = rendered.count(end_id)
-    full = list(render(dummy + tool_messages, add_generation_prompt=True))
-    return full[[k for k, token in enumerate(full) if token == end_id][turns - 1] + 1 :]
-
-
-class NativeTools:
-    """--tool_format native, what multi_turn_rollout asks of a tool format (as CalcTags): one environment per
-    trajectory (make_environment()), the calls a turn makes in the template's format, and the tokens the template
-    writes after them. template_kwargs go to every apply_chat_template: tools= and the chat_template."""
-
-    stop_strings, error_kinds = (), ERROR_KINDS  # a turn runs to the model's end of turn
-
-    def __init__(self, tokenizer, make_environment, chat_template=None, examples=()):
-        self.tokenizer, self.make_environment, self.examples = tokenizer, make_environment, examples
-        self.schemas = tool_schemas(make_environment())
-        self.template_kwargs = dict(tools=self.schemas, chat_template=chat_template)
-        self.environments, self.questions = [], {}  # questions: {prompt ids: its question} (load_tool_prompts)
-        self.shown = {}  # {question: the text its reset returned for the prompt}
-
-    def ask(self, question):
-        """The question as the prompt shows it: followed by the text its environment's reset returns, if any. The
-        n trajectories of a prompt share its text, so reset must return the same text for the same question."""
-        extra = self.make_environment().reset(question)
-        if extra != self.make_environment().reset(question):
-            raise SystemExit(
-                "error: the environment's reset returned two texts for one question: the prompt would show one state "
-                "and train on another; draw its state from the question (e.g. seed by it)"
-            )
-        self.shown[question] = extra
-        return f"{question}\n\n{extra}" if extra else question
-
-    def begin(self, prompts, n):
-        """A fresh environment for each of the n trajectories of each prompt, reset with its question (None for a
-        prompt that load_tool_prompts did not build)."""
-        self.environments = [self.make_environment() for _ in range(len(prompts) * n)]
-        for i, environment in enumerate(self.environments):
-            question = self.questions.get(tuple(prompts[i // n]))
-            extra = environment.reset(question)
-            if question in self.shown and extra != self.shown[question]:
-                raise SystemExit(
-                    f"error: the environment's reset returned another text for {question!r} than its prompt shows"
-                )
-
-    @functools.cached_property
-    def reading(self):
-        """How the template writes an assistant's call, from a dummy call rendered after the generation prompt:
-        "hermes" (<tool_call> blocks) or "json" (Llama 3.1's turn that is the call), checked by parsing it back (a
-        template that writes calls otherwise, Qwen3.5's XML, GLM-4.5's, Gemma's, stops the run); and whether the
-        generation prompt leaves a <think> open (Qwen3-Thinking-2507, QwQ: a turn starts in its reasoning)."""
-        render = functools.partial(self.tokenizer.apply_chat_template, tokenize=False, **self.template_kwargs)
-        ask, name = [{"role": "user", "content": "x"}], self.schemas[0]["function"]["name"]
-        try:
-            prompt, full = render(ask, add_generation_prompt=True), render(ask + [call_message((name, {}))])
-        except (TypeError, jinja2.TemplateError) as error:  # DeepSeek-V3's wants the arguments as a JSON string
-            message = f"error: the chat template cannot render a tool call ({type(error).__name__}: {error})"
-            raise SystemExit(message) from None
-        call = full.removeprefix(prompt) if full.startswith(prompt) else full[len(render(ask)) :]
-        call_format = "hermes" if TOOL_CALL[0] in call or f'"{name}"' not in call else "json"
-        text = self.tokenizer.decode(
-            self.tokenizer(call, add_special_tokens=False).input_ids, skip_special_tokens=True
-        )
-        if (name, {}) not in parse_tool_calls(text, call_format):  # as the policy's turn would read
-            raise SystemExit(
-                f"error: the chat template writes a call as {call!r}: neither a Hermes <tool_call> block nor "
-                "Llama 3.1's JSON, the formats grpo_tools reads (parse_tool_calls); --chat_template FILE gives another"
-            )
-        return call_format, prompt.rfind("<think>") > prompt.rfind("</think>")
-
-    def calls(self, text):
-        call_format, in_reasoning = self.reading
-        if in_reasoning and "</think>" not in text:
-            return []  # a turn that starts in its reasoning and never ends it is all reasoning
-        return parse_tool_calls("<think>" * in_reasoning + text, call_format)
-
-    def rewards(self, answers, golds, format_reward):
-        """compute_rewards', but a trajectory whose environment has a reward method is scored by it instead of the
-        verifier: reward(answer, gold) -> a float in [0, 1], 1 when right (the environment after the trajectory)."""
-        rewards, correct, formatted = compute_rewards(answers, golds, format_reward)
-        own = [getattr(environment, "reward", None) for environment in self.environments]
-        if any(own):
-            scores = zip(own, answers, golds, correct.tolist())
-            correct = torch.tensor([float(f(a, g)) if f else c for f, a, g, c in scores])
-            rewards = correct + format_reward * formatted
-        return rewards, correct, formatted
-
-    def opened(self, text):
-        return False  # a call opened and not closed is a call (parse_tool_calls)
-
-    def respond(self, i, turn_ids, text, calls):
-        """(turn tokens kept: all, the template's tokens for the results, [(the call as text, result)], [error
-        kinds]); turn_ids end with the stop token that ended the turn. None (the calls not run, the trajectory ends)
-        after a stop token that closes no turn of the template (tool_response_ids)."""
-        results = [run_tool_call(self.environments[i], self.schemas, name, args) for name, args in calls]
-        messages = [
-            {"role": "tool", "name": name or "error", "content": output}
-            for (name, _), (output, _) in zip(calls, results)
-        ]
-        ids = tool_response_ids(self.tokenizer, messages, turn_ids[-1], self.template_kwargs)
-        if ids is None:
-            return None
-        shown = [f"{name}({json.dumps(args)})" if name else "(not a call)" for name, args in calls]
-        return len(turn_ids), ids, list(zip(shown, [r for r, _ in results])), [k for _, k in results if k]
+        make_environment = environment_class(args.environment)  # FILE.py:CLASS, loaded only when named
+    examples = getattr(make_environment(), "EXAMPLES", []) if args.examples is None else []  # lists of messages
+    template = open(args.chat_template).read() if args.chat_template else None
+    model = args.model_name_or_path
+    return NativeTools(tokenizer, make_environment, template, examples, compute_rewards, template_kwargs, model)
 
 
 NUMBER = r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?"  # 12, -1,234.5, .5, 3/4
@@ -1619,6 +1143,504 @@ def _load_tokenizer(model_name_or_path, trust_remote_code):
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def make_tool(name, max_operations=0):
+    """The tool that answers a call, (expression) -> text: the calculator (at most max_operations operations a call,
+    0: any number), or for "unavailable" UNAVAILABLE whatever the call. Its answer takes the calculator's path
+    (RESULT tags, tool tokens, the same budget), so that ablation differs from the working tool by the result alone."""
+    if name == "unavailable":
+        return lambda expression: UNAVAILABLE
+    return functools.partial(calculator, max_operations=max_operations)
+
+
+UNAVAILABLE = "error: unavailable"  # --tool unavailable's answer to every call
+
+
+def calculator(expression, max_length=24, max_operations=0):
+    """The tool: the value of an arithmetic expression (numbers, + - * / and ^ or ** for powers, parentheses, a sign
+    before a term) computed exactly with fractions by the parser below, never by eval or a shell. It is total: a
+    malformed expression, a division by zero, a power too large, more than max_operations operations (when > 0; a
+    sign and parentheses are none: Arithmetic.operations) or a result longer than max_length characters gives a
+    short error string, which the policy reads as the tool's output; nothing raises. A result that is not an integer
+    is rounded to 6 decimals."""
+    try:
+        parsed = Arithmetic(expression)
+        if max_operations and parsed.operations() > max_operations:
+            allowed = "one operation" if max_operations == 1 else f"{max_operations} operations"
+            raise ValueError(f"at most {allowed} per call")
+        value = parsed.value()
+    except ValueError as error:
+        return f"error: {error}"
+    if abs(value) >= 10**max_length:  # before formatting: Python refuses str() of an integer over 4300 digits
+        return "error: result too long"
+    value = round(value, 6)
+    sign, whole, rest = "-" * (value < 0), *divmod(abs(value), 1)
+    text = f"{sign}{whole}" + (f".{int(rest * 10**6):06d}".rstrip("0") if rest else "")
+    return text if len(text) <= max_length else "error: result too long"
+
+
+class Arithmetic:
+    """A recursive-descent parser and evaluator over Fractions: expr = term {(+|-) term}; term = unary {(*|/) unary};
+    unary = (+|-) unary | power; power = atom [(^|**) unary] (right-associative, above the sign: -2^2 = -4);
+    atom = number | ( expr ). Every failure is a ValueError with a message for the policy."""
+
+    TOKEN = re.compile(r"\s*(?:([0-9]+(?:\.[0-9]*)?|\.[0-9]+)|(\*\*|[-+*/^()]))")  # ASCII digits only
+    MAX_CHARS, MAX_DEPTH, MAX_BITS = 200, 30, 1400  # 1400 bits: 421 digits
+
+    def __init__(self, expression):
+        if len(expression) > self.MAX_CHARS:
+            raise ValueError(f"expression longer than {self.MAX_CHARS} characters")
+        self.tokens, position, expression = [], 0, expression.strip()
+        while position < len(expression):
+            match = self.TOKEN.match(expression, position)
+            if match is None or match.end() == position:
+                raise ValueError(f"unexpected {expression[position:].strip()[:10]!r}")
+            self.tokens.append(Fraction(match[1]) if match[1] else match[2])
+            position = match.end()
+        self.next, self.depth = 0, 0
+
+    def operations(self):
+        """The binary operations (+ - * / ^ **): an operator right after a number or ")". A sign before a term
+        ("-3 * 4", "3 * -4", "-(3 * 4)": one each) and parentheses ("((12 * 34))": one) are not operations."""
+        pairs = zip(self.tokens, self.tokens[1:])
+        return sum(op in ("+", "-", "*", "/", "^", "**") and (isinstance(a, Fraction) or a == ")") for a, op in pairs)
+
+    def value(self):
+        if not self.tokens:
+            raise ValueError("empty expression")
+        value = self.expr()
+        if self.next < len(self.tokens):
+            raise ValueError(f"unexpected {self.tokens[self.next]!s}")
+        return value
+
+    def peek(self):
+        return self.tokens[self.next] if self.next < len(self.tokens) else None
+
+    def take(self):
+        token = self.peek()
+        if token is None:
+            raise ValueError("incomplete expression")
+        self.next += 1
+        return token
+
+    def expr(self):
+        value = self.term()
+        while self.peek() in ("+", "-"):
+            value = self.bounded(value + self.term() if self.take() == "+" else value - self.term())
+        return value
+
+    def term(self):
+        value = self.unary()
+        while self.peek() in ("*", "/"):
+            op, right = self.take(), self.unary()
+            if op == "/" and right == 0:
+                raise ValueError("division by zero")
+            value = self.bounded(value * right if op == "*" else value / right)
+        return value
+
+    def unary(self):
+        if self.peek() in ("+", "-"):
+            return -self.unary() if self.take() == "-" else self.unary()
+        return self.power()
+
+    def power(self):
+        base = self.atom()
+        if self.peek() not in ("^", "**"):
+            return base
+        self.take()
+        exponent = self.unary()
+        if exponent.denominator != 1:
+            raise ValueError("only whole powers")
+        if base == 0 and exponent < 0:
+            raise ValueError("division by zero")
+        bits = abs(exponent) * max(base.numerator.bit_length(), base.denominator.bit_length())
+        if abs(base) != 1 and base != 0 and bits > self.MAX_BITS:
+            raise ValueError("power too large")
+        return base ** int(exponent)
+
+    def bounded(self, value):
+        """Every intermediate result stays under MAX_BITS in its numerator and denominator (time and memory are then
+        bounded, whatever the expression)."""
+        if max(value.numerator.bit_length(), value.denominator.bit_length()) > self.MAX_BITS:
+            raise ValueError("number too large")
+        return value
+
+    def atom(self):
+        token = self.take()
+        if isinstance(token, Fraction):
+            return token
+        if token != "(":
+            raise ValueError(f"unexpected {token}")
+        self.depth += 1
+        if self.depth > self.MAX_DEPTH:
+            raise ValueError("too many parentheses")
+        value = self.expr()
+        if self.peek() != ")":
+            raise ValueError("missing )")
+        self.take()
+        self.depth -= 1
+        return value
+
+
+class CalcTags:
+    """--tool_format calc, what multi_turn_rollout asks of a tool format: the calls a turn makes (CALL tags, one
+    expression), whether it opened one it did not close, and the tokens the tool writes after a call it runs."""
+
+    error_kinds = ()
+
+    def __init__(self, tokenizer, tool, examples=(), score=None, template_kwargs=None):
+        self.tokenizer, self.tool, self.examples, self.template_kwargs = (
+            tokenizer,
+            tool,
+            examples,
+            template_kwargs or {},
+        )
+        self.stop_strings = (CALL[1],)  # a turn ends once a token completes a call
+        self.score = score  # (answers, golds, format_reward) -> (rewards, correct, formatted): the task's
+        self.questions = {}  # {prompt ids: its question} (load_tool_prompts)
+
+    def ask(self, question):
+        return question  # the question as the prompt shows it
+
+    def begin(self, prompts, n):
+        pass  # the calculator keeps no state
+
+    def calls(self, text):
+        expression = tool_call(text)
+        return [] if expression is None else [expression]
+
+    def opened(self, text):
+        return CALL[0] in text
+
+    def rewards(self, answers, golds, format_reward):
+        return self.score(answers, golds, format_reward)  # the verifier on each final answer
+
+    def respond(self, i, turn_ids, text, calls):
+        """(turn tokens kept, the tool's tokens, [(expression, output)], ["refused"] when the calculator refused the
+        expression: its answer then begins "error", by its contract)"""
+        output = self.tool(calls[0])
+        keep, tool_text = tool_text_after(self.tokenizer, turn_ids, text, output)
+        refused = ["refused"] if output.startswith("error") else []
+        return keep, self.tokenizer(tool_text, add_special_tokens=False).input_ids, [(calls[0], output)], refused
+
+
+# --tool_format calc: the policy calls the calculator by writing CALL[0] expression CALL[1]; its answer comes back as
+# RESULT[0] value RESULT[1].
+CALL = ("<calc>", "</calc>")
+
+
+def tool_call(turn_text):
+    """The expression of the call a policy turn ends with (the text between the last CALL[0] and CALL[1]; "" when
+    CALL[0] is missing: the calculator calls that malformed), or None when the turn ends without a call."""
+    if CALL[1] not in turn_text:
+        return None
+    before = turn_text.split(CALL[1], 1)[0]
+    return before.rsplit(CALL[0], 1)[1] if CALL[0] in before else ""
+
+
+def tool_text_after(tokenizer, turn_ids, text, output):
+    """How many of a call's turn tokens stay, and the text the tool writes after them: the calculator's `output` in
+    RESULT tags. turn_ids (decoded: text) end with the token that completes CALL[1], which may run on past it, while
+    the context must read CALL[1] then RESULT[0], as the prompt's example does. Run on into the tool's own text
+    (SmolLM2's "><" ends "</calc>" and starts "<result>"), the token stays and the tool's text continues from it. Run
+    on into other text ("></", ">>", ">."), it cannot stay: no cut of a token is a token, and a policy token is a
+    sampled one, which the trainer scores in the very context that holds it (token in, token out). So the turn ends
+    before it (its sampled text past CALL[1] is never in the conversation, and is not trained) and the tool's text
+    begins with the rest of CALL[1], as context. Returns (tokens kept, the tool's text)."""
+    tool_text, overhang = f"{RESULT[0]}{output}{RESULT[1]}", text.split(CALL[1], 1)[1]
+    if tool_text.startswith(overhang):
+        return len(turn_ids), tool_text[len(overhang) :]
+    head, kept = text[: len(text) - len(overhang)], tokenizer.decode(turn_ids[:-1], skip_special_tokens=True)
+    if head.startswith(kept):
+        return len(turn_ids) - 1, head[len(kept) :] + tool_text
+    return len(turn_ids), tool_text  # a decoding that is not prefix-stable: the token stays, the text runs on
+
+
+RESULT = ("<result>", "</result>")
+
+
+def environment_class(spec):
+    """The class of --environment FILE.py:CLASS, from its file (one line naming what is missing)."""
+    path, _, name = spec.partition(":")
+    module_spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    if not isinstance(getattr(module, name, None), type):
+        raise SystemExit(f"error: --environment {spec}: {path} defines no class {name!r}")
+    return getattr(module, name)
+
+
+class NativeTools:
+    """--tool_format native, what multi_turn_rollout asks of a tool format (as CalcTags): one environment per
+    trajectory (make_environment()), the calls a turn makes in the template's format, and the tokens the template
+    writes after them. template_kwargs go to every apply_chat_template: tools= and the chat_template."""
+
+    stop_strings = ()  # a turn runs to the model's end of turn
+    error_kinds = ("bad_json", "unknown_tool", "bad_arguments", "raised")  # logged as tools/errors/<kind>
+
+    def __init__(
+        self,
+        tokenizer,
+        make_environment,
+        chat_template=None,
+        examples=(),
+        score=None,
+        template_kwargs=None,
+        model=None,
+    ):
+        self.tokenizer, self.make_environment, self.examples, self.score = tokenizer, make_environment, examples, score
+        self.schemas = tool_schemas(make_environment())
+        self.template_kwargs = dict(tools=self.schemas, chat_template=chat_template) | (template_kwargs or {})
+        self.environments, self.questions = [], {}  # questions: {prompt ids: its question} (load_tool_prompts)
+        self.shown = {}  # {question: the text its reset returned for the prompt}
+        if chat_template is None and model is not None:  # the tokenizer's own, or the model folder's tool template
+            self.template_kwargs["chat_template"] = _tool_template(tokenizer, model, self.template_kwargs)
+        _ = self.reading  # read now: a template whose calls neither format reads stops before the model loads
+
+    def ask(self, question):
+        """The question as the prompt shows it: followed by the text its environment's reset returns, if any. The
+        n trajectories of a prompt share its text, so reset must return the same text for the same question."""
+        extra = self.make_environment().reset(question)
+        if extra != self.make_environment().reset(question):
+            raise SystemExit(
+                "error: the environment's reset returned two texts for one question: the prompt would show one state "
+                "and train on another; draw its state from the question (e.g. seed by it)"
+            )
+        self.shown[question] = extra
+        return f"{question}\n\n{extra}" if extra else question
+
+    def begin(self, prompts, n):
+        """A fresh environment for each of the n trajectories of each prompt, reset with its question (None for a
+        prompt that load_tool_prompts did not build)."""
+        self.environments = [self.make_environment() for _ in range(len(prompts) * n)]
+        for i, environment in enumerate(self.environments):
+            question = self.questions.get(tuple(prompts[i // n]))
+            extra = environment.reset(question)
+            if question in self.shown and extra != self.shown[question]:
+                raise SystemExit(
+                    f"error: the environment's reset returned another text for {question!r} than its prompt shows"
+                )
+
+    @functools.cached_property
+    def reading(self):
+        """How the template writes an assistant's call, from a dummy call rendered after the generation prompt:
+        "hermes" (<tool_call> blocks) or "json" (Llama 3.1's turn that is the call), checked by parsing it back (a
+        template that writes calls otherwise, Qwen3.5's XML, GLM-4.5's, Gemma's, stops the run); and whether the
+        generation prompt leaves a <think> open (Qwen3-Thinking-2507, QwQ: a turn starts in its reasoning)."""
+        render = functools.partial(self.tokenizer.apply_chat_template, tokenize=False, **self.template_kwargs)
+        ask, name = [{"role": "user", "content": "x"}], self.schemas[0]["function"]["name"]
+        try:
+            prompt, full = render(ask, add_generation_prompt=True), render(ask + [call_message((name, {}))])
+        except (TypeError, jinja2.TemplateError) as error:  # DeepSeek-V3's wants the arguments as a JSON string
+            message = f"error: the chat template cannot render a tool call ({type(error).__name__}: {error})"
+            raise SystemExit(message) from None
+        call = full.removeprefix(prompt) if full.startswith(prompt) else full[len(render(ask)) :]
+        call_format = "hermes" if TOOL_CALL[0] in call or f'"{name}"' not in call else "json"
+        text = self.tokenizer.decode(
+            self.tokenizer(call, add_special_tokens=False).input_ids, skip_special_tokens=True
+        )
+        if (name, {}) not in parse_tool_calls(text, call_format):  # as the policy's turn would read
+            raise SystemExit(
+                f"error: the chat template writes a call as {call!r}: neither a Hermes <tool_call> block nor "
+                "Llama 3.1's JSON, the formats grpo_tools reads (parse_tool_calls); --chat_template FILE gives another"
+            )
+        return call_format, prompt.rfind("<think>") > prompt.rfind("</think>")
+
+    def calls(self, text):
+        call_format, in_reasoning = self.reading
+        if in_reasoning and "</think>" not in text:
+            return []  # a turn that starts in its reasoning and never ends it is all reasoning
+        return parse_tool_calls("<think>" * in_reasoning + text, call_format)
+
+    def rewards(self, answers, golds, format_reward):
+        """compute_rewards', but a trajectory whose environment has a reward method is scored by it instead of the
+        verifier: reward(answer, gold) -> a float in [0, 1], 1 when right (the environment after the trajectory)."""
+        rewards, correct, formatted = self.score(answers, golds, format_reward)
+        own = [getattr(environment, "reward", None) for environment in self.environments]
+        if any(own):
+            scores = zip(own, answers, golds, correct.tolist())
+            correct = torch.tensor([float(f(a, g)) if f else c for f, a, g, c in scores])
+            rewards = correct + format_reward * formatted
+        return rewards, correct, formatted
+
+    def opened(self, text):
+        return False  # a call opened and not closed is a call (parse_tool_calls)
+
+    def respond(self, i, turn_ids, text, calls):
+        """(turn tokens kept: all, the template's tokens for the results, [(the call as text, result)], [error
+        kinds]); turn_ids end with the stop token that ended the turn. None (the calls not run, the trajectory ends)
+        after a stop token that closes no turn of the template (tool_response_ids)."""
+        results = [run_tool_call(self.environments[i], self.schemas, name, args) for name, args in calls]
+        messages = [
+            {"role": "tool", "name": name or "error", "content": output}
+            for (name, _), (output, _) in zip(calls, results)
+        ]
+        ids = tool_response_ids(self.tokenizer, messages, turn_ids[-1], self.template_kwargs)
+        if ids is None:
+            return None
+        shown = [f"{name}({json.dumps(args)})" if name else "(not a call)" for name, args in calls]
+        return len(turn_ids), ids, list(zip(shown, [r for r, _ in results])), [k for _, k in results if k]
+
+
+def tool_schemas(environment):
+    """The JSON schemas of an environment's tools (its public methods but reset and reward), from their type hints
+    and docstrings by transformers' get_json_schema: what apply_chat_template(tools=...) renders for the model."""
+    names = [name for name in dir(environment) if not name.startswith("_") and name not in ("reset", "reward")]
+    schemas = []
+    for name in [name for name in names if callable(getattr(environment, name))]:
+        try:
+            schemas.append(get_json_schema(getattr(environment, name)))
+        except Exception as error:  # transformers' DocstringParsingException, TypeHintParsingException
+            raise SystemExit(
+                f"error: the environment's tool {name!r} cannot be described to the model: it needs type hints and a "
+                f"docstring with an Args: section ({type(error).__name__}: {error})"
+            ) from None
+    return schemas
+
+
+def _tool_template(tokenizer, model, template_kwargs):
+    """None (the tokenizer's own template) where it renders tools=, else the model folder's TOOL_TEMPLATE (make assets
+    writes SmolLM2's, whose own ignores tools=); a model with neither stops in one line."""
+    if not tokenizer.chat_template:
+        raise SystemExit(f"error: the tokenizer of {model} has no chat template: --chat_template FILE")
+    render = functools.partial(tokenizer.apply_chat_template, [{"role": "user", "content": "x"}], tokenize=False)
+    if render(**template_kwargs) != render(**template_kwargs | {"tools": None}):
+        return None
+    path = os.path.join(model, TOOL_TEMPLATE)
+    if not os.path.isfile(path):
+        raise SystemExit(
+            f"error: the chat template of {model} renders no tools: --chat_template FILE (make assets writes a Hermes "
+            f"one for the embedded SmolLM2, {TOOL_TEMPLATE} in its folder)"
+        )
+    return open(path).read()
+
+
+TOOL_TEMPLATE = (
+    "tool_chat_template.jinja"  # in a model folder: the chat template for tools, where its own ignores them
+)
+
+
+def call_message(*calls):
+    """An assistant message making these calls, (name, arguments) each: an example's, tool_response_ids' dummy."""
+    calls = [{"type": "function", "function": {"name": name, "arguments": arguments}} for name, arguments in calls]
+    return {"role": "assistant", "content": "", "tool_calls": calls}
+
+
+TOOL_CALL = ("<tool_call>", "</tool_call>")
+
+
+def parse_tool_calls(text, call_format="hermes"):
+    """The calls a policy turn makes, in order, in the template's format: Hermes blocks <tool_call>{"name": ...,
+    "arguments": {...}}</tool_call> (Qwen2.5, Qwen3, SmolLM2's tool template), the last maybe unclosed (read to the
+    end of the turn, as vLLM's Hermes parser does), or ("json") Llama 3.1 JSON calls {"name": ..., "parameters":
+    {...}}, as vLLM's llama3_json parser reads it: the JSON objects of the turn, left to right, after
+    any text, several separated by ';'. Reasoning, <think>...</think>, is not read: a call inside it is a thought (as
+    TRL's Qwen3 response schema reads it; vLLM's qwen3 reasoning parser would end the reasoning there). Returns
+    [(name, arguments)], (None, "bad_json") for a block that is not a JSON object with a string name and an object
+    of arguments; [] when the turn calls nothing."""
+    think = r"<think>.*?</think>"
+    if call_format == "hermes":  # left to right: a <think> inside a call's arguments is the call's
+        found = re.finditer(rf"{think}|{TOOL_CALL[0]}(.*?){TOOL_CALL[1]}|{TOOL_CALL[0]}(.*)", text, re.S)
+        blocks = [m[1] if m[1] is not None else m[2] for m in found if m[0].startswith(TOOL_CALL[0])]
+    else:
+        body, blocks, end = re.sub(think, "", text, flags=re.S).replace("<|python_tag|>", ""), [], 0
+        for brace in re.finditer(r"\{", body if '"name"' in body else ""):
+            if brace.start() < end:
+                continue  # inside the object before
+            try:
+                call, end = json.JSONDecoder().raw_decode(body, brace.start())
+            except (ValueError, RecursionError):
+                blocks.append(body[brace.start() :])  # read as far as it goes: bad_json
+                break
+            blocks.append(call)
+    calls = []
+    for block in blocks:
+        try:
+            call = json.loads(block) if isinstance(block, str) else block
+        except (ValueError, RecursionError):  # not JSON; an integer over 4300 digits; nesting past the stack
+            call = None
+        arguments = call.get("arguments", call.get("parameters", {})) if isinstance(call, dict) else None
+        ok = isinstance(call, dict) and isinstance(call.get("name"), str) and isinstance(arguments, dict)
+        calls.append((call["name"], arguments) if ok else (None, "bad_json"))
+    return calls
+
+
+def run_tool_call(environment, schemas, name, arguments):
+    """One call's result text and what went wrong (None, or the kind logged as tools/errors/<kind>): a block that is
+    no call (bad_json, from parse_tool_calls), a tool the environment does not have (unknown_tool), arguments that
+    the tool's JSON schema refuses (bad_arguments: missing, unexpected, of another type or not one of its enum;
+    checked by jsonschema, an Optional argument's None allowed), a tool that raised (raised). A failed call gets an
+    error text as its result. The tool's value is sent as JSON where it is a dict or a list, else as str(); an
+    `async def` tool is awaited."""
+    if name is None:
+        return 'error: a call is {"name": <tool>, "arguments": {...}} in JSON', arguments
+    schema = next((s["function"]["parameters"] for s in schemas if s["function"]["name"] == name), None)
+    if schema is None:
+        return f"error: no tool named {name!r}", "unknown_tool"
+    properties, required = schema.get("properties", {}), schema.get("required", [])
+    errors = list(jsonschema.Draft202012Validator(_strict_schema(schema)).iter_errors(arguments))
+    if errors:
+        failed = {error.validator for error in errors}
+        wrong = [f"missing {', '.join(k for k in required if k not in arguments)}"] if "required" in failed else []
+        if "additionalProperties" in failed:
+            wrong.append(f"unexpected {', '.join(k for k in arguments if k not in properties)}")
+        mistyped = {error.path[0] for error in errors if error.path}
+        for k in [k for k in arguments if k in mistyped]:
+            kinds = (
+                properties[k].get("type")
+                if isinstance(properties[k].get("type"), list)
+                else [properties[k].get("type")]
+            )
+            allowed = properties[k].get("enum") or " or ".join(str(kind) for kind in kinds)
+            wrong.append(f"{k} must be {'one of ' if properties[k].get('enum') else ''}{allowed}")
+        return f"error: bad arguments for {name}: {'; '.join(wrong)}", "bad_arguments"
+    # 2.0 is an integer to JSON Schema: the tool gets 2
+    integral = {k for k, p in properties.items() if "integer" in str(p.get("type"))}
+    arguments = {k: int(v) if k in integral and isinstance(v, float) else v for k, v in arguments.items()}
+    try:
+        value = getattr(environment, name)(**arguments)
+        if inspect.iscoroutine(value):  # an async def tool
+            value = asyncio.run(value)
+    except Exception as error:  # the tool's own failure is the policy's to read
+        return f"error: {type(error).__name__}: {error}", "raised"
+    return (json.dumps(value, default=str) if isinstance(value, (dict, list)) else str(value)), None
+
+
+def _strict_schema(parameters):
+    """A tool's parameters as JSON Schema proper: no argument it does not name, and "null" allowed where transformers'
+    get_json_schema marks an Optional argument nullable (an OpenAPI keyword jsonschema does not read)."""
+    properties = {}
+    for k, p in parameters.get("properties", {}).items():
+        if p.get("nullable"):
+            kinds = p.get("type") if isinstance(p.get("type"), list) else [p.get("type")]
+            p = {**p, "type": [*kinds, "null"]} | ({"enum": [*p["enum"], None]} if "enum" in p else {})
+        properties[k] = p
+    return {**parameters, "properties": properties, "additionalProperties": False}
+
+
+def tool_response_ids(tokenizer, tool_messages, end_id, template_kwargs):
+    """The tokens the chat template writes between a policy turn that ended with the token end_id and the policy's
+    next turn: the rest of the assistant's message, the `tool` messages, the next assistant header. Rendered from a
+    dummy conversation (a user turn, an assistant turn calling these tools) with the tool messages and the next
+    assistant header, and cut after the end_id that ends the dummy assistant turn (the last one when rendered
+    alone): never from the conversation so far, which a template may render differently once later messages exist
+    (Qwen3's drops the empty <think> block of an assistant turn that is no longer the last, its dummy turn's too).
+    An end_id that the template writes elsewhere (Llama 3.1's <|eom_id|>, which ends a call in its ipython
+    environment) ends the turn as the dummy's own end token does. None when end_id is no end the template knows
+    (Qwen's <|endoftext|>, a stop id beside its <|im_end|>): the model ended its text, and no tool turn follows."""
+    dummy = [{"role": "user", "content": "x"}, call_message(*[(m["name"], {}) for m in tool_messages])]
+    render = functools.partial(tokenizer.apply_chat_template, tokenize=True, return_dict=False, **template_kwargs)
+    rendered = list(render(dummy))
+    turns = rendered.count(end_id)  # the turns up to the dummy assistant's end, each closed by end_id
+    if turns == 0:
+        template = template_kwargs.get("chat_template") or tokenizer.chat_template
+        if not isinstance(template, str) or tokenizer.convert_ids_to_tokens(end_id) not in template:
+            return None
+        end_id = next(token for token in reversed(rendered) if token in tokenizer.all_special_ids)
+        turns = rendered.count(end_id)
+    full = list(render(dummy + tool_messages, add_generation_prompt=True))
+    return full[[k for k, token in enumerate(full) if token == end_id][turns - 1] + 1 :]
 
 
 def load_tool_prompts(args, tokenizer, world_size, tools):
@@ -2427,7 +2449,7 @@ class TurnSampler(Sampler):
             self.llm.sleep(level=1)
             self.asleep = True
 
-    def turn(self, contexts, max_tokens, temperature, stop_strings=(CALL[1],)):
+    def turn(self, contexts, max_tokens, temperature, stop_strings):
         """One policy turn for each context (prompt and trajectory so far, token ids): sampled until a stop token, the
         token that completes one of stop_strings (a tool call's end, kept) or max_tokens[i] tokens. Called inside
         awake(). Returns [(ids, the sampler's log-probs of them (vLLM) or None)]."""
@@ -2444,7 +2466,7 @@ class TurnSampler(Sampler):
                              stop_strings)  # fmt: skip
 
 
-def _vllm_turns(llm, tokenizer, contexts, max_tokens, temperature, top_p, stop_ids, stop_strings=(CALL[1],)):
+def _vllm_turns(llm, tokenizer, contexts, max_tokens, temperature, top_p, stop_ids, stop_strings):
     """vLLM's turns: one request per context with its own max_tokens, stopping at stop_ids or once a token
     completes one of stop_strings (kept in the output). Each turn is then cut where HF's are (_turn_end): vLLM
     matches the stop string on its own incremental detokenisation, which may see a token's text only with a later
@@ -2468,7 +2490,7 @@ def _vllm_turns(llm, tokenizer, contexts, max_tokens, temperature, top_p, stop_i
     return turns
 
 
-def _turn_end(tokenizer, ids, stop_ids, stop_strings=(CALL[1],)):
+def _turn_end(tokenizer, ids, stop_ids, stop_strings):
     """The length of the turn that `ids` begin: up to its first stop id or the first token that completes one of
     stop_strings, whichever comes first (kept). Linear in len(ids): a token is decoded with the few before it (a stop
     string spans at most as many tokens as it has characters), and the whole prefix once, to confirm."""
@@ -2484,9 +2506,7 @@ def _turn_end(tokenizer, ids, stop_ids, stop_strings=(CALL[1],)):
     return end
 
 
-def _hf_turns(
-    model, tokenizer, contexts, max_tokens, temperature, top_p, pad_token_id, stop_ids, stop_strings=(CALL[1],)
-):
+def _hf_turns(model, tokenizer, contexts, max_tokens, temperature, top_p, pad_token_id, stop_ids, stop_strings):
     """HF generate's turns: the contexts left-padded into one batch, sampled (greedy at temperature 0) up to the
     largest max_tokens; transformers stops a row once a token completes one of stop_strings (as vLLM does) or at a
     stop id, which is kept. Each row is then cut at its own max_tokens and at its end: its first stop id, or the
@@ -2647,6 +2667,10 @@ def _quiet_harmless_logs():
     }
     for name, pattern in harmless.items():
         logging.getLogger(name).addFilter(lambda record, p=re.compile(pattern): not p.search(record.getMessage()))
+
+
+def tool_message(name, content):
+    return {"role": "tool", "name": name, "content": content}
 
 
 if __name__ == "__main__":

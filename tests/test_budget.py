@@ -180,18 +180,24 @@ def test_reading_figures_of_the_scripts_against_the_files():
         assert 1 <= row["depth"] <= 8 and set(budget.READING) == set(budget.BUDGET)
 
 
-def test_nothing_below_the_fence_names_the_tools_or_environments():
-    """grpo_tools.py: nothing below the fence names the environments, the tool formats or the Hermes template, so a
-    new tool (a method) or environment (a class and its ENVIRONMENTS entry) needs no edit there (a copy of the script
-    given one runs it: test_grpo_tools_native.py)."""
+def test_the_kit_names_no_environment_and_the_algorithm_no_wire_format_internals():
+    """grpo_tools.py: below the fence nothing names ENVIRONMENTS, Tools or an environment, so a new tool (a method) or
+    environment (a class and its ENVIRONMENTS entry) needs no edit there (a copy of the script given one runs it:
+    test_grpo_tools_native.py); above it, the code names a tool format by its class alone (CalcTags, NativeTools),
+    never its internals: parsing, argument checks, rendering, the calculator's parser."""
     import grpo_tools
 
     above, below = open(os.path.join(REPO_ROOT, "grpo_tools.py")).read().split(budget.FENCE)
     environments = [type(make(grpo_tools.Config())).__name__ for make in grpo_tools.ENVIRONMENTS.values()]
-    names = ["ENVIRONMENTS", "CalcTags", "NativeTools", "make_tool_format", "tool_schemas", "parse_tool_calls"]
-    names += ["run_tool_call", "tool_response_ids", "TOOL_TEMPLATE", *environments]
-    for name in names:
+    for name in ["ENVIRONMENTS", "Tools", *environments]:
         assert re.search(rf"\b{name}\b", above) and not re.search(rf"\b{name}\b", below), name
+    names = {x.id for x in ast.walk(ast.parse(above)) if isinstance(x, ast.Name)}
+    names |= {x.attr for x in ast.walk(ast.parse(above)) if isinstance(x, ast.Attribute)}
+    internals = ["parse_tool_calls", "run_tool_call", "tool_response_ids", "tool_schemas", "tool_text_after"]
+    internals += ["tool_call", "Arithmetic", "TOOL_CALL", "CALL", "RESULT", "reading"]
+    assert {"CalcTags", "NativeTools"} <= names and not names & set(internals), names & set(internals)
+    for name in internals:
+        assert re.search(rf"\b{name}\b", below), name
 
 
 def test_prose_counts_the_characters_comments_and_docstrings_above_the_fence(tmp_path):

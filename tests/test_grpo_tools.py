@@ -35,6 +35,14 @@ from conftest import (
 import grpo_tools
 from grpo_tools import CALL, RESULT, calculator, multi_turn_rollout, tool_call
 
+CALC_END = (CALL[1],)  # --tool_format calc's turns end once a token completes a call
+
+
+def calc(tokenizer, tool=calculator):
+    """--tool_format calc with `tool` answering each call."""
+    return grpo_tools.CalcTags(tokenizer, tool)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The calculator
 
@@ -189,7 +197,9 @@ def test_rollout_appends_tool_output_as_context_and_masks_it_out_of_the_loss(tok
         (905, 2): "<calc>4</calc>",  # the third call: max_turns is 2, so it is not run
     }
     policy_turn, seen = scripted_turns(tokenizer, script)
-    rollout = multi_turn_rollout(policy_turn, tokenizer, prompts, 1, response_length=64, max_turns=2)
+    rollout = multi_turn_rollout(
+        policy_turn, tokenizer, prompts, 1, response_length=64, max_turns=2, stop_ids=(), tools=calc(tokenizer)
+    )
 
     def enc(text):
         return tokenizer(text, add_special_tokens=False).input_ids
@@ -247,7 +257,16 @@ def test_rollout_stops_at_the_budget_and_cuts_a_tool_output_that_does_not_fit(to
     def policy_turn(contexts, max_tokens):
         return [(turns[context[0]][:m], None) for context, m in zip(contexts, max_tokens)]
 
-    rollout = multi_turn_rollout(policy_turn, tokenizer, [[900], [901]], 2, response_length=budget, max_turns=3)
+    rollout = multi_turn_rollout(
+        policy_turn,
+        tokenizer,
+        [[900], [901]],
+        2,
+        response_length=budget,
+        max_turns=3,
+        stop_ids=(),
+        tools=calc(tokenizer),
+    )
     assert rollout.sampler_logprobs is None and rollout.turns == [1, 1, 1, 1]
     for i in (0, 1):  # the long call, its output cut to 3 tokens
         assert rollout.ids[i, : len(long_call)].tolist() == long_call and rollout.real[i].sum() == budget
@@ -274,7 +293,7 @@ def test_a_turn_cut_inside_a_call_holds_no_answer_and_cut_trajectories_are_flagg
     def policy_turn(contexts, max_tokens):
         return [(turns[context[0]][:m], None) for context, m in zip(contexts, max_tokens)]
 
-    rollout = multi_turn_rollout(policy_turn, tokenizer, [[900], [901], [902]], 1, budget, 3, [eos])
+    rollout = multi_turn_rollout(policy_turn, tokenizer, [[900], [901], [902]], 1, budget, 3, [eos], calc(tokenizer))
     assert rollout.answers[0] == "" and rollout.answers[2].startswith("Answer: 40")
     rewards, correct, _ = grpo_tools.compute_rewards(rollout.answers, ["40"] * 3, 0.0)
     assert correct.tolist() == [0.0, 1.0, 1.0]
@@ -308,7 +327,8 @@ def test_evaluate_counts_a_trajectory_ended_by_eos_at_the_budget_as_finished(tok
         tool="calculator", max_operations=0, response_length=budget, max_turns=2, format_reward=0.0,
         num_samples_logged=0,
     )  # fmt: skip
-    sets, tools = {"eval": ([[901], [902]], ["40", "40"])}, grpo_tools.CalcTags(tokenizer)
+    sets = {"eval": ([[901], [902]], ["40", "40"])}
+    tools = grpo_tools.CalcTags(tokenizer, calculator, score=grpo_tools.compute_rewards)
     results, _ = grpo_tools.evaluate(sampler, sets, args, accelerator, tokenizer, tools, 0)
     assert results["eval/truncated"] == 0.5 and results["eval/accuracy"] == 1.0 and results["eval/call_rate"] == 0.0
 
@@ -327,7 +347,9 @@ def test_a_closing_token_that_runs_on_past_the_call_leaves_the_turn(tokenizer, r
     written = "First <calc>12 * 34</calc" + run_on  # its last token completes "</calc>" and runs on
     assert tokenizer.decode(enc(written)[-1:]) == run_on and enc(written)[:-1] == enc("First <calc>12 * 34</calc")
     policy_turn, seen = scripted_turns(tokenizer, {(900, 0): written, (900, 1): "Answer: 408<eos>"})
-    rollout = multi_turn_rollout(policy_turn, tokenizer, [[900]], 1, response_length=40, max_turns=2)
+    rollout = multi_turn_rollout(
+        policy_turn, tokenizer, [[900]], 1, response_length=40, max_turns=2, stop_ids=(), tools=calc(tokenizer)
+    )
     turn, tool = enc(written)[:-1], enc("><result>408</result>")  # the tool writes the call's last ">"
     n = len(turn) + len(tool) + len(enc("Answer: 408")) + 1
     assert rollout.texts[0] == "First <calc>12 * 34</calc><result>408</result>Answer: 408"
@@ -388,7 +410,9 @@ def test_trainer_logprobs_of_policy_tokens_equal_a_plain_forward_of_each_traject
         (902, 0): "<calc>2^3</calc>", (902, 1): "x y z Answer: 8<eos>",
     }  # fmt: skip
     policy_turn, _ = scripted_turns(tokenizer, script)
-    rollout = multi_turn_rollout(policy_turn, tokenizer, prompts, 1, response_length=48, max_turns=3)
+    rollout = multi_turn_rollout(
+        policy_turn, tokenizer, prompts, 1, response_length=48, max_turns=3, stop_ids=(), tools=calc(tokenizer)
+    )
     query_responses, attention_mask, real, _, P = grpo_tools.training_batch(
         prompts, 1, rollout.ids, rollout.real, None, tokenizer.pad_token_id, "cpu"
     )
@@ -501,9 +525,13 @@ def test_hf_turns_stop_at_the_call_on_the_embedded_model(smollm_prompts):
     torch.manual_seed(0)
 
     def turn(contexts, max_tokens):
-        return grpo_tools._hf_turns(model, tokenizer, contexts, max_tokens, 1.0, 1.0, tokenizer.pad_token_id, stop_ids)
+        return grpo_tools._hf_turns(
+            model, tokenizer, contexts, max_tokens, 1.0, 1.0, tokenizer.pad_token_id, stop_ids, CALC_END
+        )
 
-    rollout = multi_turn_rollout(turn, tokenizer, prompts, 2, response_length=48, max_turns=2)
+    rollout = multi_turn_rollout(
+        turn, tokenizer, prompts, 2, response_length=48, max_turns=2, stop_ids=(), tools=calc(tokenizer)
+    )
     check_turns_end_at_their_call(tokenizer, rollout)
 
 
@@ -522,9 +550,11 @@ def test_vllm_turns_stop_at_the_call_and_their_logprobs_are_the_trainers(smollm_
     try:
 
         def turn(contexts, max_tokens):
-            return grpo_tools._vllm_turns(llm, tokenizer, contexts, max_tokens, 1.0, 1.0, stop_ids)
+            return grpo_tools._vllm_turns(llm, tokenizer, contexts, max_tokens, 1.0, 1.0, stop_ids, CALC_END)
 
-        rollout = multi_turn_rollout(turn, tokenizer, prompts, 4, response_length=48, max_turns=2)
+        rollout = multi_turn_rollout(
+            turn, tokenizer, prompts, 4, response_length=48, max_turns=2, stop_ids=(), tools=calc(tokenizer)
+        )
     finally:
         llm.llm_engine.engine_core.shutdown()
     check_turns_end_at_their_call(tokenizer, rollout)
@@ -851,7 +881,7 @@ def test_vllm_turns_are_cut_at_the_token_that_completes_the_call(tokenizer, monk
                 outputs.append(SimpleNamespace(outputs=[SimpleNamespace(token_ids=ids, logprobs=logprobs)]))
             return outputs
 
-    turns = grpo_tools._vllm_turns(Engine(), tokenizer, [[7, 1], [8, 1]], [32, 32], 1.0, 1.0, [eos])
+    turns = grpo_tools._vllm_turns(Engine(), tokenizer, [[7, 1], [8, 1]], [32, 32], 1.0, 1.0, [eos], CALC_END)
     assert turns[0] == (call, pytest.approx([-0.1 * (k + 1) for k in range(len(call))]))
     assert turns[1] == (answer, pytest.approx([-0.1 * (k + 1) for k in range(len(answer))]))
 
@@ -889,7 +919,7 @@ def test_hf_turns_find_the_end_of_a_call_in_linear_time(tokenizer):
             return tokenizer.decode(ids, **kwargs)
 
     limits = [len(rows[0])] * 2
-    turns = grpo_tools._hf_turns(Generator(), Counting(), [[5, 6], [7]], limits, 1.0, 1.0, pad, [eos])
+    turns = grpo_tools._hf_turns(Generator(), Counting(), [[5, 6], [7]], limits, 1.0, 1.0, pad, [eos], CALC_END)
     assert turns == [(long_turn, None), (enc("Answer: 6") + [eos], None)]
     assert sum(decoded) <= 10 * len(rows[0]), sum(decoded)  # the old scan of every prefix: 80000 tokens
 
@@ -935,7 +965,7 @@ def test_the_unavailable_tool_answers_every_call_through_the_calculators_path(to
     for name, tool in [("calculator", calculator), ("one", grpo_tools.make_tool("calculator", 1)),
                        ("unavailable", grpo_tools.make_tool("unavailable"))]:  # fmt: skip
         policy_turn, seen = scripted_turns(tokenizer, script)
-        rollouts[name] = multi_turn_rollout(policy_turn, tokenizer, prompts, 1, 64, 3, (), tool)
+        rollouts[name] = multi_turn_rollout(policy_turn, tokenizer, prompts, 1, 64, 3, (), calc(tokenizer, tool))
     assert rollouts["calculator"].calls[0] == [("12 * 34", "408"), ("408 * 2 * 1", "816")]
     assert rollouts["one"].calls[0] == [("12 * 34", "408"), ("408 * 2 * 1", "error: at most one operation per call")]
     unavailable = [("12 * 34", "error: unavailable"), ("408 * 2 * 1", "error: unavailable")]

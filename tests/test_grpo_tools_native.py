@@ -211,12 +211,12 @@ def test_published_templates_calls_are_read_or_stop_the_run(tiny_model_dir, publ
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     llama = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>"]
     tokenizer.add_special_tokens({"additional_special_tokens": llama + ["<|python_tag|>"]})
-    tools = NativeTools(tokenizer, Shop, published_template(published))
+    make = functools.partial(NativeTools, tokenizer, Shop, published_template(published))
     if expected in ("hermes", "json"):
-        assert tools.reading == (expected, False)
+        assert make().reading == (expected, False)
     else:
-        with pytest.raises(SystemExit, match=expected):
-            _ = tools.reading
+        with pytest.raises(SystemExit, match=expected):  # read as the format is made
+            make()
 
 
 def help(topic: str) -> str:
@@ -496,7 +496,7 @@ def test_native_rollout_trains_exactly_the_sampled_tokens(tokenizer, name):
         ('pay({"amount": 4.5, "card": true})', "paid 4.5 by card"),
     ]
     assert rollout.answers == ["Answer: 4.5"] and rollout.turns == [2] and not rollout.truncated[0]
-    assert rollout.errors == {kind: [0] for kind in grpo_tools.ERROR_KINDS}
+    assert rollout.errors == {kind: [0] for kind in grpo_tools.NativeTools.error_kinds}
     assert [env.questions for env in tools.environments] == [[None]]  # one per trajectory, reset once (no question:
     # the prompt was not built by load_tool_prompts)
 
@@ -594,7 +594,7 @@ def test_native_rollout_counts_failed_calls_and_answers_with_the_error(tokenizer
     assert "<tool_response>\nerror: KeyError: 'lamp'\n</tool_response>" in rollout.texts[0]
     assert rollout.answers == ["Answer: 3"] and rollout.turns == [3]
     metrics = grpo_tools.trajectory_metrics(torch.ones(1), torch.ones(1), torch.ones(1), rollout, 1)
-    assert all(metrics[f"tools/errors/{kind}"] == 1.0 for kind in grpo_tools.ERROR_KINDS)
+    assert all(metrics[f"tools/errors/{kind}"] == 1.0 for kind in grpo_tools.NativeTools.error_kinds)
 
 
 def test_native_rollout_stops_at_max_turns_and_at_the_budget(tokenizer):
@@ -783,7 +783,7 @@ def test_an_environment_with_a_reward_scores_its_own_trajectory(tokenizer):
     """An environment's reward(answer, gold) replaces the verifier for its trajectory, read from that trajectory's
     own environment after the rollout: both trajectories call once and answer the gold answer, only the one whose
     question asks one tick is right. Without the method, the verifier's score (1 for both)."""
-    tools = NativeTools(tokenizer, Ticker, HERMES_TEMPLATE)
+    tools = NativeTools(tokenizer, Ticker, HERMES_TEMPLATE, score=grpo_tools.compute_rewards)
     prompts = [native_prompt(tokenizer, tools, q) for q in ("Say tick.", "Say tick tick.")]
     tools.questions = {tuple(p): q for p, q in zip(prompts, ("Say tick.", "Say tick tick."))}
     turn = scripted_turns(tokenizer, ['<tool_call>{"name": "tick", "arguments": {}}</tool_call>', "Answer: 1"])
@@ -814,7 +814,7 @@ def test_native_run_is_on_policy_with_kl_zero_and_logs_the_errors_by_kind(make_c
     for line in lines[1:]:
         assert line["policy/ratio_first_minibatch"] == 1.0 and line["policy/approxkl_first_minibatch"] == 0.0
         assert line["tools/calls"] > 0 and line["tools/tool_tokens"] > 0
-        assert {f"tools/errors/{kind}" for kind in grpo_tools.ERROR_KINDS} <= set(line)
+        assert {f"tools/errors/{kind}" for kind in grpo_tools.NativeTools.error_kinds} <= set(line)
     assert lines[1]["objective/kl"] == 0.0 and lines[2]["objective/kl"] != 0.0
     assert sum(line["tools/errors/bad_json"] for line in lines[1:]) > 0
     with open(os.path.join(args.output_dir, args.run_name, "samples.jsonl")) as f:
