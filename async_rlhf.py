@@ -1,43 +1,20 @@
-"""Asynchronous RLHF: generation and learning at the same time. A single-file reference implementation.
+"""Asynchronous RLHF: generation and learning at the same time, in one file.
 
-Follows Noukhovitch et al., "Asynchronous RLHF: Faster and More Efficient Off-Policy RL for Language Models"
-(arXiv 2410.18252). Synchronous RLHF alternates: generate a batch with the current policy, then learn from it, so
-the generation device idles while the learner trains and the other way round. Here a generator produces batch t + 1
-with the weights of learner step t while the learner trains on batch t; after every learner step the new weights
-reach the generator. The price is off-policy data: a batch may come from weights up to `max_staleness` (N) learner
-steps old. The paper finds online DPO the most robust objective to that lag (the default here); PPO-style clipped
-RLOO is the option `--loss rloo`. `--sync` runs the very same program with generation and learning in turn: the
-baseline (lag 0), as on-policy as dpo_online.py.
+Noukhovitch et al., "Asynchronous RLHF: Faster and More Efficient Off-Policy RL for Language Models" (arXiv
+2410.18252). Instead of alternating generation and learning, a generator thread makes batch t + 1 with the weights of
+learner step t while the learner trains on batch t and publishes its weights after every update. The price is
+off-policy data: batch t waits for weights of step t - N or newer (`--max_staleness` N), and the learner raises on an
+older one. The objective is online DPO, the most robust to the lag in the paper, or PPO-clipped RLOO (`--loss rloo`);
+`--sync` runs the same program with generation and learning in turn, the lag-0 baseline.
 
-The generator and its invariant. The generator is a thread of the same process that owns its own generation engine:
-a copy of the policy for Hugging Face generate, or the vLLM engine. Versions count learner steps: the learner's
-weights after s updates are version s, and it publishes them (a copy of the state dict, in a slot guarded by a
-condition variable) right after each update. For batch t (always the prompts of step t, as in --sync) the generator
-waits until version >= t - N is published (N = 0 with --sync), loads the newest published weights into its engine if
-they are newer than what it holds, generates, and puts (t, version, batch) in a queue of size N. The learner at step
-t takes batch t and raises if t - version > N, which the wait makes impossible: the lag of every batch is at most N
-(and exactly 0 with --sync). With N = 1 the pipeline is the paper's: batches 0 and 1 come from the initial weights
-(batch 1 is generated while the learner trains on batch 0), batch t + 1 from the weights after step t.
-`policy/lag` and `policy/generator_version` are logged for every batch. Sampling is seeded per batch
-(seed, process, t), so a batch depends only on the weights that made it: --sync runs are deterministic on CPU and
-resume exactly. Async runs depend on timing through the lag.
-
-Judging: the reward model and the reference score each batch in the generator thread, overlapping the update; the
-verifier judges in the learner's main thread. Why, and how threads and devices are shared: docs/async_rlhf.md.
-
-Run on CPU with the embedded defaults (build the reward model first, or use the verifier):
-    python reward_modeling.py && python async_rlhf.py
-    python async_rlhf.py --judge verifier --no-vllm        # HF generate in the generator thread, verifier judge
-    python async_rlhf.py --judge verifier --no-vllm --sync # the synchronous baseline
+    python reward_modeling.py && python async_rlhf.py      # CPU: the embedded model and task, the reward model
+    python async_rlhf.py --judge verifier --no-vllm --sync # the synchronous baseline, the verifier judging
     python async_rlhf.py --loss rloo --rloo_k 4            # PPO-clipped RLOO instead of online DPO
-Run on GPUs, e.g. TL;DR with a TL;DR reward model (4 learners, generators with HF generate on the 4 spare GPUs):
     accelerate launch --num_processes 4 async_rlhf.py --no-vllm --model_name_or_path <sft model> \
         --reward_model_path <reward model> --dataset_path trl-lib/tldr --question_column prompt --instruction "" \
         --dtype bfloat16 --response_length 53
-Two processes on CPU (gloo): accelerate launch --multi_gpu --num_processes 2 async_rlhf.py --no-vllm
 
-Read down to the line "PLUMBING": the arguments, main() with the training loop, then the math and the reward it calls
-are the algorithm.
+Above the PLUMBING line: the flags, main() with the loop, the losses and the judges. docs/async_rlhf.md explains them.
 """
 
 import collections
@@ -124,9 +101,8 @@ class Args:
     reward_model_path: str = "runs/reward_model"
     """the judge: a one-label sequence classifier (what reward_modeling.py saves); score = logit - config.bias"""
     missing_eos_penalty: Optional[float] = -1.0
-    """the score of a completion with no EOS within response_length, instead of the judge's, or in training the
-    step's lowest finished score where that is lower (step_missing_eos_scores); in online DPO it loses to a finished
-    one whatever their scores (assign_preferences; None: the judge's score, the EOS plays no part)"""
+    """the score of a completion with no EOS within response_length, or in training the step's lowest finished score
+    where lower; in online DPO it loses to a finished one (None: the judge's score, the EOS plays no part)"""
 
     # Generation
     response_length: int = 64
@@ -156,23 +132,20 @@ class Args:
 
 
 def main(args: "Config"):
-    # Setup: processes, data, models, the generator, run folder (the helpers are below the fence).
-    # The flags' one-line errors first (check_args also sets num_completions; it runs before the next argument is
-    # read). DeepSpeed's micro-batch is in rows (completions): micro_batch_size prompts with all their completions.
+    # Setup (the helpers are below the fence): the flags' errors first (check_args sets num_completions), then
+    # processes, data, models. DeepSpeed's micro-batch counts rows: prompts x completions.
     accelerator, tokenizer = setup(args, check_args(args), args.micro_batch_size * args.num_completions)
     world_size, device = accelerator.num_processes, accelerator.device
     n, staleness = args.num_completions, 0 if args.sync else args.max_staleness  # N: the largest lag of a batch
-    # vLLM's CPU worker replaces torch.set_num_threads by a no-op once it starts: keep the real one.
+    # vLLM's CPU worker makes torch.set_num_threads a no-op: keep the real one
     threads = (torch.set_num_threads, torch.get_num_threads())
     train_prompts, train_golds, eval_prompts, eval_golds, has_gold = load_judged_prompts(args, tokenizer, world_size)
     run = Run(args, accelerator, RESUMABLE_ARGS)
-    # The learner's policy; the generator's models on its own device (a spare GPU, else the learner's): a policy
-    # copy for HF generate, the reference, the reward model. What depends on the batch only is computed while the
-    # learner trains.
+    # the generator's models (policy copy, reference, reward model) are on its own device
     model, gen_models = load_async_models(args, accelerator, tokenizer.pad_token_id)
     trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay, eps=1e-8)
-    schedule = "constant_with_warmup" if args.lr_scheduler == "constant" else args.lr_scheduler  # after warmup_steps
+    schedule = "constant_with_warmup" if args.lr_scheduler == "constant" else args.lr_scheduler
     scheduler = get_scheduler(schedule, optimizer, args.warmup_steps, args.total_steps * args.num_minibatches)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     packed = shared_prompt_logits if args.shared_prompt else None  # the same log-probs, each prompt once per group
@@ -183,16 +156,15 @@ def main(args: "Config"):
     )
     evaluation = functools.partial(evaluate, generator, eval_prompts, eval_golds, has_gold, args, accelerator)
     start_step = run.start({"vllm": generator.gen_model is None})
-    generator.publish(start_step)  # the generator's first weights: the initial ones, or those --resume restored
+    generator.publish(start_step)  # the initial weights, or those --resume restored
     if start_step == 0:
         run.log(0, *evaluation(0))
-    generator.start(start_step)  # from here on it generates while the learner learns
+    generator.start(start_step)  # generating while the learner learns
 
     try:
         for step in range(start_step, args.total_steps):
             metrics = run.begin_step(step)
-            # 1. Batch `step` from the generator (the learner idles here when generation is the slower side). Its lag,
-            # the number of updates between the weights that generated it and the learner's, is at most N.
+            # 1. Batch `step` from the generator (the learner waits here when generation is slower); lag <= N.
             batch, generation_metrics = generator.next_batch(step)  # rows i * n .. i * n + n - 1 answer prompt i
             lag = step - batch["version"]
             if batch["step"] != step or not 0 <= lag <= staleness:
@@ -202,8 +174,7 @@ def main(args: "Config"):
                 )
             metrics |= generation_metrics | {"policy/lag": lag, "policy/generator_version": batch["version"]}
 
-            # 2. Judge: one score per completion [nP]. The reward model's came with the batch; the verifier judges
-            # here, in the main thread. A completion without EOS never scores above a finished one of the step.
+            # 2. Judge: a score per completion [nP], the reward model's (from the generator) or the verifier's.
             scores = batch["scores"]
             if scores is None:
                 with run.timed("time/reward"):
@@ -217,23 +188,22 @@ def main(args: "Config"):
             metrics["objective/response_length"] = batch["mask"].sum(1).float().mean().item()
             metrics["val/num_eos_tokens"] = batch["has_eos"].sum().item()
 
-            # 3. Update on the batch: online DPO on pairs, or PPO-clipped RLOO (each in its own function above).
+            # 3. Update: online DPO on pairs, or PPO-clipped RLOO.
             with run.timed("time/training"):
                 update, judge = (dpo_update, scores) if args.loss == "dpo" else (rloo_update, judged)
                 update_args = (model, optimizer, scheduler, accelerator, args, batch, judge, run, logprobs_fn)
                 step_metrics, everywhere = update(*update_args)
-            metrics |= step_metrics | everywhere  # everywhere: the pair statistics, already over every process
+            metrics |= step_metrics | everywhere  # everywhere: already over every process
             metrics["perf/train_tokens_per_second"] = int(batch["attention_mask"].sum()) * 2 / metrics["time/training"]
 
-            # 4. Weight sync: publish the new weights (version step + 1); the generator loads them before its next
-            # batch, while the learner goes on.
+            # 4. Weight sync: publish version step + 1 for the generator's next batch.
             with run.timed("time/weight_sync"):
                 generator.publish(step + 1)
 
-            # 5. Log (averaged over processes), evaluate (the last evaluation once every batch is made), checkpoint.
+            # 5. Log (averaged over processes), evaluate, checkpoint.
             run.end_step(n * args.prompts_per_rank * world_size, evaluation)
     finally:
-        generator.close()  # whatever happened (the last step, an error in either thread): no generator left behind
+        generator.close()  # no generator left behind, whatever happened
 
     run.save_models(model, tokenizer)
     run.finish()
@@ -241,10 +211,8 @@ def main(args: "Config"):
 
 
 def check_args(args):
-    """The algorithm's flags, checked before anything loads (setup then makes the checks every script makes): stop
-    at the first bad one with one line naming it, and set the sizes computed from them (config.json records them)
-    and the completions per prompt. Returns the local paths for setup to check besides the model and the dataset:
-    {argument: how to get one}. A new flag of the algorithm is checked here."""
+    """The algorithm's flags, checked before anything loads: one line for the first bad one; sets the computed sizes
+    and num_completions. Returns {local path flag: how to get one}."""
     minibatch = args.prompts_per_rank // max(args.num_minibatches, 1)
     at_least = {
         1: "prompts_per_rank micro_batch_size num_minibatches total_steps response_length",
@@ -277,10 +245,8 @@ def check_args(args):
 
 
 def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta, loss_type):
-    """The loss of each pair: DPO (Rafailov et al., arXiv 2305.18290) or IPO (Azar et al., arXiv 2310.12036).
-    All inputs [P], log-probs summed over each completion's response tokens. With the log-ratio difference
-    h = (chosen_logps - ref_chosen_logps) - (rejected_logps - ref_rejected_logps):
-    sigmoid = -log sigmoid(beta * h), ipo = (h - 1 / (2 beta))^2. Returns [P]."""
+    """Each pair's loss on h = (chosen_logps - ref_chosen_logps) - (rejected_logps - ref_rejected_logps): DPO's -log
+    sigmoid(beta h) (arXiv 2305.18290) or IPO's (h - 1 / (2 beta))^2 (arXiv 2310.12036). [P] -> [P]"""
     h = (chosen_logps - ref_chosen_logps) - (rejected_logps - ref_rejected_logps)
     if loss_type == "sigmoid":
         return -F.logsigmoid(beta * h)
@@ -297,38 +263,28 @@ def penalize_missing_eos(scores, has_eos, missing_eos_penalty):
 
 
 def missing_eos_scores(scores, has_eos, missing_eos_penalty, lowest_finished):
-    """The N+ details' missing-EOS rule (arXiv 2403.17031 scores a response without EOS -1) on the reward's own scale:
-    a response without an EOS scores missing_eos_penalty, or lowest_finished where that is lower, the lowest score
-    of a finished response among those it is ranked with (math.inf: none). So it never scores above a finished one,
-    the invariant the constant is there for: a centred reward model's finished responses mostly score above -1, an
-    ensemble's worst case (WCO) often does not. Where no finished response scores below the penalty, this is the
-    constant. scores, has_eos [B]; missing_eos_penalty None: the scores as they are. Returns [B]."""
+    """The N+ details' missing-EOS rule on the reward's scale: without EOS a response scores min(missing_eos_penalty,
+    lowest_finished; math.inf: none), never above a finished one it is ranked with. [B] -> [B]"""
     if missing_eos_penalty is None:
         return scores
     return torch.where(has_eos, scores, torch.full_like(scores, min(missing_eos_penalty, lowest_finished)))
 
 
 def step_missing_eos_scores(scores, has_eos, missing_eos_penalty, gather):
-    """RLOO's reward: missing_eos_scores against the lowest finished score of the step on every process (gather:
-    accelerator.gather, a collective), so N processes judge as one with the whole batch. scores, has_eos [B]."""
+    """RLOO's reward: missing_eos_scores against the step's lowest finished score over every process (a collective).
+    [B] -> [B]"""
     lowest = scores.masked_fill(~has_eos, math.inf).amin(0, keepdim=True)  # [1]; inf: nothing finished here
     return missing_eos_scores(scores, has_eos, missing_eos_penalty, gather(lowest).min().item())
 
 
 def assign_preferences(scores, has_eos, missing_eos_penalty):
-    """Chosen and rejected completion of each prompt from the judge's scores.
-    scores, has_eos [2P]: the two completions of prompt i are rows 2i and 2i + 1. A finished completion (with an
-    EOS) beats one without, whatever their scores: the invariant the N+ details' missing-EOS score (-1, arXiv
-    2403.17031) exists for, which a fixed score does not keep once finished completions score below it (an
-    ensemble's worst case does often). Otherwise the higher score is chosen; equal scores, or two completions
-    without EOS, are a tie (the pair carries no preference and is skipped; it keeps row 2i as "chosen"). A completion
-    without EOS is judged missing_eos_penalty, or its finished partner's score where that is lower; so with one reward
-    model whose finished completions score above the penalty the choices are those of the fixed score. With
-    missing_eos_penalty None the EOS plays no part.
-    Returns (chosen [P], rejected [P] row indices, tie [P] bool, judged [2P] the scores after the penalty)."""
+    """Each prompt's chosen and rejected completion (rows 2i, 2i + 1) from the judge's scores: a finished completion
+    beats one without EOS whatever the scores; one without EOS is judged min(missing_eos_penalty, its finished
+    partner's score). Else the higher score wins, equal ones tie; penalty None: EOS plays no part. [2P] -> (chosen,
+    rejected, tie [P], judged [2P])"""
     pairs = penalize_missing_eos(scores, has_eos, missing_eos_penalty).view(-1, 2)
     finished = has_eos.view(-1, 2) | (missing_eos_penalty is None)  # [P, 2]; no penalty: every completion counts
-    # No EOS against a finished partner: judged no higher than the partner (which wins below, even on equal scores).
+    # judged no higher than a finished partner, which wins below even on equal scores
     pairs = torch.where(~finished & finished.flip(1), torch.minimum(pairs, pairs.flip(1)), pairs)
     same = finished[:, 0] == finished[:, 1]
     second_wins = torch.where(same, pairs[:, 1] > pairs[:, 0], finished[:, 1]).long()
@@ -337,20 +293,15 @@ def assign_preferences(scores, has_eos, missing_eos_penalty):
 
 
 def async_dpo_loss(logprobs, mask, ref_sequence_logps, sampler_logprobs, keep, normalizer, args):
-    """One micro-batch's share of the minibatch loss of online DPO, and its pair statistics.
-    logprobs [2b, R] (with gradients), mask [2b, R], ref_sequence_logps [2b] (the reference's log-probs summed over
-    each completion), sampler_logprobs [2b, R] (vLLM's, or None): the chosen completions of b pairs, then their
-    rejected ones. keep [b]: 1 for a pair with a preference, 0 for a tie. The loss is the sum of the kept pairs'
-    losses divided by `normalizer` (the minibatch's kept pairs per process), each pair weighted, with vLLM samples
-    and --tis_cap, by the truncated importance weight min(pi / pi_vllm, cap) of its two completions together.
-    Returns (loss, sums [8] float64 over the kept pairs: loss, implicit rewards of chosen and rejected, pairs the
-    implicit reward orders as the judge did, log-probs of chosen and rejected, kept pairs, ties; {name: float})."""
+    """One micro-batch's share of online DPO's minibatch loss: the kept pairs' dpo_loss (times the pair's truncated IS
+    weight with --tis_cap) summed over normalizer, the kept pairs per process. [2b, R], b chosen rows then their
+    rejected; keep [b]. -> (loss, sums [8], {name: float})"""
     num_pairs, stats = len(keep), {}
     chosen_logps, rejected_logps = (logprobs * mask).sum(1).split(num_pairs)  # [b] each
     ref_chosen, ref_rejected = ref_sequence_logps.split(num_pairs)
     losses = dpo_loss(chosen_logps, rejected_logps, ref_chosen, ref_rejected, args.beta, args.loss_type)
     weights = keep
-    if sampler_logprobs is not None and args.tis_cap:  # None or 0: off; the pair is vLLM's, not the trainer's
+    if sampler_logprobs is not None and args.tis_cap:  # None or 0: off
         pair_logps = (logprobs.detach() * mask).sum(1).view(2, -1).sum(0)  # log pi(chosen) + log pi(rejected) [b]
         pair_sampler_logps = (sampler_logprobs * mask).sum(1).view(2, -1).sum(0)
         tis = truncated_importance_weights(pair_logps, pair_sampler_logps, args.tis_cap)
@@ -383,17 +334,15 @@ def truncated_importance_weights(logprobs, sampler_logprobs, cap):
 
 
 def rloo_rewards(scores, logprobs, ref_logprobs, mask, kl_coef, kl_estimator):
-    """RLOO's reward of each completion: its judged score minus kl_coef times the KL estimate to the reference summed
-    over its tokens, with the log-probs of the policy that sampled it. scores [N]; logprobs, ref_logprobs, mask
-    [N, R]. Returns (rlhf_reward [N], non_score_reward [N]: the KL penalty alone)."""
+    """RLOO's reward: the score minus kl_coef x the KL estimate to the reference summed over the completion. [N],
+    [N, R] -> (rlhf_reward, non_score_reward) [N]"""
     non_score_reward = (-kl_coef * (kl_estimate(logprobs, ref_logprobs, kl_estimator) * mask)).sum(1)
     return scores + non_score_reward, non_score_reward
 
 
 def rloo_advantages(rewards, k):
-    """REINFORCE leave-one-out advantages (Ahmadian et al., arXiv 2402.14740). rewards [P * k]: the k completions of
-    prompt i are rows i * k .. i * k + k - 1. A_j = r_j - the mean reward of the other k - 1 completions of its
-    prompt, an unbiased baseline that does not depend on r_j itself. Returns [P * k]."""
+    """REINFORCE leave-one-out (Ahmadian et al., arXiv 2402.14740): r_j minus the mean of its prompt's other k - 1
+    rewards, a baseline independent of r_j. [P * k] -> [P * k]"""
     grouped = rewards.view(-1, k)  # [P, k]
     baseline = (grouped.sum(1, keepdim=True) - grouped) / (k - 1)
     return (grouped - baseline).view(-1)
@@ -407,10 +356,8 @@ def clipped_surrogate(logprobs, old_logprobs, advantages, clip_eps_low, clip_eps
 
 
 def rloo_loss(logprobs, old_logprobs, advantages, mask, clip_eps, normalizer):
-    """One micro-batch's share of the minibatch loss of PPO-clipped RLOO: the clipped surrogate with the ratio
-    pi / pi_generator per token, summed over the real tokens and divided by `normalizer` (the minibatch's tokens per
-    process). logprobs [b, R] (with gradients), old_logprobs [b, R] (the generator's), advantages [b], mask [b, R].
-    Returns (loss, {name: float})."""
+    """One micro-batch's share of RLOO's minibatch loss: PPO's clipped surrogate, ratio pi / pi_generator per token,
+    over normalizer, the minibatch's tokens per process. -> (loss, {name: float})"""
     token_loss, ratio = clipped_surrogate(logprobs, old_logprobs, advantages, clip_eps, clip_eps)
     loss = (token_loss * mask).sum() / normalizer
     with torch.no_grad():
@@ -423,14 +370,12 @@ def rloo_loss(logprobs, old_logprobs, advantages, mask, clip_eps, normalizer):
 
 
 def approx_kl(logprobs, old_logprobs, mask):
-    """The approximate KL of the policy to the generator's, mean over the completion tokens of 1/2 (log pi -
-    log pi_generator)^2 (Schulman's k2; what PPO implementations log as approxkl). [B, R] -> float"""
+    """Mean over the completion tokens of 1/2 (log pi - log pi_generator)^2 (k2, PPO's approxkl). [B, R] -> float"""
     return masked_mean(0.5 * (logprobs - old_logprobs) ** 2, mask).item()
 
 
 def last_minibatch_mean(values, args):
-    """What the stalest update of a step saw: the mean of a per micro-batch statistic (e.g. policy/approxkl) over
-    the step's last minibatch, whose micro-batches are the last gradient_accumulation_steps added."""
+    """What the stalest update saw: a per micro-batch statistic's mean over the step's last minibatch."""
     return float(np.mean(values[-args.gradient_accumulation_steps :]))
 
 
@@ -481,11 +426,8 @@ def last_real_index(attention_mask):
 
 
 def token_scores(model, score_head, input_ids, attention_mask):
-    """The one-label head of a sequence-classification model (reward or value model) at every position: [B, T]
-    float32. `model` may be wrapped (DDP, DeepSpeed) so that gradients sync; `score_head` is its unwrapped `.score`
-    layer. The classifier's forward applies the head at every position and then keeps the last one: a hook takes
-    the head's output before that, so no layer's hidden states are kept (output_hidden_states would keep all).
-    Positions count from each sequence's first real token, so left and right padding give the same scores."""
+    """The one-output head at every position, by a hook on `score_head` (no hidden states kept); positions start at the
+    first real token, whatever the padding. -> [B, T] float32"""
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     scores = []
     handle = score_head.register_forward_hook(lambda module, inputs, output: scores.append(output))
@@ -513,9 +455,8 @@ def training_batch(prompts, n, responses, mask, sampler_logprobs, pad_token_id, 
 
 
 def batch_reference_logprobs(model, accelerator, args, batch, micro_rows, logprobs_fn):
-    """The reference's log-probs of every completion of a batch [nP, R]: the generator's (a separate reference
-    model), or with LoRA the learner's model with its adapters off, in the very micro-batches (micro_rows) that the
-    update will use. Either way, before the first update the policy's log-probs equal them bit for bit."""
+    """The reference's log-probs [nP, R]: the generator's, or with LoRA the adapters-off learner's in the update's
+    micro-batches; bit for bit the policy's before the first update."""
     if batch["ref_logprobs"] is not None:
         return batch["ref_logprobs"]
     ref_logprobs = torch.zeros(batch["mask"].shape, device=accelerator.device)
@@ -576,26 +517,22 @@ def verifier_scores(texts, golds):
 
 
 def judge_scores(reward_model, reward_bias, query_responses, attention_mask, texts, golds):
-    """The judge's score of each completion [B] (higher is better): the reward model's (reward_model_judge), or
-    without one (--judge verifier) the verifier's (verifier_scores)."""
+    """Each completion's score (higher is better): the reward model's, or without one the verifier's. -> [B]"""
     if reward_model is None:
         return verifier_scores(texts, golds)
     return reward_model_judge(reward_model, reward_bias, query_responses, attention_mask)
 
 
 def reward_model_judge(reward_model, reward_bias, query_responses, attention_mask):
-    """The reward-model judge: the one-label head at each sequence's last real token, minus reward_bias (the mean
-    training score that reward_modeling.py stores as config.bias, so that scores centre on 0). Returns [B]."""
+    """The reward model's head at each sequence's last real token minus reward_bias (its config.bias). -> [B]"""
     with torch.no_grad():
         per_token = token_scores(reward_model, reward_model.score, query_responses, attention_mask)  # [B, T]
     return per_token[torch.arange(len(per_token)), last_real_index(attention_mask)] - reward_bias
 
 
 def completion_statistics(logprobs, ref_logprobs, sampler_logprobs, mask, kl_estimator):
-    """What the learner's policy says of a micro-batch's completions (logprobs [b, R], no gradients): the KL estimate
-    to the reference summed over each one's tokens [b], its sampled entropy in nats [b], and with vLLM samples
-    (sampler_logprobs [b, R], else None) how far the trainer's log-probs are from the sampler's ({name: float};
-    objective/logprob_ratio_max, the largest pi_train / pi_sampler of a token, is reduced by max)."""
+    """A micro-batch's KL to the reference and sampled entropy per completion [b], with vLLM the gap to the sampler
+    ({name: float}). logprobs [b, R]"""
     kl = (kl_estimate(logprobs, ref_logprobs, kl_estimator) * mask).sum(1)
     entropy = -(logprobs * mask).sum(1)
     stats = {}
@@ -607,8 +544,7 @@ def completion_statistics(logprobs, ref_logprobs, sampler_logprobs, mask, kl_est
 
 
 def dpo_pair_metrics(sums):
-    """The pair metrics of a step from async_dpo_loss's sums over every process's pairs (a list of 8 floats): means
-    over the kept pairs (0 when no pair anywhere was kept) and the number of ties skipped."""
+    """Means over every process's kept pairs of async_dpo_loss's sums, and the ties skipped."""
     num_kept = max(1.0, sums[6])
     return {
         "loss/dpo": sums[0] / num_kept,
@@ -623,19 +559,15 @@ def dpo_pair_metrics(sums):
 
 
 def staleness(step, version, num_minibatches, minibatch):
-    """One update's staleness, for its step's statistics (logged as the step's mean and max): the number of optimizer
-    updates between the weights that generated its minibatch (the batch's weights `version`, then one update per
-    minibatch) and the weights it updates (update `minibatch` of `step`)."""
+    """One update's staleness: optimizer updates between the weights that made its minibatch and those it updates."""
     updates_behind = (step - version) * num_minibatches + minibatch
     return {"policy/staleness": updates_behind, "policy/staleness_max": updates_behind}
 
 
 def dpo_update(model, optimizer, scheduler, accelerator, args, batch, scores, run, logprobs_fn):
-    """Online DPO on one batch: two completions per prompt (rows 2i and 2i + 1), the judge's higher score chosen, a
-    tied pair weighing 0. One pass over the batch in minibatches (one optimizer step each) of micro-batches (gradient
-    accumulation); each kept pair weighs the same whatever process it is on. scores [2P]: the judge's, before the
-    missing-EOS penalty. The per micro-batch statistics go to run.add. Returns ({name: float} of this process,
-    {name: float} over every process)."""
+    """Online DPO on one batch (rows 2i, 2i + 1 for prompt i), ties weighing 0; one pass in minibatches of one
+    optimizer step, in micro-batches. scores [2P], before the missing-EOS penalty -> (metrics, metrics over every
+    process)"""
     device, mb = accelerator.device, args.micro_batch_size
     query_responses, attention_mask = batch["query_responses"], batch["attention_mask"]
     mask, sampler_logprobs, context_length = batch["mask"], batch["sampler_logprobs"], batch["context_length"]
@@ -646,7 +578,6 @@ def dpo_update(model, optimizer, scheduler, accelerator, args, batch, scores, ru
         "objective/score_gap": (judged[chosen] - judged[rejected]).mean().item(),
         "objective/tie_fraction": tie.float().mean().item(),
     }
-    # Each forward/backward pass: the chosen rows then the rejected rows of micro_batch_size pairs.
     groups = [torch.arange(i, i + mb) for i in range(0, args.prompts_per_rank, mb)]  # the pairs of each micro-batch
     micro_rows = [torch.cat([chosen[group], rejected[group]]) for group in groups]
     ref_logprobs = batch_reference_logprobs(model, accelerator, args, batch, micro_rows, logprobs_fn)  # [2P, R]
@@ -656,15 +587,12 @@ def dpo_update(model, optimizer, scheduler, accelerator, args, batch, scores, ru
     pair_sums = torch.zeros(8, dtype=torch.float64, device=device)  # see async_dpo_loss
     kl, entropy = torch.zeros_like(ref_sequence_logps), torch.zeros_like(ref_sequence_logps)  # [2P]
     for start in range(0, args.prompts_per_rank, args.minibatch_size):
-        # The minibatch loss is the sum over its kept pairs divided by their mean count per process (DDP averages the
-        # processes' gradients): 1 process with the whole batch computes the same loss.
+        # mean kept pairs per process: the loss of one process with the whole batch
         kept = keep[start : start + args.minibatch_size].sum().double()
         normalizer = accelerator.reduce(kept, "sum").clamp(min=1) / accelerator.num_processes
         for group, rows in list(zip(groups, micro_rows))[start // mb : (start + args.minibatch_size) // mb]:
             m, sampled = mask[rows], None if sampler_logprobs is None else sampler_logprobs[rows]
-            # Gradients sync over processes on the last micro-batch of the minibatch (where DeepSpeed also takes its
-            # optimizer step, clipped by max_grad_norm). Every process runs every micro-batch.
-            with accelerator.accumulate(model):
+            with accelerator.accumulate(model):  # syncs gradients on the minibatch's last micro-batch
                 logprobs = logprobs_fn(
                     model, query_responses[rows], attention_mask[rows], context_length, args.temperature
                 )[0]
@@ -672,15 +600,14 @@ def dpo_update(model, optimizer, scheduler, accelerator, args, batch, scores, ru
                     logprobs, m, ref_sequence_logps[rows], sampled, keep[group], normalizer, args
                 )
                 run.check(loss, "loss/dpo")
-                # accelerate (and DeepSpeed) divide a micro-batch's loss by gradient_accumulation_steps, to average
-                # micro-batch means; these losses are shares that already sum to the minibatch's.
+                # loss is this micro-batch's share of the minibatch's: undo accelerate's division by the steps
                 accelerator.backward(loss * args.gradient_accumulation_steps)
             pair_sums += sums
             with torch.no_grad():
                 kl[rows], entropy[rows], more_stats = completion_statistics(
                     logprobs.detach(), ref_logprobs[rows], sampled, m, args.kl_estimator
                 )
-                if batch["old_logprobs"] is not None:  # how far the policy is from the generator's (not in the loss)
+                if batch["old_logprobs"] is not None:  # logged only: the policy's KL to the generator's
                     more_stats["policy/approxkl"] = approx_kl(logprobs.detach(), batch["old_logprobs"][rows], m)
             run.add(micro_stats | more_stats)
         grad_norm = run.clip_gradients(model)  # stops at a non-finite norm; NaN when fp16 skips the update
@@ -698,16 +625,13 @@ def dpo_update(model, optimizer, scheduler, accelerator, args, batch, scores, ru
 
 
 def rloo_update(model, optimizer, scheduler, accelerator, args, batch, judged, run, logprobs_fn):
-    """PPO-clipped RLOO on one batch: k completions per prompt (rows i * k .. i * k + k - 1), each one's advantage its
-    reward (the judged score minus the KL penalty to the reference) minus the mean reward of the other k - 1, in
-    PPO's clipped surrogate with the ratio pi / pi_generator per token. One pass over the batch in minibatches (one
-    optimizer step each) of micro-batches (gradient accumulation), each minibatch's loss averaged over its tokens on
-    every process. judged [kP]: the scores after the missing-EOS penalty. The per micro-batch statistics go to
-    run.add. Returns ({name: float} of this process, {name: float} over every process)."""
+    """PPO-clipped RLOO on one batch (rows i * k .. i * k + k - 1 for prompt i): rloo_advantages in the clipped
+    surrogate against pi_generator; one pass in minibatches of one optimizer step, in micro-batches. judged [kP], after
+    the missing-EOS penalty -> (metrics, {})"""
     device, mb, k = accelerator.device, args.micro_batch_size, args.num_completions
     query_responses, attention_mask = batch["query_responses"], batch["attention_mask"]
     mask, sampler_logprobs, context_length = batch["mask"], batch["sampler_logprobs"], batch["context_length"]
-    # Each forward/backward pass: the k completions of micro_batch_size prompts.
+    # each micro-batch: its prompts' k completions
     micro_rows = [torch.arange(i * k, (i + mb) * k, device=device) for i in range(0, args.prompts_per_rank, mb)]
     ref_logprobs = batch_reference_logprobs(model, accelerator, args, batch, micro_rows, logprobs_fn)  # [kP, R]
     old_logprobs = batch["old_logprobs"]  # the generator's: its policy copy's, or vLLM's own
@@ -725,15 +649,12 @@ def rloo_update(model, optimizer, scheduler, accelerator, args, batch, judged, r
     policy_loss = 0.0  # the mean over minibatches of their loss
     for start in range(0, args.prompts_per_rank, args.minibatch_size):
         minibatch = micro_rows[start // mb : (start + args.minibatch_size) // mb]
-        # The minibatch's tokens over every process (each divides by the mean count per process and DDP averages the
-        # gradients): 1 process with the whole batch computes the same loss.
+        # mean tokens per process: the loss of one process with the whole batch
         tokens = sum(mask[rows].sum() for rows in minibatch)
         normalizer = accelerator.reduce(tokens, "mean").clamp(min=1)
         for rows in minibatch:
             m, sampled = mask[rows], None if sampler_logprobs is None else sampler_logprobs[rows]
-            # Gradients sync over processes on the last micro-batch of the minibatch (where DeepSpeed also takes its
-            # optimizer step, clipped by max_grad_norm). Every process runs every micro-batch.
-            with accelerator.accumulate(model):
+            with accelerator.accumulate(model):  # syncs gradients on the minibatch's last micro-batch
                 logprobs = logprobs_fn(
                     model, query_responses[rows], attention_mask[rows], context_length, args.temperature
                 )[0]
@@ -741,8 +662,7 @@ def rloo_update(model, optimizer, scheduler, accelerator, args, batch, judged, r
                     logprobs, old_logprobs[rows], advantages[rows], m, args.clip_eps, normalizer
                 )
                 run.check(loss, "loss/rloo")
-                # accelerate (and DeepSpeed) divide a micro-batch's loss by gradient_accumulation_steps, to average
-                # micro-batch means; these losses are shares that already sum to the minibatch's.
+                # loss is this micro-batch's share of the minibatch's: undo accelerate's division by the steps
                 accelerator.backward(loss * args.gradient_accumulation_steps)
             policy_loss += loss.item() / args.num_minibatches
             with torch.no_grad():
@@ -765,24 +685,21 @@ def rloo_update(model, optimizer, scheduler, accelerator, args, batch, judged, r
 
 
 def reference_perplexity(ref_logprobs, mask):
-    """The reference's perplexity of each completion, exp(-mean log-prob of its tokens) [B, R] -> [B] (log-probs at
-    temperature 1): how far the policy's completions have moved from what the reference writes, as the Asynchronous
-    RLHF paper measures it for its "KL (perplexity)" axis (it divides by the prompt's tokens too)."""
+    """The reference's perplexity of each completion, exp(-mean token log-prob) at temperature 1 (the Asynchronous RLHF
+    paper's "KL (perplexity)"). [B, R] -> [B]"""
     return torch.exp(-(ref_logprobs * mask).sum(1) / mask.sum(1).clamp(min=1))
 
 
 def evaluate(generator, prompts, golds, has_gold, args, accelerator, step):
-    """Greedy completions of the held-out prompts (sharded over processes) from the generation engine, with the
-    learner's latest weights: the judge's mean score (with the missing-EOS penalty), when the dataset has gold
-    answers the verifier's accuracy, and with a separate reference model (not with LoRA) the reference's mean
-    perplexity of the completions (reference_perplexity). After the last step, once every batch is made (the
-    generator joined), so that it gets all the threads. Returns ({eval/metric: value}, rows for samples.jsonl)."""
+    """Greedy completions of the held-out prompts, sharded, by the generator's engine with the learner's latest
+    weights: the judge's mean score, the verifier's accuracy, the reference's perplexity; the last once the generator
+    has joined. -> (metrics, samples)"""
     if step == args.total_steps:
         generator.join()
     rank, world_size, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     mine = list(range(rank, len(prompts), world_size))
     results, samples, totals = {}, [], torch.zeros(6, dtype=torch.float64)
-    for start in range(0, len(mine), 64):  # chunks bound the memory of HF generate and of the reward model
+    for start in range(0, len(mine), 64):  # chunks bound the memory
         chunk = mine[start : start + 64]
         chunk_prompts, chunk_golds = [prompts[i] for i in chunk], [golds[i] for i in chunk]
         with generator.engine_lock:
@@ -792,7 +709,7 @@ def evaluate(generator, prompts, golds, has_gold, args, accelerator, step):
                 chunk_prompts, 1, responses, mask, None, generator.pad_id, device
             )
             scores = generator.judge(query_responses, attention_mask, texts, chunk_golds)
-            perplexity = torch.zeros(len(chunk))  # not measured with LoRA (see the docstring)
+            perplexity = torch.zeros(len(chunk))  # not measured with LoRA
             if generator.ref_policy is not None:
                 batch = query_responses.to(generator.device), attention_mask.to(generator.device), context_length, 1.0
                 perplexity = reference_perplexity(generator.score_rows(generator.ref_policy, *batch), cut_mask.cpu())

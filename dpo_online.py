@@ -1,37 +1,19 @@
-"""Online DPO judged by a reward model: a single-file reference implementation.
+"""Online DPO judged by a reward model, in one file.
 
-Follows Guo et al., "Direct Language Model Alignment from Online AI Feedback" (arXiv 2402.04792): direct
-preference optimisation (Rafailov et al., arXiv 2305.18290) on pairs that the current policy samples and a judge
-labels at every step, instead of a fixed offline preference set. The paper's judge is an LLM prompted to compare
-the two responses; here it is a reward model (as in TRL's OnlineDPOTrainer), or the task's verifier.
+Guo et al., "Direct Language Model Alignment from Online AI Feedback" (arXiv 2402.04792): DPO (Rafailov et al., arXiv
+2305.18290) on pairs that the current policy samples and a judge labels at every step: a reward model (as in TRL's
+OnlineDPOTrainer) or the task's verifier, not the paper's prompted LLM. Each step the policy answers every prompt
+twice and the judge picks the chosen completion (ties are skipped). With h = (log pi(y_c) - log ref(y_c)) -
+(log pi(y_r) - log ref(y_r)), the loss is -log sigmoid(beta h), or IPO's (h - 1 / (2 beta))^2 (Azar et al., arXiv
+2310.12036).
 
-Each step the policy answers every prompt twice. The judge scores both completions; a finished one (with an EOS)
-beats one without, otherwise the higher score is chosen and the other rejected; a pair whose scores are equal says
-nothing and is skipped. The DPO loss pushes up the policy's log-ratio to a frozen reference on the chosen one
-relative to the rejected one: with h = (log pi(y_c) - log ref(y_c)) - (log pi(y_r) - log ref(y_r)), summed over
-response tokens, sigmoid loss = -log sigmoid(beta * h), IPO loss (Azar et al., arXiv 2310.12036) =
-(h - 1 / (2 beta))^2. beta * (log pi - log ref) is DPO's implicit reward: its mean on chosen and rejected
-completions, their margin and how often it orders the pair as the judge did are the rewards/ metrics. Log-probs,
-of the policy and of the reference alike, are those of the sampling distribution (logits divided by the
-temperature), as in the other scripts; at temperature 1 this is plain DPO.
-
-The default judge is the learned reward model of `python reward_modeling.py` (score minus its config.bias, as in
-ppo_rlhf.py). `--judge verifier` uses the task's gold answers instead (1 right, 0 wrong: pairs with both right or
-both wrong are ties, skipped and counted). With the reward model the verifier is only reported as the gold
-accuracy next to the judge's score.
-
-Run on CPU with the embedded defaults (build the reward model first):
-    python reward_modeling.py && python dpo_online.py
-    python dpo_online.py --no-vllm                     # Hugging Face generate instead of vLLM
+    python reward_modeling.py && python dpo_online.py  # CPU: the embedded model and task, the default reward model
     python dpo_online.py --judge verifier              # the task's verifier judges, no reward model needed
-Run on GPUs (one vLLM engine per process, colocated with the trainer), e.g. TL;DR with a TL;DR reward model:
     accelerate launch --num_processes 8 dpo_online.py --model_name_or_path <sft model> \
         --reward_model_path <reward model> --dataset_path trl-lib/tldr --question_column prompt --instruction "" \
         --dtype bfloat16 --response_length 53
-    accelerate launch --config_file benchmark/accelerate_configs/deepspeed_zero2.yaml dpo_online.py ...
-Two processes on CPU (gloo): accelerate launch --multi_gpu --num_processes 2 dpo_online.py --no-vllm
-Read down to the line "PLUMBING": the arguments, main() with the training loop, then the math and the reward it calls
-are the algorithm.
+
+Above the PLUMBING line: the flags, main() with the loop, the loss and the judge. docs/dpo_online.md explains them.
 """
 
 import collections
@@ -135,21 +117,20 @@ class Args:
 
 
 def main(args: "Config"):
-    # Setup: processes, data, models, sampler, run folder (the helpers are below the fence).
-    # DeepSpeed's micro-batch counts sequences: a micro-batch of pairs is its chosen and its rejected completions.
-    accelerator, tokenizer = setup(args, check_args(args), 2 * args.micro_batch_size)  # one-line errors first
+    # Setup (the helpers are below the fence): the flags' errors first, then processes, data, models.
+    accelerator, tokenizer = setup(args, check_args(args), 2 * args.micro_batch_size)  # DeepSpeed counts sequences
     world_size, device = accelerator.num_processes, accelerator.device
     train_prompts, train_golds, eval_prompts, eval_golds, has_gold = load_judged_prompts(args, tokenizer, world_size)
     run = Run(args, accelerator, RESUMABLE_ARGS)
     model, ref_model, reward_models = load_dpo_models(args, accelerator, tokenizer.pad_token_id)
     trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay, eps=1e-8)
-    schedule = "constant_with_warmup" if args.lr_scheduler == "constant" else args.lr_scheduler  # after warmup_steps
+    schedule = "constant_with_warmup" if args.lr_scheduler == "constant" else args.lr_scheduler
     scheduler = get_scheduler(schedule, optimizer, args.warmup_steps, args.total_steps * args.num_minibatches)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     unwrapped = accelerator.unwrap_model(model)
     sampler = Sampler(args, accelerator, unwrapped, tokenizer)
-    loss_flags = dict(  # online_dpo_loss's flags (it takes tensors and scalars, not args)
+    loss_flags = dict(  # online_dpo_loss's flags
         beta=args.beta, loss_type=args.loss_type, tis_cap=args.tis_cap, kl_estimator=args.kl_estimator
     )
     packed = (
@@ -158,7 +139,7 @@ def main(args: "Config"):
     logprobs_fn = functools.partial(response_logprobs, packed=packed)
     eval_set = (eval_prompts, eval_golds)
     evaluation = functools.partial(evaluate, sampler, eval_set, has_gold, reward_models, ref_model, args, accelerator)
-    ensemble = (args.reward_ensemble, args.uwo_coef)  # how several reward models' scores combine
+    ensemble = (args.reward_ensemble, args.uwo_coef)  # ensemble_reward's flags
     start_step = run.start({"vllm": sampler.llm is not None})
     if start_step > 0:
         sampler.sync_weights()
@@ -168,14 +149,12 @@ def main(args: "Config"):
     P = args.prompts_per_rank  # pairs per process and step
     for step in range(start_step, args.total_steps):
         metrics = run.begin_step(step)
-        # 1. Prompts: each process takes its slice of a global order that is a function of (seed, step), so that
-        # --resume repeats it.
+        # 1. Prompts: this process's slice of an order that is a function of (seed, step), so --resume repeats it.
         indices = run.prompt_indices(step, P, len(train_prompts))
         prompts = [train_prompts[i] for i in indices]
         golds = [train_golds[i] for i in indices for _ in range(2)]  # [2P], one per completion
 
-        # 2. Rollout: two completions per prompt from the current policy; rows 2i and 2i + 1 answer prompt i.
-        # responses, mask [2P, R].
+        # 2. Rollout: prompt i's two completions are rows 2i and 2i + 1. responses, mask [2P, R].
         with run.timed("time/generation"):
             responses, mask, sampler_logprobs, texts = sampler.generate(prompts, 2, args.temperature)
         metrics["perf/generation_tokens_per_second"] = mask.sum().item() / metrics["time/generation"]
@@ -184,8 +163,7 @@ def main(args: "Config"):
             prompts, 2, responses, mask, sampler_logprobs, tokenizer.pad_token_id, device
         )
 
-        # 3. Judge: one score per completion [2P]; a finished completion beats one without EOS, else the higher score
-        # is chosen. chosen, rejected [P] are row indices; a tie (equal scores) says nothing: keep 0.
+        # 3. Judge: a score per completion [2P]; chosen, rejected [P] are row indices; a tie says nothing: keep 0.
         with run.timed("time/reward"):
             scores, member_scores = judge_completions(
                 args.judge, reward_models, query_responses, attention_mask, texts, golds, accelerator, *ensemble
@@ -195,16 +173,15 @@ def main(args: "Config"):
                 scores, has_eos.to(scores.device), args.missing_eos_penalty
             )
         chosen, rejected, keep = chosen.to(device), rejected.to(device), (~tie).float().to(device)
-        correct = None  # the verifier's verdicts, reported when the dataset has gold answers
+        correct = None  # the verifier's verdicts, only reported
         if has_gold:
             correct = scores.cpu() if args.judge == "verifier" else verifier_verdicts(texts, golds)
         metrics |= judge_metrics(judged, chosen, rejected, tie, correct, mask, has_eos)
-        if member_scores is not None and len(member_scores) > 1:  # an ensemble: each member's own mean score too
+        if member_scores is not None and len(member_scores) > 1:  # each member's score too
             metrics |= {f"objective/scores_member_{k}": score.mean().item() for k, score in enumerate(member_scores)}
 
-        # 4. The reference's log-probs of every completion [2P, R], in the micro-batches of the update (b pairs: their
-        # chosen rows, then their rejected rows) and under the policy's autocast (accelerate autocasts the prepared
-        # model only): before the first update the policy's equal them bit for bit, and h is exactly 0.
+        # 4. The reference's log-probs [2P, R] in the update's micro-batches and under the policy's autocast
+        # (accelerate autocasts only the prepared model): h is exactly 0 before the first update.
         t_train = time.time()
         micro_pairs = [torch.arange(i, i + args.micro_batch_size) for i in range(0, P, args.micro_batch_size)]
         row_batches = [torch.cat([chosen[pairs], rejected[pairs]]) for pairs in micro_pairs]  # in update order
@@ -214,10 +191,9 @@ def main(args: "Config"):
         with ref_context, accelerator.autocast():
             ref_logprobs = fixed_logprobs_of_rows(logprobs_fn, ref_model or model, *batch, row_batches)
 
-        # 5. DPO update: one pass over the pairs in rollout order, in minibatches of one optimizer step, each in
-        # micro-batches of gradient accumulation.
+        # 5. DPO update: one pass in rollout order, in minibatches of one optimizer step, in micro-batches.
         model.train()
-        pair_stats = []  # (pairs, rows, their stats) of each micro-batch
+        pair_stats = []  # per micro-batch
         for start in range(0, P, args.minibatch_size):
             minibatch = torch.arange(start, start + args.minibatch_size)
             # the minibatch's kept pairs, their mean count per process
@@ -249,7 +225,7 @@ def main(args: "Config"):
         train_tokens = int(attention_mask.sum()) * 2  # the reference's pass and the policy's
         metrics["perf/train_tokens_per_second"] = train_tokens / metrics["time/training"]
 
-        # 6. Weight sync: the sampler generates the next batch with the new policy.
+        # 6. Weight sync: the next batch comes from the new policy.
         with run.timed("time/weight_sync"):
             sampler.sync_weights()
 
@@ -263,10 +239,8 @@ def main(args: "Config"):
 
 
 def check_args(args):
-    """The algorithm's flags, checked before anything loads (setup then makes the checks every script makes): stop
-    at the first bad one with one line naming it, and set the sizes computed from them (config.json records them).
-    Returns the local paths for setup to check besides the model and the dataset: {argument: how to get one}. A new
-    flag of the algorithm is checked here."""
+    """The algorithm's flags, checked before anything loads: one line for the first bad one; sets the computed sizes.
+    Returns {local path flag: how to get one} for setup."""
     minibatch = args.prompts_per_rank // max(args.num_minibatches, 1)
     at_least = {1: "prompts_per_rank micro_batch_size num_minibatches total_steps response_length"}
     problems = [
@@ -293,10 +267,8 @@ def check_args(args):
 
 
 def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta, loss_type):
-    """The loss of each pair: DPO (Rafailov et al., arXiv 2305.18290) or IPO (Azar et al., arXiv 2310.12036).
-    All inputs [P], log-probs summed over each completion's response tokens. With the log-ratio difference
-    h = (chosen_logps - ref_chosen_logps) - (rejected_logps - ref_rejected_logps):
-    sigmoid = -log sigmoid(beta * h), ipo = (h - 1 / (2 beta))^2. Returns [P]."""
+    """Each pair's loss on h = (chosen_logps - ref_chosen_logps) - (rejected_logps - ref_rejected_logps): DPO's -log
+    sigmoid(beta h) (arXiv 2305.18290) or IPO's (h - 1 / (2 beta))^2 (arXiv 2310.12036). [P] -> [P]"""
     h = (chosen_logps - ref_chosen_logps) - (rejected_logps - ref_rejected_logps)
     if loss_type == "sigmoid":
         return -F.logsigmoid(beta * h)
@@ -313,19 +285,13 @@ def penalize_missing_eos(scores, has_eos, missing_eos_penalty):
 
 
 def assign_preferences(scores, has_eos, missing_eos_penalty):
-    """Chosen and rejected completion of each prompt from the judge's scores.
-    scores, has_eos [2P]: the two completions of prompt i are rows 2i and 2i + 1. A finished completion (with an
-    EOS) beats one without, whatever their scores: the invariant the N+ details' missing-EOS score (-1, arXiv
-    2403.17031) exists for, which a fixed score does not keep once finished completions score below it (an
-    ensemble's worst case does often). Otherwise the higher score is chosen; equal scores, or two completions
-    without EOS, are a tie (the pair carries no preference and is skipped; it keeps row 2i as "chosen"). A completion
-    without EOS is judged missing_eos_penalty, or its finished partner's score where that is lower; so with one reward
-    model whose finished completions score above the penalty the choices are those of the fixed score. With
-    missing_eos_penalty None the EOS plays no part.
-    Returns (chosen [P], rejected [P] row indices, tie [P] bool, judged [2P] the scores after the penalty)."""
+    """Each prompt's chosen and rejected completion (rows 2i, 2i + 1) from the judge's scores: a finished completion
+    beats one without EOS whatever the scores; one without EOS is judged min(missing_eos_penalty, its finished
+    partner's score). Else the higher score wins, equal ones tie; penalty None: EOS plays no part. [2P] -> (chosen,
+    rejected, tie [P], judged [2P])"""
     pairs = penalize_missing_eos(scores, has_eos, missing_eos_penalty).view(-1, 2)
     finished = has_eos.view(-1, 2) | (missing_eos_penalty is None)  # [P, 2]; no penalty: every completion counts
-    # No EOS against a finished partner: judged no higher than the partner (which wins below, even on equal scores).
+    # judged no higher than a finished partner, which wins below even on equal scores
     pairs = torch.where(~finished & finished.flip(1), torch.minimum(pairs, pairs.flip(1)), pairs)
     same = finished[:, 0] == finished[:, 1]
     second_wins = torch.where(same, pairs[:, 1] > pairs[:, 0], finished[:, 1]).long()
@@ -334,11 +300,8 @@ def assign_preferences(scores, has_eos, missing_eos_penalty):
 
 
 def pair_importance_weights(logprobs, sampler_logprobs, mask, cap):
-    """Truncated importance sampling for pairs (Yao et al., "Your Efficient RL Framework Secretly Brings You
-    Off-Policy RL Training", 2025): a pair sampled by the inference engine's pi_sampler, not by the trainer's pi,
-    weighs min(pi(y_c) pi(y_r) / (pi_sampler(y_c) pi_sampler(y_r)), cap), the ratio of both completions' sequence
-    probabilities. logprobs, sampler_logprobs, mask [2b, R]: rows i and b + i are pair i's chosen and rejected
-    completions. Returns [b]."""
+    """Truncated importance sampling for pairs (Yao et al., 2025): a sampled pair weighs min(pi(y_c) pi(y_r) /
+    (pi_sampler(y_c) pi_sampler(y_r)), cap). [2b, R] -> [b]"""
     log_ratio = ((logprobs - sampler_logprobs) * mask).sum(1)  # per completion [2b]
     chosen_log_ratio, rejected_log_ratio = log_ratio.chunk(2)
     return torch.clamp(torch.exp(chosen_log_ratio + rejected_log_ratio), max=cap)
@@ -347,17 +310,9 @@ def pair_importance_weights(logprobs, sampler_logprobs, mask, cap):
 def online_dpo_loss(
     logprobs, ref_logprobs, sampler_logprobs, mask, keep, normalizer, *, beta, loss_type, tis_cap, kl_estimator
 ):
-    """The loss of one micro-batch of b pairs (its share of the minibatch's) and its statistics.
-    logprobs [2b, R] (with gradients), ref_logprobs [2b, R], sampler_logprobs [2b, R] (None unless vLLM sampled),
-    mask [2b, R]: rows i and b + i are pair i's chosen and rejected completions. keep [b]: 1 for a pair the judge
-    prefers one side of, 0 for a tie (it stays in the micro-batch, so that every process runs the same ones, and
-    weighs 0). A minibatch's loss is the sum over its kept pairs divided by normalizer, their mean count per process:
-    every kept pair weighs the same, whatever process it is on. The rest: the flags of the same names.
-    Returns (loss, stats, pair_stats). stats, the micro-batch's floats, with vLLM samples only: the mean truncated-IS
-    weight, the mean |log pi - log pi_sampler| per token and the largest ratio pi / pi_sampler. pair_stats, for
-    pair_metrics: per pair [b] its loss, the implicit rewards beta * (log pi - log ref) of both sides, whether they
-    order the pair as the judge did, and the log-probs; per completion [2b] the KL estimate to the reference and the
-    entropy estimate -log pi."""
+    """One micro-batch's share of the minibatch's loss: its b pairs' dpo_loss weighted by keep (0 for a tie, kept so
+    that every process runs the same micro-batches) and the truncated-IS weight, over normalizer, the kept pairs' mean
+    count per process. [2b, R], rows i and b + i pair i's. -> (loss, stats, pair_stats)"""
     chosen_logps, rejected_logps = (logprobs * mask).sum(1).chunk(2)  # summed over response tokens [b] each
     ref_chosen, ref_rejected = (ref_logprobs * mask).sum(1).chunk(2)
     losses = dpo_loss(chosen_logps, rejected_logps, ref_chosen, ref_rejected, beta, loss_type)
@@ -389,13 +344,10 @@ def online_dpo_loss(
 
 
 def pair_metrics(micro_batch_stats, keep, accelerator):
-    """The update's pair_stats (online_dpo_loss) as metrics, over every process (a collective: every process calls
-    it). micro_batch_stats: (pairs [b], rows [2b], pair_stats) of each micro-batch, rows the completions' (chosen, then
-    rejected); keep [P]: 1 for a kept pair, 0 for a tie. A value per pair is summed over the kept pairs and divided by
-    their number over all processes (0 when no pair is kept); a value per completion is averaged over every
-    completion, ties included (over this process's: Run.end_step averages over processes). Adds rewards/margins and
-    objective/skipped_ties, the number of tied pairs."""
-    pair_sums, per_completion = {}, {}  # name -> sum over this process's kept pairs; name -> [2P] in rollout order
+    """The update's pair_stats as metrics over every process (a collective): a per-pair value averaged over all kept
+    pairs, a per-completion one over this process's; rewards/margins and objective/skipped_ties. micro_batch_stats:
+    (pairs [b], rows [2b], pair_stats); keep [P]"""
+    pair_sums, per_completion = {}, {}  # name -> sum over kept pairs; name -> [2P] in rollout order
     for pairs, rows, stats in micro_batch_stats:
         weights = keep[pairs].double()
         for name, value in stats.items():
@@ -458,9 +410,8 @@ def response_logprobs(model, input_ids, attention_mask, context_length, temperat
 def fixed_logprobs_of_rows(
     logprobs_fn, model, query_responses, attention_mask, context_length, temperature, row_batches
 ):
-    """logprobs_fn (response_logprobs, with packed= under --shared_prompt) without gradients, computed batch by batch
-    on the given rows (the update's micro-batches, so that the policy's log-probs before its first update equal them
-    bit for bit); every row must be in one batch. [B, P + R] -> [B, R]"""
+    """logprobs_fn without gradients on the update's micro-batches of rows, so that the policy's first log-probs equal
+    them bit for bit. [B, P + R] -> [B, R]"""
     shape = (query_responses.shape[0], query_responses.shape[1] - context_length)
     logprobs = torch.zeros(shape, device=query_responses.device)
     with torch.no_grad():
@@ -493,17 +444,13 @@ def training_batch(prompts, n, responses, mask, sampler_logprobs, pad_token_id, 
 
 
 def contains_eos(responses, mask, stop_ids):
-    """[N] bool: whether each completion holds a stop token (stop_ids: any EOS id) among its real tokens. responses,
-    mask [N, R]."""
+    """Whether each completion holds a stop token among its real tokens. responses, mask [N, R] -> [N] bool"""
     return (torch.isin(responses, torch.tensor(stop_ids)) & (mask > 0)).any(1)
 
 
 def token_scores(model, score_head, input_ids, attention_mask):
-    """The one-label head of a sequence-classification model (reward or value model) at every position: [B, T]
-    float32. `model` may be wrapped (DDP, DeepSpeed) so that gradients sync; `score_head` is its unwrapped `.score`
-    layer. The classifier's forward applies the head at every position and then keeps the last one: a hook takes
-    the head's output before that, so no layer's hidden states are kept (output_hidden_states would keep all).
-    Positions count from each sequence's first real token, so left and right padding give the same scores."""
+    """The one-output head at every position, by a hook on `score_head` (no hidden states kept); positions start at the
+    first real token, whatever the padding. -> [B, T] float32"""
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     scores = []
     handle = score_head.register_forward_hook(lambda module, inputs, output: scores.append(output))
@@ -569,12 +516,8 @@ def verifier_verdicts(texts, golds):
 
 
 def ensemble_reward(member_scores, ensemble, uwo_coef):
-    """The reward of an ensemble of reward models from its members' scores [K, B] (Coste et al., "Reward Model
-    Ensembles Help Mitigate Overoptimization", arXiv 2310.02743): their mean; WCO, the worst case, min over members;
-    UWO, the mean minus uwo_coef x the members' variance (over K, not K - 1: the spread of these K models, as the
-    paper writes it). Each member's score is centred by its own bias (reward_model_scores), not rescaled, as in the
-    paper; the scales are the members' own (they differ, and WCO follows the narrowest: docs/ppo_rlhf.md). Returns
-    [B]; with K = 1, the member's score whatever the ensemble."""
+    """An ensemble's reward from its members' centred scores (Coste et al., arXiv 2310.02743): their mean; WCO, the
+    worst; UWO, the mean minus uwo_coef x their variance over K. [K, B] -> [B]"""
     if ensemble == "mean":
         return member_scores.mean(0)
     if ensemble == "wco":
@@ -585,10 +528,8 @@ def ensemble_reward(member_scores, ensemble, uwo_coef):
 
 
 def member_scores_of(reward_models, query_responses, attention_mask, accelerator):
-    """Each reward model's score of each whole sequence at its last real token, centred by its config.bias (the mean
-    training score reward_modeling.py stores), under the policy's autocast like the reference (so that scores are on
-    the values' scale and KL is exactly 0 before the first update). query_responses, attention_mask [B, P + R].
-    Returns [K, B]."""
+    """Each reward model's score at the last real token minus its config.bias, under the policy's autocast. [B, P + R]
+    -> [K, B]"""
     last, members = last_real_index(attention_mask), []
     for reward_model in reward_models:
         with torch.no_grad(), accelerator.autocast():
@@ -602,12 +543,8 @@ def member_scores_of(reward_models, query_responses, attention_mask, accelerator
 def judge_completions(
     judge, reward_models, query_responses, attention_mask, texts, golds, accelerator, reward_ensemble, uwo_coef
 ):
-    """The judge's score of each completion [B] (higher is better), on the trainer's device, and with reward models
-    each one's score [K, B] (else None). reward_model: its score at the sequence's last real token minus its
-    config.bias (reward_modeling.py stores the mean training score there, so that scores are centred around 0),
-    under the policy's autocast like the reference; several: combined by ensemble_reward. verifier: 1.0 for a right
-    final answer, 0.0 for a wrong one. Any other judge (an LLM asked which of two answers is better, a rule) fits
-    here with the same signature."""
+    """The judge's score of each completion (higher is better): the reward models' centred scores combined, or the
+    verifier's 1.0 / 0.0; another judge (an LLM, a rule) fits here. -> ([B], [K, B] or None)"""
     if judge == "verifier":
         return verifier_verdicts(texts, golds).to(accelerator.device), None
     member_scores = member_scores_of(reward_models, query_responses, attention_mask, accelerator)  # [K, B]
@@ -615,9 +552,7 @@ def judge_completions(
 
 
 def judge_metrics(judged, chosen, rejected, tie, correct, mask, has_eos):
-    """What the judge made of the sampled pairs, and how long the completions were. judged [2P] (the scores after
-    the missing-EOS penalty), chosen, rejected, tie [P], correct [2P] (the verifier's; None without gold answers),
-    mask [2P, R], has_eos [2P]."""
+    """What the judge made of the pairs, and the completions' length. [2P], [P] and mask [2P, R]"""
     metrics = {
         "objective/scores": judged.mean().item(),
         "objective/score_gap": (judged[chosen] - judged[rejected]).mean().item(),
@@ -631,32 +566,28 @@ def judge_metrics(judged, chosen, rejected, tie, correct, mask, has_eos):
 
 
 def reference_perplexity(ref_logprobs, mask):
-    """The reference's perplexity of each completion, exp(-mean log-prob of its tokens) [B, R] -> [B] (log-probs at
-    temperature 1): how far the policy's completions have moved from what the reference writes, as the Asynchronous
-    RLHF paper measures it for its "KL (perplexity)" axis (it divides by the prompt's tokens too)."""
+    """The reference's perplexity of each completion, exp(-mean token log-prob) at temperature 1 (the Asynchronous RLHF
+    paper's "KL (perplexity)"). [B, R] -> [B]"""
     return torch.exp(-(ref_logprobs * mask).sum(1) / mask.sum(1).clamp(min=1))
 
 
 def process_chunks(items, rank, world_size, chunk_size):
-    """This process's share of `items` (every world_size-th, from rank) in chunks of chunk_size, as many chunks on
-    every process, the last ones possibly empty: under DeepSpeed ZeRO-3 a generation gathers the trained model's
-    parameters, a collective every process must enter as often as the others."""
+    """This process's share of `items`, every world_size-th from rank, in as many chunks on every process (the last
+    maybe empty): under ZeRO-3 each generation is a collective."""
     mine = items[rank::world_size]
-    most = -(-len(items) // world_size)  # the share of rank 0, the largest
+    most = -(-len(items) // world_size)  # rank 0's share, the largest
     return [mine[start : start + chunk_size] for start in range(0, most, chunk_size)]
 
 
 def evaluate(sampler, eval_set, has_gold, reward_models, ref_model, args, accelerator, step):
-    """Greedy completions of the held-out prompts (eval_set: (prompts, golds)), sharded over processes: the judge's
-    mean score (with the missing-EOS penalty; of an ensemble, each member's own score too), when the dataset has gold
-    answers the verifier's accuracy, and with a separate reference model (not with LoRA) the reference's mean
-    perplexity of the completions (reference_perplexity). Returns ({eval/metric: value}, sample rows)."""
+    """Greedy completions of the held-out prompts, sharded: the judge's mean score (each member's too), the verifier's
+    accuracy, the reference's perplexity (without LoRA). -> (metrics, sample rows)"""
     prompts, golds = eval_set
     K = len(reward_models) if len(reward_models) > 1 else 0  # eval/score_member_k for an ensemble
     totals, samples = torch.zeros(6 + K, dtype=torch.float64), []
-    # Chunks bound the memory of HF generate and of the reward model.
+    # chunks bound the memory
     for chunk in process_chunks(range(len(prompts)), accelerator.process_index, accelerator.num_processes, 64):
-        if not chunk:  # nothing left here: only HF generate's gathering of the parameters to take part in
+        if not chunk:  # under ZeRO-3 HF generate is a collective
             if sampler.llm is None:
                 sampler.generate([], 1, 0.0)
             continue
@@ -666,10 +597,10 @@ def evaluate(sampler, eval_set, has_gold, reward_models, ref_model, args, accele
         query_responses, attention_mask, mask, _, context_length = training_batch(
             chunk_prompts, 1, responses, mask, None, sampler.tokenizer.pad_token_id, accelerator.device
         )
-        perplexity = torch.zeros(len(chunk))  # not measured with LoRA (see the docstring)
+        perplexity = torch.zeros(len(chunk))  # not measured with LoRA
         if ref_model is not None:  # whole on every process: no collective call
             rows = torch.arange(len(chunk)).split(args.micro_batch_size)
-            with accelerator.autocast():  # the policy's, as for the reference's log-probs in training
+            with accelerator.autocast():  # as in training
                 batch = (query_responses, attention_mask, context_length, 1.0, rows)
                 perplexity = reference_perplexity(fixed_logprobs_of_rows(response_logprobs, ref_model, *batch), mask)
         scores, member_scores = judge_completions(

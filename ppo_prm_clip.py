@@ -1,38 +1,21 @@
-"""PPO with process rewards refined by Clip / Delta: a single-file reference implementation.
+"""PPO with process rewards refined by Clip / Delta, in one file.
 
-Follows Gao et al., "On Designing Effective RL Reward at Training Time for LLM Reasoning" (arXiv 2410.15115). Dense
-rewards from a process reward model (PRM) get hacked: the policy learns to write more and more correct but useless
-steps, each of which the PRM pays for, and its accuracy falls. The paper's fix bounds the return of any trajectory:
-- Clip: r_k = min(p_k - eta, 0), so that no step earns a positive reward and only doubtful steps are penalised;
-- Delta: r_k = p_k - p_{k+1} (k < K), r_K = p_K, so that the rewards from step k on sum to p_k, however many steps
-  follow; Clip-Delta applies Delta to the clipped values.
+Gao et al., "On Designing Effective RL Reward at Training Time for LLM Reasoning" (arXiv 2410.15115). Dense rewards
+from a process reward model (PRM) get hacked: the policy writes more correct but useless steps, each paid for, and its
+accuracy falls. The paper bounds the return: Clip r_k = min(p_k - eta, 0); Delta r_k = p_k - p_{k+1}, r_K = p_K (the
+return from step k is p_k); Clip-Delta, Delta of the clipped values. A response is split into steps at
+`--step_separator`; the PRM gives p_k in [0, 1] to the prefix ending with step k; r_k * prm_coef goes on the step's
+last token, the verifier's success on the last token, the KL penalty on every token; then PPO with GAE as in
+ppo_rlhf.py. `--prm`: the arithmetic verifier (default), a `reward_modeling.py --prm` folder or a Math-Shepherd LM.
 
-Responses are split into steps at `--step_separator`; the PRM gives p_k in [0, 1] for the prefix ending with step k.
-The refined reward of step k, times `--prm_coef`, goes on the token holding the step's last character, the
-verifier's success (1 correct / 0 wrong) on the last token, -kl_coef * (log pi - log pi_ref) on every token; then PPO
-with GAE as in ppo_rlhf.py, the value model starting from the policy with a zero value head. `--reward_mode none` is
-the success-only baseline.
-
-`--prm` picks the PRM (`ProcessRewardModel`): `verifier` (default) checks the arithmetic of each step (a wrong
-equation scores 0, a correct one 1, nothing to check 0.8; p_k is the lowest score up to step k), so it pays a correct
-but useless step as well as a useful one: what makes `raw` hackable. Or a folder from `python reward_modeling.py
---prm` (p_k = sigmoid of its score at the step's last token), or a Math-Shepherd style causal LM (p_k = P(good) /
-(P(good) + P(bad)) at the k-th `--prm_step_tag`).
-
-Run on CPU with the embedded defaults (SmolLM2-135M-Instruct, arith_2t3t1d, the verifier PRM):
-    python ppo_prm_clip.py --reward_mode raw          # the hackable dense reward
-    python ppo_prm_clip.py --reward_mode clip_delta   # also clip, delta, and none (success only)
+    python ppo_prm_clip.py --reward_mode raw          # CPU: the hackable dense reward; also clip, delta, none
     python reward_modeling.py --prm && python ppo_prm_clip.py --prm runs/prm   # a learned PRM
-    python ppo_prm_clip.py --no-vllm                  # Hugging Face generate instead of vLLM
-Run on GPUs (one vLLM engine per process, colocated with the trainer), e.g. on GSM8K with a Math-Shepherd PRM:
     accelerate launch --num_processes 8 ppo_prm_clip.py --model_name_or_path <sft model> \
         --prm peiyi9979/math-shepherd-mistral-7b-prm --dataset_path openai/gsm8k --dataset_config main \
         --dtype bfloat16 --response_length 512
-    accelerate launch --config_file benchmark/accelerate_configs/deepspeed_zero2.yaml ppo_prm_clip.py ...
-Two processes on CPU (gloo): accelerate launch --multi_gpu --num_processes 2 ppo_prm_clip.py --no-vllm
 
-Read down to the line "PLUMBING": the arguments, main() with the training loop, then the math and the reward it calls
-are the algorithm.
+Above the PLUMBING line: the flags, main() with the loop, the math and the rewards. docs/ppo_prm_clip.md explains
+them.
 """
 
 import ast
@@ -151,27 +134,25 @@ class Args:
 
 
 def main(args: "Config"):
-    # Setup: processes, data, the PRM (its kind checked before any model loads), models, sampler, run folder (the
-    # helpers are below the fence).
-    accelerator, tokenizer = setup(args, check_args(args))  # the flags' one-line errors first
+    # Setup (the helpers are below the fence): the flags' errors first, then processes, data, the PRM, models.
+    accelerator, tokenizer = setup(args, check_args(args))
     world_size, device = accelerator.num_processes, accelerator.device
     (train_prompts, train_golds, train_questions), eval_set = load_prm_prompts(args, tokenizer, world_size)
     prm = ProcessRewardModel(args, accelerator, tokenizer)  # sets args.prm_kind: before Run compares the args
     run = Run(args, accelerator, RESUMABLE_ARGS)
-    # The policy and the value model as one module: one optimizer, one DDP/DeepSpeed wrapper, one checkpoint.
     policy, value_model, ref_policy = load_models_prm(args, accelerator, tokenizer.pad_token_id)
     model = PolicyAndValueModel(policy, value_model)
-    # Adam's eps 1e-5 as in the N+ details (TensorFlow's default in the original OpenAI code).
+    # eps 1e-5: the N+ details' (TensorFlow's Adam default)
     trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay, eps=1e-5)
-    schedule = "constant_with_warmup" if args.lr_scheduler == "constant" else args.lr_scheduler  # after warmup_steps
+    schedule = "constant_with_warmup" if args.lr_scheduler == "constant" else args.lr_scheduler
     scheduler = get_scheduler(
         schedule, optimizer, args.warmup_steps, args.total_steps * args.num_ppo_epochs * args.num_minibatches
     )
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     policy = accelerator.unwrap_model(model).policy
     sampler = Sampler(args, accelerator, policy, tokenizer)
-    loss_flags = dict(  # ppo_prm_loss's flags (it takes tensors and scalars, not args)
+    loss_flags = dict(
         cliprange=args.cliprange, cliprange_value=args.cliprange_value, tis_cap=args.tis_cap, vf_coef=args.vf_coef
     )
     evaluation = functools.partial(evaluate, sampler, prm, eval_set, args, accelerator, tokenizer)  # (step) -> metrics
@@ -184,13 +165,11 @@ def main(args: "Config"):
     batch_size = args.prompts_per_rank  # one response per prompt
     for step in range(start_step, args.total_steps):
         metrics = run.begin_step(step)
-        # 1. Prompts: each process takes its slice of a global order that is a function of (seed, step), so that
-        # --resume repeats it.
+        # 1. Prompts: this process's slice of an order that is a function of (seed, step), so --resume repeats it.
         indices = run.prompt_indices(step, batch_size, len(train_prompts))
         prompts = [train_prompts[i] for i in indices]
 
-        # 2. Rollout: one response per prompt, cut to the longest. responses, mask [B, R]; query_responses,
-        # attention_mask [B, P + R]: the left-padded prompts, then the responses.
+        # 2. Rollout: one response per prompt, cut to the longest one. responses, mask [B, R].
         with run.timed("time/generation"):
             responses, mask, sampler_logprobs, texts = sampler.generate(prompts, 1, args.temperature)
         metrics["perf/generation_tokens_per_second"] = mask.sum().item() / metrics["time/generation"]
@@ -199,16 +178,16 @@ def main(args: "Config"):
         )
         responses = responses[:, : mask.shape[1]]
 
-        # 3. What stays fixed during the update, in the first minibatch's micro-batches (its ratio is then exactly 1):
-        # the old policy's log-probs and values; the reference's under the policy's autocast (KL 0 before any update).
+        # 3. Fixed during the update [B, R]: old log-probs and values in the first minibatch's micro-batches (its
+        # ratio is then exactly 1), the reference's under the policy's autocast.
         t_train = time.time()
         batch = (query_responses, attention_mask, context_length, args.temperature, args.micro_batch_size)
         model.eval()
         old_logprobs, old_values = fixed_logprobs_and_values_prm(model, *batch)
         ref_logprobs = reference_logprobs(response_logprobs, policy, ref_policy, accelerator, batch)
 
-        # 4. Rewards: the verifier's success [B] (or the missing-EOS penalty), each response's steps, the PRM's score
-        # p_k of each step prefix, and the refined rewards r_k * prm_coef on each step's last token: process [B, R].
+        # 4. Rewards: the verifier's success [B], the steps, the PRM's p_k of each step prefix, and the refined
+        # rewards r_k * prm_coef on the steps' last tokens: process [B, R].
         questions, golds = [train_questions[i] for i in indices], [train_golds[i] for i in indices]
         with run.timed("time/reward"):
             correct, success, has_eos, steps, scores, process = prm_rewards(
@@ -216,8 +195,7 @@ def main(args: "Config"):
             )
         success, process = success.to(device), process.to(device)
 
-        # 5. Per-token rewards [B, R]: the KL penalty on every token, the process rewards on the steps' last tokens,
-        # the success on the last real token; with --whiten_rewards scaled by their std over every process's tokens.
+        # 5. Per-token rewards [B, R]: the KL penalty, the process rewards, the success on the last real token.
         kl = kl_estimate(old_logprobs, ref_logprobs, "k1") * mask
         rewards, non_score_reward = per_token_rewards(kl, success, mask, args.kl_coef, process)
         run.check(rewards.sum(1), "objective/rlhf_reward")
@@ -225,19 +203,19 @@ def main(args: "Config"):
         if args.whiten_rewards:
             rewards = masked_whiten(rewards, mask, shift_mean=False, sum_processes=sum_processes) * mask
 
-        # 6. Advantages and returns with GAE, then the advantages whitened over every process's tokens. [B, R]
+        # 6. Advantages and returns with GAE, the advantages whitened over every process's tokens. [B, R]
         advantages, returns = gae_advantages(rewards, old_values, mask, args.gamma, args.lam)
         advantages = masked_whiten(advantages, mask, sum_processes=sum_processes) * mask
         metrics |= prm_rollout_metrics(
             correct, success, has_eos, steps, scores, process, kl, non_score_reward, old_logprobs, old_values, mask
         )
-        if sampler_logprobs is not None:  # the sampler's pi against the trainer's
+        if sampler_logprobs is not None:
             metrics |= sampler_gap_metrics(old_logprobs, sampler_logprobs, mask, args.micro_batch_size)
         rollout = dict(old_logprobs=old_logprobs, old_values=old_values, advantages=advantages, returns=returns)
-        rollout |= dict(sampler_logprobs=sampler_logprobs, mask=mask)  # [B, R] each; sampler_logprobs may be None
+        rollout |= dict(sampler_logprobs=sampler_logprobs, mask=mask)  # [B, R]; sampler_logprobs None without vLLM
 
-        # 7. PPO update: num_ppo_epochs passes over the batch (the first in rollout order), each in minibatches of one
-        # optimizer step, each in micro-batches of gradient accumulation.
+        # 7. PPO update: num_ppo_epochs passes (the first in rollout order), in minibatches of one optimizer step, in
+        # micro-batches of gradient accumulation.
         model.train()
         generator = torch.Generator().manual_seed(args.seed * 7919 + step)
         for epoch in range(args.num_ppo_epochs):
@@ -275,7 +253,7 @@ def main(args: "Config"):
         train_tokens = int(attention_mask.sum()) * (args.num_ppo_epochs + 1)  # + the no-grad pass of step 3
         metrics["perf/train_tokens_per_second"] = train_tokens / metrics["time/training"]
 
-        # 8. Weight sync: the sampler generates the next batch with the new weights.
+        # 8. Weight sync: the next batch comes from the new policy.
         with run.timed("time/weight_sync"):
             sampler.sync_weights()
 
@@ -289,10 +267,8 @@ def main(args: "Config"):
 
 
 def check_args(args):
-    """The algorithm's flags, checked before anything loads (setup then makes the checks every script makes): stop
-    at the first bad one with one line naming it, and set the sizes computed from them (config.json records them).
-    Returns the local paths for setup to check besides the model and the dataset: {argument: how to get one}. A new
-    flag of the algorithm is checked here."""
+    """The algorithm's flags, checked before anything loads: one line for the first bad one; sets the computed sizes.
+    Returns {local path flag: how to get one} for setup."""
     minibatch = args.prompts_per_rank // max(args.num_minibatches, 1)
     at_least = {
         1: "prompts_per_rank micro_batch_size num_minibatches num_ppo_epochs total_steps response_length",
@@ -336,10 +312,8 @@ def masked_mean(values, mask, dim=None):
 
 
 def masked_whiten(values, mask, shift_mean=True, eps=1e-8, sum_processes=lambda t: t):
-    """(values - mean) / std over the positions where mask is 1, with the unbiased variance; shift_mean=False adds
-    the mean back, so only the scale changes. Positions outside the mask are transformed too (callers mask them).
-    sum_processes sums a tensor over processes (functools.partial(accelerator.reduce, reduction="sum")): the mean
-    and std are then those of every process's batch together, as one process with the whole batch has them."""
+    """(values - mean) / std where mask is 1 (unbiased variance; shift_mean=False adds the mean back), over every
+    process's batch through sum_processes. Callers mask the result. [B, R] -> [B, R]"""
     mask = mask.to(values.dtype)
     count = sum_processes(mask.sum())
     mean = sum_processes((values * mask).sum()) / count.clamp(min=1)
@@ -373,11 +347,8 @@ def response_logprobs(model, input_ids, attention_mask, context_length, temperat
 
 
 def token_scores(model, score_head, input_ids, attention_mask):
-    """The one-label head of a sequence-classification model (reward or value model) at every position: [B, T]
-    float32. `model` may be wrapped (DDP, DeepSpeed) so that gradients sync; `score_head` is its unwrapped `.score`
-    layer. The classifier's forward applies the head at every position and then keeps the last one: a hook takes
-    the head's output before that, so no layer's hidden states are kept (output_hidden_states would keep all).
-    Positions count from each sequence's first real token, so left and right padding give the same scores."""
+    """The one-output head at every position, by a hook on `score_head` (no hidden states kept); positions start at the
+    first real token, whatever the padding. -> [B, T] float32"""
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     scores = []
     handle = score_head.register_forward_hook(lambda module, inputs, output: scores.append(output))
@@ -389,17 +360,16 @@ def token_scores(model, score_head, input_ids, attention_mask):
 
 
 class PolicyAndValueModel(torch.nn.Module):
-    """The policy and the value model as one module, so that one optimizer, one DDP/DeepSpeed wrapper (which syncs
-    gradients only for calls through its forward) and one checkpoint cover both. The value model's head starts at
-    zero (load_models_prm): no bias to remove from its values."""
+    """The policy and the value model as one module: one optimizer, one DDP/DeepSpeed wrapper (it syncs gradients only
+    for calls through its forward) and one checkpoint cover both. The value head starts at zero (load_models_prm): no
+    bias to remove."""
 
     def __init__(self, policy, value_model):
         super().__init__()
         self.policy, self.value_model = policy, value_model
 
     def forward(self, input_ids, attention_mask, context_length, temperature):
-        """Response log-probs [B, R], their logits [B, R, V] and the values [B, R] of the states before each
-        response token (the value model's output at the position that predicts it)."""
+        """Response log-probs [B, R], logits [B, R, V] and values [B, R] of the states before each response token."""
         logprobs, logits = response_logprobs(self.policy, input_ids, attention_mask, context_length, temperature)
         values = token_scores(self.value_model, self.value_model.score, input_ids, attention_mask)
         return logprobs, logits, values[:, context_length - 1 : -1]
@@ -418,8 +388,8 @@ def fixed_logprobs(logprobs_fn, model, query_responses, attention_mask, context_
 def fixed_logprobs_and_values_prm(
     model, query_responses, attention_mask, context_length, temperature, micro_batch_size
 ):
-    """The old policy's log-probs and the old values [B, R] (model: a PolicyAndValueModel, prepared), without
-    gradients, micro-batch by micro-batch: they stay fixed during the update."""
+    """The old log-probs and values [B, R] of the prepared PolicyAndValueModel, without gradients, a micro-batch at a
+    time: fixed during the update."""
     logprobs, values = [], []
     with torch.no_grad():
         for i in range(0, len(query_responses), micro_batch_size):
@@ -475,10 +445,8 @@ def kl_estimate(logprobs, ref_logprobs, kind):
 
 
 def per_token_rewards(kl, scores, mask, kl_coef, process_rewards=None):
-    """PPO's reward of every response token: the KL penalty -kl_coef * kl on every token, the process rewards (if
-    any) where they fall, and the sequence's score on its last real token (responses are right-padded: the last real
-    token is at length - 1). kl, mask, process_rewards [B, R] (kl 0 on padding); scores [B].
-    Returns (rewards [B, R], non_score_reward [B, R])."""
+    """PPO's reward per response token: -kl_coef * kl, plus the process rewards (if any) and the score on the last real
+    token. kl, mask, process_rewards [B, R], scores [B] -> (rewards, non_score_reward) [B, R]"""
     non_score_reward = -kl_coef * kl
     rewards = non_score_reward.clone() if process_rewards is None else non_score_reward + process_rewards
     last = (mask.sum(1) - 1).long()
@@ -487,10 +455,9 @@ def per_token_rewards(kl, scores, mask, kl_coef, process_rewards=None):
 
 
 def gae_advantages(rewards, values, mask, gamma, lam):
-    """Generalized advantage estimation (Schulman et al., arXiv 1506.02438) over right-padded responses.
-    rewards, values, mask: [B, R], mask 1 on the real response tokens. The episode ends after the last real token,
-    so the value after it is 0: delta_t = r_t + gamma * V_{t+1} - V_t, A_t = delta_t + gamma * lam * A_{t+1}.
-    Returns (advantages [B, R], returns [B, R] = A + V), both 0 on padding."""
+    """Generalized advantage estimation (Schulman et al., arXiv 1506.02438), V 0 after the last real token: delta_t =
+    r_t + gamma V_{t+1} - V_t, A_t = delta_t + gamma lam A_{t+1}. rewards, values, mask [B, R] -> (advantages, returns
+    = A + V) [B, R]"""
     rewards, values = rewards * mask, values * mask
     advantages = torch.zeros_like(rewards)
     next_advantage = torch.zeros_like(rewards[:, 0])  # [B]
@@ -504,9 +471,8 @@ def gae_advantages(rewards, values, mask, gamma, lam):
 
 
 def ppo_policy_loss(logprobs, old_logprobs, advantages, cliprange):
-    """PPO's clipped surrogate per token (Schulman et al., arXiv 1707.06347): max(-A * ratio, -A * clip(ratio,
-    1 - eps, 1 + eps)) with per-token advantages. logprobs, old_logprobs, advantages [B, R].
-    Returns (loss [B, R], ratio [B, R], clipped [B, R]: True where the clipped term is the larger)."""
+    """PPO's clipped surrogate per token (Schulman et al., arXiv 1707.06347), max(-A ratio, -A clip(ratio, 1 - eps, 1 +
+    eps)). [B, R] -> (loss, ratio, clipped: the clipped term is the larger) [B, R]"""
     ratio = torch.exp(logprobs - old_logprobs)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1 - cliprange, 1 + cliprange)
@@ -514,9 +480,8 @@ def ppo_policy_loss(logprobs, old_logprobs, advantages, cliprange):
 
 
 def clipped_value_loss(values, old_values, returns, cliprange_value):
-    """PPO's value loss per token: 0.5 * max((V - G)^2, (V_clip - G)^2) with V_clip = V_old + clip(V - V_old, +-eps)
-    and G the returns. All [B, R].
-    Returns (loss [B, R], clipped [B, R]: True where the clipped error is the larger)."""
+    """PPO's value loss per token, 0.5 max((V - G)^2, (V_clip - G)^2), V_clip = V_old + clip(V - V_old, -eps, eps).
+    [B, R] -> (loss, clipped: the clipped error is the larger) [B, R]"""
     values_clipped = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
     error, clipped_error = (values - returns) ** 2, (values_clipped - returns) ** 2
     return 0.5 * torch.max(error, clipped_error), clipped_error > error
@@ -532,12 +497,9 @@ def ppo_prm_loss(
     logprobs, logits, values, old_logprobs, old_values, advantages, returns, sampler_logprobs, mask, num_tokens, *,
     cliprange, cliprange_value, tis_cap, vf_coef,
 ):  # fmt: skip
-    """The loss of one micro-batch, its share of the minibatch's: policy loss + vf_coef * value loss, each summed
-    over the micro-batch's tokens and divided by num_tokens (the minibatch's token count averaged over processes:
-    DDP's mean of the processes' gradients is then the gradient of the whole minibatch's loss). logprobs, values
-    [b, R] and logits [b, R, V] with gradients; old_logprobs, old_values, advantages, returns, mask [b, R];
-    sampler_logprobs [b, R] (None unless vLLM sampled); the rest: the flags of the same names.
-    Returns (loss, {name: float})."""
+    """One micro-batch's share of the minibatch's loss, policy + vf_coef * value: token losses summed over num_tokens,
+    the minibatch's token count averaged over processes. logprobs, values [b, R], logits [b, R, V]; the rollout's
+    [b, R]. Returns (loss, {name: float})."""
     pg_token_loss, ratio, pg_clipped = ppo_policy_loss(logprobs, old_logprobs, advantages, cliprange)
     vf_token_loss, vf_clipped = clipped_value_loss(values, old_values, returns, cliprange_value)
     stats = {}
@@ -559,11 +521,9 @@ def ppo_prm_loss(
 
 
 def refine_process_rewards(step_scores, mode, eta):
-    """Step rewards from the PRM's scores of one response (Gao et al., arXiv 2410.15115, section 4).
-    step_scores [K]: p_k in [0, 1] for the prefix ending at step k. Returns r [K]:
-    raw r_k = p_k; clip r_k = min(p_k - eta, 0); delta r_k = p_k - p_{k+1} for k < K and r_K = p_K, so that
-    sum_{j >= k} r_j = p_k: the return from any step is bounded, however many steps follow; clip_delta: delta of
-    the clipped values; none: zeros (the success-only baseline)."""
+    """Step rewards from the PRM's p_k of one response's K step prefixes (Gao et al., arXiv 2410.15115, Sec. 4): raw
+    p_k; clip min(p_k - eta, 0); delta p_k - p_{k+1}, r_K = p_K, so that the return from step k is p_k however many
+    steps follow; clip_delta, delta of the clipped values; none, zeros. [K] -> [K]"""
     if mode == "none":
         return torch.zeros_like(step_scores)
     if mode == "raw":
@@ -579,8 +539,8 @@ def refine_process_rewards(step_scores, mode, eta):
 
 
 def place_process_rewards(step_rewards, step_tokens, width):
-    """Per-token process rewards [B, width]: step_rewards[i][k] (B tensors [K_i]) on token step_tokens[i][k] (the one
-    holding step k's last character), 0 elsewhere; two steps ending in one token add up."""
+    """Per-token process rewards: step_rewards[i][k] on token step_tokens[i][k] (step k's last character), 0 elsewhere;
+    steps ending in one token add up. -> [B, width]"""
     rewards = torch.zeros(len(step_rewards), width)
     for i, (values, tokens) in enumerate(zip(step_rewards, step_tokens)):
         rewards[i].index_put_((torch.tensor(tokens, dtype=torch.long),), values.float().cpu(), accumulate=True)
@@ -588,8 +548,8 @@ def place_process_rewards(step_rewards, step_tokens, width):
 
 
 def verifier_step_scores(steps, correct=1.0, unchecked=0.8, wrong=0.0):
-    """The verifier PRM: p_k for the prefix ending at each of the K steps (strings). A step scores `wrong` when one of
-    its equations is wrong, `correct` when all hold, `unchecked` without any; a prefix scores as its worst step."""
+    """The verifier PRM: p_k of the prefix ending at each of the K steps: `wrong` when one of its step's equations is
+    wrong, `correct` when all hold, `unchecked` without any; a prefix scores as its worst step."""
     scores, prefix = [], correct
     for step in steps:
         verdict = step_arithmetic(step)
@@ -599,12 +559,9 @@ def verifier_step_scores(steps, correct=1.0, unchecked=0.8, wrong=0.0):
 
 
 def step_arithmetic(step):
-    r"""The verdict on a step's equations: False when one is wrong, True when it has some and all hold, None when it
-    has none that can be read. An equation is a run of numbers, operators, parentheses and '=' ("9 times 6 = 54",
-    "50% of 10 = 5", "\frac{6}{3} = 2"); it holds when its sides are equal or form a running total. A written number
-    is exact; an equation that fails so, whose result is a lone number written to fewer digits than its value needs,
-    is read once more as rounded (`rounded_operand`): "10 / 3 = 3.33", "0.67 * 30 = 20". What cannot be read is
-    unchecked, never wrong. docs/ppo_prm_clip.md gives the rules."""
+    r"""A step's verdict: False when one of its equations is wrong, True when it has some and all hold, None when it
+    has none that can be read (never wrong). Written numbers are exact; a lone result written to fewer digits is read
+    once more as rounded (`rounded_operand`). docs/ppo_prm_clip.md "The step verifier" gives the rules."""
     text = step.replace("\u2212", "-").replace("\\%", "%")
     annotations = re.findall(r"<<([^<>]*)>>", text)
     text = re.sub(r"<<[^<>]*>>", "", text) + "".join(f"; {annotation}" for annotation in annotations)
@@ -743,9 +700,8 @@ def step_arithmetic(step):
 
 
 def rounded_operand(written, scale=1):
-    """The value a decimal written rounded stands for: the simplest fraction p/q (q <= 12) within half a unit of its
-    last digit, when q is not of the form 2^a 5^b and the number has at least two decimals (a percentage, scale 100,
-    two more): "0.67" -> 2/3, "3.33" -> 10/3, "16.67" % -> 1/6; "0.5", "0.1", "2.5", "0.25", "20" % -> None."""
+    """The fraction a rounded decimal stands for: the simplest p/q (q <= 12, not 2^a 5^b) within half a unit of its
+    last digit, for two or more decimals (a percentage: two more). "0.67" -> 2/3, "3.33" -> 10/3, "0.5" -> None."""
     decimals = len(written.partition(".")[2]) + (2 if scale == 100 else 0)
     if decimals < 2:
         return None
@@ -758,10 +714,9 @@ def rounded_operand(written, scale=1):
 
 
 def arithmetic_value(expression):
-    """The exact value of an arithmetic expression of numbers, + - * / (also × ÷), powers (** or ^, also ² ³), square
-    roots (√16, √(16), sqrt(16)) and parentheses: a Fraction, or a float through an irrational root or power. None
-    for anything else, what does not parse, a division by zero, a value beyond 1e308, an exponent beyond ±1000 (the
-    text is model output) or the root or fractional power of a negative number. Parsed with ast, never eval."""
+    """The exact value of an expression of numbers, + - * / × ÷, powers (** ^ ² ³), square roots and parentheses: a
+    Fraction, or a float through an irrational root or power; None for anything else or out of range. Parsed with ast,
+    never eval."""
     for symbol, python in ("×", "*"), ("÷", "/"), ("^", "**"), ("²", "**2"), ("³", "**3"):
         expression = expression.replace(symbol, python)
     expression = re.sub(r"√[ \t]*(\d*\.?\d+)", r"sqrt(\1)", expression).replace("√", "sqrt").strip()
@@ -853,10 +808,9 @@ def verify_answer(prediction, gold):
 
 
 def prm_step_scores(prm, prompts, questions, responses, mask, steps, step_tokens, args):
-    """The PRM's p_k in [0, 1] for every step prefix: B float tensors [K_i]. The verifier checks each step's
-    arithmetic; a learned PRM (reward_modeling.py --prm) reads the policy's own tokens, p_k = sigmoid(score) at the
-    last token of step k, which sees the prompt and steps 1..k only (causal attention); a Math-Shepherd PRM its own
-    (ProcessRewardModel). One score per step, or the run stops: a step without one would get no process reward."""
+    """The PRM's p_k in [0, 1] for every step prefix, B tensors [K_i]: the verifier's; a learned PRM's sigmoid(score)
+    on the policy's tokens at step k's last token (causal: it sees the prompt and steps 1..k); a Math-Shepherd PRM's
+    (ProcessRewardModel). A step without a score would get no process reward: the run stops."""
     if args.prm_kind == "verifier":
         scores = [torch.tensor(verifier_step_scores(s), dtype=torch.float32) for s in steps]
     elif args.prm_kind == "learned":
@@ -883,10 +837,9 @@ def prm_step_scores(prm, prompts, questions, responses, mask, steps, step_tokens
 
 
 def prm_rewards(prm, prompts, questions, golds, responses, mask, texts, args):
-    """Rewards of right-padded responses [B, R] (mask [B, R]): the verifier's verdict correct [B] (1 / 0), the
-    success reward [B] (correct, or --missing_eos_penalty without EOS), has_eos [B], the steps (B lists), the PRM's
-    p_k (B tensors [K_i]), and the process rewards [B, R]: prm_coef times the refined step rewards, each on its
-    step's last token."""
+    """Rewards of right-padded responses, mask [B, R]: correct [B] (the verifier's 1 / 0), success [B] (correct, or
+    --missing_eos_penalty without EOS), has_eos [B], the steps and their p_k (B lists, B tensors [K_i]), and process
+    [B, R], prm_coef r_k on each step's last token."""
     has_eos = (torch.isin(responses, torch.tensor(prm.stop_ids)) & (mask.cpu() > 0)).any(1)
     correct = torch.tensor([verify_answer(extract_answer(t), g) for t, g in zip(texts, golds)])
     success = correct
@@ -902,9 +855,8 @@ def prm_rewards(prm, prompts, questions, golds, responses, mask, texts, args):
 def prm_rollout_metrics(
     correct, success, has_eos, steps, scores, process, kl, non_score_reward, old_logprobs, old_values, mask
 ):
-    """What the rollout scored: accuracy, success reward, steps per response, the PRM's step scores, the process
-    rewards paid, the KL and the entropy per response, lengths and values. correct, success, has_eos [B]; steps and
-    scores per response; the rest [B, R]."""
+    """What the rollout scored: accuracy, success, steps, the PRM's scores, the process rewards paid, KL, entropy,
+    length and values. [B], per response, and [B, R]"""
     every_step = torch.cat(scores)  # p_k of every step in the batch
     metrics = {"objective/success": success.mean().item(), "objective/accuracy": correct.mean().item()}
     metrics["objective/num_steps"] = len(every_step) / len(steps)  # mean steps per response
@@ -924,9 +876,8 @@ def prm_rollout_metrics(
 
 
 def sampler_gap_metrics(old_logprobs, sampler_logprobs, mask, micro_batch_size):
-    """How far the sampler's pi is from the trainer's on the rollout, per token log(pi_train / pi_sampler): the mean
-    of its absolute value (averaged over the micro-batches' token means) and the largest ratio. All [B, R].
-    Returns {"objective/logprob_gap": float, "objective/logprob_ratio_max": largest pi_train / pi_sampler}."""
+    """The sampler's pi against the trainer's on the rollout: the mean |log(pi_train / pi_sampler)| (over the
+    micro-batches' token means) and the largest ratio. [B, R] -> {name: float}"""
     log_gap = old_logprobs - sampler_logprobs
     parts = [slice(i, i + micro_batch_size) for i in range(0, len(log_gap), micro_batch_size)]
     means = [masked_mean(log_gap[s].abs(), mask[s]).item() for s in parts]
@@ -935,9 +886,8 @@ def sampler_gap_metrics(old_logprobs, sampler_logprobs, mask, micro_batch_size):
 
 
 def prm_update_metrics(stats, num_updates):
-    """The update's metrics that are not means of ppo_prm_loss's statistics (stats: one value per micro-batch, the
-    step's, which Run averages when the step ends): the losses (micro-batch shares of their minibatch's loss: summed,
-    then averaged over minibatches) and the ratio's variance. Takes the values they come from out of `stats`."""
+    """The update's metrics that are not means, their statistics taken out of `stats`: the losses (shares summed per
+    minibatch) and the ratio's variance."""
     pg_loss, vf_loss, ratio_sq = (stats.pop(name) for name in ("pg_loss", "vf_loss", "ratio_sq"))
     metrics = {"loss/policy_avg": sum(pg_loss) / num_updates, "loss/value_avg": sum(vf_loss) / num_updates}
     metrics["val/ratio_var"] = float(np.mean(ratio_sq)) - float(np.mean(stats["val/ratio"])) ** 2
@@ -945,25 +895,23 @@ def prm_update_metrics(stats, num_updates):
 
 
 def process_chunks(items, rank, world_size, chunk_size):
-    """This process's share of `items` (every world_size-th, from rank) in chunks of chunk_size, as many chunks on
-    every process, the last ones possibly empty: under DeepSpeed ZeRO-3 a generation gathers the trained model's
-    parameters, a collective every process must enter as often as the others."""
+    """This process's share of `items`, every world_size-th from rank, in as many chunks on every process (the last
+    maybe empty): under ZeRO-3 each generation is a collective."""
     mine = items[rank::world_size]
-    most = -(-len(items) // world_size)  # the share of rank 0, the largest
+    most = -(-len(items) // world_size)  # rank 0's share, the largest
     return [mine[start : start + chunk_size] for start in range(0, most, chunk_size)]
 
 
 def evaluate(sampler, prm, eval_set, args, accelerator, tokenizer, step):
-    """Greedy responses to the held-out prompts (eval_set: prompts, golds, questions), sharded over processes:
-    accuracy (pass@1), steps per response, the PRM's mean step score, and the mean reward (success + process rewards,
-    no KL). Returns ({eval/metric: value}, sample rows for samples.jsonl)."""
+    """Greedy responses to the held-out prompts (prompts, golds, questions), sharded: accuracy, steps per response, the
+    PRM's mean step score and the mean reward (success + process, no KL). -> (metrics, sample rows)"""
     eval_prompts, eval_golds, eval_questions = eval_set
     names = ("accuracy", "num_steps", "prm_score", "score", "response_length", "eos_fraction", "num_prompts")
     totals, samples = torch.zeros(len(names), dtype=torch.float64), []
-    # Chunks bound the memory of HF generate and of the PRM.
+    # chunks bound the memory
     for chunk in process_chunks(range(len(eval_prompts)), accelerator.process_index, accelerator.num_processes, 64):
         if not chunk:
-            if sampler.llm is None:  # this process's part of the collective (HF generate gathers ZeRO-3 shards)
+            if sampler.llm is None:  # under ZeRO-3 HF generate is a collective
                 sampler.generate([], 1, 0.0)
             continue
         prompts, golds = [eval_prompts[i] for i in chunk], [eval_golds[i] for i in chunk]

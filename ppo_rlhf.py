@@ -1,30 +1,19 @@
-"""PPO against a learned reward model (RLHF): a single-file reference implementation.
+"""PPO against a learned reward model (RLHF), in one file.
 
-Follows Huang et al., "The N+ Implementation Details of RLHF with PPO: A Case Study on TL;DR Summarization"
-(arXiv 2403.17031), itself a reproduction of Stiennon et al. (arXiv 2009.01325) and Ouyang et al. (arXiv 2203.02155).
+PPO as in "The N+ Implementation Details of RLHF with PPO" (Huang et al., arXiv 2403.17031). Four models: the policy
+and a value model started from the reward model (both trained), the frozen reference and reward model. Each step the
+policy answers a batch of prompts; the reward model scores each response at its last real token; every token pays
+-kl_coef * (log pi - log pi_ref), the last one also gets the score; GAE turns these rewards and the values into
+advantages for PPO's clipped policy and value losses, a few epochs over the batch. The task's verifier only reports
+the gold accuracy beside the proxy score.
 
-Four models: the policy (trained), a frozen copy of it as the reference, a frozen reward model, and a value model
-initialised from the reward model (trained). Each step the policy answers a batch of prompts; the reward model
-scores each response at its last real token; every token pays -kl_coef * (log pi - log pi_ref) (the k1 KL
-estimate), the last token also receives the score; GAE turns these per-token rewards and the value model's
-estimates into advantages, and PPO's clipped policy and value losses are minimised for a few epochs over the batch.
-
-The default learned reward comes from `python reward_modeling.py` (a Bradley-Terry model on pairs of the embedded
-task's completions, correct preferred to wrong). The task's verifier is never used for training here: it is only
-reported as the gold accuracy next to the proxy score, to show whether the learned reward is being over-optimised.
-
-Run on CPU with the embedded defaults (build the reward model first):
-    python reward_modeling.py && python ppo_rlhf.py
+    python reward_modeling.py && python ppo_rlhf.py    # CPU: the embedded model and task, the default reward model
     python ppo_rlhf.py --no-vllm                       # Hugging Face generate instead of vLLM
-Run on GPUs (one vLLM engine per process, colocated with the trainer), e.g. TL;DR with a TL;DR reward model:
     accelerate launch --num_processes 8 ppo_rlhf.py --model_name_or_path <sft model> \
         --reward_model_path <reward model> --dataset_path trl-lib/tldr --question_column prompt --instruction "" \
         --dtype bfloat16 --response_length 53
-    accelerate launch --config_file benchmark/accelerate_configs/deepspeed_zero2.yaml ppo_rlhf.py ...
-Two processes on CPU (gloo): accelerate launch --multi_gpu --num_processes 2 ppo_rlhf.py --no-vllm
 
-Read down to the line "PLUMBING": the arguments, main() with the training loop, then the math and the reward it calls
-are the algorithm.
+Above the PLUMBING line: the flags, main() with the loop, the math and the reward. docs/ppo_rlhf.md explains them.
 """
 
 import collections
@@ -114,8 +103,7 @@ class Args:
     """the policy to train (and its frozen reference): a local Hugging Face folder or a hub model id"""
     reward_model_path: str = "runs/reward_model"
     """a one-label sequence-classification model (default: what `python reward_modeling.py` saves), or an ensemble: a
-    folder of them (its subfolders with a config.json, in name order): K runs of `reward_modeling.py --seed k
-    --data_seed 1 --reward_model_dir DIR/member_k`, k = 1..K, as benchmark/ppo_rlhf_ensemble.sh trains them"""
+    folder of them (subfolders with a config.json, in name order; benchmark/ppo_rlhf_ensemble.sh trains one)"""
     reward_ensemble: Literal["mean", "wco", "uwo"] = "mean"
     """an ensemble's reward from its members' scores (Coste et al., arXiv 2310.02743): the mean, the worst member
     (WCO), or the mean minus --uwo_coef x their variance (UWO); a single reward model gives its score with any"""
@@ -140,8 +128,8 @@ class Args:
 
 
 def main(args: "Config"):
-    # Setup: processes, data, the four models, sampler, run folder (the helpers are below the fence).
-    accelerator, tokenizer = setup(args, check_args(args))  # the flags' one-line errors first
+    # Setup (the helpers are below the fence): the flags' errors first, then processes, data, four models.
+    accelerator, tokenizer = setup(args, check_args(args))
     world_size, device = accelerator.num_processes, accelerator.device
     B = args.prompts_per_rank  # responses per process per step
     train_prompts, train_golds, eval_set, has_gold = load_rlhf_prompts(args, tokenizer, world_size)
@@ -149,22 +137,22 @@ def main(args: "Config"):
     policy, ref_policy, reward_models, value_model = load_ppo_models(args, accelerator, tokenizer)
     model = PolicyAndValue(policy, value_model)
     num_updates = args.num_ppo_epochs * args.num_minibatches  # optimizer steps per step
-    # eps 1e-5 as in the N+ details (TensorFlow's Adam default in the original OpenAI code).
+    # eps 1e-5: the N+ details' (TensorFlow's Adam default)
     trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay, eps=1e-5)
-    schedule = "constant_with_warmup" if args.lr_scheduler == "constant" else args.lr_scheduler  # after warmup_steps
+    schedule = "constant_with_warmup" if args.lr_scheduler == "constant" else args.lr_scheduler
     scheduler = get_scheduler(schedule, optimizer, args.warmup_steps, args.total_steps * num_updates)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     unwrapped = accelerator.unwrap_model(model)
     sampler = Sampler(args, accelerator, unwrapped.policy, tokenizer)
-    loss_flags = dict(  # ppo_rlhf_loss's flags (it takes tensors and scalars, not args)
+    loss_flags = dict(
         cliprange=args.cliprange, cliprange_value=args.cliprange_value, tis_cap=args.tis_cap, vf_coef=args.vf_coef
     )
-    reward_flags = dict(  # reward_model_scores's flags (it takes tensors and scalars, not args)
+    reward_flags = dict(
         missing_eos_penalty=args.missing_eos_penalty, reward_ensemble=args.reward_ensemble, uwo_coef=args.uwo_coef
     )
     evaluation = functools.partial(evaluate, sampler, reward_models, ref_policy, eval_set, has_gold, args, accelerator)
-    # Whitening over every process's tokens: N processes with 1/N of the batch each whiten as one with all of it.
+    # whitening over every process's tokens
     sum_processes = functools.partial(accelerator.reduce, reduction="sum")
     start_step = run.start({"vllm": sampler.llm is not None})
     if start_step > 0:
@@ -174,12 +162,11 @@ def main(args: "Config"):
 
     for step in range(start_step, args.total_steps):
         metrics = run.begin_step(step)
-        # 1. Prompts: each process takes its slice of a global order that is a function of (seed, step), so that
-        # --resume repeats it.
+        # 1. Prompts: this process's slice of an order that is a function of (seed, step), so --resume repeats it.
         indices = run.prompt_indices(step, B, len(train_prompts))
         prompts = [train_prompts[i] for i in indices]
 
-        # 2. Rollout: one response per prompt, cut to the longest one. responses, mask [B, R], B = prompts_per_rank.
+        # 2. Rollout: one response per prompt, cut to the longest one. responses, mask [B, R].
         with run.timed("time/generation"):
             responses, mask, sampler_logprobs, texts = sampler.generate(prompts, 1, args.temperature)
         metrics["perf/generation_tokens_per_second"] = mask.sum().item() / metrics["time/generation"]
@@ -187,16 +174,15 @@ def main(args: "Config"):
             prompts, 1, responses, mask, sampler_logprobs, tokenizer.pad_token_id, device
         )
 
-        # 3. What stays fixed during the update, in the micro-batches the first minibatch of the first epoch will
-        # use (so its ratio is exactly 1): the old policy's log-probs and values, and the reference's log-probs under
-        # the policy's autocast (see reward_model_scores). [B, R]
+        # 3. Fixed during the update [B, R]: old log-probs and values in the first minibatch's micro-batches (its
+        # ratio is then exactly 1), the reference's under the policy's autocast.
         t_train = time.time()
         batch = (query_responses, attention_mask, context_length, args.temperature, args.micro_batch_size)
         model.eval()
         old_logprobs, old_values = fixed_logprobs_and_values(model, *batch)
         ref_logprobs = reference_logprobs(response_logprobs, unwrapped.policy, ref_policy, accelerator, batch)
 
-        # 4. Reward: the reward model's score of each whole response (the verifier's verdict is only reported). [B]
+        # 4. Reward: the reward model's score of each response (the verifier's is only reported). [B]
         with run.timed("time/reward"):
             scores, has_eos, member_scores = reward_model_scores(
                 reward_models, query_responses, attention_mask, context_length, mask, sampler.stop_ids, accelerator,
@@ -204,27 +190,27 @@ def main(args: "Config"):
             )  # fmt: skip
             correct = verifier_correct(texts, [train_golds[i] for i in indices])
         run.check(scores, "objective/scores")
-        if len(reward_models) > 1:  # an ensemble: each member's own mean score too
+        if len(reward_models) > 1:  # each member's score too
             metrics |= {f"objective/scores_member_{k}": score.mean().item() for k, score in enumerate(member_scores)}
 
-        # 5. Per-token rewards: the KL penalty on every token, plus the score on the last real one. [B, R]
+        # 5. Per-token rewards: the KL penalty, plus the score on the last real token. [B, R]
         kl = kl_estimate(old_logprobs, ref_logprobs, "k1") * mask
         rewards, non_score_reward = per_token_rewards(kl, scores, mask, args.kl_coef)
         if args.whiten_rewards:
             rewards = masked_whiten(rewards, mask, shift_mean=False, sum_processes=sum_processes) * mask
 
-        # 6. Advantages and returns with GAE, then the advantages whitened over the batch (by default). [B, R]
+        # 6. Advantages and returns with GAE, the advantages whitened over the batch. [B, R]
         advantages, returns = gae_advantages(rewards, old_values, mask, args.gamma, args.lam)
         if args.whiten_advantages:
             advantages = masked_whiten(advantages, mask, sum_processes=sum_processes) * mask
         metrics |= rlhf_rollout_metrics(scores, kl, non_score_reward, old_logprobs, mask, has_eos, correct, has_gold)
-        if sampler_logprobs is not None:  # the sampler's pi against the trainer's
+        if sampler_logprobs is not None:
             metrics |= sampler_gap_metrics(old_logprobs, sampler_logprobs, mask, args.micro_batch_size)
         rollout = dict(old_logprobs=old_logprobs, old_values=old_values, returns=returns, advantages=advantages)
-        rollout |= dict(sampler_logprobs=sampler_logprobs, mask=mask)  # [B, R] each; sampler_logprobs may be None
+        rollout |= dict(sampler_logprobs=sampler_logprobs, mask=mask)  # [B, R]; sampler_logprobs None without vLLM
 
-        # 7. PPO update: num_ppo_epochs passes over the batch (the first in rollout order), each in minibatches of one
-        # optimizer step, each in micro-batches of gradient accumulation.
+        # 7. PPO update: num_ppo_epochs passes (the first in rollout order), in minibatches of one optimizer step, in
+        # micro-batches of gradient accumulation.
         model.train()
         generator = torch.Generator().manual_seed(args.seed * 7919 + step)
         for epoch in range(args.num_ppo_epochs):
@@ -249,7 +235,7 @@ def main(args: "Config"):
                     if update == 0:  # ratio 1, approxkl 0: a fresh batch's first minibatch is exactly on-policy
                         run.add({"policy/ratio_first_minibatch": stats["val/ratio"]})
                         run.add({"policy/approxkl_first_minibatch": stats["policy/approxkl_avg"]})
-                    if update == num_updates - 1:  # what the stalest update saw: the policy's KL to the rollout's
+                    if update == num_updates - 1:  # the stalest update: the policy's KL to the rollout's
                         run.add({"policy/approxkl_last_minibatch": stats["policy/approxkl_avg"]})
                     run.add(stats)
                     del logits
@@ -266,7 +252,7 @@ def main(args: "Config"):
         train_tokens = int(attention_mask.sum()) * (args.num_ppo_epochs + 1)  # + the no-grad pass of step 3
         metrics["perf/train_tokens_per_second"] = train_tokens / metrics["time/training"]
 
-        # 8. Weight sync: the sampler generates the next batch with the new policy.
+        # 8. Weight sync: the next batch comes from the new policy.
         with run.timed("time/weight_sync"):
             sampler.sync_weights()
 
@@ -280,10 +266,8 @@ def main(args: "Config"):
 
 
 def check_args(args):
-    """The algorithm's flags, checked before anything loads (setup then makes the checks every script makes): stop
-    at the first bad one with one line naming it, and set the sizes computed from them (config.json records them).
-    Returns the local paths for setup to check besides the model and the dataset: {argument: how to get one}. A new
-    flag of the algorithm is checked here."""
+    """The algorithm's flags, checked before anything loads: one line for the first bad one; sets the computed sizes.
+    Returns {local path flag: how to get one} for setup."""
     minibatch = args.prompts_per_rank // max(args.num_minibatches, 1)
     at_least = {
         1: "prompts_per_rank micro_batch_size num_minibatches num_ppo_epochs total_steps response_length",
@@ -321,10 +305,8 @@ def masked_mean(values, mask, dim=None):
 
 
 def masked_whiten(values, mask, shift_mean=True, eps=1e-8, sum_processes=lambda t: t):
-    """(values - mean) / std over the positions where mask is 1, with the unbiased variance; shift_mean=False adds
-    the mean back, so only the scale changes. Positions outside the mask are transformed too (callers mask them).
-    sum_processes sums a tensor over processes (functools.partial(accelerator.reduce, reduction="sum")): the mean
-    and std are then those of every process's batch together, as one process with the whole batch has them."""
+    """(values - mean) / std where mask is 1 (unbiased variance; shift_mean=False adds the mean back), over every
+    process's batch through sum_processes. Callers mask the result. [B, R] -> [B, R]"""
     mask = mask.to(values.dtype)
     count = sum_processes(mask.sum())
     mean = sum_processes((values * mask).sum()) / count.clamp(min=1)
@@ -358,11 +340,8 @@ def response_logprobs(model, input_ids, attention_mask, context_length, temperat
 
 
 def token_scores(model, score_head, input_ids, attention_mask):
-    """The one-label head of a sequence-classification model (reward or value model) at every position: [B, T]
-    float32. `model` may be wrapped (DDP, DeepSpeed) so that gradients sync; `score_head` is its unwrapped `.score`
-    layer. The classifier's forward applies the head at every position and then keeps the last one: a hook takes
-    the head's output before that, so no layer's hidden states are kept (output_hidden_states would keep all).
-    Positions count from each sequence's first real token, so left and right padding give the same scores."""
+    """The one-output head at every position, by a hook on `score_head` (no hidden states kept); positions start at the
+    first real token, whatever the padding. -> [B, T] float32"""
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     scores = []
     handle = score_head.register_forward_hook(lambda module, inputs, output: scores.append(output))
@@ -380,21 +359,17 @@ def last_real_index(attention_mask):
 
 
 class PolicyAndValue(torch.nn.Module):
-    """The policy and the value model as one module, so that one optimizer, one DDP/DeepSpeed wrapper (which syncs
-    gradients only for calls through its forward) and one checkpoint cover both."""
+    """The policy and the value model as one module: one optimizer, one DDP/DeepSpeed wrapper (it syncs gradients only
+    for calls through its forward) and one checkpoint cover both."""
 
     def __init__(self, policy, value_model):
         super().__init__()
         self.policy, self.value_model = policy, value_model
-        # The value model's head minus its config.bias (the mean training score reward_modeling.py stores), as the
-        # N+ critic does: a value model started from the reward model then predicts the centred scores
-        # (score - bias) from step 0 instead of starting bias above every return. A plain float, not a buffer:
-        # it stays in the value model's saved config, and checkpoints keep their keys.
+        # minus the reward model's bias, as the N+ critic (a float: checkpoint keys stay)
         self.value_bias = float(getattr(value_model.config, "bias", 0.0))
 
     def forward(self, input_ids, attention_mask, context_length, temperature):
-        """Response log-probs [B, R], their logits [B, R, V] and the values [B, R] of the states before each
-        response token (the value model's centred output at the position that predicts it)."""
+        """Response log-probs [B, R], logits [B, R, V] and values [B, R] of the states before each response token."""
         logprobs, logits = response_logprobs(self.policy, input_ids, attention_mask, context_length, temperature)
         values = token_scores(self.value_model, self.value_model.score, input_ids, attention_mask)
         return logprobs, logits, values[:, context_length - 1 : -1] - self.value_bias
@@ -411,9 +386,8 @@ def fixed_logprobs(logprobs_fn, model, query_responses, attention_mask, context_
 
 
 def fixed_logprobs_and_values(model, query_responses, attention_mask, context_length, temperature, micro_batch_size):
-    """The PolicyAndValue model's response log-probs and values without gradients, micro-batch by micro-batch (the
-    logits of one micro-batch at a time): the old policy's log-probs and the old values, which stay fixed during the
-    update. [B, P + R] -> ([B, R], [B, R])"""
+    """PolicyAndValue's log-probs and values without gradients, a micro-batch at a time: fixed during the update.
+    [B, P + R] -> ([B, R], [B, R])"""
     parts = [slice(i, i + micro_batch_size) for i in range(0, len(query_responses), micro_batch_size)]
     logprobs, values = [], []
     with torch.no_grad():
@@ -467,10 +441,8 @@ def kl_estimate(logprobs, ref_logprobs, kind):
 
 
 def per_token_rewards(kl, scores, mask, kl_coef, process_rewards=None):
-    """PPO's reward of every response token: the KL penalty -kl_coef * kl on every token, the process rewards (if
-    any) where they fall, and the sequence's score on its last real token (responses are right-padded: the last real
-    token is at length - 1). kl, mask, process_rewards [B, R] (kl 0 on padding); scores [B].
-    Returns (rewards [B, R], non_score_reward [B, R])."""
+    """PPO's reward per response token: -kl_coef * kl, plus the process rewards (if any) and the score on the last real
+    token. kl, mask, process_rewards [B, R], scores [B] -> (rewards, non_score_reward) [B, R]"""
     non_score_reward = -kl_coef * kl
     rewards = non_score_reward.clone() if process_rewards is None else non_score_reward + process_rewards
     last = (mask.sum(1) - 1).long()
@@ -479,10 +451,9 @@ def per_token_rewards(kl, scores, mask, kl_coef, process_rewards=None):
 
 
 def gae_advantages(rewards, values, mask, gamma, lam):
-    """Generalized advantage estimation (Schulman et al., arXiv 1506.02438) over right-padded responses.
-    rewards, values, mask: [B, R], mask 1 on the real response tokens. The episode ends after the last real token,
-    so the value after it is 0: delta_t = r_t + gamma * V_{t+1} - V_t, A_t = delta_t + gamma * lam * A_{t+1}.
-    Returns (advantages [B, R], returns [B, R] = A + V), both 0 on padding."""
+    """Generalized advantage estimation (Schulman et al., arXiv 1506.02438), V 0 after the last real token: delta_t =
+    r_t + gamma V_{t+1} - V_t, A_t = delta_t + gamma lam A_{t+1}. rewards, values, mask [B, R] -> (advantages, returns
+    = A + V) [B, R]"""
     rewards, values = rewards * mask, values * mask
     advantages = torch.zeros_like(rewards)
     next_advantage = torch.zeros_like(rewards[:, 0])  # [B]
@@ -496,9 +467,8 @@ def gae_advantages(rewards, values, mask, gamma, lam):
 
 
 def ppo_policy_loss(logprobs, old_logprobs, advantages, cliprange):
-    """PPO's clipped surrogate per token (Schulman et al., arXiv 1707.06347): max(-A * ratio, -A * clip(ratio,
-    1 - eps, 1 + eps)) with per-token advantages. logprobs, old_logprobs, advantages [B, R].
-    Returns (loss [B, R], ratio [B, R], clipped [B, R]: True where the clipped term is the larger)."""
+    """PPO's clipped surrogate per token (Schulman et al., arXiv 1707.06347), max(-A ratio, -A clip(ratio, 1 - eps, 1 +
+    eps)). [B, R] -> (loss, ratio, clipped: the clipped term is the larger) [B, R]"""
     ratio = torch.exp(logprobs - old_logprobs)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1 - cliprange, 1 + cliprange)
@@ -506,9 +476,8 @@ def ppo_policy_loss(logprobs, old_logprobs, advantages, cliprange):
 
 
 def clipped_value_loss(values, old_values, returns, cliprange_value):
-    """PPO's value loss per token: 0.5 * max((V - G)^2, (V_clip - G)^2) with V_clip = V_old + clip(V - V_old, +-eps)
-    and G the returns. All [B, R].
-    Returns (loss [B, R], clipped [B, R]: True where the clipped error is the larger)."""
+    """PPO's value loss per token, 0.5 max((V - G)^2, (V_clip - G)^2), V_clip = V_old + clip(V - V_old, -eps, eps).
+    [B, R] -> (loss, clipped: the clipped error is the larger) [B, R]"""
     values_clipped = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
     error, clipped_error = (values - returns) ** 2, (values_clipped - returns) ** 2
     return 0.5 * torch.max(error, clipped_error), clipped_error > error
@@ -524,12 +493,8 @@ def ppo_rlhf_loss(
     logprobs, logits, values, old_logprobs, old_values, returns, advantages, sampler_logprobs, mask, num_tokens, *,
     cliprange, cliprange_value, tis_cap, vf_coef,
 ):  # fmt: skip
-    """The loss of one micro-batch, policy + vf_coef * value, as its share of the minibatch's: per-token losses
-    summed over the micro-batch and divided by num_tokens, the minibatch's token count (averaged over processes:
-    DDP's mean of the gradients is then the gradient of the whole minibatch's loss). logprobs, values
-    [b, R] and logits [b, R, V] with gradients; old_logprobs, old_values, returns, advantages, mask [b, R];
-    sampler_logprobs [b, R] or None (vLLM's, for truncated importance sampling); the rest: the flags of the same
-    names. Returns (loss, {name: float})."""
+    """One micro-batch's share of the minibatch's loss, policy + vf_coef * value: token losses over num_tokens, the
+    minibatch's token count averaged over processes. [b, R] (logits [b, R, V]) -> (loss, {name: float})"""
     value_token_loss, value_clipped = clipped_value_loss(values, old_values, returns, cliprange_value)
     policy_token_loss, ratio, policy_clipped = ppo_policy_loss(logprobs, old_logprobs, advantages, cliprange)
     stats = {}
@@ -551,12 +516,8 @@ def ppo_rlhf_loss(
 
 
 def ensemble_reward(member_scores, ensemble, uwo_coef):
-    """The reward of an ensemble of reward models from its members' scores [K, B] (Coste et al., "Reward Model
-    Ensembles Help Mitigate Overoptimization", arXiv 2310.02743): their mean; WCO, the worst case, min over members;
-    UWO, the mean minus uwo_coef x the members' variance (over K, not K - 1: the spread of these K models, as the
-    paper writes it). Each member's score is centred by its own bias (reward_model_scores), not rescaled, as in the
-    paper; the scales are the members' own (they differ, and WCO follows the narrowest: docs/ppo_rlhf.md). Returns
-    [B]; with K = 1, the member's score whatever the ensemble."""
+    """An ensemble's reward from its members' centred scores (Coste et al., arXiv 2310.02743): their mean; WCO, the
+    worst; UWO, the mean minus uwo_coef x their variance over K. [K, B] -> [B]"""
     if ensemble == "mean":
         return member_scores.mean(0)
     if ensemble == "wco":
@@ -567,10 +528,8 @@ def ensemble_reward(member_scores, ensemble, uwo_coef):
 
 
 def member_scores_of(reward_models, query_responses, attention_mask, accelerator):
-    """Each reward model's score of each whole sequence at its last real token, centred by its config.bias (the mean
-    training score reward_modeling.py stores), under the policy's autocast like the reference (so that scores are on
-    the values' scale and KL is exactly 0 before the first update). query_responses, attention_mask [B, P + R].
-    Returns [K, B]."""
+    """Each reward model's score at the last real token minus its config.bias, under the policy's autocast. [B, P + R]
+    -> [K, B]"""
     last, members = last_real_index(attention_mask), []
     for reward_model in reward_models:
         with torch.no_grad(), accelerator.autocast():
@@ -582,12 +541,8 @@ def member_scores_of(reward_models, query_responses, attention_mask, accelerator
 
 
 def missing_eos_scores(scores, has_eos, missing_eos_penalty, lowest_finished):
-    """The N+ details' missing-EOS rule (arXiv 2403.17031 scores a response without EOS -1) on the reward's own scale:
-    a response without an EOS scores missing_eos_penalty, or lowest_finished where that is lower, the lowest score
-    of a finished response among those it is ranked with (math.inf: none). So it never scores above a finished one,
-    the invariant the constant is there for: a centred reward model's finished responses mostly score above -1, an
-    ensemble's worst case (WCO) often does not. Where no finished response scores below the penalty, this is the
-    constant. scores, has_eos [B]; missing_eos_penalty None: the scores as they are. Returns [B]."""
+    """The N+ details' missing-EOS rule on the reward's scale: without EOS a response scores min(missing_eos_penalty,
+    lowest_finished; math.inf: none), never above a finished one it is ranked with. [B] -> [B]"""
     if missing_eos_penalty is None:
         return scores
     return torch.where(has_eos, scores, torch.full_like(scores, min(missing_eos_penalty, lowest_finished)))
@@ -597,12 +552,9 @@ def reward_model_scores(
     reward_models, query_responses, attention_mask, context_length, mask, stop_ids, accelerator, batch_floor=False, *,
     missing_eos_penalty, reward_ensemble, uwo_coef,
 ):  # fmt: skip
-    """The reward: each reward model's score of each whole response at its last real token, centred by its
-    config.bias (the mean training score reward_modeling.py stores), combined over the models (ensemble_reward); a
-    response without an EOS gets missing_eos_penalty instead (None: its score), with batch_floor (training: a
-    collective) no more than the lowest finished score of every process's batch (missing_eos_scores); evaluation
-    keeps the constant, a score that does not depend on the other responses. query_responses, attention_mask
-    [B, P + R], mask [B, R]. Returns (scores [B], has_eos [B], the members' scores [K, B])."""
+    """Each response's reward: the reward models' centred scores combined (ensemble_reward), without EOS
+    missing_eos_scores (with batch_floor, in training, over every process's batch). -> (scores [B], has_eos [B], member
+    scores [K, B])"""
     member_scores = member_scores_of(reward_models, query_responses, attention_mask, accelerator)  # [K, B]
     scores = ensemble_reward(member_scores, reward_ensemble, uwo_coef)
     responses = query_responses[:, context_length:]
@@ -664,8 +616,8 @@ def verifier_correct(texts, golds):
 
 
 def rlhf_rollout_metrics(scores, kl, non_score_reward, old_logprobs, mask, has_eos, correct, has_gold):
-    """What the sampled responses scored and how far the policy is from its reference (the N+ details' names), and
-    how long the responses were. scores, has_eos, correct [B]; kl, non_score_reward, old_logprobs, mask [B, R]."""
+    """The sampled responses' scores, KL to the reference (the N+ details' names) and length. [B] and [B, R] -> {name:
+    float}"""
     metrics = {
         "objective/scores": scores.mean().item(),
         "objective/kl": kl.sum(1).mean().item(),
@@ -681,9 +633,8 @@ def rlhf_rollout_metrics(scores, kl, non_score_reward, old_logprobs, mask, has_e
 
 
 def sampler_gap_metrics(old_logprobs, sampler_logprobs, mask, micro_batch_size):
-    """How far the sampler's pi is from the trainer's on the rollout, per token log(pi_train / pi_sampler): the mean
-    of its absolute value (averaged over the micro-batches' token means) and the largest ratio. All [B, R].
-    Returns {"objective/logprob_gap": float, "objective/logprob_ratio_max": largest pi_train / pi_sampler}."""
+    """The sampler's pi against the trainer's on the rollout: the mean |log(pi_train / pi_sampler)| (over the
+    micro-batches' token means) and the largest ratio. [B, R] -> {name: float}"""
     log_gap = old_logprobs - sampler_logprobs
     parts = [slice(i, i + micro_batch_size) for i in range(0, len(log_gap), micro_batch_size)]
     means = [masked_mean(log_gap[s].abs(), mask[s]).item() for s in parts]
@@ -692,17 +643,13 @@ def sampler_gap_metrics(old_logprobs, sampler_logprobs, mask, micro_batch_size):
 
 
 def record_staleness(stats, updates_behind):
-    """Adds one update's staleness to its step's statistics: `updates_behind`, the number of optimizer updates
-    between the weights that generated its minibatch and the weights it updates (logged as the step's mean and
-    max)."""
+    """Adds one update's staleness (updates since the weights that made its minibatch) to the step's statistics."""
     stats["policy/staleness"].append(updates_behind)
     stats["policy/staleness_max"].append(updates_behind)
 
 
 def rlhf_update_metrics(stats, num_updates):
-    """The update's metrics that are not means of its statistics ({name: one value per micro-batch}, whose share
-    statistics it takes out): the losses, whose micro-batch values are shares of their minibatch's loss (summed per
-    minibatch, averaged over minibatches), and val/ratio_var, from the means of the ratio and of its square."""
+    """The losses (shares summed per minibatch) and val/ratio_var, their statistics taken out of `stats`."""
     return {
         "loss/policy_avg": sum(stats.pop("pg_loss")) / num_updates,
         "loss/value_avg": sum(stats.pop("vf_loss")) / num_updates,
@@ -711,44 +658,39 @@ def rlhf_update_metrics(stats, num_updates):
 
 
 def reference_perplexity(ref_logprobs, mask):
-    """The reference's perplexity of each completion, exp(-mean log-prob of its tokens) [B, R] -> [B] (log-probs at
-    temperature 1): how far the policy's completions have moved from what the reference writes, as the Asynchronous
-    RLHF paper measures it for its "KL (perplexity)" axis (it divides by the prompt's tokens too)."""
+    """The reference's perplexity of each completion, exp(-mean token log-prob) at temperature 1 (the Asynchronous RLHF
+    paper's "KL (perplexity)"). [B, R] -> [B]"""
     return torch.exp(-(ref_logprobs * mask).sum(1) / mask.sum(1).clamp(min=1))
 
 
 def process_chunks(items, rank, world_size, chunk_size):
-    """This process's share of `items` (every world_size-th, from rank) in chunks of chunk_size, as many chunks on
-    every process, the last ones possibly empty: under DeepSpeed ZeRO-3 a generation gathers the trained model's
-    parameters, a collective every process must enter as often as the others."""
+    """This process's share of `items`, every world_size-th from rank, in as many chunks on every process (the last
+    maybe empty): under ZeRO-3 each generation is a collective."""
     mine = items[rank::world_size]
-    most = -(-len(items) // world_size)  # the share of rank 0, the largest
+    most = -(-len(items) // world_size)  # rank 0's share, the largest
     return [mine[start : start + chunk_size] for start in range(0, most, chunk_size)]
 
 
 def evaluate(sampler, reward_models, ref_policy, eval_set, has_gold, args, accelerator, step):
-    """Greedy responses to the held-out prompts (eval_set = (prompts, golds), sharded over processes): the reward
-    model's mean score (of an ensemble: the reward, and each member's own score), when the dataset has gold answers
-    the verifier's accuracy, and with a separate reference model (not with LoRA) the reference's mean perplexity of
-    the responses (reference_perplexity).
-    Returns ({eval/metric: value}, sample rows for samples.jsonl)."""
+    """Greedy responses to the held-out prompts, sharded: the reward's mean (each member's too), the verifier's
+    accuracy, the reference's perplexity (without LoRA). -> (metrics, sample rows)"""
     eval_prompts, eval_golds = eval_set
     tokenizer = sampler.tokenizer
     rank, world_size = accelerator.process_index, accelerator.num_processes
-    K = len(reward_models)  # with an ensemble, each member's mean score too (eval/score_member_k, its own score)
+    K = len(reward_models)  # with an ensemble, eval/score_member_k too
     results, samples, totals = {}, [], torch.zeros(6 + K, dtype=torch.float64)
-    # Chunks bound the memory of HF generate and of the reward model.
+    # chunks bound generate's and the reward model's memory
     for chunk in process_chunks(range(len(eval_prompts)), rank, world_size, 64):
         prompts = [eval_prompts[i] for i in chunk]
         if not chunk:
-            if sampler.llm is None:  # HF generate gathers the policy under ZeRO-3: a collective for every process
+            if sampler.llm is None:  # under ZeRO-3 HF generate is a collective
                 sampler.generate(prompts, 1, 0.0)
             continue
         responses, mask, _, texts = sampler.generate(prompts, 1, 0.0)
         query_responses, attention_mask, mask, _, context_length = training_batch(
             prompts, 1, responses, mask, None, tokenizer.pad_token_id, accelerator.device
         )
-        reward_flags = dict(  # reward_model_scores's flags (it takes tensors and scalars, not args)
+        reward_flags = dict(
             missing_eos_penalty=args.missing_eos_penalty, reward_ensemble=args.reward_ensemble, uwo_coef=args.uwo_coef
         )
         scores, has_eos, member_scores = reward_model_scores(
@@ -756,7 +698,7 @@ def evaluate(sampler, reward_models, ref_policy, eval_set, has_gold, args, accel
             **reward_flags,
         )  # fmt: skip
         correct = verifier_correct(texts, [eval_golds[i] for i in chunk])
-        perplexity = torch.zeros(len(chunk))  # not measured with LoRA (see the docstring)
+        perplexity = torch.zeros(len(chunk))  # not measured with LoRA
         if ref_policy is not None:  # whole on every process: no collective call
             batch = (query_responses, attention_mask, context_length, 1.0, args.micro_batch_size)
             perplexity = reference_perplexity(

@@ -1,43 +1,21 @@
-"""Bradley-Terry reward model: a single-file reference implementation.
+"""Bradley-Terry reward model, in one file.
 
-A reward model reads a prompt and a response and returns one number. It learns from pairs of responses to the same
-prompt, one preferred ("chosen") to the other ("rejected"), through the Bradley-Terry model of pairwise preferences,
-P(chosen > rejected) = sigmoid(r(chosen) - r(rejected)); the loss is -log sigmoid(r(chosen) - r(rejected))
-(Stiennon et al., "Learning to summarize from human feedback", arXiv 2009.01325; Ouyang et al., "Training language
-models to follow instructions with human feedback", arXiv 2203.02155). The model is a language model whose LM head
-is replaced by a one-output linear head; the score of a sequence is that head at its last real token (Huang et al.,
-"The N+ Implementation Details of RLHF with PPO: A Case Study on TL;DR Summarization", arXiv 2403.17031). After
-training, the mean score over the training responses is stored in the model's config as `bias`: consumers
-(ppo_rlhf.py, dpo_online.py) use score - bias, so that scores are centred on 0.
+A reward model scores a prompt and a response with one number. It learns from pairs of responses to one prompt, one
+preferred ("chosen") to the other ("rejected"), through the Bradley-Terry loss -log sigmoid(r(chosen) - r(rejected))
+(Stiennon et al., arXiv 2009.01325; Ouyang et al., arXiv 2203.02155). The model is a language model with a one-output
+head read at the last real token (Huang et al., arXiv 2403.17031); its mean training score is saved as `bias`, which
+ppo_rlhf.py and dpo_online.py subtract. The pairs come from a preference dataset (chosen/rejected columns) or, the
+default, from a task with verifiable answers: completions sampled from the policy, a correct one paired with a wrong
+one of the same prompt. With `--prm`, a process reward model for ppo_prm_clip.py instead: binary cross-entropy at each
+step's last token against the step verifier's labels.
 
-Data: a preference dataset with chosen/rejected columns (the TRL formats: strings after an optional prompt column,
-whole texts as in Anthropic/hh-rlhf, or lists of {role, content} messages), or, the offline default, a task with
-verifiable answers (question/answer columns). For a task the script builds the pairs itself: it samples completions
-from a policy, labels each with the verifier, and pairs a correct completion (chosen) with a wrong one (rejected) of
-the same prompt; the pairs are written to runs/{run_name}/preferences/{train,test}.jsonl.
-
-With `--prm` the script trains a step-level process reward model (PRM) instead, for ppo_prm_clip.py: completions
-sampled from the policy with a step-by-step instruction are split into steps (`--step_separator`, a newline),
-and each step gets a binary label from the verifier of ppo_prm_clip.py, which checks the arithmetic of every
-equation: 1 while no equation so far is wrong, 0 from the first wrong one on (a label of the prefix that ends with
-the step). The model's one-output head is read at the last token of each step (the causal model sees the prompt and
-steps 1..k there) and trained with binary cross-entropy; p_k = sigmoid(score). No bias is stored; the config gets
-`prm` (the step separator and the instruction), which ppo_prm_clip.py checks. The labelled completions are written
-to runs/{run_name}/steps/{train,test}.jsonl, the model to runs/prm.
-
-Run on CPU with the embedded defaults (SmolLM2-135M-Instruct, the arith_1d task; the final model also goes to
-runs/reward_model, where ppo_rlhf.py and dpo_online.py look by default):
-    python reward_modeling.py
-    python reward_modeling.py --no-vllm                  # HF generate instead of vLLM to sample the pairs
-    python reward_modeling.py --prm                      # a PRM for ppo_prm_clip.py (its task), saved to runs/prm
-Run on GPUs, e.g. on a hub preference dataset:
+    python reward_modeling.py                      # CPU: SmolLM2-135M-Instruct on arith_1d, saved to runs/reward_model
+    python reward_modeling.py --prm                # a PRM for ppo_prm_clip.py, saved to runs/prm
     accelerate launch --num_processes 8 reward_modeling.py --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct \
         --dataset_path Anthropic/hh-rlhf --max_length 1024 --pairs_per_rank 8 --micro_batch_size 4
-    accelerate launch --config_file benchmark/accelerate_configs/deepspeed_zero2.yaml reward_modeling.py ...
-Two processes on CPU (gloo): accelerate launch --multi_gpu --num_processes 2 reward_modeling.py --no-vllm
 
-Read down to the line "PLUMBING": the arguments, main() with the training loop, then the math and the reward it calls
-are the algorithm.
+Above the PLUMBING line: the flags, main() with the loop, the losses and the labels. docs/reward_modeling.md explains
+them.
 """
 
 import ast
@@ -131,17 +109,16 @@ class Args:
 
 
 def main(args: "Config"):
-    # Setup: processes, data, the pairs (sampled from a task), the model (the helpers are below the fence).
-    accelerator, tokenizer = setup(args, check_args(args))  # one-line errors first (--prm changes defaults)
+    # Setup (the helpers are below the fence): the flags' one-line errors first, then processes, data, pairs, model.
+    accelerator, tokenizer = setup(args, check_args(args))
     rank, world_size = accelerator.process_index, accelerator.num_processes
-    train_rows, eval_rows = load_reward_data(args, tokenizer)  # checked before any model is loaded
+    train_rows, eval_rows = load_reward_data(args, tokenizer)
     pad_id = tokenizer.pad_token_id
     run = Run(args, accelerator, RESUMABLE_ARGS)
-    set_seed(args.data_seed + rank)  # a different sampling stream per process (the model init below is reseeded)
-    # Token ids: (chosen [L_c], rejected [L_r]), prompt included; --prm: (prompt + completion [L], positions of the
-    # steps' last tokens [K], step labels [K]). From a task, completions sampled from the policy and labelled by the
-    # verifier, a correct one paired with a wrong one of the same prompt (--prm: every completion, a label per step).
-    label = verifier_step_scores if args.prm else preference_pairs  # each step's score; a prompt's pairs
+    set_seed(args.data_seed + rank)  # each process samples its own completions
+    # Pairs of token ids (chosen [L_c], rejected [L_r]), prompt included; --prm: (ids [L], the steps' last positions
+    # [K], step labels [K]). From a task: sampled from the policy, labelled by the verifier.
+    label = verifier_step_scores if args.prm else preference_pairs
     train_pairs, eval_pairs, pair_metrics = reward_pairs(
         args, accelerator, tokenizer, run, train_rows, eval_rows, label
     )
@@ -157,14 +134,12 @@ def main(args: "Config"):
     model = load_reward_model(args, pad_id)
     trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters (and the new head)
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay, eps=1e-8)
-    schedule = "constant_with_warmup" if args.lr_scheduler == "constant" else args.lr_scheduler  # after warmup_steps
+    schedule = "constant_with_warmup" if args.lr_scheduler == "constant" else args.lr_scheduler
     scheduler = get_scheduler(schedule, optimizer, args.warmup_steps, args.total_steps)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     unwrapped = accelerator.unwrap_model(model)
-    # The one-output head, read by token_scores at every position (peft wraps it in a trainable copy).
-    score_head = (unwrapped.base_model.model if args.lora_r > 0 else unwrapped).score
+    score_head = (unwrapped.base_model.model if args.lora_r > 0 else unwrapped).score  # peft wraps it in a copy
     backward = prm_backward if args.prm else bradley_terry_backward
-    # Held-out accuracy, with the unwrapped model; after the last step, the bias stored with the model.
     evaluation = functools.partial(evaluate, unwrapped, score_head, train_pairs, eval_pairs, args, accelerator, pad_id)
     start_step, logged = run.start({}), {}
     if start_step == 0:
@@ -172,18 +147,16 @@ def main(args: "Config"):
 
     for step in range(start_step, args.total_steps):
         metrics = run.begin_step(step)
-        # 1. Pairs of this step (--prm: labelled completions): each process takes its slice of a global order that is
-        # a function of (seed, step) (a fresh permutation each epoch), so that --resume repeats it. Pairs of similar
-        # lengths share a micro-batch (less padding); the step's gradient is the same sum.
+        # 1. Pairs (--prm: completions): this process's slice of an order that is a function of (seed, step), so
+        # --resume repeats it; sorted by length, so that a micro-batch pads less.
         indices = run.prompt_indices(step, args.pairs_per_rank, len(train_pairs))
         batch = sorted((train_pairs[i] for i in indices), key=lambda pair: max(map(len, pair)))
 
         with run.timed("time/training"):
-            # 2. The loss's gradient over micro-batches: Bradley-Terry -log sigmoid(r_chosen - r_rejected) on each
-            # pair (--prm: binary cross-entropy on each step). Its metrics describe the batch before the update.
+            # 2. Gradient over micro-batches: Bradley-Terry on each pair (--prm: cross-entropy on each step).
             model.train()
             metrics |= backward(model, score_head, batch, args, accelerator, pad_id, run)
-            # 3. Update: gradients clipped to max_grad_norm (by DeepSpeed itself under DeepSpeed), one optimizer step.
+            # 3. Update: clipped gradients (DeepSpeed clips its own), one optimizer step.
             grad_norm = run.clip_gradients(model)  # stops at a non-finite norm; NaN when fp16 skips the update
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
@@ -195,14 +168,13 @@ def main(args: "Config"):
         metrics["perf/train_tokens_per_second"] = tokens / metrics["time/training"]
         metrics["perf/pairs_per_second"] = pairs_per_step / metrics["time/training"]
 
-        # 4. Log (averaged over processes), evaluate (after the last step with the bias), checkpoint.
+        # 4. Log (averaged over processes), evaluate (with the bias after the last step), checkpoint.
         logged = run.end_step(pairs_per_step, evaluation)
         run.logs.progress.set_postfix(
             loss=f"{logged['loss/reward_model']:.3f}", acc=f"{logged['objective/accuracy']:.2f}"
         )
 
-    # The final model, LoRA merged in, in the run folder and in reward_model_dir (--prm: prm_dir), with the bias (a
-    # finished run resumed has none logged: it is measured again) or what ppo_prm_clip.py checks of a PRM.
+    # The final model, LoRA merged in, with its bias (measured again when a finished run is resumed).
     bias = logged.get("objective/bias")
     if bias is None and not args.prm:
         bias = centring_bias(unwrapped, score_head, train_pairs, args, accelerator, pad_id)[0]
@@ -212,11 +184,9 @@ def main(args: "Config"):
 
 
 def check_args(args):
-    """The algorithm's flags, checked before anything loads (setup then makes the checks every script makes): fill
-    the defaults --prm changes (ppo_prm_clip.py's task, and the prompt of the policy whose responses the PRM will
-    judge), stop at the first bad one with one line naming it, and set the sizes computed from them (config.json
-    records them) and the pairs' seed. Returns the local paths for setup to check besides the model and the
-    dataset: {argument: how to get one}. A new flag of the algorithm is checked here."""
+    """The algorithm's flags, checked before anything loads: fill the defaults --prm changes, stop at the first bad one
+    with one line naming it, set the sizes computed from them and the pairs' seed. Returns {local path flag: how to get
+    one} for setup."""
     prm_defaults = (
         "assets/data/arith_2t3t1d",
         "Solve it step by step, one step per line, and end with 'Answer: <number>'.",
@@ -265,24 +235,20 @@ def check_args(args):
 
 
 def flip_preferences(pairs, probability, seed):
-    """Label noise: each pair's chosen and rejected swapped with `probability`, drawn per pair from (seed, its index),
-    so every process and a resumed run flip the same pairs. Returns (pairs, the number flipped)."""
+    """Label noise: each pair's chosen and rejected swapped with `probability`, drawn from (seed, its index), the same
+    in every process and on resume. Returns (pairs, the number flipped)."""
     flips = [random.Random(f"{seed}/label_noise/{i}").random() < probability for i in range(len(pairs))]
     return [(pair[1], pair[0]) if flip else pair for pair, flip in zip(pairs, flips)], sum(flips)
 
 
 def bradley_terry_loss(chosen_scores, rejected_scores):
-    """Per-pair Bradley-Terry loss -log sigmoid(r_chosen - r_rejected): [B] from scores [B]. logsigmoid stays finite
-    for any margin (log(sigmoid(x)) underflows to log(0) = -inf for x below about -100 in float32)."""
+    """-log sigmoid(r_chosen - r_rejected) per pair (logsigmoid stays finite for any margin). [B], [B] -> [B]"""
     return -F.logsigmoid(chosen_scores - rejected_scores)
 
 
 def token_scores(model, score_head, input_ids, attention_mask):
-    """The one-label head of a sequence-classification model (reward or value model) at every position: [B, T]
-    float32. `model` may be wrapped (DDP, DeepSpeed) so that gradients sync; `score_head` is its unwrapped `.score`
-    layer. The classifier's forward applies the head at every position and then keeps the last one: a hook takes
-    the head's output before that, so no layer's hidden states are kept (output_hidden_states would keep all).
-    Positions count from each sequence's first real token, so left and right padding give the same scores."""
+    """The one-output head at every position, by a hook on `score_head` (no hidden states kept); positions start at the
+    first real token, whatever the padding. -> [B, T] float32"""
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     scores = []
     handle = score_head.register_forward_hook(lambda module, inputs, output: scores.append(output))
@@ -311,8 +277,8 @@ def right_pad(sequences, pad_token_id):
 
 
 def pair_scores(model, score_head, pairs, pad_token_id, device):
-    """Scores of a list of pairs: (chosen [b], rejected [b]) float32. Chosen and rejected go through one forward,
-    right-padded; each score is read at its sequence's last real token."""
+    """Scores of pairs at each sequence's last real token, chosen and rejected in one right-padded forward. -> (chosen,
+    rejected) [b] float32"""
     input_ids, attention_mask = right_pad([c for c, _ in pairs] + [r for _, r in pairs], pad_token_id)  # [2b, L]
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     per_token = token_scores(model, score_head, input_ids, attention_mask)  # [2b, L]
@@ -321,7 +287,7 @@ def pair_scores(model, score_head, pairs, pad_token_id, device):
 
 
 def bradley_terry_metrics(chosen, rejected):
-    """What the scores of a batch of pairs say: accuracy (r_chosen > r_rejected), mean scores, margin. [B] each."""
+    """Accuracy (r_chosen > r_rejected), mean scores and margin of [B] scores."""
     return {
         "objective/accuracy": (chosen > rejected).float().mean().item(),
         "objective/chosen_score": chosen.mean().item(),
@@ -331,21 +297,17 @@ def bradley_terry_metrics(chosen, rejected):
 
 
 def bradley_terry_backward(model, score_head, pairs, args, accelerator, pad_token_id, run):
-    """The gradient of the mean Bradley-Terry loss over this process's pairs of the step, accumulated over
-    gradient_accumulation_steps micro-batches; gradients sync over processes on the last one, where DeepSpeed also
-    takes its optimizer step. Returns the batch's metrics before the update: the loss optimised (its mean over
-    processes is the whole batch's), accuracy and scores."""
+    """The gradient of the mean Bradley-Terry loss over this process's pairs, accumulated over
+    gradient_accumulation_steps micro-batches. Returns the batch's metrics before the update."""
     chosen_all, rejected_all, batch_loss = [], [], 0.0
     for k in range(args.gradient_accumulation_steps):
         micro_batch = pairs[k * args.micro_batch_size : (k + 1) * args.micro_batch_size]
         with accelerator.accumulate(model):
             chosen, rejected = pair_scores(model, score_head, micro_batch, pad_token_id, accelerator.device)
-            # Every micro-batch of every process holds the same number of pairs: the mean of their means is the mean
-            # over the whole batch, and DDP's mean over processes keeps it so.
+            # equal micro-batches in every process: the mean of their means is the batch's mean
             loss = bradley_terry_loss(chosen, rejected).mean() / args.gradient_accumulation_steps
             run.check(loss, "loss/reward_model")
-            # accelerate (and DeepSpeed) divide a micro-batch's loss by gradient_accumulation_steps, to average
-            # micro-batch means; these losses are shares that already sum to the step's.
+            # loss is this micro-batch's share of the batch's: undo accelerate's division by the steps
             accelerator.backward(loss * args.gradient_accumulation_steps)
         batch_loss += loss.item()
         chosen_all.append(chosen.detach())
@@ -354,17 +316,16 @@ def bradley_terry_backward(model, score_head, pairs, args, accelerator, pad_toke
 
 
 def preference_pairs(labels, max_pairs, rng):
-    """(chosen, rejected) index pairs among one prompt's completions: a correct one (label 1) is preferred to a
-    wrong one (label 0). Both lists are shuffled with `rng` and walked round-robin, so every completion is used
-    about equally often and no pair repeats; min(max_pairs, max(#correct, #wrong)) pairs, none when the prompt's
-    completions are all correct or all wrong."""
+    """(chosen, rejected) index pairs among one prompt's completions, a correct one (label 1) over a wrong one: both
+    shuffled with `rng` and walked round-robin, so each completion is used about equally often; min(max_pairs,
+    max(#correct, #wrong)) distinct pairs, none when all are correct or all wrong."""
     correct = [i for i, label in enumerate(labels) if label]
     wrong = [i for i, label in enumerate(labels) if not label]
     if not correct or not wrong:
         return []
     rng.shuffle(correct)
     rng.shuffle(wrong)
-    # Pair k is (correct[k % C], wrong[k % W]): distinct for k < lcm(C, W), which is >= max(C, W).
+    # distinct for k < lcm(C, W) >= max(C, W)
     return [
         (correct[k % len(correct)], wrong[k % len(wrong)])
         for k in range(min(max_pairs, max(len(correct), len(wrong))))
@@ -375,9 +336,8 @@ def preference_pairs(labels, max_pairs, rng):
 
 
 def prm_step_logits(model, score_head, completions, pad_token_id, device):
-    """The head's logits at the last token of every step of a list of labelled completions (token ids, positions of
-    the steps' last tokens, step labels), and the steps' labels: ([S], [S]) float32, S the number of steps. One
-    right-padded forward."""
+    """The head's logits at the last token of every step of labelled completions (ids, the steps' last positions,
+    labels), in one right-padded forward. -> (logits [S], labels [S]) float32"""
     input_ids, attention_mask = right_pad([ids for ids, _, _ in completions], pad_token_id)  # [b, L]
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     per_token = token_scores(model, score_head, input_ids, attention_mask)  # [b, L]
@@ -388,8 +348,8 @@ def prm_step_logits(model, score_head, completions, pad_token_id, device):
 
 
 def prm_metrics(logits, labels):
-    """What the step logits of a batch say, p = sigmoid(logit): accuracy (p > 0.5 agrees with the label) and the mean
-    p of the good steps and of the bad ones. [S] each."""
+    """Step accuracy (sigmoid(logit) > 0.5 agrees with the label) and the mean p of good and of bad steps. [S], [S] ->
+    {name: float}"""
     p, good = torch.sigmoid(logits), labels > 0.5
     return {
         "objective/accuracy": ((p > 0.5) == good).float().mean().item(),
@@ -399,18 +359,14 @@ def prm_metrics(logits, labels):
 
 
 def prm_loss(logits, labels, mean_steps):
-    """A micro-batch's share of the PRM loss: the binary cross-entropy of p = sigmoid(logit) against each step's
-    label, summed over its steps (logits, labels [S]) and divided by mean_steps, the step count of the batch
-    averaged over processes. Summed over the micro-batches, and averaged over processes by DDP, it is the mean over
-    every step of the batch. (A mean per micro-batch or per process would weigh a step by how many steps share its
-    micro-batch or process: 2 processes, or another micro-batch size, would train on another loss.)"""
+    """A micro-batch's share of the PRM loss: binary cross-entropy summed over its steps [S], divided by the batch's
+    step count averaged over processes, so that the shares make the mean over every step of the batch."""
     return F.binary_cross_entropy_with_logits(logits, labels, reduction="sum") / mean_steps
 
 
 def prm_backward(model, score_head, completions, args, accelerator, pad_token_id, run):
-    """The gradient of the PRM loss (prm_loss) on this process's completions of the step, accumulated over
-    gradient_accumulation_steps micro-batches as in bradley_terry_backward. Returns the batch's metrics before the
-    update: the loss optimised (its mean over processes is the whole batch's), step accuracy and scores."""
+    """The gradient of prm_loss on this process's completions, accumulated over micro-batches as in
+    bradley_terry_backward. Returns the batch's metrics before the update."""
     num_steps = sum(len(positions) for _, positions, _ in completions)
     mean_steps = accelerator.reduce(torch.tensor(float(num_steps), device=accelerator.device), "mean")
     logits_all, labels_all, batch_loss = [], [], 0.0
@@ -420,7 +376,7 @@ def prm_backward(model, score_head, completions, args, accelerator, pad_token_id
             logits, labels = prm_step_logits(model, score_head, micro_batch, pad_token_id, accelerator.device)
             loss = prm_loss(logits, labels, mean_steps)
             run.check(loss, "loss/reward_model")
-            accelerator.backward(loss * args.gradient_accumulation_steps)  # see bradley_terry_backward
+            accelerator.backward(loss * args.gradient_accumulation_steps)
         batch_loss += loss.item()
         logits_all.append(logits.detach())
         labels_all.append(labels)
@@ -431,8 +387,8 @@ def prm_backward(model, score_head, completions, args, accelerator, pad_token_id
 
 
 def verifier_step_scores(steps, correct=1.0, unchecked=0.8, wrong=0.0):
-    """The verifier PRM: p_k for the prefix ending at each of the K steps (strings). A step scores `wrong` when one of
-    its equations is wrong, `correct` when all hold, `unchecked` without any; a prefix scores as its worst step."""
+    """The verifier PRM: p_k of the prefix ending at each of the K steps: `wrong` when one of its step's equations is
+    wrong, `correct` when all hold, `unchecked` without any; a prefix scores as its worst step."""
     scores, prefix = [], correct
     for step in steps:
         verdict = step_arithmetic(step)
@@ -442,12 +398,9 @@ def verifier_step_scores(steps, correct=1.0, unchecked=0.8, wrong=0.0):
 
 
 def step_arithmetic(step):
-    r"""The verdict on a step's equations: False when one is wrong, True when it has some and all hold, None when it
-    has none that can be read. An equation is a run of numbers, operators, parentheses and '=' ("9 times 6 = 54",
-    "50% of 10 = 5", "\frac{6}{3} = 2"); it holds when its sides are equal or form a running total. A written number
-    is exact; an equation that fails so, whose result is a lone number written to fewer digits than its value needs,
-    is read once more as rounded (`rounded_operand`): "10 / 3 = 3.33", "0.67 * 30 = 20". What cannot be read is
-    unchecked, never wrong. docs/ppo_prm_clip.md gives the rules."""
+    r"""A step's verdict: False when one of its equations is wrong, True when it has some and all hold, None when it
+    has none that can be read (never wrong). Written numbers are exact; a lone result written to fewer digits is read
+    once more as rounded (`rounded_operand`). docs/ppo_prm_clip.md "The step verifier" gives the rules."""
     text = step.replace("\u2212", "-").replace("\\%", "%")
     annotations = re.findall(r"<<([^<>]*)>>", text)
     text = re.sub(r"<<[^<>]*>>", "", text) + "".join(f"; {annotation}" for annotation in annotations)
@@ -586,9 +539,8 @@ def step_arithmetic(step):
 
 
 def rounded_operand(written, scale=1):
-    """The value a decimal written rounded stands for: the simplest fraction p/q (q <= 12) within half a unit of its
-    last digit, when q is not of the form 2^a 5^b and the number has at least two decimals (a percentage, scale 100,
-    two more): "0.67" -> 2/3, "3.33" -> 10/3, "16.67" % -> 1/6; "0.5", "0.1", "2.5", "0.25", "20" % -> None."""
+    """The fraction a rounded decimal stands for: the simplest p/q (q <= 12, not 2^a 5^b) within half a unit of its
+    last digit, for two or more decimals (a percentage: two more). "0.67" -> 2/3, "3.33" -> 10/3, "0.5" -> None."""
     decimals = len(written.partition(".")[2]) + (2 if scale == 100 else 0)
     if decimals < 2:
         return None
@@ -601,10 +553,9 @@ def rounded_operand(written, scale=1):
 
 
 def arithmetic_value(expression):
-    """The exact value of an arithmetic expression of numbers, + - * / (also × ÷), powers (** or ^, also ² ³), square
-    roots (√16, √(16), sqrt(16)) and parentheses: a Fraction, or a float through an irrational root or power. None
-    for anything else, what does not parse, a division by zero, a value beyond 1e308, an exponent beyond ±1000 (the
-    text is model output) or the root or fractional power of a negative number. Parsed with ast, never eval."""
+    """The exact value of an expression of numbers, + - * / × ÷, powers (** ^ ² ³), square roots and parentheses: a
+    Fraction, or a float through an irrational root or power; None for anything else or out of range. Parsed with ast,
+    never eval."""
     for symbol, python in ("×", "*"), ("÷", "/"), ("^", "**"), ("²", "**2"), ("³", "**3"):
         expression = expression.replace(symbol, python)
     expression = re.sub(r"√[ \t]*(\d*\.?\d+)", r"sqrt(\1)", expression).replace("√", "sqrt").strip()
@@ -653,9 +604,8 @@ def arithmetic_value(expression):
 
 
 def evaluate(model, score_head, train_pairs, eval_pairs, args, accelerator, pad_token_id, step):
-    """Held-out accuracy, loss and scores (evaluate_pairs; --prm: evaluate_steps) and the seconds they took; after the
-    last step of a Bradley-Terry model also the bias stored with it and the training-set accuracy (centring_bias).
-    Before and after training, a line on the console. Returns (metrics, no samples)."""
+    """Held-out metrics (evaluate_pairs; --prm: evaluate_steps) and their seconds; after the last step of a
+    Bradley-Terry model also the bias and the training-set accuracy. Returns (metrics, no samples)."""
     t0, unit = time.time(), "steps" if args.prm else "pairs"
     metrics = (evaluate_steps if args.prm else evaluate_pairs)(
         model, score_head, eval_pairs, "eval", args, accelerator, pad_token_id
@@ -679,15 +629,14 @@ def evaluate(model, score_head, train_pairs, eval_pairs, args, accelerator, pad_
 
 
 def evaluate_pairs(model, score_head, pairs, prefix, args, accelerator, pad_token_id):
-    """Accuracy (r_chosen > r_rejected; ties count as wrong), mean loss, margin and scores over `pairs`, sharded
-    over processes. `model` is the unwrapped one: a DDP forward outside the training step may sync buffers."""
+    """Accuracy (ties count as wrong), mean loss, margin and scores over `pairs`, sharded over processes. `model` is
+    unwrapped: a DDP forward outside the training step may sync buffers."""
     rank, world_size = accelerator.process_index, accelerator.num_processes
     mine = sorted(pairs[rank::world_size], key=lambda p: max(map(len, p)))  # similar lengths: less padding
     totals = torch.zeros(6, dtype=torch.float64, device=accelerator.device)
     model.eval()
     with torch.no_grad():
-        # The same number of forwards in every process (DeepSpeed ZeRO-3 gathers the weights collectively in each):
-        # a process whose shard is used up scores a stand-in pair and counts nothing.
+        # as many forwards in every process (ZeRO-3 gathers weights in each): past its shard, an uncounted stand-in
         for start in range(0, math.ceil(len(pairs) / world_size), args.eval_batch_size):
             batch = mine[start : start + args.eval_batch_size]
             chosen, rejected = pair_scores(model, score_head, batch or pairs[:1], pad_token_id, accelerator.device)
@@ -711,9 +660,8 @@ def evaluate_pairs(model, score_head, pairs, prefix, args, accelerator, pad_toke
 
 
 def evaluate_steps(model, score_head, completions, prefix, args, accelerator, pad_token_id):
-    """--prm: step accuracy (sigmoid(logit) > 0.5 agrees with the label), mean loss, and the mean p of good and of
-    bad steps over `completions`, sharded over processes (the same number of forwards in each, as in
-    evaluate_pairs). `model` is the unwrapped one."""
+    """--prm: step accuracy, mean loss and the mean p of good and of bad steps over `completions`, sharded as in
+    evaluate_pairs."""
     rank, world_size = accelerator.process_index, accelerator.num_processes
     mine = completions[rank::world_size]
     totals = torch.zeros(7, dtype=torch.float64, device=accelerator.device)
@@ -750,8 +698,8 @@ def evaluate_steps(model, score_head, completions, prefix, args, accelerator, pa
 
 
 def centring_bias(model, score_head, train_pairs, args, accelerator, pad_token_id):
-    """The bias stored with the model: its mean score over the training responses (as many chosen as rejected),
-    which consumers subtract so that scores are centred on 0. Returns (bias, training-set accuracy)."""
+    """The bias stored with the model, its mean score over the training responses, which consumers subtract. Returns
+    (bias, training-set accuracy)."""
     train = evaluate_pairs(model, score_head, train_pairs, "train", args, accelerator, pad_token_id)
     return (train["train/chosen_score"] + train["train/rejected_score"]) / 2, train["train/accuracy"]
 
