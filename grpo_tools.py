@@ -673,88 +673,6 @@ class Calculator:
         return UNAVAILABLE if self.unavailable else calculator(expression, max_operations=self.max_operations)
 
 
-def price_exchange(shop, *items):
-    """One exchange of the price_list task, as EXAMPLES shows it: the question about (quantity, item) pairs at a shop,
-    a `price` call for each item in one turn, their results, for two items an `add` call and its result, the answer."""
-    costs = [PriceList.price(shop, item, quantity) for quantity, item in items]
-    messages = [
-        {"role": "user", "content": f"{price_question(shop, items)} Give the final answer after 'Answer:'."},
-        call_message(*[("price", {"shop": shop, "item": item, "quantity": quantity}) for quantity, item in items]),
-        *[tool_message("price", str(cost)) for cost in costs],
-    ]
-    if len(costs) == 2:
-        messages += [call_message(("add", {"a": costs[0], "b": costs[1]})), tool_message("add", str(sum(costs)))]
-    return messages + [{"role": "assistant", "content": f"Answer: {sum(costs)}"}]
-
-
-def price_question(shop, items):
-    """ "At the east shop, what do 2 rulers cost, in cents?", or "... 2 rulers and 5 erasers cost together, ..." """
-    listed = " and ".join(f"{quantity} {item}s" for quantity, item in items)
-    return f"At the {shop} shop, what do {listed} cost{' together' if len(items) > 1 else ''}, in cents?"
-
-
-class PriceList:
-    """The price_list tasks' environment (their questions: make assets): what one or two kinds of items cost at one of
-    three shops, whose prices the policy looks up (no prompt holds them) and adds. Two tools of several typed
-    arguments; `items`: the kind of question its EXAMPLES show (two items: two `price` calls, then `add`; one item:
-    one `price` call, `add` offered and not needed)."""
-
-    PRICES = {  # cents
-        "north": {"pencil": 35, "notebook": 240, "eraser": 55, "ruler": 120, "stapler": 890, "marker": 145},
-        "south": {"pencil": 40, "notebook": 215, "eraser": 60, "ruler": 105, "stapler": 935, "marker": 130},
-        "east": {"pencil": 30, "notebook": 260, "eraser": 45, "ruler": 135, "stapler": 860, "marker": 155},
-    }
-    # Three exchanges, as the calculator's: after one, SmolLM2-135M writes a <tool_response> itself, never a call;
-    # shown two-item exchanges, it makes two calls for a one-item question too (docs/grpo_tools.md).
-    SHOWN = {
-        2: [("east", (2, "ruler"), (5, "eraser")), ("north", (3, "pencil"), (4, "marker")),
-            ("south", (6, "notebook"), (2, "stapler"))],
-        1: [("east", (2, "ruler")), ("north", (4, "marker")), ("south", (6, "notebook"))],
-    }  # fmt: skip
-
-    def __init__(self, items=2):
-        self.EXAMPLES = [price_exchange(shop, *pairs) for shop, *pairs in self.SHOWN[items]]
-
-    def reset(self, question):
-        """Called with its question before a trajectory's first turn (the prices do not change; nothing added)."""
-
-    @classmethod  # so that price_exchange and price_list_rows price with the tool itself
-    def price(cls, shop: str, item: str, quantity: int) -> int:
-        """The price in cents of some items at a shop.
-
-        Args:
-            shop: the shop: north, south or east
-            item: pencil, notebook, eraser, ruler, stapler or marker
-            quantity: how many
-        """
-        if shop not in cls.PRICES or item not in cls.PRICES[shop]:
-            raise KeyError(f"no {item!r} at a shop {shop!r}")
-        return cls.PRICES[shop][item] * quantity
-
-    def add(self, a: int, b: int) -> int:
-        """The sum of two whole numbers.
-
-        Args:
-            a: the first
-            b: the second
-        """
-        return a + b
-
-
-def price_list_rows(seed, count, items=2):
-    """`count` distinct questions of the price_list tasks about `items` (1 or 2) kinds of items at a shop
-    (price_question; quantities 2-9, two items in PRICES' order) with their answers, from a seeded stream."""
-    rng, rows = np.random.default_rng(seed), {}
-    shops, names = list(PriceList.PRICES), list(PriceList.PRICES["north"])
-    while len(rows) < count:
-        shop, quantities = str(rng.choice(shops)), rng.integers(2, 10, items)
-        chosen = sorted(rng.choice(names, items, replace=False), key=names.index)  # one order: no fact in both splits
-        pairs = [(int(q), str(item)) for q, item in zip(quantities, chosen)]
-        question, answer = price_question(shop, pairs), sum(PriceList.price(shop, item, q) for q, item in pairs)
-        rows.setdefault(question, {"question": question, "answer": str(answer)})
-    return list(rows.values())
-
-
 class Tools:
     """An environment of plain functions, as TRL's `tools=[...]`: Tools(f, g) offers each typed, documented function
     as a tool (no state to reset); `examples`: its EXAMPLES. A line in ENVIRONMENTS makes it a choice:
@@ -772,8 +690,8 @@ class Tools:
 # --environment's choices: each makes one environment from the flags (args), shown its EXAMPLES before the question.
 ENVIRONMENTS = {
     "calculator": lambda args: Calculator(args.max_operations, args.tool == "unavailable"),
-    "price_list": lambda args: PriceList(items=2),
-    "price_list_one": lambda args: PriceList(items=1),
+    "price_list": lambda args: environment_class("environments/price_list.py:PriceList")(),
+    "price_list_one": lambda args: environment_class("environments/price_list.py:PriceListOne")(),
 }
 
 
@@ -1360,9 +1278,13 @@ def tool_text_after(tokenizer, turn_ids, text, output):
 RESULT = ("<result>", "</result>")
 
 
+@functools.cache
 def environment_class(spec):
-    """The class of --environment FILE.py:CLASS, from its file (one line naming what is missing)."""
+    """The class of --environment FILE.py:CLASS, from its file (one line naming what is missing), a relative path
+    read from the working folder or else this script's (environments/ beside it)."""
     path, _, name = spec.partition(":")
+    if not os.path.isfile(path):
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), path)
     module_spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)

@@ -324,11 +324,11 @@ def prepare_tasks(assets: Path) -> None:
 
 def prepare_price_list(assets: Path) -> None:
     """grpo_tools.py's second environment's tasks (--environment price_list --tool_format native): questions about
-    what items cost at one of three shops, whose prices only the environment's tools know (grpo_tools.price_list_rows).
+    what items cost at one of three shops, whose prices only the environment's tools know (environments/price_list.py's price_list_rows).
     price_list: two kinds of items, 500 held out of 2,500; price_list_one: every one-item question there is (144), a
     third held out."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from grpo_tools import price_list_rows
+    from environments.price_list import price_list_rows
 
     tasks = {
         "price_list": (price_list_rows(SEED, 2000 + TEST_SIZE), TEST_SIZE),

@@ -17,6 +17,7 @@ import torch
 from conftest import REPO_ROOT, read_metrics
 
 import grpo_tools
+from environments import price_list
 from grpo_tools import Calculator, NativeTools, multi_turn_rollout, parse_tool_calls, run_tool_call
 
 # SmolLM2's tool template, as make assets writes it beside the model (its own template ignores tools=)
@@ -835,16 +836,16 @@ def test_price_list_tasks_and_environment_agree_with_prices_written_here(tmp_pat
         ("east", "pencil"): 30, ("east", "notebook"): 260, ("east", "eraser"): 45, ("east", "ruler"): 135,
         ("east", "stapler"): 860, ("east", "marker"): 155,
     }  # fmt: skip
-    env = grpo_tools.PriceList()
+    env = price_list.PriceList()
     two = re.compile(r"At the (\w+) shop, what do (\d) (\w+)s and (\d) (\w+)s cost together, in cents\?")
     one = re.compile(r"At the (\w+) shop, what do (\d) (\w+)s cost, in cents\?")
-    rows = grpo_tools.price_list_rows(seed=3, count=300)
-    assert len({row["question"] for row in rows}) == 300 and rows == grpo_tools.price_list_rows(seed=3, count=300)
+    rows = price_list.price_list_rows(seed=3, count=300)
+    assert len({row["question"] for row in rows}) == 300 and rows == price_list.price_list_rows(seed=3, count=300)
     for row in rows:
         shop, q1, item1, q2, item2 = two.fullmatch(row["question"]).groups()
         assert item1 != item2 and int(row["answer"]) == int(q1) * prices[shop, item1] + int(q2) * prices[shop, item2]
         assert env.add(env.price(shop, item1, int(q1)), env.price(shop, item2, int(q2))) == int(row["answer"])
-    singles = grpo_tools.price_list_rows(seed=3, count=144, items=1)  # 3 shops x 6 items x quantities 2-9: all
+    singles = price_list.price_list_rows(seed=3, count=144, items=1)  # 3 shops x 6 items x quantities 2-9: all
     assert len({row["question"] for row in singles}) == 144
     for row in singles:
         shop, q, item = one.fullmatch(row["question"]).groups()
@@ -868,7 +869,7 @@ def test_price_list_tasks_and_environment_agree_with_prices_written_here(tmp_pat
 
     monkeypatch.setattr(prepare_assets, "TEST_SIZE", 5)
     fake = lambda seed, count, items=2: [{"question": f"{items}-{k}", "answer": str(k)} for k in range(count)]  # noqa: E731
-    monkeypatch.setattr(grpo_tools, "price_list_rows", fake)
+    monkeypatch.setattr(price_list, "price_list_rows", fake)
     prepare_assets.prepare_price_list(tmp_path)
     lines = {
         (name, split): [json.loads(line)["question"] for line in open(tmp_path / "data" / name / f"{split}.jsonl")]
@@ -885,7 +886,7 @@ def test_native_run_on_the_price_list_environment(make_config, monkeypatch, tmp_
     template, its tools are described; the scripted policy's calculator calls are unknown tools there, counted."""
     import fixed_rollout
 
-    rows = grpo_tools.price_list_rows(seed=0, count=40)
+    rows = price_list.price_list_rows(seed=0, count=40)
     task = tmp_path / "price_list"
     task.mkdir()
     for split, part in (("train", rows[:30]), ("test", rows[30:])):
