@@ -558,212 +558,6 @@ def verifier_step_scores(steps, correct=1.0, unchecked=0.8, wrong=0.0):
     return scores
 
 
-def step_arithmetic(step):
-    r"""A step's verdict: False when one of its equations is wrong, True when it has some and all hold, None when it
-    has none that can be read (never wrong). Written numbers are exact; a lone result written to fewer digits is read
-    once more as rounded (`rounded_operand`). docs/ppo_prm_clip.md "The step verifier" gives the rules."""
-    text = step.replace("\u2212", "-").replace("\\%", "%")
-    annotations = re.findall(r"<<([^<>]*)>>", text)
-    text = re.sub(r"<<[^<>]*>>", "", text) + "".join(f"; {annotation}" for annotation in annotations)
-    text = re.sub(r"^[ \t]*[-•][ \t]+", "", text, flags=re.M)  # a list bullet, not a minus: "- 15 + 27 = 42"
-    braced = r"\{([^{}]*)\}"  # a LaTeX argument without braces: nested ones are read from the innermost out
-    latex = {
-        rf"\\[dt]?frac{braced}{braced}": r"((\1)/(\2))",
-        rf"\\sqrt{braced}": r"√(\1)",
-        rf"\^{braced}": r"^(\1)",
-        rf"\\boxed{braced}": r"(\1)",
-        rf"\\(?:text|mathrm){braced}": r" \1 ",  # a word: "12 \text{ apples}"
-        r"\{,\}": ",",  # "1{,}000"
-    }
-    while any(re.search(pattern, text) for pattern in latex):
-        for pattern, replacement in latex.items():
-            text = re.sub(pattern, replacement, text)
-    text = re.sub(r"\\[()\[\]]|\\left|\\right|\\?[$€£]", " ", text)
-    text = re.sub(r"\\?\bsqrt(?=[ \t]*\()", "√", text)
-    text = re.sub(r"(?<=[\d)])\*\*(?=[-\d(√.])|(?<=[\d)] )\*\*(?= [-\d(√.])", "^", text).replace("**", " ")
-    operand = r"[ \t]*(?=[(√]|-?\.?\d)"  # what follows an operator: "(", a root or a number
-    percent = r"[ \t]*(?:%|percent(?![a-z]))"
-    times = r"x|·|\\times|\\cdot|times|multiplied[ \t]+by"  # between two numbers, like * and ×
-    rules = [  # "%%": a percentage of a number (side_value)
-        (rf"(?<=\d){percent}[ \t]+of(?![a-z]){operand}", "%% * "),  # "50% of 10"
-        (rf"(?<=\d){percent}(?=[ \t]*(?:[*×]|{times}){operand})", "%%"),  # "50% x 10"
-        (rf"((?<=[\d)%])[ \t]*(?:[*×]|{times})[ \t]*\d[\d,]*(?:\.\d+)?){percent}", r"\1%%"),  # "10 x 50%"
-        (rf"(?<=\d){percent}", "%"),  # any other percentage: "25 percent" is a side "25%"
-        (rf"(/[ \t]*\(*\d+\)*)[ \t]+of(?![a-z]){operand}", r"\1 * "),  # "1/2 of 20", "\frac{1}{2} of 20"
-    ]
-    words = ("*", times), ("+", "plus"), ("-", "minus"), ("/", r"\\div|divided[ \t]+by|over"), ("=", "equals?")
-    for symbol, word in words:
-        rules.append((rf"(?<=[\d)%])[ \t]*(?:{word})(?![a-z]){operand}", f" {symbol} "))  # "9 times 6"
-    for pattern, replacement in rules:
-        text = re.sub(pattern, replacement, text, flags=re.I)
-    text = re.sub(r"(?<!\d)\.|\.(?![\d(])", ";", text.replace("...", "…"))  # "3.(3)" is not a sentence
-    text = re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", text)
-
-    def without_units(match):  # "3 hours * 60 minutes = 180 minutes" -> "3 * 60 = 180"
-        *units, result = (unit.lower() for unit in re.findall(r"(?<=\d)[ \t]+([a-z]+)", match.group(), re.I))
-        if result in units and (len(set(units)) == 1 or not re.search(r"[a-z][ \t]*[-+]", match.group(), re.I)):
-            return re.sub(r"(?<=\d)[ \t]+[a-z]+", "", match.group(), flags=re.I)
-        return match.group()
-
-    with_unit = r"-?\d+(?:\.\d+)?[ \t]+[a-z]{2,}(?![a-z])"  # "3 hours"
-    unit_equation = rf"{with_unit}(?:[ \t]*[-+*/×÷][ \t]*{with_unit})+[ \t]*=[ \t]*{with_unit}(?![ \t]*=)"
-    text = re.sub(unit_equation, without_units, text, flags=re.I)
-    remainder = r"r(?![a-z])|(?:with[ \t]+)?(?:a[ \t]+)?remainder"  # "2 R 2", "2 remainder 2"
-    after_result = rf"[ \t]*(?:{remainder}|and[ \t]+(?:a[ \t]+(?:half|third|quarter)|\d+[ \t]*/))"  # "3 and a half"
-    lone = r"[ \t(]*-?(\d*\.?\d+)[ \t]*(%?)[ \t)]*"  # a side that is one written number: a result
-
-    def side_value(side, hundred, rounded=False):  # a side's value, None where it is not read
-        side = re.sub(r"(\d*\.?\d+)%%", r"\1#", side)  # a percentage of a number: "50% of 10"
-        if "%" in side and not re.fullmatch(r"(?:[ \t()+\-*/×÷]*\d*\.?\d+[ \t]*%)+[ \t()]*", side):
-            return None  # percentages beside plain numbers ("100 + 20%": 20% of 100?), "10 % 3"
-
-        def number(match):  # N% is N / 100, or N where a side is a product by 100 ("20 / 80 * 100 = 25%")
-            scale = 100 if match[2] == "#" or match[2] == "%" and not hundred else 1
-            fraction = rounded and rounded_operand(match[1], scale)
-            return f"({fraction})" if fraction else f"({match[1]} / {scale})" if scale > 1 else match[1]
-
-        return arithmetic_value(re.sub(r"(\d*\.?\d+)(?:[ \t]*([#%]))?", number, side))
-
-    def multiple(value, unit):  # whether a value is written in full to the unit's digits
-        ratio = value / unit
-        if isinstance(ratio, Fraction):
-            return ratio.denominator == 1
-        return math.isfinite(ratio) and math.isclose(ratio, round(ratio))
-
-    def rounded_result(side, value, others, rounded_operands, hundred):  # a lone number as a rounding, or None
-        result = re.fullmatch(lone, side)
-        if not result or value is None:
-            return None
-        digits = result[1].partition(".")[2]
-        unit = Fraction(1, 10 ** len(digits) * (100 if result[2] and not hundred else 1))
-        if not (digits or result[2] or rounded_operands) or all(v is None or multiple(v, unit) for v in others):
-            return None  # a whole number is exact unless an operand is rounded; a result to its full digits is exact
-        return value - unit / 2, value + unit / 2
-
-    def meet(intervals):  # whether intervals (None: not read, never meets) have a value in common
-        if not all(intervals):
-            return False
-        low, high = max(lo for lo, _ in intervals), min(hi for _, hi in intervals)
-        inexact = any(isinstance(end, float) for interval in intervals for end in interval)  # a root
-        return low <= high or inexact and math.isclose(low, high, rel_tol=1e-9, abs_tol=1e-12)
-
-    def holds(intervals, starts):  # the sides are equal, or a running total ("20 + 5 = 25 + 10 = 35")
-        if meet([interval for interval in intervals if interval]):
-            return True
-        steps = zip(intervals, intervals[1:], starts)  # each side equals the next one or the number that starts it
-        return all(intervals) and meet(intervals[-2:]) and all(meet([a, b]) or meet([a, s]) for a, b, s in steps)
-
-    verdict = None
-    for match in re.finditer(r"[0-9 \t.+\-*/×÷()=^√²³%]+", text):
-        chunk, head, tail = match.group(), text[: match.start()], text[match.end() :]
-        sides = chunk.split("=")
-        # The first side may continue the text before it: glued to it, begun by an operator, or after a word.
-        glued = not (head[-1:].isspace() or head[-1:] in "\"'[{`" or chunk[0].isspace())  # "x^2", "a_1", "3:4"
-        operator_first = re.match(r"[ \t]*(?:[+*/×÷^%]|-(?![\d.(√]))", sides[0])  # "x + 3"; "-3 + 5" is a number
-        word = re.search(r"([a-z]+|[≈~])[ \t]*$", head, re.I)
-        lone_first = re.fullmatch(r"[ \t]*-?\d*\.?\d+[ \t]*%?[ \t]*", sides[0])  # "half of 20", "twice 5"
-        takes_a_number = word and re.fullmatch(r"[b-z≈~]|of|times|twice|thrice|half|double|triple|than", word[1], re.I)
-        if glued or operator_first or word and (lone_first or takes_a_number):
-            sides = sides[1:]
-        # The last side may continue into the text after it: "2x", "8:30", "3,5", "0.666...", "2 R 2", "3 and a half".
-        if not chunk[-1].isspace() and re.match(r"[a-z_:…]|,\d", tail, re.I) or re.match(after_result, tail, re.I):
-            sides = sides[:-1]
-        hundred = any(re.search(r"[*×][ \t]*100[ \t]*$|^[ \t]*100[ \t]*[*×]", side) for side in sides)  # N% is N
-        values = [side_value(side, hundred) for side in sides]
-        # A whole number after a division, then a word: a floor or a ceiling in context ("25 / 4 = 6 full bags").
-        whole = len(sides) > 1 and re.fullmatch(r"[ \t]*\d+[ \t]*", sides[-1]) and values[-1] is not None
-        if whole and re.search("[/÷]", sides[-2]) and values[-2] is not None and values[-2] != values[-1]:
-            if math.floor(values[-2]) <= values[-1] <= math.ceil(values[-2]) and re.match("[a-z]{2}", tail, re.I):
-                sides, values = sides[:-1], values[:-1]
-        if sum(value is not None for value in values) < 2:
-            continue
-        heads = [re.match(r"[ \t]*-?\d*\.?\d+(?:[ \t]*%)?(?=[ \t]*[-+*/×÷])", side) for side in sides[1:]]
-        starts = [head and side_value(head.group(), hundred) for head in heads]
-        if not holds([None if v is None else (v, v) for v in values], [None if s is None else (s, s) for s in starts]):
-            # Read once more: each decimal operand as the fraction it rounds, each rounded result as an interval.
-            operands = [
-                v if re.fullmatch(lone, side) else side_value(side, hundred, True) for side, v in zip(sides, values)
-            ]
-            rounded_operands = operands != values
-            results = [
-                rounded_result(s, v, values[:i] + values[i + 1 :], rounded_operands, hundred)
-                for i, (s, v) in enumerate(zip(sides, values))
-            ]
-            if not any(results):
-                return False
-            intervals = [r or (None if v is None else (v, v)) for r, v in zip(results, operands)]
-            starts = [head and side_value(head.group(), hundred, True) for head in heads]
-            if not holds(intervals, [None if s is None else (s, s) for s in starts]):
-                return False
-        verdict = True
-    return verdict
-
-
-def rounded_operand(written, scale=1):
-    """The fraction a rounded decimal stands for: the simplest p/q (q <= 12, not 2^a 5^b) within half a unit of its
-    last digit, for two or more decimals (a percentage: two more). "0.67" -> 2/3, "3.33" -> 10/3, "0.5" -> None."""
-    decimals = len(written.partition(".")[2]) + (2 if scale == 100 else 0)
-    if decimals < 2:
-        return None
-    value, half = Fraction(written) / scale, Fraction(1, 2 * 10**decimals)
-    for q in range(1, 13):
-        p = round(value * q)
-        if abs(Fraction(p, q) - value) <= half:  # the first q is the simplest, in lowest terms
-            return None if q // math.gcd(q, 10**4) == 1 else Fraction(p, q)  # 2^a 5^b: exact as written
-    return None
-
-
-def arithmetic_value(expression):
-    """The exact value of an expression of numbers, + - * / × ÷, powers (** ^ ² ³), square roots and parentheses: a
-    Fraction, or a float through an irrational root or power; None for anything else or out of range. Parsed with ast,
-    never eval."""
-    for symbol, python in ("×", "*"), ("÷", "/"), ("^", "**"), ("²", "**2"), ("³", "**3"):
-        expression = expression.replace(symbol, python)
-    expression = re.sub(r"√[ \t]*(\d*\.?\d+)", r"sqrt(\1)", expression).replace("√", "sqrt").strip()
-    if not expression or len(expression) > 200:
-        return None
-
-    def power(base, exponent):
-        if abs(exponent) > 1000:
-            raise ValueError("exponent out of range")
-        if isinstance(base, Fraction) and isinstance(exponent, Fraction) and exponent.denominator == 1:
-            if (base.numerator.bit_length() + base.denominator.bit_length()) * abs(exponent) > 4096:
-                raise OverflowError  # beyond 1e308 either way; not computed
-            return base ** int(exponent)
-        return math.pow(base, exponent)  # ValueError for (-8) ** 0.5, OverflowError for 10 ** 400.5
-
-    def square_root(x):
-        if isinstance(x, Fraction) and x >= 0:
-            root = Fraction(math.isqrt(x.numerator), math.isqrt(x.denominator))
-            if root * root == x:
-                return root
-        return math.sqrt(x)
-
-    ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
-    ops[ast.Pow] = power
-
-    def value(node):
-        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-            return Fraction(ast.get_source_segment(expression, node))  # as written: 0.1 is 1/10
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
-            return -value(node.operand) if isinstance(node.op, ast.USub) else value(node.operand)
-        if isinstance(node, ast.BinOp) and type(node.op) in ops:
-            result = ops[type(node.op)](value(node.left), value(node.right))
-        elif isinstance(node, ast.Call) and getattr(node.func, "id", "") == "sqrt" and not node.keywords:
-            (argument,) = node.args  # ValueError unless exactly one
-            result = square_root(value(argument))
-        else:
-            raise ValueError("not arithmetic")
-        if not abs(result) <= 1e308:  # also NaN
-            raise OverflowError
-        return result
-
-    try:
-        return value(ast.parse(expression, mode="eval").body)
-    except (SyntaxError, ValueError, ZeroDivisionError, OverflowError, RecursionError, TypeError):
-        return None
-
-
 NUMBER = r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?"  # 12, -1,234.5, .5, 3/4
 
 
@@ -1161,6 +955,212 @@ def _load_tokenizer(model_name_or_path, trust_remote_code):
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def step_arithmetic(step):
+    r"""A step's verdict: False when one of its equations is wrong, True when it has some and all hold, None when it
+    has none that can be read (never wrong). Written numbers are exact; a lone result written to fewer digits is read
+    once more as rounded (`rounded_operand`). docs/ppo_prm_clip.md "The step verifier" gives the rules."""
+    text = step.replace("\u2212", "-").replace("\\%", "%")
+    annotations = re.findall(r"<<([^<>]*)>>", text)
+    text = re.sub(r"<<[^<>]*>>", "", text) + "".join(f"; {annotation}" for annotation in annotations)
+    text = re.sub(r"^[ \t]*[-•][ \t]+", "", text, flags=re.M)  # a list bullet, not a minus: "- 15 + 27 = 42"
+    braced = r"\{([^{}]*)\}"  # a LaTeX argument without braces: nested ones are read from the innermost out
+    latex = {
+        rf"\\[dt]?frac{braced}{braced}": r"((\1)/(\2))",
+        rf"\\sqrt{braced}": r"√(\1)",
+        rf"\^{braced}": r"^(\1)",
+        rf"\\boxed{braced}": r"(\1)",
+        rf"\\(?:text|mathrm){braced}": r" \1 ",  # a word: "12 \text{ apples}"
+        r"\{,\}": ",",  # "1{,}000"
+    }
+    while any(re.search(pattern, text) for pattern in latex):
+        for pattern, replacement in latex.items():
+            text = re.sub(pattern, replacement, text)
+    text = re.sub(r"\\[()\[\]]|\\left|\\right|\\?[$€£]", " ", text)
+    text = re.sub(r"\\?\bsqrt(?=[ \t]*\()", "√", text)
+    text = re.sub(r"(?<=[\d)])\*\*(?=[-\d(√.])|(?<=[\d)] )\*\*(?= [-\d(√.])", "^", text).replace("**", " ")
+    operand = r"[ \t]*(?=[(√]|-?\.?\d)"  # what follows an operator: "(", a root or a number
+    percent = r"[ \t]*(?:%|percent(?![a-z]))"
+    times = r"x|·|\\times|\\cdot|times|multiplied[ \t]+by"  # between two numbers, like * and ×
+    rules = [  # "%%": a percentage of a number (side_value)
+        (rf"(?<=\d){percent}[ \t]+of(?![a-z]){operand}", "%% * "),  # "50% of 10"
+        (rf"(?<=\d){percent}(?=[ \t]*(?:[*×]|{times}){operand})", "%%"),  # "50% x 10"
+        (rf"((?<=[\d)%])[ \t]*(?:[*×]|{times})[ \t]*\d[\d,]*(?:\.\d+)?){percent}", r"\1%%"),  # "10 x 50%"
+        (rf"(?<=\d){percent}", "%"),  # any other percentage: "25 percent" is a side "25%"
+        (rf"(/[ \t]*\(*\d+\)*)[ \t]+of(?![a-z]){operand}", r"\1 * "),  # "1/2 of 20", "\frac{1}{2} of 20"
+    ]
+    words = ("*", times), ("+", "plus"), ("-", "minus"), ("/", r"\\div|divided[ \t]+by|over"), ("=", "equals?")
+    for symbol, word in words:
+        rules.append((rf"(?<=[\d)%])[ \t]*(?:{word})(?![a-z]){operand}", f" {symbol} "))  # "9 times 6"
+    for pattern, replacement in rules:
+        text = re.sub(pattern, replacement, text, flags=re.I)
+    text = re.sub(r"(?<!\d)\.|\.(?![\d(])", ";", text.replace("...", "…"))  # "3.(3)" is not a sentence
+    text = re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", text)
+
+    def without_units(match):  # "3 hours * 60 minutes = 180 minutes" -> "3 * 60 = 180"
+        *units, result = (unit.lower() for unit in re.findall(r"(?<=\d)[ \t]+([a-z]+)", match.group(), re.I))
+        if result in units and (len(set(units)) == 1 or not re.search(r"[a-z][ \t]*[-+]", match.group(), re.I)):
+            return re.sub(r"(?<=\d)[ \t]+[a-z]+", "", match.group(), flags=re.I)
+        return match.group()
+
+    with_unit = r"-?\d+(?:\.\d+)?[ \t]+[a-z]{2,}(?![a-z])"  # "3 hours"
+    unit_equation = rf"{with_unit}(?:[ \t]*[-+*/×÷][ \t]*{with_unit})+[ \t]*=[ \t]*{with_unit}(?![ \t]*=)"
+    text = re.sub(unit_equation, without_units, text, flags=re.I)
+    remainder = r"r(?![a-z])|(?:with[ \t]+)?(?:a[ \t]+)?remainder"  # "2 R 2", "2 remainder 2"
+    after_result = rf"[ \t]*(?:{remainder}|and[ \t]+(?:a[ \t]+(?:half|third|quarter)|\d+[ \t]*/))"  # "3 and a half"
+    lone = r"[ \t(]*-?(\d*\.?\d+)[ \t]*(%?)[ \t)]*"  # a side that is one written number: a result
+
+    def side_value(side, hundred, rounded=False):  # a side's value, None where it is not read
+        side = re.sub(r"(\d*\.?\d+)%%", r"\1#", side)  # a percentage of a number: "50% of 10"
+        if "%" in side and not re.fullmatch(r"(?:[ \t()+\-*/×÷]*\d*\.?\d+[ \t]*%)+[ \t()]*", side):
+            return None  # percentages beside plain numbers ("100 + 20%": 20% of 100?), "10 % 3"
+
+        def number(match):  # N% is N / 100, or N where a side is a product by 100 ("20 / 80 * 100 = 25%")
+            scale = 100 if match[2] == "#" or match[2] == "%" and not hundred else 1
+            fraction = rounded and rounded_operand(match[1], scale)
+            return f"({fraction})" if fraction else f"({match[1]} / {scale})" if scale > 1 else match[1]
+
+        return arithmetic_value(re.sub(r"(\d*\.?\d+)(?:[ \t]*([#%]))?", number, side))
+
+    def multiple(value, unit):  # whether a value is written in full to the unit's digits
+        ratio = value / unit
+        if isinstance(ratio, Fraction):
+            return ratio.denominator == 1
+        return math.isfinite(ratio) and math.isclose(ratio, round(ratio))
+
+    def rounded_result(side, value, others, rounded_operands, hundred):  # a lone number as a rounding, or None
+        result = re.fullmatch(lone, side)
+        if not result or value is None:
+            return None
+        digits = result[1].partition(".")[2]
+        unit = Fraction(1, 10 ** len(digits) * (100 if result[2] and not hundred else 1))
+        if not (digits or result[2] or rounded_operands) or all(v is None or multiple(v, unit) for v in others):
+            return None  # a whole number is exact unless an operand is rounded; a result to its full digits is exact
+        return value - unit / 2, value + unit / 2
+
+    def meet(intervals):  # whether intervals (None: not read, never meets) have a value in common
+        if not all(intervals):
+            return False
+        low, high = max(lo for lo, _ in intervals), min(hi for _, hi in intervals)
+        inexact = any(isinstance(end, float) for interval in intervals for end in interval)  # a root
+        return low <= high or inexact and math.isclose(low, high, rel_tol=1e-9, abs_tol=1e-12)
+
+    def holds(intervals, starts):  # the sides are equal, or a running total ("20 + 5 = 25 + 10 = 35")
+        if meet([interval for interval in intervals if interval]):
+            return True
+        steps = zip(intervals, intervals[1:], starts)  # each side equals the next one or the number that starts it
+        return all(intervals) and meet(intervals[-2:]) and all(meet([a, b]) or meet([a, s]) for a, b, s in steps)
+
+    verdict = None
+    for match in re.finditer(r"[0-9 \t.+\-*/×÷()=^√²³%]+", text):
+        chunk, head, tail = match.group(), text[: match.start()], text[match.end() :]
+        sides = chunk.split("=")
+        # The first side may continue the text before it: glued to it, begun by an operator, or after a word.
+        glued = not (head[-1:].isspace() or head[-1:] in "\"'[{`" or chunk[0].isspace())  # "x^2", "a_1", "3:4"
+        operator_first = re.match(r"[ \t]*(?:[+*/×÷^%]|-(?![\d.(√]))", sides[0])  # "x + 3"; "-3 + 5" is a number
+        word = re.search(r"([a-z]+|[≈~])[ \t]*$", head, re.I)
+        lone_first = re.fullmatch(r"[ \t]*-?\d*\.?\d+[ \t]*%?[ \t]*", sides[0])  # "half of 20", "twice 5"
+        takes_a_number = word and re.fullmatch(r"[b-z≈~]|of|times|twice|thrice|half|double|triple|than", word[1], re.I)
+        if glued or operator_first or word and (lone_first or takes_a_number):
+            sides = sides[1:]
+        # The last side may continue into the text after it: "2x", "8:30", "3,5", "0.666...", "2 R 2", "3 and a half".
+        if not chunk[-1].isspace() and re.match(r"[a-z_:…]|,\d", tail, re.I) or re.match(after_result, tail, re.I):
+            sides = sides[:-1]
+        hundred = any(re.search(r"[*×][ \t]*100[ \t]*$|^[ \t]*100[ \t]*[*×]", side) for side in sides)  # N% is N
+        values = [side_value(side, hundred) for side in sides]
+        # A whole number after a division, then a word: a floor or a ceiling in context ("25 / 4 = 6 full bags").
+        whole = len(sides) > 1 and re.fullmatch(r"[ \t]*\d+[ \t]*", sides[-1]) and values[-1] is not None
+        if whole and re.search("[/÷]", sides[-2]) and values[-2] is not None and values[-2] != values[-1]:
+            if math.floor(values[-2]) <= values[-1] <= math.ceil(values[-2]) and re.match("[a-z]{2}", tail, re.I):
+                sides, values = sides[:-1], values[:-1]
+        if sum(value is not None for value in values) < 2:
+            continue
+        heads = [re.match(r"[ \t]*-?\d*\.?\d+(?:[ \t]*%)?(?=[ \t]*[-+*/×÷])", side) for side in sides[1:]]
+        starts = [head and side_value(head.group(), hundred) for head in heads]
+        if not holds([None if v is None else (v, v) for v in values], [None if s is None else (s, s) for s in starts]):
+            # Read once more: each decimal operand as the fraction it rounds, each rounded result as an interval.
+            operands = [
+                v if re.fullmatch(lone, side) else side_value(side, hundred, True) for side, v in zip(sides, values)
+            ]
+            rounded_operands = operands != values
+            results = [
+                rounded_result(s, v, values[:i] + values[i + 1 :], rounded_operands, hundred)
+                for i, (s, v) in enumerate(zip(sides, values))
+            ]
+            if not any(results):
+                return False
+            intervals = [r or (None if v is None else (v, v)) for r, v in zip(results, operands)]
+            starts = [head and side_value(head.group(), hundred, True) for head in heads]
+            if not holds(intervals, [None if s is None else (s, s) for s in starts]):
+                return False
+        verdict = True
+    return verdict
+
+
+def rounded_operand(written, scale=1):
+    """The fraction a rounded decimal stands for: the simplest p/q (q <= 12, not 2^a 5^b) within half a unit of its
+    last digit, for two or more decimals (a percentage: two more). "0.67" -> 2/3, "3.33" -> 10/3, "0.5" -> None."""
+    decimals = len(written.partition(".")[2]) + (2 if scale == 100 else 0)
+    if decimals < 2:
+        return None
+    value, half = Fraction(written) / scale, Fraction(1, 2 * 10**decimals)
+    for q in range(1, 13):
+        p = round(value * q)
+        if abs(Fraction(p, q) - value) <= half:  # the first q is the simplest, in lowest terms
+            return None if q // math.gcd(q, 10**4) == 1 else Fraction(p, q)  # 2^a 5^b: exact as written
+    return None
+
+
+def arithmetic_value(expression):
+    """The exact value of an expression of numbers, + - * / × ÷, powers (** ^ ² ³), square roots and parentheses: a
+    Fraction, or a float through an irrational root or power; None for anything else or out of range. Parsed with ast,
+    never eval."""
+    for symbol, python in ("×", "*"), ("÷", "/"), ("^", "**"), ("²", "**2"), ("³", "**3"):
+        expression = expression.replace(symbol, python)
+    expression = re.sub(r"√[ \t]*(\d*\.?\d+)", r"sqrt(\1)", expression).replace("√", "sqrt").strip()
+    if not expression or len(expression) > 200:
+        return None
+
+    def power(base, exponent):
+        if abs(exponent) > 1000:
+            raise ValueError("exponent out of range")
+        if isinstance(base, Fraction) and isinstance(exponent, Fraction) and exponent.denominator == 1:
+            if (base.numerator.bit_length() + base.denominator.bit_length()) * abs(exponent) > 4096:
+                raise OverflowError  # beyond 1e308 either way; not computed
+            return base ** int(exponent)
+        return math.pow(base, exponent)  # ValueError for (-8) ** 0.5, OverflowError for 10 ** 400.5
+
+    def square_root(x):
+        if isinstance(x, Fraction) and x >= 0:
+            root = Fraction(math.isqrt(x.numerator), math.isqrt(x.denominator))
+            if root * root == x:
+                return root
+        return math.sqrt(x)
+
+    ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+    ops[ast.Pow] = power
+
+    def value(node):
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            return Fraction(ast.get_source_segment(expression, node))  # as written: 0.1 is 1/10
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
+            return -value(node.operand) if isinstance(node.op, ast.USub) else value(node.operand)
+        if isinstance(node, ast.BinOp) and type(node.op) in ops:
+            result = ops[type(node.op)](value(node.left), value(node.right))
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", "") == "sqrt" and not node.keywords:
+            (argument,) = node.args  # ValueError unless exactly one
+            result = square_root(value(argument))
+        else:
+            raise ValueError("not arithmetic")
+        if not abs(result) <= 1e308:  # also NaN
+            raise OverflowError
+        return result
+
+    try:
+        return value(ast.parse(expression, mode="eval").body)
+    except (SyntaxError, ValueError, ZeroDivisionError, OverflowError, RecursionError, TypeError):
+        return None
 
 
 def load_prm_prompts(args, tokenizer, world_size):
