@@ -1,34 +1,20 @@
-"""GRPO with a tool, over multi-turn trajectories: a single-file reference implementation.
+"""GRPO with a tool, over multi-turn trajectories, in one file.
 
-The policy answers arithmetic problems it cannot do in its head, with a calculator. A rollout is a conversation
-inside one assistant message: the policy writes until it closes a call, <calc>874 * 404</calc>; the script runs the
-calculator and appends its answer, <result>353096</result>; the policy goes on from there, up to --max_turns calls,
-and ends with its final answer, which grpo_math.py's verifier checks (reward 1 if right, else 0). The algorithm is
-GRPO (Shao et al., arXiv 2402.03300) on whole trajectories: each one's reward against its group's, a clipped ratio,
-the KL to the reference. Multi-turn agents trained this way: ArCHer (Zhou et al., arXiv 2402.19446), ReTool, and
-the tool loops of TRL, verl, OpenRLHF and open-instruct.
+The policy answers arithmetic problems with a calculator, in one assistant message: it writes until it closes a call,
+<calc>874 * 404</calc>; the script appends the answer, <result>353096</result>; the policy goes on, up to
+--max_turns calls, to its final answer, which the verifier scores. GRPO (Shao et al., arXiv 2402.03300) on whole
+trajectories. Every token the policy wrote is trained; the tool's output is context, out of the loss. The trainer
+scores the very token ids the sampler produced (token in, token out), so the first on-policy minibatch has ratio 1.
+With --tool_format native the tools are an environment's methods, called in the chat template's own format.
 
-The loss mask is the heart of it: every token the policy wrote is trained; the calculator's output (and the
-<result> tags the script writes around it) is context the policy reads, with no log-prob, KL or entropy term. The
-trainer scores the very token ids the sampler produced and was fed (token in, token out: the conversation is never
-re-tokenised from text), so the first on-policy minibatch has ratio exactly 1 and KL exactly 0.
-
-With --tool_format native the tools are an environment's methods, described to the model by its chat template and
-called in its own format (Hermes <tool_call> JSON, as Qwen2.5 and Qwen3 write them, or Llama 3.1's JSON); their
-results come back as the template renders `tool` messages, still token in, token out.
-
-Run on CPU with the embedded defaults (SmolLM2-135M-Instruct, products of 2-3 digit numbers from reasoning-gym):
-    python grpo_tools.py
-    python grpo_tools.py --no-vllm                 # Hugging Face generate instead of vLLM
+    python grpo_tools.py                           # CPU: the embedded SmolLM2-135M-Instruct and task
     python grpo_tools.py --tool_format native      # the chat template's tool calls (SmolLM2: Hermes, make assets)
     python grpo_tools.py --tool_format native --environment price_list_one --dataset_path assets/data/price_list_one
-Run on GPUs (one vLLM engine per process, colocated with the trainer):
     accelerate launch --num_processes 8 grpo_tools.py --model_name_or_path Qwen/Qwen2.5-1.5B-Instruct \
         --dtype bfloat16 --response_length 512
-Two processes on CPU (gloo): accelerate launch --multi_gpu --num_processes 2 grpo_tools.py --no-vllm
 
-Read down to the line "PLUMBING": the arguments, main() with the training loop, then the math, the tool and the reward
-it calls are the algorithm.
+Above the PLUMBING line: the flags, main() with the loop, the math, the environment and the reward.
+docs/grpo_tools.md explains them.
 """
 
 import asyncio
@@ -570,12 +556,11 @@ Rollout = collections.namedtuple(
 
 def multi_turn_rollout(policy_turn, tokenizer, prompts, n, response_length, max_turns, stop_ids, tools):
     """n trajectories per prompt (consecutive), each the token ids after its prompt, sampled turn by turn:
-    policy_turn(contexts, max_tokens) -> [(ids, sampler log-probs or None)] continues each context (prompt and
-    trajectory so far, as ids). A turn that makes calls gets the tool's tokens appended (`tools`: a tool format,
-    CalcTags or NativeTools), up to max_turns turns with calls and the budget; any other turn ends
-    the trajectory. Nothing is re-tokenised. Returns a Rollout of ids, real, policy (the loss mask) and
-    sampler_logprobs [N, R]; texts, answers (the last policy turn), calls [(call, output)], turns, unrun_calls,
-    truncated [N], errors {kind: [N]} and failed_calls [N] (docs/grpo_tools.md, "The rollout")."""
+    policy_turn(contexts, max_tokens) -> [(ids, sampler log-probs or None)] continues each context. A turn that makes
+    calls (in the format `tools` reads) gets the tools' tokens appended, up to max_turns such turns and the budget; any
+    other turn ends the trajectory. Returns a Rollout: ids, real, policy (the loss mask), sampler_logprobs [N, R];
+    texts, answers, calls, turns, unrun_calls, truncated [N], errors, failed_calls (docs/grpo_tools.md, "The
+    rollout")."""
     N = len(prompts) * n
     tools.begin(prompts, n)
     ids, policy, logps = [[] for _ in range(N)], [[] for _ in range(N)], [[] for _ in range(N)]
@@ -642,9 +627,9 @@ def multi_turn_rollout(policy_turn, tokenizer, prompts, n, response_length, max_
 
 
 class Calculator:
-    """The calculator as an environment: one instance per trajectory; its public methods but reset and reward are
-    the tools, each described to the model by its type hints and docstring (tool_schemas). With no reward method,
-    the verifier scores the final answer (an environment's reward(answer, gold) would: NativeTools.rewards)."""
+    """The calculator as an environment, one per trajectory: its public methods but reset and reward are the tools,
+    described to the model by their type hints and docstrings. Without a reward method the verifier scores the final
+    answer."""
 
     def __init__(self, max_operations=0, unavailable=False):
         self.max_operations, self.unavailable = max_operations, unavailable
@@ -674,9 +659,8 @@ class Calculator:
 
 
 class Tools:
-    """An environment of plain functions, as TRL's `tools=[...]`: Tools(f, g) offers each typed, documented function
-    as a tool (no state to reset); `examples`: its EXAMPLES. A line in ENVIRONMENTS makes it a choice:
-    `"units": lambda args: Tools(convert_units)`."""
+    """An environment of plain functions, as TRL's tools=[...]: Tools(f, g) offers each typed, documented function as a
+    tool; examples: its EXAMPLES."""
 
     def __init__(self, *functions, examples=()):
         for function in functions:
@@ -696,9 +680,9 @@ ENVIRONMENTS = {
 
 
 def make_tool_format(args, tokenizer):
-    """--tool_format's object for multi_turn_rollout (after check_args): CalcTags answering with make_tool's tool,
-    shown --examples, or NativeTools over a fresh --environment per trajectory (a name in ENVIRONMENTS, or
-    FILE.py:CLASS) shown its EXAMPLES (unless --examples ()); both score answers with compute_rewards."""
+    """--tool_format's object for multi_turn_rollout: CalcTags answering with make_tool's tool, or NativeTools over a
+    fresh --environment per trajectory (a name in ENVIRONMENTS, or FILE.py:CLASS) shown its EXAMPLES; both score
+    answers with compute_rewards."""
     template_kwargs = json.loads(args.chat_template_kwargs)
     if args.tool_format == "calc":
         tool = make_tool(args.tool, args.max_operations)
@@ -739,11 +723,9 @@ def compute_rewards(completions, golds, format_reward):
 
 
 def trajectory_metrics(rewards, correct, formatted, rollout, group_size):
-    """What the trajectories scored and how they used the tool: calls per trajectory, the share with a call and with
-    two or more (a chain), the share of calls that failed (as the tool format reports them), calls not run per
-    trajectory, the share cut at the budget, policy turns, the share of final answers that copy a tool output (among
-    those with a call), the accuracy with and without a call (NaN without such trajectories), and the tokens of each
-    kind. rewards, correct, formatted [N]."""
+    """What the trajectories scored and how they used the tool: calls, chains, failed and unrun calls, truncation,
+    turns, answers that copy a tool output, accuracy with and without a call, tokens of each kind. rewards, correct,
+    formatted [N]."""
     calls = torch.tensor([len(c) for c in rollout.calls], dtype=torch.float)
     called, nan = calls > 0, float("nan")
     outputs = [output for trajectory in rollout.calls for _, output in trajectory]
