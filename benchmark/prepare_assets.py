@@ -324,9 +324,9 @@ def prepare_tasks(assets: Path) -> None:
 
 def prepare_price_list(assets: Path) -> None:
     """grpo_tools.py's second environment's tasks (--environment price_list --tool_format native): questions about
-    what items cost at one of three shops, whose prices only the environment's tools know (environments/price_list.py's price_list_rows).
-    price_list: two kinds of items, 500 held out of 2,500; price_list_one: every one-item question there is (144), a
-    third held out."""
+    what items cost at one of three shops, whose prices only the environment's tools know (price_list_rows, in
+    environments/price_list.py). price_list: two kinds of items, 500 held out of 2,500; price_list_one: every one-item
+    question there is (144), a third held out."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from environments.price_list import price_list_rows
 
