@@ -712,7 +712,7 @@ def evaluate(generator, prompts, golds, has_gold, args, accelerator, step):
 
 # =====================================================================================================================
 # PLUMBING: everything below serves main() and is not needed to follow the algorithm; a reader may stop here.
-# A definition with the same name is identical in every script that has it (tests/test_drift.py checks).
+# A definition with the same name is identical in every script that has it (tests/kit/test_drift.py checks).
 # =====================================================================================================================
 
 

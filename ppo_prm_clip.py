@@ -707,7 +707,7 @@ def evaluate(sampler, prm, eval_set, args, accelerator, tokenizer, step):
 
 # =====================================================================================================================
 # PLUMBING: everything below serves main() and is not needed to follow the algorithm; a reader may stop here.
-# A definition with the same name is identical in every script that has it (tests/test_drift.py checks).
+# A definition with the same name is identical in every script that has it (tests/kit/test_drift.py checks).
 # =====================================================================================================================
 
 

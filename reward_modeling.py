@@ -500,7 +500,7 @@ def centring_bias(model, score_head, train_pairs, args, accelerator, pad_token_i
 
 # =====================================================================================================================
 # PLUMBING: everything below serves main() and is not needed to follow the algorithm; a reader may stop here.
-# A definition with the same name is identical in every script that has it (tests/test_drift.py checks).
+# A definition with the same name is identical in every script that has it (tests/kit/test_drift.py checks).
 # =====================================================================================================================
 
 

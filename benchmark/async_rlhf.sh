@@ -8,7 +8,7 @@
 #   3. the runs' config.json and metrics.jsonl copied to benchmark/results/async_rlhf/ (committed), and the figures,
 #      tables and checks made from the copies.
 #   bash benchmark/async_rlhf.sh      # ~10 min a run in part 1, ~5 in part 2 (2 cores): ~5 h in all
-# Every command that runs a script is on its own line: tests/test_benchmark.py checks its flags against --help.
+# Every command that runs a script is on its own line: tests/benchmark/test_benchmark.py checks its flags against --help.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source benchmark/python.sh  # `python` is the venv's

@@ -21,11 +21,13 @@ import subprocess
 import tokenize
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# The fence's text line and the names each script has its own version of (not copies); tests/test_drift.py uses both.
+# The fence's text line and the names each script has its own version of (not copies); tests/kit/test_drift.py uses
+# both.
 FENCE = "# PLUMBING: everything below serves main() and is not needed to follow the algorithm; a reader may stop here."
 SCRIPT_OWN = ("Args", "RunArgs", "main", "check_args", "evaluate")
 # {script: {kept: definitions that stay above the fence, task: the task's functions (they may call a parser below the
-# fence), args: every Args field}}: what the cleaning may not move (tests/test_budget.py holds each script to it).
+# fence), args: every Args field}}: what the cleaning may not move (tests/benchmark/test_budget.py holds each script
+# to it).
 with open(os.path.join(REPO_ROOT, "benchmark", "above_fence.json")) as f:
     ABOVE_FENCE = json.load(f)
 BLOCKS = (ast.For, ast.While, ast.If, ast.With, ast.Try)

@@ -4,7 +4,7 @@
 # reward model, prompts and number of completions, by step and by wall-clock time.
 #   bash benchmark/dpo_online.sh                    # one seed at a time (a 2-core CPU machine)
 #   bash benchmark/dpo_online.sh --workers 2        # extra arguments go to benchmark.run
-# Every command that runs a script is on its own line: tests/test_benchmark.py checks its flags against --help.
+# Every command that runs a script is on its own line: tests/benchmark/test_benchmark.py checks its flags against --help.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source benchmark/python.sh  # `python` is the venv's

@@ -4,13 +4,13 @@
 # of final metrics.
 #   bash benchmark/grpo_math.sh                     # one seed at a time (a 2-core CPU machine)
 #   bash benchmark/grpo_math.sh --workers 3 --track # extra arguments go to benchmark.run
-# Every command that runs a script is on its own line: tests/test_benchmark.py checks its flags against --help.
+# Every command that runs a script is on its own line: tests/benchmark/test_benchmark.py checks its flags against --help.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source benchmark/python.sh  # `python` is the venv's
 
 # README's `make train` row: the default run after set-up, timed by /usr/bin/time -v with nothing else running; the
-# command, the host and the report go to benchmark/results/make_train.txt (tests/test_readme.py reads it).
+# command, the host and the report go to benchmark/results/make_train.txt (tests/docs/test_readme.py reads it).
 if [[ ${1:-} == make_train ]]; then
     python -m benchmark.make_train --seed 19 --out benchmark/results/make_train.txt
     exit 0

@@ -6,7 +6,7 @@
 #   bash benchmark/grpo_tools.sh                    # one run at a time (a 2-core CPU machine)
 # --resume_unfinished: a seed that finished is skipped and an interrupted one resumes from its checkpoint, so the file
 # can be run again across sessions until every run is done.
-# Every command that runs a script is on its own line: tests/test_benchmark.py checks its flags against --help.
+# Every command that runs a script is on its own line: tests/benchmark/test_benchmark.py checks its flags against --help.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source benchmark/python.sh  # `python` is the venv's
@@ -26,7 +26,7 @@ source benchmark/python.sh  # `python` is the venv's
 # else 3 (chain: 128-token trajectories of up to 4 calls, 300 + 500 held-out prompts at each evaluation).
 # benchmark/tool_probe.py writes each probe's folder (probe.json, and a metrics.jsonl that benchmark.registry reads as
 # a run's evaluation) straight into $CHAIN; the runs are copied there once finished. $'\n' is the examples' line
-# break. A run's example is written out in its command (tests/test_commands.py parses it); a probe's is Q/A below.
+# break. A run's example is written out in its command (tests/docs/test_commands.py parses it); a probe's is Q/A below.
 CHAIN=benchmark/results/grpo_tools_chain
 # The untrained policy under --tool_format native (SmolLM2 with the Hermes tool template make assets writes, its
 # own ignoring tools=) beside calc, greedy and at T 1 (4 samples a prompt), on the first 100 held-out prompts; and the

@@ -1,6 +1,6 @@
 """README's `make train` row, measured: `/usr/bin/time -v make train ARGS="--seed N"` after set-up, with nothing else
 running on the machine; writes the command, the host, the date and time's report to --out, which
-tests/test_readme.py reads against README's row and docs/running.md.
+tests/docs/test_readme.py reads against README's row and docs/running.md.
 
     python -m benchmark.make_train --seed 19 --out benchmark/results/make_train.txt
 """

@@ -95,8 +95,8 @@ def lora_params(c, r, targets):
 
 
 def activation_elements(c, tokens, dtype_bytes, checkpointing):
-    """Elements (of the model's dtype) autograd keeps for backward in the decoder layers, as HF's Llama / Qwen2
-    code saves them (tests/test_memory_plan.py counts them): each RMSNorm its input, the normalised input and the
+    """Elements (of the model's dtype) autograd keeps for backward in the decoder layers, as HF's Llama / Qwen2 code
+    saves them (tests/benchmark/test_memory_plan.py counts them): each RMSNorm its input, the normalised input and the
     scaled output (3h; 4h in bf16, where the input is upcast to fp32); q, k, v after RoPE, with k and v repeated to
     every query head (GQA is left to SDPA only without a mask, and the scripts always pass one) and the attention
     output (4 q); the MLP's gate, silu, up and their product (4I). With checkpointing: the layer inputs (h each) and

@@ -9,7 +9,7 @@
 #   bash benchmark/ppo_prm_clip.sh                  # one run at a time (2 cores: ~15 min a run, ~6 h in all)
 #   bash benchmark/ppo_prm_clip.sh --workers 2      # extra arguments go to benchmark.run
 # A run cut short resumes with `python ppo_prm_clip.py --resume runs/<its folder>` (checkpoints every 10 steps).
-# Every command that runs a script is on its own line: tests/test_benchmark.py checks its flags against --help.
+# Every command that runs a script is on its own line: tests/benchmark/test_benchmark.py checks its flags against --help.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source benchmark/python.sh  # `python` is the venv's

@@ -7,7 +7,7 @@
 #      ppo_vs_dpo_ppo`), committed under benchmark/results/ppo_vs_dpo/; the last line lists their final values.
 #   bash benchmark/ppo_rlhf.sh                      # one run at a time (a 2-core CPU machine)
 #   bash benchmark/ppo_rlhf.sh --track              # extra arguments go to benchmark.run
-# Every command that runs a script is on its own line: tests/test_benchmark.py checks its flags against --help.
+# Every command that runs a script is on its own line: tests/benchmark/test_benchmark.py checks its flags against --help.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source benchmark/python.sh  # `python` is the venv's

@@ -10,7 +10,7 @@
 #   (4. the checks and figures, 5. the cost of five members.) 6. Best-of-n with the 5 members: no PPO.
 #   bash benchmark/ppo_rlhf_ensemble.sh   # one run at a time (a 2-core CPU machine): ~8 min a member, 23-26 min a
 #                                         # PPO run with five members (docs/ppo_rlhf.md)
-# Every command that runs a script is on its own line: tests/test_benchmark.py checks its flags against --help.
+# Every command that runs a script is on its own line: tests/benchmark/test_benchmark.py checks its flags against --help.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source benchmark/python.sh  # `python` is the venv's

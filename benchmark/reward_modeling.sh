@@ -5,7 +5,7 @@
 # pair accuracy before and after training, made from the copy. One seed is published.
 #   bash benchmark/reward_modeling.sh               # the published run took 480 s (2026-11-27)
 #   bash benchmark/reward_modeling.sh --track       # extra arguments go to benchmark.run
-# Every command that runs a script is on its own line: tests/test_benchmark.py checks its flags against --help.
+# Every command that runs a script is on its own line: tests/benchmark/test_benchmark.py checks its flags against --help.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source benchmark/python.sh  # `python` is the venv's

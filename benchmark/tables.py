@@ -12,7 +12,7 @@ run folders (config.json and metrics.jsonl under benchmark/results/), a `python 
 its committed OUT.jsonl (--from_responses); the others need training (their runs are not committed) or are
 measurements (throughput, determinism, peer timings), whose raw JSON is committed beside the table.
 Markdown and JSON are compared byte for byte. A PNG is remade, not compared: its bytes depend on matplotlib's version.
-The README's scripts table is checked by tests/test_readme.py against the same committed runs.
+The README's scripts table is checked by tests/docs/test_readme.py against the same committed runs.
 """
 
 import argparse

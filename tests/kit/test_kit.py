@@ -1,4 +1,4 @@
-"""The kit below the fence, tested once: it is identical in every script that has it (tests/test_drift.py), so its
+"""The kit below the fence, tested once: it is identical in every script that has it (tests/kit/test_drift.py), so its
 tests use grpo_math's copy, except where a test runs every script's (the gradient checks). In the kit's order: the
 Accelerator and the precisions a user picks on a GPU (fp16's loss scaler owns overflow, DeepSpeed is new
 enough for the reference to match the policy before the first update), Run (the data order, the averages, the

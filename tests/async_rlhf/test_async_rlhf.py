@@ -507,8 +507,8 @@ def test_invariant_sync_resume_after_interrupt_gives_the_uninterrupted_run(make_
 
 
 # The fixed rollout (tests/fixed_rollout.py) under bf16 autocast; the launch paths' invariants are
-# tests/test_launch_paths.py's table. --sync, so that every batch has lag 0 whatever the timing; the reward model
-# scores the fixed completions (no patch needed).
+# tests/launch_paths/test_launch_paths.py's table. --sync, so that every batch has lag 0 whatever the timing; the
+# reward model scores the fixed completions (no patch needed).
 
 INVARIANT_ARGS = dict(
     sync=True,

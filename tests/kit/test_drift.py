@@ -40,7 +40,7 @@ def module_functions(path):
 FENCE = (
     "# " + "=" * 117,
     PLUMBING,
-    "# A definition with the same name is identical in every script that has it (tests/test_drift.py checks).",
+    "# A definition with the same name is identical in every script that has it (tests/kit/test_drift.py checks).",
     "# " + "=" * 117,
 )
 
@@ -111,7 +111,7 @@ def test_duplicated_helpers_are_identical():
 def test_every_script_has_the_fence_after_main():
     for path in script_paths():
         line = fence_line(path)
-        assert line is not None, f"{os.path.basename(path)} has no fence (tests/test_drift.py FENCE)"
+        assert line is not None, f"{os.path.basename(path)} has no fence (tests/kit/test_drift.py FENCE)"
         with open(path) as f:
             tree = ast.parse(f.read())
         main = next(node for node in tree.body if getattr(node, "name", None) == "main")

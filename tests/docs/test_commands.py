@@ -338,7 +338,7 @@ def script_cli(script):
         body = main_block(ast.parse(f.read()))
     assert body, f"{script} has no `if __name__ == '__main__':` block"
     index = next((i for i, stmt in enumerate(body) if tyro_call(stmt) is not None), None)
-    assert index is not None, f"{script}'s __main__ block calls no tyro.cli: teach tests/test_commands.py its CLI"
+    assert index is not None, f"{script}'s __main__ block calls no tyro.cli: teach tests/docs/test_commands.py its CLI"
     namespace = dict(vars(module))
     exec(compile(ast.Module(body=body[:index], type_ignores=[]), script, "exec"), namespace)
     call = tyro_call(body[index])

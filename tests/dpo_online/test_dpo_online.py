@@ -501,7 +501,8 @@ def test_non_finite_score_stops_the_run(make_config, monkeypatch):
 
 
 # The fixed rollout (tests/fixed_rollout.py) under bf16 autocast; the launch paths' invariants are
-# tests/test_launch_paths.py's table. The judge is the tiny reward model on the fixed completions (no patch needed).
+# tests/launch_paths/test_launch_paths.py's table. The judge is the tiny reward model on the fixed completions (no
+# patch needed).
 
 INVARIANT_ARGS = dict(
     total_steps=3,  # 3 updates: the old scheduler, stepped once per process, ran the third at -1/3 of the lr
@@ -538,7 +539,7 @@ def test_an_ensemble_of_identical_members_judges_as_the_single_model(
 ):
     """Two copies of the judge agree on every completion: WCO and UWO give its score, so the run is the single-model
     run number for number, each member's score logged beside it (in training and evaluation). ensemble_reward itself
-    is tested in tests/test_ppo_rlhf.py (one definition: the drift test)."""
+    is tested in tests/ppo_rlhf/test_ppo_rlhf.py (one definition: the drift test)."""
     import shutil
 
     folder = tmp_path / "ensemble"

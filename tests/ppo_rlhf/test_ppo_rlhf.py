@@ -460,7 +460,7 @@ def test_lora_policy_starts_at_the_reference(make_config):
 
 
 # The fixed rollout (tests/fixed_rollout.py) under bf16 autocast; the launch paths' invariants are
-# tests/test_launch_paths.py's table.
+# tests/launch_paths/test_launch_paths.py's table.
 
 INVARIANT_ARGS = dict(
     total_steps=2,

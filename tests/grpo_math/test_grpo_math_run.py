@@ -133,7 +133,8 @@ def test_same_seed_same_metrics(make_args, monkeypatch, tmp_path):
 @pytest.mark.slow
 def test_damaged_latest_checkpoint_stops_the_resume_and_the_one_before_it_resumes_exactly(make_args, monkeypatch):
     """A damaged latest checkpoint (a truncated file) stops --resume with one line naming the one before it; once it
-    is deleted, --resume ends as the uninterrupted run (kill -9 at random points: tests/test_launch_paths.py)."""
+    is deleted, --resume ends as the uninterrupted run (kill -9 at random points:
+    tests/launch_paths/test_launch_paths.py)."""
     fixed_rollout.patch(grpo_math, monkeypatch.setattr)
     overrides = dict(total_steps=3, save_every=1, temperature=0.5)
     run_dir = grpo_math.main(make_args(**overrides))
@@ -356,7 +357,7 @@ def test_invariant_two_processes_with_vllm_engines(tiny_model_dir, task_dir, tmp
 
 
 # The fixed rollout (tests/fixed_rollout.py) under bf16 and at DeepSpeed's edges; the launch paths' invariants (2
-# processes, accumulation, DeepSpeed, kill -9) are tests/test_launch_paths.py's table.
+# processes, accumulation, DeepSpeed, kill -9) are tests/launch_paths/test_launch_paths.py's table.
 
 INVARIANT_ARGS = dict(
     total_steps=2,

@@ -17,7 +17,7 @@ from transformers import (
 
 from benchmark import memory_plan as mp
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GRPO = os.path.join(REPO_ROOT, "grpo_math.py")
 TINY = dict(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 TINY |= dict(intermediate_size=128, tie_word_embeddings=True)

@@ -205,7 +205,7 @@ def test_two_steps_ending_in_one_token_add_up():
 
 
 # The per-token rewards and the loss of ppo_prm_clip, against float64 loops (the shared PPO pieces have their own
-# reference tests in tests/test_ppo_rlhf.py: these test what the process rewards and the loss's assembly add)
+# reference tests in tests/ppo_rlhf/test_ppo_rlhf.py: these test what the process rewards and the loss's assembly add)
 
 
 def right_padded_mask(lengths, width):
@@ -776,7 +776,7 @@ def test_lora_policy_starts_at_the_reference(make_config):
 
 
 # The fixed rollout (tests/fixed_rollout.py) under bf16 autocast; the launch paths' invariants are
-# tests/test_launch_paths.py's table.
+# tests/launch_paths/test_launch_paths.py's table.
 
 INVARIANT_ARGS = dict(
     total_steps=2,
