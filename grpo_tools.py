@@ -286,10 +286,9 @@ def main(args: "Config"):
 
 
 def check_args(args):
-    """The algorithm's flags, checked before anything loads (setup then makes the checks every script makes): fill
-    calc's prompt (--system_prompt, --examples) where None, stop at the first bad flag with one line naming it, and
-    set the sizes computed from the flags (config.json records them). Returns the local paths for setup to check
-    besides the model and the dataset: {argument: how to get one}. A new flag of the algorithm is checked here."""
+    """The algorithm's flags, checked before anything loads: fill calc's prompt (--system_prompt, --examples) where
+    None, stop at the first bad flag with one line naming it, set the sizes computed from the flags. Returns {local
+    path flag: how to get one} for setup."""
     batch = args.prompts_per_rank * args.num_generations
     minibatch = batch // max(args.num_minibatches, 1)
     at_least = {
@@ -486,12 +485,10 @@ def trajectory_loss(
     logprobs, old_logprobs, ref_logprobs, sampler_logprobs, advantages, mask, logits, tokens, seqs, *,
     clip_eps_low, clip_eps_high, tis_cap, entropy_coef, beta, kl_estimator, loss_type, response_length,
 ):  # fmt: skip
-    """GRPO's loss on one micro-batch of trajectories: its share of the minibatch's (aggregate_loss: divided by the
-    minibatch's policy `tokens` averaged over processes, or its `seqs`) and its statistics. mask [b, R] is 1 on the
-    policy's tokens only: a tool token is context, and gets no surrogate, KL or entropy term. logprobs [b, R] (with
-    gradients), old, ref (None when beta = 0), sampler (None unless vLLM sampled) log-probs, advantages [b] (one per
-    trajectory, shared by its tokens), logits [b, R, V] (read by the entropy bonus only); the rest: the flags of the
-    same names. Returns (loss, {name: float})."""
+    """GRPO's loss on one micro-batch of trajectories (its share of the minibatch's: aggregate_loss) and its
+    statistics. mask [b, R] is 1 on the policy's tokens only: a tool token is context, with no surrogate, KL or entropy
+    term. logprobs [b, R] (with gradients), old, ref (None at beta 0), sampler (None without vLLM) log-probs,
+    advantages [b], logits [b, R, V]; the rest are the flags. Returns (loss, {name: float})."""
     # Outside the mask every comparison is with the policy's own log-prob (ratio 1, KL 0): a tool token's values,
     # which nothing trains, could grow to inf, and inf x 0 in the masked sum would be NaN.
     own, keep = logprobs.detach(), mask > 0
@@ -755,10 +752,8 @@ def trajectory_metrics(rewards, correct, formatted, rollout, group_size):
 
 
 def evaluate(sampler, eval_sets, args, accelerator, tokenizer, tools, step):
-    """Greedy multi-turn pass@1 on each held-out set ({name: (prompts, golds)}), sharded over processes, with how
-    often the policy called the tool, its accuracy with and without a call (NaN without such problems) and the share
-    of trajectories cut at the budget.
-    Returns ({name/metric: value}, sample rows for samples.jsonl)."""
+    """Greedy multi-turn pass@1 on each held-out set ({name: (prompts, golds)}), sharded over processes, with the call
+    rate, the accuracy with and without a call and the share cut at the budget. Returns (metrics, sample rows)."""
     rank, world_size = accelerator.process_index, accelerator.num_processes
     greedy = functools.partial(sampler.turn, temperature=0.0, stop_strings=tools.stop_strings)
     results, samples = {}, []

@@ -606,9 +606,9 @@ def prm_step_scores(prm, prompts, questions, responses, mask, steps, step_tokens
 
 
 def prm_rewards(prm, prompts, questions, golds, responses, mask, texts, args):
-    """Rewards of right-padded responses, mask [B, R]: correct [B] (the verifier's 1 / 0), success [B] (correct, or
-    --missing_eos_penalty without EOS), has_eos [B], the steps and their p_k (B lists, B tensors [K_i]), and process
-    [B, R], prm_coef r_k on each step's last token."""
+    """Rewards of right-padded responses, mask [B, R]: correct [B] (the verifier's), success [B] (correct, or
+    --missing_eos_penalty without EOS), has_eos [B], the steps and their p_k, and process [B, R] (prm_coef r_k on each
+    step's last token)."""
     has_eos = (torch.isin(responses, torch.tensor(prm.stop_ids)) & (mask.cpu() > 0)).any(1)
     correct = torch.tensor([verify_answer(extract_answer(t), g) for t, g in zip(texts, golds)])
     success = correct
@@ -672,8 +672,8 @@ def process_chunks(items, rank, world_size, chunk_size):
 
 
 def evaluate(sampler, prm, eval_set, args, accelerator, tokenizer, step):
-    """Greedy responses to the held-out prompts (prompts, golds, questions), sharded: accuracy, steps per response, the
-    PRM's mean step score and the mean reward (success + process, no KL). -> (metrics, sample rows)"""
+    """Greedy responses to the held-out prompts, sharded: accuracy, steps per response, the PRM's mean step score, the
+    mean reward. -> (metrics, sample rows)"""
     eval_prompts, eval_golds, eval_questions = eval_set
     names = ("accuracy", "num_steps", "prm_score", "score", "response_length", "eos_fraction", "num_prompts")
     totals, samples = torch.zeros(len(names), dtype=torch.float64), []
