@@ -141,7 +141,7 @@ class Args:
     seed: int = 1
     """seed of the experiment; process r samples with seed + r"""
 
-    # Computed by check_args from the flags above, recorded in config.json (not flags)
+    # Computed by check_args (not flags)
     batch_size: tyro.conf.Suppress[int] = 0
     """(computed) trajectories per process per step: prompts_per_rank * num_generations"""
     minibatch_size: tyro.conf.Suppress[int] = 0
@@ -184,8 +184,7 @@ def main(args: "Config"):
 
     for step in range(start_step, args.total_steps):
         metrics = run.begin_step(step)
-        # 1. Prompts: each process takes its slice of a global order that is a function of (seed, step), so that
-        # --resume repeats it.
+        # 1. Prompts: this process's slice of an order set by (seed, step), which --resume repeats.
         indices = run.prompt_indices(step, args.prompts_per_rank, len(train_prompts))
         prompts, golds = [train_prompts[i] for i in indices], [train_golds[i] for i in indices for _ in range(G)]
 
@@ -212,14 +211,12 @@ def main(args: "Config"):
         mask = rollout.policy[:, : real.shape[1]].to(device)  # [B, R']
         mask *= 1 - args.mask_truncated * rollout.truncated[:, None].float().to(device)
 
-        # 4. Advantages, each trajectory against its own group, on every process's rewards together (gather keeps
-        # rank order) so that scale_rewards="batch" uses the whole batch's std. [B]
+        # 4. Advantages, each trajectory against its group; gathered over processes (rank order) for "batch". [B]
         all_rewards = accelerator.gather(rewards.to(device))  # [world_size * B]
         advantages = group_advantages(all_rewards, G, args.scale_rewards).view(world_size, -1)[rank]
 
-        # 5. Log-probs that stay fixed during the update [B, R']: the old policy's (only when the batch is reused,
-        # else the first pass is exactly on-policy); the reference's under the policy's autocast (KL 0 before any
-        # update). Tool tokens get log-probs too, which the loss mask then leaves out.
+        # 5. Log-probs fixed during the update [B, R']: the old policy's, needed only when the batch is reused, and the
+        # reference's (KL 0 before any update). Tool tokens get some too; the loss mask leaves them out.
         t_train = time.time()
         batch = (query_responses, attention_mask, context_length, args.temperature, args.micro_batch_size)
         reuse = args.num_iterations > 1 or args.num_minibatches > 1

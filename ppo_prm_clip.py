@@ -126,7 +126,7 @@ class Args:
     seed: int = 1
     """seed of the experiment; process r samples with seed + r"""
 
-    # Computed by check_args from the flags above, recorded in config.json (not flags)
+    # Computed by check_args (not flags)
     minibatch_size: tyro.conf.Suppress[int] = 0
     """(computed) responses per process per optimizer step"""
     gradient_accumulation_steps: tyro.conf.Suppress[int] = 0
@@ -134,7 +134,7 @@ class Args:
 
 
 def main(args: "Config"):
-    # Setup (the helpers are below the fence): the flags' errors first, then processes, data, the PRM, models.
+    # Setup: the flags' errors first, then processes, data, PRM, models.
     accelerator, tokenizer = setup(args, check_args(args))
     world_size, device = accelerator.num_processes, accelerator.device
     (train_prompts, train_golds, train_questions), eval_set = load_prm_prompts(args, tokenizer, world_size)
@@ -165,7 +165,7 @@ def main(args: "Config"):
     batch_size = args.prompts_per_rank  # one response per prompt
     for step in range(start_step, args.total_steps):
         metrics = run.begin_step(step)
-        # 1. Prompts: this process's slice of an order that is a function of (seed, step), so --resume repeats it.
+        # 1. Prompts: this process's slice of an order set by (seed, step), which --resume repeats.
         indices = run.prompt_indices(step, batch_size, len(train_prompts))
         prompts = [train_prompts[i] for i in indices]
 
@@ -178,16 +178,14 @@ def main(args: "Config"):
         )
         responses = responses[:, : mask.shape[1]]
 
-        # 3. Fixed during the update [B, R]: old log-probs and values in the first minibatch's micro-batches (its
-        # ratio is then exactly 1), the reference's under the policy's autocast.
+        # 3. Fixed during the update [B, R]: old log-probs and values (ratio 1 first), the reference's.
         t_train = time.time()
         batch = (query_responses, attention_mask, context_length, args.temperature, args.micro_batch_size)
         model.eval()
         old_logprobs, old_values = fixed_logprobs_and_values_prm(model, *batch)
         ref_logprobs = reference_logprobs(response_logprobs, policy, ref_policy, accelerator, batch)
 
-        # 4. Rewards: the verifier's success [B], the steps, the PRM's p_k of each step prefix, and the refined
-        # rewards r_k * prm_coef on the steps' last tokens: process [B, R].
+        # 4. Rewards: the verifier's success [B], the PRM's p_k of each step prefix, process [B, R]: prm_coef r_k.
         questions, golds = [train_questions[i] for i in indices], [train_golds[i] for i in indices]
         with run.timed("time/reward"):
             correct, success, has_eos, steps, scores, process = prm_rewards(
