@@ -844,7 +844,8 @@ def test_two_processes_whose_trajectories_make_different_numbers_of_calls_do_not
     values = {**FAST["grpo_tools"], "vllm": True, "vllm_sleep": True, "eval_every": 0}
     flags = strip_flags(fast_cli_flags(tiny_model_dir, task_dir, out, **values), "oversample")
     env = subprocess_env()
-    env["PYTHONPATH"] = os.pathsep.join([REPO_ROOT, os.path.join(REPO_ROOT, "tests"), env["PYTHONPATH"]])
+    here = os.path.dirname(os.path.abspath(__file__))  # this test's folder: the program imports this module
+    env["PYTHONPATH"] = os.pathsep.join([REPO_ROOT, os.path.join(REPO_ROOT, "tests"), here, env["PYTHONPATH"]])
     env["COUNTS_DIR"], env["TEST_MODULE"] = str(tmp_path), __name__
     cmd = [accelerate_command(), "launch", "--multi_gpu", "--dynamo_backend", "no", "--num_processes", "2"]
     cmd += ["--num_machines", "1", "--mixed_precision", "no", "--main_process_port", str(free_port())]
