@@ -5,7 +5,7 @@ The policy answers arithmetic problems with a calculator, in one assistant messa
 --max_turns calls, to its final answer, which the verifier scores. GRPO (Shao et al., arXiv 2402.03300) on whole
 trajectories. Every token the policy wrote is trained; the tool's output is context, out of the loss. The trainer
 scores the very token ids the sampler produced (token in, token out), so the first on-policy minibatch has ratio 1.
-With --tool_format native the tools are an environment's methods, called in the chat template's own format.
+The tools are an environment's methods (--environment); --tool_format native calls them in the chat template's format.
 
     python grpo_tools.py                           # CPU: the embedded SmolLM2-135M-Instruct and task
     python grpo_tools.py --tool_format native      # the chat template's tool calls (SmolLM2: Hermes, make assets)
@@ -109,8 +109,8 @@ class Args:
     """how the policy calls tools: calc, the script's <calc> tags inside one assistant message; native, the chat
     template's own tool calls (Hermes <tool_call> JSON, Llama 3.1 JSON) answered as its `tool` messages"""
     environment: str = "calculator"
-    """native: the environment whose methods are the tools, one per trajectory: a name in ENVIRONMENTS, or
-    FILE.py:CLASS (a class made with no arguments)"""
+    """the environment whose methods are the tools, one per trajectory: a name in ENVIRONMENTS, or FILE.py:CLASS (a
+    class made with no arguments; calc calls its one tool of one string argument)"""
     chat_template: Optional[str] = None
     """native: a Jinja chat template file to use (None: the tokenizer's own, or where that one ignores tools=, as
     SmolLM2's does, the model folder's tool_chat_template.jinja)"""
@@ -151,31 +151,31 @@ class Args:
 
 
 def main(args: "Config"):
-    # Setup: processes, data, models, sampler, run folder (the helpers are below the fence).
-    accelerator, tokenizer = setup(args, check_args(args))  # the flags' one-line errors first
+    # Setup (the helpers are below the fence): the flags' one-line errors first, then processes, data and models.
+    accelerator, tokenizer = setup(args, check_args(args))
     rank, world_size, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     G = args.num_generations  # the group size
-    tools = make_tool_format(args, tokenizer)  # how calls are written, run and answered: CalcTags or NativeTools
+    tools = make_tool_format(args, tokenizer)  # the environment's tools and how calls are written
     train_prompts, train_golds, eval_sets = load_tool_prompts(args, tokenizer, world_size, tools)
     run = Run(args, accelerator, RESUMABLE_ARGS)
     model, ref_model = load_policy_and_reference(args, accelerator, tokenizer.pad_token_id, args.beta > 0)
     trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay, eps=1e-8)
-    schedule = "constant_with_warmup" if args.lr_scheduler == "constant" else args.lr_scheduler  # after warmup_steps
+    schedule = "constant_with_warmup" if args.lr_scheduler == "constant" else args.lr_scheduler
     num_updates = args.total_steps * args.num_iterations * args.num_minibatches
     scheduler = get_scheduler(schedule, optimizer, args.warmup_steps, num_updates)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     sampler = TurnSampler(args, accelerator, accelerator.unwrap_model(model), tokenizer)
     # (contexts, max_tokens) -> turns, each ended by a stop token or the token that completes a call (calc)
     policy_turn = functools.partial(sampler.turn, temperature=args.temperature, stop_strings=tools.stop_strings)
-    loss_flags = dict(  # trajectory_loss's flags (it takes tensors and scalars, not args)
+    loss_flags = dict(
         clip_eps_low=args.clip_eps_low, clip_eps_high=args.clip_eps_high, tis_cap=args.tis_cap,
         entropy_coef=args.entropy_coef, beta=args.beta, kl_estimator=args.kl_estimator, loss_type=args.loss_type,
         response_length=args.response_length,
     )  # fmt: skip
     packed = shared_prompt_logits if args.shared_prompt else None  # the same log-probs, each prompt once per group
     logprobs_fn = functools.partial(response_logprobs, packed=packed)
-    evaluation = functools.partial(evaluate, sampler, eval_sets, args, accelerator, tokenizer, tools)  # (step) ->
+    evaluation = functools.partial(evaluate, sampler, eval_sets, args, accelerator, tokenizer, tools)
     start_step = run.start({"vllm": sampler.llm is not None})
     if start_step > 0:
         sampler.sync_weights()
@@ -196,15 +196,14 @@ def main(args: "Config"):
             )
         metrics["perf/generation_tokens_per_second"] = rollout.policy.sum().item() / metrics["time/generation"]
 
-        # 3. Rewards: the verifier on the final answer, read from the policy's last turn (a tool output is not an
-        # answer), or the environment's own reward where it has one (--tool_format native).
+        # 3. Rewards: the verifier on the final answer, the policy's last turn (a tool output is not an answer), or
+        # the environment's own reward where it has one.
         with run.timed("time/reward"):
             rewards, correct, formatted = tools.rewards(rollout.answers, golds, args.format_reward)
         run.check(rewards, "objective/scores")
         metrics |= trajectory_metrics(rewards, correct, formatted, rollout, G)
-        # The trainer's input: the prompts, then every token of each trajectory (the attention mask covers them
-        # all); `mask`, the loss mask, only the policy's tokens (none of a trajectory cut at the budget with
-        # --mask_truncated: TRL's mask_truncated_completions).
+        # The trainer's input: the prompts, then each trajectory's tokens; the loss mask `mask` keeps the policy's
+        # tokens (none of a trajectory cut at the budget under --mask_truncated).
         query_responses, attention_mask, real, sampler_logprobs, context_length = training_batch(
             prompts, G, rollout.ids, rollout.real, rollout.sampler_logprobs, tokenizer.pad_token_id, device
         )
@@ -321,9 +320,9 @@ def check_args(args):
         (not native and args.chat_template is not None, "--chat_template is for --tool_format native"),
         (native and args.examples not in (None, ()), "--examples: under --tool_format native the exchanges shown "
          "are the environment's EXAMPLES (or none: --examples)"),
-        (native and args.environment not in ENVIRONMENTS and not environment_file.endswith(".py"),
+        (args.environment not in ENVIRONMENTS and not environment_file.endswith(".py"),
          f"--environment must be one of {sorted(ENVIRONMENTS)} or FILE.py:CLASS"),
-        (native and environment_file.endswith(".py") and not os.path.isfile(environment_file),
+        (environment_file.endswith(".py") and not os.path.isfile(environment_file),
          f"--environment {args.environment}: no such file"),
         (native and args.prompt_template is not None, "--prompt_template: --tool_format native needs a chat template"),
         (native and args.chat_template is not None and not os.path.isfile(args.chat_template),
@@ -530,17 +529,6 @@ def first_pass_stats(logits, logprobs, sampler_logprobs, mask, first_minibatch):
     return stats
 
 
-# --tool_format calc: the prompt describes the calculator's tags and shows one call (_build_prompts puts EXAMPLE
-# before the question).
-SYSTEM_PROMPT = (
-    "You can use a calculator: write <calc>expression</calc> and its result follows as <result>value</result>."
-)
-EXAMPLE = (
-    "Calculate 23 * 41. Give the final answer after 'Answer:'.",
-    "<calc>23 * 41</calc><result>943</result>\nAnswer: 943",
-)
-
-
 Rollout = collections.namedtuple(
     "Rollout",
     "ids real policy sampler_logprobs texts answers calls turns unrun_calls truncated errors failed_calls",
@@ -621,14 +609,13 @@ def multi_turn_rollout(policy_turn, tokenizer, prompts, n, response_length, max_
 
 
 class Calculator:
-    """The calculator as an environment, one per trajectory: its public methods but reset and reward are the tools,
-    described to the model by their type hints and docstrings. Without a reward method the verifier scores the final
-    answer."""
+    """The default environment, one per trajectory: its public methods but reset and reward are the tools, described
+    to the model by their type hints and docstrings; with no reward method, the verifier scores the answer."""
 
     def __init__(self, max_operations=0, unavailable=False):
         self.max_operations, self.unavailable = max_operations, unavailable
-        # The exchanges shown before the question (native; calc shows EXAMPLE): a call, its result, the answer.
-        # Three: SmolLM2-135M does not imitate one (docs/grpo_tools.md).
+        # Shown before the question under native: a call, its result, the answer; three, as SmolLM2-135M does not
+        # imitate one.
         self.EXAMPLES = [
             [
                 {"role": "user", "content": f"Calculate {a} * {b}. Give the final answer after 'Answer:'."},
@@ -640,8 +627,8 @@ class Calculator:
         ]
 
     def reset(self, question):
-        """Called with its question before a trajectory's first turn; what it returns (text or None) follows the
-        question in the prompt. The calculator keeps no state and adds nothing."""
+        """Called with its question before a trajectory's first turn; a text it returns follows the question in the
+        prompt. The calculator keeps no state and adds none."""
 
     def calculate(self, expression: str) -> str:
         """Compute an arithmetic expression exactly.
@@ -665,7 +652,7 @@ class Tools:
         """Nothing to reset: the functions keep no state."""
 
 
-# --environment's choices: each makes one environment from the flags (args), shown its EXAMPLES before the question.
+# --environment's names: each makes one environment from the flags (args).
 ENVIRONMENTS = {
     "calculator": lambda args: Calculator(args.max_operations, args.tool == "unavailable"),
     "price_list": lambda args: environment_class("environments/price_list.py:PriceList")(),
@@ -674,21 +661,20 @@ ENVIRONMENTS = {
 
 
 def make_tool_format(args, tokenizer):
-    """--tool_format's object for multi_turn_rollout: CalcTags answering with make_tool's tool, or NativeTools over a
-    fresh --environment per trajectory (a name in ENVIRONMENTS, or FILE.py:CLASS) shown its EXAMPLES; both score
-    answers with compute_rewards."""
-    template_kwargs = json.loads(args.chat_template_kwargs)
-    if args.tool_format == "calc":
-        tool = make_tool(args.tool, args.max_operations)
-        return CalcTags(tokenizer, tool, args.examples, compute_rewards, template_kwargs)
+    """--tool_format's ToolCalls over a fresh --environment per trajectory (a name in ENVIRONMENTS, or FILE.py:CLASS):
+    calc shown --examples, native the environment's EXAMPLES; answers scored by compute_rewards."""
     if args.environment in ENVIRONMENTS:
         make_environment = functools.partial(ENVIRONMENTS[args.environment], args)
     else:
         make_environment = environment_class(args.environment)  # FILE.py:CLASS, loaded only when named
-    examples = getattr(make_environment(), "EXAMPLES", []) if args.examples is None else []  # lists of messages
+    examples = args.examples  # calc: (question, answer) texts; native: lists of messages
+    if args.tool_format == "native":
+        examples = getattr(make_environment(), "EXAMPLES", []) if args.examples is None else []
     template = open(args.chat_template).read() if args.chat_template else None
-    model = args.model_name_or_path
-    return NativeTools(tokenizer, make_environment, template, examples, compute_rewards, template_kwargs, model)
+    template_kwargs, model = json.loads(args.chat_template_kwargs), args.model_name_or_path
+    return ToolCalls(
+        tokenizer, make_environment, template, examples, compute_rewards, template_kwargs, model, args.tool_format
+    )
 
 
 def verify_answer(prediction, gold):
@@ -1012,15 +998,6 @@ def _load_tokenizer(model_name_or_path, trust_remote_code):
     return tokenizer
 
 
-def make_tool(name, max_operations=0):
-    """The tool that answers a call, (expression) -> text: the calculator (at most max_operations operations a call,
-    0: any number), or for "unavailable" UNAVAILABLE whatever the call. Its answer takes the calculator's path
-    (RESULT tags, tool tokens, the same budget), so that ablation differs from the working tool by the result alone."""
-    if name == "unavailable":
-        return lambda expression: UNAVAILABLE
-    return functools.partial(calculator, max_operations=max_operations)
-
-
 UNAVAILABLE = "error: unavailable"  # --tool unavailable's answer to every call
 
 
@@ -1150,46 +1127,15 @@ class Arithmetic:
         return value
 
 
-class CalcTags:
-    """--tool_format calc, what multi_turn_rollout asks of a tool format: the calls a turn makes (CALL tags, one
-    expression), whether it opened one it did not close, and the tokens the tool writes after a call it runs."""
-
-    error_kinds = ()
-
-    def __init__(self, tokenizer, tool, examples=(), score=None, template_kwargs=None):
-        self.tokenizer, self.tool, self.examples, self.template_kwargs = (
-            tokenizer,
-            tool,
-            examples,
-            template_kwargs or {},
-        )
-        self.stop_strings = (CALL[1],)  # a turn ends once a token completes a call
-        self.score = score  # (answers, golds, format_reward) -> (rewards, correct, formatted): the task's
-        self.questions = {}  # {prompt ids: its question} (load_tool_prompts)
-
-    def ask(self, question):
-        return question  # the question as the prompt shows it
-
-    def begin(self, prompts, n):
-        pass  # the calculator keeps no state
-
-    def calls(self, text):
-        expression = tool_call(text)
-        return [] if expression is None else [expression]
-
-    def opened(self, text):
-        return CALL[0] in text
-
-    def rewards(self, answers, golds, format_reward):
-        return self.score(answers, golds, format_reward)  # the verifier on each final answer
-
-    def respond(self, i, turn_ids, text, calls):
-        """(turn tokens kept, the tool's tokens, [(expression, output)], ["refused"] when the calculator refused the
-        expression: its answer then begins "error", by its contract)"""
-        output = self.tool(calls[0])
-        keep, tool_text = tool_text_after(self.tokenizer, turn_ids, text, output)
-        refused = ["refused"] if output.startswith("error") else []
-        return keep, self.tokenizer(tool_text, add_special_tokens=False).input_ids, [(calls[0], output)], refused
+# --tool_format calc: the prompt describes the calculator's tags and shows one call (_build_prompts puts EXAMPLE
+# before the question).
+SYSTEM_PROMPT = (
+    "You can use a calculator: write <calc>expression</calc> and its result follows as <result>value</result>."
+)
+EXAMPLE = (
+    "Calculate 23 * 41. Give the final answer after 'Answer:'.",
+    "<calc>23 * 41</calc><result>943</result>\nAnswer: 943",
+)
 
 
 # --tool_format calc: the policy calls the calculator by writing CALL[0] expression CALL[1]; its answer comes back as
@@ -1267,13 +1213,16 @@ def environment_class(spec):
     return getattr(module, name)
 
 
-class NativeTools:
-    """--tool_format native, what multi_turn_rollout asks of a tool format (as CalcTags): one environment per
-    trajectory (make_environment()), the calls a turn makes in the template's format, and the tokens the template
-    writes after them. template_kwargs go to every apply_chat_template: tools= and the chat_template."""
+class ToolCalls:
+    """What multi_turn_rollout asks of the tools: one environment per trajectory (make_environment()), its public
+    methods but reset and reward the tools, the calls a turn makes and the tokens written after them, in one of two
+    formats. native: the chat template's (tools= rendered in the prompt, calls read as the template writes them,
+    results as its `tool` messages). calc: <calc>argument</calc> calls the environment's one tool of one string
+    argument, whose result follows as <result>value</result> in the assistant's own text. template_kwargs go to every
+    apply_chat_template."""
 
-    stop_strings = ()  # a turn runs to the model's end of turn
-    error_kinds = ("bad_json", "unknown_tool", "bad_arguments", "raised")  # logged as tools/errors/<kind>
+    stop_strings = ()  # native: a turn runs to the model's end of turn
+    error_kinds = ("bad_json", "unknown_tool", "bad_arguments", "raised")  # native's, logged as tools/errors/<kind>
 
     def __init__(
         self,
@@ -1284,12 +1233,21 @@ class NativeTools:
         score=None,
         template_kwargs=None,
         model=None,
+        call_format="native",
     ):
         self.tokenizer, self.make_environment, self.examples, self.score = tokenizer, make_environment, examples, score
-        self.schemas = tool_schemas(make_environment())
-        self.template_kwargs = dict(tools=self.schemas, chat_template=chat_template) | (template_kwargs or {})
+        self.schemas, self.call_format = tool_schemas(make_environment()), call_format
         self.environments, self.questions = [], {}  # questions: {prompt ids: its question} (load_tool_prompts)
         self.shown = {}  # {question: the text its reset returned for the prompt}
+        if call_format == "calc":
+            parameters = self.schemas[0]["function"]["parameters"] if len(self.schemas) == 1 else {}
+            names = list(parameters.get("properties", {}))
+            if len(names) != 1 or parameters["properties"][names[0]].get("type") != "string":
+                raise SystemExit("error: --tool_format calc calls an environment's one tool of one string argument")
+            self.template_kwargs, self.argument = template_kwargs or {}, names[0]
+            self.stop_strings, self.error_kinds = (CALL[1],), ()  # a turn ends once a token completes a call
+            return
+        self.template_kwargs = dict(tools=self.schemas, chat_template=chat_template) | (template_kwargs or {})
         if chat_template is None and model is not None:  # the tokenizer's own, or the model folder's tool template
             self.template_kwargs["chat_template"] = _tool_template(tokenizer, model, self.template_kwargs)
         _ = self.reading  # read now: a template whose calls neither format reads stops before the model loads
@@ -1344,6 +1302,10 @@ class NativeTools:
         return call_format, prompt.rfind("<think>") > prompt.rfind("</think>")
 
     def calls(self, text):
+        """[(name, arguments)] of the calls the turn makes; [] when it makes none."""
+        if self.call_format == "calc":
+            argument = tool_call(text)
+            return [] if argument is None else [(self.schemas[0]["function"]["name"], {self.argument: argument})]
         call_format, in_reasoning = self.reading
         if in_reasoning and "</think>" not in text:
             return []  # a turn that starts in its reasoning and never ends it is all reasoning
@@ -1361,13 +1323,21 @@ class NativeTools:
         return rewards, correct, formatted
 
     def opened(self, text):
-        return False  # a call opened and not closed is a call (parse_tool_calls)
+        """Whether the turn opened a call it did not close (calc; native reads an unclosed call as a call)."""
+        return self.call_format == "calc" and CALL[0] in text
 
     def respond(self, i, turn_ids, text, calls):
-        """(turn tokens kept: all, the template's tokens for the results, [(the call as text, result)], [error
-        kinds]); turn_ids end with the stop token that ended the turn. None (the calls not run, the trajectory ends)
-        after a stop token that closes no turn of the template (tool_response_ids)."""
+        """(turn tokens kept, the tokens written for the results, [(the call as text, result)], [error kinds]).
+        native: turn_ids end with the stop token that ended the turn, all kept; None (the calls not run, the
+        trajectory ends) after a stop token that closes no turn of the template (tool_response_ids). calc: the
+        result in RESULT tags after the call (tool_text_after), "refused" where it begins "error"."""
         results = [run_tool_call(self.environments[i], self.schemas, name, args) for name, args in calls]
+        if self.call_format == "calc":
+            (_, arguments), output = calls[0], results[0][0]
+            keep, tool_text = tool_text_after(self.tokenizer, turn_ids, text, output)
+            refused = ["refused"] if output.startswith("error") else []
+            ids = self.tokenizer(tool_text, add_special_tokens=False).input_ids
+            return keep, ids, [(arguments[self.argument], output)], refused
         messages = [
             {"role": "tool", "name": name or "error", "content": output}
             for (name, _), (output, _) in zip(calls, results)

@@ -11,7 +11,7 @@ Two uses:
 Every grpo_tools.py flag is accepted and means what it means there (the model, --dataset_path, --examples,
 --system_prompt, --tool, --max_operations, --max_turns, --response_length, --vllm, --seed, ...): the prompts are built
 by grpo_tools' load_tool_prompts (its checks, its prompts), the trajectories by its multi_turn_rollout with its
-TurnSampler and make_tool, the rewards by its tool format's (compute_rewards, or an environment's own reward). Run
+TurnSampler and ToolCalls, the rewards by its tool format's (compute_rewards, or an environment's own reward). Run
 from the repository root:
 
     python -m benchmark.tool_probe --no-vllm --temperature 0                  # greedy on the held-out prompts

@@ -183,8 +183,8 @@ def test_reading_figures_of_the_scripts_against_the_files():
 def test_the_kit_names_no_environment_and_the_algorithm_no_wire_format_internals():
     """grpo_tools.py: below the fence nothing names ENVIRONMENTS, Tools or an environment, so a new tool (a method) or
     environment (a class and its ENVIRONMENTS entry) needs no edit there (a copy of the script given one runs it:
-    test_grpo_tools_native.py); above it, the code names a tool format by its class alone (CalcTags, NativeTools),
-    never its internals: parsing, argument checks, rendering, the calculator's parser."""
+    test_grpo_tools_native.py); above it, the code names the tool system by its class alone (ToolCalls), never its
+    internals: parsing, argument checks, rendering, the calculator's parser."""
     import grpo_tools
 
     above, below = open(os.path.join(REPO_ROOT, "grpo_tools.py")).read().split(budget.FENCE)
@@ -195,7 +195,7 @@ def test_the_kit_names_no_environment_and_the_algorithm_no_wire_format_internals
     names |= {x.attr for x in ast.walk(ast.parse(above)) if isinstance(x, ast.Attribute)}
     internals = ["parse_tool_calls", "run_tool_call", "tool_response_ids", "tool_schemas", "tool_text_after"]
     internals += ["tool_call", "Arithmetic", "TOOL_CALL", "CALL", "RESULT", "reading"]
-    assert {"CalcTags", "NativeTools"} <= names and not names & set(internals), names & set(internals)
+    assert "ToolCalls" in names and not names & set(internals), names & set(internals)
     for name in internals:
         assert re.search(rf"\b{name}\b", below), name
 

@@ -38,9 +38,9 @@ from grpo_tools import CALL, RESULT, calculator, multi_turn_rollout, tool_call
 CALC_END = (CALL[1],)  # --tool_format calc's turns end once a token completes a call
 
 
-def calc(tokenizer, tool=calculator):
-    """--tool_format calc with `tool` answering each call."""
-    return grpo_tools.CalcTags(tokenizer, tool)
+def calc(tokenizer, make_environment=grpo_tools.Calculator, **kwargs):
+    """--tool_format calc: the <calc> format of ToolCalls, over a fresh make_environment() per trajectory."""
+    return grpo_tools.ToolCalls(tokenizer, make_environment, call_format="calc", **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -328,7 +328,7 @@ def test_evaluate_counts_a_trajectory_ended_by_eos_at_the_budget_as_finished(tok
         num_samples_logged=0,
     )  # fmt: skip
     sets = {"eval": ([[901], [902]], ["40", "40"])}
-    tools = grpo_tools.CalcTags(tokenizer, calculator, score=grpo_tools.compute_rewards)
+    tools = calc(tokenizer, score=grpo_tools.compute_rewards)
     results, _ = grpo_tools.evaluate(sampler, sets, args, accelerator, tokenizer, tools, 0)
     assert results["eval/truncated"] == 0.5 and results["eval/accuracy"] == 1.0 and results["eval/call_rate"] == 0.0
 
@@ -952,9 +952,9 @@ def test_max_operations_counts_the_binary_operations_of_a_call(expression, opera
 
 
 def test_the_unavailable_tool_answers_every_call_through_the_calculators_path(tokenizer):
-    """make_tool("unavailable") answers each call `error: unavailable` where the calculator would have answered: the
-    same calls, turns and policy tokens, the output in the same RESULT tags as tool tokens, the same budget; only
-    the output's text differs. make_tool("calculator", 1) is the calculator with one operation per call."""
+    """The unavailable calculator (--tool unavailable) answers each call `error: unavailable` where the calculator would
+    have answered: the same calls, turns and policy tokens, the output in the same RESULT tags as tool tokens, the same
+    budget; only the output's text differs. Calculator(1) computes one operation per call."""
     prompts = [[900, 901], [902]]
     script = {
         (900, 0): "First <calc>12 * 34</calc>",
@@ -963,8 +963,9 @@ def test_the_unavailable_tool_answers_every_call_through_the_calculators_path(to
         (902, 0): "Answer: 5<eos>",
     }
     rollouts = {}
-    for name, tool in [("calculator", calculator), ("one", grpo_tools.make_tool("calculator", 1)),
-                       ("unavailable", grpo_tools.make_tool("unavailable"))]:  # fmt: skip
+    Calculator = grpo_tools.Calculator
+    for name, tool in [("calculator", Calculator), ("one", lambda: Calculator(1)),
+                       ("unavailable", lambda: Calculator(unavailable=True))]:  # fmt: skip
         policy_turn, seen = scripted_turns(tokenizer, script)
         rollouts[name] = multi_turn_rollout(policy_turn, tokenizer, prompts, 1, 64, 3, (), calc(tokenizer, tool))
     assert rollouts["calculator"].calls[0] == [("12 * 34", "408"), ("408 * 2 * 1", "816")]

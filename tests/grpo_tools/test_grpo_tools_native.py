@@ -18,7 +18,7 @@ from conftest import REPO_ROOT, read_metrics
 
 import grpo_tools
 from environments import price_list
-from grpo_tools import Calculator, NativeTools, multi_turn_rollout, parse_tool_calls, run_tool_call
+from grpo_tools import Calculator, ToolCalls, multi_turn_rollout, parse_tool_calls, run_tool_call
 
 # SmolLM2's tool template, as make assets writes it beside the model (its own template ignores tools=)
 HERMES_TEMPLATE = open(os.path.join(REPO_ROOT, "benchmark", "smollm2_tools.jinja")).read()
@@ -141,7 +141,7 @@ def test_parse_tool_calls(text, call_format, calls):
 def test_the_call_format_and_open_reasoning_are_read_from_the_template(tokenizer, name):
     templates = {**TEMPLATES, "llama3.1": chat_templates.LLAMA31, "qwen3-thinking": chat_templates.QWEN3_THINKING}
     expected = {"llama3.1": ("json", False), "qwen3-thinking": ("hermes", True)}.get(name, ("hermes", False))
-    assert NativeTools(tokenizer, Shop, templates[name]).reading == expected
+    assert ToolCalls(tokenizer, Shop, templates[name]).reading == expected
 
 
 # Calls written in formats that parse_tool_calls does not read (Qwen3.5's XML, Gemma's `call:`), ChatML otherwise.
@@ -165,8 +165,8 @@ TOOL_CALL_BLOCK = (
 @pytest.mark.parametrize("name", OTHER_FORMATS)
 def test_a_template_whose_calls_are_read_neither_way_stops_in_one_line(tokenizer, name):
     with pytest.raises(SystemExit, match=NEITHER):
-        _ = NativeTools(tokenizer, Shop, CHATML.replace("CALL", OTHER_FORMATS[name])).reading
-    assert NativeTools(tokenizer, Shop, CHATML.replace("CALL", TOOL_CALL_BLOCK)).reading == ("hermes", False)
+        _ = ToolCalls(tokenizer, Shop, CHATML.replace("CALL", OTHER_FORMATS[name])).reading
+    assert ToolCalls(tokenizer, Shop, CHATML.replace("CALL", TOOL_CALL_BLOCK)).reading == ("hermes", False)
 
 
 def published_template(name):
@@ -212,7 +212,7 @@ def test_published_templates_calls_are_read_or_stop_the_run(tiny_model_dir, publ
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     llama = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>"]
     tokenizer.add_special_tokens({"additional_special_tokens": llama + ["<|python_tag|>"]})
-    make = functools.partial(NativeTools, tokenizer, Shop, published_template(published))
+    make = functools.partial(ToolCalls, tokenizer, Shop, published_template(published))
     if expected in ("hermes", "json"):
         assert make().reading == (expected, False)
     else:
@@ -248,13 +248,13 @@ def test_hermes_template_replaces_a_template_that_ignores_tools_whatever_the_too
 
 def test_a_turn_that_starts_in_reasoning_has_its_reasoning_not_read(tokenizer):
     """Qwen3-Thinking-2507's generation prompt opens <think>: the turn's text up to its </think> is reasoning."""
-    tools = NativeTools(tokenizer, Shop, chat_templates.QWEN3_THINKING)
+    tools = ToolCalls(tokenizer, Shop, chat_templates.QWEN3_THINKING)
     assert tokenizer.decode(native_prompt(tokenizer, tools)).endswith("<|im_start|>assistant\n<think>\n")
     pay = '{"name": "pay", "arguments": {"amount": 1, "card": true}}'
     assert tools.calls(f"maybe <tool_call>{CALL}</tool_call>\n</think>\n\n<tool_call>{pay}</tool_call>") == [
         ("pay", {"amount": 1, "card": True})
     ]
-    assert NativeTools(tokenizer, Shop, chat_templates.QWEN3).calls(f"x</think><tool_call>{pay}</tool_call>") == [
+    assert ToolCalls(tokenizer, Shop, chat_templates.QWEN3).calls(f"x</think><tool_call>{pay}</tool_call>") == [
         ("pay", {"amount": 1, "card": True})
     ]
     assert tools.calls(f"maybe <tool_call>{pay}</tool_call>") == []  # the reasoning never ends: all of it is
@@ -264,7 +264,7 @@ def test_a_turn_that_starts_in_reasoning_has_its_reasoning_not_read(tokenizer):
 def test_a_turn_that_never_leaves_its_reasoning_runs_no_call(tokenizer):
     """Under a template whose generation prompt opens <think>, a turn that never writes </think> is reasoning to its
     end: the call in it is a thought, not run, and the turn is the trajectory's last."""
-    tools = NativeTools(tokenizer, Shop, chat_templates.QWEN3_THINKING)
+    tools = ToolCalls(tokenizer, Shop, chat_templates.QWEN3_THINKING)
     thought = '<tool_call>{"name": "pay", "arguments": {"amount": 1, "card": true}}</tool_call>'
     prompt = native_prompt(tokenizer, tools)
     turn = scripted_turns(tokenizer, [thought, "Answer: 1"])
@@ -356,7 +356,7 @@ def test_a_calls_outcome_is_what_it_did_not_what_its_text_says(tokenizer):
     assert run_tool_call(Lab(), schemas, "measure", {"what": "noise"}) == ("errors in measurement: 3", None)
     assert run_tool_call(Lab(), schemas, "measure", {"what": "x"}) == ("Error: 12 (the name of a band)", None)
     assert run_tool_call(Lab(), schemas, "measure", {"what": "nothing"})[1] == "raised"
-    tools = NativeTools(tokenizer, Lab, HERMES_TEMPLATE)
+    tools = ToolCalls(tokenizer, Lab, HERMES_TEMPLATE)
     calls = [f'<tool_call>{{"name": "measure", "arguments": {{"what": "{w}"}}}}</tool_call>' for w in ("noise", "x")]
     script = ["\n".join(calls + ['<tool_call>{"name": "measure", "arguments": {"what": "nothing"}}</tool_call>']), "6"]
     prompt = native_prompt(tokenizer, tools)
@@ -414,7 +414,7 @@ class Dice:
 
 
 def test_a_reset_that_shows_another_state_each_time_stops_in_one_line(tokenizer):
-    tools = NativeTools(tokenizer, Dice, HERMES_TEMPLATE)
+    tools = ToolCalls(tokenizer, Dice, HERMES_TEMPLATE)
     with pytest.raises(SystemExit, match="reset returned two texts for one question"):
         tools.ask("Which face?")
 
@@ -467,7 +467,7 @@ def test_native_rollout_trains_exactly_the_sampled_tokens(tokenizer, name):
     """Two calls in one turn, then the answer: the trajectory is the first turn's sampled ids, the template's tokens
     for the two results, the second turn's sampled ids; the loss mask is 1 on the sampled ids alone, and the second
     turn was sampled on exactly the trajectory so far."""
-    tools = NativeTools(tokenizer, Shop, TEMPLATES[name])
+    tools = ToolCalls(tokenizer, Shop, TEMPLATES[name])
     tools.template_kwargs["enable_thinking"] = False
     first = (
         '<tool_call>\n{"name": "price", "arguments": {"item": "pen", "quantity": 3}}\n</tool_call>\n'
@@ -497,7 +497,7 @@ def test_native_rollout_trains_exactly_the_sampled_tokens(tokenizer, name):
         ('pay({"amount": 4.5, "card": true})', "paid 4.5 by card"),
     ]
     assert rollout.answers == ["Answer: 4.5"] and rollout.turns == [2] and not rollout.truncated[0]
-    assert rollout.errors == {kind: [0] for kind in grpo_tools.NativeTools.error_kinds}
+    assert rollout.errors == {kind: [0] for kind in grpo_tools.ToolCalls.error_kinds}
     assert [env.questions for env in tools.environments] == [[None]]  # one per trajectory, reset once (no question:
     # the prompt was not built by load_tool_prompts)
 
@@ -577,7 +577,7 @@ def test_a_plain_function_becomes_a_tool_by_passing_it(make_config, monkeypatch,
 @pytest.mark.filterwarnings("ignore:std\\(\\)")  # one trajectory: its group's std is undefined
 def test_native_rollout_counts_failed_calls_and_answers_with_the_error(tokenizer):
     """Each failed call is answered with its error text (the policy reads it) and counted by kind."""
-    tools = NativeTools(tokenizer, Shop, HERMES_TEMPLATE)
+    tools = ToolCalls(tokenizer, Shop, HERMES_TEMPLATE)
     script = [
         '<tool_call>{"name": "price", "arguments": {"item": "lamp", "quantity": 1}}</tool_call>\n'
         '<tool_call>{"name": "refund", "arguments": {}}</tool_call>',  # a tool that raises; no such tool
@@ -595,11 +595,11 @@ def test_native_rollout_counts_failed_calls_and_answers_with_the_error(tokenizer
     assert "<tool_response>\nerror: KeyError: 'lamp'\n</tool_response>" in rollout.texts[0]
     assert rollout.answers == ["Answer: 3"] and rollout.turns == [3]
     metrics = grpo_tools.trajectory_metrics(torch.ones(1), torch.ones(1), torch.ones(1), rollout, 1)
-    assert all(metrics[f"tools/errors/{kind}"] == 1.0 for kind in grpo_tools.NativeTools.error_kinds)
+    assert all(metrics[f"tools/errors/{kind}"] == 1.0 for kind in grpo_tools.ToolCalls.error_kinds)
 
 
 def test_native_rollout_stops_at_max_turns_and_at_the_budget(tokenizer):
-    tools = NativeTools(tokenizer, Shop, HERMES_TEMPLATE)
+    tools = ToolCalls(tokenizer, Shop, HERMES_TEMPLATE)
     call = '<tool_call>{"name": "pay", "arguments": {"amount": 1, "card": true}}</tool_call>'
     prompt = native_prompt(tokenizer, tools)
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -624,7 +624,7 @@ def test_native_rollout_stops_at_max_turns_and_at_the_budget(tokenizer):
 def test_llama_json_rollout_answers_the_turn_that_is_the_call_with_an_ipython_turn(tokenizer):
     """Llama 3.1's format (the fixture): the turn is the call; its result is the template's ipython turn, then the
     next assistant header; trained tokens are the sampled ones."""
-    tools = NativeTools(tokenizer, Shop, chat_templates.LLAMA31)
+    tools = ToolCalls(tokenizer, Shop, chat_templates.LLAMA31)
     header = "<|start_header_id|>assistant"
     script = ['{"name": "price", "parameters": {"item": "pen", "quantity": 3}}', "Answer: 4.5"]
     prompt = native_prompt(tokenizer, tools)
@@ -664,7 +664,7 @@ def test_a_llama_call_ended_by_eom_runs_on_the_published_template(llama_tokenize
     <|eom_id|> (the template itself writes <|eot_id|> after a custom tool's call): either way the call runs, its
     result is the template's ipython turn, then the next assistant header; the trained tokens are the sampled ones."""
     tokenizer = llama_tokenizer
-    tools = NativeTools(tokenizer, Shop, published_template("llama3_1"))
+    tools = ToolCalls(tokenizer, Shop, published_template("llama3_1"))
     prompt = native_prompt(tokenizer, tools)
     assert "Environment: ipython" in tokenizer.decode(prompt)
     end, eot = tokenizer.convert_tokens_to_ids(end_token), tokenizer.convert_tokens_to_ids("<|eot_id|>")
@@ -694,7 +694,7 @@ def test_a_llama_call_ended_by_eom_runs_on_the_published_template(llama_tokenize
 def test_an_unclosed_call_runs_and_a_call_in_reasoning_does_not(tokenizer):
     """Hermes: a call whose </tool_call> the turn never writes is run (vLLM's parser reads it to the end of the
     turn); a call inside <think> is a thought: the turn is the answer."""
-    tools = NativeTools(tokenizer, Shop, HERMES_TEMPLATE)
+    tools = ToolCalls(tokenizer, Shop, HERMES_TEMPLATE)
     call = '{"name": "pay", "arguments": {"amount": 1, "card": true}}'
     script = [f"<tool_call>\n{call}\n", "Answer: 1"]
     prompt = native_prompt(tokenizer, tools)
@@ -715,7 +715,7 @@ def test_a_template_that_renders_earlier_turns_again_changes_nothing_trained(tok
     turn once it is no longer the last. Rendering the conversation again would put other tokens where the policy's
     were; the rollout keeps the sampled ones and the prompt's, and only appends the template's tokens for the tool
     turn."""
-    tools = NativeTools(tokenizer, Shop, chat_templates.QWEN3)
+    tools = ToolCalls(tokenizer, Shop, chat_templates.QWEN3)
     tools.template_kwargs["enable_thinking"] = False
     script = [
         '<tool_call>\n{"name": "price", "arguments": {"item": "book", "quantity": 2}}\n</tool_call>',
@@ -748,7 +748,7 @@ def test_a_call_ended_by_a_stop_token_that_closes_no_turn_ends_the_trajectory(to
     """Qwen's generation config stops at <|endoftext|> beside <|im_end|>; no turn of the template ends with it, so
     the template writes no tool turn after it (Qwen3's would have had to render the turn again): the calls are not
     run, the trajectory is the sampled turn alone, trained, and counted as a turn with calls not run."""
-    tools = NativeTools(tokenizer, Shop, TEMPLATES[name])
+    tools = ToolCalls(tokenizer, Shop, TEMPLATES[name])
     tools.template_kwargs["enable_thinking"] = False
     end, text_end = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")
     messages = [{"role": "tool", "name": "price", "content": "4.5"}]
@@ -784,7 +784,7 @@ def test_an_environment_with_a_reward_scores_its_own_trajectory(tokenizer):
     """An environment's reward(answer, gold) replaces the verifier for its trajectory, read from that trajectory's
     own environment after the rollout: both trajectories call once and answer the gold answer, only the one whose
     question asks one tick is right. Without the method, the verifier's score (1 for both)."""
-    tools = NativeTools(tokenizer, Ticker, HERMES_TEMPLATE, score=grpo_tools.compute_rewards)
+    tools = ToolCalls(tokenizer, Ticker, HERMES_TEMPLATE, score=grpo_tools.compute_rewards)
     prompts = [native_prompt(tokenizer, tools, q) for q in ("Say tick.", "Say tick tick.")]
     tools.questions = {tuple(p): q for p, q in zip(prompts, ("Say tick.", "Say tick tick."))}
     turn = scripted_turns(tokenizer, ['<tool_call>{"name": "tick", "arguments": {}}</tool_call>', "Answer: 1"])
@@ -815,7 +815,7 @@ def test_native_run_is_on_policy_with_kl_zero_and_logs_the_errors_by_kind(make_c
     for line in lines[1:]:
         assert line["policy/ratio_first_minibatch"] == 1.0 and line["policy/approxkl_first_minibatch"] == 0.0
         assert line["tools/calls"] > 0 and line["tools/tool_tokens"] > 0
-        assert {f"tools/errors/{kind}" for kind in grpo_tools.NativeTools.error_kinds} <= set(line)
+        assert {f"tools/errors/{kind}" for kind in grpo_tools.ToolCalls.error_kinds} <= set(line)
     assert lines[1]["objective/kl"] == 0.0 and lines[2]["objective/kl"] != 0.0
     assert sum(line["tools/errors/bad_json"] for line in lines[1:]) > 0
     with open(os.path.join(args.output_dir, args.run_name, "samples.jsonl")) as f:
