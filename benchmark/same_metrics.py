@@ -3,6 +3,7 @@
     python -m benchmark.same_metrics record DIR             # run every configuration from this checkout into DIR
     python -m benchmark.same_metrics record DIR --only grpo  # the configurations whose name contains 'grpo'
     python -m benchmark.same_metrics compare BEFORE AFTER    # every logged value equal (time/ and perf/ keys aside)?
+    python -m benchmark.same_metrics record DIR --real       # steps 0-3 of each script on the embedded model
 
 Record once on the commit before a change (a `git worktree` of it, with this file copied in if it is older) and once
 after; compare exits 1 on the first difference it lists. The configurations cover what a refactor of the loop or the
@@ -10,7 +11,9 @@ kit can break: several epochs, minibatches and micro-batches, a reference model,
 sampling, the token-mean and sequence-mean losses, online DPO and PPO with a reward model, the PRM, reward model
 training and async_rlhf (off-policy and --sync). Each run is a subprocess on one thread (tests/conftest.py's
 environment) with the tiny random Llama and the tasks the tests use; a run also writes the sha256 of its final model's
-weights, so a change in what is saved shows too. About 5 minutes on 2 cores.
+weights, so a change in what is saved shows too. About 5 minutes on 2 cores. --real runs REAL instead: three steps of
+each script at its defaults on the embedded SmolLM2 and tasks (`make assets`), HF generate, one thread, samples.jsonl
+compared too (about an hour).
 """
 
 import argparse
@@ -65,6 +68,21 @@ CONFIGS = {  # name: (script, flags)
     "async_rlhf": ("async_rlhf", ASYNC),
     "async_rlhf_sync_rloo": ("async_rlhf", dict(ASYNC, sync=True, loss="rloo")),
 }
+REAL_STEPS = dict(total_steps=3, vllm=False, num_eval_prompts=8, save_every=0)
+PRICE_LIST_ONE = dict(tool_format="native", environment="price_list_one", dataset_path="assets/data/price_list_one")
+REAL = {  # name: (script, flags): each script at its defaults on the embedded model, steps 0-3
+    "grpo_math": ("grpo_math", REAL_STEPS),
+    "grpo_tools": ("grpo_tools", REAL_STEPS),
+    "grpo_tools_native_price_list_one": ("grpo_tools", dict(REAL_STEPS, **PRICE_LIST_ONE)),
+    "ppo_prm_clip_verifier": ("ppo_prm_clip", dict(REAL_STEPS, prm="verifier")),
+    "reward_modeling_prm": (
+        "reward_modeling",
+        dict(prm=True, vllm=False, num_train_prompts=16, num_eval_prompts=8, prm_dir="{out}/prm", save_every=0),
+    ),
+    "ppo_rlhf": ("ppo_rlhf", REAL_STEPS),
+    "dpo_online": ("dpo_online", REAL_STEPS),
+    "async_rlhf": ("async_rlhf", REAL_STEPS),
+}
 
 
 def assets(folder):
@@ -78,16 +96,17 @@ def assets(folder):
     return paths
 
 
-def record(out, only=""):
+def record(out, only="", real=False):
     out = os.path.abspath(out)
-    paths = assets(os.path.join(out, "assets"))
-    for name, (script, values) in CONFIGS.items():
+    paths = {} if real else assets(os.path.join(out, "assets"))
+    for name, (script, values) in (REAL if real else CONFIGS).items():
         if only not in name:
             continue
         folder = os.path.join(out, name)
-        values = {"model_name_or_path": paths["model"], "dataset_path": paths["task"], **values}
+        if not real:
+            values = {"model_name_or_path": paths["model"], "dataset_path": paths["task"], **values}
         values |= {"output_dir": os.path.join(folder, "runs"), "seed": 1}
-        fill = dict(reward_model=paths["reward_model"], preferences=paths["preferences"], out=folder)
+        fill = dict(reward_model=paths.get("reward_model"), preferences=paths.get("preferences"), out=folder)
         values = {k: v.format(**fill) if isinstance(v, str) else v for k, v in values.items()}
         done = subprocess.run(
             [sys.executable, f"{script}.py", *conftest.cli_flags(values)], cwd=REPO_ROOT, capture_output=True
@@ -97,6 +116,9 @@ def record(out, only=""):
             raise SystemExit(f"{name}: exit {done.returncode}")
         (run_dir,) = glob.glob(os.path.join(folder, "runs", "*", "metrics.jsonl"))
         lines = conftest.without_timing(conftest.read_metrics(os.path.dirname(run_dir)))
+        samples = os.path.join(os.path.dirname(run_dir), "samples.jsonl")
+        if os.path.isfile(samples):  # the texts sampled and their rewards, line by line
+            lines += [json.loads(line) for line in open(samples)]
         weights = sorted(glob.glob(os.path.join(folder, "**", "*.safetensors"), recursive=True))
         sums = {os.path.relpath(w, folder).split(os.sep, 2)[-1]: sha256(w) for w in weights}
         with open(os.path.join(folder, "same_metrics.json"), "w") as f:
@@ -111,7 +133,7 @@ def sha256(path):
 
 def compare(before, after):
     differences, values = 0, 0
-    for name in CONFIGS:
+    for name in {**CONFIGS, **REAL}:
         paths = [os.path.join(folder, name, "same_metrics.json") for folder in (before, after)]
         if not all(os.path.isfile(p) for p in paths):
             continue
@@ -137,8 +159,9 @@ if __name__ == "__main__":
     parser.add_argument("command", choices=("record", "compare"))
     parser.add_argument("folders", nargs="+")
     parser.add_argument("--only", default="")
+    parser.add_argument("--real", action="store_true", help="REAL: steps 0-3 of each script on the embedded model")
     args = parser.parse_args()
     if args.command == "record":
-        record(args.folders[0], args.only)
+        record(args.folders[0], args.only, args.real)
     else:
         sys.exit(1 if compare(*args.folders[:2]) else 0)
