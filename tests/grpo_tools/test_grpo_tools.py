@@ -952,9 +952,9 @@ def test_max_operations_counts_the_binary_operations_of_a_call(expression, opera
 
 
 def test_the_unavailable_tool_answers_every_call_through_the_calculators_path(tokenizer):
-    """The unavailable calculator (--tool unavailable) answers each call `error: unavailable` where the calculator would
-    have answered: the same calls, turns and policy tokens, the output in the same RESULT tags as tool tokens, the same
-    budget; only the output's text differs. Calculator(1) computes one operation per call."""
+    """The unavailable calculator (--tool unavailable) answers each call `error: unavailable` where the calculator
+    would have answered: the same calls, turns and policy tokens, the output in the same RESULT tags as tool tokens,
+    the same budget; only the output's text differs. Calculator(1) computes one operation per call."""
     prompts = [[900, 901], [902]]
     script = {
         (900, 0): "First <calc>12 * 34</calc>",
