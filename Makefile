@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $@
 
 assets: setup
-	$(PY) -m benchmark.prepare_assets
+	$(PY) -m benchmark.assets.prepare_assets
 
 train: assets
 	$(PY) grpo_math.py $(ARGS)
@@ -40,7 +40,7 @@ test: assets
 	$(PY) -m pytest tests -n auto --dist worksteal $(ARGS)
 
 tables: setup
-	$(PY) -m benchmark.tables $(ARGS)
+	$(PY) -m benchmark.checks.tables $(ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

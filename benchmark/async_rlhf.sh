@@ -23,17 +23,17 @@ if [[ ${1:-} == stale_pilot ]]; then
     # Round 1: both objectives at 3e-5 and 1e-4. At 1e-4 both collapse (held-out accuracy 0.096 and 0.245 from
     # 0.496); at 3e-5 online DPO's stalest KL is 0.284, RLOO's 0.022. Round 2: RLOO between the two.
     for lr in 3e-5 1e-4; do
-        python -m benchmark.run --script async_rlhf.py --seeds 1 --resume_unfinished -- --sync --no-vllm --loss dpo \
-            --num_minibatches 16 --prompts_per_rank 32 --micro_batch_size 2 --total_steps 2 --eval_every 0 \
+        python -m benchmark.statistics.run --script async_rlhf.py --seeds 1 --resume_unfinished -- --sync --no-vllm \
+            --loss dpo --num_minibatches 16 --prompts_per_rank 32 --micro_batch_size 2 --total_steps 2 --eval_every 0 \
             --learning_rate "$lr" --exp_name "pilot66_dpo_lr${lr}_n16"
     done
     for lr in 3e-5 1e-4 6e-5; do
-        python -m benchmark.run --script async_rlhf.py --seeds 1 --resume_unfinished -- --sync --no-vllm --loss rloo \
-            --rloo_k 2 --num_minibatches 16 --prompts_per_rank 32 --micro_batch_size 2 --total_steps 2 \
+        python -m benchmark.statistics.run --script async_rlhf.py --seeds 1 --resume_unfinished -- --sync --no-vllm \
+            --loss rloo --rloo_k 2 --num_minibatches 16 --prompts_per_rank 32 --micro_batch_size 2 --total_steps 2 \
             --eval_every 0 --learning_rate "$lr" --exp_name "pilot66_rloo_lr${lr}_n16"
     done
     OUT=benchmark/results/async_rlhf_stale_pilot
-    python -m benchmark.registry copy --out "$OUT" runs/arith_1d__pilot66_*__1__*
+    python -m benchmark.statistics.registry copy --out "$OUT" runs/arith_1d__pilot66_*__1__*
     EXPERIMENTS=()
     for lr in 3e-5 1e-4; do
         EXPERIMENTS+=("dpo lr $lr=$OUT/arith_1d__pilot66_dpo_lr${lr}_n16__*")
@@ -41,7 +41,7 @@ if [[ ${1:-} == stale_pilot ]]; then
     for lr in 3e-5 6e-5 1e-4; do
         EXPERIMENTS+=("rloo lr $lr=$OUT/arith_1d__pilot66_rloo_lr${lr}_n16__*")
     done
-    python -m benchmark.registry table --experiments "${EXPERIMENTS[@]}" \
+    python -m benchmark.statistics.registry table --experiments "${EXPERIMENTS[@]}" \
         --metrics policy/approxkl_last_minibatch eval/accuracy eval/score eval/ref_perplexity \
         --out benchmark/results/async_rlhf_stale_pilot.md
     exit 0
@@ -51,25 +51,26 @@ fi
 # learning rate per objective, each where its own stalest minibatch KL is >= 10x part 2's at lr 1e-5 (RLOO 0.0024,
 # the largest 0.010) and it still learns: online DPO at 3e-5 (pilot KL 0.284), RLOO at 6e-5 (0.146 at step 1, 0.029
 # at step 2). Seeds 1-4, seed-major; seed 1 at N = 16 is the pilot's run of the same flags (run stale_pilot first),
-# copied beside the others. The claim's check: benchmark.offpolicy (online DPO's drop from N = 1 to 16 the smaller).
-# ~20 min a run on one core of two.
+# copied beside the others. The claim's check: benchmark.claims.offpolicy (online DPO's drop from N = 1 to 16 the
+# smaller). ~20 min a run on one core of two.
 #   bash benchmark/async_rlhf.sh stale
 if [[ ${1:-} == stale ]]; then
     for seed in 1 2 3 4; do
         for n in 1 16; do
             [[ $seed == 1 && $n == 16 ]] && continue
-            python -m benchmark.run --script async_rlhf.py --seeds "$seed" --resume_unfinished -- --sync --no-vllm \
-                --loss dpo --num_minibatches "$n" --prompts_per_rank $((2*$n)) --micro_batch_size 2 \
+            python -m benchmark.statistics.run --script async_rlhf.py --seeds "$seed" --resume_unfinished -- --sync \
+                --no-vllm --loss dpo --num_minibatches "$n" --prompts_per_rank $((2*$n)) --micro_batch_size 2 \
                 --total_steps $((32/$n)) --eval_every 0 --learning_rate 3e-5 --exp_name "stale66_dpo_lr3e-5_n$n"
-            python -m benchmark.run --script async_rlhf.py --seeds "$seed" --resume_unfinished -- --sync --no-vllm \
-                --loss rloo --rloo_k 2 --num_minibatches "$n" --prompts_per_rank $((2*$n)) --micro_batch_size 2 \
-                --total_steps $((32/$n)) --eval_every 0 --learning_rate 6e-5 --exp_name "stale66_rloo_lr6e-5_n$n"
+            python -m benchmark.statistics.run --script async_rlhf.py --seeds "$seed" --resume_unfinished -- --sync \
+                --no-vllm --loss rloo --rloo_k 2 --num_minibatches "$n" --prompts_per_rank $((2*$n)) \
+                --micro_batch_size 2 --total_steps $((32/$n)) --eval_every 0 --learning_rate 6e-5 \
+                --exp_name "stale66_rloo_lr6e-5_n$n"
         done
     done
     OUT=benchmark/results/async_rlhf_stale
-    python -m benchmark.registry copy --out "$OUT" runs/arith_1d__stale66_*__[1-4]__* \
+    python -m benchmark.statistics.registry copy --out "$OUT" runs/arith_1d__stale66_*__[1-4]__* \
         runs/arith_1d__pilot66_dpo_lr3e-5_n16__1__* runs/arith_1d__pilot66_rloo_lr6e-5_n16__1__*
-    python -m benchmark.offpolicy --experiments "online DPO=$OUT/arith_1d__*66_dpo_lr3e-5_n*" \
+    python -m benchmark.claims.offpolicy --experiments "online DPO=$OUT/arith_1d__*66_dpo_lr3e-5_n*" \
         "RLOO=$OUT/arith_1d__*66_rloo_lr6e-5_n*" --out benchmark/results/offpolicy_stale
     exit 0
 fi
@@ -116,26 +117,26 @@ done
 
 # 3. Copies of the runs, then the figures and tables from the copies.
 OUT=benchmark/results/async_rlhf
-python -m benchmark.registry copy --out "$OUT" runs/arith_1d__async_bench_*__[123]__* \
+python -m benchmark.statistics.registry copy --out "$OUT" runs/arith_1d__async_bench_*__[123]__* \
     runs/arith_1d__offpolicy_*__[123]__*
 SPEED=("sync=$OUT/arith_1d__async_bench_sync__*" "async=$OUT/arith_1d__async_bench_async__*")
-python -m benchmark.registry table --experiments "${SPEED[@]}" \
+python -m benchmark.statistics.registry table --experiments "${SPEED[@]}" \
     --metrics eval/score eval/accuracy objective/scores --out benchmark/results/async_vs_sync.md
-python -m benchmark.registry paired --experiments "${SPEED[@]}" --baseline sync \
+python -m benchmark.statistics.registry paired --experiments "${SPEED[@]}" --baseline sync \
     --metrics eval/score eval/accuracy wall_clock --out benchmark/results/async_vs_sync_paired.md
 # The paper's two claims for async against --sync as checks: faster (async - sync wall-clock seconds <= 0;
 # the runs made one at a time on an otherwise idle machine) and no accuracy loss (async - sync >= -0.02).
-python -m benchmark.registry paired --experiments "${SPEED[@]}" --baseline sync --metrics wall_clock --at_most 0 \
-    --out benchmark/results/async_vs_sync_faster.md
-python -m benchmark.registry paired --experiments "${SPEED[@]}" --baseline sync --metrics eval/accuracy \
+python -m benchmark.statistics.registry paired --experiments "${SPEED[@]}" --baseline sync --metrics wall_clock \
+    --at_most 0 --out benchmark/results/async_vs_sync_faster.md
+python -m benchmark.statistics.registry paired --experiments "${SPEED[@]}" --baseline sync --metrics eval/accuracy \
     --at_least -0.02 --out benchmark/results/async_vs_sync_accuracy.md
-python -m benchmark.registry perf --experiments "${SPEED[@]}" --out benchmark/results/async_vs_sync_perf
-python -m benchmark.registry plot --experiments "${SPEED[@]}" --metric objective/scores eval/score --x time \
-    --smooth 3 --out benchmark/results/async_vs_sync_time.png
-python -m benchmark.offpolicy --experiments "online DPO=$OUT/arith_1d__offpolicy_dpo_n*" \
+python -m benchmark.statistics.registry perf --experiments "${SPEED[@]}" --out benchmark/results/async_vs_sync_perf
+python -m benchmark.statistics.registry plot --experiments "${SPEED[@]}" --metric objective/scores eval/score \
+    --x time --smooth 3 --out benchmark/results/async_vs_sync_time.png
+python -m benchmark.claims.offpolicy --experiments "online DPO=$OUT/arith_1d__offpolicy_dpo_n*" \
     "RLOO=$OUT/arith_1d__offpolicy_rloo_n*" "PPO=$OUT/arith_1d__offpolicy_ppo_n[0-9]*" \
     --out benchmark/results/offpolicy
-python -m benchmark.offpolicy --experiments "PPO=$OUT/arith_1d__offpolicy_ppo_n[0-9]*" \
+python -m benchmark.claims.offpolicy --experiments "PPO=$OUT/arith_1d__offpolicy_ppo_n[0-9]*" \
     "PPO, advantages not whitened=$OUT/arith_1d__offpolicy_ppo_nowhiten_n*" \
     "PPO, 8 responses an update=$OUT/arith_1d__offpolicy_ppo_batch8_n*" --baseline PPO \
     --out benchmark/results/offpolicy_ppo_controls

@@ -6,17 +6,17 @@
 #   2. seeds 1-3 on today's reward model: these are the PPO runs of benchmark/dpo_online.sh (`--exp_name
 #      ppo_vs_dpo_ppo`), committed under benchmark/results/ppo_vs_dpo/; the last line lists their final values.
 #   bash benchmark/ppo_rlhf.sh                      # one run at a time (a 2-core CPU machine)
-#   bash benchmark/ppo_rlhf.sh --track              # extra arguments go to benchmark.run
+#   bash benchmark/ppo_rlhf.sh --track              # extra arguments go to benchmark.statistics.run
 # Every command that runs a script is on its own line: tests/benchmark/test_benchmark.py checks its flags against --help.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source benchmark/python.sh  # `python` is the venv's
 
 [ -d runs/reward_model ] || python reward_modeling.py
-python -m benchmark.run --script ppo_rlhf.py --seeds 1 "$@"
-python -m benchmark.registry plot --experiments "ppo=runs/arith_1d__ppo__1__*" \
+python -m benchmark.statistics.run --script ppo_rlhf.py --seeds 1 "$@"
+python -m benchmark.statistics.registry plot --experiments "ppo=runs/arith_1d__ppo__1__*" \
     --metric objective/scores objective/accuracy eval/score eval/accuracy objective/kl objective/entropy --smooth 5 \
     --out benchmark/results/ppo_rlhf_step.png
 
-python -m benchmark.registry list --runs_dir benchmark/results/ppo_vs_dpo --filter "arith_1d__ppo_vs_dpo_ppo__*" \
-    --metrics eval/score eval/accuracy
+python -m benchmark.statistics.registry list --runs_dir benchmark/results/ppo_vs_dpo \
+    --filter "arith_1d__ppo_vs_dpo_ppo__*" --metrics eval/score eval/accuracy

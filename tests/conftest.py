@@ -111,7 +111,9 @@ def build_tiny_model(path):
     model = LlamaForCausalLM(config)
     model.save_pretrained(path, safe_serialization=True)
     AutoTokenizer.from_pretrained(SMOLLM2_DIR).save_pretrained(path)
-    shutil.copyfile(os.path.join(REPO_ROOT, "benchmark", "smollm2_tools.jinja"), os.path.join(path, TOOL_TEMPLATE))
+    shutil.copyfile(
+        os.path.join(REPO_ROOT, "benchmark", "assets", "smollm2_tools.jinja"), os.path.join(path, TOOL_TEMPLATE)
+    )
     return path
 
 

@@ -20,8 +20,8 @@ import pytest
 import torch
 from conftest import REPO_ROOT, subprocess_env
 
-from benchmark import registry
-from benchmark import run as launcher
+from benchmark.statistics import registry
+from benchmark.statistics import run as launcher
 
 # A stand-in for a real script: same run folder layout (runs/{task}__{exp_name}__{seed}__{unix_time}/config.json and
 # metrics.jsonl), the same --seed/--output_dir/--exp_name/--track/--wandb_tags flags; --fail_seed makes one seed fail.
@@ -58,7 +58,7 @@ FAKE_SCRIPT = textwrap.dedent(
 
 def launch(cwd, *argv):
     return subprocess.run(
-        [sys.executable, "-m", "benchmark.run", *argv],
+        [sys.executable, "-m", "benchmark.statistics.run", *argv],
         cwd=cwd,
         env=subprocess_env(),
         capture_output=True,
@@ -611,7 +611,8 @@ def test_registry_t_cdf_and_holm_against_independent_computations():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# benchmark/*.sh: every flag given to a script (or to benchmark.run / benchmark.registry) exists in its --help
+# benchmark/*.sh: every flag given to a script (or to benchmark.statistics.run / benchmark.statistics.registry) exists
+# in its --help
 
 
 PYTHON_SH = os.path.join(REPO_ROOT, "benchmark", "python.sh")
@@ -623,7 +624,7 @@ def test_every_benchmark_script_runs_the_venvs_python_or_stops_in_one_line(tmp_p
     """Each benchmark/*.sh sources benchmark/python.sh right after it changes to the repository root (gpu_check.sh runs
     on the GPU machine's own python3): with make setup's .venv, `python` is its interpreter whatever PATH holds;
     without one, and no python with torch on PATH, the script stops with one line naming the fix; a `python` shell
-    function the caller defined (benchmark.tables records the commands with one) is kept, so nothing runs."""
+    function the caller defined (benchmark.checks.tables records the commands with one) is kept, so nothing runs."""
     for path in SHELL_FILES:
         if os.path.basename(path) != "gpu_check.sh":
             assert 'cd "$(dirname "$0")/.."\nsource benchmark/python.sh' in open(path).read(), path
@@ -641,7 +642,8 @@ def test_every_benchmark_script_runs_the_venvs_python_or_stops_in_one_line(tmp_p
     assert done.returncode == 1 and done.stdout == ""
     assert done.stderr.strip().splitlines() == ["error: no .venv/bin/python here and no python with torch on PATH: "
                                                 "run 'make setup' first"]  # fmt: skip
-    recorder = 'python() { echo recorded "$@"; }; source benchmark/python.sh && python -m x'  # benchmark.tables'
+    # benchmark.checks.tables' recorder:
+    recorder = 'python() { echo recorded "$@"; }; source benchmark/python.sh && python -m x'
     done = subprocess.run(["bash", "-c", recorder], cwd=tmp_path, env=bare, capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout == "recorded -m x\n"
 
@@ -668,17 +670,17 @@ def script_invocations(tokens):
     if not os.path.basename(tokens[0]).startswith("python"):
         return []
     rest = tokens[1:]
-    if rest[:2] == ["-m", "benchmark.run"]:
+    if rest[:2] == ["-m", "benchmark.statistics.run"]:
         own, script_args = launcher.split_argv(rest[2:])
         script = launcher.flag_value(own, "script")
         # The launcher adds --seed (and --track --wandb_tags with --track) to every run.
         added = ["--seed", "--track", "--wandb_tags"]
-        return [(("-m", "benchmark.run"), own), ((script,), script_args + added)]
-    if rest[:2] == ["-m", "benchmark.registry"]:
-        return [(("-m", "benchmark.registry", rest[2]), rest[3:])]
-    if rest[:2] == ["-m", "benchmark.memory_plan"]:  # its own flags, then a script and that script's arguments
+        return [(("-m", "benchmark.statistics.run"), own), ((script,), script_args + added)]
+    if rest[:2] == ["-m", "benchmark.statistics.registry"]:
+        return [(("-m", "benchmark.statistics.registry", rest[2]), rest[3:])]
+    if rest[:2] == ["-m", "benchmark.performance.memory_plan"]:  # its own flags, then a script and its arguments
         i = next(i for i, token in enumerate(rest) if token.endswith(".py"))
-        return [(("-m", "benchmark.memory_plan"), rest[2:i]), ((rest[i],), rest[i + 1 :])]
+        return [(("-m", "benchmark.performance.memory_plan"), rest[2:i]), ((rest[i],), rest[i + 1 :])]
     if rest[0] == "-m":
         return [(("-m", rest[1]), rest[2:])]
     assert rest and rest[0].endswith(".py"), f"unexpected command: {shlex.join(tokens)}"
@@ -755,14 +757,14 @@ def test_flag_check_catches_a_renamed_flag(help_runs):
     script_args = ["--learning_rate", "1e-5", "--no-vllm", "--wandb-tags", "a", "--learning_rat", "1"]
     assert normalized_flags(script_args) - help_flags(("grpo_math.py",)) == {"--learning-rat"}
     registry_args = ["--experiments", "a=b", "--metric", "m", "--smooth", "2", "--x", "time", "--smoth", "2"]
-    assert normalized_flags(registry_args) - help_flags(("-m", "benchmark.registry", "plot")) == {"--smoth"}
+    assert normalized_flags(registry_args) - help_flags(("-m", "benchmark.statistics.registry", "plot")) == {"--smoth"}
 
 
-# benchmark.perf_generation
+# benchmark.performance.perf_generation
 
 
 def test_generated_tokens_counts_up_to_the_first_eos():
-    from benchmark.perf_generation import generated_tokens
+    from benchmark.performance.perf_generation import generated_tokens
 
     assert generated_tokens([5, 6, 2, 2, 2], 2, stop_at_eos=True) == 3  # the EOS counts, the padding after it not
     assert generated_tokens([5, 6, 7], 2, stop_at_eos=True) == 3  # no EOS: cut at the length limit
@@ -770,7 +772,7 @@ def test_generated_tokens_counts_up_to_the_first_eos():
 
 
 def test_perf_generation_hf_run_writes_its_tables(tiny_model_dir, task_dir, tmp_path):
-    from benchmark import perf_generation
+    from benchmark.performance import perf_generation
 
     out = str(tmp_path / "gen")
     args = perf_generation.parse_args(
@@ -792,11 +794,11 @@ def test_perf_generation_hf_run_writes_its_tables(tiny_model_dir, task_dir, tmp_
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# benchmark/peer_trl.py: the TRL comparison
+# benchmark/peers/peer_trl.py: the TRL comparison
 
 
 def test_peer_step_seconds_leave_out_evaluated_steps():
-    from benchmark import peer_trl
+    from benchmark.peers import peer_trl
 
     assert peer_trl.step_seconds(10.0, [11.0, 13.5, 14.0, 20.0]) == [1.0, 2.5, 0.5, 6.0]
     assert peer_trl.step_seconds(10.0, [11.0, 13.5, 14.0, 20.0], skip={2, 4}) == [1.0, 0.5]
@@ -805,7 +807,7 @@ def test_peer_step_seconds_leave_out_evaluated_steps():
 def test_peer_summary_gives_each_seed_the_std_and_the_ratio_to_trl():
     """Two sides over three seeds: means, the sample std (ddof=1, computed here by hand), each seed's accuracy in
     seed order, and the step-time ratio to TRL's mean of medians."""
-    from benchmark import peer_trl
+    from benchmark.peers import peer_trl
 
     records = []
     for side, accuracies, step, wall in (
@@ -832,7 +834,7 @@ def test_peer_evaluate_is_greedy_pass_at_1_with_grpo_maths_verifier(tiny_model_d
     from transformers import AutoTokenizer
 
     import grpo_math
-    from benchmark import peer_trl
+    from benchmark.peers import peer_trl
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     rows = peer_trl.read_jsonl(os.path.join(task_dir, "test.jsonl"))
@@ -862,7 +864,7 @@ def test_peer_evaluate_is_greedy_pass_at_1_with_grpo_maths_verifier(tiny_model_d
 def test_peer_trl_runs_both_sides_and_writes_the_table(tiny_model_dir, task_dir, tmp_path):
     pytest.importorskip("trl")
     out = tmp_path / "results" / "peer"
-    command = [sys.executable, "-m", "benchmark.peer_trl", "--model", tiny_model_dir, "--dataset", task_dir]
+    command = [sys.executable, "-m", "benchmark.peers.peer_trl", "--model", tiny_model_dir, "--dataset", task_dir]
     command += ["--steps", "2", "--sides", "trl", "ours_hf", "--output_dir", str(tmp_path / "runs")]
     command += ["--out", str(out), "--num_eval_prompts", "4", "--response_length", "8"]
     result = subprocess.run(command, cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=900)
@@ -880,11 +882,14 @@ def test_peer_trl_runs_both_sides_and_writes_the_table(tiny_model_dir, task_dir,
     with open(str(out) + ".md") as f:
         table = f.read()
     assert "| trl | 1 |" in table and "| ours_hf | 1 |" in table and "trl 1.16.0" in table
-    assert f"Command: `python -m benchmark.peer_trl --model {tiny_model_dir} --dataset {task_dir} --steps 2" in table
+    assert (
+        f"Command: `python -m benchmark.peers.peer_trl --model {tiny_model_dir} --dataset {task_dir} --steps 2"
+        in table
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# benchmark/peer_trl_dpo.py: the TRL online DPO comparison
+# benchmark/peers/peer_trl_dpo.py: the TRL online DPO comparison
 
 
 @pytest.fixture
@@ -915,7 +920,7 @@ def test_peer_dpo_trl_judge_scores_as_dpo_online(tiny_model_dir, biased_reward_m
     is completions i and B + i, and the tied pairs are counted."""
     from transformers import AutoTokenizer
 
-    from benchmark import peer_trl_dpo
+    from benchmark.peers import peer_trl_dpo
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
@@ -958,7 +963,7 @@ def test_peer_dpo_evaluate_scores_and_accuracy(tiny_model_dir, biased_reward_mod
     from transformers import AutoTokenizer
 
     import dpo_online
-    from benchmark import peer_trl_dpo
+    from benchmark.peers import peer_trl_dpo
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
@@ -1003,7 +1008,7 @@ def test_peer_dpo_our_command_sets_the_matched_settings():
     import tyro
 
     import dpo_online
-    from benchmark import peer_trl, peer_trl_dpo
+    from benchmark.peers import peer_trl, peer_trl_dpo
 
     assert peer_trl_dpo.step_seconds is peer_trl.step_seconds  # one definition of the timing
     args = peer_trl_dpo.parse_args(["--steps", "7", "--learning_rate", "3e-6", "--beta", "0.2"])
@@ -1028,7 +1033,7 @@ def test_peer_dpo_our_command_sets_the_matched_settings():
 def test_peer_dpo_summary_and_table(tmp_path):
     """Synthetic records of two seeds: the summary is the mean over seeds of each side's numbers, the ratio is to
     TRL's mean median step time, and the markdown rows show those values."""
-    from benchmark import peer_trl_dpo
+    from benchmark.peers import peer_trl_dpo
 
     def record(side, seed, seconds, score, accuracy, ties):
         return {"side": side, "seed": seed, "median_step_seconds": seconds, "final_score": score,
@@ -1063,7 +1068,7 @@ def test_peer_dpo_summary_and_table(tmp_path):
     assert saved["runs"] == records and saved["summary"]["ours_hf"]["final_score"] == 1.0
     with open(out + ".md") as f:
         text = f.read()
-    assert "python -m benchmark.peer_trl_dpo --steps 3 --seeds 1 2" in text
+    assert "python -m benchmark.peers.peer_trl_dpo --steps 3 --seeds 1 2" in text
     rows = [
         [c.strip() for c in line.strip("|").split("|")]
         for line in text.splitlines()
@@ -1079,7 +1084,7 @@ def test_peer_dpo_summary_and_table(tmp_path):
 def test_peer_trl_dpo_runs_both_sides_and_writes_the_table(tiny_model_dir, tiny_reward_model_dir, task_dir, tmp_path):
     pytest.importorskip("trl")
     out = tmp_path / "results" / "peer_dpo"
-    command = [sys.executable, "-m", "benchmark.peer_trl_dpo", "--model", tiny_model_dir, "--dataset", task_dir]
+    command = [sys.executable, "-m", "benchmark.peers.peer_trl_dpo", "--model", tiny_model_dir, "--dataset", task_dir]
     command += ["--reward_model", tiny_reward_model_dir, "--steps", "2", "--sides", "trl", "ours_hf"]
     command += ["--prompts_per_step", "2", "--micro_batch_size", "1", "--output_dir", str(tmp_path / "runs")]
     command += ["--out", str(out), "--num_eval_prompts", "4", "--response_length", "8"]
@@ -1109,7 +1114,7 @@ def test_peer_trl_dpo_runs_both_sides_and_writes_the_table(tiny_model_dir, tiny_
 
 def test_grpo_errors_sum_kind_against_arithmetic():
     """sum_kind on random sums against the kind worked out here from the numbers; anything else is "other"."""
-    from benchmark import grpo_errors
+    from benchmark.claims import grpo_errors
 
     rng = np.random.default_rng(0)
     for a, b in rng.integers(0, 120, size=(300, 2)).tolist():
@@ -1132,7 +1137,7 @@ def test_grpo_errors_table_counts_each_kind(tiny_model_dir, tmp_path, monkeypatc
     from transformers import AutoTokenizer
 
     import grpo_math
-    from benchmark import grpo_errors
+    from benchmark.claims import grpo_errors
 
     sums = [(23, 41), (56, 74), (2, 31), (8, 57), (3, 4), (12, 13), (99, 1), (100, 5), (45, 45), (7, 70)]
     data = tmp_path / "sums"
@@ -1171,7 +1176,7 @@ def test_grpo_errors_table_counts_each_kind(tiny_model_dir, tmp_path, monkeypatc
 
 
 def test_prm_preflight_kinds_of_wrong_answers():
-    from benchmark.prm_preflight import kind_of, step_verdicts
+    from benchmark.claims.prm_preflight import kind_of, step_verdicts
 
     assert step_verdicts("2 + 3 = 5\n5 * 2 = 11\nAnswer: 11", "\n") == [True, False, None]
     assert kind_of([True, False, None]) == "false and true steps"
@@ -1186,7 +1191,7 @@ def test_prm_preflight_counts_against_hand_made_responses(tiny_model_dir, tmp_pa
     from transformers import AutoTokenizer
 
     import ppo_prm_clip
-    from benchmark import prm_preflight
+    from benchmark.claims import prm_preflight
 
     data = tmp_path / "task"
     data.mkdir()
@@ -1231,8 +1236,8 @@ def test_prm_preflight_counts_against_hand_made_responses(tiny_model_dir, tmp_pa
     assert greedy["accuracy"] == 1.0 and greedy["eos_fraction"] == 0.5
 
 
-# benchmark/prm_checks.py: the PRM paper's claims as checks. Each arm's final held-out accuracy and steps per seed are
-# set here, so every verdict is known in advance.
+# benchmark/claims/prm_checks.py: the PRM paper's claims as checks. Each arm's final held-out accuracy and steps per
+# seed are set here, so every verdict is known in advance.
 def prm_arm_lines(accuracy, steps, train_steps):
     """Lines of a run: evaluations at steps 0 and 4, training steps 1-4 with objective/num_steps from train_steps."""
     lines = [{"global_step": 0, "time": 1.0, "eval/accuracy": 0.2, "eval/num_steps": 3.0, "eval/response_length": 50}]
@@ -1255,7 +1260,7 @@ def write_prm_arms(root, arms):
 def test_prm_checks_verdicts_worked_out_here(tmp_path):
     """Every part of a claim on the paired 95% interval over seeds: a step count as the per-seed ratio arm / success
     only, an accuracy as the per-seed difference."""
-    from benchmark import prm_checks
+    from benchmark.claims import prm_checks
 
     none = {1: (0.40, 1.0), 2: (0.50, 1.2), 3: (0.45, 1.1)}
     arms = {
@@ -1388,8 +1393,8 @@ def test_prm_checks_verdicts_worked_out_here(tmp_path):
         prm_checks.main(["--experiments", *specs])
 
 
-# benchmark/offpolicy.py: the Asynchronous RLHF paper's off-policyness check. Each objective's final accuracy per N
-# and seed is set here, so the verdicts are known in advance.
+# benchmark/claims/offpolicy.py: the Asynchronous RLHF paper's off-policyness check. Each objective's final accuracy
+# per N and seed is set here, so the verdicts are known in advance.
 def write_offpolicy_runs(root, objectives):
     """objectives: {label: {N: {seed: final accuracy}}} -> experiment specs LABEL=GLOB. The score is 2 x accuracy."""
     for label, by_n in objectives.items():
@@ -1410,7 +1415,7 @@ def write_offpolicy_runs(root, objectives):
 
 
 def test_offpolicy_check_verdicts_worked_out_here(tmp_path):
-    from benchmark import offpolicy
+    from benchmark.claims import offpolicy
 
     objectives = {
         # drops 1 - 16: 0.02 / 0.00 / 0.04 (mean 0.02)
@@ -1475,7 +1480,7 @@ def test_offpolicy_check_verdicts_worked_out_here(tmp_path):
 
 def test_offpolicy_baseline_compares_at_the_same_n_seed_by_seed(tmp_path):
     """--baseline: each control minus the baseline at every N both ran, over the seeds both ran; no claim."""
-    from benchmark import offpolicy
+    from benchmark.claims import offpolicy
 
     objectives = {
         "ppo": {1: {1: 0.50, 2: 0.60, 3: 0.40}, 16: {1: 0.60, 2: 0.62}},
@@ -1506,7 +1511,7 @@ def test_one_verdict_rule_for_every_claim_check():
     registry's: held / not held only when the two-sided 95% t interval clears the bound. A difference of paired t 3.1
     on 2 df (+0.03 / +0.10 / +0.06, one standard error clear of 0 but under t(0.975, 2) = 4.30) is inconclusive
     everywhere; one of t 5.2 (+0.04 / +0.06 / +0.08) is held, and its negative not held."""
-    from benchmark import offpolicy, prm_checks
+    from benchmark.claims import offpolicy, prm_checks
 
     weak, strong = (0.03, 0.10, 0.06), (0.04, 0.06, 0.08)
     mean, std, n = registry.mean_std(weak)
@@ -1558,9 +1563,9 @@ def test_one_verdict_rule_for_every_claim_check():
 
 
 def test_gpu_check_summary_reads_the_first_training_step_and_the_last_evaluation(tmp_path, capsys):
-    """benchmark/gpu_check.py's table: step 1's KL / ratio / approxkl / grad norm (reward_modeling's
+    """benchmark/performance/gpu_check.py's table: step 1's KL / ratio / approxkl / grad norm (reward_modeling's
     objective/grad_norm in the same column), seconds per step after step 1, the last evaluation's eval/ keys."""
-    from benchmark import gpu_check
+    from benchmark.performance import gpu_check
 
     def write(name, lines):
         (tmp_path / name).mkdir()
@@ -1582,11 +1587,11 @@ def test_gpu_check_summary_reads_the_first_training_step_and_the_last_evaluation
     assert rows[1] == "| b | 1 | - | - | - | 3.5 | nan | {} |"
 
 
-# benchmark.reward_ensemble
+# benchmark.claims.reward_ensemble
 
 
 def test_agreement_of_ensemble_members_against_a_loop():
-    from benchmark.reward_ensemble import agreement
+    from benchmark.claims.reward_ensemble import agreement
 
     g = torch.Generator().manual_seed(0)
     prefers = torch.rand(4, 50, generator=g) > 0.3
@@ -1605,7 +1610,7 @@ def test_reward_ensemble_report_on_two_copies(tiny_reward_model_dir, tmp_path):
     every combination of the ensemble is as accurate as one member."""
     import shutil
 
-    from benchmark.reward_ensemble import report
+    from benchmark.claims.reward_ensemble import report
 
     for k in range(2):
         shutil.copytree(tiny_reward_model_dir, tmp_path / "ensemble" / f"member_{k}")
@@ -1626,7 +1631,7 @@ def test_reward_ensemble_report_on_two_copies(tiny_reward_model_dir, tmp_path):
 def test_frontier_points_average_the_seeds_at_each_evaluation_step(tmp_path):
     """Gold against KL over seeds: at each step every run evaluated, the mean KL and the mean and std of the gold
     score; the step-0 line (no KL logged) sits at x_at_step0; a step only one seed reached is left out."""
-    from benchmark.registry import frontier_points, load_run
+    from benchmark.statistics.registry import frontier_points, load_run
 
     def write_run(name, lines):
         folder = tmp_path / name
@@ -1654,7 +1659,7 @@ def test_frontier_points_average_the_seeds_at_each_evaluation_step(tmp_path):
 def test_registry_change_is_each_runs_last_steps_minus_its_first_worked_out_here(tmp_path):
     """change: per seed, the mean of the last W values minus the mean of the first W, then mean ± std over seeds and
     the claim verdict on the 95% t interval; a run with fewer than 2 W values is left out."""
-    from benchmark.registry import change_table, load_run
+    from benchmark.statistics.registry import change_table, load_run
 
     def run(name, values):
         folder = tmp_path / name
@@ -1788,7 +1793,7 @@ def test_registry_paired_counts_the_seeds_of_a_bimodal_outcome(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# benchmark.best_of_n: the subset estimator, the rules, the bootstrap, the stages' files
+# benchmark.claims.best_of_n: the subset estimator, the rules, the bootstrap, the stages' files
 
 
 def brute_force_best_of_n(score, has_eos, values, n):
@@ -1804,7 +1809,7 @@ def brute_force_best_of_n(score, has_eos, values, n):
 
 
 def test_best_of_n_estimator_matches_every_subset():
-    from benchmark import best_of_n as bon
+    from benchmark.claims import best_of_n as bon
 
     rng = np.random.default_rng(0)
     for trial in range(200):
@@ -1822,7 +1827,7 @@ def test_best_of_n_estimator_matches_every_subset():
 
 
 def test_best_of_n_never_picks_an_unfinished_response_over_a_finished_one():
-    from benchmark import best_of_n as bon
+    from benchmark.claims import best_of_n as bon
 
     score, has_eos, correct = [5.0, 0.1, -2.0, 9.0], [False, True, True, False], [0.0, 1.0, 0.0, 0.0]
     curve = bon.best_of_n_values(score, has_eos, correct, bon.pick_weights(4))
@@ -1833,7 +1838,7 @@ def test_best_of_n_never_picks_an_unfinished_response_over_a_finished_one():
 
 
 def test_best_of_n_rules_against_loops():
-    from benchmark import best_of_n as bon
+    from benchmark.claims import best_of_n as bon
 
     rng = np.random.default_rng(1)
     P, K, N = 3, 4, 5
@@ -1860,7 +1865,7 @@ def test_best_of_n_rules_against_loops():
 
 
 def test_best_of_n_bootstrap_is_deterministic_and_the_verdict_rule():
-    from benchmark import best_of_n as bon
+    from benchmark.claims import best_of_n as bon
 
     a, b = bon.bootstrap_counts(7, 50, seed=3), bon.bootstrap_counts(7, 50, seed=3)
     np.testing.assert_array_equal(a, b)
@@ -1879,7 +1884,7 @@ def test_best_of_n_bootstrap_is_deterministic_and_the_verdict_rule():
 def test_best_of_n_drops_are_measured_at_the_other_halfs_peak():
     """Cross-fitting against a loop (float64, random curves): a prompt's drop is its accuracy at the peak of the mean
     curve of the other half's prompts minus its accuracy at n = N; the halves split the prompts evenly, by seed."""
-    from benchmark import best_of_n as bon
+    from benchmark.claims import best_of_n as bon
 
     rng = np.random.default_rng(5)
     for P, N in [(9, 6), (40, 12)]:
@@ -1902,7 +1907,7 @@ def test_best_of_n_drops_are_measured_at_the_other_halfs_peak():
 
 
 def test_best_of_n_splits_are_seeded_halvings_the_first_the_one_split():
-    from benchmark import best_of_n as bon
+    from benchmark.claims import best_of_n as bon
 
     for P in (9, 40):
         halves = bon.prompt_splits(P, seed=3, num_splits=50)
@@ -1922,7 +1927,7 @@ def test_best_of_n_cross_fitted_estimate_is_the_average_over_the_splits(tmp_path
     """The registered drop of each rule is each prompt's cross-fitted drop averaged over --splits halvings (worked out
     here from the per-prompt curves, split by split); the flattening is the members' average of those minus the rule's.
     With one split the analysis is the one-split one, and "held on single splits" is that split's own verdict."""
-    from benchmark import best_of_n as bon
+    from benchmark.claims import best_of_n as bon
 
     write_best_of_n_files(str(tmp_path / "run"), P=30, N=8)
     rows, names, _ = bon.load_responses(str(tmp_path / "run"))
@@ -1983,7 +1988,7 @@ def write_best_of_n_files(folder, P=60, N=16, seed=0):
 
 
 def test_best_of_n_analyse_finds_the_planted_over_optimisation(tmp_path):
-    from benchmark import best_of_n as bon
+    from benchmark.claims import best_of_n as bon
 
     write_best_of_n_files(str(tmp_path / "run"))
     out = str(tmp_path / "results" / "bon")
@@ -2014,7 +2019,7 @@ def test_best_of_n_analyse_finds_the_planted_over_optimisation(tmp_path):
 
 
 def test_best_of_n_analyse_leaves_out_prompts_not_yet_scored(tmp_path):
-    from benchmark import best_of_n as bon
+    from benchmark.claims import best_of_n as bon
 
     folder = str(tmp_path / "run")
     write_best_of_n_files(folder, P=6, N=4)
@@ -2036,7 +2041,7 @@ def fake_generate(prompts, n):
 
 
 def test_best_of_n_sample_resumes_to_the_uninterrupted_file(tmp_path):
-    from benchmark import best_of_n as bon
+    from benchmark.claims import best_of_n as bon
 
     prompts, golds = [[1, 2], [3], [4, 5, 6], [7], [8, 9]], ["1", "2", "3", "4", "5"]
     verify = lambda texts, chunk_golds: [float(t.startswith(g)) for t, g in zip(texts, chunk_golds)]
@@ -2074,7 +2079,7 @@ def test_best_of_n_sample_resumes_to_the_uninterrupted_file(tmp_path):
 def test_best_of_n_score_resumes_and_checks_the_settings(tmp_path):
     """Two members scored batch by batch, killed inside the second batch (the first member's scores of it written,
     the second's not, and a line cut short): the rerun scores the rest and gives the uninterrupted files."""
-    from benchmark import best_of_n as bon
+    from benchmark.claims import best_of_n as bon
 
     samples = [dict(prompt_index=p, sample=j, response_ids=[1] * (j + 1)) for p in range(3) for j in range(4)]
     score_a = lambda batch: [0.1 * len(r["response_ids"]) + r["prompt_index"] for r in batch]
@@ -2115,7 +2120,7 @@ def test_best_of_n_stages_on_the_tiny_model(tiny_model_dir, tiny_reward_model_di
     import shutil
 
     import ppo_rlhf
-    from benchmark import best_of_n as bon
+    from benchmark.claims import best_of_n as bon
 
     ensemble = tmp_path / "ensemble"
     for name, bias in (("member_a", 0.0), ("member_b", 0.5)):
@@ -2154,14 +2159,14 @@ def test_best_of_n_stages_on_the_tiny_model(tiny_model_dir, tiny_reward_model_di
     assert bon.main([*sample, "--no-vllm"]) is None  # complete: resumes to nothing
 
 
-# benchmark/power.py: the seeds a paired check needs (docs/power_plan.md).
+# benchmark/statistics/power.py: the seeds a paired check needs (docs/power_plan.md).
 # Student's t quantiles from printed tables (independent of registry's): t(0.8, df) and t(0.975, df).
 T_80 = {2: 1.0607, 3: 0.9785, 4: 0.9410, 9: 0.8834, 29: 0.8542}
 T_975_PRINTED = {2: 4.3027, 4: 2.7764, 9: 2.2622}
 
 
 def test_power_t_quantile_against_printed_tables():
-    from benchmark import power
+    from benchmark.statistics import power
 
     for df, t in T_80.items():
         assert power.t_quantile(0.8, df) == pytest.approx(t, abs=5e-5)
@@ -2174,8 +2179,8 @@ def test_power_at_holms_first_step_and_the_prompts_best_of_n_needs():
     """mde and seeds_needed at another one-sided level (Holm's first step over k arms, 0.025 / k): t(0.995, df) from
     printed tables (3.169 at 10 df, 2.845 at 20); best_of_n's prompts to decide a flattening are seeds_needed on the
     per-prompt values."""
-    from benchmark import best_of_n as bon
-    from benchmark import power
+    from benchmark.claims import best_of_n as bon
+    from benchmark.statistics import power
 
     assert power.mde(0.3, 8) == power.mde(0.3, 8, alpha=0.025)
     for df, t in ((10, 3.169), (20, 2.845)):
@@ -2189,7 +2194,7 @@ def test_power_at_holms_first_step_and_the_prompts_best_of_n_needs():
 
 
 def test_power_seeds_needed_is_the_first_n_whose_mde_reaches_the_bound():
-    from benchmark import power
+    from benchmark.statistics import power
 
     # MDE by hand at n = 3 and 10 with the printed quantiles: (t975 + t80) x std / sqrt(n).
     assert power.mde(0.074, 3) == pytest.approx((4.3027 + 1.0607) * 0.074 / math.sqrt(3), abs=1e-3)
@@ -2206,7 +2211,7 @@ def test_power_seeds_needed_is_the_first_n_whose_mde_reaches_the_bound():
 
 
 def test_power_simulated_share_decided_against_a_plain_loop():
-    from benchmark import power
+    from benchmark.statistics import power
 
     # The rule written out here: a one-sided claim "difference <= 0" is decided when the 95% interval
     # mean ± t975 x s / sqrt(n) lies wholly below or wholly above 0; draws from a generator of its own.
@@ -2226,7 +2231,7 @@ def test_power_simulated_share_decided_against_a_plain_loop():
 
 
 def test_power_holm_rejects_less_often_than_one_arm_alone():
-    from benchmark import power
+    from benchmark.statistics import power
 
     alone = power.simulated_holm([0.1], [0.05], 4, 0.0, draws=2000)[0]
     three = power.simulated_holm([0.1, 0.0, 0.0], [0.05, 0.05, 0.05], 4, 0.0, draws=2000)
@@ -2235,7 +2240,7 @@ def test_power_holm_rejects_less_often_than_one_arm_alone():
 
 
 def test_power_table_from_runs(tmp_path):
-    from benchmark import power
+    from benchmark.statistics import power
 
     root = str(tmp_path / "runs")
     finals = {"none": {1: 0.39, 2: 0.33, 3: 0.24}, "raw": {1: 0.24, 2: 0.25, 3: 0.24}, "one": {1: 0.3}}
@@ -2257,7 +2262,7 @@ def test_power_table_from_runs(tmp_path):
 
 
 def test_power_holm_plan_is_not_simulated_when_an_arm_cannot_be_rejected():
-    from benchmark import power
+    from benchmark.statistics import power
 
     # clip's mean is on the wrong side of "> 0": no number of seeds rejects it, so no search over seeds is run.
     values = {"clip": {1: -0.08, 2: -0.05, 3: -0.02}, "delta": {1: 0.08, 2: 0.1, 3: 0.12}}

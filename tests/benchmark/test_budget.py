@@ -1,5 +1,5 @@
-"""benchmark/budget.py (python -m benchmark.budget): its counts against the modules themselves, and the fence on a
-small file whose numbers are known."""
+"""benchmark/checks/budget.py (python -m benchmark.checks.budget): its counts against the modules themselves, and the
+fence on a small file whose numbers are known."""
 
 import ast
 import dataclasses
@@ -12,7 +12,7 @@ import re
 import pytest
 from conftest import REPO_ROOT
 
-from benchmark import budget
+from benchmark.checks import budget
 
 
 def test_counts_match_the_imported_scripts():
@@ -254,8 +254,9 @@ def test_history_mentions_finds_issue_numbers_items_and_named_results(tmp_path):
 
 
 def test_what_the_cleaning_may_not_move_stays_above_the_fence():
-    """Each script's committed list (benchmark/above_fence.json): every loss, advantage, reward and importance weight,
-    the verifier's scoring rule and check_args are defined above the fence, and Args keeps every field it had."""
+    """Each script's committed list (benchmark/checks/above_fence.json): every loss, advantage, reward and importance
+    weight, the verifier's scoring rule and check_args are defined above the fence, and Args keeps every field it
+    had."""
     assert set(budget.ABOVE_FENCE) == set(budget.BUDGET)
     for name, kept in budget.ABOVE_FENCE.items():
         with open(os.path.join(REPO_ROOT, f"{name}.py")) as f:

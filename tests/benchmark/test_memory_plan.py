@@ -1,5 +1,5 @@
-"""benchmark/memory_plan.py: parameter counts against the models transformers builds from the same config, the
-saved activations against autograd's, hand-computed rows, ZeRO sharding, LoRA and the command line. No weights."""
+"""benchmark/performance/memory_plan.py: parameter counts against the models transformers builds from the same config,
+the saved activations against autograd's, hand-computed rows, ZeRO sharding, LoRA and the command line. No weights."""
 
 import json
 import os
@@ -15,7 +15,7 @@ from transformers import (
     Qwen2ForSequenceClassification,
 )
 
-from benchmark import memory_plan as mp
+from benchmark.performance import memory_plan as mp
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GRPO = os.path.join(REPO_ROOT, "grpo_math.py")

@@ -1,10 +1,10 @@
-"""The PRM pilot's registered criterion (benchmark/prm_pilot.py) against the rule written out here."""
+"""The PRM pilot's registered criterion (benchmark/claims/prm_pilot.py) against the rule written out here."""
 
 import json
 import os
 import random
 
-from benchmark import prm_pilot
+from benchmark.claims import prm_pilot
 
 
 def write_run(root, name, seed, evals):

@@ -16,11 +16,12 @@ script's arguments, up to `&&`, `||`, `;`, `|` or a `#` comment):
     accelerate launch [launcher flags] [wrapper.py] X.py ...  /  python -m accelerate.commands.launch ...
     torchrun [launcher flags] X.py ...
     make train [ARGS="..."]                         (runs grpo_math.py $(ARGS), see the Makefile)
-    python -m benchmark.run --script X.py [launcher flags] [-- X's args]
+    python -m benchmark.statistics.run --script X.py [launcher flags] [-- X's args]
                                                     (the launcher's own flags are parsed by its parser; the script gets
-                                                    what benchmark.run would give it for the first seed: --seed S, the
-                                                    arguments after `--`, and --track --wandb_tags with --track)
-    python -m benchmark.memory_plan [plan flags] X.py ...  (the plan's own flags taken out by its parser)
+                                                    what benchmark.statistics.run would give it for the first seed:
+                                                    --seed S, the arguments after `--`, and --track --wandb_tags with
+                                                    --track)
+    python -m benchmark.performance.memory_plan [plan flags] X.py ...  (the plan's own flags taken out by its parser)
 Placeholders:
 - a literal `...` argument (elided arguments) is dropped;
 - `<anything>` (e.g. `<sft model>`) is replaced by the word `placeholder` (an arbitrary path or name);
@@ -50,10 +51,11 @@ import pytest
 import tyro
 from conftest import REPO_ROOT
 
-from benchmark import budget, memory_plan
-from benchmark import run as launcher
+from benchmark.checks import budget
+from benchmark.performance import memory_plan
+from benchmark.statistics import run as launcher
 
-SCRIPTS = tuple(f"{name}.py" for name in budget.BUDGET)  # every script, named once in benchmark/budget.py
+SCRIPTS = tuple(f"{name}.py" for name in budget.BUDGET)  # every script, named once in benchmark/checks/budget.py
 MARKDOWN_FILES = ["README.md"] + sorted(os.path.relpath(p, REPO_ROOT) for p in glob.glob(f"{REPO_ROOT}/docs/*.md"))
 SHELL_FILES = sorted(os.path.relpath(p, REPO_ROOT) for p in glob.glob(f"{REPO_ROOT}/benchmark/*.sh"))
 # Plausible values of shell variables that no loop of the file sets (benchmark/gpu_check.sh's work folders).
@@ -91,7 +93,7 @@ class Command:
     text: str  # the command as written (continuation lines joined)
     script: str  # which of SCRIPTS it runs
     argv: list = None  # the script's arguments
-    launcher_argv: list = None  # benchmark.run's own arguments (the script's come from it), else None
+    launcher_argv: list = None  # benchmark.statistics.run's own arguments (the script's come from it), else None
     error: str = None  # why the command could not be read (an unknown shell variable, unbalanced quotes)
     binding: str = ""  # the values of the shell loop variables it was expanded with: "seed=1,mode=raw"
 
@@ -185,11 +187,15 @@ def read_segment(segment):
             return None
         make_args = next((t.split("=", 1)[1] for t in rest if t.startswith("ARGS=")), "")
         return "grpo_math.py", shlex.split(make_args), None
-    if PYTHON.fullmatch(head) and rest[:2] == ["-m", "benchmark.run"]:
+    if PYTHON.fullmatch(head) and rest[:2] == ["-m", "benchmark.statistics.run"]:
         own, _ = launcher.split_argv(rest[2:])
         script = launcher.flag_value(own, "script")
         return (os.path.normpath(script), None, rest[2:]) if script and os.path.normpath(script) in SCRIPTS else None
-    if PYTHON.fullmatch(head) and rest[:2] == ["-m", "benchmark.memory_plan"] and script_index(rest) is not None:
+    if (
+        PYTHON.fullmatch(head)
+        and rest[:2] == ["-m", "benchmark.performance.memory_plan"]
+        and script_index(rest) is not None
+    ):
         own, script_argv = memory_plan.arg_parser().parse_known_args(rest[2:])
         return os.path.normpath(own.script), script_argv, None
     if PYTHON.fullmatch(head) and rest[:2] == ["-m", "accelerate.commands.launch"]:
@@ -366,7 +372,8 @@ def parse_error(script, argv):
 
 
 def script_argv(command):
-    """The arguments the script gets (for benchmark.run: those of the first seed, after parsing the launcher's)."""
+    """The arguments the script gets (for benchmark.statistics.run: those of the first seed, after parsing the
+    launcher's)."""
     if command.launcher_argv is None:
         return command.argv
     own, script_args = launcher.split_argv(command.launcher_argv)
@@ -375,7 +382,7 @@ def script_argv(command):
         with contextlib.redirect_stderr(output):
             args = launcher.build_parser().parse_args(own)
     except SystemExit:
-        pytest.fail(f"{command.id}: benchmark.run refuses {shlex.join(own)}:\n{output.getvalue()}")
+        pytest.fail(f"{command.id}: benchmark.statistics.run refuses {shlex.join(own)}:\n{output.getvalue()}")
     full = launcher.build_command(args.script, args.seeds[0], script_args, track=args.track, sha="0" * 40)
     return full[full.index(args.script) + 1 :]
 
@@ -416,8 +423,10 @@ def test_commands_are_found_everywhere():
         assert any(c.text.startswith("accelerate launch") for c in COMMANDS[script]), f"{script}: no accelerate"
         assert by_script[f"docs/{name}.md"][script] >= 1, f"docs/{name}.md runs no {script}: {by_script}"
         assert by_script[f"benchmark/{name}.sh"][script] >= 1, f"benchmark/{name}.sh runs no {script}: {by_script}"
-    forms = {c.text.split()[0].rsplit("/", 1)[-1] for c in FLAT} | {"benchmark.run" for c in FLAT if c.launcher_argv}
-    assert {"python", "accelerate", "make", "benchmark.run"} <= forms, forms
+    forms = {c.text.split()[0].rsplit("/", 1)[-1] for c in FLAT} | {
+        "benchmark.statistics.run" for c in FLAT if c.launcher_argv
+    }
+    assert {"python", "accelerate", "make", "benchmark.statistics.run"} <= forms, forms
     assert len(FLAT) >= 80, counts
 
 
@@ -428,7 +437,7 @@ def test_extraction_of_each_form():
         "    accelerate launch --num_processes 8 ppo_rlhf.py --model_name_or_path <sft model> \\\n"
         "        --instruction '' ...\n"
         "Two processes: accelerate launch --multi_gpu tests/fixed_rollout.py grpo_math.py --no-vllm ...\n"
-        "    python -m benchmark.registry plot --out x.png\n"
+        "    python -m benchmark.statistics.registry plot --out x.png\n"
         "    [ -d runs ] || torchrun --nproc_per_node 2 dpo_online.py --seed $SEED\n"
     )
     found = [(c.line, c.script, c.argv) for n, line in logical_lines(text) for c in commands_in("t", n, line)]
@@ -444,7 +453,7 @@ def test_extraction_of_each_form():
     (make,) = commands_in("t", *make_span)
     assert (make.line, make.script, make.argv) == (10, "grpo_math.py", ["--seed", "2", "--no-vllm"])
     loops = {"seed": ["1", "2"], "mode": ["raw", "clip"]}
-    line = 'python -m benchmark.run --script ppo_prm_clip.py --seeds "$seed" "$@" -- --reward_mode "$mode"'
+    line = 'python -m benchmark.statistics.run --script ppo_prm_clip.py --seeds "$seed" "$@" -- --reward_mode "$mode"'
     runs = commands_in("t", 4, line, loops)
     assert [c.id for c in runs] == [
         f"t:4:ppo_prm_clip.py:seed={s},mode={m}" for s, m in itertools.product(("1", "2"), ("raw", "clip"))

@@ -10,7 +10,8 @@ import sys
 import pytest
 from conftest import REPO_ROOT
 
-from benchmark import registry, tables
+from benchmark.checks import tables
+from benchmark.statistics import registry
 
 
 def read(path):
@@ -29,7 +30,7 @@ def test_the_first_screen_says_what_how_and_how_long():
 
 def test_the_table_of_scripts_is_made_from_the_committed_runs_and_the_scripts():
     text = read("README.md")
-    assert tables.readme_with_table(text) == text, "python -m benchmark.tables --write makes the table again"
+    assert tables.readme_with_table(text) == text, "python -m benchmark.checks.tables --write makes the table again"
     for script in tables.SCRIPTS:
         assert f"[`{script}`]({script})" in text
 
@@ -70,8 +71,8 @@ def test_every_committed_t_verdict_has_its_exact_sign_flip_p():
     checked = []
     for _, argv, files, why in tables.classify():
         bounded = any(flag in argv for flag in ("--at_least", "--at_most"))
-        claim = argv[:2] in (["-m", "benchmark.prm_checks"], ["-m", "benchmark.power"]) or (
-            argv[:2] == ["-m", "benchmark.offpolicy"] and "--baseline" not in argv
+        claim = argv[:2] in (["-m", "benchmark.claims.prm_checks"], ["-m", "benchmark.statistics.power"]) or (
+            argv[:2] == ["-m", "benchmark.claims.offpolicy"] and "--baseline" not in argv
         )
         if why is None and (bounded or claim):
             for path in [f for f in files if f.endswith(".md")]:
@@ -93,8 +94,8 @@ def test_make_tables_reads_the_named_blocks_and_remakes_the_claim_checks():
     """A shell file's named blocks (`bash benchmark/X.sh NAME`) are read as its main part is, and the claim checks
     (prm_checks, offpolicy) are remade from their committed runs like a registry table."""
     remade = {f: (name, argv) for name, argv, files, why in tables.classify() if why is None for f in files}
-    assert remade["benchmark/results/ppo_prm_clip_verifier_checks.md"][1][1] == "benchmark.prm_checks"
-    assert remade["benchmark/results/offpolicy.md"][1][1] == "benchmark.offpolicy"
+    assert remade["benchmark/results/ppo_prm_clip_verifier_checks.md"][1][1] == "benchmark.claims.prm_checks"
+    assert remade["benchmark/results/offpolicy.md"][1][1] == "benchmark.claims.offpolicy"
     assert remade["benchmark/results/async_vs_sync_faster.md"][1][-4:-2] == ["--at_most", "0"]
     # grpo_tools.sh chain_3t: a named block's table.
     assert remade["benchmark/results/grpo_tools_chain_3t.md"][0] == "grpo_tools.sh"

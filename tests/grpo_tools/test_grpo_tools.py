@@ -1041,7 +1041,7 @@ PRODUCT_ROWS = [
 
 @pytest.fixture
 def make_probe_args(make_config, tmp_path):
-    from benchmark import tool_probe
+    from benchmark.claims import tool_probe
 
     values = dict(dataset_path=write_rows(tmp_path / "products", PRODUCT_ROWS), output_dir=str(tmp_path / "probes"))
     values |= dict(response_length=64, num_eval_prompts=0)
@@ -1049,7 +1049,7 @@ def make_probe_args(make_config, tmp_path):
 
 
 def test_probe_reads_the_terms_of_a_question_and_sums_its_trajectories():
-    from benchmark.tool_probe import probe_results, question_terms
+    from benchmark.claims.tool_probe import probe_results, question_terms
 
     assert [question_terms(q["question"]) for q in PRODUCT_ROWS] == [2, 2, 3, 3, 3, None]
     assert question_terms("What is 3 + 1?") == 2 and question_terms("Calculate 2.5 * (3 - 1).") == 3
@@ -1079,7 +1079,7 @@ def test_probe_prompts_are_grpo_tools_own(make_probe_args, tmp_path):
     --num_prompts choose among them, with the terms of each."""
     from transformers import AutoTokenizer
 
-    from benchmark.tool_probe import check_probe_args, probe_prompts
+    from benchmark.claims.tool_probe import check_probe_args, probe_prompts
 
     add = (
         "Calculate 23 + 41. Give the final answer after 'Answer:'.",
@@ -1110,8 +1110,9 @@ def test_probe_prompts_are_grpo_tools_own(make_probe_args, tmp_path):
 def test_probe_on_a_scripted_policy(make_probe_args, monkeypatch, capsys, temperature):
     """The probe on a scripted policy whose trajectories are known (product_turns): accuracy, call rate, >= 2 calls
     and each number of terms, counted by hand; every turn sampled at the probe's temperature (0: greedy); K samples
-    per prompt; a folder that benchmark.registry reads as a run's evaluation; the markdown row."""
-    from benchmark import registry, tool_probe
+    per prompt; a folder that benchmark.statistics.registry reads as a run's evaluation; the markdown row."""
+    from benchmark.claims import tool_probe
+    from benchmark.statistics import registry
 
     temperatures = []
     monkeypatch.setattr(grpo_tools, "_hf_turns", product_turns(temperatures))
@@ -1142,7 +1143,7 @@ def test_probe_passes_the_tool_flags_and_its_gate_exits_3(make_probe_args, monke
     """--tool unavailable reaches the probe's rollout (every call answered with the error, the chain breaks: only
     the word problem is right) and --max_operations too (a whole product in one call is refused); outside
     --min_accuracy / --max_accuracy the probe exits with status 3 after writing its folder."""
-    from benchmark import tool_probe
+    from benchmark.claims import tool_probe
 
     monkeypatch.setattr(grpo_tools, "_hf_turns", product_turns())
     folder = tool_probe.main(make_probe_args(tool="unavailable", max_accuracy=0.5))
@@ -1158,7 +1159,7 @@ def test_probe_passes_the_tool_flags_and_its_gate_exits_3(make_probe_args, monke
 
 
 def test_probe_refuses_bad_flags_in_one_line(make_probe_args):
-    from benchmark import tool_probe
+    from benchmark.claims import tool_probe
 
     one_line_error(tool_probe.main, make_probe_args(temperature=-1.0), "--temperature", ">= 0")
     one_line_error(tool_probe.main, make_probe_args(samples_per_prompt=0), "--samples_per_prompt")
@@ -1201,7 +1202,7 @@ def test_chain_tasks_hold_no_zero_product_and_no_3_term_training_question_starts
     stream starts at its own seed (TASK_SEEDS; reasoning-gym's item i is Random(seed + i), so with the same seed a
     4-term question would begin with the 3 factors of a training one). The tasks built before are untouched."""
     pytest.importorskip("reasoning_gym")
-    from benchmark import prepare_assets as pa
+    from benchmark.assets import prepare_assets as pa
 
     assert set(pa.TASK_SEEDS) | set(pa.KEEP) == {"mul_2t3t2d", "mul_4t2d"}
     ((name, config),) = pa.TASKS["mul_4t2d"]
@@ -1221,7 +1222,7 @@ def test_chain_tasks_hold_no_zero_product_and_no_3_term_training_question_starts
 def test_mul_3t2d_is_the_3_term_rows_of_mul_2t3t2d_split_for_split(tmp_path):
     """prepare_assets' SUBSETS: mul_3t2d's train and test are mul_2t3t2d's rows with 3 factors, in their order, so its
     held-out products stay held out (the 3-term runs are probed on mul_2t3t2d's test split)."""
-    from benchmark import prepare_assets as pa
+    from benchmark.assets import prepare_assets as pa
 
     rng = random.Random(0)
     source = {}

@@ -21,7 +21,7 @@ from environments import price_list
 from grpo_tools import Calculator, ToolCalls, multi_turn_rollout, parse_tool_calls, run_tool_call
 
 # SmolLM2's tool template, as make assets writes it beside the model (its own template ignores tools=)
-HERMES_TEMPLATE = open(os.path.join(REPO_ROOT, "benchmark", "smollm2_tools.jinja")).read()
+HERMES_TEMPLATE = open(os.path.join(REPO_ROOT, "benchmark", "assets", "smollm2_tools.jinja")).read()
 TEMPLATES = {"hermes": HERMES_TEMPLATE, "qwen2.5": chat_templates.QWEN25, "qwen3": chat_templates.QWEN3}
 
 
@@ -865,7 +865,7 @@ def test_price_list_tasks_and_environment_agree_with_prices_written_here(tmp_pat
             assert [str(getattr(env, c["name"])(**c["arguments"])) for c in env_calls] == results
             assert [c["name"] for c in env_calls] == ["price"] * items + ["add"] * (items - 1)
 
-    from benchmark import prepare_assets
+    from benchmark.assets import prepare_assets
 
     monkeypatch.setattr(prepare_assets, "TEST_SIZE", 5)
     fake = lambda seed, count, items=2: [{"question": f"{items}-{k}", "answer": str(k)} for k in range(count)]  # noqa: E731
@@ -975,7 +975,7 @@ def test_a_new_tool_and_environment_are_written_above_the_fence_alone(make_confi
     call to it; the same class in a file of its own runs by --environment FILE.py:CLASS, the script unedited."""
     import importlib.util
 
-    from benchmark.budget import FENCE
+    from benchmark.checks.budget import FENCE
 
     with open(grpo_tools.__file__) as f:
         above, below = f.read().split(FENCE)

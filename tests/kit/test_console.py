@@ -10,9 +10,9 @@ import logging
 
 import pytest
 
-from benchmark import budget
+from benchmark.checks import budget
 
-SCRIPTS = tuple(f"{name}.py" for name in budget.BUDGET)  # every script, named once in benchmark/budget.py
+SCRIPTS = tuple(f"{name}.py" for name in budget.BUDGET)  # every script, named once in benchmark/checks/budget.py
 
 # (logger = module name, a line of the message in that module's source, the message as it is logged)
 HARMLESS = [

@@ -13,8 +13,8 @@ import os
 
 from conftest import REPO_ROOT
 
-from benchmark.budget import FENCE as PLUMBING
-from benchmark.budget import SCRIPT_OWN
+from benchmark.checks.budget import FENCE as PLUMBING
+from benchmark.checks.budget import SCRIPT_OWN
 
 
 def script_paths(root=REPO_ROOT):
@@ -36,7 +36,7 @@ def module_functions(path):
 
 
 # The line between a script's algorithm (above) and its plumbing (below), the same in every script; its text and the
-# names each script has its own version of (SCRIPT_OWN) are defined once, in benchmark/budget.py.
+# names each script has its own version of (SCRIPT_OWN) are defined once, in benchmark/checks/budget.py.
 FENCE = (
     "# " + "=" * 117,
     PLUMBING,
@@ -198,11 +198,11 @@ def test_checker_skips_each_script_own_main_and_check_args(tmp_path):
 
 def test_plumbing_is_in_the_order_main_calls_it():
     """Below the fence, a reader who follows main's next call finds it further down: the definitions are in the order
-    main first reaches them, each followed by what it uses (benchmark/budget.py's plumbing_order, the same rule in
-    every script)."""
+    main first reaches them, each followed by what it uses (benchmark/checks/budget.py's plumbing_order, the same rule
+    in every script)."""
     import ast
 
-    from benchmark.budget import plumbing_order
+    from benchmark.checks.budget import plumbing_order
 
     for path in script_paths():
         with open(path) as f:

@@ -7,12 +7,12 @@ the policy's forward and backward on one fixed batch many times in fresh process
 repeats (buffers land at other addresses, as they do between real runs), and counts the distinct results
 (loss and every gradient, bit for bit) under each setting, and the time a repeat takes.
 
-    python -m benchmark.determinism                       # the embedded model, writes benchmark/results/determinism.md
-    python -m benchmark.determinism --repeats 6 --processes 3 --variants default MKL_CBWR=AUTO,STRICT
+    python -m benchmark.performance.determinism          # the embedded model, writes benchmark/results/determinism.md
+    python -m benchmark.performance.determinism --repeats 6 --processes 3 --variants default MKL_CBWR=AUTO,STRICT
 
 With --runs K it runs the script itself K times per setting instead (`RUN` below, HF generate, 2 threads) and
 compares the metrics.jsonl files without their wall-clock keys: the first step and metric where two runs differ.
-    python -m benchmark.determinism --runs 4 --variants default MKL_CBWR=AUTO,STRICT \
+    python -m benchmark.performance.determinism --runs 4 --variants default MKL_CBWR=AUTO,STRICT \
         --out benchmark/results/determinism_runs.md
 """
 
@@ -74,8 +74,8 @@ def script_runs(variants, runs, out, load):
     import tempfile
 
     lines = [
-        f"# Bit-identical reruns of the script: `python -m benchmark.determinism --runs {runs} --load {load} "
-        f"--variants {shlex.join(variants)}`",
+        "# Bit-identical reruns of the script: `python -m benchmark.performance.determinism "
+        f"--runs {runs} --load {load} --variants {shlex.join(variants)}`",
         "",
         f"`{RUN}` (threads: torch's default, 2 on the 2-core hosts), {runs} runs per setting, one at a time, "
         f"{load} busy processes beside them; each "
@@ -145,7 +145,15 @@ def passes(args):
         env = {**os.environ, **VARIANTS[name]}
         results = []
         for process in range(args.processes):
-            command = [sys.executable, "-m", "benchmark.determinism", "--worker", str(process), "--model", args.model]
+            command = [
+                sys.executable,
+                "-m",
+                "benchmark.performance.determinism",
+                "--worker",
+                str(process),
+                "--model",
+                args.model,
+            ]
             command += ["--repeats", str(args.repeats), "--batch", str(args.batch), "--length", str(args.length)]
             out = subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout
             results.append(json.loads(out.strip().splitlines()[-1]))
@@ -155,8 +163,8 @@ def passes(args):
         print(f"{name}: {len(set(digests))} distinct of {len(digests)}, median {rows[-1][-1]:.3f} s", flush=True)
     base = rows[0][-1]
     lines = [
-        f"# Bit-identical reruns on CPU: `python -m benchmark.determinism --repeats {args.repeats} --processes "
-        f"{args.processes} --batch {args.batch} --length {args.length} --load {args.load}`",
+        f"# Bit-identical reruns on CPU: `python -m benchmark.performance.determinism --repeats {args.repeats} "
+        f"--processes {args.processes} --batch {args.batch} --length {args.length} --load {args.load}`",
         "",
         f"Forward + backward of {args.model} (fp32) on one fixed [{args.batch}, {args.length}] batch, {args.repeats} "
         f"times in each of {args.processes} fresh processes per setting, {args.load} busy processes beside them; "

@@ -3,16 +3,18 @@
 Reads only runs/{run_name}/config.json ({"args": {...}, "git_sha": ..., ...}) and runs/{run_name}/metrics.jsonl
 (one JSON object per logged step, with global_step, episode, wall-clock `time` and namespaced metrics).
 
-    python -m benchmark.registry list [--runs_dir runs] [--filter arith_1d__grpo] [--metrics eval/accuracy]
-    python -m benchmark.registry plot --experiments "grpo=runs/arith_1d__grpo__*" "lr2e-5=runs/arith_1d__lr2e-5__*" \
+    python -m benchmark.statistics.registry list [--runs_dir runs] [--filter arith_1d__grpo] [--metrics eval/accuracy]
+    python -m benchmark.statistics.registry plot \
+        --experiments "grpo=runs/arith_1d__grpo__*" "lr2e-5=runs/arith_1d__lr2e-5__*" \
         --metric eval/accuracy objective/accuracy --x step --smooth 8 --out benchmark/results/grpo_math.png
-    python -m benchmark.registry table --experiments "grpo=runs/arith_1d__grpo__*" \
+    python -m benchmark.statistics.registry table --experiments "grpo=runs/arith_1d__grpo__*" \
         --metrics eval/accuracy objective/scores --out benchmark/results/grpo_math.md
-    python -m benchmark.registry paired --experiments "grpo=runs/arith_1d__grpo__*" "lr2e-5=runs/arith_1d__lr2e-5__*" \
+    python -m benchmark.statistics.registry paired \
+        --experiments "grpo=runs/arith_1d__grpo__*" "lr2e-5=runs/arith_1d__lr2e-5__*" \
         --baseline grpo --metrics eval/accuracy wall_clock --out benchmark/results/grpo_lr_paired.md
-    python -m benchmark.registry perf --experiments "grpo_math=runs/arith_1d__grpo__1__*" \
+    python -m benchmark.statistics.registry perf --experiments "grpo_math=runs/arith_1d__grpo__1__*" \
         "ppo_rlhf=runs/arith_1d__ppo__1__*" --out benchmark/results/training_throughput
-    python -m benchmark.registry copy --out benchmark/results/grpo_variants runs/add_2t2d__grpo_mb4__*
+    python -m benchmark.statistics.registry copy --out benchmark/results/grpo_variants runs/add_2t2d__grpo_mb4__*
 
 An experiment is LABEL=GLOB: the run folders the glob matches are its seeds. Several matches of one seed (a repeat, or
 an older or interrupted launch of it) are refused with a message naming them, never silently reduced to one: narrow the
@@ -848,7 +850,9 @@ def write_text(text, out):
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(prog="python -m benchmark.registry", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmark.statistics.registry", description=__doc__.splitlines()[0]
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
     p = commands.add_parser("list", help="a table of runs with their final metrics")

@@ -1,9 +1,9 @@
 """Same numbers before and after a refactor: every script on the tiny model, each configuration's metrics recorded.
 
-    python -m benchmark.same_metrics record DIR             # run every configuration from this checkout into DIR
-    python -m benchmark.same_metrics record DIR --only grpo  # the configurations whose name contains 'grpo'
-    python -m benchmark.same_metrics compare BEFORE AFTER    # every logged value equal (time/ and perf/ keys aside)?
-    python -m benchmark.same_metrics record DIR --real       # steps 0-3 of each script on the embedded model
+    python -m benchmark.checks.same_metrics record DIR             # every configuration from this checkout into DIR
+    python -m benchmark.checks.same_metrics record DIR --only grpo  # the configurations whose name contains 'grpo'
+    python -m benchmark.checks.same_metrics compare BEFORE AFTER    # every logged value equal (time/, perf/ aside)?
+    python -m benchmark.checks.same_metrics record DIR --real       # steps 0-3 of each script on the embedded model
 
 Record once on the commit before a change (a `git worktree` of it, with this file copied in if it is older) and once
 after; compare exits 1 on the first difference it lists. The configurations cover what a refactor of the loop or the
@@ -24,7 +24,7 @@ import os
 import subprocess
 import sys
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO_ROOT, "tests"))
 import conftest  # noqa: E402  (sets the cache folders and one thread, as for the tests)
 

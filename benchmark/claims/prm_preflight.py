@@ -1,7 +1,8 @@
 """Preflight of a task for ppo_prm_clip.py: can process rewards say anything on it? (~5 min on 2 CPU cores)
 
-    python -m benchmark.prm_preflight --num_prompts 100 --out benchmark/results/prm_preflight.json   # the defaults
-    python -m benchmark.prm_preflight --dataset_path assets/data/chain_sum --temperature 0.7 --step_separator ' '
+    python -m benchmark.claims.prm_preflight --num_prompts 100 --out benchmark/results/prm_preflight.json  # defaults
+    python -m benchmark.claims.prm_preflight --dataset_path assets/data/chain_sum --temperature 0.7 \
+        --step_separator ' '
 
 Samples `--samples` completions of `--num_prompts` held-out prompts (HF generate, ppo_prm_clip.py's prompts, stop
 tokens, step splitter, answer extraction and verifier PRM; the sampling settings are the script's defaults unless
@@ -21,7 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import ppo_prm_clip as prm
-from benchmark.registry import read_jsonl
+from benchmark.statistics.registry import read_jsonl
 
 
 def step_verdicts(text, separator):

@@ -1,9 +1,9 @@
 """Best-of-n with the committed reward-model members: Coste et al.'s cleanest over-optimisation
 setting (arXiv 2310.02743), no PPO and so no seed noise. Three stages, each resumable from its files:
 
-    python -m benchmark.best_of_n sample --out_dir runs/best_of_n              # 64 responses per held-out prompt
-    python -m benchmark.best_of_n score --out_dir runs/best_of_n --ensemble runs/reward_ensemble
-    python -m benchmark.best_of_n analyse --out_dir runs/best_of_n --out benchmark/results/best_of_n
+    python -m benchmark.claims.best_of_n sample --out_dir runs/best_of_n       # 64 responses per held-out prompt
+    python -m benchmark.claims.best_of_n score --out_dir runs/best_of_n --ensemble runs/reward_ensemble
+    python -m benchmark.claims.best_of_n analyse --out_dir runs/best_of_n --out benchmark/results/best_of_n
 
 `sample`: the held-out prompts ppo_rlhf.py evaluates on (its prompt building on --dataset_path's --eval_split, the
 first 300 rows as its --num_eval_prompts; --num_prompts: a seeded random subset of them), --num_samples responses each
@@ -34,9 +34,9 @@ the same resamples for every statistic, so differences are paired over prompts. 
 OUT.png, and OUT.jsonl, a line per prompt with what the analysis reads (verdicts, EOS, member scores: ~2 MB for 282 x
 64 x 5, to commit): `analyse --from_responses OUT.jsonl` makes the same table and figure from it alone.
 
-The checks, each held / not held / inconclusive by the rule of benchmark/registry.py applied to the bootstrap's 95%
-interval (held when it lies wholly on the claim's side of the bound, not held when wholly on the other side, else, or
-with no spread, inconclusive):
+The checks, each held / not held / inconclusive by the rule of benchmark/statistics/registry.py applied to the
+bootstrap's 95% interval (held when it lies wholly on the claim's side of the bound, not held when wholly on the other
+side, else, or with no spread, inconclusive):
 (1) a rule's curve turns down: its accuracy at its peak n minus at n = N, > 0, per prompt with the peak chosen on the
     other half of the prompts (two-fold cross-fitting; a peak chosen on the prompts it is measured on makes the drop
     >= 0 by construction), averaged over --splits seeded random splits into halves (one split is one draw from a
@@ -71,7 +71,7 @@ import warnings
 
 import numpy as np
 
-from benchmark.registry import holm, read_jsonl, verdict_inside, write_text
+from benchmark.statistics.registry import holm, read_jsonl, verdict_inside, write_text
 
 SEED_STRIDE = 1_000_003  # chunk seed = seed * SEED_STRIDE + the chunk's first prompt's position
 
@@ -358,7 +358,7 @@ def prompt_cached_scores(model, rows, prompts, device, chunk_size):
 def load_meta(out_dir):
     path = os.path.join(out_dir, "meta.json")
     if not os.path.isfile(path):
-        sys.exit(f"error: no {path}; run `python -m benchmark.best_of_n sample --out_dir {out_dir}` first")
+        sys.exit(f"error: no {path}; run `python -m benchmark.claims.best_of_n sample --out_dir {out_dir}` first")
     with open(path) as f:
         return json.load(f)
 
@@ -502,7 +502,7 @@ def load_responses(out_dir):
     score_dir = os.path.join(out_dir, "scores")
     names = sorted(f[: -len(".jsonl")] for f in os.listdir(score_dir) if f.endswith(".jsonl"))
     if not names:
-        sys.exit(f"error: no scores in {score_dir}; run `python -m benchmark.best_of_n score` first")
+        sys.exit(f"error: no scores in {score_dir}; run `python -m benchmark.claims.best_of_n score` first")
     scores = {}
     for name in names:
         rows = read_rows(os.path.join(score_dir, name + ".jsonl"))
@@ -664,9 +664,9 @@ def families(conservative):
 
 def prompts_needed(values, alpha=0.025):
     """The prompts at which the rule's interval decides "mean > 0" with 80% power, at these per-prompt values' mean and
-    std as if they were the truth (benchmark.power.seeds_needed: normal theory, one-sided level alpha); None beyond
-    10,000."""
-    from benchmark import power
+    std as if they were the truth (benchmark.statistics.power.seeds_needed: normal theory, one-sided level alpha); None
+    beyond 10,000."""
+    from benchmark.statistics import power
 
     return power.seeds_needed(float(np.mean(values)), float(np.std(values, ddof=1)), 0.0, math.inf, alpha=alpha)
 
@@ -799,7 +799,7 @@ def markdown(result, meta_line=""):
             "",
             "Prompts to decide: where the rule's interval decides the claim with 80% power, at the per-prompt "
             f"(split-averaged) differences' mean and std seen on these {result['num_prompts']} as if they were the "
-            "truth (benchmark.power.seeds_needed, normal theory).",
+            "truth (benchmark.statistics.power.seeds_needed, normal theory).",
         ]
     lines += [
         "",
@@ -884,7 +884,7 @@ def analyse(args):
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(prog="python -m benchmark.best_of_n", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmark.claims.best_of_n", description=__doc__.split("\n\n")[0])
     parser.add_argument("stage", choices=["sample", "score", "analyse"], help="the stage to run (each resumes)")
     parser.add_argument("--out_dir", default="runs/best_of_n", help="samples.jsonl, meta.json and scores/ (all)")
     parser.add_argument("--seed", type=int, default=1, help="sampling (sample) and the bootstrap (analyse)")

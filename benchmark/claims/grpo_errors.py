@@ -1,9 +1,9 @@
 """What a grpo_math.py model still gets wrong on a sums task: greedy pass@1 on the held-out split, by kind of sum.
 
-    python -m benchmark.grpo_errors --models assets/SmolLM2-135M-Instruct runs/add_2t2d__grpo__[123]__*/model \
+    python -m benchmark.claims.grpo_errors --models assets/SmolLM2-135M-Instruct runs/add_2t2d__grpo__[123]__*/model \
         --out benchmark/results/grpo_math_errors.md
 
-Every model is evaluated by benchmark.peer_trl's code (HF generate, greedy, grpo_math's prompt builder, answer
+Every model is evaluated by benchmark.peers.peer_trl's code (HF generate, greedy, grpo_math's prompt builder, answer
 extraction and verifier), so on the same problems its overall accuracy is the run's own `eval/accuracy`. A problem
 "Calculate a + b." falls in one kind by the digit counts of its two terms and, for two 2-digit terms, by whether
 the ones digits carry.
@@ -13,8 +13,8 @@ import argparse
 import os
 import re
 
-from benchmark.peer_trl import greedy_correct, grpo_prompts
-from benchmark.registry import read_jsonl
+from benchmark.peers.peer_trl import greedy_correct, grpo_prompts
+from benchmark.statistics.registry import read_jsonl
 
 KINDS = (
     "two 2-digit terms, no carry",

@@ -1,8 +1,9 @@
 """Per-GPU memory plan of a script's command, from its Args and the models' config.json (no weight is loaded).
 
-    python -m benchmark.memory_plan grpo_math.py --model_name_or_path Qwen/Qwen2.5-Math-1.5B-Instruct \
+    python -m benchmark.performance.memory_plan grpo_math.py --model_name_or_path Qwen/Qwen2.5-Math-1.5B-Instruct \
         --response_length 512 --dtype bfloat16 --model_config benchmark/configs/qwen2.5-1.5b
-    python -m benchmark.memory_plan ppo_rlhf.py --config_file benchmark/accelerate_configs/deepspeed_zero3.yaml
+    python -m benchmark.performance.memory_plan ppo_rlhf.py \
+        --config_file benchmark/accelerate_configs/deepspeed_zero3.yaml
 
 The plan's own flags (main() below) may go anywhere; the other arguments are the script's, parsed by tyro into its
 Args as the script parses them. Rows are "static" (held all run), "train" (the update) or "generate" (HF generate's

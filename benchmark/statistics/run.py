@@ -1,7 +1,8 @@
 """Run a script over seeds as tracked runs, a few at a time (CleanRL's benchmark style).
 
-    python -m benchmark.run --script grpo_math.py --seeds 1 2 3 --workers 2 [--track] [--dry_run] -- <script args>
-    python -m benchmark.run --script grpo_math.py --seeds 1 2 --num_processes 4 \
+    python -m benchmark.statistics.run --script grpo_math.py --seeds 1 2 3 --workers 2 [--track] [--dry_run] \
+        -- <script args>
+    python -m benchmark.statistics.run --script grpo_math.py --seeds 1 2 --num_processes 4 \
         --accelerate_config benchmark/accelerate_configs/multi_gpu.yaml -- --vllm_dtype bfloat16
 
 Each seed runs as `python <script> --seed S <script args>` (inside `accelerate launch` when --accelerate_config or
@@ -12,7 +13,7 @@ an earlier launch is skipped when its metrics reached --total_steps and resumed 
 runs/_logs/{script}__{seed}__{unix_time}.log. A failing seed does not stop the others; the summary at the end gives
 each seed's exit code, run folder and wall-clock, and the launcher exits with 1 when any seed failed. Nothing else is
 written: the run folders are the scripts' own (runs/{run_name}/config.json records the git sha), and `python -m
-benchmark.registry` reads them.
+benchmark.statistics.registry` reads them.
 """
 
 import argparse
@@ -25,7 +26,7 @@ import sys
 import threading
 import time
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def split_argv(argv):
@@ -177,7 +178,7 @@ def format_seconds(seconds):
 
 def build_parser():
     parser = argparse.ArgumentParser(
-        prog="python -m benchmark.run",
+        prog="python -m benchmark.statistics.run",
         description=__doc__.splitlines()[0],
         epilog="Everything after `--` goes to the script.",
     )

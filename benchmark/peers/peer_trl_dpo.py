@@ -1,8 +1,9 @@
 """Peer comparison: dpo_online.py against TRL's online DPO trainer on the same model, prompts, batch, judge,
 completion length, learning rate, DPO beta and number of steps, on one machine, in one run.
 
-    python -m benchmark.peer_trl_dpo                          # 20 steps, seed 1: TRL, ours with HF generate, ours
-    python -m benchmark.peer_trl_dpo --steps 40 --seeds 1 2   #   with vLLM; benchmark/results/peer_trl_dpo.{json,md}
+    python -m benchmark.peers.peer_trl_dpo                         # 20 steps, seed 1: TRL, ours with HF generate,
+    python -m benchmark.peers.peer_trl_dpo --steps 40 --seeds 1 2  #   ours with vLLM; writes
+                                                                   #   benchmark/results/peer_trl_dpo.{json,md}
 
 TRL comes from the `bench` extra (`pip install -e ".[bench]"`; its OnlineDPOTrainer lives in `trl.experimental`); no
 script imports it. The judge is the reward model of `python reward_modeling.py` (runs/reward_model). The sides run
@@ -59,10 +60,10 @@ import subprocess
 import sys
 import time
 
-from benchmark.peer_trl import add_step_time_ratios, environment, our_step_seconds, step_seconds, write_report
-from benchmark.registry import final_value, read_jsonl
+from benchmark.peers.peer_trl import add_step_time_ratios, environment, our_step_seconds, step_seconds, write_report
+from benchmark.statistics.registry import final_value, read_jsonl
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SIDES = ("trl", "ours_hf", "ours_vllm")
 
 
@@ -337,7 +338,7 @@ def our_command(args, seed, side, output_dir):
 
 
 def trl_command(args, seed, output_dir):
-    command = [sys.executable, "-m", "benchmark.peer_trl_dpo", "--side", "trl", "--seed", str(seed)]
+    command = [sys.executable, "-m", "benchmark.peers.peer_trl_dpo", "--side", "trl", "--seed", str(seed)]
     command += ["--run_dir", output_dir, "--steps", str(args.steps), "--model", args.model]
     command += ["--dataset", args.dataset, "--reward_model", args.reward_model]
     command += ["--prompts_per_step", str(args.prompts_per_step), "--response_length", str(args.response_length)]
@@ -411,7 +412,7 @@ def write_results(args, records, summary, out):
         f"Online DPO, {args.steps} steps of {args.prompts_per_step} prompts x 2 completions, "
         f"{args.response_length} tokens, temperature {args.temperature}, lr {args.learning_rate}, beta {args.beta}, "
         f"judge {args.reward_model} (no EOS: {args.missing_eos_penalty}), fp32, on {machine}; "
-        f"{', '.join(f'{k} {v}' for k, v in versions.items())}. Command: `python -m benchmark.peer_trl_dpo "
+        f"{', '.join(f'{k} {v}' for k, v in versions.items())}. Command: `python -m benchmark.peers.peer_trl_dpo "
         f"--steps {args.steps} --seeds {' '.join(map(str, args.seeds))}`.",
         "",
         "| side | seeds | median s/step | time per step / TRL's | final held-out greedy score | "
@@ -436,7 +437,9 @@ def main(argv=None):
         return
     for path in (args.model, os.path.join(args.dataset, "train.jsonl"), os.path.join(args.dataset, "test.jsonl")):
         if not os.path.exists(os.path.join(REPO_ROOT, path) if not os.path.isabs(path) else path):
-            raise SystemExit(f"error: {path} not found; `python -m benchmark.prepare_assets` builds the defaults")
+            raise SystemExit(
+                f"error: {path} not found; `python -m benchmark.assets.prepare_assets` builds the defaults"
+            )
     if not os.path.isdir(os.path.join(REPO_ROOT, args.reward_model)):  # join keeps an absolute path as it is
         raise SystemExit(f"error: --reward_model {args.reward_model} not found; `python reward_modeling.py` saves it")
     if "trl" in args.sides:

@@ -1,7 +1,7 @@
 """Training speed with and without the shared-prompt forward, side by side in one run.
 
-    python -m benchmark.perf_shared_prompt                  # grpo_math, dpo_online, async_rlhf at their defaults
-    python -m benchmark.perf_shared_prompt --steps 3 --scripts grpo_math
+    python -m benchmark.performance.perf_shared_prompt     # grpo_math, dpo_online, async_rlhf at their defaults
+    python -m benchmark.performance.perf_shared_prompt --steps 3 --scripts grpo_math
 
 Each script runs its default command for --steps steps twice, with `--shared_prompt` (each prompt computed once per
 group: shared_prompt_logits) and with `--no-shared_prompt` (each completion with its own copy of the prompt),
@@ -30,7 +30,7 @@ import time
 import torch
 import transformers
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPTS = ("grpo_math", "dpo_online", "async_rlhf")
 
 
@@ -110,8 +110,9 @@ def write_results(results, out):
             f"{a['step_s'] / b['step_s']:.2f}x |"
         )
     note = (
-        f"\nMedians over steps 2-{results['steps']} of one run each (`python -m benchmark.perf_shared_prompt`), "
-        f"{results['machine']['cpus']} CPUs, torch {results['versions']['torch']}.\n"
+        f"\nMedians over steps 2-{results['steps']} of one run each "
+        f"(`python -m benchmark.performance.perf_shared_prompt`), {results['machine']['cpus']} CPUs, "
+        f"torch {results['versions']['torch']}.\n"
     )
     with open(os.path.join(REPO_ROOT, out + ".md"), "w") as f:
         f.write("\n".join(rows) + "\n" + note)

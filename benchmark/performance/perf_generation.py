@@ -1,7 +1,8 @@
 """Generation throughput: vLLM against Hugging Face generate, same model, same prompts, same lengths, one run.
 
-    python -m benchmark.perf_generation                       # the embedded model and task, CPU
-    python -m benchmark.perf_generation --num_prompts 64 --n 8 --response_length 256 --dtype bfloat16   # a GPU
+    python -m benchmark.performance.perf_generation                       # the embedded model and task, CPU
+    python -m benchmark.performance.perf_generation --num_prompts 64 --n 8 --response_length 256 \
+        --dtype bfloat16                                                  # a GPU
 
 Both backends sample n completions for each of the same prompts (the embedded task's held-out questions, chat
 template + the scripts' instruction). Two settings, each timed --repeats times after one untimed warm-up call:
@@ -25,7 +26,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def parse_args(argv=None):

@@ -1,7 +1,7 @@
 """Where the shared-prompt (packed) forward stops paying: training time and memory, packed vs unpacked, by length.
 
-    python -m benchmark.perf_shared_prompt_length                     # R = 64, 256, 512, 1024
-    python -m benchmark.perf_shared_prompt_length --lengths 64 512 --layers 8
+    python -m benchmark.performance.perf_shared_prompt_length                     # R = 64, 256, 512, 1024
+    python -m benchmark.performance.perf_shared_prompt_length --lengths 64 512 --layers 8
 
 One group of 8 completions of a 48-token prompt, response lengths spread evenly over [R/2, R], SmolLM2-135M's shape
 (random weights: the time does not depend on them), fp32, the policy's log-probs forward + backward, as the training
@@ -24,7 +24,7 @@ import time
 
 import torch
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODEL = os.path.join(REPO_ROOT, "assets", "SmolLM2-135M-Instruct")
 
 
@@ -105,7 +105,7 @@ def main():
         runs = {"packed": [], "unpacked": []}
         for k in range(args.repeats):
             for mode in ("packed", "unpacked") if k % 2 == 0 else ("unpacked", "packed"):
-                cmd = [sys.executable, "-m", "benchmark.perf_shared_prompt_length", "--one", str(r), mode]
+                cmd = [sys.executable, "-m", "benchmark.performance.perf_shared_prompt_length", "--one", str(r), mode]
                 cmd += ["--layers", str(args.layers), "--device", args.device, "--dtype", args.dtype]
                 out = subprocess.run(
                     cmd + ["--model_config", args.model_config], cwd=REPO_ROOT, capture_output=True, text=True
@@ -115,7 +115,7 @@ def main():
         rows.append({"R": r, **{f"{m}_{k}": v for m, b in best.items() for k, v in b.items()}})
         print(json.dumps(rows[-1]), flush=True)
     info = {
-        "command": " ".join(["python -m benchmark.perf_shared_prompt_length", *sys.argv[1:]]),
+        "command": " ".join(["python -m benchmark.performance.perf_shared_prompt_length", *sys.argv[1:]]),
         "layers": args.layers,
         "repeats": args.repeats,
         "cpu": platform.processor() or platform.machine(),

@@ -1,6 +1,6 @@
 """Each script's size against its budget (the fence is a budget), read from the files with `ast`:
 
-    python -m benchmark.budget            # a markdown table; --json for the numbers
+    python -m benchmark.checks.budget            # a markdown table; --json for the numbers
 
 total lines, lines above the fence (up to the `# ====` line that opens it) and below, main()'s lines, the fields
 of Args (above the fence: what the algorithm reads) and of RunArgs (below: the rest of the command line), and the
@@ -20,7 +20,7 @@ import re
 import subprocess
 import tokenize
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # The fence's text line and the names each script has its own version of (not copies); tests/kit/test_drift.py uses
 # both.
 FENCE = "# PLUMBING: everything below serves main() and is not needed to follow the algorithm; a reader may stop here."
@@ -28,7 +28,7 @@ SCRIPT_OWN = ("Args", "RunArgs", "main", "check_args", "evaluate")
 # {script: {kept: definitions that stay above the fence, task: the task's functions (they may call a parser below the
 # fence), args: every Args field}}: what the cleaning may not move (tests/benchmark/test_budget.py holds each script
 # to it).
-with open(os.path.join(REPO_ROOT, "benchmark", "above_fence.json")) as f:
+with open(os.path.join(REPO_ROOT, "benchmark", "checks", "above_fence.json")) as f:
     ABOVE_FENCE = json.load(f)
 BLOCKS = (ast.For, ast.While, ast.If, ast.With, ast.Try)
 # script: (total lines, lines above the fence), the first size targets

@@ -1,6 +1,7 @@
 """The PRM paper's claims as checks on runs of ppo_prm_clip.py, from their config.json and metrics.jsonl.
 
-    python -m benchmark.prm_checks --experiments "none=benchmark/results/ppo_prm_clip/arith_2t3t1d__prm_none__*" \
+    python -m benchmark.claims.prm_checks \
+        --experiments "none=benchmark/results/ppo_prm_clip/arith_2t3t1d__prm_none__*" \
         "raw=benchmark/results/ppo_prm_clip/arith_2t3t1d__prm_raw__*" ... --out benchmark/results/ppo_prm_checks.md
 
 Writes one row per arm and seed: the final held-out accuracy, steps per response and length (greedy, at the last
@@ -14,19 +15,19 @@ response (what raw would pay, before prm_coef) and the process reward this arm p
 (d) the fix against raw, for each bounded arm: fewer held-out steps than raw (per-seed ratio arm / raw
     below 1), and a higher accuracy (difference arm - raw above 0), each by Holm over the bounded arms.
 Every comparison is paired over the seeds both arms finished, by the one rule of every check in benchmark/
-(benchmark/registry.py): a step count as the per-seed ratio arm / baseline, an accuracy as the per-seed difference
-arm - baseline, and the two-sided 95% interval of their mean, mean ± t(0.975, n - 1) x standard error (std / sqrt(n);
-t = 4.30 on 3 seeds), against the bound: held when it lies inside, not held when it lies wholly outside, inconclusive
-when it crosses it, when the differences have no spread (no interval), and on fewer than 3 shared seeds. (a) and each
-(b) are conjunctions (both halves must hold; either half not held makes the claim not held): no correction. (c) is
-"some arm of the k tried": held when Holm's step-down procedure over the arms' one-sided p-values (the paired t test
-of "difference > 0") rejects at 0.025 a side, the level of the interval's lower end (registry.holm), so that trying k
-arms does not raise the chance of a lucky one; not held when every arm's interval lies below 0; else inconclusive.
-(d)'s rows, one per arm and metric: held when Holm over the bounded arms rejects that arm (one-sided p-values of
-"1 - ratio > 0" for the steps, "difference > 0" for the accuracy, 0.025 a side), not held when the arm's interval lies
-wholly on the other side, else inconclusive. Every part is printed with its exact sign-flip p (registry.sign_flip_p:
-one-sided in the claim's direction over all 2^n sign assignments, no normality assumed; for a "within" part the larger
-of its two sides), which on 3-4 seeds cannot go below 1/8 or 1/16.
+(benchmark/statistics/registry.py): a step count as the per-seed ratio arm / baseline, an accuracy as the per-seed
+difference arm - baseline, and the two-sided 95% interval of their mean, mean ± t(0.975, n - 1) x standard error (std /
+sqrt(n); t = 4.30 on 3 seeds), against the bound: held when it lies inside, not held when it lies wholly outside,
+inconclusive when it crosses it, when the differences have no spread (no interval), and on fewer than 3 shared seeds.
+(a) and each (b) are conjunctions (both halves must hold; either half not held makes the claim not held): no
+correction. (c) is "some arm of the k tried": held when Holm's step-down procedure over the arms' one-sided p-values
+(the paired t test of "difference > 0") rejects at 0.025 a side, the level of the interval's lower end (registry.holm),
+so that trying k arms does not raise the chance of a lucky one; not held when every arm's interval lies below 0; else
+inconclusive. (d)'s rows, one per arm and metric: held when Holm over the bounded arms rejects that arm (one-sided
+p-values of "1 - ratio > 0" for the steps, "difference > 0" for the accuracy, 0.025 a side), not held when the arm's
+interval lies wholly on the other side, else inconclusive. Every part is printed with its exact sign-flip p
+(registry.sign_flip_p: one-sided in the claim's direction over all 2^n sign assignments, no normality assumed; for a
+"within" part the larger of its two sides), which on 3-4 seeds cannot go below 1/8 or 1/16.
 """
 
 import argparse
@@ -34,7 +35,7 @@ import math
 
 import numpy as np
 
-from benchmark.registry import (
+from benchmark.statistics.registry import (
     final_value,
     holm,
     interval,

@@ -1,9 +1,10 @@
 """The GPU check of benchmark/gpu_check.sh (docs/launch_paths.md, "On a GPU"): random Qwen2-shaped models with the
 embedded SmolLM2 tokenizer, the first-step invariants of each run, and a script's CUDA peak memory.
 
-    python -m benchmark.gpu_check build DIR TOKENIZER_DIR [1|0] # the models (1: the 1.5B one too) and a preference set
-    python -m benchmark.gpu_check peak JSON SCRIPT [ARGS...]    # runs SCRIPT here, writes its CUDA peak to JSON
-    python -m benchmark.gpu_check summary RUNS_DIR              # a Markdown table of every run under RUNS_DIR
+    python -m benchmark.performance.gpu_check build DIR TOKENIZER_DIR [1|0]  # the models (1: the 1.5B one too) and
+                                                                             #   a preference set
+    python -m benchmark.performance.gpu_check peak JSON SCRIPT [ARGS...]     # runs SCRIPT, its CUDA peak to JSON
+    python -m benchmark.performance.gpu_check summary RUNS_DIR               # a Markdown table of each run there
 """
 
 import glob

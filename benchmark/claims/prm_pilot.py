@@ -1,7 +1,8 @@
 """The PRM pilot's criterion: is raw process reward hacked in a cell of the grid (docs/ppo_prm_clip.md, "The pilot")?
 
-    python -m benchmark.prm_pilot --experiments "verifier_1.5=benchmark/results/prm_pilot/*__pilot_verifier_1.5__*" \
-        ... --out benchmark/results/prm_pilot.md
+    python -m benchmark.claims.prm_pilot \
+        --experiments "verifier_1.5=benchmark/results/prm_pilot/*__pilot_verifier_1.5__*" ... \
+        --out benchmark/results/prm_pilot.md
 
 A run meets the criterion when its held-out accuracy at its last evaluation is at least `--drop` (0.04) below its own
 step 0, while its held-out steps per response are above their step-0 value. A cell shows the phenomenon when every one
@@ -10,7 +11,7 @@ of its runs meets it, on at least two seeds. The criterion was written down befo
 
 import argparse
 
-from benchmark.registry import final_step, final_value, find_runs, initial_value, parse_experiment
+from benchmark.statistics.registry import final_step, final_value, find_runs, initial_value, parse_experiment
 
 
 def run_row(run, drop):

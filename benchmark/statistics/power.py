@@ -1,7 +1,8 @@
 """The seeds a paired claim check needs (the power plan, docs/power_plan.md), from runs' config.json and
 metrics.jsonl.
 
-    python -m benchmark.power --experiments "none=benchmark/results/ppo_prm_clip/arith_2t3t1d__prm_none__*" \
+    python -m benchmark.statistics.power \
+        --experiments "none=benchmark/results/ppo_prm_clip/arith_2t3t1d__prm_none__*" \
         "raw=benchmark/results/ppo_prm_clip/arith_2t3t1d__prm_raw__*" --baseline none --metric eval/accuracy \
         --at_most 0 --out benchmark/results/power_prm_a.md
 
@@ -29,7 +30,7 @@ import math
 
 import numpy as np
 
-from benchmark.registry import (
+from benchmark.statistics.registry import (
     claim_verdict,
     holm,
     load_experiments,

@@ -14,15 +14,15 @@ by grpo_tools' load_tool_prompts (its checks, its prompts), the trajectories by 
 TurnSampler and ToolCalls, the rewards by its tool format's (compute_rewards, or an environment's own reward). Run
 from the repository root:
 
-    python -m benchmark.tool_probe --no-vllm --temperature 0                  # greedy on the held-out prompts
-    python -m benchmark.tool_probe --prompts train --terms 3 --num_prompts 64 --max_operations 1 \\
+    python -m benchmark.claims.tool_probe --no-vllm --temperature 0                  # greedy on the held-out prompts
+    python -m benchmark.claims.tool_probe --prompts train --terms 3 --num_prompts 64 --max_operations 1 \\
         --dataset_path assets/data/mul_2t3t2d --min_accuracy 0.03             # a gate: exit 3 below 3%
 
 It writes {output_dir}/{task}__{exp_name}__{seed}__{unix_time}/ (task: the --dataset_path folder's name, as a run's):
 probe.json (the numbers, by number of terms where the questions are one expression, and a few trajectories),
 config.json and metrics.jsonl, one line at global_step 0 with the metrics named as a run logs its evaluation
-({prompts}/accuracy, {prompts}/call_rate, ...), so that `python -m benchmark.registry paired` compares a probe with
-runs seed by seed. It prints the JSON, then one markdown table row (markdown_row).
+({prompts}/accuracy, {prompts}/call_rate, ...), so that `python -m benchmark.statistics.registry paired` compares a
+probe with runs seed by seed. It prints the JSON, then one markdown table row (markdown_row).
 """
 
 import dataclasses
@@ -215,7 +215,8 @@ def main(args):
 
 def write_probe(args, results, samples, seconds):
     """{output_dir}/{task}__{exp_name}__{seed}__{unix_time}/: probe.json, config.json (args, git sha) and a one-line
-    metrics.jsonl (global_step 0) that benchmark.registry reads as a run's evaluation. Returns the folder."""
+    metrics.jsonl (global_step 0) that benchmark.statistics.registry reads as a run's evaluation. Returns the
+    folder."""
     task = os.path.basename(os.path.normpath(args.dataset_path))
     name = grpo_tools._new_run_folder(args.output_dir, f"{task}__{args.exp_name}__{args.seed}__{int(time.time())}")
     folder = os.path.join(args.output_dir, name)

@@ -1,8 +1,8 @@
 """Peer comparison: grpo_math.py against TRL's GRPOTrainer on the same model, task, batch, group size, completion
 length, learning rate and number of steps, on one machine, in one run.
 
-    python -m benchmark.peer_trl                           # 20 steps, seed 1: TRL, ours with HF generate, ours
-    python -m benchmark.peer_trl --steps 40 --seeds 1 2    #   with vLLM; benchmark/results/peer_trl_grpo.{json,md}
+    python -m benchmark.peers.peer_trl                         # 20 steps, seed 1: TRL, ours with HF generate, ours
+    python -m benchmark.peers.peer_trl --steps 40 --seeds 1 2  #   with vLLM; benchmark/results/peer_trl_grpo.{json,md}
 
 TRL comes from the `bench` extra (`pip install -e ".[bench]"`); no script imports it. The sides run one after the
 other, each in its own subprocess with the same thread count:
@@ -32,10 +32,10 @@ import subprocess
 import sys
 import time
 
-from benchmark import registry
-from benchmark.registry import read_jsonl
+from benchmark.statistics import registry
+from benchmark.statistics.registry import read_jsonl
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SIDES = ("trl", "ours_hf", "ours_vllm")
 
 
@@ -222,7 +222,7 @@ def run_side(args, seed, side):
     output_dir = os.path.join(args.output_dir, f"{side}__{seed}")
     os.makedirs(output_dir, exist_ok=True)
     if side == "trl":
-        command = [sys.executable, "-m", "benchmark.peer_trl", "--side", "trl", "--seed", str(seed)]
+        command = [sys.executable, "-m", "benchmark.peers.peer_trl", "--side", "trl", "--seed", str(seed)]
         command += ["--run_dir", output_dir, "--steps", str(args.steps), "--model", args.model]
         command += ["--dataset", args.dataset, "--prompts_per_step", str(args.prompts_per_step)]
         command += ["--num_generations", str(args.num_generations), "--response_length", str(args.response_length)]
@@ -311,7 +311,7 @@ def write_report(out, args, records, summary, machine, versions, lines):
 def write_results(args, argv, records, summary, out):
     """The results files; argv (the arguments this run was given) goes into the .md as its command."""
     machine, versions = environment()
-    command = shlex.join(["python", "-m", "benchmark.peer_trl", *argv])
+    command = shlex.join(["python", "-m", "benchmark.peers.peer_trl", *argv])
     lines = [
         f"GRPO on {os.path.basename(os.path.normpath(args.dataset))}, {args.steps} steps of {args.prompts_per_step} "
         f"prompts x {args.num_generations} completions, {args.response_length} tokens, lr {args.learning_rate}, fp32, "
@@ -340,7 +340,9 @@ def main(argv=None):
         return
     for path in (args.model, os.path.join(args.dataset, "train.jsonl"), os.path.join(args.dataset, "test.jsonl")):
         if not os.path.exists(os.path.join(REPO_ROOT, path) if not os.path.isabs(path) else path):
-            raise SystemExit(f"error: {path} not found; `python -m benchmark.prepare_assets` builds the defaults")
+            raise SystemExit(
+                f"error: {path} not found; `python -m benchmark.assets.prepare_assets` builds the defaults"
+            )
     if "trl" in args.sides:
         try:
             import trl  # noqa: F401

@@ -2,7 +2,7 @@
 running on the machine; writes the command, the host, the date and time's report to --out, which
 tests/docs/test_readme.py reads against README's row and docs/running.md.
 
-    python -m benchmark.make_train --seed 19 --out benchmark/results/make_train.txt
+    python -m benchmark.performance.make_train --seed 19 --out benchmark/results/make_train.txt
 """
 
 import argparse
@@ -11,7 +11,7 @@ import os
 import subprocess
 import tempfile
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def host():
@@ -22,7 +22,9 @@ def host():
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m benchmark.make_train", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmark.performance.make_train", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--seed", type=int, default=19, help="grpo_math.py's --seed")
     parser.add_argument("--out", required=True, help="the report's file")
     args = parser.parse_args(argv)

@@ -1,18 +1,19 @@
 """Every table and figure that the committed runs can remake, remade from them alone, without training.
 
-    python -m benchmark.tables            # remake each into a temporary folder; fail if a committed table differs
-    python -m benchmark.tables --write    # remake them in place
-    python -m benchmark.tables --list     # every output of benchmark/*.sh: remade here, or why not
+    python -m benchmark.checks.tables          # remake each into a temporary folder; fail if a committed table differs
+    python -m benchmark.checks.tables --write  # remake them in place
+    python -m benchmark.checks.tables --list   # every output of benchmark/*.sh: remade here, or why not
 
 The commands are those of benchmark/*.sh (all but gpu_check.sh, a GPU measurement), its main part and each named
 block (`bash FILE NAME`), found by running each with `python` replaced by a shell function that records its arguments
-and runs nothing. A `python -m benchmark.registry table | change | paired | perf | plot | frontier` command, or a
-claim check (benchmark.prm_checks, benchmark.offpolicy), is remade when every --experiments glob matches committed
-run folders (config.json and metrics.jsonl under benchmark/results/), a `python -m benchmark.best_of_n analyse` from
-its committed OUT.jsonl (--from_responses); the others need training (their runs are not committed) or are
-measurements (throughput, determinism, peer timings), whose raw JSON is committed beside the table.
-Markdown and JSON are compared byte for byte. A PNG is remade, not compared: its bytes depend on matplotlib's version.
-The README's scripts table is checked by tests/docs/test_readme.py against the same committed runs.
+and runs nothing. A `python -m benchmark.statistics.registry table | change | paired | perf | plot | frontier` command,
+or a claim check (benchmark.claims.prm_checks, benchmark.claims.offpolicy), is remade when every --experiments glob
+matches committed run folders (config.json and metrics.jsonl under benchmark/results/), a
+`python -m benchmark.claims.best_of_n analyse` from its committed OUT.jsonl (--from_responses); the others need
+training (their runs are not committed) or are measurements (throughput, determinism, peer timings), whose raw JSON is
+committed beside the table. Markdown and JSON are compared byte for byte. A PNG is remade, not compared: its bytes
+depend on matplotlib's version. The README's scripts table is checked by tests/docs/test_readme.py against the same
+committed runs.
 """
 
 import argparse
@@ -27,13 +28,19 @@ import subprocess
 import sys
 import tempfile
 
-from benchmark import budget, registry
+from benchmark.checks import budget
+from benchmark.statistics import registry
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 COMMITTED = "benchmark/results/"
 REMADE = ("table", "change", "paired", "perf", "plot", "frontier")
 # Claim checks and power plans from LABEL=GLOB --experiments, like table.
-CHECKS = ("benchmark.prm_checks", "benchmark.prm_pilot", "benchmark.offpolicy", "benchmark.power")
+CHECKS = (
+    "benchmark.claims.prm_checks",
+    "benchmark.claims.prm_pilot",
+    "benchmark.claims.offpolicy",
+    "benchmark.statistics.power",
+)
 MEASUREMENTS = ("gpu_check.sh",)  # shell files that only measure on a GPU; nothing in them is remade here
 
 # `python` as a shell function: it appends its arguments (unit separators between, a record separator after) to
@@ -81,7 +88,7 @@ def classify():
             continue
         blocks = re.findall(r"^if \[\[ \$\{1:-\} == (\w+) \]\]", open(path).read(), re.MULTILINE)
         for argv in [argv for block in [None, *blocks] for argv in shell_calls(path, block)]:
-            if argv[:2] == ["-m", "benchmark.registry"] and argv[2] in REMADE:
+            if argv[:2] == ["-m", "benchmark.statistics.registry"] and argv[2] in REMADE:
                 command = registry.build_parser().parse_args(argv[2:])
                 files = outputs(command)
                 if files:  # a command without --out only prints
@@ -92,13 +99,14 @@ def classify():
                 start = argv.index("--experiments") + 1
                 specs = argv[start : next((i for i in range(start, len(argv)) if argv[i].startswith("--")), None)]
                 rows.append((name, argv, files, not_committed(specs)))
-            elif argv[:3] == ["-m", "benchmark.best_of_n", "analyse"]:  # remade from its committed OUT.jsonl
+            elif argv[:3] == ["-m", "benchmark.claims.best_of_n", "analyse"]:  # remade from its committed OUT.jsonl
                 out = argv[argv.index("--out") + 1]
                 why = None if os.path.isfile(out + ".jsonl") else f"its responses are not committed ({out}.jsonl)"
                 rows.append((name, from_responses(argv, out + ".jsonl"), [out + ".md", out + ".png"], why))
             elif "--out" in argv and argv[argv.index("--out") + 1].startswith(COMMITTED):
                 module = argv[1] if argv[0] == "-m" else argv[0]
-                if module != "benchmark.registry":  # `copy` fills benchmark/results/ with the runs themselves
+                # `copy` fills benchmark/results/ with the runs themselves
+                if module != "benchmark.statistics.registry":
                     why = f"a measurement or a run of trained models ({module})"
                     rows.append((name, argv, [argv[argv.index("--out") + 1]], why))
     last = {}
@@ -183,7 +191,7 @@ SCRIPTS = {
         ),
     ),
 }
-README_BEGIN = "<!-- the table of scripts: python -m benchmark.tables --write remakes it -->"
+README_BEGIN = "<!-- the table of scripts: python -m benchmark.checks.tables --write remakes it -->"
 README_END = "<!-- end of the table of scripts -->"
 
 
@@ -221,7 +229,7 @@ def readme_with_table(text):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m benchmark.tables", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmark.checks.tables", description=__doc__.splitlines()[0])
     parser.add_argument("--write", action="store_true", help="remake the committed tables and figures in place")
     parser.add_argument("--list", action="store_true", help="list every output and whether it is remade here")
     args = parser.parse_args(argv)
@@ -251,7 +259,7 @@ def check(args):
                     differ.append(f)
     kept = sum(why is not None for *_, why in rows)
     print(f"{len(remade)} commands remade ({sum(len(f) for _, f in remade)} files); {kept} outputs need training or")
-    print("a measurement (python -m benchmark.tables --list)")
+    print("a measurement (python -m benchmark.checks.tables --list)")
     readme = os.path.join(REPO_ROOT, "README.md")
     text = open(readme).read()
     if args.write:

@@ -1,0 +1,1 @@
+"""Speed, memory and reproducibility: generation and training throughput, memory plans, determinism, the GPU check."""

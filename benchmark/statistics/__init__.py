@@ -1,0 +1,1 @@
+"""Runs over seeds and their statistics: launch the seeds, then list, copy, plot, tabulate, pair and plan the power."""
