@@ -61,10 +61,10 @@ fi
 if [[ ${1:-} == native ]]; then
     shift
     python -m benchmark.statistics.run --script grpo_tools.py --seeds 1 2 3 --resume_unfinished "$@" -- \
-        --tool_format native --exp_name issue67_native
+        --tool_format native --exp_name native
     OUT=benchmark/results/grpo_tools_native
-    python -m benchmark.statistics.registry copy --out "$OUT" runs/mul_2t3d__issue67_native__[123]__*
-    ARMS=("calc=benchmark/results/grpo_tools/mul_2t3d__tools__*" "native=$OUT/mul_2t3d__issue67_native__*")
+    python -m benchmark.statistics.registry copy --out "$OUT" runs/mul_2t3d__*native__[123]__*
+    ARMS=("calc=benchmark/results/grpo_tools/mul_2t3d__tools__*" "native=$OUT/mul_2t3d__*native__*")
     python -m benchmark.statistics.registry table --experiments "${ARMS[@]}" \
         --metrics eval/accuracy eval/call_rate objective/accuracy tools/calls tools/failed_calls tools/truncated \
         --out benchmark/results/grpo_tools_native.md
@@ -93,10 +93,10 @@ if [[ ${1:-} == price_list_one ]]; then
     done
     python -m benchmark.statistics.run --script grpo_tools.py --seeds 1 2 3 --resume_unfinished "$@" -- \
         --tool_format native --environment price_list_one --dataset_path assets/data/price_list_one \
-        --response_length 128 --exp_name issue67_price_one
+        --response_length 128 --exp_name price_one
     OUT=benchmark/results/grpo_tools_price_list_one
-    python -m benchmark.statistics.registry copy --out "$OUT" runs/price_list_one__issue67_price_one__[123]__*
-    ARM=("price_list_one=$OUT/price_list_one__issue67_price_one__*")
+    python -m benchmark.statistics.registry copy --out "$OUT" runs/price_list_one__*price_one__[123]__*
+    ARM=("price_list_one=$OUT/price_list_one__*price_one__*")
     python -m benchmark.statistics.registry table --experiments "${ARM[@]}" --metrics eval/accuracy eval/call_rate \
         objective/accuracy tools/calls tools/failed_calls tools/truncated --out "$OUT.md"
     python -m benchmark.statistics.registry plot --experiments "${ARM[@]}" --metric eval/accuracy objective/accuracy \

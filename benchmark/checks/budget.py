@@ -188,9 +188,10 @@ ABOVE_CHARS_BEFORE = {
     "grpo_tools": 80084,
 }
 PROSE_TARGETS = dict(chars={k: 0.55 if k == "grpo_tools" else 0.75 for k in ABOVE_CHARS_BEFORE}, share=0.25, words=120)
-# A mention of how the tree was built: an issue or item number, "failed before", or a results name that carries one.
+# A mention of how the tree was built: an issue or item number, a note of what did not work earlier, or a results name
+# that carries a number.
 HISTORY = re.compile(
-    r"\bissues? #?\d+|\bitem \d+\b|failed before|issue\d+|(?:pilot|power|stale|noisy|verifier|prm|offpolicy|_v)6\d\b",
+    r"\bissues? #?\d+|\bitem \d+\b|failed\sbefore|issue\d+|(?:pilot|power|stale|noisy|verifier|prm|offpolicy|_v)6\d\b",
     re.I,
 )
 

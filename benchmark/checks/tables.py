@@ -187,7 +187,7 @@ SCRIPTS = {
         dict(
             t=(R + "grpo_tools/mul_2t3d__tools__*", "eval/accuracy"),
             n=(R + "grpo_tools/mul_2t3d__notool__*", "eval/accuracy"),
-            p=(R + "grpo_tools_price_list_one/price_list_one__issue67_price_one__*", "eval/accuracy"),
+            p=(R + "grpo_tools_price_list_one/price_list_one__*price_one__*", "eval/accuracy"),
         ),
     ),
 }
