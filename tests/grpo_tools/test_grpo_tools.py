@@ -986,6 +986,39 @@ def test_the_unavailable_tool_answers_every_call_through_the_calculators_path(to
     assert tool_ids == enc * 2
 
 
+class Upper:
+    """An environment of one tool of one string argument, which --tool_format calc can call."""
+
+    def reset(self, question):
+        pass
+
+    def upper(self, text: str) -> str:
+        """The text in capitals.
+
+        Args:
+            text: any text
+        """
+        return text.upper()
+
+
+def test_calc_is_a_format_of_the_one_tool_system(tokenizer, tiny_model_dir, task_dir):
+    """--tool_format calc calls any environment's one tool of one string argument: <calc>abc</calc> runs Upper.upper
+    with text "abc", its result in RESULT tags as tool tokens. An environment of other tools (price_list_one: price of
+    three arguments, add of two) stops in one line before any model loads."""
+    script = {(900, 0): "<calc>abc</calc>", (900, 1): "Answer: ABC<eos>"}
+    policy_turn, _ = scripted_turns(tokenizer, script)
+    rollout = multi_turn_rollout(policy_turn, tokenizer, [[900]], 1, 64, 2, (), calc(tokenizer, Upper))
+    assert rollout.calls == [[("abc", "ABC")]] and rollout.failed_calls == [0]
+    assert rollout.texts[0] == "<calc>abc</calc><result>ABC</result>Answer: ABC"
+    tool_ids = rollout.ids[0][(rollout.real[0] - rollout.policy[0]) > 0].tolist()
+    assert tool_ids == tokenizer(f"{RESULT[0]}ABC{RESULT[1]}", add_special_tokens=False).input_ids
+    bad = grpo_tools.Config(model_name_or_path=tiny_model_dir, dataset_path=task_dir, environment="price_list_one")
+    bad.vllm = False
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(grpo_tools, "AutoModelForCausalLM", NoModelLoads)
+        one_line_error(grpo_tools.main, bad, "--tool_format calc", "one string argument")
+
+
 def test_the_tool_flags_parse_and_are_checked_in_one_line(tiny_model_dir, task_dir):
     import tyro
 
