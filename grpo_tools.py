@@ -998,204 +998,17 @@ def _load_tokenizer(model_name_or_path, trust_remote_code):
     return tokenizer
 
 
-UNAVAILABLE = "error: unavailable"  # --tool unavailable's answer to every call
-
-
-def calculator(expression, max_length=24, max_operations=0):
-    """The tool: the value of an arithmetic expression (numbers, + - * / and ^ or ** for powers, parentheses, a sign
-    before a term) computed exactly with fractions by the parser below, never by eval or a shell. It is total: a
-    malformed expression, a division by zero, a power too large, more than max_operations operations (when > 0; a
-    sign and parentheses are none: Arithmetic.operations) or a result longer than max_length characters gives a
-    short error string, which the policy reads as the tool's output; nothing raises. A result that is not an integer
-    is rounded to 6 decimals."""
-    try:
-        parsed = Arithmetic(expression)
-        if max_operations and parsed.operations() > max_operations:
-            allowed = "one operation" if max_operations == 1 else f"{max_operations} operations"
-            raise ValueError(f"at most {allowed} per call")
-        value = parsed.value()
-    except ValueError as error:
-        return f"error: {error}"
-    if abs(value) >= 10**max_length:  # before formatting: Python refuses str() of an integer over 4300 digits
-        return "error: result too long"
-    value = round(value, 6)
-    sign, whole, rest = "-" * (value < 0), *divmod(abs(value), 1)
-    text = f"{sign}{whole}" + (f".{int(rest * 10**6):06d}".rstrip("0") if rest else "")
-    return text if len(text) <= max_length else "error: result too long"
-
-
-class Arithmetic:
-    """A recursive-descent parser and evaluator over Fractions: expr = term {(+|-) term}; term = unary {(*|/) unary};
-    unary = (+|-) unary | power; power = atom [(^|**) unary] (right-associative, above the sign: -2^2 = -4);
-    atom = number | ( expr ). Every failure is a ValueError with a message for the policy."""
-
-    TOKEN = re.compile(r"\s*(?:([0-9]+(?:\.[0-9]*)?|\.[0-9]+)|(\*\*|[-+*/^()]))")  # ASCII digits only
-    MAX_CHARS, MAX_DEPTH, MAX_BITS = 200, 30, 1400  # 1400 bits: 421 digits
-
-    def __init__(self, expression):
-        if len(expression) > self.MAX_CHARS:
-            raise ValueError(f"expression longer than {self.MAX_CHARS} characters")
-        self.tokens, position, expression = [], 0, expression.strip()
-        while position < len(expression):
-            match = self.TOKEN.match(expression, position)
-            if match is None or match.end() == position:
-                raise ValueError(f"unexpected {expression[position:].strip()[:10]!r}")
-            self.tokens.append(Fraction(match[1]) if match[1] else match[2])
-            position = match.end()
-        self.next, self.depth = 0, 0
-
-    def operations(self):
-        """The binary operations (+ - * / ^ **): an operator right after a number or ")". A sign before a term
-        ("-3 * 4", "3 * -4", "-(3 * 4)": one each) and parentheses ("((12 * 34))": one) are not operations."""
-        pairs = zip(self.tokens, self.tokens[1:])
-        return sum(op in ("+", "-", "*", "/", "^", "**") and (isinstance(a, Fraction) or a == ")") for a, op in pairs)
-
-    def value(self):
-        if not self.tokens:
-            raise ValueError("empty expression")
-        value = self.expr()
-        if self.next < len(self.tokens):
-            raise ValueError(f"unexpected {self.tokens[self.next]!s}")
-        return value
-
-    def peek(self):
-        return self.tokens[self.next] if self.next < len(self.tokens) else None
-
-    def take(self):
-        token = self.peek()
-        if token is None:
-            raise ValueError("incomplete expression")
-        self.next += 1
-        return token
-
-    def expr(self):
-        value = self.term()
-        while self.peek() in ("+", "-"):
-            value = self.bounded(value + self.term() if self.take() == "+" else value - self.term())
-        return value
-
-    def term(self):
-        value = self.unary()
-        while self.peek() in ("*", "/"):
-            op, right = self.take(), self.unary()
-            if op == "/" and right == 0:
-                raise ValueError("division by zero")
-            value = self.bounded(value * right if op == "*" else value / right)
-        return value
-
-    def unary(self):
-        if self.peek() in ("+", "-"):
-            return -self.unary() if self.take() == "-" else self.unary()
-        return self.power()
-
-    def power(self):
-        base = self.atom()
-        if self.peek() not in ("^", "**"):
-            return base
-        self.take()
-        exponent = self.unary()
-        if exponent.denominator != 1:
-            raise ValueError("only whole powers")
-        if base == 0 and exponent < 0:
-            raise ValueError("division by zero")
-        bits = abs(exponent) * max(base.numerator.bit_length(), base.denominator.bit_length())
-        if abs(base) != 1 and base != 0 and bits > self.MAX_BITS:
-            raise ValueError("power too large")
-        return base ** int(exponent)
-
-    def bounded(self, value):
-        """Every intermediate result stays under MAX_BITS in its numerator and denominator (time and memory are then
-        bounded, whatever the expression)."""
-        if max(value.numerator.bit_length(), value.denominator.bit_length()) > self.MAX_BITS:
-            raise ValueError("number too large")
-        return value
-
-    def atom(self):
-        token = self.take()
-        if isinstance(token, Fraction):
-            return token
-        if token != "(":
-            raise ValueError(f"unexpected {token}")
-        self.depth += 1
-        if self.depth > self.MAX_DEPTH:
-            raise ValueError("too many parentheses")
-        value = self.expr()
-        if self.peek() != ")":
-            raise ValueError("missing )")
-        self.take()
-        self.depth -= 1
-        return value
-
-
 # --tool_format calc: the prompt describes the calculator's tags and shows one call (_build_prompts puts EXAMPLE
 # before the question).
 SYSTEM_PROMPT = (
     "You can use a calculator: write <calc>expression</calc> and its result follows as <result>value</result>."
 )
+
+
 EXAMPLE = (
     "Calculate 23 * 41. Give the final answer after 'Answer:'.",
     "<calc>23 * 41</calc><result>943</result>\nAnswer: 943",
 )
-
-
-# --tool_format calc: the policy calls the calculator by writing CALL[0] expression CALL[1]; its answer comes back as
-# RESULT[0] value RESULT[1].
-CALL = ("<calc>", "</calc>")
-
-
-def tool_call(turn_text):
-    """The expression of the call a policy turn ends with (the text between the last CALL[0] and CALL[1]; "" when
-    CALL[0] is missing: the calculator calls that malformed), or None when the turn ends without a call."""
-    if CALL[1] not in turn_text:
-        return None
-    before = turn_text.split(CALL[1], 1)[0]
-    return before.rsplit(CALL[0], 1)[1] if CALL[0] in before else ""
-
-
-def tool_text_after(tokenizer, turn_ids, text, output):
-    """How many of a call's turn tokens stay, and the text the tool writes after them: the calculator's `output` in
-    RESULT tags. turn_ids (decoded: text) end with the token that completes CALL[1], which may run on past it, while
-    the context must read CALL[1] then RESULT[0], as the prompt's example does. Run on into the tool's own text
-    (SmolLM2's "><" ends "</calc>" and starts "<result>"), the token stays and the tool's text continues from it. Run
-    on into other text ("></", ">>", ">."), it cannot stay: no cut of a token is a token, and a policy token is a
-    sampled one, which the trainer scores in the very context that holds it (token in, token out). So the turn ends
-    before it (its sampled text past CALL[1] is never in the conversation, and is not trained) and the tool's text
-    begins with the rest of CALL[1], as context. Returns (tokens kept, the tool's text)."""
-    tool_text, overhang = f"{RESULT[0]}{output}{RESULT[1]}", text.split(CALL[1], 1)[1]
-    if tool_text.startswith(overhang):
-        return len(turn_ids), tool_text[len(overhang) :]
-    head, kept = text[: len(text) - len(overhang)], tokenizer.decode(turn_ids[:-1], skip_special_tokens=True)
-    if head.startswith(kept):
-        return len(turn_ids) - 1, head[len(kept) :] + tool_text
-    return len(turn_ids), tool_text  # a decoding that is not prefix-stable: the token stays, the text runs on
-
-
-RESULT = ("<result>", "</result>")
-
-
-def extract_answer(text):
-    """The final answer of a completion: the first number after the last 'Answer:' (its whole line if none), else the
-    last number, else None. A number that starts an equation ("9 * 6 = 54") gives the equation's last lone number.
-    LaTeX fractions read as a/b, a Unicode minus as '-'."""
-    text = re.sub(r"\\d?frac\{(-?\d+)\}\{(\d+)\}", r"\1/\2", text).replace("\u2212", "-")
-    if "Answer:" in text:
-        tail = text.rsplit("Answer:", 1)[1]
-        found = re.search(NUMBER, tail)
-        if found:
-            term = r"(?:\([ \t]*)*-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:[ \t]*\))*"  # a number, maybe in parentheses
-            words = r"x|·|\\times|\\cdot|\\div|times|multiplied by|plus|minus|divided by|over|%[ \t]*of|percent of"
-            operation = rf"[ \t]*(?:[-+*/×÷]|(?:{words})(?![a-z]))[ \t]*"
-            side = rf"{term}(?:{operation}{term})*"
-            last = rf"[ \t]*=[ \t]*({NUMBER})(?![.,]?\d|{operation}\(*\.?\d)"  # a lone number
-            equation = re.compile(rf"{term}(?:{operation}{term})+(?:[ \t]*=[ \t]*{side})*{last}", re.I)
-            equation = equation.match(tail, found.start())
-            return (equation.group(1) if equation else found.group(0)).replace(",", "").replace(" ", "")
-        return tail.strip().split("\n")[0].strip().rstrip(".") or None
-    numbers = re.findall(NUMBER, text)
-    return numbers[-1].replace(",", "").replace(" ", "") if numbers else None
-
-
-NUMBER = r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?"  # 12, -1,234.5, .5, 3/4
 
 
 @functools.cache
@@ -1365,6 +1178,11 @@ def tool_schemas(environment):
     return schemas
 
 
+# --tool_format calc: the policy calls the calculator by writing CALL[0] expression CALL[1]; its answer comes back as
+# RESULT[0] value RESULT[1].
+CALL = ("<calc>", "</calc>")
+
+
 def _tool_template(tokenizer, model, template_kwargs):
     """None (the tokenizer's own template) where it renders tools=, else the model folder's TOOL_TEMPLATE (make assets
     writes SmolLM2's, whose own ignores tools=); a model with neither stops in one line."""
@@ -1432,6 +1250,15 @@ def parse_tool_calls(text, call_format="hermes"):
     return calls
 
 
+def tool_call(turn_text):
+    """The expression of the call a policy turn ends with (the text between the last CALL[0] and CALL[1]; "" when
+    CALL[0] is missing: the calculator calls that malformed), or None when the turn ends without a call."""
+    if CALL[1] not in turn_text:
+        return None
+    before = turn_text.split(CALL[1], 1)[0]
+    return before.rsplit(CALL[0], 1)[1] if CALL[0] in before else ""
+
+
 def run_tool_call(environment, schemas, name, arguments):
     """One call's result text and what went wrong (None, or the kind logged as tools/errors/<kind>): a block that is
     no call (bad_json, from parse_tool_calls), a tool the environment does not have (unknown_tool), arguments that
@@ -1485,6 +1312,27 @@ def _strict_schema(parameters):
     return {**parameters, "properties": properties, "additionalProperties": False}
 
 
+def tool_text_after(tokenizer, turn_ids, text, output):
+    """How many of a call's turn tokens stay, and the text the tool writes after them: the calculator's `output` in
+    RESULT tags. turn_ids (decoded: text) end with the token that completes CALL[1], which may run on past it, while
+    the context must read CALL[1] then RESULT[0], as the prompt's example does. Run on into the tool's own text
+    (SmolLM2's "><" ends "</calc>" and starts "<result>"), the token stays and the tool's text continues from it. Run
+    on into other text ("></", ">>", ">."), it cannot stay: no cut of a token is a token, and a policy token is a
+    sampled one, which the trainer scores in the very context that holds it (token in, token out). So the turn ends
+    before it (its sampled text past CALL[1] is never in the conversation, and is not trained) and the tool's text
+    begins with the rest of CALL[1], as context. Returns (tokens kept, the tool's text)."""
+    tool_text, overhang = f"{RESULT[0]}{output}{RESULT[1]}", text.split(CALL[1], 1)[1]
+    if tool_text.startswith(overhang):
+        return len(turn_ids), tool_text[len(overhang) :]
+    head, kept = text[: len(text) - len(overhang)], tokenizer.decode(turn_ids[:-1], skip_special_tokens=True)
+    if head.startswith(kept):
+        return len(turn_ids) - 1, head[len(kept) :] + tool_text
+    return len(turn_ids), tool_text  # a decoding that is not prefix-stable: the token stays, the text runs on
+
+
+RESULT = ("<result>", "</result>")
+
+
 def tool_response_ids(tokenizer, tool_messages, end_id, template_kwargs):
     """The tokens the chat template writes between a policy turn that ended with the token end_id and the policy's
     next turn: the rest of the assistant's message, the `tool` messages, the next assistant header. Rendered from a
@@ -1507,6 +1355,31 @@ def tool_response_ids(tokenizer, tool_messages, end_id, template_kwargs):
         turns = rendered.count(end_id)
     full = list(render(dummy + tool_messages, add_generation_prompt=True))
     return full[[k for k, token in enumerate(full) if token == end_id][turns - 1] + 1 :]
+
+
+def extract_answer(text):
+    """The final answer of a completion: the first number after the last 'Answer:' (its whole line if none), else the
+    last number, else None. A number that starts an equation ("9 * 6 = 54") gives the equation's last lone number.
+    LaTeX fractions read as a/b, a Unicode minus as '-'."""
+    text = re.sub(r"\\d?frac\{(-?\d+)\}\{(\d+)\}", r"\1/\2", text).replace("\u2212", "-")
+    if "Answer:" in text:
+        tail = text.rsplit("Answer:", 1)[1]
+        found = re.search(NUMBER, tail)
+        if found:
+            term = r"(?:\([ \t]*)*-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:[ \t]*\))*"  # a number, maybe in parentheses
+            words = r"x|·|\\times|\\cdot|\\div|times|multiplied by|plus|minus|divided by|over|%[ \t]*of|percent of"
+            operation = rf"[ \t]*(?:[-+*/×÷]|(?:{words})(?![a-z]))[ \t]*"
+            side = rf"{term}(?:{operation}{term})*"
+            last = rf"[ \t]*=[ \t]*({NUMBER})(?![.,]?\d|{operation}\(*\.?\d)"  # a lone number
+            equation = re.compile(rf"{term}(?:{operation}{term})+(?:[ \t]*=[ \t]*{side})*{last}", re.I)
+            equation = equation.match(tail, found.start())
+            return (equation.group(1) if equation else found.group(0)).replace(",", "").replace(" ", "")
+        return tail.strip().split("\n")[0].strip().rstrip(".") or None
+    numbers = re.findall(NUMBER, text)
+    return numbers[-1].replace(",", "").replace(" ", "") if numbers else None
+
+
+NUMBER = r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?"  # 12, -1,234.5, .5, 3/4
 
 
 def load_tool_prompts(args, tokenizer, world_size, tools):
@@ -2519,6 +2392,135 @@ def _shared_prompt_inputs(input_ids, attention_mask, context_length, group, slot
     mask |= torch.eye(length, dtype=torch.bool, device=device)
     columns = torch.where(real & (t > 0), offsets[:, None] - P + t, 0)  # token t >= 1 is predicted at offset + t - 1
     return ids, mask[:, None], positions, columns
+
+
+UNAVAILABLE = "error: unavailable"  # --tool unavailable's answer to every call
+
+
+def calculator(expression, max_length=24, max_operations=0):
+    """The tool: the value of an arithmetic expression (numbers, + - * / and ^ or ** for powers, parentheses, a sign
+    before a term) computed exactly with fractions by the parser below, never by eval or a shell. It is total: a
+    malformed expression, a division by zero, a power too large, more than max_operations operations (when > 0; a
+    sign and parentheses are none: Arithmetic.operations) or a result longer than max_length characters gives a
+    short error string, which the policy reads as the tool's output; nothing raises. A result that is not an integer
+    is rounded to 6 decimals."""
+    try:
+        parsed = Arithmetic(expression)
+        if max_operations and parsed.operations() > max_operations:
+            allowed = "one operation" if max_operations == 1 else f"{max_operations} operations"
+            raise ValueError(f"at most {allowed} per call")
+        value = parsed.value()
+    except ValueError as error:
+        return f"error: {error}"
+    if abs(value) >= 10**max_length:  # before formatting: Python refuses str() of an integer over 4300 digits
+        return "error: result too long"
+    value = round(value, 6)
+    sign, whole, rest = "-" * (value < 0), *divmod(abs(value), 1)
+    text = f"{sign}{whole}" + (f".{int(rest * 10**6):06d}".rstrip("0") if rest else "")
+    return text if len(text) <= max_length else "error: result too long"
+
+
+class Arithmetic:
+    """A recursive-descent parser and evaluator over Fractions: expr = term {(+|-) term}; term = unary {(*|/) unary};
+    unary = (+|-) unary | power; power = atom [(^|**) unary] (right-associative, above the sign: -2^2 = -4);
+    atom = number | ( expr ). Every failure is a ValueError with a message for the policy."""
+
+    TOKEN = re.compile(r"\s*(?:([0-9]+(?:\.[0-9]*)?|\.[0-9]+)|(\*\*|[-+*/^()]))")  # ASCII digits only
+    MAX_CHARS, MAX_DEPTH, MAX_BITS = 200, 30, 1400  # 1400 bits: 421 digits
+
+    def __init__(self, expression):
+        if len(expression) > self.MAX_CHARS:
+            raise ValueError(f"expression longer than {self.MAX_CHARS} characters")
+        self.tokens, position, expression = [], 0, expression.strip()
+        while position < len(expression):
+            match = self.TOKEN.match(expression, position)
+            if match is None or match.end() == position:
+                raise ValueError(f"unexpected {expression[position:].strip()[:10]!r}")
+            self.tokens.append(Fraction(match[1]) if match[1] else match[2])
+            position = match.end()
+        self.next, self.depth = 0, 0
+
+    def operations(self):
+        """The binary operations (+ - * / ^ **): an operator right after a number or ")". A sign before a term
+        ("-3 * 4", "3 * -4", "-(3 * 4)": one each) and parentheses ("((12 * 34))": one) are not operations."""
+        pairs = zip(self.tokens, self.tokens[1:])
+        return sum(op in ("+", "-", "*", "/", "^", "**") and (isinstance(a, Fraction) or a == ")") for a, op in pairs)
+
+    def value(self):
+        if not self.tokens:
+            raise ValueError("empty expression")
+        value = self.expr()
+        if self.next < len(self.tokens):
+            raise ValueError(f"unexpected {self.tokens[self.next]!s}")
+        return value
+
+    def peek(self):
+        return self.tokens[self.next] if self.next < len(self.tokens) else None
+
+    def take(self):
+        token = self.peek()
+        if token is None:
+            raise ValueError("incomplete expression")
+        self.next += 1
+        return token
+
+    def expr(self):
+        value = self.term()
+        while self.peek() in ("+", "-"):
+            value = self.bounded(value + self.term() if self.take() == "+" else value - self.term())
+        return value
+
+    def term(self):
+        value = self.unary()
+        while self.peek() in ("*", "/"):
+            op, right = self.take(), self.unary()
+            if op == "/" and right == 0:
+                raise ValueError("division by zero")
+            value = self.bounded(value * right if op == "*" else value / right)
+        return value
+
+    def unary(self):
+        if self.peek() in ("+", "-"):
+            return -self.unary() if self.take() == "-" else self.unary()
+        return self.power()
+
+    def power(self):
+        base = self.atom()
+        if self.peek() not in ("^", "**"):
+            return base
+        self.take()
+        exponent = self.unary()
+        if exponent.denominator != 1:
+            raise ValueError("only whole powers")
+        if base == 0 and exponent < 0:
+            raise ValueError("division by zero")
+        bits = abs(exponent) * max(base.numerator.bit_length(), base.denominator.bit_length())
+        if abs(base) != 1 and base != 0 and bits > self.MAX_BITS:
+            raise ValueError("power too large")
+        return base ** int(exponent)
+
+    def bounded(self, value):
+        """Every intermediate result stays under MAX_BITS in its numerator and denominator (time and memory are then
+        bounded, whatever the expression)."""
+        if max(value.numerator.bit_length(), value.denominator.bit_length()) > self.MAX_BITS:
+            raise ValueError("number too large")
+        return value
+
+    def atom(self):
+        token = self.take()
+        if isinstance(token, Fraction):
+            return token
+        if token != "(":
+            raise ValueError(f"unexpected {token}")
+        self.depth += 1
+        if self.depth > self.MAX_DEPTH:
+            raise ValueError("too many parentheses")
+        value = self.expr()
+        if self.peek() != ")":
+            raise ValueError("missing )")
+        self.take()
+        self.depth -= 1
+        return value
 
 
 def _quiet_harmless_logs():
