@@ -188,8 +188,8 @@ def main(args: "Config"):
         indices = run.prompt_indices(step, args.prompts_per_rank, len(train_prompts))
         prompts, golds = [train_prompts[i] for i in indices], [train_golds[i] for i in indices for _ in range(G)]
 
-        # 2. Rollout: G conversations per prompt, consecutive, the policy's turns and the tools' outputs in turn
-        # (multi_turn_rollout). ids, real, policy [B, R]. The engine sleeps after it (--vllm_sleep), not per turn.
+        # 2. Rollout: G conversations per prompt, consecutive, the policy's turns and the tools' outputs in turn.
+        # ids, real, policy [B, R]. The engine sleeps after it (--vllm_sleep), not per turn.
         with run.timed("time/generation"), sampler.awake():
             rollout = multi_turn_rollout(
                 policy_turn, tokenizer, prompts, G, args.response_length, args.max_turns, sampler.stop_ids, tools
